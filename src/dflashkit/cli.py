@@ -1,0 +1,176 @@
+"""Command line: `dflashkit COMMAND [-c run.yaml] [POSITIONAL ...] [key.path=value ...]`.
+
+Usage:
+    dflashkit probe path/to/model --json
+    dflashkit train -c run.yaml train.lr=3e-4
+    dflashkit run -c configs/smollm2-135m.yaml --from train
+    python -m dflashkit doctor
+
+Every command logs to stderr and prints one JSON object as its last stdout line. Exit codes:
+0 ok, 1 failure, 2 usage/config error, 3 missing upstream artifact (the message names the command).
+Each command is `dflashkit.stages.<module>.run(cfg, rd, ctx) -> dict`; tests call `main([...])`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflashkit import __version__
+from dflashkit.errors import EXIT_FAILURE, EXIT_USAGE, DflashkitError, NotImplementedStage, UsageError
+
+log = logging.getLogger("dflashkit")
+
+# command -> (module under dflashkit.stages, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "probe": ("probe", "Read a target's config + tokenizer files; write the drafter contract."),
+    "doctor": ("doctor", "Check the environment: packages, devices, configured endpoints."),
+    "plan": ("plan", "Estimate disk, memory and time for a probed target and a data size."),
+    "prepare": ("prepare", "Read, normalise, dedupe, mix and split prompt sources."),
+    "generate": ("generate", "Regenerate assistant turns with the target via an OpenAI-compatible server."),
+    "serve": ("serve", "OpenAI-compatible HTTP server over a local HF model (optionally with a drafter)."),
+    "tokenize": ("tokenize", "Render with the target's chat template; build input_ids + loss masks."),
+    "capture": ("capture", "Cache target features at target_layer_ids into safetensors shards."),
+    "train": ("train", "Train the drafter (one process, or under torchrun)."),
+    "eval": ("evaluate", "Lossless speculative decoding: tau, per-position acceptance, speedup."),
+    "export": ("export", "Write the z-lab checkpoint dir that SGLang/vLLM load; reload and compare."),
+    "import": ("import_", "Import an existing z-lab drafter dir to continue training or to evaluate."),
+    "bench": ("bench", "Benchmarks: generate | tokenize | train | decode | serve endpoints."),
+    "run": ("pipeline", "Run every stage from one YAML, skipping those that are up to date."),
+    "report": ("report", "One self-contained HTML page (+ PNGs) from a run directory."),
+}
+
+
+@dataclass
+class StageContext:
+    """What a stage gets besides the config: positionals and the common flags."""
+
+    command: str
+    positionals: list[str] = field(default_factory=list)
+    config_path: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    dry_run: bool = False
+    json: bool = False
+    from_stage: str | None = None
+    to_stage: str | None = None
+    force: list[str] = field(default_factory=list)
+    nproc_per_node: int | None = None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dflashkit",
+        description="Train and prove DFlash block-diffusion speculative-decoding drafters.",
+        epilog="Exit codes: 0 ok, 1 failure, 2 usage/config error, 3 missing upstream artifact.",
+    )
+    parser.add_argument("--version", action="version", version=f"dflashkit {__version__}")
+    subs = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sp = subs.add_parser(name, help=help_text, description=help_text)
+        sp.add_argument("-c", "--config", help="run YAML (default: built-in defaults)")
+        sp.add_argument("args", nargs="*", metavar="ARG",
+                        help="positionals for the command, and dotted key=value config overrides")
+        sp.add_argument("--run-dir", help="shortcut for run.run_dir=...")
+        sp.add_argument("--dry-run", action="store_true", help="print what would run; change nothing")
+        sp.add_argument("--json", action="store_true", help="print the full result as JSON (no table)")
+        sp.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+        if name == "run":
+            sp.add_argument("--from", dest="from_stage", help="first stage to run")
+            sp.add_argument("--to", dest="to_stage", help="last stage to run")
+            sp.add_argument("--force", action="append", default=[], metavar="STAGE",
+                            help="re-run STAGE even if up to date (repeatable; 'all' for every stage)")
+        if name == "train":
+            sp.add_argument("--nproc-per-node", type=int,
+                            help="re-launch under torchrun with this many processes")
+    return parser
+
+
+def _setup_logging(level: str) -> None:
+    root = logging.getLogger("dflashkit")
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+        root.addHandler(handler)
+    root.setLevel(level.upper())
+    root.propagate = False
+
+
+def _emit(result: dict[str, Any]) -> None:
+    sys.stdout.flush()
+    print(json.dumps(result, default=str), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        ns = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help is 0, bad usage is 2
+        return int(e.code or 0)
+    if ns.command is None:
+        parser.print_help(sys.stderr)
+        _emit({"ok": False, "exit_code": EXIT_USAGE, "error": "no command given"})
+        return EXIT_USAGE
+
+    positionals = [a for a in ns.args if "=" not in a]
+    overrides = [a for a in ns.args if "=" in a]
+    if ns.run_dir:
+        overrides.append(f"run.run_dir={ns.run_dir}")
+    ctx = StageContext(
+        command=ns.command, positionals=positionals, config_path=ns.config, overrides=overrides,
+        dry_run=ns.dry_run, json=ns.json, from_stage=getattr(ns, "from_stage", None),
+        to_stage=getattr(ns, "to_stage", None), force=getattr(ns, "force", []) or [],
+        nproc_per_node=getattr(ns, "nproc_per_node", None),
+    )
+    started = time.time()
+    try:
+        from dflashkit.config import load_config
+        from dflashkit.rundir import RunDir
+
+        cfg = load_config(ns.config, overrides)
+        _setup_logging(ns.log_level or cfg.run.log_level)
+        module_name, _ = COMMANDS[ns.command]
+        try:
+            module = importlib.import_module(f"dflashkit.stages.{module_name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"dflashkit.stages.{module_name}":
+                raise NotImplementedStage(f"`dflashkit {ns.command}` is not implemented yet") from None
+            raise
+        result = module.run(cfg, RunDir(cfg.run.run_dir), ctx) or {}
+        out = {"command": ns.command, "ok": True, **result, "wall_time_s": round(time.time() - started, 3)}
+        _emit(out)
+        return 0
+    except DflashkitError as e:
+        _setup_logging("info")
+        log.error("%s", e)
+        _emit({"command": ns.command, "ok": False, "exit_code": e.exit_code, "error": e.message,
+               "hint": e.hint})
+        return e.exit_code
+    except KeyboardInterrupt:
+        log.error("interrupted; completed work is kept, re-run the same command to resume")
+        _emit({"command": ns.command, "ok": False, "exit_code": 130, "error": "interrupted"})
+        return 130
+    except Exception as e:  # noqa: BLE001 - last resort: a one-line error plus the traceback at debug
+        _setup_logging("info")
+        log.error("%s failed: %s: %s", ns.command, type(e).__name__, e)
+        log.debug("traceback", exc_info=True)
+        if log.isEnabledFor(logging.DEBUG) is False:
+            log.error("re-run with --log-level debug for the traceback")
+        _emit({"command": ns.command, "ok": False, "exit_code": EXIT_FAILURE,
+               "error": f"{type(e).__name__}: {e}"})
+        return EXIT_FAILURE
+
+
+def require_positional(ctx: StageContext, what: str, fallback: str | None = None) -> str:
+    """The first positional, else `fallback` (usually a config key's value), else a usage error."""
+    if ctx.positionals:
+        return ctx.positionals[0]
+    if fallback:
+        return fallback
+    raise UsageError(f"`dflashkit {ctx.command}` needs {what}",
+                     hint=f"dflashkit {ctx.command} {what.upper().replace(' ', '_')} or set it in -c run.yaml")

@@ -1,0 +1,489 @@
+"""The whole run schema: one typed section per stage, a strict YAML loader, dotted overrides.
+
+Usage:
+    cfg = load_config("run.yaml", ["train.lr=3e-4", "drafter.block_size=8"])
+    cfg.train.lr                       # 0.0003
+    dump_config(cfg)                   # resolved YAML text (written to <run_dir>/config.resolved.yaml)
+
+Rules: dataclass defaults < YAML < overrides. Unknown keys are errors with a "did you mean";
+all problems are reported at once, each naming its dotted key. Fields left `null` that can be
+derived (layer ids, mask id, draft dims) are filled by the `probe` contract, never here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+from dflashkit.errors import ConfigError, UsageError
+
+
+def f(default: Any, help: str) -> Any:  # noqa: A002 - "help" reads best in the schema
+    """A field with a default and a one-line help text (docs/config.md is built from these)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: json.loads(json.dumps(d)), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def sub(cls: type, help: str) -> Any:  # noqa: A002
+    return field(default_factory=cls, metadata={"help": help})
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class RunSection:
+    name: str = f("dflash", "Run name, used in reports and exported model cards.")
+    run_dir: str = f("runs/dflash", "Directory holding every stage's outputs and manifests.")
+    seed: int = f(0, "Global seed (sampling, anchors, data order, init).")
+    log_level: Literal["debug", "info", "warning", "error"] = f("info", "Logging level (stderr).")
+
+
+@dataclass(kw_only=True)
+class TargetSection:
+    path: str = f("", "Target model: a HF model dir (safetensors), a .gguf file, or an asset name "
+                  "such as `smollm2-135m-instruct` (fetched into the cache).")
+    gguf_file: str | None = f(None, "GGUF file name inside `path` when `path` is a directory.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = f(
+        "auto", "Target dtype; auto = bfloat16 on CUDA, float32 on CPU.")
+    device: str = f("auto", "auto | cpu | cuda | cuda:N.")
+    trust_remote_code: bool = f(False, "Allow the model dir's own Python code (off unless you ask).")
+    tokenizer: str | None = f(None, "Tokenizer dir if it differs from the model dir.")
+    chat_template: str | None = f(None, "Path to a Jinja chat template overriding the tokenizer's.")
+
+
+@dataclass(kw_only=True)
+class DrafterSection:
+    block_size: int = f(16, "Block size B (anchor + B-1 masked positions).")
+    num_draft_layers: int = f(5, "Number of draft decoder layers.")
+    num_target_features: int | None = f(
+        None, "How many target layers feed the drafter; null = num_draft_layers.")
+    target_layer_ids: list[int] | None = f(
+        None, "0-based target decoder layers whose outputs feed the drafter (HF hidden_states[id+1]); "
+        "null = the reference formula.")
+    mask_token_id: int | None = f(None, "Mask token id inside the target embedding; null = choose an "
+                                  "unused/reserved row (never resizes).")
+    hidden_size: int | None = f(None, "Must equal the target hidden size; null = the target's.")
+    num_attention_heads: int | None = f(None, "null = the target's (MLA targets: derived).")
+    num_key_value_heads: int | None = f(None, "null = the target's.")
+    head_dim: int | None = f(None, "null = the target's.")
+    intermediate_size: int | None = f(None, "null = the target's (dense MLP size).")
+    rms_norm_eps: float | None = f(None, "null = the target's.")
+    init: Literal["random", "target"] = f("random", "Initialise draft layers randomly or from target "
+                                          "layers (when the shapes allow).")
+    init_layer_ids: list[int] | None = f(None, "Target layers to copy when init=target; null = the last "
+                                         "num_draft_layers layers.")
+    attention: Literal["sdpa", "flex"] = f("sdpa", "sdpa (dense mask; CPU and GPU) or flex (GPU).")
+
+
+@dataclass(kw_only=True)
+class SourceSection:
+    path: str = f("", "File or dir: .json/.jsonl(.gz)/.parquet, a HF datasets dir, or an asset name "
+                  "(`sharegpt`, `humaneval`).")
+    format: Literal["auto", "sharegpt", "messages", "alpaca", "prompt", "humaneval"] = f(
+        "auto", "Record format; auto detects per record.")
+    weight: float = f(1.0, "Relative weight when mixing sources.")
+    max_records: int | None = f(None, "Read at most this many records from this source.")
+    name: str | None = f(None, "Name in reports; default = file stem.")
+
+
+@dataclass(kw_only=True)
+class DataSection:
+    sources: list[SourceSection] = f([], "Prompt sources (see SourceSection keys).")
+    num_prompts: int | None = f(None, "Total prompts after mixing; null = all.")
+    heldout: int = f(32, "Prompts held out for eval (taken before training data).")
+    max_prompt_chars: int = f(16000, "Drop conversations whose user text is longer.")
+    max_turns: int = f(8, "Keep at most this many user turns per conversation.")
+    dedupe: bool = f(True, "Drop conversations with the same content hash.")
+    on_malformed: Literal["skip", "fail"] = f("skip", "Malformed input line: skip and count, or fail.")
+
+
+@dataclass(kw_only=True)
+class ServerSection:
+    urls: list[str] = f([], "OpenAI-compatible base URLs (…/v1). Empty = start `dflashkit serve` on "
+                        "127.0.0.1 for target.path.")
+    model: str | None = f(None, "Model name sent to the server; null = the first of /v1/models.")
+    api_key_env: str = f("OPENAI_API_KEY", "Environment variable holding the API key (never logged).")
+    timeout_s: float = f(600.0, "Per-request timeout.")
+
+
+@dataclass(kw_only=True)
+class GenerateSection:
+    concurrency: int = f(32, "Requests in flight.")
+    max_retries: int = f(5, "Retries on 429/5xx/timeouts/connection errors.")
+    backoff_s: float = f(0.5, "Initial backoff (exponential, with jitter).")
+    temperature: float = f(0.0, "Sampling temperature (0 = greedy; match how you will serve).")
+    top_p: float = f(1.0, "Nucleus sampling.")
+    max_tokens: int = f(1024, "Max new tokens per assistant turn.")
+    seed: int | None = f(None, "Per-request seed (null = run.seed).")
+    stop: list[str] = f([], "Extra stop strings.")
+    chat_template_kwargs: dict[str, Any] = f({}, "Passed to the server's chat template, e.g. "
+                                            "{enable_thinking: false}.")
+    reasoning: Literal["keep", "drop"] = f("keep", "Keep `reasoning_content` as a <think> block in the "
+                                           "answer, or drop it.")
+    on_length: Literal["keep", "drop", "flag"] = f("keep", "Turns cut by max_tokens: keep, drop the "
+                                                   "conversation, or keep and flag.")
+    shard_size: int = f(1000, "Records per output shard.")
+
+
+@dataclass(kw_only=True)
+class TokenizeSection:
+    max_length: int = f(2048, "Truncate rendered conversations to this many tokens.")
+    min_supervised: int | None = f(None, "Drop samples with fewer supervised tokens; null = 2·block_size.")
+    system_prompt: Literal["keep", "drop"] = f("keep", "Keep or drop system turns from the source.")
+    thinking: Literal["keep", "mask", "strip"] = f(
+        "keep", "Think blocks in answers: train on them, exclude them from the loss, or remove them.")
+    chat_template_kwargs: dict[str, Any] = f({}, "Passed to apply_chat_template (e.g. enable_thinking).")
+    shard_size: int = f(2000, "Samples per Parquet shard.")
+
+
+@dataclass(kw_only=True)
+class CaptureSection:
+    dtype: Literal["bfloat16", "float16", "float32"] = f("bfloat16", "Stored feature dtype.")
+    batch_size: int = f(4, "Sequences per target forward.")
+    max_disk_fraction: float = f(0.9, "Refuse if the features need more than this share of free disk.")
+
+
+@dataclass(kw_only=True)
+class ParallelSection:
+    mode: Literal["auto", "none", "ddp", "fsdp"] = f("auto", "Drafter parallelism under torchrun.")
+    target: Literal["replicate", "shard"] = f("replicate", "Target weights: a copy per rank, or sharded "
+                                             "across ranks (targets larger than one GPU).")
+    backend: Literal["auto", "nccl", "gloo"] = f("auto", "torch.distributed backend.")
+
+
+@dataclass(kw_only=True)
+class TrainSection:
+    features: Literal["online", "cached"] = f("online", "Target features computed in the loop, or read "
+                                             "from `capture` shards.")
+    epochs: float = f(1.0, "Passes over the training data (ignored if max_steps is set).")
+    max_steps: int | None = f(None, "Optimizer steps; overrides epochs.")
+    batch_size: int = f(4, "Sequences per micro-batch (per rank).")
+    grad_accum: int = f(1, "Micro-batches per optimizer step.")
+    lr: float = f(6e-4, "Peak learning rate (AdamW).")
+    min_lr_ratio: float = f(0.0, "Final lr as a fraction of lr (cosine).")
+    warmup_ratio: float = f(0.04, "Linear warmup as a fraction of steps.")
+    weight_decay: float = f(0.0, "AdamW weight decay.")
+    betas: list[float] = f([0.9, 0.95], "AdamW betas.")
+    grad_clip: float = f(1.0, "Max grad norm (0 = off).")
+    num_anchors: int = f(512, "Max anchors (blocks) per sequence.")
+    gamma: float | None = f(None, "Loss decay over block positions; null = 7 for B=16, 5 for B=10, 4 for "
+                            "B=8, else B/2.")
+    loss: Literal["ce", "kl", "ce+kl"] = f("ce", "Hard CE on the data, KL to target logits, or both.")
+    kl_weight: float = f(1.0, "Weight of the KL term in ce+kl.")
+    loss_chunk_blocks: int = f(64, "Blocks per loss chunk (bounds the [blocks·B, vocab] logits).")
+    dtype: Literal["auto", "float32", "bfloat16"] = f("auto", "Autocast dtype; auto = bf16 on CUDA.")
+    eval_every: int = f(50, "Held-out simulated-τ evaluation every N steps (0 = only at the end).")
+    save_every: int = f(100, "Checkpoint every N steps (and at the end).")
+    log_every: int = f(10, "Log metrics every N steps.")
+    heldout_samples: int = f(16, "Tokenized samples kept for held-out simulated τ.")
+    compile: bool = f(False, "torch.compile the drafter.")
+    tensorboard: bool = f(False, "Write TensorBoard logs (needs the tensorboard extra).")
+    wandb: bool = f(False, "Log to Weights & Biases (needs the wandb extra).")
+    parallel: ParallelSection = sub(ParallelSection, "Distributed settings (torchrun).")
+
+
+@dataclass(kw_only=True)
+class EvalSection:
+    prompts: str | None = f(None, "Prompt file (JSONL, any `prepare` format); null = prepare's held-out split.")
+    num_prompts: int = f(16, "Prompts to decode.")
+    max_new_tokens: int = f(128, "Tokens per prompt.")
+    block_sizes: list[int] = f([], "Inference block sizes to measure; empty = drafter.block_size.")
+    temperature: float = f(0.0, "0 = greedy (output must equal the baseline token for token).")
+    top_p: float = f(1.0, "Nucleus sampling.")
+    top_k: int = f(0, "Top-k sampling (0 = off).")
+    max_context: int | None = f(None, "Refuse prompts longer than this; null = the target's context.")
+    warmup: int = f(1, "Prompts decoded first and not timed.")
+
+
+@dataclass(kw_only=True)
+class ExportSection:
+    out_dir: str | None = f(None, "Output dir; null = <run_dir>/export.")
+    dtype: Literal["bfloat16", "float16", "float32"] = f("bfloat16", "Stored weight dtype.")
+    check_atol: float = f(2e-2, "Max logits difference allowed by the reload check.")
+
+
+@dataclass(kw_only=True)
+class ServeSection:
+    host: str = f("127.0.0.1", "Bind address.")
+    port: int = f(8000, "Port (0 = any free port).")
+    max_batch: int = f(8, "Requests decoded together.")
+    drafter: str | None = f(None, "Exported drafter dir: decode with DFlash speculation.")
+    model_name: str | None = f(None, "Name reported by /v1/models; null = the dir name.")
+
+
+@dataclass(kw_only=True)
+class BenchSection:
+    urls: list[str] = f([], "Endpoints to compare (e.g. without and with speculation).")
+    concurrency: list[int] = f([1, 2, 4, 8], "Concurrency sweep.")
+    requests: int = f(32, "Requests per concurrency level.")
+    max_tokens: int = f(128, "Tokens per request.")
+    warmup: int = f(2, "Requests sent first and not timed.")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    run: RunSection = sub(RunSection, "Run identity and directory.")
+    target: TargetSection = sub(TargetSection, "The target model.")
+    drafter: DrafterSection = sub(DrafterSection, "The drafter contract and architecture.")
+    data: DataSection = sub(DataSection, "Prompt sources for `prepare`.")
+    server: ServerSection = sub(ServerSection, "OpenAI-compatible server(s) for `generate`.")
+    generate: GenerateSection = sub(GenerateSection, "Answer regeneration by the target.")
+    tokenize: TokenizeSection = sub(TokenizeSection, "Chat-template rendering and loss masks.")
+    capture: CaptureSection = sub(CaptureSection, "Offline target-feature shards.")
+    train: TrainSection = sub(TrainSection, "Drafter training.")
+    eval: EvalSection = sub(EvalSection, "Speculative-decoding evaluation.")
+    export: ExportSection = sub(ExportSection, "z-lab format export.")
+    serve: ServeSection = sub(ServeSection, "`dflashkit serve`.")
+    bench: BenchSection = sub(BenchSection, "`dflashkit bench`.")
+
+
+# --------------------------------------------------------------------------------------------
+# Strict build
+# --------------------------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if origin is not None:
+        return getattr(origin, "__name__", str(origin)) + "[" + ", ".join(_type_name(a) for a in get_args(tp)) + "]"
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
+    """Return `value` converted to `tp`, or append a problem naming `key`."""
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            problems.append(f"{key}: expected a mapping, got {type(value).__name__}")
+            return None
+        return _build(tp, value, key, problems)
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        trial: list[str] = []
+        for arg in non_none:
+            trial = []
+            out = _coerce(value, arg, key, trial)
+            if not trial:
+                return out
+        problems.append(trial[0] if len(non_none) == 1 else f"{key}: expected {_type_name(tp)}, got {value!r}")
+        return None
+    if origin is Literal:
+        choices = get_args(tp)
+        if value in choices:
+            return value
+        hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        problems.append(f"{key}: {value!r} is not one of {list(choices)}"
+                        + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+        return None
+    if origin is list:
+        if not isinstance(value, list):
+            problems.append(f"{key}: expected a list, got {value!r}")
+            return None
+        (item_tp,) = get_args(tp)
+        return [_coerce(v, item_tp, f"{key}[{i}]", problems) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            problems.append(f"{key}: expected a mapping, got {value!r}")
+            return None
+        return dict(value)
+    if tp is Any:
+        return value
+    if value is None:
+        problems.append(f"{key}: must not be null (expected {_type_name(tp)})")
+        return None
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    problems.append(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    return None
+
+
+def _build(cls: type, data: dict, prefix: str, problems: list[str]) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [fl.name for fl in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+            problems.append(f"{dotted}: unknown key" + (f" (did you mean {prefix + '.' if prefix else ''}"
+                                                        f"{close[0]}?)" if close else
+                                                        f"; valid keys: {', '.join(names)}"))
+            continue
+        kwargs[key] = _coerce(value, hints[key], dotted, problems)
+    if problems:
+        # Still build so later checks can run; invalid values are replaced by defaults.
+        kwargs = {k: v for k, v in kwargs.items() if v is not None or _allows_none(hints[k])}
+    return cls(**kwargs)
+
+
+def _allows_none(tp: Any) -> bool:
+    return get_origin(tp) in (typing.Union, types.UnionType) and type(None) in get_args(tp)
+
+
+def _validate(cfg: RunConfig) -> list[str]:
+    """Cross-field checks; each message names its dotted key."""
+    p: list[str] = []
+    d, t = cfg.drafter, cfg.train
+    if d.block_size < 1:
+        p.append(f"drafter.block_size: must be >= 1, got {d.block_size}")
+    if d.num_draft_layers < 1:
+        p.append(f"drafter.num_draft_layers: must be >= 1, got {d.num_draft_layers}")
+    if d.target_layer_ids is not None and len(d.target_layer_ids) == 0:
+        p.append("drafter.target_layer_ids: must not be empty (use null for the default)")
+    if d.mask_token_id is not None and d.mask_token_id < 0:
+        p.append(f"drafter.mask_token_id: must be >= 0, got {d.mask_token_id}")
+    for name in ("lr", "batch_size", "grad_accum", "num_anchors", "loss_chunk_blocks"):
+        if getattr(t, name) <= 0:
+            p.append(f"train.{name}: must be > 0, got {getattr(t, name)}")
+    if not 0 <= t.warmup_ratio < 1:
+        p.append(f"train.warmup_ratio: must be in [0, 1), got {t.warmup_ratio}")
+    if t.max_steps is not None and t.max_steps <= 0:
+        p.append(f"train.max_steps: must be > 0, got {t.max_steps}")
+    if len(t.betas) != 2:
+        p.append(f"train.betas: expected two numbers, got {t.betas}")
+    if cfg.generate.concurrency < 1:
+        p.append(f"generate.concurrency: must be >= 1, got {cfg.generate.concurrency}")
+    if cfg.generate.temperature < 0:
+        p.append(f"generate.temperature: must be >= 0, got {cfg.generate.temperature}")
+    if cfg.eval.temperature < 0:
+        p.append(f"eval.temperature: must be >= 0, got {cfg.eval.temperature}")
+    if not 0 < cfg.eval.top_p <= 1:
+        p.append(f"eval.top_p: must be in (0, 1], got {cfg.eval.top_p}")
+    for i, b in enumerate(cfg.eval.block_sizes):
+        if b < 1:
+            p.append(f"eval.block_sizes[{i}]: must be >= 1, got {b}")
+    if cfg.tokenize.max_length < 8:
+        p.append(f"tokenize.max_length: must be >= 8, got {cfg.tokenize.max_length}")
+    for i, s in enumerate(cfg.data.sources):
+        if not s.path:
+            p.append(f"data.sources[{i}].path: required")
+        if s.weight <= 0:
+            p.append(f"data.sources[{i}].weight: must be > 0, got {s.weight}")
+    return p
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=value` → ("a.b", yaml-parsed value)."""
+    if "=" not in text:
+        raise UsageError(f"override {text!r} is not key=value", hint="e.g. train.lr=3e-4")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def _set_dotted(data: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for part in parts[:-1]:
+        nxt = node.get(part)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            node[part] = nxt
+        node = nxt
+    node[parts[-1]] = value
+
+
+def config_from_dict(data: dict, overrides: list[str] | None = None, *, source: str = "<dict>") -> RunConfig:
+    """Build and validate a RunConfig; raises ConfigError listing every problem."""
+    data = json.loads(json.dumps(data or {}, default=str))
+    for ov in overrides or []:
+        key, value = parse_override(ov)
+        _set_dotted(data, key, value)
+    problems: list[str] = []
+    cfg = _build(RunConfig, data, "", problems)
+    if not problems:
+        problems = _validate(cfg)
+    if problems:
+        raise ConfigError(problems, hint=f"fix {source} or the key=value overrides; `docs/config.md` "
+                          "lists every key")
+    return cfg
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Read YAML (or start from defaults when `path` is None) and apply dotted overrides."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise UsageError(f"config file not found: {p}", hint="pass -c path/to/run.yaml")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark else str(p)
+            raise UsageError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+        if not isinstance(data, dict):
+            raise UsageError(f"{p}: top level must be a mapping of sections, got {type(data).__name__}")
+    return config_from_dict(data, overrides, source=str(path) if path else "the overrides")
+
+
+def config_to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+def section_hash(*sections: Any) -> str:
+    """Stable hash of config sections (manifests use it to decide whether a stage is up to date)."""
+    blob = json.dumps([dataclasses.asdict(s) if dataclasses.is_dataclass(s) else s for s in sections],
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def iter_fields(cls: type = RunConfig, prefix: str = ""):
+    """Yield (dotted key, type name, default, help) for every leaf field (docs/config.md)."""
+    hints = typing.get_type_hints(cls)
+    for fl in dataclasses.fields(cls):
+        key = f"{prefix}.{fl.name}" if prefix else fl.name
+        tp = hints[fl.name]
+        if dataclasses.is_dataclass(tp):
+            yield from iter_fields(tp, key)
+            continue
+        if get_origin(tp) is list and dataclasses.is_dataclass(get_args(tp)[0]):
+            yield key, "list", [], fl.metadata.get("help", "")
+            yield from iter_fields(get_args(tp)[0], key + "[]")
+            continue
+        default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()  # type: ignore[misc]
+        yield key, _type_name(tp), default, fl.metadata.get("help", "")

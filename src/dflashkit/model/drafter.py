@@ -1,0 +1,185 @@
+"""The DFlash draft network (dflash-spec §1): single-device, no loss, no loop.
+
+Usage:
+    model = DFlashDraftModel(contract)                       # random init
+    h = model(noise_embedding, target_hidden, position_ids)  # [b, q, H]
+    logits = lm_head(h)                                      # the *target's* frozen head
+
+Structure (parameter names = the z-lab checkpoint, §2.2): `fc` (n_feat·H → H) + `hidden_norm`
+fuse the target features once per forward into a context `c`; each of `layers.{i}` is a Qwen3
+decoder layer whose keys/values are `[k_proj(c); k_proj(x)]` / `[v_proj(c); v_proj(x)]` while the
+queries come from the block `x` only; final `norm`. No embedding and no LM head of its own.
+
+Attention: pass `attention_mask` as a dense bool tensor `[b|1, 1, q, kv]` (SDPA, any device), a
+flex `BlockMask` (flex_attention, GPU training), or None (everything visible: inference).
+Inference keeps only *context* K/V in a `DraftKVCache`; block K/V are never stored (§4.3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+from dflashkit.model.drafter_config import DrafterContract
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [b, heads, t, d]; cos/sin: [b, t, d] (neox layout, as Qwen3/Llama)."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+@dataclass
+class DraftKVCache:
+    """Per-layer context keys/values ([b, kv_heads, t, d], RoPE applied). Only committed context."""
+
+    keys: list[torch.Tensor | None] = field(default_factory=list)
+    values: list[torch.Tensor | None] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[-2]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        while len(self.keys) <= layer:
+            self.keys.append(None)
+            self.values.append(None)
+        if self.keys[layer] is None:
+            self.keys[layer], self.values[layer] = k, v
+        else:
+            self.keys[layer] = torch.cat([self.keys[layer], k], dim=-2)
+            self.values[layer] = torch.cat([self.values[layer], v], dim=-2)
+        return self.keys[layer], self.values[layer]
+
+    def crop(self, length: int) -> None:
+        self.keys = [None if k is None else k[..., :length, :] for k in self.keys]
+        self.values = [None if v is None else v[..., :length, :] for v in self.values]
+
+
+def hf_config(contract: DrafterContract) -> Qwen3Config:
+    cfg = contract.to_hf_config(dtype="float32")
+    for k in ("architectures", "auto_map", "dflash_config", "block_size", "num_target_layers", "dtype"):
+        cfg.pop(k, None)
+    if cfg.get("rope_scaling") is None:
+        cfg.pop("rope_scaling")
+    return Qwen3Config(**cfg)
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        bias = bool(config.attention_bias)
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=bias)
+        self.q_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+
+    def context_kv(self, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of context features c [b, t, H] → [b, kv, t, d] each (keys normed + RoPE)."""
+        b, t, _ = c.shape
+        k = self.k_norm(self.k_proj(c).view(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(c).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, attention_mask) -> torch.Tensor:
+        b, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        bk, bv = self.context_kv(x, cos, sin)  # the block's own keys/values, same projections
+        k = torch.cat([ctx_k, bk], dim=-2)
+        v = torch.cat([ctx_v, bv], dim=-2)
+        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+            from torch.nn.attention.flex_attention import flex_attention
+
+            out = flex_attention(q, k, v, block_mask=attention_mask, enable_gqa=self.n_heads != self.n_kv)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask,
+                                                 enable_gqa=self.n_heads != self.n_kv)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.self_attn = DFlashAttention(config)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x, ctx_k, ctx_v, cos, sin, attention_mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, attention_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraftModel(nn.Module):
+    """DFlash drafter; `state_dict()` keys are exactly the z-lab checkpoint's."""
+
+    def __init__(self, contract: DrafterContract):
+        super().__init__()
+        contract.check()
+        self.contract = contract
+        self.config = hf_config(contract)
+        self.block_size = contract.block_size
+        self.mask_token_id = contract.mask_token_id
+        self.target_layer_ids = list(contract.target_layer_ids)
+        h = contract.hidden_size
+        self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(h, eps=contract.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(self.config) for _ in range(contract.num_draft_layers))
+        self.norm = Qwen3RMSNorm(h, eps=contract.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(self.config)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, Qwen3RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def fuse(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """[b, t, n_feat·H] target features → context c [b, t, H]."""
+        return self.hidden_norm(self.fc(target_hidden))
+
+    def forward(self, noise_embedding: torch.Tensor, target_hidden: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask=None, cache: DraftKVCache | None = None) -> torch.Tensor:
+        """One draft pass.
+
+        Args:
+            noise_embedding: [b, q, H] target embeddings of the block tokens ([x, MASK, ...]).
+            target_hidden: [b, t, n_feat·H] features of context tokens not yet in `cache`.
+            position_ids: [b, t + q] absolute positions of those context tokens then the block.
+            attention_mask: None, a bool [b|1, 1, q, cache_len + t + q] tensor, or a flex BlockMask.
+            cache: context K/V of earlier tokens; the new context K/V are appended to it.
+        Returns:
+            [b, q, H] normed hidden states; apply the target lm_head for logits.
+        """
+        t = target_hidden.shape[1]
+        c = self.fuse(target_hidden) if t else noise_embedding.new_zeros(noise_embedding.shape[0], 0,
+                                                                          noise_embedding.shape[-1])
+        cos, sin = self.rotary_emb(noise_embedding, position_ids)
+        cos, sin = cos.to(noise_embedding.dtype), sin.to(noise_embedding.dtype)
+        ctx_cos, ctx_sin, q_cos, q_sin = cos[:, :t], sin[:, :t], cos[:, t:], sin[:, t:]
+        x = noise_embedding
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.context_kv(c, ctx_cos, ctx_sin)
+            if cache is not None:
+                k, v = cache.append(i, k, v)
+            x = layer(x, k, v, q_cos, q_sin, attention_mask)
+        return self.norm(x)

@@ -1,0 +1,189 @@
+"""The drafter contract: the facts every stage agrees on, and the z-lab `config.json` built from it.
+
+Usage:
+    ids = build_target_layer_ids(36, 5)          # [1, 9, 17, 25, 33]
+    contract = DrafterContract.load(rd.contract_path)
+    hf_config = contract.to_hf_config()          # dict for config.json (z-lab format)
+
+Convention (dflash-spec §1.7, §2.3): `target_layer_ids` are 0-based decoder-layer indices; the
+feature of layer `id` is the *output* of that decoder layer, i.e. HF `hidden_states[id + 1]`
+(`hidden_states[0]` is the embedding output). Concatenation order = order of the ids.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from dflashkit.errors import UsageError
+
+
+def build_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """The reference formula: spread `num_features` ids over layers 1..L-3.
+
+    Python's `round` (half to even) is part of the contract: (62, 5) → [1, 16, 30, 44, 59].
+    """
+    if num_features < 1:
+        raise UsageError(f"number of target features must be >= 1, got {num_features}")
+    if num_features == 1:
+        return [num_target_layers // 2]
+    if num_target_layers < 4:
+        raise UsageError(f"the target has {num_target_layers} layers; DFlash needs >= 4 to pick "
+                         "features by the reference formula",
+                         hint="set drafter.target_layer_ids explicitly")
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + i * span / (num_features - 1))) for i in range(num_features)]
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay γ: 7 for B=16, 5 for B=10, 4 for B=8 (dflash-spec §3.4), else B/2 (min 1)."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2))
+
+
+@dataclass
+class DrafterContract:
+    """Everything later stages need about the target and the drafter. Written by `probe`."""
+
+    block_size: int
+    num_draft_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    num_target_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    target_model_type: str = ""
+    target_architecture: str = ""
+    mask_token_reason: str = ""
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    def check(self) -> None:
+        """Internal consistency; raises UsageError naming the field."""
+        problems = []
+        if self.hidden_size % 1 or self.hidden_size <= 0:
+            problems.append(f"hidden_size must be > 0, got {self.hidden_size}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            problems.append(f"mask_token_id {self.mask_token_id} is outside the target vocab [0, {self.vocab_size})")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            problems.append(f"target_layer_ids {bad} are outside the target's layers [0, {self.num_target_layers})")
+        if self.num_attention_heads % max(1, self.num_key_value_heads):
+            problems.append(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                            f"num_key_value_heads {self.num_key_value_heads}")
+        if self.block_size < 1:
+            problems.append(f"block_size must be >= 1, got {self.block_size}")
+        if problems:
+            raise UsageError("invalid drafter contract: " + "; ".join(problems))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "DrafterContract":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    @classmethod
+    def load(cls, path: str | Path) -> "DrafterContract":
+        from dflashkit.errors import MissingArtifactError
+
+        p = Path(path)
+        if not p.is_file():
+            raise MissingArtifactError("drafter contract", p, run="dflashkit probe -c run.yaml")
+        try:
+            return cls.from_dict(json.loads(p.read_text()))
+        except (json.JSONDecodeError, TypeError) as e:
+            raise UsageError(f"{p}: not a valid drafter contract ({e})",
+                             hint="re-run `dflashkit probe -c run.yaml`") from None
+
+    def to_hf_config(self, *, dtype: str = "bfloat16") -> dict[str, Any]:
+        """The z-lab `config.json` (dflash-spec §2.1): a Qwen3 config plus DFlash keys."""
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_draft_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "layer_types": ["full_attention"] * self.num_draft_layers,
+            "sliding_window": None,
+            "use_sliding_window": False,
+            "tie_word_embeddings": False,
+            "initializer_range": 0.02,
+            "dtype": dtype,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {
+                "block_size": self.block_size,
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+                "num_target_layers": self.num_target_layers,
+            },
+        }
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], *, source: str = "config.json") -> "DrafterContract":
+        """Read a z-lab drafter `config.json` (import of an existing checkpoint)."""
+        dc = cfg.get("dflash_config")
+        if not isinstance(dc, dict):
+            raise UsageError(f"{source}: no `dflash_config` — not a z-lab DFlash drafter config",
+                             hint="export with `dflashkit export`, or add dflash_config "
+                             "{mask_token_id, target_layer_ids}")
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads") if k not in cfg]
+        if "mask_token_id" not in dc:
+            missing.append("dflash_config.mask_token_id")
+        if missing:
+            raise UsageError(f"{source}: missing keys {missing}")
+        num_layers = int(cfg["num_hidden_layers"])
+        n_target = int(dc.get("num_target_layers", cfg.get("num_target_layers", 0)) or 0)
+        ids = dc.get("target_layer_ids") or build_target_layer_ids(n_target, num_layers)
+        heads = int(cfg["num_attention_heads"])
+        return cls(
+            block_size=int(dc.get("block_size", cfg.get("block_size", 16))),
+            num_draft_layers=num_layers,
+            target_layer_ids=[int(i) for i in ids],
+            mask_token_id=int(dc["mask_token_id"]),
+            num_target_layers=n_target or (max(ids) + 3),
+            hidden_size=int(cfg["hidden_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            intermediate_size=int(cfg.get("intermediate_size", 4 * cfg["hidden_size"])),
+            vocab_size=int(cfg.get("vocab_size", 0)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4))),
+            rope_scaling=cfg.get("rope_scaling"),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+        )

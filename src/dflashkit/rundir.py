@@ -1,0 +1,152 @@
+"""The run-directory contract: where each stage writes, manifests, atomic writes.
+
+Usage:
+    rd = RunDir(cfg.run.run_dir)
+    rd.contract_path            # <run_dir>/contract.json (written by probe, read by everyone)
+    atomic_write_json(rd.contract_path, {...})
+    write_manifest(rd.stage_dir("tokenize"), stage="tokenize", inputs=[...], config_hash=h, counts={...}, started=t0)
+
+Layout (one folder per stage):
+    config.resolved.yaml  contract.json  probe/  prepare/  generate/  tokenize/  capture/
+    train/ (checkpoints/, metrics.jsonl)  eval/  export/  report/
+Each stage folder holds a `manifest.json`; `dflashkit run` compares it with the current config
+and the inputs' manifests to decide whether the stage is up to date.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from dflashkit import __version__
+
+STAGES = ("probe", "prepare", "generate", "tokenize", "capture", "train", "eval", "export", "report")
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temp path beside `path`; on success it is fsync'd and renamed over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        if tmp_path.is_file():
+            with open(tmp_path, "rb") as fh:
+                os.fsync(fh.fileno())
+        os.replace(tmp_path, path)
+        _fsync_dir(path.parent)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def read_json(path: str | Path) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def file_digest(path: str | Path, limit: int | None = 1 << 20) -> str:
+    """sha256 of a file's size + first `limit` bytes (cheap identity for big inputs)."""
+    p = Path(path)
+    h = hashlib.sha256(str(p.stat().st_size).encode())
+    with open(p, "rb") as fh:
+        h.update(fh.read(limit) if limit else fh.read())
+    return h.hexdigest()[:16]
+
+
+class RunDir:
+    """Typed paths inside one run directory."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def stage_dir(self, stage: str, create: bool = True) -> Path:
+        d = self.root / stage
+        if create:
+            d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    @property
+    def contract_path(self) -> Path:
+        return self.root / "contract.json"
+
+    @property
+    def resolved_config_path(self) -> Path:
+        return self.root / "config.resolved.yaml"
+
+    def manifest_path(self, stage: str) -> Path:
+        return self.root / stage / "manifest.json"
+
+    def manifest(self, stage: str) -> dict | None:
+        p = self.manifest_path(stage)
+        if not p.is_file():
+            return None
+        try:
+            return read_json(p)
+        except (OSError, json.JSONDecodeError):
+            return None
+
+
+def versions() -> dict[str, str]:
+    out = {"dflashkit": __version__, "python": platform.python_version()}
+    for mod in ("torch", "transformers", "tokenizers", "safetensors"):
+        m = sys.modules.get(mod)
+        if m is not None:
+            out[mod] = getattr(m, "__version__", "?")
+    return out
+
+
+def write_manifest(stage_dir: Path, *, stage: str, config_hash: str, inputs: dict[str, Any] | None = None,
+                   counts: dict[str, Any] | None = None, outputs: list[str] | None = None,
+                   started: float | None = None, extra: dict[str, Any] | None = None) -> dict:
+    """Write `<stage_dir>/manifest.json` atomically and return it."""
+    manifest = {
+        "stage": stage,
+        "config_hash": config_hash,
+        "inputs": inputs or {},
+        "counts": counts or {},
+        "outputs": outputs or [],
+        "versions": versions(),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "wall_time_s": round(time.time() - started, 3) if started else None,
+    }
+    if extra:
+        manifest.update(extra)
+    atomic_write_json(Path(stage_dir) / "manifest.json", manifest)
+    return manifest

@@ -1,0 +1,65 @@
+"""CLI shape, strict config, exit codes."""
+
+import json
+
+import pytest
+
+from dflashkit.cli import COMMANDS, main
+from dflashkit.config import RunConfig, config_from_dict, load_config
+from dflashkit.errors import ConfigError
+from dflashkit.model.drafter_config import build_target_layer_ids
+
+
+def last_json(capsys) -> dict:
+    out = capsys.readouterr().out.strip().splitlines()
+    return json.loads(out[-1])
+
+
+def test_unknown_keys_all_reported_with_did_you_mean():
+    with pytest.raises(ConfigError) as ei:
+        config_from_dict({"train": {"lrr": 1, "batch_size": "x"}, "drafter": {"blok_size": 4}, "nope": {}})
+    msgs = "\n".join(ei.value.problems)
+    assert len(ei.value.problems) == 4, msgs
+    assert "train.lrr: unknown key (did you mean train.lr?)" in msgs
+    assert "drafter.blok_size" in msgs and "drafter.block_size" in msgs
+    assert "train.batch_size: expected int" in msgs
+
+
+def test_overrides_and_validation(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("train:\n  lr: 1e-3\ndrafter:\n  block_size: 8\n")
+    cfg = load_config(p, ["drafter.block_size=4", "eval.block_sizes=[1,2]"])
+    assert isinstance(cfg, RunConfig)
+    assert cfg.train.lr == 1e-3 and cfg.drafter.block_size == 4 and cfg.eval.block_sizes == [1, 2]
+    with pytest.raises(ConfigError) as ei:
+        load_config(p, ["train.lr=-1", "eval.top_p=2"])
+    assert any(m.startswith("train.lr") for m in ei.value.problems)
+    assert any(m.startswith("eval.top_p") for m in ei.value.problems)
+
+
+def test_bad_config_exit_2_and_json_last_line(tmp_path, capsys):
+    p = tmp_path / "r.yaml"
+    p.write_text("train: {lrr: 1}\n")
+    assert main(["doctor", "-c", str(p)]) == 2
+    out = last_json(capsys)
+    assert out["ok"] is False and out["exit_code"] == 2 and "train.lrr" in out["error"]
+    p.write_text("train: [unclosed\n")
+    assert main(["doctor", "-c", str(p)]) == 2
+    err = last_json(capsys)["error"]
+    assert f"{p}:" in err and "invalid YAML" in err
+
+
+def test_every_command_has_help(capsys):
+    for name in COMMANDS:
+        assert main([name, "--help"]) == 0
+    assert main([]) == 2
+
+
+@pytest.mark.parametrize("layers,n,ids", [
+    (64, 5, [1, 16, 31, 46, 61]), (36, 5, [1, 9, 17, 25, 33]), (61, 6, [1, 12, 24, 35, 47, 58]),
+    (62, 5, [1, 16, 30, 44, 59]), (61, 5, [1, 15, 30, 44, 58]), (32, 5, [1, 8, 15, 22, 29]),
+    (40, 5, [1, 10, 19, 28, 37]), (64, 10, [1, 8, 14, 21, 28, 34, 41, 48, 54, 61]), (36, 3, [1, 17, 33]),
+    (36, 1, [18]), (24, 5, [1, 6, 11, 16, 21]), (28, 5, [1, 7, 13, 19, 25]), (16, 5, [1, 4, 7, 10, 13]),
+])
+def test_target_layer_ids_reference_formula(layers, n, ids):
+    assert build_target_layer_ids(layers, n) == ids
