@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--to", dest="to_stage", help="last stage to run")
             sp.add_argument("--force", action="append", default=[], metavar="STAGE",
                             help="re-run STAGE even if up to date (repeatable; 'all' for every stage)")
+        if name == "serve":
+            sp.add_argument("--drafter", help="exported drafter dir: decode with DFlash (serve.drafter)")
+            sp.add_argument("--host", help="bind address (serve.host)")
+            sp.add_argument("--port", type=int, help="port (serve.port)")
         if name == "train":
             sp.add_argument("--nproc-per-node", type=int,
                             help="re-launch under torchrun with this many processes")
@@ -121,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [a for a in ns.args if "=" in a]
     if ns.run_dir:
         overrides.append(f"run.run_dir={ns.run_dir}")
+    for flag in ("drafter", "host", "port"):
+        if getattr(ns, flag, None) is not None:
+            overrides.append(f"serve.{flag}={getattr(ns, flag)}")
     ctx = StageContext(
         command=ns.command, positionals=positionals, config_path=ns.config, overrides=overrides,
         dry_run=ns.dry_run, json=ns.json, from_stage=getattr(ns, "from_stage", None),

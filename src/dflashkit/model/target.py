@@ -1,0 +1,212 @@
+"""The frozen target: load it (HF dir, GGUF, wrapped configs) and tap decoder-layer outputs.
+
+Usage:
+    target = load_target(cfg.target)                         # eval mode, requires_grad False
+    feats = target.features(input_ids, layer_ids=[1, 3])     # [b, t, 2·H], stops after layer 3
+    feats, out = target.features(ids, layer_ids=ids_, need_logits=True, past_key_values=cache,
+                                 use_cache=True)             # verify pass: logits + features
+    emb = target.embed(ids); logits = target.lm_head(h)      # shared, frozen
+
+Feature convention (dflash-spec §1.7): the feature of layer id is the output of decoder layer `id`
+(= HF `hidden_states[id + 1]`), captured with forward hooks, so all hidden states are never
+materialised. When logits are not needed the forward stops right after the deepest tapped layer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflashkit.errors import UsageError
+
+log = logging.getLogger("dflashkit.target")
+
+# model_type aliases transformers does not know, mapped to the architecture that implements them
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
+WRAPPER_KEYS = ("text_config", "language_config", "llm_config", "thinker_config", "language_model_config")
+
+
+class _StopForward(Exception):
+    pass
+
+
+def resolve_target_path(path: str, gguf_file: str | None = None) -> tuple[Path, str | None]:
+    """`path` may be a model dir, a .gguf file, or an asset name; returns (dir, gguf file name)."""
+    if not path:
+        raise UsageError("target.path is empty", hint="set target.path to a HF model dir, a .gguf file "
+                         "or `smollm2-135m-instruct`")
+    p = Path(path).expanduser()
+    if not p.exists():
+        from dflashkit.assets import ASSETS, asset_path
+
+        if path in ASSETS:
+            return asset_path(path), None
+        raise UsageError(f"target.path {path!r} does not exist",
+                         hint="give a HF model dir with config.json, a .gguf file, or an asset name")
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise UsageError(f"target.path {p} is a file but not a .gguf", hint="give the model directory")
+        return p.parent, p.name
+    return p, gguf_file
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def text_config_dict(model_dir: Path) -> dict[str, Any]:
+    """config.json with wrappers (text_config, …) resolved: the language model's own config."""
+    cfg_path = model_dir / "config.json"
+    raw = json.loads(cfg_path.read_text())
+    for key in WRAPPER_KEYS:
+        inner = raw.get(key)
+        if isinstance(inner, dict) and ("num_hidden_layers" in inner or "hidden_size" in inner):
+            return inner
+    return raw
+
+
+def _hf_config(model_dir: Path, trust_remote_code: bool):
+    from transformers import AutoConfig, CONFIG_MAPPING
+
+    inner = dict(text_config_dict(model_dir))
+    mt = inner.get("model_type", "")
+    mt = MODEL_TYPE_ALIASES.get(mt, mt)
+    if mt in CONFIG_MAPPING:
+        inner.pop("model_type", None)
+        for k in ("architectures", "auto_map", "transformers_version"):
+            inner.pop(k, None)
+        return AutoConfig.for_model(mt, **inner)
+    return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+
+
+@dataclass
+class Target:
+    """A loaded, frozen target with hooks for feature taps."""
+
+    model: nn.Module
+    tokenizer: Any
+    model_dir: Path
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.decoder_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_input_embeddings().weight.shape[0])
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        inner = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+        return inner.layers
+
+    @property
+    def lm_head(self) -> nn.Module:
+        """Output projection; for tied targets this shares the embedding weight (never random)."""
+        return self.model.get_output_embeddings()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(input_ids)
+
+    def features(self, input_ids: torch.Tensor, *, layer_ids: list[int], need_logits: bool = False,
+                 **forward_kwargs):
+        """Run the target and capture the outputs of decoder layers `layer_ids` (concat, last dim).
+
+        Returns `features` ([b, t, len(layer_ids)·H]) or `(features, model_output)` if need_logits.
+        """
+        layers = self.decoder_layers
+        bad = [i for i in layer_ids if not 0 <= i < len(layers)]
+        if bad:
+            raise UsageError(f"target_layer_ids {bad} are outside the target's {len(layers)} layers",
+                             hint="re-run `dflashkit probe` for this target, or fix drafter.target_layer_ids")
+        captured: dict[int, torch.Tensor] = {}
+        deepest = max(layer_ids)
+        handles = []
+
+        def make_hook(idx: int):
+            def hook(_module, _inputs, output):
+                captured[idx] = output[0] if isinstance(output, tuple) else output
+                if not need_logits and idx == deepest:
+                    raise _StopForward
+            return hook
+
+        for idx in sorted(set(layer_ids)):
+            handles.append(layers[idx].register_forward_hook(make_hook(idx)))
+        out = None
+        try:
+            out = self.model(input_ids=input_ids, **forward_kwargs) if need_logits else \
+                self.model.model(input_ids=input_ids, **forward_kwargs)
+        except _StopForward:
+            pass
+        finally:
+            for h in handles:
+                h.remove()
+        feats = torch.cat([captured[i] for i in layer_ids], dim=-1)
+        return (feats, out) if need_logits else feats
+
+
+def load_tokenizer(model_dir: Path, *, gguf_file: str | None = None, trust_remote_code: bool = False,
+                   tokenizer_dir: str | None = None):
+    from transformers import AutoTokenizer
+
+    src = Path(tokenizer_dir) if tokenizer_dir else model_dir
+    kw = {"gguf_file": gguf_file} if gguf_file and not tokenizer_dir else {}
+    return AutoTokenizer.from_pretrained(src, trust_remote_code=trust_remote_code, **kw)
+
+
+def load_target(section, *, device: str | None = None, dtype: str | None = None,
+                with_tokenizer: bool = True) -> Target:
+    """Load the target described by a `TargetSection` (frozen, eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir, gguf_file = resolve_target_path(section.path, section.gguf_file)
+    dev = resolve_device(device or section.device)
+    dt = resolve_dtype(dtype or section.dtype, dev)
+    if gguf_file:
+        from dflashkit.assets import convert_gguf, cache_dir
+
+        converted = cache_dir() / "converted" / (model_dir.name + "-" + Path(gguf_file).stem)
+        if not (converted / "model.safetensors").is_file():
+            log.info("converting %s to safetensors in %s (once)", gguf_file, converted)
+            convert_gguf(model_dir / gguf_file, converted)
+        model_dir, gguf_file = converted, None
+    if not (model_dir / "config.json").is_file():
+        raise UsageError(f"{model_dir}: no config.json", hint="point target.path at a HF model directory")
+    if not list(model_dir.glob("*.safetensors")):
+        raise UsageError(f"{model_dir}: no *.safetensors weights (dflashkit loads safetensors only)",
+                         hint="convert the checkpoint with save_pretrained(safe_serialization=True)")
+    config = _hf_config(model_dir, section.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, config=config, dtype=dt, trust_remote_code=section.trust_remote_code,
+        use_safetensors=True, key_mapping={r"^language_model\.": ""})
+    model.to(dev).eval()
+    model.requires_grad_(False)
+    tok = load_tokenizer(model_dir, trust_remote_code=section.trust_remote_code,
+                         tokenizer_dir=section.tokenizer) if with_tokenizer else None
+    if tok is not None and section.chat_template:
+        tok.chat_template = Path(section.chat_template).read_text()
+    return Target(model=model, tokenizer=tok, model_dir=model_dir, device=dev, dtype=dt)
