@@ -29,7 +29,7 @@ test-all: assets
 	$(PY) -m pytest -m "slow or not slow" $(PYTEST_ARGS)
 
 demo: assets
-	$(PY) -m dflashkit run -c $(DEMO_CONFIG) demo.scale=$(DEMO_SCALE)
+	$(PY) -m dflashkit run -c $(DEMO_CONFIG) run.scale=$(DEMO_SCALE)
 
 clean-demo:
 	rm -rf runs/smollm2-135m

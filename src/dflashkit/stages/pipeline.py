@@ -1,0 +1,175 @@
+"""`dflashkit run`: every stage from one YAML, in order, skipping those already up to date.
+
+Inputs:  the run YAML; whatever each stage reads from the run dir.
+Outputs: every stage's outputs, `<run_dir>/config.resolved.yaml`, `<run_dir>/pipeline.json`
+         (the fingerprint each stage last completed with) and a closing summary.
+Example: dflashkit run -c configs/smollm2-135m.yaml [--from train] [--to eval] [--force tokenize]
+
+Order: probe → prepare → generate → tokenize → (capture, when train.features=cached) → train →
+eval → export → report. A stage is up to date when its manifest exists and its fingerprint — a
+hash of the config sections it reads plus the fingerprint and completion time of the stage before
+it — equals the one recorded after its last success. So editing `train.lr` re-runs train and
+everything after it, and a forced re-run of prepare invalidates what follows. Each stage is itself
+resumable (generate keeps finished rows, train resumes from its last checkpoint), so an
+interrupted `run` continues where it stopped. With `server.urls` empty, `generate` starts
+`dflashkit serve` on 127.0.0.1 for the target and stops it afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import logging
+import time
+from typing import Any, Callable
+
+from dflashkit.config import RunConfig, dump_config, section_hash
+from dflashkit.errors import UsageError
+from dflashkit.rundir import RunDir, atomic_write_json, atomic_write_text, read_json
+
+log = logging.getLogger("dflashkit.run")
+
+ORDER = ("probe", "prepare", "generate", "tokenize", "capture", "train", "eval", "export", "report")
+MODULES = {"eval": "evaluate"}
+
+# The config each stage reads (its part of the fingerprint).
+SECTIONS: dict[str, Callable[[RunConfig], list[Any]]] = {
+    "probe": lambda c: [c.target, c.drafter],
+    "prepare": lambda c: [c.data, c.run.seed],
+    "generate": lambda c: [c.generate, c.server.model, c.target.path, c.target.chat_template],
+    "tokenize": lambda c: [c.tokenize, c.target.tokenizer, c.target.chat_template],
+    "capture": lambda c: [c.capture],
+    "train": lambda c: [c.train, c.drafter, c.run.seed],
+    "eval": lambda c: [c.eval],
+    "export": lambda c: [c.export],
+    "report": lambda c: [],
+}
+
+
+def apply_scale(cfg: RunConfig) -> RunConfig:
+    """`run.scale` multiplies the data size, training steps and eval prompts (the demo knob)."""
+    s = cfg.run.scale
+    if s == 1.0:
+        return cfg
+    if s <= 0:
+        raise UsageError(f"run.scale must be > 0, got {s}")
+    cfg = dataclasses.replace(cfg)
+    if cfg.data.num_prompts:
+        cfg.data = dataclasses.replace(cfg.data, num_prompts=max(1, round(cfg.data.num_prompts * s)))
+    if cfg.train.max_steps:
+        cfg.train = dataclasses.replace(cfg.train, max_steps=max(1, round(cfg.train.max_steps * s)))
+    cfg.eval = dataclasses.replace(cfg.eval, num_prompts=max(1, round(cfg.eval.num_prompts * s)))
+    return cfg
+
+
+def selected_stages(cfg: RunConfig, from_stage: str | None, to_stage: str | None) -> list[str]:
+    for name, value in (("--from", from_stage), ("--to", to_stage)):
+        if value is not None and value not in ORDER:
+            raise UsageError(f"{name} {value!r} is not a stage", hint=f"stages: {', '.join(ORDER)}")
+    stages = [s for s in ORDER if s != "capture" or cfg.train.features == "cached"]
+    lo = stages.index(from_stage) if from_stage in stages else 0
+    hi = stages.index(to_stage) if to_stage in stages else len(stages) - 1
+    if lo > hi:
+        raise UsageError(f"--from {from_stage} comes after --to {to_stage}")
+    return stages[lo:hi + 1]
+
+
+def _fingerprint(cfg: RunConfig, rd: RunDir, stage: str, previous: str | None, prev_fp: str) -> str:
+    prev_done = (rd.manifest(previous) or {}).get("finished_at") if previous else None
+    return section_hash(*SECTIONS[stage](cfg), prev_fp, prev_done or "")
+
+
+def _stage_module(stage: str):
+    return importlib.import_module(f"dflashkit.stages.{MODULES.get(stage, stage)}")
+
+
+def run(cfg: RunConfig, rd: RunDir, ctx) -> dict:
+    from dflashkit.cli import StageContext
+
+    cfg = apply_scale(cfg)
+    stages = selected_stages(cfg, ctx.from_stage, ctx.to_stage)
+    force = set(ORDER) if "all" in ctx.force else set(ctx.force)
+    unknown = force - set(ORDER)
+    if unknown:
+        raise UsageError(f"--force {sorted(unknown)}: not a stage", hint=f"stages: {', '.join(ORDER)}")
+    state_path = rd.root / "pipeline.json"
+    state: dict[str, str] = read_json(state_path) if state_path.is_file() else {}
+    if not ctx.dry_run:
+        rd.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(rd.resolved_config_path, dump_config(cfg))
+
+    plan: list[dict[str, Any]] = []
+    results: dict[str, Any] = {}
+    prev_fp, previous = "", None
+    all_stages = [s for s in ORDER if s != "capture" or cfg.train.features == "cached"]
+    for stage in all_stages:
+        fp = _fingerprint(cfg, rd, stage, previous, prev_fp)
+        if stage in stages:
+            fresh = state.get(stage) == fp and rd.manifest(stage) is not None and stage != "report"
+            action = "run" if (stage in force or not fresh) else "skip"
+            plan.append({"stage": stage, "action": action})
+            if ctx.dry_run:
+                log.info("%-9s would %s", stage, action)
+            elif action == "skip":
+                log.info("%-9s up to date — skipped", stage)
+            else:
+                log.info("%-9s running …", stage)
+                t0 = time.time()
+                sub = StageContext(command=stage, config_path=ctx.config_path, json=True)
+                try:
+                    results[stage] = _stage_module(stage).run(cfg, rd, sub) or {}
+                except Exception:
+                    log.error("stage %s failed; completed work is kept — fix the cause and re-run "
+                              "`dflashkit run` to continue from %s", stage, stage)
+                    raise
+                log.info("%-9s done in %.1f s", stage, time.time() - t0)
+                fp = _fingerprint(cfg, rd, stage, previous, prev_fp)
+                state[stage] = fp
+                atomic_write_json(state_path, state)
+        prev_fp, previous = fp, stage
+    out: dict[str, Any] = {"run_dir": str(rd.root), "stages": plan}
+    if ctx.dry_run:
+        out["plan_estimates"] = _plan_estimates(cfg, rd)
+        return out
+    out["summary"] = summary(rd)
+    _print_summary(out["summary"])
+    return out
+
+
+def _plan_estimates(cfg: RunConfig, rd: RunDir) -> dict[str, Any] | None:
+    try:
+        mod = importlib.import_module("dflashkit.stages.plan")
+        return mod.estimate(cfg, rd) if hasattr(mod, "estimate") else None
+    except Exception as e:  # noqa: BLE001 - estimates are advisory in a dry run
+        log.warning("plan estimates unavailable: %s", e)
+        return None
+
+
+def summary(rd: RunDir) -> dict[str, Any]:
+    """The numbers a user wants at the end: τ, speedup, lossless yes/no, where things are."""
+    out: dict[str, Any] = {}
+    res_path = rd.root / "eval" / "results.json"
+    if res_path.is_file():
+        try:
+            res = json.loads(res_path.read_text())
+            out["eval"] = res.get("summary", res)
+        except json.JSONDecodeError:
+            pass
+    for name, rel in (("report", "report/index.html"), ("checkpoint", "export"), ("drafter", "train/final")):
+        p = rd.root / rel
+        if p.exists():
+            out[name] = str(p)
+    return out
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    ev = s.get("eval") or {}
+    lines = ["", "== dflashkit run summary =="]
+    for key in ("tau", "speedup", "bound", "greedy_identical", "block_size"):
+        if key in ev:
+            lines.append(f"  {key:17s} {ev[key]}")
+    for key in ("report", "checkpoint", "drafter"):
+        if key in s:
+            lines.append(f"  {key:17s} {s[key]}")
+    log.info("\n".join(lines))
