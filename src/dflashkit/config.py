@@ -49,6 +49,8 @@ class RunSection:
     run_dir: str = f("runs/dflash", "Directory holding every stage's outputs and manifests.")
     seed: int = f(0, "Global seed (sampling, anchors, data order, init).")
     log_level: Literal["debug", "info", "warning", "error"] = f("info", "Logging level (stderr).")
+    scale: float = f(1.0, "Multiplies data.num_prompts, train.max_steps and eval.num_prompts (the "
+                     "`make demo DEMO_SCALE=4` knob).")
 
 
 @dataclass(kw_only=True)
@@ -117,6 +119,8 @@ class ServerSection:
     model: str | None = f(None, "Model name sent to the server; null = the first of /v1/models.")
     api_key_env: str = f("OPENAI_API_KEY", "Environment variable holding the API key (never logged).")
     timeout_s: float = f(600.0, "Per-request timeout.")
+    startup_timeout_s: float = f(300.0, "When `urls` is empty: seconds to wait for the local "
+                                 "`dflashkit serve` to answer /health.")
 
 
 @dataclass(kw_only=True)
@@ -136,6 +140,10 @@ class GenerateSection:
     on_length: Literal["keep", "drop", "flag"] = f("keep", "Turns cut by max_tokens: keep, drop the "
                                                    "conversation, or keep and flag.")
     shard_size: int = f(1000, "Records per output shard.")
+    request_token_ids: bool = f(True, "Send `return_token_ids: true` (vLLM, `dflashkit serve`) and keep "
+                                "the returned ids in meta.token_ids; turn off for strict APIs.")
+    extra_body: dict[str, Any] = f({}, "Extra JSON fields merged into every request body.")
+    progress: bool = f(True, "Show a progress bar on stderr.")
 
 
 @dataclass(kw_only=True)
@@ -222,6 +230,8 @@ class ServeSection:
     max_batch: int = f(8, "Requests decoded together.")
     drafter: str | None = f(None, "Exported drafter dir: decode with DFlash speculation.")
     model_name: str | None = f(None, "Name reported by /v1/models; null = the dir name.")
+    batch_wait_ms: float = f(5.0, "How long the batcher waits for more requests before decoding.")
+    max_new_tokens: int = f(4096, "Upper bound on a request's max_tokens.")
 
 
 @dataclass(kw_only=True)
@@ -231,6 +241,8 @@ class BenchSection:
     requests: int = f(32, "Requests per concurrency level.")
     max_tokens: int = f(128, "Tokens per request.")
     warmup: int = f(2, "Requests sent first and not timed.")
+    generate_requests: int = f(4000, "`bench generate`: requests sent to the zero-latency server.")
+    generate_concurrency: int = f(64, "`bench generate`: requests in flight.")
 
 
 @dataclass(kw_only=True)
@@ -487,3 +499,25 @@ def iter_fields(cls: type = RunConfig, prefix: str = ""):
             continue
         default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()  # type: ignore[misc]
         yield key, _type_name(tp), default, fl.metadata.get("help", "")
+
+
+def config_reference_markdown() -> str:
+    """docs/config.md, generated from the schema (a test keeps the file in sync)."""
+    lines = ["# Config reference", "",
+             "Generated from `src/dflashkit/config.py` by `python -m dflashkit.config > docs/config.md`.",
+             "Every key can be set in the run YAML or overridden on the command line as `section.key=value`.",
+             "Unknown keys are errors. Defaults < YAML < command-line overrides.", ""]
+    section = None
+    for key, tname, default, help_text in iter_fields():
+        top = key.split(".")[0]
+        if top != section:
+            section = top
+            doc = RunConfig.__dataclass_fields__[top].metadata.get("help", "")
+            lines += ["", f"## `{top}`", "", doc, "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        shown = json.dumps(default) if not isinstance(default, str) else repr(default)
+        lines.append(f"| `{key}` | {tname.replace('|', '&#124;')} | `{shown}` | {help_text.replace('|', '&#124;')} |")
+    return "\n".join(lines).strip() + "\n"
+
+
+if __name__ == "__main__":
+    print(config_reference_markdown(), end="")
