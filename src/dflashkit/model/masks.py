@@ -1,0 +1,89 @@
+"""Block-diffusion training attention masks (dflash-spec §3.4 step 4), dense and flex forms.
+
+Usage:
+    mask = dense_block_mask(anchors, keep, seq_lens, ctx_len=S, block_size=B)   # bool [b,1,N·B,S+N·B]
+    bm = flex_block_mask(anchors, keep, seq_lens, ctx_len=S, block_size=B)      # flex BlockMask (GPU)
+    h = drafter(noise, feats, pos, attention_mask=mask)
+
+Layout: queries are the N·B block tokens (block j = queries j·B … j·B+B-1); keys/values are the
+S context tokens followed by the N·B block tokens. The rule, stated once:
+  * a query of block j sees context key i iff  i < anchors[j]  (STRICT: the anchor's own target
+    feature is not known at inference, pitfall §3.7.2) and i < seq_len (padding is never visible)
+    and the block is real (keep[j]);
+  * it sees every token of its own block (bidirectional), and never another block.
+Padded / invalid blocks therefore still see their own block, so no softmax row is empty (no NaN,
+pitfall §3.7.5); their loss weight is 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def dense_block_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_lens: torch.Tensor, *,
+                     ctx_len: int, block_size: int) -> torch.Tensor:
+    """The dense boolean SDPA mask (True = may attend).
+
+    Args:
+        anchors: [b, N] anchor positions (int).
+        keep: [b, N] bool, real blocks.
+        seq_lens: [b] true (unpadded) sequence lengths.
+        ctx_len: S, the padded context length.
+        block_size: B.
+    Returns:
+        bool [b, 1, N·B, S + N·B].
+    """
+    b, n = anchors.shape
+    dev = anchors.device
+    ctx_idx = torch.arange(ctx_len, device=dev)
+    limit = torch.minimum(anchors, seq_lens[:, None].to(anchors.dtype))          # [b, N]
+    ctx = (ctx_idx[None, None, :] < limit[:, :, None]) & keep[:, :, None]       # [b, N, S]
+    ctx = ctx.repeat_interleave(block_size, dim=1)                              # [b, N·B, S]
+    blk_id = torch.arange(n * block_size, device=dev) // block_size
+    own = (blk_id[:, None] == blk_id[None, :]).expand(b, -1, -1)                # [b, N·B, N·B]
+    return torch.cat([ctx, own], dim=-1).unsqueeze(1)
+
+
+def mask_mod_for(anchors: torch.Tensor, keep: torch.Tensor, seq_lens: torch.Tensor, *,
+                 ctx_len: int, block_size: int):
+    """A flex-attention `mask_mod(b, h, q_idx, kv_idx)` implementing the same rule as the dense mask."""
+    n = anchors.shape[1]
+    limit = torch.minimum(anchors, seq_lens[:, None].to(anchors.dtype)) * keep.to(anchors.dtype)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        j = (q_idx // block_size).clamp(0, n - 1)  # clamp: flex may probe padded q rows (§3.7.5)
+        in_ctx = kv_idx < ctx_len
+        ctx_ok = kv_idx < limit[b, j]
+        own_ok = (kv_idx - ctx_len) // block_size == j
+        return torch.where(in_ctx, ctx_ok, own_ok & (kv_idx >= ctx_len))
+
+    return mask_mod
+
+
+def flex_block_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_lens: torch.Tensor, *,
+                    ctx_len: int, block_size: int):
+    """The same mask as a flex-attention `BlockMask` (use with `drafter.attention=flex`)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, n = anchors.shape
+    mod = mask_mod_for(anchors, keep, seq_lens, ctx_len=ctx_len, block_size=block_size)
+    return create_block_mask(mod, B=b, H=None, Q_LEN=n * block_size, KV_LEN=ctx_len + n * block_size,
+                             device=anchors.device)
+
+
+def loop_block_mask(anchors: list[list[int]], keep: list[list[bool]], seq_lens: list[int], *,
+                    ctx_len: int, block_size: int) -> torch.Tensor:
+    """Slow pure-Python oracle of `dense_block_mask` (tests only; the rule written as loops)."""
+    b, n = len(anchors), len(anchors[0])
+    q_len, kv_len = n * block_size, ctx_len + n * block_size
+    out = torch.zeros(b, 1, q_len, kv_len, dtype=torch.bool)
+    for bi in range(b):
+        for j in range(n):
+            for k in range(block_size):
+                q = j * block_size + k
+                for i in range(ctx_len):
+                    if keep[bi][j] and i < anchors[bi][j] and i < seq_lens[bi]:
+                        out[bi, 0, q, i] = True
+                for kk in range(block_size):
+                    out[bi, 0, q, ctx_len + j * block_size + kk] = True
+    return out

@@ -1,0 +1,230 @@
+"""The DFlash training objective (dflash-spec §3.4) as pure functions beside the model.
+
+Usage:
+    anchors = sample_anchors(loss_mask, seq_lens, num_anchors=512, block_size=B, seeds=[...])
+    out = dflash_loss(drafter, embed, lm_head, features, input_ids, loss_mask, seq_lens, anchors,
+                      mask_token_id=m, gamma=7.0, denom=anchors_weight_sum)
+    out.loss.backward()                       # Σ w·CE / denom; out.stats holds acc / τ counts
+
+Rules (each pinned by a test):
+  * Anchor p of a sequence of true length L is a candidate iff p + 1 < L and loss_mask[p] and
+    loss_mask[p+1] (the anchor and its first prediction are supervised). Block positions that run
+    past L get weight 0. Up to `num_anchors` distinct candidates per sequence are drawn uniformly
+    without replacement (a per-sample seeded generator, so the draw does not depend on the batch
+    a sample lands in, nor on the number of ranks) and sorted; rows are padded with anchor 0 and
+    keep=False.
+  * Block j input = [x[a_j], MASK × (B−1)], positions a_j … a_j+B−1; context positions 0 … S−1.
+  * Same-position labels: block j position k is trained to predict x[a_j + k] (pitfall §3.7.1).
+  * Weight w = keep·[a_j+k < L]·[k > 0]·loss_mask[a_j+k]·exp(−(k−1)/γ).
+  * CE = Σ w·CE / denom (denom = Σ w over the whole optimizer step, all micro-batches and ranks,
+    so micro-batching, accumulation and world size do not change the loss). KL (optional) uses the
+    target's next-token distribution at a_j+k−1 as the soft label, weighted the same way.
+  * Logits are produced `chunk_blocks` blocks at a time under activation checkpointing, so the
+    [blocks·B, vocab] logits of the whole batch never exist at once (also not for backward).
+  * Metrics: accuracy per block position 1..B−1 over positions with w > 0 and simulated τ =
+    mean over real blocks of 1 + the number of leading correct supervised positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from dflashkit.model.masks import dense_block_mask, flex_block_mask
+
+
+@dataclass
+class Anchors:
+    """Sampled blocks: `anchors` [b, N] (int64, padded with 0) and `keep` [b, N] (bool)."""
+
+    anchors: torch.Tensor
+    keep: torch.Tensor
+
+
+def sample_anchors(loss_mask: torch.Tensor, seq_lens: torch.Tensor, *, num_anchors: int, block_size: int,
+                   seeds: list[int]) -> Anchors:
+    """Draw up to `num_anchors` sorted distinct anchors per sequence (see the module rules).
+
+    Args:
+        loss_mask: [b, S] 0/1 supervised tokens (padding = 0).
+        seq_lens: [b] true lengths.
+        num_anchors: cap per sequence.
+        block_size: B (unused by the candidate rule; positions past L are masked in the loss).
+        seeds: one int per sequence; the same seed always draws the same anchors.
+    Returns:
+        Anchors with N = min(num_anchors, max candidates in the batch), at least 1.
+    """
+    del block_size
+    b, s = loss_mask.shape
+    lm = loss_mask.bool()
+    picks: list[torch.Tensor] = []
+    for i in range(b):
+        n_i = int(seq_lens[i])
+        row = lm[i, :n_i]
+        valid = torch.zeros(n_i, dtype=torch.bool)
+        if n_i >= 2:
+            valid[:-1] = row[:-1].cpu() & row[1:].cpu()
+        cand = valid.nonzero().flatten()
+        g = torch.Generator().manual_seed(int(seeds[i]) & 0x7FFFFFFFFFFFFFFF)
+        keys = torch.rand(n_i, generator=g)[cand]
+        take = min(num_anchors, cand.numel())
+        chosen = cand[torch.argsort(keys)[:take]]
+        picks.append(torch.sort(chosen).values)
+    n = max(1, max(p.numel() for p in picks))
+    anchors = torch.zeros(b, n, dtype=torch.long)
+    keep = torch.zeros(b, n, dtype=torch.bool)
+    for i, p in enumerate(picks):
+        anchors[i, :p.numel()] = p
+        keep[i, :p.numel()] = True
+    return Anchors(anchors.to(loss_mask.device), keep.to(loss_mask.device))
+
+
+def block_input_ids(input_ids: torch.Tensor, a: Anchors, *, mask_token_id: int, block_size: int) -> torch.Tensor:
+    """[b, N·B] ids: slot 0 of block j = input_ids[a_j] (mask id for padded blocks), rest = mask id."""
+    b, n = a.anchors.shape
+    ids = torch.full((b, n, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    first = torch.gather(input_ids, 1, a.anchors)
+    ids[:, :, 0] = torch.where(a.keep, first, torch.full_like(first, mask_token_id))
+    return ids.view(b, n * block_size)
+
+
+def block_position_ids(a: Anchors, *, ctx_len: int, block_size: int) -> torch.Tensor:
+    """[b, S + N·B]: context 0 … S−1, then block j → a_j … a_j+B−1."""
+    b, n = a.anchors.shape
+    dev = a.anchors.device
+    ctx = torch.arange(ctx_len, device=dev).expand(b, ctx_len)
+    blk = (a.anchors[:, :, None] + torch.arange(block_size, device=dev)).view(b, n * block_size)
+    return torch.cat([ctx, blk], dim=1)
+
+
+def labels_and_weights(input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_lens: torch.Tensor, a: Anchors, *,
+                       block_size: int, gamma: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same-position labels and loss weights, both [b, N·B] (labels 0 where the weight is 0)."""
+    b, n = a.anchors.shape
+    dev = input_ids.device
+    k = torch.arange(block_size, device=dev)
+    pos = a.anchors[:, :, None] + k                                           # [b, N, B]
+    inside = pos < seq_lens.to(dev)[:, None, None]
+    safe = torch.where(inside, pos, torch.zeros_like(pos)).view(b, -1)
+    labels = torch.gather(input_ids, 1, safe).view(b, n, block_size)
+    sup = torch.gather(loss_mask.to(torch.float32), 1, safe).view(b, n, block_size)
+    decay = torch.exp(-(k.float() - 1).clamp(min=0) / gamma) if gamma else torch.ones(block_size, device=dev)
+    decay = decay * (k > 0).float()
+    w = a.keep[:, :, None].float() * inside.float() * sup * decay
+    labels = torch.where(w > 0, labels, torch.zeros_like(labels))
+    return labels.view(b, -1), w.view(b, -1)
+
+
+def weight_sum(loss_mask, seq_lens, a: Anchors, *, input_ids, block_size: int, gamma: float | None) -> float:
+    """Σ w of one micro-batch (summed over the step to form the loss denominator)."""
+    return float(labels_and_weights(input_ids, loss_mask, seq_lens, a, block_size=block_size, gamma=gamma)[1].sum())
+
+
+@dataclass
+class LossOutput:
+    """`loss` (differentiable, already divided by the step denominator) and summable statistics."""
+
+    loss: torch.Tensor
+    weight_sum: float
+    correct: torch.Tensor     # [B] correct predictions per block position (position 0 unused)
+    total: torch.Tensor       # [B] supervised positions per block position
+    tau_sum: float            # Σ over real blocks of (1 + leading correct)
+    blocks: int               # number of real blocks
+
+
+def _chunk_terms(lm_head, h, labels, w, tgt, kind: str, kl_weight: float):
+    logits = lm_head(h).float()                                              # [c, B, V]
+    terms = logits.new_zeros(())
+    if kind in ("ce", "ce+kl"):
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(w)
+        terms = terms + (w * ce).sum()
+    if kind in ("kl", "ce+kl"):
+        logp = F.log_softmax(logits, dim=-1)
+        tlogp = F.log_softmax(tgt.float(), dim=-1)
+        kl = (tlogp.exp() * (tlogp - logp)).sum(-1)
+        terms = terms + (kl_weight if kind == "ce+kl" else 1.0) * (w * kl).sum()
+    return terms, logits.argmax(-1)
+
+
+def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                seq_lens: torch.Tensor, a: Anchors, *, mask_token_id: int, gamma: float | None,
+                denom: float | None = None, loss: str = "ce", kl_weight: float = 1.0,
+                target_logits: torch.Tensor | None = None, chunk_blocks: int = 64,
+                attention: str = "sdpa", autocast_dtype: torch.dtype | None = None) -> LossOutput:
+    """Drafter forward over all sampled blocks + the chunked weighted loss.
+
+    Args:
+        drafter: DFlashDraftModel (or a DDP/FSDP wrapper of it).
+        embed, lm_head: the target's frozen embedding and output head (tied heads share the weight).
+        features: [b, S, n_feat·H] target features (online or cached).
+        input_ids, loss_mask: [b, S] (right-padded); seq_lens: [b].
+        a: sampled anchors.
+        denom: loss denominator (Σ w over the optimizer step); None = this batch's Σ w.
+        loss: "ce" | "kl" | "ce+kl"; target_logits [b, S, V] needed for kl.
+        chunk_blocks: blocks per logits chunk.
+        attention: "sdpa" (dense bool mask) or "flex" (BlockMask; GPU training).
+    Returns:
+        LossOutput.
+    """
+    bsz, s = input_ids.shape
+    B = drafter.block_size if hasattr(drafter, "block_size") else drafter.module.block_size
+    n = a.anchors.shape[1]
+    labels, w = labels_and_weights(input_ids, loss_mask, seq_lens, a, block_size=B, gamma=gamma)
+    wsum = float(w.sum())
+    denom = denom if denom is not None else wsum
+    with torch.no_grad():
+        noise = embed(block_input_ids(input_ids, a, mask_token_id=mask_token_id, block_size=B))
+    pos = block_position_ids(a, ctx_len=s, block_size=B)
+    make = flex_block_mask if attention == "flex" else dense_block_mask
+    mask = make(a.anchors, a.keep, seq_lens.to(a.anchors.device), ctx_len=s, block_size=B)
+    with torch.autocast(device_type=input_ids.device.type, dtype=autocast_dtype or torch.bfloat16,
+                        enabled=autocast_dtype is not None):
+        hidden = drafter(noise.to(features.dtype), features, pos, attention_mask=mask)   # [b, N·B, H]
+    hidden = hidden.reshape(bsz * n, B, -1)
+    labels_f, w_f = labels.view(bsz * n, B), w.view(bsz * n, B)
+    tgt_idx = None
+    if loss != "ce":
+        if target_logits is None:
+            raise ValueError("loss kl / ce+kl needs target_logits")
+        tgt_idx = (a.anchors[:, :, None] + torch.arange(B, device=input_ids.device) - 1).clamp(0, s - 1)
+        tgt_idx = tgt_idx.view(bsz * n, B)
+    row_batch = torch.arange(bsz, device=input_ids.device).repeat_interleave(n)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    preds = []
+    step = max(1, chunk_blocks)
+    for c0 in range(0, bsz * n, step):
+        sl = slice(c0, c0 + step)
+        tgt = target_logits[row_batch[sl, None], tgt_idx[sl]] if tgt_idx is not None else None
+        args = (lm_head, hidden[sl], labels_f[sl], w_f[sl], tgt, loss, kl_weight)
+        if step >= bsz * n or not hidden.requires_grad:
+            terms, pred = _chunk_terms(*args)
+        else:
+            terms, pred = checkpoint(_chunk_terms, *args, use_reentrant=False)
+        total = total + terms
+        preds.append(pred)
+    with torch.no_grad():
+        pred = torch.cat(preds).view(bsz, n, B)
+        sup = (w.view(bsz, n, B) > 0)
+        ok = (pred == labels.view(bsz, n, B)) & sup
+        correct = ok.sum(dim=(0, 1)).float().cpu()
+        tot = sup.sum(dim=(0, 1)).float().cpu()
+        lead = torch.cumprod(ok[:, :, 1:].long(), dim=-1).sum(-1)             # leading correct
+        tau_sum = float(((1 + lead).float() * a.keep.float()).sum())
+    return LossOutput(loss=total / max(denom, 1e-6), weight_sum=wsum, correct=correct, total=tot,
+                      tau_sum=tau_sum, blocks=int(a.keep.sum()))
+
+
+def gamma_for(train_gamma: float | None, block_size: int) -> float:
+    """`train.gamma` if set, else the reference default for B."""
+    from dflashkit.model.drafter_config import default_gamma
+
+    return float(train_gamma) if train_gamma else default_gamma(block_size)
+
+
+def decay_weights(block_size: int, gamma: float) -> list[float]:
+    """exp(−(k−1)/γ) for k = 1 … B−1 (position 0 has weight 0)."""
+    return [0.0] + [math.exp(-(k - 1) / gamma) for k in range(1, block_size)]
