@@ -29,6 +29,9 @@ class GenerationResult:
     acceptance_lengths: list[int] = field(default_factory=list)  # τ per verify step (speculative only)
     prefill_s: float = 0.0                    # time to first token
     decode_s: float = 0.0                     # time after the first token
+    step_s: list[float] = field(default_factory=list)    # wall time of each decode step
+    verify_s: list[float] = field(default_factory=list)  # target forward (+ logits) of each step
+    draft_s: list[float] = field(default_factory=list)   # drafter pass of each step (speculative only)
 
 
 class Decoder(Protocol):

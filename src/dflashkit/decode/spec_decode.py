@@ -1,0 +1,230 @@
+"""Reference DFlash speculative decoding over a HF target (dflash-spec §4); block_size=1 is plain AR.
+
+Usage:
+    target = load_target(cfg.target)
+    drafter = load_drafter("runs/x/train/final")
+    spec = SpecDecoder(target, drafter, block_size=16)
+    base = SpecDecoder(target, None, block_size=1)             # same loop, no drafter
+    params = SamplingParams(max_new_tokens=128, stop_token_ids=(eos,))
+    r = spec.generate(prompt_ids, params)                      # r.token_ids, r.acceptance_lengths
+
+One step (batch size 1). The committed sequence ends with x_start, the token at position `start`
+whose target features and KV are not known yet.
+1. Draft: the drafter sees the target features of the committed tokens it has not seen yet (only
+   those: its `DraftKVCache` keeps the earlier context K/V; block K/V are never stored) and the
+   block `[x_start, MASK × (B−1)]` at positions start..start+B−1; the target lm_head on block
+   positions 1..B−1 gives drafts d_1..d_{B−1} (argmax, or sampled from the draft law).
+2. Verify: one target forward over `[x_start, d_1..d_{B−1}]` with the target KV cache, capturing
+   the features at the drafter's `target_layer_ids` by hooks (never `output_hidden_states`).
+3. Accept (`sampling.verify_greedy` / `verify_sampled`, lossless): a drafts kept, plus the target's
+   own token after them, so τ = a + 1 tokens are committed (cut at a stop token or at
+   max_new_tokens). The target cache is cropped to the committed length; the features of the
+   committed block positions become the drafter's next context.
+With `block_size=1` step 1 is skipped and step 2 is an ordinary one-token decode step, so the
+autoregressive baseline runs through exactly the same code and its timings compare honestly.
+
+A `Proposer` replaces the DFlash drafter (test stubs, other draft sources): it gets the committed
+sequence and returns B−1 point-mass proposals.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal, Protocol
+
+import torch
+
+from dflashkit.decode.api import GenerationResult, SamplingParams
+from dflashkit.decode.sampling import sample, sampling_probs, verify_greedy, verify_sampled
+from dflashkit.errors import UsageError
+from dflashkit.model.drafter import DFlashDraftModel, DraftKVCache
+from dflashkit.model.target import Target
+
+
+class Proposer(Protocol):
+    def propose(self, sequence: list[int], num_tokens: int) -> list[int]:
+        """Given prompt + committed tokens (ending with x_start), propose the next `num_tokens`."""
+        ...
+
+
+class SpecDecoder:
+    """Speculative decoder implementing the `Decoder` protocol (batch size 1).
+
+    Args:
+        target: the frozen target.
+        drafter: a DFlash drafter (None: no speculation unless `proposer` is given).
+        block_size: inference block size B (may differ from the training block size); default
+            the drafter's, or 1 without a drafter/proposer.
+        proposer: replaces the drafter (point-mass proposals from the committed sequence).
+        draft_sampling: at temperature > 0, propose the draft argmax ("greedy", as SGLang) or a
+            sample from the draft law ("sample", as the z-lab reference). Both are lossless.
+        max_context: refuse prompt + max_new_tokens beyond this (default: the target's
+            max_position_embeddings).
+    """
+
+    def __init__(self, target: Target, drafter: DFlashDraftModel | None = None, block_size: int | None = None,
+                 *, proposer: Proposer | None = None, draft_sampling: Literal["greedy", "sample"] = "greedy",
+                 max_context: int | None = None):
+        self.target, self.drafter, self.proposer = target, drafter, proposer
+        if block_size is None:
+            block_size = drafter.block_size if drafter is not None else 1
+        if block_size < 1:
+            raise UsageError(f"block_size must be >= 1, got {block_size}", hint="set eval.block_sizes")
+        if block_size > 1 and drafter is None and proposer is None:
+            raise UsageError(f"block_size {block_size} needs a drafter", hint="pass a drafter dir or use block_size 1")
+        self.block_size = block_size
+        self.draft_sampling = draft_sampling
+        self.max_context = int(max_context or getattr(target.config, "max_position_embeddings", 0) or 1 << 30)
+        self.layer_ids: list[int] | None = None
+        if drafter is not None and proposer is None and block_size > 1:
+            from dflashkit.export.hf import check_fits
+
+            check_fits(drafter.contract, num_layers=target.num_layers, hidden_size=target.hidden_size,
+                       vocab_size=target.vocab_size, where="drafter")
+            self.layer_ids = list(drafter.target_layer_ids)
+            dev = target.device
+            p = next(drafter.parameters())
+            self._draft_dtype = p.dtype
+            if p.device != dev:
+                drafter.to(dev)
+            with torch.inference_mode():
+                mask = torch.tensor([[drafter.mask_token_id]], device=dev)
+                self._mask_emb = target.embed(mask).to(self._draft_dtype)  # [1, 1, H]
+        self._cuda = target.device.type == "cuda"
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _now(self) -> float:
+        if self._cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _forward(self, ids: torch.Tensor, cache, last_only: bool = False):
+        """Target forward with KV cache → (features [1, t, nF·H] or None, logits [t', V])."""
+        kw = {"cache": cache, "use_cache": True}
+        if last_only:
+            kw["logits_to_keep"] = 1
+        if self.layer_ids:
+            feats, out = self.target.features(ids, layer_ids=self.layer_ids, need_logits=True, **kw)
+            return feats, out.logits[0]
+        return None, self.target.model(input_ids=ids, **kw).logits[0]
+
+    def _pick(self, logits: torch.Tensor, params: SamplingParams, gen) -> int:
+        if params.temperature <= 0:
+            return int(logits.argmax())
+        return int(sample(sampling_probs(logits, params.temperature, params.top_p, params.top_k), gen))
+
+    def _draft(self, seq: list[int], start: int, k: int, ctx: torch.Tensor, dcache: DraftKVCache,
+               positions: torch.Tensor, params: SamplingParams, gen):
+        """Propose k tokens after seq[start] → (tokens, draft law [k, V] or None for point mass)."""
+        if self.proposer is not None:
+            return list(self.proposer.propose(seq[: start + 1], k)), None
+        x = self.target.embed(positions.new_tensor([[seq[start]]])).to(self._draft_dtype)
+        block = torch.cat([x, self._mask_emb.expand(1, k, -1)], dim=1)  # [1, k+1, H]
+        t = ctx.shape[1]
+        h = self.drafter(block, ctx.to(self._draft_dtype), positions[:, start - t: start + k + 1], cache=dcache)
+        logits = self.target.lm_head(h[0, 1:].to(self.target.dtype))  # [k, V]
+        if params.temperature <= 0 or self.draft_sampling == "greedy":
+            return logits.argmax(-1).tolist(), None
+        q = sampling_probs(logits, params.temperature, params.top_p, params.top_k)
+        return sample(q, gen).tolist(), q
+
+    def check_prompt(self, num_prompt_tokens: int, max_new_tokens: int, what: str = "prompt") -> None:
+        """Raise UsageError if the prompt plus the generation does not fit the context."""
+        if num_prompt_tokens < 1:
+            raise UsageError(f"{what} is empty", hint="give at least one prompt token")
+        if num_prompt_tokens + max_new_tokens > self.max_context:
+            raise UsageError(
+                f"{what} has {num_prompt_tokens} tokens; with max_new_tokens {max_new_tokens} it exceeds the "
+                f"context of {self.max_context} tokens",
+                hint="shorten the prompt, lower eval.max_new_tokens, or raise eval.max_context")
+
+    # -- the loop -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        from transformers import DynamicCache
+
+        n_prompt, max_new = len(prompt_ids), int(params.max_new_tokens)
+        self.check_prompt(n_prompt, max_new)
+        if max_new <= 0:
+            return GenerationResult(token_ids=[], finish_reason="length")
+        dev, greedy = self.target.device, params.temperature <= 0
+        gen = None
+        if not greedy:
+            gen = torch.Generator(device=dev)
+            gen.manual_seed(params.seed if params.seed is not None else torch.seed() % (1 << 62))
+        stops = set(params.stop_token_ids)
+        max_len = n_prompt + max_new
+        cache = DynamicCache(config=self.target.config)
+        positions = torch.arange(max_len + self.block_size, device=dev)[None]
+        dcache = DraftKVCache()
+
+        t0 = self._now()
+        feats, logits = self._forward(torch.tensor([prompt_ids], device=dev), cache, last_only=True)
+        seq = list(prompt_ids)
+        seq.append(self._pick(logits[-1], params, gen))
+        t_first = self._now()
+        res = GenerationResult(token_ids=[], finish_reason="length", prefill_s=t_first - t0)
+        start, stopped = n_prompt, seq[-1] in stops
+        while start + 1 < max_len and not stopped:
+            ts = self._now()
+            size = min(self.block_size, max_len - start)
+            drafts, dprobs = [], None
+            if size > 1:
+                drafts, dprobs = self._draft(seq, start, size - 1, feats, dcache, positions, params, gen)
+            tv = self._now()
+            feats, logits = self._forward(torch.tensor([[seq[start], *drafts]], device=dev), cache)
+            if greedy:
+                a, nxt = verify_greedy(drafts, logits.argmax(-1).tolist())
+            else:
+                probs = sampling_probs(logits, params.temperature, params.top_p, params.top_k)
+                a, nxt = verify_sampled(drafts, probs, dprobs, gen)
+            te = self._now()
+            new = (drafts[:a] + [nxt])[: max_len - start - 1]
+            for i, tok in enumerate(new):
+                if tok in stops:
+                    new, stopped = new[: i + 1], True
+                    break
+            produced = len(new)
+            seq.extend(new)
+            drop = size - produced  # verified positions beyond the committed ones
+            if drop:
+                cache.crop(-drop)
+            if feats is not None:
+                feats = feats[:, :produced]
+            start += produced
+            res.acceptance_lengths.append(produced)
+            res.draft_s.append(tv - ts)
+            res.verify_s.append(te - tv)
+            res.step_s.append(self._now() - ts)
+        res.decode_s = self._now() - t_first
+        res.token_ids = seq[n_prompt:]
+        res.finish_reason = "stop" if stopped else "length"
+        return res
+
+
+class CopyTargetProposer:
+    """Test stub: proposes the target's own greedy continuation, so greedy τ = B on every full step."""
+
+    def __init__(self, target: Target):
+        self.target = target
+
+    @torch.inference_mode()
+    def propose(self, sequence: list[int], num_tokens: int) -> list[int]:
+        from transformers import DynamicCache
+
+        cache, ids, out = DynamicCache(config=self.target.config), list(sequence), []
+        step = torch.tensor([ids], device=self.target.device)
+        for _ in range(num_tokens):
+            logits = self.target.model(input_ids=step, cache=cache, use_cache=True).logits
+            tok = int(logits[0, -1].argmax())
+            out.append(tok)
+            step = torch.tensor([[tok]], device=self.target.device)
+        return out
+
+
+class AdversarialProposer(CopyTargetProposer):
+    """Test stub: always proposes a token different from the target's greedy choice (τ = 1)."""
+
+    def propose(self, sequence: list[int], num_tokens: int) -> list[int]:
+        first = super().propose(sequence, 1)[0]
+        return [(first + 1) % self.target.vocab_size] * num_tokens

@@ -1,0 +1,171 @@
+"""The drafter directory format (z-lab): `config.json` + `model.safetensors`, read and written here.
+
+Usage:
+    save_drafter(model, "runs/x/train/final", dtype="bfloat16")   # trainer and export write this
+    drafter = load_drafter("runs/x/train/final", dtype=torch.float32)  # validated, safetensors only
+    check_fits(drafter.contract, num_layers=30, hidden_size=576, vocab_size=49152)
+    head = read_target_head("path/to/target")                     # [V, H] lm_head (or tied embedding)
+
+`config.json` is `DrafterContract.to_hf_config()` (a Qwen3 config plus `dflash_config`,
+top-level `block_size` / `num_target_layers`); tensor names are the z-lab ones (dflash-spec §2.2).
+Every problem raises `UsageError` (exit 2) naming the file and key, before any decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from dflashkit.errors import UsageError
+from dflashkit.model.drafter import DFlashDraftModel
+from dflashkit.model.drafter_config import DrafterContract
+from dflashkit.rundir import atomic_path, atomic_write_json
+
+log = logging.getLogger("dflashkit.export")
+
+WEIGHTS = "model.safetensors"
+MODELING_FILE = "dflash.py"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def save_drafter(model: DFlashDraftModel, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
+    """Write `config.json` + `model.safetensors` (z-lab names, `dtype`) into `out_dir`, atomically per file."""
+    from safetensors.torch import save_file
+
+    if dtype not in DTYPES:
+        raise UsageError(f"unknown dtype {dtype!r}", hint=f"one of {sorted(DTYPES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in model.state_dict().items()}
+    with atomic_path(out / WEIGHTS) as tmp:
+        save_file(state, str(tmp), metadata={"format": "pt"})
+    atomic_write_json(out / "config.json", model.contract.to_hf_config(dtype=dtype))
+    return out
+
+
+def read_contract(drafter_dir: str | Path) -> DrafterContract:
+    """The contract stored in a drafter dir's `config.json` (UsageError naming the missing key)."""
+    path = Path(drafter_dir) / "config.json"
+    if not path.is_file():
+        raise UsageError(f"{path} not found: not a drafter directory",
+                         hint="point at a dir with config.json + model.safetensors (e.g. train/final)")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path}: invalid JSON ({e})", hint="re-export the drafter") from None
+    contract = DrafterContract.from_hf_config(cfg, source=str(path))
+    contract.check()
+    return contract
+
+
+def _open_weights(drafter_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = [drafter_dir / WEIGHTS]
+    index = drafter_dir / f"{WEIGHTS}.index.json"
+    if not files[0].is_file() and index.is_file():
+        files = sorted({drafter_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+    if not files[0].is_file():
+        raise UsageError(f"{files[0]} not found (dflashkit reads safetensors only)",
+                         hint="re-export the drafter with `dflashkit export`")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise UsageError(f"{f}: cannot read safetensors ({e})",
+                             hint="the file is corrupt or truncated; re-export or re-download it") from None
+    return state
+
+
+def load_drafter(drafter_dir: str | Path, *, dtype: torch.dtype | None = None,
+                 device: str | torch.device = "cpu") -> DFlashDraftModel:
+    """Load a z-lab/dflashkit drafter dir, validating tensor names and shapes; eval mode, no grad.
+
+    Args:
+        drafter_dir: dir with config.json (+ dflash_config) and model.safetensors.
+        dtype: cast to this dtype (default: the stored dtype).
+        device: where to put the model.
+    Raises:
+        UsageError: missing/invalid config keys, missing, unexpected or mis-shaped tensors, corrupt file.
+    """
+    d = Path(drafter_dir)
+    contract = read_contract(d)
+    state = _open_weights(d)
+    model = DFlashDraftModel(contract)
+    want = model.state_dict()
+    missing = sorted(set(want) - set(state))
+    unexpected = sorted(set(state) - set(want))
+    shapes = [f"{k}: file {tuple(state[k].shape)} != config {tuple(want[k].shape)}"
+              for k in want if k in state and state[k].shape != want[k].shape]
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors {missing[:5]}{' …' if len(missing) > 5 else ''}")
+        if unexpected:
+            parts.append(f"unexpected tensors {unexpected[:5]}{' …' if len(unexpected) > 5 else ''}")
+        parts.extend(shapes[:5])
+        raise UsageError(f"{d / WEIGHTS} does not match {d / 'config.json'}: " + "; ".join(parts),
+                         hint="the weights and config come from different drafters; re-export")
+    stored = next(iter(state.values())).dtype
+    model.load_state_dict(state, strict=True)
+    model.to(device=device, dtype=dtype or stored).eval().requires_grad_(False)
+    return model
+
+
+def check_fits(contract: DrafterContract, *, num_layers: int, hidden_size: int, vocab_size: int,
+               where: str = "drafter") -> None:
+    """Raise UsageError (all problems at once) if the drafter cannot run on this target."""
+    problems = []
+    bad = [i for i in contract.target_layer_ids if not 0 <= i < num_layers]
+    if bad:
+        problems.append(f"dflash_config.target_layer_ids {bad} are outside the target's {num_layers} layers")
+    if contract.hidden_size != hidden_size:
+        problems.append(f"hidden_size {contract.hidden_size} != the target's {hidden_size}")
+    if not 0 <= contract.mask_token_id < vocab_size:
+        problems.append(f"dflash_config.mask_token_id {contract.mask_token_id} is outside the target vocab "
+                        f"[0, {vocab_size})")
+    if contract.vocab_size and contract.vocab_size != vocab_size:
+        problems.append(f"vocab_size {contract.vocab_size} != the target's {vocab_size}")
+    if problems:
+        raise UsageError(f"{where} does not fit the target: " + "; ".join(problems),
+                         hint="use a drafter trained for this target, or set target.path to its target")
+    if contract.num_target_layers and contract.num_target_layers != num_layers:
+        log.warning("%s was built for a %d-layer target; this target has %d layers", where,
+                    contract.num_target_layers, num_layers)
+
+
+def read_target_head(target_dir: str | Path) -> torch.Tensor | None:
+    """The target's output head [V, H] read straight from its safetensors (tied: the embedding)."""
+    from safetensors import safe_open
+
+    d = Path(target_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    else:
+        weight_map = {}
+        for f in sorted(d.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as fh:
+                weight_map.update({k: f.name for k in fh.keys()})
+    for suffix in ("lm_head.weight", "embed_tokens.weight"):
+        names = [k for k in weight_map if k.endswith(suffix)]
+        if names:
+            with safe_open(str(d / weight_map[names[0]]), "pt") as fh:
+                return fh.get_tensor(names[0])
+    return None
+
+
+def load_shipped_model(export_dir: str | Path):
+    """Load an export through its own `dflash.py` (as trust_remote_code would), without caching code."""
+    import importlib.util
+
+    path = Path(export_dir) / MODELING_FILE
+    spec = importlib.util.spec_from_file_location(f"dflash_export_{abs(hash(str(path)))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.DFlashDraftModel.from_pretrained(str(export_dir), dtype=torch.float32).eval()
