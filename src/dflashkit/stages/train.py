@@ -1,0 +1,71 @@
+"""`dflashkit train`: train the DFlash drafter (one process, or every rank under torchrun).
+
+Inputs:  contract.json (probe), tokenize/shard-*.parquet (tokenize), capture/*.safetensors when
+         train.features=cached, the target (target.path).
+Outputs: train/checkpoints/step-XXXXXXX/ (resumable), train/final/ (z-lab drafter dir:
+         config.json + model.safetensors), train/metrics.jsonl, train/manifest.json.
+Example: dflashkit train -c run.yaml train.max_steps=200
+         torchrun --nproc-per-node 2 -m dflashkit train -c run.yaml     (or --nproc-per-node 2)
+
+Re-running resumes from the latest complete checkpoint (weights, optimizer, scheduler, data
+cursor, RNG), so a killed run continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from dflashkit.config import section_hash
+from dflashkit.rundir import read_json, write_manifest
+
+
+def run(cfg, rd, ctx) -> dict:
+    from dflashkit.train.data import tokenized_shards
+
+    if ctx.nproc_per_node and "WORLD_SIZE" not in os.environ:
+        from dflashkit.train.parallel import relaunch_under_torchrun
+
+        argv = ["train"] + (["-c", ctx.config_path] if ctx.config_path else []) + list(ctx.overrides) + ["--json"]
+        relaunch_under_torchrun(ctx.nproc_per_node, argv)
+        manifest = rd.manifest("train") or {}
+        return {"relaunched_nproc": ctx.nproc_per_node, **manifest.get("result", {})}
+    if ctx.dry_run:
+        shards = tokenized_shards(rd)
+        return {"dry_run": True, "contract": str(rd.contract_path), "contract_exists": rd.contract_path.is_file(),
+                "tokenized_shards": len(shards), "features": cfg.train.features,
+                "resume_from": _latest(rd)}
+    from dflashkit.train.loop import fit
+
+    t0 = time.time()
+    result = fit(cfg, rd, show_bar=not ctx.json)
+    if int(os.environ.get("RANK", "0")) == 0:
+        inputs = {"contract": section_hash(read_json(rd.contract_path)),
+                  "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")}
+        if cfg.train.features == "cached":
+            inputs["capture"] = (rd.manifest("capture") or {}).get("config_hash")
+        write_manifest(rd.stage_dir("train"), stage="train",
+                       config_hash=section_hash(cfg.train, cfg.drafter, cfg.run.seed), inputs=inputs,
+                       counts={"steps": result["steps"], "samples": result["samples"]},
+                       outputs=["final/config.json", "final/model.safetensors", "metrics.jsonl"],
+                       started=t0, extra={"result": result})
+        if not ctx.json:
+            _table(result)
+    return result
+
+
+def _latest(rd) -> str | None:
+    from dflashkit.train.checkpoint import latest_checkpoint
+
+    found = latest_checkpoint(rd.root / "train" / "checkpoints")
+    return str(found) if found else None
+
+
+def _table(result: dict) -> None:
+    rows = [("steps", result["steps"]), ("resumed from", result["resumed_from"]),
+            ("train loss", (result.get("train") or {}).get("loss")),
+            ("train tau", (result.get("train") or {}).get("tau")),
+            ("held-out tau", (result.get("heldout") or {}).get("tau")),
+            ("tokens/s", result.get("tokens_per_s")), ("final", result["final_dir"])]
+    for k, v in rows:
+        print(f"{k:>14}  {v if not isinstance(v, float) else round(v, 4)}")

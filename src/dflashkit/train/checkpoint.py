@@ -1,0 +1,142 @@
+"""Resumable training state and the final z-lab drafter directory.
+
+Usage:
+    save_checkpoint(ck_root, step=100, model=drafter, optimizer=opt, scheduler=sched, is_main=True)
+    found = latest_checkpoint(ck_root)                  # Path | None (complete checkpoints only)
+    step = load_checkpoint(found, model=drafter, optimizer=opt, scheduler=sched)
+    save_final(rd.stage_dir("train") / "final", drafter, contract)
+
+A checkpoint `checkpoints/step-XXXXXXX/` holds `model.safetensors` (full drafter state, z-lab
+names), `optimizer.pt` (full AdamW state; read back with `torch.load(weights_only=True)`),
+`rng.pt` (CPU/CUDA RNG states) and `state.json` (step, scheduler state, data cursor = step). It is
+written into a temp dir and renamed, so a directory named `step-*` is always complete. Works for
+plain, DDP and FSDP2 drafters (full state dicts gathered by torch.distributed.checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from dflashkit.errors import UsageError
+from dflashkit.rundir import atomic_write_json
+
+log = logging.getLogger("dflashkit.train")
+
+
+def _options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded, CPU) drafter state dict with z-lab names, from plain/DDP/FSDP2 models."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    sd = get_model_state_dict(model, options=_options())
+    return {k.removeprefix("module."): v.detach().to("cpu").contiguous() for k, v in sd.items()}
+
+
+def save_checkpoint(root: Path, *, step: int, model, optimizer, scheduler, is_main: bool, keep: int = 3,
+                    extra: dict | None = None) -> Path | None:
+    """Write `root/step-{step:07d}` atomically (gathers on every rank; writes on the main rank)."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    msd = full_model_state(model)
+    osd = get_optimizer_state_dict(model, optimizer, options=_options())
+    if not is_main:
+        return None
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:07d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".step-{step:07d}.", dir=root))
+    try:
+        save_file(msd, str(tmp / "model.safetensors"))
+        torch.save(osd, tmp / "optimizer.pt")
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        torch.save(rng, tmp / "rng.pt")
+        atomic_write_json(tmp / "state.json", {"step": step, "data_cursor": step,
+                                               "scheduler": scheduler.state_dict(), **(extra or {})})
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    for old in sorted(root.glob("step-*"))[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    log.info("checkpoint %s", final)
+    return final
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint dir (temp dirs of killed writes are ignored)."""
+    done = [p for p in sorted(root.glob("step-*")) if (p / "state.json").is_file()]
+    return done[-1] if done else None
+
+
+def load_checkpoint(path: Path, *, model, optimizer, scheduler) -> int:
+    """Restore weights, optimizer, scheduler and RNG from `path`; returns the step to continue from.
+
+    Raises:
+        UsageError: a file is missing or corrupt (names it; delete the dir to fall back to an older one).
+    """
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    hint = f"delete {path} to resume from the previous checkpoint (or train/ to start over)"
+    current = None
+    try:
+        current = path / "state.json"
+        state = json.loads(current.read_text())
+        current = path / "model.safetensors"
+        msd = load_file(str(current))
+        current = path / "optimizer.pt"
+        osd = torch.load(current, map_location="cpu", weights_only=True)
+        current = path / "rng.pt"
+        rng = torch.load(current, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - safetensors/pickle/json raise many types for torn files
+        raise UsageError(f"corrupt or incomplete checkpoint file {current}: {type(e).__name__}: {e}",
+                         hint=hint) from None
+    try:
+        set_model_state_dict(model, msd, options=_options())
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise UsageError(f"{path / 'model.safetensors'} does not fit this drafter: {e}", hint=hint) from None
+    set_optimizer_state_dict(model, optimizer, osd, options=_options())
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    log.info("resumed from %s (step %d)", path, state["step"])
+    return int(state["step"])
+
+
+def save_final(out_dir: Path, model, contract, *, is_main: bool = True) -> Path | None:
+    """`train/final/`: the z-lab drafter dir (config.json = contract.to_hf_config(), model.safetensors)."""
+    from safetensors.torch import save_file
+
+    sd = full_model_state(model)
+    if not is_main:
+        return None
+    out_dir = Path(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=".final.", dir=out_dir.parent))
+    try:
+        dtype = str(next(iter(sd.values())).dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(contract.to_hf_config(dtype=dtype), indent=2) + "\n")
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir

@@ -1,0 +1,207 @@
+"""Training data: tokenized Parquet shards (and cached feature shards), deterministic batches.
+
+Usage:
+    data = load_tokenized(rd)                                  # all samples of tokenize/shard-*.parquet
+    train_idx, heldout_idx = split_heldout(len(data), 16, seed=0)
+    plan = BatchPlan(train_idx, batch_size=4, grad_accum=2, world=2, seed=0)
+    for micro in plan.micro_batches(step, rank):               # this rank's micro-batches of `step`
+        batch = collate(data, micro, epoch_seed)               # padded tensors + per-sample seeds
+
+Determinism: the order of step s is a function of (run.seed, s) only. The global batch of a step
+(batch_size × grad_accum × world samples) is consecutive in a per-epoch seeded permutation;
+micro-batch m of rank r takes slice (m·world + r). So 1 rank × batch 2b and 2 ranks × batch b see
+the same global batch, and the data cursor is just the step number.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflashkit.errors import MissingArtifactError, UsageError
+
+
+@dataclass
+class TokenData:
+    """All tokenized samples in memory (token ids are small); `where[i]` = (shard index, row)."""
+
+    ids: list[str]
+    input_ids: list[np.ndarray]
+    loss_mask: list[np.ndarray]
+    shards: list[Path]
+    where: list[tuple[int, int]]
+    features: "FeatureStore | None" = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def tokenized_shards(rd) -> list[Path]:
+    return sorted((rd.root / "tokenize").glob("shard-*.parquet"))
+
+
+def load_tokenized(rd) -> TokenData:
+    """Read every `tokenize/shard-*.parquet` (columns id, input_ids, loss_mask).
+
+    Raises:
+        MissingArtifactError: no shards (run `dflashkit tokenize`).
+        UsageError: a shard lacks a column or has mismatched lengths (names the file and row).
+    """
+    import pyarrow.parquet as pq
+
+    shards = tokenized_shards(rd)
+    if not shards:
+        raise MissingArtifactError("tokenized shards", rd.root / "tokenize" / "shard-*.parquet",
+                                   run="dflashkit tokenize -c run.yaml")
+    data = TokenData([], [], [], shards, [])
+    for si, path in enumerate(shards):
+        try:
+            table = pq.read_table(path, columns=["id", "input_ids", "loss_mask"])
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad files
+            raise UsageError(f"{path}: cannot read tokenized shard ({e})",
+                             hint="re-run `dflashkit tokenize -c run.yaml`") from None
+        cols = table.to_pydict()
+        for row, (sid, ids, mask) in enumerate(zip(cols["id"], cols["input_ids"], cols["loss_mask"])):
+            if len(ids) != len(mask):
+                raise UsageError(f"{path} row {row} (id {sid}): input_ids has {len(ids)} tokens but "
+                                 f"loss_mask has {len(mask)}", hint="re-run `dflashkit tokenize -c run.yaml`")
+            data.ids.append(str(sid))
+            data.input_ids.append(np.asarray(ids, dtype=np.int64))
+            data.loss_mask.append(np.asarray(mask, dtype=np.int64))
+            data.where.append((si, row))
+    if not data.ids:
+        raise UsageError(f"{rd.root / 'tokenize'}: the tokenized shards hold no samples",
+                         hint="check `tokenize/stats.json`; lower tokenize.min_supervised or add data")
+    return data
+
+
+def split_heldout(n: int, heldout: int, *, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic split: the last `heldout` of a seeded permutation (at most n // 4) are held out."""
+    perm = np.random.default_rng([seed, 7]).permutation(n).tolist()
+    k = min(heldout, n // 4)
+    return (sorted(perm[:n - k]), sorted(perm[n - k:])) if k else (list(range(n)), [])
+
+
+@dataclass
+class BatchPlan:
+    """Which samples each rank's micro-batches hold at each step (see the module docstring)."""
+
+    train_idx: list[int]
+    batch_size: int
+    grad_accum: int
+    world: int
+    seed: int
+    _perms: dict[int, list[int]] = field(default_factory=dict, repr=False)
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.grad_accum * self.world
+
+    def steps_per_epoch(self) -> int:
+        return max(1, len(self.train_idx) // self.global_batch)
+
+    def _perm(self, epoch: int) -> list[int]:
+        if epoch not in self._perms:
+            order = np.random.default_rng([self.seed, epoch, 11]).permutation(len(self.train_idx))
+            self._perms = {epoch: [self.train_idx[i] for i in order]}
+        return self._perms[epoch]
+
+    def global_indices(self, step: int) -> list[tuple[int, int]]:
+        """(sample index, epoch) for the `global_batch` samples of `step` (wraps into the next epoch)."""
+        g, n = self.global_batch, len(self.train_idx)
+        if n == 0:
+            raise UsageError("no training samples left after the held-out split",
+                             hint="lower train.heldout_samples or add data")
+        out = []
+        for flat in range(step * g, step * g + g):
+            epoch, off = divmod(flat, n)
+            out.append((self._perm(epoch)[off], epoch))
+        return out
+
+    def micro_batches(self, step: int, rank: int) -> list[list[tuple[int, int]]]:
+        idx = self.global_indices(step)
+        b = self.batch_size
+        return [idx[(m * self.world + rank) * b:(m * self.world + rank + 1) * b] for m in range(self.grad_accum)]
+
+
+@dataclass
+class Batch:
+    """Right-padded tensors for one micro-batch."""
+
+    input_ids: torch.Tensor      # [b, S]
+    loss_mask: torch.Tensor      # [b, S]
+    attention_mask: torch.Tensor  # [b, S]
+    seq_lens: torch.Tensor       # [b]
+    seeds: list[int]             # per-sample anchor seeds
+    features: torch.Tensor | None = None  # [b, S, n_feat·H] (cached mode)
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.attention_mask.to(device),
+                     self.seq_lens.to(device), self.seeds,
+                     None if self.features is None else self.features.to(device))
+
+
+def sample_seed(run_seed: int, index: int, epoch: int) -> int:
+    """Anchor seed of a sample in an epoch: independent of batch composition and world size."""
+    return zlib.crc32(f"{run_seed}:{epoch}:{index}".encode())
+
+
+def collate(data: TokenData, items: list[tuple[int, int]], *, run_seed: int, pad_id: int = 0,
+            with_features: bool = False) -> Batch:
+    """Pad the samples `items` ((index, epoch) pairs) into a Batch."""
+    lens = [len(data.input_ids[i]) for i, _ in items]
+    s = max(lens)
+    ids = torch.full((len(items), s), pad_id, dtype=torch.long)
+    lm = torch.zeros((len(items), s), dtype=torch.long)
+    att = torch.zeros((len(items), s), dtype=torch.long)
+    for r, ((i, _), n) in enumerate(zip(items, lens)):
+        ids[r, :n] = torch.from_numpy(data.input_ids[i])
+        lm[r, :n] = torch.from_numpy(data.loss_mask[i])
+        att[r, :n] = 1
+    feats = None
+    if with_features:
+        rows = [data.features.get(data.where[i], n) for (i, _), n in zip(items, lens)]
+        feats = torch.zeros(len(items), s, rows[0].shape[-1], dtype=torch.float32)
+        for r, f in enumerate(rows):
+            feats[r, :f.shape[0]] = f.float()
+    return Batch(ids, lm, att, torch.tensor(lens), [sample_seed(run_seed, i, e) for i, e in items], feats)
+
+
+class FeatureStore:
+    """Read-only access to `capture/shard-*.safetensors` (one per tokenized shard)."""
+
+    def __init__(self, capture_dir: Path, token_shards: list[Path], layer_ids: list[int]):
+        from safetensors import safe_open
+
+        self.files = []
+        for shard in token_shards:
+            path = capture_dir / (shard.stem + ".safetensors")
+            if not path.is_file():
+                raise MissingArtifactError("captured features", path, run="dflashkit capture -c run.yaml")
+            try:
+                fh = safe_open(str(path), framework="pt")
+                meta = fh.metadata() or {}
+                offsets = fh.get_tensor("offsets")
+            except Exception as e:  # noqa: BLE001 - safetensors raises several types for bad files
+                raise UsageError(f"{path}: unreadable feature shard ({e})",
+                                 hint=f"delete it and re-run `dflashkit capture -c run.yaml`") from None
+            got = json.loads(meta.get("target_layer_ids", "null"))
+            if got != list(layer_ids):
+                raise UsageError(f"{path}: features were captured at target_layer_ids {got}, but the drafter "
+                                 f"contract uses {list(layer_ids)}",
+                                 hint="re-run `dflashkit capture -c run.yaml` (delete capture/ first) or set "
+                                 "train.features=online")
+            self.files.append((fh, offsets))
+
+    def get(self, where: tuple[int, int], length: int) -> torch.Tensor:
+        fh, offsets = self.files[where[0]]
+        a, b = int(offsets[where[1]]), int(offsets[where[1] + 1])
+        if b - a != length:
+            raise UsageError(f"feature shard {where[0]} row {where[1]} holds {b - a} tokens but the tokenized "
+                             f"sample has {length}", hint="re-run `dflashkit capture -c run.yaml` after tokenize")
+        return fh.get_slice("features")[a:b]

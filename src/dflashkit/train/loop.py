@@ -1,0 +1,267 @@
+"""`fit()`: the drafter training loop, readable top to bottom.
+
+Usage:
+    result = fit(cfg, rd)              # one process, or one rank under torchrun
+
+Flow: contract + tokenized data (+ cached features) → target (frozen; online features, embedding,
+head) → drafter (random or target init) → DDP/FSDP2 → AdamW + cosine → resume from the latest
+complete checkpoint → per step: this rank's micro-batches of the deterministic global batch,
+anchors, the step's global Σw (all-reduced), forward/backward per micro-batch, clip, step →
+metrics, held-out simulated τ, checkpoints → `train/final/` (z-lab drafter dir).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dflashkit.errors import UsageError
+from dflashkit.model.drafter import DFlashDraftModel
+from dflashkit.model.drafter_config import DrafterContract
+from dflashkit.train import checkpoint as ckpt
+from dflashkit.train.data import BatchPlan, Batch, FeatureStore, collate, load_tokenized, split_heldout
+from dflashkit.train.logging import MetricSink
+from dflashkit.train.objective import dflash_loss, gamma_for, sample_anchors, weight_sum
+from dflashkit.train.optim import build_optimizer, build_scheduler
+from dflashkit.train.parallel import (DistInfo, TargetParts, all_reduce_sum, barrier, init_distributed,
+                                      shard_target, wrap_drafter)
+
+log = logging.getLogger("dflashkit.train")
+
+
+def check_compat(contract: DrafterContract, target, source: str) -> None:
+    """Contract vs loaded target; every mismatch is a UsageError naming contract.json (exit 2)."""
+    problems = []
+    if contract.hidden_size != target.hidden_size:
+        problems.append(f"hidden_size {contract.hidden_size} != the target's {target.hidden_size}")
+    if not 0 <= contract.mask_token_id < target.vocab_size:
+        problems.append(f"mask_token_id {contract.mask_token_id} is outside the target embedding "
+                        f"[0, {target.vocab_size})")
+    bad = [i for i in contract.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} are outside the target's {target.num_layers} layers")
+    if problems:
+        raise UsageError(f"{source} does not match the target {target.model_dir}: " + "; ".join(problems),
+                         hint="re-run `dflashkit probe -c run.yaml` for this target")
+    contract.check()
+
+
+def autocast_dtype(train_dtype: str, device: torch.device) -> torch.dtype | None:
+    if train_dtype == "bfloat16" or (train_dtype == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+@dataclass
+class Trainer:
+    """Everything one step needs (built by `setup`)."""
+
+    cfg: object
+    contract: DrafterContract
+    dist: DistInfo
+    drafter: torch.nn.Module
+    target: object
+    parts: TargetParts
+    data: object
+    plan: BatchPlan
+    heldout: list[int]
+    gamma: float
+    attention: str
+    amp: torch.dtype | None
+
+    def features(self, b: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[b, S, n_feat·H] features (cached or online) and target logits when the loss needs them."""
+        need_logits = self.cfg.train.loss != "ce"
+        if b.features is not None and not need_logits:
+            return b.features, None
+        with torch.no_grad():
+            out = self.target.features(b.input_ids, layer_ids=self.contract.target_layer_ids,
+                                       need_logits=need_logits or self.parts.sharded,
+                                       attention_mask=b.attention_mask)
+        feats, logits = (out[0], out[1].logits) if isinstance(out, tuple) else (out, None)
+        feats = b.features if b.features is not None else feats
+        return feats.float() if self.amp is None else feats, (logits if need_logits else None)
+
+    def micro_loss(self, b: Batch, a, denom: float):
+        feats, logits = self.features(b)
+        t = self.cfg.train
+        return dflash_loss(self.drafter, self.parts.embed, self.parts.lm_head, feats, b.input_ids, b.loss_mask,
+                           b.seq_lens, a, mask_token_id=self.contract.mask_token_id, gamma=self.gamma, denom=denom,
+                           loss=t.loss, kl_weight=t.kl_weight, target_logits=logits,
+                           chunk_blocks=t.loss_chunk_blocks, attention=self.attention, autocast_dtype=self.amp)
+
+    def batch(self, items) -> Batch:
+        pad = self.target.tokenizer.pad_token_id if getattr(self.target, "tokenizer", None) else 0
+        return collate(self.data, items, run_seed=self.cfg.run.seed, pad_id=pad or 0,
+                       with_features=self.cfg.train.features == "cached").to(self.dist.device)
+
+    def anchors(self, b: Batch):
+        return sample_anchors(b.loss_mask, b.seq_lens, num_anchors=self.cfg.train.num_anchors,
+                              block_size=self.contract.block_size, seeds=b.seeds)
+
+
+def setup(cfg, rd, dist: DistInfo) -> Trainer:
+    from dflashkit.model.target import load_target
+
+    contract = DrafterContract.load(rd.contract_path)
+    data = load_tokenized(rd)
+    target = load_target(cfg.target, device=str(dist.device))
+    check_compat(contract, target, str(rd.contract_path))
+    if cfg.train.features == "cached":
+        data.features = FeatureStore(rd.root / "capture", data.shards, contract.target_layer_ids)
+    parts = TargetParts(target.model.get_input_embeddings(), target.lm_head)
+    if cfg.train.parallel.target == "shard":
+        parts = shard_target(target, dist)
+    torch.manual_seed(cfg.run.seed)
+    drafter = DFlashDraftModel(contract).to(dist.device)
+    if cfg.drafter.init == "target":
+        from dflashkit.model.init import init_from_target
+
+        init_from_target(drafter, target, cfg.drafter.init_layer_ids)
+    if cfg.train.compile:
+        for layer in drafter.layers:
+            layer.compile()
+    attention = cfg.drafter.attention
+    if attention == "flex" and dist.device.type != "cuda":
+        log.warning("drafter.attention=flex needs CUDA for training (flex backward); using sdpa on %s", dist.device)
+        attention = "sdpa"
+    drafter = wrap_drafter(drafter, cfg.train.parallel.mode, dist)
+    train_idx, heldout = split_heldout(len(data), cfg.train.heldout_samples, seed=cfg.run.seed)
+    plan = BatchPlan(train_idx, cfg.train.batch_size, cfg.train.grad_accum, dist.world, cfg.run.seed)
+    return Trainer(cfg, contract, dist, drafter, target, parts, data, plan, heldout,
+                   gamma_for(cfg.train.gamma, contract.block_size), attention,
+                   autocast_dtype(cfg.train.dtype, dist.device))
+
+
+def total_steps(cfg, plan: BatchPlan) -> int:
+    if cfg.train.max_steps:
+        return int(cfg.train.max_steps)
+    return max(1, math.ceil(cfg.train.epochs * len(plan.train_idx) / plan.global_batch))
+
+
+def train_step(tr: Trainer, step: int, opt, sched) -> dict:
+    """One optimizer step over this rank's micro-batches; returns metrics reduced over ranks."""
+    B = tr.contract.block_size
+    batches = [tr.batch(items) for items in tr.plan.micro_batches(step, tr.dist.rank)]
+    anchors = [tr.anchors(b) for b in batches]
+    local_w = sum(weight_sum(b.loss_mask, b.seq_lens, a, input_ids=b.input_ids, block_size=B, gamma=tr.gamma)
+                  for b, a in zip(batches, anchors))
+    denom = float(all_reduce_sum(torch.tensor([local_w], dtype=torch.float64), tr.dist)[0])
+    stats = torch.zeros(4 + 2 * B, dtype=torch.float64)  # loss, tau_sum, blocks, tokens, correct[B], total[B]
+    for b, a in zip(batches, anchors):
+        out = tr.micro_loss(b, a, denom)
+        if denom > 0:
+            (out.loss * tr.dist.world).backward()
+        stats[0] += float(out.loss.detach())
+        stats[1] += out.tau_sum
+        stats[2] += out.blocks
+        stats[3] += float(b.seq_lens.sum())
+        stats[4:4 + B] += out.correct.double()
+        stats[4 + B:] += out.total.double()
+    grad_norm = 0.0
+    if denom > 0:
+        params = [p for p in tr.drafter.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, tr.cfg.train.grad_clip if tr.cfg.train.grad_clip > 0 else
+                                              float("inf"))
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        opt.step()
+    else:
+        log.warning("step %d: no supervised positions in the global batch; skipping the update", step)
+    opt.zero_grad(set_to_none=True)
+    lr = opt.param_groups[0]["lr"]
+    sched.step()
+    stats = all_reduce_sum(stats, tr.dist)  # loss terms were divided by the global Σw: the sum is the mean
+    return _metrics(stats, B, step + 1, lr=lr, grad_norm=grad_norm)
+
+
+def _metrics(stats: torch.Tensor, B: int, step: int, **extra) -> dict:
+    correct, total = stats[4:4 + B], stats[4 + B:]
+    acc = [round(float(c / t), 4) if t > 0 else None for c, t in zip(correct[1:], total[1:])]
+    return {"step": step, "loss": float(stats[0]), "tau": float(stats[1] / max(stats[2], 1)),
+            "acc": acc, "acc_mean": float(correct[1:].sum() / max(total[1:].sum(), 1)),
+            "blocks": int(stats[2]), "tokens": int(stats[3]), **extra}
+
+
+@torch.no_grad()
+def evaluate_heldout(tr: Trainer, step: int) -> dict | None:
+    """Simulated τ / per-position accuracy on the held-out samples (fixed anchors; same on every rank)."""
+    if not tr.heldout:
+        return None
+    B = tr.contract.block_size
+    stats = torch.zeros(4 + 2 * B, dtype=torch.float64)
+    bs = tr.cfg.train.batch_size
+    for i in range(0, len(tr.heldout), bs):
+        b = tr.batch([(j, -1) for j in tr.heldout[i:i + bs]])
+        a = tr.anchors(b)
+        out = tr.micro_loss(b, a, None)
+        stats[0] += float(out.loss) * out.weight_sum
+        stats[1] += out.tau_sum
+        stats[2] += out.blocks
+        stats[3] += out.weight_sum
+        stats[4:] += torch.cat([out.correct, out.total]).double()
+    stats[0] /= max(float(stats[3]), 1e-6)
+    m = _metrics(stats, B, step)
+    return {"step": step, "split": "heldout", "loss": m["loss"], "tau": m["tau"], "acc": m["acc"],
+            "acc_mean": m["acc_mean"], "blocks": m["blocks"]}
+
+
+def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict:
+    """Train (or resume) until the configured number of steps; returns the final metrics."""
+    dist = dist or init_distributed(cfg.train.parallel, cfg.target.device)
+    tr = setup(cfg, rd, dist)
+    steps = total_steps(cfg, tr.plan)
+    opt = build_optimizer(tr.drafter, cfg.train)
+    sched = build_scheduler(opt, total_steps=steps, warmup_ratio=cfg.train.warmup_ratio,
+                            min_lr_ratio=cfg.train.min_lr_ratio)
+    out_dir = rd.stage_dir("train")
+    ck_root = out_dir / "checkpoints"
+    start = 0
+    found = ckpt.latest_checkpoint(ck_root)
+    if found is not None:
+        start = ckpt.load_checkpoint(found, model=tr.drafter, optimizer=opt, scheduler=sched)
+    sink = MetricSink(out_dir, total_steps=steps, start_step=start, train=cfg.train, enabled=dist.is_main,
+                      show_bar=show_bar)
+    log.info("training %d steps from step %d: %d train / %d held-out samples, global batch %d, world %d",
+             steps, start, len(tr.plan.train_idx), len(tr.heldout), tr.plan.global_batch, dist.world)
+    last, last_eval, t0, done_tokens = {}, None, time.perf_counter(), 0
+    try:
+        tr.drafter.train()
+        for step in range(start, steps):
+            ts = time.perf_counter()
+            last = train_step(tr, step, opt, sched)
+            dt = time.perf_counter() - ts
+            done_tokens += last["tokens"]
+            last.update(tok_s=round(last["tokens"] / dt, 1), anchors_s=round(last["blocks"] / dt, 1),
+                        step_time_s=round(dt, 4))
+            n = step + 1
+            if n % max(1, cfg.train.log_every) == 0 or n == steps or n == start + 1:
+                sink.log(last)
+            sink.progress(n, loss=last["loss"], tau=last["tau"], tok_s=last["tok_s"])
+            if cfg.train.eval_every and n % cfg.train.eval_every == 0 and n != steps:
+                last_eval = evaluate_heldout(tr, n)
+                if last_eval:
+                    sink.log(last_eval)
+            if cfg.train.save_every and n % cfg.train.save_every == 0 and n != steps:
+                ckpt.save_checkpoint(ck_root, step=n, model=tr.drafter, optimizer=opt, scheduler=sched,
+                                     is_main=dist.is_main)
+                barrier(dist)
+        if start < steps:
+            ckpt.save_checkpoint(ck_root, step=steps, model=tr.drafter, optimizer=opt, scheduler=sched,
+                                 is_main=dist.is_main)
+        tr.drafter.eval()
+        last_eval = evaluate_heldout(tr, steps) or last_eval
+        if last_eval:
+            sink.log(last_eval)
+        ckpt.save_final(out_dir / "final", tr.drafter, tr.contract, is_main=dist.is_main)
+        barrier(dist)
+    finally:
+        sink.close()
+    wall = time.perf_counter() - t0
+    return {"steps": steps, "resumed_from": start, "final_dir": str(out_dir / "final"),
+            "train": {k: last.get(k) for k in ("loss", "tau", "acc_mean")} if last else None,
+            "heldout": last_eval, "tokens_per_s": round(done_tokens / wall, 1) if wall > 0 else None,
+            "world_size": dist.world, "samples": len(tr.plan.train_idx), "heldout_samples": len(tr.heldout)}
