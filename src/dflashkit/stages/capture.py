@@ -1,0 +1,139 @@
+"""`dflashkit capture`: run the target over the tokenized shards and cache its features.
+
+Inputs:  contract.json (probe), tokenize/shard-*.parquet (tokenize), the target (target.path).
+Outputs: capture/shard-XXXXX.safetensors (one per tokenized shard), capture/manifest.json.
+Example: dflashkit capture -c run.yaml capture.dtype=bfloat16
+
+Each feature shard holds `features` [tokens, n_feat·H] (capture.dtype; the concatenated outputs
+of target decoder layers `target_layer_ids`, rows of all samples back to back), `offsets`
+[samples+1] (int64 row offsets, in tokenized-shard order) and metadata: the target_layer_ids, the
+source shard's digest, the dtype. The total size (n_feat·H·bytes·tokens) is logged BEFORE any
+work, and the stage refuses (exit 2) when it exceeds capture.max_disk_fraction of the free disk.
+Shards are written through a temp file + rename and streamed (never held in memory whole); a
+complete shard whose layer ids and source digest still match is skipped, so a killed run resumes.
+`dflashkit train train.features=cached` refuses shards captured at other layer ids.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import struct
+import time
+from pathlib import Path
+
+import torch
+
+from dflashkit.config import section_hash
+from dflashkit.errors import UsageError
+from dflashkit.rundir import atomic_path, file_digest, read_json, write_manifest
+
+log = logging.getLogger("dflashkit.capture")
+
+ST_DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
+
+
+def _existing_ok(path: Path, layer_ids: list[int], digest: str, dtype: str) -> bool:
+    if not path.is_file():
+        return False
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+    except Exception:  # noqa: BLE001 - a torn file is simply recomputed
+        return False
+    return (json.loads(meta.get("target_layer_ids", "null")) == list(layer_ids)
+            and meta.get("source_digest") == digest and meta.get("dtype") == dtype)
+
+
+def _write_shard(path: Path, target, rows: list[torch.Tensor], layer_ids: list[int], *, dtype: str,
+                 batch_size: int, metadata: dict[str, str], width: int, pad_id: int) -> int:
+    """Stream one safetensors file: header, offsets, then features batch by batch."""
+    st_name, nbytes = ST_DTYPES[dtype]
+    lens = [len(r) for r in rows]
+    offsets = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0)
+    total = int(offsets[-1])
+    off_bytes = offsets.numpy().tobytes()
+    header = {"offsets": {"dtype": "I64", "shape": [len(rows) + 1], "data_offsets": [0, len(off_bytes)]},
+              "features": {"dtype": st_name, "shape": [total, width],
+                           "data_offsets": [len(off_bytes), len(off_bytes) + total * width * nbytes]},
+              "__metadata__": metadata}
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    tdtype = getattr(torch, dtype)
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        fh.write(struct.pack("<Q", len(hb)) + hb + off_bytes)
+        for i in range(0, len(rows), batch_size):
+            part = rows[i:i + batch_size]
+            s = max(len(r) for r in part)
+            ids = torch.full((len(part), s), pad_id, dtype=torch.long)
+            att = torch.zeros((len(part), s), dtype=torch.long)
+            for j, r in enumerate(part):
+                ids[j, :len(r)], att[j, :len(r)] = r, 1
+            with torch.no_grad():
+                feats = target.features(ids.to(target.device), layer_ids=layer_ids,
+                                        attention_mask=att.to(target.device))
+            for j, r in enumerate(part):
+                fh.write(feats[j, :len(r)].to(tdtype).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return total
+
+
+def run(cfg, rd, ctx) -> dict:
+    from dflashkit.model.drafter_config import DrafterContract
+    from dflashkit.train.data import load_tokenized
+
+    t0 = time.time()
+    contract = DrafterContract.load(rd.contract_path)
+    data = load_tokenized(rd)
+    out_dir = rd.stage_dir("capture")
+    dtype = cfg.capture.dtype
+    width = contract.num_features * contract.hidden_size
+    per_token = width * ST_DTYPES[dtype][1]
+    tokens = sum(len(x) for x in data.input_ids)
+    layer_ids = list(contract.target_layer_ids)
+    todo = []
+    for si, shard in enumerate(data.shards):
+        digest = file_digest(shard, limit=None)
+        dest = out_dir / f"{shard.stem}.safetensors"
+        if not _existing_ok(dest, layer_ids, digest, dtype):
+            todo.append((si, shard, digest, dest))
+    todo_ids = {t[0] for t in todo}
+    need = sum(len(data.input_ids[i]) for i, (si, _) in enumerate(data.where) if si in todo_ids) * per_token
+    free = shutil.disk_usage(out_dir).free
+    msg = (f"capture: {tokens} tokens x {contract.num_features} layers x {contract.hidden_size} x "
+           f"{ST_DTYPES[dtype][1]} B = {tokens * per_token / 1e9:.3f} GB in total, {need / 1e9:.3f} GB to write "
+           f"({len(todo)}/{len(data.shards)} shards); {free / 1e9:.1f} GB free")
+    log.info("%s", msg)
+    if not ctx.json:
+        print(msg, flush=True)
+    if need > cfg.capture.max_disk_fraction * free:
+        raise UsageError(f"capture needs {need / 1e9:.3f} GB but only {free / 1e9:.3f} GB is free in {out_dir} "
+                         f"(capture.max_disk_fraction={cfg.capture.max_disk_fraction})",
+                         hint="free disk space, use capture.dtype=bfloat16, or train with train.features=online")
+    result = {"shards": len(data.shards), "written": len(todo), "skipped": len(data.shards) - len(todo),
+              "tokens": tokens, "bytes_total": tokens * per_token, "bytes_written": need, "dtype": dtype,
+              "target_layer_ids": layer_ids}
+    if ctx.dry_run:
+        return {"dry_run": True, **result}
+    if todo:
+        from dflashkit.model.target import load_target
+        from dflashkit.train.loop import check_compat
+
+        target = load_target(cfg.target)
+        check_compat(contract, target, str(rd.contract_path))
+        pad = (target.tokenizer.pad_token_id if target.tokenizer is not None else 0) or 0
+        for si, shard, digest, dest in todo:
+            rows = [torch.from_numpy(data.input_ids[i]) for i, (s, _) in enumerate(data.where) if s == si]
+            meta = {"target_layer_ids": json.dumps(layer_ids), "source": shard.name, "source_digest": digest,
+                    "dtype": dtype, "hidden_size": str(contract.hidden_size), "samples": str(len(rows))}
+            n = _write_shard(dest, target, rows, layer_ids, dtype=dtype, batch_size=cfg.capture.batch_size,
+                             metadata=meta, width=width, pad_id=pad)
+            log.info("captured %s: %d samples, %d tokens", dest.name, len(rows), n)
+    write_manifest(out_dir, stage="capture", config_hash=section_hash(cfg.capture, layer_ids),
+                   inputs={"contract": section_hash(read_json(rd.contract_path)),
+                           "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")},
+                   counts={"shards": len(data.shards), "tokens": tokens}, started=t0,
+                   outputs=[f"{s.stem}.safetensors" for s in data.shards])
+    return result

@@ -1,0 +1,71 @@
+"""`dflashkit capture`: streamed safetensors shards, resume, disk refusal, layer-id guard, online == cached."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors import safe_open
+
+from dflashkit.cli import main
+from dflashkit.config import load_config
+from dflashkit.model.target import load_target
+from dflashkit.rundir import RunDir
+from dflashkit.train.data import load_tokenized
+from tests.unit.test_train_setup import make_run, overrides
+
+
+def test_capture_features_equal_target_and_resume(tmp_path, tiny_qwen3, capsys):
+    rd = make_run(tmp_path / "r", tiny_qwen3)
+    ov = overrides(rd, tiny_qwen3) + ["capture.dtype=float32", "capture.batch_size=3"]
+    assert main(["capture", *ov]) == 0
+    out = capsys.readouterr().out
+    assert "GB in total" in out.splitlines()[0]  # size printed before the work
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["written"] == 2 and res["bytes_total"] == res["tokens"] * 2 * 64 * 4
+    data = load_tokenized(RunDir(rd))
+    target = load_target(load_config(None, ov).target)
+    contract = json.loads((rd / "contract.json").read_text())
+    with safe_open(str(rd / "capture" / "shard-00001.safetensors"), framework="pt") as fh:
+        assert json.loads(fh.metadata()["target_layer_ids"]) == contract["target_layer_ids"]
+        feats, offs = fh.get_tensor("features"), fh.get_tensor("offsets")
+    i = data.where.index((1, 2))
+    want = target.features(torch.from_numpy(data.input_ids[i])[None], layer_ids=contract["target_layer_ids"])[0]
+    got = feats[int(offs[2]):int(offs[3])]
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    mtime = (rd / "capture" / "shard-00000.safetensors").stat().st_mtime_ns
+    assert main(["capture", "--json", *ov]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["skipped"] == 2 and res["written"] == 0
+    assert (rd / "capture" / "shard-00000.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_capture_refuses_when_disk_too_small(tmp_path, tiny_qwen3, capsys):
+    rd = make_run(tmp_path / "r", tiny_qwen3)
+    rc = main(["capture", "--json", *overrides(rd, tiny_qwen3), "capture.max_disk_fraction=1e-15"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 2 and "free" in out["error"]
+    assert not list((rd / "capture").glob("*.safetensors"))
+
+
+def test_online_equals_cached_loss(tmp_path, tiny_qwen3, capsys):
+    rd_on = make_run(tmp_path / "on", tiny_qwen3)
+    rd_ca = make_run(tmp_path / "ca", tiny_qwen3)
+    assert main(["capture", "--json", *overrides(rd_ca, tiny_qwen3), "capture.dtype=float32"]) == 0
+    assert main(["train", "--json", *overrides(rd_on, tiny_qwen3, train__max_steps=3)]) == 0
+    assert main(["train", "--json", *overrides(rd_ca, tiny_qwen3, train__max_steps=3, train__features="cached")]) == 0
+    on = [json.loads(x)["loss"] for x in (rd_on / "train" / "metrics.jsonl").read_text().splitlines()]
+    ca = [json.loads(x)["loss"] for x in (rd_ca / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert len(on) == len(ca) == 4 and torch.allclose(torch.tensor(on), torch.tensor(ca), atol=1e-4), (on, ca)
+
+
+def test_cached_features_with_other_layer_ids_are_refused(tmp_path, tiny_qwen3, capsys):
+    rd = make_run(tmp_path / "r", tiny_qwen3)
+    assert main(["capture", "--json", *overrides(rd, tiny_qwen3)]) == 0
+    c = json.loads((rd / "contract.json").read_text())
+    c["target_layer_ids"] = [0, 2]
+    (rd / "contract.json").write_text(json.dumps(c))
+    capsys.readouterr()
+    rc = main(["train", "--json", *overrides(rd, tiny_qwen3, train__features="cached")])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 2 and "target_layer_ids" in out["error"] and "capture" in out["hint"]
