@@ -1,0 +1,225 @@
+"""Lean asyncio client for OpenAI-compatible `/v1/chat/completions`, with retries and balancing.
+
+Usage:
+    async with OpenAIClient(["http://127.0.0.1:8000/v1"], concurrency=32, timeout_s=600) as client:
+        model = await client.model_name()
+        reply = await client.chat({"model": model, "messages": [...], "max_tokens": 64})
+        reply.content, reply.reasoning, reply.finish_reason, reply.token_ids, reply.attempts
+
+One `httpx.AsyncClient` (keep-alive pool) serves every endpoint. Each request goes to the endpoint
+with the fewest requests in flight. Retryable failures (HTTP 408/409/425/429/5xx, timeouts,
+connection errors, malformed JSON) are retried with exponential backoff and jitter, honouring
+`Retry-After`; anything else (HTTP 400, 401, 404, …) fails at once. After the last retry
+`chat` raises `RequestFailed` whose `reason` is short and countable ("http 500", "timeout", …).
+The API key is read once from the environment and only ever placed in the Authorization header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+log = logging.getLogger("dflashkit.generate")
+
+RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 520, 522, 524})
+MAX_BACKOFF_S = 60.0
+
+
+class RequestFailed(Exception):
+    """A request that did not succeed after its retries; `reason` is a short countable label."""
+
+    def __init__(self, reason: str, detail: str = "", attempts: int = 1):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+        self.attempts = attempts
+
+
+class _Retryable(Exception):
+    def __init__(self, reason: str, detail: str = "", retry_after: float | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.detail = detail
+        self.retry_after = retry_after
+
+
+@dataclass
+class ChatReply:
+    """One parsed choice of a chat completion."""
+
+    content: str
+    reasoning: str | None
+    finish_reason: str | None
+    token_ids: list[int] | None
+    usage: dict[str, Any]
+    model: str | None
+    url: str
+    attempts: int = 1
+    retry_reasons: list[str] = field(default_factory=list)
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """Seconds from a Retry-After header (delta-seconds or an HTTP date); None if absent/bad."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def parse_chat_response(body: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(choice, response) from a response body; raises `_Retryable("malformed json")` if unusable."""
+    try:
+        data = json.loads(body)
+        choice = data["choices"][0]
+        message = choice["message"]
+        if not isinstance(message, dict) or not isinstance(message.get("content") or "", str):
+            raise TypeError("message.content is not a string")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, IndexError, TypeError) as e:
+        raise _Retryable("malformed json", f"{type(e).__name__}: {str(e)[:120]}") from None
+    return choice, data
+
+
+def _token_ids(choice: dict[str, Any]) -> list[int] | None:
+    for key in ("token_ids", "output_token_ids", "output_ids"):
+        ids = choice.get(key)
+        if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
+            return ids
+    return None
+
+
+class OpenAIClient:
+    """Bounded-concurrency, load-balanced, retrying chat-completions client."""
+
+    def __init__(self, urls: list[str], *, concurrency: int = 32, timeout_s: float = 600.0,
+                 max_retries: int = 5, backoff_s: float = 0.5, api_key_env: str | None = None,
+                 seed: int = 0):
+        if not urls:
+            raise ValueError("no endpoint URLs")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.in_flight = {u: 0 for u in self.urls}
+        self._cooldown_until = {u: 0.0 for u in self.urls}
+        self._rr = 0
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.timeout_s = timeout_s
+        self._rng = random.Random(seed)
+        self._sem = asyncio.Semaphore(concurrency)
+        headers = {"Content-Type": "application/json"}
+        key = os.environ.get(api_key_env) if api_key_env else None
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        self._http = httpx.AsyncClient(
+            headers=headers, timeout=httpx.Timeout(timeout_s),
+            limits=httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4),
+        )
+        self.stats = {"requests": 0, "retries": 0}
+
+    async def __aenter__(self) -> "OpenAIClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    def pick_url(self) -> str:
+        """The endpoint with the fewest requests in flight (round robin among ties; cooled-down last)."""
+        now = time.monotonic()
+        n = len(self.urls)
+        best, best_score = self.urls[0], None
+        for k in range(n):
+            u = self.urls[(self._rr + k) % n]
+            score = (self._cooldown_until[u] > now, self.in_flight[u])
+            if best_score is None or score < best_score:
+                best, best_score = u, score
+        self._rr = (self._rr + 1) % n
+        return best
+
+    async def model_name(self) -> str:
+        """The first model id of the first endpoint's /v1/models."""
+        url = self.urls[0] + "/models"
+        try:
+            resp = await self._http.get(url)
+            resp.raise_for_status()
+            return str(resp.json()["data"][0]["id"])
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+            from dflashkit.errors import ServerError
+
+            raise ServerError(f"could not read the model name from {url}: {type(e).__name__}: {e}",
+                              hint="set server.model, or check that the server is up") from None
+
+    async def chat(self, body: dict[str, Any]) -> ChatReply:
+        """POST one chat completion with retries; returns the first choice or raises RequestFailed."""
+        payload = json.dumps(body, ensure_ascii=False).encode()
+        reasons: list[str] = []
+        for attempt in range(self.max_retries + 1):
+            url = self.pick_url()
+            try:
+                async with self._sem:
+                    self.in_flight[url] += 1
+                    self.stats["requests"] += 1
+                    try:
+                        reply = await self._post(url, payload)
+                    finally:
+                        self.in_flight[url] -= 1
+                reply.attempts = attempt + 1
+                reply.retry_reasons = reasons
+                return reply
+            except _Retryable as e:
+                reasons.append(e.reason)
+                if attempt == self.max_retries:
+                    raise RequestFailed(e.reason, e.detail, attempts=attempt + 1) from None
+                delay = self.backoff_s * (2 ** attempt) * (0.5 + self._rng.random())
+                if e.retry_after is not None:
+                    delay = max(delay, e.retry_after)
+                delay = min(delay, MAX_BACKOFF_S)
+                if e.reason in ("connect error", "timeout"):
+                    self._cooldown_until[url] = time.monotonic() + delay
+                self.stats["retries"] += 1
+                log.debug("retry %d/%d in %.2fs after %s (%s) from %s", attempt + 1, self.max_retries,
+                          delay, e.reason, e.detail, url)
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    async def _post(self, url: str, payload: bytes) -> ChatReply:
+        try:
+            resp = await self._http.post(url + "/chat/completions", content=payload)
+            body = resp.content
+        except httpx.TimeoutException as e:
+            raise _Retryable("timeout", type(e).__name__) from None
+        except httpx.ConnectError as e:
+            raise _Retryable("connect error", str(e)[:120]) from None
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
+            raise _Retryable("connection dropped", f"{type(e).__name__}: {str(e)[:120]}") from None
+        status = resp.status_code
+        if status != 200:
+            detail = body[:200].decode("utf-8", "replace")
+            if status in RETRY_STATUS:
+                raise _Retryable(f"http {status}", detail, parse_retry_after(resp.headers.get("retry-after")))
+            raise RequestFailed(f"http {status}", detail)
+        choice, data = parse_chat_response(body)
+        message = choice["message"]
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
+        return ChatReply(
+            content=message.get("content") or "", reasoning=reasoning if isinstance(reasoning, str) else None,
+            finish_reason=choice.get("finish_reason"), token_ids=_token_ids(choice),
+            usage=data.get("usage") or {}, model=data.get("model"), url=url,
+        )
