@@ -1,0 +1,285 @@
+"""Render conversations with the target's chat template and derive loss masks from the template.
+
+Usage:
+    chat = ChatTemplate(tokenizer, template=None, kwargs={"enable_thinking": False})
+    plans, counts = chat.plan(conv, thinking="keep", system_prompt="keep")
+    samples, checks = build_samples(tokenizer, plans, max_length=2048)
+    samples[0].input_ids, samples[0].loss_mask            # int32 / int8 arrays
+
+How the supervised span of assistant turn j is found, for any template (no per-family table):
+    P_j = render(messages[:j], add_generation_prompt=True)     # what the model sees before answering
+    F_j = render(messages[:j+1])                              # the same with the answer
+    The answer span is F_j[len(P_j):], cut just after the first special token (the end-of-turn
+    token: `<|im_end|>`, `<|eot_id|>`, …) that follows the answer content. The template's header
+    / generation prompt lies inside P_j, so it is never supervised; the end-of-turn token is.
+Templates that rewrite earlier turns (Qwen3 drops `<think>` from earlier answers) are detected,
+not assumed: a sample is the rendering F_k of the conversation up to its last answer k, and it
+supervises every turn j whose P_j and answer appear verbatim at the same place in F_k. Turns
+that do not (rewritten ones) get their own sample F_j, so every supervised token is exactly
+what the model produced after exactly the prompt it saw at inference. Prefix-stable templates
+(ChatML, Llama-3, SmolLM2) give one sample per conversation. Pieces (context, answer) are
+tokenized separately, like prompt and generated tokens at inference, so no token straddles a
+mask boundary.
+
+Policies: `thinking` keep (train on think blocks) | mask (keep them in the input, loss 0) |
+strip (remove them from answers); `system_prompt` keep | drop (the template may add its own
+default); a turn cut by max_tokens (finish reason "length") is supervised without the
+end-of-turn token the template appends (the model never emitted it).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any
+
+import numpy as np
+
+from dflashkit.data.records import Conversation
+from dflashkit.errors import UsageError
+
+log = logging.getLogger("dflashkit.tokenize")
+
+THINK_BLOCK = re.compile(r"<think>.*?</think>\s*", re.S)
+THINK_END = re.compile(r"</think>\s*")
+
+
+@dataclass
+class SamplePlan:
+    """One training sample as text pieces: flag 1 = supervised; `turn` = answer ordinal or -1."""
+
+    id: str
+    texts: list[str] = field(default_factory=list)
+    flags: list[int] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
+    server_ids: dict[int, list[int]] = field(default_factory=dict)
+
+    def add(self, text: str, flag: int, turn: int = -1) -> None:
+        if text:
+            self.texts.append(text)
+            self.flags.append(flag)
+            self.turns.append(turn)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+@dataclass
+class Sample:
+    id: str
+    input_ids: np.ndarray  # [T] int32
+    loss_mask: np.ndarray  # [T] int8
+    truncated: bool = False
+
+
+def strip_thinking(content: str) -> str:
+    """Remove `<think>…</think>` blocks (and an unopened leading `…</think>`)."""
+    content = THINK_BLOCK.sub("", content)
+    if "</think>" in content:
+        content = content.split("</think>", 1)[1].lstrip()
+    return content
+
+
+class ChatTemplate:
+    """A tokenizer's (or an override) chat template, compiled once and rendered to text."""
+
+    def __init__(self, tokenizer: Any, template: str | None = None, kwargs: dict[str, Any] | None = None):
+        self.tokenizer = tokenizer
+        self.template = template or getattr(tokenizer, "chat_template", None)
+        if not self.template or not isinstance(self.template, str):
+            raise UsageError("the tokenizer has no chat template",
+                             hint="set target.chat_template to a Jinja template file")
+        self.kwargs = {**{k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)},
+                       **(kwargs or {})}
+        specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special},
+                          key=len, reverse=True)
+        self.special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            self._compiled = _compile_jinja_template(self.template)
+        except ImportError:  # pragma: no cover - older/newer transformers: slower public path
+            self._compiled = None
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        if self._compiled is not None:
+            return self._compiled.render(messages=messages, tools=None, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **self.kwargs)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.template,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  **self.kwargs)
+
+    def answer_span(self, answer: str, content: str) -> tuple[str, bool]:
+        """Cut the rendered answer just after the end-of-turn token following `content`.
+
+        Returns (supervised text, whether an end-of-turn special token was found).
+        """
+        tail = content.strip()[-32:]
+        start = answer.rfind(tail) + len(tail) if tail and tail in answer else 0
+        m = self.special_re.search(answer, start) if self.special_re else None
+        if m is None:
+            return answer.rstrip(), False
+        return answer[:m.end()], True
+
+    def plan(self, conv: Conversation, *, thinking: str = "keep",
+             system_prompt: str = "keep") -> tuple[list[SamplePlan], Counter]:
+        """Sample plans for one conversation (see the module docstring) and event counts."""
+        counts: Counter[str] = Counter()
+        msgs = [dict(m) for m in conv.messages if not (system_prompt == "drop" and m["role"] == "system")]
+        meta = conv.meta or {}
+        reasons = list(meta.get("finish_reasons") or [])
+        server = list(meta.get("token_ids") or [])
+        answers = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        if thinking == "strip":
+            for i in answers:
+                msgs[i]["content"] = strip_thinking(msgs[i]["content"])
+            if any(server):
+                counts["server_ids_ignored_strip"] += 1
+            server = []
+        spans: dict[int, tuple[str, str, str, int]] = {}  # msg index -> (P, answer, F, ordinal)
+        for ordinal, j in enumerate(answers):
+            prompt = self.render(msgs[:j], add_generation_prompt=True)
+            full = self.render(msgs[:j + 1])
+            if not full.startswith(prompt):
+                counts["turns_unaligned"] += 1
+                continue
+            answer, found = self.answer_span(full[len(prompt):], msgs[j]["content"])
+            counts["turns_without_end_token"] += not found
+            spans[j] = (prompt, answer, full, ordinal)
+        plans: list[SamplePlan] = []
+        remaining = sorted(spans)
+        while remaining:
+            last = remaining[-1]
+            text = spans[last][2]
+            plan = SamplePlan(id=conv.id if last == answers[-1] else f"{conv.id}-t{last}")
+            cursor, done = 0, []
+            for j in remaining:
+                prompt, answer, _, ordinal = spans[j]
+                if len(prompt) < cursor or not text.startswith(prompt) \
+                        or not text.startswith(answer, len(prompt)):
+                    continue
+                plan.add(text[cursor:len(prompt)], 0)
+                cut = reasons[ordinal] == "length" if ordinal < len(reasons) else False
+                self._add_answer(plan, answer, ordinal, thinking, cut)
+                if ordinal < len(server) and server[ordinal]:
+                    plan.server_ids[ordinal] = list(server[ordinal])
+                cursor = len(prompt) + len(answer)
+                done.append(j)
+            if len(done) < len(remaining):
+                counts["turns_rewritten"] += len(remaining) - len(done)
+            remaining = [j for j in remaining if j not in done]
+            plans.append(plan)
+        plans.reverse()
+        counts["samples"] += len(plans)
+        return plans, counts
+
+    def _add_answer(self, plan: SamplePlan, answer: str, ordinal: int, thinking: str, cut: bool) -> None:
+        end = ""
+        if cut and self.special_re is not None:
+            m = re.search(f"(?:{self.special_re.pattern})$", answer)
+            if m:
+                answer, end = answer[:m.start()], answer[m.start():]
+        if thinking == "mask" and "</think>" in answer:
+            m = THINK_END.search(answer)
+            start = answer.find("<think>")
+            start = start if 0 <= start < m.start() else 0
+            plan.add(answer[:start], 1, ordinal)
+            plan.add(answer[start:m.end()], 0, ordinal)
+            plan.add(answer[m.end():], 1, ordinal)
+        else:
+            plan.add(answer, 1, ordinal)
+        plan.add(end, 0, ordinal)
+
+
+def encode_pieces(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Batched tokenization of text pieces without adding BOS/EOS (special-token text is parsed)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and hasattr(backend, "encode_batch_fast"):
+        return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+    if backend is not None and hasattr(backend, "encode_batch"):
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def build_samples(tokenizer: Any, plans: list[SamplePlan], *, max_length: int,
+                  thinking: str = "keep") -> tuple[list[Sample], dict[str, Any]]:
+    """Tokenize every piece of every plan in one batch and build the masks vectorised.
+
+    Answer pieces with server token ids (from `generate`) are compared with our tokens; on a
+    mismatch the server's ids replace ours for that answer (they are what the model produced).
+
+    Returns:
+        (samples truncated to `max_length`, {"server_turns", "server_mismatches", "first_mismatch"}).
+    """
+    flat = [t for p in plans for t in p.texts]
+    ids = encode_pieces(tokenizer, flat) if flat else []
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+    all_ids = np.fromiter(chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))
+    all_flags = np.repeat(np.fromiter((f for p in plans for f in p.flags), dtype=np.int8,
+                                      count=len(ids)), lengths)
+    piece_end = np.cumsum([len(p.texts) for p in plans])
+    tok_end = np.concatenate([[0], np.cumsum(lengths)])
+    checks: dict[str, Any] = {"server_turns": 0, "server_mismatches": 0, "first_mismatch": None}
+    samples: list[Sample] = []
+    for n, plan in enumerate(plans):
+        p0, p1 = (piece_end[n - 1] if n else 0), piece_end[n]
+        a, b = tok_end[p0], tok_end[p1]
+        sample_ids, sample_mask = all_ids[a:b], all_flags[a:b]
+        if plan.server_ids:
+            sample_ids, sample_mask = _apply_server_ids(tokenizer, plan, ids[p0:p1], checks, thinking)
+        samples.append(Sample(plan.id, sample_ids[:max_length].copy(), sample_mask[:max_length].copy(),
+                              truncated=len(sample_ids) > max_length))
+    return samples, checks
+
+
+def _special_ids(tokenizer: Any) -> set[int]:
+    return {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+
+
+def _apply_server_ids(tokenizer: Any, plan: SamplePlan, ids: list[list[int]], checks: dict[str, Any],
+                      thinking: str) -> tuple[np.ndarray, np.ndarray]:
+    out_ids: list[int] = []
+    out_mask: list[int] = []
+    i = 0
+    while i < len(plan.texts):
+        turn = plan.turns[i]
+        if turn < 0 or turn not in plan.server_ids:
+            out_ids += ids[i]
+            out_mask += [plan.flags[i]] * len(ids[i])
+            i += 1
+            continue
+        group = [k for k in range(i, len(plan.texts)) if plan.turns[k] == turn]
+        ours = [t for k in group for t in ids[k]]
+        theirs = plan.server_ids[turn]
+        checks["server_turns"] += 1
+        end = ids[group[-1]] if plan.flags[group[-1]] == 0 else []  # unsupervised trailing end token
+        eot = ours[-1:] if plan.flags[group[-1]] and ours and ours[-1] in _special_ids(tokenizer) else []
+        if ours == theirs or ours[:-1] == theirs:
+            for k in group:
+                out_ids += ids[k]
+                out_mask += [plan.flags[k]] * len(ids[k])
+        else:
+            checks["server_mismatches"] += 1
+            if checks["first_mismatch"] is None:
+                at = next((x for x, (u, v) in enumerate(zip(ours, theirs)) if u != v), min(len(ours), len(theirs)))
+                checks["first_mismatch"] = {
+                    "id": plan.id, "turn": turn, "token": at,
+                    "ours": tokenizer.decode(ours[max(0, at - 4):at + 8]),
+                    "server": tokenizer.decode(theirs[max(0, at - 4):at + 8])}
+            body = list(theirs) + ([] if theirs[-1:] == eot else eot)
+            mask = [1] * len(body)
+            if thinking == "mask":
+                text = ""
+                for x, tok in enumerate(body):
+                    text += tokenizer.decode([tok])
+                    if "</think>" in text:
+                        mask[:x + 1] = [0] * (x + 1)
+                        break
+            out_ids += body + end
+            out_mask += mask + [0] * len(end)
+        i = group[-1] + 1
+    return np.asarray(out_ids, dtype=np.int32), np.asarray(out_mask, dtype=np.int8)

@@ -1,0 +1,130 @@
+"""The conversation record every data stage reads and writes, its content id, and JSONL I/O.
+
+Usage:
+    conv = Conversation.from_messages("sharegpt", [{"role": "user", "content": "Hi"}])
+    conv.id                                   # 16 hex chars: sha256 of the normalised messages
+    write_jsonl(path, [c.to_dict() for c in convs])        # atomic, byte-identical on re-runs
+    for line_no, obj in read_jsonl(path, on_malformed="fail"):   # UsageError names file:line
+        ...
+
+Record layout (`prepare/train.jsonl`, `prepare/heldout.jsonl`, `generate/conversations.jsonl`):
+    {"id": "<16 hex>", "source": "<name>", "messages": [{"role": ..., "content": ...}], "meta": {...}}
+`meta` is optional (generate adds finish reasons, flags, server token ids and reasoning).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from dflashkit.errors import UsageError
+from dflashkit.rundir import atomic_path
+
+ROLES = ("system", "user", "assistant")
+
+
+def content_id(messages: list[dict[str, str]]) -> str:
+    """Stable id of a conversation: sha256 over its (role, content) pairs, first 16 hex chars."""
+    blob = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False,
+                      separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+@dataclass
+class Conversation:
+    """One normalised conversation: roles in ROLES, string contents, a content-hash id."""
+
+    id: str
+    source: str
+    messages: list[dict[str, str]]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_messages(cls, source: str, messages: list[dict[str, str]],
+                      meta: dict[str, Any] | None = None) -> "Conversation":
+        msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
+        return cls(id=content_id(msgs), source=source, messages=msgs, meta=dict(meta or {}))
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any], where: str = "<record>") -> "Conversation":
+        """Parse a record dict (as written by prepare/generate); UsageError names `where`."""
+        msgs = obj.get("messages") if isinstance(obj, dict) else None
+        if not isinstance(msgs, list) or not all(
+                isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+                for m in msgs):
+            raise UsageError(f"{where}: not a conversation record (need `messages`: a list of "
+                             f"{{role: {'|'.join(ROLES)}, content: str}})")
+        meta = obj.get("meta") or {}
+        return cls(id=str(obj.get("id") or content_id(msgs)), source=str(obj.get("source", "")),
+                   messages=[{"role": m["role"], "content": m["content"]} for m in msgs],
+                   meta=meta if isinstance(meta, dict) else {})
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "source": self.source, "messages": self.messages}
+        if self.meta:
+            out["meta"] = self.meta
+        return out
+
+    @property
+    def user_chars(self) -> int:
+        return sum(len(m["content"]) for m in self.messages if m["role"] == "user")
+
+
+def open_text(path: str | Path) -> io.TextIOBase:
+    """Open a UTF-8 text file, transparently gunzipping `*.gz`."""
+    p = Path(path)
+    if p.suffix == ".gz":
+        return io.TextIOWrapper(gzip.open(p, "rb"), encoding="utf-8")
+    return open(p, encoding="utf-8")
+
+
+def read_jsonl(path: str | Path, *, on_malformed: str = "fail",
+               bad: list[str] | None = None) -> Iterator[tuple[int, Any]]:
+    """Yield (1-based line number, parsed object) for each non-blank line.
+
+    Args:
+        path: a `.jsonl` or `.jsonl.gz` file.
+        on_malformed: "fail" raises UsageError naming `file:line`; "skip" drops the line.
+        bad: when given, "file:line: reason" of each skipped line is appended.
+
+    Raises:
+        UsageError: a line is not valid JSON and on_malformed == "fail" (exit 2).
+    """
+    with open_text(path) as fh:
+        for line_no, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                yield line_no, json.loads(line)
+            except json.JSONDecodeError as e:
+                msg = f"{path}:{line_no}: malformed JSON ({e.msg} at column {e.colno})"
+                if on_malformed == "fail":
+                    raise UsageError(msg, hint="fix or remove the line, or set data.on_malformed=skip") \
+                        from None
+                if bad is not None:
+                    bad.append(msg)
+
+
+def dumps_record(obj: dict[str, Any]) -> str:
+    """One JSONL line: compact, key order kept, UTF-8 (deterministic for identical input)."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def write_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> int:
+    """Write rows atomically (temp file + rename); returns the row count."""
+    n = 0
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(dumps_record(row) + "\n")
+            n += 1
+    return n
+
+
+def load_conversations(path: str | Path) -> list[Conversation]:
+    """Read a conversation JSONL written by prepare or generate (strict: errors name file:line)."""
+    return [Conversation.from_dict(obj, f"{path}:{n}") for n, obj in read_jsonl(path)]

@@ -1,0 +1,153 @@
+"""`dflashkit prepare`: read, normalise, dedupe, filter, mix and split the prompt sources.
+
+Inputs:  `data.sources[]` (files, HF datasets dirs or asset names; see `dflashkit.data.sources`).
+Outputs: `prepare/train.jsonl`, `prepare/heldout.jsonl` (one conversation record per line),
+         `prepare/stats.json` (counts per source and per drop reason, truncated tails), manifest.
+Example: dflashkit prepare -c run.yaml data.num_prompts=2000 data.heldout=32
+
+The held-out split is taken first from the shuffled mix, so `data.num_prompts` counts both
+splits. All outputs are written only after every source was read, each atomically: a failing
+run leaves the previous outputs untouched, and the same config always gives identical files.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from dflashkit.config import section_hash
+from dflashkit.data.mixing import mix, normalise
+from dflashkit.data.records import Conversation, write_jsonl
+from dflashkit.data.sources import RecordError, SourceReport, iter_source, resolve_source_path, to_messages
+from dflashkit.errors import ConfigError, UsageError
+from dflashkit.rundir import RunDir, atomic_write_json, file_digest, write_manifest
+
+log = logging.getLogger("dflashkit.prepare")
+
+REASONS = ("malformed", "empty", "first_turn_not_user", "too_long", "duplicate")
+
+
+def source_names(sources: list[Any]) -> list[str]:
+    """`name`, else the file stem (or asset name); repeated names get `-2`, `-3`…"""
+    names: list[str] = []
+    for src in sources:
+        base = src.name or Path(src.path).name.split(".")[0] or src.path
+        name, k = base, 2
+        while name in names:
+            name, k = f"{base}-{k}", k + 1
+        names.append(name)
+    return names
+
+
+def read_sources(cfg: Any) -> tuple[dict[str, list[Conversation]], dict[str, dict[str, Any]]]:
+    """Read every source; returns (conversations by source, per-source stats).
+
+    Raises:
+        UsageError: a malformed line/record or a truncated file with data.on_malformed=fail.
+    """
+    d = cfg.data
+    seen: set[str] = set()
+    by_source: dict[str, list[Conversation]] = {}
+    stats: dict[str, dict[str, Any]] = {}
+    for name, src in zip(source_names(d.sources), d.sources):
+        report = SourceReport(name=name, path=str(src.path))
+        drops: Counter[str] = Counter()
+        convs: list[Conversation] = []
+        for where, obj in iter_source(src, report, on_malformed=d.on_malformed):
+            try:
+                conv = normalise(name, to_messages(obj, src.format), max_turns=d.max_turns,
+                                 max_prompt_chars=d.max_prompt_chars)
+            except RecordError as e:
+                if e.reason == "malformed" and d.on_malformed == "fail":
+                    raise UsageError(f"{where}: malformed record: {e}",
+                                     hint="fix the record or set data.on_malformed=skip") from None
+                drops[e.reason] += 1
+                report.note(f"{where}: {e.reason}: {e}")
+                continue
+            if d.dedupe and conv.id in seen:
+                drops["duplicate"] += 1
+                continue
+            seen.add(conv.id)
+            convs.append(conv)
+        drops["malformed"] += report.malformed_lines
+        tail = report.truncated_tail
+        if tail and d.on_malformed == "fail":
+            raise UsageError(f"{report.path}: truncated JSON array at byte {tail['byte_offset']} "
+                             f"({tail['bytes_dropped']} bytes after the last complete record)",
+                             hint="set data.on_malformed=skip to keep the complete records")
+        by_source[name] = convs
+        stats[name] = {"path": report.path, "format": src.format, "weight": src.weight,
+                       "read": report.read, "kept": len(convs),
+                       "dropped": {r: drops.get(r, 0) for r in REASONS},
+                       "truncated_tail": tail, "examples": report.examples}
+        log.info("%s: read %d, kept %d, dropped %s%s", name, report.read, len(convs),
+                 dict(+drops) or "none", " (truncated tail)" if tail else "")
+    return by_source, stats
+
+
+def _table(stats: dict[str, dict[str, Any]], result: dict[str, Any]) -> str:
+    cols = ("source", "read", "kept", "train", "heldout", *REASONS)
+    rows = [cols] + [(n, s["read"], s["kept"], s["train"], s["heldout"], *s["dropped"].values())
+                     for n, s in stats.items()]
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(cols))]
+    lines = ["  ".join(str(v).rjust(w) if i else str(v).ljust(w) for i, (v, w) in
+                       enumerate(zip(r, widths))) for r in rows]
+    for n, s in stats.items():
+        if s["truncated_tail"]:
+            t = s["truncated_tail"]
+            lines.append(f"{n}: truncated file: kept {t['complete_records']} complete records, dropped "
+                         f"{t['bytes_dropped']} bytes from byte {t['byte_offset']}")
+    lines.append(f"wrote {result['train']} train + {result['heldout']} held-out conversations")
+    return "\n".join(lines)
+
+
+def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
+    t0 = time.time()
+    d = cfg.data
+    if not d.sources:
+        raise ConfigError("data.sources: no sources configured",
+                          hint="add e.g. `data: {sources: [{path: sharegpt}]}` to run.yaml")
+    if d.num_prompts is not None and d.num_prompts <= 0:
+        raise ConfigError(f"data.num_prompts: must be > 0 or null, got {d.num_prompts}")
+    if d.heldout < 0 or d.max_turns < 1 or d.max_prompt_chars < 1:
+        raise ConfigError("data.heldout must be >= 0, data.max_turns and data.max_prompt_chars >= 1")
+    by_source, stats = read_sources(cfg)
+    total = sum(len(v) for v in by_source.values())
+    if total == 0:
+        raise UsageError("no conversation survived reading and filtering",
+                         hint="check data.sources paths/formats; prepare/stats.json is not written")
+    picked = mix(by_source, {n: s["weight"] for n, s in stats.items()}, total=d.num_prompts,
+                 seed=cfg.run.seed)
+    heldout, train = picked[:d.heldout], picked[d.heldout:]
+    if not train:
+        log.warning("every selected conversation went to the held-out split (data.heldout=%d)", d.heldout)
+    for name, s in stats.items():
+        s["train"] = sum(c.source == name for c in train)
+        s["heldout"] = sum(c.source == name for c in heldout)
+    dropped = {r: sum(s["dropped"][r] for s in stats.values()) for r in REASONS}
+    result = {"train": len(train), "heldout": len(heldout), "read": sum(s["read"] for s in stats.values()),
+              "dropped": dropped,
+              "sources": {n: {k: s[k] for k in ("read", "kept", "train", "heldout", "dropped")}
+                          for n, s in stats.items()},
+              "truncated": {n: s["truncated_tail"] for n, s in stats.items() if s["truncated_tail"]}}
+    if ctx.dry_run:
+        return {**result, "dry_run": True}
+    out = rd.stage_dir("prepare")
+    write_jsonl(out / "train.jsonl", (c.to_dict() for c in train))
+    write_jsonl(out / "heldout.jsonl", (c.to_dict() for c in heldout))
+    atomic_write_json(out / "stats.json", {"seed": cfg.run.seed, "num_prompts": d.num_prompts,
+                                           **{k: result[k] for k in ("train", "heldout", "read", "dropped")},
+                                           "sources": stats})
+    inputs = {}
+    for name, src in zip(stats, d.sources):
+        p = resolve_source_path(src.path)
+        inputs[name] = {"path": str(p), "digest": file_digest(p) if p.is_file() else None}
+    write_manifest(out, stage="prepare", config_hash=section_hash(cfg.data, cfg.run.seed), inputs=inputs,
+                   counts={"train": len(train), "heldout": len(heldout), **dropped},
+                   outputs=["train.jsonl", "heldout.jsonl", "stats.json"], started=t0)
+    if not ctx.json:
+        print(_table(stats, result))
+    return {**result, "outputs": [str(out / "train.jsonl"), str(out / "heldout.jsonl")]}

@@ -1,0 +1,189 @@
+"""`dflashkit tokenize`: render conversations with the target's chat template → ids + loss masks.
+
+Inputs:  `generate/conversations.jsonl` (or `prepare/train.jsonl` with tokenize.source=prepare),
+         the target tokenizer (`target.path` / `target.tokenizer`; the model is not loaded) and its
+         chat template (`target.chat_template` overrides), `contract.json` if present (block size).
+Outputs: `tokenize/shard-XXXXX.parquet` (id, input_ids list<int32>, loss_mask list<int8>),
+         `tokenize/stats.json` (per-shard samples/tokens/supervised, drop reasons, template
+         events, server-token checks), manifest.
+Example: dflashkit tokenize -c run.yaml tokenize.thinking=mask tokenize.max_length=4096
+
+Masks come from the template itself (see `dflashkit.data.chat`). Samples with fewer than
+`tokenize.min_supervised` supervised tokens (default 2·block_size) are dropped; a dataset whose
+masks are all zero or all one is refused (exit 2). Shards are staged and moved into place only
+after the whole dataset passed, so a failing run leaves the previous shards untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterator
+
+from dflashkit.config import section_hash
+from dflashkit.data.chat import ChatTemplate, build_samples
+from dflashkit.data.records import Conversation, read_jsonl
+from dflashkit.data.shards import SHARD_GLOB, shard_name, write_parquet_shard
+from dflashkit.errors import ConfigError, MissingArtifactError, UsageError
+from dflashkit.rundir import RunDir, atomic_write_json, file_digest, write_manifest
+
+log = logging.getLogger("dflashkit.tokenize")
+
+
+def input_path(cfg: Any, rd: RunDir) -> Path:
+    """The conversations to tokenize; MissingArtifactError (exit 3) names the stage to run."""
+    if cfg.tokenize.source == "prepare":
+        p = rd.root / "prepare" / "train.jsonl"
+        if not p.is_file():
+            raise MissingArtifactError("prepared conversations", p, run="dflashkit prepare -c run.yaml")
+        return p
+    p = rd.root / "generate" / "conversations.jsonl"
+    if not p.is_file():
+        raise MissingArtifactError("generated conversations (or set tokenize.source=prepare to train on "
+                                   "the dataset's own answers)", p, run="dflashkit generate -c run.yaml")
+    return p
+
+
+def load_chat(cfg: Any) -> ChatTemplate:
+    """The target tokenizer (no model) and its chat template or the `target.chat_template` file."""
+    from dflashkit.model.target import load_tokenizer, resolve_target_path
+
+    t = cfg.target
+    if t.tokenizer:
+        model_dir, gguf = Path(t.tokenizer), None
+    else:
+        model_dir, gguf = resolve_target_path(t.path, t.gguf_file)
+    tok = load_tokenizer(model_dir, gguf_file=gguf, trust_remote_code=t.trust_remote_code,
+                         tokenizer_dir=t.tokenizer)
+    template = None
+    if t.chat_template:
+        p = Path(t.chat_template).expanduser()
+        if not p.is_file():
+            raise ConfigError(f"target.chat_template: file not found: {p}")
+        template = p.read_text()
+    return ChatTemplate(tok, template, cfg.tokenize.chat_template_kwargs)
+
+
+def min_supervised(cfg: Any, rd: RunDir) -> int:
+    if cfg.tokenize.min_supervised is not None:
+        return cfg.tokenize.min_supervised
+    if rd.contract_path.is_file():
+        from dflashkit.model.drafter_config import DrafterContract
+
+        return 2 * DrafterContract.load(rd.contract_path).block_size
+    return 2 * cfg.drafter.block_size
+
+
+def _batches(path: Path, size: int) -> Iterator[list[Conversation]]:
+    batch: list[Conversation] = []
+    for line_no, obj in read_jsonl(path, on_malformed="fail"):
+        batch.append(Conversation.from_dict(obj, f"{path}:{line_no}"))
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
+    t0 = time.time()
+    tc = cfg.tokenize
+    if tc.shard_size < 1 or tc.batch_size < 1:
+        raise ConfigError("tokenize.shard_size and tokenize.batch_size must be >= 1")
+    src = input_path(cfg, rd)
+    chat = load_chat(cfg)
+    need = min_supervised(cfg, rd)
+    if ctx.dry_run:
+        return {"dry_run": True, "input": str(src), "min_supervised": need}
+    out = rd.stage_dir("tokenize")
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
+    events: Counter[str] = Counter()
+    checks: dict[str, Any] = {"server_turns": 0, "server_mismatches": 0, "first_mismatch": None}
+    shards: list[dict[str, Any]] = []
+    pending: list[dict[str, Any]] = []
+    conversations = 0
+
+    def flush(force: bool) -> None:
+        while pending and (force or len(pending) >= tc.shard_size):
+            name = shard_name(len(shards))
+            part = pending[:tc.shard_size]
+            del pending[:tc.shard_size]
+            shards.append({"file": name, **write_parquet_shard(staging / name, part)})
+
+    try:
+        for batch in _batches(src, tc.batch_size):
+            conversations += len(batch)
+            plans = []
+            for conv in batch:
+                conv_plans, counts = chat.plan(conv, thinking=tc.thinking, system_prompt=tc.system_prompt)
+                events.update(counts)
+                events["no_assistant_turn"] += not conv_plans
+                plans.extend(conv_plans)
+            samples, c = build_samples(chat.tokenizer, plans, max_length=tc.max_length, thinking=tc.thinking)
+            checks["server_turns"] += c["server_turns"]
+            checks["server_mismatches"] += c["server_mismatches"]
+            checks["first_mismatch"] = checks["first_mismatch"] or c["first_mismatch"]
+            for s in samples:
+                events["truncated"] += s.truncated
+                if int(s.loss_mask.sum()) < need:
+                    events["too_few_supervised"] += 1
+                    continue
+                pending.append({"id": s.id, "input_ids": s.input_ids, "loss_mask": s.loss_mask})
+            flush(False)
+        flush(True)
+        totals = {k: sum(s[k] for s in shards) for k in ("samples", "tokens", "supervised")}
+        _refuse_degenerate(totals, src, need)
+        for sh in shards:
+            os.replace(staging / sh["file"], out / sh["file"])
+        keep = {sh["file"] for sh in shards}
+        for stale in out.glob(SHARD_GLOB):
+            if stale.name not in keep:
+                stale.unlink()
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    elapsed = time.time() - t0
+    if checks["server_mismatches"]:
+        log.warning("%d of %d answers differ from the server's token ids (first: %s); the server's "
+                    "ids were used", checks["server_mismatches"], checks["server_turns"],
+                    checks["first_mismatch"])
+    stats = {"input": str(src), "conversations": conversations, **totals,
+             "supervised_fraction": round(totals["supervised"] / max(totals["tokens"], 1), 4),
+             "dropped": {"no_assistant_turn": events["no_assistant_turn"],
+                         "too_few_supervised": events["too_few_supervised"]},
+             "events": {k: v for k, v in sorted(events.items())
+                        if k not in ("no_assistant_turn", "too_few_supervised")},
+             "server_token_check": checks, "shards": shards,
+             "settings": {"max_length": tc.max_length, "min_supervised": need, "thinking": tc.thinking,
+                          "system_prompt": tc.system_prompt, "chat_template_kwargs": tc.chat_template_kwargs,
+                          "chat_template": cfg.target.chat_template or "tokenizer"},
+             "tokens_per_s": round(totals["tokens"] / max(elapsed, 1e-9), 1)}
+    atomic_write_json(out / "stats.json", stats)
+    write_manifest(out, stage="tokenize",
+                   config_hash=section_hash(tc, cfg.target.tokenizer, cfg.target.chat_template),
+                   inputs={"conversations": {"path": str(src), "digest": file_digest(src)}},
+                   counts={**totals, **stats["dropped"]}, outputs=[s["file"] for s in shards] + ["stats.json"],
+                   started=t0)
+    if not ctx.json:
+        print(f"{conversations} conversations → {totals['samples']} samples in {len(shards)} shards, "
+              f"{totals['tokens']} tokens ({totals['supervised']} supervised, "
+              f"{stats['supervised_fraction']:.1%}); dropped {stats['dropped']}; "
+              f"server-token mismatches {checks['server_mismatches']}/{checks['server_turns']}")
+    return {k: stats[k] for k in ("conversations", "samples", "tokens", "supervised", "dropped",
+                                   "supervised_fraction", "tokens_per_s")} | {
+        "shards": len(shards), "server_mismatches": checks["server_mismatches"]}
+
+
+def _refuse_degenerate(totals: dict[str, int], src: Path, need: int) -> None:
+    if totals["samples"] == 0 or totals["supervised"] == 0:
+        raise UsageError(f"{src}: no sample has >= {need} supervised (assistant) tokens; loss masks would "
+                         "be all zero", hint="check the conversations have assistant answers, "
+                         "tokenize.max_length, tokenize.min_supervised and target.chat_template")
+    if totals["supervised"] == totals["tokens"]:
+        raise UsageError(f"{src}: every token is supervised (loss masks all one): the chat template did "
+                         "not separate prompts from answers", hint="set target.chat_template to the "
+                         "target's real chat template")
