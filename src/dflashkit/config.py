@@ -155,6 +155,10 @@ class TokenizeSection:
         "keep", "Think blocks in answers: train on them, exclude them from the loss, or remove them.")
     chat_template_kwargs: dict[str, Any] = f({}, "Passed to apply_chat_template (e.g. enable_thinking).")
     shard_size: int = f(2000, "Samples per Parquet shard.")
+    source: Literal["generate", "prepare"] = f(
+        "generate", "Conversations to tokenize: the target's regenerated answers "
+        "(generate/conversations.jsonl) or the dataset's own answers (prepare/train.jsonl).")
+    batch_size: int = f(256, "Conversations rendered and tokenized per batch.")
 
 
 @dataclass(kw_only=True)
