@@ -23,6 +23,7 @@ Layer convention: output of decoder layer id = HF hidden_states[id+1].
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from typing import Any
@@ -34,6 +35,7 @@ from dflashkit.model.drafter_config import DrafterContract, build_target_layer_i
 
 MASK_NAMES = ("<|mask|>", "<mask>", "[mask]", "<|mask_token|>")
 RESERVED = re.compile(r"reserved|^<unused\d+>$|^\[unused\d+\]$", re.I)
+log = logging.getLogger("dflashkit.probe")
 LAYER_CONVENTION = "output of decoder layer id = HF hidden_states[id+1]"
 
 
@@ -117,6 +119,9 @@ def derive_contract(d: Any, facts: ModelFacts, tok: TokenizerFacts | None) -> Dr
         k = d.num_target_features or d.num_draft_layers
         ids = build_target_layer_ids(n, k)
         ids_reason = f"reference formula build_target_layer_ids({n}, {k})"
+        if len(set(ids)) < len(ids):
+            log.warning("target_layer_ids %s repeat layers (%d-layer target, %d features); set "
+                        "drafter.num_target_features lower or drafter.target_layer_ids explicitly", ids, n, k)
     mask_id, mask_reason = choose_mask_token(facts.vocab_size, tok, d.mask_token_id)
     heads, kv, head_dim, attn_reason = _draft_attention(d, facts)
     if heads % kv:

@@ -219,7 +219,7 @@ def read_tokenizer_facts(d: Path) -> TokenizerFacts:
                 f.base_vocab_size = sum(1 for line in fh if line.strip())
             ids = set(range(f.base_vocab_size))
         elif sp:
-            f.backend = "sentencepiece"
+            f.backend = "sentencepiece"  # transformers 5 converts it to a fast tokenizer via protobuf
             required.update(("sentencepiece", "protobuf"))
         elif "vocab.json" in present:
             f.backend = "bpe-files"
