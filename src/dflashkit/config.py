@@ -110,6 +110,8 @@ class DataSection:
     max_turns: int = f(8, "Keep at most this many user turns per conversation.")
     dedupe: bool = f(True, "Drop conversations with the same content hash.")
     on_malformed: Literal["skip", "fail"] = f("skip", "Malformed input line: skip and count, or fail.")
+    mean_tokens: int = f(1024, "`plan` only: assumed mean tokens per conversation (prompt + answer) when "
+                         "tokenize/stats.json does not exist yet.")
 
 
 @dataclass(kw_only=True)
