@@ -1,0 +1,152 @@
+"""`dflashkit tokenize` end to end on a tiny real target (byte tokenizer, ChatML template):
+shard schema, masks, drop/refuse rules, server-token checks, atomic re-runs, the bench."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from dflashkit.cli import main
+from dflashkit.data.records import Conversation, write_jsonl
+from dflashkit.data.shards import iter_tokenized
+
+ANSWERS = ["The capital of France is Paris, of course.", "Berlin is the capital of Germany, friend.",
+           "Rome has been the capital of Italy since 1871."]
+
+
+def convs(answers=ANSWERS, meta=None):
+    out = []
+    for i, a in enumerate(answers):
+        c = Conversation.from_messages("t", [{"role": "user", "content": f"Question {i}?"},
+                                             {"role": "assistant", "content": a}])
+        c.meta = dict(meta or {})
+        out.append(c.to_dict())
+    return out
+
+
+def setup(tmp_path, target, rows, where="generate/conversations.jsonl", **tok):
+    run_dir = tmp_path / "run"
+    if rows is not None:
+        write_jsonl(run_dir / where, rows)
+    cfg = {"run": {"run_dir": str(run_dir)}, "target": {"path": str(target)}, "drafter": {"block_size": 4},
+           "tokenize": tok}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    return run_dir
+
+
+def tokenize(tmp_path, capsys, *extra):
+    code = main(["tokenize", "-c", str(tmp_path / "run.yaml"), "--json", *extra])
+    return code, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def supervised_text(tok, row):
+    return tok.decode(row["input_ids"][row["loss_mask"] == 1].tolist())
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_qwen3):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_qwen3)
+
+
+def test_tokenize_generate_output(tmp_path, capsys, tiny_qwen3, tok):
+    run_dir = setup(tmp_path, tiny_qwen3, convs(), shard_size=2)
+    code, out = tokenize(tmp_path, capsys)
+    assert code == 0 and out["samples"] == 3 and out["shards"] == 2
+    shards = sorted((run_dir / "tokenize").glob("shard-*.parquet"))
+    assert [p.name for p in shards] == ["shard-00000.parquet", "shard-00001.parquet"]
+    schema = pq.read_schema(shards[0])
+    assert [str(schema.field(n).type) for n in ("id", "input_ids", "loss_mask")] == \
+        ["string", "list<element: int32>", "list<element: int8>"]
+    rows = list(iter_tokenized(run_dir / "tokenize"))
+    assert [r["id"] for r in rows] == [c["id"] for c in convs()]
+    for r, answer in zip(rows, ANSWERS):
+        assert r["input_ids"].dtype == np.int32 and r["loss_mask"].dtype == np.int8
+        assert supervised_text(tok, r) == answer + "<|im_end|>"
+        assert tok.decode(r["input_ids"].tolist()).endswith("<|im_start|>assistant\n" + answer + "<|im_end|>")
+    stats = json.loads((run_dir / "tokenize/stats.json").read_text())
+    assert [s["samples"] for s in stats["shards"]] == [2, 1]
+    assert stats["supervised"] == sum(int(r["loss_mask"].sum()) for r in rows)
+    assert stats["tokens"] == sum(len(r["input_ids"]) for r in rows)
+    assert (run_dir / "tokenize/manifest.json").is_file()
+
+
+def test_missing_input_names_the_stage(tmp_path, capsys, tiny_qwen3):
+    setup(tmp_path, tiny_qwen3, None)
+    code, out = tokenize(tmp_path, capsys)
+    assert code == 3 and "dflashkit generate" in out["hint"]
+    code, out = tokenize(tmp_path, capsys, "tokenize.source=prepare")
+    assert code == 3 and "dflashkit prepare" in out["hint"]
+
+
+def test_source_prepare_and_min_supervised(tmp_path, capsys, tiny_qwen3, tok):
+    rows = convs(ANSWERS + ["ok"]) + [Conversation.from_messages("t", [{"role": "user", "content": "hi"}]).to_dict()]
+    run_dir = setup(tmp_path, tiny_qwen3, rows, where="prepare/train.jsonl", source="prepare")
+    code, out = tokenize(tmp_path, capsys)
+    # "ok<|im_end|>" is 3 tokens < 2·block_size = 8; the prompt-only conversation has no answer
+    assert code == 0 and out["samples"] == 3
+    assert out["dropped"] == {"no_assistant_turn": 1, "too_few_supervised": 1}
+    code, out = tokenize(tmp_path, capsys, "tokenize.min_supervised=2")
+    assert out["samples"] == 4
+
+
+def test_refuses_all_zero_and_all_one_masks(tmp_path, capsys, tiny_qwen3):
+    prompts_only = [Conversation.from_messages("t", [{"role": "user", "content": f"q{i}"}]).to_dict()
+                    for i in range(3)]
+    setup(tmp_path, tiny_qwen3, prompts_only)
+    code, out = tokenize(tmp_path, capsys)
+    assert code == 2 and "all zero" in out["error"]
+    tpl = tmp_path / "answers_only.jinja"
+    tpl.write_text("{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}<|im_end|>"
+                   "{% endif %}{% endfor %}")
+    setup(tmp_path, tiny_qwen3, convs())
+    code, out = tokenize(tmp_path, capsys, f"target.chat_template={tpl}")
+    assert code == 2 and "all one" in out["error"]
+    assert not list((tmp_path / "run/tokenize").glob("shard-*"))
+
+
+def test_server_token_mismatch_reported(tmp_path, capsys, tiny_qwen3, tok):
+    rows = convs()
+    rows[0]["meta"] = {"token_ids": [tok.encode(ANSWERS[0], add_special_tokens=False)]}
+    rows[1]["meta"] = {"token_ids": [tok.encode("Berlin!", add_special_tokens=False) + [258]]}
+    run_dir = setup(tmp_path, tiny_qwen3, rows)
+    assert tokenize(tmp_path, capsys)[0] == 0
+    check = json.loads((run_dir / "tokenize/stats.json").read_text())["server_token_check"]
+    assert check["server_turns"] == 2 and check["server_mismatches"] == 1
+    first = check["first_mismatch"]
+    assert first["id"] == rows[1]["id"] and first["token"] == len("Berlin")  # byte tokens
+    assert first["server"].startswith("rlin!") and first["ours"].startswith("rlin is")
+    row = list(iter_tokenized(run_dir / "tokenize"))[1]
+    assert supervised_text(tok, row) == "Berlin!<|im_end|>"  # the server's tokens were used
+
+
+def test_failed_rerun_keeps_shards_and_rerun_drops_stale(tmp_path, capsys, tiny_qwen3):
+    run_dir = setup(tmp_path, tiny_qwen3, convs(), shard_size=1)
+    assert tokenize(tmp_path, capsys)[0] == 0
+    tdir = run_dir / "tokenize"
+    before = {p.name: p.read_bytes() for p in tdir.iterdir()}
+    assert len([n for n in before if n.startswith("shard-")]) == 3
+    with open(run_dir / "generate/conversations.jsonl", "a") as fh:
+        fh.write("{broken\n")
+    code, out = tokenize(tmp_path, capsys)
+    assert code == 2 and "conversations.jsonl:4" in out["error"]
+    assert {p.name: p.read_bytes() for p in tdir.iterdir()} == before  # nothing lost, no staging left
+    setup(tmp_path, tiny_qwen3, convs(), shard_size=10)
+    assert tokenize(tmp_path, capsys)[0] == 0
+    assert sorted(p.name for p in tdir.glob("shard-*")) == ["shard-00000.parquet"]
+    assert len(list(iter_tokenized(tdir))) == 3
+
+
+def test_bench_tokenize(tmp_path, capsys, tiny_qwen3):
+    run_dir = setup(tmp_path, tiny_qwen3, convs(ANSWERS * 4))
+    code = main(["bench", "tokenize", "-c", str(tmp_path / "run.yaml"), "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and out["tokens"] == out["raw_tokens"] > 0
+    assert out["identical_token_sequences"] == out["samples"] == 12
+    assert out["ratio_full_vs_raw"] > 0 and Path(run_dir / "bench/tokenize.json").is_file()
