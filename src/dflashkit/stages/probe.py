@@ -72,7 +72,8 @@ def inspect_target(cfg: Any, path: str, *, load_tokenizer: bool = True):
             raise UsageError(f"target.tokenizer {tok_dir} is not a directory")
         tok = read_tokenizer_facts(tok_dir)
     if not tok.files:
-        log.warning("no tokenizer files in %s (set target.tokenizer to the tokenizer dir)", tok_dir)
+        if load_tokenizer:
+            log.warning("no tokenizer files in %s (set target.tokenizer to the tokenizer dir)", tok_dir)
         tok = None
     if tok is not None and cfg.target.chat_template:
         tpl = Path(cfg.target.chat_template).expanduser()

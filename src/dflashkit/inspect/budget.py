@@ -1,0 +1,120 @@
+"""Disk, memory and time estimates for training a drafter (what `dflashkit plan` prints).
+
+Usage:
+    p = plan_budget(contract, target_facts, cfg, tokens=T, sequences=N, gpus=8, mem_gib=80)
+    p["modes"], p["recommended"], p["logits"]["max_loss_chunk_blocks"]
+
+Model (all per GPU, bytes; assumptions stated so the numbers can be checked):
+    features      = n_feat · H · bytes(capture.dtype) per token (cached mode: on disk, × tokens)
+    drafter       = P_d params; weights + grads + AdamW m, v in fp32 = 16 · P_d
+    frozen        = target embedding + LM head in bf16 = V · H · 2 (· 2 when untied)
+    activations   = batch · [L_d · (q · (4H + 2·nh·d + 3I) + S · 2·nkv·d)
+                             + S · (n_feat + 1) · H + q · H] · 2
+                    with S = mean tokens, q = min(num_anchors, S) · B query tokens (flex attention:
+                    scores are not materialised)
+    logits chunk  = loss_chunk_blocks · B · V · 12 (fp32 logits, log-probs and their grad; one chunk
+                    at a time under activation checkpointing); the full per-sequence logits would be
+                    num_anchors · B · V · 4
+    KL targets    = batch · S · V · 2 when train.loss uses KL
+    target        = P_t · bytes/param (dtype, or the quantization bits) (+ batch · S · H · 2 · 4 forward)
+Modes: online-replicate (target copy per GPU), online-shard (P_t / gpus per GPU), cached
+(features from `capture`; the target runs once, sharded, during capture). Usable memory = 90 %.
+Time: FLOPs = 2 · P_t,active · tokens (target forward) + 6 · P_d · q · sequences (drafter),
+at an assumed 400 TFLOP/s per GPU (≈ 40 % of an H100's dense bf16 peak).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
+USABLE = 0.9
+TFLOPS_PER_GPU = 400e12
+LOGIT_BYTES = 12
+
+
+def drafter_params(c: Any) -> int:
+    """Parameters of `DFlashDraftModel(contract)` (no embedding / LM head of its own)."""
+    h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
+    attn = h * c.num_attention_heads * d * 2 + 2 * h * c.num_key_value_heads * d + 2 * d
+    layer = attn + 3 * h * i + 2 * h
+    return c.num_draft_layers * layer + len(c.target_layer_ids) * h * h + 2 * h
+
+
+def target_bytes_per_param(facts: dict[str, Any]) -> float:
+    q = facts.get("quantization") or {}
+    if q.get("bits"):
+        return float(q["bits"]) / 8
+    return float(DTYPE_BYTES.get(str(facts.get("dtype") or "bfloat16"), 2))
+
+
+def _gib(n: float) -> float:
+    return round(n / 2**30, 2)
+
+
+def plan_budget(c: Any, facts: dict[str, Any], cfg: Any, *, tokens: int, sequences: int, gpus: int,
+                mem_gib: float) -> dict[str, Any]:
+    """Every estimate in the module docstring, plus the mode that fits and a loss-chunk size."""
+    t, h, v, b = cfg.train, c.hidden_size, c.vocab_size, c.block_size
+    n_feat = len(c.target_layer_ids)
+    seq = max(1, tokens // max(1, sequences))
+    q = min(t.num_anchors, seq) * b
+    feat_bpt = n_feat * h * DTYPE_BYTES[cfg.capture.dtype]
+    p_d = drafter_params(c)
+    opt = 16 * p_d
+    frozen = v * h * 2 * (1 if c.tie_word_embeddings else 2)
+    per_layer = q * (4 * h + 2 * c.num_attention_heads * c.head_dim + 3 * c.intermediate_size) \
+        + seq * 2 * c.num_key_value_heads * c.head_dim
+    act = t.batch_size * (c.num_draft_layers * per_layer + seq * (n_feat + 1) * h + q * h) * 2
+    kl = t.batch_size * seq * v * 2 if t.loss != "ce" else 0
+    chunk = t.loss_chunk_blocks * b * v * LOGIT_BYTES
+    train_fixed = opt + frozen + act + kl
+    budget = mem_gib * 2**30 * USABLE
+    p_t = int(facts.get("params_total") or 0)
+    t_w = p_t * target_bytes_per_param(facts)
+    t_act = t.batch_size * seq * h * 2 * 4
+    blocks_total = min(t.num_anchors, seq) * t.batch_size
+
+    def max_chunk(other: float) -> int:
+        free = budget - other
+        return int(max(0, min(blocks_total, free // (b * v * LOGIT_BYTES))))
+
+    modes = []
+    for name, target_share, conf in (
+            ("online-replicate", t_w + t_act, "train.features=online train.parallel.target=replicate"),
+            ("online-shard", t_w / gpus + t_act, "train.features=online train.parallel.target=shard"),
+            ("cached", 0.0, "train.features=cached (run `dflashkit capture` first)")):
+        if name == "online-shard" and gpus < 2:
+            continue
+        need = target_share + train_fixed + chunk
+        entry = {"mode": name, "per_gpu_gib": _gib(need), "fits": need <= budget, "config": conf,
+                 "max_loss_chunk_blocks": max_chunk(target_share + train_fixed)}
+        if name == "cached":
+            entry["disk_gib"] = _gib(feat_bpt * tokens)
+            entry["capture_fits"] = (t_w / gpus + t_act) <= budget
+        modes.append(entry)
+    fitting = [m for m in modes if m["fits"] and (m["mode"] != "cached" or m["capture_fits"])]
+    recommended = fitting[0]["mode"] if fitting else None
+    flops_target = 2 * int(facts.get("params_active") or p_t) * tokens
+    flops_draft = 6 * p_d * q * sequences
+    rate = TFLOPS_PER_GPU * gpus
+    return {
+        "features": {"dtype": cfg.capture.dtype, "bytes_per_token": feat_bpt,
+                     "total_gib": _gib(feat_bpt * tokens)},
+        "drafter": {"params": p_d, "weights_grads_adam_gib": _gib(opt), "frozen_embed_head_gib": _gib(frozen),
+                    "activations_gib": _gib(act), "kl_targets_gib": _gib(kl)},
+        "logits": {"per_sequence_gib": _gib(t.num_anchors * b * v * 4), "chunk_gib": _gib(chunk),
+                   "loss_chunk_blocks": t.loss_chunk_blocks,
+                   "max_loss_chunk_blocks": next((m["max_loss_chunk_blocks"] for m in modes
+                                                  if m["mode"] == recommended), 0)},
+        "target": {"params_total": p_t, "bytes_per_param": target_bytes_per_param(facts),
+                   "weights_gib": _gib(t_w), "forward_activations_gib": _gib(t_act)},
+        "modes": modes, "recommended": recommended,
+        "time": {"assumed_tflops_per_gpu": TFLOPS_PER_GPU / 1e12,
+                 "target_forward_pflop": round(flops_target / 1e15, 3),
+                 "drafter_train_pflop": round(flops_draft / 1e15, 3),
+                 "hours_per_epoch_online": round((flops_target + flops_draft) / rate / 3600, 3),
+                 "hours_per_epoch_cached": round(flops_draft / rate / 3600, 3),
+                 "hours_capture": round(flops_target / rate / 3600, 3)},
+        "mean_tokens": seq, "query_tokens_per_sequence": q,
+    }

