@@ -1,0 +1,258 @@
+"""The OpenAI-compatible HTTP front of `dflashkit serve` (stdlib ThreadingHTTPServer, HTTP/1.1).
+
+Usage:
+    app = App(engine, tokenizer, model_name="tiny", max_new_tokens=4096)
+    with serve_in_thread(app, "127.0.0.1", 0) as url:      # "http://127.0.0.1:<port>/v1"
+        ...
+    run_forever(app, host, port)                           # the CLI (returns on SIGTERM/Ctrl-C)
+
+Routes:
+    POST /v1/chat/completions   messages, temperature, top_p, top_k, max_tokens, seed, stop, stream,
+                                chat_template_kwargs; the model's own chat template renders the prompt
+    POST /v1/completions        prompt (string or token ids), same sampling fields
+    GET  /v1/models, /health, /metrics (JSON: requests, tokens, batches, acceptance when speculating)
+Each choice carries `finish_reason` and `token_ids` (the generated ids, a stop token included);
+`usage` has prompt/completion tokens, plus `acceptance_lengths`/`mean_acceptance` with a drafter.
+Streams are Server-Sent Events ending with `data: [DONE]`; the final chunk has the finish reason,
+the token ids and usage. Bad requests get 400 with an OpenAI-style `{"error": {...}}` body.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Iterator
+
+from dflashkit.serving.engine import ServeParams
+
+log = logging.getLogger("dflashkit.serve")
+
+
+class BadRequest(Exception):
+    pass
+
+
+class App:
+    """Request parsing, chat templating and response shaping around an engine."""
+
+    def __init__(self, engine, tokenizer, *, model_name: str, max_new_tokens: int = 4096,
+                 speculative: bool = False):
+        self.engine, self.tok, self.model_name = engine, tokenizer, model_name
+        self.max_new_tokens = max_new_tokens
+        self.speculative = speculative
+        self.started = time.time()
+        self.in_flight = 0
+        self._lock = threading.Lock()
+        template = getattr(tokenizer, "chat_template", None) or ""
+        self.template_sha256 = hashlib.sha256(template.encode()).hexdigest() if template else None
+
+    def render_chat(self, messages: Any, template_kwargs: dict[str, Any]) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("`messages` must be a non-empty list")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
+                    not isinstance(m.get("content", ""), (str, type(None))):
+                raise BadRequest(f"messages[{i}] needs a string role and string content")
+        try:
+            text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                **template_kwargs)
+        except Exception as e:  # noqa: BLE001 - template errors are the caller's input
+            raise BadRequest(f"chat template failed: {type(e).__name__}: {e}") from None
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def params(self, body: dict[str, Any]) -> ServeParams:
+        def num(key: str, default, cast):
+            v = body.get(key)
+            if v is None:
+                return default
+            try:
+                return cast(v)
+            except (TypeError, ValueError):
+                raise BadRequest(f"`{key}` must be a number, got {v!r}") from None
+
+        if body.get("n", 1) not in (1, None):
+            raise BadRequest("only n=1 is supported")
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise BadRequest("`stop` must be a string or a list of strings")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        p = ServeParams(temperature=num("temperature", 0.0, float), top_p=num("top_p", 1.0, float),
+                        top_k=num("top_k", 0, int), seed=num("seed", None, int),
+                        max_new_tokens=min(self.max_new_tokens, int(max_tokens)) if max_tokens is not None
+                        else min(self.max_new_tokens, 1024), stop=stop)
+        if p.temperature < 0 or not 0 < p.top_p <= 1 or p.max_new_tokens < 0:
+            raise BadRequest("need temperature >= 0, 0 < top_p <= 1, max_tokens >= 0")
+        return p
+
+    def usage(self, out) -> dict[str, Any]:
+        u: dict[str, Any] = {"prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.token_ids),
+                             "total_tokens": out.prompt_tokens + len(out.token_ids)}
+        if self.speculative:
+            acc = out.acceptance_lengths
+            u["acceptance_lengths"] = acc
+            u["mean_acceptance"] = sum(acc) / len(acc) if acc else None
+        return u
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": int(self.started), "owned_by": "dflashkit",
+            "chat_template_sha256": self.template_sha256, "speculative": self.speculative}]}
+
+    def metrics(self) -> dict[str, Any]:
+        m = dict(self.engine.metrics)
+        m["in_flight"] = self.in_flight
+        m["mean_batch_size"] = m["batched_requests"] / m["batches"] if m["batches"] else None
+        if self.speculative:
+            m["mean_acceptance"] = m["accepted_tokens"] / m["acceptance_steps"] if m["acceptance_steps"] else None
+        m["uptime_s"] = round(time.time() - self.started, 3)
+        return m
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "dflashkit"
+    app: App  # set on the subclass made by make_server
+
+    def log_message(self, fmt: str, *args) -> None:  # route access logs to logging (debug)
+        log.debug("%s " + fmt, self.address_string(), *args)
+
+    def _send_json(self, status: int, obj: Any) -> None:
+        body = json.dumps(obj, ensure_ascii=False).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _error(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        self._send_json(status, {"error": {"message": message, "type": kind, "code": status}})
+
+    def do_GET(self) -> None:  # noqa: N802
+        path = self.path.split("?")[0].rstrip("/")
+        if path in ("/v1/models", "/models"):
+            self._send_json(200, self.app.models())
+        elif path in ("/health", "/v1/health"):
+            self._send_json(200, {"status": "ok"})
+        elif path in ("/metrics", "/v1/metrics"):
+            self._send_json(200, self.app.metrics())
+        else:
+            self._error(404, f"no route GET {path}", "not_found")
+
+    def do_POST(self) -> None:  # noqa: N802
+        path = self.path.split("?")[0].rstrip("/")
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length) or b"{}")
+            if not isinstance(body, dict):
+                raise BadRequest("the request body must be a JSON object")
+        except (ValueError, BadRequest) as e:
+            return self._error(400, f"bad JSON body: {e}")
+        app = self.app
+        try:
+            params = app.params(body)
+            if path in ("/v1/chat/completions", "/chat/completions"):
+                kwargs = body.get("chat_template_kwargs") or {}
+                if not isinstance(kwargs, dict):
+                    raise BadRequest("`chat_template_kwargs` must be an object")
+                prompt_ids, chat = app.render_chat(body.get("messages"), kwargs), True
+            elif path in ("/v1/completions", "/completions"):
+                prompt = body.get("prompt")
+                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                    prompt = prompt[0]
+                if isinstance(prompt, str):
+                    prompt_ids = list(app.tok.encode(prompt))
+                elif isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt):
+                    prompt_ids = prompt
+                else:
+                    raise BadRequest("`prompt` must be a string or a list of token ids")
+                chat = False
+            else:
+                return self._error(404, f"no route POST {path}", "not_found")
+        except BadRequest as e:
+            return self._error(400, str(e))
+        with app._lock:
+            app.in_flight += 1
+        try:
+            req = app.engine.submit(prompt_ids, params, stream=bool(body.get("stream")))
+            if body.get("stream"):
+                self._stream(req, chat)
+            else:
+                out = req.wait()
+                self._send_json(200, self._full(out, chat))
+        except Exception as e:  # noqa: BLE001 - the engine's error goes back to this client only
+            log.warning("request failed: %s: %s", type(e).__name__, e)
+            self._error(500, f"{type(e).__name__}: {e}", "server_error")
+        finally:
+            with app._lock:
+                app.in_flight -= 1
+
+    def _full(self, out, chat: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason, "token_ids": out.token_ids}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": out.text}
+        else:
+            choice["text"] = out.text
+        return {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+                "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.app.model_name, "choices": [choice], "usage": self.app.usage(out)}
+
+    def _stream(self, req, chat: bool) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": self.app.model_name}
+
+        def chunk(text: str | None, extra: dict[str, Any] | None = None, first: bool = False) -> bytes:
+            c: dict[str, Any] = {"index": 0, "finish_reason": None}
+            if chat:
+                c["delta"] = {"role": "assistant", "content": text or ""} if first else \
+                    ({"content": text} if text is not None else {})
+            else:
+                c["text"] = text or ""
+            obj = {**base, "choices": [{**c, **(extra or {})}]}
+            return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+        self.wfile.write(chunk("", first=True))
+        for delta in req.deltas():
+            self.wfile.write(chunk(delta))
+            self.wfile.flush()
+        out = req.wait()
+        final = chunk(None, {"finish_reason": out.finish_reason, "token_ids": out.token_ids})
+        obj = json.loads(final[6:])
+        obj["usage"] = self.app.usage(out)
+        self.wfile.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+
+
+def make_server(app: App, host: str, port: int) -> ThreadingHTTPServer:
+    handler = type("BoundHandler", (Handler,), {"app": app})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    return server
+
+
+@contextmanager
+def serve_in_thread(app: App, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+    """Serve `app` from a background thread; yield the base URL (…/v1)."""
+    server = make_server(app, host, port)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://{host}:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)

@@ -1,0 +1,101 @@
+"""`dflashkit serve [MODEL_DIR]`: an OpenAI-compatible HTTP server over a local HF model.
+
+Inputs:  MODEL_DIR (else `target.path`), optionally `--drafter DIR` (an exported/trained drafter dir).
+Outputs: nothing on disk; serves until SIGTERM/Ctrl-C, then prints a JSON summary (requests, tokens).
+Example: dflashkit serve runs/x/export/target --port 8000 --drafter runs/x/export
+
+Without a drafter, concurrent requests are decoded in padded batches of up to `serve.max_batch`
+(greedy output is the same batched or alone). With a drafter, requests are decoded one at a time by
+the speculative decoder and `usage` gains `acceptance_lengths`/`mean_acceptance`.
+See `dflashkit.serving.server` for the routes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+from pathlib import Path
+
+from dflashkit.errors import UsageError
+
+log = logging.getLogger("dflashkit.serve")
+
+
+def build_app(cfg, model_path: str | None = None):
+    """Load the target (and drafter) named by `cfg`/`model_path`; return a started `App`.
+
+    Raises:
+        UsageError: bad model path, or a drafter that does not fit the target.
+    """
+    from dflashkit.model.target import load_target, resolve_target_path
+    from dflashkit.serving.engine import BatchEngine, SerialEngine, default_stop_ids
+    from dflashkit.serving.server import App
+
+    section = dataclasses.replace(cfg.target, path=model_path) if model_path else cfg.target
+    target = load_target(section)
+    if target.tokenizer is None or not getattr(target.tokenizer, "chat_template", None):
+        log.warning("%s has no chat template; /v1/chat/completions will fail (use /v1/completions "
+                    "or set target.chat_template)", section.path)
+    name = cfg.serve.model_name or resolve_target_path(section.path, section.gguf_file)[0].name
+    s = cfg.serve
+    if s.drafter:
+        try:
+            from dflashkit.decode.spec_decode import SpecDecoder
+            from dflashkit.export.hf import load_drafter
+        except ImportError as e:
+            raise UsageError(f"--drafter needs the speculative decoder, which is not available ({e})",
+                             hint="serve without --drafter, or update dflashkit") from None
+        if not Path(s.drafter).is_dir():
+            raise UsageError(f"serve.drafter {s.drafter!r} is not a directory",
+                             hint="pass a drafter dir with config.json + model.safetensors "
+                                  "(e.g. <run_dir>/train/final or <run_dir>/export)")
+        drafter = load_drafter(s.drafter)
+        engine = SerialEngine(SpecDecoder(target, drafter), target.tokenizer, default_stop_ids(target))
+    else:
+        engine = BatchEngine(target, max_batch=s.max_batch, batch_wait_ms=s.batch_wait_ms)
+    engine.start()
+    return App(engine, target.tokenizer, model_name=name, max_new_tokens=s.max_new_tokens,
+               speculative=bool(s.drafter))
+
+
+def run(cfg, rd, ctx) -> dict:
+    from dflashkit.serving.server import make_server
+
+    model_path = ctx.positionals[0] if ctx.positionals else cfg.target.path
+    if not model_path:
+        raise UsageError("`dflashkit serve` needs a model", hint="dflashkit serve MODEL_DIR, or set target.path")
+    if ctx.dry_run:
+        return {"dry_run": True, "model": model_path, "host": cfg.serve.host, "port": cfg.serve.port,
+                "drafter": cfg.serve.drafter}
+    if cfg.serve.cpu_threads:
+        import torch
+
+        torch.set_num_threads(cfg.serve.cpu_threads)  # this process is the server: its own setting
+    app = build_app(cfg, model_path)
+    try:
+        server = make_server(app, cfg.serve.host, cfg.serve.port)
+    except OSError as e:
+        app.engine.stop()
+        raise UsageError(f"cannot bind {cfg.serve.host}:{cfg.serve.port}: {e}",
+                         hint="pick another --port (0 = any free port)") from None
+    host, port = server.server_address[:2]
+    url = f"http://{host}:{port}/v1"
+    log.info("serving %s on %s (max_batch %d%s)", app.model_name, url, cfg.serve.max_batch,
+             f", drafter {cfg.serve.drafter}" if cfg.serve.drafter else "")
+
+    def on_term(_sig, _frame) -> None:
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_term)
+    try:
+        server.serve_forever(poll_interval=0.1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        app.engine.stop()
+    log.info("server stopped")
+    return {"url": url, "model": app.model_name, "metrics": app.metrics()}
