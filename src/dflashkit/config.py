@@ -238,6 +238,7 @@ class ServeSection:
     model_name: str | None = f(None, "Name reported by /v1/models; null = the dir name.")
     batch_wait_ms: float = f(5.0, "How long the batcher waits for more requests before decoding.")
     max_new_tokens: int = f(4096, "Upper bound on a request's max_tokens.")
+    cpu_threads: int | None = f(None, "torch CPU threads for the server process; null = torch's default.")
 
 
 @dataclass(kw_only=True)
