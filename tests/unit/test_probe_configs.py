@@ -183,3 +183,17 @@ def test_missing_path_and_no_path(tmp_path, capsys):
     assert "no such file or directory" in last_json(capsys)["error"]
     assert main(["probe", "--run-dir", str(tmp_path / "r")]) == 2
     assert "needs model dir" in last_json(capsys)["error"]
+
+
+def test_sparse_wrapped_config_uses_transformers_defaults(tmp_path):
+    """The real gemma-3-4b-it text_config omits heads/kv/head_dim/vocab (class defaults)."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024}}))
+    f = read_model_facts(tmp_path)
+    assert (f.num_attention_heads, f.num_key_value_heads, f.head_dim, f.vocab_size) == (8, 4, 256, 262208)
+    assert {"num_attention_heads", "vocab_size"} <= set(f.defaults_filled)
+    assert f.layer_types == {"sliding_attention": 29, "full_attention": 5} and f.rope["scaling"]["factor"] == 8.0
+    assert close(f.params_total, facts("gemma-3-4b-it").params_total, 0.001)

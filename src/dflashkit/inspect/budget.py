@@ -54,7 +54,17 @@ def _gib(n: float) -> float:
 
 def plan_budget(c: Any, facts: dict[str, Any], cfg: Any, *, tokens: int, sequences: int, gpus: int,
                 mem_gib: float) -> dict[str, Any]:
-    """Every estimate in the module docstring, plus the mode that fits and a loss-chunk size."""
+    """Every estimate in the module docstring, plus the mode that fits and a loss-chunk size.
+
+    Args:
+        c: the drafter contract.
+        facts: target facts as a dict (`ModelFacts.to_dict()`; may be empty if unknown).
+        cfg: the run config (train.*, capture.dtype).
+        tokens: total training tokens; sequences: number of conversations.
+        gpus: GPU count; mem_gib: memory per GPU in GiB.
+    Returns:
+        JSON-ready dict: features, drafter, logits, target, modes, recommended, time.
+    """
     t, h, v, b = cfg.train, c.hidden_size, c.vocab_size, c.block_size
     n_feat = len(c.target_layer_ids)
     seq = max(1, tokens // max(1, sequences))

@@ -89,6 +89,7 @@ class ModelFacts:
     params_total: int = 0
     params_active: int = 0
     params_mtp: int = 0
+    defaults_filled: list[str] = field(default_factory=list)  # keys taken from transformers' defaults
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,6 +133,24 @@ def resolve_wrapper(raw: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
         else:
             break
     return inner, (".".join(path) or None)
+
+
+def _fill_defaults(cfg: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Sparse nested configs (Gemma 3's `text_config` omits heads/vocab): the defaults of the
+    transformers config class for that model_type, when transformers is importable. Wrapped
+    configs only — a top-level config missing its layer count stays an error."""
+    groups = (LAYER_KEYS, HIDDEN_KEYS, HEAD_KEYS, VOCAB_KEYS)
+    if all(_first(cfg, g) is not None for g in groups) or not cfg.get("model_type"):
+        return cfg, []
+    try:
+        from transformers import CONFIG_MAPPING
+
+        kwargs = {k: v for k, v in cfg.items() if k != "model_type"}
+        full = CONFIG_MAPPING[cfg["model_type"]](**kwargs).to_dict()
+    except Exception:  # noqa: BLE001 - unknown type / transformers absent: report what the file has
+        return cfg, []
+    filled = sorted(k for k in full if k not in cfg and full[k] is not None)
+    return {**full, **cfg}, filled
 
 
 def _rope(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -178,8 +197,21 @@ def _quant(cfg: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def facts_from_config(raw: dict[str, Any], *, source: str, fmt: str = "hf") -> ModelFacts:
-    """Facts from a parsed config.json (or a GGUF metadata dict shaped like one)."""
+    """Facts from a parsed config.json (or a GGUF metadata dict shaped like one).
+
+    Args:
+        raw: the parsed JSON object (wrappers are resolved here).
+        source: file name used in error messages and in `facts.source`.
+        fmt: "hf" or "gguf".
+    Returns:
+        ModelFacts with the parameter estimate filled in.
+    Raises:
+        UsageError: (exit 2) no layer count / hidden size / heads / vocab size, naming `source`.
+    """
     cfg, wrapper = resolve_wrapper(raw)
+    defaults_filled: list[str] = []
+    if wrapper:
+        cfg, defaults_filled = _fill_defaults(cfg)
 
     def get(keys: tuple[str, ...], default: Any = None) -> Any:  # inner first, then the wrapper
         v = _first(cfg, keys)
@@ -253,6 +285,7 @@ def facts_from_config(raw: dict[str, Any], *, source: str, fmt: str = "hf") -> M
         hidden_act=str(act) if act else None, bos_token_id=get(("bos_token_id",)),
         eos_token_id=get(("eos_token_id",)), pad_token_id=get(("pad_token_id",)),
     )
+    facts.defaults_filled = defaults_filled
     facts.params_total, facts.params_active, facts.params_mtp = estimate_params(facts)
     return facts
 
@@ -298,7 +331,11 @@ def estimate_params(f: ModelFacts) -> tuple[int, int, int]:
 
 
 def read_model_facts(model_dir: Path, gguf_file: str | None = None) -> ModelFacts:
-    """Facts for a HF dir (config.json) or a GGUF file inside `model_dir`."""
+    """Facts for a HF dir (config.json) or a GGUF file inside `model_dir`.
+
+    Raises:
+        UsageError: (exit 2) missing/empty/malformed config.json (file:line:col) or a bad GGUF.
+    """
     if gguf_file:
         from dflashkit.inspect.gguf_facts import read_gguf_facts
 

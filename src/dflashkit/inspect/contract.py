@@ -49,7 +49,17 @@ def _in_template(tok: TokenizerFacts, text: str) -> bool:
 
 def choose_mask_token(vocab_size: int, tok: TokenizerFacts | None,
                       explicit: int | None = None) -> tuple[int, str]:
-    """(mask_token_id, reason) by the rule in the module docstring; UsageError (exit 2) if none."""
+    """Pick the mask token row by the rule in the module docstring.
+
+    Args:
+        vocab_size: rows of the target embedding (config vocab_size).
+        tok: tokenizer facts (None when no tokenizer files were found).
+        explicit: `drafter.mask_token_id`, if set.
+    Returns:
+        (mask_token_id, human-readable reason).
+    Raises:
+        UsageError: (exit 2) explicit id outside the vocab, or no unused/reserved row exists.
+    """
     if explicit is not None:
         if not 0 <= explicit < vocab_size:
             raise UsageError(f"drafter.mask_token_id={explicit} is outside the target vocab [0, {vocab_size})",
@@ -102,7 +112,18 @@ def _draft_attention(d: Any, facts: ModelFacts) -> tuple[int, int, int, str]:
 
 
 def derive_contract(d: Any, facts: ModelFacts, tok: TokenizerFacts | None) -> DrafterContract:
-    """The drafter contract for target `facts` and `cfg.drafter` (`d`). UsageError (exit 2) on conflicts."""
+    """The drafter contract for a target.
+
+    Args:
+        d: `cfg.drafter` (explicit values win over derived ones).
+        facts: the target's ModelFacts.
+        tok: its TokenizerFacts (None: only an explicit mask id works).
+    Returns:
+        A checked DrafterContract (target_layer_ids written explicitly, reasons in `extra`).
+    Raises:
+        UsageError: (exit 2) hidden-size override mismatch, layer ids out of range, bad mask id,
+            heads not a multiple of kv heads.
+    """
     if d.hidden_size is not None and d.hidden_size != facts.hidden_size:
         raise UsageError(f"drafter.hidden_size={d.hidden_size} differs from the target hidden size "
                          f"{facts.hidden_size} ({facts.source})",

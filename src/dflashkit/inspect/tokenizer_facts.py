@@ -183,7 +183,15 @@ def _read_template(d: Path, tc: dict[str, Any]) -> tuple[str | None, str | None]
 
 
 def read_tokenizer_facts(d: Path) -> TokenizerFacts:
-    """Facts from the tokenizer files in dir `d` (no transformers)."""
+    """Facts from the tokenizer files in dir `d` (json/text only; no transformers).
+
+    Args:
+        d: the tokenizer dir (usually the model dir).
+    Returns:
+        TokenizerFacts; `files` is empty when the dir holds no tokenizer files.
+    Raises:
+        UsageError: (exit 2) malformed tokenizer JSON, naming file:line:col.
+    """
     f = TokenizerFacts(source=str(d))
     present = sorted(p.name for p in d.iterdir() if p.is_file()) if d.is_dir() else []
     tc = _read_json(d / "tokenizer_config.json") if "tokenizer_config.json" in present else {}
