@@ -65,6 +65,9 @@ def choose_mask_token(vocab_size: int, tok: TokenizerFacts | None,
             raise UsageError(f"drafter.mask_token_id={explicit} is outside the target vocab [0, {vocab_size})",
                              hint="pick an id inside the embedding (an unused/reserved row); the target is "
                              "never resized")
+        if tok is not None and explicit in _specials(tok):
+            log.warning("drafter.mask_token_id=%d is also a bos/eos/pad/unk token of the tokenizer; allowed "
+                        "(some drafters do this) but an unused row is safer", explicit)
         return explicit, "drafter.mask_token_id (explicit)"
     if tok is None:
         raise UsageError("no tokenizer files found, so no mask token can be chosen safely",
