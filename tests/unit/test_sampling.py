@@ -1,0 +1,156 @@
+"""Lossless sampling: speculative sampling reproduces the target's own law (exact law vs fixed-seed samples)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dflashkit.decode import spec_decode
+from dflashkit.decode.api import SamplingParams
+from dflashkit.decode.sampling import sampling_probs, verify_greedy, verify_sampled
+from dflashkit.decode.spec_decode import SpecDecoder
+from dflashkit.model.drafter import DFlashDraftModel
+from dflashkit.model.drafter_config import DrafterContract
+
+V = 8  # tiny vocab so the exact law of 3-token continuations (512 cells) can be enumerated
+
+
+def test_sampling_probs_top_k_top_p():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
+    p = sampling_probs(logits, 1.0, top_k=2)
+    assert (p > 0).sum() == 2 and torch.isclose(p.sum(), torch.tensor(1.0))
+    full = torch.softmax(logits, -1)
+    p = sampling_probs(logits, 1.0, top_p=0.8)  # top two carry 0.665+0.245 ≥ 0.8 → keep exactly two
+    assert (p > 0).tolist() == [True, True, False, False, False]
+    assert torch.allclose(p[:2], full[:2] / full[:2].sum())
+    assert verify_greedy([5, 6, 7], [5, 6, 1, 9]) == (2, 1)
+    assert verify_greedy([5, 6], [5, 6, 4]) == (2, 4)
+
+
+@pytest.mark.parametrize("point_mass", [True, False])
+def test_verify_rule_emits_the_target_law_at_one_position(point_mass):
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05], [0.2] * 5])
+    q = torch.tensor([[0.05, 0.05, 0.1, 0.2, 0.6]])
+    n, counts = 8000, torch.zeros(5)
+    for _ in range(n):
+        d = 4 if point_mass else int(torch.multinomial(q[0], 1, generator=g))
+        a, tok = verify_sampled([d], p, None if point_mass else q, g)
+        counts[d if a == 1 else tok] += 1
+    tv = 0.5 * (counts / n - p[0]).abs().sum().item()
+    assert tv < 0.03, f"total variation {tv:.4f} (tolerance 0.03 for n={n}; expected ≈ 0.008)"
+
+
+def _tiny_small_vocab_target():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(3)
+    cfg = Qwen3Config(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, intermediate_size=64, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(cfg).eval().requires_grad_(False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)  # peaky laws: a wrong rule shows up clearly
+    model.config._attn_implementation = "sdpa"
+    target = SimpleNamespace(model=model, config=model.config, device=torch.device("cpu"), dtype=torch.float32,
+                             num_layers=2, hidden_size=32, vocab_size=V, lm_head=model.lm_head,
+                             embed=model.get_input_embeddings())
+    from dflashkit.model.target import Target
+
+    target.features = lambda ids, **kw: Target.features(target, ids, **kw)
+    target.decoder_layers = model.model.layers
+    contract = DrafterContract(block_size=4, num_draft_layers=1, target_layer_ids=[0, 1], mask_token_id=V - 1,
+                               num_target_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+                               head_dim=16, intermediate_size=64, vocab_size=V)
+    drafter = DFlashDraftModel(contract).eval()
+    with torch.no_grad():
+        drafter.fc.weight.mul_(20.0)
+    return target, drafter
+
+
+def _exact_law(model, prompt: list[int], temperature: float) -> dict[tuple, float]:
+    """P(x1, x2, x3 | prompt) by enumeration (512 cells)."""
+    with torch.no_grad():
+        law = {}
+        p1 = sampling_probs(model(torch.tensor([prompt])).logits[0, -1], temperature)
+        pairs = torch.tensor([prompt + [a] for a in range(V)])
+        p2 = sampling_probs(model(pairs).logits[:, -1], temperature)
+        triples = torch.tensor([prompt + [a, b] for a, b in itertools.product(range(V), repeat=2)])
+        p3 = sampling_probs(model(triples).logits[:, -1], temperature).view(V, V, V)
+        for a, b, c in itertools.product(range(V), repeat=3):
+            law[(a, b, c)] = (p1[a] * p2[a, b] * p3[a, b, c]).item()
+    return law
+
+
+def _chi2_z(samples: list[tuple], law: dict[tuple, float]) -> float:
+    """Pearson χ² against the exact law (cells with expected < 5 pooled), as a z-score (df large)."""
+    n = len(samples)
+    counts = {k: 0 for k in law}
+    for s in samples:
+        counts[s] += 1
+    stat, df, pool_o, pool_e = 0.0, -1, 0, 0.0
+    for k, p in law.items():
+        if n * p >= 5:
+            stat += (counts[k] - n * p) ** 2 / (n * p)
+            df += 1
+        else:
+            pool_o, pool_e = pool_o + counts[k], pool_e + n * p
+    if pool_e > 0:
+        stat += (pool_o - pool_e) ** 2 / pool_e
+        df += 1
+    return (stat - df) / math.sqrt(2 * df)
+
+
+def _samples(decoder, prompt, n, temperature):
+    out = []
+    for i in range(n):
+        r = decoder.generate(prompt, SamplingParams(temperature=temperature, max_new_tokens=3, seed=i))
+        out.append(tuple(r.token_ids))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one intra-op thread is ~10× faster than two on a shared, busy CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def small():
+    target, drafter = _tiny_small_vocab_target()
+    prompt = [1, 2, 3, 4]
+    return target, drafter, prompt, _exact_law(target.model, prompt, 1.0)
+
+
+# Tolerance: under the null the χ² z-score is ≈ N(0, 1); |z| < 4 with fixed seeds. The broken rule
+# below (accept every draft) must exceed it, showing the test can fail.
+N_SAMPLES = 500
+
+
+@pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
+def test_speculative_sampling_matches_the_target_law(small, draft_sampling):
+    target, drafter, prompt, law = small
+    dec = SpecDecoder(target, drafter, block_size=4, draft_sampling=draft_sampling)
+    z = _chi2_z(_samples(dec, prompt, N_SAMPLES, 1.0), law)
+    print(f"chi2 z={z:.3f}")
+    assert abs(z) < 4.0, f"chi-square z = {z:.2f} (|z| < 4 expected for the target's law)"
+
+
+def test_the_law_test_detects_a_lossy_rule(small, monkeypatch):
+    target, drafter, prompt, law = small
+
+    def accept_all(drafts, target_probs, draft_probs, generator=None):
+        return len(drafts), int(torch.multinomial(target_probs[len(drafts)], 1, generator=generator))
+
+    monkeypatch.setattr(spec_decode, "verify_sampled", accept_all)
+    dec = SpecDecoder(target, drafter, block_size=4, draft_sampling="sample")
+    z = _chi2_z(_samples(dec, prompt, 100, 1.0), law)
+    print(f"lossy chi2 z={z:.3f}")
+    assert z > 4.0, f"the lossy rule went undetected (z = {z:.2f})"
