@@ -12,6 +12,14 @@ from dflashkit.cli import main
 from tests.unit.test_train_setup import make_run, overrides
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: extra threads only contend on a shared box
+    yield
+    torch.set_num_threads(n)
+
+
 def _train(tmp_path, target, name="run", extra=(), **kw):
     rd = tmp_path / name
     if not (rd / "contract.json").exists():
@@ -37,3 +45,94 @@ def test_train_writes_final_zlab_dir(tmp_path, tiny_targets, arch, capsys):
     assert [r["step"] for r in rows] == [1, 2] and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     assert (rd / "train" / "manifest.json").is_file()
     assert out["steps"] == 2 and out["heldout"]["tau"] >= 1.0
+
+
+def test_micro_batch_times_grad_accum_equivalence(tmp_path, tiny_qwen3):
+    rc1, a = _train(tmp_path, tiny_qwen3, "a", train__batch_size=4, train__grad_accum=1, train__max_steps=3)
+    rc2, b = _train(tmp_path, tiny_qwen3, "b", train__batch_size=2, train__grad_accum=2, train__max_steps=3)
+    assert rc1 == rc2 == 0
+    la = [r["loss"] for r in _metrics(a) if "split" not in r]
+    lb = [r["loss"] for r in _metrics(b) if "split" not in r]
+    assert torch.allclose(torch.tensor(la), torch.tensor(lb), atol=1e-5), (la, lb)
+    wa = load_file(a / "train" / "final" / "model.safetensors")
+    wb = load_file(b / "train" / "final" / "model.safetensors")
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)
+
+
+def test_kill_and_resume_equals_uninterrupted(tmp_path, tiny_qwen3, monkeypatch):
+    kw = dict(train__max_steps=5, train__save_every=2, train__eval_every=3)
+    rc, full = _train(tmp_path, tiny_qwen3, "full", **kw)
+    assert rc == 0
+    from dflashkit.train import logging as tlog
+
+    real_log = tlog.MetricSink.log
+
+    def dying_log(self, row):
+        if row.get("step") == 4 and "split" not in row:
+            raise KeyboardInterrupt  # killed mid-run, before the step-4 checkpoint
+        real_log(self, row)
+
+    monkeypatch.setattr(tlog.MetricSink, "log", dying_log)
+    rc, killed = _train(tmp_path, tiny_qwen3, "killed", **kw)
+    ck = killed / "train" / "checkpoints"
+    assert rc == 130 and (ck / "step-0000002").is_dir() and not (ck / "step-0000004").exists()
+    assert not (killed / "train" / "final").exists()
+    monkeypatch.setattr(tlog.MetricSink, "log", real_log)
+    rc, killed = _train(tmp_path, tiny_qwen3, "killed", **kw)
+    assert rc == 0
+    assert _metrics(killed) and [r["step"] for r in _metrics(killed)] == [r["step"] for r in _metrics(full)]
+    for x, y in zip(_metrics(full), _metrics(killed)):
+        assert abs(x["loss"] - y["loss"]) < 1e-6 and x["tau"] == y["tau"], (x, y)
+    wa = load_file(full / "train" / "final" / "model.safetensors")
+    wb = load_file(killed / "train" / "final" / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path, tiny_qwen3, capsys):
+    rc, rd = _train(tmp_path, tiny_qwen3, train__max_steps=2, train__save_every=1)
+    assert rc == 0
+    st = rd / "train" / "checkpoints" / "step-0000002" / "model.safetensors"
+    st.write_bytes(st.read_bytes()[:100])
+    capsys.readouterr()
+    rc, _ = _train(tmp_path, tiny_qwen3, train__max_steps=3)
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 2 and "model.safetensors" in out["error"] and "step-0000002" in out["hint"]
+
+
+def _bad_contract(tmp_path, target, capsys, **change):
+    rd = make_run(tmp_path / "bad", target)
+    c = json.loads((rd / "contract.json").read_text())
+    c.update(change)
+    (rd / "contract.json").write_text(json.dumps(c))
+    capsys.readouterr()
+    rc = main(["train", "--json", *overrides(rd, target)])
+    return rc, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_hidden_size_mismatch(tmp_path, tiny_qwen3, capsys):
+    rc, out = _bad_contract(tmp_path, tiny_qwen3, capsys, hidden_size=96)
+    assert rc == 2 and "hidden_size 96" in out["error"] and "contract.json" in out["error"]
+
+
+def test_mask_id_outside_vocab(tmp_path, tiny_qwen3, capsys):
+    rc, out = _bad_contract(tmp_path, tiny_qwen3, capsys, mask_token_id=320)
+    assert rc == 2 and "mask_token_id 320" in out["error"]
+
+
+def test_missing_upstream_artifacts(tmp_path, tiny_qwen3, capsys):
+    rd = tmp_path / "empty"
+    assert main(["train", "--json", *overrides(rd, tiny_qwen3)]) == 3
+    assert "probe" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["hint"]
+    make_run(rd, tiny_qwen3)
+    for p in (rd / "tokenize").glob("*.parquet"):
+        p.unlink()
+    assert main(["train", "--json", *overrides(rd, tiny_qwen3)]) == 3
+    assert "dflashkit tokenize" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["hint"]
+
+
+def test_tied_target_head_is_the_embedding(tiny_targets):
+    from dflashkit.config import load_config
+    from dflashkit.model.target import load_target
+
+    t = load_target(load_config(None, [f"target.path={tiny_targets['llama']}"]).target)
+    assert t.lm_head.weight.data_ptr() == t.model.get_input_embeddings().weight.data_ptr()
