@@ -16,7 +16,8 @@ Model (all per GPU, bytes; assumptions stated so the numbers can be checked):
                     at a time under activation checkpointing); the full per-sequence logits would be
                     num_anchors · B · V · 4
     KL targets    = batch · S · V · 2 when train.loss uses KL
-    target        = P_t · bytes/param (dtype, or the quantization bits) (+ batch · S · H · 2 · 4 forward)
+    target        = P_t · bytes/param (dtype, or the quantization bits; a GGUF file: its size)
+                    (+ batch · S · H · 2 · 4 forward activations)
 Modes: online-replicate (target copy per GPU), online-shard (P_t / gpus per GPU), cached
 (features from `capture`; the target runs once, sharded, during capture). Usable memory = 90 %.
 Time: FLOPs = 2 · P_t,active · tokens (target forward) + 6 · P_d · q · sequences (drafter),
@@ -25,6 +26,7 @@ at an assumed 400 TFLOP/s per GPU (≈ 40 % of an H100's dense bf16 peak).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
@@ -46,6 +48,14 @@ def target_bytes_per_param(facts: dict[str, Any]) -> float:
     if q.get("bits"):
         return float(q["bits"]) / 8
     return float(DTYPE_BYTES.get(str(facts.get("dtype") or "bfloat16"), 2))
+
+
+def target_weight_bytes(facts: dict[str, Any]) -> float:
+    """Target weights in memory: a GGUF file's own size, else params · bytes/param."""
+    src = Path(str(facts.get("source") or ""))
+    if facts.get("format") == "gguf" and src.is_file():
+        return float(src.stat().st_size)
+    return int(facts.get("params_total") or 0) * target_bytes_per_param(facts)
 
 
 def _gib(n: float) -> float:
@@ -81,7 +91,7 @@ def plan_budget(c: Any, facts: dict[str, Any], cfg: Any, *, tokens: int, sequenc
     train_fixed = opt + frozen + act + kl
     budget = mem_gib * 2**30 * USABLE
     p_t = int(facts.get("params_total") or 0)
-    t_w = p_t * target_bytes_per_param(facts)
+    t_w = target_weight_bytes(facts)
     t_act = t.batch_size * seq * h * 2 * 4
     blocks_total = min(t.num_anchors, seq) * t.batch_size
 
