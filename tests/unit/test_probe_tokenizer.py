@@ -173,7 +173,7 @@ def test_gguf_header_facts_and_unused_rows(tmp_path, capsys):
     assert out["tokenizer"]["chat_template_source"] == "gguf"
     assert out["tokenizer"]["loaded"]["ok"] is not None  # attempted; a failure is a one-line diagnosis
     assert main(["plan", str(g), "1x8", "--run-dir", str(tmp_path / "run"), "--json"]) == 0
-    assert last_json(capsys)["plan"]["target"]["weights_gib"] == round(g.stat().st_size / 2**30, 2)
+    assert last_json(capsys)["plan"]["target"]["weights_bytes"] == g.stat().st_size
     (tmp_path / "bad.gguf").write_bytes(b"GGUF\x03\x00garbage")
     assert main(["probe", str(tmp_path / "bad.gguf"), "--run-dir", str(tmp_path / "run2")]) == 2
     assert "bad.gguf" in last_json(capsys)["error"]

@@ -128,7 +128,8 @@ def plan_budget(c: Any, facts: dict[str, Any], cfg: Any, *, tokens: int, sequenc
                    "max_loss_chunk_blocks": next((m["max_loss_chunk_blocks"] for m in modes
                                                   if m["mode"] == recommended), 0)},
         "target": {"params_total": p_t, "bytes_per_param": target_bytes_per_param(facts),
-                   "weights_gib": _gib(t_w), "forward_activations_gib": _gib(t_act)},
+                   "weights_bytes": int(t_w), "weights_gib": _gib(t_w),
+                   "forward_activations_gib": _gib(t_act)},
         "modes": modes, "recommended": recommended,
         "time": {"assumed_tflops_per_gpu": TFLOPS_PER_GPU / 1e12,
                  "target_forward_pflop": round(flops_target / 1e15, 3),
