@@ -113,7 +113,13 @@ def _emit(result: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        ns = parser.parse_args(argv)
+        # Positionals and key=value overrides may come after flags (`--json train.lr=1e-3`).
+        ns, extra = parser.parse_known_args(argv)
+        unknown = [a for a in extra if a.startswith("-")]
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        if extra:
+            ns.args = list(getattr(ns, "args", [])) + extra
     except SystemExit as e:  # argparse: --help is 0, bad usage is 2
         return int(e.code or 0)
     if ns.command is None:

@@ -63,3 +63,9 @@ def test_every_command_has_help(capsys):
 ])
 def test_target_layer_ids_reference_formula(layers, n, ids):
     assert build_target_layer_ids(layers, n) == ids
+
+
+def test_overrides_may_follow_flags(tmp_path, capsys):
+    assert main(["doctor", "--json", f"run.run_dir={tmp_path}", "--log-level", "error", "run.seed=3"]) == 0
+    assert last_json(capsys)["ok"] is True
+    assert main(["doctor", "--bogus-flag"]) == 2
