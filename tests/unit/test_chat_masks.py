@@ -4,6 +4,7 @@ slow-loop oracle vs the fast batched builder on random conversations."""
 from __future__ import annotations
 
 import random
+import zlib
 
 import numpy as np
 import pytest
@@ -90,6 +91,14 @@ def test_qwen3_thinking_off_multi_turn(toks):
     last = tok.decode(samples[-1].input_ids.tolist())
     assert last.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nRome.<|im_end|>")
     assert "assistant\nParis.<|im_end|>" in last  # earlier turn as the template rewrites it (context)
+
+
+def test_qwen3_rewritten_turns_drop(toks):
+    tok = toks["tokenizer-qwen3"]
+    chat = ChatTemplate(tok, kwargs={"enable_thinking": False})
+    plans, counts = chat.plan(conv(*THREE), rewritten_turns="drop")
+    (s,), _ = build_samples(tok, plans, max_length=4096)
+    assert spans(tok, s) == ["Rome.<|im_end|>"] and counts["turns_rewritten"] == 2
 
 
 def test_qwen3_thinking_on(toks):
@@ -227,13 +236,13 @@ def oracle(tok, c, kwargs, thinking):
 ])
 def test_oracle_matches_fast_builder(toks, name, kwargs, thinking):
     tok = toks[name]
-    rng = random.Random(hash(name) % 1000 + len(kwargs))
+    rng = random.Random(zlib.crc32(f"{name}{kwargs}{thinking}".encode()))
     chat = ChatTemplate(tok, kwargs=kwargs)
     convs = [rand_conv(rng, think=name == "tokenizer-qwen3") for _ in range(12)]
     plans = [p for c in convs for p in chat.plan(c, thinking=thinking)[0]]
     samples, _ = build_samples(tok, plans, max_length=1 << 20, thinking=thinking)
     expected = [x for c in convs for x in oracle(tok, c, kwargs, thinking)]
-    assert len(samples) == len(expected) >= 12
+    assert len(samples) == len(expected) >= 8  # enable_thinking=False + a think answer: no sample
     for s, (ids, mask) in zip(samples, expected):
         assert s.input_ids.tolist() == ids, s.id
         assert s.loss_mask.tolist() == mask, s.id

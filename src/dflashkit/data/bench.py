@@ -47,7 +47,8 @@ def bench_tokenize(cfg: Any, rd: Any, ctx: Any, *, repeats: int = 3) -> dict[str
     big = 1 << 30  # no truncation: both paths tokenize the same full texts
 
     def plan_all():
-        return [p for c in convs for p in chat.plan(c, thinking=tc.thinking, system_prompt=tc.system_prompt)[0]]
+        return [p for c in convs for p in chat.plan(c, thinking=tc.thinking, system_prompt=tc.system_prompt,
+                                                    rewritten_turns=tc.rewritten_turns)[0]]
 
     def ours_full():
         return build_samples(tok, plan_all(), max_length=big, thinking=tc.thinking)[0]

@@ -21,7 +21,8 @@ what the model produced after exactly the prompt it saw at inference. Prefix-sta
 tokenized separately, like prompt and generated tokens at inference, so no token straddles a
 mask boundary.
 
-Policies: `thinking` keep (train on think blocks) | mask (keep them in the input, loss 0) |
+With `rewritten_turns="drop"` those turns are left unsupervised instead (one sample per
+conversation, fewer tokens). Policies: `thinking` keep (train on think blocks) | mask (keep them in the input, loss 0) |
 strip (remove them from answers); `system_prompt` keep | drop (the template may add its own
 default); a turn cut by max_tokens (finish reason "length") is supervised without the
 end-of-turn token the template appends (the model never emitted it).
@@ -125,8 +126,8 @@ class ChatTemplate:
             return answer.rstrip(), False
         return answer[:m.end()], True
 
-    def plan(self, conv: Conversation, *, thinking: str = "keep",
-             system_prompt: str = "keep") -> tuple[list[SamplePlan], Counter]:
+    def plan(self, conv: Conversation, *, thinking: str = "keep", system_prompt: str = "keep",
+             rewritten_turns: str = "split") -> tuple[list[SamplePlan], Counter]:
         """Sample plans for one conversation (see the module docstring) and event counts."""
         counts: Counter[str] = Counter()
         msgs = [dict(m) for m in conv.messages if not (system_prompt == "drop" and m["role"] == "system")]
@@ -171,7 +172,7 @@ class ChatTemplate:
                 done.append(j)
             if len(done) < len(remaining):
                 counts["turns_rewritten"] += len(remaining) - len(done)
-            remaining = [j for j in remaining if j not in done]
+            remaining = [j for j in remaining if j not in done] if rewritten_turns == "split" else []
             plans.append(plan)
         plans.reverse()
         counts["samples"] += len(plans)

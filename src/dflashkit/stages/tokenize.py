@@ -120,7 +120,8 @@ def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
             conversations += len(batch)
             plans = []
             for conv in batch:
-                conv_plans, counts = chat.plan(conv, thinking=tc.thinking, system_prompt=tc.system_prompt)
+                conv_plans, counts = chat.plan(conv, thinking=tc.thinking, system_prompt=tc.system_prompt,
+                                               rewritten_turns=tc.rewritten_turns)
                 events.update(counts)
                 events["no_assistant_turn"] += not conv_plans
                 plans.extend(conv_plans)
