@@ -161,6 +161,9 @@ class TokenizeSection:
         "generate", "Conversations to tokenize: the target's regenerated answers "
         "(generate/conversations.jsonl) or the dataset's own answers (prepare/train.jsonl).")
     batch_size: int = f(256, "Conversations rendered and tokenized per batch.")
+    rewritten_turns: Literal["split", "drop"] = f(
+        "split", "Answers the template renders differently once later turns follow (Qwen3 drops earlier "
+        "<think> blocks): give each its own sample (exact, more tokens) or leave them unsupervised.")
 
 
 @dataclass(kw_only=True)
