@@ -91,7 +91,8 @@ def test_source_prepare_and_min_supervised(tmp_path, capsys, tiny_qwen3, tok):
     code, out = tokenize(tmp_path, capsys)
     # "ok<|im_end|>" is 3 tokens < 2·block_size = 8; the prompt-only conversation has no answer
     assert code == 0 and out["samples"] == 3
-    assert out["dropped"] == {"no_assistant_turn": 1, "too_few_supervised": 1}
+    assert out["dropped"] == {"no_assistant_turn": 1, "no_aligned_turn": 0, "template_error": 0,
+                              "too_few_supervised": 1}
     code, out = tokenize(tmp_path, capsys, "tokenize.min_supervised=2")
     assert out["samples"] == 4
 
@@ -109,6 +110,22 @@ def test_refuses_all_zero_and_all_one_masks(tmp_path, capsys, tiny_qwen3):
     code, out = tokenize(tmp_path, capsys, f"target.chat_template={tpl}")
     assert code == 2 and "all one" in out["error"]
     assert not list((tmp_path / "run/tokenize").glob("shard-*"))
+
+
+def test_template_errors_are_counted_and_named(tmp_path, capsys, tiny_qwen3):
+    tpl = tmp_path / "strict.jinja"
+    tpl.write_text("{% for m in messages %}{% if m.role == 'user' and 'boom' in m.content %}"
+                   "{{ raise_exception('no boom allowed') }}{% endif %}"
+                   "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    bad = Conversation.from_messages("t", [{"role": "user", "content": "boom"},
+                                           {"role": "assistant", "content": ANSWERS[0]}]).to_dict()
+    setup(tmp_path, tiny_qwen3, convs() + [bad])
+    code, out = tokenize(tmp_path, capsys, f"target.chat_template={tpl}")
+    assert code == 0 and out["samples"] == 3 and out["dropped"]["template_error"] == 1
+    setup(tmp_path, tiny_qwen3, [bad])
+    code, out = tokenize(tmp_path, capsys, f"target.chat_template={tpl}")
+    assert code == 2 and "no boom allowed" in out["error"]
 
 
 def test_server_token_mismatch_reported(tmp_path, capsys, tiny_qwen3, tok):

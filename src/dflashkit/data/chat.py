@@ -99,6 +99,7 @@ class ChatTemplate:
         specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special},
                           key=len, reverse=True)
         self.special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self.first_error: str | None = None  # first template rendering error (e.g. roles rejected)
         try:
             from transformers.utils.chat_template_utils import _compile_jinja_template
 
@@ -143,8 +144,13 @@ class ChatTemplate:
             server = []
         spans: dict[int, tuple[str, str, str, int]] = {}  # msg index -> (P, answer, F, ordinal)
         for ordinal, j in enumerate(answers):
-            prompt = self.render(msgs[:j], add_generation_prompt=True)
-            full = self.render(msgs[:j + 1])
+            try:
+                prompt = self.render(msgs[:j], add_generation_prompt=True)
+                full = self.render(msgs[:j + 1])
+            except Exception as e:  # noqa: BLE001 - templates raise their own errors (raise_exception)
+                counts["template_errors"] += 1
+                self.first_error = self.first_error or f"{conv.id}: {type(e).__name__}: {e}"
+                return [], counts
             if not full.startswith(prompt):
                 counts["turns_unaligned"] += 1
                 continue

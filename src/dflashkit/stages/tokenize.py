@@ -34,6 +34,8 @@ from dflashkit.rundir import RunDir, atomic_write_json, file_digest, write_manif
 
 log = logging.getLogger("dflashkit.tokenize")
 
+DROPS = ("no_assistant_turn", "no_aligned_turn", "template_error", "too_few_supervised")
+
 
 def input_path(cfg: Any, rd: RunDir) -> Path:
     """The conversations to tokenize; MissingArtifactError (exit 3) names the stage to run."""
@@ -123,7 +125,10 @@ def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
                 conv_plans, counts = chat.plan(conv, thinking=tc.thinking, system_prompt=tc.system_prompt,
                                                rewritten_turns=tc.rewritten_turns)
                 events.update(counts)
-                events["no_assistant_turn"] += not conv_plans
+                if not conv_plans:
+                    has_answer = any(m["role"] == "assistant" for m in conv.messages)
+                    events["template_error" if counts["template_errors"] else
+                           "no_aligned_turn" if has_answer else "no_assistant_turn"] += 1
                 plans.extend(conv_plans)
             samples, c = build_samples(chat.tokenizer, plans, max_length=tc.max_length, thinking=tc.thinking)
             checks["server_turns"] += c["server_turns"]
@@ -138,7 +143,7 @@ def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
             flush(False)
         flush(True)
         totals = {k: sum(s[k] for s in shards) for k in ("samples", "tokens", "supervised")}
-        _refuse_degenerate(totals, src, need)
+        _refuse_degenerate(totals, src, need, chat.first_error)
         for sh in shards:
             os.replace(staging / sh["file"], out / sh["file"])
         keep = {sh["file"] for sh in shards}
@@ -148,16 +153,17 @@ def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     elapsed = time.time() - t0
+    if chat.first_error:
+        log.warning("%d conversations skipped: the chat template raised (first: %s)",
+                    events["template_errors"], chat.first_error)
     if checks["server_mismatches"]:
         log.warning("%d of %d answers differ from the server's token ids (first: %s); the server's "
                     "ids were used", checks["server_mismatches"], checks["server_turns"],
                     checks["first_mismatch"])
     stats = {"input": str(src), "conversations": conversations, **totals,
              "supervised_fraction": round(totals["supervised"] / max(totals["tokens"], 1), 4),
-             "dropped": {"no_assistant_turn": events["no_assistant_turn"],
-                         "too_few_supervised": events["too_few_supervised"]},
-             "events": {k: v for k, v in sorted(events.items())
-                        if k not in ("no_assistant_turn", "too_few_supervised")},
+             "dropped": {k: events[k] for k in DROPS},
+             "events": {k: v for k, v in sorted(events.items()) if k not in DROPS},
              "server_token_check": checks, "shards": shards,
              "settings": {"max_length": tc.max_length, "min_supervised": need, "thinking": tc.thinking,
                           "system_prompt": tc.system_prompt, "chat_template_kwargs": tc.chat_template_kwargs,
@@ -179,10 +185,11 @@ def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
         "shards": len(shards), "server_mismatches": checks["server_mismatches"]}
 
 
-def _refuse_degenerate(totals: dict[str, int], src: Path, need: int) -> None:
+def _refuse_degenerate(totals: dict[str, int], src: Path, need: int, template_error: str | None) -> None:
     if totals["samples"] == 0 or totals["supervised"] == 0:
+        why = f" (first chat-template error: {template_error})" if template_error else ""
         raise UsageError(f"{src}: no sample has >= {need} supervised (assistant) tokens; loss masks would "
-                         "be all zero", hint="check the conversations have assistant answers, "
+                         f"be all zero{why}", hint="check the conversations have assistant answers, "
                          "tokenize.max_length, tokenize.min_supervised and target.chat_template")
     if totals["supervised"] == totals["tokens"]:
         raise UsageError(f"{src}: every token is supervised (loss masks all one): the chat template did "
