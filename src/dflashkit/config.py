@@ -146,6 +146,8 @@ class GenerateSection:
                                 "the returned ids in meta.token_ids; turn off for strict APIs.")
     extra_body: dict[str, Any] = f({}, "Extra JSON fields merged into every request body.")
     progress: bool = f(True, "Show a progress bar on stderr.")
+    http_client: Literal["fast", "httpx"] = f("fast", "HTTP client: the built-in keep-alive HTTP/1.1 client "
+                                             "(lowest overhead) or httpx (proxies, HTTP/2).")
 
 
 @dataclass(kw_only=True)
@@ -223,6 +225,11 @@ class EvalSection:
     top_k: int = f(0, "Top-k sampling (0 = off).")
     max_context: int | None = f(None, "Refuse prompts longer than this; null = the target's context.")
     warmup: int = f(1, "Prompts decoded first and not timed.")
+    drafter: str | None = f(None, "Drafter dir (config.json + model.safetensors); null = <run_dir>/train/final, "
+                            "else <run_dir>/export. A positional DIR overrides it.")
+    draft_sampling: Literal["greedy", "sample"] = f("greedy", "At temperature > 0: propose the draft argmax "
+                                                   "(as SGLang) or a sample of the draft law (as z-lab); "
+                                                   "both lossless.")
 
 
 @dataclass(kw_only=True)

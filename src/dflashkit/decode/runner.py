@@ -1,0 +1,131 @@
+"""What `eval` and `bench decode` share: find the drafter, read and render prompts, run a decoder.
+
+Usage:
+    drafter_dir = resolve_drafter_dir(cfg, rd, ctx.positionals)
+    prompts = load_prompt_messages(cfg, rd)                     # [(id, messages)]
+    ids = render_prompts(target.tokenizer, prompts, cfg.tokenize.chat_template_kwargs)
+    results = run_interleaved({"base": base, "spec": spec}, ids, params_for(cfg, target), warmup=1)
+
+Prompt files: JSONL in prepare's record format (`{"id", "messages": [...]}`; the conversation up to
+its first assistant turn is the prompt) or plain `{"prompt": "..."}` lines (one user turn).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from dflashkit.decode.api import Decoder, GenerationResult, SamplingParams
+from dflashkit.errors import MissingArtifactError, UsageError
+
+log = logging.getLogger("dflashkit.decode")
+
+
+def resolve_drafter_dir(cfg: Any, rd: Any, positionals: list[str]) -> Path:
+    """Positional DIR, else `eval.drafter`, else `<run_dir>/train/final`, else `<run_dir>/export`."""
+    if positionals:
+        p = Path(positionals[0])
+        if not p.is_dir():
+            raise UsageError(f"drafter dir {p} does not exist", hint="pass a dir with config.json + model.safetensors")
+        return p
+    if cfg.eval.drafter:
+        p = Path(cfg.eval.drafter)
+        if not p.is_dir():
+            raise UsageError(f"eval.drafter {p} does not exist", hint="fix eval.drafter or pass the dir as DIR")
+        return p
+    for cand in (rd.root / "train" / "final", rd.root / "export"):
+        if (cand / "config.json").is_file():
+            return cand
+    raise MissingArtifactError("trained drafter", rd.root / "train" / "final", run="dflashkit train -c run.yaml")
+
+
+def _prompt_of(obj: Any, where: str) -> list[dict[str, str]]:
+    if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+        return [{"role": "user", "content": obj["prompt"]}]
+    msgs = obj.get("messages") if isinstance(obj, dict) else None
+    if not isinstance(msgs, list) or not msgs:
+        raise UsageError(f"{where}: expected {{\"messages\": [...]}} or {{\"prompt\": \"...\"}}",
+                         hint="use prepare's heldout.jsonl format or one {\"prompt\": ...} per line")
+    out = []
+    for m in msgs:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise UsageError(f"{where}: each message needs `role` and `content`")
+        if m["role"] == "assistant":
+            break
+        out.append({"role": m["role"], "content": m["content"]})
+    if not any(m["role"] == "user" for m in out):
+        raise UsageError(f"{where}: no user turn before the first assistant turn")
+    return out
+
+
+def load_prompt_messages(cfg: Any, rd: Any) -> list[tuple[str, list[dict[str, str]]]]:
+    """(id, chat messages) for `eval.prompts`, else prepare's held-out split."""
+    from dflashkit.data.records import read_jsonl
+
+    path = Path(cfg.eval.prompts) if cfg.eval.prompts else rd.root / "prepare" / "heldout.jsonl"
+    if not path.is_file():
+        if cfg.eval.prompts:
+            raise UsageError(f"eval.prompts {path} does not exist", hint="fix eval.prompts")
+        raise MissingArtifactError("held-out prompts", path, run="dflashkit prepare -c run.yaml")
+    out = [(str(obj.get("id", n)) if isinstance(obj, dict) else str(n), _prompt_of(obj, f"{path}:{n}"))
+           for n, obj in read_jsonl(path)]
+    if not out:
+        raise UsageError(f"{path} holds no prompts", hint="set data.heldout > 0 and re-run `dflashkit prepare`")
+    return out
+
+
+def render_prompts(tokenizer: Any, prompts: list[tuple[str, list[dict[str, str]]]],
+                   template_kwargs: dict[str, Any] | None = None) -> list[list[int]]:
+    """Chat-template each prompt (add_generation_prompt=True) and encode without extra specials."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError("the target tokenizer has no chat template", hint="set target.chat_template to a Jinja file")
+    rendered = []
+    for _, msgs in prompts:
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
+                                             **(template_kwargs or {}))
+        rendered.append(tokenizer.encode(text, add_special_tokens=False))
+    return rendered
+
+
+def stop_ids(target: Any) -> tuple[int, ...]:
+    """The tokenizer's eos plus the generation config's eos id(s)."""
+    ids: set[int] = set()
+    tok = target.tokenizer
+    if tok is not None and tok.eos_token_id is not None:
+        ids.add(int(tok.eos_token_id))
+    gen_eos = getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)
+    ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+    return tuple(sorted(int(i) for i in ids))
+
+
+def params_for(cfg: Any, target: Any, seed: int | None = None) -> SamplingParams:
+    e = cfg.eval
+    return SamplingParams(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, max_new_tokens=e.max_new_tokens,
+                          seed=seed, stop_token_ids=stop_ids(target))
+
+
+def run_interleaved(decoders: dict[str, Decoder], prompts: list[list[int]], params: SamplingParams, *,
+                    warmup: int = 0, base_seed: int = 0) -> dict[str, list[GenerationResult]]:
+    """Decode every prompt with every decoder, prompt by prompt, so load noise hits all alike.
+
+    Each decoder first decodes `warmup` prompts untimed (discarded). Prompt i uses seed base_seed + i.
+    """
+    from dataclasses import replace
+
+    for dec in decoders.values():
+        for i in range(warmup):
+            dec.generate(prompts[i % len(prompts)], replace(params, seed=base_seed))
+    out: dict[str, list[GenerationResult]] = {name: [] for name in decoders}
+    for i, p in enumerate(prompts):
+        for name, dec in decoders.items():
+            out[name].append(dec.generate(p, replace(params, seed=base_seed + i)))
+    return out
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """First index where two token lists differ (length difference counts), else None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))

@@ -1,0 +1,170 @@
+"""`dflashkit export`: the serving-ready drafter dir (z-lab format) with a model card, checked on reload.
+
+Inputs:  `train/final/` (or a positional DIR), `eval/results.json` and manifests if present.
+Outputs: `export.out_dir` (default `<run_dir>/export/`): config.json (architectures, auto_map →
+         dflash.py, dflash_config, top-level block_size/num_target_layers), model.safetensors
+         (z-lab tensor names, `export.dtype`), dflash.py (our modeling file:
+         `AutoModel.from_pretrained(dir, trust_remote_code=True)`), README.md (model card with the
+         SGLang and vLLM launch lines), manifest.json.
+Example: dflashkit export -c run.yaml export.dtype=bfloat16
+
+The dir is built in a temp dir beside the destination, reloaded twice (our loader and the shipped
+dflash.py) and compared with the source drafter on a fixed input — the logits through the target's
+own head when its weights can be read — and only then renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from dflashkit.config import section_hash
+from dflashkit.errors import DflashkitError, MissingArtifactError
+from dflashkit.rundir import write_manifest
+
+log = logging.getLogger("dflashkit.export")
+
+
+def _counts(rd: Any) -> dict[str, Any]:
+    out = {}
+    for stage in ("prepare", "generate", "tokenize", "train"):
+        m = rd.manifest(stage)
+        if m and m.get("counts"):
+            out[stage] = m["counts"]
+    return out
+
+
+def model_card(cfg: Any, contract: Any, out_dir: Path, rd: Any) -> str:
+    """README.md: target, data counts, settings, measured τ/speedup, launch lines."""
+    b = contract.block_size
+    target = cfg.target.path or "TARGET"
+    lines = ["---", "library_name: transformers", "tags: [dflash, speculative-decoding, block-diffusion, dflashkit]",
+             f"base_model: {target}", "---", "", f"# {cfg.run.name}: DFlash drafter for `{target}`", "",
+             "A DFlash block-diffusion draft model (z-lab checkpoint format) trained with dflashkit.", "",
+             "## Settings", "", "| key | value |", "|---|---|"]
+    for k in ("block_size", "num_draft_layers", "target_layer_ids", "mask_token_id", "num_target_layers",
+              "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+        lines.append(f"| {k} | {getattr(contract, k)} |")
+    lines.append(f"| dtype | {cfg.export.dtype} |")
+    counts = _counts(rd)
+    if counts:
+        lines += ["", "## Training data", ""]
+        lines += [f"- {stage}: " + ", ".join(f"{k}={v}" for k, v in c.items()) for stage, c in counts.items()]
+    results = rd.root / "eval" / "results.json"
+    if results.is_file():
+        res = json.loads(results.read_text())
+        lines += ["", "## Measured (dflashkit eval, HF reference loop)", "",
+                  "| block size | τ | speedup | bound τ·t(1)/t(B) | tokens/s |", "|---|---|---|---|---|"]
+        for bs, r in res.get("speculative", {}).items():
+            lines.append(f"| {bs} | {r['tau']:.2f} | {r['speedup']:.2f} | {r['bound']:.2f} | "
+                         f"{r['decode_tokens_per_s']:.1f} |")
+        lines.append(f"\n{res.get('prompts')} prompts, max_new_tokens {res.get('max_new_tokens')}, "
+                     f"temperature {res.get('temperature')}, device {res.get('device')}.")
+    lines += ["", "## Serve", "", "SGLang:", "", "```bash",
+              f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
+              f"--speculative-draft-model-path {out_dir} --speculative-num-draft-tokens {b}", "```", "",
+              "vLLM:", "", "```bash",
+              f"vllm serve {target} --speculative-config "
+              f"'{{\"method\":\"dflash\",\"model\":\"{out_dir}\",\"num_speculative_tokens\":{b - 1}}}'", "```", "",
+              "Transformers (this dir ships its own `dflash.py`):", "", "```python",
+              "from transformers import AutoModel",
+              f"drafter = AutoModel.from_pretrained(\"{out_dir}\", trust_remote_code=True)", "```", ""]
+    return "\n".join(lines)
+
+
+def reload_check(source: Any, export_dir: Path, head: Any, atol: float) -> dict[str, float]:
+    """Compare source vs reloaded (ours) vs shipped dflash.py on a fixed input; raise on mismatch."""
+    import torch
+
+    from dflashkit.export.hf import load_drafter, load_shipped_model
+
+    c = source.contract
+    g = torch.Generator().manual_seed(0)
+    t, q = 8, c.block_size
+    noise = torch.randn(1, q, c.hidden_size, generator=g)
+    ctx = torch.randn(1, t, c.num_features * c.hidden_size, generator=g)
+    pos = torch.arange(t + q)[None]
+    ours = load_drafter(export_dir, dtype=torch.float32)
+    shipped = load_shipped_model(export_dir)
+    with torch.inference_mode():
+        ref = source.float()(noise, ctx, pos)
+        a = ours(noise, ctx, pos)
+        b = shipped(noise_embedding=noise, target_hidden=ctx, position_ids=pos)
+        proj = head.float() if head is not None else torch.eye(c.hidden_size)
+        lr, la, lb = ref @ proj.T, a @ proj.T, b @ proj.T
+    scale = max(1.0, lr.abs().max().item())
+    diff_export = (la - lr).abs().max().item()
+    diff_shipped = (lb - la).abs().max().item()
+    if diff_export > atol * scale or diff_shipped > 1e-4 * scale:
+        raise DflashkitError(
+            f"export reload check failed in {export_dir}: max |logits diff| exported vs source {diff_export:.3g}, "
+            f"shipped dflash.py vs our loader {diff_shipped:.3g} (allowed {atol * scale:.3g} / {1e-4 * scale:.3g})",
+            hint="nothing was replaced; try export.dtype=float32 or raise export.check_atol")
+    return {"max_diff_vs_source": diff_export, "max_diff_shipped_vs_ours": diff_shipped, "logit_scale": scale,
+            "compared": "logits" if head is not None else "hidden states"}
+
+
+def _target_head(cfg: Any):
+    from dflashkit.export.hf import read_target_head
+    from dflashkit.model.target import resolve_target_path
+
+    if not cfg.target.path:
+        return None
+    try:
+        model_dir, gguf = resolve_target_path(cfg.target.path, cfg.target.gguf_file)
+        return None if gguf else read_target_head(model_dir)
+    except (DflashkitError, OSError) as e:
+        log.warning("target head not readable (%s): comparing hidden states instead of logits", e)
+        return None
+
+
+def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
+    import torch
+
+    from dflashkit.export.hf import MODELING_FILE, load_drafter, save_drafter
+
+    t0 = time.time()
+    src = Path(ctx.positionals[0]) if ctx.positionals else rd.root / "train" / "final"
+    if not (src / "config.json").is_file():
+        raise MissingArtifactError("trained drafter", src, run="dflashkit train -c run.yaml")
+    out = Path(cfg.export.out_dir) if cfg.export.out_dir else rd.root / "export"
+    if ctx.dry_run:
+        return {"dry_run": True, "source": str(src), "out_dir": str(out)}
+    model = load_drafter(src, dtype=torch.float32)
+    head = _target_head(cfg)
+    if head is not None and head.shape[-1] != model.contract.hidden_size:
+        head = None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        save_drafter(model, tmp, dtype=cfg.export.dtype)
+        shutil.copyfile(Path(__file__).parent.parent / "export" / "dflash_modeling.py", tmp / MODELING_FILE)
+        (tmp / "README.md").write_text(model_card(cfg, model.contract, out.resolve(), rd))
+        check = reload_check(model, tmp, head, cfg.export.check_atol)
+        write_manifest(tmp, stage="export", config_hash=section_hash(cfg.export), started=t0,
+                       inputs={"source": str(src)}, counts={"tensors": len(model.state_dict())},
+                       outputs=["config.json", "model.safetensors", MODELING_FILE, "README.md"],
+                       extra={"reload_check": check})
+        old = None
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+            os.replace(out, old / "x")
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    if out.resolve() != rd.stage_dir("export", create=False).resolve():
+        write_manifest(rd.stage_dir("export"), stage="export", config_hash=section_hash(cfg.export), started=t0,
+                       inputs={"source": str(src)}, outputs=[str(out)], extra={"reload_check": check})
+    log.info("exported %s → %s (reload check: %s max diff %.2g)", src, out, check["compared"],
+             check["max_diff_vs_source"])
+    return {"out_dir": str(out), "dtype": cfg.export.dtype, "block_size": model.contract.block_size,
+            "reload_check": check}

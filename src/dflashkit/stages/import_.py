@@ -1,0 +1,107 @@
+"""`dflashkit import DIR [DEST]`: adopt an existing z-lab DFlash drafter dir for `eval` or `train`.
+
+Inputs:  DIR with config.json (+ `dflash_config`) and model.safetensors; the target (`target.path`).
+Outputs: DEST (default `<run_dir>/train/final/`, a relative DEST is under the run dir) holding
+         config.json, model.safetensors (and dflash.py if DIR had one); `contract.json` if absent;
+         `<run_dir>/import/manifest.json`.
+Example: dflashkit import ~/ckpt/Qwen3-8B-DFlash-b16 -c run.yaml
+
+Checks, all before anything is written (exit 2 with the key named): the config has
+`dflash_config` and the Qwen3 keys, the weights are readable safetensors whose names and shapes
+match the config, and the drafter fits the target (target_layer_ids < target layers, equal hidden
+size, mask id and vocab inside the target's). An existing DEST is never overwritten.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from dflashkit.config import section_hash
+from dflashkit.errors import UsageError
+from dflashkit.rundir import atomic_write_json, write_manifest
+
+log = logging.getLogger("dflashkit.import")
+
+
+def target_facts(cfg: Any) -> dict[str, Any]:
+    """num layers, hidden size, vocab, context of the target, from its config (no weights loaded)."""
+    from dflashkit.model.target import load_target, resolve_target_path, text_config_dict
+
+    if not cfg.target.path:
+        raise UsageError("`dflashkit import` needs the target to check the drafter against",
+                         hint="set target.path (in -c run.yaml or target.path=...)")
+    model_dir, gguf = resolve_target_path(cfg.target.path, cfg.target.gguf_file)
+    if not gguf and (model_dir / "config.json").is_file():
+        tc = text_config_dict(model_dir)
+        return {"num_layers": int(tc["num_hidden_layers"]), "hidden_size": int(tc["hidden_size"]),
+                "vocab_size": int(tc["vocab_size"]), "max_position_embeddings": tc.get("max_position_embeddings"),
+                "tie_word_embeddings": bool(tc.get("tie_word_embeddings", False)),
+                "model_type": tc.get("model_type", ""), "architecture": (tc.get("architectures") or [""])[0]}
+    t = load_target(cfg.target, with_tokenizer=False)
+    return {"num_layers": t.num_layers, "hidden_size": t.hidden_size, "vocab_size": t.vocab_size,
+            "max_position_embeddings": getattr(t.config, "max_position_embeddings", None),
+            "tie_word_embeddings": bool(getattr(t.config, "tie_word_embeddings", False)),
+            "model_type": getattr(t.config, "model_type", ""), "architecture": type(t.model).__name__}
+
+
+def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
+    from dflashkit.export.hf import MODELING_FILE, WEIGHTS, check_fits, load_drafter
+
+    t0 = time.time()
+    if not ctx.positionals:
+        raise UsageError("`dflashkit import` needs a drafter DIR", hint="dflashkit import DIR [DEST] -c run.yaml")
+    src = Path(ctx.positionals[0])
+    if not src.is_dir():
+        raise UsageError(f"{src} is not a directory", hint="pass the drafter dir (config.json + model.safetensors)")
+    dest = Path(ctx.positionals[1]) if len(ctx.positionals) > 1 else Path("train") / "final"
+    dest = dest if dest.is_absolute() else rd.root / dest
+    model = load_drafter(src)  # validates config keys, tensor names, shapes, file integrity
+    contract = model.contract
+    facts = target_facts(cfg)
+    check_fits(contract, num_layers=facts["num_layers"], hidden_size=facts["hidden_size"],
+               vocab_size=facts["vocab_size"], where=f"drafter {src}")
+    if dest.exists():
+        raise UsageError(f"{dest} already exists; not overwriting it",
+                         hint="pass another DEST (dflashkit import DIR DEST) or move the existing dir away")
+    if ctx.dry_run:
+        return {"dry_run": True, "source": str(src), "dest": str(dest), "fits": True}
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        for name in ("config.json", WEIGHTS, MODELING_FILE):
+            if (src / name).is_file():
+                shutil.copyfile(src / name, tmp / name)
+        if not (tmp / WEIGHTS).is_file():  # sharded source: write one file in our format
+            from dflashkit.export.hf import save_drafter
+
+            save_drafter(model, tmp, dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
+        os.replace(tmp, dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    wrote_contract = False
+    if not rd.contract_path.is_file():
+        contract.num_target_layers = facts["num_layers"]
+        contract.vocab_size = facts["vocab_size"]
+        contract.tie_word_embeddings = facts["tie_word_embeddings"]
+        contract.target_model_type = facts["model_type"]
+        contract.target_architecture = facts["architecture"]
+        if facts["max_position_embeddings"]:
+            contract.max_position_embeddings = int(facts["max_position_embeddings"])
+        contract.mask_token_reason = f"imported from {src}"
+        atomic_write_json(rd.contract_path, contract.to_dict())
+        wrote_contract = True
+    write_manifest(rd.stage_dir("import"), stage="import", config_hash=section_hash(cfg.target), started=t0,
+                   inputs={"source": str(src.resolve())}, outputs=[str(dest)],
+                   counts={"tensors": len(model.state_dict())})
+    log.info("imported %s → %s%s", src, dest, " (wrote contract.json)" if wrote_contract else "")
+    return {"source": str(src), "dest": str(dest), "block_size": contract.block_size,
+            "target_layer_ids": contract.target_layer_ids, "wrote_contract": wrote_contract}
