@@ -182,3 +182,15 @@ def test_failed_run_keeps_previous_outputs(tmp_path, capsys):
     assert code == 2
     after = {p.name: p.read_bytes() for p in (tmp_path / "run/prepare").iterdir()}
     assert after == before
+
+
+def test_truncated_array_fails_when_strict(tmp_path, capsys):
+    recs = [{"prompt": f"p{i}"} for i in range(4)]
+    data = json.dumps(recs).encode()
+    path = tmp_path / "cut.json"
+    path.write_bytes(data[:-8])
+    code, out = prepare(tmp_path, capsys, [{"path": str(path)}])
+    assert code == 0 and out["train"] == 3 and out["truncated"]["cut"]["complete_records"] == 3
+    code, out = prepare(tmp_path, capsys, [{"path": str(path)}], on_malformed="fail")
+    offset = data.rindex(b"{")
+    assert code == 2 and f"truncated JSON array at byte {offset}" in out["error"]
