@@ -6,7 +6,8 @@ Usage:
         reply = await client.chat({"model": model, "messages": [...], "max_tokens": 64})
         reply.content, reply.reasoning, reply.finish_reason, reply.token_ids, reply.attempts
 
-One `httpx.AsyncClient` (keep-alive pool) serves every endpoint. Each request goes to the endpoint
+One keep-alive connection pool serves every endpoint: the lean `Http1Client` by default, or
+`httpx.AsyncClient` (`http_client="httpx"`: proxies, HTTP/2). Each request goes to the endpoint
 with the fewest requests in flight. Retryable failures (HTTP 408/409/425/429/5xx, timeouts,
 connection errors, malformed JSON) are retried with exponential backoff and jitter, honouring
 `Retry-After`; anything else (HTTP 400, 401, 404, …) fails at once. After the last retry
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from dflashkit.serving.http1 import Http1Client, HttpConnectError, HttpDropped, HttpError, HttpTimeout
 
 log = logging.getLogger("dflashkit.generate")
 
@@ -109,7 +112,7 @@ class OpenAIClient:
 
     def __init__(self, urls: list[str], *, concurrency: int = 32, timeout_s: float = 600.0,
                  max_retries: int = 5, backoff_s: float = 0.5, api_key_env: str | None = None,
-                 seed: int = 0):
+                 seed: int = 0, http_client: str = "fast"):
         if not urls:
             raise ValueError("no endpoint URLs")
         self.urls = [u.rstrip("/") for u in urls]
@@ -125,10 +128,15 @@ class OpenAIClient:
         key = os.environ.get(api_key_env) if api_key_env else None
         if key:
             headers["Authorization"] = f"Bearer {key}"
-        self._http = httpx.AsyncClient(
-            headers=headers, timeout=httpx.Timeout(timeout_s),
-            limits=httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4),
-        )
+        self._fast: Http1Client | None = None
+        self._http: httpx.AsyncClient | None = None
+        if http_client == "fast":
+            self._fast = Http1Client(timeout_s=timeout_s, headers=headers)
+        else:
+            self._http = httpx.AsyncClient(
+                headers=headers, timeout=httpx.Timeout(timeout_s),
+                limits=httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4),
+            )
         self.stats = {"requests": 0, "retries": 0}
 
     async def __aenter__(self) -> "OpenAIClient":
@@ -138,7 +146,10 @@ class OpenAIClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._http is not None:
+            await self._http.aclose()
+        if self._fast is not None:
+            await self._fast.aclose()
 
     def pick_url(self) -> str:
         """The endpoint with the fewest requests in flight (round robin among ties; cooled-down last)."""
@@ -157,10 +168,15 @@ class OpenAIClient:
         """The first model id of the first endpoint's /v1/models."""
         url = self.urls[0] + "/models"
         try:
-            resp = await self._http.get(url)
+            if self._fast is not None:
+                status, _, body = await self._fast.request("GET", url)
+                if status != 200:
+                    raise ValueError(f"HTTP {status}")
+                return str(json.loads(body)["data"][0]["id"])
+            resp = await self._http.get(url)  # type: ignore[union-attr]
             resp.raise_for_status()
             return str(resp.json()["data"][0]["id"])
-        except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        except (httpx.HTTPError, HttpError, KeyError, IndexError, TypeError, ValueError) as e:
             from dflashkit.errors import ServerError
 
             raise ServerError(f"could not read the model name from {url}: {type(e).__name__}: {e}",
@@ -183,6 +199,9 @@ class OpenAIClient:
                 reply.attempts = attempt + 1
                 reply.retry_reasons = reasons
                 return reply
+            except RequestFailed as e:
+                e.attempts = attempt + 1
+                raise
             except _Retryable as e:
                 reasons.append(e.reason)
                 if attempt == self.max_retries:
@@ -201,19 +220,21 @@ class OpenAIClient:
 
     async def _post(self, url: str, payload: bytes) -> ChatReply:
         try:
-            resp = await self._http.post(url + "/chat/completions", content=payload)
-            body = resp.content
-        except httpx.TimeoutException as e:
+            if self._fast is not None:
+                status, headers, body = await self._fast.request("POST", url + "/chat/completions", payload)
+            else:
+                resp = await self._http.post(url + "/chat/completions", content=payload)  # type: ignore[union-attr]
+                status, headers, body = resp.status_code, resp.headers, resp.content
+        except (httpx.TimeoutException, HttpTimeout) as e:
             raise _Retryable("timeout", type(e).__name__) from None
-        except httpx.ConnectError as e:
+        except (httpx.ConnectError, HttpConnectError) as e:
             raise _Retryable("connect error", str(e)[:120]) from None
-        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, HttpDropped, OSError) as e:
             raise _Retryable("connection dropped", f"{type(e).__name__}: {str(e)[:120]}") from None
-        status = resp.status_code
         if status != 200:
             detail = body[:200].decode("utf-8", "replace")
             if status in RETRY_STATUS:
-                raise _Retryable(f"http {status}", detail, parse_retry_after(resp.headers.get("retry-after")))
+                raise _Retryable(f"http {status}", detail, parse_retry_after(headers.get("retry-after")))
             raise RequestFailed(f"http {status}", detail)
         choice, data = parse_chat_response(body)
         message = choice["message"]

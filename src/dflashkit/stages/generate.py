@@ -89,7 +89,7 @@ async def _regenerate(cfg, convs, journal: Journal, done: dict[str, dict[int, di
     g = cfg.generate
     client = OpenAIClient(urls, concurrency=g.concurrency, timeout_s=cfg.server.timeout_s,
                           max_retries=g.max_retries, backoff_s=g.backoff_s,
-                          api_key_env=cfg.server.api_key_env, seed=cfg.run.seed)
+                          api_key_env=cfg.server.api_key_env, seed=cfg.run.seed, http_client=g.http_client)
     async with client:
         model = cfg.server.model or await client.model_name()
         settings_box.update(sampling_settings(cfg, model))

@@ -1,0 +1,207 @@
+"""`dflashkit bench generate|serve`: the generate client's overhead, and endpoint concurrency sweeps.
+
+Usage:
+    dflashkit bench generate -c run.yaml bench.generate_requests=4000
+    dflashkit bench serve -c run.yaml bench.urls='[http://127.0.0.1:8000/v1,http://127.0.0.1:8001/v1]'
+
+`bench_generate` starts the zero-latency canned server (`serving.faults`, a raw asyncio HTTP/1.1
+server) in its own process, so the numbers are the client's: requests/s and client CPU seconds per
+request (`time.process_time`) for (a) `OpenAIClient.chat` alone and (b) the whole `generate` stage
+(request bodies, journal lines with batched fsync, final assembly) on single-turn conversations.
+`bench_serve` sweeps `bench.concurrency` over one or two endpoints (none: a local `dflashkit serve`
+for target.path) and reports output tokens/s, requests/s, latency p50/p90/p99 and, with two
+endpoints, the tokens/s speedup of the second over the first at each concurrency.
+Warm-up requests are excluded from every number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from dflashkit.serving.openai_client import OpenAIClient
+
+log = logging.getLogger("dflashkit.bench")
+
+DEFAULT_PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Explain the difference between a list and a tuple in Python.",
+    "Summarise the plot of Romeo and Juliet in three sentences.",
+    "What are the main causes of inflation?",
+    "Write a haiku about autumn leaves.",
+    "How does a hash map handle collisions?",
+    "Give three tips for writing clear technical documentation.",
+    "Translate 'good morning, how are you?' into French and Spanish.",
+]
+
+
+def spawn_canned_server(options: dict[str, Any] | None = None) -> tuple[subprocess.Popen, str]:
+    """Start `python -m dflashkit.serving.faults` in its own process; return (process, base URL)."""
+    proc = subprocess.Popen([sys.executable, "-m", "dflashkit.serving.faults", json.dumps(options or {})],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    url = proc.stdout.readline().decode().strip()
+    if not url.startswith("http"):
+        proc.kill()
+        from dflashkit.errors import ServerError
+
+        raise ServerError("the zero-latency bench server did not start")
+    return proc, url
+
+
+async def _client_rate(url: str, n: int, concurrency: int, warmup: int) -> dict[str, float]:
+    async with OpenAIClient([url], concurrency=concurrency, max_retries=0, timeout_s=30) as client:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+        async def burst(k: int) -> None:
+            await asyncio.gather(*(client.chat({**body, "seed": i}) for i in range(k)))
+
+        await burst(warmup)
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        await burst(n)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return {"requests": n, "wall_s": round(wall, 4), "requests_per_s": round(n / wall, 1),
+            "client_cpu_s_per_request": cpu / n, "client_cpu_us_per_request": round(1e6 * cpu / n, 1)}
+
+
+def _stage_rate(url: str, n: int, concurrency: int) -> dict[str, float]:
+    from dflashkit.cli import StageContext
+    from dflashkit.config import config_from_dict
+    from dflashkit.rundir import RunDir
+    from dflashkit.stages import generate
+
+    with tempfile.TemporaryDirectory(prefix="dflashkit-bench-") as tmp:
+        rd = RunDir(tmp)
+        lines = [json.dumps({"id": f"{i:016x}", "source": "bench",
+                             "messages": [{"role": "user", "content": f"prompt {i}"}]}) for i in range(n)]
+        (rd.stage_dir("prepare") / "train.jsonl").write_text("\n".join(lines) + "\n")
+        cfg = config_from_dict({"run": {"run_dir": tmp}, "server": {"urls": [url], "model": "m"},
+                                "generate": {"concurrency": concurrency, "progress": False, "max_tokens": 8}})
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        out = generate.run(cfg, rd, StageContext(command="generate", json=True))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    assert out["generate"]["turns_ok"] == n
+    return {"requests": n, "wall_s": round(wall, 4), "requests_per_s": round(n / wall, 1),
+            "client_cpu_us_per_request": round(1e6 * cpu / n, 1)}
+
+
+def bench_generate(cfg, rd, ctx) -> dict[str, Any]:
+    b = cfg.bench
+    proc, url = spawn_canned_server()
+    try:
+        raw = asyncio.run(_client_rate(url, b.generate_requests, b.generate_concurrency,
+                                       warmup=min(500, b.generate_requests)))
+        stage = _stage_rate(url, b.generate_requests, b.generate_concurrency)
+    finally:
+        proc.kill()
+        proc.wait()
+    result = {"client": raw, "stage": stage, "concurrency": b.generate_concurrency,
+              "goal_requests_per_s": 2000, "meets_goal": raw["requests_per_s"] >= 2000}
+    if not ctx.json:
+        print(f"{'path':<8} {'req/s':>9} {'client CPU µs/req':>18}\n"
+              f"{'client':<8} {raw['requests_per_s']:>9.0f} {raw['client_cpu_us_per_request']:>18.0f}\n"
+              f"{'stage':<8} {stage['requests_per_s']:>9.0f} {stage['client_cpu_us_per_request']:>18.0f}",
+              file=sys.stderr)
+    return result
+
+
+def _percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+async def _sweep_one(url: str, model: str, prompts: list[str], concurrency: int, n: int, warmup: int,
+                     max_tokens: int) -> dict[str, Any]:
+    lat: list[float] = []
+    tokens = 0
+    errors = 0
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 2)) as http:
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(i: int, timed: bool) -> None:
+            nonlocal tokens, errors
+            body = {"model": model, "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
+                    "max_tokens": max_tokens, "temperature": 0.0}
+            async with sem:
+                t0 = time.perf_counter()
+                try:
+                    r = await http.post(url + "/chat/completions", json=body)
+                    r.raise_for_status()
+                    ntok = int(r.json()["usage"]["completion_tokens"])
+                except (httpx.HTTPError, KeyError, ValueError):
+                    errors += timed
+                    return
+                if timed:
+                    lat.append(time.perf_counter() - t0)
+                    tokens += ntok
+
+        await asyncio.gather(*(one(i, False) for i in range(warmup)))
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i, True) for i in range(n)))
+        wall = time.perf_counter() - t0
+    return {"concurrency": concurrency, "requests": n, "errors": errors, "wall_s": round(wall, 3),
+            "output_tokens_per_s": round(tokens / wall, 2), "requests_per_s": round(len(lat) / wall, 3),
+            "latency_p50_s": _percentile(lat, 0.5), "latency_p90_s": _percentile(lat, 0.9),
+            "latency_p99_s": _percentile(lat, 0.99), "completion_tokens": tokens}
+
+
+def _prompts(rd) -> list[str]:
+    path = Path(rd.root) / "prepare" / "heldout.jsonl"
+    out: list[str] = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                msgs = json.loads(line)["messages"]
+                out += [m["content"] for m in msgs if m["role"] == "user"][:1]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    return out or DEFAULT_PROMPTS
+
+
+def bench_serve(cfg, rd, ctx) -> dict[str, Any]:
+    b = cfg.bench
+    prompts = _prompts(rd)
+    with ExitStack() as stack:
+        urls = [u.rstrip("/") for u in b.urls]
+        if not urls:
+            from dflashkit.serving.local import start_local_server
+
+            urls = [stack.enter_context(start_local_server(cfg))]
+        endpoints = []
+        for url in urls[:2]:
+            with httpx.Client(timeout=30) as http:
+                model = cfg.server.model or http.get(url + "/models").json()["data"][0]["id"]
+            rows = [asyncio.run(_sweep_one(url, model, prompts, c, b.requests, b.warmup, b.max_tokens))
+                    for c in b.concurrency]
+            endpoints.append({"url": url, "model": model, "sweep": rows})
+    result: dict[str, Any] = {"endpoints": endpoints, "max_tokens": b.max_tokens, "prompts": len(prompts)}
+    if len(endpoints) == 2:
+        result["speedup"] = [
+            {"concurrency": a["concurrency"],
+             "output_tokens_per_s": (round(c["output_tokens_per_s"] / a["output_tokens_per_s"], 3)
+                                     if a["output_tokens_per_s"] else None)}
+            for a, c in zip(endpoints[0]["sweep"], endpoints[1]["sweep"])]
+    if not ctx.json:
+        print(f"{'endpoint':<34} {'conc':>4} {'tok/s':>9} {'req/s':>8} {'p50 s':>7} {'p90 s':>7} {'p99 s':>7}",
+              file=sys.stderr)
+        for ep in endpoints:
+            for r in ep["sweep"]:
+                p = [f"{r[k]:.3f}" if r[k] is not None else "-" for k in ("latency_p50_s", "latency_p90_s",
+                                                                          "latency_p99_s")]
+                print(f"{ep['url'][:34]:<34} {r['concurrency']:>4} {r['output_tokens_per_s']:>9.1f} "
+                      f"{r['requests_per_s']:>8.2f} {p[0]:>7} {p[1]:>7} {p[2]:>7}", file=sys.stderr)
+        for s in result.get("speedup", []):
+            print(f"speedup at concurrency {s['concurrency']}: {s['output_tokens_per_s']}x", file=sys.stderr)
+    return result
