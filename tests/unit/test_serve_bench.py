@@ -1,0 +1,41 @@
+"""`dflashkit bench generate|serve` produce their measurements (speed itself is not asserted here)."""
+
+from __future__ import annotations
+
+import json
+
+from dflashkit.cli import main
+from dflashkit.serving.faults import FaultServer, Faults
+
+
+def _last_json(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_bench_generate_small(tmp_path, capsys):
+    rc = main(["bench", "generate", f"run.run_dir={tmp_path}", "bench.generate_requests=200",
+               "bench.generate_concurrency=16", "--json"])
+    out = _last_json(capsys)
+    assert rc == 0, out
+    for path in ("client", "stage"):
+        assert out[path]["requests"] == 200 and out[path]["requests_per_s"] > 0
+        assert out[path]["client_cpu_us_per_request"] > 0
+    assert json.loads((tmp_path / "bench" / "generate.json").read_text())["client"]["requests"] == 200
+
+
+def test_bench_serve_two_endpoints_speedup(tmp_path, capsys):
+    slow, fast = Faults(latency_s=(0.03, 0.03)), Faults(latency_s=(0.003, 0.003))
+    with FaultServer(slow) as a, FaultServer(fast) as b:
+        rc = main(["bench", "serve", f"run.run_dir={tmp_path}", f"bench.urls=[{a.url},{b.url}]",
+                   "bench.concurrency=[1,4]", "bench.requests=12", "bench.warmup=2", "bench.max_tokens=8"])
+        out = _last_json(capsys)
+    assert rc == 0, out
+    assert [len(e["sweep"]) for e in out["endpoints"]] == [2, 2]
+    for ep in out["endpoints"]:
+        for row in ep["sweep"]:
+            assert row["errors"] == 0 and row["completion_tokens"] > 0
+            assert row["latency_p50_s"] <= row["latency_p90_s"] <= row["latency_p99_s"]
+    slow_p50 = out["endpoints"][0]["sweep"][0]["latency_p50_s"]
+    assert slow_p50 >= 0.03
+    assert all(s["output_tokens_per_s"] > 1.5 for s in out["speedup"])  # the 10x faster endpoint wins
+    assert a.stats["requests"] == b.stats["requests"] == 2 * (12 + 2)
