@@ -95,6 +95,8 @@ def test_source_prepare_and_min_supervised(tmp_path, capsys, tiny_qwen3, tok):
                               "too_few_supervised": 1}
     code, out = tokenize(tmp_path, capsys, "tokenize.min_supervised=2")
     assert out["samples"] == 4
+    code, out = tokenize(tmp_path, capsys, "tokenize.max_length=24")  # cuts every answer away
+    assert code == 2 and "4 samples were cut at tokenize.max_length=24" in out["error"]
 
 
 def test_refuses_all_zero_and_all_one_masks(tmp_path, capsys, tiny_qwen3):

@@ -143,7 +143,7 @@ def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
             flush(False)
         flush(True)
         totals = {k: sum(s[k] for s in shards) for k in ("samples", "tokens", "supervised")}
-        _refuse_degenerate(totals, src, need, chat.first_error)
+        _refuse_degenerate(totals, src, need, chat.first_error, events["truncated"], tc.max_length)
         for sh in shards:
             os.replace(staging / sh["file"], out / sh["file"])
         keep = {sh["file"] for sh in shards}
@@ -185,9 +185,13 @@ def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
         "shards": len(shards), "server_mismatches": checks["server_mismatches"]}
 
 
-def _refuse_degenerate(totals: dict[str, int], src: Path, need: int, template_error: str | None) -> None:
+def _refuse_degenerate(totals: dict[str, int], src: Path, need: int, template_error: str | None,
+                       truncated: int, max_length: int) -> None:
     if totals["samples"] == 0 or totals["supervised"] == 0:
         why = f" (first chat-template error: {template_error})" if template_error else ""
+        if truncated:
+            why += (f" ({truncated} samples were cut at tokenize.max_length={max_length}; their answers "
+                    "start later: raise tokenize.max_length)")
         raise UsageError(f"{src}: no sample has >= {need} supervised (assistant) tokens; loss masks would "
                          f"be all zero{why}", hint="check the conversations have assistant answers, "
                          "tokenize.max_length, tokenize.min_supervised and target.chat_template")
