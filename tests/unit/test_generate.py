@@ -228,3 +228,14 @@ def test_api_key_sent_but_never_logged(tmp_path, capsys, monkeypatch, caplog):
     assert "retry" in caplog.text  # debug logging was on and did log the retries
     assert secret not in caplog.text + captured.err + captured.out
     assert secret not in "".join(p.read_text() for p in (tmp_path / "generate").rglob("*.json*"))
+
+
+def test_strict_server_without_token_ids(tmp_path, capsys):
+    convs = write_prepared(tmp_path, n=10)
+    with FaultServer(Faults(reject_token_ids=True)) as srv:
+        rc, out = run_generate(tmp_path, srv.url, capsys=capsys)
+        assert srv.stats["rejected_token_ids"] >= 1
+    assert rc == 0 and out["generate"]["turns_failed"] == 0
+    rows = read_out(tmp_path)
+    assert [r["messages"] for r in rows] == [expected_conversation(c) for c in convs]
+    assert all(r["meta"]["token_ids"] is None for r in rows)

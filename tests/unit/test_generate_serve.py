@@ -84,6 +84,7 @@ def test_generate_against_serve_equals_greedy(tmp_path, served, capsys):
     manifest = json.loads((tmp_path / "generate" / "manifest.json").read_text())
     assert manifest["counts"]["conversations_written"] == len(CONVS)
     assert manifest["server_urls"] == [url] and manifest["model"] == app.model_name
+    assert manifest["chat_template_sha256"] == app.template_sha256 and len(app.template_sha256) == 64
 
 
 def test_generate_starts_a_local_server(tmp_path, tiny_qwen3, capsys):

@@ -41,6 +41,7 @@ class Faults:
     length_rate: float = 0.0                                  # fraction answered with finish_reason=length
     reasoning: bool = False                                   # add reasoning_content
     model: str = "fault-model"
+    reject_token_ids: bool = False                            # 400 on `return_token_ids` (strict APIs)
 
 
 def _digest(obj: Any) -> str:
@@ -152,6 +153,11 @@ class FaultServer:
             messages = req["messages"]
         except (json.JSONDecodeError, KeyError, TypeError):
             return _response(400, b'{"error":"bad request"}', reason="Bad Request")
+        if f.reject_token_ids and "return_token_ids" in req:
+            with self.lock:
+                self.stats["rejected_token_ids"] += 1
+            return _response(400, b'{"error":{"message":"Unrecognized request argument: return_token_ids"}}',
+                             reason="Bad Request")
         key = _digest(messages)
         with self.lock:
             n = self.attempts[key]
@@ -196,9 +202,12 @@ class FaultServer:
         if f.reasoning:
             msg["reasoning_content"] = "thinking " + key[:6]
         ids = list(text.encode())
+        choice: dict[str, Any] = {"index": 0, "message": msg, "finish_reason": finish}
+        if not f.reject_token_ids:
+            choice["token_ids"] = ids
         return json.dumps({
             "id": "chatcmpl-" + key[:16], "object": "chat.completion", "model": f.model,
-            "choices": [{"index": 0, "message": msg, "finish_reason": finish, "token_ids": ids}],
+            "choices": [choice],
             "usage": {"prompt_tokens": 1, "completion_tokens": len(ids), "total_tokens": len(ids) + 1},
         }).encode()
 

@@ -164,23 +164,30 @@ class OpenAIClient:
         self._rr = (self._rr + 1) % n
         return best
 
-    async def model_name(self) -> str:
-        """The first model id of the first endpoint's /v1/models."""
+    async def model_info(self) -> dict[str, Any]:
+        """The first entry of the first endpoint's /v1/models (has at least "id")."""
         url = self.urls[0] + "/models"
         try:
             if self._fast is not None:
                 status, _, body = await self._fast.request("GET", url)
                 if status != 200:
                     raise ValueError(f"HTTP {status}")
-                return str(json.loads(body)["data"][0]["id"])
-            resp = await self._http.get(url)  # type: ignore[union-attr]
-            resp.raise_for_status()
-            return str(resp.json()["data"][0]["id"])
+                entry = json.loads(body)["data"][0]
+            else:
+                resp = await self._http.get(url)  # type: ignore[union-attr]
+                resp.raise_for_status()
+                entry = resp.json()["data"][0]
+            str(entry["id"])
+            return entry
         except (httpx.HTTPError, HttpError, KeyError, IndexError, TypeError, ValueError) as e:
             from dflashkit.errors import ServerError
 
             raise ServerError(f"could not read the model name from {url}: {type(e).__name__}: {e}",
                               hint="set server.model, or check that the server is up") from None
+
+    async def model_name(self) -> str:
+        """The first model id of the first endpoint's /v1/models."""
+        return str((await self.model_info())["id"])
 
     async def chat(self, body: dict[str, Any]) -> ChatReply:
         """POST one chat completion with retries; returns the first choice or raises RequestFailed."""

@@ -85,16 +85,24 @@ class _Progress:
 
 async def _regenerate(cfg, convs, journal: Journal, done: dict[str, dict[int, dict]], urls: list[str],
                       counts: Counter, reasons: Counter, failures: list[dict], progress: _Progress,
-                      settings_box: dict[str, Any], stage_dir) -> None:
+                      settings_box: dict[str, Any], stage_dir, server_info: dict[str, Any]) -> None:
     g = cfg.generate
     client = OpenAIClient(urls, concurrency=g.concurrency, timeout_s=cfg.server.timeout_s,
                           max_retries=g.max_retries, backoff_s=g.backoff_s,
                           api_key_env=cfg.server.api_key_env, seed=cfg.run.seed, http_client=g.http_client)
     async with client:
-        model = cfg.server.model or await client.model_name()
+        try:
+            info = await client.model_info()
+        except Exception:  # noqa: BLE001 - /v1/models is optional when server.model is set
+            if not cfg.server.model:
+                raise
+            info = {}
+        model = cfg.server.model or str(info["id"])
         settings_box.update(sampling_settings(cfg, model))
         settings = dict(settings_box)
         atomic_write_json(stage_dir / "settings.json", settings)
+        server_info["chat_template_sha256"] = info.get("chat_template_sha256")
+        token_ids = {"on": g.request_token_ids}
         queue: asyncio.Queue = asyncio.Queue()
         for conv in convs:
             queue.put_nowait(conv)
@@ -108,7 +116,16 @@ async def _regenerate(cfg, convs, journal: Journal, done: dict[str, dict[int, di
                 if rec is None:
                     prompt = build_prompt(conv["messages"], turns, answers, t)
                     try:
-                        reply = await client.chat(request_body(settings, prompt, token_ids=g.request_token_ids))
+                        asked = token_ids["on"]
+                        try:
+                            reply = await client.chat(request_body(settings, prompt, token_ids=asked))
+                        except RequestFailed as e:
+                            if not (asked and e.reason == "http 400" and "token_ids" in e.detail):
+                                raise
+                            if token_ids["on"]:
+                                log.warning("the server refuses return_token_ids; asking without it from now on")
+                            token_ids["on"] = False
+                            reply = await client.chat(request_body(settings, prompt, token_ids=False))
                     except RequestFailed as e:
                         counts["turns_failed"] += 1
                         counts["turns_retried"] += e.attempts > 1
@@ -208,6 +225,7 @@ def run(cfg, rd, ctx) -> dict:
     settings_box: dict[str, Any] = sampling_settings(cfg, cfg.server.model)
     _check_settings(stage_dir, settings_box, len(prior))
     urls = list(cfg.server.urls)
+    server_info: dict[str, Any] = {}
     log.info("%d conversations, %d turns (%d already done); %d conversations to go",
              len(convs), total_turns, skipped, len(todo))
     progress = _Progress(total_turns, skipped, cfg.generate.progress and bool(todo))
@@ -220,7 +238,7 @@ def run(cfg, rd, ctx) -> dict:
                     urls = [stack.enter_context(start_local_server(
                         cfg, log_path=stage_dir / "serve.log"))]
                 asyncio.run(_regenerate(cfg, todo, journal, done, urls, counts, reasons, failures, progress,
-                                        settings_box, stage_dir))
+                                        settings_box, stage_dir, server_info))
     finally:
         progress.close()
         journal.close()
@@ -239,7 +257,8 @@ def run(cfg, rd, ctx) -> dict:
                    inputs={"prepare/train.jsonl": file_digest(src)}, counts=summary,
                    outputs=["conversations.jsonl", "failures.jsonl", "shards/"], started=t0,
                    extra={"model": settings_box.get("model"), "server_urls": urls if cfg.server.urls else
-                          ["<local dflashkit serve>"], "sampling": settings_box})
+                          ["<local dflashkit serve>"], "sampling": settings_box,
+                          "chat_template_sha256": server_info.get("chat_template_sha256")})
     log.info("generate: %d turns ok (%d already done), %d failed %s, %d retried; %d conversations written",
              summary["turns_ok"], skipped, summary["turns_failed"], dict(reasons) or "", summary["turns_retried"],
              summary["conversations_written"])
