@@ -101,9 +101,9 @@ def test_formats_and_drop_reasons(tmp_path, capsys):
     pq.write_table(pa.Table.from_pylist([{"prompt": "from parquet"}]), tmp_path / "p.parquet")
     with gzip.open(tmp_path / "g.jsonl.gz", "wt") as fh:
         fh.write(json.dumps({"prompt": "from gzip"}) + "\n")
-    sources = [{"path": write_jsonl(tmp_path / "sg.jsonl", sg)}, {"path": write_jsonl(tmp_path / "m.jsonl", msgs)},
-               {"path": write_jsonl(tmp_path / "al.jsonl", alpaca)}, {"path": write_jsonl(tmp_path / "pr.jsonl", prompts)},
-               {"path": str(tmp_path / "p.parquet")}, {"path": str(tmp_path / "g.jsonl.gz")}]
+    sources = [{"path": write_jsonl(tmp_path / f"{name}.jsonl", rows)}
+               for name, rows in (("sg", sg), ("m", msgs), ("al", alpaca), ("pr", prompts))]
+    sources += [{"path": str(tmp_path / "p.parquet")}, {"path": str(tmp_path / "g.jsonl.gz")}]
     code, out = prepare(tmp_path, capsys, sources, max_prompt_chars=40, max_turns=1)
     assert code == 0
     assert out["sources"]["sg"]["dropped"] == {"malformed": 1, "empty": 1, "first_turn_not_user": 1,

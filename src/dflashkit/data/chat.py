@@ -22,7 +22,9 @@ tokenized separately, like prompt and generated tokens at inference, so no token
 mask boundary.
 
 With `rewritten_turns="drop"` those turns are left unsupervised instead (one sample per
-conversation, fewer tokens). Policies: `thinking` keep (train on think blocks) | mask (keep them in the input, loss 0) |
+conversation, fewer tokens).
+
+Policies: `thinking` keep (train on think blocks) | mask (keep them in the input, loss 0) |
 strip (remove them from answers); `system_prompt` keep | drop (the template may add its own
 default); a turn cut by max_tokens (finish reason "length") is supervised without the
 end-of-turn token the template appends (the model never emitted it).
@@ -272,7 +274,8 @@ def _apply_server_ids(tokenizer: Any, plan: SamplePlan, ids: list[list[int]], ch
         else:
             checks["server_mismatches"] += 1
             if checks["first_mismatch"] is None:
-                at = next((x for x, (u, v) in enumerate(zip(ours, theirs)) if u != v), min(len(ours), len(theirs)))
+                at = next((x for x, (u, v) in enumerate(zip(ours, theirs)) if u != v),
+                          min(len(ours), len(theirs)))
                 checks["first_mismatch"] = {
                     "id": plan.id, "turn": turn, "token": at,
                     "ours": tokenizer.decode(ours[max(0, at - 4):at + 8]),
