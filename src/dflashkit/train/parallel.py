@@ -71,7 +71,7 @@ def _mesh(dist: DistInfo):
 
 
 def wrap_drafter(model: torch.nn.Module, mode: str, dist: DistInfo) -> torch.nn.Module:
-    """DDP (`ddp`, the `auto` choice under torchrun), FSDP2 per-layer `fully_shard` (`fsdp`) or none."""
+    """DDP (`ddp`, the `auto` choice under torchrun), FSDP2 `fully_shard` (`fsdp`) or none."""
     if not dist.distributed or mode == "none":
         return model
     if mode in ("auto", "ddp"):
@@ -80,10 +80,10 @@ def wrap_drafter(model: torch.nn.Module, mode: str, dist: DistInfo) -> torch.nn.
         return DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
     from torch.distributed.fsdp import fully_shard
 
-    mesh = _mesh(dist)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    # One FSDP unit for the whole drafter: its forward computes every layer's context K/V from the
+    # root (outside the layers' own forward), so per-layer units would not be gathered in time.
+    # Parameters, gradients and AdamW state stay sharded between steps (the memory that matters).
+    fully_shard(model, mesh=_mesh(dist))
     return model
 
 

@@ -1,0 +1,84 @@
+"""Real torchrun (2 gloo ranks on CPU): the same global batch gives the same losses and weights as
+one process, for an FSDP2 drafter with an FSDP2-sharded target and for DDP; sharded-target
+features equal the unsharded target's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflashkit.cli import main
+from tests.unit.test_train_setup import make_run, overrides
+
+pytestmark = pytest.mark.distributed
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _losses(rd):
+    return [json.loads(x)["loss"] for x in (rd / "train" / "metrics.jsonl").read_text().splitlines()]
+
+
+def _compare(tmp_path, target, mode, tgt):
+    one, two = make_run(tmp_path / "one", target), make_run(tmp_path / "two", target)
+    kw = dict(train__max_steps=3, train__save_every=2, train__parallel__mode=mode, train__parallel__target=tgt)
+    assert main(["train", "--json", *overrides(one, target, train__batch_size=4, **kw)]) == 0
+    r = subprocess.run([sys.executable, "-m", "dflashkit", "train", "--json", "--nproc-per-node", "2",
+                        *overrides(two, target, train__batch_size=2, **kw)], env=ENV, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1])["world_size"] == 2
+    l1, l2 = _losses(one), _losses(two)
+    assert len(l1) == len(l2) == 4 and torch.allclose(torch.tensor(l1), torch.tensor(l2), atol=1e-5), (l1, l2)
+    w1 = load_file(one / "train" / "final" / "model.safetensors")
+    w2 = load_file(two / "train" / "final" / "model.safetensors")
+    assert w1.keys() == w2.keys() and all(torch.allclose(w1[k], w2[k], atol=1e-5) for k in w1)
+    assert (two / "train" / "checkpoints" / "step-0000002" / "optimizer.pt").is_file()
+
+
+def test_one_rank_equals_two_ranks_fsdp_with_sharded_target(tmp_path, tiny_qwen3):
+    _compare(tmp_path, tiny_qwen3, "fsdp", "shard")
+
+
+@pytest.mark.slow
+def test_one_rank_equals_two_ranks_ddp(tmp_path, tiny_qwen3):
+    _compare(tmp_path, tiny_qwen3, "ddp", "replicate")
+
+
+@pytest.mark.slow
+def test_sharded_target_features_equal_unsharded(tmp_path, tiny_qwen3):
+    script = tmp_path / "shard_check.py"
+    script.write_text(textwrap.dedent(f"""
+        import torch
+        from dflashkit.config import load_config
+        from dflashkit.model.target import load_target
+        from dflashkit.train.parallel import init_distributed, shard_target
+        cfg = load_config(None, ["target.path={tiny_qwen3}"])
+        dist = init_distributed(cfg.train.parallel)
+        ref = load_target(cfg.target)
+        tgt = load_target(cfg.target)
+        parts = shard_target(tgt, dist)
+        ids = torch.randint(0, 259, (2, 17), generator=torch.Generator().manual_seed(dist.rank))
+        want = ref.features(ids, layer_ids=[1, 3])
+        got, _ = tgt.features(ids, layer_ids=[1, 3], need_logits=True)
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+        assert torch.equal(parts.embed.weight, ref.model.get_input_embeddings().weight)
+        print("OK", dist.rank)
+    """))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(script)], env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.count("OK") == 2, r.stderr[-3000:]
