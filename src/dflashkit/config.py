@@ -166,6 +166,8 @@ class TokenizeSection:
     rewritten_turns: Literal["split", "drop"] = f(
         "split", "Answers the template renders differently once later turns follow (Qwen3 drops earlier "
         "<think> blocks): give each its own sample (exact, more tokens) or leave them unsupervised.")
+    workers: int = f(1, "Processes rendering and tokenizing batches in parallel (0 = one per CPU); "
+                     "output is identical for any value.")
 
 
 @dataclass(kw_only=True)

@@ -162,6 +162,19 @@ def test_failed_rerun_keeps_shards_and_rerun_drops_stale(tmp_path, capsys, tiny_
     assert len(list(iter_tokenized(tdir))) == 3
 
 
+def test_workers_give_identical_output(tmp_path, capsys, tiny_qwen3):
+    rows = convs([f"{a} Variant {i}." for i in range(7) for a in ANSWERS])
+    run_dir = setup(tmp_path, tiny_qwen3, rows, batch_size=4, shard_size=5)
+    assert tokenize(tmp_path, capsys)[0] == 0
+    one = [(r["id"], r["input_ids"].tolist(), r["loss_mask"].tolist()) for r in iter_tokenized(run_dir / "tokenize")]
+    stats1 = json.loads((run_dir / "tokenize/stats.json").read_text())
+    code, out = tokenize(tmp_path, capsys, "tokenize.workers=2")
+    assert code == 0 and out["samples"] == len(rows) == 21
+    two = [(r["id"], r["input_ids"].tolist(), r["loss_mask"].tolist()) for r in iter_tokenized(run_dir / "tokenize")]
+    stats2 = json.loads((run_dir / "tokenize/stats.json").read_text())
+    assert one == two and stats1["shards"] == stats2["shards"]
+
+
 def test_bench_tokenize(tmp_path, capsys, tiny_qwen3):
     run_dir = setup(tmp_path, tiny_qwen3, convs(ANSWERS * 4))
     code = main(["bench", "tokenize", "-c", str(tmp_path / "run.yaml"), "--json"])

@@ -293,3 +293,27 @@ def _apply_server_ids(tokenizer: Any, plan: SamplePlan, ids: list[list[int]], ch
             out_mask += mask + [0] * len(end)
         i = group[-1] + 1
     return np.asarray(out_ids, dtype=np.int32), np.asarray(out_mask, dtype=np.int8)
+
+
+def tokenize_batch(chat: ChatTemplate, convs: list[Conversation], *, max_length: int, thinking: str = "keep",
+                   system_prompt: str = "keep", rewritten_turns: str = "split",
+                   ) -> tuple[list[Sample], Counter, dict[str, Any]]:
+    """Plan + build a batch of conversations: (samples, event counts, server-token checks).
+
+    Conversations that yield no sample are counted as `no_assistant_turn`, `no_aligned_turn`
+    (answers present, none aligned with the template) or `template_error`.
+    """
+    events: Counter[str] = Counter()
+    plans: list[SamplePlan] = []
+    for conv in convs:
+        conv_plans, counts = chat.plan(conv, thinking=thinking, system_prompt=system_prompt,
+                                       rewritten_turns=rewritten_turns)
+        events.update(counts)
+        if not conv_plans:
+            has_answer = any(m["role"] == "assistant" for m in conv.messages)
+            events["template_error" if counts["template_errors"] else
+                   "no_aligned_turn" if has_answer else "no_assistant_turn"] += 1
+        plans.extend(conv_plans)
+    samples, checks = build_samples(chat.tokenizer, plans, max_length=max_length, thinking=thinking)
+    events["truncated"] += sum(s.truncated for s in samples)
+    return samples, events, checks

@@ -17,16 +17,18 @@ after the whole dataset passed, so a failing run leaves the previous shards unto
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import shutil
 import tempfile
 import time
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterator
 
 from dflashkit.config import section_hash
-from dflashkit.data.chat import ChatTemplate, build_samples
+from dflashkit.data.chat import ChatTemplate, tokenize_batch
 from dflashkit.data.records import Conversation, read_jsonl
 from dflashkit.data.shards import SHARD_GLOB, shard_name, write_parquet_shard
 from dflashkit.errors import ConfigError, MissingArtifactError, UsageError
@@ -109,6 +111,7 @@ def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
     shards: list[dict[str, Any]] = []
     pending: list[dict[str, Any]] = []
     conversations = 0
+    first_error: str | None = None
 
     def flush(force: bool) -> None:
         while pending and (force or len(pending) >= tc.shard_size):
@@ -118,24 +121,14 @@ def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
             shards.append({"file": name, **write_parquet_shard(staging / name, part)})
 
     try:
-        for batch in _batches(src, tc.batch_size):
-            conversations += len(batch)
-            plans = []
-            for conv in batch:
-                conv_plans, counts = chat.plan(conv, thinking=tc.thinking, system_prompt=tc.system_prompt,
-                                               rewritten_turns=tc.rewritten_turns)
-                events.update(counts)
-                if not conv_plans:
-                    has_answer = any(m["role"] == "assistant" for m in conv.messages)
-                    events["template_error" if counts["template_errors"] else
-                           "no_aligned_turn" if has_answer else "no_assistant_turn"] += 1
-                plans.extend(conv_plans)
-            samples, c = build_samples(chat.tokenizer, plans, max_length=tc.max_length, thinking=tc.thinking)
+        for samples, ev, c, err in _results(chat, _batches(src, tc.batch_size), tc):
+            first_error = first_error or err
+            conversations += ev.pop("conversations")
+            events.update(ev)
             checks["server_turns"] += c["server_turns"]
             checks["server_mismatches"] += c["server_mismatches"]
             checks["first_mismatch"] = checks["first_mismatch"] or c["first_mismatch"]
             for s in samples:
-                events["truncated"] += s.truncated
                 if int(s.loss_mask.sum()) < need:
                     events["too_few_supervised"] += 1
                     continue
@@ -143,7 +136,7 @@ def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
             flush(False)
         flush(True)
         totals = {k: sum(s[k] for s in shards) for k in ("samples", "tokens", "supervised")}
-        _refuse_degenerate(totals, src, need, chat.first_error, events["truncated"], tc.max_length)
+        _refuse_degenerate(totals, src, need, first_error, events["truncated"], tc.max_length)
         for sh in shards:
             os.replace(staging / sh["file"], out / sh["file"])
         keep = {sh["file"] for sh in shards}
@@ -153,9 +146,9 @@ def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     elapsed = time.time() - t0
-    if chat.first_error:
+    if first_error:
         log.warning("%d conversations skipped: the chat template raised (first: %s)",
-                    events["template_errors"], chat.first_error)
+                    events["template_errors"], first_error)
     if checks["server_mismatches"]:
         log.warning("%d of %d answers differ from the server's token ids (first: %s); the server's "
                     "ids were used", checks["server_mismatches"], checks["server_turns"],
@@ -183,6 +176,35 @@ def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
     return {k: stats[k] for k in ("conversations", "samples", "tokens", "supervised", "dropped",
                                    "supervised_fraction", "tokens_per_s")} | {
         "shards": len(shards), "server_mismatches": checks["server_mismatches"]}
+
+
+_CHAT: ChatTemplate | None = None  # the template a forked worker inherits from the parent
+
+
+def _work(batch: list[Conversation], tc: Any, chat: ChatTemplate | None = None) -> tuple:
+    chat = chat or _CHAT
+    assert chat is not None
+    samples, events, checks = tokenize_batch(chat, batch, max_length=tc.max_length, thinking=tc.thinking,
+                                             system_prompt=tc.system_prompt,
+                                             rewritten_turns=tc.rewritten_turns)
+    events["conversations"] = len(batch)
+    return samples, events, checks, chat.first_error
+
+
+def _results(chat: ChatTemplate, batches: Iterator[list[Conversation]], tc: Any) -> Iterator[tuple]:
+    """Batch results in input order: in this process, or in `tokenize.workers` forked processes."""
+    workers = tc.workers or os.cpu_count() or 1
+    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        for batch in batches:
+            yield _work(batch, tc, chat)
+        return
+    global _CHAT
+    _CHAT = chat
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            yield from pool.imap(partial(_work, tc=tc), batches)
+    finally:
+        _CHAT = None
 
 
 def _refuse_degenerate(totals: dict[str, int], src: Path, need: int, template_error: str | None,
