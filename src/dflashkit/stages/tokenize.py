@@ -24,6 +24,7 @@ import tempfile
 import time
 from collections import Counter
 from functools import partial
+from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -202,7 +203,8 @@ def _results(chat: ChatTemplate, batches: Iterator[list[Conversation]], tc: Any)
     _CHAT = chat
     try:
         with multiprocessing.get_context("fork").Pool(workers) as pool:
-            yield from pool.imap(partial(_work, tc=tc), batches)
+            while window := list(islice(batches, 4 * workers)):  # bounded read-ahead
+                yield from pool.imap(partial(_work, tc=tc), window)
     finally:
         _CHAT = None
 
