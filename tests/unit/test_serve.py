@@ -107,7 +107,8 @@ def test_completions_stop_strings_and_sampling(served):
     app, url = served
     r = httpx.post(url + "/completions", json={"prompt": "Once upon", "max_tokens": 16}, timeout=60).json()
     text = r["choices"][0]["text"]
-    assert r["object"] == "text_completion" and r["usage"]["completion_tokens"] == 16 == len(r["choices"][0]["token_ids"])
+    assert r["object"] == "text_completion"
+    assert r["usage"]["completion_tokens"] == 16 == len(r["choices"][0]["token_ids"])
     stop = text[5:7]
     cut = httpx.post(url + "/completions", json={"prompt": "Once upon", "max_tokens": 16, "stop": [stop]},
                      timeout=60).json()["choices"][0]

@@ -38,7 +38,8 @@ def load_prepared(path: Path) -> list[dict[str, Any]]:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise UsageError(f"{where}: not JSON ({e.msg})", hint="re-run `dflashkit prepare -c run.yaml`") from None
+                raise UsageError(f"{where}: not JSON ({e.msg})",
+                                 hint="re-run `dflashkit prepare -c run.yaml`") from None
             msgs = rec.get("messages") if isinstance(rec, dict) else None
             if not isinstance(rec, dict) or not isinstance(rec.get("id"), str) or not isinstance(msgs, list):
                 raise UsageError(f"{where}: expected {{\"id\": str, \"messages\": [...]}}",

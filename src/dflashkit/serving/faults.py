@@ -144,7 +144,8 @@ class FaultServer:
         f = self.faults
         if method == "GET":
             if path.endswith("/models"):
-                return _response(200, json.dumps({"object": "list", "data": [{"id": f.model, "object": "model"}]}).encode())
+                models = {"object": "list", "data": [{"id": f.model, "object": "model"}]}
+                return _response(200, json.dumps(models).encode())
             if path.endswith("/health"):
                 return _response(200, b'{"status":"ok"}')
             return _response(404, b'{"error":"not found"}', reason="Not Found")
