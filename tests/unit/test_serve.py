@@ -101,6 +101,12 @@ def test_stream_equals_non_stream(served):
                 final = c
         assert "".join(pieces) == full["message"]["content"]
         assert final["token_ids"] == full["token_ids"] and final["finish_reason"] == full["finish_reason"]
+    plain = httpx.post(url + "/completions", json={"prompt": "abc", "max_tokens": 20}, timeout=60).json()
+    with httpx.stream("POST", url + "/completions", json={"prompt": "abc", "max_tokens": 20, "stream": True},
+                      timeout=60) as r:
+        chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]
+    assert chunks[-1]["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
 
 
 def test_completions_stop_strings_and_sampling(served):
@@ -122,7 +128,8 @@ def test_completions_stop_strings_and_sampling(served):
 def test_bad_requests_are_400(served):
     _, url = served
     for body in ({"messages": []}, {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
-                 {"messages": [{"role": "user", "content": "x"}], "n": 2}, {"prompt": {"a": 1}}):
+                 {"messages": [{"role": "user", "content": "x"}], "n": 2}, {"prompt": {"a": 1}}, {"prompt": ""},
+                 {"prompt": "y" * 2100}):
         path = "/completions" if "prompt" in body else "/chat/completions"
         r = httpx.post(url + path, json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["message"], body

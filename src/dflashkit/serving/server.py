@@ -175,6 +175,11 @@ class Handler(BaseHTTPRequestHandler):
                 chat = False
             else:
                 return self._error(404, f"no route POST {path}", "not_found")
+            if not prompt_ids:
+                raise BadRequest("the prompt is empty")
+            limit = getattr(app.engine, "max_context", None)
+            if limit is not None and len(prompt_ids) >= limit:
+                raise BadRequest(f"the prompt has {len(prompt_ids)} tokens; the model's context is {limit}")
         except BadRequest as e:
             return self._error(400, str(e))
         with app._lock:
