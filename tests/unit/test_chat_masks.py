@@ -114,6 +114,19 @@ def test_qwen3_thinking_on(toks):
     assert "Add two" not in tok.decode(s.input_ids.tolist())
 
 
+def test_qwen3_thinking_on_multi_turn_drops_earlier_think(toks):
+    tok = toks["tokenizer-qwen3"]
+    c = conv("Capital of France?", "<think>\nFrance: Paris.\n</think>\n\nParis.",
+             "And Germany?", "<think>\nGermany: Berlin.\n</think>\n\nBerlin.")
+    samples, counts, _ = run(tok, c)
+    assert [spans(tok, s) for s in samples] == [
+        ["<think>\nFrance: Paris.\n</think>\n\nParis.<|im_end|>"],
+        ["<think>\nGermany: Berlin.\n</think>\n\nBerlin.<|im_end|>"]]
+    last = tok.decode(samples[1].input_ids.tolist())
+    assert "France: Paris." not in last and "<|im_start|>assistant\nParis.<|im_end|>" in last
+    assert counts["turns_rewritten"] == 1
+
+
 def test_system_drop_and_length_cut(toks):
     tok = toks["smollm2-135m-instruct"]
     c = conv(*TWO, system="Only ever answer in French.", meta={"finish_reasons": ["stop", "length"]})
