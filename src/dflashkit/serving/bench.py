@@ -181,8 +181,14 @@ def bench_serve(cfg, rd, ctx) -> dict[str, Any]:
             urls = [stack.enter_context(start_local_server(cfg))]
         endpoints = []
         for url in urls[:2]:
-            with httpx.Client(timeout=30) as http:
-                model = cfg.server.model or http.get(url + "/models").json()["data"][0]["id"]
+            try:
+                with httpx.Client(timeout=30) as http:
+                    model = cfg.server.model or http.get(url + "/models").json()["data"][0]["id"]
+            except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+                from dflashkit.errors import ServerError
+
+                raise ServerError(f"bench.urls: cannot read {url}/models ({type(e).__name__}: {e})",
+                                  hint="start the server, or fix bench.urls") from None
             rows = [asyncio.run(_sweep_one(url, model, prompts, c, b.requests, b.warmup, b.max_tokens))
                     for c in b.concurrency]
             endpoints.append({"url": url, "model": model, "sweep": rows})
