@@ -1,0 +1,260 @@
+"""`dflashkit report`: one self-contained HTML page (plus the PNGs) summarising a run directory.
+
+Inputs:  whatever exists of `train/metrics.jsonl`, `eval/results.json`, `bench/decode.json`,
+         `bench/serve.json`, `config.resolved.yaml`, `contract.json` and the stage manifests.
+Outputs: `report/index.html` (inline CSS, plots embedded as base64 PNG data URIs — or inline SVG
+         when matplotlib, the `report` extra, is missing), `report/*.png`, manifest.
+Example: dflashkit report -c run.yaml   (then open runs/x/report/index.html)
+
+Plots: training loss and simulated τ per step (train and held-out), per-position acceptance and
+the τ histogram from eval, speedup vs concurrency from `bench serve`. Tables: eval numbers with the
+bound τ·t(1)/t(B) beside the measured speedup, the decode bench, the contract, provenance
+(per-stage manifests: time, counts, versions) and the resolved config.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from dflashkit.errors import MissingArtifactError
+from dflashkit.rundir import RunDir, STAGES, atomic_write_bytes, atomic_write_text, write_manifest
+
+log = logging.getLogger("dflashkit.report")
+
+CSS = """body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2rem auto;max-width:1100px;
+color:#1d2433;background:#fff}h1{font-size:1.6rem;margin-bottom:.2rem}h2{font-size:1.2rem;margin-top:2rem;
+border-bottom:2px solid #e3e7ef;padding-bottom:.3rem}.muted{color:#667}.cards{display:flex;gap:1rem;
+flex-wrap:wrap}.card{background:#f3f6fb;border-radius:8px;padding:.8rem 1.1rem;min-width:140px}
+.card b{display:block;font-size:1.5rem;color:#1f5fbf}table{border-collapse:collapse;margin:.5rem 0;
+font-size:.9rem}td,th{border:1px solid #d8dde8;padding:.3rem .6rem;text-align:right}th{background:#eef2f9}
+td:first-child,th:first-child{text-align:left}.plots{display:grid;grid-template-columns:1fr 1fr;gap:1rem}
+.plots img,.plots svg{width:100%;border:1px solid #e3e7ef;border-radius:6px}pre{background:#f6f8fa;
+padding:.8rem;overflow:auto;font-size:.8rem;max-height:30rem}"""
+COLORS = ["#1f5fbf", "#d9480f", "#2b8a3e", "#862e9c", "#e67700", "#0b7285"]
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except json.JSONDecodeError:
+        log.warning("%s is not valid JSON; skipped", path)
+        return None
+
+
+# -- plots: (name, title, xlabel, ylabel, kind, [(label, xs, ys)]) --------------------------------
+def _png(spec: tuple) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    name, title, xlabel, ylabel, kind, series = spec
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
+    width = 0.8 / max(1, len(series))
+    for i, (label, xs, ys) in enumerate(series):
+        if kind == "bar":
+            ax.bar([x + (i - (len(series) - 1) / 2) * width for x in xs], ys, width=width, label=label,
+                   color=COLORS[i % len(COLORS)])
+        else:
+            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, ms=3, label=label, color=COLORS[i % len(COLORS)])
+    if name == "acceptance":
+        ax.set_ylim(0, 1.05)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if len(series) > 1 or series[0][0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _svg(spec: tuple) -> str:
+    """A small dependency-free chart (used when matplotlib is not installed)."""
+    name, title, xlabel, ylabel, kind, series = spec
+    w, h, pad = 600, 360, 50
+    xs_all = [x for _, xs, _ in series for x in xs] or [0]
+    ys_all = [y for _, _, ys in series for y in ys] or [0]
+    x0, x1 = min(xs_all), max(xs_all) if max(xs_all) > min(xs_all) else min(xs_all) + 1
+    y0, y1 = min(0.0, min(ys_all)), max(ys_all) if max(ys_all) > 0 else 1.0
+    sx = lambda x: pad + (x - x0) / (x1 - x0 or 1) * (w - 2 * pad)  # noqa: E731
+    sy = lambda y: h - pad - (y - y0) / (y1 - y0 or 1) * (h - 2 * pad)  # noqa: E731
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {w} {h}" role="img">',
+             f'<rect width="{w}" height="{h}" fill="white"/>',
+             f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="14">{html.escape(title)}</text>',
+             f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="#333"/>',
+             f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="#333"/>',
+             f'<text x="{w / 2}" y="{h - 12}" text-anchor="middle" font-size="11">{html.escape(xlabel)}</text>',
+             f'<text x="12" y="{h / 2}" font-size="11" transform="rotate(-90 12 {h / 2})">{html.escape(ylabel)}</text>',
+             f'<text x="{pad - 4}" y="{sy(y1) + 4}" text-anchor="end" font-size="10">{y1:.3g}</text>',
+             f'<text x="{pad - 4}" y="{sy(y0) + 4}" text-anchor="end" font-size="10">{y0:.3g}</text>']
+    for i, (label, xs, ys) in enumerate(series):
+        c = COLORS[i % len(COLORS)]
+        if kind == "bar":
+            bw = (w - 2 * pad) / max(1, len(xs_all)) * 0.8 / len(series)
+            for x, y in zip(xs, ys):
+                parts.append(f'<rect x="{sx(x) - bw * len(series) / 2 + i * bw:.1f}" y="{sy(y):.1f}" width="{bw:.1f}" '
+                             f'height="{max(0.0, sy(y0) - sy(y)):.1f}" fill="{c}"/>')
+        else:
+            pts = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in zip(xs, ys))
+            parts.append(f'<polyline points="{pts}" fill="none" stroke="{c}" stroke-width="2"/>')
+        parts.append(f'<text x="{w - pad}" y="{40 + 14 * i}" text-anchor="end" font-size="11" fill="{c}">'
+                     f'{html.escape(label)}</text>')
+    return "".join(parts) + "</svg>"
+
+
+def plot_specs(metrics: list[dict], results: dict | None, serve: dict | None) -> list[tuple]:
+    specs = []
+    train = [m for m in metrics if m.get("split") != "heldout" and "loss" in m]
+    held = [m for m in metrics if m.get("split") == "heldout"]
+    for key, title, ylabel in (("loss", "Training loss", "loss"), ("tau", "Simulated τ (training)", "τ")):
+        series = [(lbl, [m["step"] for m in rows if key in m], [m[key] for m in rows if key in m])
+                  for lbl, rows in (("train", train), ("held-out", held)) if any(key in m for m in rows)]
+        if series:
+            specs.append((f"train_{key}", title, "step", ylabel, "line", series))
+    spec_res = (results or {}).get("speculative", {})
+    if spec_res:
+        specs.append(("acceptance", "Per-position acceptance (eval)", "draft position", "acceptance rate", "bar",
+                      [(f"B={b}", list(range(1, len(r["per_position_acceptance"]) + 1)), r["per_position_acceptance"])
+                       for b, r in spec_res.items()]))
+        specs.append(("tau_histogram", "τ histogram (eval)", "τ (tokens per verify step)", "steps", "bar",
+                      [(f"B={b}", list(range(1, len(r["tau_histogram"]) + 1)), r["tau_histogram"])
+                       for b, r in spec_res.items()]))
+    if serve and serve.get("speedup"):
+        pts = [s for s in serve["speedup"] if s.get("output_tokens_per_s") is not None]
+        specs.append(("serve_speedup", "Speedup vs concurrency (bench serve)", "concurrency", "speedup", "line",
+                      [("tokens/s ratio", [s["concurrency"] for s in pts], [s["output_tokens_per_s"] for s in pts])]))
+    elif serve and serve.get("endpoints"):
+        specs.append(("serve_throughput", "Throughput vs concurrency (bench serve)", "concurrency", "tokens/s", "line",
+                      [(e["url"], [r["concurrency"] for r in e["sweep"]], [r["output_tokens_per_s"] for r in e["sweep"]])
+                       for e in serve["endpoints"]]))
+    return specs
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    th = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><tr>{th}</tr>{body}</table>"
+
+
+def _fmt(x: Any, nd: int = 2) -> str:
+    return f"{x:.{nd}f}" if isinstance(x, (int, float)) else str(x)
+
+
+def render_html(rd: RunDir, name: str, figures: list[str], results: dict | None, bench: dict | None,
+                metrics: list[dict]) -> str:
+    out = [f"<!doctype html><html><head><meta charset='utf-8'><title>dflashkit report: {html.escape(name)}</title>",
+           f"<style>{CSS}</style></head><body><h1>DFlash run: {html.escape(name)}</h1>",
+           f"<p class='muted'>{html.escape(str(rd.root.resolve()))} · generated "
+           f"{time.strftime('%Y-%m-%d %H:%M:%S')}</p>"]
+    spec_res = (results or {}).get("speculative", {})
+    cards = []
+    for b, r in spec_res.items():
+        cards.append(f"<div class='card'>τ at B={b}<b>{r['tau']:.2f}</b></div>")
+        cards.append(f"<div class='card'>speedup at B={b}<b>{r['speedup']:.2f}×</b>bound {r['bound']:.2f}×</div>")
+    train = [m for m in metrics if m.get("split") != "heldout" and "loss" in m]
+    if train:
+        cards.append(f"<div class='card'>final loss<b>{train[-1]['loss']:.3f}</b>step {train[-1]['step']}</div>")
+    if cards:
+        out.append("<div class='cards'>" + "".join(cards) + "</div>")
+    if figures:
+        out.append("<h2>Plots</h2><div class='plots'>" + "".join(figures) + "</div>")
+    if results:
+        b0 = results["baseline"]
+        rows = [["1 (baseline)", "1.00", _fmt(b0["decode_tokens_per_s"], 1), "1.00", "1.00", "1.00",
+                 _fmt(b0["ttft_s"] * 1e3, 1), "-"]]
+        rows += [[b, _fmt(r["tau"]), _fmt(r["decode_tokens_per_s"], 1), _fmt(r["speedup"]), _fmt(r["bound"]),
+                  _fmt(r["speedup_e2e"]), _fmt(r["ttft_s"] * 1e3, 1), r.get("identical_to_baseline", "-")]
+                 for b, r in spec_res.items()]
+        out.append(f"<h2>Evaluation</h2><p>{results['prompts']} prompts, max_new_tokens {results['max_new_tokens']}, "
+                   f"temperature {results['temperature']}, device {html.escape(str(results.get('device')))}. "
+                   "Speedup = baseline decode time per token / speculative; bound = τ·t(1)/t(B).</p>")
+        out.append(_table(["block size", "τ", "tokens/s", "speedup", "bound", "end-to-end", "TTFT ms",
+                           "identical to baseline"], rows))
+    if bench:
+        out.append("<h2>Decode bench (ours vs reference dflash_generate)</h2>")
+        out.append(_table(["block size", "ours tok/s", "reference tok/s", "ours/reference", "identical", "τ",
+                           "t(1) ms", "t(B) ms", "speedup", "bound"],
+                          [[bench["block_size"], bench["tokens_per_s_e2e"]["ours"],
+                            bench["tokens_per_s_e2e"]["reference"], bench["ours_over_reference"],
+                            bench["identical_tokens"], bench["tau"], bench["t1_ms"], bench["tB_ms"],
+                            bench["speedup"], bench["bound"]]]))
+    contract = _read_json(rd.contract_path)
+    if contract:
+        keys = ("block_size", "num_draft_layers", "target_layer_ids", "mask_token_id", "num_target_layers",
+                "hidden_size", "vocab_size", "target_model_type")
+        out.append("<h2>Drafter contract</h2>" + _table(["key", "value"], [[k, contract.get(k)] for k in keys]))
+    prov = []
+    versions = {}
+    for stage in (*STAGES, "import", "bench"):
+        m = rd.manifest(stage)
+        if m:
+            versions = m.get("versions") or versions
+            prov.append([stage, m.get("finished_at", ""), m.get("wall_time_s", ""),
+                         ", ".join(f"{k}={v}" for k, v in (m.get("counts") or {}).items())])
+    if prov:
+        out.append("<h2>Provenance</h2>" + _table(["stage", "finished", "wall s", "counts"], prov))
+    if versions:
+        out.append("<p class='muted'>" + html.escape(", ".join(f"{k} {v}" for k, v in versions.items())) + "</p>")
+    if rd.resolved_config_path.is_file():
+        out.append("<h2>Config</h2><pre>" + html.escape(rd.resolved_config_path.read_text()) + "</pre>")
+    out.append("</body></html>")
+    return "\n".join(out)
+
+
+def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
+    t0 = time.time()
+    metrics = _read_jsonl(rd.root / "train" / "metrics.jsonl")
+    results = _read_json(rd.root / "eval" / "results.json")
+    serve = _read_json(rd.root / "bench" / "serve.json")
+    bench = _read_json(rd.root / "bench" / "decode.json")
+    if not metrics and not results and not serve and not bench:
+        raise MissingArtifactError("training metrics or eval results", rd.root / "train" / "metrics.jsonl",
+                                   run="dflashkit train -c run.yaml (and dflashkit eval)")
+    specs = plot_specs(metrics, results, serve)
+    if ctx.dry_run:
+        return {"dry_run": True, "plots": [s[0] for s in specs]}
+    out = rd.stage_dir("report")
+    try:
+        import matplotlib  # noqa: F401
+        use_png = True
+    except ImportError:
+        log.warning("matplotlib not installed (pip install 'dflashkit[report]'): plots are inline SVG")
+        use_png = False
+    figures, files = [], []
+    for spec in specs:
+        if use_png:
+            png = _png(spec)
+            atomic_write_bytes(out / f"{spec[0]}.png", png)
+            files.append(f"{spec[0]}.png")
+            figures.append(f"<img alt='{html.escape(spec[1])}' src='data:image/png;base64,"
+                           f"{base64.b64encode(png).decode()}'>")
+        else:
+            figures.append(_svg(spec))
+    page = render_html(rd, cfg.run.name, figures, results, bench, metrics)
+    atomic_write_text(out / "index.html", page)
+    write_manifest(out, stage="report", config_hash="", started=t0, outputs=["index.html", *files],
+                   counts={"plots": len(specs)})
+    log.info("report: %s (%d plots)", out / "index.html", len(specs))
+    return {"html": str(out / "index.html"), "plots": [s[0] for s in specs], "png": files}

@@ -1,0 +1,91 @@
+"""`dflashkit report`: a self-contained page with the run's numbers, rendered in a real headless browser."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dflashkit.cli import main
+from dflashkit.config import TargetSection
+from dflashkit.model.target import load_target
+
+from test_export import _run_dir  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tiny_qwen3):
+    """A run dir with a real eval (tiny target, random drafter) and a training metrics log."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    tmp = tmp_path_factory.mktemp("report")
+    target = load_target(TargetSection(path=str(tiny_qwen3), device="cpu", dtype="float32"))
+    rd = _run_dir(tmp, target, block_size=4, prompts=2)
+    assert main(["eval", f"target.path={tiny_qwen3}", "eval.max_new_tokens=8", "eval.warmup=0",
+                 "eval.block_sizes=[2,4]", "--run-dir", str(rd), "--json"]) == 0
+    torch.set_num_threads(n)
+    lines = [{"step": s, "loss": 5.0 / (1 + s), "tau": 1 + s / 40, "lr": 1e-3} for s in range(0, 60, 5)]
+    lines += [{"step": s, "split": "heldout", "loss": 6.0 / (1 + s), "tau": 1 + s / 50} for s in (20, 40, 60)]
+    (rd / "train" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (rd / "bench").mkdir()
+    (rd / "bench" / "serve.json").write_text(json.dumps({"endpoints": [], "speedup": [
+        {"concurrency": c, "output_tokens_per_s": v} for c, v in ((1, 2.1), (2, 1.8), (4, 1.4))]}))
+    return rd
+
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def test_report_html_holds_the_numbers_and_plots(run_dir):
+    assert main(["report", "--run-dir", str(run_dir), "--json"]) == 0
+    page = (run_dir / "report" / "index.html").read_text()
+    res = json.loads((run_dir / "eval" / "results.json").read_text())
+    for b, r in res["speculative"].items():
+        assert f"τ at B={b}<b>{r['tau']:.2f}</b>" in page
+        assert f"{r['bound']:.2f}" in page and f"{r['decode_tokens_per_s']:.1f}" in page
+    last = [json.loads(x) for x in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()
+            if "split" not in json.loads(x)][-1]
+    assert f"final loss<b>{last['loss']:.3f}</b>step {last['step']}" in page
+    pngs = sorted(p.name for p in (run_dir / "report").glob("*.png"))
+    assert pngs == ["acceptance.png", "serve_speedup.png", "tau_histogram.png", "train_loss.png", "train_tau.png"]
+    assert page.count("data:image/png;base64,") == 5 and "<link" not in page and "<script" not in page
+
+
+def test_report_falls_back_to_inline_svg(run_dir, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["report", "--run-dir", str(run_dir), "--json"]) == 0
+    page = (run_dir / "report" / "index.html").read_text()
+    assert page.count("<svg") == 5 and "data:image/png" not in page
+
+
+def test_report_without_inputs_is_exit_3(tmp_path):
+    assert main(["report", "--run-dir", str(tmp_path / "empty"), "--json"]) == 3
+
+
+def test_report_renders_in_a_headless_browser(run_dir, tmp_path):
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip("no chromium: apt-get install -y chromium (could not find chromium/chromium-browser)")
+    assert main(["report", "--run-dir", str(run_dir), "--json"]) == 0
+    shot = tmp_path / "shot.png"
+    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1200,1600",
+           f"--screenshot={shot}", (run_dir / "report" / "index.html").resolve().as_uri()]
+    subprocess.run(cmd, check=True, timeout=120, capture_output=True, env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    from PIL import Image
+
+    img = Image.open(shot).convert("L")
+    pixels = list(img.getdata())
+    mean = sum(pixels) / len(pixels)
+    var = sum((p - mean) ** 2 for p in pixels) / len(pixels)
+    dark = sum(p < 128 for p in pixels) / len(pixels)
+    assert img.size == (1200, 1600)
+    assert var > 100 and 0.001 < dark < 0.5, f"blank-looking screenshot (variance {var:.1f}, dark share {dark:.4f})"
