@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -82,6 +83,21 @@ def test_batched_greedy_equals_single(served):
     assert batches < len(PROMPTS), "requests were not batched"
     for s, b in zip(single, batched):
         assert s["token_ids"] == b["token_ids"] and s["message"] == b["message"]
+    # staggered arrivals join the running batch between decode steps (continuous batching)
+    before = dict(app.engine.metrics)
+
+    def late(ip):
+        time.sleep(0.03 * ip[0])
+        return chat(url, ip[1], max_tokens=12 + 3 * ip[0])["choices"][0]
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        staggered = list(pool.map(late, enumerate(PROMPTS)))
+    m = app.engine.metrics
+    rows = (m["decode_rows"] - before["decode_rows"]) / (m["decode_steps"] - before["decode_steps"])
+    assert rows > 1.5, f"mean running batch {rows:.2f}: late requests did not join"
+    assert m["batches"] - before["batches"] > 1
+    for s, b in zip(single, staggered):
+        assert s["token_ids"] == b["token_ids"]
 
 
 def test_stream_equals_non_stream(served):

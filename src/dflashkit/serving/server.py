@@ -109,6 +109,7 @@ class App:
         m = dict(self.engine.metrics)
         m["in_flight"] = self.in_flight
         m["mean_batch_size"] = m["batched_requests"] / m["batches"] if m["batches"] else None
+        m["mean_running_batch"] = m["decode_rows"] / m["decode_steps"] if m["decode_steps"] else None
         if self.speculative:
             m["mean_acceptance"] = m["accepted_tokens"] / m["acceptance_steps"] if m["acceptance_steps"] else None
         m["uptime_s"] = round(time.time() - self.started, 3)

@@ -4,9 +4,10 @@ Inputs:  MODEL_DIR (else `target.path`), optionally `--drafter DIR` (an exported
 Outputs: nothing on disk; serves until SIGTERM/Ctrl-C, then prints a JSON summary (requests, tokens).
 Example: dflashkit serve runs/x/export/target --port 8000 --drafter runs/x/export
 
-Without a drafter, concurrent requests are decoded in padded batches of up to `serve.max_batch`
-(greedy output is the same batched or alone). With a drafter, requests are decoded one at a time by
-the speculative decoder and `usage` gains `acceptance_lengths`/`mean_acceptance`.
+Without a drafter, concurrent requests are decoded with continuous padded batching of up to
+`serve.max_batch` rows (greedy output is the same batched or alone). With a drafter, requests are
+decoded one at a time by the speculative decoder and `usage` gains `acceptance_lengths` and
+`mean_acceptance`.
 See `dflashkit.serving.server` for the routes.
 """
 
@@ -30,7 +31,8 @@ def build_app(cfg, model_path: str | None = None):
         UsageError: bad model path, or a drafter that does not fit the target.
     """
     from dflashkit.model.target import load_target, resolve_target_path
-    from dflashkit.serving.engine import BatchEngine, SerialEngine, default_stop_ids
+    from dflashkit.serving.batching import BatchEngine
+    from dflashkit.serving.engine import SerialEngine, default_stop_ids
     from dflashkit.serving.server import App
 
     section = dataclasses.replace(cfg.target, path=model_path) if model_path else cfg.target

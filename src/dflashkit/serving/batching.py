@@ -1,0 +1,212 @@
+"""Continuous padded batching of a HF causal LM: the default engine of `dflashkit serve`.
+
+Usage:
+    engine = BatchEngine(target, max_batch=8, batch_wait_ms=5).start()   # also a `Decoder`
+    req = engine.submit(prompt_ids, ServeParams(max_new_tokens=64), stream=True)
+    out = req.wait()
+
+How: one worker thread owns a running batch (KV cache [b, heads, L, d], a 2-D attention mask
+[b, L], per-row next position). Between decode steps it admits waiting requests (up to
+`max_batch` rows): they are prefilled together, left-padded, and their cache is merged into the
+running one after left-padding the shorter of the two with masked zero columns. Finished rows are
+dropped (`batch_select_indices`) and columns masked out for every row are trimmed. Position ids
+are explicit per row (counted from its first real token), so padding never shifts RoPE and a
+request's greedy output does not depend on its batch-mates. Caches whose layers are not plain
+`DynamicLayer`s (sliding window, quantized) cannot be merged: new requests then wait for the
+running batch to finish (static batching).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import queue
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dflashkit.serving.engine import Completion, Request, ServeParams, _EngineBase, _TextTracker, default_stop_ids
+
+log = logging.getLogger("dflashkit.serve")
+
+
+class BatchEngine(_EngineBase):
+    """Continuous batching over the `Target` from `load_target` (greedy/temperature, stop strings)."""
+
+    def __init__(self, target, *, max_batch: int = 8, batch_wait_ms: float = 5.0,
+                 stop_token_ids: tuple[int, ...] | None = None):
+        tok = target.tokenizer
+        super().__init__(tok, stop_token_ids if stop_token_ids is not None else default_stop_ids(target))
+        self.target = target
+        self.max_batch = max(1, max_batch)
+        self.batch_wait_s = batch_wait_ms / 1000.0
+        pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else None
+        self.pad_id = int(pad if pad is not None else (self.stop_token_ids or (0,))[0])
+        self.max_context = int(getattr(target.config, "max_position_embeddings", 0) or 1 << 30)
+        params = inspect.signature(target.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
+        self._reset()
+
+    def _reset(self) -> None:
+        self.rows: list[tuple[Request, dict[str, Any]]] = []
+        self.cache = None
+        self.mask: torch.Tensor | None = None       # [b, L] 1 = real token
+        self.next_pos: torch.Tensor | None = None   # [b]
+        self.logits: torch.Tensor | None = None     # [b, V] for the next pick
+
+    # -- worker ------------------------------------------------------------------------------
+    def _take(self, block: bool) -> list[Request]:
+        room = self.max_batch - len(self.rows)
+        new: list[Request] = []
+        if room <= 0 or (self.rows and not self._mergeable()):
+            return new
+        if block:
+            try:
+                new.append(self.queue.get(timeout=0.1))
+            except queue.Empty:
+                return new
+            deadline = time.monotonic() + self.batch_wait_s
+        while len(new) < room:
+            left = deadline - time.monotonic() if block else 0.0
+            try:
+                new.append(self.queue.get(timeout=left) if left > 0 else self.queue.get_nowait())
+            except queue.Empty:
+                break
+        return new
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            new = self._take(block=not self.rows)
+            if not new and not self.rows:
+                continue
+            try:
+                with torch.inference_mode():
+                    if new:
+                        self._admit(new)
+                    self._step()
+            except Exception as e:  # noqa: BLE001 - report to every request involved, keep serving
+                log.exception("decode step failed (%d running, %d new)", len(self.rows), len(new))
+                victims = [r for r, _ in self.rows] + new
+                with self._lock:
+                    self.metrics["errors"] += len(victims)
+                for r in victims:
+                    if not r._done.is_set():
+                        r._finish(None, e)
+                self._reset()
+
+    def _mergeable(self) -> bool:
+        from transformers.cache_utils import DynamicLayer
+
+        layers = getattr(self.cache, "layers", None)
+        return layers is not None and all(type(layer) is DynamicLayer for layer in layers)
+
+    def _forward(self, ids, mask, pos, cache) -> torch.Tensor:
+        return self.target.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                                 **{self._cache_kw: cache}).logits[:, -1]
+
+    def _admit(self, new: list[Request]) -> None:
+        from transformers import DynamicCache
+
+        dev = self.target.device
+        with self._lock:
+            self.metrics["batches"] += 1
+            self.metrics["batched_requests"] += len(new)
+        lens = [len(r.prompt_ids) for r in new]
+        width = max(lens)
+        ids = torch.full((len(new), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(new), width), dtype=torch.long)
+        for i, r in enumerate(new):
+            ids[i, width - lens[i]:] = torch.tensor(r.prompt_ids, dtype=torch.long)
+            mask[i, width - lens[i]:] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits = self._forward(ids, mask, pos, cache)
+        rows = [(r, self._row_state(r)) for r in new]
+        if not self.rows:
+            self.rows, self.cache, self.mask, self.logits = rows, cache, mask, logits
+            self.next_pos = pos[:, -1] + 1
+            return
+        assert self.mask is not None and self.next_pos is not None and self.logits is not None
+        old_w, new_w = self.mask.shape[1], mask.shape[1]
+        w = max(old_w, new_w)
+        for mine, theirs in zip(self.cache.layers, cache.layers):
+            mine.keys = torch.cat([F.pad(mine.keys, (0, 0, w - old_w, 0)), F.pad(theirs.keys, (0, 0, w - new_w, 0))])
+            mine.values = torch.cat([F.pad(mine.values, (0, 0, w - old_w, 0)),
+                                     F.pad(theirs.values, (0, 0, w - new_w, 0))])
+        self.mask = torch.cat([F.pad(self.mask, (w - old_w, 0)), F.pad(mask, (w - new_w, 0))])
+        self.next_pos = torch.cat([self.next_pos, pos[:, -1] + 1])
+        self.logits = torch.cat([self.logits, logits])
+        self.rows += rows
+
+    def _row_state(self, r: Request) -> dict[str, Any]:
+        gen = None
+        if r.params.temperature > 0:
+            gen = torch.Generator(device=self.target.device)
+            gen.manual_seed(r.params.seed if r.params.seed is not None else int(time.time_ns() % (1 << 31)))
+        limit = max(0, min(r.params.max_new_tokens, self.max_context - len(r.prompt_ids)))
+        return {"out": [], "gen": gen, "limit": limit, "stops": getattr(r, "stop_token_ids", self.stop_token_ids),
+                "text": _TextTracker(self.tokenizer, r.params.stop, r.stream)}
+
+    def _pick(self, logits: torch.Tensor, p: ServeParams, gen: torch.Generator | None) -> int:
+        if p.temperature <= 0:
+            return int(torch.argmax(logits))
+        from dflashkit.decode.sampling import sample, sampling_probs
+
+        probs = sampling_probs(logits.float()[None], p.temperature, p.top_p, p.top_k)
+        return int(sample(probs, gen).reshape(-1)[0])
+
+    def _step(self) -> None:
+        """Pick one token per row, retire finished rows, run one decode forward for the rest."""
+        assert self.logits is not None and self.mask is not None and self.next_pos is not None
+        dev = self.target.device
+        keep, tokens = [], []
+        for j, (r, st) in enumerate(self.rows):
+            if st["limit"] == 0:
+                self._complete(r, st, "length", None)
+                continue
+            tok = self._pick(self.logits[j], r.params, st["gen"])
+            st["out"].append(tok)
+            cut, delta = st["text"].check(st["out"])
+            if delta:
+                r.events.put(delta)
+            if tok in st["stops"]:
+                self._complete(r, st, "stop", None)
+            elif cut is not None:
+                self._complete(r, st, "stop", cut)
+            elif len(st["out"]) >= st["limit"]:
+                self._complete(r, st, "length", None)
+            else:
+                keep.append(j)
+                tokens.append(tok)
+        if not keep:
+            self._reset()
+            return
+        if len(keep) < len(self.rows):
+            idx = torch.tensor(keep, device=dev)
+            self.cache.batch_select_indices(idx)
+            self.mask, self.next_pos = self.mask[idx], self.next_pos[idx]
+            self.rows = [self.rows[j] for j in keep]
+            lead = int((self.mask.sum(0) > 0).to(torch.int8).argmax())  # columns padded in every row
+            if lead > 0 and self._mergeable():
+                for layer in self.cache.layers:
+                    layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
+                self.mask = self.mask[:, lead:]
+        self.mask = torch.cat([self.mask, torch.ones((len(keep), 1), dtype=self.mask.dtype, device=dev)], dim=1)
+        with self._lock:
+            self.metrics["decode_steps"] += 1
+            self.metrics["decode_rows"] += len(keep)
+        step_ids = torch.tensor(tokens, dtype=torch.long, device=dev)[:, None]
+        self.logits = self._forward(step_ids, self.mask, self.next_pos[:, None], self.cache)
+        self.next_pos = self.next_pos + 1
+
+    def _complete(self, r: Request, st: dict[str, Any], reason: str, cut: str | None) -> None:
+        tracker: _TextTracker = st["text"]
+        text = cut if cut is not None else tracker.text(st["out"])
+        if r.stream and len(text) > tracker.sent:
+            r.events.put(text[tracker.sent:])
+        out = Completion(text=text, token_ids=list(st["out"]), finish_reason=reason, prompt_tokens=len(r.prompt_ids))
+        self._count(r, out)
+        r._finish(out)
