@@ -19,8 +19,9 @@ Rules (each pinned by a test):
   * CE = Σ w·CE / denom (denom = Σ w over the whole optimizer step, all micro-batches and ranks,
     so micro-batching, accumulation and world size do not change the loss). KL (optional) uses the
     target's next-token distribution at a_j+k−1 as the soft label, weighted the same way.
-  * Logits are produced `chunk_blocks` blocks at a time under activation checkpointing, so the
-    [blocks·B, vocab] logits of the whole batch never exist at once (also not for backward).
+  * Logits are produced only for positions with w > 0, `chunk_blocks`·B rows at a time under
+    activation checkpointing, so the [blocks·B, vocab] logits of the whole batch never exist at
+    once (also not for backward).
   * Metrics: accuracy per block position 1..B−1 over positions with w > 0 and simulated τ =
     mean over real blocks of 1 + the number of leading correct supervised positions.
 """
@@ -137,10 +138,10 @@ class LossOutput:
 
 
 def _chunk_terms(lm_head, h, labels, w, tgt, kind: str, kl_weight: float):
-    logits = lm_head(h).float()                                              # [c, B, V]
+    logits = lm_head(h).float()                                              # [rows, V]
     terms = logits.new_zeros(())
     if kind in ("ce", "ce+kl"):
-        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(w)
+        ce = F.cross_entropy(logits, labels, reduction="none")
         terms = terms + (w * ce).sum()
     if kind in ("kl", "ce+kl"):
         logp = F.log_softmax(logits, dim=-1)
@@ -184,30 +185,33 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
     with torch.autocast(device_type=input_ids.device.type, dtype=autocast_dtype or torch.bfloat16,
                         enabled=autocast_dtype is not None):
         hidden = drafter(noise.to(features.dtype), features, pos, attention_mask=mask)   # [b, N·B, H]
-    hidden = hidden.reshape(bsz * n, B, -1)
-    labels_f, w_f = labels.view(bsz * n, B), w.view(bsz * n, B)
-    tgt_idx = None
+    # Only rows with w > 0 reach the vocab projection (slot 0 of every block, padded blocks and
+    # unsupervised / past-the-end positions never do): the [rows, V] logits are the dominant cost.
+    hidden = hidden.reshape(bsz * n * B, -1)
+    rows = (w.flatten() > 0).nonzero().flatten()
+    labels_f, w_f = labels.flatten(), w.flatten()
+    tgt_rows = None
     if loss != "ce":
         if target_logits is None:
             raise ValueError("loss kl / ce+kl needs target_logits")
-        tgt_idx = (a.anchors[:, :, None] + torch.arange(B, device=input_ids.device) - 1).clamp(0, s - 1)
-        tgt_idx = tgt_idx.view(bsz * n, B)
-    row_batch = torch.arange(bsz, device=input_ids.device).repeat_interleave(n)
+        tgt_pos = (a.anchors[:, :, None] + torch.arange(B, device=input_ids.device) - 1).clamp(0, s - 1)
+        row_batch = torch.arange(bsz, device=input_ids.device)[:, None, None].expand(bsz, n, B)
+        tgt_rows = (row_batch.flatten(), tgt_pos.flatten())
     total = hidden.new_zeros((), dtype=torch.float32)
-    preds = []
-    step = max(1, chunk_blocks)
-    for c0 in range(0, bsz * n, step):
-        sl = slice(c0, c0 + step)
-        tgt = target_logits[row_batch[sl, None], tgt_idx[sl]] if tgt_idx is not None else None
-        args = (lm_head, hidden[sl], labels_f[sl], w_f[sl], tgt, loss, kl_weight)
-        if step >= bsz * n or not hidden.requires_grad:
+    pred_flat = torch.full_like(labels_f, -1)
+    step = max(1, chunk_blocks) * B
+    for c0 in range(0, rows.numel(), step):
+        r = rows[c0:c0 + step]
+        tgt = target_logits[tgt_rows[0][r], tgt_rows[1][r]] if tgt_rows is not None else None
+        args = (lm_head, hidden[r], labels_f[r], w_f[r], tgt, loss, kl_weight)
+        if step >= rows.numel() or not hidden.requires_grad:
             terms, pred = _chunk_terms(*args)
         else:
             terms, pred = checkpoint(_chunk_terms, *args, use_reentrant=False)
         total = total + terms
-        preds.append(pred)
+        pred_flat[r] = pred
     with torch.no_grad():
-        pred = torch.cat(preds).view(bsz, n, B)
+        pred = pred_flat.view(bsz, n, B)
         sup = (w.view(bsz, n, B) > 0)
         ok = (pred == labels.view(bsz, n, B)) & sup
         correct = ok.sum(dim=(0, 1)).float().cpu()

@@ -1,0 +1,136 @@
+"""`dflashkit bench train`: one drafter training step vs the target's forward on the same batch.
+
+Usage:
+    dflashkit bench train -c run.yaml                 # contract.json if probed, else derived here
+    dflashkit bench train -c run.yaml 10              # 10 timed iterations (after 2 warm-up ones)
+
+Measured in one process, warm-up excluded, each number the median of the timed iterations:
+  * target_forward_s — full target forward (logits) on the batch;
+  * features_s — the online feature pass (taps only, stops after the deepest tapped layer);
+  * drafter_step_s — drafter forward + chunked loss + backward + AdamW step (features given);
+  * online_step_s = features_s + drafter_step_s (what a `train.features=online` step costs);
+  * ratios drafter_step / target_forward and online_step / target_forward (goal: drafter ≤ 1.5×);
+  * tokens/s and anchors/s of the online step; on CPU the drafter step also with bf16 autocast.
+The batch is the first `train.batch_size` tokenized samples when `tokenize/` exists, else random
+token ids of length min(tokenize.max_length, 512) with the last 3/4 supervised.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch
+
+from dflashkit.model.drafter import DFlashDraftModel
+from dflashkit.train.objective import dflash_loss, gamma_for, sample_anchors
+
+log = logging.getLogger("dflashkit.bench")
+
+
+def _contract(cfg, rd):
+    from dflashkit.model.drafter_config import DrafterContract
+
+    if rd.contract_path.is_file():
+        return DrafterContract.load(rd.contract_path)
+    from dflashkit.inspect.contract import derive_contract
+    from dflashkit.stages.probe import inspect_target
+
+    _, _, facts, tok = inspect_target(cfg, cfg.target.path)
+    return derive_contract(cfg.drafter, facts, tok)
+
+
+def _batch(cfg, rd, target) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from dflashkit.train.data import collate, load_tokenized, tokenized_shards
+
+    bs = cfg.train.batch_size
+    if tokenized_shards(rd):
+        data = load_tokenized(rd)
+        b = collate(data, [(i, 0) for i in range(min(bs, len(data)))], run_seed=cfg.run.seed)
+        return b.input_ids, b.loss_mask, b.seq_lens
+    s = min(cfg.tokenize.max_length, 512)
+    vocab = len(target.tokenizer) if target.tokenizer is not None else target.vocab_size
+    ids = torch.randint(0, min(vocab, target.vocab_size), (bs, s), generator=torch.Generator().manual_seed(0))
+    lm = torch.zeros(bs, s, dtype=torch.long)
+    lm[:, s // 4:] = 1
+    return ids, lm, torch.full((bs,), s)
+
+
+def _timed(fn, iters: int, device: torch.device) -> float:
+    out = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def bench_train(cfg, rd, ctx) -> dict:
+    """Measure one training step (see the module docstring); returns the numbers."""
+    from dflashkit.model.target import load_target
+    from dflashkit.train.loop import autocast_dtype, check_compat
+    from dflashkit.train.optim import build_optimizer
+
+    iters = int(ctx.positionals[1]) if len(ctx.positionals) > 1 else 5
+    target = load_target(cfg.target)
+    contract = _contract(cfg, rd)
+    check_compat(contract, target, str(rd.contract_path))
+    dev = target.device
+    ids, lm, lens = (t.to(dev) for t in _batch(cfg, rd, target))
+    att = (torch.arange(ids.shape[1], device=dev)[None] < lens[:, None]).long()
+    a = sample_anchors(lm, lens, num_anchors=cfg.train.num_anchors, block_size=contract.block_size,
+                       seeds=list(range(ids.shape[0])))
+    torch.manual_seed(cfg.run.seed)
+    drafter = DFlashDraftModel(contract).to(dev)
+    opt = build_optimizer(drafter, cfg.train)
+    gamma = gamma_for(cfg.train.gamma, contract.block_size)
+    layer_ids = contract.target_layer_ids
+    with torch.no_grad():
+        feats = target.features(ids, layer_ids=layer_ids, attention_mask=att).float()
+
+    def target_forward():
+        with torch.no_grad():
+            target.model(input_ids=ids, attention_mask=att)
+
+    def features():
+        with torch.no_grad():
+            target.features(ids, layer_ids=layer_ids, attention_mask=att)
+
+    def drafter_step(amp=None):
+        out = dflash_loss(drafter, target.model.get_input_embeddings(), target.lm_head, feats, ids, lm, lens, a,
+                          mask_token_id=contract.mask_token_id, gamma=gamma, chunk_blocks=cfg.train.loss_chunk_blocks,
+                          autocast_dtype=amp)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    amp = autocast_dtype(cfg.train.dtype, dev)
+    for fn in (target_forward, features, lambda: drafter_step(amp)):
+        _timed(fn, 2, dev)  # warm-up
+    t_target = _timed(target_forward, iters, dev)
+    t_feat = _timed(features, iters, dev)
+    t_draft = _timed(lambda: drafter_step(amp), iters, dev)
+    tokens, blocks = int(lens.sum()), int(a.keep.sum())
+    result = {
+        "device": str(dev), "target": str(target.model_dir), "batch_size": int(ids.shape[0]),
+        "seq_len": int(ids.shape[1]), "tokens": tokens, "anchors": blocks, "block_size": contract.block_size,
+        "draft_layers": contract.num_draft_layers, "iters": iters, "autocast": str(amp) if amp else None,
+        "target_forward_s": round(t_target, 5), "features_s": round(t_feat, 5), "drafter_step_s": round(t_draft, 5),
+        "online_step_s": round(t_feat + t_draft, 5),
+        "drafter_over_target_forward": round(t_draft / t_target, 3),
+        "online_over_target_forward": round((t_feat + t_draft) / t_target, 3),
+        "tokens_per_s": round(tokens / (t_feat + t_draft), 1), "anchors_per_s": round(blocks / (t_feat + t_draft), 1),
+        "goal_drafter_le_1_5x": t_draft / t_target <= 1.5,
+    }
+    if dev.type == "cpu" and amp is None:
+        _timed(lambda: drafter_step(torch.bfloat16), 1, dev)
+        result["drafter_step_bf16_autocast_s"] = round(_timed(lambda: drafter_step(torch.bfloat16), iters, dev), 5)
+    if not ctx.json:
+        for k, v in result.items():
+            print(f"{k:>30}  {v}")
+    return result

@@ -1,0 +1,18 @@
+"""`dflashkit bench train` on a tiny target: numbers present, consistent, written to bench/train.json."""
+
+from __future__ import annotations
+
+import json
+
+from dflashkit.cli import main
+from tests.unit.test_train_setup import make_run, overrides
+
+
+def test_bench_train_reports_consistent_numbers(tmp_path, tiny_qwen3, capsys):
+    rd = make_run(tmp_path / "r", tiny_qwen3)
+    assert main(["bench", "train", "1", "--json", *overrides(rd, tiny_qwen3)]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["subject"] == "train" and out["tokens"] > 0 and out["anchors"] > 0
+    assert abs(out["online_step_s"] - out["features_s"] - out["drafter_step_s"]) < 1e-4
+    assert abs(out["drafter_over_target_forward"] - out["drafter_step_s"] / out["target_forward_s"]) < 0.01
+    assert json.loads((rd / "bench" / "train.json").read_text())["tokens"] == out["tokens"]
