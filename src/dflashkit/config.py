@@ -208,6 +208,7 @@ class TrainSection:
     dtype: Literal["auto", "float32", "bfloat16"] = f("auto", "Autocast dtype; auto = bf16 on CUDA.")
     eval_every: int = f(50, "Held-out simulated-τ evaluation every N steps (0 = only at the end).")
     save_every: int = f(100, "Checkpoint every N steps (and at the end).")
+    keep_checkpoints: int = f(3, "Keep the newest N step checkpoints (older ones are deleted; 0 = keep all).")
     log_every: int = f(10, "Log metrics every N steps.")
     heldout_samples: int = f(16, "Tokenized samples kept for held-out simulated τ.")
     compile: bool = f(False, "torch.compile the drafter.")
@@ -409,6 +410,12 @@ def _validate(cfg: RunConfig) -> list[str]:
         p.append(f"train.max_steps: must be > 0, got {t.max_steps}")
     if len(t.betas) != 2:
         p.append(f"train.betas: expected two numbers, got {t.betas}")
+    if t.keep_checkpoints < 0:
+        p.append(f"train.keep_checkpoints: must be >= 0, got {t.keep_checkpoints}")
+    if not 0 < cfg.capture.max_disk_fraction <= 1:
+        p.append(f"capture.max_disk_fraction: must be in (0, 1], got {cfg.capture.max_disk_fraction}")
+    if cfg.capture.batch_size < 1:
+        p.append(f"capture.batch_size: must be >= 1, got {cfg.capture.batch_size}")
     if cfg.generate.concurrency < 1:
         p.append(f"generate.concurrency: must be >= 1, got {cfg.generate.concurrency}")
     if cfg.generate.temperature < 0:

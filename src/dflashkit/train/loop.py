@@ -247,11 +247,11 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
                     sink.log(last_eval)
             if cfg.train.save_every and n % cfg.train.save_every == 0 and n != steps:
                 ckpt.save_checkpoint(ck_root, step=n, model=tr.drafter, optimizer=opt, scheduler=sched,
-                                     is_main=dist.is_main)
+                                     is_main=dist.is_main, keep=cfg.train.keep_checkpoints)
                 barrier(dist)
         if start < steps:
             ckpt.save_checkpoint(ck_root, step=steps, model=tr.drafter, optimizer=opt, scheduler=sched,
-                                 is_main=dist.is_main)
+                                 is_main=dist.is_main, keep=cfg.train.keep_checkpoints)
         tr.drafter.eval()
         last_eval = evaluate_heldout(tr, steps) or last_eval
         if last_eval:
