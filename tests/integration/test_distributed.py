@@ -82,3 +82,23 @@ def test_sharded_target_features_equal_unsharded(tmp_path, tiny_qwen3):
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                         str(script)], env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.count("OK") == 2, r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_fsdp_resume_from_checkpoint_equals_uninterrupted(tmp_path, tiny_qwen3):
+    import shutil
+
+    rd = make_run(tmp_path / "r", tiny_qwen3)
+    cmd = [sys.executable, "-m", "dflashkit", "train", "--json", "--nproc-per-node", "2",
+           *overrides(rd, tiny_qwen3, train__max_steps=3, train__save_every=2, train__parallel__mode="fsdp")]
+    assert subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300).returncode == 0
+    full = load_file(rd / "train" / "final" / "model.safetensors")
+    before = _losses(rd)
+    shutil.rmtree(rd / "train" / "final")
+    shutil.rmtree(rd / "train" / "checkpoints" / "step-0000003")  # as if killed after the step-2 checkpoint
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1])["resumed_from"] == 2
+    again = load_file(rd / "train" / "final" / "model.safetensors")
+    assert all(torch.allclose(full[k], again[k], atol=1e-6) for k in full)
+    assert torch.allclose(torch.tensor(before), torch.tensor(_losses(rd)), atol=1e-6)
