@@ -112,7 +112,7 @@ def run(cfg, rd, ctx) -> dict:
         raise UsageError(f"capture needs {need / 1e9:.3f} GB but only {free / 1e9:.3f} GB is free in {out_dir} "
                          f"(capture.max_disk_fraction={cfg.capture.max_disk_fraction})",
                          hint="free disk space, use capture.dtype=bfloat16, or train with train.features=online")
-    result = {"shards": len(data.shards), "written": len(todo), "skipped": len(data.shards) - len(todo),
+    result = {"shards": len(data.shards), "to_write": len(todo), "written": 0, "skipped": len(data.shards) - len(todo),
               "tokens": tokens, "bytes_total": tokens * per_token, "bytes_written": need, "dtype": dtype,
               "target_layer_ids": layer_ids}
     if ctx.dry_run:
@@ -131,6 +131,7 @@ def run(cfg, rd, ctx) -> dict:
             n = _write_shard(dest, target, rows, layer_ids, dtype=dtype, batch_size=cfg.capture.batch_size,
                              metadata=meta, width=width, pad_id=pad)
             log.info("captured %s: %d samples, %d tokens", dest.name, len(rows), n)
+            result["written"] += 1
     write_manifest(out_dir, stage="capture", config_hash=section_hash(cfg.capture, layer_ids),
                    inputs={"contract": section_hash(read_json(rd.contract_path)),
                            "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")},
