@@ -63,11 +63,22 @@ def apply_scale(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
+def active_stages(cfg: RunConfig) -> list[str]:
+    """The stages this config needs: capture only for cached features; generate unless tokenize
+    reads prepare's own answers."""
+    skip = set()
+    if cfg.train.features != "cached":
+        skip.add("capture")
+    if getattr(cfg.tokenize, "source", "generate") == "prepare":
+        skip.add("generate")
+    return [s for s in ORDER if s not in skip]
+
+
 def selected_stages(cfg: RunConfig, from_stage: str | None, to_stage: str | None) -> list[str]:
     for name, value in (("--from", from_stage), ("--to", to_stage)):
         if value is not None and value not in ORDER:
             raise UsageError(f"{name} {value!r} is not a stage", hint=f"stages: {', '.join(ORDER)}")
-    stages = [s for s in ORDER if s != "capture" or cfg.train.features == "cached"]
+    stages = active_stages(cfg)
     lo = stages.index(from_stage) if from_stage in stages else 0
     hi = stages.index(to_stage) if to_stage in stages else len(stages) - 1
     if lo > hi:
@@ -102,8 +113,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx) -> dict:
     plan: list[dict[str, Any]] = []
     results: dict[str, Any] = {}
     prev_fp, previous = "", None
-    all_stages = [s for s in ORDER if s != "capture" or cfg.train.features == "cached"]
-    for stage in all_stages:
+    for stage in active_stages(cfg):
         fp = _fingerprint(cfg, rd, stage, previous, prev_fp)
         if stage in stages:
             fresh = state.get(stage) == fp and rd.manifest(stage) is not None and stage != "report"
