@@ -84,9 +84,9 @@ class SpecDecoder:
             self.layer_ids = list(drafter.target_layer_ids)
             dev = target.device
             p = next(drafter.parameters())
-            self._draft_dtype = p.dtype
-            if p.device != dev:
-                drafter.to(dev)
+            if p.device != dev or p.dtype != target.dtype:  # e.g. a bf16 export next to an fp32 target
+                drafter.to(device=dev, dtype=target.dtype)
+            self._draft_dtype = target.dtype
             with torch.inference_mode():
                 mask = torch.tensor([[drafter.mask_token_id]], device=dev)
                 self._mask_emb = target.embed(mask).to(self._draft_dtype)  # [1, 1, H]
