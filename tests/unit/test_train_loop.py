@@ -136,3 +136,11 @@ def test_tied_target_head_is_the_embedding(tiny_targets):
 
     t = load_target(load_config(None, [f"target.path={tiny_targets['llama']}"]).target)
     assert t.lm_head.weight.data_ptr() == t.model.get_input_embeddings().weight.data_ptr()
+
+
+def test_kl_loss_and_target_init_run_through_the_cli(tmp_path, tiny_qwen3):
+    rc, rd = _train(tmp_path, tiny_qwen3, train__max_steps=2, train__loss="ce+kl", train__kl_weight=0.5,
+                    extra=["drafter.init=target"])
+    assert rc == 0
+    rows = [r for r in _metrics(rd) if "split" not in r]
+    assert len(rows) == 2 and all(r["loss"] > 0 for r in rows)
