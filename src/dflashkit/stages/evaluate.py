@@ -94,6 +94,11 @@ def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
         log.info("B=%d: tau %.2f, speedup %.2f (bound %.2f), %.1f tok/s", bs, acc["tau"], entry["speedup"],
                  entry["bound"], tim["decode_tokens_per_s"])
 
+    first = res["speculative"].get(str(block_sizes[0])) if block_sizes else None
+    res["summary"] = {
+        "block_size": block_sizes[0] if block_sizes else 1, "tau": first["tau"] if first else 1.0,
+        "speedup": first["speedup"] if first else 1.0, "bound": first["bound"] if first else 1.0,
+        "greedy_identical": (not res["mismatches"]) if e.temperature <= 0 else None}
     out = rd.stage_dir("eval")
     atomic_write_json(out / "results.json", res)
     write_manifest(out, stage="eval", config_hash=section_hash(cfg.eval, cfg.target), started=t0,
@@ -110,5 +115,5 @@ def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
             hint="this is a bug (lossless decoding is violated); re-run with --log-level debug and report it")
     summary = {bs: {k: r[k] for k in ("tau", "speedup", "bound", "decode_tokens_per_s")}
                for bs, r in res["speculative"].items()}
-    return {"results": str(out / "results.json"), "prompts": len(ids),
+    return {"results": str(out / "results.json"), "prompts": len(ids), "summary": res["summary"],
             "baseline_tokens_per_s": base_t["decode_tokens_per_s"], "block_sizes": summary}
