@@ -233,6 +233,9 @@ class EvalSection:
     draft_sampling: Literal["greedy", "sample"] = f("greedy", "At temperature > 0: propose the draft argmax "
                                                    "(as SGLang) or a sample of the draft law (as z-lab); "
                                                    "both lossless.")
+    draft_dtype: Literal["auto", "target", "float32", "bfloat16", "float16"] = f(
+        "auto", "dtype of the drafter and its lm_head copy (drafts never change the output): auto = "
+        "bfloat16 for fp32 targets on CPUs with AMX/AVX512-BF16, else the target's; target = the target's.")
 
 
 @dataclass(kw_only=True)

@@ -62,8 +62,8 @@ def bench_decode(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
     import torch
 
     from dflashkit.decode.metrics import compare, summarize_acceptance, summarize_timing
-    from dflashkit.decode.runner import (first_difference, load_prompt_messages, params_for, render_prompts,
-                                         resolve_drafter_dir, run_interleaved)
+    from dflashkit.decode.runner import (draft_dtype_for, first_difference, load_prompt_messages, params_for,
+                                         render_prompts, resolve_drafter_dir, run_interleaved)
     from dflashkit.decode.spec_decode import SpecDecoder
     from dflashkit.export.hf import load_drafter, read_contract
     from dflashkit.model.target import load_target
@@ -77,7 +77,8 @@ def bench_decode(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
     params = params_for(cfg, target)
     drafter = load_drafter(drafter_dir, dtype=target.dtype, device=target.device)
     decoders = {"baseline": SpecDecoder(target, None, 1, max_context=cfg.eval.max_context),
-                "ours": SpecDecoder(target, drafter, bs, max_context=cfg.eval.max_context),
+                "ours": SpecDecoder(target, drafter, bs, max_context=cfg.eval.max_context,
+                                    draft_dtype=draft_dtype_for(cfg, target)),
                 "reference": ReferenceDecoder(target, str(drafter_dir), bs)}
     for i, p in enumerate(ids):
         decoders["baseline"].check_prompt(len(p), params.max_new_tokens, what=f"prompt {i}")
@@ -96,6 +97,7 @@ def bench_decode(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
     result = {
         "target": str(cfg.target.path), "drafter": str(drafter_dir), "block_size": bs, "prompts": len(ids),
         "max_new_tokens": params.max_new_tokens, "device": str(target.device), "threads": torch.get_num_threads(),
+        "draft_dtype": str(next(drafter.parameters()).dtype).removeprefix("torch."),
         "tokens_per_s_e2e": tps,
         "ours_over_reference": round(tps["ours"] / tps["reference"], 4) if tps["reference"] else 0.0,
         "identical_tokens": identical,

@@ -123,6 +123,18 @@ def run_interleaved(decoders: dict[str, Decoder], prompts: list[list[int]], para
     return out
 
 
+def draft_dtype_for(cfg: Any, target: Any):
+    """`eval.draft_dtype` → a torch dtype (None = the target's)."""
+    import torch
+
+    from dflashkit.decode.spec_decode import fast_draft_dtype
+
+    choice = cfg.eval.draft_dtype
+    if choice == "auto":
+        return fast_draft_dtype(target)
+    return None if choice == "target" else getattr(torch, choice)
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """First index where two token lists differ (length difference counts), else None."""
     for i, (x, y) in enumerate(zip(a, b)):

@@ -33,6 +33,7 @@ import time
 from typing import Literal, Protocol
 
 import torch
+import torch.nn.functional as F
 
 from dflashkit.decode.api import GenerationResult, SamplingParams
 from dflashkit.decode.sampling import sample, sampling_probs, verify_greedy, verify_sampled
@@ -60,11 +61,15 @@ class SpecDecoder:
             sample from the draft law ("sample", as the z-lab reference). Both are lossless.
         max_context: refuse prompt + max_new_tokens beyond this (default: the target's
             max_position_embeddings).
+        draft_dtype: dtype of the drafter and of the lm_head copy used for drafting (default: the
+            target's). Drafts only steer acceptance, never the output, so a cheaper dtype (bf16 on
+            CPUs with AMX/AVX512-BF16, see `fast_draft_dtype`) stays lossless; the verify pass
+            always uses the target's own head and dtype.
     """
 
     def __init__(self, target: Target, drafter: DFlashDraftModel | None = None, block_size: int | None = None,
                  *, proposer: Proposer | None = None, draft_sampling: Literal["greedy", "sample"] = "greedy",
-                 max_context: int | None = None):
+                 max_context: int | None = None, draft_dtype: torch.dtype | None = None):
         self.target, self.drafter, self.proposer = target, drafter, proposer
         if block_size is None:
             block_size = drafter.block_size if drafter is not None else 1
@@ -83,13 +88,16 @@ class SpecDecoder:
                        vocab_size=target.vocab_size, where="drafter")
             self.layer_ids = list(drafter.target_layer_ids)
             dev = target.device
+            self._draft_dtype = draft_dtype or target.dtype
             p = next(drafter.parameters())
-            if p.device != dev or p.dtype != target.dtype:  # e.g. a bf16 export next to an fp32 target
-                drafter.to(device=dev, dtype=target.dtype)
-            self._draft_dtype = target.dtype
+            if p.device != dev or p.dtype != self._draft_dtype:  # e.g. a bf16 export next to an fp32 target
+                drafter.to(device=dev, dtype=self._draft_dtype)
             with torch.inference_mode():
                 mask = torch.tensor([[drafter.mask_token_id]], device=dev)
                 self._mask_emb = target.embed(mask).to(self._draft_dtype)  # [1, 1, H]
+                head = target.lm_head
+                self._head_w = head.weight.detach().to(self._draft_dtype)  # [V, H] (shared if same dtype)
+                self._head_b = None if getattr(head, "bias", None) is None else head.bias.detach().to(self._draft_dtype)
         self._cuda = target.device.type == "cuda"
 
     # -- helpers ------------------------------------------------------------------------------
@@ -122,7 +130,7 @@ class SpecDecoder:
         block = torch.cat([x, self._mask_emb.expand(1, k, -1)], dim=1)  # [1, k+1, H]
         t = ctx.shape[1]
         h = self.drafter(block, ctx.to(self._draft_dtype), positions[:, start - t: start + k + 1], cache=dcache)
-        logits = self.target.lm_head(h[0, 1:].to(self.target.dtype))  # [k, V]
+        logits = F.linear(h[0, 1:], self._head_w, self._head_b)  # [k, V]
         if params.temperature <= 0 or self.draft_sampling == "greedy":
             return logits.argmax(-1).tolist(), None
         q = sampling_probs(logits, params.temperature, params.top_p, params.top_k)
@@ -200,6 +208,16 @@ class SpecDecoder:
         res.token_ids = seq[n_prompt:]
         res.finish_reason = "stop" if stopped else "length"
         return res
+
+
+def fast_draft_dtype(target: Target) -> torch.dtype:
+    """bf16 for drafting when the target is fp32 on a CPU with AMX/AVX512-BF16 matmuls, else the target's."""
+    if target.device.type == "cpu" and target.dtype == torch.float32:
+        cpu = getattr(torch, "cpu", None)
+        fast = getattr(cpu, "_is_amx_tile_supported", None) or getattr(cpu, "_is_avx512_bf16_supported", None)
+        if fast is not None and fast():
+            return torch.bfloat16
+    return target.dtype
 
 
 class CopyTargetProposer:

@@ -44,8 +44,8 @@ def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
     import torch
 
     from dflashkit.decode.metrics import compare, summarize_acceptance, summarize_timing
-    from dflashkit.decode.runner import (first_difference, load_prompt_messages, params_for, render_prompts,
-                                         resolve_drafter_dir, run_interleaved)
+    from dflashkit.decode.runner import (draft_dtype_for, first_difference, load_prompt_messages, params_for,
+                                         render_prompts, resolve_drafter_dir, run_interleaved)
     from dflashkit.decode.spec_decode import SpecDecoder
     from dflashkit.export.hf import check_fits, load_drafter, read_contract
     from dflashkit.model.target import load_target
@@ -69,14 +69,17 @@ def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
     drafter = load_drafter(drafter_dir, dtype=target.dtype, device=target.device)
 
     log.info("eval: %d prompts, block sizes %s, drafter %s", len(ids), block_sizes, drafter_dir)
+    ddt = draft_dtype_for(cfg, target)
     decoders = {"1": baseline} | {str(bs): SpecDecoder(target, drafter, bs, max_context=e.max_context,
-                                                         draft_sampling=e.draft_sampling) for bs in block_sizes}
+                                                         draft_sampling=e.draft_sampling, draft_dtype=ddt)
+                                  for bs in block_sizes}
     runs = run_interleaved(decoders, ids, params, warmup=e.warmup, base_seed=cfg.run.seed)
     base_results = runs.pop("1")
     base_t = summarize_timing(base_results)
     res: dict[str, Any] = {"drafter": str(drafter_dir), "target": str(cfg.target.path), "prompts": len(ids),
                            "max_new_tokens": e.max_new_tokens, "temperature": e.temperature,
                            "threads": torch.get_num_threads(), "device": str(target.device),
+                           "draft_dtype": str(ddt or target.dtype).removeprefix("torch."),
                            "baseline": base_t, "speculative": {}, "mismatches": []}
     for key, results in runs.items():
         bs = int(key)
