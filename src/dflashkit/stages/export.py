@@ -106,8 +106,9 @@ def reload_check(source: Any, export_dir: Path, head: Any, atol: float) -> dict[
             f"export reload check failed in {export_dir}: max |logits diff| exported vs source {diff_export:.3g}, "
             f"shipped dflash.py vs our loader {diff_shipped:.3g} (allowed {atol * scale:.3g} / {1e-4 * scale:.3g})",
             hint="nothing was replaced; try export.dtype=float32 or raise export.check_atol")
+    top1 = (la.argmax(-1) == lr.argmax(-1)).float().mean().item()
     return {"max_diff_vs_source": diff_export, "max_diff_shipped_vs_ours": diff_shipped, "logit_scale": scale,
-            "compared": "logits" if head is not None else "hidden states"}
+            "top1_agreement": top1, "compared": "logits" if head is not None else "hidden states"}
 
 
 def _target_head(cfg: Any):
