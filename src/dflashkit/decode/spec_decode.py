@@ -29,6 +29,7 @@ sequence and returns B−1 point-mass proposals.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Literal, Protocol
 
@@ -159,7 +160,7 @@ class SpecDecoder:
         gen = None
         if not greedy:
             gen = torch.Generator(device=dev)
-            gen.manual_seed(params.seed if params.seed is not None else torch.seed() % (1 << 62))
+            gen.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little"))
         stops = set(params.stop_token_ids)
         max_len = n_prompt + max_new
         cache = DynamicCache(config=self.target.config)
