@@ -24,11 +24,18 @@ from dflashkit.serving.faults import FaultServer, Faults, canned_answer
 KILLS = 10
 
 
-def _journal_lines(run_dir: Path) -> list[bytes]:
+def _journal_lines(run_dir: Path, *, after_kill: bool = False) -> list[bytes]:
+    """Complete journal lines. Right after a SIGKILL the kernel may have cut the last write short
+    (a fatal signal stops a regular-file write between pages), so a torn tail is allowed then —
+    only as the last line of the newest shard, which the next `open()` truncates away. After a
+    clean finish no line may be torn."""
     lines: list[bytes] = []
-    for p in sorted((run_dir / "generate" / "shards").glob("part-*.jsonl")):
+    shards = sorted((run_dir / "generate" / "shards").glob("part-*.jsonl"))
+    for i, p in enumerate(shards):
         data = p.read_bytes()
-        assert not data or data.endswith(b"\n"), f"{p}: torn last line after SIGKILL"
+        if data and not data.endswith(b"\n"):
+            assert after_kill and i == len(shards) - 1, f"{p}: torn line that is not the newest tail"
+            data = data[: data.rfind(b"\n") + 1]
         lines += data.splitlines()
     return lines
 
@@ -63,7 +70,7 @@ def test_generate_survives_repeated_sigkill(tmp_path):
                             max_faults_per_key=1, seed=5)) as srv:
         deadline = time.monotonic() + 120
         while kills < KILLS and time.monotonic() < deadline:
-            before = len(_journal_lines(tmp_path)) if (tmp_path / "generate").exists() else 0
+            before = len(_journal_lines(tmp_path, after_kill=True)) if (tmp_path / "generate").exists() else 0
             proc = _start(tmp_path, srv.url)
             while proc.poll() is None:  # wait for this run's first journal line, then a random moment
                 if _newlines(tmp_path) > before:  # (a live writer may be mid-line: only count newlines)
@@ -77,7 +84,7 @@ def test_generate_survives_repeated_sigkill(tmp_path):
             else:
                 proc.wait()
                 break  # finished before we could kill it: all work is done
-            lines = _journal_lines(tmp_path)
+            lines = _journal_lines(tmp_path, after_kill=True)
             keys = Counter((json.loads(x)["id"], json.loads(x)["turn"]) for x in lines)
             assert max(keys.values(), default=1) == 1, "duplicate (id, turn) after a kill"
         assert kills >= KILLS, f"only {kills} kills: the runs finish too fast"
