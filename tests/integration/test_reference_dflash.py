@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +16,7 @@ from dflashkit.export.hf import load_drafter, save_drafter
 from dflashkit.model.target import load_target
 
 ref = pytest.importorskip("dflash.model", reason="test-only dependency: pip install --no-deps dflash==0.1.0")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_decode import random_drafter  # noqa: E402
+from dflashkit.testing import random_drafter
 
 
 @pytest.fixture(autouse=True)

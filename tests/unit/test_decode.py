@@ -10,25 +10,10 @@ from dflashkit.decode.api import SamplingParams
 from dflashkit.decode.metrics import compare, summarize_acceptance, summarize_timing
 from dflashkit.decode.spec_decode import AdversarialProposer, CopyTargetProposer, SpecDecoder
 from dflashkit.errors import UsageError
-from dflashkit.model.drafter import DFlashDraftModel
-from dflashkit.model.drafter_config import DrafterContract, build_target_layer_ids
 from dflashkit.model.target import load_target
+from dflashkit.testing import random_drafter
 
 BLOCKS = (1, 2, 4, 8, 16)
-
-
-def random_drafter(target, block_size=4, layers=1, seed=0, **overrides) -> DFlashDraftModel:
-    """A small random drafter that fits `target` (real weights, so drafts are arbitrary tokens)."""
-    n = target.num_layers
-    heads = 4
-    fields = dict(block_size=block_size, num_draft_layers=layers,
-                  target_layer_ids=build_target_layer_ids(n, 2) if n >= 4 else [n // 2],
-                  mask_token_id=target.vocab_size - 1, num_target_layers=n, hidden_size=target.hidden_size,
-                  num_attention_heads=heads, num_key_value_heads=2, head_dim=target.hidden_size // heads,
-                  intermediate_size=2 * target.hidden_size, vocab_size=target.vocab_size)
-    fields.update(overrides)
-    torch.manual_seed(seed)
-    return DFlashDraftModel(DrafterContract(**fields)).eval()
 
 
 @pytest.fixture(autouse=True)

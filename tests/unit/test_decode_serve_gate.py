@@ -13,7 +13,7 @@ from dflashkit.decode.spec_decode import SpecDecoder
 from dflashkit.export.hf import load_drafter, save_drafter
 from dflashkit.model.target import load_target
 
-from test_decode import random_drafter  # noqa: E402
+from dflashkit.testing import random_drafter
 
 B = 4
 

@@ -14,7 +14,7 @@ from dflashkit.errors import UsageError
 from dflashkit.export.hf import load_drafter, load_shipped_model, save_drafter
 from dflashkit.model.target import load_target
 
-from test_decode import random_drafter  # noqa: E402  (tests/unit is on sys.path under pytest rootdir)
+from dflashkit.testing import random_drafter
 
 
 @pytest.fixture(autouse=True)

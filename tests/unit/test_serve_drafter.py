@@ -11,7 +11,7 @@ from dflashkit.model.target import load_target
 from dflashkit.serving.server import serve_in_thread
 from dflashkit.stages.serve import build_app
 
-from test_decode import random_drafter  # noqa: E402  (tests/unit is on sys.path under pytest rootdir)
+from dflashkit.testing import random_drafter
 
 
 def test_serve_with_drafter_is_lossless_and_reports_acceptance(tiny_qwen3, tmp_path):
