@@ -43,7 +43,12 @@ def _torch_hygiene():
         yield
         return
     torch.set_default_dtype(torch.float32)
+    threads = torch.get_num_threads()
+    # Tiny models, and a 2-core box shared with the test's own server/torchrun subprocesses: one
+    # intra-op thread is steadier and often ~10x faster than two spin-waiting OpenMP threads.
+    torch.set_num_threads(1)
     yield
+    torch.set_num_threads(threads)
     torch.set_default_dtype(torch.float32)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -21,14 +21,6 @@ pytestmark = pytest.mark.distributed
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _losses(rd):
     return [json.loads(x)["loss"] for x in (rd / "train" / "metrics.jsonl").read_text().splitlines()]
 

@@ -19,15 +19,6 @@ ref = pytest.importorskip("dflash.model", reason="test-only dependency: pip inst
 from dflashkit.testing import random_drafter
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a shared, busy 2-core box two threads are up to 10× slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def smol(smollm2_dir):
     return load_target(TargetSection(path=str(smollm2_dir), device="cpu", dtype="float32"))

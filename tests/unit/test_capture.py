@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 from safetensors import safe_open
 
@@ -14,14 +13,6 @@ from dflashkit.model.target import load_target
 from dflashkit.rundir import RunDir
 from dflashkit.train.data import load_tokenized
 from tests.unit.test_train_setup import make_run, overrides
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_capture_features_equal_target_and_resume(tmp_path, tiny_qwen3, capsys):

@@ -16,15 +16,6 @@ from dflashkit.testing import random_drafter
 BLOCKS = (1, 2, 4, 8, 16)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is ~10× faster than two on a shared, busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def targets(tiny_targets):
     return {arch: load_target(TargetSection(path=str(d), device="cpu", dtype="float32"))

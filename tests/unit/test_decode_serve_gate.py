@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -16,14 +15,6 @@ from dflashkit.model.target import load_target
 from dflashkit.testing import random_drafter
 
 B = 4
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def overfit(target, drafter, seq: list[int], start: int, steps: int = 400, lr: float = 1e-2) -> float:

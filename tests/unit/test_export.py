@@ -17,14 +17,6 @@ from dflashkit.model.target import load_target
 from dflashkit.testing import random_drafter
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def target(tiny_qwen3):
     return load_target(TargetSection(path=str(tiny_qwen3), device="cpu", dtype="float32"))

@@ -113,15 +113,6 @@ def _samples(decoder, prompt, n, temperature):
     return out
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is ~10× faster than two on a shared, busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def small():
     target, drafter = _tiny_small_vocab_target()

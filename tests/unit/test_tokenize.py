@@ -87,7 +87,7 @@ def test_missing_input_names_the_stage(tmp_path, capsys, tiny_qwen3):
 
 def test_source_prepare_and_min_supervised(tmp_path, capsys, tiny_qwen3, tok):
     rows = convs(ANSWERS + ["ok"]) + [Conversation.from_messages("t", [{"role": "user", "content": "hi"}]).to_dict()]
-    run_dir = setup(tmp_path, tiny_qwen3, rows, where="prepare/train.jsonl", source="prepare")
+    setup(tmp_path, tiny_qwen3, rows, where="prepare/train.jsonl", source="prepare")
     code, out = tokenize(tmp_path, capsys)
     # "ok<|im_end|>" is 3 tokens < 2·block_size = 8; the prompt-only conversation has no answer
     assert code == 0 and out["samples"] == 3

@@ -4,19 +4,9 @@ from __future__ import annotations
 
 import json
 
-import pytest
-import torch
 
 from dflashkit.cli import main
 from tests.unit.test_train_setup import make_run, overrides
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_bench_train_reports_consistent_numbers(tmp_path, tiny_qwen3, capsys):

@@ -12,14 +12,6 @@ from dflashkit.cli import main
 from tests.unit.test_train_setup import make_run, overrides
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: extra threads only contend on a shared box
-    yield
-    torch.set_num_threads(n)
-
-
 def _train(tmp_path, target, name="run", extra=(), **kw):
     rd = tmp_path / name
     if not (rd / "contract.json").exists():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -18,14 +17,6 @@ from dflashkit.model.target import load_target
 from dflashkit.train.data import load_tokenized
 from dflashkit.rundir import RunDir
 from tests.unit.test_train_setup import TEXTS, make_run, overrides
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: extra threads only contend on a shared box
-    yield
-    torch.set_num_threads(n)
 
 
 def test_overfit_one_conversation(tmp_path, tiny_qwen3):

@@ -189,7 +189,7 @@ class FeatureStore:
                 offsets = fh.get_tensor("offsets")
             except Exception as e:  # noqa: BLE001 - safetensors raises several types for bad files
                 raise UsageError(f"{path}: unreadable feature shard ({e})",
-                                 hint=f"delete it and re-run `dflashkit capture -c run.yaml`") from None
+                                 hint="delete it and re-run `dflashkit capture -c run.yaml`") from None
             got = json.loads(meta.get("target_layer_ids", "null"))
             if got != list(layer_ids):
                 raise UsageError(f"{path}: features were captured at target_layer_ids {got}, but the drafter "
