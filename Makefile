@@ -8,7 +8,7 @@ DEMO_CONFIG ?= configs/smollm2-135m.yaml
 DEMO_SCALE ?= 1
 PYTEST_ARGS ?=
 
-.PHONY: install assets test test-all demo clean-demo lint
+.PHONY: install assets test demo clean-demo
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -24,9 +24,6 @@ assets: install
 
 test: assets
 	$(PY) -m pytest $(PYTEST_ARGS)
-
-test-all: assets
-	$(PY) -m pytest -m "slow or not slow" $(PYTEST_ARGS)
 
 demo: assets
 	$(PY) -m dflashkit run -c $(DEMO_CONFIG) run.scale=$(DEMO_SCALE)
