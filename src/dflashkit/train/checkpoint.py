@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from dflashkit.errors import UsageError
-from dflashkit.rundir import atomic_write_json
+from dflashkit.rundir import atomic_dir, atomic_write_json
 
 log = logging.getLogger("dflashkit.train")
 
@@ -54,10 +52,8 @@ def save_checkpoint(root: Path, *, step: int, model, optimizer, scheduler, is_ma
     osd = get_optimizer_state_dict(model, optimizer, options=_options())
     if not is_main:
         return None
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:07d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".step-{step:07d}.", dir=root))
-    try:
+    with atomic_dir(final) as tmp:
         save_file(msd, str(tmp / "model.safetensors"))
         torch.save(osd, tmp / "optimizer.pt")
         rng = {"cpu": torch.get_rng_state()}
@@ -66,12 +62,6 @@ def save_checkpoint(root: Path, *, step: int, model, optimizer, scheduler, is_ma
         torch.save(rng, tmp / "rng.pt")
         atomic_write_json(tmp / "state.json", {"step": step, "data_cursor": step,
                                                "scheduler": scheduler.state_dict(), **(extra or {})})
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     for old in sorted(root.glob("step-*"))[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     log.info("checkpoint %s", final)
@@ -128,15 +118,8 @@ def save_final(out_dir: Path, model, contract, *, is_main: bool = True) -> Path 
     if not is_main:
         return None
     out_dir = Path(out_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=".final.", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp:
         dtype = str(next(iter(sd.values())).dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(contract.to_hf_config(dtype=dtype), indent=2) + "\n")
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
