@@ -2,6 +2,7 @@
 
 Usage:
     save_drafter(model, "runs/x/train/final", dtype="bfloat16")   # trainer and export write this
+    save_drafter(model, "runs/x/export", head=target_head)        # reduced vocab: + lm_head rows, t2d
     drafter = load_drafter("runs/x/train/final", dtype=torch.float32)  # validated, safetensors only
     check_fits(drafter.contract, num_layers=30, hidden_size=576, vocab_size=49152)
     head = read_target_head("path/to/target")                     # [V, H] lm_head (or tied embedding)
@@ -9,6 +10,13 @@ Usage:
 `config.json` is `DrafterContract.to_hf_config()` (a Qwen3 config plus `dflash_config`,
 top-level `block_size` / `num_target_layers`); tensor names are the z-lab ones (dflash-spec §2.2).
 Every problem raises `UsageError` (exit 2) naming the file and key, before any decoding.
+
+A reduced draft vocabulary (`model/draft_vocab.py`) adds, and only then: `draft_vocab_size` at
+the top of config.json (what vLLM reads) and in `dflash_config`; the int64 tensor `d2t` [V']
+(vLLM offsets, target id = i + d2t[i]); and, when `save_drafter` is given the target head (export),
+`lm_head.weight` [V', H] = those target-head rows plus the bool `t2d` [V]. `load_drafter` checks
+all of them against each other and accepts full-vocab z-lab checkpoints unchanged; our decoder
+drafts with the target's own head rows, so a stored `lm_head.weight` is checked, not used.
 """
 
 from __future__ import annotations
@@ -31,31 +39,71 @@ MODELING_FILE = "dflash.py"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def save_drafter(model: DFlashDraftModel, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
-    """Write `config.json` + `model.safetensors` (z-lab names, `dtype`) into `out_dir`, atomically per file."""
+def save_drafter(model: DFlashDraftModel, out_dir: str | Path, dtype: str = "bfloat16",
+                 head: torch.Tensor | None = None) -> Path:
+    """Write `config.json` + `model.safetensors` (z-lab names, `dtype`) into `out_dir`, atomically per file.
+
+    Args:
+        head: the target's output head [V, H]; with a reduced draft vocab it adds `lm_head.weight`
+            (its rows d2t, in `dtype`) and `t2d`, which vLLM needs. Ignored for a full-vocab drafter.
+    """
     from safetensors.torch import save_file
 
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r}", hint=f"one of {sorted(DTYPES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().to("cpu", DTYPES[dtype] if v.is_floating_point() else v.dtype).contiguous()
+             for k, v in model.state_dict().items()}
+    vocab = model.draft_vocab
+    if vocab is not None and head is not None:
+        from dflashkit.model.draft_vocab import t2d_mask
+
+        if head.shape[-1] != model.contract.hidden_size:
+            raise UsageError(f"target head {tuple(head.shape)} does not match the drafter's hidden size "
+                             f"{model.contract.hidden_size}", hint="set target.path to the drafter's target")
+        state["lm_head.weight"] = head.detach().to("cpu").index_select(0, vocab.cpu()).to(DTYPES[dtype]).contiguous()
+        state["t2d"] = t2d_mask(vocab, head.shape[0])
     with atomic_path(out / WEIGHTS) as tmp:
         save_file(state, str(tmp), metadata={"format": "pt"})
-    atomic_write_json(out / "config.json", model.contract.to_hf_config(dtype=dtype))
+    atomic_write_json(out / "config.json", model.contract.to_hf_config(dtype=dtype,
+                                                                       draft_vocab_size=model.draft_vocab_size))
     return out
 
 
-def read_contract(drafter_dir: str | Path) -> DrafterContract:
-    """The contract stored in a drafter dir's `config.json` (UsageError naming the missing key)."""
+def read_draft_vocab_size(cfg: dict, *, source: str = "config.json") -> int | None:
+    """V' of a drafter config.json (top-level `draft_vocab_size`, as vLLM, or in `dflash_config`).
+
+    None when absent or equal to `vocab_size` (the full vocab, as vLLM reads it).
+    """
+    top = cfg.get("draft_vocab_size")
+    inner = (cfg.get("dflash_config") or {}).get("draft_vocab_size")
+    if top is not None and inner is not None and top != inner:
+        raise UsageError(f"{source}: draft_vocab_size {top} != dflash_config.draft_vocab_size {inner}",
+                         hint="the two must agree; re-export the drafter")
+    n = top if top is not None else inner
+    if n is None:
+        return None
+    vocab = int(cfg.get("vocab_size") or 0)
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0 or (vocab and n > vocab):
+        raise UsageError(f"{source}: draft_vocab_size {n!r} must be an integer in [1, vocab_size {vocab}]")
+    return None if n == vocab else n
+
+
+def _read_config(drafter_dir: str | Path) -> tuple[Path, dict]:
     path = Path(drafter_dir) / "config.json"
     if not path.is_file():
         raise UsageError(f"{path} not found: not a drafter directory",
                          hint="point at a dir with config.json + model.safetensors (e.g. train/final)")
     try:
-        cfg = json.loads(path.read_text())
+        return path, json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise UsageError(f"{path}: invalid JSON ({e})", hint="re-export the drafter") from None
+
+
+def read_contract(drafter_dir: str | Path) -> DrafterContract:
+    """The contract stored in a drafter dir's `config.json` (UsageError naming the missing key)."""
+    path, cfg = _read_config(drafter_dir)
     contract = DrafterContract.from_hf_config(cfg, source=str(path))
     contract.check()
     return contract
@@ -82,6 +130,42 @@ def _open_weights(drafter_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def _draft_vocab(state: dict[str, torch.Tensor], size: int | None, contract: DrafterContract, weights: Path,
+                 config: Path) -> torch.Tensor | None:
+    """Validate the reduced-vocab tensors of a checkpoint (d2t, t2d, lm_head.weight) → target ids or None.
+
+    Leaves a normalised int64 `d2t` in `state` and removes `t2d` / `lm_head.weight` (checked, not loaded).
+    """
+    from dflashkit.model.draft_vocab import check_draft_vocab, from_offsets, to_offsets
+
+    hint = "config.json and model.safetensors come from different drafters; re-export"
+    d2t = state.get("d2t")
+    if size is None:
+        if d2t is not None or "t2d" in state:
+            raise UsageError(f"{weights} holds d2t/t2d (a reduced draft vocabulary) but {config} sets no "
+                             "draft_vocab_size", hint=hint)
+        return None
+    if d2t is None:
+        raise UsageError(f"{config} sets draft_vocab_size {size} but {weights} has no `d2t` tensor", hint=hint)
+    if d2t.dim() != 1 or d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+        raise UsageError(f"{weights}: d2t must be a 1-D integer tensor (offsets), got "
+                         f"{str(d2t.dtype).removeprefix('torch.')} {tuple(d2t.shape)}", hint=hint)
+    vocab = from_offsets(d2t)
+    check_draft_vocab(vocab, vocab_size=contract.vocab_size, size=size, source=f"{weights}: d2t")
+    state["d2t"] = to_offsets(vocab)
+    head = state.pop("lm_head.weight", None)
+    if head is not None and tuple(head.shape) != (size, contract.hidden_size):
+        raise UsageError(f"{weights}: lm_head.weight has shape {tuple(head.shape)}, expected "
+                         f"[draft_vocab_size {size}, hidden_size {contract.hidden_size}]", hint=hint)
+    t2d = state.pop("t2d", None)
+    if t2d is not None:
+        n = contract.vocab_size
+        if t2d.dim() != 1 or (n and t2d.numel() != n) or not torch.equal(t2d.bool().nonzero().flatten(), vocab):
+            raise UsageError(f"{weights}: t2d {tuple(t2d.shape)} does not mark exactly the target ids of d2t "
+                             f"(vocab_size {n})", hint=hint)
+    return vocab
+
+
 def load_drafter(drafter_dir: str | Path, *, dtype: torch.dtype | None = None,
                  device: str | torch.device = "cpu") -> DFlashDraftModel:
     """Load a z-lab/dflashkit drafter dir, validating tensor names and shapes; eval mode, no grad.
@@ -91,12 +175,16 @@ def load_drafter(drafter_dir: str | Path, *, dtype: torch.dtype | None = None,
         dtype: cast to this dtype (default: the stored dtype).
         device: where to put the model.
     Raises:
-        UsageError: missing/invalid config keys, missing, unexpected or mis-shaped tensors, corrupt file.
+        UsageError: missing/invalid config keys, missing, unexpected or mis-shaped tensors, corrupt
+            file, or reduced-vocab tensors (d2t, t2d, lm_head.weight) that disagree with draft_vocab_size.
     """
     d = Path(drafter_dir)
     contract = read_contract(d)
+    config_path, cfg = _read_config(d)
+    size = read_draft_vocab_size(cfg, source=str(config_path))
     state = _open_weights(d)
-    model = DFlashDraftModel(contract)
+    vocab = _draft_vocab(state, size, contract, d / WEIGHTS, config_path)
+    model = DFlashDraftModel(contract, draft_vocab=vocab)
     want = model.state_dict()
     missing = sorted(set(want) - set(state))
     unexpected = sorted(set(state) - set(want))
@@ -111,7 +199,7 @@ def load_drafter(drafter_dir: str | Path, *, dtype: torch.dtype | None = None,
         parts.extend(shapes[:5])
         raise UsageError(f"{d / WEIGHTS} does not match {d / 'config.json'}: " + "; ".join(parts),
                          hint="the weights and config come from different drafters; re-export")
-    stored = next(iter(state.values())).dtype
+    stored = next(v.dtype for v in state.values() if v.is_floating_point())
     model.load_state_dict(state, strict=True)
     model.to(device=device, dtype=dtype or stored).eval().requires_grad_(False)
     return model

@@ -4,11 +4,15 @@ Usage:
     model = DFlashDraftModel(contract)                       # random init
     h = model(noise_embedding, target_hidden, position_ids)  # [b, q, H]
     logits = lm_head(h)                                      # the *target's* frozen head
+    small = DFlashDraftModel(contract, draft_vocab=vocab)     # reduced draft vocab (sorted target ids)
+    logits = restricted_head(lm_head, small.draft_vocab)(h)  # [b, q, V']; target id = vocab[argmax]
 
 Structure (parameter names = the z-lab checkpoint, §2.2): `fc` (n_feat·H → H) + `hidden_norm`
 fuse the target features once per forward into a context `c`; each of `layers.{i}` is a Qwen3
 decoder layer whose keys/values are `[k_proj(c); k_proj(x)]` / `[v_proj(c); v_proj(x)]` while the
 queries come from the block `x` only; final `norm`. No embedding and no LM head of its own.
+With a reduced draft vocabulary (`model/draft_vocab.py`) the model also holds the int64 buffer
+`d2t` (vLLM's offsets: target id of draft index i = i + d2t[i]), so checkpoints carry it.
 
 Attention: pass `attention_mask` as a dense bool tensor `[b|1, 1, q, kv]` (SDPA, any device), a
 flex `BlockMask` (flex_attention, GPU training), or None (everything visible: inference).
@@ -128,7 +132,7 @@ class DFlashDecoderLayer(nn.Module):
 class DFlashDraftModel(nn.Module):
     """DFlash drafter; `state_dict()` keys are exactly the z-lab checkpoint's."""
 
-    def __init__(self, contract: DrafterContract):
+    def __init__(self, contract: DrafterContract, draft_vocab: torch.Tensor | None = None):
         super().__init__()
         contract.check()
         self.contract = contract
@@ -142,7 +146,28 @@ class DFlashDraftModel(nn.Module):
         self.layers = nn.ModuleList(DFlashDecoderLayer(self.config) for _ in range(contract.num_draft_layers))
         self.norm = Qwen3RMSNorm(h, eps=contract.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(self.config)
+        if draft_vocab is not None:
+            from dflashkit.model.draft_vocab import check_draft_vocab, to_offsets
+
+            vocab = torch.as_tensor(draft_vocab).cpu()
+            check_draft_vocab(vocab, vocab_size=contract.vocab_size, source="draft vocabulary")
+            self.register_buffer("d2t", to_offsets(vocab.long()))
         self.reset_parameters()
+
+    @property
+    def draft_vocab(self) -> torch.Tensor | None:
+        """Sorted target ids [V'] of the reduced draft vocabulary (None: the full target vocab)."""
+        d2t = getattr(self, "d2t", None)
+        if d2t is None:
+            return None
+        from dflashkit.model.draft_vocab import from_offsets
+
+        return from_offsets(d2t)
+
+    @property
+    def draft_vocab_size(self) -> int | None:
+        d2t = getattr(self, "d2t", None)
+        return None if d2t is None else int(d2t.numel())
 
     def reset_parameters(self, std: float = 0.02) -> None:
         for m in self.modules():

@@ -113,9 +113,13 @@ class DrafterContract:
             raise UsageError(f"{p}: not a valid drafter contract ({e})",
                              hint="re-run `dflashkit probe -c run.yaml`") from None
 
-    def to_hf_config(self, *, dtype: str = "bfloat16") -> dict[str, Any]:
-        """The z-lab `config.json` (dflash-spec §2.1): a Qwen3 config plus DFlash keys."""
-        return {
+    def to_hf_config(self, *, dtype: str = "bfloat16", draft_vocab_size: int | None = None) -> dict[str, Any]:
+        """The z-lab `config.json` (dflash-spec §2.1): a Qwen3 config plus DFlash keys.
+
+        `draft_vocab_size` (a reduced draft vocabulary) adds the top-level key vLLM reads and the
+        same value in `dflash_config`; without it the config is exactly the full-vocab one.
+        """
+        cfg = {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
             "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
@@ -150,6 +154,12 @@ class DrafterContract:
                 "num_target_layers": self.num_target_layers,
             },
         }
+        if draft_vocab_size:
+            items = list(cfg.items())
+            at = [k for k, _ in items].index("vocab_size") + 1  # next to vocab_size, where readers look
+            cfg = dict(items[:at] + [("draft_vocab_size", int(draft_vocab_size))] + items[at:])
+            cfg["dflash_config"]["draft_vocab_size"] = int(draft_vocab_size)
+        return cfg
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], *, source: str = "config.json") -> "DrafterContract":

@@ -24,6 +24,10 @@ Rules (each pinned by a test):
     once (also not for backward).
   * Metrics: accuracy per block position 1..B−1 over positions with w > 0 and simulated τ =
     mean over real blocks of 1 + the number of leading correct supervised positions.
+  * Reduced draft vocabulary (`vocab`, sorted target ids [V']; `lm_head` = the target head's rows
+    `vocab`): labels are mapped to draft indices; a supervised label outside the vocab gets loss
+    weight 0 (also in the denominator Σ w) but still counts, as a wrong prediction, in accuracy and
+    τ; KL compares against the target's logits restricted to the `vocab` columns (renormalised).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from dflashkit.model.draft_vocab import draft_labels
 from dflashkit.model.masks import dense_block_mask, flex_block_mask
 
 
@@ -120,9 +125,13 @@ def labels_and_weights(input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_len
     return labels.view(b, -1), w.view(b, -1)
 
 
-def weight_sum(loss_mask, seq_lens, a: Anchors, *, input_ids, block_size: int, gamma: float | None) -> float:
-    """Σ w of one micro-batch (summed over the step to form the loss denominator)."""
-    return float(labels_and_weights(input_ids, loss_mask, seq_lens, a, block_size=block_size, gamma=gamma)[1].sum())
+def weight_sum(loss_mask, seq_lens, a: Anchors, *, input_ids, block_size: int, gamma: float | None,
+               vocab: torch.Tensor | None = None) -> float:
+    """Σ w of one micro-batch (summed over the step to form the loss denominator; in-vocab labels only)."""
+    labels, w = labels_and_weights(input_ids, loss_mask, seq_lens, a, block_size=block_size, gamma=gamma)
+    if vocab is not None:
+        w = w * draft_labels(labels, vocab)[1]
+    return float(w.sum())
 
 
 @dataclass
@@ -155,7 +164,8 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
                 seq_lens: torch.Tensor, a: Anchors, *, mask_token_id: int, gamma: float | None,
                 denom: float | None = None, loss: str = "ce", kl_weight: float = 1.0,
                 target_logits: torch.Tensor | None = None, chunk_blocks: int = 64,
-                attention: str = "sdpa", autocast_dtype: torch.dtype | None = None) -> LossOutput:
+                attention: str = "sdpa", autocast_dtype: torch.dtype | None = None,
+                vocab: torch.Tensor | None = None) -> LossOutput:
     """Drafter forward over all sampled blocks + the chunked weighted loss.
 
     Args:
@@ -168,6 +178,8 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
         loss: "ce" | "kl" | "ce+kl"; target_logits [b, S, V] needed for kl.
         chunk_blocks: blocks per logits chunk.
         attention: "sdpa" (dense bool mask) or "flex" (BlockMask; GPU training).
+        vocab: a reduced draft vocabulary (sorted target ids [V'], on the batch's device); then
+            `lm_head` must be the head over those V' rows (`draft_vocab.restricted_head`).
     Returns:
         LossOutput.
     """
@@ -175,6 +187,15 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
     B = drafter.block_size if hasattr(drafter, "block_size") else drafter.module.block_size
     n = a.anchors.shape[1]
     labels, w = labels_and_weights(input_ids, loss_mask, seq_lens, a, block_size=B, gamma=gamma)
+    sup = w.view(bsz, n, B) > 0                       # supervised positions: the metrics' denominators
+    loss_labels = labels
+    if vocab is not None:
+        head_w = getattr(lm_head, "weight", None)
+        if head_w is not None and head_w.shape[0] != vocab.numel():
+            raise ValueError(f"lm_head has {head_w.shape[0]} rows but the draft vocab has {vocab.numel()} "
+                             "tokens (pass draft_vocab.restricted_head(target_head, vocab))")
+        loss_labels, inside = draft_labels(labels, vocab)
+        w = w * inside                                # out-of-vocab labels: no loss, but still scored
     wsum = float(w.sum())
     denom = denom if denom is not None else wsum
     with torch.no_grad():
@@ -189,7 +210,7 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
     # unsupervised / past-the-end positions never do): the [rows, V] logits are the dominant cost.
     hidden = hidden.reshape(bsz * n * B, -1)
     rows = (w.flatten() > 0).nonzero().flatten()
-    labels_f, w_f = labels.flatten(), w.flatten()
+    labels_f, w_f = loss_labels.flatten(), w.flatten()
     tgt_rows = None
     if loss != "ce":
         if target_logits is None:
@@ -203,6 +224,8 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
     for c0 in range(0, rows.numel(), step):
         r = rows[c0:c0 + step]
         tgt = target_logits[tgt_rows[0][r], tgt_rows[1][r]] if tgt_rows is not None else None
+        if tgt is not None and vocab is not None:
+            tgt = tgt.index_select(-1, vocab)
         args = (lm_head, hidden[r], labels_f[r], w_f[r], tgt, loss, kl_weight)
         if step >= rows.numel() or not hidden.requires_grad:
             terms, pred = _chunk_terms(*args)
@@ -212,7 +235,8 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
         pred_flat[r] = pred
     with torch.no_grad():
         pred = pred_flat.view(bsz, n, B)
-        sup = (w.view(bsz, n, B) > 0)
+        if vocab is not None:  # draft index → target id; rows without logits stay -1 (wrong)
+            pred = torch.where(pred >= 0, vocab[pred.clamp(min=0)], pred)
         ok = (pred == labels.view(bsz, n, B)) & sup
         correct = ok.sum(dim=(0, 1)).float().cpu()
         tot = sup.sum(dim=(0, 1)).float().cpu()
