@@ -27,11 +27,16 @@ import yaml
 from dflashkit.errors import ConfigError, UsageError
 
 
-def f(default: Any, help: str) -> Any:  # noqa: A002 - "help" reads best in the schema
-    """A field with a default and a one-line help text (docs/config.md is built from these)."""
+def f(default: Any, help: str, *, hash_default: bool = True) -> Any:  # noqa: A002 - "help" reads best
+    """A field with a default and a one-line help text (docs/config.md is built from these).
+
+    `hash_default=False`: `section_hash` leaves the field out while it holds its default, so adding
+    an optional key does not make existing run dirs look out of date to `dflashkit run`.
+    """
+    meta = {"help": help} if hash_default else {"help": help, "hash_default": False}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: json.loads(json.dumps(d)), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda d=default: json.loads(json.dumps(d)), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 def sub(cls: type, help: str) -> Any:  # noqa: A002
@@ -88,6 +93,11 @@ class DrafterSection:
     init_layer_ids: list[int] | None = f(None, "Target layers to copy when init=target; null = the last "
                                          "num_draft_layers layers.")
     attention: Literal["sdpa", "flex"] = f("sdpa", "sdpa (dense mask; CPU and GPU) or flex (GPU).")
+    draft_vocab_size: int | None = f(
+        None, "Reduced draft vocabulary V': the drafter predicts only the V' most frequent supervised "
+        "tokens of the training data (+ eos), projecting onto those rows of the target head; the "
+        "checkpoint gains `d2t` (+ `lm_head.weight` rows and `t2d` on export, for vLLM). null or 0 = "
+        "the full target vocab. Must be <= the target vocab.", hash_default=False)
 
 
 @dataclass(kw_only=True)
@@ -405,6 +415,9 @@ def _validate(cfg: RunConfig) -> list[str]:
         p.append("drafter.target_layer_ids: must not be empty (use null for the default)")
     if d.mask_token_id is not None and d.mask_token_id < 0:
         p.append(f"drafter.mask_token_id: must be >= 0, got {d.mask_token_id}")
+    if d.draft_vocab_size is not None and d.draft_vocab_size < 0:
+        p.append(f"drafter.draft_vocab_size: must be > 0 (null or 0 = the full target vocab), got "
+                 f"{d.draft_vocab_size}")
     for name in ("lr", "batch_size", "grad_accum", "num_anchors", "loss_chunk_blocks"):
         if getattr(t, name) <= 0:
             p.append(f"train.{name}: must be > 0, got {getattr(t, name)}")
@@ -507,9 +520,20 @@ def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
 
 
+def _hashed(section: Any) -> Any:
+    """The dict hashed for a dataclass section: fields marked hash_default=False left out at their default."""
+    data = dataclasses.asdict(section)
+    for fl in dataclasses.fields(section):
+        if fl.metadata.get("hash_default") is False:
+            default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()  # type: ignore[misc]
+            if data.get(fl.name) == default:
+                data.pop(fl.name)
+    return data
+
+
 def section_hash(*sections: Any) -> str:
     """Stable hash of config sections (manifests use it to decide whether a stage is up to date)."""
-    blob = json.dumps([dataclasses.asdict(s) if dataclasses.is_dataclass(s) else s for s in sections],
+    blob = json.dumps([_hashed(s) if dataclasses.is_dataclass(s) else s for s in sections],
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -25,13 +25,13 @@ def _losses(rd):
     return [json.loads(x)["loss"] for x in (rd / "train" / "metrics.jsonl").read_text().splitlines()]
 
 
-def _compare(tmp_path, target, mode, tgt):
+def _compare(tmp_path, target, mode, tgt, extra=()):
     one, two = make_run(tmp_path / "one", target), make_run(tmp_path / "two", target)
     kw = dict(train__max_steps=3, train__save_every=2, train__parallel__mode=mode, train__parallel__target=tgt)
-    assert main(["train", "--json", *overrides(one, target, train__batch_size=4, **kw)]) == 0
+    assert main(["train", "--json", *overrides(one, target, train__batch_size=4, **kw), *extra]) == 0
     r = subprocess.run([sys.executable, "-m", "dflashkit", "train", "--json", "--nproc-per-node", "2",
-                        *overrides(two, target, train__batch_size=2, **kw)], env=ENV, capture_output=True, text=True,
-                       timeout=300)
+                        *overrides(two, target, train__batch_size=2, **kw), *extra], env=ENV, capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout.strip().splitlines()[-1])["world_size"] == 2
     l1, l2 = _losses(one), _losses(two)
@@ -39,11 +39,13 @@ def _compare(tmp_path, target, mode, tgt):
     w1 = load_file(one / "train" / "final" / "model.safetensors")
     w2 = load_file(two / "train" / "final" / "model.safetensors")
     assert w1.keys() == w2.keys() and all(torch.allclose(w1[k], w2[k], atol=1e-5) for k in w1)
+    assert ("d2t" in w2) == any("draft_vocab_size" in e for e in extra)
     assert (two / "train" / "checkpoints" / "step-0000002" / "optimizer.pt").is_file()
 
 
-def test_one_rank_equals_two_ranks_fsdp_with_sharded_target(tmp_path, tiny_qwen3):
-    _compare(tmp_path, tiny_qwen3, "fsdp", "shard")
+@pytest.mark.parametrize("extra", [(), ("drafter.draft_vocab_size=24",)], ids=["full-vocab", "draft-vocab"])
+def test_one_rank_equals_two_ranks_fsdp_with_sharded_target(tmp_path, tiny_qwen3, extra):
+    _compare(tmp_path, tiny_qwen3, "fsdp", "shard", extra)
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -48,12 +49,14 @@ def test_capture_refuses_when_disk_too_small(tmp_path, tiny_qwen3, capsys):
     assert not list((rd / "capture").glob("*.safetensors"))
 
 
-def test_online_equals_cached_loss(tmp_path, tiny_qwen3, capsys):
+@pytest.mark.parametrize("extra", [[], ["drafter.draft_vocab_size=24"]], ids=["full-vocab", "draft-vocab"])
+def test_online_equals_cached_loss(tmp_path, tiny_qwen3, capsys, extra):
     rd_on = make_run(tmp_path / "on", tiny_qwen3)
     rd_ca = make_run(tmp_path / "ca", tiny_qwen3)
     assert main(["capture", "--json", *overrides(rd_ca, tiny_qwen3), "capture.dtype=float32"]) == 0
-    assert main(["train", "--json", *overrides(rd_on, tiny_qwen3, train__max_steps=3)]) == 0
-    assert main(["train", "--json", *overrides(rd_ca, tiny_qwen3, train__max_steps=3, train__features="cached")]) == 0
+    assert main(["train", "--json", *overrides(rd_on, tiny_qwen3, train__max_steps=3), *extra]) == 0
+    assert main(["train", "--json", *overrides(rd_ca, tiny_qwen3, train__max_steps=3, train__features="cached"),
+                 *extra]) == 0
     on = [json.loads(x)["loss"] for x in (rd_on / "train" / "metrics.jsonl").read_text().splitlines()]
     ca = [json.loads(x)["loss"] for x in (rd_ca / "train" / "metrics.jsonl").read_text().splitlines()]
     assert len(on) == len(ca) == 4 and torch.allclose(torch.tensor(on), torch.tensor(ca), atol=1e-4), (on, ca)

@@ -69,3 +69,20 @@ def test_overrides_may_follow_flags(tmp_path, capsys):
     assert main(["doctor", "--json", f"run.run_dir={tmp_path}", "--log-level", "error", "run.seed=3"]) == 0
     assert last_json(capsys)["ok"] is True
     assert main(["doctor", "--bogus-flag"]) == 2
+
+
+def test_optional_keys_left_at_default_keep_old_fingerprints():
+    """drafter.draft_vocab_size (added later) is not hashed while null, so existing run dirs stay up to date;
+    set, it changes the train fingerprint but not probe's (the data stages do not re-run)."""
+    import dataclasses
+
+    from dflashkit.config import section_hash
+    from dflashkit.stages.pipeline import SECTIONS
+
+    cfg = load_config(None)
+    old = {k: v for k, v in dataclasses.asdict(cfg.drafter).items() if k != "draft_vocab_size"}
+    assert section_hash(cfg.drafter) == section_hash(old)
+    small = load_config(None, ["drafter.draft_vocab_size=1000"])
+    assert section_hash(small.drafter) != section_hash(cfg.drafter)
+    assert section_hash(*SECTIONS["probe"](small)) == section_hash(*SECTIONS["probe"](cfg))
+    assert section_hash(*SECTIONS["train"](small)) != section_hash(*SECTIONS["train"](cfg))

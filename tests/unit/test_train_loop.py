@@ -39,9 +39,13 @@ def test_train_writes_final_zlab_dir(tmp_path, tiny_targets, arch, capsys):
     assert out["steps"] == 2 and out["heldout"]["tau"] >= 1.0
 
 
-def test_micro_batch_times_grad_accum_equivalence(tmp_path, tiny_qwen3):
-    rc1, a = _train(tmp_path, tiny_qwen3, "a", train__batch_size=4, train__grad_accum=1, train__max_steps=3)
-    rc2, b = _train(tmp_path, tiny_qwen3, "b", train__batch_size=2, train__grad_accum=2, train__max_steps=3)
+VOCAB_CASES = pytest.mark.parametrize("extra", [(), ("drafter.draft_vocab_size=24",)], ids=["full-vocab", "draft-vocab"])
+
+
+@VOCAB_CASES
+def test_micro_batch_times_grad_accum_equivalence(tmp_path, tiny_qwen3, extra):
+    rc1, a = _train(tmp_path, tiny_qwen3, "a", extra, train__batch_size=4, train__grad_accum=1, train__max_steps=3)
+    rc2, b = _train(tmp_path, tiny_qwen3, "b", extra, train__batch_size=2, train__grad_accum=2, train__max_steps=3)
     assert rc1 == rc2 == 0
     la = [r["loss"] for r in _metrics(a) if "split" not in r]
     lb = [r["loss"] for r in _metrics(b) if "split" not in r]
@@ -51,8 +55,9 @@ def test_micro_batch_times_grad_accum_equivalence(tmp_path, tiny_qwen3):
     assert all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)
 
 
-def test_kill_and_resume_equals_uninterrupted(tmp_path, tiny_qwen3, monkeypatch):
-    kw = dict(train__max_steps=5, train__save_every=2, train__eval_every=3)
+@VOCAB_CASES
+def test_kill_and_resume_equals_uninterrupted(tmp_path, tiny_qwen3, monkeypatch, extra):
+    kw = dict(train__max_steps=5, train__save_every=2, train__eval_every=3, extra=extra)
     rc, full = _train(tmp_path, tiny_qwen3, "full", **kw)
     assert rc == 0
     from dflashkit.train import logging as tlog
@@ -136,3 +141,57 @@ def test_kl_loss_and_target_init_run_through_the_cli(tmp_path, tiny_qwen3):
     assert rc == 0
     rows = [r for r in _metrics(rd) if "split" not in r]
     assert len(rows) == 2 and all(r["loss"] > 0 for r in rows)
+
+
+def test_reduced_draft_vocab_trains_saves_and_resumes_with_its_vocab(tmp_path, tiny_qwen3, capsys):
+    """The vocab: top label tokens of the *training* samples (+ eos 258), in train/final as d2t offsets."""
+    from dflashkit.model.draft_vocab import choose_draft_vocab, from_offsets
+    from dflashkit.rundir import RunDir
+    from dflashkit.train.data import load_tokenized, split_heldout
+
+    rc, rd = _train(tmp_path, tiny_qwen3, train__max_steps=2, train__save_every=1,
+                    extra=["drafter.draft_vocab_size=24"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0, out
+    assert out["draft_vocab_size"] == 24 and out["heldout"]["tau"] >= 1.0
+    cfg = json.loads((rd / "train" / "final" / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == cfg["dflash_config"]["draft_vocab_size"] == 24 and cfg["dtype"] == "float32"
+    sd = load_file(rd / "train" / "final" / "model.safetensors")
+    data = load_tokenized(RunDir(rd))
+    train_idx, held = split_heldout(len(data), 2, seed=0)
+    want = choose_draft_vocab([data.input_ids[i] for i in train_idx], [data.loss_mask[i] for i in train_idx], 24,
+                              320, always=[258])
+    assert from_offsets(sd["d2t"]).tolist() == want.tolist() and 258 in want.tolist()
+    # the held-out samples are not counted: a vocab over all samples differs on this data
+    assert held and not torch.equal(choose_draft_vocab(data.input_ids, data.loss_mask, 24, 320, always=[258]), want)
+    ck = rd / "train" / "checkpoints" / "step-0000002" / "model.safetensors"
+    assert torch.equal(load_file(ck)["d2t"], sd["d2t"])
+    rows = [r for r in _metrics(rd) if "split" not in r]
+    assert all(0 <= r["acc_mean"] <= 1 and r["tau"] >= 1 for r in rows)
+    # a resumed run keeps the checkpoint's vocab even when today's data would choose another one
+    from safetensors.torch import save_file
+
+    other = torch.tensor(sorted(set(range(24)) - {0} | {258}))
+    state = load_file(ck)
+    state["d2t"] = other - torch.arange(24)
+    save_file(state, str(ck))
+    rc, _ = _train(tmp_path, tiny_qwen3, train__max_steps=3, extra=["drafter.draft_vocab_size=24"])
+    assert rc == 0
+    capsys.readouterr()
+    assert from_offsets(load_file(rd / "train" / "final" / "model.safetensors")["d2t"]).tolist() == other.tolist()
+    # resuming with another vocab size (or none) is a clear error naming the key
+    for other in ("drafter.draft_vocab_size=30", "drafter.draft_vocab_size=null"):
+        rc, _ = _train(tmp_path, tiny_qwen3, train__max_steps=3, extra=[other])
+        err = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert rc == 2 and "drafter.draft_vocab_size" in err["error"] and "checkpoints/step-" in err["error"], err
+
+
+def test_bad_draft_vocab_size_is_a_usage_error(tmp_path, tiny_qwen3, capsys):
+    for value, msg in (("-3", "drafter.draft_vocab_size: must be > 0"),
+                       ("321", "drafter.draft_vocab_size 321 exceeds the target vocab of 320")):
+        rc, _ = _train(tmp_path, tiny_qwen3, extra=[f"drafter.draft_vocab_size={value}"])
+        err = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert rc == 2 and msg in err["error"], err
+    # the whole vocab (or 0) is the full-vocab drafter
+    rc, rd = _train(tmp_path, tiny_qwen3, "whole", train__max_steps=1, extra=["drafter.draft_vocab_size=320"])
+    assert rc == 0 and "d2t" not in load_file(rd / "train" / "final" / "model.safetensors")

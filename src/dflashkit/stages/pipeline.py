@@ -33,9 +33,10 @@ log = logging.getLogger("dflashkit.run")
 ORDER = ("probe", "prepare", "generate", "tokenize", "capture", "train", "eval", "export", "report")
 MODULES = {"eval": "evaluate"}
 
-# The config each stage reads (its part of the fingerprint).
+# The config each stage reads (its part of the fingerprint). Probe does not read the draft vocab
+# size (train does), so changing it re-runs train onwards, not the data stages.
 SECTIONS: dict[str, Callable[[RunConfig], list[Any]]] = {
-    "probe": lambda c: [c.target, c.drafter],
+    "probe": lambda c: [c.target, dataclasses.replace(c.drafter, draft_vocab_size=None)],
     "prepare": lambda c: [c.data, c.run.seed],
     "generate": lambda c: [c.generate, c.server.model, c.target.path, c.target.chat_template],
     "tokenize": lambda c: [c.tokenize, c.target.tokenizer, c.target.chat_template],

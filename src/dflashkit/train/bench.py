@@ -12,7 +12,9 @@ Measured in one process, warm-up excluded, each number the median of the timed i
   * ratios drafter_step / target_forward and online_step / target_forward (goal: drafter ≤ 1.5×);
   * tokens/s and anchors/s of the online step; on CPU the drafter step also with bf16 autocast.
 The batch is the first `train.batch_size` tokenized samples when `tokenize/` exists, else random
-token ids of length min(tokenize.max_length, 512) with the last 3/4 supervised.
+token ids of length min(tokenize.max_length, 512) with the last 3/4 supervised. With
+`drafter.draft_vocab_size` the drafter step uses a reduced draft vocab (chosen from that batch's
+label tokens, as training would from the whole data), so its saving on the vocab projection shows.
 """
 
 from __future__ import annotations
@@ -85,8 +87,15 @@ def bench_train(cfg, rd, ctx) -> dict:
     att = (torch.arange(ids.shape[1], device=dev)[None] < lens[:, None]).long()
     a = sample_anchors(lm, lens, num_anchors=cfg.train.num_anchors, block_size=contract.block_size,
                        seeds=list(range(ids.shape[0])))
+    vocab, head = None, target.lm_head
+    if cfg.drafter.draft_vocab_size and cfg.drafter.draft_vocab_size < target.vocab_size:
+        from dflashkit.model.draft_vocab import choose_draft_vocab, restricted_head
+
+        vocab = choose_draft_vocab(list(ids.cpu().numpy()), list(lm.cpu().numpy()), cfg.drafter.draft_vocab_size,
+                                   target.vocab_size).to(dev)
+        head = restricted_head(target.lm_head, vocab)
     torch.manual_seed(cfg.run.seed)
-    drafter = DFlashDraftModel(contract).to(dev)
+    drafter = DFlashDraftModel(contract, draft_vocab=vocab).to(dev)
     opt = build_optimizer(drafter, cfg.train)
     gamma = gamma_for(cfg.train.gamma, contract.block_size)
     layer_ids = contract.target_layer_ids
@@ -102,9 +111,9 @@ def bench_train(cfg, rd, ctx) -> dict:
             target.features(ids, layer_ids=layer_ids, attention_mask=att)
 
     def drafter_step(amp=None):
-        out = dflash_loss(drafter, target.model.get_input_embeddings(), target.lm_head, feats, ids, lm, lens, a,
+        out = dflash_loss(drafter, target.model.get_input_embeddings(), head, feats, ids, lm, lens, a,
                           mask_token_id=contract.mask_token_id, gamma=gamma, chunk_blocks=cfg.train.loss_chunk_blocks,
-                          autocast_dtype=amp)
+                          autocast_dtype=amp, vocab=vocab)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -120,6 +129,7 @@ def bench_train(cfg, rd, ctx) -> dict:
         "device": str(dev), "target": str(target.model_dir), "batch_size": int(ids.shape[0]),
         "seq_len": int(ids.shape[1]), "tokens": tokens, "anchors": blocks, "block_size": contract.block_size,
         "draft_layers": contract.num_draft_layers, "iters": iters, "autocast": str(amp) if amp else None,
+        "vocab_projected": int(head.weight.shape[0]),
         "target_forward_s": round(t_target, 5), "features_s": round(t_feat, 5), "drafter_step_s": round(t_draft, 5),
         "online_step_s": round(t_feat + t_draft, 5),
         "drafter_over_target_forward": round(t_draft / t_target, 3),

@@ -10,7 +10,9 @@ A checkpoint `checkpoints/step-XXXXXXX/` holds `model.safetensors` (full drafter
 names), `optimizer.pt` (full AdamW state; read back with `torch.load(weights_only=True)`),
 `rng.pt` (CPU/CUDA RNG states) and `state.json` (step, scheduler state, data cursor = step). It is
 written into a temp dir and renamed, so a directory named `step-*` is always complete. Works for
-plain, DDP and FSDP2 drafters (full state dicts gathered by torch.distributed.checkpoint).
+plain, DDP and FSDP2 drafters (full state dicts gathered by torch.distributed.checkpoint). A
+reduced draft vocabulary travels as the drafter's `d2t` buffer in model.safetensors (checkpoint and
+final), so a resumed run continues with the vocabulary it started with.
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler) -> int:
     except Exception as e:  # noqa: BLE001 - safetensors/pickle/json raise many types for torn files
         raise UsageError(f"corrupt or incomplete checkpoint file {current}: {type(e).__name__}: {e}",
                          hint=hint) from None
+    _check_draft_vocab(path, msd, model)
     try:
         set_model_state_dict(model, msd, options=_options())
     except (RuntimeError, KeyError, ValueError) as e:
@@ -110,6 +113,23 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler) -> int:
     return int(state["step"])
 
 
+def _check_draft_vocab(path: Path, msd: dict, model) -> None:
+    """A checkpoint and this run must agree on having a reduced draft vocab and on its size."""
+    inner = getattr(model, "module", model)
+    have = getattr(inner, "d2t", None)
+    got = msd.get("d2t")
+    n_have = None if have is None else int(have.numel())
+    n_got = None if got is None else int(got.numel())
+    if n_have != n_got:
+        def name(n):
+            return "the full target vocab" if n is None else f"a {n}-token draft vocab"
+
+        raise UsageError(f"{path / 'model.safetensors'} was trained with {name(n_got)}, but "
+                         f"drafter.draft_vocab_size asks for {name(n_have)}",
+                         hint=f"set drafter.draft_vocab_size={n_got or 'null'} to resume, or delete "
+                         f"{path.parent.parent} to start over")
+
+
 def save_final(out_dir: Path, model, contract, *, is_main: bool = True) -> Path | None:
     """`train/final/`: the z-lab drafter dir (config.json = contract.to_hf_config(), model.safetensors)."""
     from safetensors.torch import save_file
@@ -119,7 +139,9 @@ def save_final(out_dir: Path, model, contract, *, is_main: bool = True) -> Path 
         return None
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
-        dtype = str(next(iter(sd.values())).dtype).removeprefix("torch.")
-        (tmp / "config.json").write_text(json.dumps(contract.to_hf_config(dtype=dtype), indent=2) + "\n")
+        dtype = str(next(v.dtype for v in sd.values() if v.is_floating_point())).removeprefix("torch.")
+        vocab = int(sd["d2t"].numel()) if "d2t" in sd else None
+        (tmp / "config.json").write_text(json.dumps(contract.to_hf_config(dtype=dtype, draft_vocab_size=vocab),
+                                                    indent=2) + "\n")
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     return out_dir

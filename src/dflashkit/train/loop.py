@@ -8,6 +8,11 @@ head) → drafter (random or target init) → DDP/FSDP2 → AdamW + cosine → r
 complete checkpoint → per step: this rank's micro-batches of the deterministic global batch,
 anchors, the step's global Σw (all-reduced), forward/backward per micro-batch, clip, step →
 metrics, held-out simulated τ, checkpoints → `train/final/` (z-lab drafter dir).
+
+`drafter.draft_vocab_size` (a reduced draft vocabulary): the vocab is chosen from the training
+samples' label tokens (`model/draft_vocab.py`, the same on every rank), stored in the drafter as
+its `d2t` buffer (so checkpoints and train/final carry it; a resumed run keeps the checkpoint's),
+and the loss projects onto the target head's rows of that vocab only (one frozen copy, built once).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from dflashkit.errors import UsageError
+from dflashkit.model.draft_vocab import label_token_counts, restricted_head, vocab_from_counts
 from dflashkit.model.drafter import DFlashDraftModel
 from dflashkit.model.drafter_config import DrafterContract
 from dflashkit.train import checkpoint as ckpt
@@ -72,6 +78,26 @@ class Trainer:
     gamma: float
     attention: str
     amp: torch.dtype | None
+    head: torch.nn.Module | None = None       # the loss's head: parts.lm_head, or its rows `vocab`
+    vocab: torch.Tensor | None = None         # reduced draft vocab (sorted target ids), on the device
+
+    def __post_init__(self):
+        if self.head is None:
+            self.head = self.parts.lm_head
+
+    def use_draft_vocab(self, vocab: torch.Tensor | None) -> None:
+        """Train over `vocab` (None: the full vocab): the restricted head is built here, once."""
+        self.vocab = None if vocab is None else vocab.to(self.dist.device)
+        self.head = self.parts.lm_head if vocab is None else restricted_head(self.parts.lm_head, self.vocab)
+
+    def sync_draft_vocab(self) -> None:
+        """After a resume: the checkpoint's d2t (loaded into the drafter) wins over today's choice."""
+        loaded = getattr(self.drafter, "module", self.drafter).draft_vocab
+        if loaded is None or (self.vocab is not None and torch.equal(loaded.cpu(), self.vocab.cpu())):
+            return
+        log.warning("the checkpoint's draft vocab differs from the one chosen from today's data; "
+                    "continuing with the checkpoint's")
+        self.use_draft_vocab(loaded)
 
     def features(self, b: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[b, S, n_feat·H] features (cached or online) and target logits when the loss needs them."""
@@ -89,10 +115,11 @@ class Trainer:
     def micro_loss(self, b: Batch, a, denom: float):
         feats, logits = self.features(b)
         t = self.cfg.train
-        return dflash_loss(self.drafter, self.parts.embed, self.parts.lm_head, feats, b.input_ids, b.loss_mask,
+        return dflash_loss(self.drafter, self.parts.embed, self.head, feats, b.input_ids, b.loss_mask,
                            b.seq_lens, a, mask_token_id=self.contract.mask_token_id, gamma=self.gamma, denom=denom,
                            loss=t.loss, kl_weight=t.kl_weight, target_logits=logits,
-                           chunk_blocks=t.loss_chunk_blocks, attention=self.attention, autocast_dtype=self.amp)
+                           chunk_blocks=t.loss_chunk_blocks, attention=self.attention, autocast_dtype=self.amp,
+                           vocab=self.vocab)
 
     def batch(self, items) -> Batch:
         pad = self.target.tokenizer.pad_token_id if getattr(self.target, "tokenizer", None) else 0
@@ -116,8 +143,10 @@ def setup(cfg, rd, dist: DistInfo) -> Trainer:
     parts = TargetParts(target.model.get_input_embeddings(), target.lm_head)
     if cfg.train.parallel.target == "shard":
         parts = shard_target(target, dist)
+    train_idx, heldout = split_heldout(len(data), cfg.train.heldout_samples, seed=cfg.run.seed)
+    vocab = pick_draft_vocab(cfg, contract, target, data, train_idx)
     torch.manual_seed(cfg.run.seed)
-    drafter = DFlashDraftModel(contract).to(dist.device)
+    drafter = DFlashDraftModel(contract, draft_vocab=vocab).to(dist.device)
     if cfg.drafter.init == "target":
         from dflashkit.model.init import init_from_target
 
@@ -130,11 +159,40 @@ def setup(cfg, rd, dist: DistInfo) -> Trainer:
         log.warning("drafter.attention=flex needs CUDA for training (flex backward); using sdpa on %s", dist.device)
         attention = "sdpa"
     drafter = wrap_drafter(drafter, cfg.train.parallel.mode, dist)
-    train_idx, heldout = split_heldout(len(data), cfg.train.heldout_samples, seed=cfg.run.seed)
     plan = BatchPlan(train_idx, cfg.train.batch_size, cfg.train.grad_accum, dist.world, cfg.run.seed)
-    return Trainer(cfg, contract, dist, drafter, target, parts, data, plan, heldout,
-                   gamma_for(cfg.train.gamma, contract.block_size), attention,
-                   autocast_dtype(cfg.train.dtype, dist.device))
+    tr = Trainer(cfg, contract, dist, drafter, target, parts, data, plan, heldout,
+                 gamma_for(cfg.train.gamma, contract.block_size), attention,
+                 autocast_dtype(cfg.train.dtype, dist.device))
+    tr.use_draft_vocab(vocab)
+    return tr
+
+
+def pick_draft_vocab(cfg, contract: DrafterContract, target, data, train_idx: list[int]) -> torch.Tensor | None:
+    """The reduced draft vocab for `drafter.draft_vocab_size` (None: unset, 0, or the whole vocab).
+
+    The most frequent supervised tokens of the training samples (held-out ones excluded) plus the
+    eos ids of the contract and the tokenizer; the same on every rank (a pure function of the data).
+    """
+    n, vocab_size = cfg.drafter.draft_vocab_size, target.vocab_size
+    if not n:
+        return None
+    if n > vocab_size:
+        raise UsageError(f"drafter.draft_vocab_size {n} exceeds the target vocab of {vocab_size} tokens",
+                         hint=f"use at most {vocab_size}, or null for the full vocab")
+    if n == vocab_size:
+        log.info("drafter.draft_vocab_size %d is the whole target vocab: training over the full vocab", n)
+        return None
+    eos = contract.eos_token_id
+    always = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    tok_eos = getattr(getattr(target, "tokenizer", None), "eos_token_id", None)
+    if tok_eos is not None:
+        always.add(int(tok_eos))
+    counts = label_token_counts([data.input_ids[i] for i in train_idx], [data.loss_mask[i] for i in train_idx],
+                                vocab_size)
+    vocab = vocab_from_counts(counts, n, always=always)
+    log.info("draft vocab: %d of %d target tokens, covering %.2f%% of the training label tokens", n, vocab_size,
+             100 * counts[vocab.numpy()].sum() / max(1, counts.sum()))
+    return vocab
 
 
 def total_steps(cfg, plan: BatchPlan) -> int:
@@ -148,8 +206,8 @@ def train_step(tr: Trainer, step: int, opt, sched) -> dict:
     B = tr.contract.block_size
     batches = [tr.batch(items) for items in tr.plan.micro_batches(step, tr.dist.rank)]
     anchors = [tr.anchors(b) for b in batches]
-    local_w = sum(weight_sum(b.loss_mask, b.seq_lens, a, input_ids=b.input_ids, block_size=B, gamma=tr.gamma)
-                  for b, a in zip(batches, anchors))
+    local_w = sum(weight_sum(b.loss_mask, b.seq_lens, a, input_ids=b.input_ids, block_size=B, gamma=tr.gamma,
+                             vocab=tr.vocab) for b, a in zip(batches, anchors))
     denom = float(all_reduce_sum(torch.tensor([local_w], dtype=torch.float64), tr.dist)[0])
     stats = torch.zeros(4 + 2 * B, dtype=torch.float64)  # loss, tau_sum, blocks, tokens, correct[B], total[B]
     for b, a in zip(batches, anchors):
@@ -223,6 +281,7 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
     found = ckpt.latest_checkpoint(ck_root)
     if found is not None:
         start = ckpt.load_checkpoint(found, model=tr.drafter, optimizer=opt, scheduler=sched)
+        tr.sync_draft_vocab()
     sink = MetricSink(out_dir, total_steps=steps, start_step=start, train=cfg.train, enabled=dist.is_main,
                       show_bar=show_bar)
     log.info("training %d steps from step %d: %d train / %d held-out samples, global batch %d, world %d",
@@ -264,4 +323,5 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
     return {"steps": steps, "resumed_from": start, "final_dir": str(out_dir / "final"),
             "train": {k: last.get(k) for k in ("loss", "tau", "acc_mean")} if last else None,
             "heldout": last_eval, "tokens_per_s": round(done_tokens / wall, 1) if wall > 0 else None,
-            "world_size": dist.world, "samples": len(tr.plan.train_idx), "heldout_samples": len(tr.heldout)}
+            "world_size": dist.world, "samples": len(tr.plan.train_idx), "heldout_samples": len(tr.heldout),
+            **({"draft_vocab_size": int(tr.vocab.numel())} if tr.vocab is not None else {})}
