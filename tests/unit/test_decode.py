@@ -46,6 +46,36 @@ def test_greedy_speculative_equals_target_greedy(targets, arch):
         assert sum(r.acceptance_lengths) == 22  # every token after the prefill one comes from a step
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_greedy_speculative_with_a_reduced_draft_vocab_equals_target_greedy(targets, arch, monkeypatch):
+    """Drafts come from the draft vocab only (mapped back to target ids); the output stays the target's."""
+    from dflashkit.model.drafter import DFlashDraftModel
+
+    target = targets[arch]
+    params = SamplingParams(max_new_tokens=23)
+    base = SpecDecoder(target, None, block_size=1).generate(PROMPT, params).token_ids
+    # half of the target's own greedy tokens are in the vocab (accepted drafts happen), half are not
+    vocab = sorted(set(base[::2]) | set(range(100, 140)))
+    drafter = random_drafter(target, block_size=8)
+    small = DFlashDraftModel(drafter.contract, draft_vocab=torch.tensor(vocab)).eval()
+    small.load_state_dict({**drafter.state_dict(), "d2t": small.d2t})
+    drafted = []
+    real = SpecDecoder._draft
+
+    def spy(self, *args):
+        out = real(self, *args)
+        drafted.extend(out[0])
+        return out
+
+    monkeypatch.setattr(SpecDecoder, "_draft", spy)
+    for b in (2, 4, 8):
+        r = SpecDecoder(target, small, block_size=b).generate(PROMPT, params)
+        assert r.token_ids == base, f"B={b}"
+        assert sum(r.acceptance_lengths) == 22 and all(1 <= a <= b for a in r.acceptance_lengths)
+        assert max(r.acceptance_lengths) > 1  # some in-vocab drafts were accepted
+    assert drafted and set(drafted) <= set(vocab)
+
+
 def test_copy_stub_gives_full_blocks_and_adversarial_gives_one(targets):
     target = targets["qwen3"]
     for b in (2, 4, 8):

@@ -23,6 +23,11 @@ whose target features and KV are not known yet.
 With `block_size=1` step 1 is skipped and step 2 is an ordinary one-token decode step, so the
 autoregressive baseline runs through exactly the same code and its timings compare honestly.
 
+A drafter with a reduced draft vocabulary (`drafter.draft_vocab`, sorted target ids [V']) drafts
+with the target head's rows of that vocab only: argmax / sampling run over V' and map back to
+target ids. At temperature > 0 the draft law q is zero outside the vocab and is handed to the
+rejection rule in the full-vocab space, so sampling stays lossless.
+
 A `Proposer` replaces the DFlash drafter (test stubs, other draft sources): it gets the committed
 sequence and returns B−1 point-mass proposals.
 """
@@ -97,8 +102,15 @@ class SpecDecoder:
                 mask = torch.tensor([[drafter.mask_token_id]], device=dev)
                 self._mask_emb = target.embed(mask).to(self._draft_dtype)  # [1, 1, H]
                 head = target.lm_head
-                self._head_w = head.weight.detach().to(self._draft_dtype)  # [V, H] (shared if same dtype)
-                self._head_b = None if getattr(head, "bias", None) is None else head.bias.detach().to(self._draft_dtype)
+                w, b = head.weight.detach(), getattr(head, "bias", None)
+                self._full_vocab = int(w.shape[0])
+                self._vocab = drafter.draft_vocab
+                if self._vocab is not None:  # the V' rows of the reduced draft vocab, copied once
+                    self._vocab = self._vocab.to(w.device)
+                    w = w.index_select(0, self._vocab)
+                    b = None if b is None else b.detach().index_select(0, self._vocab)
+                self._head_w = w.to(self._draft_dtype)  # [V or V', H] (the target's own if same dtype, full)
+                self._head_b = None if b is None else b.detach().to(self._draft_dtype)
         self._cuda = target.device.type == "cuda"
 
     # -- helpers ------------------------------------------------------------------------------
@@ -131,11 +143,17 @@ class SpecDecoder:
         block = torch.cat([x, self._mask_emb.expand(1, k, -1)], dim=1)  # [1, k+1, H]
         t = ctx.shape[1]
         h = self.drafter(block, ctx.to(self._draft_dtype), positions[:, start - t: start + k + 1], cache=dcache)
-        logits = F.linear(h[0, 1:], self._head_w, self._head_b)  # [k, V]
+        logits = F.linear(h[0, 1:], self._head_w, self._head_b)  # [k, V] (or [k, V'] over the draft vocab)
+        vocab = self._vocab
         if params.temperature <= 0 or self.draft_sampling == "greedy":
-            return logits.argmax(-1).tolist(), None
+            idx = logits.argmax(-1)
+            return (idx if vocab is None else vocab[idx]).tolist(), None
         q = sampling_probs(logits, params.temperature, params.top_p, params.top_k)
-        return sample(q, gen).tolist(), q
+        tokens = sample(q, gen)
+        if vocab is None:
+            return tokens.tolist(), q
+        full = q.new_zeros(q.shape[0], self._full_vocab).index_copy_(1, vocab, q)  # q = 0 outside the vocab
+        return vocab[tokens].tolist(), full
 
     def check_prompt(self, num_prompt_tokens: int, max_new_tokens: int, what: str = "prompt") -> None:
         """Raise UsageError if the prompt plus the generation does not fit the context."""
