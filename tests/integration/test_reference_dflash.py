@@ -67,3 +67,36 @@ def test_bench_decode_against_reference(tmp_path, smollm2_dir):
     res = json.loads((rd / "bench" / "decode.json").read_text())
     assert res["identical_tokens"] is True and res["block_size"] == 4
     assert res["tokens_per_s_e2e"]["reference"] > 0 and res["t1_ms"] > 0 and res["bound"] > 0
+
+
+def test_reduced_vocab_export_loads_in_reference(tmp_path, tiny_qwen3, monkeypatch):
+    """The reference ignores d2t / t2d / lm_head.weight: it loads, its network equals ours, and its decoder
+    (drafting over the full target head) and ours (over the draft vocab) both emit the target's greedy tokens."""
+    from dflashkit.model.drafter import DFlashDraftModel
+
+    target = load_target(TargetSection(path=str(tiny_qwen3), device="cpu", dtype="float32"))
+    rd = tmp_path / "run"
+    src = random_drafter(target, block_size=4)
+    small = DFlashDraftModel(src.contract, draft_vocab=torch.tensor([10, 32, 97, 101, 115, 258]))
+    small.load_state_dict({**src.state_dict(), "d2t": small.d2t})
+    save_drafter(small, rd / "train" / "final", dtype="float32")
+    assert main(["export", f"target.path={tiny_qwen3}", "export.dtype=float32", "--run-dir", str(rd), "--json"]) == 0
+    out = rd / "export"
+    theirs = ref.DFlashDraftModel.from_pretrained(str(out), dtype=torch.float32).eval()
+    ours = load_drafter(out, dtype=torch.float32)
+    assert ours.draft_vocab_size == 6 and theirs.block_size == 4
+    g = torch.Generator().manual_seed(0)
+    noise, ctx = torch.randn(1, 4, 64, generator=g), torch.randn(1, 7, 128, generator=g)
+    pos = torch.arange(11)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(position_ids=pos, noise_embedding=noise, target_hidden=ctx),
+                                   ours(noise, ctx, pos), atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)
+    tok, eos = target.tokenizer, target.tokenizer.eos_token_id
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Say hello."}], tokenize=False,
+                                                add_generation_prompt=True), add_special_tokens=False)
+    r = SpecDecoder(target, ours, block_size=4).generate(prompt, SamplingParams(max_new_tokens=12,
+                                                                               stop_token_ids=(eos,)))
+    stats = ref.dflash_generate(theirs, target.model, torch.tensor([prompt]), 12, [eos], block_size=4,
+                                return_stats=True)
+    assert stats.output_ids[0, len(prompt):].tolist() == r.token_ids and len(r.token_ids) > 1

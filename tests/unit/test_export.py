@@ -165,3 +165,33 @@ def test_eval_cli_reports_and_checks_identity(tmp_path, target, tiny_qwen3, caps
     assert main(["eval", f"target.path={tiny_qwen3}", "--run-dir", str(tmp_path / "nothing"), "--json"]) == 3
     (rd / "prepare" / "heldout.jsonl").unlink()
     assert main(["eval", *args, "--json"]) == 3
+
+
+def test_reduced_vocab_export_has_what_vllm_reads_and_stays_lossless(tmp_path, target, tiny_qwen3):
+    from safetensors.torch import load_file
+
+    from dflashkit.model.drafter import DFlashDraftModel
+
+    vocab = [10, 32, 97, 101, 258, 300]
+    rd = _run_dir(tmp_path, target)
+    src = random_drafter(target, block_size=4)
+    small = DFlashDraftModel(src.contract, draft_vocab=torch.tensor(vocab))
+    small.load_state_dict({**src.state_dict(), "d2t": small.d2t})
+    save_drafter(small, rd / "train" / "final", dtype="float32")          # train/final: d2t only
+    assert main(["export", "--run-dir", str(rd), "--json"]) == 2          # lm_head rows need the target
+    assert main(["export", f"target.path={tiny_qwen3}", "export.dtype=bfloat16", "--run-dir", str(rd), "--json"]) == 0
+    out = rd / "export"
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 6 and cfg["vocab_size"] == 320 and cfg["dflash_config"]["draft_vocab_size"] == 6
+    sd = load_file(out / "model.safetensors")
+    assert (torch.arange(6) + sd["d2t"]).tolist() == vocab and sd["t2d"].nonzero().flatten().tolist() == vocab
+    assert torch.equal(sd["lm_head.weight"], target.lm_head.weight[vocab].to(torch.bfloat16))
+    assert "draft_vocab_size | 6" in (out / "README.md").read_text()
+    check = json.loads((out / "manifest.json").read_text())["reload_check"]
+    assert check["compared"] == "logits"
+    # eval on the export: our decoder drafts over the 6 tokens, output identical to the baseline
+    args = [f"target.path={tiny_qwen3}", "eval.max_new_tokens=8", "eval.num_prompts=2", "eval.warmup=0",
+            "eval.block_sizes=[4]", "--run-dir", str(rd), "--json"]
+    assert main(["eval", str(out), *args]) == 0
+    res = json.loads((rd / "eval" / "results.json").read_text())
+    assert res["summary"]["greedy_identical"] is True

@@ -11,6 +11,12 @@ Example: dflashkit export -c run.yaml export.dtype=bfloat16
 The dir is built in a temp dir beside the destination, reloaded twice (our loader and the shipped
 dflash.py) and compared with the source drafter on a fixed input — the logits through the target's
 own head when its weights can be read — and only then renamed into place.
+
+A drafter with a reduced draft vocabulary (`drafter.draft_vocab_size`) also gets what vLLM needs:
+`lm_head.weight` (the target head's rows d2t, `export.dtype`) and `t2d` beside `d2t`, and the
+top-level `draft_vocab_size`; this needs the target head (target.path). SGLang, the z-lab reference
+and the shipped dflash.py ignore those tensors and draft with the target's full head (lossless,
+but not the vocabulary the drafter was trained for).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ def _counts(rd: Any) -> dict[str, Any]:
     return out
 
 
-def model_card(cfg: Any, contract: Any, out_dir: Path, rd: Any) -> str:
+def model_card(cfg: Any, contract: Any, out_dir: Path, rd: Any, draft_vocab_size: int | None = None) -> str:
     """README.md: target, data counts, settings, measured τ/speedup, launch lines."""
     b = contract.block_size
     target = cfg.target.path or "TARGET"
@@ -51,6 +57,8 @@ def model_card(cfg: Any, contract: Any, out_dir: Path, rd: Any) -> str:
     for k in ("block_size", "num_draft_layers", "target_layer_ids", "mask_token_id", "num_target_layers",
               "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size"):
         lines.append(f"| {k} | {getattr(contract, k)} |")
+    if draft_vocab_size:
+        lines.append(f"| draft_vocab_size | {draft_vocab_size} (`d2t` offsets, `t2d`, own `lm_head.weight` rows) |")
     lines.append(f"| dtype | {cfg.export.dtype} |")
     counts = _counts(rd)
     if counts:
@@ -69,6 +77,8 @@ def model_card(cfg: Any, contract: Any, out_dir: Path, rd: Any) -> str:
     lines += ["", "## Serve", "", "SGLang:", "", "```bash",
               f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
               f"--speculative-draft-model-path {out_dir} --speculative-num-draft-tokens {b}", "```", "",
+              *([("(SGLang ignores the reduced draft vocabulary and drafts over the target's full head: "
+                  "lossless, but τ may differ from dflashkit's and vLLM's.)"), ""] if draft_vocab_size else []),
               "vLLM:", "", "```bash",
               f"vllm serve {target} --speculative-config "
               f"'{{\"method\":\"dflash\",\"model\":\"{out_dir}\",\"num_speculative_tokens\":{b - 1}}}'", "```", "",
@@ -79,7 +89,11 @@ def model_card(cfg: Any, contract: Any, out_dir: Path, rd: Any) -> str:
 
 
 def reload_check(source: Any, export_dir: Path, head: Any, atol: float) -> dict[str, float]:
-    """Compare source vs reloaded (ours) vs shipped dflash.py on a fixed input; raise on mismatch."""
+    """Compare source vs reloaded (ours) vs shipped dflash.py on a fixed input; raise on mismatch.
+
+    `head` [V, H] (or None: hidden states are compared); a reduced-vocab drafter is compared through
+    its V' rows, and the reloaded draft vocab must equal the source's.
+    """
     import torch
 
     from dflashkit.export.hf import load_drafter, load_shipped_model
@@ -92,6 +106,12 @@ def reload_check(source: Any, export_dir: Path, head: Any, atol: float) -> dict[
     pos = torch.arange(t + q)[None]
     ours = load_drafter(export_dir, dtype=torch.float32)
     shipped = load_shipped_model(export_dir)
+    vocab = source.draft_vocab
+    if (vocab is None) != (ours.draft_vocab is None) or (vocab is not None and not torch.equal(vocab, ours.draft_vocab)):
+        raise DflashkitError(f"export reload check failed in {export_dir}: the reloaded draft vocabulary differs "
+                             "from the source's", hint="nothing was replaced; this is a bug, please report it")
+    if head is not None and vocab is not None:
+        head = head.index_select(0, vocab)
     with torch.inference_mode():
         ref = source.float()(noise, ctx, pos)
         a = ours(noise, ctx, pos)
@@ -125,6 +145,22 @@ def _target_head(cfg: Any):
         return None
 
 
+def _loaded_target_head(cfg: Any, hidden_size: int):
+    """The target head through the full loader (GGUF targets too); a reduced-vocab export needs its rows."""
+    from dflashkit.errors import UsageError
+    from dflashkit.model.target import load_target
+
+    if not cfg.target.path:
+        raise UsageError("this drafter has a reduced draft vocabulary: its export holds lm_head.weight = the "
+                         "target head's rows d2t (vLLM needs them), so `dflashkit export` needs the target",
+                         hint="set target.path (in -c run.yaml or target.path=...)")
+    head = load_target(cfg.target, device="cpu", with_tokenizer=False).lm_head.weight.detach()
+    if head.shape[-1] != hidden_size:
+        raise UsageError(f"target head {tuple(head.shape)} does not match the drafter's hidden size {hidden_size}",
+                         hint="set target.path to the target this drafter was trained for")
+    return head
+
+
 def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
     import torch
 
@@ -141,12 +177,14 @@ def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
     head = _target_head(cfg)
     if head is not None and head.shape[-1] != model.contract.hidden_size:
         head = None
+    if model.draft_vocab is not None and head is None:
+        head = _loaded_target_head(cfg, model.contract.hidden_size)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        save_drafter(model, tmp, dtype=cfg.export.dtype)
+        save_drafter(model, tmp, dtype=cfg.export.dtype, head=head)
         shutil.copyfile(Path(__file__).parent.parent / "export" / "dflash_modeling.py", tmp / MODELING_FILE)
-        (tmp / "README.md").write_text(model_card(cfg, model.contract, out.resolve(), rd))
+        (tmp / "README.md").write_text(model_card(cfg, model.contract, out.resolve(), rd, model.draft_vocab_size))
         check = reload_check(model, tmp, head, cfg.export.check_atol)
         write_manifest(tmp, stage="export", config_hash=section_hash(cfg.export), started=t0,
                        inputs={"source": str(src)}, counts={"tensors": len(model.state_dict())},
@@ -168,4 +206,5 @@ def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
     log.info("exported %s → %s (reload check: %s max diff %.2g)", src, out, check["compared"],
              check["max_diff_vs_source"])
     return {"out_dir": str(out), "dtype": cfg.export.dtype, "block_size": model.contract.block_size,
-            "reload_check": check}
+            "reload_check": check,
+            **({"draft_vocab_size": model.draft_vocab_size} if model.draft_vocab is not None else {})}
