@@ -22,9 +22,10 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from dflashkit import __version__
 
@@ -66,21 +67,29 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 
 @contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
-    """Yield a temp dir beside `path`; on success it replaces `path` (old contents removed)."""
+    """Yield a temp dir beside `path`; on success it replaces `path`.
+
+    The old `path` is renamed aside before the new one is renamed in and is deleted only then,
+    so a crash at any point leaves either the complete old or the complete new directory in place
+    (plus a hidden `.name.*` leftover at worst). On an exception nothing changes.
+    """
     import shutil
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    old = None
     try:
         yield tmp
         if path.exists():
-            shutil.rmtree(path)
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
+            os.replace(path, old / "x")
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        for leftover in (tmp, old):
+            if leftover is not None and leftover.exists():
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:

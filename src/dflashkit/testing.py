@@ -4,6 +4,7 @@ Usage:
     make_tiny_target("/tmp/t", arch="qwen3")                  # Qwen3ForCausalLM + byte tokenizer
     make_tiny_target("/tmp/k", arch="deepseek_v3", wrapper="kimi_k25")   # MLA + MoE, nested config
     python -m dflashkit.testing /tmp/t qwen3
+    with serving({"target": {"path": "/tmp/t"}}) as (app, url): ...   # our `serve` on 127.0.0.1
 
 The tokenizer is byte-level (256 byte tokens + ChatML specials) with a real ChatML chat template,
 so chat rendering, loss masks, serving and decoding all run on real HF objects. The model's
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 CHATML_TEMPLATE = (
@@ -117,3 +119,27 @@ def random_drafter(target, block_size: int = 4, layers: int = 1, seed: int = 0, 
     fields.update(overrides)
     torch.manual_seed(seed)
     return DFlashDraftModel(DrafterContract(**fields)).eval()
+
+
+@contextmanager
+def serving(config: dict):
+    """Build `dflashkit serve`'s app from a config dict and serve it on 127.0.0.1 (a free port).
+
+    Yields (app, base_url ending in /v1). Torch runs one intra-op thread meanwhile (the engine
+    thread shares a small box with the client), and the engine is stopped on exit.
+    """
+    import torch
+
+    from dflashkit.config import config_from_dict
+    from dflashkit.serving.server import serve_in_thread
+    from dflashkit.stages.serve import build_app
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    app = build_app(config_from_dict(config))
+    try:
+        with serve_in_thread(app) as url:
+            yield app, url
+    finally:
+        app.engine.stop()
+        torch.set_num_threads(threads)

@@ -5,14 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from dflashkit.cli import main
-from dflashkit.config import config_from_dict
 from dflashkit.decode.api import SamplingParams
 from dflashkit.serving.conversations import build_prompt, plan_turns
-from dflashkit.serving.server import serve_in_thread
-from dflashkit.stages.serve import build_app
+from dflashkit.testing import serving
 
 CONVS = [
     {"id": "a" * 16, "source": "t", "messages": [{"role": "user", "content": "hello"},
@@ -54,15 +51,8 @@ def greedy_reference(app, conv) -> tuple[list[dict], list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def served(tiny_qwen3):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    app = build_app(config_from_dict({"target": {"path": str(tiny_qwen3)}, "serve": {"batch_wait_ms": 20}}))
-    try:
-        with serve_in_thread(app) as url:
-            yield app, url
-    finally:
-        app.engine.stop()
-        torch.set_num_threads(threads)
+    with serving({"target": {"path": str(tiny_qwen3)}, "serve": {"batch_wait_ms": 20}}) as app_url:
+        yield app_url
 
 
 def test_generate_against_serve_equals_greedy(tmp_path, served, capsys):

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dflashkit.config import config_from_dict
-from dflashkit.serving.server import serve_in_thread
 from dflashkit.stages.serve import build_app
+from dflashkit.testing import serving
 
 PROMPTS = ["hi", "Write a haiku about the sea, please.", "x" * 37, "What is 2+2?", "Tell me a story",
            "ok", "Explain speculative decoding in one paragraph."]
@@ -20,17 +20,9 @@ PROMPTS = ["hi", "Write a haiku about the sea, please.", "x" * 37, "What is 2+2?
 
 @pytest.fixture(scope="module")
 def served(tiny_qwen3):
-    cfg = config_from_dict({"target": {"path": str(tiny_qwen3)},
-                            "serve": {"max_batch": 8, "batch_wait_ms": 40, "model_name": "tiny"}})
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a shared 2-core box: OpenMP spin-waits make 2 threads 20x slower
-    app = build_app(cfg)
-    try:
-        with serve_in_thread(app) as url:
-            yield app, url
-    finally:
-        app.engine.stop()
-        torch.set_num_threads(threads)
+    with serving({"target": {"path": str(tiny_qwen3)},
+                  "serve": {"max_batch": 8, "batch_wait_ms": 40, "model_name": "tiny"}}) as app_url:
+        yield app_url
 
 
 def chat(url: str, content: str, **kw) -> dict:

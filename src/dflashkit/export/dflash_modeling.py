@@ -94,6 +94,9 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     """The draft network; `dflash_config` carries block_size, mask_token_id, target_layer_ids."""
 
     _no_split_modules = ["DFlashLayer"]
+    # A reduced-vocab export also holds the vLLM draft-vocab tensors; this module drafts with the
+    # target's full head (like SGLang) and does not need them.
+    _keys_to_ignore_on_load_unexpected = [r"^d2t$", r"^t2d$", r"^lm_head\.weight$"]
 
     def __init__(self, config):
         super().__init__(config)

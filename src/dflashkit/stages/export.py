@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from dflashkit.config import section_hash
 from dflashkit.errors import DflashkitError, MissingArtifactError
-from dflashkit.rundir import write_manifest
+from dflashkit.rundir import atomic_dir, write_manifest
 
 log = logging.getLogger("dflashkit.export")
 
@@ -179,9 +177,7 @@ def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
         head = None
     if model.draft_vocab is not None and head is None:
         head = _loaded_target_head(cfg, model.contract.hidden_size)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         save_drafter(model, tmp, dtype=cfg.export.dtype, head=head)
         shutil.copyfile(Path(__file__).parent.parent / "export" / "dflash_modeling.py", tmp / MODELING_FILE)
         (tmp / "README.md").write_text(model_card(cfg, model.contract, out.resolve(), rd, model.draft_vocab_size))
@@ -190,16 +186,6 @@ def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
                        inputs={"source": str(src)}, counts={"tensors": len(model.state_dict())},
                        outputs=["config.json", "model.safetensors", MODELING_FILE, "README.md"],
                        extra={"reload_check": check})
-        old = None
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            os.replace(out, old / "x")
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     if out.resolve() != rd.stage_dir("export", create=False).resolve():
         write_manifest(rd.stage_dir("export"), stage="export", config_hash=section_hash(cfg.export), started=t0,
                        inputs={"source": str(src)}, outputs=[str(out)], extra={"reload_check": check})
