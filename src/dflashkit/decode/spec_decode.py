@@ -102,14 +102,15 @@ class SpecDecoder:
                 mask = torch.tensor([[drafter.mask_token_id]], device=dev)
                 self._mask_emb = target.embed(mask).to(self._draft_dtype)  # [1, 1, H]
                 head = target.lm_head
-                w, b = head.weight.detach(), getattr(head, "bias", None)
-                self._full_vocab = int(w.shape[0])
+                self._full_vocab = int(head.weight.shape[0])
                 self._vocab = drafter.draft_vocab
                 if self._vocab is not None:  # the V' rows of the reduced draft vocab, copied once
-                    self._vocab = self._vocab.to(w.device)
-                    w = w.index_select(0, self._vocab)
-                    b = None if b is None else b.detach().index_select(0, self._vocab)
-                self._head_w = w.to(self._draft_dtype)  # [V or V', H] (the target's own if same dtype, full)
+                    from dflashkit.model.draft_vocab import restricted_head
+
+                    self._vocab = self._vocab.to(head.weight.device)
+                    head = restricted_head(head, self._vocab)
+                b = getattr(head, "bias", None)
+                self._head_w = head.weight.detach().to(self._draft_dtype)  # [V or V', H]
                 self._head_b = None if b is None else b.detach().to(self._draft_dtype)
         self._cuda = target.device.type == "cuda"
 

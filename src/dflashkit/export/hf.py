@@ -103,7 +103,10 @@ def _read_config(drafter_dir: str | Path) -> tuple[Path, dict]:
 
 def read_contract(drafter_dir: str | Path) -> DrafterContract:
     """The contract stored in a drafter dir's `config.json` (UsageError naming the missing key)."""
-    path, cfg = _read_config(drafter_dir)
+    return _contract(*_read_config(drafter_dir))
+
+
+def _contract(path: Path, cfg: dict) -> DrafterContract:
     contract = DrafterContract.from_hf_config(cfg, source=str(path))
     contract.check()
     return contract
@@ -179,8 +182,8 @@ def load_drafter(drafter_dir: str | Path, *, dtype: torch.dtype | None = None,
             file, or reduced-vocab tensors (d2t, t2d, lm_head.weight) that disagree with draft_vocab_size.
     """
     d = Path(drafter_dir)
-    contract = read_contract(d)
-    config_path, cfg = _read_config(d)
+    config_path, cfg = _read_config(d)  # read once: the contract and the draft vocab size
+    contract = _contract(config_path, cfg)
     size = read_draft_vocab_size(cfg, source=str(config_path))
     state = _open_weights(d)
     vocab = _draft_vocab(state, size, contract, d / WEIGHTS, config_path)
