@@ -65,19 +65,56 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
             tmp_path.unlink()
 
 
+def _owned_by(path: Path, stage: str | None, marker: str) -> bool:
+    """True when `path` may be replaced: absent, an empty dir, or a dir holding our `marker` file
+    (for `manifest.json`: one whose `stage` is `stage`)."""
+    if not path.exists() and not path.is_symlink():
+        return True
+    if path.is_symlink() or not path.is_dir():
+        return False
+    if not any(path.iterdir()):
+        return True
+    if stage is None or not (path / marker).is_file():
+        return False
+    if marker != "manifest.json":
+        return True
+    try:
+        return read_json(path / "manifest.json").get("stage") == stage
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 @contextmanager
-def atomic_dir(path: str | Path) -> Iterator[Path]:
+def atomic_dir(path: str | Path, *, owner: str | None = None, marker: str = "manifest.json") -> Iterator[Path]:
     """Yield a temp dir beside `path`; on success it replaces `path`.
 
     The old `path` is renamed aside before the new one is renamed in and is deleted only then,
     so a crash at any point leaves either the complete old or the complete new directory in place
     (plus a hidden `.name.*` leftover at worst). On an exception nothing changes.
+
+    Only a directory this code owns is ever replaced: an absent path, an empty directory, or one
+    whose `marker` file names stage `owner` (`manifest.json`; other markers, such as a
+    checkpoint's `state.json`, only need to exist). Anything else (a file, a symlink, a user's
+    non-empty directory) raises `UsageError` naming the path *before* any work is done, so a slip
+    such as `export.out_dir=.` can never delete a user's files. The new directory gets the
+    permissions of a normal `mkdir` (mkdtemp's 0700 would hide an export from a serving user).
     """
     import shutil
 
+    from dflashkit.errors import UsageError
+
     path = Path(path)
+    if not _owned_by(path, owner, marker):
+        what = "a file" if path.is_file() else "a symlink" if path.is_symlink() else "a non-empty directory"
+        made_by = f" made by `dflashkit {owner}`" if owner else ""
+        raise UsageError(f"refusing to replace {path}: it is {what} that is not an output{made_by} "
+                         f"(no {marker} of stage {owner!r} in it)",
+                         hint="choose a new or empty directory, or remove it yourself if it is yours to delete")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
     old = None
     try:
         yield tmp

@@ -195,3 +195,49 @@ def test_reduced_vocab_export_has_what_vllm_reads_and_stays_lossless(tmp_path, t
     assert main(["eval", str(out), *args]) == 0
     res = json.loads((rd / "eval" / "results.json").read_text())
     assert res["summary"]["greedy_identical"] is True
+
+
+@pytest.mark.parametrize("kind", ["file", "user_dir", "cwd"])
+def test_export_never_replaces_what_it_does_not_own(tmp_path, target, tiny_qwen3, kind, monkeypatch, capsys):
+    rd = _run_dir(tmp_path, target)
+    user = tmp_path / "mine"
+    if kind == "file":
+        user.write_text("precious\n")
+    else:
+        user.mkdir()
+        (user / "notes.txt").write_text("precious\n")
+        (user / "sub").mkdir()
+        (user / "sub" / "x.bin").write_bytes(b"\0\1")
+    if kind == "cwd":
+        monkeypatch.chdir(user)
+        out = "."
+    else:
+        out = str(user)
+
+    def snapshot():
+        if user.is_file():
+            return {".": user.read_bytes()}
+        return {str(p.relative_to(user)): p.read_bytes() if p.is_file() else None for p in sorted(user.rglob("*"))}
+
+    before = snapshot()
+    rc = main(["export", f"target.path={tiny_qwen3}", f"export.out_dir={out}", "--run-dir", str(rd), "--json"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "refusing to replace" in err and str(Path(out)) in err and "Traceback" not in err
+    assert snapshot() == before
+    assert not [p for p in user.parent.iterdir() if p.name.startswith(".mine")]
+
+
+def test_export_replaces_its_own_output_with_normal_permissions(tmp_path, target, tiny_qwen3):
+    import os
+    import stat
+
+    rd = _run_dir(tmp_path, target)
+    out = tmp_path / "served" / "drafter"
+    args = ["export", f"target.path={tiny_qwen3}", f"export.out_dir={out}", "--run-dir", str(rd), "--json"]
+    assert main(args) == 0
+    assert main(args) == 0  # its own export (manifest.json, stage export) is replaced
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
+    assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) & 0o044 == 0o644 & ~umask & 0o044

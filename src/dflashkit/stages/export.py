@@ -177,7 +177,7 @@ def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
         head = None
     if model.draft_vocab is not None and head is None:
         head = _loaded_target_head(cfg, model.contract.hidden_size)
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, owner="export") as tmp:
         save_drafter(model, tmp, dtype=cfg.export.dtype, head=head)
         shutil.copyfile(Path(__file__).parent.parent / "export" / "dflash_modeling.py", tmp / MODELING_FILE)
         (tmp / "README.md").write_text(model_card(cfg, model.contract, out.resolve(), rd, model.draft_vocab_size))

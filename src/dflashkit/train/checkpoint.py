@@ -55,7 +55,7 @@ def save_checkpoint(root: Path, *, step: int, model, optimizer, scheduler, is_ma
     if not is_main:
         return None
     final = root / f"step-{step:07d}"
-    with atomic_dir(final) as tmp:
+    with atomic_dir(final, owner="train", marker="state.json") as tmp:
         save_file(msd, str(tmp / "model.safetensors"))
         torch.save(osd, tmp / "optimizer.pt")
         rng = {"cpu": torch.get_rng_state()}
@@ -138,7 +138,7 @@ def save_final(out_dir: Path, model, contract, *, is_main: bool = True) -> Path 
     if not is_main:
         return None
     out_dir = Path(out_dir)
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, owner="train", marker="model.safetensors") as tmp:
         dtype = str(next(v.dtype for v in sd.values() if v.is_floating_point())).removeprefix("torch.")
         vocab = int(sd["d2t"].numel()) if "d2t" in sd else None
         (tmp / "config.json").write_text(json.dumps(contract.to_hf_config(dtype=dtype, draft_vocab_size=vocab),
