@@ -5,15 +5,14 @@ Usage:
     req = engine.submit(prompt_ids, ServeParams(max_new_tokens=64), stream=True)
     out = req.wait()
 
-How: one worker thread owns a running batch (KV cache [b, heads, L, d], a 2-D attention mask
-[b, L], per-row next position). Between decode steps it admits waiting requests (up to
-`max_batch` rows): they are prefilled together, left-padded, and their cache is merged into the
-running one after left-padding the shorter of the two with masked zero columns. Finished rows are
-dropped (`batch_select_indices`) and columns masked out for every row are trimmed. Position ids
-are explicit per row (counted from its first real token), so padding never shifts RoPE and a
-request's greedy output does not depend on its batch-mates. Caches whose layers are not plain
-`DynamicLayer`s (sliding window, quantized) cannot be merged: new requests then wait for the
-running batch to finish (static batching).
+How: one worker thread owns a running batch: a preallocated KV cache (`serving.kvcache.SlotCache`:
+row slots × shared left-padded columns, each decode step writes one column in place) and per-row
+next positions. Between decode steps it admits waiting requests (up to `max_batch` rows): they are
+prefilled together, left-padded, and join as new slots right-aligned with the running columns.
+Finished rows free their slot (`_keep`, which compacts the batch and trims columns that are
+padding in every row). Position ids are explicit per row (counted from its first real token), so
+padding never shifts RoPE and a request's greedy output does not depend on its batch-mates.
+Greedy rows are picked with one batched argmax; the prefill computes logits for the last position only.
 """
 
 from __future__ import annotations
@@ -25,9 +24,9 @@ import time
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from dflashkit.serving.engine import Completion, Request, ServeParams, _EngineBase, _TextTracker, default_stop_ids
+from dflashkit.serving.engine import Completion, Request, _EngineBase, _TextTracker, default_stop_ids
+from dflashkit.serving.kvcache import SlotCache
 
 log = logging.getLogger("dflashkit.serve")
 
@@ -47,12 +46,13 @@ class BatchEngine(_EngineBase):
         self.max_context = int(getattr(target.config, "max_position_embeddings", 0) or 1 << 30)
         params = inspect.signature(target.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
+        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self.kv_capacity = 256  # initial KV columns; the cache doubles them when a step needs more
         self._reset()
 
     def _reset(self) -> None:
         self.rows: list[tuple[Request, dict[str, Any]]] = []
-        self.cache = None
-        self.mask: torch.Tensor | None = None       # [b, L] 1 = real token
+        self.cache = SlotCache(self.max_batch, self.kv_capacity)
         self.next_pos: torch.Tensor | None = None   # [b]
         self.logits: torch.Tensor | None = None     # [b, V] for the next pick
 
@@ -60,7 +60,7 @@ class BatchEngine(_EngineBase):
     def _take(self, block: bool) -> list[Request]:
         room = self.max_batch - len(self.rows)
         new: list[Request] = []
-        if room <= 0 or (self.rows and not self._mergeable()):
+        if room <= 0:
             return new
         if block:
             try:
@@ -96,15 +96,9 @@ class BatchEngine(_EngineBase):
                         r._finish(None, e)
                 self._reset()
 
-    def _mergeable(self) -> bool:
-        from transformers.cache_utils import DynamicLayer
-
-        layers = getattr(self.cache, "layers", None)
-        return layers is not None and all(type(layer) is DynamicLayer for layer in layers)
-
     def _forward(self, ids, mask, pos, cache) -> torch.Tensor:
         return self.target.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                                 **{self._cache_kw: cache}).logits[:, -1]
+                                 **self._last_only, **{self._cache_kw: cache}).logits[:, -1]
 
     def _admit(self, new: list[Request]) -> None:
         from transformers import DynamicCache
@@ -122,24 +116,14 @@ class BatchEngine(_EngineBase):
             mask[i, width - lens[i]:] = 1
         ids, mask = ids.to(dev), mask.to(dev)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        logits = self._forward(ids, mask, pos, cache)
-        rows = [(r, self._row_state(r)) for r in new]
-        if not self.rows:
-            self.rows, self.cache, self.mask, self.logits = rows, cache, mask, logits
-            self.next_pos = pos[:, -1] + 1
-            return
-        assert self.mask is not None and self.next_pos is not None and self.logits is not None
-        old_w, new_w = self.mask.shape[1], mask.shape[1]
-        w = max(old_w, new_w)
-        for mine, theirs in zip(self.cache.layers, cache.layers):
-            mine.keys = torch.cat([F.pad(mine.keys, (0, 0, w - old_w, 0)), F.pad(theirs.keys, (0, 0, w - new_w, 0))])
-            mine.values = torch.cat([F.pad(mine.values, (0, 0, w - old_w, 0)),
-                                     F.pad(theirs.values, (0, 0, w - new_w, 0))])
-        self.mask = torch.cat([F.pad(self.mask, (w - old_w, 0)), F.pad(mask, (w - new_w, 0))])
-        self.next_pos = torch.cat([self.next_pos, pos[:, -1] + 1])
-        self.logits = torch.cat([self.logits, logits])
-        self.rows += rows
+        prefill = DynamicCache()
+        logits = self._forward(ids, mask, pos, prefill)
+        self.cache.add_rows(prefill, mask)
+        del prefill
+        self.rows += [(r, self._row_state(r)) for r in new]
+        nxt = pos[:, -1] + 1
+        self.next_pos = nxt if self.next_pos is None else torch.cat([self.next_pos, nxt])
+        self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
 
     def _row_state(self, r: Request) -> dict[str, Any]:
         gen = None
@@ -150,24 +134,41 @@ class BatchEngine(_EngineBase):
         return {"out": [], "gen": gen, "limit": limit, "stops": getattr(r, "stop_token_ids", self.stop_token_ids),
                 "text": _TextTracker(self.tokenizer, r.params.stop, r.stream)}
 
-    def _pick(self, logits: torch.Tensor, p: ServeParams, gen: torch.Generator | None) -> int:
-        if p.temperature <= 0:
-            return int(torch.argmax(logits))
-        from dflashkit.decode.sampling import sample, sampling_probs
+    def _picks(self) -> list[int]:
+        """One token per row: a single argmax for the batch, sampling only for rows that ask for it."""
+        assert self.logits is not None
+        out = self.logits.argmax(-1).tolist()
+        for j, (r, st) in enumerate(self.rows):
+            p = r.params
+            if p.temperature > 0 and st["limit"] > 0:
+                from dflashkit.decode.sampling import sample, sampling_probs
 
-        probs = sampling_probs(logits.float()[None], p.temperature, p.top_p, p.top_k)
-        return int(sample(probs, gen).reshape(-1)[0])
+                probs = sampling_probs(self.logits[j].float()[None], p.temperature, p.top_p, p.top_k)
+                out[j] = int(sample(probs, st["gen"]).reshape(-1)[0])
+        return out
+
+    def _keep(self, keep: list[int]) -> None:
+        """Keep only running rows `keep` (ascending): free the other slots (finished or cancelled)."""
+        if len(keep) == len(self.rows):
+            return
+        if not keep:
+            self._reset()
+            return
+        assert self.next_pos is not None and self.logits is not None
+        self.cache.keep_rows(keep)
+        self.cache.trim()
+        idx = torch.tensor(keep, device=self.next_pos.device)
+        self.next_pos, self.logits = self.next_pos[idx], self.logits[idx]
+        self.rows = [self.rows[j] for j in keep]
 
     def _step(self) -> None:
         """Pick one token per row, retire finished rows, run one decode forward for the rest."""
-        assert self.logits is not None and self.mask is not None and self.next_pos is not None
-        dev = self.target.device
+        assert self.logits is not None and self.next_pos is not None
         keep, tokens = [], []
-        for j, (r, st) in enumerate(self.rows):
+        for j, ((r, st), tok) in enumerate(zip(self.rows, self._picks())):
             if st["limit"] == 0:
                 self._complete(r, st, "length", None)
                 continue
-            tok = self._pick(self.logits[j], r.params, st["gen"])
             st["out"].append(tok)
             cut, delta = st["text"].check(st["out"])
             if delta:
@@ -181,25 +182,17 @@ class BatchEngine(_EngineBase):
             else:
                 keep.append(j)
                 tokens.append(tok)
+        self._keep(keep)
         if not keep:
-            self._reset()
             return
-        if len(keep) < len(self.rows):
-            idx = torch.tensor(keep, device=dev)
-            self.cache.batch_select_indices(idx)
-            self.mask, self.next_pos = self.mask[idx], self.next_pos[idx]
-            self.rows = [self.rows[j] for j in keep]
-            lead = int((self.mask.sum(0) > 0).to(torch.int8).argmax())  # columns padded in every row
-            if lead > 0 and self._mergeable():
-                for layer in self.cache.layers:
-                    layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
-                self.mask = self.mask[:, lead:]
-        self.mask = torch.cat([self.mask, torch.ones((len(keep), 1), dtype=self.mask.dtype, device=dev)], dim=1)
+        assert self.next_pos is not None
         with self._lock:
             self.metrics["decode_steps"] += 1
             self.metrics["decode_rows"] += len(keep)
-        step_ids = torch.tensor(tokens, dtype=torch.long, device=dev)[:, None]
-        self.logits = self._forward(step_ids, self.mask, self.next_pos[:, None], self.cache)
+        mask = self.cache.open_column()
+        step_ids = torch.tensor(tokens, dtype=torch.long, device=self.target.device)[:, None]
+        self.logits = self._forward(step_ids, mask, self.next_pos[:, None], self.cache)
+        self.cache.advance()
         self.next_pos = self.next_pos + 1
 
     def _complete(self, r: Request, st: dict[str, Any], reason: str, cut: str | None) -> None:
