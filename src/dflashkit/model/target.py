@@ -68,6 +68,32 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def cpu_facts() -> dict[str, Any]:
+    """The CPU's model name and the bf16 matrix instructions it has (from /proc/cpuinfo; {} elsewhere)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
+    return {"cpu": name, "bf16": [f for f in ("avx512_bf16", "amx_bf16") if f in flags]}
+
+
+def target_autocast(setting: str, device: torch.device, target_dtype: torch.dtype) -> torch.dtype | None:
+    """Autocast dtype for the online target forward (`train.target_dtype`), or None for none.
+
+    auto = bfloat16 on CUDA and on CPUs with AMX-BF16 (where `bench train` measured it faster),
+    else the target's own dtype. Nothing to do when the target is already loaded in 16 bits.
+    """
+    if target_dtype != torch.float32 or setting == "float32":
+        return None
+    if setting == "bfloat16":
+        return torch.bfloat16
+    if device.type == "cuda" or (device.type == "cpu" and "amx_bf16" in cpu_facts().get("bf16", [])):
+        return torch.bfloat16
+    return None
+
+
 def text_config_dict(model_dir: Path) -> dict[str, Any]:
     """config.json with wrappers (text_config, …) resolved: the language model's own config."""
     cfg_path = model_dir / "config.json"

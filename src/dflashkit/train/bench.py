@@ -6,11 +6,15 @@ Usage:
 
 Measured in one process, warm-up excluded, each number the median of the timed iterations:
   * target_forward_s — full target forward (logits) on the batch;
-  * features_s — the online feature pass (taps only, stops after the deepest tapped layer);
+  * features_s — the online feature pass (taps only, stops after the deepest tapped layer), with
+    `train.target_dtype`'s autocast; features_{float32,bf16_autocast}_s time both when they differ;
   * drafter_step_s — drafter forward + chunked loss + backward + AdamW step (features given);
   * online_step_s = features_s + drafter_step_s (what a `train.features=online` step costs);
+  * context_tokens_per_s — sequence tokens through the whole online step, and the split
+    (features_share / drafter_share of the step);
   * ratios drafter_step / target_forward and online_step / target_forward (goal: drafter ≤ 1.5×);
-  * tokens/s and anchors/s of the online step; on CPU the drafter step also with bf16 autocast.
+  * tokens/s and anchors/s of the online step; on CPU the drafter step also with bf16 autocast;
+  * the CPU model and its bf16 instructions (avx512_bf16, amx_bf16).
 The batch is the first `train.batch_size` tokenized samples when `tokenize/` exists, else random
 token ids of length min(tokenize.max_length, 512) with the last 3/4 supervised. With
 `drafter.draft_vocab_size` the drafter step uses a reduced draft vocab (chosen from that batch's
@@ -74,7 +78,7 @@ def _timed(fn, iters: int, device: torch.device) -> float:
 
 def bench_train(cfg, rd, ctx) -> dict:
     """Measure one training step (see the module docstring); returns the numbers."""
-    from dflashkit.model.target import load_target
+    from dflashkit.model.target import cpu_facts, load_target, target_autocast
     from dflashkit.train.loop import autocast_dtype, check_compat
     from dflashkit.train.optim import build_optimizer
 
@@ -106,8 +110,10 @@ def bench_train(cfg, rd, ctx) -> dict:
         with torch.no_grad():
             target.model(input_ids=ids, attention_mask=att)
 
-    def features():
-        with torch.no_grad():
+    tamp = target_autocast(cfg.train.target_dtype, dev, target.dtype)
+
+    def features(dtype=tamp):
+        with torch.no_grad(), torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
             target.features(ids, layer_ids=layer_ids, attention_mask=att)
 
     def drafter_step(amp=None):
@@ -125,18 +131,29 @@ def bench_train(cfg, rd, ctx) -> dict:
     t_feat = _timed(features, iters, dev)
     t_draft = _timed(lambda: drafter_step(amp), iters, dev)
     tokens, blocks = int(lens.sum()), int(a.keep.sum())
+    t_step = t_feat + t_draft
     result = {
-        "device": str(dev), "target": str(target.model_dir), "batch_size": int(ids.shape[0]),
+        "device": str(dev), **(cpu_facts() if dev.type == "cpu" else {}), "threads": torch.get_num_threads(),
+        "target": str(target.model_dir), "batch_size": int(ids.shape[0]),
         "seq_len": int(ids.shape[1]), "tokens": tokens, "anchors": blocks, "block_size": contract.block_size,
         "draft_layers": contract.num_draft_layers, "iters": iters, "autocast": str(amp) if amp else None,
-        "vocab_projected": int(head.weight.shape[0]),
+        "target_autocast": str(tamp) if tamp else None, "vocab_projected": int(head.weight.shape[0]),
         "target_forward_s": round(t_target, 5), "features_s": round(t_feat, 5), "drafter_step_s": round(t_draft, 5),
-        "online_step_s": round(t_feat + t_draft, 5),
+        "online_step_s": round(t_step, 5),
+        "context_tokens_per_s": round(tokens / t_step, 1),
+        "features_share": round(t_feat / t_step, 3), "drafter_share": round(t_draft / t_step, 3),
         "drafter_over_target_forward": round(t_draft / t_target, 3),
-        "online_over_target_forward": round((t_feat + t_draft) / t_target, 3),
-        "tokens_per_s": round(tokens / (t_feat + t_draft), 1), "anchors_per_s": round(blocks / (t_feat + t_draft), 1),
+        "online_over_target_forward": round(t_step / t_target, 3),
+        "tokens_per_s": round(tokens / t_step, 1), "anchors_per_s": round(blocks / t_step, 1),
         "goal_drafter_le_1_5x": t_draft / t_target <= 1.5,
     }
+    if target.dtype == torch.float32:  # the other choice of train.target_dtype, timed for comparison
+        other = torch.bfloat16 if tamp is None else None
+        _timed(lambda: features(other), 1, dev)
+        t_other = _timed(lambda: features(other), iters, dev)
+        fp32, bf16 = (t_feat, t_other) if tamp is None else (t_other, t_feat)
+        result.update({"features_float32_s": round(fp32, 5), "features_bf16_autocast_s": round(bf16, 5),
+                       "context_tokens_per_s_bf16_target": round(tokens / (bf16 + t_draft), 1)})
     if dev.type == "cpu" and amp is None:
         _timed(lambda: drafter_step(torch.bfloat16), 1, dev)
         result["drafter_step_bf16_autocast_s"] = round(_timed(lambda: drafter_step(torch.bfloat16), iters, dev), 5)

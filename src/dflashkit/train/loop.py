@@ -28,6 +28,7 @@ from dflashkit.errors import UsageError
 from dflashkit.model.draft_vocab import label_token_counts, restricted_head, vocab_from_counts
 from dflashkit.model.drafter import DFlashDraftModel
 from dflashkit.model.drafter_config import DrafterContract
+from dflashkit.model.target import target_autocast
 from dflashkit.train import checkpoint as ckpt
 from dflashkit.train.data import BatchPlan, Batch, FeatureStore, collate, load_tokenized, split_heldout
 from dflashkit.train.logging import MetricSink
@@ -104,7 +105,8 @@ class Trainer:
         need_logits = self.cfg.train.loss != "ce"
         if b.features is not None and not need_logits:
             return b.features, None
-        with torch.no_grad():
+        tamp = target_autocast(self.cfg.train.target_dtype, self.dist.device, self.target.dtype)
+        with torch.no_grad(), torch.autocast(self.dist.device.type, dtype=tamp, enabled=tamp is not None):
             out = self.target.features(b.input_ids, layer_ids=self.contract.target_layer_ids,
                                        need_logits=need_logits or self.parts.sharded,
                                        attention_mask=b.attention_mask)
