@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import queue
 import time
 from typing import Any
@@ -48,6 +49,12 @@ class BatchEngine(_EngineBase):
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.kv_capacity = 256  # initial KV columns; the cache doubles them when a step needs more
+        if target.device.type == "cpu":
+            # With a padding mask, transformers' SDPA path copies K/V once per query-head group
+            # (repeat_kv) every step, a copy several times the cache's size; torch's CPU kernel takes
+            # the grouped heads directly (enable_gqa) with the same result. transformers reads this
+            # switch at every call; it changes no output.
+            os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
         self._reset()
 
     def _reset(self) -> None:
