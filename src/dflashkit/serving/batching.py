@@ -155,7 +155,11 @@ class BatchEngine(_EngineBase):
         return out
 
     def _keep(self, keep: list[int]) -> None:
-        """Keep only running rows `keep` (ascending): free the other slots (finished or cancelled)."""
+        """Keep only running rows `keep` (ascending): free the other slots (finished or cancelled).
+
+        Runs on the worker thread, between decode steps (a cancellation is handed to it, e.g. by
+        marking the request, and applied in `_step`).
+        """
         if len(keep) == len(self.rows):
             return
         if not keep:

@@ -192,7 +192,10 @@ def bench_serve(cfg, rd, ctx) -> dict[str, Any]:
             rows = [asyncio.run(_sweep_one(url, model, prompts, c, b.requests, b.warmup, b.max_tokens))
                     for c in b.concurrency]
             endpoints.append({"url": url, "model": model, "sweep": rows})
-    result: dict[str, Any] = {"endpoints": endpoints, "max_tokens": b.max_tokens, "prompts": len(prompts)}
+    from dflashkit.model.target import cpu_facts
+
+    result: dict[str, Any] = {"endpoints": endpoints, "max_tokens": b.max_tokens, "prompts": len(prompts),
+                              **cpu_facts()}  # this machine's CPU (where a local server runs)
     if len(endpoints) == 2:
         result["speedup"] = [
             {"concurrency": a["concurrency"],
@@ -200,6 +203,8 @@ def bench_serve(cfg, rd, ctx) -> dict[str, Any]:
                                      if a["output_tokens_per_s"] else None)}
             for a, c in zip(endpoints[0]["sweep"], endpoints[1]["sweep"])]
     if not ctx.json:
+        if result.get("cpu"):
+            print(f"CPU: {result['cpu']} (bf16: {', '.join(result['bf16']) or 'none'})", file=sys.stderr)
         print(f"{'endpoint':<34} {'conc':>4} {'tok/s':>9} {'req/s':>8} {'p50 s':>7} {'p90 s':>7} {'p99 s':>7}",
               file=sys.stderr)
         for ep in endpoints:
