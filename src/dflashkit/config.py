@@ -109,6 +109,10 @@ class SourceSection:
     weight: float = f(1.0, "Relative weight when mixing sources.")
     max_records: int | None = f(None, "Read at most this many records from this source.")
     name: str | None = f(None, "Name in reports; default = file stem.")
+    answers: Literal["regenerate", "original"] = f(
+        "regenerate", "regenerate: the target re-answers these prompts (`generate`); original: train on the "
+        "source's own answers as they are (raw text, no regeneration, prefill speed) — pair it with "
+        "train.labels=target so the drafter still learns the target's own predictions.")
 
 
 @dataclass(kw_only=True)
@@ -185,6 +189,10 @@ class CaptureSection:
     dtype: Literal["bfloat16", "float16", "float32"] = f("bfloat16", "Stored feature dtype.")
     batch_size: int = f(4, "Sequences per target forward.")
     max_disk_fraction: float = f(0.9, "Refuse if the features need more than this share of free disk.")
+    last_hidden: Literal["auto", "true", "false"] = f(
+        "auto", "Also store the target's final-norm hidden state per token (H values), from which cached "
+        "training recomputes the target's distribution for KL; auto = when train.loss is kl or ce+kl.",
+        hash_default=False)
 
 
 @dataclass(kw_only=True)
@@ -214,6 +222,11 @@ class TrainSection:
                             "B=8, else B/2.")
     loss: Literal["ce", "kl", "ce+kl"] = f("ce", "Hard CE on the data, KL to target logits, or both.")
     kl_weight: float = f(1.0, "Weight of the KL term in ce+kl.")
+    labels: Literal["data", "target"] = f(
+        "data", "Hard labels: data = the token in the training text at a+k; target = the target's own greedy "
+        "prediction there (its argmax at a+k-1, from the same forward that gives the features). `target` "
+        "makes raw, non-regenerated text (data.sources[].answers=original) train on-policy at slot 1; on "
+        "greedy regenerated data both agree up to numerical near-ties.", hash_default=False)
     loss_chunk_blocks: int = f(64, "Blocks per loss chunk (bounds the [blocks·B, vocab] logits).")
     dtype: Literal["auto", "float32", "bfloat16"] = f("auto", "Autocast dtype; auto = bf16 on CUDA.")
     eval_every: int = f(50, "Held-out simulated-τ evaluation every N steps (0 = only at the end).")

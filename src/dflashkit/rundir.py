@@ -45,6 +45,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temp path beside `path`; on success it is fsync'd and renamed over `path`."""
@@ -56,6 +62,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     try:
         yield tmp_path
         if tmp_path.is_file():
+            os.chmod(tmp_path, 0o666 & ~_umask())  # writers such as safetensors leave 0600 behind
             with open(tmp_path, "rb") as fh:
                 os.fsync(fh.fileno())
         os.replace(tmp_path, path)
@@ -112,9 +119,7 @@ def atomic_dir(path: str | Path, *, owner: str | None = None, marker: str = "man
                          hint="choose a new or empty directory, or remove it yourself if it is yours to delete")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
+    os.chmod(tmp, 0o777 & ~_umask())
     old = None
     try:
         yield tmp

@@ -26,6 +26,7 @@ from typing import Any
 from dflashkit.config import section_hash
 from dflashkit.errors import ConfigError
 from dflashkit.rundir import atomic_path, atomic_write_json, file_digest, read_json, write_manifest
+from dflashkit.data.mixing import original_answer_sources
 from dflashkit.serving.conversations import assemble, build_prompt, load_prepared, plan_turns
 from dflashkit.serving.journal import Journal, read_records
 from dflashkit.serving.openai_client import OpenAIClient, RequestFailed
@@ -204,6 +205,12 @@ def run(cfg, rd, ctx) -> dict:
     t0 = time.time()
     src = rd.stage_dir("prepare", create=False) / "train.jsonl"
     convs = load_prepared(src)
+    original = original_answer_sources(cfg.data.sources)
+    if original:  # sources trained on their own answers (raw text) are not regenerated
+        kept = [c for c in convs if c.get("source") not in original]
+        log.info("%d of %d conversations come from answers=original sources (%s): not regenerated",
+                 len(convs) - len(kept), len(convs), ", ".join(sorted(original)))
+        convs = kept
     stage_dir = rd.stage_dir("generate", create=not ctx.dry_run)
     total_turns = sum(len(plan_turns(c["messages"])) for c in convs)
     if ctx.dry_run:

@@ -30,6 +30,7 @@ from typing import Any, Iterator
 
 from dflashkit.config import section_hash
 from dflashkit.data.chat import ChatTemplate, tokenize_batch
+from dflashkit.data.mixing import needs_regeneration, original_answer_sources
 from dflashkit.data.records import Conversation, read_jsonl
 from dflashkit.data.shards import SHARD_GLOB, shard_name, write_parquet_shard
 from dflashkit.errors import ConfigError, MissingArtifactError, UsageError
@@ -40,18 +41,31 @@ log = logging.getLogger("dflashkit.tokenize")
 DROPS = ("no_assistant_turn", "no_aligned_turn", "template_error", "too_few_supervised")
 
 
-def input_path(cfg: Any, rd: RunDir) -> Path:
-    """The conversations to tokenize; MissingArtifactError (exit 3) names the stage to run."""
+def input_paths(cfg: Any, rd: RunDir) -> list[tuple[Path, set[str] | None]]:
+    """The conversation files to tokenize, each with the source names to keep from it (None = all).
+
+    `tokenize.source=prepare`: prepare's own answers for every source. Else the regenerated answers
+    (`generate/conversations.jsonl`) plus, from `prepare/train.jsonl`, the sources configured with
+    `answers: original` (raw text trained on as it is). MissingArtifactError (exit 3) names the stage
+    to run."""
+    prepared = rd.root / "prepare" / "train.jsonl"
     if cfg.tokenize.source == "prepare":
-        p = rd.root / "prepare" / "train.jsonl"
+        if not prepared.is_file():
+            raise MissingArtifactError("prepared conversations", prepared, run="dflashkit prepare -c run.yaml")
+        return [(prepared, None)]
+    out: list[tuple[Path, set[str] | None]] = []
+    if needs_regeneration(cfg):
+        p = rd.root / "generate" / "conversations.jsonl"
         if not p.is_file():
-            raise MissingArtifactError("prepared conversations", p, run="dflashkit prepare -c run.yaml")
-        return p
-    p = rd.root / "generate" / "conversations.jsonl"
-    if not p.is_file():
-        raise MissingArtifactError("generated conversations (or set tokenize.source=prepare to train on "
-                                   "the dataset's own answers)", p, run="dflashkit generate -c run.yaml")
-    return p
+            raise MissingArtifactError("generated conversations (or set tokenize.source=prepare to train on "
+                                       "the dataset's own answers)", p, run="dflashkit generate -c run.yaml")
+        out.append((p, None))
+    original = original_answer_sources(cfg.data.sources)
+    if original:
+        if not prepared.is_file():
+            raise MissingArtifactError("prepared conversations", prepared, run="dflashkit prepare -c run.yaml")
+        out.append((prepared, original))
+    return out
 
 
 def load_chat(cfg: Any) -> ChatTemplate:
@@ -84,13 +98,17 @@ def min_supervised(cfg: Any, rd: RunDir) -> int:
     return 2 * cfg.drafter.block_size
 
 
-def _batches(path: Path, size: int) -> Iterator[list[Conversation]]:
+def _batches(paths: list[tuple[Path, set[str] | None]], size: int) -> Iterator[list[Conversation]]:
     batch: list[Conversation] = []
-    for line_no, obj in read_jsonl(path, on_malformed="fail"):
-        batch.append(Conversation.from_dict(obj, f"{path}:{line_no}"))
-        if len(batch) >= size:
-            yield batch
-            batch = []
+    for path, keep in paths:
+        for line_no, obj in read_jsonl(path, on_malformed="fail"):
+            conv = Conversation.from_dict(obj, f"{path}:{line_no}")
+            if keep is not None and conv.source not in keep:
+                continue
+            batch.append(conv)
+            if len(batch) >= size:
+                yield batch
+                batch = []
     if batch:
         yield batch
 
@@ -100,11 +118,12 @@ def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
     tc = cfg.tokenize
     if tc.shard_size < 1 or tc.batch_size < 1:
         raise ConfigError("tokenize.shard_size and tokenize.batch_size must be >= 1")
-    src = input_path(cfg, rd)
+    paths = input_paths(cfg, rd)
+    src = paths[0][0]
     chat = load_chat(cfg)
     need = min_supervised(cfg, rd)
     if ctx.dry_run:
-        return {"dry_run": True, "input": str(src), "min_supervised": need}
+        return {"dry_run": True, "input": str(src), "inputs": [str(p) for p, _ in paths], "min_supervised": need}
     out = rd.stage_dir("tokenize")
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
     events: Counter[str] = Counter()
@@ -113,6 +132,7 @@ def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
     pending: list[dict[str, Any]] = []
     conversations = 0
     first_error: str | None = None
+    by_source: dict[str, dict[str, int]] = {}
 
     def flush(force: bool) -> None:
         while pending and (force or len(pending) >= tc.shard_size):
@@ -122,18 +142,23 @@ def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
             shards.append({"file": name, **write_parquet_shard(staging / name, part)})
 
     try:
-        for samples, ev, c, err in _results(chat, _batches(src, tc.batch_size), tc):
+        for samples, ev, c, err, sources in _results(chat, _batches(paths, tc.batch_size), tc):
             first_error = first_error or err
             conversations += ev.pop("conversations")
             events.update(ev)
             checks["server_turns"] += c["server_turns"]
             checks["server_mismatches"] += c["server_mismatches"]
             checks["first_mismatch"] = checks["first_mismatch"] or c["first_mismatch"]
-            for s in samples:
+            for s, source in zip(samples, sources):
                 if int(s.loss_mask.sum()) < need:
                     events["too_few_supervised"] += 1
                     continue
-                pending.append({"id": s.id, "input_ids": s.input_ids, "loss_mask": s.loss_mask})
+                pending.append({"id": s.id, "input_ids": s.input_ids, "loss_mask": s.loss_mask, "source": source})
+                n_sup = int(s.loss_mask.sum())
+                by_source.setdefault(source, {"samples": 0, "tokens": 0, "supervised": 0})
+                by_source[source]["samples"] += 1
+                by_source[source]["tokens"] += len(s.input_ids)
+                by_source[source]["supervised"] += n_sup
             flush(False)
         flush(True)
         totals = {k: sum(s[k] for s in shards) for k in ("samples", "tokens", "supervised")}
@@ -154,7 +179,8 @@ def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
         log.warning("%d of %d answers differ from the server's token ids (first: %s); the server's "
                     "ids were used", checks["server_mismatches"], checks["server_turns"],
                     checks["first_mismatch"])
-    stats = {"input": str(src), "conversations": conversations, **totals,
+    stats = {"input": str(src), "inputs": [str(p) for p, _ in paths], "conversations": conversations, **totals,
+             "by_source": dict(sorted(by_source.items())),
              "supervised_fraction": round(totals["supervised"] / max(totals["tokens"], 1), 4),
              "dropped": {k: events[k] for k in DROPS},
              "events": {k: v for k, v in sorted(events.items()) if k not in DROPS},
@@ -166,7 +192,9 @@ def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
     atomic_write_json(out / "stats.json", stats)
     write_manifest(out, stage="tokenize",
                    config_hash=section_hash(tc, cfg.target.tokenizer, cfg.target.chat_template),
-                   inputs={"conversations": {"path": str(src), "digest": file_digest(src)}},
+                   inputs={"conversations": {"path": str(src), "digest": file_digest(src)},
+                           **{f"conversations{i}": {"path": str(p), "digest": file_digest(p)}
+                              for i, (p, _) in enumerate(paths[1:], 1)}},
                    counts={**totals, **stats["dropped"]}, outputs=[s["file"] for s in shards] + ["stats.json"],
                    started=t0)
     if not ctx.json:
@@ -189,7 +217,9 @@ def _work(batch: list[Conversation], tc: Any, chat: ChatTemplate | None = None) 
                                              system_prompt=tc.system_prompt,
                                              rewritten_turns=tc.rewritten_turns)
     events["conversations"] = len(batch)
-    return samples, events, checks, chat.first_error
+    source_of = {c.id: c.source for c in batch}
+    sources = [source_of.get(s.id, source_of.get(s.id.rsplit("-t", 1)[0], "")) for s in samples]
+    return samples, events, checks, chat.first_error, sources
 
 
 def _results(chat: ChatTemplate, batches: Iterator[list[Conversation]], tc: Any) -> Iterator[tuple]:

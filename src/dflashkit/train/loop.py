@@ -31,7 +31,7 @@ from dflashkit.model.drafter_config import DrafterContract
 from dflashkit.train import checkpoint as ckpt
 from dflashkit.train.data import BatchPlan, Batch, FeatureStore, collate, load_tokenized, split_heldout
 from dflashkit.train.logging import MetricSink
-from dflashkit.train.objective import dflash_loss, gamma_for, sample_anchors, weight_sum
+from dflashkit.train.objective import dflash_loss, gamma_for, sample_anchors, target_label_ids, weight_sum
 from dflashkit.train.optim import build_optimizer, build_scheduler
 from dflashkit.train.parallel import (DistInfo, TargetParts, all_reduce_sum, barrier, init_distributed,
                                       shard_target, wrap_drafter)
@@ -60,6 +60,16 @@ def autocast_dtype(train_dtype: str, device: torch.device) -> torch.dtype | None
     if train_dtype == "bfloat16" or (train_dtype == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return None
+
+
+@dataclass
+class TargetOut:
+    """The target's side of one micro-batch (see `Trainer.target_outputs`)."""
+
+    features: torch.Tensor                  # [b, S, n_feat·H]
+    logits: torch.Tensor | None = None      # [b, S, V] (sharded targets, for KL)
+    last_hidden: torch.Tensor | None = None  # [b, S, H] final-norm output (for KL)
+    label_ids: torch.Tensor | None = None   # [b, S] labels from the target (train.labels=target)
 
 
 @dataclass
@@ -99,32 +109,57 @@ class Trainer:
                     "continuing with the checkpoint's")
         self.use_draft_vocab(loaded)
 
-    def features(self, b: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[b, S, n_feat·H] features (cached or online) and target logits when the loss needs them."""
-        need_logits = self.cfg.train.loss != "ce"
-        if b.features is not None and not need_logits:
-            return b.features, None
-        with torch.no_grad():
-            out = self.target.features(b.input_ids, layer_ids=self.contract.target_layer_ids,
-                                       need_logits=need_logits or self.parts.sharded,
-                                       attention_mask=b.attention_mask)
-        feats, logits = (out[0], out[1].logits) if isinstance(out, tuple) else (out, None)
-        feats = b.features if b.features is not None else feats
-        return feats.float() if self.amp is None else feats, (logits if need_logits else None)
-
-    def micro_loss(self, b: Batch, a, denom: float):
-        feats, logits = self.features(b)
+    def target_outputs(self, b: Batch) -> "TargetOut":
+        """What the loss needs from the target for batch `b`: features (cached or online), the labels
+        (`train.labels`), and the target's distribution for KL (logits, or its last hidden state)."""
         t = self.cfg.train
-        return dflash_loss(self.drafter, self.parts.embed, self.head, feats, b.input_ids, b.loss_mask,
+        need_kl = t.loss != "ce"
+        need_labels = t.labels == "target"
+        have_labels = b.next_ids is not None
+        have_kl = b.last_hidden is not None
+        if b.features is not None and (have_labels or not need_labels) and (have_kl or not need_kl):
+            labels = target_label_ids(b.input_ids, b.next_ids) if need_labels else None
+            return TargetOut(b.features, None, b.last_hidden if need_kl else None, labels)
+        logits = hidden = None
+        with torch.no_grad():
+            if self.parts.sharded:  # a sharded target gives logits, not its final-norm hidden state
+                feats, out = self.target.features(b.input_ids, layer_ids=self.contract.target_layer_ids,
+                                                  need_logits=True, attention_mask=b.attention_mask)
+                logits = out.logits
+                nxt = logits.argmax(-1) if need_labels else None
+            elif need_labels or need_kl:
+                feats, hidden = self.target.features(b.input_ids, layer_ids=self.contract.target_layer_ids,
+                                                     need_last_hidden=True, attention_mask=b.attention_mask)
+                nxt = self.target.next_token_ids(hidden) if need_labels else None
+            else:
+                feats, nxt = self.target.features(b.input_ids, layer_ids=self.contract.target_layer_ids,
+                                                  attention_mask=b.attention_mask), None
+        if b.next_ids is not None and need_labels:
+            nxt = b.next_ids
+        feats = b.features if b.features is not None else feats
+        feats = feats.float() if self.amp is None else feats
+        labels = target_label_ids(b.input_ids, nxt) if need_labels else None
+        return TargetOut(feats, logits if need_kl else None, hidden if need_kl and logits is None else None, labels)
+
+    def micro_loss(self, b: Batch, a, denom: float, tout: "TargetOut | None" = None):
+        tout = tout or self.target_outputs(b)
+        t = self.cfg.train
+        return dflash_loss(self.drafter, self.parts.embed, self.head, tout.features, b.input_ids, b.loss_mask,
                            b.seq_lens, a, mask_token_id=self.contract.mask_token_id, gamma=self.gamma, denom=denom,
-                           loss=t.loss, kl_weight=t.kl_weight, target_logits=logits,
+                           loss=t.loss, kl_weight=t.kl_weight, target_logits=tout.logits,
+                           target_hidden=tout.last_hidden, target_head=self.parts.lm_head,
                            chunk_blocks=t.loss_chunk_blocks, attention=self.attention, autocast_dtype=self.amp,
-                           vocab=self.vocab)
+                           vocab=self.vocab, label_ids=tout.label_ids)
 
     def batch(self, items) -> Batch:
         pad = self.target.tokenizer.pad_token_id if getattr(self.target, "tokenizer", None) else 0
-        return collate(self.data, items, run_seed=self.cfg.run.seed, pad_id=pad or 0,
-                       with_features=self.cfg.train.features == "cached").to(self.dist.device)
+        t = self.cfg.train
+        cached = t.features == "cached"
+        store = self.data.features
+        return collate(self.data, items, run_seed=self.cfg.run.seed, pad_id=pad or 0, with_features=cached,
+                       with_next_ids=cached and t.labels == "target" and store.has("next_ids"),
+                       with_last_hidden=cached and t.loss != "ce" and store.has("last_hidden")
+                       ).to(self.dist.device)
 
     def anchors(self, b: Batch):
         return sample_anchors(b.loss_mask, b.seq_lens, num_anchors=self.cfg.train.num_anchors,
@@ -140,6 +175,8 @@ def setup(cfg, rd, dist: DistInfo) -> Trainer:
     check_compat(contract, target, str(rd.contract_path))
     if cfg.train.features == "cached":
         data.features = FeatureStore(rd.root / "capture", data.shards, contract.target_layer_ids)
+        if cfg.train.labels == "target":
+            data.features.require("next_ids", "train.labels=target reads the target's argmax from the shards")
     parts = TargetParts(target.model.get_input_embeddings(), target.lm_head)
     if cfg.train.parallel.target == "shard":
         parts = shard_target(target, dist)
@@ -187,12 +224,39 @@ def pick_draft_vocab(cfg, contract: DrafterContract, target, data, train_idx: li
     tok_eos = getattr(getattr(target, "tokenizer", None), "eos_token_id", None)
     if tok_eos is not None:
         always.add(int(tok_eos))
-    counts = label_token_counts([data.input_ids[i] for i in train_idx], [data.loss_mask[i] for i in train_idx],
-                                vocab_size)
+    labels = [data.input_ids[i] for i in train_idx]
+    if cfg.train.labels == "target":  # the labels trained on are the target's own predictions: count those
+        labels = target_labels_of(cfg, contract, target, data, train_idx)
+    counts = label_token_counts(labels, [data.loss_mask[i] for i in train_idx], vocab_size)
     vocab = vocab_from_counts(counts, n, always=always)
     log.info("draft vocab: %d of %d target tokens, covering %.2f%% of the training label tokens", n, vocab_size,
              100 * counts[vocab.numpy()].sum() / max(1, counts.sum()))
     return vocab
+
+
+def target_labels_of(cfg, contract: DrafterContract, target, data, idx: list[int]) -> list:
+    """`train.labels=target` labels of samples `idx` (np.int64 arrays): from the cached `next_ids`, or
+    (online) from one batched prefill pass of the target over those samples."""
+    import numpy as np
+
+    out = []
+    if data.features is not None and data.features.has("next_ids"):
+        for i in idx:
+            nxt = data.features.get(data.where[i], len(data.input_ids[i]), "next_ids").to(torch.long)[None]
+            out.append(target_label_ids(torch.from_numpy(data.input_ids[i])[None], nxt)[0].numpy())
+        return out
+    log.info("draft vocab: labelling %d training samples with the target (one prefill pass)", len(idx))
+    pad = (getattr(getattr(target, "tokenizer", None), "pad_token_id", None) or 0)
+    bs = max(1, cfg.train.batch_size)
+    for k in range(0, len(idx), bs):
+        items = [(i, 0) for i in idx[k:k + bs]]
+        b = collate(data, items, run_seed=0, pad_id=pad).to(target.device)
+        with torch.no_grad():
+            _, hidden = target.features(b.input_ids, layer_ids=contract.target_layer_ids, need_last_hidden=True,
+                                        attention_mask=b.attention_mask)
+            lab = target_label_ids(b.input_ids, target.next_token_ids(hidden)).cpu()
+        out.extend(lab[r, :int(n)].numpy().astype(np.int64) for r, n in enumerate(b.seq_lens.tolist()))
+    return out
 
 
 def total_steps(cfg, plan: BatchPlan) -> int:
@@ -206,12 +270,15 @@ def train_step(tr: Trainer, step: int, opt, sched) -> dict:
     B = tr.contract.block_size
     batches = [tr.batch(items) for items in tr.plan.micro_batches(step, tr.dist.rank)]
     anchors = [tr.anchors(b) for b in batches]
+    # The target side first: with train.labels=target the labels (and so Σw over in-vocab labels) come
+    # from the target's forward.
+    touts = [tr.target_outputs(b) for b in batches]
     local_w = sum(weight_sum(b.loss_mask, b.seq_lens, a, input_ids=b.input_ids, block_size=B, gamma=tr.gamma,
-                             vocab=tr.vocab) for b, a in zip(batches, anchors))
+                             vocab=tr.vocab, label_ids=o.label_ids) for b, a, o in zip(batches, anchors, touts))
     denom = float(all_reduce_sum(torch.tensor([local_w], dtype=torch.float64), tr.dist)[0])
     stats = torch.zeros(4 + 2 * B, dtype=torch.float64)  # loss, tau_sum, blocks, tokens, correct[B], total[B]
-    for b, a in zip(batches, anchors):
-        out = tr.micro_loss(b, a, denom)
+    for b, a, o in zip(batches, anchors, touts):
+        out = tr.micro_loss(b, a, denom, o)
         if denom > 0:
             (out.loss * tr.dist.world).backward()
         stats[0] += float(out.loss.detach())

@@ -108,15 +108,19 @@ def block_position_ids(a: Anchors, *, ctx_len: int, block_size: int) -> torch.Te
 
 
 def labels_and_weights(input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_lens: torch.Tensor, a: Anchors, *,
-                       block_size: int, gamma: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same-position labels and loss weights, both [b, N·B] (labels 0 where the weight is 0)."""
+                       block_size: int, gamma: float | None,
+                       label_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same-position labels and loss weights, both [b, N·B] (labels 0 where the weight is 0).
+
+    `label_ids` [b, S] (default `input_ids`) is the label of each position: with `train.labels=target`
+    it holds the target's greedy prediction for position t (its argmax at t−1; `target_label_ids`)."""
     b, n = a.anchors.shape
     dev = input_ids.device
     k = torch.arange(block_size, device=dev)
     pos = a.anchors[:, :, None] + k                                           # [b, N, B]
     inside = pos < seq_lens.to(dev)[:, None, None]
     safe = torch.where(inside, pos, torch.zeros_like(pos)).view(b, -1)
-    labels = torch.gather(input_ids, 1, safe).view(b, n, block_size)
+    labels = torch.gather(input_ids if label_ids is None else label_ids, 1, safe).view(b, n, block_size)
     sup = torch.gather(loss_mask.to(torch.float32), 1, safe).view(b, n, block_size)
     decay = torch.exp(-(k.float() - 1).clamp(min=0) / gamma) if gamma else torch.ones(block_size, device=dev)
     decay = decay * (k > 0).float()
@@ -126,9 +130,10 @@ def labels_and_weights(input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_len
 
 
 def weight_sum(loss_mask, seq_lens, a: Anchors, *, input_ids, block_size: int, gamma: float | None,
-               vocab: torch.Tensor | None = None) -> float:
+               vocab: torch.Tensor | None = None, label_ids: torch.Tensor | None = None) -> float:
     """Σ w of one micro-batch (summed over the step to form the loss denominator; in-vocab labels only)."""
-    labels, w = labels_and_weights(input_ids, loss_mask, seq_lens, a, block_size=block_size, gamma=gamma)
+    labels, w = labels_and_weights(input_ids, loss_mask, seq_lens, a, block_size=block_size, gamma=gamma,
+                                   label_ids=label_ids)
     if vocab is not None:
         w = w * draft_labels(labels, vocab)[1]
     return float(w.sum())
@@ -165,7 +170,8 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
                 denom: float | None = None, loss: str = "ce", kl_weight: float = 1.0,
                 target_logits: torch.Tensor | None = None, chunk_blocks: int = 64,
                 attention: str = "sdpa", autocast_dtype: torch.dtype | None = None,
-                vocab: torch.Tensor | None = None) -> LossOutput:
+                vocab: torch.Tensor | None = None, label_ids: torch.Tensor | None = None,
+                target_hidden: torch.Tensor | None = None, target_head=None) -> LossOutput:
     """Drafter forward over all sampled blocks + the chunked weighted loss.
 
     Args:
@@ -175,7 +181,10 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
         input_ids, loss_mask: [b, S] (right-padded); seq_lens: [b].
         a: sampled anchors.
         denom: loss denominator (Σ w over the optimizer step); None = this batch's Σ w.
-        loss: "ce" | "kl" | "ce+kl"; target_logits [b, S, V] needed for kl.
+        loss: "ce" | "kl" | "ce+kl"; kl needs target_logits [b, S, V], or target_hidden [b, S, H] (the
+            target's final-norm output) and target_head (its full lm_head): then only the supervised
+            rows' target logits are computed, chunk by chunk.
+        label_ids: [b, S] the label of each position (default input_ids; see labels_and_weights).
         chunk_blocks: blocks per logits chunk.
         attention: "sdpa" (dense bool mask) or "flex" (BlockMask; GPU training).
         vocab: a reduced draft vocabulary (sorted target ids [V'], on the batch's device); then
@@ -186,7 +195,8 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
     bsz, s = input_ids.shape
     B = drafter.block_size if hasattr(drafter, "block_size") else drafter.module.block_size
     n = a.anchors.shape[1]
-    labels, w = labels_and_weights(input_ids, loss_mask, seq_lens, a, block_size=B, gamma=gamma)
+    labels, w = labels_and_weights(input_ids, loss_mask, seq_lens, a, block_size=B, gamma=gamma,
+                                   label_ids=label_ids)
     sup = w.view(bsz, n, B) > 0                       # supervised positions: the metrics' denominators
     loss_labels = labels
     if vocab is not None:
@@ -213,8 +223,8 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
     labels_f, w_f = loss_labels.flatten(), w.flatten()
     tgt_rows = None
     if loss != "ce":
-        if target_logits is None:
-            raise ValueError("loss kl / ce+kl needs target_logits")
+        if target_logits is None and (target_hidden is None or target_head is None):
+            raise ValueError("loss kl / ce+kl needs target_logits, or target_hidden and target_head")
         tgt_pos = (a.anchors[:, :, None] + torch.arange(B, device=input_ids.device) - 1).clamp(0, s - 1)
         row_batch = torch.arange(bsz, device=input_ids.device)[:, None, None].expand(bsz, n, B)
         tgt_rows = (row_batch.flatten(), tgt_pos.flatten())
@@ -223,7 +233,13 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
     step = max(1, chunk_blocks) * B
     for c0 in range(0, rows.numel(), step):
         r = rows[c0:c0 + step]
-        tgt = target_logits[tgt_rows[0][r], tgt_rows[1][r]] if tgt_rows is not None else None
+        tgt = None
+        if tgt_rows is not None:
+            if target_logits is not None:
+                tgt = target_logits[tgt_rows[0][r], tgt_rows[1][r]]
+            else:
+                with torch.no_grad():
+                    tgt = target_head(target_hidden[tgt_rows[0][r], tgt_rows[1][r]].to(hidden.dtype))
         if tgt is not None and vocab is not None:
             tgt = tgt.index_select(-1, vocab)
         args = (lm_head, hidden[r], labels_f[r], w_f[r], tgt, loss, kl_weight)
@@ -244,6 +260,12 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
         tau_sum = float(((1 + lead).float() * a.keep.float()).sum())
     return LossOutput(loss=total / max(denom, 1e-6), weight_sum=wsum, correct=correct, total=tot,
                       tau_sum=tau_sum, blocks=int(a.keep.sum()))
+
+
+def target_label_ids(input_ids: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+    """[b, S] labels from the target: position t gets `next_ids[t−1]` (the target's argmax after x[..t−1]);
+    position 0 keeps x[0] (never a label: slot 0 is unweighted)."""
+    return torch.cat([input_ids[:, :1], next_ids[:, :-1].to(input_ids.dtype)], dim=1)
 
 
 def gamma_for(train_gamma: float | None, block_size: int) -> float:
