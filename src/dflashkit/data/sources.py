@@ -287,8 +287,13 @@ def to_messages(obj: Any, fmt: str = "auto") -> list[dict[str, str]]:
             msgs.append({"role": "assistant", "content": _text(obj["output"], "output")})
         return msgs
     if fmt == "humaneval":
-        return [{"role": "user", "content": HUMANEVAL_INSTRUCTION.format(
-            prompt=_text(obj.get("prompt"), "prompt"))}]
+        prompt = _text(obj.get("prompt"), "prompt")
+        msgs = [{"role": "user", "content": HUMANEVAL_INSTRUCTION.format(prompt=prompt)}]
+        if isinstance(obj.get("canonical_solution"), str) and obj["canonical_solution"].strip():
+            # the reference solution as the answer (what `answers: original` trains on)
+            msgs.append({"role": "assistant",
+                         "content": f"```python\n{prompt}{obj['canonical_solution'].rstrip()}\n```"})
+        return msgs
     if fmt == "prompt":
         msgs = []
         if isinstance(obj.get("system"), str) and obj["system"].strip():
