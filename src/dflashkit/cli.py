@@ -41,7 +41,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("evaluate", "Lossless speculative decoding: tau, per-position acceptance, speedup."),
     "export": ("export", "Write the z-lab checkpoint dir that SGLang/vLLM load; reload and compare."),
     "import": ("import_", "Import an existing z-lab drafter dir to continue training or to evaluate."),
-    "bench": ("bench", "Benchmarks: generate | tokenize | train | decode | serve endpoints."),
+    "bench": ("bench", "Benchmarks: generate | tokenize | train | decode | serve endpoints | recipe ablations."),
     "run": ("pipeline", "Run every stage from one YAML, skipping those that are up to date."),
     "report": ("report", "One self-contained HTML page (+ PNGs) from a run directory."),
 }

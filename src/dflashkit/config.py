@@ -222,6 +222,8 @@ class TrainSection:
                             "B=8, else B/2.")
     loss: Literal["ce", "kl", "ce+kl"] = f("ce", "Hard CE on the data, KL to target logits, or both.")
     kl_weight: float = f(1.0, "Weight of the KL term in ce+kl.")
+    ablate_features: bool = f(False, "Zero the target features (an ablation: does the drafter use the "
+                              "target at all? see `dflashkit bench recipe`).", hash_default=False)
     labels: Literal["data", "target"] = f(
         "data", "Hard labels: data = the token in the training text at a+k; target = the target's own greedy "
         "prediction there (its argmax at a+k-1, from the same forward that gives the features). `target` "
@@ -290,6 +292,9 @@ class BenchSection:
     warmup: int = f(2, "Requests sent first and not timed.")
     generate_requests: int = f(4000, "`bench generate`: requests sent to the zero-latency server.")
     generate_concurrency: int = f(64, "`bench generate`: requests in flight.")
+    recipe_steps: int = f(200, "`bench recipe`: training steps per variant.")
+    recipe_variants: dict[str, Any] = f({}, "`bench recipe`: variant name → list of dotted overrides; "
+                                        "empty = base, labels=data, no-features.")
 
 
 @dataclass(kw_only=True)

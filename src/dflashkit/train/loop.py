@@ -119,7 +119,8 @@ class Trainer:
         have_kl = b.last_hidden is not None
         if b.features is not None and (have_labels or not need_labels) and (have_kl or not need_kl):
             labels = target_label_ids(b.input_ids, b.next_ids) if need_labels else None
-            return TargetOut(b.features, None, b.last_hidden if need_kl else None, labels)
+            feats = torch.zeros_like(b.features) if t.ablate_features else b.features
+            return TargetOut(feats, None, b.last_hidden if need_kl else None, labels)
         logits = hidden = None
         with torch.no_grad():
             if self.parts.sharded:  # a sharded target gives logits, not its final-norm hidden state
@@ -138,6 +139,8 @@ class Trainer:
             nxt = b.next_ids
         feats = b.features if b.features is not None else feats
         feats = feats.float() if self.amp is None else feats
+        if t.ablate_features:
+            feats = torch.zeros_like(feats)
         labels = target_label_ids(b.input_ids, nxt) if need_labels else None
         return TargetOut(feats, logits if need_kl else None, hidden if need_kl and logits is None else None, labels)
 
