@@ -214,6 +214,15 @@ class TrainSection:
                             "B=8, else B/2.")
     loss: Literal["ce", "kl", "ce+kl"] = f("ce", "Hard CE on the data, KL to target logits, or both.")
     kl_weight: float = f(1.0, "Weight of the KL term in ce+kl.")
+    position_weighting: Literal["decay", "dpace"] = f(
+        "decay", "Loss weight per block position: the fixed decay exp(-(k-1)/gamma), or D-PACE (weights from "
+        "the drafter's own confidence, arXiv 2605.18810; the loss is then divided by the supervised-position "
+        "count).")
+    dpace_alpha: float = f(0.5, "D-PACE confidence smoothing: q~ = (1-alpha)·q + alpha, in (0, 1].")
+    feature_noise: float = f(0.0, "Uniform noise on the target features in training only, U(-x, x) times the "
+                             "RMS of each token's feature vector per target layer (0 = off).")
+    keep_best: bool = f(True, "Keep the drafter with the best held-out simulated τ in train/best/ (eval and "
+                        "export then use it by default).")
     loss_chunk_blocks: int = f(64, "Blocks per loss chunk (bounds the [blocks·B, vocab] logits).")
     dtype: Literal["auto", "float32", "bfloat16"] = f("auto", "Autocast dtype; auto = bf16 on CUDA.")
     eval_every: int = f(50, "Held-out simulated-τ evaluation every N steps (0 = only at the end).")
