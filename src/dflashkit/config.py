@@ -247,8 +247,9 @@ class EvalSection:
     top_k: int = f(0, "Top-k sampling (0 = off).")
     max_context: int | None = f(None, "Refuse prompts longer than this; null = the target's context.")
     warmup: int = f(1, "Prompts decoded first and not timed.")
-    drafter: str | None = f(None, "Drafter dir (config.json + model.safetensors); null = <run_dir>/train/final, "
-                            "else <run_dir>/export. A positional DIR overrides it.")
+    drafter: str | None = f(None, "Drafter dir (config.json + model.safetensors); null = <run_dir>/train/best (the "
+                            "best held-out τ, train.keep_best), else <run_dir>/train/final, else <run_dir>/export. "
+                            "A positional DIR overrides it.")
     draft_sampling: Literal["greedy", "sample"] = f("greedy", "At temperature > 0: propose the draft argmax "
                                                    "(as SGLang) or a sample of the draft law (as z-lab); "
                                                    "both lossless.")
