@@ -66,10 +66,11 @@ def check_compat(contract: DrafterContract, target, source: str) -> None:
 def feature_noise(feats: torch.Tensor, b: Batch, *, scale: float, n_feat: int) -> torch.Tensor:
     """Training-only feature noise: feats + U(−scale, scale)·RMS, per token and target layer.
 
-    EAGLE's reference trainer (the lineage of speculators' ±0.05 uniform noise) adds an absolute
-    (U[0,1) − 0.5)·0.2·512/H, independent of how large the features are; target residual streams
-    differ by orders of magnitude between channels and models (SmolLM2: channel RMS 5 … 1,650), so
-    the noise here is relative to the RMS of each token's H-dim feature of each target layer.
+    speculators (`train/noise_transforms.py`, AddUniformNoise, std 0.05) adds an absolute
+    U(−0.05, 0.05) to every element of the raw target hidden states, whatever their size; target
+    residual streams differ by orders of magnitude between channels and models (SmolLM2: channel
+    RMS 5 … 1,650), so the noise here is relative: U(−scale, scale) times the RMS of each token's
+    H-dim feature of each target layer (scale 0.05 ≈ speculators' noise on unit-RMS features).
     Each sample draws from its own seeded generator over its true length only (padding gets none),
     so the noise does not depend on the batch a sample lands in or on the number of ranks.
     """
