@@ -305,3 +305,30 @@ def test_feature_noise_is_relative_per_sample_and_training_only(tmp_path, tiny_q
     tq = [r["loss"] for r in _metrics(quiet) if "split" not in r]
     tn = [r["loss"] for r in _metrics(noisy) if "split" not in r]
     assert tq != tn  # ... while the training loss sees it
+
+
+def test_learning_curve_per_source(tmp_path, tiny_qwen3, monkeypatch):
+    """With TokenData.source set (two sources), the curve splits tokens and held-out τ by source and
+    the pooled numbers stay the overall ones."""
+    from dflashkit.train import loop
+
+    real_load = loop.load_tokenized
+
+    def load_with_sources(rd):
+        data = real_load(rd)
+        data.source = ["even" if i % 2 == 0 else "odd" for i in range(len(data))]
+        return data
+
+    monkeypatch.setattr(loop, "load_tokenized", load_with_sources)
+    rc, rd = _train(tmp_path, tiny_qwen3, train__max_steps=3, train__eval_every=0, train__heldout_samples=4)
+    assert rc == 0
+    (point,) = _json(rd, "curve.json")["points"]
+    assert set(point["by_source"]) == {"even", "odd"}
+    assert sum(v["tokens"] for v in point["by_source"].values()) == point["tokens"] > 0
+    (held,) = [r for r in _metrics(rd) if r.get("split") == "heldout"]
+    per = held["by_source"]  # metrics.jsonl carries the per-source numbers when there are several
+    assert set(per) == {"even", "odd"}
+    assert all(point["by_source"][k]["tau"] == per[k]["tau"] for k in per)
+    # the overall τ pools the blocks of both sources: it lies between them
+    lo, hi = min(v["tau"] for v in per.values()), max(v["tau"] for v in per.values())
+    assert lo - 1e-9 <= point["heldout"]["tau"] <= hi + 1e-9
