@@ -385,7 +385,13 @@ class BestKeeper:
 
     def offer(self, ev: dict | None) -> bool:
         """Save the drafter as best when `ev` beats the record; True when it did."""
-        if not self.enabled or not ev or (self.record is not None and not ev["tau"] > self.record["tau"]):
+        if not self.enabled or not ev:
+            return False
+        better = self.record is None or ev["tau"] > self.record["tau"]
+        if self.tr.dist.world > 1:  # every rank gathers the weights: follow the main rank's decision
+            flag = torch.tensor([1.0 if better and self.tr.dist.is_main else 0.0], dtype=torch.float64)
+            better = float(all_reduce_sum(flag, self.tr.dist)[0]) > 0
+        if not better:
             return False
         acc1 = ev["acc"][0] if ev["acc"] else None
         self.record = {"step": ev["step"], "tau": ev["tau"], "acc": ev["acc"], "acc_pos1": acc1,
