@@ -200,7 +200,7 @@ def test_dpace_denominator_makes_the_split_loss_sum_to_the_whole():
         sub = Anchors(a.anchors[sl], a.keep[sl])
         out = dflash_loss(model, emb, head, feats[sl], ids[sl], lm[sl], lens[sl], sub, denom=denom, **kw)
         out.loss.backward()
-        parts += float(out.loss)
-    assert abs(parts - float(whole.loss)) < 1e-5
+        parts += float(out.loss.detach())
+    assert abs(parts - float(whole.loss.detach())) < 1e-5
     for k, p in model.named_parameters():
         assert torch.allclose(p.grad, g_whole[k], atol=1e-5), k
