@@ -165,13 +165,13 @@ def curve_section(curve: dict | None, best: dict | None) -> tuple[list[tuple], s
     points = (curve or {}).get("points") or []
     if not points:
         return [], ""
-    xs = [p["tokens"] for p in points]
     sources = (curve or {}).get("sources") or []
     specs = []
     for key, name, title, ylabel in (("tau", "learning_curve", "Learning curve: simulated τ", "τ"),
                                      ("acc1", "learning_curve_acc1", "Learning curve: position-1 accuracy",
                                       "accuracy")):
-        series = [("held-out", xs, [p["heldout"][key] for p in points])]
+        held = [(p["tokens"], p["heldout"].get(key)) for p in points if p["heldout"].get(key) is not None]
+        series = [("held-out", [x for x, _ in held], [y for _, y in held])] if held else []
         if len(sources) > 1:
             for src in sources:
                 pts = [(p["tokens"], p["by_source"][src][key]) for p in points
@@ -181,7 +181,8 @@ def curve_section(curve: dict | None, best: dict | None) -> tuple[list[tuple], s
         train = [(p["tokens"], p["train"][key]) for p in points if p["train"].get(key) is not None]
         if train:
             series.append(("train (same steps)", [x for x, _ in train], [y for _, y in train]))
-        specs.append((name, title, "supervised tokens seen", ylabel, "line", series))
+        if series:
+            specs.append((name, title, "supervised tokens seen", ylabel, "line", series))
     header = ["step", "tokens seen", "held-out τ", "train τ", "gap", "held-out pos-1 acc", "held-out loss"]
     if len(sources) > 1:
         header += [f"τ {s} (tokens)" for s in sources]
