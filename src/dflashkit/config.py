@@ -229,6 +229,15 @@ class TrainSection:
         "prediction there (its argmax at a+k-1, from the same forward that gives the features). `target` "
         "makes raw, non-regenerated text (data.sources[].answers=original) train on-policy at slot 1; on "
         "greedy regenerated data both agree up to numerical near-ties.", hash_default=False)
+    position_weighting: Literal["decay", "dpace"] = f(
+        "decay", "Loss weight per block position: the fixed decay exp(-(k-1)/gamma), or D-PACE (weights from "
+        "the drafter's own confidence, arXiv 2605.18810; the loss is then divided by the supervised-position "
+        "count).")
+    dpace_alpha: float = f(0.5, "D-PACE confidence smoothing: q~ = (1-alpha)·q + alpha, in (0, 1].")
+    feature_noise: float = f(0.0, "Uniform noise on the target features in training only, U(-x, x) times the "
+                             "RMS of each token's feature vector per target layer (0 = off).")
+    keep_best: bool = f(True, "Keep the drafter with the best held-out simulated τ in train/best/ (eval and "
+                        "export then use it by default).")
     loss_chunk_blocks: int = f(64, "Blocks per loss chunk (bounds the [blocks·B, vocab] logits).")
     dtype: Literal["auto", "float32", "bfloat16"] = f("auto", "Autocast dtype; auto = bf16 on CUDA.")
     eval_every: int = f(50, "Held-out simulated-τ evaluation every N steps (0 = only at the end).")
@@ -253,8 +262,9 @@ class EvalSection:
     top_k: int = f(0, "Top-k sampling (0 = off).")
     max_context: int | None = f(None, "Refuse prompts longer than this; null = the target's context.")
     warmup: int = f(1, "Prompts decoded first and not timed.")
-    drafter: str | None = f(None, "Drafter dir (config.json + model.safetensors); null = <run_dir>/train/final, "
-                            "else <run_dir>/export. A positional DIR overrides it.")
+    drafter: str | None = f(None, "Drafter dir (config.json + model.safetensors); null = <run_dir>/train/best (the "
+                            "best held-out τ, train.keep_best), else <run_dir>/train/final, else <run_dir>/export. "
+                            "A positional DIR overrides it.")
     draft_sampling: Literal["greedy", "sample"] = f("greedy", "At temperature > 0: propose the draft argmax "
                                                    "(as SGLang) or a sample of the draft law (as z-lab); "
                                                    "both lossless.")

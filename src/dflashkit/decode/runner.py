@@ -23,7 +23,8 @@ log = logging.getLogger("dflashkit.decode")
 
 
 def resolve_drafter_dir(cfg: Any, rd: Any, positionals: list[str]) -> Path:
-    """Positional DIR, else `eval.drafter`, else `<run_dir>/train/final`, else `<run_dir>/export`."""
+    """Positional DIR, else `eval.drafter`, else `<run_dir>/train/best` (the best held-out τ, when
+    kept) or `<run_dir>/train/final`, else `<run_dir>/export`."""
     if positionals:
         p = Path(positionals[0])
         if not p.is_dir():
@@ -34,7 +35,9 @@ def resolve_drafter_dir(cfg: Any, rd: Any, positionals: list[str]) -> Path:
         if not p.is_dir():
             raise UsageError(f"eval.drafter {p} does not exist", hint="fix eval.drafter or pass the dir as DIR")
         return p
-    for cand in (rd.root / "train" / "final", rd.root / "export"):
+    from dflashkit.train.checkpoint import trained_drafter_dir
+
+    for cand in (trained_drafter_dir(rd.root / "train")[0], rd.root / "export"):
         if (cand / "config.json").is_file():
             return cand
     raise MissingArtifactError("trained drafter", rd.root / "train" / "final", run="dflashkit train -c run.yaml")

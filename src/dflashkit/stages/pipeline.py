@@ -168,7 +168,10 @@ def summary(rd: RunDir) -> dict[str, Any]:
             out["eval"] = res.get("summary", res)
         except json.JSONDecodeError:
             pass
-    for name, rel in (("report", "report/index.html"), ("checkpoint", "export"), ("drafter", "train/final")):
+    from dflashkit.train.checkpoint import trained_drafter_dir
+
+    drafter = trained_drafter_dir(rd.root / "train")[0].relative_to(rd.root)  # train/best if kept, else final
+    for name, rel in (("report", "report/index.html"), ("checkpoint", "export"), ("drafter", drafter)):
         p = rd.root / rel
         if p.exists():
             out[name] = str(p)

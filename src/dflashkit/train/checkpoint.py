@@ -5,6 +5,8 @@ Usage:
     found = latest_checkpoint(ck_root)                  # Path | None (complete checkpoints only)
     step = load_checkpoint(found, model=drafter, optimizer=opt, scheduler=sched)
     save_final(rd.stage_dir("train") / "final", drafter, contract)
+    save_final(rd.stage_dir("train") / "best", drafter, contract, best={"step": 100, "tau": 1.8})
+    src, which = trained_drafter_dir(rd.stage_dir("train"))    # train/best if kept, else train/final
 
 A checkpoint `checkpoints/step-XXXXXXX/` holds `model.safetensors` (full drafter state, z-lab
 names), `optimizer.pt` (full AdamW state; read back with `torch.load(weights_only=True)`),
@@ -13,6 +15,11 @@ written into a temp dir and renamed, so a directory named `step-*` is always com
 plain, DDP and FSDP2 drafters (full state dicts gathered by torch.distributed.checkpoint). A
 reduced draft vocabulary travels as the drafter's `d2t` buffer in model.safetensors (checkpoint and
 final), so a resumed run continues with the vocabulary it started with.
+
+`train/best/` (`train.keep_best`) has the layout of `train/final/` plus `best.json` (step, held-out
+τ, accuracy): the drafter of the held-out evaluation with the highest simulated τ so far (the
+earliest on ties); `eval` and `export` use it by default. The best-so-far record also travels in
+every checkpoint's state.json, so a resumed run compares against what the uninterrupted run had.
 """
 
 from __future__ import annotations
@@ -130,8 +137,14 @@ def _check_draft_vocab(path: Path, msd: dict, model) -> None:
                          f"{path.parent.parent} to start over")
 
 
-def save_final(out_dir: Path, model, contract, *, is_main: bool = True) -> Path | None:
-    """`train/final/`: the z-lab drafter dir (config.json = contract.to_hf_config(), model.safetensors)."""
+BEST_FILE = "best.json"
+
+
+def save_final(out_dir: Path, model, contract, *, is_main: bool = True, best: dict | None = None) -> Path | None:
+    """`train/final/`: the z-lab drafter dir (config.json = contract.to_hf_config(), model.safetensors).
+
+    With `best` (a small JSON-able record), the dir also gets `best.json`, written inside the same
+    atomic replacement (`train/best/`)."""
     from safetensors.torch import save_file
 
     sd = full_model_state(model)
@@ -144,4 +157,32 @@ def save_final(out_dir: Path, model, contract, *, is_main: bool = True) -> Path 
         (tmp / "config.json").write_text(json.dumps(contract.to_hf_config(dtype=dtype, draft_vocab_size=vocab),
                                                     indent=2) + "\n")
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if best is not None:
+            atomic_write_json(tmp / BEST_FILE, best)
     return out_dir
+
+
+def read_best(best_dir: Path) -> dict | None:
+    """The best.json record of a complete `train/best/`, or None (absent or torn)."""
+    best_dir = Path(best_dir)
+    if not (best_dir / "model.safetensors").is_file():
+        return None
+    try:
+        rec = json.loads((best_dir / BEST_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return rec if isinstance(rec, dict) and "step" in rec and "tau" in rec else None
+
+
+def trained_drafter_dir(train_dir: Path) -> tuple[Path, str]:
+    """(`train/best`, "best") when a complete best drafter exists, else (`train/final`, "final")."""
+    train_dir = Path(train_dir)
+    best = train_dir / "best"
+    if (best / "config.json").is_file() and read_best(best) is not None:
+        return best, "best"
+    return train_dir / "final", "final"
+
+
+def checkpoint_state(path: Path) -> dict:
+    """state.json of a complete checkpoint (read again after `load_checkpoint` validated it)."""
+    return json.loads((Path(path) / "state.json").read_text())

@@ -9,6 +9,13 @@ complete checkpoint → per step: this rank's micro-batches of the deterministic
 anchors, the step's global Σw (all-reduced), forward/backward per micro-batch, clip, step →
 metrics, held-out simulated τ, checkpoints → `train/final/` (z-lab drafter dir).
 
+Every held-out evaluation (each `train.eval_every` steps and the final one) also appends a point
+to the learning curve `train/curve.json` (held-out τ, position-1 accuracy and loss against the
+supervised tokens seen so far, overall and per data source, beside the train τ of the same
+window; `train/logging.py`), and, with `train.keep_best`, replaces `train/best/` when its τ beats
+the best so far (`train/checkpoint.py`). Both are restored from the checkpoint on resume, so a
+resumed run writes what the uninterrupted run writes.
+
 `drafter.draft_vocab_size` (a reduced draft vocabulary): the vocab is chosen from the training
 samples' label tokens (`model/draft_vocab.py`, the same on every rank), stored in the drafter as
 its `d2t` buffer (so checkpoints and train/final carry it; a resumed run keeps the checkpoint's),
@@ -30,7 +37,7 @@ from dflashkit.model.drafter import DFlashDraftModel
 from dflashkit.model.drafter_config import DrafterContract
 from dflashkit.train import checkpoint as ckpt
 from dflashkit.train.data import BatchPlan, Batch, FeatureStore, collate, load_tokenized, split_heldout
-from dflashkit.train.logging import MetricSink
+from dflashkit.train.logging import LearningCurve, MetricSink
 from dflashkit.train.objective import dflash_loss, gamma_for, sample_anchors, target_label_ids, weight_sum
 from dflashkit.train.optim import build_optimizer, build_scheduler
 from dflashkit.train.parallel import (DistInfo, TargetParts, all_reduce_sum, barrier, init_distributed,
@@ -54,6 +61,30 @@ def check_compat(contract: DrafterContract, target, source: str) -> None:
         raise UsageError(f"{source} does not match the target {target.model_dir}: " + "; ".join(problems),
                          hint="re-run `dflashkit probe -c run.yaml` for this target")
     contract.check()
+
+
+def feature_noise(feats: torch.Tensor, b: Batch, *, scale: float, n_feat: int) -> torch.Tensor:
+    """Training-only feature noise: feats + U(−scale, scale)·RMS, per token and target layer.
+
+    speculators (`train/noise_transforms.py`, AddUniformNoise, std 0.05) adds an absolute
+    U(−0.05, 0.05) to every element of the raw target hidden states, whatever their size; target
+    residual streams differ by orders of magnitude between channels and models (SmolLM2: channel
+    RMS 5 … 1,650), so the noise here is relative: U(−scale, scale) times the RMS of each token's
+    H-dim feature of each target layer (scale 0.05 ≈ speculators' noise on unit-RMS features).
+    Each sample draws from its own seeded generator over its true length only (padding gets none),
+    so the noise does not depend on the batch a sample lands in or on the number of ranks.
+    """
+    bsz, s, d = feats.shape
+    h = d // n_feat
+    noise = torch.zeros(bsz, s, d, dtype=torch.float32)
+    for i in range(bsz):
+        n = int(b.seq_lens[i])
+        g = torch.Generator().manual_seed((int(b.seeds[i]) ^ 0x5DEECE66D) & 0x7FFFFFFFFFFFFFFF)
+        noise[i, :n] = torch.rand(n, d, generator=g) * 2 - 1
+    f = feats.float().view(bsz, s, n_feat, h)
+    rms = f.pow(2).mean(-1, keepdim=True).sqrt()
+    out = f + noise.to(feats.device).view(bsz, s, n_feat, h) * rms * scale
+    return out.view(bsz, s, d).to(feats.dtype)
 
 
 def autocast_dtype(train_dtype: str, device: torch.device) -> torch.dtype | None:
@@ -144,15 +175,38 @@ class Trainer:
         labels = target_label_ids(b.input_ids, nxt) if need_labels else None
         return TargetOut(feats, logits if need_kl else None, hidden if need_kl and logits is None else None, labels)
 
-    def micro_loss(self, b: Batch, a, denom: float, tout: "TargetOut | None" = None):
+    def micro_loss(self, b: Batch, a, denom: float | None, tout: "TargetOut | None" = None, *,
+                   training: bool = False):
         tout = tout or self.target_outputs(b)
         t = self.cfg.train
-        return dflash_loss(self.drafter, self.parts.embed, self.head, tout.features, b.input_ids, b.loss_mask,
+        feats = tout.features
+        if training and t.feature_noise > 0:
+            feats = feature_noise(feats, b, scale=t.feature_noise, n_feat=len(self.contract.target_layer_ids))
+        return dflash_loss(self.drafter, self.parts.embed, self.head, feats, b.input_ids, b.loss_mask,
                            b.seq_lens, a, mask_token_id=self.contract.mask_token_id, gamma=self.gamma, denom=denom,
                            loss=t.loss, kl_weight=t.kl_weight, target_logits=tout.logits,
                            target_hidden=tout.last_hidden, target_head=self.parts.lm_head,
                            chunk_blocks=t.loss_chunk_blocks, attention=self.attention, autocast_dtype=self.amp,
-                           vocab=self.vocab, label_ids=tout.label_ids)
+                           vocab=self.vocab, label_ids=tout.label_ids, position_weighting=t.position_weighting,
+                           dpace_alpha=t.dpace_alpha)
+
+    def denom_gamma(self) -> float | None:
+        """γ of the step denominator Σw: none (a plain count of supervised positions) under D-PACE."""
+        return None if self.cfg.train.position_weighting == "dpace" else self.gamma
+
+    def sources(self) -> list[str]:
+        """Each sample's data source (`TokenData.source`; "all" for samples without one)."""
+        src = getattr(self.data, "source", None) or [""] * len(self.data)
+        return [s or "all" for s in src]
+
+    def supervised_tokens(self, step: int) -> dict[str, int]:
+        """Supervised (loss_mask) tokens of the step's GLOBAL batch, all ranks, by source."""
+        src, out = self.sources(), {}
+        for rank in range(self.dist.world):
+            for items in self.plan.micro_batches(step, rank):
+                for i, _ in items:
+                    out[src[i]] = out.get(src[i], 0) + int(self.data.loss_mask[i].sum())
+        return out
 
     def batch(self, items) -> Batch:
         pad = self.target.tokenizer.pad_token_id if getattr(self.target, "tokenizer", None) else 0
@@ -173,6 +227,7 @@ def setup(cfg, rd, dist: DistInfo) -> Trainer:
     from dflashkit.model.target import load_target
 
     contract = DrafterContract.load(rd.contract_path)
+    check_recipe(cfg.train)
     data = load_tokenized(rd)
     target = load_target(cfg.target, device=str(dist.device))
     check_compat(contract, target, str(rd.contract_path))
@@ -205,6 +260,17 @@ def setup(cfg, rd, dist: DistInfo) -> Trainer:
                  autocast_dtype(cfg.train.dtype, dist.device))
     tr.use_draft_vocab(vocab)
     return tr
+
+
+def check_recipe(train) -> None:
+    """Range checks of the recipe keys (exit 2, naming the key)."""
+    problems = []
+    if not 0 < train.dpace_alpha <= 1:
+        problems.append(f"train.dpace_alpha {train.dpace_alpha} is outside (0, 1]")
+    if not train.feature_noise >= 0:
+        problems.append(f"train.feature_noise {train.feature_noise} is negative")
+    if problems:
+        raise UsageError("; ".join(problems), hint="e.g. train.dpace_alpha=0.5 train.feature_noise=0")
 
 
 def pick_draft_vocab(cfg, contract: DrafterContract, target, data, train_idx: list[int]) -> torch.Tensor | None:
@@ -276,12 +342,13 @@ def train_step(tr: Trainer, step: int, opt, sched) -> dict:
     # The target side first: with train.labels=target the labels (and so Σw over in-vocab labels) come
     # from the target's forward.
     touts = [tr.target_outputs(b) for b in batches]
-    local_w = sum(weight_sum(b.loss_mask, b.seq_lens, a, input_ids=b.input_ids, block_size=B, gamma=tr.gamma,
-                             vocab=tr.vocab, label_ids=o.label_ids) for b, a, o in zip(batches, anchors, touts))
+    local_w = sum(weight_sum(b.loss_mask, b.seq_lens, a, input_ids=b.input_ids, block_size=B,
+                             gamma=tr.denom_gamma(), vocab=tr.vocab, label_ids=o.label_ids)
+                  for b, a, o in zip(batches, anchors, touts))
     denom = float(all_reduce_sum(torch.tensor([local_w], dtype=torch.float64), tr.dist)[0])
     stats = torch.zeros(4 + 2 * B, dtype=torch.float64)  # loss, tau_sum, blocks, tokens, correct[B], total[B]
     for b, a, o in zip(batches, anchors, touts):
-        out = tr.micro_loss(b, a, denom, o)
+        out = tr.micro_loss(b, a, denom, o, training=True)
         if denom > 0:
             (out.loss * tr.dist.world).backward()
         stats[0] += float(out.loss.detach())
@@ -311,30 +378,102 @@ def _metrics(stats: torch.Tensor, B: int, step: int, **extra) -> dict:
     acc = [round(float(c / t), 4) if t > 0 else None for c, t in zip(correct[1:], total[1:])]
     return {"step": step, "loss": float(stats[0]), "tau": float(stats[1] / max(stats[2], 1)),
             "acc": acc, "acc_mean": float(correct[1:].sum() / max(total[1:].sum(), 1)),
-            "blocks": int(stats[2]), "tokens": int(stats[3]), **extra}
+            "blocks": int(stats[2]), "tokens": int(stats[3]),
+            "_window": [float(stats[1]), float(stats[2]), float(correct[1]), float(total[1])], **extra}
 
 
 @torch.no_grad()
 def evaluate_heldout(tr: Trainer, step: int) -> dict | None:
-    """Simulated τ / per-position accuracy on the held-out samples (fixed anchors; same on every rank)."""
+    """Simulated τ / per-position accuracy on the held-out samples (fixed anchors; same on every rank).
+
+    Samples are batched within their data source, so the result also holds `by_source` (the same
+    numbers per source; the overall numbers are their pooled sums)."""
     if not tr.heldout:
         return None
     B = tr.contract.block_size
-    stats = torch.zeros(4 + 2 * B, dtype=torch.float64)
+    src = tr.sources()
+    groups: dict[str, list[int]] = {}
+    for j in tr.heldout:
+        groups.setdefault(src[j], []).append(j)
     bs = tr.cfg.train.batch_size
-    for i in range(0, len(tr.heldout), bs):
-        b = tr.batch([(j, -1) for j in tr.heldout[i:i + bs]])
-        a = tr.anchors(b)
-        out = tr.micro_loss(b, a, None)
-        stats[0] += float(out.loss) * out.weight_sum
-        stats[1] += out.tau_sum
-        stats[2] += out.blocks
-        stats[3] += out.weight_sum
-        stats[4:] += torch.cat([out.correct, out.total]).double()
+    total = torch.zeros(4 + 2 * B, dtype=torch.float64)
+    by_source = {}
+    for name in sorted(groups):
+        stats = torch.zeros(4 + 2 * B, dtype=torch.float64)
+        idx = groups[name]
+        for i in range(0, len(idx), bs):
+            b = tr.batch([(j, -1) for j in idx[i:i + bs]])
+            a = tr.anchors(b)
+            out = tr.micro_loss(b, a, None)
+            stats[0] += float(out.loss) * out.weight_sum
+            stats[1] += out.tau_sum
+            stats[2] += out.blocks
+            stats[3] += out.weight_sum
+            stats[4:] += torch.cat([out.correct, out.total]).double()
+        total += stats
+        by_source[name] = _heldout_row(stats, B, step, samples=len(idx))
+    row = _heldout_row(total, B, step)
+    return {"split": "heldout", **row, "by_source": by_source}
+
+
+def _heldout_row(stats: torch.Tensor, B: int, step: int, **extra) -> dict:
+    stats = stats.clone()
     stats[0] /= max(float(stats[3]), 1e-6)
     m = _metrics(stats, B, step)
-    return {"step": step, "split": "heldout", "loss": m["loss"], "tau": m["tau"], "acc": m["acc"],
-            "acc_mean": m["acc_mean"], "blocks": m["blocks"]}
+    return {"step": step, "loss": m["loss"], "tau": m["tau"], "acc": m["acc"], "acc_mean": m["acc_mean"],
+            "blocks": m["blocks"], **extra}
+
+
+def _log_eval(sink: MetricSink, ev: dict) -> None:
+    """The metrics.jsonl row of a held-out evaluation (per-source numbers only with several sources)."""
+    row = {k: v for k, v in ev.items() if k != "by_source"}
+    if len(ev.get("by_source", {})) > 1:
+        row["by_source"] = {k: {"tau": v["tau"], "acc": v["acc"], "loss": v["loss"]}
+                            for k, v in ev["by_source"].items()}
+    sink.log(row)
+
+
+class BestKeeper:
+    """`train/best/`: the drafter of the held-out evaluation with the highest τ so far (earliest on ties)."""
+
+    def __init__(self, out_dir, tr: Trainer, enabled: bool):
+        self.dir, self.tr, self.enabled = out_dir / "best", tr, enabled
+        self.record: dict | None = None
+
+    def restore(self, start: int, state: dict | None) -> None:
+        """Fresh run (or keep_best off): a stale best/ is removed. Resume: the checkpoint's record
+        (else best.json, if it is not newer than the checkpoint) is the best so far."""
+        if start == 0 or not self.enabled:
+            if self.tr.dist.is_main and self.dir.exists():
+                import shutil
+
+                log.info("removing %s from an earlier run", self.dir)
+                shutil.rmtree(self.dir)
+            barrier(self.tr.dist)
+            return
+        if state is not None and "best" in state:
+            self.record = state["best"]
+            return
+        rec = ckpt.read_best(self.dir)
+        self.record = rec if rec is not None and rec["step"] <= start else None
+
+    def offer(self, ev: dict | None) -> bool:
+        """Save the drafter as best when `ev` beats the record; True when it did."""
+        if not self.enabled or not ev:
+            return False
+        better = self.record is None or ev["tau"] > self.record["tau"]
+        if self.tr.dist.world > 1:  # every rank gathers the weights: follow the main rank's decision
+            flag = torch.tensor([1.0 if better and self.tr.dist.is_main else 0.0], dtype=torch.float64)
+            better = float(all_reduce_sum(flag, self.tr.dist)[0]) > 0
+        if not better:
+            return False
+        acc1 = ev["acc"][0] if ev["acc"] else None
+        self.record = {"step": ev["step"], "tau": ev["tau"], "acc": ev["acc"], "acc_pos1": acc1,
+                       "loss": ev["loss"]}
+        ckpt.save_final(self.dir, self.tr.drafter, self.tr.contract, is_main=self.tr.dist.is_main, best=self.record)
+        barrier(self.tr.dist)
+        log.info("best held-out τ %.4f at step %d → %s", ev["tau"], ev["step"], self.dir)
+        return True
 
 
 def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict:
@@ -347,16 +486,34 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
                             min_lr_ratio=cfg.train.min_lr_ratio)
     out_dir = rd.stage_dir("train")
     ck_root = out_dir / "checkpoints"
-    start = 0
+    start, state = 0, None
     found = ckpt.latest_checkpoint(ck_root)
     if found is not None:
         start = ckpt.load_checkpoint(found, model=tr.drafter, optimizer=opt, scheduler=sched)
+        state = ckpt.checkpoint_state(found)
         tr.sync_draft_vocab()
     sink = MetricSink(out_dir, total_steps=steps, start_step=start, train=cfg.train, enabled=dist.is_main,
                       show_bar=show_bar)
+    best = BestKeeper(out_dir, tr, cfg.train.keep_best)
+    best.restore(start, state)
+    curve = LearningCurve(out_dir / "curve.json", sorted(set(tr.sources())), enabled=dist.is_main)
+    curve.restore(start, (state or {}).get("curve"))
     log.info("training %d steps from step %d: %d train / %d held-out samples, global batch %d, world %d",
              steps, start, len(tr.plan.train_idx), len(tr.heldout), tr.plan.global_batch, dist.world)
     last, last_eval, t0, done_tokens = {}, None, time.perf_counter(), 0
+
+    def evaluated(n: int) -> None:
+        nonlocal last_eval
+        ev = evaluate_heldout(tr, n)
+        if ev:
+            last_eval = ev
+            _log_eval(sink, ev)
+            curve.record(n, ev)
+            best.offer(ev)
+
+    def extra_state() -> dict:
+        return {"curve": curve.state_dict(), **({"best": best.record} if best.record else {})}
+
     try:
         tr.drafter.train()
         for step in range(start, steps):
@@ -364,6 +521,7 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
             last = train_step(tr, step, opt, sched)
             dt = time.perf_counter() - ts
             done_tokens += last["tokens"]
+            curve.add_step(tr.supervised_tokens(step), last.pop("_window"))
             last.update(tok_s=round(last["tokens"] / dt, 1), anchors_s=round(last["blocks"] / dt, 1),
                         step_time_s=round(dt, 4))
             n = step + 1
@@ -371,27 +529,27 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
                 sink.log(last)
             sink.progress(n, loss=last["loss"], tau=last["tau"], tok_s=last["tok_s"])
             if cfg.train.eval_every and n % cfg.train.eval_every == 0 and n != steps:
-                last_eval = evaluate_heldout(tr, n)
-                if last_eval:
-                    sink.log(last_eval)
+                evaluated(n)
             if cfg.train.save_every and n % cfg.train.save_every == 0 and n != steps:
                 ckpt.save_checkpoint(ck_root, step=n, model=tr.drafter, optimizer=opt, scheduler=sched,
-                                     is_main=dist.is_main, keep=cfg.train.keep_checkpoints)
+                                     is_main=dist.is_main, keep=cfg.train.keep_checkpoints, extra=extra_state())
                 barrier(dist)
-        if start < steps:
-            ckpt.save_checkpoint(ck_root, step=steps, model=tr.drafter, optimizer=opt, scheduler=sched,
-                                 is_main=dist.is_main, keep=cfg.train.keep_checkpoints)
         tr.drafter.eval()
-        last_eval = evaluate_heldout(tr, steps) or last_eval
-        if last_eval:
-            sink.log(last_eval)
+        if start < steps:
+            evaluated(steps)
+            ckpt.save_checkpoint(ck_root, step=steps, model=tr.drafter, optimizer=opt, scheduler=sched,
+                                 is_main=dist.is_main, keep=cfg.train.keep_checkpoints, extra=extra_state())
+        elif last_eval is None:
+            last_eval = evaluate_heldout(tr, steps)
         ckpt.save_final(out_dir / "final", tr.drafter, tr.contract, is_main=dist.is_main)
         barrier(dist)
     finally:
         sink.close()
     wall = time.perf_counter() - t0
     return {"steps": steps, "resumed_from": start, "final_dir": str(out_dir / "final"),
+            "best": ({"dir": str(out_dir / "best"), **best.record} if best.record else None),
             "train": {k: last.get(k) for k in ("loss", "tau", "acc_mean")} if last else None,
-            "heldout": last_eval, "tokens_per_s": round(done_tokens / wall, 1) if wall > 0 else None,
+            "heldout": ({k: v for k, v in last_eval.items() if k != "by_source"} if last_eval else None),
+            "tokens_per_s": round(done_tokens / wall, 1) if wall > 0 else None,
             "world_size": dist.world, "samples": len(tr.plan.train_idx), "heldout_samples": len(tr.heldout),
             **({"draft_vocab_size": int(tr.vocab.numel())} if tr.vocab is not None else {})}
