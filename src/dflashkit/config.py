@@ -524,12 +524,45 @@ def _validate(cfg: RunConfig) -> list[str]:
             p.append(f"eval.block_sizes[{i}]: must be >= 1, got {b}")
     if cfg.tokenize.max_length < 8:
         p.append(f"tokenize.max_length: must be >= 8, got {cfg.tokenize.max_length}")
+    if cfg.target.chat_template:
+        problem = chat_template_problem(cfg.target.chat_template)
+        if problem:
+            p.append(f"target.chat_template: {problem}")
     for i, s in enumerate(cfg.data.sources):
         if not s.path:
             p.append(f"data.sources[{i}].path: required")
         if s.weight <= 0:
             p.append(f"data.sources[{i}].weight: must be > 0, got {s.weight}")
     return p
+
+
+def chat_template_problem(path: str) -> str | None:
+    """Why the Jinja chat template file at `path` cannot be used (missing, not UTF-8, a syntax error
+    named `file:line`), or None. Parsed the way transformers compiles templates (loop controls and
+    its `{% generation %}` tag allowed); nothing is rendered."""
+    import jinja2
+    from jinja2.ext import Extension
+
+    class _Generation(Extension):  # transformers' assistant-mask tag: parse its body, ignore the tag
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        return f"file not found: {p}"
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"{p}: not UTF-8 (byte at offset {e.start})"
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _Generation]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        return f"{p}:{e.lineno}: Jinja syntax error: {e.message}"
+    return None
 
 
 def url_problem(url: str) -> str | None:
