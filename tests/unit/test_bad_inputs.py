@@ -410,3 +410,16 @@ def test_resume_under_a_changed_contract_is_refused(tmp_path, tiny_qwen3, capsys
     assert "the drafter contract changed" in err and "mask_token_id" in err and "state.json" in err
     assert "Traceback" not in err
     assert _snapshot(rd / "train") == before
+
+
+def test_run_stops_at_a_stage_that_finished_with_failures(tmp_path, capsys):
+    w = W(tmp_path, Path("-"), Path("-"))
+    w.run_file("prepare/train.jsonl", json.dumps(CONV) + "\n")
+    rc = main(["run", w.rd(), "--from", "generate", "--to", "tokenize", "server.urls=[http://127.0.0.1:9/v1]",
+               "server.model=m", "generate.max_retries=0", "generate.progress=false", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 4, err
+    assert "1 of 1 turns failed" in err and "re-run to retry" in err and "Traceback" not in err
+    assert not (w.run / "tokenize").exists()  # the next stage did not run
+    state = json.loads((w.run / "pipeline.json").read_text()) if (w.run / "pipeline.json").exists() else {}
+    assert "generate" not in state  # so the next `run` retries it
