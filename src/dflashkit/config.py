@@ -590,7 +590,9 @@ _SECRET_QUERY = ("key", "token", "secret", "password", "passwd", "pwd", "sig", "
 
 
 def redact_url(url: str) -> str:
-    """`url` with credentials hidden, for logs and files: `http://u:pw@h/v1?api_key=k` → `http://***@h/v1?api_key=***`."""
+    """`url` with credentials hidden, for logs and files.
+
+    `http://u:pw@h/v1?api_key=k` → `http://***@h/v1?api_key=***`."""
     from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
     try:

@@ -197,7 +197,8 @@ def test_generate_against_real_serve_survives_sigkill_chaos(tmp_path, tiny_qwen3
             while _metrics(root)["in_flight"] and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert _metrics(root)["in_flight"] == 0, "abandoned requests still decoding"
-            keys = Counter((json.loads(x)["id"], json.loads(x)["turn"]) for x in _journal_lines(run_dir, after_kill=True))
+            lines = _journal_lines(run_dir, after_kill=True)
+            keys = Counter((json.loads(x)["id"], json.loads(x)["turn"]) for x in lines)
             assert max(keys.values(), default=1) == 1, "duplicate (id, turn) after a kill"
             proc = start()
         out, err = proc.communicate(timeout=120)

@@ -12,8 +12,8 @@ a temp file whose tail is shown if the server dies before answering /health).
 
 The child lives and dies with its parent: it runs in its own process group, and on Linux gets
 SIGTERM from the kernel when the parent dies (PR_SET_PDEATHSIG, set in the child before exec),
-also after a SIGKILL of the parent. The child then removes the temp dir itself (its path is in
-`TMPDIR_ENV`); on a normal exit, an exception, SIGTERM or interpreter exit the parent stops the
+also after a SIGKILL of the parent. An orphaned child then removes the temp dir itself (its path
+is in `TMPDIR_ENV`); on a normal exit, an exception, SIGTERM or interpreter exit the parent stops the
 child and removes it. Call this from the main thread: the death signal follows the thread that
 started the child.
 """
@@ -43,7 +43,7 @@ from dflashkit.errors import ServerError
 
 log = logging.getLogger("dflashkit.serve")
 
-TMPDIR_ENV = "DFLASHKIT_SERVE_TMPDIR"  # the child removes this dir when it exits
+TMPDIR_ENV = "DFLASHKIT_SERVE_TMPDIR"  # "<parent pid>:<dir>": the child removes dir if it outlives the parent
 PR_SET_PDEATHSIG = 1
 
 
@@ -88,10 +88,18 @@ def _raise_on_sigterm(signum, _frame) -> None:
 
 
 def cleanup_on_exit_of_child() -> None:
-    """In the child (`dflashkit serve` started by us): remove our temp dir at exit, also on SIGTERM."""
-    tmpdir = os.environ.get(TMPDIR_ENV)
-    if tmpdir and Path(tmpdir).name.startswith("dflashkit-serve-"):
-        atexit.register(shutil.rmtree, tmpdir, True)
+    """In the child (`dflashkit serve` started by us): at exit, remove the temp dir if the parent is
+    gone (a live parent still reads the log tail from it, then removes it itself)."""
+    value = os.environ.get(TMPDIR_ENV, "")
+    parent, _, tmpdir = value.partition(":")
+    if not (parent.isdigit() and Path(tmpdir).name.startswith("dflashkit-serve-")):
+        return
+
+    def remove_if_orphaned() -> None:
+        if os.getppid() != int(parent):
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+    atexit.register(remove_if_orphaned)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -160,7 +168,7 @@ def start_local_server(cfg, *, host: str = "127.0.0.1", port: int | None = None,
     with open(log_file, "ab") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
                                 preexec_fn=_death_signal_preexec(os.getpid()),
-                                env={**os.environ, "TQDM_DISABLE": "1", TMPDIR_ENV: tmpdir})
+                                env={**os.environ, "TQDM_DISABLE": "1", TMPDIR_ENV: f"{os.getpid()}:{tmpdir}"})
     stopper = functools.partial(_stop, proc, tmpdir)
     atexit.register(stopper)
     previous = None
