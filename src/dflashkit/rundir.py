@@ -237,7 +237,7 @@ def run_dir_lock(root: str | Path, command: str) -> Iterator[None]:
     `LOCK_ENV` (train re-launched under torchrun); under a user's torchrun only RANK 0 locks. A run
     dir that this call created and that is still empty afterwards is removed again.
     """
-    from dflashkit.errors import RunDirLocked
+    from dflashkit.errors import RunDirLocked, UsageError
 
     root = Path(root)
     key = str(root.resolve())
@@ -246,6 +246,8 @@ def run_dir_lock(root: str | Path, command: str) -> Iterator[None]:
         yield
         return
     created = [p for p in [root, *root.parents] if not p.exists()]
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"run.run_dir {root} is a file, not a directory", hint="set run.run_dir to a directory")
     root.mkdir(parents=True, exist_ok=True)
     path = root / ".lock"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

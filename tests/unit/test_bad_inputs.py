@@ -264,6 +264,8 @@ CASES: list[Case] = [
          lambda w: [f"{w.user}/nope"]),
     Case("doctor-endpoint-down", lambda w: ["doctor", w.rd(), "server.urls=[http://127.0.0.1:9/v1]"], 1,
          ["endpoint http://127.0.0.1:9/v1"]),
+    Case("run-dir-is-a-file", lambda w: ["prepare", f"run.run_dir={w.file('run.txt', 'x')}"], 2,
+         lambda w: [f"{w.user}/run.txt", "run.run_dir"]),
     Case("run-from-bogus", lambda w: ["run", w.rd(), "--from", "trian"], 2, ["--from", "trian"]),
     Case("no-command", lambda w: [], 2, ["usage: dflashkit"]),
 ]
@@ -319,6 +321,8 @@ def test_bad_input(case: Case, tmp_path, tiny_qwen3, drafter_dir, capsys):
     for needle in case.needles(w) if callable(case.needles) else case.needles:
         assert needle in err, f"{needle!r} not named\nstderr:\n{err}"
     assert "hunter2" not in out + err
+    for p in w.run.rglob("*") if w.run.exists() else []:
+        assert not p.is_file() or b"hunter2" not in p.read_bytes(), f"a URL password was written to {p}"
     after = _snapshot(w.user, w.run)
     if case.writes:
         assert {k: v for k, v in after.items() if k.startswith(str(w.user))} == \
@@ -423,3 +427,13 @@ def test_run_stops_at_a_stage_that_finished_with_failures(tmp_path, capsys):
     assert not (w.run / "tokenize").exists()  # the next stage did not run
     state = json.loads((w.run / "pipeline.json").read_text()) if (w.run / "pipeline.json").exists() else {}
     assert "generate" not in state  # so the next `run` retries it
+
+
+def test_eval_block_sizes_above_the_trained_one_warn_what_it_means(tmp_path, drafter_dir, capsys):
+    rc = main(["eval", str(drafter_dir), f"run.run_dir={tmp_path}", "eval.block_sizes=[4,8]", "--dry-run",
+               "eval.prompts=" + str(W(tmp_path, Path("-"), Path("-")).file("e.jsonl", GOOD + "\n"))])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "eval.block_sizes: 8 > the drafter's trained block size 4" in err and "never trained" in err
+    assert "eval.block_sizes: 4" not in err
+    assert not (tmp_path / "eval").exists()  # a dry run writes nothing
