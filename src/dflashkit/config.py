@@ -435,12 +435,30 @@ def _validate(cfg: RunConfig) -> list[str]:
     """Cross-field checks; each message names its dotted key."""
     p: list[str] = []
     d, t = cfg.drafter, cfg.train
-    if d.block_size < 1:
-        p.append(f"drafter.block_size: must be >= 1, got {d.block_size}")
+    if d.block_size < 2:
+        p.append(f"drafter.block_size: must be >= 2 (an anchor plus at least one drafted position), "
+                 f"got {d.block_size}")
+    elif d.block_size > cfg.tokenize.max_length:
+        p.append(f"drafter.block_size: {d.block_size} is longer than the training context "
+                 f"tokenize.max_length={cfg.tokenize.max_length}")
     if d.num_draft_layers < 1:
         p.append(f"drafter.num_draft_layers: must be >= 1, got {d.num_draft_layers}")
-    if d.target_layer_ids is not None and len(d.target_layer_ids) == 0:
+    if d.num_target_features is not None and d.num_target_features < 1:
+        p.append(f"drafter.num_target_features: must be >= 1, got {d.num_target_features}")
+    ids = d.target_layer_ids
+    if ids is not None and len(ids) == 0:
         p.append("drafter.target_layer_ids: must not be empty (use null for the default)")
+    elif ids is not None:
+        if any(i < 0 for i in ids):
+            p.append(f"drafter.target_layer_ids: layer ids are 0-based and >= 0, got {ids}")
+        if len(set(ids)) != len(ids):
+            p.append(f"drafter.target_layer_ids: duplicated ids in {ids}")
+        elif list(ids) != sorted(ids):
+            p.append(f"drafter.target_layer_ids: must be sorted ascending, got {ids} (did you mean "
+                     f"{sorted(ids)}?)")
+        if d.num_target_features is not None and len(ids) != d.num_target_features:
+            p.append(f"drafter.target_layer_ids: {len(ids)} ids but drafter.num_target_features="
+                     f"{d.num_target_features}; give one id per feature (or leave one of them null)")
     if d.mask_token_id is not None and d.mask_token_id < 0:
         p.append(f"drafter.mask_token_id: must be >= 0, got {d.mask_token_id}")
     if d.draft_vocab_size is not None and d.draft_vocab_size < 0:
@@ -463,8 +481,50 @@ def _validate(cfg: RunConfig) -> list[str]:
         p.append(f"capture.batch_size: must be >= 1, got {cfg.capture.batch_size}")
     if cfg.generate.concurrency < 1:
         p.append(f"generate.concurrency: must be >= 1, got {cfg.generate.concurrency}")
-    if cfg.generate.temperature < 0:
-        p.append(f"generate.temperature: must be >= 0, got {cfg.generate.temperature}")
+    g = cfg.generate
+    if g.temperature < 0:
+        p.append(f"generate.temperature: must be >= 0, got {g.temperature}")
+    if not 0 < g.top_p <= 1:
+        p.append(f"generate.top_p: must be in (0, 1], got {g.top_p}")
+    for name in ("max_tokens", "shard_size"):
+        if getattr(g, name) < 1:
+            p.append(f"generate.{name}: must be >= 1, got {getattr(g, name)}")
+    if g.max_retries < 0:
+        p.append(f"generate.max_retries: must be >= 0, got {g.max_retries}")
+    if g.backoff_s < 0:
+        p.append(f"generate.backoff_s: must be >= 0, got {g.backoff_s}")
+    if not cfg.run.scale > 0:
+        p.append(f"run.scale: must be > 0, got {cfg.run.scale}")
+    for name in ("timeout_s", "startup_timeout_s"):
+        if not getattr(cfg.server, name) > 0:
+            p.append(f"server.{name}: must be > 0, got {getattr(cfg.server, name)}")
+    for key, urls in (("server.urls", cfg.server.urls), ("bench.urls", cfg.bench.urls)):
+        for i, url in enumerate(urls):
+            problem = url_problem(url)
+            if problem:
+                p.append(f"{key}[{i}]: {problem}")
+    if cfg.eval.top_k < 0:
+        p.append(f"eval.top_k: must be >= 0 (0 = off), got {cfg.eval.top_k}")
+    for name in ("num_prompts", "max_new_tokens"):
+        if getattr(cfg.eval, name) < 1:
+            p.append(f"eval.{name}: must be >= 1, got {getattr(cfg.eval, name)}")
+    if cfg.eval.warmup < 0:
+        p.append(f"eval.warmup: must be >= 0, got {cfg.eval.warmup}")
+    sv = cfg.serve
+    if not 0 <= sv.port <= 65535:
+        p.append(f"serve.port: must be in 0..65535 (0 = any free port), got {sv.port}")
+    for name in ("max_batch", "max_new_tokens"):
+        if getattr(sv, name) < 1:
+            p.append(f"serve.{name}: must be >= 1, got {getattr(sv, name)}")
+    if sv.batch_wait_ms < 0:
+        p.append(f"serve.batch_wait_ms: must be >= 0, got {sv.batch_wait_ms}")
+    b = cfg.bench
+    for name in ("requests", "max_tokens", "generate_requests", "generate_concurrency"):
+        if getattr(b, name) < 1:
+            p.append(f"bench.{name}: must be >= 1, got {getattr(b, name)}")
+    for i, c in enumerate(b.concurrency):
+        if c < 1:
+            p.append(f"bench.concurrency[{i}]: must be >= 1, got {c}")
     if cfg.eval.temperature < 0:
         p.append(f"eval.temperature: must be >= 0, got {cfg.eval.temperature}")
     if not 0 < cfg.eval.top_p <= 1:
@@ -474,12 +534,90 @@ def _validate(cfg: RunConfig) -> list[str]:
             p.append(f"eval.block_sizes[{i}]: must be >= 1, got {b}")
     if cfg.tokenize.max_length < 8:
         p.append(f"tokenize.max_length: must be >= 8, got {cfg.tokenize.max_length}")
+    if cfg.target.chat_template:
+        problem = chat_template_problem(cfg.target.chat_template)
+        if problem:
+            p.append(f"target.chat_template: {problem}")
     for i, s in enumerate(cfg.data.sources):
         if not s.path:
             p.append(f"data.sources[{i}].path: required")
         if s.weight <= 0:
             p.append(f"data.sources[{i}].weight: must be > 0, got {s.weight}")
     return p
+
+
+def chat_template_problem(path: str) -> str | None:
+    """Why the Jinja chat template file at `path` cannot be used (missing, not UTF-8, a syntax error
+    named `file:line`), or None. Parsed the way transformers compiles templates (loop controls and
+    its `{% generation %}` tag allowed); nothing is rendered."""
+    import jinja2
+    from jinja2.ext import Extension
+
+    class _Generation(Extension):  # transformers' assistant-mask tag: parse its body, ignore the tag
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        return f"file not found: {p}"
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"{p}: not UTF-8 (byte at offset {e.start})"
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _Generation]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        return f"{p}:{e.lineno}: Jinja syntax error: {e.message}"
+    return None
+
+
+def url_problem(url: str) -> str | None:
+    """Why `url` cannot be an OpenAI-compatible base URL, or None (scheme http/https, a host, a valid port)."""
+    from urllib.parse import urlsplit
+
+    if "://" not in url:
+        return (f"{redact_url(url)!r} has no scheme (it would not reach the port you meant); write "
+                f"'http://{redact_url(url)}'")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        return f"{redact_url(url)!r}: {e}"
+    if parts.scheme not in ("http", "https"):
+        return f"{redact_url(url)!r}: scheme {parts.scheme!r} is not http or https"
+    if not parts.hostname:
+        return f"{redact_url(url)!r} has no host"
+    if port is not None and port == 0:
+        return f"{redact_url(url)!r}: port 0 is not a server port"
+    return None
+
+
+_SECRET_QUERY = ("key", "token", "secret", "password", "passwd", "pwd", "sig", "auth")
+
+
+def redact_url(url: str) -> str:
+    """`url` with credentials hidden, for logs and files.
+
+    `http://u:pw@h/v1?api_key=k` → `http://***@h/v1?api_key=***`."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(str(url))
+    except ValueError:
+        return "<unparseable url>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode([(k, "***" if any(s in k.lower() for s in _SECRET_QUERY) else v) for k, v in pairs],
+                          safe="*")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -545,7 +683,11 @@ def config_to_dict(cfg: Any) -> dict:
 
 
 def dump_config(cfg: RunConfig) -> str:
-    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    """Resolved YAML; credentials inside server/bench URLs are redacted (keys live in env vars)."""
+    data = config_to_dict(cfg)
+    for section in ("server", "bench"):
+        data[section]["urls"] = [redact_url(u) for u in data[section]["urls"]]
+    return yaml.safe_dump(data, sort_keys=False)
 
 
 def _hashed(section: Any) -> Any:

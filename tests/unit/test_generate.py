@@ -93,8 +93,10 @@ def test_permanent_failures_counted_then_resumed(tmp_path, capsys):
     convs = write_prepared(tmp_path, n=30)
     with FaultServer(Faults(rates={"500": 0.2}, always_fail=0.25, seed=3)) as srv:
         rc, out = run_generate(tmp_path, srv.url, "generate.max_retries=2", capsys=capsys)
-    assert rc == 0
+    assert rc == 4 and out["ok"] is False  # finished with failures: an honest, documented exit code
     g = out["generate"]
+    assert f"{g['turns_failed']} of {g['turns_total']} turns failed" in out["error"]
+    assert out["error"].endswith("re-run to retry")
     check_accounting(g, len(convs))
     assert g["turns_failed"] > 0 and g["failed_by_reason"].get("http 500") == g["turns_failed"]
     failures = [json.loads(x) for x in (tmp_path / "generate" / "failures.jsonl").read_text().splitlines()]

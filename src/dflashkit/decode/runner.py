@@ -71,8 +71,11 @@ def load_prompt_messages(cfg: Any, rd: Any) -> list[tuple[str, list[dict[str, st
         if cfg.eval.prompts:
             raise UsageError(f"eval.prompts {path} does not exist", hint="fix eval.prompts")
         raise MissingArtifactError("held-out prompts", path, run="dflashkit prepare -c run.yaml")
+    bad: list[str] = []  # malformed lines follow data.on_malformed: skipped (and logged) or an error
     out = [(str(obj.get("id", n)) if isinstance(obj, dict) else str(n), _prompt_of(obj, f"{path}:{n}"))
-           for n, obj in read_jsonl(path)]
+           for n, obj in read_jsonl(path, on_malformed=cfg.data.on_malformed, bad=bad)]
+    for msg in bad:
+        log.warning("skipped %s", msg)
     if not out:
         raise UsageError(f"{path} holds no prompts", hint="set data.heldout > 0 and re-run `dflashkit prepare`")
     return out

@@ -71,7 +71,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def text_config_dict(model_dir: Path) -> dict[str, Any]:
     """config.json with wrappers (text_config, …) resolved: the language model's own config."""
     cfg_path = model_dir / "config.json"
-    raw = json.loads(cfg_path.read_text())
+    try:
+        raw = json.loads(cfg_path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        where = f"{cfg_path}:{e.lineno}:{e.colno}" if isinstance(e, json.JSONDecodeError) else str(cfg_path)
+        raise UsageError(f"{where}: not a valid JSON config ({e})", hint="restore the model's config.json") from None
     for key in WRAPPER_KEYS:
         inner = raw.get(key)
         if isinstance(inner, dict) and ("num_hidden_layers" in inner or "hidden_size" in inner):
@@ -222,6 +226,10 @@ def load_target(section, *, device: str | None = None, dtype: str | None = None,
     if not list(model_dir.glob("*.safetensors")):
         raise UsageError(f"{model_dir}: no *.safetensors weights (dflashkit loads safetensors only)",
                          hint="convert the checkpoint with save_pretrained(safe_serialization=True)")
+    from dflashkit.inspect.weights import check_safetensors
+
+    for weights in sorted(model_dir.glob("*.safetensors")):  # a corrupt file: exit 2 naming it
+        check_safetensors(weights)
     config = _hf_config(model_dir, section.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, config=config, dtype=dt, trust_remote_code=section.trust_remote_code,

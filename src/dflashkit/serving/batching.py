@@ -74,7 +74,7 @@ class BatchEngine(_EngineBase):
                 new.append(self.queue.get(timeout=left) if left > 0 else self.queue.get_nowait())
             except queue.Empty:
                 break
-        return new
+        return [r for r in new if not self._drop_if_cancelled(r)]
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -164,6 +164,8 @@ class BatchEngine(_EngineBase):
         dev = self.target.device
         keep, tokens = [], []
         for j, (r, st) in enumerate(self.rows):
+            if self._drop_if_cancelled(r):  # the client went away: free the row
+                continue
             if st["limit"] == 0:
                 self._complete(r, st, "length", None)
                 continue

@@ -30,13 +30,16 @@ def load_prepared(path: Path) -> list[dict[str, Any]]:
         raise MissingArtifactError("prepared conversations", path, run="dflashkit prepare -c run.yaml")
     convs: list[dict[str, Any]] = []
     seen: set[str] = set()
-    with open(path, encoding="utf-8") as fh:
+    with open(path, "rb") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
             try:
-                rec = json.loads(line)
+                rec = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise UsageError(f"{where}: not UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1})",
+                                 hint="re-run `dflashkit prepare -c run.yaml`") from None
             except json.JSONDecodeError as e:
                 raise UsageError(f"{where}: not JSON ({e.msg})",
                                  hint="re-run `dflashkit prepare -c run.yaml`") from None

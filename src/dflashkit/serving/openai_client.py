@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from dflashkit.config import redact_url
 from dflashkit.serving.http1 import Http1Client, HttpConnectError, HttpDropped, HttpError, HttpTimeout
 
 log = logging.getLogger("dflashkit.generate")
@@ -182,7 +183,7 @@ class OpenAIClient:
         except (httpx.HTTPError, HttpError, KeyError, IndexError, TypeError, ValueError) as e:
             from dflashkit.errors import ServerError
 
-            raise ServerError(f"could not read the model name from {url}: {type(e).__name__}: {e}",
+            raise ServerError(f"could not read the model name from {redact_url(url)}: {type(e).__name__}: {e}",
                               hint="set server.model, or check that the server is up") from None
 
     async def model_name(self) -> str:
@@ -221,7 +222,7 @@ class OpenAIClient:
                     self._cooldown_until[url] = time.monotonic() + delay
                 self.stats["retries"] += 1
                 log.debug("retry %d/%d in %.2fs after %s (%s) from %s", attempt + 1, self.max_retries,
-                          delay, e.reason, e.detail, url)
+                          delay, e.reason, e.detail, redact_url(url))
                 await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 

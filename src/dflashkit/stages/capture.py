@@ -112,7 +112,7 @@ def run(cfg, rd, ctx) -> dict:
     t0 = time.time()
     contract = DrafterContract.load(rd.contract_path)
     data = load_tokenized(rd)
-    out_dir = rd.stage_dir("capture")
+    out_dir = rd.stage_dir("capture", create=not ctx.dry_run)  # a dry run creates nothing
     dtype = cfg.capture.dtype
     width = contract.num_features * contract.hidden_size
     keep_last = cfg.capture.last_hidden == "true" or (cfg.capture.last_hidden == "auto" and cfg.train.loss != "ce")
@@ -127,7 +127,7 @@ def run(cfg, rd, ctx) -> dict:
             todo.append((si, shard, digest, dest))
     todo_ids = {t[0] for t in todo}
     need = sum(len(data.input_ids[i]) for i, (si, _) in enumerate(data.where) if si in todo_ids) * per_token
-    free = shutil.disk_usage(out_dir).free
+    free = shutil.disk_usage(next(p for p in (out_dir, *out_dir.parents) if p.exists())).free
     what = f"{contract.num_features}{' + 1 (last hidden)' if keep_last else ''} x {contract.hidden_size} x " \
            f"{ST_DTYPES[dtype][1]} B + 4 B (next ids)"
     msg = (f"capture: {tokens} tokens x ({what}) = {per_token} B/token = "

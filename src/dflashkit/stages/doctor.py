@@ -4,6 +4,7 @@ Inputs:  the config (optional): `server.urls` are probed with GET <url>/models (
          API key from `server.api_key_env`, never logged); `target.path` is resolved if set.
 Outputs: nothing on disk. One line per check: ok | missing | absent (optional) | error, with the
          fix command; the JSON has `checks` and `healthy` (false if a required check failed).
+         Exit code 0 when healthy, 1 when a required check failed (an unreachable endpoint too).
 
 Example:
     dflashkit doctor
@@ -23,6 +24,9 @@ import shutil
 import sys
 from pathlib import Path
 from typing import Any
+
+from dflashkit.config import redact_url
+from dflashkit.errors import StageFailed
 
 # pip name -> import name, for required packages
 REQUIRED = {"torch": "torch", "transformers": "transformers", "tokenizers": "tokenizers",
@@ -124,14 +128,16 @@ def endpoint_checks(server: Any, timeout: float = 3.0) -> list[dict[str, Any]]:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     for url in server.urls:
         models_url = url.rstrip("/") + "/models"
+        shown = redact_url(url)
         try:
             r = httpx.get(models_url, headers=headers, timeout=timeout)
             r.raise_for_status()
             ids = [m.get("id") for m in (r.json().get("data") or []) if isinstance(m, dict)]
-            out.append(_check(f"endpoint {url}", "ok", f"models: {', '.join(map(str, ids)) or '(none listed)'}"))
+            out.append(_check(f"endpoint {shown}", "ok", f"models: {', '.join(map(str, ids)) or '(none listed)'}"))
         except Exception as e:  # noqa: BLE001 - any failure is reported, never raised
-            detail = f"GET {models_url}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            out.append(_check(f"endpoint {url}", "error", detail[:300],
+            detail = (f"GET {redact_url(models_url)}: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}").replace(models_url, redact_url(models_url))
+            out.append(_check(f"endpoint {shown}", "error", detail[:300],
                               "start the server (e.g. `dflashkit serve -c run.yaml`) or fix server.urls"))
     return out
 
@@ -162,4 +168,9 @@ def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
         for c in checks:
             fix = f"   → {c['fix']}" if c["fix"] else ""
             print(f"{c['name'].ljust(width)}  {c['status']:<7} {c['detail']}{fix}", flush=True)
-    return {"healthy": not problems, "problems": problems, "checks": checks}
+    result = {"healthy": not problems, "problems": problems, "checks": checks}
+    if problems:
+        raise StageFailed(f"doctor: {len(problems)} problem{'s' if len(problems) > 1 else ''}: "
+                          f"{', '.join(problems)}", result=result,
+                          hint="each failed check above names its fix (exit 1 = not healthy)")
+    return result

@@ -69,6 +69,10 @@ def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
     contract = read_contract(drafter_dir)
     prompts = load_prompt_messages(cfg, rd)[: e.num_prompts]
     block_sizes = [b for b in dict.fromkeys(e.block_sizes or [contract.block_size]) if b != 1]  # 1 = baseline
+    for bs in (b for b in block_sizes if b > contract.block_size):
+        log.warning("eval.block_sizes: %d > the drafter's trained block size %d: positions past %d were never "
+                    "trained, so they are drafted from noise (lossless, but tau will not improve)",
+                    bs, contract.block_size, contract.block_size - 1)
     if ctx.dry_run:
         return {"dry_run": True, "drafter": str(drafter_dir), "prompts": len(prompts), "block_sizes": block_sizes}
     target = load_target(cfg.target)

@@ -23,8 +23,8 @@ from collections import Counter
 from contextlib import ExitStack
 from typing import Any
 
-from dflashkit.config import section_hash
-from dflashkit.errors import ConfigError
+from dflashkit.config import redact_url, section_hash
+from dflashkit.errors import ConfigError, PartialFailure
 from dflashkit.rundir import atomic_path, atomic_write_json, file_digest, read_json, write_manifest
 from dflashkit.data.mixing import original_answer_sources
 from dflashkit.serving.conversations import assemble, build_prompt, load_prepared, plan_turns
@@ -137,7 +137,7 @@ async def _regenerate(cfg, convs, journal: Journal, done: dict[str, dict[int, di
                         return
                     rec = {"id": conv["id"], "turn": t, "content": reply.content, "reasoning": reply.reasoning,
                            "finish_reason": reply.finish_reason, "token_ids": reply.token_ids,
-                           "model": reply.model or model, "url": reply.url, "attempts": reply.attempts,
+                           "model": reply.model or model, "url": redact_url(reply.url), "attempts": reply.attempts,
                            "completion_tokens": reply.usage.get("completion_tokens")}
                     journal.append(rec)
                     counts["turns_ok"] += 1
@@ -215,7 +215,7 @@ def run(cfg, rd, ctx) -> dict:
     total_turns = sum(len(plan_turns(c["messages"])) for c in convs)
     if ctx.dry_run:
         return {"dry_run": True, "conversations": len(convs), "turns": total_turns,
-                "urls": cfg.server.urls or ["<local dflashkit serve>"]}
+                "urls": [redact_url(u) for u in cfg.server.urls] or ["<local dflashkit serve>"]}
     journal = Journal(stage_dir / "shards", shard_size=cfg.generate.shard_size)
     prior = journal.open()
     done: dict[str, dict[int, dict]] = {}
@@ -263,8 +263,8 @@ def run(cfg, rd, ctx) -> dict:
     write_manifest(stage_dir, stage="generate", config_hash=section_hash(cfg.generate, cfg.server.model),
                    inputs={"prepare/train.jsonl": file_digest(src)}, counts=summary,
                    outputs=["conversations.jsonl", "failures.jsonl", "shards/"], started=t0,
-                   extra={"model": settings_box.get("model"), "server_urls": urls if cfg.server.urls else
-                          ["<local dflashkit serve>"], "sampling": settings_box,
+                   extra={"model": settings_box.get("model"), "server_urls": [redact_url(u) for u in urls]
+                          if cfg.server.urls else ["<local dflashkit serve>"], "sampling": settings_box,
                           "chat_template_sha256": server_info.get("chat_template_sha256")})
     log.info("generate: %d turns ok (%d already done), %d failed %s, %d retried; %d conversations written",
              summary["turns_ok"], skipped, summary["turns_failed"], dict(reasons) or "", summary["turns_retried"],
@@ -273,4 +273,12 @@ def run(cfg, rd, ctx) -> dict:
         print(f"turns: {summary['turns_ok']} ok, {skipped} done before, {summary['turns_failed']} failed, "
               f"{summary['turns_not_attempted']} not attempted / {total_turns}; conversations written: "
               f"{summary['conversations_written']}/{len(convs)}", file=sys.stderr)
-    return {"generate": summary, "conversations": str(stage_dir / "conversations.jsonl")}
+    result = {"generate": summary, "conversations": str(stage_dir / "conversations.jsonl")}
+    if summary["turns_failed"] or summary["conversations_failed"]:
+        raise PartialFailure(
+            f"generate: {summary['turns_failed']} of {total_turns} turns failed "
+            f"({summary['conversations_failed']} of {len(convs)} conversations incomplete: "
+            f"{dict(reasons) or 'not generated'}): re-run to retry",
+            result=result, hint=f"see {stage_dir / 'failures.jsonl'}; finished turns are kept, a re-run "
+                                "of the same command retries only the failed ones")
+    return result

@@ -10,7 +10,8 @@ Usage:
 
 A checkpoint `checkpoints/step-XXXXXXX/` holds `model.safetensors` (full drafter state, z-lab
 names), `optimizer.pt` (full AdamW state; read back with `torch.load(weights_only=True)`),
-`rng.pt` (CPU/CUDA RNG states) and `state.json` (step, scheduler state, data cursor = step). It is
+`rng.pt` (CPU/CUDA RNG states) and `state.json` (step, scheduler state, data cursor = step, the
+drafter contract: a resume under a changed contract is refused, naming what changed). It is
 written into a temp dir and renamed, so a directory named `step-*` is always complete. Works for
 plain, DDP and FSDP2 drafters (full state dicts gathered by torch.distributed.checkpoint). A
 reduced draft vocabulary travels as the drafter's `d2t` buffer in model.safetensors (checkpoint and
@@ -69,8 +70,11 @@ def save_checkpoint(root: Path, *, step: int, model, optimizer, scheduler, is_ma
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
         torch.save(rng, tmp / "rng.pt")
+        contract = getattr(getattr(model, "module", model), "contract", None)
         atomic_write_json(tmp / "state.json", {"step": step, "data_cursor": step,
-                                               "scheduler": scheduler.state_dict(), **(extra or {})})
+                                               "scheduler": scheduler.state_dict(),
+                                               "contract": contract.to_dict() if contract is not None else None,
+                                               **(extra or {})})
     for old in sorted(root.glob("step-*"))[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     log.info("checkpoint %s", final)
@@ -106,6 +110,7 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler) -> int:
     except Exception as e:  # noqa: BLE001 - safetensors/pickle/json raise many types for torn files
         raise UsageError(f"corrupt or incomplete checkpoint file {current}: {type(e).__name__}: {e}",
                          hint=hint) from None
+    _check_contract(path, state.get("contract"), model)
     _check_draft_vocab(path, msd, model)
     try:
         set_model_state_dict(model, msd, options=_options())
@@ -118,6 +123,27 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler) -> int:
         torch.cuda.set_rng_state(rng["cuda"])
     log.info("resumed from %s (step %d)", path, state["step"])
     return int(state["step"])
+
+
+# Contract fields whose change makes a checkpoint a different drafter (labels are descriptive only).
+CONTRACT_KEYS = ("block_size", "num_draft_layers", "target_layer_ids", "mask_token_id", "num_target_layers",
+                 "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                 "vocab_size", "rope_theta", "rope_scaling", "max_position_embeddings", "tie_word_embeddings")
+
+
+def _check_contract(path: Path, saved: dict | None, model) -> None:
+    """The checkpoint's recorded drafter contract must equal this run's (block size, layer ids, mask id …)."""
+    current = getattr(getattr(model, "module", model), "contract", None)
+    if not saved or current is None:
+        return  # checkpoints written before contracts were recorded
+    now = current.to_dict()
+    changed = [f"{k}: {saved.get(k)!r} in the checkpoint, now {now.get(k)!r}" for k in CONTRACT_KEYS
+               if k in saved and saved.get(k) != now.get(k)]
+    if changed:
+        raise UsageError(f"{path / 'state.json'}: the drafter contract changed since this checkpoint "
+                         f"({'; '.join(changed)})",
+                         hint=f"restore the previous settings (contract.json / drafter.*) to resume, or delete "
+                         f"{path.parent.parent} to train from scratch")
 
 
 def _check_draft_vocab(path: Path, msd: dict, model) -> None:
