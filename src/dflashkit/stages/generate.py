@@ -339,4 +339,5 @@ def run(cfg, rd, ctx) -> dict:
         print(f"turns: {summary['turns_ok']} ok, {skipped} done before, {summary['turns_failed']} failed, "
               f"{summary['turns_not_attempted']} not attempted / {total_turns}; conversations written: "
               f"{summary['conversations_written']}/{len(convs)}", file=sys.stderr)
-    return {"generate": summary, "conversations": str(stage_dir / "conversations.jsonl")}
+    return {"generate": summary, "conversations": str(stage_dir / "conversations.jsonl"),
+            "preflight": server_info.get("preflight")}
