@@ -6,7 +6,6 @@ check against a one-sequence-at-a-time oracle, "not checked" instead of "0/0")."
 from __future__ import annotations
 
 import json
-import logging
 
 import numpy as np
 import pytest
@@ -182,19 +181,20 @@ def test_server_repetition_penalty_default(tmp_path, penalised, tiny_qwen3, caps
         print("penalty drift:", [line for line in cap.err.splitlines() if "agreement" in line])
 
 
-def test_rejected_neutral_fields_are_dropped_once(tmp_path, capsys, caplog):
+def test_rejected_neutral_fields_are_dropped_once(tmp_path, capsys):
     write_prepared(tmp_path)
     refused = ("repetition_penalty", "repeat_penalty", "min_p", "top_k")
-    with FaultServer(Faults(reject_fields=refused)) as srv, caplog.at_level(logging.WARNING, "dflashkit.generate"):
+    with FaultServer(Faults(reject_fields=refused)) as srv:
         rc = main(["generate", f"run.run_dir={tmp_path}", f"server.urls=[{srv.url}]", "generate.max_tokens=8",
                    "generate.concurrency=1", "generate.progress=false", "--json"])
         rejected = srv.stats["rejected_fields"]
-    assert rc == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert rc == 0, err
     manifest = json.loads((tmp_path / "generate" / "manifest.json").read_text())
     assert manifest["fields_refused"] == sorted(refused) and manifest["counts"]["turns_failed"] == 0
     assert manifest["preflight"]["status"] == "skipped"  # no target.path: nothing to render locally
     assert rejected == len(refused)  # one 400 per field, then never sent again
-    assert sum("refuses" in r.getMessage() for r in caplog.records) == len(refused)
+    assert all(err.count(f"the server refuses {k} ") == 1 for k in refused), err
     assert set(refused) <= set(NEUTRAL_SAMPLING)
 
 
@@ -254,3 +254,19 @@ def test_compare_prompt_lengths_and_ids():
     c = compare_prompt([1, 2, 3], server_tokens=None, server_ids=None)
     assert not c.checked and not c.differs
     assert prompt_line({"turns": 0, "checked": 0}) == "prompt tokens: not checked (no regenerated turns)"
+
+
+def test_journal_from_before_the_new_settings_resumes(tmp_path, capsys):
+    """Changing neutral_sampling with a journal whose settings.json records it is refused; an older
+    settings.json without the key is not a settings change."""
+    write_prepared(tmp_path)
+    with FaultServer(Faults()) as srv:
+        args = ["generate", f"run.run_dir={tmp_path}", f"server.urls=[{srv.url}]", "generate.max_tokens=8",
+                "generate.progress=false", "generate.neutral_sampling=false", "--json"]
+        assert main(args[:-2] + ["--json"]) == 0
+        assert main(args) == 2
+        assert "generate.neutral_sampling: True in the existing journal" in capsys.readouterr().err
+        settings = tmp_path / "generate" / "settings.json"
+        old = {k: v for k, v in json.loads(settings.read_text()).items() if k not in ("endpoint", "neutral_sampling")}
+        settings.write_text(json.dumps(old))
+        assert main(args) == 0

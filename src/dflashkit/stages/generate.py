@@ -304,8 +304,14 @@ def run(cfg, rd, ctx) -> dict:
 
                     urls = [stack.enter_context(start_local_server(
                         cfg, log_path=stage_dir / "serve.log"))]
-                chat = local_chat(cfg) if cfg.generate.preflight != "off" or \
-                    cfg.generate.endpoint == "completions" else None
+                chat = None
+                if cfg.generate.preflight != "off" or cfg.generate.endpoint == "completions":
+                    try:
+                        chat = local_chat(cfg)
+                    except Exception as e:  # noqa: BLE001 - only completions mode needs it to go on
+                        if cfg.generate.endpoint == "completions":
+                            raise
+                        log.warning("pre-flight skipped: cannot render the target's chat template here (%s)", e)
                 asyncio.run(_regenerate(cfg, todo, journal, done, urls, counts, reasons, failures, progress,
                                         settings_box, stage_dir, server_info, chat))
     finally:
