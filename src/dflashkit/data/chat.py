@@ -189,7 +189,7 @@ class ChatTemplate:
                 self._add_answer(plan, answer, ordinal, thinking, cut)
                 if ordinal < len(server) and server[ordinal]:
                     plan.server_ids[ordinal] = list(server[ordinal])
-                elif regenerated:
+                elif regenerated and thinking != "strip":  # strip ignores server ids on purpose
                     plan.missing_ids += 1
                 if check_prompts:
                     plan.server_prompts[ordinal] = (prompt, p_tokens[ordinal] if ordinal < len(p_tokens) else None,
