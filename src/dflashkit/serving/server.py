@@ -9,9 +9,10 @@ Usage:
 Routes:
     POST /v1/chat/completions   messages, temperature, top_p, top_k, max_tokens, seed, stop, stream,
                                 chat_template_kwargs; the model's own chat template renders the prompt
-    POST /v1/completions        prompt (string or token ids), same sampling fields
+    POST /v1/completions        prompt (string or token ids), add_special_tokens, same sampling fields
     GET  /v1/models, /health, /metrics (JSON: requests, tokens, batches, acceptance when speculating)
 Each choice carries `finish_reason` and `token_ids` (the generated ids, a stop token included);
+with `return_token_ids: true` the response also has the top-level `prompt_token_ids` (as vLLM);
 `usage` has prompt/completion tokens, plus `acceptance_lengths`/`mean_acceptance` with a drafter.
 Streams are Server-Sent Events ending with `data: [DONE]`; the final chunk has the finish reason,
 the token ids and usage. Bad requests get 400 with an OpenAI-style `{"error": {...}}` body.
@@ -176,7 +177,8 @@ class Handler(BaseHTTPRequestHandler):
                 if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
                     prompt = prompt[0]
                 if isinstance(prompt, str):
-                    prompt_ids = list(app.tok.encode(prompt))
+                    prompt_ids = list(app.tok.encode(  # vLLM's field: False for an already rendered prompt
+                        prompt, add_special_tokens=body.get("add_special_tokens") is not False))
                 elif isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt):
                     prompt_ids = prompt
                 else:
@@ -201,7 +203,7 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 out = self._wait(req)
                 if out is not None:
-                    self._send_json(200, self._full(out, chat))
+                    self._send_json(200, self._full(out, chat, prompt_ids if body.get("return_token_ids") else None))
         except (RequestCancelled, *DISCONNECTS, socket.timeout):
             self._gone(req)
         except Exception as e:  # noqa: BLE001 - the engine's error goes back to this client only
@@ -236,15 +238,18 @@ class Handler(BaseHTTPRequestHandler):
                     self._gone(req)
                     return None
 
-    def _full(self, out, chat: bool) -> dict[str, Any]:
+    def _full(self, out, chat: bool, prompt_ids: list[int] | None = None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason, "token_ids": out.token_ids}
         if chat:
             choice["message"] = {"role": "assistant", "content": out.text}
         else:
             choice["text"] = out.text
-        return {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+        resp = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
                 "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.app.model_name, "choices": [choice], "usage": self.app.usage(out)}
+        if prompt_ids is not None:  # as vLLM does with `return_token_ids`
+            resp["prompt_token_ids"] = list(prompt_ids)
+        return resp
 
     def _stream(self, req, chat: bool) -> None:
         self.send_response(200)

@@ -2,6 +2,9 @@
 
 Inputs:  the config (optional): `server.urls` are probed with GET <url>/models (short timeout,
          API key from `server.api_key_env`, never logged); `target.path` is resolved if set.
+         With both, each endpoint gets generate's pre-flight: one short chat request whose prompt
+         (usage.prompt_tokens, prompt ids if returned) is compared with the target's chat
+         template rendered here ("drift <url>": error when they differ).
 Outputs: nothing on disk. One line per check: ok | missing | absent (optional) | error, with the
          fix command; the JSON has `checks` and `healthy` (false if a required check failed).
          Exit code 0 when healthy, 1 when a required check failed (an unreachable endpoint too).
@@ -142,6 +145,56 @@ def endpoint_checks(server: Any, timeout: float = 3.0) -> list[dict[str, Any]]:
     return out
 
 
+PROBE_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def drift_checks(cfg: Any, urls: list[str], timeout: float = 30.0) -> list[dict[str, Any]]:
+    """generate's pre-flight against each reachable endpoint (needs the target's tokenizer here)."""
+    if not urls or not (cfg.target.path or cfg.target.tokenizer):
+        return []
+    import asyncio
+
+    from dflashkit.data.drift import describe
+    from dflashkit.stages.generate import local_chat
+
+    try:
+        chat = local_chat(cfg)
+    except Exception as e:  # noqa: BLE001 - reported, never raised
+        return [_check("drift", "error", f"cannot render the target's chat template here: {e}"[:300],
+                       "fix target.path / target.tokenizer / target.chat_template")]
+    out = []
+    for url in urls:
+        try:
+            check = asyncio.run(_preflight_one(cfg, url, chat, timeout))
+        except Exception as e:  # noqa: BLE001
+            out.append(_check(f"drift {url}", "error", f"pre-flight request failed: {type(e).__name__}: {e}"[:300],
+                              "check the server log"))
+            continue
+        if check.differs:
+            out.append(_check(f"drift {url}", "error", f"the server's prompt differs from the target's chat "
+                              f"template: {describe(check)}", "serve the target with its own chat template, or "
+                              "set generate.endpoint=completions"))
+        else:
+            out.append(_check(f"drift {url}", "ok" if check.checked else "absent", f"prompt: {describe(check)}"))
+    return out
+
+
+async def _preflight_one(cfg: Any, url: str, chat: Any, timeout: float):
+    from dflashkit.serving.openai_client import OpenAIClient
+    from dflashkit.serving.preflight import Sender, local_prompt_ids, preflight
+    from dflashkit.stages.generate import request_body, sampling_settings
+
+    async with OpenAIClient([url], concurrency=1, timeout_s=timeout, max_retries=0,
+                            api_key_env=cfg.server.api_key_env) as client:
+        model = cfg.server.model or await client.model_name()
+        text = chat.render(PROBE_MESSAGES, add_generation_prompt=True)
+        completions = cfg.generate.endpoint == "completions"
+        body = request_body(sampling_settings(cfg, model), PROBE_MESSAGES, token_ids=cfg.generate.request_token_ids,
+                            prompt=text if completions else None)
+        return await preflight(Sender(client, "completions" if completions else "chat"), body,
+                               local_prompt_ids(chat, text=text))
+
+
 def target_check(cfg: Any) -> list[dict[str, Any]]:
     if not cfg.target.path:
         return []
@@ -160,8 +213,11 @@ def target_check(cfg: Any) -> list[dict[str, Any]]:
 
 
 def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
-    checks = (package_checks() + device_checks() + tool_checks(cfg.run.run_dir) + target_check(cfg)
-              + endpoint_checks(cfg.server))
+    endpoints = endpoint_checks(cfg.server)
+    reachable = [c["name"].split(" ", 1)[1] for c in endpoints if c["status"] == "ok"]
+    targets = target_check(cfg)
+    checks = (package_checks() + device_checks() + tool_checks(cfg.run.run_dir) + targets + endpoints
+              + (drift_checks(cfg, reachable) if all(c["status"] == "ok" for c in targets) else []))
     problems = [c["name"] for c in checks if c["status"] in ("missing", "error")]
     if not ctx.json:
         width = max(len(c["name"]) for c in checks)
