@@ -7,7 +7,9 @@ Usage:
     python -m dflashkit doctor
 
 Every command logs to stderr and prints one JSON object as its last stdout line. Exit codes:
-0 ok, 1 failure, 2 usage/config error, 3 missing upstream artifact (the message names the command).
+0 ok, 1 failure, 2 usage/config error (or the run dir is in use by another writer), 3 missing
+upstream artifact (the message names the command), 4 finished with failures (re-run to retry).
+Commands that write to the run dir hold `<run_dir>/.lock` while they run (not with --dry-run).
 Each command is `dflashkit.stages.<module>.run(cfg, rd, ctx) -> dict`; tests call `main([...])`.
 """
 
@@ -23,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflashkit import __version__
-from dflashkit.errors import EXIT_FAILURE, EXIT_USAGE, DflashkitError, NotImplementedStage, UsageError
+from dflashkit.errors import (EXIT_FAILURE, EXIT_USAGE, DflashkitError, NotImplementedStage, StageFailed,
+                              UsageError)
 
 log = logging.getLogger("dflashkit")
 
@@ -41,10 +44,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("evaluate", "Lossless speculative decoding: tau, per-position acceptance, speedup."),
     "export": ("export", "Write the z-lab checkpoint dir that SGLang/vLLM load; reload and compare."),
     "import": ("import_", "Import an existing z-lab drafter dir to continue training or to evaluate."),
-    "bench": ("bench", "Benchmarks: generate | tokenize | train | decode | serve endpoints."),
+    "bench": ("bench", "Benchmarks: generate | tokenize | train | decode | serve endpoints | recipe ablations."),
     "run": ("pipeline", "Run every stage from one YAML, skipping those that are up to date."),
     "report": ("report", "One self-contained HTML page (+ PNGs) from a run directory."),
 }
+# Commands that only read the run dir (no lock): everything else holds <run_dir>/.lock.
+READ_ONLY = frozenset({"doctor", "plan", "serve"})
+EXIT_CODES = ("Exit codes: 0 ok, 1 failure, 2 usage/config error or run dir in use, 3 missing upstream "
+              "artifact, 4 finished with failures (re-run to retry).")
 
 
 @dataclass
@@ -67,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dflashkit",
         description="Train and prove DFlash block-diffusion speculative-decoding drafters.",
-        epilog="Exit codes: 0 ok, 1 failure, 2 usage/config error, 3 missing upstream artifact.",
+        epilog=EXIT_CODES,
     )
     parser.add_argument("--version", action="version", version=f"dflashkit {__version__}")
     subs = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -156,12 +163,16 @@ def main(argv: list[str] | None = None) -> int:
         nproc_per_node=getattr(ns, "nproc_per_node", None),
     )
     started = time.time()
+    level = ns.log_level or "info"
     try:
+        from contextlib import ExitStack
+
         from dflashkit.config import load_config
-        from dflashkit.rundir import RunDir
+        from dflashkit.rundir import RunDir, run_dir_lock
 
         cfg = load_config(ns.config, overrides)
-        _setup_logging(ns.log_level or cfg.run.log_level)
+        level = ns.log_level or cfg.run.log_level
+        _setup_logging(level)
         module_name, _ = COMMANDS[ns.command]
         try:
             module = importlib.import_module(f"dflashkit.stages.{module_name}")
@@ -169,14 +180,19 @@ def main(argv: list[str] | None = None) -> int:
             if e.name == f"dflashkit.stages.{module_name}":
                 raise NotImplementedStage(f"`dflashkit {ns.command}` is not implemented yet") from None
             raise
-        result = module.run(cfg, RunDir(cfg.run.run_dir), ctx) or {}
+        with ExitStack() as stack:
+            if ns.command not in READ_ONLY and not ns.dry_run:
+                stack.enter_context(run_dir_lock(cfg.run.run_dir, ns.command))
+            result = module.run(cfg, RunDir(cfg.run.run_dir), ctx) or {}
         out = {"command": ns.command, "ok": True, **result, "wall_time_s": round(time.time() - started, 3)}
         _emit(out)
         return 0
     except DflashkitError as e:
-        _setup_logging("info")
+        _setup_logging(level)
         log.error("%s", e)
-        _emit({"command": ns.command, "ok": False, "exit_code": e.exit_code, "error": e.message,
+        log.debug("traceback", exc_info=True)
+        extra = e.result if isinstance(e, StageFailed) else {}
+        _emit({"command": ns.command, "ok": False, **extra, "exit_code": e.exit_code, "error": e.message,
                "hint": e.hint})
         return e.exit_code
     except KeyboardInterrupt:
@@ -184,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         _emit({"command": ns.command, "ok": False, "exit_code": 130, "error": "interrupted"})
         return 130
     except Exception as e:  # noqa: BLE001 - last resort: a one-line error plus the traceback at debug
-        _setup_logging("info")
+        _setup_logging(level)
         log.error("%s failed: %s: %s", ns.command, type(e).__name__, e)
         log.debug("traceback", exc_info=True)
         if log.isEnabledFor(logging.DEBUG) is False:

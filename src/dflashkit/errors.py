@@ -5,6 +5,8 @@ Usage:
     raise MissingArtifactError("tokenized shards", path, run="dflashkit tokenize -c run.yaml")
 
 `cli.main` turns these into one clear stderr message and the exit code; anything else is exit 1.
+Exit codes: 0 ok, 1 failure, 2 usage/config error (also: the run dir is locked by another writer),
+3 missing upstream artifact, 4 finished with failures (re-run to retry).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_MISSING = 3
+EXIT_PARTIAL = 4  # the stage finished, but some items failed: re-run the same command to retry them
 
 
 class DflashkitError(Exception):
@@ -64,3 +67,24 @@ class NotImplementedStage(UsageError):
 
 class ServerError(DflashkitError):
     """An OpenAI-compatible endpoint could not be used (exit 1)."""
+
+
+class RunDirLocked(UsageError):
+    """Another process is writing to the same run dir (exit 2); the message names its PID."""
+
+
+class StageFailed(DflashkitError):
+    """A stage ran to the end but its verdict is a failure; `result` is still printed as JSON.
+
+    `PartialFailure` (exit 4) is the usual case: "N of M failed: re-run to retry".
+    """
+
+    def __init__(self, message: str, *, result: dict | None = None, hint: str | None = None):
+        super().__init__(message, hint=hint)
+        self.result = dict(result or {})
+
+
+class PartialFailure(StageFailed):
+    """Some items of a stage failed; finished work is kept and a re-run retries the rest (exit 4)."""
+
+    exit_code = EXIT_PARTIAL

@@ -5,16 +5,19 @@ Usage:
     rd.contract_path            # <run_dir>/contract.json (written by probe, read by everyone)
     atomic_write_json(rd.contract_path, {...})
     write_manifest(rd.stage_dir("tokenize"), stage="tokenize", inputs=[...], config_hash=h, counts={...}, started=t0)
+    with run_dir_lock(rd.root, "generate"): ...   # one writer per run dir (cli.main takes it)
 
 Layout (one folder per stage):
     config.resolved.yaml  contract.json  probe/  prepare/  generate/  tokenize/  capture/
     train/ (checkpoints/, metrics.jsonl)  eval/  export/  report/
 Each stage folder holds a `manifest.json`; `dflashkit run` compares it with the current config
-and the inputs' manifests to decide whether the stage is up to date.
+and the inputs' manifests to decide whether the stage is up to date. `<run_dir>/.lock` is flock'ed
+by the command writing to the run dir (it names that process), so two writers never interleave.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -45,6 +48,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temp path beside `path`; on success it is fsync'd and renamed over `path`."""
@@ -56,6 +65,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     try:
         yield tmp_path
         if tmp_path.is_file():
+            os.chmod(tmp_path, 0o666 & ~_umask())  # writers such as safetensors leave 0600 behind
             with open(tmp_path, "rb") as fh:
                 os.fsync(fh.fileno())
         os.replace(tmp_path, path)
@@ -112,9 +122,7 @@ def atomic_dir(path: str | Path, *, owner: str | None = None, marker: str = "man
                          hint="choose a new or empty directory, or remove it yourself if it is yours to delete")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
+    os.chmod(tmp, 0o777 & ~_umask())
     old = None
     try:
         yield tmp
@@ -215,3 +223,75 @@ def write_manifest(stage_dir: Path, *, stage: str, config_hash: str, inputs: dic
         manifest.update(extra)
     atomic_write_json(Path(stage_dir) / "manifest.json", manifest)
     return manifest
+
+
+LOCK_ENV = "DFLASHKIT_RUN_DIR_LOCK"  # set while held: child processes (torchrun ranks) share the lock
+
+
+@contextmanager
+def run_dir_lock(root: str | Path, command: str) -> Iterator[None]:
+    """Hold an exclusive `flock` on `<root>/.lock` for the body; a second writer gets `RunDirLocked`.
+
+    The lock dies with its process (no stale lock after a crash or SIGKILL). The file records the
+    holder's PID and command so the refusal can name them. Child processes inherit the lock through
+    `LOCK_ENV` (train re-launched under torchrun); under a user's torchrun only RANK 0 locks. A run
+    dir that this call created and that is still empty afterwards is removed again.
+    """
+    from dflashkit.errors import RunDirLocked, UsageError
+
+    root = Path(root)
+    key = str(root.resolve())
+    if os.environ.get(LOCK_ENV) == key or (int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+                                           and os.environ.get("RANK", "0") != "0"):
+        yield
+        return
+    created = [p for p in [root, *root.parents] if not p.exists()]
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"run.run_dir {root} is a file, not a directory", hint="set run.run_dir to a directory")
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / ".lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raw = os.pread(fd, 4096, 0).decode(errors="replace")
+        os.close(fd)
+        try:
+            holder = json.loads(raw)
+            pid = int(holder["pid"])
+            who = f"PID {pid} (`dflashkit {holder.get('command')}`, since {holder.get('since')})"
+        except (ValueError, KeyError, TypeError):
+            pid, who = None, "another process"
+        raise RunDirLocked(f"run dir {root} is in use by {who}: one writer per run dir",
+                           hint=f"wait for PID {pid} to finish (or stop it), or use another run.run_dir"
+                           if pid else "wait for it to finish, or use another run.run_dir") from None
+    except OSError as e:  # a filesystem without flock (some network mounts): warn, do not block
+        import logging
+
+        logging.getLogger("dflashkit").warning("cannot lock %s (%s); not guarding against a second writer",
+                                               path, e)
+        os.close(fd)
+        yield
+        return
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps({"pid": os.getpid(), "command": command,
+                               "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n").encode(), 0)
+    previous = os.environ.get(LOCK_ENV)
+    os.environ[LOCK_ENV] = key
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(LOCK_ENV, None)
+        else:
+            os.environ[LOCK_ENV] = previous
+        try:
+            os.ftruncate(fd, 0)
+            if created and [p.name for p in root.iterdir()] == [".lock"]:
+                path.unlink()
+                for p in created:  # innermost first; stops at the first non-empty one
+                    p.rmdir()
+        except OSError:
+            pass
+        finally:
+            os.close(fd)  # releases the flock

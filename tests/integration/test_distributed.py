@@ -43,7 +43,10 @@ def _compare(tmp_path, target, mode, tgt, extra=()):
     assert (two / "train" / "checkpoints" / "step-0000002" / "optimizer.pt").is_file()
 
 
-@pytest.mark.parametrize("extra", [(), ("drafter.draft_vocab_size=24",)], ids=["full-vocab", "draft-vocab"])
+# the draft-vocab case also runs the D-PACE weighting (its Σ of supervised positions is the step
+# denominator) and feature noise, which must not change the result with the number of ranks either
+@pytest.mark.parametrize("extra", [(), ("drafter.draft_vocab_size=24", "train.position_weighting=dpace",
+                                        "train.feature_noise=0.05")], ids=["full-vocab", "draft-vocab-dpace-noise"])
 def test_one_rank_equals_two_ranks_fsdp_with_sharded_target(tmp_path, tiny_qwen3, extra):
     _compare(tmp_path, tiny_qwen3, "fsdp", "shard", extra)
 

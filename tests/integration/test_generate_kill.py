@@ -4,6 +4,11 @@ A fault-injecting server with a few ms of latency keeps each run busy; every run
 moment after it wrote its first new journal line. After ≥ 10 kills a last run completes: every
 (id, turn) is in the journal exactly once, no line is torn, and conversations.jsonl equals the
 oracle (each answer depends on the whole history the client sent, so order errors show up).
+
+Chaos test: the same against a real `dflashkit serve` (tiny target, continuous batching) at
+concurrency 8. The server must cancel the requests of each killed client (nothing left in flight
+a moment after a kill), so turns written grow across kills. Afterwards no child of a killed run
+and no temp dir remains (tests/integration/test_child_server.py kills runs that serve themselves).
 """
 
 from __future__ import annotations
@@ -11,12 +16,15 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
+
+import pytest
 
 from dflashkit.serving.conversations import build_prompt, plan_turns
 from dflashkit.serving.faults import FaultServer, Faults, canned_answer
@@ -106,3 +114,114 @@ def test_generate_survives_repeated_sigkill(tmp_path):
         for t in range(len(turns)):
             answers.append(canned_answer(build_prompt(conv["messages"], turns, answers, t)))
         assert [m["content"] for m in row["messages"] if m["role"] == "assistant"] == answers
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _metrics(root: str) -> dict:
+    import httpx
+
+    return httpx.get(root + "/metrics", timeout=5).json()
+
+
+@pytest.mark.slow
+def test_generate_against_real_serve_survives_sigkill_chaos(tmp_path, tiny_qwen3):
+    rng = random.Random(7)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TQDM_DISABLE": "1", "TMPDIR": str(tmp)}
+    run_dir = tmp_path / "run"
+    convs = [{"id": f"{i:016x}", "source": "chaos",
+              "messages": [m for t in range(1 + i % 2) for m in ({"role": "user", "content": f"q{i}.{t}"},
+                                                                 {"role": "assistant", "content": "x"})]}
+             for i in range(160)]
+    (run_dir / "prepare").mkdir(parents=True)
+    (run_dir / "prepare" / "train.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs))
+    total = sum(len(plan_turns(c["messages"])) for c in convs)
+    common = [f"run.run_dir={run_dir}", f"target.path={tiny_qwen3}", "target.device=cpu", "generate.concurrency=8",
+              "generate.max_tokens=24", "generate.shard_size=50", "generate.backoff_s=0.01",
+              "generate.progress=false", "serve.cpu_threads=1", "serve.max_batch=8", "--json"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "dflashkit", "serve", str(tiny_qwen3), f"serve.port={port}",
+                               "serve.cpu_threads=1", "serve.max_batch=8", "target.device=cpu"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    root = f"http://127.0.0.1:{port}"
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "dflashkit", "generate", *common,
+                                 f"server.urls=[{root}/v1]"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+
+    kills, written, orphans = 0, [0], []
+    t0 = time.monotonic()
+    deadline = t0 + 120
+    while time.monotonic() < deadline:
+        try:
+            _metrics(root)
+            break
+        except Exception:  # noqa: BLE001 - still loading
+            assert server.poll() is None, server.stderr.read().decode()[-2000:]
+            time.sleep(0.2)
+    t_up = time.monotonic() - t0
+    try:
+        proc = start()
+        while kills < KILLS:
+            before = written[-1]
+            while proc.poll() is None and _newlines(run_dir) <= before:
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 0.2))
+            assert proc.poll() is None, f"finished before kill {kills}: {proc.stderr.read().decode()[-2000:]}"
+            orphans += _children(proc.pid)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            kills += 1
+            written.append(len(_journal_lines(run_dir, after_kill=True)))
+            deadline = time.monotonic() + 3  # the killed client's requests are cancelled: idle in moments
+            while _metrics(root)["in_flight"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _metrics(root)["in_flight"] == 0, "abandoned requests still decoding"
+            lines = _journal_lines(run_dir, after_kill=True)
+            keys = Counter((json.loads(x)["id"], json.loads(x)["turn"]) for x in lines)
+            assert max(keys.values(), default=1) == 1, "duplicate (id, turn) after a kill"
+            proc = start()
+        out, err = proc.communicate(timeout=120)
+        print(f"server up in {t_up:.1f}s; {kills} kills + final run in {time.monotonic() - t0 - t_up:.1f}s; "
+              f"journal lines after each kill: {written}")
+        assert proc.returncode == 0, err.decode()[-3000:]
+        metrics = _metrics(root)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=30)
+    assert all(b > a for a, b in zip(written, written[1:])), f"no progress between kills: {written}"
+    assert metrics["cancelled"] > 0  # the kills abandoned requests, and the server dropped them
+    result = json.loads(out.decode().strip().splitlines()[-1])["generate"]
+    keys = Counter((json.loads(x)["id"], json.loads(x)["turn"]) for x in _journal_lines(run_dir))
+    assert len(keys) == total and max(keys.values()) == 1
+    assert result["turns_failed"] == 0 and result["turns_skipped_done"] + result["turns_ok"] == total
+    rows = [json.loads(x) for x in (run_dir / "generate" / "conversations.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == [c["id"] for c in convs]
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in orphans) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in orphans), "orphaned server"
+    assert not list(tmp.glob("dflashkit-serve-*")), "temp dir leaked"

@@ -23,7 +23,7 @@ def test_capture_features_equal_target_and_resume(tmp_path, tiny_qwen3, capsys):
     out = capsys.readouterr().out
     assert "GB in total" in out.splitlines()[0]  # size printed before the work
     res = json.loads(out.strip().splitlines()[-1])
-    assert res["written"] == 2 and res["bytes_total"] == res["tokens"] * 2 * 64 * 4
+    assert res["written"] == 2 and res["bytes_total"] == res["tokens"] * (2 * 64 * 4 + 4)  # features + next ids
     data = load_tokenized(RunDir(rd))
     target = load_target(load_config(None, ov).target)
     contract = json.loads((rd / "contract.json").read_text())
@@ -49,11 +49,20 @@ def test_capture_refuses_when_disk_too_small(tmp_path, tiny_qwen3, capsys):
     assert not list((rd / "capture").glob("*.safetensors"))
 
 
-@pytest.mark.parametrize("extra", [[], ["drafter.draft_vocab_size=24"]], ids=["full-vocab", "draft-vocab"])
+@pytest.mark.parametrize("extra", [[], ["drafter.draft_vocab_size=24"], ["train.labels=target"],
+                                   ["train.labels=target", "drafter.draft_vocab_size=24"],
+                                   ["train.labels=target", "train.loss=ce+kl"], ["train.loss=kl"]],
+                         ids=["full-vocab", "draft-vocab", "target-labels", "target-labels-draft-vocab",
+                              "target-labels-ce+kl", "kl"])
 def test_online_equals_cached_loss(tmp_path, tiny_qwen3, capsys, extra):
     rd_on = make_run(tmp_path / "on", tiny_qwen3)
     rd_ca = make_run(tmp_path / "ca", tiny_qwen3)
-    assert main(["capture", "--json", *overrides(rd_ca, tiny_qwen3), "capture.dtype=float32"]) == 0
+    assert main(["capture", "--json", *overrides(rd_ca, tiny_qwen3), "capture.dtype=float32", *extra]) == 0
+    if "train.loss=kl" in extra or "train.loss=ce+kl" in extra:  # capture kept what cached KL needs
+        from safetensors import safe_open
+
+        with safe_open(str(rd_ca / "capture" / "shard-00000.safetensors"), "pt") as fh:
+            assert {"features", "next_ids", "last_hidden", "offsets"} == set(fh.keys())
     assert main(["train", "--json", *overrides(rd_on, tiny_qwen3, train__max_steps=3), *extra]) == 0
     assert main(["train", "--json", *overrides(rd_ca, tiny_qwen3, train__max_steps=3, train__features="cached"),
                  *extra]) == 0

@@ -152,7 +152,8 @@ def test_server_token_ids_checked_and_used(toks):
     good = tok.encode("Paris.", add_special_tokens=False)  # server ids without the stop token
     bad = tok.encode("Paris!!", add_special_tokens=False) + tok.encode("<|im_end|>", add_special_tokens=False)
     (s,), _, checks = run(tok, conv(*TWO, meta={"token_ids": [good, None]}))
-    assert checks == {"server_turns": 1, "server_mismatches": 0, "first_mismatch": None}
+    assert {k: checks[k] for k in ("server_turns", "server_mismatches", "first_mismatch")} == \
+        {"server_turns": 1, "server_mismatches": 0, "first_mismatch": None}
     assert spans(tok, s) == ["Paris.<|im_end|>", "Berlin.<|im_end|>"]
     chat = ChatTemplate(tok)
     plans, _ = chat.plan(conv(*TWO, meta={"token_ids": [bad, None]}))

@@ -50,7 +50,7 @@ def test_doctor_packages_tools_and_endpoints(models_server, tmp_path, capsys, mo
     monkeypatch.setenv("DFK_TEST_KEY", "sk-secret-123")
     dead = "http://127.0.0.1:1/v1"
     assert main(["doctor", f"server.urls=[{url},{dead}]", "server.api_key_env=DFK_TEST_KEY",
-                 "--run-dir", str(tmp_path), "--json"]) == 0
+                 "--run-dir", str(tmp_path), "--json"]) == 1  # unhealthy: the dead endpoint
     out = capsys.readouterr().out
     assert "sk-secret-123" not in out
     res = json.loads(out.strip().splitlines()[-1])
@@ -63,7 +63,7 @@ def test_doctor_packages_tools_and_endpoints(models_server, tmp_path, capsys, mo
     assert seen == ["Bearer sk-secret-123"]
     assert checks[f"endpoint {dead}"]["status"] == "error" and checks[f"endpoint {dead}"]["fix"]
     assert res["healthy"] is False and res["problems"] == [f"endpoint {dead}"]
-    assert main(["doctor", "--run-dir", str(tmp_path), "target.path=/nonexistent/model"]) == 0
+    assert main(["doctor", "--run-dir", str(tmp_path), "target.path=/nonexistent/model"]) == 1
     res = last_json(capsys)
     assert res["problems"] == ["target.path"]
 

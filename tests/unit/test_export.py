@@ -241,3 +241,24 @@ def test_export_replaces_its_own_output_with_normal_permissions(tmp_path, target
     os.umask(umask)
     assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
     assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) & 0o044 == 0o644 & ~umask & 0o044
+
+
+def test_export_and_eval_default_to_train_best_and_say_so(tmp_path, target, tiny_qwen3, capsys):
+    rd = _run_dir(tmp_path, target)
+    torch.manual_seed(7)
+    best = random_drafter(target, block_size=4)
+    save_drafter(best, rd / "train" / "best", dtype="float32")
+    args = [f"target.path={tiny_qwen3}", "--run-dir", str(rd), "--json"]
+    # a best/ without best.json (a torn or foreign dir) is not trusted: train/final is used
+    capsys.readouterr()
+    assert main(["eval", "--dry-run", *args]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["drafter"] == str(rd / "train" / "final")
+    (rd / "train" / "best" / "best.json").write_text(json.dumps({"step": 3, "tau": 1.5, "acc": [0.4]}))
+    assert main(["eval", "--dry-run", *args]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["drafter"] == str(rd / "train" / "best")
+    assert main(["export", "export.dtype=float32", *args]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["source"] == str(rd / "train" / "best") and out["source_info"] == {"kind": "best", "step": 3,
+                                                                                  "tau": 1.5, "acc": [0.4]}
+    exported = load_drafter(rd / "export").state_dict()
+    assert all(torch.equal(v.float(), exported[k].float()) for k, v in best.state_dict().items())

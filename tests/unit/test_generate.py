@@ -93,8 +93,10 @@ def test_permanent_failures_counted_then_resumed(tmp_path, capsys):
     convs = write_prepared(tmp_path, n=30)
     with FaultServer(Faults(rates={"500": 0.2}, always_fail=0.25, seed=3)) as srv:
         rc, out = run_generate(tmp_path, srv.url, "generate.max_retries=2", capsys=capsys)
-    assert rc == 0
+    assert rc == 4 and out["ok"] is False  # finished with failures: an honest, documented exit code
     g = out["generate"]
+    assert f"{g['turns_failed']} of {g['turns_total']} turns failed" in out["error"]
+    assert out["error"].endswith("re-run to retry")
     check_accounting(g, len(convs))
     assert g["turns_failed"] > 0 and g["failed_by_reason"].get("http 500") == g["turns_failed"]
     failures = [json.loads(x) for x in (tmp_path / "generate" / "failures.jsonl").read_text().splitlines()]
@@ -240,3 +242,19 @@ def test_strict_server_without_token_ids(tmp_path, capsys):
     rows = read_out(tmp_path)
     assert [r["messages"] for r in rows] == [expected_conversation(c) for c in convs]
     assert all(r["meta"]["token_ids"] is None for r in rows)
+
+
+def test_original_answer_sources_are_not_regenerated(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    convs = write_prepared(run_dir, n=12, max_turns=1)
+    raw_ids = {c["id"] for c in convs[::3]}
+    for c in convs:
+        c["source"] = "raw" if c["id"] in raw_ids else "chat"
+    (run_dir / "prepare" / "train.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs))
+    sources = '[{path: raw.jsonl, name: raw, answers: original}, {path: chat.jsonl, name: chat}]'
+    with FaultServer(Faults(seed=1)) as srv:
+        rc, g = run_generate(run_dir, srv.url, f"data.sources={sources}", capsys=capsys)
+    assert rc == 0, g
+    out = read_out(run_dir)
+    assert {o["id"] for o in out} == {c["id"] for c in convs} - raw_ids
+    assert g["generate"]["turns_total"] == len(convs) - len(raw_ids)

@@ -106,3 +106,101 @@ def test_kl_target_is_next_token_distribution_at_anchor_plus_k_minus_1():
     ce = dflash_loss(model, emb, head, feats, ids, lm, lens, a, loss="ce", **kw).loss
     kl = dflash_loss(model, emb, head, feats, ids, lm, lens, a, loss="kl", **kw).loss
     assert torch.allclose(ce, kl, rtol=1e-4), (ce, kl)
+
+
+def _dpace_oracle(ce, sup, alpha):
+    """The paper's recurrence, one block and one position at a time (plain floats)."""
+    B = len(ce)
+    qt = [((1 - alpha) * math.exp(-ce[i]) + alpha) if sup[i] else 0.0 for i in range(B)]
+    w = [0.0] * B
+    for j in range(1, B):
+        for m in range(j, B):
+            prod = 1.0
+            for i in range(1, m + 1):
+                prod *= qt[i]
+            w[j] += prod
+    return w
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dpace_weights_match_loop_oracle(seed):
+    from dflashkit.train.objective import dpace_weights
+
+    g = torch.Generator().manual_seed(seed)
+    b, n, B, alpha = 3, 4, 6, [0.5, 0.2, 1.0][seed % 3]
+    ce = torch.rand(b, n, B, generator=g) * 4
+    sup = torch.rand(b, n, B, generator=g) > 0.25
+    sup[..., 0] = False
+    ce_in = ce.clone().requires_grad_(True)
+    w = dpace_weights(ce_in, sup, alpha=alpha)
+    assert not w.requires_grad  # detached: the weights shape the gradient, they get none
+    for i in range(b):
+        for j in range(n):
+            want = _dpace_oracle(ce[i, j].tolist(), sup[i, j].tolist(), alpha)
+            assert torch.allclose(w[i, j], torch.tensor(want), atol=1e-6), (w[i, j], want)
+    # outside the supervised set the chain stops: that position and every later one get 0
+    first_gap = (~sup[..., 1:]).float().argmax(-1) + 1
+    for i in range(b):
+        for j in range(n):
+            if not sup[i, j, 1:].all():
+                assert w[i, j, int(first_gap[i, j]):].eq(0).all()
+    # α = 1: q̃ ≡ 1 on a fully supervised block, w_j = B − j
+    full = torch.ones(1, 1, B, dtype=torch.bool)
+    full[..., 0] = False
+    assert dpace_weights(torch.rand(1, 1, B), full, alpha=1.0).flatten().tolist() == [0.0] + [B - j for j in
+                                                                                           range(1, B)]
+
+
+def test_dpace_loss_is_weighted_ce_over_supervised_count():
+    """dflash_loss(dpace) == Σ_j w_j·CE_j / #supervised, with w from the oracle on the same CEs
+    (CEs recovered from a per-position decay-free run) and the metrics unchanged."""
+    c, model, emb, head, lm, lens, a, ids, feats = _setup(B=5)
+    kw = dict(mask_token_id=c.mask_token_id)
+    plain = dflash_loss(model, emb, head, feats, ids, lm, lens, a, gamma=None, **kw)
+    dp = dflash_loss(model, emb, head, feats, ids, lm, lens, a, gamma=3.0, position_weighting="dpace",
+                     dpace_alpha=0.5, **kw)
+    labels, mask = labels_and_weights(ids, lm, lens, a, block_size=5, gamma=None)
+    assert dp.weight_sum == plain.weight_sum == float(mask.sum())
+    assert torch.equal(dp.correct, plain.correct) and dp.tau_sum == plain.tau_sum
+    # per-position CE, computed independently through the model's forward with one-hot weights
+    b, n = a.anchors.shape
+    with torch.no_grad():
+        from dflashkit.model.masks import dense_block_mask
+
+        noise = emb(block_input_ids(ids, a, mask_token_id=c.mask_token_id, block_size=5))
+        pos = block_position_ids(a, ctx_len=ids.shape[1], block_size=5)
+        mask_ = dense_block_mask(a.anchors, a.keep, lens, ctx_len=ids.shape[1], block_size=5)
+        h = model(noise, feats, pos, attention_mask=mask_)
+        logp = torch.log_softmax(head(h).float(), -1)
+        ce = -logp.gather(-1, labels[..., None]).squeeze(-1).view(b, n, 5)
+    sup = (mask > 0).view(b, n, 5)
+    want = 0.0
+    for i in range(b):
+        for j in range(n):
+            wj = _dpace_oracle(ce[i, j].tolist(), sup[i, j].tolist(), 0.5)
+            want += sum(wj[k] * float(ce[i, j, k]) for k in range(5) if sup[i, j, k])
+    want /= float(mask.sum())
+    got = float(dp.loss.detach())
+    assert abs(got - want) < 1e-4 * max(1.0, want), (got, want)
+
+
+def test_dpace_denominator_makes_the_split_loss_sum_to_the_whole():
+    """Two halves of a batch, each divided by the WHOLE batch's supervised count, add up to the
+    whole batch's loss and gradient (what micro-batch × accumulation and 1 ≡ N ranks rely on)."""
+    c, model, emb, head, lm, lens, a, ids, feats = _setup(B=4)
+    kw = dict(mask_token_id=c.mask_token_id, gamma=None, position_weighting="dpace", dpace_alpha=0.5)
+    model.zero_grad()
+    whole = dflash_loss(model, emb, head, feats, ids, lm, lens, a, **kw)
+    whole.loss.backward()
+    g_whole = {k: p.grad.clone() for k, p in model.named_parameters()}
+    denom = whole.weight_sum
+    model.zero_grad()
+    parts = 0.0
+    for sl in (slice(0, 1), slice(1, 3)):
+        sub = Anchors(a.anchors[sl], a.keep[sl])
+        out = dflash_loss(model, emb, head, feats[sl], ids[sl], lm[sl], lens[sl], sub, denom=denom, **kw)
+        out.loss.backward()
+        parts += float(out.loss.detach())
+    assert abs(parts - float(whole.loss.detach())) < 1e-5
+    for k, p in model.named_parameters():
+        assert torch.allclose(p.grad, g_whole[k], atol=1e-5), k

@@ -76,12 +76,15 @@ def test_truncated_array_recovers_complete_records(tmp_path, cut):
             assert data[:cuts[cut]][t["byte_offset"]:t["byte_offset"] + 1] in (b"{", b"")
 
 
-def test_humaneval_164_single_turn(tmp_path, capsys):
+def test_humaneval_164_with_reference_solutions(tmp_path, capsys):
     code, out = prepare(tmp_path, capsys, [{"path": "humaneval"}])
     assert code == 0 and out["train"] == 164
     rows = lines(tmp_path / "run/prepare/train.jsonl")
-    assert all(len(r["messages"]) == 1 and r["messages"][0]["role"] == "user" for r in rows)
+    assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in rows)
     assert all("def " in r["messages"][0]["content"] for r in rows)
+    # the answer is the prompt completed with the reference solution (what answers=original trains on)
+    assert all(r["messages"][1]["content"].startswith("```python\n") and "return" in r["messages"][1]["content"]
+               for r in rows)
 
 
 def test_formats_and_drop_reasons(tmp_path, capsys):

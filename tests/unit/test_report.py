@@ -89,3 +89,32 @@ def test_report_renders_in_a_headless_browser(run_dir, tmp_path):
     dark = sum(p < 128 for p in pixels) / len(pixels)
     assert img.size == (1200, 1600)
     assert var > 100 and 0.001 < dark < 0.5, f"blank-looking screenshot (variance {var:.1f}, dark share {dark:.4f})"
+
+
+def test_report_plots_the_learning_curve_per_source_with_the_gap(tmp_path, monkeypatch):
+    rd = tmp_path / "run"
+    (rd / "train" / "best").mkdir(parents=True)
+
+    def point(step, tokens, tau, train_tau):
+        return {"step": step, "tokens": tokens, "heldout": {"tau": tau, "acc1": tau - 1, "loss": 3 / step},
+                "train": {"tau": train_tau, "acc1": train_tau - 1},
+                "by_source": {"sharegpt": {"tokens": tokens // 4 * 3, "tau": tau + 0.05, "acc1": 0.2, "loss": 1.0},
+                              "humaneval": {"tokens": tokens // 4, "tau": tau - 0.05, "acc1": 0.1, "loss": 2.0}}}
+
+    pts = [point(10, 4000, 1.25, 1.30), point(20, 8000, 1.375, 1.5)]
+    (rd / "train" / "curve.json").write_text(json.dumps({"sources": ["humaneval", "sharegpt"], "points": pts}))
+    (rd / "train" / "best" / "best.json").write_text(json.dumps({"step": 20, "tau": 1.375}))
+    assert main(["report", "--run-dir", str(rd), "--json"]) == 0
+    page = (rd / "report" / "index.html").read_text()
+    assert sorted(p.name for p in (rd / "report").glob("*.png")) == ["learning_curve.png", "learning_curve_acc1.png"]
+    assert "Learning curve" in page and "8000" in page and "0.125" in page  # the gap 1.5 − 1.375 at step 20
+    assert "step 20, held-out τ 1.375" in page and "1.425 (6000)" in page  # per source τ (tokens)
+    from dflashkit.stages.report import curve_section
+
+    specs, _ = curve_section(json.loads((rd / "train" / "curve.json").read_text()), None)
+    labels = [lbl for lbl, _, _ in specs[0][5]]
+    assert labels == ["held-out", "held-out humaneval", "held-out sharegpt", "train (same steps)"]
+    assert specs[0][5][0][1] == [4000, 8000] and specs[0][5][3][2] == [1.30, 1.5]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the SVG fallback draws them too
+    assert main(["report", "--run-dir", str(rd), "--json"]) == 0
+    assert (rd / "report" / "index.html").read_text().count("<svg") == 2

@@ -182,3 +182,44 @@ def test_bench_tokenize(tmp_path, capsys, tiny_qwen3):
     assert code == 0 and out["tokens"] == out["raw_tokens"] > 0
     assert out["identical_token_sequences"] == out["samples"] == 12
     assert out["ratio_full_vs_raw"] > 0 and Path(run_dir / "bench/tokenize.json").is_file()
+
+
+def test_original_answer_sources_join_the_regenerated_ones_without_generate(tmp_path, capsys, tiny_qwen3, tok):
+    """`answers: original` sources come from prepare as they are; the regenerated ones from generate;
+    every shard row names its source; with only original sources generate is not needed at all."""
+    from dflashkit.config import load_config
+    from dflashkit.stages.pipeline import active_stages
+
+    raw = [dict(c, source="raw") for c in convs(["Raw answer one, as a person wrote it.",
+                                                  "Raw answer two, as a person wrote it."])]
+    regen_prepared = [dict(c, source="chat") for c in convs(["to be regenerated " * 3])]
+    run_dir = setup(tmp_path, tiny_qwen3, raw + regen_prepared, where="prepare/train.jsonl")
+    cfg = yaml.safe_load((tmp_path / "run.yaml").read_text())
+    cfg["data"] = {"sources": [{"path": "raw.jsonl", "name": "raw", "answers": "original"},
+                               {"path": "chat.jsonl", "name": "chat"}]}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    assert "generate" in active_stages(load_config(tmp_path / "run.yaml"))
+    code, out = tokenize(tmp_path, capsys)
+    assert code == 3 and "generate" in out["hint"]  # the regenerated source's answers are missing
+    regenerated = [dict(c, source="chat") for c in convs(["The target's own answer here, regenerated."])]
+    write_jsonl(run_dir / "generate" / "conversations.jsonl", regenerated)
+    code, out = tokenize(tmp_path, capsys)
+    assert code == 0, out
+    rows = list(iter_tokenized(run_dir / "tokenize"))
+    table = pq.read_table(sorted((run_dir / "tokenize").glob("shard-*.parquet"))[0])
+    sources = table.column("source").to_pylist()
+    texts = {s: [] for s in sources}
+    for s, r in zip(sources, rows):
+        texts[s].append(supervised_text(tok, r))
+    assert sorted(sources) == ["chat", "raw", "raw"]
+    assert any("regenerated" in t for t in texts["chat"]) and not any("to be regenerated" in t for t in texts["chat"])
+    assert all("as a person wrote it" in t for t in texts["raw"])
+    stats = json.loads((run_dir / "tokenize" / "stats.json").read_text())
+    assert stats["by_source"]["raw"]["samples"] == 2 and stats["by_source"]["chat"]["samples"] == 1
+    # every source original: generate drops out of `run`, tokenize needs no generate output
+    cfg["data"]["sources"][1]["answers"] = "original"
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    assert "generate" not in active_stages(load_config(tmp_path / "run.yaml"))
+    (run_dir / "generate" / "conversations.jsonl").unlink()
+    code, out = tokenize(tmp_path, capsys)
+    assert code == 0 and out["samples"] == 3

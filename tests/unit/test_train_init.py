@@ -18,8 +18,12 @@ def _load(path):
 def test_init_from_qwen3_copies_attention_mlp_and_norms(tiny_targets):
     t = _load(tiny_targets["qwen3"])
     d = DFlashDraftModel(make_contract(tiny_targets["qwen3"], num_draft_layers=2))
+    with torch.no_grad():  # a random target's final norm is all ones, like the drafter's: make it differ
+        t.model.get_decoder().norm.weight.uniform_(0.5, 1.5)
     rep = init_from_target(d, t)
-    assert rep["layer_ids"] == [4, 5] and not rep["skipped"] and len(rep["copied"]) == 22
+    assert rep["layer_ids"] == [4, 5] and not rep["skipped"] and len(rep["copied"]) == 23
+    assert "norm.weight" in rep["copied"]
+    assert torch.equal(d.norm.weight, t.model.get_decoder().norm.weight)
     src = t.decoder_layers[5]
     assert torch.equal(d.layers[1].self_attn.q_proj.weight, src.self_attn.q_proj.weight)
     assert torch.equal(d.layers[1].mlp.down_proj.weight, src.mlp.down_proj.weight)

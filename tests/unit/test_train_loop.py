@@ -40,9 +40,11 @@ def test_train_writes_final_zlab_dir(tmp_path, tiny_targets, arch, capsys):
 
 
 VOCAB_CASES = pytest.mark.parametrize("extra", [(), ("drafter.draft_vocab_size=24",)], ids=["full-vocab", "draft-vocab"])
+RECIPE = ("train.position_weighting=dpace", "train.feature_noise=0.05")
 
 
-@VOCAB_CASES
+@pytest.mark.parametrize("extra", [(), ("drafter.draft_vocab_size=24",), RECIPE + ("drafter.draft_vocab_size=24",)],
+                         ids=["full-vocab", "draft-vocab", "dpace-noise"])
 def test_micro_batch_times_grad_accum_equivalence(tmp_path, tiny_qwen3, extra):
     rc1, a = _train(tmp_path, tiny_qwen3, "a", extra, train__batch_size=4, train__grad_accum=1, train__max_steps=3)
     rc2, b = _train(tmp_path, tiny_qwen3, "b", extra, train__batch_size=2, train__grad_accum=2, train__max_steps=3)
@@ -80,9 +82,91 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path, tiny_qwen3, monkeypatch,
     assert _metrics(killed) and [r["step"] for r in _metrics(killed)] == [r["step"] for r in _metrics(full)]
     for x, y in zip(_metrics(full), _metrics(killed)):
         assert abs(x["loss"] - y["loss"]) < 1e-6 and x["tau"] == y["tau"], (x, y)
-    wa = load_file(full / "train" / "final" / "model.safetensors")
-    wb = load_file(killed / "train" / "final" / "model.safetensors")
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    for d in ("final", "best"):
+        wa = load_file(full / "train" / d / "model.safetensors")
+        wb = load_file(killed / "train" / d / "model.safetensors")
+        assert all(torch.equal(wa[k], wb[k]) for k in wa), d
+    assert _json(full, "best/best.json") == _json(killed, "best/best.json")
+    assert _json(full, "curve.json") == _json(killed, "curve.json")
+    assert [p["step"] for p in _json(full, "curve.json")["points"]] == [3, 5]
+
+
+def _json(rd, rel):
+    return json.loads((rd / "train" / rel).read_text())
+
+
+def test_best_keeps_the_early_peak_and_survives_resume(tmp_path, tiny_qwen3, monkeypatch, capsys):
+    """Held-out τ forced to peak at step 2 (of evaluations at 2, 4, 6): train/best holds step 2's
+    weights, eval/export would pick it, and a run killed after step 4 resumes to the same best/."""
+    from dflashkit.train import logging as tlog
+    from dflashkit.train import loop
+
+    real_eval = loop.evaluate_heldout
+    forced = {2: 1.9, 4: 1.5, 6: 1.9}  # step 6 ties the peak: the earliest one stays
+
+    def fake_eval(tr, step):
+        ev = real_eval(tr, step)
+        return {**ev, "tau": forced.get(step, 1.0)}
+
+    monkeypatch.setattr(loop, "evaluate_heldout", fake_eval)
+    kw = dict(train__max_steps=6, train__eval_every=2, train__save_every=1, train__keep_checkpoints=0)
+    rc, full = _train(tmp_path, tiny_qwen3, "full", **kw)
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and out["best"]["step"] == 2 and out["best"]["tau"] == 1.9
+    best = load_file(full / "train" / "best" / "model.safetensors")
+    at2 = load_file(full / "train" / "checkpoints" / "step-0000002" / "model.safetensors")
+    final = load_file(full / "train" / "final" / "model.safetensors")
+    assert all(torch.equal(best[k], at2[k]) for k in best)
+    assert not all(torch.equal(best[k], final[k]) for k in best)
+    assert _json(full, "best/best.json")["step"] == 2
+    from dflashkit.train.checkpoint import trained_drafter_dir
+    assert trained_drafter_dir(full / "train") == (full / "train" / "best", "best")
+    # killed after the step-5 checkpoint (best.json at step 2 ≤ the checkpoint): resume keeps it
+    real_log = tlog.MetricSink.log
+
+    def dying_log(self, row):
+        if row.get("step") == 6 and "split" not in row:
+            raise KeyboardInterrupt
+        real_log(self, row)
+
+    monkeypatch.setattr(tlog.MetricSink, "log", dying_log)
+    rc, killed = _train(tmp_path, tiny_qwen3, "killed", **kw)
+    assert rc == 130
+    monkeypatch.setattr(tlog.MetricSink, "log", real_log)
+    rc, killed = _train(tmp_path, tiny_qwen3, "killed", **kw)
+    assert rc == 0
+    assert _json(killed, "best/best.json") == _json(full, "best/best.json")
+    kb = load_file(killed / "train" / "best" / "model.safetensors")
+    assert all(torch.equal(best[k], kb[k]) for k in best)
+    assert _json(killed, "curve.json") == _json(full, "curve.json")
+    # keep_best off: no best/ (a stale one from the earlier run is removed), eval falls back to final
+    rc, _ = _train(tmp_path, tiny_qwen3, "full", extra=("train.keep_best=false", "train.max_steps=7"),
+                   train__eval_every=2, train__save_every=1, train__keep_checkpoints=0)
+    assert rc == 0 and not (full / "train" / "best").exists()
+
+
+def test_learning_curve_counts_supervised_tokens_and_tracks_heldout(tmp_path, tiny_qwen3):
+    rc, rd = _train(tmp_path, tiny_qwen3, train__max_steps=4, train__eval_every=2, train__batch_size=2)
+    assert rc == 0
+    curve = _json(rd, "curve.json")
+    held = [r for r in _metrics(rd) if r.get("split") == "heldout"]
+    assert [p["step"] for p in curve["points"]] == [r["step"] for r in held] == [2, 4]
+    # oracle: Σ loss_mask of every sample of the global batches of steps 0..s-1
+    from dflashkit.train.data import BatchPlan, load_tokenized, split_heldout
+    from dflashkit.rundir import RunDir
+
+    data = load_tokenized(RunDir(rd))
+    train_idx, _ = split_heldout(len(data), 2, seed=0)  # overrides(): heldout_samples 2, run.seed 0
+    plan = BatchPlan(train_idx, 2, 1, 1, 0)
+    seen = 0
+    want = {}
+    for step in range(4):
+        seen += sum(int(data.loss_mask[i].sum()) for i, _ in plan.global_indices(step))
+        want[step + 1] = seen
+    for p, h in zip(curve["points"], held):
+        assert p["tokens"] == want[p["step"]] and p["by_source"]["all"]["tokens"] == p["tokens"]
+        assert p["heldout"]["tau"] == h["tau"] and p["heldout"]["acc1"] == h["acc"][0]
+        assert p["train"]["tau"] is not None and p["train"]["tau"] >= 1.0
 
 
 def test_corrupt_checkpoint_is_a_clear_error(tmp_path, tiny_qwen3, capsys):
@@ -195,3 +279,56 @@ def test_bad_draft_vocab_size_is_a_usage_error(tmp_path, tiny_qwen3, capsys):
     # the whole vocab (or 0) is the full-vocab drafter
     rc, rd = _train(tmp_path, tiny_qwen3, "whole", train__max_steps=1, extra=["drafter.draft_vocab_size=320"])
     assert rc == 0 and "d2t" not in load_file(rd / "train" / "final" / "model.safetensors")
+
+
+def test_feature_noise_is_relative_per_sample_and_training_only(tmp_path, tiny_qwen3):
+    from types import SimpleNamespace
+
+    from dflashkit.train.loop import feature_noise
+
+    feats = torch.randn(2, 6, 2 * 8) * torch.tensor([1.0, 100.0]).repeat_interleave(8)  # two layers, 100× apart
+    b = SimpleNamespace(seq_lens=torch.tensor([6, 4]), seeds=[11, 12])  # what feature_noise reads of a Batch
+    out = feature_noise(feats, b, scale=0.1, n_feat=2)
+    d = (out - feats).view(2, 6, 2, 8)
+    rms = feats.view(2, 6, 2, 8).pow(2).mean(-1, keepdim=True).sqrt()
+    assert (d.abs() <= 0.1 * rms + 1e-5).all() and d[0].abs().max() > 0
+    assert d[1, 4:].eq(0).all()  # padding gets none
+    one = feature_noise(feats[1:], SimpleNamespace(seq_lens=torch.tensor([4]), seeds=[12]), scale=0.1, n_feat=2)
+    assert torch.equal(one[0], out[1])  # the same sample draws the same noise in any batch
+    # training only: at lr 1e-30 the weights never move, so held-out τ/loss ignore even huge noise
+    kw = dict(train__max_steps=2, train__lr=1e-30, train__eval_every=1)
+    _, quiet = _train(tmp_path, tiny_qwen3, "quiet", **kw)
+    _, noisy = _train(tmp_path, tiny_qwen3, "noisy", extra=("train.feature_noise=50",), **kw)
+    hq = [r for r in _metrics(quiet) if r.get("split") == "heldout"]
+    hn = [r for r in _metrics(noisy) if r.get("split") == "heldout"]
+    assert hq and [(r["loss"], r["tau"]) for r in hq] == [(r["loss"], r["tau"]) for r in hn]
+    tq = [r["loss"] for r in _metrics(quiet) if "split" not in r]
+    tn = [r["loss"] for r in _metrics(noisy) if "split" not in r]
+    assert tq != tn  # ... while the training loss sees it
+
+
+def test_learning_curve_per_source(tmp_path, tiny_qwen3, monkeypatch):
+    """With TokenData.source set (two sources), the curve splits tokens and held-out τ by source and
+    the pooled numbers stay the overall ones."""
+    from dflashkit.train import loop
+
+    real_load = loop.load_tokenized
+
+    def load_with_sources(rd):
+        data = real_load(rd)
+        data.source = ["even" if i % 2 == 0 else "odd" for i in range(len(data))]
+        return data
+
+    monkeypatch.setattr(loop, "load_tokenized", load_with_sources)
+    rc, rd = _train(tmp_path, tiny_qwen3, train__max_steps=3, train__eval_every=0, train__heldout_samples=4)
+    assert rc == 0
+    (point,) = _json(rd, "curve.json")["points"]
+    assert set(point["by_source"]) == {"even", "odd"}
+    assert sum(v["tokens"] for v in point["by_source"].values()) == point["tokens"] > 0
+    (held,) = [r for r in _metrics(rd) if r.get("split") == "heldout"]
+    per = held["by_source"]  # metrics.jsonl carries the per-source numbers when there are several
+    assert set(per) == {"even", "odd"}
+    assert all(point["by_source"][k]["tau"] == per[k]["tau"] for k in per)
+    # the overall τ pools the blocks of both sources: it lies between them
+    lo, hi = min(v["tau"] for v in per.values()), max(v["tau"] for v in per.values())
+    assert lo - 1e-9 <= point["heldout"]["tau"] <= hi + 1e-9

@@ -36,10 +36,10 @@ def _best(fn, repeats: int) -> tuple[float, Any]:
 
 
 def bench_tokenize(cfg: Any, rd: Any, ctx: Any, *, repeats: int = 3) -> dict[str, Any]:
-    from dflashkit.stages.tokenize import input_path, load_chat
+    from dflashkit.stages.tokenize import input_paths, load_chat
 
     limit = int(ctx.positionals[1]) if len(ctx.positionals) > 1 and ctx.positionals[1].isdigit() else 1000
-    src = input_path(cfg, rd)
+    src = input_paths(cfg, rd)[0][0]
     convs = [Conversation.from_dict(o, f"{src}:{n}") for n, o in islice(read_jsonl(src), limit)]
     chat = load_chat(cfg)
     tok = chat.tokenizer

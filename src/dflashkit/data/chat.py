@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from dflashkit.data.drift import add_prompt_check, compare_prompt, is_regenerated, new_checks
 from dflashkit.data.records import Conversation
 from dflashkit.errors import UsageError
 
@@ -59,6 +60,11 @@ class SamplePlan:
     flags: list[int] = field(default_factory=list)
     turns: list[int] = field(default_factory=list)
     server_ids: dict[int, list[int]] = field(default_factory=dict)
+    # answer ordinal -> (prompt text rendered here, server's usage.prompt_tokens, server's prompt ids summary)
+    server_prompts: dict[int, tuple[str, Any, Any]] = field(default_factory=dict)
+    missing_ids: int = 0  # regenerated turns without server answer ids
+    source: str = ""
+    regenerated: bool = False
 
     def add(self, text: str, flag: int, turn: int = -1) -> None:
         if text:
@@ -77,6 +83,8 @@ class Sample:
     input_ids: np.ndarray  # [T] int32
     loss_mask: np.ndarray  # [T] int8
     truncated: bool = False
+    source: str = ""
+    regenerated: bool = False  # answers written by the target (generate), not the dataset's own
 
 
 def strip_thinking(content: str) -> str:
@@ -137,6 +145,10 @@ class ChatTemplate:
         meta = conv.meta or {}
         reasons = list(meta.get("finish_reasons") or [])
         server = list(meta.get("token_ids") or [])
+        regenerated = is_regenerated(meta)
+        # prompts rendered here differ from what was sent by design when turns are dropped/rewritten
+        check_prompts = regenerated and thinking != "strip" and system_prompt != "drop"
+        p_tokens, p_ids = list(meta.get("prompt_tokens") or []), list(meta.get("prompt_ids") or [])
         answers = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
         if thinking == "strip":
             for i in answers:
@@ -164,7 +176,8 @@ class ChatTemplate:
         while remaining:
             last = remaining[-1]
             text = spans[last][2]
-            plan = SamplePlan(id=conv.id if last == answers[-1] else f"{conv.id}-t{last}")
+            plan = SamplePlan(id=conv.id if last == answers[-1] else f"{conv.id}-t{last}", source=conv.source,
+                              regenerated=regenerated)
             cursor, done = 0, []
             for j in remaining:
                 prompt, answer, _, ordinal = spans[j]
@@ -176,6 +189,11 @@ class ChatTemplate:
                 self._add_answer(plan, answer, ordinal, thinking, cut)
                 if ordinal < len(server) and server[ordinal]:
                     plan.server_ids[ordinal] = list(server[ordinal])
+                elif regenerated and thinking != "strip":  # strip ignores server ids on purpose
+                    plan.missing_ids += 1
+                if check_prompts:
+                    plan.server_prompts[ordinal] = (prompt, p_tokens[ordinal] if ordinal < len(p_tokens) else None,
+                                                    p_ids[ordinal] if ordinal < len(p_ids) else None)
                 cursor = len(prompt) + len(answer)
                 done.append(j)
             if len(done) < len(remaining):
@@ -220,9 +238,12 @@ def build_samples(tokenizer: Any, plans: list[SamplePlan], *, max_length: int,
 
     Answer pieces with server token ids (from `generate`) are compared with our tokens; on a
     mismatch the server's ids replace ours for that answer (they are what the model produced).
+    Prompts the server reported on (`usage.prompt_tokens`, prompt ids) are compared with the
+    prompt rendered and tokenized here (`dflashkit.data.drift`).
 
     Returns:
-        (samples truncated to `max_length`, {"server_turns", "server_mismatches", "first_mismatch"}).
+        (samples truncated to `max_length`, {"server_turns", "server_mismatches", "first_mismatch",
+        "server_turns_without_ids", "prompt": drift.new_checks() counters}).
     """
     flat = [t for p in plans for t in p.texts]
     ids = encode_pieces(tokenizer, flat) if flat else []
@@ -232,7 +253,9 @@ def build_samples(tokenizer: Any, plans: list[SamplePlan], *, max_length: int,
                                       count=len(ids)), lengths)
     piece_end = np.cumsum([len(p.texts) for p in plans])
     tok_end = np.concatenate([[0], np.cumsum(lengths)])
-    checks: dict[str, Any] = {"server_turns": 0, "server_mismatches": 0, "first_mismatch": None}
+    checks: dict[str, Any] = {"server_turns": 0, "server_mismatches": 0, "first_mismatch": None,
+                              "server_turns_without_ids": sum(p.missing_ids for p in plans),
+                              "prompt": _check_prompts(tokenizer, plans)}
     samples: list[Sample] = []
     for n, plan in enumerate(plans):
         p0, p1 = (piece_end[n - 1] if n else 0), piece_end[n]
@@ -241,8 +264,22 @@ def build_samples(tokenizer: Any, plans: list[SamplePlan], *, max_length: int,
         if plan.server_ids:
             sample_ids, sample_mask = _apply_server_ids(tokenizer, plan, ids[p0:p1], checks, thinking)
         samples.append(Sample(plan.id, sample_ids[:max_length].copy(), sample_mask[:max_length].copy(),
-                              truncated=len(sample_ids) > max_length))
+                              truncated=len(sample_ids) > max_length, source=plan.source,
+                              regenerated=plan.regenerated))
     return samples, checks
+
+
+def _check_prompts(tokenizer: Any, plans: list[SamplePlan]) -> dict[str, Any]:
+    """The server's prompt (per turn, as `generate` recorded it) vs the same prompt tokenized here."""
+    checks = new_checks()
+    items = [(plan.id, ordinal, *info) for plan in plans for ordinal, info in sorted(plan.server_prompts.items())]
+    if not items:
+        return checks
+    local = encode_pieces(tokenizer, [text for _, _, text, _, _ in items])
+    for (pid, ordinal, _, n, ids), loc in zip(items, local):
+        check = compare_prompt(loc, server_tokens=n, server_ids=ids) if n is not None or ids else None
+        add_prompt_check(checks, check, where=f"{pid} turn {ordinal}", tokenizer=tokenizer)
+    return checks
 
 
 def _special_ids(tokenizer: Any) -> set[int]:

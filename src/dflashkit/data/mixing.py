@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import random
+from pathlib import Path
+from typing import Any
 
 from dflashkit.data.records import Conversation
+
 from dflashkit.data.sources import RecordError
 
 
@@ -106,3 +109,27 @@ def mix(by_source: dict[str, list[Conversation]], weights: dict[str, float], *, 
     picked.sort(key=lambda c: c.id)  # independent of source order before the final shuffle
     random.Random(_seed(seed, "mix")).shuffle(picked)
     return picked
+
+
+def source_names(sources: list[Any]) -> list[str]:
+    """`name`, else the file stem (or asset name); repeated names get `-2`, `-3`…"""
+    names: list[str] = []
+    for src in sources:
+        base = src.name or Path(src.path).name.split(".")[0] or src.path
+        name, k = base, 2
+        while name in names:
+            name, k = f"{base}-{k}", k + 1
+        names.append(name)
+    return names
+
+
+def original_answer_sources(sources: list[Any]) -> set[str]:
+    """Names of the sources whose own answers are trained on as they are (`answers: original`)."""
+    return {n for n, s in zip(source_names(sources), sources) if s.answers == "original"}
+
+
+def needs_regeneration(cfg: Any) -> bool:
+    """Whether `generate` has work: tokenize reads generated answers and some source regenerates."""
+    if cfg.tokenize.source == "prepare":
+        return False
+    return any(s.answers == "regenerate" for s in cfg.data.sources) or not cfg.data.sources

@@ -18,6 +18,7 @@ import gzip
 import hashlib
 import io
 import json
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -92,22 +93,45 @@ def read_jsonl(path: str | Path, *, on_malformed: str = "fail",
         on_malformed: "fail" raises UsageError naming `file:line`; "skip" drops the line.
         bad: when given, "file:line: reason" of each skipped line is appended.
 
+    A line that is not UTF-8 or not JSON is malformed; a truncated `.gz` keeps the complete lines
+    read before the cut (skip) or fails naming `file:line` (fail, or when nothing could be read).
+
     Raises:
-        UsageError: a line is not valid JSON and on_malformed == "fail" (exit 2).
+        UsageError: a malformed line and on_malformed == "fail", or an unreadable file (exit 2).
     """
-    with open_text(path) as fh:
-        for line_no, line in enumerate(fh, 1):
-            if not line.strip():
+
+    def bad_line(msg: str) -> None:
+        if on_malformed == "fail":
+            raise UsageError(msg, hint="fix or remove the line, or set data.on_malformed=skip")
+        if bad is not None:
+            bad.append(msg)
+
+    p = Path(path)
+    line_no = 0
+    fh = gzip.open(p, "rb") if p.suffix == ".gz" else open(p, "rb")
+    try:
+        for line_no, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                bad_line(f"{path}:{line_no}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})")
                 continue
             try:
                 yield line_no, json.loads(line)
             except json.JSONDecodeError as e:
-                msg = f"{path}:{line_no}: malformed JSON ({e.msg} at column {e.colno})"
-                if on_malformed == "fail":
-                    raise UsageError(msg, hint="fix or remove the line, or set data.on_malformed=skip") \
-                        from None
-                if bad is not None:
-                    bad.append(msg)
+                bad_line(f"{path}:{line_no}: malformed JSON ({e.msg} at column {e.colno})")
+    except (EOFError, OSError, zlib.error) as e:  # a truncated or corrupt .gz
+        what = "truncated gzip stream" if isinstance(e, EOFError) else f"unreadable ({type(e).__name__}: {e})"
+        msg = f"{path}:{line_no + 1}: {what}; {line_no} complete lines were read"
+        if line_no == 0 or on_malformed == "fail":
+            raise UsageError(msg, hint="re-create or re-download the file" + (
+                "" if line_no == 0 else ", or set data.on_malformed=skip to keep the complete lines")) from None
+        if bad is not None:
+            bad.append(msg)
+    finally:
+        fh.close()
 
 
 def dumps_record(obj: dict[str, Any]) -> str:

@@ -30,7 +30,7 @@ def schema():
     import pyarrow as pa
 
     return pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())),
-                      ("loss_mask", pa.list_(pa.int8()))])
+                      ("loss_mask", pa.list_(pa.int8())), ("source", pa.string())])
 
 
 def write_parquet_shard(path: str | Path, rows: Iterable[dict[str, Any]]) -> dict[str, int]:
@@ -43,6 +43,7 @@ def write_parquet_shard(path: str | Path, rows: Iterable[dict[str, Any]]) -> dic
     import pyarrow.parquet as pq
 
     ids: list[str] = []
+    sources: list[str] = []
     toks: list[np.ndarray] = []
     masks: list[np.ndarray] = []
     for row in rows:
@@ -51,6 +52,7 @@ def write_parquet_shard(path: str | Path, rows: Iterable[dict[str, Any]]) -> dic
         if t.shape != m.shape or t.ndim != 1:
             raise ValueError(f"row {row['id']}: input_ids {t.shape} and loss_mask {m.shape} differ")
         ids.append(str(row["id"]))
+        sources.append(str(row.get("source") or ""))
         toks.append(t)
         masks.append(m)
     offsets = np.zeros(len(toks) + 1, dtype=np.int32)
@@ -61,6 +63,7 @@ def write_parquet_shard(path: str | Path, rows: Iterable[dict[str, Any]]) -> dic
         pa.array(ids, pa.string()),
         pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_t, pa.int32())),
         pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_m, pa.int8())),
+        pa.array(sources, pa.string()),
     ], schema=schema())
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp, compression="zstd")

@@ -17,8 +17,10 @@ OpenAI `messages: [{role, content}]`, Alpaca `instruction`/`input`/`output`, pla
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -149,17 +151,31 @@ def _first_char(path: Path) -> str:
 def _iter_file(path: Path, report: SourceReport, on_malformed: str) -> Iterator[tuple[str, Any]]:
     name = path.name.lower()
     if name.endswith(".parquet"):
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         row = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-            for obj in batch.to_pylist():
-                yield f"{path}#row{row}", obj
-                row += 1
+        try:
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+                for obj in batch.to_pylist():
+                    yield f"{path}#row{row}", obj
+                    row += 1
+        except (pa.ArrowException, OSError) as e:
+            raise UsageError(f"{path}: not a readable Parquet file after {row} rows "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
+                             hint="re-create or re-download the file, or remove it from data.sources") from None
         return
-    if name.endswith((".json", ".json.gz")) and _first_char(path) == "[":
-        yield from iter_json_array(path, report)
-        return
+    if name.endswith((".json", ".json.gz")):
+        try:
+            first = _first_char(path)
+            if first == "[":
+                for where, obj in iter_json_array(path, report):
+                    if _utf8_ok(obj, where, report, on_malformed):
+                        yield where, obj
+                return
+        except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+            raise UsageError(f"{path}: truncated or corrupt gzip ({type(e).__name__}: {e})",
+                             hint="re-create or re-download the file") from None
     bad: list[str] = []
     for line_no, obj in read_jsonl(path, on_malformed=on_malformed, bad=bad):
         for msg in bad:
@@ -170,6 +186,22 @@ def _iter_file(path: Path, report: SourceReport, on_malformed: str) -> Iterator[
     for msg in bad:
         report.note(msg)
     report.malformed_lines += len(bad)
+
+
+def _utf8_ok(obj: Any, where: str, report: SourceReport, on_malformed: str) -> bool:
+    """A JSON-array record decoded from non-UTF-8 bytes (kept as surrogates) is malformed: named, then
+    skipped and counted (False) or failed, per `on_malformed`."""
+    text = json.dumps(obj, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        msg = f"{where}: not UTF-8 (a byte that is not valid UTF-8 near {text[max(0, e.start - 20):e.start]!r})"
+        if on_malformed == "fail":
+            raise UsageError(msg, hint="fix the file's encoding, or set data.on_malformed=skip") from None
+        report.note(msg)
+        report.malformed_lines += 1
+        return False
+    return True
 
 
 def iter_source(src: Any, report: SourceReport, *, on_malformed: str = "skip") -> Iterator[tuple[str, Any]]:
@@ -287,8 +319,13 @@ def to_messages(obj: Any, fmt: str = "auto") -> list[dict[str, str]]:
             msgs.append({"role": "assistant", "content": _text(obj["output"], "output")})
         return msgs
     if fmt == "humaneval":
-        return [{"role": "user", "content": HUMANEVAL_INSTRUCTION.format(
-            prompt=_text(obj.get("prompt"), "prompt"))}]
+        prompt = _text(obj.get("prompt"), "prompt")
+        msgs = [{"role": "user", "content": HUMANEVAL_INSTRUCTION.format(prompt=prompt)}]
+        if isinstance(obj.get("canonical_solution"), str) and obj["canonical_solution"].strip():
+            # the reference solution as the answer (what `answers: original` trains on)
+            msgs.append({"role": "assistant",
+                         "content": f"```python\n{prompt}{obj['canonical_solution'].rstrip()}\n```"})
+        return msgs
     if fmt == "prompt":
         msgs = []
         if isinstance(obj.get("system"), str) and obj["system"].strip():

@@ -23,7 +23,8 @@ log = logging.getLogger("dflashkit.decode")
 
 
 def resolve_drafter_dir(cfg: Any, rd: Any, positionals: list[str]) -> Path:
-    """Positional DIR, else `eval.drafter`, else `<run_dir>/train/final`, else `<run_dir>/export`."""
+    """Positional DIR, else `eval.drafter`, else `<run_dir>/train/best` (the best held-out τ, when
+    kept) or `<run_dir>/train/final`, else `<run_dir>/export`."""
     if positionals:
         p = Path(positionals[0])
         if not p.is_dir():
@@ -34,7 +35,9 @@ def resolve_drafter_dir(cfg: Any, rd: Any, positionals: list[str]) -> Path:
         if not p.is_dir():
             raise UsageError(f"eval.drafter {p} does not exist", hint="fix eval.drafter or pass the dir as DIR")
         return p
-    for cand in (rd.root / "train" / "final", rd.root / "export"):
+    from dflashkit.train.checkpoint import trained_drafter_dir
+
+    for cand in (trained_drafter_dir(rd.root / "train")[0], rd.root / "export"):
         if (cand / "config.json").is_file():
             return cand
     raise MissingArtifactError("trained drafter", rd.root / "train" / "final", run="dflashkit train -c run.yaml")
@@ -68,8 +71,11 @@ def load_prompt_messages(cfg: Any, rd: Any) -> list[tuple[str, list[dict[str, st
         if cfg.eval.prompts:
             raise UsageError(f"eval.prompts {path} does not exist", hint="fix eval.prompts")
         raise MissingArtifactError("held-out prompts", path, run="dflashkit prepare -c run.yaml")
+    bad: list[str] = []  # malformed lines follow data.on_malformed: skipped (and logged) or an error
     out = [(str(obj.get("id", n)) if isinstance(obj, dict) else str(n), _prompt_of(obj, f"{path}:{n}"))
-           for n, obj in read_jsonl(path)]
+           for n, obj in read_jsonl(path, on_malformed=cfg.data.on_malformed, bad=bad)]
+    for msg in bad:
+        log.warning("skipped %s", msg)
     if not out:
         raise UsageError(f"{path} holds no prompts", hint="set data.heldout > 0 and re-run `dflashkit prepare`")
     return out

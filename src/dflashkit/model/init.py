@@ -10,7 +10,8 @@ targets whose drafter geometry was copied from the target, the default). `q_norm
 copied from Qwen3-style targets; targets without QK-norm (Llama) leave them at ones, which makes
 the copied attention start as the target's attention up to the per-head RMS normalisation.
 Anything whose shape differs (MLA, MoE experts, custom dims) is skipped and left randomly
-initialised; `fc`, `hidden_norm` and the final `norm` are never copied.
+initialised. The drafter's final `norm` (applied before the shared target head) takes the target's
+final norm (`model.norm`), when its shape matches; `fc` and `hidden_norm` are never copied.
 """
 
 from __future__ import annotations
@@ -56,5 +57,22 @@ def init_from_target(drafter: torch.nn.Module, target, layer_ids: list[int] | No
                 continue
             dst[name].copy_(t.to(dst[name].dtype))
             copied.append(f"layers.{di}.{name}")
+    final = _target_final_norm(target)
+    dst = drafter.norm.weight
+    if final is None:
+        skipped.append("norm.weight: the target has no final norm weight")
+    elif final.shape != dst.shape:
+        skipped.append(f"norm.weight: shape {tuple(final.shape)} != {tuple(dst.shape)}")
+    else:
+        dst.copy_(final.to(dst.dtype))
+        copied.append("norm.weight")
     log.info("init from target layers %s: %d tensors copied, %d skipped", ids, len(copied), len(skipped))
     return {"layer_ids": ids, "copied": copied, "skipped": skipped}
+
+
+def _target_final_norm(target) -> torch.Tensor | None:
+    """The weight of the target's final norm (the one before its LM head), or None."""
+    model = target.model
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    norm = getattr(inner, "norm", None)
+    return getattr(norm, "weight", None) if norm is not None else None

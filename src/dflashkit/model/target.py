@@ -97,7 +97,11 @@ def target_autocast(setting: str, device: torch.device, target_dtype: torch.dtyp
 def text_config_dict(model_dir: Path) -> dict[str, Any]:
     """config.json with wrappers (text_config, …) resolved: the language model's own config."""
     cfg_path = model_dir / "config.json"
-    raw = json.loads(cfg_path.read_text())
+    try:
+        raw = json.loads(cfg_path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        where = f"{cfg_path}:{e.lineno}:{e.colno}" if isinstance(e, json.JSONDecodeError) else str(cfg_path)
+        raise UsageError(f"{where}: not a valid JSON config ({e})", hint="restore the model's config.json") from None
     for key in WRAPPER_KEYS:
         inner = raw.get(key)
         if isinstance(inner, dict) and ("num_hidden_layers" in inner or "hidden_size" in inner):
@@ -159,11 +163,34 @@ class Target:
         return self.model.get_input_embeddings()(input_ids)
 
     def features(self, input_ids: torch.Tensor, *, layer_ids: list[int], need_logits: bool = False,
-                 **forward_kwargs):
+                 need_last_hidden: bool = False, **forward_kwargs):
         """Run the target and capture the outputs of decoder layers `layer_ids` (concat, last dim).
 
-        Returns `features` ([b, t, len(layer_ids)·H]) or `(features, model_output)` if need_logits.
+        Returns `features` ([b, t, len(layer_ids)·H]), `(features, model_output)` if need_logits, or
+        `(features, last_hidden)` if need_last_hidden: the final-norm output [b, t, H], from which
+        `lm_head` gives the target's logits row by row (`next_token_ids`) without a [b, t, V] tensor.
         """
+        if need_last_hidden and not need_logits:
+            feats_out: list[torch.Tensor] = []
+            out = self._taps(input_ids, layer_ids, True, feats_out, forward_kwargs, base=True)
+            return feats_out[0], out.last_hidden_state
+        feats_out = []
+        out = self._taps(input_ids, layer_ids, need_logits, feats_out, forward_kwargs, base=False)
+        return (feats_out[0], out) if need_logits else feats_out[0]
+
+    @torch.no_grad()
+    def next_token_ids(self, last_hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+        """The target's greedy next token at every position: argmax lm_head(last_hidden), [b, t] int64.
+
+        Computed `chunk` rows at a time, so the [b, t, V] logits never exist at once."""
+        flat = last_hidden.reshape(-1, last_hidden.shape[-1])
+        head = self.lm_head
+        out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
+        for i in range(0, flat.shape[0], chunk):
+            out[i:i + chunk] = head(flat[i:i + chunk]).argmax(-1)
+        return out.view(last_hidden.shape[:-1])
+
+    def _taps(self, input_ids, layer_ids, run_all: bool, feats_out: list, forward_kwargs: dict, *, base: bool):
         layers = self.decoder_layers
         bad = [i for i in layer_ids if not 0 <= i < len(layers)]
         if bad:
@@ -176,7 +203,7 @@ class Target:
         def make_hook(idx: int):
             def hook(_module, _inputs, output):
                 captured[idx] = output[0] if isinstance(output, tuple) else output
-                if not need_logits and idx == deepest:
+                if not run_all and idx == deepest:
                     raise _StopForward
             return hook
 
@@ -184,15 +211,15 @@ class Target:
             handles.append(layers[idx].register_forward_hook(make_hook(idx)))
         out = None
         try:
-            out = self.model(input_ids=input_ids, **forward_kwargs) if need_logits else \
-                self.model.model(input_ids=input_ids, **forward_kwargs)
+            out = self.model.model(input_ids=input_ids, **forward_kwargs) if (base or not run_all) else \
+                self.model(input_ids=input_ids, **forward_kwargs)
         except _StopForward:
             pass
         finally:
             for h in handles:
                 h.remove()
-        feats = torch.cat([captured[i] for i in layer_ids], dim=-1)
-        return (feats, out) if need_logits else feats
+        feats_out.append(torch.cat([captured[i] for i in layer_ids], dim=-1))
+        return out
 
 
 def load_tokenizer(model_dir: Path, *, gguf_file: str | None = None, trust_remote_code: bool = False,
@@ -225,6 +252,10 @@ def load_target(section, *, device: str | None = None, dtype: str | None = None,
     if not list(model_dir.glob("*.safetensors")):
         raise UsageError(f"{model_dir}: no *.safetensors weights (dflashkit loads safetensors only)",
                          hint="convert the checkpoint with save_pretrained(safe_serialization=True)")
+    from dflashkit.inspect.weights import check_safetensors
+
+    for weights in sorted(model_dir.glob("*.safetensors")):  # a corrupt file: exit 2 naming it
+        check_safetensors(weights)
     config = _hf_config(model_dir, section.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, config=config, dtype=dt, trust_remote_code=section.trust_remote_code,

@@ -81,7 +81,7 @@ class BatchEngine(_EngineBase):
                 new.append(self.queue.get(timeout=left) if left > 0 else self.queue.get_nowait())
             except queue.Empty:
                 break
-        return new
+        return [r for r in new if not self._drop_if_cancelled(r)]
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -177,6 +177,8 @@ class BatchEngine(_EngineBase):
         assert self.logits is not None and self.next_pos is not None
         keep, tokens = [], []
         for j, ((r, st), tok) in enumerate(zip(self.rows, self._picks())):
+            if self._drop_if_cancelled(r):  # the client went away: free the row
+                continue
             if st["limit"] == 0:
                 self._complete(r, st, "length", None)
                 continue

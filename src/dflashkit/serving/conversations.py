@@ -10,7 +10,9 @@ Rules: every original assistant message is replaced by the target's own answer. 
 message followed by an assistant message or ending the conversation; turns are generated in order
 and each prompt carries the target's previous answers (without their reasoning, as chat templates
 do). With `reasoning: keep` the stored answer is `<think>\\n{reasoning}\\n</think>\\n\\n{content}`
-and `meta.reasoning[t]` holds the raw text; with `drop` both are left out.
+and `meta.reasoning[t]` holds the raw text; with `drop` both are left out. `meta.prompt_tokens[t]`
+(the server's usage.prompt_tokens) and `meta.prompt_ids[t]` (a summary of the prompt ids it returned,
+`dflashkit.data.drift.ids_summary`) let `tokenize` check that the server saw the prompt it renders.
 """
 
 from __future__ import annotations
@@ -30,13 +32,16 @@ def load_prepared(path: Path) -> list[dict[str, Any]]:
         raise MissingArtifactError("prepared conversations", path, run="dflashkit prepare -c run.yaml")
     convs: list[dict[str, Any]] = []
     seen: set[str] = set()
-    with open(path, encoding="utf-8") as fh:
+    with open(path, "rb") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
             try:
-                rec = json.loads(line)
+                rec = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise UsageError(f"{where}: not UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1})",
+                                 hint="re-run `dflashkit prepare -c run.yaml`") from None
             except json.JSONDecodeError as e:
                 raise UsageError(f"{where}: not JSON ({e.msg})",
                                  hint="re-run `dflashkit prepare -c run.yaml`") from None
@@ -103,11 +108,15 @@ def assemble(conv: dict[str, Any], records: list[dict[str, Any]], *, reasoning: 
         if turns else [m for m in messages if m["role"] != "assistant"]
     flags = [f"length:turn{t}" for t, fr in enumerate(finish) if fr == "length"] if on_length == "flag" else []
     ids = [r.get("token_ids") for r in records]
+    prompt_tokens = [r.get("prompt_tokens") for r in records]
+    prompt_ids = [r.get("prompt_ids") for r in records]
     return {
         "id": conv["id"], "source": conv.get("source", ""), "messages": out_msgs,
         "meta": {
             "finish_reasons": finish, "flags": flags,
             "token_ids": ids if all(isinstance(x, list) for x in ids) else None,
+            "prompt_tokens": prompt_tokens if any(x is not None for x in prompt_tokens) else None,
+            "prompt_ids": prompt_ids if any(x is not None for x in prompt_ids) else None,
             "reasoning": [r.get("reasoning") if reasoning == "keep" else None for r in records],
             "model": records[0].get("model") if records else None,
         },

@@ -85,8 +85,12 @@ class _TextTracker:
         return None, delta
 
 
+class RequestCancelled(Exception):
+    """The client went away; the engine dropped the request (its batch row is free again)."""
+
+
 class Request:
-    """A submitted request: `deltas()` yields streamed text, `wait()` the Completion."""
+    """A submitted request: `deltas()` yields streamed text, `wait()` the Completion, `cancel()` drops it."""
 
     def __init__(self, prompt_ids: list[int], params: ServeParams, stream: bool):
         self.prompt_ids, self.params, self.stream = list(prompt_ids), params, stream
@@ -94,6 +98,11 @@ class Request:
         self.result: Completion | None = None
         self.error: BaseException | None = None
         self._done = threading.Event()
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Ask the engine to drop this request at its next step (thread-safe, idempotent)."""
+        self.cancelled.set()
 
     def _finish(self, result: Completion | None, error: BaseException | None = None) -> None:
         self.result, self.error = result, error
@@ -125,7 +134,7 @@ class _EngineBase:
         self.queue: queue.Queue[Request] = queue.Queue()
         self.metrics = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "batches": 0,
                         "batched_requests": 0, "errors": 0, "acceptance_steps": 0, "accepted_tokens": 0,
-                        "decode_steps": 0, "decode_rows": 0}
+                        "decode_steps": 0, "decode_rows": 0, "cancelled": 0}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -166,6 +175,16 @@ class _EngineBase:
             m["acceptance_steps"] += len(out.acceptance_lengths)
             m["accepted_tokens"] += sum(out.acceptance_lengths)
 
+    def _drop_if_cancelled(self, req: Request) -> bool:
+        """Finish a request whose client went away (the worker calls this between steps)."""
+        if not req.cancelled.is_set():
+            return False
+        if not req._done.is_set():
+            with self._lock:
+                self.metrics["cancelled"] += 1
+            req._finish(None, RequestCancelled("the client disconnected"))
+        return True
+
     def _loop(self) -> None:
         raise NotImplementedError
 
@@ -182,6 +201,8 @@ class SerialEngine(_EngineBase):
             try:
                 r = self.queue.get(timeout=0.1)
             except queue.Empty:
+                continue
+            if self._drop_if_cancelled(r):
                 continue
             p = r.params
             try:

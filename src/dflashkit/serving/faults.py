@@ -42,6 +42,7 @@ class Faults:
     reasoning: bool = False                                   # add reasoning_content
     model: str = "fault-model"
     reject_token_ids: bool = False                            # 400 on `return_token_ids` (strict APIs)
+    reject_fields: tuple[str, ...] = ()                       # 400 naming the first of these in a request
 
 
 def _digest(obj: Any) -> str:
@@ -159,6 +160,12 @@ class FaultServer:
                 self.stats["rejected_token_ids"] += 1
             return _response(400, b'{"error":{"message":"Unrecognized request argument: return_token_ids"}}',
                              reason="Bad Request")
+        bad = next((k for k in f.reject_fields if k in req), None)
+        if bad is not None:
+            with self.lock:
+                self.stats["rejected_fields"] += 1
+            msg = json.dumps({"error": {"message": f"Unrecognized request argument supplied: {bad}"}})
+            return _response(400, msg.encode(), reason="Bad Request")
         key = _digest(messages)
         with self.lock:
             n = self.attempts[key]

@@ -9,17 +9,29 @@ Used by `generate` when `server.urls` is empty, and reusable by the pipeline/ben
 gets the fully resolved run config (a temp YAML) plus `serve.host/port`, so target dtype, device,
 tokenizer and chat template are the same as in-process. Its stderr goes to `log_path` (default:
 a temp file whose tail is shown if the server dies before answering /health).
+
+The child lives and dies with its parent: it runs in its own process group, and on Linux gets
+SIGTERM from the kernel when the parent dies (PR_SET_PDEATHSIG, set in the child before exec),
+also after a SIGKILL of the parent. An orphaned child then removes the temp dir itself (its path
+is in `TMPDIR_ENV`); on a normal exit, an exception, SIGTERM or interpreter exit the parent stops the
+child and removes it. Call this from the main thread: the death signal follows the thread that
+started the child.
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
+import functools
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,6 +42,64 @@ import httpx
 from dflashkit.errors import ServerError
 
 log = logging.getLogger("dflashkit.serve")
+
+TMPDIR_ENV = "DFLASHKIT_SERVE_TMPDIR"  # "<parent pid>:<dir>": the child removes dir if it outlives the parent
+PR_SET_PDEATHSIG = 1
+
+
+def _death_signal_preexec(parent_pid: int):
+    """A preexec_fn: SIGTERM this child when its parent dies (Linux), and exit now if it already did.
+
+    prctl is looked up here, in the parent: after fork the child only makes two syscalls (no
+    imports, no allocation), which is safe even when the parent has other threads."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: the parent's cleanup handlers still apply
+        return None
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def _stop(proc: subprocess.Popen, tmpdir: str) -> None:
+    """Terminate the child's process group (kill after 15 s) and remove the temp dir; idempotent."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                proc.kill()
+            proc.wait()
+    shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _raise_on_sigterm(signum, _frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds every `finally`: the child is stopped, files closed
+
+
+def cleanup_on_exit_of_child() -> None:
+    """In the child (`dflashkit serve` started by us): at exit, remove the temp dir if the parent is
+    gone (a live parent still reads the log tail from it, then removes it itself)."""
+    value = os.environ.get(TMPDIR_ENV, "")
+    parent, _, tmpdir = value.partition(":")
+    if not (parent.isdigit() and Path(tmpdir).name.startswith("dflashkit-serve-")):
+        return
+
+    def remove_if_orphaned() -> None:
+        if os.getppid() != int(parent):
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+    atexit.register(remove_if_orphaned)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -86,10 +156,10 @@ def start_local_server(cfg, *, host: str = "127.0.0.1", port: int | None = None,
     from dflashkit.config import dump_config
 
     port = port or free_port(host)
-    tmpdir = tempfile.TemporaryDirectory(prefix="dflashkit-serve-")
-    cfg_path = Path(tmpdir.name) / "run.yaml"
+    tmpdir = tempfile.mkdtemp(prefix="dflashkit-serve-")
+    cfg_path = Path(tmpdir) / "run.yaml"
     cfg_path.write_text(dump_config(cfg))
-    log_file = Path(log_path) if log_path else Path(tmpdir.name) / "serve.log"
+    log_file = Path(log_path) if log_path else Path(tmpdir) / "serve.log"
     log_file.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "dflashkit", "serve", "-c", str(cfg_path), f"serve.host={host}",
            f"serve.port={port}", "--json", *(extra_overrides or [])]
@@ -97,16 +167,18 @@ def start_local_server(cfg, *, host: str = "127.0.0.1", port: int | None = None,
     log.info("starting a local server for %s on %s (log: %s)", cfg.target.path, base_url, log_file)
     with open(log_file, "ab") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
-                                env={**os.environ, "TQDM_DISABLE": "1"})
+                                preexec_fn=_death_signal_preexec(os.getpid()),
+                                env={**os.environ, "TQDM_DISABLE": "1", TMPDIR_ENV: f"{os.getpid()}:{tmpdir}"})
+    stopper = functools.partial(_stop, proc, tmpdir)
+    atexit.register(stopper)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     try:
         wait_for_health(base_url, timeout_s=cfg.server.startup_timeout_s, proc=proc, log_path=log_file)
         yield base_url
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        tmpdir.cleanup()
+        stopper()
+        atexit.unregister(stopper)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

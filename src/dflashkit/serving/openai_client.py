@@ -1,10 +1,12 @@
-"""Lean asyncio client for OpenAI-compatible `/v1/chat/completions`, with retries and balancing.
+"""Lean asyncio client for OpenAI-compatible `/v1/chat/completions` (and `/v1/completions`), with retries.
 
 Usage:
     async with OpenAIClient(["http://127.0.0.1:8000/v1"], concurrency=32, timeout_s=600) as client:
         model = await client.model_name()
         reply = await client.chat({"model": model, "messages": [...], "max_tokens": 64})
         reply.content, reply.reasoning, reply.finish_reason, reply.token_ids, reply.attempts
+        reply.usage["prompt_tokens"], reply.prompt_token_ids       # what the server saw (ids if returned)
+        reply = await client.complete({"model": model, "prompt": "<rendered text>", ...})  # same reply type
 
 One keep-alive connection pool serves every endpoint: the lean `Http1Client` by default, or
 `httpx.AsyncClient` (`http_client="httpx"`: proxies, HTTP/2). Each request goes to the endpoint
@@ -29,6 +31,7 @@ from typing import Any
 
 import httpx
 
+from dflashkit.config import redact_url
 from dflashkit.serving.http1 import Http1Client, HttpConnectError, HttpDropped, HttpError, HttpTimeout
 
 log = logging.getLogger("dflashkit.generate")
@@ -68,6 +71,7 @@ class ChatReply:
     url: str
     attempts: int = 1
     retry_reasons: list[str] = field(default_factory=list)
+    prompt_token_ids: list[int] | None = None  # vLLM (`return_token_ids`) and `dflashkit serve` return them
 
 
 def parse_retry_after(value: str | None) -> float | None:
@@ -86,25 +90,37 @@ def parse_retry_after(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
-def parse_chat_response(body: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(choice, response) from a response body; raises `_Retryable("malformed json")` if unusable."""
+def parse_chat_response(body: bytes, route: str = "chat") -> tuple[dict[str, Any], dict[str, Any]]:
+    """(choice, response) from a response body; raises `_Retryable("malformed json")` if unusable.
+
+    `route="completions"`: the choice carries `text` instead of `message`.
+    """
     try:
         data = json.loads(body)
         choice = data["choices"][0]
-        message = choice["message"]
-        if not isinstance(message, dict) or not isinstance(message.get("content") or "", str):
-            raise TypeError("message.content is not a string")
+        if route == "completions":
+            if not isinstance(choice.get("text") or "", str):
+                raise TypeError("choices[0].text is not a string")
+        else:
+            message = choice["message"]
+            if not isinstance(message, dict) or not isinstance(message.get("content") or "", str):
+                raise TypeError("message.content is not a string")
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, IndexError, TypeError) as e:
         raise _Retryable("malformed json", f"{type(e).__name__}: {str(e)[:120]}") from None
     return choice, data
 
 
-def _token_ids(choice: dict[str, Any]) -> list[int] | None:
-    for key in ("token_ids", "output_token_ids", "output_ids"):
+def _token_ids(choice: dict[str, Any], keys=("token_ids", "output_token_ids", "output_ids")) -> list[int] | None:
+    for key in keys:
         ids = choice.get(key)
         if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
             return ids
     return None
+
+
+def prompt_ids(choice: dict[str, Any], data: dict[str, Any]) -> list[int] | None:
+    """The prompt's token ids: top level (vLLM chat), or on the choice (vLLM completions)."""
+    return _token_ids(data, ("prompt_token_ids",)) or _token_ids(choice, ("prompt_token_ids",))
 
 
 class OpenAIClient:
@@ -182,7 +198,7 @@ class OpenAIClient:
         except (httpx.HTTPError, HttpError, KeyError, IndexError, TypeError, ValueError) as e:
             from dflashkit.errors import ServerError
 
-            raise ServerError(f"could not read the model name from {url}: {type(e).__name__}: {e}",
+            raise ServerError(f"could not read the model name from {redact_url(url)}: {type(e).__name__}: {e}",
                               hint="set server.model, or check that the server is up") from None
 
     async def model_name(self) -> str:
@@ -191,6 +207,13 @@ class OpenAIClient:
 
     async def chat(self, body: dict[str, Any]) -> ChatReply:
         """POST one chat completion with retries; returns the first choice or raises RequestFailed."""
+        return await self._request(body, "chat")
+
+    async def complete(self, body: dict[str, Any]) -> ChatReply:
+        """POST one text completion (`prompt` already rendered) to /completions, like `chat`."""
+        return await self._request(body, "completions")
+
+    async def _request(self, body: dict[str, Any], route: str) -> ChatReply:
         payload = json.dumps(body, ensure_ascii=False).encode()
         reasons: list[str] = []
         for attempt in range(self.max_retries + 1):
@@ -200,7 +223,7 @@ class OpenAIClient:
                     self.in_flight[url] += 1
                     self.stats["requests"] += 1
                     try:
-                        reply = await self._post(url, payload)
+                        reply = await self._post(url, payload, route)
                     finally:
                         self.in_flight[url] -= 1
                 reply.attempts = attempt + 1
@@ -221,16 +244,17 @@ class OpenAIClient:
                     self._cooldown_until[url] = time.monotonic() + delay
                 self.stats["retries"] += 1
                 log.debug("retry %d/%d in %.2fs after %s (%s) from %s", attempt + 1, self.max_retries,
-                          delay, e.reason, e.detail, url)
+                          delay, e.reason, e.detail, redact_url(url))
                 await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
-    async def _post(self, url: str, payload: bytes) -> ChatReply:
+    async def _post(self, url: str, payload: bytes, route: str = "chat") -> ChatReply:
+        endpoint = url + ("/completions" if route == "completions" else "/chat/completions")
         try:
             if self._fast is not None:
-                status, headers, body = await self._fast.request("POST", url + "/chat/completions", payload)
+                status, headers, body = await self._fast.request("POST", endpoint, payload)
             else:
-                resp = await self._http.post(url + "/chat/completions", content=payload)  # type: ignore[union-attr]
+                resp = await self._http.post(endpoint, content=payload)  # type: ignore[union-attr]
                 status, headers, body = resp.status_code, resp.headers, resp.content
         except (httpx.TimeoutException, HttpTimeout) as e:
             raise _Retryable("timeout", type(e).__name__) from None
@@ -243,11 +267,13 @@ class OpenAIClient:
             if status in RETRY_STATUS:
                 raise _Retryable(f"http {status}", detail, parse_retry_after(headers.get("retry-after")))
             raise RequestFailed(f"http {status}", detail)
-        choice, data = parse_chat_response(body)
-        message = choice["message"]
+        choice, data = parse_chat_response(body, route)
+        message = choice.get("message") or {"content": choice.get("text") or ""}
         reasoning = message.get("reasoning_content") or message.get("reasoning")
+        usage = data.get("usage")
         return ChatReply(
             content=message.get("content") or "", reasoning=reasoning if isinstance(reasoning, str) else None,
             finish_reason=choice.get("finish_reason"), token_ids=_token_ids(choice),
-            usage=data.get("usage") or {}, model=data.get("model"), url=url,
+            usage=usage if isinstance(usage, dict) else {}, model=data.get("model"), url=url,
+            prompt_token_ids=prompt_ids(choice, data),
         )

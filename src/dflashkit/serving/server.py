@@ -9,12 +9,15 @@ Usage:
 Routes:
     POST /v1/chat/completions   messages, temperature, top_p, top_k, max_tokens, seed, stop, stream,
                                 chat_template_kwargs; the model's own chat template renders the prompt
-    POST /v1/completions        prompt (string or token ids), same sampling fields
+    POST /v1/completions        prompt (string or token ids), add_special_tokens, same sampling fields
     GET  /v1/models, /health, /metrics (JSON: requests, tokens, batches, acceptance when speculating)
 Each choice carries `finish_reason` and `token_ids` (the generated ids, a stop token included);
+with `return_token_ids: true` the response also has the top-level `prompt_token_ids` (as vLLM);
 `usage` has prompt/completion tokens, plus `acceptance_lengths`/`mean_acceptance` with a drafter.
 Streams are Server-Sent Events ending with `data: [DONE]`; the final chunk has the finish reason,
 the token ids and usage. Bad requests get 400 with an OpenAI-style `{"error": {...}}` body.
+A client that disconnects (streaming or not) has its request cancelled: the engine frees its
+batch row at the next step, and the log gets one line, not a broken-pipe traceback.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import queue
+import select
+import socket
 import threading
 import time
 import uuid
@@ -29,9 +35,12 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterator
 
-from dflashkit.serving.engine import ServeParams
+from dflashkit.serving.engine import RequestCancelled, ServeParams
 
 log = logging.getLogger("dflashkit.serve")
+
+DISCONNECTS = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
+POLL_S = 0.2  # how often a waiting handler checks whether its client is still there
 
 
 class BadRequest(Exception):
@@ -168,7 +177,8 @@ class Handler(BaseHTTPRequestHandler):
                 if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
                     prompt = prompt[0]
                 if isinstance(prompt, str):
-                    prompt_ids = list(app.tok.encode(prompt))
+                    prompt_ids = list(app.tok.encode(  # vLLM's field: False for an already rendered prompt
+                        prompt, add_special_tokens=body.get("add_special_tokens") is not False))
                 elif isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt):
                     prompt_ids = prompt
                 else:
@@ -185,13 +195,17 @@ class Handler(BaseHTTPRequestHandler):
             return self._error(400, str(e))
         with app._lock:
             app.in_flight += 1
+        req = None
         try:
             req = app.engine.submit(prompt_ids, params, stream=bool(body.get("stream")))
             if body.get("stream"):
                 self._stream(req, chat)
             else:
-                out = req.wait()
-                self._send_json(200, self._full(out, chat))
+                out = self._wait(req)
+                if out is not None:
+                    self._send_json(200, self._full(out, chat, prompt_ids if body.get("return_token_ids") else None))
+        except (RequestCancelled, *DISCONNECTS, socket.timeout):
+            self._gone(req)
         except Exception as e:  # noqa: BLE001 - the engine's error goes back to this client only
             log.warning("request failed: %s: %s", type(e).__name__, e)
             self._error(500, f"{type(e).__name__}: {e}", "server_error")
@@ -199,15 +213,43 @@ class Handler(BaseHTTPRequestHandler):
             with app._lock:
                 app.in_flight -= 1
 
-    def _full(self, out, chat: bool) -> dict[str, Any]:
+    def _client_gone(self) -> bool:
+        """True when the client closed its connection (readable with nothing to read = EOF)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    def _gone(self, req) -> None:
+        """The client disconnected: cancel its request (frees the batch row); no traceback."""
+        if req is not None:
+            req.cancel()
+        self.close_connection = True
+        log.info("client %s disconnected; its request was cancelled", self.address_string())
+
+    def _wait(self, req):
+        """The Completion, or None when the client went away meanwhile (the request is cancelled)."""
+        while True:
+            try:
+                return req.wait(timeout=POLL_S)
+            except TimeoutError:
+                if self._client_gone():
+                    self._gone(req)
+                    return None
+
+    def _full(self, out, chat: bool, prompt_ids: list[int] | None = None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason, "token_ids": out.token_ids}
         if chat:
             choice["message"] = {"role": "assistant", "content": out.text}
         else:
             choice["text"] = out.text
-        return {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+        resp = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
                 "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.app.model_name, "choices": [choice], "usage": self.app.usage(out)}
+        if prompt_ids is not None:  # as vLLM does with `return_token_ids`
+            resp["prompt_token_ids"] = list(prompt_ids)
+        return resp
 
     def _stream(self, req, chat: bool) -> None:
         self.send_response(200)
@@ -231,7 +273,16 @@ class Handler(BaseHTTPRequestHandler):
             return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
         self.wfile.write(chunk("", first=True))
-        for delta in req.deltas():
+        self.wfile.flush()
+        while True:
+            try:
+                delta = req.events.get(timeout=POLL_S)
+            except queue.Empty:
+                if self._client_gone():
+                    return self._gone(req)
+                continue
+            if delta is None:
+                break
             self.wfile.write(chunk(delta))
             self.wfile.flush()
         out = req.wait()
@@ -243,9 +294,19 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        import sys
+
+        if isinstance(sys.exc_info()[1], DISCONNECTS):  # a client that went away is not our error
+            log.debug("client %s disconnected", client_address)
+            return
+        super().handle_error(request, client_address)
+
+
 def make_server(app: App, host: str, port: int) -> ThreadingHTTPServer:
     handler = type("BoundHandler", (Handler,), {"app": app})
-    server = ThreadingHTTPServer((host, port), handler)
+    server = _Server((host, port), handler)
     server.daemon_threads = True
     return server
 

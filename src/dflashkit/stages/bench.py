@@ -6,7 +6,8 @@ Example: dflashkit bench decode -c run.yaml
 
 Subjects: generate (client req/s vs a local zero-latency server), tokenize (vs raw batched
 tokenizer), train (drafter step vs target forward), decode (speculative vs block_size=1 vs the
-reference dflash_generate), serve (concurrency sweep over one or two OpenAI-compatible endpoints).
+reference dflash_generate), serve (concurrency sweep over one or two OpenAI-compatible endpoints),
+recipe (short training runs of recipe variants on this run's data: held-out τ, acc@1, bigram).
 Every ratio is measured in one run, warm-up excluded.
 """
 
@@ -23,6 +24,7 @@ SUBJECTS = {
     "tokenize": "dflashkit.data.bench:bench_tokenize",
     "train": "dflashkit.train.bench:bench_train",
     "decode": "dflashkit.decode.bench:bench_decode",
+    "recipe": "dflashkit.train.ablation:bench_recipe",
 }
 
 

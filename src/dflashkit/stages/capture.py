@@ -5,9 +5,12 @@ Outputs: capture/shard-XXXXX.safetensors (one per tokenized shard), capture/mani
 Example: dflashkit capture -c run.yaml capture.dtype=bfloat16
 
 Each feature shard holds `features` [tokens, n_feat·H] (capture.dtype; the concatenated outputs
-of target decoder layers `target_layer_ids`, rows of all samples back to back), `offsets`
-[samples+1] (int64 row offsets, in tokenized-shard order) and metadata: the target_layer_ids, the
-source shard's digest, the dtype. The total size (n_feat·H·bytes·tokens) is logged BEFORE any
+of target decoder layers `target_layer_ids`, rows of all samples back to back), `next_ids`
+[tokens] (int32: the target's greedy next token at every position, argmax lm_head; what
+`train.labels=target` learns, 4 B/token), optionally `last_hidden` [tokens, H] (capture.dtype: the
+target's final-norm output, from which training recomputes the target's distribution for
+`train.loss=kl|ce+kl`; `capture.last_hidden`), `offsets` [samples+1] (int64 row offsets, in
+tokenized-shard order) and metadata: the target_layer_ids, the source shard's digest, the dtype. The total size (n_feat·H·bytes·tokens) is logged BEFORE any
 work, and the stage refuses (exit 2) when it exceeds capture.max_disk_fraction of the free disk.
 Shards are written through a temp file + rename and streamed (never held in memory whole); a
 complete shard whose layer ids and source digest still match is skipped, so a killed run resumes.
@@ -34,7 +37,7 @@ log = logging.getLogger("dflashkit.capture")
 ST_DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
 
 
-def _existing_ok(path: Path, layer_ids: list[int], digest: str, dtype: str) -> bool:
+def _existing_ok(path: Path, layer_ids: list[int], digest: str, dtype: str, last_hidden: bool) -> bool:
     if not path.is_file():
         return False
     try:
@@ -45,24 +48,37 @@ def _existing_ok(path: Path, layer_ids: list[int], digest: str, dtype: str) -> b
     except Exception:  # noqa: BLE001 - a torn file is simply recomputed
         return False
     return (json.loads(meta.get("target_layer_ids", "null")) == list(layer_ids)
-            and meta.get("source_digest") == digest and meta.get("dtype") == dtype)
+            and meta.get("source_digest") == digest and meta.get("dtype") == dtype
+            and meta.get("next_ids") == "1" and (meta.get("last_hidden") == "1" or not last_hidden))
 
 
 def _write_shard(path: Path, target, rows: list[torch.Tensor], layer_ids: list[int], *, dtype: str,
-                 batch_size: int, metadata: dict[str, str], width: int, pad_id: int) -> int:
-    """Stream one safetensors file: header, offsets, then features batch by batch."""
+                 batch_size: int, metadata: dict[str, str], width: int, pad_id: int,
+                 last_hidden: bool = False) -> int:
+    """Stream one safetensors file: header, offsets, features batch by batch, next_ids, last_hidden.
+
+    `next_ids` (small) is held in memory; `last_hidden` is streamed to a side file and appended."""
+    import tempfile
+
     st_name, nbytes = ST_DTYPES[dtype]
     lens = [len(r) for r in rows]
     offsets = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0)
     total = int(offsets[-1])
+    hidden = target.hidden_size
     off_bytes = offsets.numpy().tobytes()
+    f_end = len(off_bytes) + total * width * nbytes
     header = {"offsets": {"dtype": "I64", "shape": [len(rows) + 1], "data_offsets": [0, len(off_bytes)]},
-              "features": {"dtype": st_name, "shape": [total, width],
-                           "data_offsets": [len(off_bytes), len(off_bytes) + total * width * nbytes]},
-              "__metadata__": metadata}
+              "features": {"dtype": st_name, "shape": [total, width], "data_offsets": [len(off_bytes), f_end]},
+              "next_ids": {"dtype": "I32", "shape": [total], "data_offsets": [f_end, f_end + 4 * total]}}
+    if last_hidden:
+        header["last_hidden"] = {"dtype": st_name, "shape": [total, hidden],
+                                 "data_offsets": [f_end + 4 * total, f_end + 4 * total + total * hidden * nbytes]}
+    header["__metadata__"] = {**metadata, "next_ids": "1", "last_hidden": "1" if last_hidden else "0"}
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)
     tdtype = getattr(torch, dtype)
+    next_parts: list[bytes] = []
+    side = tempfile.TemporaryFile(dir=path.parent) if last_hidden else None
     with atomic_path(path) as tmp, open(tmp, "wb") as fh:
         fh.write(struct.pack("<Q", len(hb)) + hb + off_bytes)
         for i in range(0, len(rows), batch_size):
@@ -73,10 +89,19 @@ def _write_shard(path: Path, target, rows: list[torch.Tensor], layer_ids: list[i
             for j, r in enumerate(part):
                 ids[j, :len(r)], att[j, :len(r)] = r, 1
             with torch.no_grad():
-                feats = target.features(ids.to(target.device), layer_ids=layer_ids,
-                                        attention_mask=att.to(target.device))
+                feats, last = target.features(ids.to(target.device), layer_ids=layer_ids, need_last_hidden=True,
+                                              attention_mask=att.to(target.device))
+                nxt = target.next_token_ids(last)
             for j, r in enumerate(part):
                 fh.write(feats[j, :len(r)].to(tdtype).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+                next_parts.append(nxt[j, :len(r)].to(torch.int32).cpu().numpy().tobytes())
+                if side is not None:
+                    side.write(last[j, :len(r)].to(tdtype).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        fh.write(b"".join(next_parts))
+        if side is not None:
+            side.seek(0)
+            shutil.copyfileobj(side, fh, 1 << 24)
+            side.close()
     return total
 
 
@@ -87,23 +112,26 @@ def run(cfg, rd, ctx) -> dict:
     t0 = time.time()
     contract = DrafterContract.load(rd.contract_path)
     data = load_tokenized(rd)
-    out_dir = rd.stage_dir("capture")
+    out_dir = rd.stage_dir("capture", create=not ctx.dry_run)  # a dry run creates nothing
     dtype = cfg.capture.dtype
     width = contract.num_features * contract.hidden_size
-    per_token = width * ST_DTYPES[dtype][1]
+    keep_last = cfg.capture.last_hidden == "true" or (cfg.capture.last_hidden == "auto" and cfg.train.loss != "ce")
+    per_token = (width + (contract.hidden_size if keep_last else 0)) * ST_DTYPES[dtype][1] + 4
     tokens = sum(len(x) for x in data.input_ids)
     layer_ids = list(contract.target_layer_ids)
     todo = []
     for si, shard in enumerate(data.shards):
         digest = file_digest(shard, limit=None)
         dest = out_dir / f"{shard.stem}.safetensors"
-        if not _existing_ok(dest, layer_ids, digest, dtype):
+        if not _existing_ok(dest, layer_ids, digest, dtype, keep_last):
             todo.append((si, shard, digest, dest))
     todo_ids = {t[0] for t in todo}
     need = sum(len(data.input_ids[i]) for i, (si, _) in enumerate(data.where) if si in todo_ids) * per_token
-    free = shutil.disk_usage(out_dir).free
-    msg = (f"capture: {tokens} tokens x {contract.num_features} layers x {contract.hidden_size} x "
-           f"{ST_DTYPES[dtype][1]} B = {tokens * per_token / 1e9:.3f} GB in total, {need / 1e9:.3f} GB to write "
+    free = shutil.disk_usage(next(p for p in (out_dir, *out_dir.parents) if p.exists())).free
+    what = f"{contract.num_features}{' + 1 (last hidden)' if keep_last else ''} x {contract.hidden_size} x " \
+           f"{ST_DTYPES[dtype][1]} B + 4 B (next ids)"
+    msg = (f"capture: {tokens} tokens x ({what}) = {per_token} B/token = "
+           f"{tokens * per_token / 1e9:.3f} GB in total, {need / 1e9:.3f} GB to write "
            f"({len(todo)}/{len(data.shards)} shards); {free / 1e9:.1f} GB free")
     log.info("%s", msg)
     if not ctx.json:
@@ -114,7 +142,7 @@ def run(cfg, rd, ctx) -> dict:
                          hint="free disk space, use capture.dtype=bfloat16, or train with train.features=online")
     result = {"shards": len(data.shards), "to_write": len(todo), "written": 0, "skipped": len(data.shards) - len(todo),
               "tokens": tokens, "bytes_total": tokens * per_token, "bytes_written": need, "dtype": dtype,
-              "target_layer_ids": layer_ids}
+              "target_layer_ids": layer_ids, "bytes_per_token": per_token, "last_hidden": keep_last}
     if ctx.dry_run:
         return {"dry_run": True, **result}
     if todo:
@@ -129,10 +157,10 @@ def run(cfg, rd, ctx) -> dict:
             meta = {"target_layer_ids": json.dumps(layer_ids), "source": shard.name, "source_digest": digest,
                     "dtype": dtype, "hidden_size": str(contract.hidden_size), "samples": str(len(rows))}
             n = _write_shard(dest, target, rows, layer_ids, dtype=dtype, batch_size=cfg.capture.batch_size,
-                             metadata=meta, width=width, pad_id=pad)
+                             metadata=meta, width=width, pad_id=pad, last_hidden=keep_last)
             log.info("captured %s: %d samples, %d tokens", dest.name, len(rows), n)
             result["written"] += 1
-    write_manifest(out_dir, stage="capture", config_hash=section_hash(cfg.capture, layer_ids),
+    write_manifest(out_dir, stage="capture", config_hash=section_hash(cfg.capture, layer_ids, keep_last),
                    inputs={"contract": section_hash(read_json(rd.contract_path)),
                            "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")},
                    counts={"shards": len(data.shards), "tokens": tokens}, started=t0,

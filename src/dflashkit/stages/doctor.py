@@ -2,8 +2,12 @@
 
 Inputs:  the config (optional): `server.urls` are probed with GET <url>/models (short timeout,
          API key from `server.api_key_env`, never logged); `target.path` is resolved if set.
+         With both, each endpoint gets generate's pre-flight: one short chat request whose prompt
+         (usage.prompt_tokens, prompt ids if returned) is compared with the target's chat
+         template rendered here ("drift <url>": error when they differ).
 Outputs: nothing on disk. One line per check: ok | missing | absent (optional) | error, with the
          fix command; the JSON has `checks` and `healthy` (false if a required check failed).
+         Exit code 0 when healthy, 1 when a required check failed (an unreachable endpoint too).
 
 Example:
     dflashkit doctor
@@ -23,6 +27,9 @@ import shutil
 import sys
 from pathlib import Path
 from typing import Any
+
+from dflashkit.config import redact_url
+from dflashkit.errors import StageFailed
 
 # pip name -> import name, for required packages
 REQUIRED = {"torch": "torch", "transformers": "transformers", "tokenizers": "tokenizers",
@@ -124,16 +131,68 @@ def endpoint_checks(server: Any, timeout: float = 3.0) -> list[dict[str, Any]]:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     for url in server.urls:
         models_url = url.rstrip("/") + "/models"
+        shown = redact_url(url)
         try:
             r = httpx.get(models_url, headers=headers, timeout=timeout)
             r.raise_for_status()
             ids = [m.get("id") for m in (r.json().get("data") or []) if isinstance(m, dict)]
-            out.append(_check(f"endpoint {url}", "ok", f"models: {', '.join(map(str, ids)) or '(none listed)'}"))
+            out.append(_check(f"endpoint {shown}", "ok", f"models: {', '.join(map(str, ids)) or '(none listed)'}"))
         except Exception as e:  # noqa: BLE001 - any failure is reported, never raised
-            detail = f"GET {models_url}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            out.append(_check(f"endpoint {url}", "error", detail[:300],
+            detail = (f"GET {redact_url(models_url)}: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}").replace(models_url, redact_url(models_url))
+            out.append(_check(f"endpoint {shown}", "error", detail[:300],
                               "start the server (e.g. `dflashkit serve -c run.yaml`) or fix server.urls"))
     return out
+
+
+PROBE_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def drift_checks(cfg: Any, urls: list[str], timeout: float = 30.0) -> list[dict[str, Any]]:
+    """generate's pre-flight against each reachable endpoint (needs the target's tokenizer here)."""
+    if not urls or not (cfg.target.path or cfg.target.tokenizer):
+        return []
+    import asyncio
+
+    from dflashkit.data.drift import describe
+    from dflashkit.stages.generate import local_chat
+
+    try:
+        chat = local_chat(cfg)
+    except Exception as e:  # noqa: BLE001 - reported, never raised
+        return [_check("drift", "error", f"cannot render the target's chat template here: {e}"[:300],
+                       "fix target.path / target.tokenizer / target.chat_template")]
+    out = []
+    for url in urls:
+        try:
+            check = asyncio.run(_preflight_one(cfg, url, chat, timeout))
+        except Exception as e:  # noqa: BLE001
+            out.append(_check(f"drift {url}", "error", f"pre-flight request failed: {type(e).__name__}: {e}"[:300],
+                              "check the server log"))
+            continue
+        if check.differs:
+            out.append(_check(f"drift {url}", "error", f"the server's prompt differs from the target's chat "
+                              f"template: {describe(check)}", "serve the target with its own chat template, or "
+                              "set generate.endpoint=completions"))
+        else:
+            out.append(_check(f"drift {url}", "ok" if check.checked else "absent", f"prompt: {describe(check)}"))
+    return out
+
+
+async def _preflight_one(cfg: Any, url: str, chat: Any, timeout: float):
+    from dflashkit.serving.openai_client import OpenAIClient
+    from dflashkit.serving.preflight import Sender, local_prompt_ids, preflight
+    from dflashkit.stages.generate import request_body, sampling_settings
+
+    async with OpenAIClient([url], concurrency=1, timeout_s=timeout, max_retries=0,
+                            api_key_env=cfg.server.api_key_env) as client:
+        model = cfg.server.model or await client.model_name()
+        text = chat.render(PROBE_MESSAGES, add_generation_prompt=True)
+        completions = cfg.generate.endpoint == "completions"
+        body = request_body(sampling_settings(cfg, model), PROBE_MESSAGES, token_ids=cfg.generate.request_token_ids,
+                            prompt=text if completions else None)
+        return await preflight(Sender(client, "completions" if completions else "chat"), body,
+                               local_prompt_ids(chat, text=text))
 
 
 def target_check(cfg: Any) -> list[dict[str, Any]]:
@@ -154,12 +213,20 @@ def target_check(cfg: Any) -> list[dict[str, Any]]:
 
 
 def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
-    checks = (package_checks() + device_checks() + tool_checks(cfg.run.run_dir) + target_check(cfg)
-              + endpoint_checks(cfg.server))
+    endpoints = endpoint_checks(cfg.server)
+    reachable = [c["name"].split(" ", 1)[1] for c in endpoints if c["status"] == "ok"]
+    targets = target_check(cfg)
+    checks = (package_checks() + device_checks() + tool_checks(cfg.run.run_dir) + targets + endpoints
+              + (drift_checks(cfg, reachable) if all(c["status"] == "ok" for c in targets) else []))
     problems = [c["name"] for c in checks if c["status"] in ("missing", "error")]
     if not ctx.json:
         width = max(len(c["name"]) for c in checks)
         for c in checks:
             fix = f"   → {c['fix']}" if c["fix"] else ""
             print(f"{c['name'].ljust(width)}  {c['status']:<7} {c['detail']}{fix}", flush=True)
-    return {"healthy": not problems, "problems": problems, "checks": checks}
+    result = {"healthy": not problems, "problems": problems, "checks": checks}
+    if problems:
+        raise StageFailed(f"doctor: {len(problems)} problem{'s' if len(problems) > 1 else ''}: "
+                          f"{', '.join(problems)}", result=result,
+                          hint="each failed check above names its fix (exit 1 = not healthy)")
+    return result

@@ -1,7 +1,7 @@
 """`dflashkit eval`: lossless speculative decoding of held-out prompts — τ, acceptance, speedup.
 
-Inputs:  the target (`target.*`), a drafter dir (DIR, `eval.drafter`, `train/final/` or `export/`),
-         prompts (`eval.prompts`, else `prepare/heldout.jsonl`).
+Inputs:  the target (`target.*`), a drafter dir (DIR, `eval.drafter`, `train/best/` — kept by
+         `train.keep_best` — else `train/final/`, or `export/`), prompts (`eval.prompts`, else `prepare/heldout.jsonl`).
 Outputs: `eval/results.json` (+ manifest): the baseline (block_size 1, same loop) and, per block size,
          τ mean and histogram, per-position acceptance, tokens/s, speedup (decode and end-to-end),
          TTFT, and the bound τ·t(1)/t(B) from the same run's step timings (`decode/metrics.py`).
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from dflashkit.config import section_hash
@@ -40,6 +41,18 @@ def _table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _drafter_source(drafter_dir: Path, rd: Any) -> dict[str, Any]:
+    """Which drafter eval used: train/best (with its best.json: step, held-out τ), train/final, or other."""
+    from dflashkit.train.checkpoint import read_best
+
+    d = Path(drafter_dir).resolve()
+    if d == (rd.root / "train" / "best").resolve():
+        return {"kind": "best", **(read_best(d) or {})}
+    if d == (rd.root / "train" / "final").resolve():
+        return {"kind": "final"}
+    return {"kind": "export" if d == (rd.root / "export").resolve() else "dir"}
+
+
 def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
     import torch
 
@@ -56,6 +69,10 @@ def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
     contract = read_contract(drafter_dir)
     prompts = load_prompt_messages(cfg, rd)[: e.num_prompts]
     block_sizes = [b for b in dict.fromkeys(e.block_sizes or [contract.block_size]) if b != 1]  # 1 = baseline
+    for bs in (b for b in block_sizes if b > contract.block_size):
+        log.warning("eval.block_sizes: %d > the drafter's trained block size %d: positions past %d were never "
+                    "trained, so they are drafted from noise (lossless, but tau will not improve)",
+                    bs, contract.block_size, contract.block_size - 1)
     if ctx.dry_run:
         return {"dry_run": True, "drafter": str(drafter_dir), "prompts": len(prompts), "block_sizes": block_sizes}
     target = load_target(cfg.target)
@@ -68,7 +85,9 @@ def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
         baseline.check_prompt(len(p), e.max_new_tokens, what=f"prompt {i} ({prompts[i][0]})")
     drafter = load_drafter(drafter_dir, dtype=target.dtype, device=target.device)
 
-    log.info("eval: %d prompts, block sizes %s, drafter %s", len(ids), block_sizes, drafter_dir)
+    source = _drafter_source(drafter_dir, rd)
+    log.info("eval: %d prompts, block sizes %s, drafter %s (%s)", len(ids), block_sizes, drafter_dir,
+             source["kind"])
     ddt = draft_dtype_for(cfg, target)
     decoders = {"1": baseline} | {str(bs): SpecDecoder(target, drafter, bs, max_context=e.max_context,
                                                          draft_sampling=e.draft_sampling, draft_dtype=ddt)
@@ -76,7 +95,7 @@ def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
     runs = run_interleaved(decoders, ids, params, warmup=e.warmup, base_seed=cfg.run.seed)
     base_results = runs.pop("1")
     base_t = summarize_timing(base_results)
-    res: dict[str, Any] = {"drafter": str(drafter_dir), "target": str(cfg.target.path), "prompts": len(ids),
+    res: dict[str, Any] = {"drafter": str(drafter_dir), "drafter_source": source, "target": str(cfg.target.path), "prompts": len(ids),
                            "max_new_tokens": e.max_new_tokens, "temperature": e.temperature,
                            "threads": torch.get_num_threads(), "device": str(target.device),
                            "draft_dtype": str(ddt or target.dtype).removeprefix("torch."),
@@ -118,5 +137,6 @@ def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
             hint="this is a bug (lossless decoding is violated); re-run with --log-level debug and report it")
     summary = {bs: {k: r[k] for k in ("tau", "speedup", "bound", "decode_tokens_per_s")}
                for bs, r in res["speculative"].items()}
-    return {"results": str(out / "results.json"), "prompts": len(ids), "summary": res["summary"],
+    return {"results": str(out / "results.json"), "drafter": str(drafter_dir), "drafter_source": source,
+            "prompts": len(ids), "summary": res["summary"],
             "baseline_tokens_per_s": base_t["decode_tokens_per_s"], "block_sizes": summary}

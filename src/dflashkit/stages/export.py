@@ -1,6 +1,7 @@
 """`dflashkit export`: the serving-ready drafter dir (z-lab format) with a model card, checked on reload.
 
-Inputs:  `train/final/` (or a positional DIR), `eval/results.json` and manifests if present.
+Inputs:  `train/best/` (the best held-out simulated τ, `train.keep_best`), else `train/final/` (or a
+         positional DIR), `eval/results.json` and manifests if present.
 Outputs: `export.out_dir` (default `<run_dir>/export/`): config.json (architectures, auto_map →
          dflash.py, dflash_config, top-level block_size/num_target_layers), model.safetensors
          (z-lab tensor names, `export.dtype`), dflash.py (our modeling file:
@@ -165,12 +166,18 @@ def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
     from dflashkit.export.hf import MODELING_FILE, load_drafter, save_drafter
 
     t0 = time.time()
-    src = Path(ctx.positionals[0]) if ctx.positionals else rd.root / "train" / "final"
+    from dflashkit.train.checkpoint import read_best, trained_drafter_dir
+
+    if ctx.positionals:
+        src, which = Path(ctx.positionals[0]), "dir"
+    else:
+        src, which = trained_drafter_dir(rd.root / "train")
+    source = {"kind": which, **((read_best(src) or {}) if which == "best" else {})}
     if not (src / "config.json").is_file():
         raise MissingArtifactError("trained drafter", src, run="dflashkit train -c run.yaml")
     out = Path(cfg.export.out_dir) if cfg.export.out_dir else rd.root / "export"
     if ctx.dry_run:
-        return {"dry_run": True, "source": str(src), "out_dir": str(out)}
+        return {"dry_run": True, "source": str(src), "source_kind": which, "out_dir": str(out)}
     model = load_drafter(src, dtype=torch.float32)
     head = _target_head(cfg)
     if head is not None and head.shape[-1] != model.contract.hidden_size:
@@ -183,14 +190,14 @@ def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
         (tmp / "README.md").write_text(model_card(cfg, model.contract, out.resolve(), rd, model.draft_vocab_size))
         check = reload_check(model, tmp, head, cfg.export.check_atol)
         write_manifest(tmp, stage="export", config_hash=section_hash(cfg.export), started=t0,
-                       inputs={"source": str(src)}, counts={"tensors": len(model.state_dict())},
+                       inputs={"source": str(src), "source_kind": which}, counts={"tensors": len(model.state_dict())},
                        outputs=["config.json", "model.safetensors", MODELING_FILE, "README.md"],
                        extra={"reload_check": check})
     if out.resolve() != rd.stage_dir("export", create=False).resolve():
         write_manifest(rd.stage_dir("export"), stage="export", config_hash=section_hash(cfg.export), started=t0,
                        inputs={"source": str(src)}, outputs=[str(out)], extra={"reload_check": check})
-    log.info("exported %s → %s (reload check: %s max diff %.2g)", src, out, check["compared"],
+    log.info("exported %s (%s) → %s (reload check: %s max diff %.2g)", src, which, out, check["compared"],
              check["max_diff_vs_source"])
-    return {"out_dir": str(out), "dtype": cfg.export.dtype, "block_size": model.contract.block_size,
+    return {"out_dir": str(out), "source": str(src), "source_info": source, "dtype": cfg.export.dtype, "block_size": model.contract.block_size,
             "reload_check": check,
             **({"draft_vocab_size": model.draft_vocab_size} if model.draft_vocab is not None else {})}

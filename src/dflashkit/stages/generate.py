@@ -10,6 +10,12 @@ Example: dflashkit generate -c run.yaml server.urls='[http://gpu1:30000/v1,http:
 Resuming is exactly-once: a re-run (after a crash, kill or failures) skips the (id, turn) pairs the
 journal holds and generates the rest; turns that failed are retried. Changing a sampling setting
 with a non-empty journal is refused (delete `generate/shards` to start over).
+
+Drift guards (see `dflashkit.serving.preflight`): requests name every sampling knob servers default
+differently (`generate.neutral_sampling`); before the first turn one request compares the server's
+prompt with the target's chat template rendered here (`generate.preflight`, needs the target's
+tokenizer); each turn keeps `usage.prompt_tokens` and the prompt ids (if returned) for `tokenize`
+to compare. `generate.endpoint: completions` renders prompts here and sends text.
 """
 
 from __future__ import annotations
@@ -23,12 +29,15 @@ from collections import Counter
 from contextlib import ExitStack
 from typing import Any
 
-from dflashkit.config import section_hash
-from dflashkit.errors import ConfigError
+from dflashkit.config import redact_url, section_hash
+from dflashkit.data.drift import describe, ids_summary
+from dflashkit.errors import ConfigError, PartialFailure, UsageError
 from dflashkit.rundir import atomic_path, atomic_write_json, file_digest, read_json, write_manifest
+from dflashkit.data.mixing import original_answer_sources
 from dflashkit.serving.conversations import assemble, build_prompt, load_prepared, plan_turns
 from dflashkit.serving.journal import Journal, read_records
 from dflashkit.serving.openai_client import OpenAIClient, RequestFailed
+from dflashkit.serving.preflight import NEUTRAL_SAMPLING, Sender, local_prompt_ids, preflight
 
 log = logging.getLogger("dflashkit.generate")
 
@@ -37,21 +46,81 @@ def sampling_settings(cfg, model: str | None) -> dict[str, Any]:
     g = cfg.generate
     return {"model": model, "temperature": g.temperature, "top_p": g.top_p, "max_tokens": g.max_tokens,
             "seed": g.seed if g.seed is not None else cfg.run.seed, "stop": list(g.stop),
-            "chat_template_kwargs": dict(g.chat_template_kwargs), "extra_body": dict(g.extra_body)}
+            "chat_template_kwargs": dict(g.chat_template_kwargs), "extra_body": dict(g.extra_body),
+            "endpoint": g.endpoint, "neutral_sampling": g.neutral_sampling}
 
 
-def request_body(settings: dict[str, Any], messages: list[dict[str, str]], *, token_ids: bool) -> dict:
-    body: dict[str, Any] = {"model": settings["model"], "messages": messages,
-                            "temperature": settings["temperature"], "top_p": settings["top_p"],
-                            "max_tokens": settings["max_tokens"], "seed": settings["seed"]}
+def request_body(settings: dict[str, Any], messages: list[dict[str, str]], *, token_ids: bool,
+                 prompt: str | None = None) -> dict:
+    """The JSON body for one turn: `messages` (chat), or the locally rendered `prompt` (completions)."""
+    body: dict[str, Any] = {"model": settings["model"], "temperature": settings["temperature"],
+                            "top_p": settings["top_p"], "max_tokens": settings["max_tokens"],
+                            "seed": settings["seed"]}
+    if prompt is None:
+        body["messages"] = messages
+        if settings["chat_template_kwargs"]:
+            body["chat_template_kwargs"] = settings["chat_template_kwargs"]
+    else:
+        body["prompt"] = prompt
+        body["add_special_tokens"] = False  # the rendered template already holds any BOS (vLLM's field)
+    if settings.get("neutral_sampling"):
+        body.update(NEUTRAL_SAMPLING)
     if settings["stop"]:
         body["stop"] = settings["stop"]
-    if settings["chat_template_kwargs"]:
-        body["chat_template_kwargs"] = settings["chat_template_kwargs"]
     if token_ids:
         body["return_token_ids"] = True
     body.update(settings["extra_body"])
     return body
+
+
+def local_chat(cfg):
+    """The target's chat template rendered here (with generate's kwargs), or None without a tokenizer."""
+    if not (cfg.target.path or cfg.target.tokenizer):
+        if cfg.generate.endpoint == "completions":
+            raise ConfigError("generate.endpoint=completions renders prompts locally: set target.path or "
+                              "target.tokenizer")
+        return None
+    from dflashkit.stages.tokenize import load_chat
+
+    return load_chat(cfg, kwargs=cfg.generate.chat_template_kwargs)
+
+
+async def _preflight(cfg, sender: Sender, settings: dict[str, Any], chat, convs) -> dict[str, Any]:
+    """One request for the first turn: the server's prompt vs the local rendering (generate.preflight)."""
+    mode = cfg.generate.preflight
+    if mode == "off":
+        return {"status": "off"}
+    if chat is None:
+        return {"status": "skipped", "detail": "no local tokenizer (set target.path or target.tokenizer)"}
+    conv = next((c for c in convs if plan_turns(c["messages"])), None)
+    if conv is None:
+        return {"status": "skipped", "detail": "no user turn"}
+    messages = build_prompt(conv["messages"], plan_turns(conv["messages"]), [], 0)
+    text = chat.render(messages, add_generation_prompt=True)
+    prompt = text if cfg.generate.endpoint == "completions" else None
+    body = request_body(settings, messages, token_ids=cfg.generate.request_token_ids, prompt=prompt)
+    try:
+        check = await preflight(sender, body, local_prompt_ids(chat, text=text))
+    except RequestFailed as e:
+        return {"status": "skipped", "detail": f"the request failed: {e}"}
+    out = {"status": "differs" if check.differs else "ok" if check.checked else "not checked",
+           "detail": describe(check), "id": conv["id"], "server_tokens": check.server_tokens,
+           "local_tokens": check.local_tokens, "ids_equal": check.ids_equal}
+    if not check.differs:
+        log.info("pre-flight: %s", out["detail"])
+        return out
+    where = ""
+    if check.first_diff is not None:
+        where = (f"\n  local : {chat.tokenizer.decode(check.local_head or [])!r}"
+                 f"\n  server: {chat.tokenizer.decode(check.server_head or [])!r}")
+    msg = (f"pre-flight: the server did not see the prompt the target's chat template renders here "
+           f"(conversation {conv['id']}, turn 0): {out['detail']}{where}")
+    if mode == "warn":
+        log.warning("%s", msg)
+        return out
+    raise UsageError(msg, hint="serve the target with its own chat template (vLLM/SGLang --chat-template, "
+                     "llama.cpp --jinja), or set generate.endpoint=completions to render prompts here; "
+                     "generate.preflight=warn goes on anyway")
 
 
 class _Progress:
@@ -85,7 +154,7 @@ class _Progress:
 
 async def _regenerate(cfg, convs, journal: Journal, done: dict[str, dict[int, dict]], urls: list[str],
                       counts: Counter, reasons: Counter, failures: list[dict], progress: _Progress,
-                      settings_box: dict[str, Any], stage_dir, server_info: dict[str, Any]) -> None:
+                      settings_box: dict[str, Any], stage_dir, server_info: dict[str, Any], chat) -> None:
     g = cfg.generate
     client = OpenAIClient(urls, concurrency=g.concurrency, timeout_s=cfg.server.timeout_s,
                           max_retries=g.max_retries, backoff_s=g.backoff_s,
@@ -102,7 +171,8 @@ async def _regenerate(cfg, convs, journal: Journal, done: dict[str, dict[int, di
         settings = dict(settings_box)
         atomic_write_json(stage_dir / "settings.json", settings)
         server_info["chat_template_sha256"] = info.get("chat_template_sha256")
-        token_ids = {"on": g.request_token_ids}
+        sender = Sender(client, "completions" if g.endpoint == "completions" else "chat")
+        server_info["preflight"] = await _preflight(cfg, sender, settings, chat, convs)
         queue: asyncio.Queue = asyncio.Queue()
         for conv in convs:
             queue.put_nowait(conv)
@@ -115,17 +185,11 @@ async def _regenerate(cfg, convs, journal: Journal, done: dict[str, dict[int, di
                 rec = have.get(t)
                 if rec is None:
                     prompt = build_prompt(conv["messages"], turns, answers, t)
+                    text = chat.render(prompt, add_generation_prompt=True) if g.endpoint == "completions" \
+                        else None
                     try:
-                        asked = token_ids["on"]
-                        try:
-                            reply = await client.chat(request_body(settings, prompt, token_ids=asked))
-                        except RequestFailed as e:
-                            if not (asked and e.reason == "http 400" and "token_ids" in e.detail):
-                                raise
-                            if token_ids["on"]:
-                                log.warning("the server refuses return_token_ids; asking without it from now on")
-                            token_ids["on"] = False
-                            reply = await client.chat(request_body(settings, prompt, token_ids=False))
+                        reply = await sender.send(request_body(settings, prompt, token_ids=g.request_token_ids,
+                                                               prompt=text))
                     except RequestFailed as e:
                         counts["turns_failed"] += 1
                         counts["turns_retried"] += e.attempts > 1
@@ -136,8 +200,10 @@ async def _regenerate(cfg, convs, journal: Journal, done: dict[str, dict[int, di
                         return
                     rec = {"id": conv["id"], "turn": t, "content": reply.content, "reasoning": reply.reasoning,
                            "finish_reason": reply.finish_reason, "token_ids": reply.token_ids,
-                           "model": reply.model or model, "url": reply.url, "attempts": reply.attempts,
-                           "completion_tokens": reply.usage.get("completion_tokens")}
+                           "model": reply.model or model, "url": redact_url(reply.url), "attempts": reply.attempts,
+                           "completion_tokens": reply.usage.get("completion_tokens"),
+                           "prompt_tokens": reply.usage.get("prompt_tokens"),
+                           "prompt_ids": ids_summary(reply.prompt_token_ids)}
                     journal.append(rec)
                     counts["turns_ok"] += 1
                     counts["turns_retried"] += reply.attempts > 1
@@ -158,13 +224,15 @@ async def _regenerate(cfg, convs, journal: Journal, done: dict[str, dict[int, di
         await asyncio.gather(*(worker() for _ in range(min(g.concurrency, max(1, len(convs))))))
         counts["requests_sent"] = client.stats["requests"]
         counts["retries"] = client.stats["retries"]
+        server_info["fields_refused"] = sorted(sender.dropped)
 
 
 def _check_settings(stage_dir, settings: dict[str, Any], journal_keys: int) -> None:
     path = stage_dir / "settings.json"
     if journal_keys and path.is_file():
         old = read_json(path)
-        changed = sorted(k for k in settings if k != "model" and old.get(k) != settings.get(k))
+        # keys an older journal's settings.json lacks were not settings then: not a change
+        changed = sorted(k for k in settings if k != "model" and k in old and old.get(k) != settings.get(k))
         if changed:
             raise ConfigError([f"generate.{k}: {old.get(k)!r} in the existing journal, now {settings.get(k)!r}"
                                for k in changed],
@@ -204,11 +272,17 @@ def run(cfg, rd, ctx) -> dict:
     t0 = time.time()
     src = rd.stage_dir("prepare", create=False) / "train.jsonl"
     convs = load_prepared(src)
+    original = original_answer_sources(cfg.data.sources)
+    if original:  # sources trained on their own answers (raw text) are not regenerated
+        kept = [c for c in convs if c.get("source") not in original]
+        log.info("%d of %d conversations come from answers=original sources (%s): not regenerated",
+                 len(convs) - len(kept), len(convs), ", ".join(sorted(original)))
+        convs = kept
     stage_dir = rd.stage_dir("generate", create=not ctx.dry_run)
     total_turns = sum(len(plan_turns(c["messages"])) for c in convs)
     if ctx.dry_run:
         return {"dry_run": True, "conversations": len(convs), "turns": total_turns,
-                "urls": cfg.server.urls or ["<local dflashkit serve>"]}
+                "urls": [redact_url(u) for u in cfg.server.urls] or ["<local dflashkit serve>"]}
     journal = Journal(stage_dir / "shards", shard_size=cfg.generate.shard_size)
     prior = journal.open()
     done: dict[str, dict[int, dict]] = {}
@@ -237,8 +311,16 @@ def run(cfg, rd, ctx) -> dict:
 
                     urls = [stack.enter_context(start_local_server(
                         cfg, log_path=stage_dir / "serve.log"))]
+                chat = None
+                if cfg.generate.preflight != "off" or cfg.generate.endpoint == "completions":
+                    try:
+                        chat = local_chat(cfg)
+                    except Exception as e:  # noqa: BLE001 - only completions mode needs it to go on
+                        if cfg.generate.endpoint == "completions":
+                            raise
+                        log.warning("pre-flight skipped: cannot render the target's chat template here (%s)", e)
                 asyncio.run(_regenerate(cfg, todo, journal, done, urls, counts, reasons, failures, progress,
-                                        settings_box, stage_dir, server_info))
+                                        settings_box, stage_dir, server_info, chat))
     finally:
         progress.close()
         journal.close()
@@ -256,9 +338,13 @@ def run(cfg, rd, ctx) -> dict:
     write_manifest(stage_dir, stage="generate", config_hash=section_hash(cfg.generate, cfg.server.model),
                    inputs={"prepare/train.jsonl": file_digest(src)}, counts=summary,
                    outputs=["conversations.jsonl", "failures.jsonl", "shards/"], started=t0,
-                   extra={"model": settings_box.get("model"), "server_urls": urls if cfg.server.urls else
-                          ["<local dflashkit serve>"], "sampling": settings_box,
-                          "chat_template_sha256": server_info.get("chat_template_sha256")})
+                   extra={"model": settings_box.get("model"), "server_urls": [redact_url(u) for u in urls]
+                          if cfg.server.urls else ["<local dflashkit serve>"], "sampling": settings_box,
+                          "chat_template_sha256": server_info.get("chat_template_sha256"),
+                          "preflight": server_info.get("preflight"),
+                          "request_token_ids": cfg.generate.request_token_ids
+                          and "return_token_ids" not in server_info.get("fields_refused", []),
+                          "fields_refused": server_info.get("fields_refused", [])})
     log.info("generate: %d turns ok (%d already done), %d failed %s, %d retried; %d conversations written",
              summary["turns_ok"], skipped, summary["turns_failed"], dict(reasons) or "", summary["turns_retried"],
              summary["conversations_written"])
@@ -266,4 +352,13 @@ def run(cfg, rd, ctx) -> dict:
         print(f"turns: {summary['turns_ok']} ok, {skipped} done before, {summary['turns_failed']} failed, "
               f"{summary['turns_not_attempted']} not attempted / {total_turns}; conversations written: "
               f"{summary['conversations_written']}/{len(convs)}", file=sys.stderr)
-    return {"generate": summary, "conversations": str(stage_dir / "conversations.jsonl")}
+    result = {"generate": summary, "conversations": str(stage_dir / "conversations.jsonl"),
+              "preflight": server_info.get("preflight")}
+    if summary["turns_failed"] or summary["conversations_failed"]:
+        raise PartialFailure(
+            f"generate: {summary['turns_failed']} of {total_turns} turns failed "
+            f"({summary['conversations_failed']} of {len(convs)} conversations incomplete: "
+            f"{dict(reasons) or 'not generated'}): re-run to retry",
+            result=result, hint=f"see {stage_dir / 'failures.jsonl'}; finished turns are kept, a re-run "
+                                "of the same command retries only the failed ones")
+    return result

@@ -25,6 +25,7 @@ import time
 from typing import Any, Callable
 
 from dflashkit.config import RunConfig, dump_config, section_hash
+from dflashkit.data.mixing import needs_regeneration
 from dflashkit.errors import UsageError
 from dflashkit.rundir import RunDir, atomic_write_json, atomic_write_text, read_json
 
@@ -40,7 +41,7 @@ SECTIONS: dict[str, Callable[[RunConfig], list[Any]]] = {
     "prepare": lambda c: [c.data, c.run.seed],
     "generate": lambda c: [c.generate, c.server.model, c.target.path, c.target.chat_template],
     "tokenize": lambda c: [c.tokenize, c.target.tokenizer, c.target.chat_template],
-    "capture": lambda c: [c.capture],
+    "capture": lambda c: [c.capture, c.train.loss],
     "train": lambda c: [c.train, c.drafter, c.run.seed],
     "eval": lambda c: [c.eval],
     "export": lambda c: [c.export],
@@ -65,12 +66,12 @@ def apply_scale(cfg: RunConfig) -> RunConfig:
 
 
 def active_stages(cfg: RunConfig) -> list[str]:
-    """The stages this config needs: capture only for cached features; generate unless tokenize
-    reads prepare's own answers."""
+    """The stages this config needs: capture only for cached features; generate only when some source
+    is regenerated (not for tokenize.source=prepare, nor when every source is `answers: original`)."""
     skip = set()
     if cfg.train.features != "cached":
         skip.add("capture")
-    if getattr(cfg.tokenize, "source", "generate") == "prepare":
+    if not needs_regeneration(cfg):  # tokenize reads prepare's answers, or every source is answers=original
         skip.add("generate")
     return [s for s in ORDER if s not in skip]
 
@@ -167,7 +168,10 @@ def summary(rd: RunDir) -> dict[str, Any]:
             out["eval"] = res.get("summary", res)
         except json.JSONDecodeError:
             pass
-    for name, rel in (("report", "report/index.html"), ("checkpoint", "export"), ("drafter", "train/final")):
+    from dflashkit.train.checkpoint import trained_drafter_dir
+
+    drafter = trained_drafter_dir(rd.root / "train")[0].relative_to(rd.root)  # train/best if kept, else final
+    for name, rel in (("report", "report/index.html"), ("checkpoint", "export"), ("drafter", drafter)):
         p = rd.root / rel
         if p.exists():
             out[name] = str(p)

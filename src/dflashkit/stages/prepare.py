@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dflashkit.config import section_hash
-from dflashkit.data.mixing import mix, normalise
+from dflashkit.data.mixing import mix, normalise, source_names
 from dflashkit.data.records import Conversation, write_jsonl
 from dflashkit.data.sources import RecordError, SourceReport, iter_source, resolve_source_path, to_messages
 from dflashkit.errors import ConfigError, UsageError
@@ -28,18 +28,6 @@ from dflashkit.rundir import RunDir, atomic_write_json, file_digest, write_manif
 log = logging.getLogger("dflashkit.prepare")
 
 REASONS = ("malformed", "empty", "first_turn_not_user", "too_long", "duplicate")
-
-
-def source_names(sources: list[Any]) -> list[str]:
-    """`name`, else the file stem (or asset name); repeated names get `-2`, `-3`…"""
-    names: list[str] = []
-    for src in sources:
-        base = src.name or Path(src.path).name.split(".")[0] or src.path
-        name, k = base, 2
-        while name in names:
-            name, k = f"{base}-{k}", k + 1
-        names.append(name)
-    return names
 
 
 def read_sources(cfg: Any) -> tuple[dict[str, list[Conversation]], dict[str, dict[str, Any]]]:

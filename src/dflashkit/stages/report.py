@@ -1,13 +1,16 @@
 """`dflashkit report`: one self-contained HTML page (plus the PNGs) summarising a run directory.
 
-Inputs:  whatever exists of `train/metrics.jsonl`, `eval/results.json`, `bench/decode.json`,
+Inputs:  whatever exists of `train/metrics.jsonl`, `train/curve.json`, `train/best/best.json`,
+         `eval/results.json`, `bench/decode.json`,
          `bench/serve.json`, `config.resolved.yaml`, `contract.json` and the stage manifests.
 Outputs: `report/index.html` (inline CSS, plots embedded as base64 PNG data URIs — or inline SVG
          when matplotlib, the `report` extra, is missing), `report/*.png`, manifest.
 Example: dflashkit report -c run.yaml   (then open runs/x/report/index.html)
 
 Plots: training loss and simulated τ per step (train and held-out), per-position acceptance and
-the τ histogram from eval, speedup vs concurrency from `bench serve`. Tables: eval numbers with the
+the τ histogram from eval, speedup vs concurrency from `bench serve`, and the learning curve
+(held-out τ and position-1 accuracy against supervised tokens seen, per data source, beside train τ:
+the train-vs-held-out gap; `curve_section`). Tables: eval numbers with the
 bound τ·t(1)/t(B) beside the measured speedup, the decode bench, the contract, provenance
 (per-stage manifests: time, counts, versions) and the resolved config.
 """
@@ -152,6 +155,56 @@ def plot_specs(metrics: list[dict], results: dict | None, serve: dict | None) ->
     return specs
 
 
+# -- the learning curve (train/curve.json) and the kept best drafter ---------------------------------
+def curve_section(curve: dict | None, best: dict | None) -> tuple[list[tuple], str]:
+    """Plot specs and an HTML section for `train/curve.json` (+ `train/best/best.json`).
+
+    Plots: held-out τ vs supervised tokens seen (overall, each source when there are several, and
+    train τ over the same windows: the gap), and the same for position-1 accuracy. The table lists
+    every point with held-out loss."""
+    points = (curve or {}).get("points") or []
+    if not points:
+        return [], ""
+    sources = (curve or {}).get("sources") or []
+    specs = []
+    for key, name, title, ylabel in (("tau", "learning_curve", "Learning curve: simulated τ", "τ"),
+                                     ("acc1", "learning_curve_acc1", "Learning curve: position-1 accuracy",
+                                      "accuracy")):
+        held = [(p["tokens"], p["heldout"].get(key)) for p in points if p["heldout"].get(key) is not None]
+        series = [("held-out", [x for x, _ in held], [y for _, y in held])] if held else []
+        if len(sources) > 1:
+            for src in sources:
+                pts = [(p["tokens"], p["by_source"][src][key]) for p in points
+                       if p["by_source"].get(src, {}).get(key) is not None]
+                if pts:
+                    series.append((f"held-out {src}", [x for x, _ in pts], [y for _, y in pts]))
+        train = [(p["tokens"], p["train"][key]) for p in points if p["train"].get(key) is not None]
+        if train:
+            series.append(("train (same steps)", [x for x, _ in train], [y for _, y in train]))
+        if series:
+            specs.append((name, title, "supervised tokens seen", ylabel, "line", series))
+    header = ["step", "tokens seen", "held-out τ", "train τ", "gap", "held-out pos-1 acc", "held-out loss"]
+    if len(sources) > 1:
+        header += [f"τ {s} (tokens)" for s in sources]
+    rows = []
+    for p in points:
+        h, t = p["heldout"], p["train"]
+        gap = t["tau"] - h["tau"] if t.get("tau") is not None else None
+        row = [p["step"], p["tokens"], _fmt(h["tau"], 3), _fmt(t.get("tau"), 3), _fmt(gap, 3), _fmt(h["acc1"], 3),
+               _fmt(h["loss"], 3)]
+        if len(sources) > 1:
+            row += [f"{_fmt(p['by_source'].get(s, {}).get('tau'), 3)} ({p['by_source'].get(s, {}).get('tokens', 0)})"
+                    for s in sources]
+        rows.append(row)
+    text = ("<h2>Learning curve</h2><p>Held-out simulated τ at each held-out evaluation against the supervised "
+            "tokens seen so far (train/curve.json); train τ is pooled over the steps since the previous point, "
+            "so the gap shows over-fitting. A curve still rising at its end says more data pays.</p>")
+    if best:
+        text += (f"<p>Kept drafter (train/best, used by eval and export): step {best.get('step')}, held-out τ "
+                 f"{_fmt(best.get('tau'), 3)}.</p>")
+    return specs, text + _table(header, rows)
+
+
 def _table(header: list[str], rows: list[list[Any]]) -> str:
     th = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
@@ -163,7 +216,7 @@ def _fmt(x: Any, nd: int = 2) -> str:
 
 
 def render_html(rd: RunDir, name: str, figures: list[str], results: dict | None, bench: dict | None,
-                metrics: list[dict]) -> str:
+                metrics: list[dict], curve_html: str = "") -> str:
     out = [f"<!doctype html><html><head><meta charset='utf-8'><title>dflashkit report: {html.escape(name)}</title>",
            f"<style>{CSS}</style></head><body><h1>DFlash run: {html.escape(name)}</h1>",
            f"<p class='muted'>{html.escape(str(rd.root.resolve()))} · generated "
@@ -180,6 +233,7 @@ def render_html(rd: RunDir, name: str, figures: list[str], results: dict | None,
         out.append("<div class='cards'>" + "".join(cards) + "</div>")
     if figures:
         out.append("<h2>Plots</h2><div class='plots'>" + "".join(figures) + "</div>")
+    out.append(curve_html)
     if results:
         b0 = results["baseline"]
         rows = [["1 (baseline)", "1.00", _fmt(b0["decode_tokens_per_s"], 1), "1.00", "1.00", "1.00",
@@ -229,10 +283,14 @@ def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
     results = _read_json(rd.root / "eval" / "results.json")
     serve = _read_json(rd.root / "bench" / "serve.json")
     bench = _read_json(rd.root / "bench" / "decode.json")
-    if not metrics and not results and not serve and not bench:
+    curve = _read_json(rd.root / "train" / "curve.json")
+    best = _read_json(rd.root / "train" / "best" / "best.json")
+    if not metrics and not results and not serve and not bench and not curve:
         raise MissingArtifactError("training metrics or eval results", rd.root / "train" / "metrics.jsonl",
                                    run="dflashkit train -c run.yaml (and dflashkit eval)")
     specs = plot_specs(metrics, results, serve)
+    curve_specs, curve_html = curve_section(curve, best)
+    specs += curve_specs
     if ctx.dry_run:
         return {"dry_run": True, "plots": [s[0] for s in specs]}
     out = rd.stage_dir("report")
@@ -252,7 +310,7 @@ def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
                            f"{base64.b64encode(png).decode()}'>")
         else:
             figures.append(_svg(spec))
-    page = render_html(rd, cfg.run.name, figures, results, bench, metrics)
+    page = render_html(rd, cfg.run.name, figures, results, bench, metrics, curve_html)
     atomic_write_text(out / "index.html", page)
     write_manifest(out, stage="report", config_hash="", started=t0, outputs=["index.html", *files],
                    counts={"plots": len(specs)})

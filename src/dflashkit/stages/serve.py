@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
+import socket
 import threading
 from pathlib import Path
 
@@ -71,6 +72,20 @@ def run(cfg, rd, ctx) -> dict:
     if ctx.dry_run:
         return {"dry_run": True, "model": model_path, "host": cfg.serve.host, "port": cfg.serve.port,
                 "drafter": cfg.serve.drafter}
+    from dflashkit.serving.local import _raise_on_sigterm, cleanup_on_exit_of_child
+
+    cleanup_on_exit_of_child()
+    if threading.current_thread() is threading.main_thread():  # SIGTERM while loading: exit cleanly
+        signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    # Bind before loading the model: a busy or invalid port fails in a second, not after the load.
+    try:
+        probe = socket.socket(socket.AF_INET6 if ":" in cfg.serve.host else socket.AF_INET, socket.SOCK_STREAM)
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((cfg.serve.host, cfg.serve.port))
+        probe.close()
+    except OSError as e:
+        raise UsageError(f"serve.port: cannot bind {cfg.serve.host}:{cfg.serve.port}: {e.strerror or e}",
+                         hint="pick another --port (0 = any free port), or stop what is using it") from None
     if cfg.serve.cpu_threads:
         import torch
 

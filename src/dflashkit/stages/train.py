@@ -2,7 +2,8 @@
 
 Inputs:  contract.json (probe), tokenize/shard-*.parquet (tokenize), capture/*.safetensors when
          train.features=cached, the target (target.path).
-Outputs: train/checkpoints/step-XXXXXXX/ (resumable), train/final/ (z-lab drafter dir:
+Outputs: train/checkpoints/step-XXXXXXX/ (resumable), train/best/ (+ best.json: the best held-out
+         simulated τ, train.keep_best), train/curve.json (learning curve), train/final/ (z-lab drafter dir:
          config.json + model.safetensors), train/metrics.jsonl, train/manifest.json.
 Example: dflashkit train -c run.yaml train.max_steps=200
          torchrun --nproc-per-node 2 -m dflashkit train -c run.yaml     (or --nproc-per-node 2)
@@ -66,6 +67,8 @@ def _table(result: dict) -> None:
             ("train loss", (result.get("train") or {}).get("loss")),
             ("train tau", (result.get("train") or {}).get("tau")),
             ("held-out tau", (result.get("heldout") or {}).get("tau")),
-            ("tokens/s", result.get("tokens_per_s")), ("final", result["final_dir"])]
+            ("tokens/s", result.get("tokens_per_s")), ("final", result["final_dir"]),
+            ("best", (f"{result['best']['dir']} (step {result['best']['step']}, held-out tau "
+                      f"{result['best']['tau']:.4f})") if result.get("best") else None)]
     for k, v in rows:
         print(f"{k:>14}  {v if not isinstance(v, float) else round(v, 4)}")

@@ -5,14 +5,22 @@ Usage:
     found = latest_checkpoint(ck_root)                  # Path | None (complete checkpoints only)
     step = load_checkpoint(found, model=drafter, optimizer=opt, scheduler=sched)
     save_final(rd.stage_dir("train") / "final", drafter, contract)
+    save_final(rd.stage_dir("train") / "best", drafter, contract, best={"step": 100, "tau": 1.8})
+    src, which = trained_drafter_dir(rd.stage_dir("train"))    # train/best if kept, else train/final
 
 A checkpoint `checkpoints/step-XXXXXXX/` holds `model.safetensors` (full drafter state, z-lab
 names), `optimizer.pt` (full AdamW state; read back with `torch.load(weights_only=True)`),
-`rng.pt` (CPU/CUDA RNG states) and `state.json` (step, scheduler state, data cursor = step). It is
+`rng.pt` (CPU/CUDA RNG states) and `state.json` (step, scheduler state, data cursor = step, the
+drafter contract: a resume under a changed contract is refused, naming what changed). It is
 written into a temp dir and renamed, so a directory named `step-*` is always complete. Works for
 plain, DDP and FSDP2 drafters (full state dicts gathered by torch.distributed.checkpoint). A
 reduced draft vocabulary travels as the drafter's `d2t` buffer in model.safetensors (checkpoint and
 final), so a resumed run continues with the vocabulary it started with.
+
+`train/best/` (`train.keep_best`) has the layout of `train/final/` plus `best.json` (step, held-out
+τ, accuracy): the drafter of the held-out evaluation with the highest simulated τ so far (the
+earliest on ties); `eval` and `export` use it by default. The best-so-far record also travels in
+every checkpoint's state.json, so a resumed run compares against what the uninterrupted run had.
 """
 
 from __future__ import annotations
@@ -62,8 +70,11 @@ def save_checkpoint(root: Path, *, step: int, model, optimizer, scheduler, is_ma
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
         torch.save(rng, tmp / "rng.pt")
+        contract = getattr(getattr(model, "module", model), "contract", None)
         atomic_write_json(tmp / "state.json", {"step": step, "data_cursor": step,
-                                               "scheduler": scheduler.state_dict(), **(extra or {})})
+                                               "scheduler": scheduler.state_dict(),
+                                               "contract": contract.to_dict() if contract is not None else None,
+                                               **(extra or {})})
     for old in sorted(root.glob("step-*"))[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     log.info("checkpoint %s", final)
@@ -99,6 +110,7 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler) -> int:
     except Exception as e:  # noqa: BLE001 - safetensors/pickle/json raise many types for torn files
         raise UsageError(f"corrupt or incomplete checkpoint file {current}: {type(e).__name__}: {e}",
                          hint=hint) from None
+    _check_contract(path, state.get("contract"), model)
     _check_draft_vocab(path, msd, model)
     try:
         set_model_state_dict(model, msd, options=_options())
@@ -111,6 +123,27 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler) -> int:
         torch.cuda.set_rng_state(rng["cuda"])
     log.info("resumed from %s (step %d)", path, state["step"])
     return int(state["step"])
+
+
+# Contract fields whose change makes a checkpoint a different drafter (labels are descriptive only).
+CONTRACT_KEYS = ("block_size", "num_draft_layers", "target_layer_ids", "mask_token_id", "num_target_layers",
+                 "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                 "vocab_size", "rope_theta", "rope_scaling", "max_position_embeddings", "tie_word_embeddings")
+
+
+def _check_contract(path: Path, saved: dict | None, model) -> None:
+    """The checkpoint's recorded drafter contract must equal this run's (block size, layer ids, mask id …)."""
+    current = getattr(getattr(model, "module", model), "contract", None)
+    if not saved or current is None:
+        return  # checkpoints written before contracts were recorded
+    now = current.to_dict()
+    changed = [f"{k}: {saved.get(k)!r} in the checkpoint, now {now.get(k)!r}" for k in CONTRACT_KEYS
+               if k in saved and saved.get(k) != now.get(k)]
+    if changed:
+        raise UsageError(f"{path / 'state.json'}: the drafter contract changed since this checkpoint "
+                         f"({'; '.join(changed)})",
+                         hint=f"restore the previous settings (contract.json / drafter.*) to resume, or delete "
+                         f"{path.parent.parent} to train from scratch")
 
 
 def _check_draft_vocab(path: Path, msd: dict, model) -> None:
@@ -130,8 +163,14 @@ def _check_draft_vocab(path: Path, msd: dict, model) -> None:
                          f"{path.parent.parent} to start over")
 
 
-def save_final(out_dir: Path, model, contract, *, is_main: bool = True) -> Path | None:
-    """`train/final/`: the z-lab drafter dir (config.json = contract.to_hf_config(), model.safetensors)."""
+BEST_FILE = "best.json"
+
+
+def save_final(out_dir: Path, model, contract, *, is_main: bool = True, best: dict | None = None) -> Path | None:
+    """`train/final/`: the z-lab drafter dir (config.json = contract.to_hf_config(), model.safetensors).
+
+    With `best` (a small JSON-able record), the dir also gets `best.json`, written inside the same
+    atomic replacement (`train/best/`)."""
     from safetensors.torch import save_file
 
     sd = full_model_state(model)
@@ -144,4 +183,32 @@ def save_final(out_dir: Path, model, contract, *, is_main: bool = True) -> Path 
         (tmp / "config.json").write_text(json.dumps(contract.to_hf_config(dtype=dtype, draft_vocab_size=vocab),
                                                     indent=2) + "\n")
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if best is not None:
+            atomic_write_json(tmp / BEST_FILE, best)
     return out_dir
+
+
+def read_best(best_dir: Path) -> dict | None:
+    """The best.json record of a complete `train/best/`, or None (absent or torn)."""
+    best_dir = Path(best_dir)
+    if not (best_dir / "model.safetensors").is_file():
+        return None
+    try:
+        rec = json.loads((best_dir / BEST_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return rec if isinstance(rec, dict) and "step" in rec and "tau" in rec else None
+
+
+def trained_drafter_dir(train_dir: Path) -> tuple[Path, str]:
+    """(`train/best`, "best") when a complete best drafter exists, else (`train/final`, "final")."""
+    train_dir = Path(train_dir)
+    best = train_dir / "best"
+    if (best / "config.json").is_file() and read_best(best) is not None:
+        return best, "best"
+    return train_dir / "final", "final"
+
+
+def checkpoint_state(path: Path) -> dict:
+    """state.json of a complete checkpoint (read again after `load_checkpoint` validated it)."""
+    return json.loads((Path(path) / "state.json").read_text())

@@ -36,6 +36,7 @@ class TokenData:
     shards: list[Path]
     where: list[tuple[int, int]]
     features: "FeatureStore | None" = None
+    source: list[str] = field(default_factory=list)   # each sample's data source ("" if unknown)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -61,12 +62,15 @@ def load_tokenized(rd) -> TokenData:
     data = TokenData([], [], [], shards, [])
     for si, path in enumerate(shards):
         try:
-            table = pq.read_table(path, columns=["id", "input_ids", "loss_mask"])
+            names = pq.read_schema(path).names
+            table = pq.read_table(path, columns=["id", "input_ids", "loss_mask"] +
+                                  (["source"] if "source" in names else []))
         except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad files
             raise UsageError(f"{path}: cannot read tokenized shard ({e})",
                              hint="re-run `dflashkit tokenize -c run.yaml`") from None
         cols = table.to_pydict()
-        for row, (sid, ids, mask) in enumerate(zip(cols["id"], cols["input_ids"], cols["loss_mask"])):
+        sources = cols.get("source") or [""] * len(cols["id"])
+        for row, (sid, ids, mask, src) in enumerate(zip(cols["id"], cols["input_ids"], cols["loss_mask"], sources)):
             if len(ids) != len(mask):
                 raise UsageError(f"{path} row {row} (id {sid}): input_ids has {len(ids)} tokens but "
                                  f"loss_mask has {len(mask)}", hint="re-run `dflashkit tokenize -c run.yaml`")
@@ -74,6 +78,7 @@ def load_tokenized(rd) -> TokenData:
             data.input_ids.append(np.asarray(ids, dtype=np.int64))
             data.loss_mask.append(np.asarray(mask, dtype=np.int64))
             data.where.append((si, row))
+            data.source.append(str(src or ""))
     if not data.ids:
         raise UsageError(f"{rd.root / 'tokenize'}: the tokenized shards hold no samples",
                          hint="check `tokenize/stats.json`; lower tokenize.min_supervised or add data")
@@ -139,11 +144,16 @@ class Batch:
     seq_lens: torch.Tensor       # [b]
     seeds: list[int]             # per-sample anchor seeds
     features: torch.Tensor | None = None  # [b, S, n_feat·H] (cached mode)
+    next_ids: torch.Tensor | None = None  # [b, S] the target's argmax at each position (cached mode)
+    last_hidden: torch.Tensor | None = None  # [b, S, H] the target's final-norm output (cached, for KL)
 
     def to(self, device: torch.device) -> "Batch":
+        def mv(t):
+            return None if t is None else t.to(device)
+
         return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.attention_mask.to(device),
-                     self.seq_lens.to(device), self.seeds,
-                     None if self.features is None else self.features.to(device))
+                     self.seq_lens.to(device), self.seeds, mv(self.features), mv(self.next_ids),
+                     mv(self.last_hidden))
 
 
 def sample_seed(run_seed: int, index: int, epoch: int) -> int:
@@ -152,8 +162,8 @@ def sample_seed(run_seed: int, index: int, epoch: int) -> int:
 
 
 def collate(data: TokenData, items: list[tuple[int, int]], *, run_seed: int, pad_id: int = 0,
-            with_features: bool = False) -> Batch:
-    """Pad the samples `items` ((index, epoch) pairs) into a Batch."""
+            with_features: bool = False, with_next_ids: bool = False, with_last_hidden: bool = False) -> Batch:
+    """Pad the samples `items` ((index, epoch) pairs) into a Batch (cached tensors from `data.features`)."""
     lens = [len(data.input_ids[i]) for i, _ in items]
     s = max(lens)
     ids = torch.full((len(items), s), pad_id, dtype=torch.long)
@@ -163,13 +173,18 @@ def collate(data: TokenData, items: list[tuple[int, int]], *, run_seed: int, pad
         ids[r, :n] = torch.from_numpy(data.input_ids[i])
         lm[r, :n] = torch.from_numpy(data.loss_mask[i])
         att[r, :n] = 1
-    feats = None
-    if with_features:
-        rows = [data.features.get(data.where[i], n) for (i, _), n in zip(items, lens)]
-        feats = torch.zeros(len(items), s, rows[0].shape[-1], dtype=torch.float32)
+    def stack(name: str, dtype: torch.dtype) -> torch.Tensor:
+        rows = [data.features.get(data.where[i], n, name) for (i, _), n in zip(items, lens)]
+        out = torch.zeros(len(items), s, *rows[0].shape[1:], dtype=dtype)
         for r, f in enumerate(rows):
-            feats[r, :f.shape[0]] = f.float()
-    return Batch(ids, lm, att, torch.tensor(lens), [sample_seed(run_seed, i, e) for i, e in items], feats)
+            out[r, :f.shape[0]] = f.to(dtype)
+        return out
+
+    feats = stack("features", torch.float32) if with_features else None
+    next_ids = stack("next_ids", torch.long) if with_next_ids else None
+    last_hidden = stack("last_hidden", torch.float32) if with_last_hidden else None
+    return Batch(ids, lm, att, torch.tensor(lens), [sample_seed(run_seed, i, e) for i, e in items], feats,
+                 next_ids, last_hidden)
 
 
 class FeatureStore:
@@ -179,6 +194,7 @@ class FeatureStore:
         from safetensors import safe_open
 
         self.files = []
+        self.paths: list[Path] = []
         for shard in token_shards:
             path = capture_dir / (shard.stem + ".safetensors")
             if not path.is_file():
@@ -197,11 +213,28 @@ class FeatureStore:
                                  hint="re-run `dflashkit capture -c run.yaml` (delete capture/ first) or set "
                                  "train.features=online")
             self.files.append((fh, offsets))
+            self.paths.append(path)
 
-    def get(self, where: tuple[int, int], length: int) -> torch.Tensor:
+    def has(self, name: str) -> bool:
+        """Whether every shard holds tensor `name` (`next_ids`, `last_hidden`: see `dflashkit capture`)."""
+        return all(name in fh.keys() for fh, _ in self.files)
+
+    def require(self, name: str, why: str) -> None:
+        missing = [str(p) for p, (fh, _) in zip(self.paths, self.files) if name not in fh.keys()]
+        if missing:
+            raise UsageError(f"{missing[0]}: the feature shard has no `{name}` ({why}; "
+                             f"{len(missing)} of {len(self.files)} shards lack it)",
+                             hint="re-run `dflashkit capture -c run.yaml` with this config (delete capture/ first), "
+                             "or set train.features=online")
+
+    def get(self, where: tuple[int, int], length: int, name: str = "features") -> torch.Tensor:
         fh, offsets = self.files[where[0]]
         a, b = int(offsets[where[1]]), int(offsets[where[1] + 1])
         if b - a != length:
             raise UsageError(f"feature shard {where[0]} row {where[1]} holds {b - a} tokens but the tokenized "
                              f"sample has {length}", hint="re-run `dflashkit capture -c run.yaml` after tokenize")
-        return fh.get_slice("features")[a:b]
+        return fh.get_slice(name)[a:b]
+
+    def all_next_ids(self) -> list[torch.Tensor]:
+        """Every shard's `next_ids` (int32, all samples back to back), for label statistics."""
+        return [fh.get_tensor("next_ids") for fh, _ in self.files]

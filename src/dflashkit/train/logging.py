@@ -1,4 +1,4 @@
-"""Rank-0 metric sinks: `train/metrics.jsonl`, a tqdm bar, optional TensorBoard / W&B.
+"""Rank-0 metric sinks: `train/metrics.jsonl`, `train/curve.json`, a tqdm bar, optional TensorBoard / W&B.
 
 Usage:
     sink = MetricSink(rd.stage_dir("train"), total_steps=1000, start_step=0, train=cfg.train, enabled=is_main)
@@ -8,6 +8,13 @@ Usage:
 metrics.jsonl is appended line by line (one JSON object per logged step or eval); on resume the
 lines after the resumed step are dropped first so the file matches an uninterrupted run.
 TensorBoard and W&B are imported only when asked for (`train.tensorboard`, `train.wandb`).
+
+`train/curve.json` (`LearningCurve`) is the learning curve: one point per held-out evaluation with
+the supervised tokens seen so far (Σ loss_mask of every training sample consumed, all ranks,
+overall and per data source), held-out τ / position-1 accuracy / loss (overall and per source)
+and the train τ / position-1 accuracy pooled over the steps since the previous point. It is
+rewritten atomically at every point; its counters travel in the checkpoints, and on resume the
+points after the resumed step are dropped, so the curve equals the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -97,3 +104,62 @@ class MetricSink:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+class LearningCurve:
+    """Learning-curve points (see the module docstring); writes only when `enabled` (main rank)."""
+
+    def __init__(self, path: Path, sources: list[str], *, enabled: bool = True):
+        self.path, self.enabled = Path(path), enabled
+        self.tokens = {s: 0 for s in sources}       # cumulative supervised tokens per source
+        self.window = [0.0, 0.0, 0.0, 0.0]          # train τ-sum, blocks, pos-1 correct, pos-1 total
+        self.points: list[dict] = []
+
+    def state_dict(self) -> dict:
+        return {"tokens": dict(self.tokens), "window": list(self.window)}
+
+    def restore(self, start_step: int, state: dict | None) -> None:
+        """Counters from the checkpoint's `state` (None: a fresh run) and the file's points ≤ start_step."""
+        if state is None:
+            start_step = 0
+        else:
+            self.tokens.update({k: int(v) for k, v in state["tokens"].items()})
+            self.window = [float(x) for x in state["window"]]
+        if start_step > 0 and self.path.is_file():
+            try:
+                self.points = [p for p in json.loads(self.path.read_text())["points"] if p["step"] <= start_step]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                log.warning("%s is unreadable; the curve restarts at step %d", self.path, start_step)
+        if self.enabled:
+            self._write()
+
+    def add_step(self, tokens_by_source: dict[str, int], window: list[float]) -> None:
+        """Account one optimizer step: its global supervised tokens and its train τ / accuracy sums."""
+        for k, v in tokens_by_source.items():
+            self.tokens[k] = self.tokens.get(k, 0) + int(v)
+        self.window = [a + float(b) for a, b in zip(self.window, window)]
+
+    def record(self, step: int, heldout: dict) -> dict:
+        """Append the point of a held-out evaluation (`loop.evaluate_heldout`'s dict) and rewrite the file."""
+        def acc1(r):
+            return r["acc"][0] if r.get("acc") else None
+
+        tau_sum, blocks, c1, t1 = self.window
+        point = {"step": step, "tokens": sum(self.tokens.values()),
+                 "heldout": {"tau": heldout["tau"], "acc1": acc1(heldout), "loss": heldout["loss"]},
+                 "train": {"tau": tau_sum / blocks if blocks else None, "acc1": c1 / t1 if t1 else None},
+                 "by_source": {k: {"tokens": self.tokens.get(k, 0),
+                                   **({"tau": v["tau"], "acc1": acc1(v), "loss": v["loss"]} if v else {})}
+                               for k, v in {**{s: None for s in self.tokens},
+                                            **heldout.get("by_source", {})}.items()}}
+        self.points.append(point)
+        self.window = [0.0, 0.0, 0.0, 0.0]
+        if self.enabled:
+            self._write()
+        return point
+
+    def _write(self) -> None:
+        from dflashkit.rundir import atomic_write_json
+
+        atomic_write_json(self.path, {"x": "supervised tokens seen (loss_mask, all ranks)",
+                                      "sources": sorted(self.tokens), "points": self.points})

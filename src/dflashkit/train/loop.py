@@ -9,6 +9,13 @@ complete checkpoint → per step: this rank's micro-batches of the deterministic
 anchors, the step's global Σw (all-reduced), forward/backward per micro-batch, clip, step →
 metrics, held-out simulated τ, checkpoints → `train/final/` (z-lab drafter dir).
 
+Every held-out evaluation (each `train.eval_every` steps and the final one) also appends a point
+to the learning curve `train/curve.json` (held-out τ, position-1 accuracy and loss against the
+supervised tokens seen so far, overall and per data source, beside the train τ of the same
+window; `train/logging.py`), and, with `train.keep_best`, replaces `train/best/` when its τ beats
+the best so far (`train/checkpoint.py`). Both are restored from the checkpoint on resume, so a
+resumed run writes what the uninterrupted run writes.
+
 `drafter.draft_vocab_size` (a reduced draft vocabulary): the vocab is chosen from the training
 samples' label tokens (`model/draft_vocab.py`, the same on every rank), stored in the drafter as
 its `d2t` buffer (so checkpoints and train/final carry it; a resumed run keeps the checkpoint's),
@@ -31,8 +38,8 @@ from dflashkit.model.drafter_config import DrafterContract
 from dflashkit.model.target import target_autocast
 from dflashkit.train import checkpoint as ckpt
 from dflashkit.train.data import BatchPlan, Batch, FeatureStore, collate, load_tokenized, split_heldout
-from dflashkit.train.logging import MetricSink
-from dflashkit.train.objective import dflash_loss, gamma_for, sample_anchors, weight_sum
+from dflashkit.train.logging import LearningCurve, MetricSink
+from dflashkit.train.objective import dflash_loss, gamma_for, sample_anchors, target_label_ids, weight_sum
 from dflashkit.train.optim import build_optimizer, build_scheduler
 from dflashkit.train.parallel import (DistInfo, TargetParts, all_reduce_sum, barrier, init_distributed,
                                       shard_target, wrap_drafter)
@@ -57,10 +64,44 @@ def check_compat(contract: DrafterContract, target, source: str) -> None:
     contract.check()
 
 
+def feature_noise(feats: torch.Tensor, b: Batch, *, scale: float, n_feat: int) -> torch.Tensor:
+    """Training-only feature noise: feats + U(−scale, scale)·RMS, per token and target layer.
+
+    speculators (`train/noise_transforms.py`, AddUniformNoise, std 0.05) adds an absolute
+    U(−0.05, 0.05) to every element of the raw target hidden states, whatever their size; target
+    residual streams differ by orders of magnitude between channels and models (SmolLM2: channel
+    RMS 5 … 1,650), so the noise here is relative: U(−scale, scale) times the RMS of each token's
+    H-dim feature of each target layer (scale 0.05 ≈ speculators' noise on unit-RMS features).
+    Each sample draws from its own seeded generator over its true length only (padding gets none),
+    so the noise does not depend on the batch a sample lands in or on the number of ranks.
+    """
+    bsz, s, d = feats.shape
+    h = d // n_feat
+    noise = torch.zeros(bsz, s, d, dtype=torch.float32)
+    for i in range(bsz):
+        n = int(b.seq_lens[i])
+        g = torch.Generator().manual_seed((int(b.seeds[i]) ^ 0x5DEECE66D) & 0x7FFFFFFFFFFFFFFF)
+        noise[i, :n] = torch.rand(n, d, generator=g) * 2 - 1
+    f = feats.float().view(bsz, s, n_feat, h)
+    rms = f.pow(2).mean(-1, keepdim=True).sqrt()
+    out = f + noise.to(feats.device).view(bsz, s, n_feat, h) * rms * scale
+    return out.view(bsz, s, d).to(feats.dtype)
+
+
 def autocast_dtype(train_dtype: str, device: torch.device) -> torch.dtype | None:
     if train_dtype == "bfloat16" or (train_dtype == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return None
+
+
+@dataclass
+class TargetOut:
+    """The target's side of one micro-batch (see `Trainer.target_outputs`)."""
+
+    features: torch.Tensor                  # [b, S, n_feat·H]
+    logits: torch.Tensor | None = None      # [b, S, V] (sharded targets, for KL)
+    last_hidden: torch.Tensor | None = None  # [b, S, H] final-norm output (for KL)
+    label_ids: torch.Tensor | None = None   # [b, S] labels from the target (train.labels=target)
 
 
 @dataclass
@@ -100,33 +141,84 @@ class Trainer:
                     "continuing with the checkpoint's")
         self.use_draft_vocab(loaded)
 
-    def features(self, b: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[b, S, n_feat·H] features (cached or online) and target logits when the loss needs them."""
-        need_logits = self.cfg.train.loss != "ce"
-        if b.features is not None and not need_logits:
-            return b.features, None
-        tamp = target_autocast(self.cfg.train.target_dtype, self.dist.device, self.target.dtype)
-        with torch.no_grad(), torch.autocast(self.dist.device.type, dtype=tamp, enabled=tamp is not None):
-            out = self.target.features(b.input_ids, layer_ids=self.contract.target_layer_ids,
-                                       need_logits=need_logits or self.parts.sharded,
-                                       attention_mask=b.attention_mask)
-        feats, logits = (out[0], out[1].logits) if isinstance(out, tuple) else (out, None)
-        feats = b.features if b.features is not None else feats
-        return feats.float() if self.amp is None else feats, (logits if need_logits else None)
-
-    def micro_loss(self, b: Batch, a, denom: float):
-        feats, logits = self.features(b)
+    def target_outputs(self, b: Batch) -> "TargetOut":
+        """What the loss needs from the target for batch `b`: features (cached or online), the labels
+        (`train.labels`), and the target's distribution for KL (logits, or its last hidden state)."""
         t = self.cfg.train
+        need_kl = t.loss != "ce"
+        need_labels = t.labels == "target"
+        have_labels = b.next_ids is not None
+        have_kl = b.last_hidden is not None
+        if b.features is not None and (have_labels or not need_labels) and (have_kl or not need_kl):
+            labels = target_label_ids(b.input_ids, b.next_ids) if need_labels else None
+            feats = torch.zeros_like(b.features) if t.ablate_features else b.features
+            return TargetOut(feats, None, b.last_hidden if need_kl else None, labels)
+        logits = hidden = None
+        tamp = target_autocast(t.target_dtype, self.dist.device, self.target.dtype)
+        with torch.no_grad(), torch.autocast(self.dist.device.type, dtype=tamp, enabled=tamp is not None):
+            if self.parts.sharded:  # a sharded target gives logits, not its final-norm hidden state
+                feats, out = self.target.features(b.input_ids, layer_ids=self.contract.target_layer_ids,
+                                                  need_logits=True, attention_mask=b.attention_mask)
+                logits = out.logits
+                nxt = logits.argmax(-1) if need_labels else None
+            elif need_labels or need_kl:
+                feats, hidden = self.target.features(b.input_ids, layer_ids=self.contract.target_layer_ids,
+                                                     need_last_hidden=True, attention_mask=b.attention_mask)
+                nxt = self.target.next_token_ids(hidden) if need_labels else None
+            else:
+                feats, nxt = self.target.features(b.input_ids, layer_ids=self.contract.target_layer_ids,
+                                                  attention_mask=b.attention_mask), None
+        if b.next_ids is not None and need_labels:
+            nxt = b.next_ids
+        feats = b.features if b.features is not None else feats
+        feats = feats.float() if self.amp is None else feats
+        if t.ablate_features:
+            feats = torch.zeros_like(feats)
+        labels = target_label_ids(b.input_ids, nxt) if need_labels else None
+        return TargetOut(feats, logits if need_kl else None, hidden if need_kl and logits is None else None, labels)
+
+    def micro_loss(self, b: Batch, a, denom: float | None, tout: "TargetOut | None" = None, *,
+                   training: bool = False):
+        tout = tout or self.target_outputs(b)
+        t = self.cfg.train
+        feats = tout.features
+        if training and t.feature_noise > 0:
+            feats = feature_noise(feats, b, scale=t.feature_noise, n_feat=len(self.contract.target_layer_ids))
         return dflash_loss(self.drafter, self.parts.embed, self.head, feats, b.input_ids, b.loss_mask,
                            b.seq_lens, a, mask_token_id=self.contract.mask_token_id, gamma=self.gamma, denom=denom,
-                           loss=t.loss, kl_weight=t.kl_weight, target_logits=logits,
+                           loss=t.loss, kl_weight=t.kl_weight, target_logits=tout.logits,
+                           target_hidden=tout.last_hidden, target_head=self.parts.lm_head,
                            chunk_blocks=t.loss_chunk_blocks, attention=self.attention, autocast_dtype=self.amp,
-                           vocab=self.vocab)
+                           vocab=self.vocab, label_ids=tout.label_ids, position_weighting=t.position_weighting,
+                           dpace_alpha=t.dpace_alpha)
+
+    def denom_gamma(self) -> float | None:
+        """γ of the step denominator Σw: none (a plain count of supervised positions) under D-PACE."""
+        return None if self.cfg.train.position_weighting == "dpace" else self.gamma
+
+    def sources(self) -> list[str]:
+        """Each sample's data source (`TokenData.source`; "all" for samples without one)."""
+        src = getattr(self.data, "source", None) or [""] * len(self.data)
+        return [s or "all" for s in src]
+
+    def supervised_tokens(self, step: int) -> dict[str, int]:
+        """Supervised (loss_mask) tokens of the step's GLOBAL batch, all ranks, by source."""
+        src, out = self.sources(), {}
+        for rank in range(self.dist.world):
+            for items in self.plan.micro_batches(step, rank):
+                for i, _ in items:
+                    out[src[i]] = out.get(src[i], 0) + int(self.data.loss_mask[i].sum())
+        return out
 
     def batch(self, items) -> Batch:
         pad = self.target.tokenizer.pad_token_id if getattr(self.target, "tokenizer", None) else 0
-        return collate(self.data, items, run_seed=self.cfg.run.seed, pad_id=pad or 0,
-                       with_features=self.cfg.train.features == "cached").to(self.dist.device)
+        t = self.cfg.train
+        cached = t.features == "cached"
+        store = self.data.features
+        return collate(self.data, items, run_seed=self.cfg.run.seed, pad_id=pad or 0, with_features=cached,
+                       with_next_ids=cached and t.labels == "target" and store.has("next_ids"),
+                       with_last_hidden=cached and t.loss != "ce" and store.has("last_hidden")
+                       ).to(self.dist.device)
 
     def anchors(self, b: Batch):
         return sample_anchors(b.loss_mask, b.seq_lens, num_anchors=self.cfg.train.num_anchors,
@@ -137,11 +229,14 @@ def setup(cfg, rd, dist: DistInfo) -> Trainer:
     from dflashkit.model.target import load_target
 
     contract = DrafterContract.load(rd.contract_path)
+    check_recipe(cfg.train)
     data = load_tokenized(rd)
     target = load_target(cfg.target, device=str(dist.device))
     check_compat(contract, target, str(rd.contract_path))
     if cfg.train.features == "cached":
         data.features = FeatureStore(rd.root / "capture", data.shards, contract.target_layer_ids)
+        if cfg.train.labels == "target":
+            data.features.require("next_ids", "train.labels=target reads the target's argmax from the shards")
     parts = TargetParts(target.model.get_input_embeddings(), target.lm_head)
     if cfg.train.parallel.target == "shard":
         parts = shard_target(target, dist)
@@ -169,6 +264,17 @@ def setup(cfg, rd, dist: DistInfo) -> Trainer:
     return tr
 
 
+def check_recipe(train) -> None:
+    """Range checks of the recipe keys (exit 2, naming the key)."""
+    problems = []
+    if not 0 < train.dpace_alpha <= 1:
+        problems.append(f"train.dpace_alpha {train.dpace_alpha} is outside (0, 1]")
+    if not train.feature_noise >= 0:
+        problems.append(f"train.feature_noise {train.feature_noise} is negative")
+    if problems:
+        raise UsageError("; ".join(problems), hint="e.g. train.dpace_alpha=0.5 train.feature_noise=0")
+
+
 def pick_draft_vocab(cfg, contract: DrafterContract, target, data, train_idx: list[int]) -> torch.Tensor | None:
     """The reduced draft vocab for `drafter.draft_vocab_size` (None: unset, 0, or the whole vocab).
 
@@ -189,12 +295,39 @@ def pick_draft_vocab(cfg, contract: DrafterContract, target, data, train_idx: li
     tok_eos = getattr(getattr(target, "tokenizer", None), "eos_token_id", None)
     if tok_eos is not None:
         always.add(int(tok_eos))
-    counts = label_token_counts([data.input_ids[i] for i in train_idx], [data.loss_mask[i] for i in train_idx],
-                                vocab_size)
+    labels = [data.input_ids[i] for i in train_idx]
+    if cfg.train.labels == "target":  # the labels trained on are the target's own predictions: count those
+        labels = target_labels_of(cfg, contract, target, data, train_idx)
+    counts = label_token_counts(labels, [data.loss_mask[i] for i in train_idx], vocab_size)
     vocab = vocab_from_counts(counts, n, always=always)
     log.info("draft vocab: %d of %d target tokens, covering %.2f%% of the training label tokens", n, vocab_size,
              100 * counts[vocab.numpy()].sum() / max(1, counts.sum()))
     return vocab
+
+
+def target_labels_of(cfg, contract: DrafterContract, target, data, idx: list[int]) -> list:
+    """`train.labels=target` labels of samples `idx` (np.int64 arrays): from the cached `next_ids`, or
+    (online) from one batched prefill pass of the target over those samples."""
+    import numpy as np
+
+    out = []
+    if data.features is not None and data.features.has("next_ids"):
+        for i in idx:
+            nxt = data.features.get(data.where[i], len(data.input_ids[i]), "next_ids").to(torch.long)[None]
+            out.append(target_label_ids(torch.from_numpy(data.input_ids[i])[None], nxt)[0].numpy())
+        return out
+    log.info("draft vocab: labelling %d training samples with the target (one prefill pass)", len(idx))
+    pad = (getattr(getattr(target, "tokenizer", None), "pad_token_id", None) or 0)
+    bs = max(1, cfg.train.batch_size)
+    for k in range(0, len(idx), bs):
+        items = [(i, 0) for i in idx[k:k + bs]]
+        b = collate(data, items, run_seed=0, pad_id=pad).to(target.device)
+        with torch.no_grad():
+            _, hidden = target.features(b.input_ids, layer_ids=contract.target_layer_ids, need_last_hidden=True,
+                                        attention_mask=b.attention_mask)
+            lab = target_label_ids(b.input_ids, target.next_token_ids(hidden)).cpu()
+        out.extend(lab[r, :int(n)].numpy().astype(np.int64) for r, n in enumerate(b.seq_lens.tolist()))
+    return out
 
 
 def total_steps(cfg, plan: BatchPlan) -> int:
@@ -208,12 +341,16 @@ def train_step(tr: Trainer, step: int, opt, sched) -> dict:
     B = tr.contract.block_size
     batches = [tr.batch(items) for items in tr.plan.micro_batches(step, tr.dist.rank)]
     anchors = [tr.anchors(b) for b in batches]
-    local_w = sum(weight_sum(b.loss_mask, b.seq_lens, a, input_ids=b.input_ids, block_size=B, gamma=tr.gamma,
-                             vocab=tr.vocab) for b, a in zip(batches, anchors))
+    # The target side first: with train.labels=target the labels (and so Σw over in-vocab labels) come
+    # from the target's forward.
+    touts = [tr.target_outputs(b) for b in batches]
+    local_w = sum(weight_sum(b.loss_mask, b.seq_lens, a, input_ids=b.input_ids, block_size=B,
+                             gamma=tr.denom_gamma(), vocab=tr.vocab, label_ids=o.label_ids)
+                  for b, a, o in zip(batches, anchors, touts))
     denom = float(all_reduce_sum(torch.tensor([local_w], dtype=torch.float64), tr.dist)[0])
     stats = torch.zeros(4 + 2 * B, dtype=torch.float64)  # loss, tau_sum, blocks, tokens, correct[B], total[B]
-    for b, a in zip(batches, anchors):
-        out = tr.micro_loss(b, a, denom)
+    for b, a, o in zip(batches, anchors, touts):
+        out = tr.micro_loss(b, a, denom, o, training=True)
         if denom > 0:
             (out.loss * tr.dist.world).backward()
         stats[0] += float(out.loss.detach())
@@ -243,30 +380,102 @@ def _metrics(stats: torch.Tensor, B: int, step: int, **extra) -> dict:
     acc = [round(float(c / t), 4) if t > 0 else None for c, t in zip(correct[1:], total[1:])]
     return {"step": step, "loss": float(stats[0]), "tau": float(stats[1] / max(stats[2], 1)),
             "acc": acc, "acc_mean": float(correct[1:].sum() / max(total[1:].sum(), 1)),
-            "blocks": int(stats[2]), "tokens": int(stats[3]), **extra}
+            "blocks": int(stats[2]), "tokens": int(stats[3]),
+            "_window": [float(stats[1]), float(stats[2]), float(correct[1]), float(total[1])], **extra}
 
 
 @torch.no_grad()
 def evaluate_heldout(tr: Trainer, step: int) -> dict | None:
-    """Simulated τ / per-position accuracy on the held-out samples (fixed anchors; same on every rank)."""
+    """Simulated τ / per-position accuracy on the held-out samples (fixed anchors; same on every rank).
+
+    Samples are batched within their data source, so the result also holds `by_source` (the same
+    numbers per source; the overall numbers are their pooled sums)."""
     if not tr.heldout:
         return None
     B = tr.contract.block_size
-    stats = torch.zeros(4 + 2 * B, dtype=torch.float64)
+    src = tr.sources()
+    groups: dict[str, list[int]] = {}
+    for j in tr.heldout:
+        groups.setdefault(src[j], []).append(j)
     bs = tr.cfg.train.batch_size
-    for i in range(0, len(tr.heldout), bs):
-        b = tr.batch([(j, -1) for j in tr.heldout[i:i + bs]])
-        a = tr.anchors(b)
-        out = tr.micro_loss(b, a, None)
-        stats[0] += float(out.loss) * out.weight_sum
-        stats[1] += out.tau_sum
-        stats[2] += out.blocks
-        stats[3] += out.weight_sum
-        stats[4:] += torch.cat([out.correct, out.total]).double()
+    total = torch.zeros(4 + 2 * B, dtype=torch.float64)
+    by_source = {}
+    for name in sorted(groups):
+        stats = torch.zeros(4 + 2 * B, dtype=torch.float64)
+        idx = groups[name]
+        for i in range(0, len(idx), bs):
+            b = tr.batch([(j, -1) for j in idx[i:i + bs]])
+            a = tr.anchors(b)
+            out = tr.micro_loss(b, a, None)
+            stats[0] += float(out.loss) * out.weight_sum
+            stats[1] += out.tau_sum
+            stats[2] += out.blocks
+            stats[3] += out.weight_sum
+            stats[4:] += torch.cat([out.correct, out.total]).double()
+        total += stats
+        by_source[name] = _heldout_row(stats, B, step, samples=len(idx))
+    row = _heldout_row(total, B, step)
+    return {"split": "heldout", **row, "by_source": by_source}
+
+
+def _heldout_row(stats: torch.Tensor, B: int, step: int, **extra) -> dict:
+    stats = stats.clone()
     stats[0] /= max(float(stats[3]), 1e-6)
     m = _metrics(stats, B, step)
-    return {"step": step, "split": "heldout", "loss": m["loss"], "tau": m["tau"], "acc": m["acc"],
-            "acc_mean": m["acc_mean"], "blocks": m["blocks"]}
+    return {"step": step, "loss": m["loss"], "tau": m["tau"], "acc": m["acc"], "acc_mean": m["acc_mean"],
+            "blocks": m["blocks"], **extra}
+
+
+def _log_eval(sink: MetricSink, ev: dict) -> None:
+    """The metrics.jsonl row of a held-out evaluation (per-source numbers only with several sources)."""
+    row = {k: v for k, v in ev.items() if k != "by_source"}
+    if len(ev.get("by_source", {})) > 1:
+        row["by_source"] = {k: {"tau": v["tau"], "acc": v["acc"], "loss": v["loss"]}
+                            for k, v in ev["by_source"].items()}
+    sink.log(row)
+
+
+class BestKeeper:
+    """`train/best/`: the drafter of the held-out evaluation with the highest τ so far (earliest on ties)."""
+
+    def __init__(self, out_dir, tr: Trainer, enabled: bool):
+        self.dir, self.tr, self.enabled = out_dir / "best", tr, enabled
+        self.record: dict | None = None
+
+    def restore(self, start: int, state: dict | None) -> None:
+        """Fresh run (or keep_best off): a stale best/ is removed. Resume: the checkpoint's record
+        (else best.json, if it is not newer than the checkpoint) is the best so far."""
+        if start == 0 or not self.enabled:
+            if self.tr.dist.is_main and self.dir.exists():
+                import shutil
+
+                log.info("removing %s from an earlier run", self.dir)
+                shutil.rmtree(self.dir)
+            barrier(self.tr.dist)
+            return
+        if state is not None and "best" in state:
+            self.record = state["best"]
+            return
+        rec = ckpt.read_best(self.dir)
+        self.record = rec if rec is not None and rec["step"] <= start else None
+
+    def offer(self, ev: dict | None) -> bool:
+        """Save the drafter as best when `ev` beats the record; True when it did."""
+        if not self.enabled or not ev:
+            return False
+        better = self.record is None or ev["tau"] > self.record["tau"]
+        if self.tr.dist.world > 1:  # every rank gathers the weights: follow the main rank's decision
+            flag = torch.tensor([1.0 if better and self.tr.dist.is_main else 0.0], dtype=torch.float64)
+            better = float(all_reduce_sum(flag, self.tr.dist)[0]) > 0
+        if not better:
+            return False
+        acc1 = ev["acc"][0] if ev["acc"] else None
+        self.record = {"step": ev["step"], "tau": ev["tau"], "acc": ev["acc"], "acc_pos1": acc1,
+                       "loss": ev["loss"]}
+        ckpt.save_final(self.dir, self.tr.drafter, self.tr.contract, is_main=self.tr.dist.is_main, best=self.record)
+        barrier(self.tr.dist)
+        log.info("best held-out τ %.4f at step %d → %s", ev["tau"], ev["step"], self.dir)
+        return True
 
 
 def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict:
@@ -279,16 +488,34 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
                             min_lr_ratio=cfg.train.min_lr_ratio)
     out_dir = rd.stage_dir("train")
     ck_root = out_dir / "checkpoints"
-    start = 0
+    start, state = 0, None
     found = ckpt.latest_checkpoint(ck_root)
     if found is not None:
         start = ckpt.load_checkpoint(found, model=tr.drafter, optimizer=opt, scheduler=sched)
+        state = ckpt.checkpoint_state(found)
         tr.sync_draft_vocab()
     sink = MetricSink(out_dir, total_steps=steps, start_step=start, train=cfg.train, enabled=dist.is_main,
                       show_bar=show_bar)
+    best = BestKeeper(out_dir, tr, cfg.train.keep_best)
+    best.restore(start, state)
+    curve = LearningCurve(out_dir / "curve.json", sorted(set(tr.sources())), enabled=dist.is_main)
+    curve.restore(start, (state or {}).get("curve"))
     log.info("training %d steps from step %d: %d train / %d held-out samples, global batch %d, world %d",
              steps, start, len(tr.plan.train_idx), len(tr.heldout), tr.plan.global_batch, dist.world)
     last, last_eval, t0, done_tokens = {}, None, time.perf_counter(), 0
+
+    def evaluated(n: int) -> None:
+        nonlocal last_eval
+        ev = evaluate_heldout(tr, n)
+        if ev:
+            last_eval = ev
+            _log_eval(sink, ev)
+            curve.record(n, ev)
+            best.offer(ev)
+
+    def extra_state() -> dict:
+        return {"curve": curve.state_dict(), **({"best": best.record} if best.record else {})}
+
     try:
         tr.drafter.train()
         for step in range(start, steps):
@@ -296,6 +523,7 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
             last = train_step(tr, step, opt, sched)
             dt = time.perf_counter() - ts
             done_tokens += last["tokens"]
+            curve.add_step(tr.supervised_tokens(step), last.pop("_window"))
             last.update(tok_s=round(last["tokens"] / dt, 1), anchors_s=round(last["blocks"] / dt, 1),
                         step_time_s=round(dt, 4))
             n = step + 1
@@ -303,27 +531,27 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
                 sink.log(last)
             sink.progress(n, loss=last["loss"], tau=last["tau"], tok_s=last["tok_s"])
             if cfg.train.eval_every and n % cfg.train.eval_every == 0 and n != steps:
-                last_eval = evaluate_heldout(tr, n)
-                if last_eval:
-                    sink.log(last_eval)
+                evaluated(n)
             if cfg.train.save_every and n % cfg.train.save_every == 0 and n != steps:
                 ckpt.save_checkpoint(ck_root, step=n, model=tr.drafter, optimizer=opt, scheduler=sched,
-                                     is_main=dist.is_main, keep=cfg.train.keep_checkpoints)
+                                     is_main=dist.is_main, keep=cfg.train.keep_checkpoints, extra=extra_state())
                 barrier(dist)
-        if start < steps:
-            ckpt.save_checkpoint(ck_root, step=steps, model=tr.drafter, optimizer=opt, scheduler=sched,
-                                 is_main=dist.is_main, keep=cfg.train.keep_checkpoints)
         tr.drafter.eval()
-        last_eval = evaluate_heldout(tr, steps) or last_eval
-        if last_eval:
-            sink.log(last_eval)
+        if start < steps:
+            evaluated(steps)
+            ckpt.save_checkpoint(ck_root, step=steps, model=tr.drafter, optimizer=opt, scheduler=sched,
+                                 is_main=dist.is_main, keep=cfg.train.keep_checkpoints, extra=extra_state())
+        elif last_eval is None:
+            last_eval = evaluate_heldout(tr, steps)
         ckpt.save_final(out_dir / "final", tr.drafter, tr.contract, is_main=dist.is_main)
         barrier(dist)
     finally:
         sink.close()
     wall = time.perf_counter() - t0
     return {"steps": steps, "resumed_from": start, "final_dir": str(out_dir / "final"),
+            "best": ({"dir": str(out_dir / "best"), **best.record} if best.record else None),
             "train": {k: last.get(k) for k in ("loss", "tau", "acc_mean")} if last else None,
-            "heldout": last_eval, "tokens_per_s": round(done_tokens / wall, 1) if wall > 0 else None,
+            "heldout": ({k: v for k, v in last_eval.items() if k != "by_source"} if last_eval else None),
+            "tokens_per_s": round(done_tokens / wall, 1) if wall > 0 else None,
             "world_size": dist.world, "samples": len(tr.plan.train_idx), "heldout_samples": len(tr.heldout),
             **({"draft_vocab_size": int(tr.vocab.numel())} if tr.vocab is not None else {})}

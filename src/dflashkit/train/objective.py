@@ -19,6 +19,11 @@ Rules (each pinned by a test):
   * CE = Σ w·CE / denom (denom = Σ w over the whole optimizer step, all micro-batches and ranks,
     so micro-batching, accumulation and world size do not change the loss). KL (optional) uses the
     target's next-token distribution at a_j+k−1 as the soft label, weighted the same way.
+  * `position_weighting="dpace"` (D-PACE, arXiv 2605.18810) replaces the fixed decay by weights
+    from the drafter's own confidence, computed in the forward and detached (`dpace_weights`):
+    q_k = exp(−CE_k), q̃_k = (1−α)·q_k + α, w_j = Σ_{m≥j} Π_{1≤i≤m} q̃_i. The denominator is then
+    the step's count of supervised in-vocab positions (Σ of the decay-free mask, known before the
+    forward), so the loss stays invariant to micro-batching, accumulation and world size.
   * Logits are produced only for positions with w > 0, `chunk_blocks`·B rows at a time under
     activation checkpointing, so the [blocks·B, vocab] logits of the whole batch never exist at
     once (also not for backward).
@@ -108,15 +113,19 @@ def block_position_ids(a: Anchors, *, ctx_len: int, block_size: int) -> torch.Te
 
 
 def labels_and_weights(input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_lens: torch.Tensor, a: Anchors, *,
-                       block_size: int, gamma: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same-position labels and loss weights, both [b, N·B] (labels 0 where the weight is 0)."""
+                       block_size: int, gamma: float | None,
+                       label_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same-position labels and loss weights, both [b, N·B] (labels 0 where the weight is 0).
+
+    `label_ids` [b, S] (default `input_ids`) is the label of each position: with `train.labels=target`
+    it holds the target's greedy prediction for position t (its argmax at t−1; `target_label_ids`)."""
     b, n = a.anchors.shape
     dev = input_ids.device
     k = torch.arange(block_size, device=dev)
     pos = a.anchors[:, :, None] + k                                           # [b, N, B]
     inside = pos < seq_lens.to(dev)[:, None, None]
     safe = torch.where(inside, pos, torch.zeros_like(pos)).view(b, -1)
-    labels = torch.gather(input_ids, 1, safe).view(b, n, block_size)
+    labels = torch.gather(input_ids if label_ids is None else label_ids, 1, safe).view(b, n, block_size)
     sup = torch.gather(loss_mask.to(torch.float32), 1, safe).view(b, n, block_size)
     decay = torch.exp(-(k.float() - 1).clamp(min=0) / gamma) if gamma else torch.ones(block_size, device=dev)
     decay = decay * (k > 0).float()
@@ -126,12 +135,40 @@ def labels_and_weights(input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_len
 
 
 def weight_sum(loss_mask, seq_lens, a: Anchors, *, input_ids, block_size: int, gamma: float | None,
-               vocab: torch.Tensor | None = None) -> float:
+               vocab: torch.Tensor | None = None, label_ids: torch.Tensor | None = None) -> float:
     """Σ w of one micro-batch (summed over the step to form the loss denominator; in-vocab labels only)."""
-    labels, w = labels_and_weights(input_ids, loss_mask, seq_lens, a, block_size=block_size, gamma=gamma)
+    labels, w = labels_and_weights(input_ids, loss_mask, seq_lens, a, block_size=block_size, gamma=gamma,
+                                   label_ids=label_ids)
     if vocab is not None:
         w = w * draft_labels(labels, vocab)[1]
     return float(w.sum())
+
+
+def dpace_weights(ce: torch.Tensor, supervised: torch.Tensor, *, alpha: float) -> torch.Tensor:
+    """D-PACE position weights (detached), [..., B] like `ce`; slot 0 (the anchor) gets 0.
+
+    q_k = exp(−CE_k) is the drafter's probability of the label at block position k (k = 1 … B−1),
+    q̃_k = (1−α)·q_k + α, and w_j = Σ_{m≥j} Π_{1≤i≤m} q̃_i: the derivative of the block's expected
+    accepted length Σ_m Π_{i≤m} q̃_i with respect to log q_j.
+
+    Positions outside the supervised set (padded blocks, past the sequence end, loss_mask 0) get
+    q̃ = 0: like simulated τ, where such a position ends the accepted run, the chain stops there, so
+    they and every later position of the block get weight 0. A supervised label the drafter cannot
+    produce (outside a reduced draft vocab: pass CE = +inf) has q = 0, so q̃ = α; it keeps its weight
+    here, but the caller gives it no loss (it has no logit).
+
+    Args:
+        ce: [..., B] per-position cross-entropy (values outside `supervised` are ignored).
+        supervised: [..., B] bool, the supervised positions (slot 0 must be False).
+        alpha: smoothing in (0, 1].
+    """
+    with torch.no_grad():
+        sup = supervised.bool()
+        q = torch.exp(-ce.detach().float().clamp(min=0)).where(sup, torch.zeros((), device=ce.device))
+        qt = torch.where(sup, (1 - alpha) * q + alpha, torch.zeros_like(q))[..., 1:]
+        prefix = torch.cumprod(qt, dim=-1)                                     # Π_{i≤m} q̃_i
+        suffix = prefix.flip(-1).cumsum(-1).flip(-1)                            # Σ_{m≥j}
+        return torch.cat([torch.zeros_like(suffix[..., :1]), suffix], dim=-1)
 
 
 @dataclass
@@ -146,18 +183,17 @@ class LossOutput:
     blocks: int               # number of real blocks
 
 
-def _chunk_terms(lm_head, h, labels, w, tgt, kind: str, kl_weight: float):
+def _chunk_rows(lm_head, h, labels, tgt, need_ce: bool, need_kl: bool):
+    """Per-row CE and KL (zeros when not needed) and the argmax of one chunk of rows."""
     logits = lm_head(h).float()                                              # [rows, V]
-    terms = logits.new_zeros(())
-    if kind in ("ce", "ce+kl"):
-        ce = F.cross_entropy(logits, labels, reduction="none")
-        terms = terms + (w * ce).sum()
-    if kind in ("kl", "ce+kl"):
+    ce = F.cross_entropy(logits, labels, reduction="none") if need_ce else logits.new_zeros(labels.shape)
+    if need_kl:
         logp = F.log_softmax(logits, dim=-1)
         tlogp = F.log_softmax(tgt.float(), dim=-1)
         kl = (tlogp.exp() * (tlogp - logp)).sum(-1)
-        terms = terms + (kl_weight if kind == "ce+kl" else 1.0) * (w * kl).sum()
-    return terms, logits.argmax(-1)
+    else:
+        kl = logits.new_zeros(labels.shape)
+    return ce, kl, logits.argmax(-1)
 
 
 def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
@@ -165,7 +201,9 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
                 denom: float | None = None, loss: str = "ce", kl_weight: float = 1.0,
                 target_logits: torch.Tensor | None = None, chunk_blocks: int = 64,
                 attention: str = "sdpa", autocast_dtype: torch.dtype | None = None,
-                vocab: torch.Tensor | None = None) -> LossOutput:
+                vocab: torch.Tensor | None = None, label_ids: torch.Tensor | None = None,
+                target_hidden: torch.Tensor | None = None, target_head=None,
+                position_weighting: str = "decay", dpace_alpha: float = 0.5) -> LossOutput:
     """Drafter forward over all sampled blocks + the chunked weighted loss.
 
     Args:
@@ -175,18 +213,26 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
         input_ids, loss_mask: [b, S] (right-padded); seq_lens: [b].
         a: sampled anchors.
         denom: loss denominator (Σ w over the optimizer step); None = this batch's Σ w.
-        loss: "ce" | "kl" | "ce+kl"; target_logits [b, S, V] needed for kl.
+        loss: "ce" | "kl" | "ce+kl"; kl needs target_logits [b, S, V], or target_hidden [b, S, H] (the
+            target's final-norm output) and target_head (its full lm_head): then only the supervised
+            rows' target logits are computed, chunk by chunk.
+        label_ids: [b, S] the label of each position (default input_ids; see labels_and_weights).
         chunk_blocks: blocks per logits chunk.
         attention: "sdpa" (dense bool mask) or "flex" (BlockMask; GPU training).
         vocab: a reduced draft vocabulary (sorted target ids [V'], on the batch's device); then
             `lm_head` must be the head over those V' rows (`draft_vocab.restricted_head`).
+        position_weighting: "decay" (exp(−(k−1)/γ)) or "dpace" (`dpace_weights`, α = dpace_alpha;
+            `gamma` is ignored and `denom` must be the step's count of supervised in-vocab positions,
+            i.e. `weight_sum(..., gamma=None)`).
     Returns:
         LossOutput.
     """
     bsz, s = input_ids.shape
     B = drafter.block_size if hasattr(drafter, "block_size") else drafter.module.block_size
     n = a.anchors.shape[1]
-    labels, w = labels_and_weights(input_ids, loss_mask, seq_lens, a, block_size=B, gamma=gamma)
+    dpace = position_weighting == "dpace"
+    labels, w = labels_and_weights(input_ids, loss_mask, seq_lens, a, block_size=B, gamma=None if dpace else gamma,
+                                   label_ids=label_ids)
     sup = w.view(bsz, n, B) > 0                       # supervised positions: the metrics' denominators
     loss_labels = labels
     if vocab is not None:
@@ -213,26 +259,47 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
     labels_f, w_f = loss_labels.flatten(), w.flatten()
     tgt_rows = None
     if loss != "ce":
-        if target_logits is None:
-            raise ValueError("loss kl / ce+kl needs target_logits")
+        if target_logits is None and (target_hidden is None or target_head is None):
+            raise ValueError("loss kl / ce+kl needs target_logits, or target_hidden and target_head")
         tgt_pos = (a.anchors[:, :, None] + torch.arange(B, device=input_ids.device) - 1).clamp(0, s - 1)
         row_batch = torch.arange(bsz, device=input_ids.device)[:, None, None].expand(bsz, n, B)
         tgt_rows = (row_batch.flatten(), tgt_pos.flatten())
-    total = hidden.new_zeros((), dtype=torch.float32)
+    need_ce, need_kl = loss in ("ce", "ce+kl") or dpace, loss in ("kl", "ce+kl")
+    ce_parts, kl_parts = [], []
     pred_flat = torch.full_like(labels_f, -1)
     step = max(1, chunk_blocks) * B
     for c0 in range(0, rows.numel(), step):
         r = rows[c0:c0 + step]
-        tgt = target_logits[tgt_rows[0][r], tgt_rows[1][r]] if tgt_rows is not None else None
+        tgt = None
+        if tgt_rows is not None:
+            if target_logits is not None:
+                tgt = target_logits[tgt_rows[0][r], tgt_rows[1][r]]
+            else:
+                with torch.no_grad():
+                    tgt = target_head(target_hidden[tgt_rows[0][r], tgt_rows[1][r]].to(hidden.dtype))
         if tgt is not None and vocab is not None:
             tgt = tgt.index_select(-1, vocab)
-        args = (lm_head, hidden[r], labels_f[r], w_f[r], tgt, loss, kl_weight)
+        args = (lm_head, hidden[r], labels_f[r], tgt, need_ce, need_kl)
         if step >= rows.numel() or not hidden.requires_grad:
-            terms, pred = _chunk_terms(*args)
+            ce_r, kl_r, pred = _chunk_rows(*args)
         else:
-            terms, pred = checkpoint(_chunk_terms, *args, use_reentrant=False)
-        total = total + terms
+            ce_r, kl_r, pred = checkpoint(_chunk_rows, *args, use_reentrant=False)
+        ce_parts.append(ce_r)
+        kl_parts.append(kl_r)
         pred_flat[r] = pred
+    ce_rows = torch.cat(ce_parts) if ce_parts else hidden.new_zeros(0, dtype=torch.float32)
+    kl_rows = torch.cat(kl_parts) if kl_parts else hidden.new_zeros(0, dtype=torch.float32)
+    if dpace:  # rows = the in-vocab supervised positions; out-of-vocab supervised ones: CE = +inf (q = 0)
+        ce_grid = torch.full((bsz * n * B,), float("inf"), device=ce_rows.device)
+        ce_grid[rows] = ce_rows.detach()
+        row_w = dpace_weights(ce_grid.view(bsz, n, B), sup, alpha=dpace_alpha).flatten()[rows]
+    else:
+        row_w = w_f[rows]
+    total = hidden.new_zeros((), dtype=torch.float32)
+    if loss in ("ce", "ce+kl"):
+        total = total + (row_w * ce_rows).sum()
+    if loss in ("kl", "ce+kl"):
+        total = total + (kl_weight if loss == "ce+kl" else 1.0) * (row_w * kl_rows).sum()
     with torch.no_grad():
         pred = pred_flat.view(bsz, n, B)
         if vocab is not None:  # draft index → target id; rows without logits stay -1 (wrong)
@@ -244,6 +311,12 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
         tau_sum = float(((1 + lead).float() * a.keep.float()).sum())
     return LossOutput(loss=total / max(denom, 1e-6), weight_sum=wsum, correct=correct, total=tot,
                       tau_sum=tau_sum, blocks=int(a.keep.sum()))
+
+
+def target_label_ids(input_ids: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+    """[b, S] labels from the target: position t gets `next_ids[t−1]` (the target's argmax after x[..t−1]);
+    position 0 keeps x[0] (never a label: slot 0 is unweighted)."""
+    return torch.cat([input_ids[:, :1], next_ids[:, :-1].to(input_ids.dtype)], dim=1)
 
 
 def gamma_for(train_gamma: float | None, block_size: int) -> float:

@@ -1,0 +1,84 @@
+"""Requests that leave a server no room to drift: neutral sampling fields, and a one-request pre-flight.
+
+Usage:
+    sender = Sender(client, route="chat")                 # or "completions"
+    reply = await sender.send(body)                       # drops optional fields a strict server rejects
+    check = await preflight(sender, body, local_prompt_ids(chat, messages))
+    check.differs, describe(check)                        # server prompt vs the local rendering
+
+Servers default the sampling knobs differently (llama.cpp applies `repeat_penalty` 1.1 and
+`min_p` 0.05, SGLang/vLLM read a model's `generation_config.json`), and a request that does not
+name a knob gets the server's default. `NEUTRAL_SAMPLING` names each one with the value that turns
+it off, in every spelling the common servers read; `top_k` -1 means "off" to vLLM, SGLang,
+llama.cpp and `dflashkit serve`. Servers ignore fields they do not know; one that answers HTTP 400
+naming a field (the OpenAI API does) gets the request again without it, and the field stays off
+for the rest of the run (`Sender.dropped`, logged once).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from dflashkit.data.drift import PromptCheck, compare_prompt
+from dflashkit.serving.openai_client import ChatReply, OpenAIClient, RequestFailed
+
+log = logging.getLogger("dflashkit.generate")
+
+NEUTRAL_SAMPLING: dict[str, Any] = {
+    "repetition_penalty": 1.0,   # vLLM, SGLang, TGI
+    "repeat_penalty": 1.0,       # llama.cpp / llama-cpp-python
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "min_p": 0.0,
+    "top_k": -1,
+}
+OPTIONAL_FIELDS = ("return_token_ids", "add_special_tokens", *NEUTRAL_SAMPLING)
+
+
+def _names(detail: str, key: str) -> bool:
+    return key in detail or (key == "return_token_ids" and "token_ids" in detail)
+
+
+class Sender:
+    """Sends requests on one route; optional fields a server rejects (HTTP 400 naming them) are dropped."""
+
+    def __init__(self, client: OpenAIClient, route: str = "chat"):
+        if route not in ("chat", "completions"):
+            raise ValueError(f"unknown route {route!r}")
+        self.client, self.route = client, route
+        self.dropped: set[str] = set()
+
+    async def send(self, body: dict[str, Any]) -> ChatReply:
+        while True:
+            sent = {k: v for k, v in body.items() if k not in self.dropped}
+            try:
+                if self.route == "completions":
+                    return await self.client.complete(sent)
+                return await self.client.chat(sent)
+            except RequestFailed as e:
+                named = [k for k in OPTIONAL_FIELDS if k in sent and _names(e.detail, k)]
+                if e.reason != "http 400" or not named:
+                    raise
+                new = sorted(set(named) - self.dropped)
+                self.dropped.update(named)
+                if new:
+                    log.warning("the server refuses %s (%s); sending requests without it from now on",
+                                ", ".join(new), e.detail[:120])
+
+
+def local_prompt_ids(chat: Any, messages: list[dict[str, str]] | None = None, text: str | None = None,
+                     ) -> list[int]:
+    """The prompt as this machine renders (the target's chat template) and tokenizes it."""
+    from dflashkit.data.chat import encode_pieces
+
+    if text is None:
+        text = chat.render(messages, add_generation_prompt=True)
+    return list(encode_pieces(chat.tokenizer, [text])[0])
+
+
+async def preflight(sender: Sender, body: dict[str, Any], local_ids: list[int]) -> PromptCheck:
+    """Send `body` once (1 new token) and compare the server's prompt with `local_ids`."""
+    reply = await sender.send({**body, "max_tokens": 1})
+    return compare_prompt(local_ids, server_tokens=reply.usage.get("prompt_tokens"),
+                          server_ids=reply.prompt_token_ids)

@@ -1,0 +1,118 @@
+"""`dflashkit bench recipe`: short training runs that decide a recipe, on this run's data.
+
+Usage:
+    dflashkit bench recipe -c run.yaml                        # the default variants, bench.recipe_steps each
+    dflashkit bench recipe -c run.yaml bench.recipe_variants='{base: [], wide: [train.lr=1e-3]}'
+
+Each variant is the run config plus dotted overrides, trained from scratch for `bench.recipe_steps`
+steps in `<run_dir>/bench/recipe/<name>/` (which links this run's contract.json, tokenize/ and
+capture/, so the data and cached features are shared and never copied), then scored on the same
+held-out samples: simulated τ, position-1 accuracy, held-out loss and the train-vs-held-out gap.
+The default variants answer the questions a weak drafter raises:
+  * base             — the config as it is;
+  * labels=data      — learn the training text's tokens instead of the target's own predictions;
+  * no-features      — target features zeroed in training and scoring: does the drafter use the
+                       target at all? (a drafter that matches this one is a language model, not a
+                       DFlash drafter);
+  * bigram           — not a drafter: the share of held-out supervised positions whose label is the
+                       most frequent successor of the previous token in the training labels.
+Steps, data and seed are the same for every variant, and all of them run in one process on one
+machine, so the table compares like with like (it is not a time measurement).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+from dflashkit.config import config_from_dict, config_to_dict
+from dflashkit.rundir import RunDir
+
+log = logging.getLogger("dflashkit.bench")
+
+DEFAULT_VARIANTS: dict[str, list[str]] = {
+    "base": [],
+    "labels=data": ["train.labels=data"],
+    "no-features": ["train.ablate_features=true"],
+}
+
+
+def _link(src: Path, dst: Path) -> None:
+    if dst.is_symlink() or dst.exists():
+        return
+    if src.exists():
+        os.symlink(src.resolve(), dst)
+
+
+def variant_config(cfg: Any, name: str, overrides: list[str], root: Path, steps: int) -> Any:
+    """The config of one variant: `cfg` + overrides, its own run dir, `steps` steps, one final eval."""
+    data = config_to_dict(cfg)
+    data["run"]["run_dir"] = str(root / name)
+    data["train"].update(max_steps=steps, eval_every=0, save_every=0)
+    return config_from_dict(data, overrides, source=f"bench.recipe_variants.{name}")
+
+
+def bigram_accuracy(rd: RunDir, labels: str, heldout_samples: int, seed: int) -> float | None:
+    """Held-out share of supervised labels equal to the training labels' most frequent successor of the
+    previous token (data labels: the text's next token; the baseline any drafter should beat)."""
+    from dflashkit.train.data import load_tokenized, split_heldout
+
+    data = load_tokenized(rd)
+    train_idx, held = split_heldout(len(data), heldout_samples, seed=seed)
+    del labels  # the bigram is fit on the text itself: on greedy data that is the target's output
+    succ: dict[int, Counter] = defaultdict(Counter)
+    for i in train_idx:
+        ids, m = data.input_ids[i], data.loss_mask[i]
+        for t in range(1, len(ids)):
+            if m[t]:
+                succ[int(ids[t - 1])][int(ids[t])] += 1
+    best = {k: c.most_common(1)[0][0] for k, c in succ.items()}
+    hit = tot = 0
+    for i in held:
+        ids, m = data.input_ids[i], data.loss_mask[i]
+        for t in range(1, len(ids)):
+            if m[t]:
+                tot += 1
+                hit += best.get(int(ids[t - 1]), -1) == int(ids[t])
+    return round(hit / tot, 4) if tot else None
+
+
+def bench_recipe(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
+    from dflashkit.train.loop import fit
+
+    steps = int(cfg.bench.recipe_steps)
+    variants = dict(cfg.bench.recipe_variants or DEFAULT_VARIANTS)
+    root = rd.root / "bench" / "recipe"
+    rows: list[dict[str, Any]] = []
+    for name, over in variants.items():
+        vcfg = variant_config(cfg, name, list(over), root, steps)
+        vdir = RunDir(vcfg.run.run_dir)
+        vdir.root.mkdir(parents=True, exist_ok=True)
+        for part in ("contract.json", "tokenize", "capture"):
+            _link(rd.root / part, vdir.root / part)
+        t0 = time.perf_counter()
+        res = fit(vcfg, vdir, show_bar=False)
+        held, train = res.get("heldout") or {}, res.get("train") or {}
+        acc = held.get("acc") or []
+        rows.append({"variant": name, "overrides": list(over), "steps": steps,
+                     "heldout_tau": held.get("tau"), "heldout_acc1": acc[0] if acc else None,
+                     "heldout_loss": held.get("loss"), "train_tau": train.get("tau"),
+                     "gap_tau": (None if held.get("tau") is None or train.get("tau") is None
+                                 else round(train["tau"] - held["tau"], 4)),
+                     "wall_s": round(time.perf_counter() - t0, 1)})
+        log.info("recipe %-14s held-out τ %.3f acc1 %s (%.0f s)", name, held.get("tau") or 0,
+                 rows[-1]["heldout_acc1"], rows[-1]["wall_s"])
+    bigram = bigram_accuracy(rd, cfg.train.labels, cfg.train.heldout_samples, cfg.run.seed)
+    if not ctx.json:
+        print(f"{'variant':16s} {'held-out τ':>10s} {'acc@1':>7s} {'loss':>7s} {'train τ':>8s} {'wall s':>7s}")
+        for r in rows:
+            print(f"{r['variant']:16s} {r['heldout_tau'] or 0:10.3f} {r['heldout_acc1'] or 0:7.3f} "
+                  f"{r['heldout_loss'] or 0:7.3f} {r['train_tau'] or 0:8.3f} {r['wall_s']:7.1f}")
+        print(f"{'bigram (acc@1)':16s} {'':>10s} {bigram or 0:7.3f}")
+    return {"steps": steps, "variants": rows, "bigram_acc1": bigram,
+            "config": {k: v for k, v in dataclasses.asdict(cfg.train).items() if k != "parallel"}}
