@@ -10,8 +10,10 @@ of target decoder layers `target_layer_ids`, rows of all samples back to back), 
 `train.labels=target` learns, 4 B/token), optionally `last_hidden` [tokens, H] (capture.dtype: the
 target's final-norm output, from which training recomputes the target's distribution for
 `train.loss=kl|ce+kl`; `capture.last_hidden`), `offsets` [samples+1] (int64 row offsets, in
-tokenized-shard order) and metadata: the target_layer_ids, the source shard's digest, the dtype. The total size (n_feat·H·bytes·tokens) is logged BEFORE any
-work, and the stage refuses (exit 2) when it exceeds capture.max_disk_fraction of the free disk.
+tokenized-shard order) and metadata: the target_layer_ids, the source shard's digest, the dtype.
+The target runs as online training would run it (`train.target_dtype`: float32, or under bf16
+autocast), so cached and online training see the same features. The total size is logged BEFORE
+any work, and the stage refuses (exit 2) when it exceeds capture.max_disk_fraction of the free disk.
 Shards are written through a temp file + rename and streamed (never held in memory whole); a
 complete shard whose layer ids and source digest still match is skipped, so a killed run resumes.
 `dflashkit train train.features=cached` refuses shards captured at other layer ids.
@@ -37,7 +39,8 @@ log = logging.getLogger("dflashkit.capture")
 ST_DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
 
 
-def _existing_ok(path: Path, layer_ids: list[int], digest: str, dtype: str, last_hidden: bool) -> bool:
+def _existing_ok(path: Path, layer_ids: list[int], digest: str, dtype: str, last_hidden: bool,
+                 autocast: str) -> bool:
     if not path.is_file():
         return False
     try:
@@ -49,12 +52,13 @@ def _existing_ok(path: Path, layer_ids: list[int], digest: str, dtype: str, last
         return False
     return (json.loads(meta.get("target_layer_ids", "null")) == list(layer_ids)
             and meta.get("source_digest") == digest and meta.get("dtype") == dtype
-            and meta.get("next_ids") == "1" and (meta.get("last_hidden") == "1" or not last_hidden))
+            and meta.get("next_ids") == "1" and (meta.get("last_hidden") == "1" or not last_hidden)
+            and meta.get("target_autocast", "none") == autocast)
 
 
 def _write_shard(path: Path, target, rows: list[torch.Tensor], layer_ids: list[int], *, dtype: str,
                  batch_size: int, metadata: dict[str, str], width: int, pad_id: int,
-                 last_hidden: bool = False) -> int:
+                 last_hidden: bool = False, autocast: torch.dtype | None = None) -> int:
     """Stream one safetensors file: header, offsets, features batch by batch, next_ids, last_hidden.
 
     `next_ids` (small) is held in memory; `last_hidden` is streamed to a side file and appended."""
@@ -88,7 +92,7 @@ def _write_shard(path: Path, target, rows: list[torch.Tensor], layer_ids: list[i
             att = torch.zeros((len(part), s), dtype=torch.long)
             for j, r in enumerate(part):
                 ids[j, :len(r)], att[j, :len(r)] = r, 1
-            with torch.no_grad():
+            with torch.no_grad(), torch.autocast(target.device.type, dtype=autocast, enabled=autocast is not None):
                 feats, last = target.features(ids.to(target.device), layer_ids=layer_ids, need_last_hidden=True,
                                               attention_mask=att.to(target.device))
                 nxt = target.next_token_ids(last)
@@ -115,6 +119,11 @@ def run(cfg, rd, ctx) -> dict:
     out_dir = rd.stage_dir("capture", create=not ctx.dry_run)  # a dry run creates nothing
     dtype = cfg.capture.dtype
     width = contract.num_features * contract.hidden_size
+    from dflashkit.model.target import resolve_device, resolve_dtype, target_autocast
+
+    # the forward online training would run (train.target_dtype), so cached ≡ online
+    dev = resolve_device(cfg.target.device)
+    autocast = target_autocast(cfg.train.target_dtype, dev, resolve_dtype(cfg.target.dtype, dev))
     keep_last = cfg.capture.last_hidden == "true" or (cfg.capture.last_hidden == "auto" and cfg.train.loss != "ce")
     per_token = (width + (contract.hidden_size if keep_last else 0)) * ST_DTYPES[dtype][1] + 4
     tokens = sum(len(x) for x in data.input_ids)
@@ -123,7 +132,7 @@ def run(cfg, rd, ctx) -> dict:
     for si, shard in enumerate(data.shards):
         digest = file_digest(shard, limit=None)
         dest = out_dir / f"{shard.stem}.safetensors"
-        if not _existing_ok(dest, layer_ids, digest, dtype, keep_last):
+        if not _existing_ok(dest, layer_ids, digest, dtype, keep_last, str(autocast or "none")):
             todo.append((si, shard, digest, dest))
     todo_ids = {t[0] for t in todo}
     need = sum(len(data.input_ids[i]) for i, (si, _) in enumerate(data.where) if si in todo_ids) * per_token
@@ -152,15 +161,19 @@ def run(cfg, rd, ctx) -> dict:
         target = load_target(cfg.target)
         check_compat(contract, target, str(rd.contract_path))
         pad = (target.tokenizer.pad_token_id if target.tokenizer is not None else 0) or 0
+        if autocast is not None:
+            log.info("capture: target forward under %s autocast (train.target_dtype=%s)", autocast,
+                     cfg.train.target_dtype)
         for si, shard, digest, dest in todo:
             rows = [torch.from_numpy(data.input_ids[i]) for i, (s, _) in enumerate(data.where) if s == si]
             meta = {"target_layer_ids": json.dumps(layer_ids), "source": shard.name, "source_digest": digest,
-                    "dtype": dtype, "hidden_size": str(contract.hidden_size), "samples": str(len(rows))}
+                    "dtype": dtype, "hidden_size": str(contract.hidden_size), "samples": str(len(rows)),
+                    "target_autocast": str(autocast or "none")}
             n = _write_shard(dest, target, rows, layer_ids, dtype=dtype, batch_size=cfg.capture.batch_size,
-                             metadata=meta, width=width, pad_id=pad, last_hidden=keep_last)
+                             metadata=meta, width=width, pad_id=pad, last_hidden=keep_last, autocast=autocast)
             log.info("captured %s: %d samples, %d tokens", dest.name, len(rows), n)
             result["written"] += 1
-    write_manifest(out_dir, stage="capture", config_hash=section_hash(cfg.capture, layer_ids, keep_last),
+    write_manifest(out_dir, stage="capture", config_hash=section_hash(cfg.capture, layer_ids, keep_last, cfg.train.target_dtype),
                    inputs={"contract": section_hash(read_json(rd.contract_path)),
                            "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")},
                    counts={"shards": len(data.shards), "tokens": tokens}, started=t0,

@@ -41,7 +41,7 @@ SECTIONS: dict[str, Callable[[RunConfig], list[Any]]] = {
     "prepare": lambda c: [c.data, c.run.seed],
     "generate": lambda c: [c.generate, c.server.model, c.target.path, c.target.chat_template],
     "tokenize": lambda c: [c.tokenize, c.target.tokenizer, c.target.chat_template],
-    "capture": lambda c: [c.capture, c.train.loss],
+    "capture": lambda c: [c.capture, c.train.loss, c.train.target_dtype],
     "train": lambda c: [c.train, c.drafter, c.run.seed],
     "eval": lambda c: [c.eval],
     "export": lambda c: [c.export],
