@@ -190,3 +190,98 @@ def test_simulated_acceptance_oracle_and_zeroed_features(target):
     assert sim["per_position_accuracy"][0] == pytest.approx(first_ok / 15, abs=1e-4)
     zero = simulated_acceptance(target, drafter, [PROMPT], [out], zero_features=True)
     assert zero["zero_features"] and zero["blocks"] == 15 and 1.0 <= zero["tau"] <= 4
+
+
+# -- `dflashkit eval` end to end (tiny target, random drafter) ---------------------------------------------------
+def _eval_run_dir(tmp_path, target):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from test_export import _run_dir  # noqa: E402
+
+    rd = _run_dir(tmp_path, target, block_size=4, prompts=2)
+    (rd / "tokenize").mkdir()
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(0, 259, 30).tolist() for _ in range(4)]
+    pq.write_table(pa.table({"id": [f"s{i}" for i in range(4)], "input_ids": ids,
+                             "loss_mask": [[0] * 10 + [1] * 20 for _ in ids]}), rd / "tokenize" / "shard-00000.parquet")
+    return rd
+
+
+def _eval(rd, tiny_qwen3, *extra):
+    from dflashkit.cli import main
+
+    return main(["eval", f"target.path={tiny_qwen3}", "eval.max_new_tokens=12", "eval.warmup=0",
+                 "eval.block_sizes=[2,4]", "--run-dir", str(rd), "--json", *extra])
+
+
+def test_eval_reports_prompt_lookup_diagnostics_and_the_best_block_size(tmp_path, target, tiny_qwen3):
+    import json
+
+    rd = _eval_run_dir(tmp_path, target)
+    assert _eval(rd, tiny_qwen3) == 0
+    res = json.loads((rd / "eval" / "results.json").read_text())
+    assert res["dtype"] == "float32" and res["lossless"]["verdict"] == "exact"
+    assert res["lossless"]["compared"] == 2 * 4  # 2 prompts × (2 drafter + 2 lookup block sizes)
+    assert set(res["prompt_lookup"]) == {"2", "4"} and res["prompt_lookup_ngram"] == 3
+    for bs, r in res["prompt_lookup"].items():
+        assert 1 <= r["tau"] <= int(bs) and r["identical_to_baseline"] is True and r["speedup"] > 0
+    s = res["summary"]
+    assert s["speedup"] == max(r["speedup"] for r in res["speculative"].values())
+    assert s["prompt_lookup"]["speedup"] == max(r["speedup"] for r in res["prompt_lookup"].values())
+    assert s["lossless"] == "exact" and s["greedy_identical"] is True
+    d = res["diagnostics"]
+    assert 0 <= d["bigram"]["accuracy"] <= 1 and d["bigram"]["positions"] == 2 * 11
+    assert d["bigram"]["training_pairs"] == 4 * 20
+    assert d["simulated"]["blocks"] == d["no_features"]["blocks"] == 2 * 11 and d["no_features"]["zero_features"]
+    assert 0 <= d["drafter_position1"] <= 1 and 0 <= d["prompt_lookup_position1"] <= 1
+
+
+def test_eval_in_bfloat16_is_exact_or_ties_only(tmp_path, target, tiny_qwen3):
+    import json
+
+    rd = _eval_run_dir(tmp_path, target)
+    assert _eval(rd, tiny_qwen3, "eval.dtype=bfloat16", "eval.diagnostics=false", "eval.max_new_tokens=24") == 0
+    res = json.loads((rd / "eval" / "results.json").read_text())
+    ll = res["lossless"]
+    assert res["dtype"] == "bfloat16" and ll["dtype"] == "bfloat16" and ll["tolerance"] == tie_tolerance("bfloat16")
+    assert ll["verdict"] in ("exact", "ties-only") and ll["divergences"] == ll["ties"]
+    assert all(r["runner_up"] and r["margin"] <= ll["tolerance"] for r in ll["first_divergences"])
+    assert "diagnostics" not in res
+
+
+def test_a_planted_verify_bug_is_not_lossless(tmp_path, target, tiny_qwen3, monkeypatch):
+    """A verify rule that always keeps the first draft diverges where the target clearly disagreed."""
+    import json
+
+    import dflashkit.decode.spec_decode as sd
+
+    real = sd.verify_greedy
+
+    def accepts_a_wrong_token(drafts, posterior):
+        a, nxt = real(drafts, posterior)
+        return (1, posterior[1]) if drafts and a == 0 else (a, nxt)
+
+    monkeypatch.setattr(sd, "verify_greedy", accepts_a_wrong_token)
+    rd = _eval_run_dir(tmp_path, target)
+    assert _eval(rd, tiny_qwen3, "eval.dtype=bfloat16", "eval.diagnostics=false", "eval.prompt_lookup=false") == 1
+    ll = json.loads((rd / "eval" / "results.json").read_text())["lossless"]
+    assert ll["verdict"] == "not lossless" and ll["divergences"] > ll["ties"]
+    wrong = [r for r in ll["first_divergences"] if not (r["runner_up"] and r["margin"] <= ll["tolerance"])]
+    assert wrong and all(r["proposer"] == "drafter" for r in wrong)
+    # honest: the same run in fp32 without the bug is exact
+    monkeypatch.setattr(sd, "verify_greedy", real)
+    assert _eval(rd, tiny_qwen3, "eval.diagnostics=false", "eval.prompt_lookup=false") == 0
+
+
+def test_eval_dtype_auto_measures_both_and_says_which(tmp_path, target, tiny_qwen3):
+    import json
+
+    rd = _eval_run_dir(tmp_path, target)
+    assert _eval(rd, tiny_qwen3, "eval.dtype=auto", "eval.diagnostics=false", "eval.prompt_lookup=false") == 0
+    res = json.loads((rd / "eval" / "results.json").read_text())
+    choice = res["dtype_choice"]
+    assert set(choice["calibration"]) == {"float32", "bfloat16"} and choice["chosen"] == res["dtype"]
+    cal = choice["calibration"]
+    assert cal[choice["chosen"]]["speedup"] == max(c["speedup"] for c in cal.values())
+    assert all(c["baseline_tokens_per_s"] > 0 and c["best_block_size"] in (2, 4) for c in cal.values())

@@ -89,3 +89,27 @@ def test_report_renders_in_a_headless_browser(run_dir, tmp_path):
     dark = sum(p < 128 for p in pixels) / len(pixels)
     assert img.size == (1200, 1600)
     assert var > 100 and 0.001 < dark < 0.5, f"blank-looking screenshot (variance {var:.1f}, dark share {dark:.4f})"
+
+
+def test_report_shows_prompt_lookup_diagnostics_and_the_lossless_verdict(run_dir):
+    res = json.loads((run_dir / "eval" / "results.json").read_text())
+    assert main(["report", "--run-dir", str(run_dir), "--json"]) == 0
+    page = (run_dir / "report" / "index.html").read_text()
+    assert "<h2>Drafter vs prompt lookup</h2>" in page and "<h2>Why is the drafter weak?</h2>" in page
+    lk = res["summary"]["prompt_lookup"]
+    assert f"best prompt lookup: B={lk['block_size']} τ {lk['tau']:.2f}" in page
+    for r in res["prompt_lookup"].values():
+        assert f"<td>{r['tau']:.2f}</td>" in page
+    assert f"<td>{res['diagnostics']['no_features']['tau']:.2f}</td>" in page
+    assert "<h2>Lossless check (float32)</h2><p><b>exact</b>" in page
+    # a bf16 run with ties only, and a broken one, read as such
+    from dflashkit.stages.report import eval_diagnostics_html
+
+    tie = {"proposer": "drafter", "block_size": 4, "id": "p0", "position": 7, "margin": 0.0625, "runner_up": True}
+    ll = {"verdict": "ties-only", "compared": 4, "divergences": 1, "ties": 1, "max_tie_margin": 0.0625,
+          "min_non_tie_margin": None, "tolerance": 0.25, "dtype": "bfloat16", "first_divergences": [tie]}
+    text = eval_diagnostics_html({**res, "lossless": ll})
+    assert "lossless, ties only</b>: 1 of 4 outputs diverge" in text and "max 0.0625" in text
+    bad = {**ll, "verdict": "not lossless", "ties": 0, "max_tie_margin": None, "min_non_tie_margin": 3.5}
+    assert "NOT lossless</b>: 1 divergences beyond a tie (smallest margin 3.5" in eval_diagnostics_html(
+        {**res, "lossless": bad})
