@@ -95,41 +95,45 @@ def test_repetitive_output_is_accepted_from_the_lookup(target):
     assert len(set(base[20:])) < 20 and max(r.acceptance_lengths) > 1
 
 
-def test_margins_are_recorded_per_emitted_token(target):
+def test_top_logits_are_recorded_per_emitted_token(target):
     params = SamplingParams(max_new_tokens=12)
     for b, prop in ((1, None), (4, PromptLookupProposer())):
-        r = SpecDecoder(target, None, b, proposer=prop, record_margins=True).generate(PROMPT, params)
-        assert len(r.margins) == len(r.runner_up) == len(r.token_ids) == 12
-        assert all(m >= 0 for m in r.margins)
-    # oracle: a full forward over prompt + output gives the same margins (fp32)
+        r = SpecDecoder(target, None, b, proposer=prop, record_top=3).generate(PROMPT, params)
+        assert len(r.top_logits) == len(r.token_ids) == 12 and all(len(t) == 3 for t in r.top_logits)
+    # oracle: a full forward over prompt + output gives the same top logits (fp32)
     with torch.inference_mode():
         logits = target.model(torch.tensor([PROMPT + r.token_ids])).logits[0, len(PROMPT) - 1:-1]
-    top = torch.topk(logits, 2, dim=-1)
+    top = torch.topk(logits, 3, dim=-1)
     assert top.indices[:, 0].tolist() == r.token_ids
-    assert np.allclose(r.margins, (top.values[:, 0] - top.values[:, 1]).tolist(), atol=1e-4)
-    assert r.runner_up == top.indices[:, 1].tolist()
+    assert [[i for i, _ in t] for t in r.top_logits] == top.indices.tolist()
+    assert np.allclose([[v for _, v in t] for t in r.top_logits], top.values.tolist(), atol=1e-4)
+    assert SpecDecoder(target, None, 1).generate(PROMPT, params).top_logits == []  # off by default
 
 
-def _res(tokens, margins=None, runner=None):
-    return GenerationResult(token_ids=tokens, finish_reason="length", margins=margins or [], runner_up=runner or [])
+def _res(tokens, top=None):
+    return GenerationResult(token_ids=tokens, finish_reason="length", top_logits=top or [])
 
 
 def test_first_divergence_and_verdict():
-    base = _res([5, 6, 7, 8], [3.0, 0.01, 2.0, 1.0], [9, 4, 1, 1])
+    top = [[(5, 9.0), (9, 6.0), (1, 5.0)], [(6, 4.0), (4, 4.0), (3, 3.9)], [(7, 8.0), (1, 6.0), (3, 2.0)],
+           [(8, 1.0), (1, 0.5), (2, 0.1)]]
+    base = _res([5, 6, 7, 8], top)
     assert first_divergence(_res([5, 6, 7, 8]), base) is None
-    tie = first_divergence(_res([5, 4, 0, 0]), base)
-    assert tie == Divergence(1, 0.01, True, 6, 4)
-    wrong = first_divergence(_res([5, 6, 3, 0]), base)  # token 3 is not the baseline's runner-up
-    assert wrong.position == 2 and not wrong.runner_up
-    far = first_divergence(_res([9, 0, 0, 0]), base)   # the runner-up, but 3 logits behind
-    v = lossless_verdict([None, None], 0.25)
-    assert v["verdict"] == "exact" and v["divergences"] == 0
-    v = lossless_verdict([None, tie], 0.25)
-    assert v["verdict"] == "ties-only" and v["ties"] == 1 and v["max_tie_margin"] == 0.01
-    assert lossless_verdict([tie, wrong], 0.25)["verdict"] == "not lossless"
-    v = lossless_verdict([far], 0.25)
-    assert v["verdict"] == "not lossless" and v["min_non_tie_margin"] == 3.0
-    assert lossless_verdict([tie], 0.001)["verdict"] == "not lossless"  # the tolerance is the line
+    tie = first_divergence(_res([5, 4, 0, 0]), base)        # an exact tie with the runner-up
+    assert tie == Divergence(1, 0.0, 0.0, 6, 4)
+    third = first_divergence(_res([5, 3, 0, 0]), base)      # the third token, 0.1 behind: still a tie
+    assert third.gap == pytest.approx(0.1) and third.margin == 0.0
+    wrong = first_divergence(_res([5, 6, 3, 0]), base)      # 6 logits behind
+    assert wrong.position == 2 and wrong.gap == 6.0
+    outside = first_divergence(_res([5, 6, 7, 99]), base)   # not among the recorded top-k
+    assert outside.gap is None and outside.margin == 0.5
+    assert lossless_verdict([None, None], 0.25)["verdict"] == "exact"
+    v = lossless_verdict([None, tie, third], 0.25)
+    assert v["verdict"] == "ties-only" and v["ties"] == 2 and v["max_tie_gap"] == pytest.approx(0.1)
+    v = lossless_verdict([tie, wrong], 0.25)
+    assert v["verdict"] == "not lossless" and v["min_non_tie_gap"] == 6.0
+    assert lossless_verdict([outside], 0.25)["verdict"] == "not lossless"
+    assert lossless_verdict([third], 0.05)["verdict"] == "not lossless"  # the tolerance is the line
     assert tie_tolerance(torch.bfloat16) > tie_tolerance(torch.float16) > tie_tolerance(torch.float32)
     assert tie_tolerance("bfloat16", 0.5) == 0.5
 
@@ -246,7 +250,7 @@ def test_eval_in_bfloat16_is_exact_or_ties_only(tmp_path, target, tiny_qwen3):
     ll = res["lossless"]
     assert res["dtype"] == "bfloat16" and ll["dtype"] == "bfloat16" and ll["tolerance"] == tie_tolerance("bfloat16")
     assert ll["verdict"] in ("exact", "ties-only") and ll["divergences"] == ll["ties"]
-    assert all(r["runner_up"] and r["margin"] <= ll["tolerance"] for r in ll["first_divergences"])
+    assert all(r["gap"] is not None and r["margin"] <= r["gap"] <= ll["tolerance"] for r in ll["first_divergences"])
     assert "diagnostics" not in res
 
 
@@ -267,7 +271,7 @@ def test_a_planted_verify_bug_is_not_lossless(tmp_path, target, tiny_qwen3, monk
     assert _eval(rd, tiny_qwen3, "eval.dtype=bfloat16", "eval.diagnostics=false", "eval.prompt_lookup=false") == 1
     ll = json.loads((rd / "eval" / "results.json").read_text())["lossless"]
     assert ll["verdict"] == "not lossless" and ll["divergences"] > ll["ties"]
-    wrong = [r for r in ll["first_divergences"] if not (r["runner_up"] and r["margin"] <= ll["tolerance"])]
+    wrong = [r for r in ll["first_divergences"] if r["gap"] is None or r["gap"] > ll["tolerance"]]
     assert wrong and all(r["proposer"] == "drafter" for r in wrong)
     # honest: the same run in fp32 without the bug is exact
     monkeypatch.setattr(sd, "verify_greedy", real)

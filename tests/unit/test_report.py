@@ -105,11 +105,13 @@ def test_report_shows_prompt_lookup_diagnostics_and_the_lossless_verdict(run_dir
     # a bf16 run with ties only, and a broken one, read as such
     from dflashkit.stages.report import eval_diagnostics_html
 
-    tie = {"proposer": "drafter", "block_size": 4, "id": "p0", "position": 7, "margin": 0.0625, "runner_up": True}
-    ll = {"verdict": "ties-only", "compared": 4, "divergences": 1, "ties": 1, "max_tie_margin": 0.0625,
-          "min_non_tie_margin": None, "tolerance": 0.25, "dtype": "bfloat16", "first_divergences": [tie]}
+    tie = {"proposer": "drafter", "block_size": 4, "id": "p0", "position": 7, "margin": 0.0, "gap": 0.125}
+    ll = {"verdict": "ties-only", "compared": 4, "divergences": 1, "ties": 1, "max_tie_gap": 0.125,
+          "max_tie_margin": 0.0, "min_non_tie_gap": None, "tolerance": 0.25, "dtype": "bfloat16",
+          "first_divergences": [tie]}
     text = eval_diagnostics_html({**res, "lossless": ll})
-    assert "lossless, ties only</b>: 1 of 4 outputs diverge" in text and "max 0.0625" in text
-    bad = {**ll, "verdict": "not lossless", "ties": 0, "max_tie_margin": None, "min_non_tie_margin": 3.5}
-    assert "NOT lossless</b>: 1 divergences beyond a tie (smallest margin 3.5" in eval_diagnostics_html(
+    assert "lossless, ties only</b>: 1 of 4 outputs diverge" in text and "largest 0.125" in text
+    assert "<td>0.1250</td>" in text
+    bad = {**ll, "verdict": "not lossless", "ties": 0, "max_tie_gap": None, "min_non_tie_gap": 3.5}
+    assert "NOT lossless</b>: 1 divergences beyond a tie (smallest gap 3.5" in eval_diagnostics_html(
         {**res, "lossless": bad})

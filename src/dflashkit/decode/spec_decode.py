@@ -32,9 +32,9 @@ A `Proposer` replaces the DFlash drafter (prompt lookup in `decode/ngram.py`, te
 the committed sequence and returns at most B−1 point-mass proposals; a shorter (or empty) proposal
 is verified as it is, so that step's block is 1 + len(proposal) tokens.
 
-`record_margins=True` (greedy only) records, per emitted token, the target's top-1 − top-2 logit
-margin and top-2 id at the row that chose it: `eval` uses them to tell a numerical tie between a
-B-token and a one-token pass (bf16) from a real divergence (`decode/lossless.py`).
+`record_top=k` (greedy only) records, per emitted token, the target's k best (id, logit) at the row
+that chose it: `eval` uses them to tell a numerical tie between a B-token and a one-token pass
+(bf16) from a real divergence (`decode/lossless.py`).
 """
 
 from __future__ import annotations
@@ -76,15 +76,15 @@ class SpecDecoder:
             target's). Drafts only steer acceptance, never the output, so a cheaper dtype (bf16 on
             CPUs with AMX/AVX512-BF16, see `fast_draft_dtype`) stays lossless; the verify pass
             always uses the target's own head and dtype.
-        record_margins: at temperature 0, fill `GenerationResult.margins` / `runner_up`.
+        record_top: at temperature 0, fill `GenerationResult.top_logits` with this many (0 = off).
     """
 
     def __init__(self, target: Target, drafter: DFlashDraftModel | None = None, block_size: int | None = None,
                  *, proposer: Proposer | None = None, draft_sampling: Literal["greedy", "sample"] = "greedy",
                  max_context: int | None = None, draft_dtype: torch.dtype | None = None,
-                 record_margins: bool = False):
+                 record_top: int = 0):
         self.target, self.drafter, self.proposer = target, drafter, proposer
-        self.record_margins = record_margins
+        self.record_top = record_top
         if block_size is None:
             block_size = drafter.block_size if drafter is not None else 1
         if block_size < 1:
@@ -200,9 +200,9 @@ class SpecDecoder:
         seq.append(self._pick(logits[-1], params, gen))
         t_first = self._now()
         res = GenerationResult(token_ids=[], finish_reason="length", prefill_s=t_first - t0)
-        margins = self.record_margins and greedy
-        if margins:
-            self._record_margins(res, logits[-1:])
+        top = self.record_top if greedy else 0
+        if top:
+            self._record_top(res, logits[-1:], top)
         start, stopped = n_prompt, seq[-1] in stops
         while start + 1 < max_len and not stopped:
             ts = self._now()
@@ -225,8 +225,8 @@ class SpecDecoder:
                     new, stopped = new[: i + 1], True
                     break
             produced = len(new)
-            if margins:
-                self._record_margins(res, logits[:produced])
+            if top:
+                self._record_top(res, logits[:produced], top)
             seq.extend(new)
             drop = size - produced  # verified positions beyond the committed ones
             if drop:
@@ -245,11 +245,10 @@ class SpecDecoder:
 
 
     @staticmethod
-    def _record_margins(res: GenerationResult, rows: torch.Tensor) -> None:
-        """Append top-1 − top-2 margins and top-2 ids of the logits rows [n, V] that emitted n tokens."""
-        top = torch.topk(rows.float(), 2, dim=-1)
-        res.margins.extend((top.values[:, 0] - top.values[:, 1]).tolist())
-        res.runner_up.extend(top.indices[:, 1].tolist())
+    def _record_top(res: GenerationResult, rows: torch.Tensor, k: int) -> None:
+        """Append the k best (id, logit) of each logits row [n, V] that emitted one of n tokens."""
+        top = torch.topk(rows.float(), min(k, rows.shape[-1]), dim=-1)
+        res.top_logits.extend([list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())])
 
 
 def fast_draft_dtype(target: Target) -> torch.dtype:

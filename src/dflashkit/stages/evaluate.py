@@ -66,7 +66,7 @@ def _diagnostic_lines(res: dict[str, Any]) -> list[str]:
                    f"position-1 {sim['per_position_accuracy'][0]:.2f} -> {zero['per_position_accuracy'][0]:.2f}")
     ll = res.get("lossless")
     if ll:
-        extra = f", {ll['ties']} ties, max margin {ll['max_tie_margin']}" if ll["ties"] else ""
+        extra = f", {ll['ties']} ties, largest gap {ll['max_tie_gap']}" if ll["ties"] else ""
         out.append(f"lossless ({res['dtype']}, tie tolerance {ll['tolerance']}): {ll['verdict']} "
                    f"({ll['divergences']} of {ll['compared']} outputs diverge{extra})")
     return out
@@ -75,19 +75,20 @@ def _diagnostic_lines(res: dict[str, Any]) -> list[str]:
 def _decode(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_sizes: list[int], *,
             lookup: bool, warmup: int) -> dict[str, Any]:
     """Baseline + drafter (+ prompt lookup) at every block size, interleaved; results by decoder name."""
+    from dflashkit.decode.lossless import TOP_K
     from dflashkit.decode.ngram import PromptLookupProposer
     from dflashkit.decode.runner import draft_dtype_for, params_for, run_interleaved
     from dflashkit.decode.spec_decode import SpecDecoder
 
     e = cfg.eval
     ddt = draft_dtype_for(cfg, target)
-    decoders = {"1": SpecDecoder(target, None, 1, max_context=e.max_context, record_margins=True)}
+    decoders = {"1": SpecDecoder(target, None, 1, max_context=e.max_context, record_top=TOP_K)}
     for bs in block_sizes:
-        decoders[str(bs)] = SpecDecoder(target, drafter, bs, max_context=e.max_context, record_margins=True,
+        decoders[str(bs)] = SpecDecoder(target, drafter, bs, max_context=e.max_context, record_top=TOP_K,
                                         draft_sampling=e.draft_sampling, draft_dtype=ddt)
     if lookup:
         for bs in block_sizes:
-            decoders[f"lookup-{bs}"] = SpecDecoder(target, None, bs, max_context=e.max_context, record_margins=True,
+            decoders[f"lookup-{bs}"] = SpecDecoder(target, None, bs, max_context=e.max_context, record_top=TOP_K,
                                                    proposer=PromptLookupProposer(e.prompt_lookup_ngram, 1))
     return run_interleaved(decoders, ids, params_for(cfg, target), warmup=warmup, base_seed=cfg.run.seed)
 
@@ -178,6 +179,7 @@ def _diagnostics(cfg: Any, rd: Any, target: Any, drafter: Any, ids: list, base_r
 def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
     import torch
 
+    from dflashkit.decode.lossless import TOP_K
     from dflashkit.decode.metrics import summarize_timing
     from dflashkit.decode.runner import (draft_dtype_for, load_prompt_messages, render_prompts,
                                          resolve_drafter_dir)
@@ -257,13 +259,14 @@ def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
     if not ctx.json:
         print(_table(res), flush=True)
     if res["mismatches"]:
-        m = next(r for r in res["mismatches"] if r["margin"] is None or not r["runner_up"]
-                 or r["margin"] > res["lossless"]["tolerance"])
+        tol = res["lossless"]["tolerance"]
+        m = next(r for r in res["mismatches"] if r["gap"] is None or r["gap"] > tol)
+        gap = f"{m['gap']}" if m["gap"] is not None else f"beyond its top {TOP_K} (margin {m['margin']})"
         raise DflashkitError(
             f"greedy speculative output differs from the baseline beyond a numerical tie: {m['proposer']} block "
             f"size {m['block_size']}, prompt {m['prompt']} ({m['id']}), first differing token at position "
-            f"{m['position']}, where the baseline's top-1 − top-2 logit margin is {m['margin']} (tie tolerance "
-            f"{res['lossless']['tolerance']}, {res['dtype']}; see {out / 'results.json'})",
+            f"{m['position']}, where the baseline preferred its token by {gap} logits (tie tolerance {tol}, "
+            f"{res['dtype']}; see {out / 'results.json'})",
             hint="this is a bug (lossless decoding is violated); re-run with --log-level debug and report it")
     summary = {bs: {k: r[k] for k in ("tau", "speedup", "bound", "decode_tokens_per_s")}
                for bs, r in res["speculative"].items()}

@@ -274,16 +274,19 @@ def eval_diagnostics_html(results: dict) -> str:
             text = f"<b>exact</b>: all {ll['compared']} outputs equal the baseline token for token"
         elif ll["verdict"] == "ties-only":
             text = (f"<b>lossless, ties only</b>: {ll['ties']} of {ll['compared']} outputs diverge, each at a "
-                    f"numerical tie (baseline top-1 − top-2 margin ≤ {ll['tolerance']}; max {ll['max_tie_margin']})")
+                    f"numerical tie (the baseline's top-1 logit exceeds its logit of the speculative token by ≤ "
+                    f"{ll['tolerance']}; largest {ll['max_tie_gap']}, largest top-1 − top-2 margin "
+                    f"{ll['max_tie_margin']})")
         else:
             text = (f"<b>NOT lossless</b>: {ll['divergences'] - ll['ties']} divergences beyond a tie (smallest "
-                    f"margin {ll['min_non_tie_margin']}, tolerance {ll['tolerance']}) — a bug")
+                    f"gap {ll['min_non_tie_gap']}, tolerance {ll['tolerance']}) — a bug")
         out.append(f"<h2>Lossless check ({html.escape(str(ll.get('dtype')))})</h2><p>{text}.</p>")
-        rows = [[r["proposer"], r["block_size"], r["id"], r["position"], _fmt(r["margin"], 4), r["runner_up"]]
+        rows = [[r["proposer"], r["block_size"], r["id"], r["position"], _fmt(r["margin"], 4),
+                 _fmt(r["gap"], 4) if r["gap"] is not None else "outside top-k"]
                 for r in ll.get("first_divergences", [])[:20]]
         if rows:
-            out.append(_table(["proposer", "block size", "prompt", "position", "baseline margin",
-                               "speculative token = baseline top-2"], rows))
+            out.append(_table(["proposer", "block size", "prompt", "position", "baseline top-1 − top-2",
+                               "baseline top-1 − speculative token"], rows))
     choice = results.get("dtype_choice")
     if choice:
         out.append(f"<p>eval.dtype=auto chose <b>{html.escape(choice['chosen'])}</b> ({html.escape(choice['rule'])}):</p>")
