@@ -252,9 +252,10 @@ class EvalSection:
         "whose best block size has the higher speedup over its own baseline (results.json says which). In "
         "bfloat16 the lossless check is tie-aware (eval.tie_tolerance).", hash_default=False)
     tie_tolerance: float | None = f(
-        None, "Lossless check: a greedy divergence from the baseline counts as a numerical tie when the "
-        "baseline's top-1 − top-2 logit margin there is ≤ this and the speculative token is its top-2; "
-        "null = by verify dtype (bfloat16 0.25, float16 0.03, float32 0.001).", hash_default=False)
+        None, "Lossless check: a greedy divergence from the baseline is a numerical tie when the baseline's "
+        "top-1 logit exceeds its logit of the speculative token by at most this many logits there; null = "
+        "a share of the baseline's largest |logit| there by verify dtype (bfloat16 4%, float16 0.5%, "
+        "float32 0.01%; see decode/lossless.py).", hash_default=False)
     prompt_lookup: bool = f(True, "Also decode every block size with the training-free prompt-lookup "
                             "(n-gram) proposer: the floor a drafter must beat.", hash_default=False)
     prompt_lookup_ngram: int = f(3, "Prompt lookup: longest n-gram matched (falls back to shorter, down "

@@ -11,7 +11,7 @@ import torch
 from dflashkit.config import TargetSection
 from dflashkit.decode.api import GenerationResult, SamplingParams
 from dflashkit.decode.diagnostics import BigramTable, simulated_acceptance
-from dflashkit.decode.lossless import Divergence, first_divergence, lossless_verdict, tie_tolerance
+from dflashkit.decode.lossless import Divergence, TieRule, first_divergence, lossless_verdict, tie_rule
 from dflashkit.decode.metrics import summarize_acceptance
 from dflashkit.decode.ngram import PromptLookupProposer
 from dflashkit.decode.spec_decode import SpecDecoder
@@ -120,22 +120,28 @@ def test_first_divergence_and_verdict():
     base = _res([5, 6, 7, 8], top)
     assert first_divergence(_res([5, 6, 7, 8]), base) is None
     tie = first_divergence(_res([5, 4, 0, 0]), base)        # an exact tie with the runner-up
-    assert tie == Divergence(1, 0.0, 0.0, 6, 4)
+    assert tie == Divergence(1, 0.0, 0.0, 4.0, 6, 4)
     third = first_divergence(_res([5, 3, 0, 0]), base)      # the third token, 0.1 behind: still a tie
     assert third.gap == pytest.approx(0.1) and third.margin == 0.0
     wrong = first_divergence(_res([5, 6, 3, 0]), base)      # 6 logits behind
     assert wrong.position == 2 and wrong.gap == 6.0
     outside = first_divergence(_res([5, 6, 7, 99]), base)   # not among the recorded top-k
     assert outside.gap is None and outside.margin == 0.5
-    assert lossless_verdict([None, None], 0.25)["verdict"] == "exact"
-    v = lossless_verdict([None, tie, third], 0.25)
+    fixed = TieRule(0.0, 0.25)
+    assert lossless_verdict([None, None], fixed)["verdict"] == "exact"
+    v = lossless_verdict([None, tie, third], fixed)
     assert v["verdict"] == "ties-only" and v["ties"] == 2 and v["max_tie_gap"] == pytest.approx(0.1)
-    v = lossless_verdict([tie, wrong], 0.25)
+    v = lossless_verdict([tie, wrong], fixed)
     assert v["verdict"] == "not lossless" and v["min_non_tie_gap"] == 6.0
-    assert lossless_verdict([outside], 0.25)["verdict"] == "not lossless"
-    assert lossless_verdict([third], 0.05)["verdict"] == "not lossless"  # the tolerance is the line
-    assert tie_tolerance(torch.bfloat16) > tie_tolerance(torch.float16) > tie_tolerance(torch.float32)
-    assert tie_tolerance("bfloat16", 0.5) == 0.5
+    assert lossless_verdict([outside], fixed)["verdict"] == "not lossless"
+    assert lossless_verdict([third], TieRule(0.0, 0.05))["verdict"] == "not lossless"  # the tolerance is the line
+    # relative: a share of the largest |logit| among the top-k there (4.0 at position 1, 8.0 at position 2)
+    assert lossless_verdict([third], TieRule(0.03))["verdict"] == "ties-only"      # 0.1 <= 0.12
+    assert lossless_verdict([third], TieRule(0.02))["verdict"] == "not lossless"   # 0.1 > 0.08
+    assert lossless_verdict([wrong], TieRule(0.5))["verdict"] == "not lossless"    # 6 > 4
+    bf, fp16, fp32 = (tie_rule(d) for d in (torch.bfloat16, torch.float16, torch.float32))
+    assert bf.relative > fp16.relative > fp32.relative and bf.absolute is None
+    assert tie_rule("bfloat16", 0.5).limit(tie) == 0.5
 
 
 def _bigram_oracle(samples, outputs):
@@ -248,9 +254,9 @@ def test_eval_in_bfloat16_is_exact_or_ties_only(tmp_path, target, tiny_qwen3):
     assert _eval(rd, tiny_qwen3, "eval.dtype=bfloat16", "eval.diagnostics=false", "eval.max_new_tokens=24") == 0
     res = json.loads((rd / "eval" / "results.json").read_text())
     ll = res["lossless"]
-    assert res["dtype"] == "bfloat16" and ll["dtype"] == "bfloat16" and ll["tolerance"] == tie_tolerance("bfloat16")
+    assert res["dtype"] == "bfloat16" and ll["dtype"] == "bfloat16" and ll["tolerance"] == tie_rule("bfloat16").describe()
     assert ll["verdict"] in ("exact", "ties-only") and ll["divergences"] == ll["ties"]
-    assert all(r["gap"] is not None and r["margin"] <= r["gap"] <= ll["tolerance"] for r in ll["first_divergences"])
+    assert all(r["tie"] and r["margin"] <= r["gap"] <= r["tolerance"] for r in ll["first_divergences"])
     assert "diagnostics" not in res
 
 
@@ -271,7 +277,8 @@ def test_a_planted_verify_bug_is_not_lossless(tmp_path, target, tiny_qwen3, monk
     assert _eval(rd, tiny_qwen3, "eval.dtype=bfloat16", "eval.diagnostics=false", "eval.prompt_lookup=false") == 1
     ll = json.loads((rd / "eval" / "results.json").read_text())["lossless"]
     assert ll["verdict"] == "not lossless" and ll["divergences"] > ll["ties"]
-    wrong = [r for r in ll["first_divergences"] if r["gap"] is None or r["gap"] > ll["tolerance"]]
+    wrong = [r for r in ll["first_divergences"] if not r["tie"]]
+    assert all(r["gap"] is None or r["gap"] > r["tolerance"] for r in wrong)
     assert wrong and all(r["proposer"] == "drafter" for r in wrong)
     # honest: the same run in fp32 without the bug is exact
     monkeypatch.setattr(sd, "verify_greedy", real)

@@ -107,7 +107,7 @@ def test_report_shows_prompt_lookup_diagnostics_and_the_lossless_verdict(run_dir
 
     tie = {"proposer": "drafter", "block_size": 4, "id": "p0", "position": 7, "margin": 0.0, "gap": 0.125}
     ll = {"verdict": "ties-only", "compared": 4, "divergences": 1, "ties": 1, "max_tie_gap": 0.125,
-          "max_tie_margin": 0.0, "min_non_tie_gap": None, "tolerance": 0.25, "dtype": "bfloat16",
+          "max_tie_margin": 0.0, "min_non_tie_gap": None, "tolerance": "4.00% of the baseline's largest |logit|", "dtype": "bfloat16",
           "first_divergences": [tie]}
     text = eval_diagnostics_html({**res, "lossless": ll})
     assert "lossless, ties only</b>: 1 of 4 outputs diverge" in text and "largest 0.125" in text

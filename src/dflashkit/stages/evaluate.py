@@ -139,18 +139,19 @@ def _choose_dtype(cfg: Any, drafter_dir: Any, ids: list[list[int]], block_sizes:
 
 
 def _lossless(cfg: Any, target: Any, runs: dict[str, Any], base_results: list, prompts: list) -> dict:
-    from dflashkit.decode.lossless import divergence_record, first_divergence, lossless_verdict, tie_tolerance
+    from dflashkit.decode.lossless import divergence_record, first_divergence, lossless_verdict, tie_rule
 
+    rule = tie_rule(target.dtype, cfg.eval.tie_tolerance)
     firsts, rows = [], []
     for key, results in runs.items():
         for i, (r, b) in enumerate(zip(results, base_results)):
             d = first_divergence(r, b)
             firsts.append(d)
             if d is not None:
-                rows.append(divergence_record(d, decoder=key, block_size=int(key.removeprefix("lookup-")),
+                rows.append(divergence_record(d, rule, decoder=key, block_size=int(key.removeprefix("lookup-")),
                                               proposer="prompt_lookup" if key.startswith("lookup-") else "drafter",
                                               prompt=i, id=prompts[i][0]))
-    v = lossless_verdict(firsts, tie_tolerance(target.dtype, cfg.eval.tie_tolerance))
+    v = lossless_verdict(firsts, rule)
     return {**v, "dtype": str(target.dtype).removeprefix("torch."), "first_divergences": rows}
 
 
@@ -259,14 +260,13 @@ def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
     if not ctx.json:
         print(_table(res), flush=True)
     if res["mismatches"]:
-        tol = res["lossless"]["tolerance"]
-        m = next(r for r in res["mismatches"] if r["gap"] is None or r["gap"] > tol)
-        gap = f"{m['gap']}" if m["gap"] is not None else f"beyond its top {TOP_K} (margin {m['margin']})"
+        m = next(r for r in res["mismatches"] if not r["tie"])
+        gap = f"{m['gap']}" if m["gap"] is not None else f"more than its top {TOP_K} (margin {m['margin']})"
         raise DflashkitError(
             f"greedy speculative output differs from the baseline beyond a numerical tie: {m['proposer']} block "
             f"size {m['block_size']}, prompt {m['prompt']} ({m['id']}), first differing token at position "
-            f"{m['position']}, where the baseline preferred its token by {gap} logits (tie tolerance {tol}, "
-            f"{res['dtype']}; see {out / 'results.json'})",
+            f"{m['position']}, where the baseline preferred its token by {gap} logits (tie tolerance "
+            f"{m['tolerance']}: {res['lossless']['tolerance']}, {res['dtype']}; see {out / 'results.json'})",
             hint="this is a bug (lossless decoding is violated); re-run with --log-level debug and report it")
     summary = {bs: {k: r[k] for k in ("tau", "speedup", "bound", "decode_tokens_per_s")}
                for bs, r in res["speculative"].items()}
