@@ -301,6 +301,23 @@ class EvalSection:
     draft_dtype: Literal["auto", "target", "float32", "bfloat16", "float16"] = f(
         "auto", "dtype of the drafter and its lm_head copy (drafts never change the output): auto = "
         "bfloat16 for fp32 targets on CPUs with AMX/AVX512-BF16, else the target's; target = the target's.")
+    dtype: Literal["target", "float32", "bfloat16", "auto"] = f(
+        "target", "Verify dtype: the dtype the target runs in for the baseline and every verify pass. "
+        "target = target.dtype; auto = decode the first prompts in float32 and in bfloat16 and keep the one "
+        "whose best block size has the higher speedup over its own baseline (results.json says which). In "
+        "bfloat16 the lossless check is tie-aware (eval.tie_tolerance).", hash_default=False)
+    tie_tolerance: float | None = f(
+        None, "Lossless check: a greedy divergence from the baseline is a numerical tie when the baseline's "
+        "top-1 logit exceeds its logit of the speculative token by at most this many logits there; null = "
+        "a share of the baseline's largest |logit| there by verify dtype (bfloat16 4%, float16 0.5%, "
+        "float32 0.01%; see decode/lossless.py).", hash_default=False)
+    prompt_lookup: bool = f(True, "Also decode every block size with the training-free prompt-lookup "
+                            "(n-gram) proposer: the floor a drafter must beat.", hash_default=False)
+    prompt_lookup_ngram: int = f(3, "Prompt lookup: longest n-gram matched (falls back to shorter, down "
+                                 "to 1).", hash_default=False)
+    diagnostics: bool = f(True, "Bigram baseline (fit on the tokenized training answers) and the "
+                          "no-feature ablation (teacher-forced τ with the target features zeroed).",
+                          hash_default=False)
 
 
 @dataclass(kw_only=True)
@@ -559,6 +576,10 @@ def _validate(cfg: RunConfig) -> list[str]:
         p.append(f"eval.temperature: must be >= 0, got {cfg.eval.temperature}")
     if not 0 < cfg.eval.top_p <= 1:
         p.append(f"eval.top_p: must be in (0, 1], got {cfg.eval.top_p}")
+    if cfg.eval.prompt_lookup_ngram < 1:
+        p.append(f"eval.prompt_lookup_ngram: must be >= 1, got {cfg.eval.prompt_lookup_ngram}")
+    if cfg.eval.tie_tolerance is not None and cfg.eval.tie_tolerance < 0:
+        p.append(f"eval.tie_tolerance: must be >= 0 (or null), got {cfg.eval.tie_tolerance}")
     for i, b in enumerate(cfg.eval.block_sizes):
         if b < 1:
             p.append(f"eval.block_sizes[{i}]: must be >= 1, got {b}")

@@ -118,3 +118,29 @@ def test_report_plots_the_learning_curve_per_source_with_the_gap(tmp_path, monke
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # the SVG fallback draws them too
     assert main(["report", "--run-dir", str(rd), "--json"]) == 0
     assert (rd / "report" / "index.html").read_text().count("<svg") == 2
+
+
+def test_report_shows_prompt_lookup_diagnostics_and_the_lossless_verdict(run_dir):
+    res = json.loads((run_dir / "eval" / "results.json").read_text())
+    assert main(["report", "--run-dir", str(run_dir), "--json"]) == 0
+    page = (run_dir / "report" / "index.html").read_text()
+    assert "<h2>Drafter vs prompt lookup</h2>" in page and "<h2>Why is the drafter weak?</h2>" in page
+    lk = res["summary"]["prompt_lookup"]
+    assert f"best prompt lookup: B={lk['block_size']} τ {lk['tau']:.2f}" in page
+    for r in res["prompt_lookup"].values():
+        assert f"<td>{r['tau']:.2f}</td>" in page
+    assert f"<td>{res['diagnostics']['no_features']['tau']:.2f}</td>" in page
+    assert "<h2>Lossless check (float32)</h2><p><b>exact</b>" in page
+    # a bf16 run with ties only, and a broken one, read as such
+    from dflashkit.stages.report import eval_diagnostics_html
+
+    tie = {"proposer": "drafter", "block_size": 4, "id": "p0", "position": 7, "margin": 0.0, "gap": 0.125}
+    ll = {"verdict": "ties-only", "compared": 4, "divergences": 1, "ties": 1, "max_tie_gap": 0.125,
+          "max_tie_margin": 0.0, "min_non_tie_gap": None, "tolerance": "4.00% of the baseline's largest |logit|", "dtype": "bfloat16",
+          "first_divergences": [tie]}
+    text = eval_diagnostics_html({**res, "lossless": ll})
+    assert "lossless, ties only</b>: 1 of 4 outputs diverge" in text and "largest 0.125" in text
+    assert "<td>0.1250</td>" in text
+    bad = {**ll, "verdict": "not lossless", "ties": 0, "max_tie_gap": None, "min_non_tie_gap": 3.5}
+    assert "NOT lossless</b>: 1 divergences beyond a tie (smallest gap 3.5" in eval_diagnostics_html(
+        {**res, "lossless": bad})

@@ -28,8 +28,13 @@ with the target head's rows of that vocab only: argmax / sampling run over V' an
 target ids. At temperature > 0 the draft law q is zero outside the vocab and is handed to the
 rejection rule in the full-vocab space, so sampling stays lossless.
 
-A `Proposer` replaces the DFlash drafter (test stubs, other draft sources): it gets the committed
-sequence and returns B−1 point-mass proposals.
+A `Proposer` replaces the DFlash drafter (prompt lookup in `decode/ngram.py`, test stubs): it gets
+the committed sequence and returns at most B−1 point-mass proposals; a shorter (or empty) proposal
+is verified as it is, so that step's block is 1 + len(proposal) tokens.
+
+`record_top=k` (greedy only) records, per emitted token, the target's k best (id, logit) at the row
+that chose it: `eval` uses them to tell a numerical tie between a B-token and a one-token pass
+(bf16) from a real divergence (`decode/lossless.py`).
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from dflashkit.model.target import Target
 
 class Proposer(Protocol):
     def propose(self, sequence: list[int], num_tokens: int) -> list[int]:
-        """Given prompt + committed tokens (ending with x_start), propose the next `num_tokens`."""
+        """Given prompt + committed tokens (ending with x_start), propose up to `num_tokens` next ones."""
         ...
 
 
@@ -71,12 +76,15 @@ class SpecDecoder:
             target's). Drafts only steer acceptance, never the output, so a cheaper dtype (bf16 on
             CPUs with AMX/AVX512-BF16, see `fast_draft_dtype`) stays lossless; the verify pass
             always uses the target's own head and dtype.
+        record_top: at temperature 0, fill `GenerationResult.top_logits` with this many (0 = off).
     """
 
     def __init__(self, target: Target, drafter: DFlashDraftModel | None = None, block_size: int | None = None,
                  *, proposer: Proposer | None = None, draft_sampling: Literal["greedy", "sample"] = "greedy",
-                 max_context: int | None = None, draft_dtype: torch.dtype | None = None):
+                 max_context: int | None = None, draft_dtype: torch.dtype | None = None,
+                 record_top: int = 0):
         self.target, self.drafter, self.proposer = target, drafter, proposer
+        self.record_top = record_top
         if block_size is None:
             block_size = drafter.block_size if drafter is not None else 1
         if block_size < 1:
@@ -139,7 +147,7 @@ class SpecDecoder:
                positions: torch.Tensor, params: SamplingParams, gen):
         """Propose k tokens after seq[start] → (tokens, draft law [k, V] or None for point mass)."""
         if self.proposer is not None:
-            return list(self.proposer.propose(seq[: start + 1], k)), None
+            return list(self.proposer.propose(seq[: start + 1], k))[:k], None
         x = self.target.embed(positions.new_tensor([[seq[start]]])).to(self._draft_dtype)
         block = torch.cat([x, self._mask_emb.expand(1, k, -1)], dim=1)  # [1, k+1, H]
         t = ctx.shape[1]
@@ -192,6 +200,9 @@ class SpecDecoder:
         seq.append(self._pick(logits[-1], params, gen))
         t_first = self._now()
         res = GenerationResult(token_ids=[], finish_reason="length", prefill_s=t_first - t0)
+        top = self.record_top if greedy else 0
+        if top:
+            self._record_top(res, logits[-1:], top)
         start, stopped = n_prompt, seq[-1] in stops
         while start + 1 < max_len and not stopped:
             ts = self._now()
@@ -199,6 +210,7 @@ class SpecDecoder:
             drafts, dprobs = [], None
             if size > 1:
                 drafts, dprobs = self._draft(seq, start, size - 1, feats, dcache, positions, params, gen)
+                size = 1 + len(drafts)  # a proposer may return fewer than asked
             tv = self._now()
             feats, logits = self._forward(torch.tensor([[seq[start], *drafts]], device=dev), cache)
             if greedy:
@@ -213,6 +225,8 @@ class SpecDecoder:
                     new, stopped = new[: i + 1], True
                     break
             produced = len(new)
+            if top:
+                self._record_top(res, logits[:produced], top)
             seq.extend(new)
             drop = size - produced  # verified positions beyond the committed ones
             if drop:
@@ -228,6 +242,13 @@ class SpecDecoder:
         res.token_ids = seq[n_prompt:]
         res.finish_reason = "stop" if stopped else "length"
         return res
+
+
+    @staticmethod
+    def _record_top(res: GenerationResult, rows: torch.Tensor, k: int) -> None:
+        """Append the k best (id, logit) of each logits row [n, V] that emitted one of n tokens."""
+        top = torch.topk(rows.float(), min(k, rows.shape[-1]), dim=-1)
+        res.top_logits.extend([list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())])
 
 
 def fast_draft_dtype(target: Target) -> torch.dtype:

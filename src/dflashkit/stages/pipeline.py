@@ -181,9 +181,13 @@ def summary(rd: RunDir) -> dict[str, Any]:
 def _print_summary(s: dict[str, Any]) -> None:
     ev = s.get("eval") or {}
     lines = ["", "== dflashkit run summary =="]
-    for key in ("tau", "speedup", "bound", "greedy_identical", "block_size"):
+    for key in ("tau", "speedup", "bound", "greedy_identical", "block_size", "lossless", "dtype"):
         if key in ev:
             lines.append(f"  {key:17s} {ev[key]}")
+    lk = ev.get("prompt_lookup")
+    if lk:
+        lines.append(f"  {'prompt lookup':17s} tau {lk['tau']} speedup {lk['speedup']} at B={lk['block_size']} "
+                     f"(the drafter {'beats' if ev.get('beats_prompt_lookup') else 'does not beat'} it)")
     for key in ("report", "checkpoint", "drafter"):
         if key in s:
             lines.append(f"  {key:17s} {s[key]}")
