@@ -31,6 +31,7 @@ import torch
 from dflashkit.config import section_hash
 from dflashkit.errors import UsageError
 from dflashkit.rundir import atomic_path, file_digest, read_json, write_manifest
+from dflashkit.stage_table import stage_hash
 
 log = logging.getLogger("dflashkit.capture")
 
@@ -160,7 +161,7 @@ def run(cfg, rd, ctx) -> dict:
                              metadata=meta, width=width, pad_id=pad, last_hidden=keep_last)
             log.info("captured %s: %d samples, %d tokens", dest.name, len(rows), n)
             result["written"] += 1
-    write_manifest(out_dir, stage="capture", config_hash=section_hash(cfg.capture, layer_ids, keep_last),
+    write_manifest(out_dir, stage="capture", config_hash=stage_hash("capture", cfg, layer_ids, keep_last),
                    inputs={"contract": section_hash(read_json(rd.contract_path)),
                            "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")},
                    counts={"shards": len(data.shards), "tokens": tokens}, started=t0,

@@ -80,8 +80,8 @@ def data_size(cfg: Any, rd: Any) -> tuple[int, int, str]:
 def contract_and_facts(cfg: Any, rd: Any, model: str | None) -> tuple[Any, dict[str, Any], str]:
     """The contract and target facts: probe the given model, else the run dir, else target.path."""
     from dflashkit.inspect.contract import derive_contract
+    from dflashkit.inspect.target import inspect_target
     from dflashkit.model.drafter_config import DrafterContract
-    from dflashkit.stages.probe import inspect_target
 
     probe_json = rd.root / "probe" / "probe.json"
     if model is None and rd.contract_path.is_file():

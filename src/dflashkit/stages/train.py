@@ -19,6 +19,7 @@ import time
 
 from dflashkit.config import section_hash
 from dflashkit.rundir import read_json, write_manifest
+from dflashkit.stage_table import stage_hash
 
 
 def run(cfg, rd, ctx) -> dict:
@@ -46,7 +47,7 @@ def run(cfg, rd, ctx) -> dict:
         if cfg.train.features == "cached":
             inputs["capture"] = (rd.manifest("capture") or {}).get("config_hash")
         write_manifest(rd.stage_dir("train"), stage="train",
-                       config_hash=section_hash(cfg.train, cfg.drafter, cfg.run.seed), inputs=inputs,
+                       config_hash=stage_hash("train", cfg), inputs=inputs,
                        counts={"steps": result["steps"], "samples": result["samples"]},
                        outputs=["final/config.json", "final/model.safetensors", "metrics.jsonl"],
                        started=t0, extra={"result": result})
