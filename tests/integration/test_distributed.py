@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflashkit.cli import main
-from tests.unit.test_train_setup import make_run, overrides
+from tests.helpers import make_run, overrides
 
 pytestmark = pytest.mark.distributed
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}

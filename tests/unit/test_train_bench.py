@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dflashkit.cli import main
-from tests.unit.test_train_setup import make_run, overrides
+from tests.helpers import make_run, overrides
 
 
 @pytest.mark.parametrize("vocab", [None, 24])
