@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         _setup_logging(level)
         log.error("%s", e)
         log.debug("traceback", exc_info=True)
-        extra = e.result if isinstance(e, StageFailed) else {}
-        _emit({"command": ns.command, "ok": False, **extra, "exit_code": e.exit_code, "error": e.message,
+        partial = e.result if isinstance(e, StageFailed) else {}
+        _emit({"command": ns.command, "ok": False, **partial, "exit_code": e.exit_code, "error": e.message,
                "hint": e.hint})
         return e.exit_code
     except KeyboardInterrupt:

@@ -194,6 +194,7 @@ class ChatTemplate:
                 answer, end = answer[:m.start()], answer[m.start():]
         if thinking == "mask" and "</think>" in answer:
             m = THINK_END.search(answer)
+            assert m is not None  # "</think>" is in the answer
             start = answer.find("<think>")
             start = start if 0 <= start < m.start() else 0
             plan.add(answer[:start], 1, ordinal)

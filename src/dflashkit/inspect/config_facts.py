@@ -122,7 +122,7 @@ def _first(cfg: dict, keys: tuple[str, ...], default: Any = None) -> Any:
 
 def resolve_wrapper(raw: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     """Descend `text_config`-style wrappers (up to 3 levels) to the language model's config."""
-    inner, path = raw, []
+    inner, path = raw, []  # type: dict[str, Any], list[str]
     for _ in range(3):
         for key in WRAPPER_KEYS:
             sub = inner.get(key)

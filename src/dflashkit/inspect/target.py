@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import UsageError
+
+if TYPE_CHECKING:
+    from dflashkit.inspect.tokenizer_facts import TokenizerFacts
 
 log = logging.getLogger("dflashkit.probe")
 
@@ -55,14 +58,15 @@ def inspect_target(cfg: Any, path: str, *, load_tokenizer: bool = True):
     tok_dir = Path(cfg.target.tokenizer).expanduser() if cfg.target.tokenizer else model_dir
     if gguf_file:
         facts, meta = read_gguf_facts(model_dir / gguf_file)
-        tok = read_tokenizer_facts(tok_dir) if cfg.target.tokenizer else \
+        tok_facts = read_tokenizer_facts(tok_dir) if cfg.target.tokenizer else \
             tokenizer_facts_from_gguf(model_dir / gguf_file, meta)
     else:
         facts = read_model_facts(model_dir)
         if cfg.target.tokenizer and not tok_dir.is_dir():
             raise UsageError(f"target.tokenizer {tok_dir} is not a directory")
-        tok = read_tokenizer_facts(tok_dir)
-    if not tok.files:
+        tok_facts = read_tokenizer_facts(tok_dir)
+    tok: TokenizerFacts | None = tok_facts
+    if not tok_facts.files:
         if load_tokenizer:
             log.warning("no tokenizer files in %s (set target.tokenizer to the tokenizer dir)", tok_dir)
         tok = None

@@ -25,12 +25,14 @@ import shutil
 import struct
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from dflashkit.config import section_hash
+from dflashkit.config import RunConfig, section_hash
+from dflashkit.context import StageContext
 from dflashkit.errors import UsageError
-from dflashkit.rundir import atomic_path, file_digest, read_json, write_manifest
+from dflashkit.rundir import RunDir, atomic_path, file_digest, read_json, write_manifest
 from dflashkit.stage_table import stage_hash
 
 log = logging.getLogger("dflashkit.capture")
@@ -106,7 +108,7 @@ def _write_shard(path: Path, target, rows: list[torch.Tensor], layer_ids: list[i
     return total
 
 
-def run(cfg, rd, ctx) -> dict:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     from dflashkit.model.drafter_config import DrafterContract
     from dflashkit.train.data import load_tokenized
 
@@ -141,7 +143,7 @@ def run(cfg, rd, ctx) -> dict:
         raise UsageError(f"capture needs {need / 1e9:.3f} GB but only {free / 1e9:.3f} GB is free in {out_dir} "
                          f"(capture.max_disk_fraction={cfg.capture.max_disk_fraction})",
                          hint="free disk space, use capture.dtype=bfloat16, or train with train.features=online")
-    result = {"shards": len(data.shards), "to_write": len(todo), "written": 0, "skipped": len(data.shards) - len(todo),
+    result: dict[str, Any] = {"shards": len(data.shards), "to_write": len(todo), "written": 0, "skipped": len(data.shards) - len(todo),
               "tokens": tokens, "bytes_total": tokens * per_token, "bytes_written": need, "dtype": dtype,
               "target_layer_ids": layer_ids, "bytes_per_token": per_token, "last_hidden": keep_last}
     if ctx.dry_run:

@@ -25,8 +25,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dflashkit.config import redact_url
+from dflashkit.config import RunConfig, redact_url
+from dflashkit.context import StageContext
 from dflashkit.errors import StageFailed
+from dflashkit.rundir import RunDir
 
 # pip name -> import name, for required packages
 REQUIRED = {"torch": "torch", "transformers": "transformers", "tokenizers": "tokenizers",
@@ -159,7 +161,7 @@ def target_check(cfg: Any) -> list[dict[str, Any]]:
     return [_check("target.path", "error", f"{p} does not exist", "fix target.path")]
 
 
-def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     checks = (package_checks() + device_checks() + tool_checks(cfg.run.run_dir) + target_check(cfg)
               + endpoint_checks(cfg.server))
     problems = [c["name"] for c in checks if c["status"] in ("missing", "error")]

@@ -19,9 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflashkit.config import section_hash
+from dflashkit.config import RunConfig, section_hash
+from dflashkit.context import StageContext
 from dflashkit.errors import DflashkitError
-from dflashkit.rundir import atomic_write_json, write_manifest
+from dflashkit.rundir import RunDir, atomic_write_json, write_manifest
 
 log = logging.getLogger("dflashkit.eval")
 
@@ -53,7 +54,7 @@ def _drafter_source(drafter_dir: Path, rd: Any) -> dict[str, Any]:
     return {"kind": "export" if d == (rd.root / "export").resolve() else "dir"}
 
 
-def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     import torch
 
     from dflashkit.decode.metrics import compare, summarize_acceptance, summarize_timing

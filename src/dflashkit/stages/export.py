@@ -29,8 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflashkit.config import RunConfig
+from dflashkit.context import StageContext
 from dflashkit.errors import DflashkitError, MissingArtifactError
-from dflashkit.rundir import atomic_dir, write_manifest
+from dflashkit.rundir import RunDir, atomic_dir, write_manifest
 from dflashkit.stage_table import stage_hash
 
 log = logging.getLogger("dflashkit.export")
@@ -160,7 +162,7 @@ def _loaded_target_head(cfg: Any, hidden_size: int):
     return head
 
 
-def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     import torch
 
     from dflashkit.export.hf import MODELING_FILE, load_drafter, save_drafter

@@ -23,9 +23,10 @@ from collections import Counter
 from contextlib import ExitStack
 from typing import Any
 
-from dflashkit.config import redact_url, section_hash
+from dflashkit.config import RunConfig, redact_url, section_hash
+from dflashkit.context import StageContext
 from dflashkit.errors import ConfigError, PartialFailure
-from dflashkit.rundir import atomic_path, atomic_write_json, file_digest, read_json, write_manifest
+from dflashkit.rundir import RunDir, atomic_path, atomic_write_json, file_digest, read_json, write_manifest
 from dflashkit.data.mixing import original_answer_sources
 from dflashkit.serving.conversations import assemble, build_prompt, load_prepared, plan_turns
 from dflashkit.serving.journal import Journal, read_records
@@ -201,7 +202,7 @@ def _write_outputs(stage_dir, convs, journal_recs: dict[str, dict[int, dict]], c
         tmp.write_text("".join(json.dumps(f, ensure_ascii=False) + "\n" for f in failures), encoding="utf-8")
 
 
-def run(cfg, rd, ctx) -> dict:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     t0 = time.time()
     src = rd.stage_dir("prepare", create=False) / "train.jsonl"
     convs = load_prepared(src)

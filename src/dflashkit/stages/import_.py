@@ -22,8 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflashkit.config import RunConfig
+from dflashkit.context import StageContext
 from dflashkit.errors import UsageError
-from dflashkit.rundir import atomic_write_json, write_manifest
+from dflashkit.rundir import RunDir, atomic_write_json, write_manifest
 from dflashkit.stage_table import stage_hash
 
 log = logging.getLogger("dflashkit.import")
@@ -50,7 +52,7 @@ def target_facts(cfg: Any) -> dict[str, Any]:
             "model_type": getattr(t.config, "model_type", ""), "architecture": type(t.model).__name__}
 
 
-def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     from dflashkit.export.hf import MODELING_FILE, WEIGHTS, check_fits, load_drafter
 
     t0 = time.time()

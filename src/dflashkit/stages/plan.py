@@ -21,7 +21,10 @@ import logging
 import re
 from typing import Any
 
+from dflashkit.config import RunConfig
+from dflashkit.context import StageContext
 from dflashkit.errors import MissingArtifactError, UsageError
+from dflashkit.rundir import RunDir
 
 log = logging.getLogger("dflashkit.plan")
 GPU_SPEC = re.compile(r"^(\d+)x(\d+(?:\.\d+)?)(?:gib|gb|g)?$", re.I)
@@ -124,7 +127,7 @@ def _table(r: dict[str, Any]) -> str:
     return "\n".join(f"{k.ljust(16)}  {v}" for k, v in rows)
 
 
-def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     from dflashkit.inspect.budget import plan_budget
 
     gpus, mem, gpu_source, rest = parse_gpus(ctx.positionals)

@@ -17,6 +17,8 @@ import time
 from collections import Counter
 from typing import Any
 
+from dflashkit.config import RunConfig
+from dflashkit.context import StageContext
 from dflashkit.data.mixing import mix, normalise, source_names
 from dflashkit.data.records import Conversation, write_jsonl
 from dflashkit.data.sources import RecordError, SourceReport, iter_source, resolve_source_path, to_messages
@@ -91,7 +93,7 @@ def _table(stats: dict[str, dict[str, Any]], result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     t0 = time.time()
     d = cfg.data
     if not d.sources:

@@ -22,7 +22,10 @@ import logging
 import time
 from typing import Any
 
+from dflashkit.config import RunConfig
+from dflashkit.context import StageContext
 from dflashkit.inspect.target import inspect_target, resolve_input  # noqa: F401  (re-exported)
+from dflashkit.rundir import RunDir
 
 log = logging.getLogger("dflashkit.probe")
 
@@ -74,7 +77,7 @@ def _rows(rows: list[tuple[str, str]]) -> str:
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
 
-def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     from dflashkit.context import require_positional
     from dflashkit.inspect.contract import LAYER_CONVENTION, derive_contract
     from dflashkit.rundir import atomic_write_json, file_digest, write_manifest

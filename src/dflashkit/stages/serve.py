@@ -18,13 +18,16 @@ import signal
 import socket
 import threading
 
+from dflashkit.config import RunConfig
+from dflashkit.context import StageContext
 from dflashkit.errors import UsageError
+from dflashkit.rundir import RunDir
 from dflashkit.serve_app import build_app
 
 log = logging.getLogger("dflashkit.serve")
 
 
-def run(cfg, rd, ctx) -> dict:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     from dflashkit.serving.server import make_server
 
     model_path = ctx.positionals[0] if ctx.positionals else cfg.target.path
@@ -59,7 +62,7 @@ def run(cfg, rd, ctx) -> dict:
         raise UsageError(f"cannot bind {cfg.serve.host}:{cfg.serve.port}: {e}",
                          hint="pick another --port (0 = any free port)") from None
     host, port = server.server_address[:2]
-    url = f"http://{host}:{port}/v1"
+    url = f"http://{host}:{port}/v1"  # type: ignore[str-bytes-safe]  # AF_INET: host is a str
     log.info("serving %s on %s (max_batch %d%s)", app.model_name, url, cfg.serve.max_batch,
              f", drafter {cfg.serve.drafter}" if cfg.serve.drafter else "")
 

@@ -28,7 +28,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator
 
-from dflashkit.config import section_hash
+from dflashkit.config import RunConfig, section_hash
+from dflashkit.context import StageContext
 from dflashkit.data.chat import ChatTemplate, tokenize_batch
 from dflashkit.data.mixing import needs_regeneration, original_answer_sources
 from dflashkit.data.records import Conversation, read_jsonl
@@ -113,7 +114,7 @@ def _batches(paths: list[tuple[Path, set[str] | None]], size: int) -> Iterator[l
         yield batch
 
 
-def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     t0 = time.time()
     tc = cfg.tokenize
     if tc.shard_size < 1 or tc.batch_size < 1:

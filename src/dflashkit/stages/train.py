@@ -17,12 +17,13 @@ from __future__ import annotations
 import os
 import time
 
-from dflashkit.config import section_hash
-from dflashkit.rundir import read_json, write_manifest
+from dflashkit.config import RunConfig, section_hash
+from dflashkit.context import StageContext
+from dflashkit.rundir import RunDir, read_json, write_manifest
 from dflashkit.stage_table import stage_hash
 
 
-def run(cfg, rd, ctx) -> dict:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     from dflashkit.train.data import tokenized_shards
 
     if ctx.nproc_per_node and "WORLD_SIZE" not in os.environ:
