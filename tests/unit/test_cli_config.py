@@ -121,3 +121,15 @@ def test_one_stage_table_keeps_commands_order_and_fingerprints():
             assert stage_hash(stage, cfg, "prev", "t") == section_hash(*sections(cfg), "prev", "t"), stage
     a, b = load_config(None), load_config(None, ["train.lr=1e-3"])
     assert stage_hash("train", a) != stage_hash("train", b) and stage_hash("eval", a) == stage_hash("eval", b)
+
+
+def test_manifest_hash_comes_from_the_stage_table(tmp_path, tiny_qwen3, capsys):
+    """probe's manifest records the table's hash of the config it reads plus the file it read."""
+    from dflashkit.stage_table import stage_hash
+
+    assert main(["probe", str(tiny_qwen3), "--run-dir", str(tmp_path), "--json"]) == 0
+    manifest = json.loads((tmp_path / "probe" / "manifest.json").read_text())
+    cfg = load_config(None)
+    assert manifest["config_hash"] == stage_hash("probe", cfg, str(tiny_qwen3 / "config.json"))
+    assert manifest["config_hash"] != stage_hash("probe", load_config(None, ["drafter.block_size=8"]),
+                                                 str(tiny_qwen3 / "config.json"))
