@@ -41,7 +41,13 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     from dflashkit.train.loop import fit
 
     t0 = time.time()
-    result = fit(cfg, rd, show_bar=not ctx.json)
+    try:
+        result = fit(cfg, rd, show_bar=not ctx.json)
+    finally:
+        if "WORLD_SIZE" in os.environ:  # a torchrun rank: leave the process group this process joined
+            from dflashkit.train.parallel import leave_distributed
+
+            leave_distributed()
     if int(os.environ.get("RANK", "0")) == 0:
         inputs = {"contract": section_hash(read_json(rd.contract_path)),
                   "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")}
