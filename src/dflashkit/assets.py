@@ -122,7 +122,7 @@ def _fetch(name: str) -> None:
     base = cache_dir() / name
     base.parent.mkdir(parents=True, exist_ok=True)
     if a.kind == "tiny":
-        from dflashkit.testing import make_tiny_target
+        from dflashkit.model.tiny import make_tiny_target
 
         with tempfile.TemporaryDirectory(dir=base.parent, prefix=f".{name}.") as tmpd:
             stage = make_tiny_target(Path(tmpd) / "out", a.package, wrapper=a.member or None)

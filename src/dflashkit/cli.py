@@ -10,7 +10,8 @@ Every command logs to stderr and prints one JSON object as its last stdout line.
 0 ok, 1 failure, 2 usage/config error (or the run dir is in use by another writer), 3 missing
 upstream artifact (the message names the command), 4 finished with failures (re-run to retry).
 Commands that write to the run dir hold `<run_dir>/.lock` while they run (not with --dry-run).
-Each command is `dflashkit.stages.<module>.run(cfg, rd, ctx) -> dict`; tests call `main([...])`.
+Each command is `dflashkit.stages.<module>.run(cfg, rd, ctx) -> dict` (the table in `stage_table.py`);
+tests call `main([...])`.
 """
 
 from __future__ import annotations
@@ -21,53 +22,19 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from dflashkit import __version__
-from dflashkit.errors import (EXIT_FAILURE, EXIT_USAGE, DflashkitError, NotImplementedStage, StageFailed,
-                              UsageError)
+from dflashkit.context import StageContext, require_positional  # noqa: F401  (re-exported)
+from dflashkit.errors import EXIT_FAILURE, EXIT_USAGE, DflashkitError, NotImplementedStage, StageFailed
+from dflashkit.stage_table import READ_ONLY, TABLE  # READ_ONLY: commands that take no run-dir lock
 
 log = logging.getLogger("dflashkit")
 
-# command -> (module under dflashkit.stages, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {
-    "probe": ("probe", "Read a target's config + tokenizer files; write the drafter contract."),
-    "doctor": ("doctor", "Check the environment: packages, devices, configured endpoints."),
-    "plan": ("plan", "Estimate disk, memory and time for a probed target and a data size."),
-    "prepare": ("prepare", "Read, normalise, dedupe, mix and split prompt sources."),
-    "generate": ("generate", "Regenerate assistant turns with the target via an OpenAI-compatible server."),
-    "serve": ("serve", "OpenAI-compatible HTTP server over a local HF model (optionally with a drafter)."),
-    "tokenize": ("tokenize", "Render with the target's chat template; build input_ids + loss masks."),
-    "capture": ("capture", "Cache target features at target_layer_ids into safetensors shards."),
-    "train": ("train", "Train the drafter (one process, or under torchrun)."),
-    "eval": ("evaluate", "Lossless speculative decoding: tau, per-position acceptance, speedup."),
-    "export": ("export", "Write the z-lab checkpoint dir that SGLang/vLLM load; reload and compare."),
-    "import": ("import_", "Import an existing z-lab drafter dir to continue training or to evaluate."),
-    "bench": ("bench", "Benchmarks: generate | tokenize | train | decode | serve endpoints | recipe ablations."),
-    "run": ("pipeline", "Run every stage from one YAML, skipping those that are up to date."),
-    "report": ("report", "One self-contained HTML page (+ PNGs) from a run directory."),
-}
-# Commands that only read the run dir (no lock): everything else holds <run_dir>/.lock.
-READ_ONLY = frozenset({"doctor", "plan", "serve"})
+# command -> (module under dflashkit.stages, one-line help), from the one stage table
+COMMANDS: dict[str, tuple[str, str]] = {s.name: (s.module, s.help) for s in TABLE}
 EXIT_CODES = ("Exit codes: 0 ok, 1 failure, 2 usage/config error or run dir in use, 3 missing upstream "
               "artifact, 4 finished with failures (re-run to retry).")
-
-
-@dataclass
-class StageContext:
-    """What a stage gets besides the config: positionals and the common flags."""
-
-    command: str
-    positionals: list[str] = field(default_factory=list)
-    config_path: str | None = None
-    overrides: list[str] = field(default_factory=list)
-    dry_run: bool = False
-    json: bool = False
-    from_stage: str | None = None
-    to_stage: str | None = None
-    force: list[str] = field(default_factory=list)
-    nproc_per_node: int | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         _setup_logging(level)
         log.error("%s", e)
         log.debug("traceback", exc_info=True)
-        extra = e.result if isinstance(e, StageFailed) else {}
-        _emit({"command": ns.command, "ok": False, **extra, "exit_code": e.exit_code, "error": e.message,
+        partial = e.result if isinstance(e, StageFailed) else {}
+        _emit({"command": ns.command, "ok": False, **partial, "exit_code": e.exit_code, "error": e.message,
                "hint": e.hint})
         return e.exit_code
     except KeyboardInterrupt:
@@ -208,13 +175,3 @@ def main(argv: list[str] | None = None) -> int:
         _emit({"command": ns.command, "ok": False, "exit_code": EXIT_FAILURE,
                "error": f"{type(e).__name__}: {e}"})
         return EXIT_FAILURE
-
-
-def require_positional(ctx: StageContext, what: str, fallback: str | None = None) -> str:
-    """The first positional, else `fallback` (usually a config key's value), else a usage error."""
-    if ctx.positionals:
-        return ctx.positionals[0]
-    if fallback:
-        return fallback
-    raise UsageError(f"`dflashkit {ctx.command}` needs {what}",
-                     hint=f"dflashkit {ctx.command} {what.upper().replace(' ', '_')} or set it in -c run.yaml")

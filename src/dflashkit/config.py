@@ -394,7 +394,7 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
         if not isinstance(value, dict):
             problems.append(f"{key}: expected a mapping, got {type(value).__name__}")
             return None
-        return _build(tp, value, key, problems)
+        return _build(typing.cast(type, tp), value, key, problems)
     if origin in (typing.Union, types.UnionType):
         args = get_args(tp)
         if value is None and type(None) in args:
@@ -580,9 +580,9 @@ def _validate(cfg: RunConfig) -> list[str]:
         p.append(f"eval.prompt_lookup_ngram: must be >= 1, got {cfg.eval.prompt_lookup_ngram}")
     if cfg.eval.tie_tolerance is not None and cfg.eval.tie_tolerance < 0:
         p.append(f"eval.tie_tolerance: must be >= 0 (or null), got {cfg.eval.tie_tolerance}")
-    for i, b in enumerate(cfg.eval.block_sizes):
-        if b < 1:
-            p.append(f"eval.block_sizes[{i}]: must be >= 1, got {b}")
+    for i, size in enumerate(cfg.eval.block_sizes):
+        if size < 1:
+            p.append(f"eval.block_sizes[{i}]: must be >= 1, got {size}")
     if cfg.tokenize.agreement_samples < 0:
         p.append(f"tokenize.agreement_samples: must be >= 0, got {cfg.tokenize.agreement_samples}")
     for name in ("min_agreement", "max_prompt_mismatch"):
@@ -751,7 +751,7 @@ def _hashed(section: Any) -> Any:
     data = dataclasses.asdict(section)
     for fl in dataclasses.fields(section):
         if fl.metadata.get("hash_default") is False:
-            default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()  # type: ignore[misc]
+            default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()  # type: ignore[misc,operator]
             if data.get(fl.name) == default:
                 data.pop(fl.name)
     return data
@@ -771,13 +771,13 @@ def iter_fields(cls: type = RunConfig, prefix: str = ""):
         key = f"{prefix}.{fl.name}" if prefix else fl.name
         tp = hints[fl.name]
         if dataclasses.is_dataclass(tp):
-            yield from iter_fields(tp, key)
+            yield from iter_fields(typing.cast(type, tp), key)
             continue
         if get_origin(tp) is list and dataclasses.is_dataclass(get_args(tp)[0]):
             yield key, "list", [], fl.metadata.get("help", "")
             yield from iter_fields(get_args(tp)[0], key + "[]")
             continue
-        default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()  # type: ignore[misc]
+        default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()  # type: ignore[misc,operator]
         yield key, _type_name(tp), default, fl.metadata.get("help", "")
 
 

@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from dflashkit import __version__
+from dflashkit.stage_table import PIPELINE
 
-STAGES = ("probe", "prepare", "generate", "tokenize", "capture", "train", "eval", "export", "report")
+STAGES = PIPELINE  # the stage folders, in `dflashkit run` order (from the one stage table)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflashkit.cli import main
-from tests.unit.test_train_setup import make_run, overrides
+from tests.helpers import make_run, overrides
 
 pytestmark = pytest.mark.distributed
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
@@ -78,7 +78,7 @@ def test_sharded_target_features_equal_unsharded(tmp_path, tiny_qwen3):
     """))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                         str(script)], env=ENV, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.count("OK") == 2, r.stderr[-3000:]
+    assert r.returncode == 0 and r.stdout.count("OK") == 2, (r.stdout[-1000:], r.stderr[-3000:])
 
 
 @pytest.mark.slow
@@ -88,7 +88,8 @@ def test_fsdp_resume_from_checkpoint_equals_uninterrupted(tmp_path, tiny_qwen3):
     rd = make_run(tmp_path / "r", tiny_qwen3)
     cmd = [sys.executable, "-m", "dflashkit", "train", "--json", "--nproc-per-node", "2",
            *overrides(rd, tiny_qwen3, train__max_steps=3, train__save_every=2, train__parallel__mode="fsdp")]
-    assert subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300).returncode == 0
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
     full = load_file(rd / "train" / "final" / "model.safetensors")
     before = _losses(rd)
     shutil.rmtree(rd / "train" / "final")

@@ -53,12 +53,11 @@ def _newlines(run_dir: Path) -> int:
         if (run_dir / "generate" / "shards").exists() else 0
 
 
-def _start(run_dir: Path, url: str) -> subprocess.Popen:
+def _start(run_dir: Path, url: str, stderr=subprocess.DEVNULL) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "dflashkit", "generate", f"run.run_dir={run_dir}", f"server.urls=[{url}]",
            "server.timeout_s=2", "generate.backoff_s=0.01", "generate.concurrency=8", "generate.shard_size=150",
            "--json"]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "TQDM_DISABLE": "1"})
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, env={**os.environ, "TQDM_DISABLE": "1"})
 
 
 def test_generate_survives_repeated_sigkill(tmp_path):
@@ -96,9 +95,9 @@ def test_generate_survives_repeated_sigkill(tmp_path):
             keys = Counter((json.loads(x)["id"], json.loads(x)["turn"]) for x in lines)
             assert max(keys.values(), default=1) == 1, "duplicate (id, turn) after a kill"
         assert kills >= KILLS, f"only {kills} kills: the runs finish too fast"
-        proc = _start(tmp_path, srv.url)
-        out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out
+        proc = _start(tmp_path, srv.url, stderr=subprocess.PIPE)  # the run that must finish: show its log
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, (out.decode()[-1000:], err.decode()[-3000:])
     result = json.loads(out.decode().strip().splitlines()[-1])["generate"]
     lines = _journal_lines(tmp_path)
     keys = Counter((json.loads(x)["id"], json.loads(x)["turn"]) for x in lines)

@@ -8,7 +8,7 @@ from dflashkit.cli import main
 from dflashkit.rundir import RunDir
 from dflashkit.train.ablation import bigram_accuracy
 
-from tests.unit.test_train_setup import TEXTS, make_run, overrides
+from tests.helpers import make_run, overrides
 
 
 def test_recipe_variants_share_the_data_and_differ_where_they_should(tmp_path, tiny_qwen3, capsys):

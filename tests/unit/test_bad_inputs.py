@@ -398,7 +398,7 @@ def test_secrets_in_urls_are_redacted_in_files_and_logs(tmp_path, capsys):
 
 
 def test_resume_under_a_changed_contract_is_refused(tmp_path, tiny_qwen3, capsys):
-    from tests.unit.test_train_setup import make_run, overrides
+    from tests.helpers import make_run, overrides
 
     rd = make_run(tmp_path / "run", tiny_qwen3)
     assert main(["train", "--json", *overrides(rd, tiny_qwen3, train__max_steps=1)]) == 0

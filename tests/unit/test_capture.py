@@ -13,7 +13,7 @@ from dflashkit.config import load_config
 from dflashkit.model.target import load_target
 from dflashkit.rundir import RunDir
 from dflashkit.train.data import load_tokenized
-from tests.unit.test_train_setup import make_run, overrides
+from tests.helpers import make_run, overrides
 
 
 def test_capture_features_equal_target_and_resume(tmp_path, tiny_qwen3, capsys):

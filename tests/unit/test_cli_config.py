@@ -29,7 +29,7 @@ def test_overrides_and_validation(tmp_path):
     p = tmp_path / "r.yaml"
     p.write_text("train:\n  lr: 1e-3\ndrafter:\n  block_size: 8\n")
     cfg = load_config(p, ["drafter.block_size=4", "eval.block_sizes=[1,2]"])
-    assert isinstance(cfg, RunConfig)
+    assert cfg.tokenize == RunConfig().tokenize  # sections the YAML and overrides do not name keep their defaults
     assert cfg.train.lr == 1e-3 and cfg.drafter.block_size == 4 and cfg.eval.block_sizes == [1, 2]
     with pytest.raises(ConfigError) as ei:
         load_config(p, ["train.lr=-1", "eval.top_p=2"])
@@ -77,12 +77,59 @@ def test_optional_keys_left_at_default_keep_old_fingerprints():
     import dataclasses
 
     from dflashkit.config import section_hash
-    from dflashkit.stages.pipeline import SECTIONS
+    from dflashkit.stage_table import stage_hash
 
     cfg = load_config(None)
     old = {k: v for k, v in dataclasses.asdict(cfg.drafter).items() if k != "draft_vocab_size"}
     assert section_hash(cfg.drafter) == section_hash(old)
     small = load_config(None, ["drafter.draft_vocab_size=1000"])
     assert section_hash(small.drafter) != section_hash(cfg.drafter)
-    assert section_hash(*SECTIONS["probe"](small)) == section_hash(*SECTIONS["probe"](cfg))
-    assert section_hash(*SECTIONS["train"](small)) != section_hash(*SECTIONS["train"](cfg))
+    assert stage_hash("probe", small) == stage_hash("probe", cfg)
+    assert stage_hash("train", small) != stage_hash("train", cfg)
+
+
+def test_one_stage_table_keeps_commands_order_and_fingerprints():
+    """The CLI, `run` and the run dir read one table; its fingerprints equal the ones `run` recorded before the
+    table existed (the sections as `stages/pipeline.py` spelled them), so old run dirs stay up to date."""
+    import dataclasses
+
+    from dflashkit.cli import COMMANDS, READ_ONLY
+    from dflashkit.config import section_hash
+    from dflashkit.rundir import STAGES
+    from dflashkit.stage_table import stage_hash
+    from dflashkit.stages.pipeline import ORDER
+
+    assert list(COMMANDS) == ["probe", "doctor", "plan", "prepare", "generate", "serve", "tokenize", "capture",
+                              "train", "eval", "export", "import", "bench", "run", "report"]
+    assert COMMANDS["eval"][0] == "evaluate" and COMMANDS["import"][0] == "import_" and COMMANDS["run"][0] == "pipeline"
+    assert READ_ONLY == {"doctor", "plan", "serve"}
+    assert ORDER == STAGES == ("probe", "prepare", "generate", "tokenize", "capture", "train", "eval", "export",
+                               "report")
+    before = {
+        "probe": lambda c: [c.target, dataclasses.replace(c.drafter, draft_vocab_size=None)],
+        "prepare": lambda c: [c.data, c.run.seed],
+        "generate": lambda c: [c.generate, c.server.model, c.target.path, c.target.chat_template],
+        "tokenize": lambda c: [c.tokenize, c.target.tokenizer, c.target.chat_template],
+        "capture": lambda c: [c.capture, c.train.loss, c.train.target_dtype],
+        "train": lambda c: [c.train, c.drafter, c.run.seed],
+        "eval": lambda c: [c.eval],
+        "export": lambda c: [c.export],
+        "report": lambda c: [],
+    }
+    for cfg in (load_config(None), load_config(None, ["train.lr=1e-3", "target.path=/x", "eval.num_prompts=3"])):
+        for stage, sections in before.items():
+            assert stage_hash(stage, cfg, "prev", "t") == section_hash(*sections(cfg), "prev", "t"), stage
+    a, b = load_config(None), load_config(None, ["train.lr=1e-3"])
+    assert stage_hash("train", a) != stage_hash("train", b) and stage_hash("eval", a) == stage_hash("eval", b)
+
+
+def test_manifest_hash_comes_from_the_stage_table(tmp_path, tiny_qwen3, capsys):
+    """probe's manifest records the table's hash of the config it reads plus the file it read."""
+    from dflashkit.stage_table import stage_hash
+
+    assert main(["probe", str(tiny_qwen3), "--run-dir", str(tmp_path), "--json"]) == 0
+    manifest = json.loads((tmp_path / "probe" / "manifest.json").read_text())
+    cfg = load_config(None)
+    assert manifest["config_hash"] == stage_hash("probe", cfg, str(tiny_qwen3 / "config.json"))
+    assert manifest["config_hash"] != stage_hash("probe", load_config(None, ["drafter.block_size=8"]),
+                                                 str(tiny_qwen3 / "config.json"))

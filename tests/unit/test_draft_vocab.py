@@ -20,7 +20,7 @@ from dflashkit.model.draft_vocab import (check_draft_vocab, choose_draft_vocab, 
 from dflashkit.model.drafter import DFlashDraftModel
 from dflashkit.model.masks import dense_block_mask
 from dflashkit.train.objective import block_input_ids, block_position_ids, dflash_loss, weight_sum
-from tests.unit.test_masks import random_case, tiny_contract
+from tests.helpers import random_case, tiny_contract
 
 
 def _oracle_vocab(samples, size, vocab_size, always=()):

@@ -6,26 +6,9 @@ import pytest
 import torch
 
 from dflashkit.model.drafter import DFlashDraftModel
-from dflashkit.model.drafter_config import DrafterContract
 from dflashkit.model.masks import dense_block_mask, flex_block_mask, loop_block_mask
-from dflashkit.train.objective import Anchors, block_input_ids, block_position_ids, sample_anchors
-
-
-def tiny_contract(block_size: int = 4, vocab: int = 50, hidden: int = 32) -> DrafterContract:
-    return DrafterContract(block_size=block_size, num_draft_layers=2, target_layer_ids=[0, 1], mask_token_id=vocab - 1,
-                           num_target_layers=4, hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=8, intermediate_size=64, vocab_size=vocab)
-
-
-def random_case(seed: int, b: int = 3, s: int = 13, block: int = 4, num_anchors: int = 5):
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(2, s + 1, (b,), generator=g)
-    lens[0] = s
-    lm = (torch.rand(b, s, generator=g) < 0.7).long()
-    for i in range(b):
-        lm[i, lens[i]:] = 0
-    a = sample_anchors(lm, lens, num_anchors=num_anchors, block_size=block, seeds=[seed * 10 + i for i in range(b)])
-    return lm, lens, a
+from dflashkit.train.objective import Anchors, block_input_ids, block_position_ids
+from tests.helpers import random_case, tiny_contract
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -10,7 +10,7 @@ import torch
 from dflashkit.model.drafter import DFlashDraftModel
 from dflashkit.train.objective import (Anchors, block_input_ids, block_position_ids, dflash_loss,
                                        labels_and_weights, sample_anchors)
-from tests.unit.test_masks import random_case, tiny_contract
+from tests.helpers import random_case, tiny_contract
 
 
 @pytest.mark.parametrize("seed", range(8))

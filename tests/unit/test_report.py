@@ -79,7 +79,9 @@ def test_report_renders_in_a_headless_browser(run_dir, tmp_path):
     shot = tmp_path / "shot.png"
     cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1200,1600",
            f"--screenshot={shot}", (run_dir / "report" / "index.html").resolve().as_uri()]
-    subprocess.run(cmd, check=True, timeout=120, capture_output=True, env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    r = subprocess.run(cmd, timeout=120, capture_output=True, text=True,
+                       env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr[-3000:]
     from PIL import Image
 
     img = Image.open(shot).convert("L")

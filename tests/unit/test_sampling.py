@@ -62,6 +62,7 @@ def _tiny_small_vocab_target():
     from dflashkit.model.target import Target
 
     target.features = lambda ids, **kw: Target.features(target, ids, **kw)
+    target._taps = lambda *a, **kw: Target._taps(target, *a, **kw)
     target.decoder_layers = model.model.layers
     contract = DrafterContract(block_size=4, num_draft_layers=1, target_layer_ids=[0, 1], mask_token_id=V - 1,
                                num_target_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,

@@ -11,7 +11,7 @@ from dflashkit.config import TargetSection
 from dflashkit.model.target import load_target
 from dflashkit.train.objective import Anchors, labels_and_weights, target_label_ids
 
-from tests.unit.test_train_setup import make_run, overrides
+from tests.helpers import make_run, overrides
 
 
 def _loop_labels(label_ids, loss_mask, seq_lens, anchors, keep, block_size, gamma):

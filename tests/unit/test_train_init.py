@@ -8,7 +8,7 @@ from dflashkit.config import load_config
 from dflashkit.model.drafter import DFlashDraftModel
 from dflashkit.model.init import init_from_target
 from dflashkit.model.target import load_target
-from tests.unit.test_train_setup import make_contract
+from tests.helpers import make_contract
 
 
 def _load(path):

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflashkit.cli import main
-from tests.unit.test_train_setup import make_run, overrides
+from tests.helpers import make_run, overrides
 
 
 def _train(tmp_path, target, name="run", extra=(), **kw):

@@ -16,7 +16,7 @@ from dflashkit.model.drafter_config import DrafterContract
 from dflashkit.model.target import load_target
 from dflashkit.train.data import load_tokenized
 from dflashkit.rundir import RunDir
-from tests.unit.test_train_setup import TEXTS, make_run, overrides
+from tests.helpers import TEXTS, make_run, overrides
 
 
 def test_overfit_one_conversation(tmp_path, tiny_qwen3):

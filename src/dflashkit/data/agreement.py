@@ -132,7 +132,8 @@ def check_sources(target_section: Any, pick: Reservoir, *, temperature: float | 
     target = load_target(target_section, with_tokenizer=False)
     report = agreement_report(target.model, pick, device=target.device)
     sources = {}
-    for (source, regenerated), r in sorted(report.items(), key=lambda kv: (not kv[0][1], kv[0][0])):
+    keyed: list[tuple[tuple[str, bool], dict[str, Any]]] = [(k, v) for k, v in report.items()]  # type: ignore[misc]
+    for (source, regenerated), r in sorted(keyed, key=lambda kv: (not kv[0][1], kv[0][0])):
         name = (source or "(no source)") + ("" if regenerated else " (not regenerated)")
         sources[name] = {**r, "regenerated": regenerated,
                          "judged": bool(regenerated and not temperature and r["agreement"] is not None)}

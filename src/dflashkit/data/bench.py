@@ -18,7 +18,8 @@ import os
 import platform
 import time
 from itertools import islice
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 from dflashkit.data.chat import build_samples
 from dflashkit.data.records import Conversation, read_jsonl
@@ -35,13 +36,13 @@ def _best(fn, repeats: int) -> tuple[float, Any]:
     return best, out
 
 
-def bench_tokenize(cfg: Any, rd: Any, ctx: Any, *, repeats: int = 3) -> dict[str, Any]:
-    from dflashkit.stages.tokenize import input_paths, load_chat
-
+def bench_tokenize(cfg: Any, ctx: Any, src: Path, load_chat: Callable[[], Any], *,
+                   repeats: int = 3) -> dict[str, Any]:
+    """Tokenize the conversations in `src` our way and the raw way; `load_chat()` gives the chat template
+    (`stages/bench.py` passes tokenize's input file and loader, so this module needs no stage)."""
     limit = int(ctx.positionals[1]) if len(ctx.positionals) > 1 and ctx.positionals[1].isdigit() else 1000
-    src = input_paths(cfg, rd)[0][0]
     convs = [Conversation.from_dict(o, f"{src}:{n}") for n, o in islice(read_jsonl(src), limit)]
-    chat = load_chat(cfg)
+    chat = load_chat()
     tok = chat.tokenizer
     tc = cfg.tokenize
     big = 1 << 30  # no truncation: both paths tokenize the same full texts

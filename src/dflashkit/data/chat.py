@@ -37,6 +37,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import chain
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -212,6 +213,7 @@ class ChatTemplate:
                 answer, end = answer[:m.start()], answer[m.start():]
         if thinking == "mask" and "</think>" in answer:
             m = THINK_END.search(answer)
+            assert m is not None  # "</think>" is in the answer
             start = answer.find("<think>")
             start = start if 0 <= start < m.start() else 0
             plan.add(answer[:start], 1, ordinal)
@@ -354,3 +356,27 @@ def tokenize_batch(chat: ChatTemplate, convs: list[Conversation], *, max_length:
     samples, checks = build_samples(chat.tokenizer, plans, max_length=max_length, thinking=thinking)
     events["truncated"] += sum(s.truncated for s in samples)
     return samples, events, checks
+
+
+def load_chat(cfg: Any, kwargs: dict[str, Any] | None = None) -> ChatTemplate:
+    """The target tokenizer (no model) and its chat template or the `target.chat_template` file.
+
+    `kwargs` are the template variables (default `tokenize.chat_template_kwargs`).
+    """
+    from dflashkit.errors import ConfigError
+    from dflashkit.model.target import load_tokenizer, resolve_target_path
+
+    t = cfg.target
+    if t.tokenizer:
+        model_dir, gguf = Path(t.tokenizer), None
+    else:
+        model_dir, gguf = resolve_target_path(t.path, t.gguf_file)
+    tok = load_tokenizer(model_dir, gguf_file=gguf, trust_remote_code=t.trust_remote_code,
+                         tokenizer_dir=t.tokenizer)
+    template = None
+    if t.chat_template:
+        p = Path(t.chat_template).expanduser()
+        if not p.is_file():
+            raise ConfigError(f"target.chat_template: file not found: {p}")
+        template = p.read_text()
+    return ChatTemplate(tok, template, cfg.tokenize.chat_template_kwargs if kwargs is None else kwargs)

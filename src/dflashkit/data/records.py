@@ -76,7 +76,7 @@ class Conversation:
         return sum(len(m["content"]) for m in self.messages if m["role"] == "user")
 
 
-def open_text(path: str | Path) -> io.TextIOBase:
+def open_text(path: str | Path) -> io.TextIOWrapper:
     """Open a UTF-8 text file, transparently gunzipping `*.gz`."""
     p = Path(path)
     if p.suffix == ".gz":

@@ -257,6 +257,7 @@ def load_shipped_model(export_dir: str | Path):
 
     path = Path(export_dir) / MODELING_FILE
     spec = importlib.util.spec_from_file_location(f"dflash_export_{abs(hash(str(path)))}", path)
+    assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.DFlashDraftModel.from_pretrained(str(export_dir), dtype=torch.float32).eval()

@@ -8,5 +8,6 @@ Usage:
     from dflashkit.inspect.contract import derive_contract
     contract = derive_contract(cfg.drafter, facts, tok)
 
-Used by `dflashkit probe` (writes the drafter contract) and `dflashkit plan` (memory/disk math).
+`inspect.target.inspect_target` finds the files and reads them all (used by `probe`, `plan` and
+`bench train`); `probe` writes the drafter contract, `plan` does the memory/disk math.
 """

@@ -122,7 +122,7 @@ def _first(cfg: dict, keys: tuple[str, ...], default: Any = None) -> Any:
 
 def resolve_wrapper(raw: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     """Descend `text_config`-style wrappers (up to 3 levels) to the language model's config."""
-    inner, path = raw, []
+    inner, path = raw, []  # type: dict[str, Any], list[str]
     for _ in range(3):
         for key in WRAPPER_KEYS:
             sub = inner.get(key)
@@ -330,15 +330,11 @@ def estimate_params(f: ModelFacts) -> tuple[int, int, int]:
     return int(total), int(active), int(f.mtp_layers * mtp_layer)
 
 
-def read_model_facts(model_dir: Path, gguf_file: str | None = None) -> ModelFacts:
-    """Facts for a HF dir (config.json) or a GGUF file inside `model_dir`.
+def read_model_facts(model_dir: Path) -> ModelFacts:
+    """Facts for a HF dir (its config.json); a GGUF file goes through `gguf_facts.read_gguf_facts`.
 
     Raises:
-        UsageError: (exit 2) missing/empty/malformed config.json (file:line:col) or a bad GGUF.
+        UsageError: (exit 2) missing/empty/malformed config.json (file:line:col).
     """
-    if gguf_file:
-        from dflashkit.inspect.gguf_facts import read_gguf_facts
-
-        return read_gguf_facts(model_dir / gguf_file)[0]
     path = model_dir / "config.json"
     return facts_from_config(read_config_json(path), source=str(path))

@@ -44,7 +44,7 @@ def _specials(tok: TokenizerFacts) -> set[int]:
 
 
 def _in_template(tok: TokenizerFacts, text: str) -> bool:
-    return bool(tok.chat_template) and text in tok.chat_template
+    return bool(tok.chat_template) and text in (tok.chat_template or "")
 
 
 def choose_mask_token(vocab_size: int, tok: TokenizerFacts | None,
@@ -165,7 +165,7 @@ def derive_contract(d: Any, facts: ModelFacts, tok: TokenizerFacts | None) -> Dr
         max_position_embeddings=int(facts.max_position_embeddings or 4096),
         tie_word_embeddings=facts.tie_word_embeddings,
         target_model_type=facts.model_type, target_architecture=facts.architecture,
-        mask_token_reason=mask_reason, bos_token_id=bos, eos_token_id=eos,
+        mask_token_reason=mask_reason, bos_token_id=bos, eos_token_id=eos,  # type: ignore[arg-type]
         extra={"layer_convention": LAYER_CONVENTION, "target_layer_ids_reason": ids_reason,
                "attention_reason": attn_reason, "target_attention": facts.attention,
                "target_text_model_type": facts.text_model_type, "target_source": facts.source},

@@ -258,9 +258,9 @@ def tokenizer_facts_from_gguf(path: Path, meta: dict[str, Any]) -> TokenizerFact
         if t in (3, 4):  # CONTROL, USER_DEFINED
             f.added[i] = (tokens[i], t == 3)
     for s, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "pad_token_id")):
-        i = meta.get(key)
-        f.special_ids[s] = i
-        f.special_tokens[s] = tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
+        sid = meta.get(key)
+        f.special_ids[s] = sid
+        f.special_tokens[s] = tokens[sid] if isinstance(sid, int) and 0 <= sid < len(tokens) else None
     f.chat_template = meta.get("chat_template")
     f.chat_template_source = "gguf" if f.chat_template else None
     f._finish()

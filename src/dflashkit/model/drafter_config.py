@@ -119,7 +119,7 @@ class DrafterContract:
         `draft_vocab_size` (a reduced draft vocabulary) adds the top-level key vLLM reads and the
         same value in `dflash_config`; without it the config is exactly the full-vocab one.
         """
-        cfg = {
+        cfg: dict[str, Any] = {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
             "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},

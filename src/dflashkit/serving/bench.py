@@ -75,8 +75,8 @@ async def _client_rate(url: str, n: int, concurrency: int, warmup: int) -> dict[
 
 
 def _stage_rate(url: str, n: int, concurrency: int) -> dict[str, float]:
-    from dflashkit.cli import StageContext
     from dflashkit.config import config_from_dict
+    from dflashkit.context import StageContext
     from dflashkit.rundir import RunDir
     from dflashkit.stages import generate
 

@@ -64,7 +64,7 @@ class SlotCache(Cache):
 
     # -- what the model calls -------------------------------------------------------------------
     def _write(self, idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n, q, end = k.shape[0], k.shape[-2], self.length + k.shape[-2]
+        n, end = k.shape[0], self.length + k.shape[-2]
         assert n == self.rows and end <= self.capacity, (n, self.rows, end, self.capacity)
         kb, vb = self.keys[idx], self.values[idx]
         kb[:n, :, self.length:end] = k

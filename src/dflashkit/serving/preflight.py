@@ -21,6 +21,7 @@ import logging
 from typing import Any
 
 from dflashkit.data.drift import PromptCheck, compare_prompt
+from dflashkit.errors import ConfigError
 from dflashkit.serving.openai_client import ChatReply, OpenAIClient, RequestFailed
 
 log = logging.getLogger("dflashkit.generate")
@@ -82,3 +83,46 @@ async def preflight(sender: Sender, body: dict[str, Any], local_ids: list[int]) 
     reply = await sender.send({**body, "max_tokens": 1})
     return compare_prompt(local_ids, server_tokens=reply.usage.get("prompt_tokens"),
                           server_ids=reply.prompt_token_ids)
+
+
+def sampling_settings(cfg, model: str | None) -> dict[str, Any]:
+    g = cfg.generate
+    return {"model": model, "temperature": g.temperature, "top_p": g.top_p, "max_tokens": g.max_tokens,
+            "seed": g.seed if g.seed is not None else cfg.run.seed, "stop": list(g.stop),
+            "chat_template_kwargs": dict(g.chat_template_kwargs), "extra_body": dict(g.extra_body),
+            "endpoint": g.endpoint, "neutral_sampling": g.neutral_sampling}
+
+
+def request_body(settings: dict[str, Any], messages: list[dict[str, str]], *, token_ids: bool,
+                 prompt: str | None = None) -> dict:
+    """The JSON body for one turn: `messages` (chat), or the locally rendered `prompt` (completions)."""
+    body: dict[str, Any] = {"model": settings["model"], "temperature": settings["temperature"],
+                            "top_p": settings["top_p"], "max_tokens": settings["max_tokens"],
+                            "seed": settings["seed"]}
+    if prompt is None:
+        body["messages"] = messages
+        if settings["chat_template_kwargs"]:
+            body["chat_template_kwargs"] = settings["chat_template_kwargs"]
+    else:
+        body["prompt"] = prompt
+        body["add_special_tokens"] = False  # the rendered template already holds any BOS (vLLM's field)
+    if settings.get("neutral_sampling"):
+        body.update(NEUTRAL_SAMPLING)
+    if settings["stop"]:
+        body["stop"] = settings["stop"]
+    if token_ids:
+        body["return_token_ids"] = True
+    body.update(settings["extra_body"])
+    return body
+
+
+def local_chat(cfg):
+    """The target's chat template rendered here (with generate's kwargs), or None without a tokenizer."""
+    if not (cfg.target.path or cfg.target.tokenizer):
+        if cfg.generate.endpoint == "completions":
+            raise ConfigError("generate.endpoint=completions renders prompts locally: set target.path or "
+                              "target.tokenizer")
+        return None
+    from dflashkit.data.chat import load_chat
+
+    return load_chat(cfg, kwargs=cfg.generate.chat_template_kwargs)

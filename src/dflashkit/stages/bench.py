@@ -13,31 +13,64 @@ Every ratio is measured in one run, warm-up excluded.
 
 from __future__ import annotations
 
-import importlib
+from typing import Any, Callable
 
+from dflashkit.config import RunConfig
+from dflashkit.context import StageContext
 from dflashkit.errors import UsageError
-from dflashkit.rundir import atomic_write_json
+from dflashkit.rundir import RunDir, atomic_write_json
 
-SUBJECTS = {
-    "generate": "dflashkit.serving.bench:bench_generate",
-    "serve": "dflashkit.serving.bench:bench_serve",
-    "tokenize": "dflashkit.data.bench:bench_tokenize",
-    "train": "dflashkit.train.bench:bench_train",
-    "decode": "dflashkit.decode.bench:bench_decode",
-    "recipe": "dflashkit.train.ablation:bench_recipe",
+
+def _generate(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
+    from dflashkit.serving.bench import bench_generate
+
+    return bench_generate(cfg, rd, ctx)
+
+
+def _serve(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
+    from dflashkit.serving.bench import bench_serve
+
+    return bench_serve(cfg, rd, ctx)
+
+
+def _tokenize(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
+    from dflashkit.data.bench import bench_tokenize
+    from dflashkit.data.chat import load_chat
+    from dflashkit.stages.tokenize import input_paths
+
+    return bench_tokenize(cfg, ctx, input_paths(cfg, rd)[0][0], lambda: load_chat(cfg))
+
+
+def _train(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
+    from dflashkit.train.bench import bench_train
+
+    return bench_train(cfg, rd, ctx)
+
+
+def _decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
+    from dflashkit.decode.bench import bench_decode
+
+    return bench_decode(cfg, rd, ctx)
+
+
+def _recipe(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
+    from dflashkit.train.ablation import bench_recipe
+
+    return bench_recipe(cfg, rd, ctx)
+
+
+# subject -> the bench (each imports its module lazily: a bench's heavy imports load only when it runs)
+SUBJECTS: dict[str, Callable[[RunConfig, RunDir, StageContext], dict[str, Any]]] = {
+    "generate": _generate, "serve": _serve, "tokenize": _tokenize, "train": _train, "decode": _decode,
+    "recipe": _recipe,
 }
 
 
-def run(cfg, rd, ctx) -> dict:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     if not ctx.positionals or ctx.positionals[0] not in SUBJECTS:
         raise UsageError(f"`dflashkit bench` needs a subject: {' | '.join(SUBJECTS)}",
                          hint="e.g. dflashkit bench decode -c run.yaml")
     subject = ctx.positionals[0]
-    module_name, fn_name = SUBJECTS[subject].split(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), fn_name)
-    except (ModuleNotFoundError, AttributeError):
-        raise UsageError(f"`dflashkit bench {subject}` is not implemented yet") from None
-    result = fn(cfg, rd, ctx)
+    result = SUBJECTS[subject](cfg, rd, ctx)
     atomic_write_json(rd.stage_dir("bench") / f"{subject}.json", result)
     return {"subject": subject, **result}

@@ -27,12 +27,15 @@ import shutil
 import struct
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from dflashkit.config import section_hash
+from dflashkit.config import RunConfig, section_hash
+from dflashkit.context import StageContext
 from dflashkit.errors import UsageError
-from dflashkit.rundir import atomic_path, file_digest, read_json, write_manifest
+from dflashkit.rundir import RunDir, atomic_path, file_digest, read_json, write_manifest
+from dflashkit.stage_table import stage_hash
 
 log = logging.getLogger("dflashkit.capture")
 
@@ -109,7 +112,7 @@ def _write_shard(path: Path, target, rows: list[torch.Tensor], layer_ids: list[i
     return total
 
 
-def run(cfg, rd, ctx) -> dict:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     from dflashkit.model.drafter_config import DrafterContract
     from dflashkit.train.data import load_tokenized
 
@@ -149,7 +152,7 @@ def run(cfg, rd, ctx) -> dict:
         raise UsageError(f"capture needs {need / 1e9:.3f} GB but only {free / 1e9:.3f} GB is free in {out_dir} "
                          f"(capture.max_disk_fraction={cfg.capture.max_disk_fraction})",
                          hint="free disk space, use capture.dtype=bfloat16, or train with train.features=online")
-    result = {"shards": len(data.shards), "to_write": len(todo), "written": 0, "skipped": len(data.shards) - len(todo),
+    result: dict[str, Any] = {"shards": len(data.shards), "to_write": len(todo), "written": 0, "skipped": len(data.shards) - len(todo),
               "tokens": tokens, "bytes_total": tokens * per_token, "bytes_written": need, "dtype": dtype,
               "target_layer_ids": layer_ids, "bytes_per_token": per_token, "last_hidden": keep_last}
     if ctx.dry_run:
@@ -173,7 +176,7 @@ def run(cfg, rd, ctx) -> dict:
                              metadata=meta, width=width, pad_id=pad, last_hidden=keep_last, autocast=autocast)
             log.info("captured %s: %d samples, %d tokens", dest.name, len(rows), n)
             result["written"] += 1
-    write_manifest(out_dir, stage="capture", config_hash=section_hash(cfg.capture, layer_ids, keep_last, cfg.train.target_dtype),
+    write_manifest(out_dir, stage="capture", config_hash=stage_hash("capture", cfg, layer_ids, keep_last),
                    inputs={"contract": section_hash(read_json(rd.contract_path)),
                            "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")},
                    counts={"shards": len(data.shards), "tokens": tokens}, started=t0,

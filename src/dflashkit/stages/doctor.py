@@ -28,8 +28,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dflashkit.config import redact_url
+from dflashkit.config import RunConfig, redact_url
+from dflashkit.context import StageContext
 from dflashkit.errors import StageFailed
+from dflashkit.rundir import RunDir
 
 # pip name -> import name, for required packages
 REQUIRED = {"torch": "torch", "transformers": "transformers", "tokenizers": "tokenizers",
@@ -155,7 +157,7 @@ def drift_checks(cfg: Any, urls: list[str], timeout: float = 30.0) -> list[dict[
     import asyncio
 
     from dflashkit.data.drift import describe
-    from dflashkit.stages.generate import local_chat
+    from dflashkit.serving.preflight import local_chat
 
     try:
         chat = local_chat(cfg)
@@ -182,7 +184,7 @@ def drift_checks(cfg: Any, urls: list[str], timeout: float = 30.0) -> list[dict[
 async def _preflight_one(cfg: Any, url: str, chat: Any, timeout: float):
     from dflashkit.serving.openai_client import OpenAIClient
     from dflashkit.serving.preflight import Sender, local_prompt_ids, preflight
-    from dflashkit.stages.generate import request_body, sampling_settings
+    from dflashkit.serving.preflight import request_body, sampling_settings
 
     async with OpenAIClient([url], concurrency=1, timeout_s=timeout, max_retries=0,
                             api_key_env=cfg.server.api_key_env) as client:
@@ -212,7 +214,7 @@ def target_check(cfg: Any) -> list[dict[str, Any]]:
     return [_check("target.path", "error", f"{p} does not exist", "fix target.path")]
 
 
-def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     endpoints = endpoint_checks(cfg.server)
     reachable = [c["name"].split(" ", 1)[1] for c in endpoints if c["status"] == "ok"]
     targets = target_check(cfg)

@@ -25,9 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflashkit.config import section_hash
+from dflashkit.config import RunConfig, section_hash
+from dflashkit.context import StageContext
 from dflashkit.errors import DflashkitError
-from dflashkit.rundir import atomic_write_json, write_manifest
+from dflashkit.rundir import RunDir, atomic_write_json, write_manifest
 
 log = logging.getLogger("dflashkit.eval")
 CALIBRATION_PROMPTS = 2  # eval.dtype=auto: prompts decoded in both dtypes before choosing
@@ -190,7 +191,7 @@ def _diagnostics(cfg: Any, rd: Any, target: Any, drafter: Any, ids: list, base_r
     return d
 
 
-def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     import torch
 
     from dflashkit.decode.lossless import TOP_K

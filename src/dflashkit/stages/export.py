@@ -29,9 +29,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflashkit.config import section_hash
+from dflashkit.config import RunConfig
+from dflashkit.context import StageContext
 from dflashkit.errors import DflashkitError, MissingArtifactError
-from dflashkit.rundir import atomic_dir, write_manifest
+from dflashkit.rundir import RunDir, atomic_dir, write_manifest
+from dflashkit.stage_table import stage_hash
 
 log = logging.getLogger("dflashkit.export")
 
@@ -160,7 +162,7 @@ def _loaded_target_head(cfg: Any, hidden_size: int):
     return head
 
 
-def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     import torch
 
     from dflashkit.export.hf import MODELING_FILE, load_drafter, save_drafter
@@ -189,12 +191,12 @@ def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
         shutil.copyfile(Path(__file__).parent.parent / "export" / "dflash_modeling.py", tmp / MODELING_FILE)
         (tmp / "README.md").write_text(model_card(cfg, model.contract, out.resolve(), rd, model.draft_vocab_size))
         check = reload_check(model, tmp, head, cfg.export.check_atol)
-        write_manifest(tmp, stage="export", config_hash=section_hash(cfg.export), started=t0,
+        write_manifest(tmp, stage="export", config_hash=stage_hash("export", cfg), started=t0,
                        inputs={"source": str(src), "source_kind": which}, counts={"tensors": len(model.state_dict())},
                        outputs=["config.json", "model.safetensors", MODELING_FILE, "README.md"],
                        extra={"reload_check": check})
     if out.resolve() != rd.stage_dir("export", create=False).resolve():
-        write_manifest(rd.stage_dir("export"), stage="export", config_hash=section_hash(cfg.export), started=t0,
+        write_manifest(rd.stage_dir("export"), stage="export", config_hash=stage_hash("export", cfg), started=t0,
                        inputs={"source": str(src)}, outputs=[str(out)], extra={"reload_check": check})
     log.info("exported %s (%s) → %s (reload check: %s max diff %.2g)", src, which, out, check["compared"],
              check["max_diff_vs_source"])

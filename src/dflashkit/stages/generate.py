@@ -29,60 +29,19 @@ from collections import Counter
 from contextlib import ExitStack
 from typing import Any
 
-from dflashkit.config import redact_url, section_hash
+from dflashkit.config import RunConfig, redact_url, section_hash
+from dflashkit.context import StageContext
 from dflashkit.data.drift import describe, ids_summary
 from dflashkit.errors import ConfigError, PartialFailure, UsageError
-from dflashkit.rundir import atomic_path, atomic_write_json, file_digest, read_json, write_manifest
+from dflashkit.rundir import RunDir, atomic_path, atomic_write_json, file_digest, read_json, write_manifest
 from dflashkit.data.mixing import original_answer_sources
 from dflashkit.serving.conversations import assemble, build_prompt, load_prepared, plan_turns
 from dflashkit.serving.journal import Journal, read_records
 from dflashkit.serving.openai_client import OpenAIClient, RequestFailed
-from dflashkit.serving.preflight import NEUTRAL_SAMPLING, Sender, local_prompt_ids, preflight
+from dflashkit.serving.preflight import (Sender, local_chat, local_prompt_ids, preflight, request_body,
+                                         sampling_settings)
 
 log = logging.getLogger("dflashkit.generate")
-
-
-def sampling_settings(cfg, model: str | None) -> dict[str, Any]:
-    g = cfg.generate
-    return {"model": model, "temperature": g.temperature, "top_p": g.top_p, "max_tokens": g.max_tokens,
-            "seed": g.seed if g.seed is not None else cfg.run.seed, "stop": list(g.stop),
-            "chat_template_kwargs": dict(g.chat_template_kwargs), "extra_body": dict(g.extra_body),
-            "endpoint": g.endpoint, "neutral_sampling": g.neutral_sampling}
-
-
-def request_body(settings: dict[str, Any], messages: list[dict[str, str]], *, token_ids: bool,
-                 prompt: str | None = None) -> dict:
-    """The JSON body for one turn: `messages` (chat), or the locally rendered `prompt` (completions)."""
-    body: dict[str, Any] = {"model": settings["model"], "temperature": settings["temperature"],
-                            "top_p": settings["top_p"], "max_tokens": settings["max_tokens"],
-                            "seed": settings["seed"]}
-    if prompt is None:
-        body["messages"] = messages
-        if settings["chat_template_kwargs"]:
-            body["chat_template_kwargs"] = settings["chat_template_kwargs"]
-    else:
-        body["prompt"] = prompt
-        body["add_special_tokens"] = False  # the rendered template already holds any BOS (vLLM's field)
-    if settings.get("neutral_sampling"):
-        body.update(NEUTRAL_SAMPLING)
-    if settings["stop"]:
-        body["stop"] = settings["stop"]
-    if token_ids:
-        body["return_token_ids"] = True
-    body.update(settings["extra_body"])
-    return body
-
-
-def local_chat(cfg):
-    """The target's chat template rendered here (with generate's kwargs), or None without a tokenizer."""
-    if not (cfg.target.path or cfg.target.tokenizer):
-        if cfg.generate.endpoint == "completions":
-            raise ConfigError("generate.endpoint=completions renders prompts locally: set target.path or "
-                              "target.tokenizer")
-        return None
-    from dflashkit.stages.tokenize import load_chat
-
-    return load_chat(cfg, kwargs=cfg.generate.chat_template_kwargs)
 
 
 async def _preflight(cfg, sender: Sender, settings: dict[str, Any], chat, convs) -> dict[str, Any]:
@@ -268,7 +227,7 @@ def _write_outputs(stage_dir, convs, journal_recs: dict[str, dict[int, dict]], c
         tmp.write_text("".join(json.dumps(f, ensure_ascii=False) + "\n" for f in failures), encoding="utf-8")
 
 
-def run(cfg, rd, ctx) -> dict:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     t0 = time.time()
     src = rd.stage_dir("prepare", create=False) / "train.jsonl"
     convs = load_prepared(src)

@@ -22,9 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflashkit.config import section_hash
+from dflashkit.config import RunConfig
+from dflashkit.context import StageContext
 from dflashkit.errors import UsageError
-from dflashkit.rundir import atomic_write_json, write_manifest
+from dflashkit.rundir import RunDir, atomic_write_json, write_manifest
+from dflashkit.stage_table import stage_hash
 
 log = logging.getLogger("dflashkit.import")
 
@@ -50,7 +52,7 @@ def target_facts(cfg: Any) -> dict[str, Any]:
             "model_type": getattr(t.config, "model_type", ""), "architecture": type(t.model).__name__}
 
 
-def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     from dflashkit.export.hf import MODELING_FILE, WEIGHTS, check_fits, load_drafter
 
     t0 = time.time()
@@ -99,7 +101,7 @@ def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
         contract.mask_token_reason = f"imported from {src}"
         atomic_write_json(rd.contract_path, contract.to_dict())
         wrote_contract = True
-    write_manifest(rd.stage_dir("import"), stage="import", config_hash=section_hash(cfg.target), started=t0,
+    write_manifest(rd.stage_dir("import"), stage="import", config_hash=stage_hash("import", cfg), started=t0,
                    inputs={"source": str(src.resolve())}, outputs=[str(dest)],
                    counts={"tensors": len(model.state_dict())})
     log.info("imported %s → %s%s", src, dest, " (wrote contract.json)" if wrote_contract else "")

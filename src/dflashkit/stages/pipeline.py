@@ -22,31 +22,18 @@ import importlib
 import json
 import logging
 import time
-from typing import Any, Callable
+from typing import Any
 
-from dflashkit.config import RunConfig, dump_config, section_hash
+from dflashkit.config import RunConfig, dump_config
+from dflashkit.context import StageContext
 from dflashkit.data.mixing import needs_regeneration
 from dflashkit.errors import UsageError
 from dflashkit.rundir import RunDir, atomic_write_json, atomic_write_text, read_json
+from dflashkit.stage_table import PIPELINE, STAGES, stage_hash
 
 log = logging.getLogger("dflashkit.run")
 
-ORDER = ("probe", "prepare", "generate", "tokenize", "capture", "train", "eval", "export", "report")
-MODULES = {"eval": "evaluate"}
-
-# The config each stage reads (its part of the fingerprint). Probe does not read the draft vocab
-# size (train does), so changing it re-runs train onwards, not the data stages.
-SECTIONS: dict[str, Callable[[RunConfig], list[Any]]] = {
-    "probe": lambda c: [c.target, dataclasses.replace(c.drafter, draft_vocab_size=None)],
-    "prepare": lambda c: [c.data, c.run.seed],
-    "generate": lambda c: [c.generate, c.server.model, c.target.path, c.target.chat_template],
-    "tokenize": lambda c: [c.tokenize, c.target.tokenizer, c.target.chat_template],
-    "capture": lambda c: [c.capture, c.train.loss, c.train.target_dtype],
-    "train": lambda c: [c.train, c.drafter, c.run.seed],
-    "eval": lambda c: [c.eval],
-    "export": lambda c: [c.export],
-    "report": lambda c: [],
-}
+ORDER = PIPELINE  # from the one stage table (`dflashkit.stage_table`), with each stage's config sections
 
 
 def apply_scale(cfg: RunConfig) -> RunConfig:
@@ -90,16 +77,14 @@ def selected_stages(cfg: RunConfig, from_stage: str | None, to_stage: str | None
 
 def _fingerprint(cfg: RunConfig, rd: RunDir, stage: str, previous: str | None, prev_fp: str) -> str:
     prev_done = (rd.manifest(previous) or {}).get("finished_at") if previous else None
-    return section_hash(*SECTIONS[stage](cfg), prev_fp, prev_done or "")
+    return stage_hash(stage, cfg, prev_fp, prev_done or "")
 
 
 def _stage_module(stage: str):
-    return importlib.import_module(f"dflashkit.stages.{MODULES.get(stage, stage)}")
+    return importlib.import_module(f"dflashkit.stages.{STAGES[stage].module}")
 
 
-def run(cfg: RunConfig, rd: RunDir, ctx) -> dict:
-    from dflashkit.cli import StageContext
-
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     cfg = apply_scale(cfg)
     stages = selected_stages(cfg, ctx.from_stage, ctx.to_stage)
     force = set(ORDER) if "all" in ctx.force else set(ctx.force)
@@ -151,8 +136,10 @@ def run(cfg: RunConfig, rd: RunDir, ctx) -> dict:
 
 def _plan_estimates(cfg: RunConfig, rd: RunDir) -> dict[str, Any] | None:
     try:
-        mod = importlib.import_module("dflashkit.stages.plan")
-        return mod.estimate(cfg, rd) if hasattr(mod, "estimate") else None
+        from dflashkit.stages import plan
+
+        estimate = getattr(plan, "estimate", None)
+        return estimate(cfg, rd) if estimate else None
     except Exception as e:  # noqa: BLE001 - estimates are advisory in a dry run
         log.warning("plan estimates unavailable: %s", e)
         return None

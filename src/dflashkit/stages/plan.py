@@ -21,7 +21,10 @@ import logging
 import re
 from typing import Any
 
+from dflashkit.config import RunConfig
+from dflashkit.context import StageContext
 from dflashkit.errors import MissingArtifactError, UsageError
+from dflashkit.rundir import RunDir
 
 log = logging.getLogger("dflashkit.plan")
 GPU_SPEC = re.compile(r"^(\d+)x(\d+(?:\.\d+)?)(?:gib|gb|g)?$", re.I)
@@ -80,8 +83,8 @@ def data_size(cfg: Any, rd: Any) -> tuple[int, int, str]:
 def contract_and_facts(cfg: Any, rd: Any, model: str | None) -> tuple[Any, dict[str, Any], str]:
     """The contract and target facts: probe the given model, else the run dir, else target.path."""
     from dflashkit.inspect.contract import derive_contract
+    from dflashkit.inspect.target import inspect_target
     from dflashkit.model.drafter_config import DrafterContract
-    from dflashkit.stages.probe import inspect_target
 
     probe_json = rd.root / "probe" / "probe.json"
     if model is None and rd.contract_path.is_file():
@@ -124,7 +127,7 @@ def _table(r: dict[str, Any]) -> str:
     return "\n".join(f"{k.ljust(16)}  {v}" for k, v in rows)
 
 
-def run(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     from dflashkit.inspect.budget import plan_budget
 
     gpus, mem, gpu_source, rest = parse_gpus(ctx.positionals)

@@ -15,15 +15,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
-from dflashkit.config import section_hash
+from dflashkit.config import RunConfig
+from dflashkit.context import StageContext
 from dflashkit.data.mixing import mix, normalise, source_names
 from dflashkit.data.records import Conversation, write_jsonl
 from dflashkit.data.sources import RecordError, SourceReport, iter_source, resolve_source_path, to_messages
 from dflashkit.errors import ConfigError, UsageError
 from dflashkit.rundir import RunDir, atomic_write_json, file_digest, write_manifest
+from dflashkit.stage_table import stage_hash
 
 log = logging.getLogger("dflashkit.prepare")
 
@@ -92,7 +93,7 @@ def _table(stats: dict[str, dict[str, Any]], result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     t0 = time.time()
     d = cfg.data
     if not d.sources:
@@ -133,7 +134,7 @@ def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
     for name, src in zip(stats, d.sources):
         p = resolve_source_path(src.path)
         inputs[name] = {"path": str(p), "digest": file_digest(p) if p.is_file() else None}
-    write_manifest(out, stage="prepare", config_hash=section_hash(cfg.data, cfg.run.seed), inputs=inputs,
+    write_manifest(out, stage="prepare", config_hash=stage_hash("prepare", cfg), inputs=inputs,
                    counts={"train": len(train), "heldout": len(heldout), **dropped},
                    outputs=["train.jsonl", "heldout.jsonl", "stats.json"], started=t0)
     if not ctx.json:

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflashkit.config import RunConfig
+from dflashkit.context import StageContext
 from dflashkit.errors import MissingArtifactError
 from dflashkit.rundir import RunDir, STAGES, atomic_write_bytes, atomic_write_text, write_manifest
 
@@ -350,7 +352,7 @@ def eval_diagnostics_html(results: dict) -> str:
     return "\n".join(out)
 
 
-def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     t0 = time.time()
     metrics = _read_jsonl(rd.root / "train" / "metrics.jsonl")
     results = _read_json(rd.root / "eval" / "results.json")

@@ -13,57 +13,21 @@ See `dflashkit.serving.server` for the routes.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import signal
 import socket
 import threading
-from pathlib import Path
 
+from dflashkit.config import RunConfig
+from dflashkit.context import StageContext
 from dflashkit.errors import UsageError
+from dflashkit.rundir import RunDir
+from dflashkit.serve_app import build_app
 
 log = logging.getLogger("dflashkit.serve")
 
 
-def build_app(cfg, model_path: str | None = None):
-    """Load the target (and drafter) named by `cfg`/`model_path`; return a started `App`.
-
-    Raises:
-        UsageError: bad model path, or a drafter that does not fit the target.
-    """
-    from dflashkit.model.target import load_target, resolve_target_path
-    from dflashkit.serving.batching import BatchEngine
-    from dflashkit.serving.engine import SerialEngine, default_stop_ids
-    from dflashkit.serving.server import App
-
-    section = dataclasses.replace(cfg.target, path=model_path) if model_path else cfg.target
-    target = load_target(section)
-    if target.tokenizer is None or not getattr(target.tokenizer, "chat_template", None):
-        log.warning("%s has no chat template; /v1/chat/completions will fail (use /v1/completions "
-                    "or set target.chat_template)", section.path)
-    name = cfg.serve.model_name or resolve_target_path(section.path, section.gguf_file)[0].name
-    s = cfg.serve
-    if s.drafter:
-        try:
-            from dflashkit.decode.spec_decode import SpecDecoder
-            from dflashkit.export.hf import load_drafter
-        except ImportError as e:
-            raise UsageError(f"--drafter needs the speculative decoder, which is not available ({e})",
-                             hint="serve without --drafter, or update dflashkit") from None
-        if not Path(s.drafter).is_dir():
-            raise UsageError(f"serve.drafter {s.drafter!r} is not a directory",
-                             hint="pass a drafter dir with config.json + model.safetensors "
-                                  "(e.g. <run_dir>/train/final or <run_dir>/export)")
-        drafter = load_drafter(s.drafter)
-        engine = SerialEngine(SpecDecoder(target, drafter), target.tokenizer, default_stop_ids(target))
-    else:
-        engine = BatchEngine(target, max_batch=s.max_batch, batch_wait_ms=s.batch_wait_ms)
-    engine.start()
-    return App(engine, target.tokenizer, model_name=name, max_new_tokens=s.max_new_tokens,
-               speculative=bool(s.drafter))
-
-
-def run(cfg, rd, ctx) -> dict:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     from dflashkit.serving.server import make_server
 
     model_path = ctx.positionals[0] if ctx.positionals else cfg.target.path
@@ -98,7 +62,7 @@ def run(cfg, rd, ctx) -> dict:
         raise UsageError(f"cannot bind {cfg.serve.host}:{cfg.serve.port}: {e}",
                          hint="pick another --port (0 = any free port)") from None
     host, port = server.server_address[:2]
-    url = f"http://{host}:{port}/v1"
+    url = f"http://{host}:{port}/v1"  # type: ignore[str-bytes-safe]  # AF_INET: host is a str
     log.info("serving %s on %s (max_batch %d%s)", app.model_name, url, cfg.serve.max_batch,
              f", drafter {cfg.serve.drafter}" if cfg.serve.drafter else "")
 

@@ -35,9 +35,10 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator
 
-from dflashkit.config import section_hash
+from dflashkit.config import RunConfig, section_hash
+from dflashkit.context import StageContext
 from dflashkit.data.agreement import Reservoir, agreement_lines, check_sources
-from dflashkit.data.chat import ChatTemplate, tokenize_batch
+from dflashkit.data.chat import ChatTemplate, load_chat, tokenize_batch
 from dflashkit.data.drift import answer_line, merge_checks, new_checks, prompt_line, refuse_drift
 from dflashkit.data.mixing import needs_regeneration, original_answer_sources
 from dflashkit.data.records import Conversation, read_jsonl
@@ -77,29 +78,6 @@ def input_paths(cfg: Any, rd: RunDir) -> list[tuple[Path, set[str] | None]]:
     return out
 
 
-def load_chat(cfg: Any, kwargs: dict[str, Any] | None = None) -> ChatTemplate:
-    """The target tokenizer (no model) and its chat template or the `target.chat_template` file.
-
-    `kwargs` are the template variables (default `tokenize.chat_template_kwargs`).
-    """
-    from dflashkit.model.target import load_tokenizer, resolve_target_path
-
-    t = cfg.target
-    if t.tokenizer:
-        model_dir, gguf = Path(t.tokenizer), None
-    else:
-        model_dir, gguf = resolve_target_path(t.path, t.gguf_file)
-    tok = load_tokenizer(model_dir, gguf_file=gguf, trust_remote_code=t.trust_remote_code,
-                         tokenizer_dir=t.tokenizer)
-    template = None
-    if t.chat_template:
-        p = Path(t.chat_template).expanduser()
-        if not p.is_file():
-            raise ConfigError(f"target.chat_template: file not found: {p}")
-        template = p.read_text()
-    return ChatTemplate(tok, template, cfg.tokenize.chat_template_kwargs if kwargs is None else kwargs)
-
-
 def min_supervised(cfg: Any, rd: RunDir) -> int:
     if cfg.tokenize.min_supervised is not None:
         return cfg.tokenize.min_supervised
@@ -125,7 +103,7 @@ def _batches(paths: list[tuple[Path, set[str] | None]], size: int) -> Iterator[l
         yield batch
 
 
-def run(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     t0 = time.time()
     tc = cfg.tokenize
     if tc.shard_size < 1 or tc.batch_size < 1:

@@ -17,11 +17,13 @@ from __future__ import annotations
 import os
 import time
 
-from dflashkit.config import section_hash
-from dflashkit.rundir import read_json, write_manifest
+from dflashkit.config import RunConfig, section_hash
+from dflashkit.context import StageContext
+from dflashkit.rundir import RunDir, read_json, write_manifest
+from dflashkit.stage_table import stage_hash
 
 
-def run(cfg, rd, ctx) -> dict:
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     from dflashkit.train.data import tokenized_shards
 
     if ctx.nproc_per_node and "WORLD_SIZE" not in os.environ:
@@ -39,14 +41,20 @@ def run(cfg, rd, ctx) -> dict:
     from dflashkit.train.loop import fit
 
     t0 = time.time()
-    result = fit(cfg, rd, show_bar=not ctx.json)
+    try:
+        result = fit(cfg, rd, show_bar=not ctx.json)
+    finally:
+        if "WORLD_SIZE" in os.environ:  # a torchrun rank: leave the process group this process joined
+            from dflashkit.train.parallel import leave_distributed
+
+            leave_distributed()
     if int(os.environ.get("RANK", "0")) == 0:
         inputs = {"contract": section_hash(read_json(rd.contract_path)),
                   "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")}
         if cfg.train.features == "cached":
             inputs["capture"] = (rd.manifest("capture") or {}).get("config_hash")
         write_manifest(rd.stage_dir("train"), stage="train",
-                       config_hash=section_hash(cfg.train, cfg.drafter, cfg.run.seed), inputs=inputs,
+                       config_hash=stage_hash("train", cfg), inputs=inputs,
                        counts={"steps": result["steps"], "samples": result["samples"]},
                        outputs=["final/config.json", "final/model.safetensors", "metrics.jsonl"],
                        started=t0, extra={"result": result})

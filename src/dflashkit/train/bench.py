@@ -41,7 +41,7 @@ def _contract(cfg, rd):
     if rd.contract_path.is_file():
         return DrafterContract.load(rd.contract_path)
     from dflashkit.inspect.contract import derive_contract
-    from dflashkit.stages.probe import inspect_target
+    from dflashkit.inspect.target import inspect_target
 
     _, _, facts, tok = inspect_target(cfg, cfg.target.path)
     return derive_contract(cfg.drafter, facts, tok)

@@ -174,6 +174,7 @@ def collate(data: TokenData, items: list[tuple[int, int]], *, run_seed: int, pad
         lm[r, :n] = torch.from_numpy(data.loss_mask[i])
         att[r, :n] = 1
     def stack(name: str, dtype: torch.dtype) -> torch.Tensor:
+        assert data.features is not None  # with_features / with_* need the capture shards
         rows = [data.features.get(data.where[i], n, name) for (i, _), n in zip(items, lens)]
         out = torch.zeros(len(items), s, *rows[0].shape[1:], dtype=dtype)
         for r, f in enumerate(rows):

@@ -28,6 +28,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,12 +38,17 @@ from dflashkit.model.drafter import DFlashDraftModel
 from dflashkit.model.drafter_config import DrafterContract
 from dflashkit.model.target import target_autocast
 from dflashkit.train import checkpoint as ckpt
-from dflashkit.train.data import BatchPlan, Batch, FeatureStore, collate, load_tokenized, split_heldout
+from dflashkit.train.data import Batch, BatchPlan, FeatureStore, TokenData, collate, load_tokenized, split_heldout
 from dflashkit.train.logging import LearningCurve, MetricSink
 from dflashkit.train.objective import dflash_loss, gamma_for, sample_anchors, target_label_ids, weight_sum
 from dflashkit.train.optim import build_optimizer, build_scheduler
 from dflashkit.train.parallel import (DistInfo, TargetParts, all_reduce_sum, barrier, init_distributed,
                                       shard_target, wrap_drafter)
+
+if TYPE_CHECKING:
+    from dflashkit.config import RunConfig
+    from dflashkit.model.target import Target
+    from dflashkit.rundir import RunDir
 
 log = logging.getLogger("dflashkit.train")
 
@@ -108,13 +114,13 @@ class TargetOut:
 class Trainer:
     """Everything one step needs (built by `setup`)."""
 
-    cfg: object
+    cfg: RunConfig
     contract: DrafterContract
     dist: DistInfo
     drafter: torch.nn.Module
-    target: object
+    target: Target
     parts: TargetParts
-    data: object
+    data: TokenData
     plan: BatchPlan
     heldout: list[int]
     gamma: float
@@ -203,7 +209,7 @@ class Trainer:
 
     def supervised_tokens(self, step: int) -> dict[str, int]:
         """Supervised (loss_mask) tokens of the step's GLOBAL batch, all ranks, by source."""
-        src, out = self.sources(), {}
+        src, out = self.sources(), {}  # type: list[str], dict[str, int]
         for rank in range(self.dist.world):
             for items in self.plan.micro_batches(step, rank):
                 for i, _ in items:
@@ -216,8 +222,8 @@ class Trainer:
         cached = t.features == "cached"
         store = self.data.features
         return collate(self.data, items, run_seed=self.cfg.run.seed, pad_id=pad or 0, with_features=cached,
-                       with_next_ids=cached and t.labels == "target" and store.has("next_ids"),
-                       with_last_hidden=cached and t.loss != "ce" and store.has("last_hidden")
+                       with_next_ids=cached and t.labels == "target" and store is not None and store.has("next_ids"),
+                       with_last_hidden=cached and t.loss != "ce" and store is not None and store.has("last_hidden")
                        ).to(self.dist.device)
 
     def anchors(self, b: Batch):
@@ -225,7 +231,7 @@ class Trainer:
                               block_size=self.contract.block_size, seeds=b.seeds)
 
 
-def setup(cfg, rd, dist: DistInfo) -> Trainer:
+def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
     from dflashkit.model.target import load_target
 
     contract = DrafterContract.load(rd.contract_path)

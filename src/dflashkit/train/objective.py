@@ -275,6 +275,7 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
             if target_logits is not None:
                 tgt = target_logits[tgt_rows[0][r], tgt_rows[1][r]]
             else:
+                assert target_hidden is not None and target_head is not None  # checked above
                 with torch.no_grad():
                     tgt = target_head(target_hidden[tgt_rows[0][r], tgt_rows[1][r]].to(hidden.dtype))
         if tgt is not None and vocab is not None:

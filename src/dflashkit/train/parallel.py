@@ -6,6 +6,7 @@ Usage:
     parts = shard_target(target, dist)                               # train.parallel.target=shard
     total = all_reduce_sum(torch.tensor([w_sum]), dist)
     rc = relaunch_under_torchrun(4, ["train", "-c", "run.yaml"])     # `dflashkit train --nproc-per-node 4`
+    leave_distributed()                                              # at the end of a rank's process
 
 The loss of every micro-batch is divided by the Σ w of the whole global step (all ranks), and DDP /
 FSDP average gradients over ranks, so the loop multiplies the loss by the world size: the update
@@ -127,6 +128,13 @@ def all_reduce_sum(t: torch.Tensor, dist: DistInfo) -> torch.Tensor:
 def barrier(dist: DistInfo) -> None:
     if dist.distributed:
         torch.distributed.barrier()
+
+
+def leave_distributed() -> None:
+    """Destroy this process's process group, if any: ranks leave gloo/NCCL explicitly rather than in
+    interpreter teardown, where a rank whose peer has already exited can abort."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:

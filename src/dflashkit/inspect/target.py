@@ -1,0 +1,84 @@
+"""Find a target's files and read its facts: the part of `probe` that `plan` and `bench train` share.
+
+Usage:
+    model_dir, gguf_file = resolve_input("smollm2-135m-instruct")     # dir, .gguf, config.json or asset
+    model_dir, gguf_file, facts, tok = inspect_target(cfg, "path/to/Qwen3-8B", load_tokenizer=False)
+
+Reads files only (json, the GGUF header, tokenizer files); the tokenizer is loaded for real only
+with `load_tokenizer=True`. Writes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dflashkit.errors import UsageError
+
+if TYPE_CHECKING:
+    from dflashkit.inspect.tokenizer_facts import TokenizerFacts
+
+log = logging.getLogger("dflashkit.probe")
+
+
+def resolve_input(path: str, gguf_file: str | None = None) -> tuple[Path, str | None]:
+    """(model dir, gguf file name or None) for a dir, a .gguf file, a config.json or an asset name."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        from dflashkit.assets import ASSETS, asset_path
+
+        if path in ASSETS:
+            return asset_path(path), None
+        raise UsageError(f"{path}: no such file or directory",
+                         hint="give a HF model dir (config.json), a .gguf file, or an asset name such as "
+                         "smollm2-135m-instruct")
+    if p.is_file():
+        if p.suffix == ".gguf":
+            return p.parent, p.name
+        if p.name == "config.json":
+            return p.parent, None
+        raise UsageError(f"{p}: a file that is neither a .gguf nor a config.json",
+                         hint="give the model directory")
+    if gguf_file:
+        return p, gguf_file
+    ggufs = sorted(p.glob("*.gguf"))
+    if not (p / "config.json").exists() and len(ggufs) == 1:
+        return p, ggufs[0].name
+    return p, None
+
+
+def inspect_target(cfg: Any, path: str, *, load_tokenizer: bool = True):
+    """(model dir, gguf file, ModelFacts, TokenizerFacts | None) — reads files, writes nothing."""
+    from dflashkit.inspect.config_facts import read_model_facts
+    from dflashkit.inspect.gguf_facts import read_gguf_facts
+    from dflashkit.inspect.tokenizer_facts import read_tokenizer_facts, tokenizer_facts_from_gguf
+
+    model_dir, gguf_file = resolve_input(path, cfg.target.gguf_file)
+    tok_dir = Path(cfg.target.tokenizer).expanduser() if cfg.target.tokenizer else model_dir
+    if gguf_file:
+        facts, meta = read_gguf_facts(model_dir / gguf_file)
+        tok_facts = read_tokenizer_facts(tok_dir) if cfg.target.tokenizer else \
+            tokenizer_facts_from_gguf(model_dir / gguf_file, meta)
+    else:
+        facts = read_model_facts(model_dir)
+        if cfg.target.tokenizer and not tok_dir.is_dir():
+            raise UsageError(f"target.tokenizer {tok_dir} is not a directory")
+        tok_facts = read_tokenizer_facts(tok_dir)
+    tok: TokenizerFacts | None = tok_facts
+    if not tok_facts.files:
+        if load_tokenizer:
+            log.warning("no tokenizer files in %s (set target.tokenizer to the tokenizer dir)", tok_dir)
+        tok = None
+    if tok is not None and cfg.target.chat_template:
+        tpl = Path(cfg.target.chat_template).expanduser()
+        if not tpl.is_file():
+            raise UsageError(f"target.chat_template {tpl}: no such file")
+        tok.chat_template, tok.chat_template_source = tpl.read_text(), str(tpl)
+        tok.chat_template_chars = len(tok.chat_template)
+    if tok is not None and load_tokenizer:
+        use_gguf = gguf_file if not cfg.target.tokenizer else None
+        tok.check_load(trust_remote_code=cfg.target.trust_remote_code, model_dir=tok_dir, gguf_file=use_gguf)
+        if not tok.loaded["ok"]:
+            log.warning("%s — fix: %s", tok.loaded["diagnosis"], tok.loaded["fix"])
+    return model_dir, gguf_file, facts, tok

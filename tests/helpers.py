@@ -1,0 +1,110 @@
+"""Helpers shared by test modules (import them from here, never from another test module).
+
+Usage:
+    from tests.helpers import make_run, overrides
+    run_dir = make_run(tmp_path / "run", tiny_qwen3)           # contract.json + tokenized Parquet shards
+    main(["train", *overrides(run_dir, tiny_qwen3, train__max_steps=2)])
+    lm, lens, anchors = random_case(seed=0)                    # a random loss mask and its anchors
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dflashkit.model.drafter_config import DrafterContract, build_target_layer_ids
+from dflashkit.model.target import text_config_dict
+from dflashkit.train.objective import sample_anchors
+
+TEXTS = [
+    ("What is two plus two?", "Two plus two is four. Four is an even number."),
+    ("Name a color.", "Blue is a color, and so is red."),
+    ("Say hello.", "Hello! Nice to meet you, have a good day."),
+    ("Count to five.", "One, two, three, four, five."),
+    ("What is the sky?", "The sky is the air above us, often blue in the day."),
+    ("Spell cat.", "C, A, T spells cat."),
+    ("Give a fruit.", "An apple is a fruit; so is a pear."),
+    ("Is ice cold?", "Yes, ice is cold because it is frozen water."),
+]
+
+
+def make_contract(target_dir: Path, *, block_size: int = 4, num_draft_layers: int = 1, n_feat: int = 2,
+                  mask_token_id: int = 300, **over) -> DrafterContract:
+    cfg = text_config_dict(Path(target_dir))
+    layers, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    c = DrafterContract(block_size=block_size, num_draft_layers=num_draft_layers,
+                        target_layer_ids=build_target_layer_ids(layers, n_feat), mask_token_id=mask_token_id,
+                        num_target_layers=layers, hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=hidden // 4, intermediate_size=2 * hidden, vocab_size=cfg["vocab_size"],
+                        rope_theta=10000.0)
+    for k, v in over.items():
+        setattr(c, k, v)
+    return c
+
+
+def tokenize_texts(target_dir: Path, texts=TEXTS) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    rows = []
+    for i, (q, a) in enumerate(texts):
+        prompt = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        p_ids = tok.encode(prompt, add_special_tokens=False)
+        a_ids = tok.encode(a + "<|im_end|>", add_special_tokens=False)
+        rows.append({"id": f"{i:016x}", "input_ids": p_ids + a_ids, "loss_mask": [0] * len(p_ids) + [1] * len(a_ids)})
+    return rows
+
+
+def write_shards(run_dir: Path, rows: list[dict], per_shard: int = 4) -> list[Path]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = Path(run_dir) / "tokenize"
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for si in range(0, len(rows), per_shard):
+        part = rows[si:si + per_shard]
+        table = pa.table({"id": pa.array([r["id"] for r in part], pa.string()),
+                          "input_ids": pa.array([r["input_ids"] for r in part], pa.list_(pa.int32())),
+                          "loss_mask": pa.array([r["loss_mask"] for r in part], pa.list_(pa.int8()))})
+        p = out / f"shard-{si // per_shard:05d}.parquet"
+        pq.write_table(table, p)
+        paths.append(p)
+    return paths
+
+
+def make_run(run_dir: Path, target_dir: Path, *, texts=TEXTS, contract: DrafterContract | None = None,
+             **contract_kw) -> Path:
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    c = contract or make_contract(target_dir, **contract_kw)
+    (run_dir / "contract.json").write_text(json.dumps(c.to_dict()))
+    write_shards(run_dir, tokenize_texts(target_dir, texts))
+    return run_dir
+
+
+def overrides(run_dir: Path, target_dir: Path, **train) -> list[str]:
+    base = {"run.run_dir": str(run_dir), "target.path": str(target_dir), "train.batch_size": 2,
+            "train.max_steps": 4, "train.heldout_samples": 2, "train.lr": 3e-3, "train.warmup_ratio": 0.0,
+            "train.log_every": 1, "train.eval_every": 0, "train.save_every": 0, "train.num_anchors": 8}
+    base.update({k.replace("__", "."): v for k, v in train.items()})
+    return [f"{k}={json.dumps(v) if isinstance(v, (list, dict)) else v}" for k, v in base.items()]
+
+
+def tiny_contract(block_size: int = 4, vocab: int = 50, hidden: int = 32) -> DrafterContract:
+    return DrafterContract(block_size=block_size, num_draft_layers=2, target_layer_ids=[0, 1], mask_token_id=vocab - 1,
+                           num_target_layers=4, hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=8, intermediate_size=64, vocab_size=vocab)
+
+
+def random_case(seed: int, b: int = 3, s: int = 13, block: int = 4, num_anchors: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(2, s + 1, (b,), generator=g)
+    lens[0] = s
+    lm = (torch.rand(b, s, generator=g) < 0.7).long()
+    for i in range(b):
+        lm[i, lens[i]:] = 0
+    a = sample_anchors(lm, lens, num_anchors=num_anchors, block_size=block, seeds=[seed * 10 + i for i in range(b)])
+    return lm, lens, a

@@ -1,0 +1,170 @@
+"""The library sits strictly below the stages and the CLI, and no two dflashkit modules import each other in a
+circle (issue #12). Imports are read with `ast` (function-level ones included), so nothing is imported here.
+
+Rooms and the rule (docs/architecture.md "Import map"):
+    cli.py, __main__.py           may import anything
+    stages/*                      may import the library, never cli.py; only the stages that compose
+                                  others (pipeline: `run`, bench: `bench`) import another stage
+    everything else (library)     never imports dflashkit.stages or dflashkit.cli
+and the module-level graph (an edge A → B when A imports B anywhere in its file) has no cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+PKG = SRC / "dflashkit"
+
+# Edges still to re-house (issue #12 remaining work); each one is named, so a new one fails.
+ALLOWED_UPWARD: set[tuple[str, str]] = {
+    # issue #12, remaining: `bench generate` times the generate stage end to end; the regeneration loop
+    # moves out of stages/generate.py into a generate/ library package once serving/ and generate are free.
+    ("dflashkit.serving.bench", "dflashkit.stages.generate"),
+}
+ALLOWED_CYCLE_EDGES: set[tuple[str, str]] = set()
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The dflashkit module `name` refers to (a package's names resolve to its __init__)."""
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def imports_of(mod: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every dflashkit module `mod` imports, at any depth in the file (functions included)."""
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                pkg = pkg[: len(pkg) - (node.level - 1)]
+                base = ".".join(pkg + ([base] if base else []))
+            # `from pkg import sub` imports the submodule pkg.sub when there is one, else pkg itself
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        for n in names:
+            if n == "dflashkit" or n.startswith("dflashkit."):
+                target = _resolve(n, modules)
+                if target and target != mod and target != "dflashkit":
+                    out.add(target)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {m: imports_of(m, p, modules) for m, p in modules.items()}
+
+
+def _is_upper(mod: str) -> bool:
+    return mod in ("dflashkit.cli", "dflashkit.__main__") or mod.startswith("dflashkit.stages")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    bad = []
+    for src, targets in graph.items():
+        for dst in targets:
+            if src in ("dflashkit.cli", "dflashkit.__main__"):
+                continue
+            if dst == "dflashkit.cli" or (dst.startswith("dflashkit.stages") and not _is_upper(src)):
+                bad.append((src, dst))
+    return sorted(e for e in bad if e not in ALLOWED_UPWARD)
+
+
+COMPOSERS = frozenset({"dflashkit.stages.pipeline", "dflashkit.stages.bench"})
+
+
+def stage_to_stage_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """A stage that imports another (share the code through the library instead), composers aside."""
+    return sorted((a, b) for a, targets in graph.items() for b in targets
+                  if a.startswith("dflashkit.stages.") and b.startswith("dflashkit.stages.") and a not in COMPOSERS)
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as a path [a, b, ..., a], or None (iterative DFS, edges in ALLOWED_CYCLE_EDGES skipped)."""
+    WHITE, GREY, BLACK = 0, 1, 2
+    color = dict.fromkeys(graph, WHITE)
+    for root in sorted(graph):
+        if color[root] != WHITE:
+            continue
+        stack = [(root, iter(sorted(graph[root])))]
+        path = [root]
+        color[root] = GREY
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                color[node] = BLACK
+                stack.pop()
+                path.pop()
+                continue
+            if (node, nxt) in ALLOWED_CYCLE_EDGES or nxt not in graph:
+                continue
+            if color[nxt] == GREY:
+                return path[path.index(nxt):] + [nxt]
+            if color[nxt] == WHITE:
+                color[nxt] = GREY
+                stack.append((nxt, iter(sorted(graph[nxt]))))
+                path.append(nxt)
+    return None
+
+
+def test_library_never_imports_stages_or_cli():
+    bad = upward_imports(import_graph())
+    assert not bad, "library → stages/cli imports (move the shared code down into the library):\n" + "\n".join(
+        f"  {a} → {b}" for a, b in bad)
+
+
+def test_stages_share_code_through_the_library():
+    bad = stage_to_stage_imports(import_graph())
+    assert not bad, "stage → stage imports:\n" + "\n".join(f"  {a} → {b}" for a, b in bad)
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " → ".join(cycle or [])
+
+
+def test_checker_catches_a_cycle_and_an_upward_import(tmp_path):
+    """The checks can fail: a planted cycle and a planted upward import are reported."""
+    graph = {"dflashkit.a": {"dflashkit.b"}, "dflashkit.b": {"dflashkit.c"}, "dflashkit.c": {"dflashkit.a"},
+             "dflashkit.stages.x": {"dflashkit.cli"}, "dflashkit.data.y": {"dflashkit.stages.x"}}
+    assert find_cycle(graph) == ["dflashkit.a", "dflashkit.b", "dflashkit.c", "dflashkit.a"]
+    assert upward_imports(graph) == [("dflashkit.data.y", "dflashkit.stages.x"), ("dflashkit.stages.x", "dflashkit.cli")]
+    graph["dflashkit.stages.plan"] = {"dflashkit.stages.probe"}
+    graph["dflashkit.stages.pipeline"] = {"dflashkit.stages.probe"}
+    assert stage_to_stage_imports(graph) == [("dflashkit.stages.plan", "dflashkit.stages.probe")]
+
+
+@pytest.mark.parametrize("source,expected", [
+    ("def f():\n    from dflashkit.stages import probe\n", {"dflashkit.stages.probe"}),
+    ("from .config_facts import x\n", {"dflashkit.inspect.config_facts"}),
+    ("import dflashkit.cli as c\n", {"dflashkit.cli"}),
+])
+def test_imports_are_read_at_any_depth(tmp_path, source, expected):
+    p = tmp_path / "m.py"
+    p.write_text(source)
+    modules = {"dflashkit.stages.probe": p, "dflashkit.inspect.config_facts": p, "dflashkit.cli": p,
+               "dflashkit.inspect.m": p}
+    assert imports_of("dflashkit.inspect.m", p, modules) == expected
