@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from dflashkit.config import RunConfig, section_hash
@@ -62,9 +63,11 @@ def _existing_ok(path: Path, layer_ids: list[int], digest: str, dtype: str, last
 def _write_shard(path: Path, target, rows: list[torch.Tensor], layer_ids: list[int], *, dtype: str,
                  batch_size: int, metadata: dict[str, str], width: int, pad_id: int,
                  last_hidden: bool = False, autocast: torch.dtype | None = None) -> int:
-    """Stream one safetensors file: header, offsets, features batch by batch, next_ids, last_hidden.
+    """Write one safetensors file: header, offsets, features, next_ids, last_hidden.
 
-    `next_ids` (small) is held in memory; `last_hidden` is streamed to a side file and appended."""
+    Samples are run in batches of similar length (sorted, so padding costs little) and each row is
+    written at its own offset, so the file keeps tokenized-shard order. `next_ids` (small) is held
+    in memory; `last_hidden` goes to a side file and is appended."""
     import tempfile
 
     st_name, nbytes = ST_DTYPES[dtype]
@@ -84,27 +87,35 @@ def _write_shard(path: Path, target, rows: list[torch.Tensor], layer_ids: list[i
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)
     tdtype = getattr(torch, dtype)
-    next_parts: list[bytes] = []
+    base = 8 + len(hb) + len(off_bytes)                      # where `features` starts in the file
+    next_ids = np.zeros(total, dtype=np.int32)
     side = tempfile.TemporaryFile(dir=path.parent) if last_hidden else None
+    # Batches of similar lengths (sorted), each row written at its own offset: little padding to compute.
+    order = sorted(range(len(rows)), key=lambda i: lens[i])
     with atomic_path(path) as tmp, open(tmp, "wb") as fh:
         fh.write(struct.pack("<Q", len(hb)) + hb + off_bytes)
-        for i in range(0, len(rows), batch_size):
-            part = rows[i:i + batch_size]
-            s = max(len(r) for r in part)
+        fh.truncate(base + total * width * nbytes)
+        for k in range(0, len(order), batch_size):
+            part = order[k:k + batch_size]
+            s = max(lens[i] for i in part)
             ids = torch.full((len(part), s), pad_id, dtype=torch.long)
             att = torch.zeros((len(part), s), dtype=torch.long)
-            for j, r in enumerate(part):
-                ids[j, :len(r)], att[j, :len(r)] = r, 1
+            for j, i in enumerate(part):
+                ids[j, :lens[i]], att[j, :lens[i]] = rows[i], 1
             with torch.no_grad(), torch.autocast(target.device.type, dtype=autocast, enabled=autocast is not None):
                 feats, last = target.features(ids.to(target.device), layer_ids=layer_ids, need_last_hidden=True,
                                               attention_mask=att.to(target.device))
                 nxt = target.next_token_ids(last)
-            for j, r in enumerate(part):
-                fh.write(feats[j, :len(r)].to(tdtype).contiguous().cpu().view(torch.uint8).numpy().tobytes())
-                next_parts.append(nxt[j, :len(r)].to(torch.int32).cpu().numpy().tobytes())
+            for j, i in enumerate(part):
+                a, n = int(offsets[i]), lens[i]
+                fh.seek(base + a * width * nbytes)
+                fh.write(feats[j, :n].to(tdtype).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+                next_ids[a:a + n] = nxt[j, :n].cpu().numpy()
                 if side is not None:
-                    side.write(last[j, :len(r)].to(tdtype).contiguous().cpu().view(torch.uint8).numpy().tobytes())
-        fh.write(b"".join(next_parts))
+                    side.seek(a * hidden * nbytes)
+                    side.write(last[j, :n].to(tdtype).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        fh.seek(base + total * width * nbytes)
+        fh.write(next_ids.tobytes())
         if side is not None:
             side.seek(0)
             shutil.copyfileobj(side, fh, 1 << 24)
