@@ -478,6 +478,14 @@ def _allows_none(tp: Any) -> bool:
     return get_origin(tp) in (typing.Union, types.UnionType) and type(None) in get_args(tp)
 
 
+def _at_least(problems: list[str], prefix: str, section: Any, low: int, *names: str) -> None:
+    """One problem `<prefix>.<name>: must be >= low, got v` per field `name` of `section` below `low`."""
+    for name in names:
+        value = getattr(section, name)
+        if value < low:
+            problems.append(f"{prefix}.{name}: must be >= {low}, got {value}")
+
+
 def _validate(cfg: RunConfig) -> list[str]:
     """Cross-field checks; each message names its dotted key."""
     p: list[str] = []
@@ -520,26 +528,17 @@ def _validate(cfg: RunConfig) -> list[str]:
         p.append(f"train.max_steps: must be > 0, got {t.max_steps}")
     if len(t.betas) != 2:
         p.append(f"train.betas: expected two numbers, got {t.betas}")
-    if t.keep_checkpoints < 0:
-        p.append(f"train.keep_checkpoints: must be >= 0, got {t.keep_checkpoints}")
+    _at_least(p, "train", t, 0, "keep_checkpoints")
     if not 0 < cfg.capture.max_disk_fraction <= 1:
         p.append(f"capture.max_disk_fraction: must be in (0, 1], got {cfg.capture.max_disk_fraction}")
-    if cfg.capture.batch_size < 1:
-        p.append(f"capture.batch_size: must be >= 1, got {cfg.capture.batch_size}")
-    if cfg.generate.concurrency < 1:
-        p.append(f"generate.concurrency: must be >= 1, got {cfg.generate.concurrency}")
+    _at_least(p, "capture", cfg.capture, 1, "batch_size")
     g = cfg.generate
-    if g.temperature < 0:
-        p.append(f"generate.temperature: must be >= 0, got {g.temperature}")
+    _at_least(p, "generate", g, 1, "concurrency")
+    _at_least(p, "generate", g, 0, "temperature")
     if not 0 < g.top_p <= 1:
         p.append(f"generate.top_p: must be in (0, 1], got {g.top_p}")
-    for name in ("max_tokens", "shard_size"):
-        if getattr(g, name) < 1:
-            p.append(f"generate.{name}: must be >= 1, got {getattr(g, name)}")
-    if g.max_retries < 0:
-        p.append(f"generate.max_retries: must be >= 0, got {g.max_retries}")
-    if g.backoff_s < 0:
-        p.append(f"generate.backoff_s: must be >= 0, got {g.backoff_s}")
+    _at_least(p, "generate", g, 1, "max_tokens", "shard_size")
+    _at_least(p, "generate", g, 0, "max_retries", "backoff_s")
     if not cfg.run.scale > 0:
         p.append(f"run.scale: must be > 0, got {cfg.run.scale}")
     for name in ("timeout_s", "startup_timeout_s"):
@@ -552,44 +551,32 @@ def _validate(cfg: RunConfig) -> list[str]:
                 p.append(f"{key}[{i}]: {problem}")
     if cfg.eval.top_k < 0:
         p.append(f"eval.top_k: must be >= 0 (0 = off), got {cfg.eval.top_k}")
-    for name in ("num_prompts", "max_new_tokens"):
-        if getattr(cfg.eval, name) < 1:
-            p.append(f"eval.{name}: must be >= 1, got {getattr(cfg.eval, name)}")
-    if cfg.eval.warmup < 0:
-        p.append(f"eval.warmup: must be >= 0, got {cfg.eval.warmup}")
+    _at_least(p, "eval", cfg.eval, 1, "num_prompts", "max_new_tokens")
+    _at_least(p, "eval", cfg.eval, 0, "warmup")
     sv = cfg.serve
     if not 0 <= sv.port <= 65535:
         p.append(f"serve.port: must be in 0..65535 (0 = any free port), got {sv.port}")
-    for name in ("max_batch", "max_new_tokens"):
-        if getattr(sv, name) < 1:
-            p.append(f"serve.{name}: must be >= 1, got {getattr(sv, name)}")
-    if sv.batch_wait_ms < 0:
-        p.append(f"serve.batch_wait_ms: must be >= 0, got {sv.batch_wait_ms}")
+    _at_least(p, "serve", sv, 1, "max_batch", "max_new_tokens")
+    _at_least(p, "serve", sv, 0, "batch_wait_ms")
     b = cfg.bench
-    for name in ("requests", "max_tokens", "generate_requests", "generate_concurrency"):
-        if getattr(b, name) < 1:
-            p.append(f"bench.{name}: must be >= 1, got {getattr(b, name)}")
+    _at_least(p, "bench", b, 1, "requests", "max_tokens", "generate_requests", "generate_concurrency")
     for i, c in enumerate(b.concurrency):
         if c < 1:
             p.append(f"bench.concurrency[{i}]: must be >= 1, got {c}")
-    if cfg.eval.temperature < 0:
-        p.append(f"eval.temperature: must be >= 0, got {cfg.eval.temperature}")
+    _at_least(p, "eval", cfg.eval, 0, "temperature")
     if not 0 < cfg.eval.top_p <= 1:
         p.append(f"eval.top_p: must be in (0, 1], got {cfg.eval.top_p}")
-    if cfg.eval.prompt_lookup_ngram < 1:
-        p.append(f"eval.prompt_lookup_ngram: must be >= 1, got {cfg.eval.prompt_lookup_ngram}")
+    _at_least(p, "eval", cfg.eval, 1, "prompt_lookup_ngram")
     if cfg.eval.tie_tolerance is not None and cfg.eval.tie_tolerance < 0:
         p.append(f"eval.tie_tolerance: must be >= 0 (or null), got {cfg.eval.tie_tolerance}")
     for i, size in enumerate(cfg.eval.block_sizes):
         if size < 1:
             p.append(f"eval.block_sizes[{i}]: must be >= 1, got {size}")
-    if cfg.tokenize.agreement_samples < 0:
-        p.append(f"tokenize.agreement_samples: must be >= 0, got {cfg.tokenize.agreement_samples}")
+    _at_least(p, "tokenize", cfg.tokenize, 0, "agreement_samples")
     for name in ("min_agreement", "max_prompt_mismatch"):
         if not 0 <= getattr(cfg.tokenize, name) <= 1:
             p.append(f"tokenize.{name}: must be in [0, 1], got {getattr(cfg.tokenize, name)}")
-    if cfg.tokenize.max_length < 8:
-        p.append(f"tokenize.max_length: must be >= 8, got {cfg.tokenize.max_length}")
+    _at_least(p, "tokenize", cfg.tokenize, 8, "max_length")
     if cfg.target.chat_template:
         problem = chat_template_problem(cfg.target.chat_template)
         if problem:
