@@ -34,6 +34,6 @@ def test_recipe_variants_share_the_data_and_differ_where_they_should(tmp_path, t
 def test_bigram_baseline_is_perfect_on_a_text_it_has_seen(tmp_path, tiny_qwen3):
     # every answer character has one successor, so the bigram table predicts held-out copies exactly
     rd = make_run(tmp_path / "same", tiny_qwen3, texts=[("Say it.", "abcdefghijklmnop")] * 8)
-    assert bigram_accuracy(RunDir(rd), "data", 2, 0) == 1.0
+    assert bigram_accuracy(RunDir(rd), 2, 0) == 1.0
     rd2 = make_run(tmp_path / "mixed", tiny_qwen3)
-    assert bigram_accuracy(RunDir(rd2), "data", 2, 0) < bigram_accuracy(RunDir(rd), "data", 2, 0)
+    assert bigram_accuracy(RunDir(rd2), 2, 0) < bigram_accuracy(RunDir(rd), 2, 0)
