@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashkit.serving.conversations import build_prompt, plan_turns
+from dflashkit.generate.conversations import build_prompt, plan_turns
 from dflashkit.serving.faults import FaultServer, Faults, canned_answer
 
 KILLS = 10

@@ -17,7 +17,7 @@ from collections import Counter
 
 from dflashkit.cli import main
 from dflashkit.serving.faults import FaultServer, Faults
-from dflashkit.serving.journal import read_records
+from dflashkit.generate.journal import read_records
 
 
 def test_second_writer_is_refused_naming_the_first(tmp_path, capsys):

@@ -6,8 +6,9 @@ Usage:
 
 `bench_generate` starts the zero-latency canned server (`serving.faults`, a raw asyncio HTTP/1.1
 server) in its own process, so the numbers are the client's: requests/s and client CPU seconds per
-request (`time.process_time`) for (a) `OpenAIClient.chat` alone and (b) the whole `generate` stage
-(request bodies, journal lines with batched fsync, final assembly) on single-turn conversations.
+request (`time.process_time`) for (a) `OpenAIClient.chat` alone and (b) the `generate` stage's loop
+(`generate.regenerate.generate_conversations`: reading prepared conversations, request bodies,
+journal lines with batched fsync, final assembly) on single-turn conversations.
 `bench_serve` sweeps `bench.concurrency` over one or two endpoints (none: a local `dflashkit serve`
 for target.path) and reports output tokens/s, requests/s, latency p50/p90/p99 and, with two
 endpoints, the tokens/s speedup of the second over the first at each concurrency.
@@ -29,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from dflashkit.serving.openai_client import OpenAIClient
+from dflashkit.generate.openai_client import OpenAIClient
 
 log = logging.getLogger("dflashkit.bench")
 
@@ -76,21 +77,22 @@ async def _client_rate(url: str, n: int, concurrency: int, warmup: int) -> dict[
 
 def _stage_rate(url: str, n: int, concurrency: int) -> dict[str, float]:
     from dflashkit.config import config_from_dict
-    from dflashkit.context import StageContext
-    from dflashkit.rundir import RunDir
-    from dflashkit.stages import generate
+    from dflashkit.generate.conversations import load_prepared
+    from dflashkit.generate.regenerate import generate_conversations
 
     with tempfile.TemporaryDirectory(prefix="dflashkit-bench-") as tmp:
-        rd = RunDir(tmp)
+        src = Path(tmp) / "train.jsonl"
         lines = [json.dumps({"id": f"{i:016x}", "source": "bench",
                              "messages": [{"role": "user", "content": f"prompt {i}"}]}) for i in range(n)]
-        (rd.stage_dir("prepare") / "train.jsonl").write_text("\n".join(lines) + "\n")
+        src.write_text("\n".join(lines) + "\n")
         cfg = config_from_dict({"run": {"run_dir": tmp}, "server": {"urls": [url], "model": "m"},
                                 "generate": {"concurrency": concurrency, "progress": False, "max_tokens": 8}})
         cpu0, t0 = time.process_time(), time.perf_counter()
-        out = generate.run(cfg, rd, StageContext(command="generate", json=True))
+        stage_dir = Path(tmp) / "generate"
+        stage_dir.mkdir()
+        out = generate_conversations(cfg, load_prepared(src), stage_dir, servers=lambda: [url])
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    assert out["generate"]["turns_ok"] == n
+    assert out.summary["turns_ok"] == n
     return {"requests": n, "wall_s": round(wall, 4), "requests_per_s": round(n / wall, 1),
             "client_cpu_us_per_request": round(1e6 * cpu / n, 1)}
 
