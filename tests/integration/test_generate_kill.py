@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from dflashkit.generate.conversations import build_prompt, plan_turns
-from dflashkit.serving.faults import FaultServer, Faults, canned_answer
+from dflashkit.testing.faults import FaultServer, Faults, canned_answer
 
 KILLS = 10
 

@@ -12,7 +12,7 @@ import pytest
 
 from dflashkit.cli import main
 from dflashkit.data.drift import answer_line, compare_prompt, prompt_line
-from dflashkit.serving.faults import FaultServer, Faults
+from dflashkit.testing.faults import FaultServer, Faults
 from dflashkit.generate.preflight import NEUTRAL_SAMPLING
 from dflashkit.testing import CHATML_TEMPLATE, penalty_serving, serving
 

@@ -12,7 +12,7 @@ import pytest
 
 from dflashkit.cli import main
 from dflashkit.generate.conversations import build_prompt, plan_turns
-from dflashkit.serving.faults import FaultServer, Faults, canned_answer
+from dflashkit.testing.faults import FaultServer, Faults, canned_answer
 from dflashkit.generate.journal import Journal, read_records
 
 ALL_FAULTS = {"429": 0.1, "500": 0.1, "timeout": 0.05, "drop": 0.08, "malformed": 0.08}

@@ -16,7 +16,7 @@ import time
 from collections import Counter
 
 from dflashkit.cli import main
-from dflashkit.serving.faults import FaultServer, Faults
+from dflashkit.testing.faults import FaultServer, Faults
 from dflashkit.generate.journal import read_records
 
 

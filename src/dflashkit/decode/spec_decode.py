@@ -259,31 +259,3 @@ def fast_draft_dtype(target: Target) -> torch.dtype:
         if fast is not None and fast():
             return torch.bfloat16
     return target.dtype
-
-
-class CopyTargetProposer:
-    """Test stub: proposes the target's own greedy continuation, so greedy τ = B on every full step."""
-
-    def __init__(self, target: Target):
-        self.target = target
-
-    @torch.inference_mode()
-    def propose(self, sequence: list[int], num_tokens: int) -> list[int]:
-        from transformers import DynamicCache
-
-        cache, ids, out = DynamicCache(config=self.target.config), list(sequence), []
-        step = torch.tensor([ids], device=self.target.device)
-        for _ in range(num_tokens):
-            logits = self.target.model(input_ids=step, cache=cache, use_cache=True).logits
-            tok = int(logits[0, -1].argmax())
-            out.append(tok)
-            step = torch.tensor([[tok]], device=self.target.device)
-        return out
-
-
-class AdversarialProposer(CopyTargetProposer):
-    """Test stub: always proposes a token different from the target's greedy choice (τ = 1)."""
-
-    def propose(self, sequence: list[int], num_tokens: int) -> list[int]:
-        first = super().propose(sequence, 1)[0]
-        return [(first + 1) % self.target.vocab_size] * num_tokens
