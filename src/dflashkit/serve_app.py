@@ -27,7 +27,8 @@ def build_app(cfg, model_path: str | None = None):
     """
     from dflashkit.model.target import load_target, resolve_target_path
     from dflashkit.serving.batching import BatchEngine
-    from dflashkit.serving.engine import SerialEngine, default_stop_ids
+    from dflashkit.decode.api import default_stop_ids
+    from dflashkit.serving.engine import SerialEngine
     from dflashkit.serving.server import App
 
     section = dataclasses.replace(cfg.target, path=model_path) if model_path else cfg.target

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Literal
 
 
 @contextmanager
@@ -47,7 +48,8 @@ def penalty_serving(target_path: str | Path, default_penalty: float = 1.5):
 
     from dflashkit.config import TargetSection
     from dflashkit.model.target import load_target
-    from dflashkit.serving.engine import Completion, _EngineBase, default_stop_ids
+    from dflashkit.decode.api import GenerationResult, default_stop_ids
+    from dflashkit.serving.engine import _EngineBase
     from dflashkit.serving.server import App, serve_in_thread
 
     target = load_target(TargetSection(path=str(target_path)))
@@ -69,9 +71,9 @@ def penalty_serving(target_path: str | Path, default_penalty: float = 1.5):
                         max_new_tokens=r.params.max_new_tokens, do_sample=False, repetition_penalty=penalty,
                         eos_token_id=list(stop_ids), pad_token_id=stop_ids[0])
                 ids = out[0, len(r.prompt_ids):].tolist()
-                reason = "stop" if ids and ids[-1] in stop_ids else "length"
-                done = Completion(text=self.tokenizer.decode(ids, skip_special_tokens=True), token_ids=ids,
-                                  finish_reason=reason, prompt_tokens=len(r.prompt_ids))
+                reason: Literal["stop", "length"] = "stop" if ids and ids[-1] in stop_ids else "length"
+                done = GenerationResult(text=self.tokenizer.decode(ids, skip_special_tokens=True), token_ids=ids,
+                                        finish_reason=reason, prompt_tokens=len(r.prompt_ids))
                 self._count(r, done)
                 r._finish(done)
 
