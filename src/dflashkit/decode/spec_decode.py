@@ -96,10 +96,7 @@ class SpecDecoder:
         self.max_context = int(max_context or getattr(target.config, "max_position_embeddings", 0) or 1 << 30)
         self.layer_ids: list[int] | None = None
         if drafter is not None and proposer is None and block_size > 1:
-            from dflashkit.export.hf import check_fits
-
-            check_fits(drafter.contract, num_layers=target.num_layers, hidden_size=target.hidden_size,
-                       vocab_size=target.vocab_size, where="drafter")
+            drafter.contract.check(target, where="drafter")
             self.layer_ids = list(drafter.target_layer_ids)
             dev = target.device
             self._draft_dtype = draft_dtype or target.dtype

@@ -53,7 +53,7 @@ def target_facts(cfg: Any) -> dict[str, Any]:
 
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.export.hf import MODELING_FILE, WEIGHTS, check_fits, load_drafter
+    from dflashkit.export.hf import MODELING_FILE, WEIGHTS, load_drafter
 
     t0 = time.time()
     if not ctx.positionals:
@@ -66,8 +66,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     model = load_drafter(src)  # validates config keys, tensor names, shapes, file integrity
     contract = model.contract
     facts = target_facts(cfg)
-    check_fits(contract, num_layers=facts["num_layers"], hidden_size=facts["hidden_size"],
-               vocab_size=facts["vocab_size"], where=f"drafter {src}")
+    contract.check(facts, where=f"drafter {src}")
     if dest.exists():
         raise UsageError(f"{dest} already exists; not overwriting it",
                          hint="pass another DEST (dflashkit import DIR DEST) or move the existing dir away")
