@@ -33,7 +33,8 @@ log = logging.getLogger("dflashkit.import")
 
 def target_facts(cfg: Any) -> dict[str, Any]:
     """num layers, hidden size, vocab, context of the target, from its config (no weights loaded)."""
-    from dflashkit.model.target import load_target, resolve_target_path, text_config_dict
+    from dflashkit.inspect.target import resolve_target_path
+    from dflashkit.model.target import load_target, text_config_dict
 
     if not cfg.target.path:
         raise UsageError("`dflashkit import` needs the target to check the drafter against",
