@@ -6,11 +6,12 @@ Usage:
     await http.aclose()
 
 Why: a chat request through httpx/httpcore/anyio costs milliseconds of client CPU on a busy
-2-core box; this client costs tens of microseconds, so `generate` is never the bottleneck of a
-fast server fleet (`dflashkit bench generate`). It speaks exactly what OpenAI-compatible servers
-answer: Content-Length, chunked, or read-until-close bodies; http and https; one request per
-connection at a time (no pipelining); idle connections are reused per host. Set
-`generate.http_client: httpx` for anything else (proxies, HTTP/2).
+2-core box, aiohttp about 2.4x this client's; this one costs tens of microseconds, so `generate`
+is never the bottleneck of a fast server fleet (`dflashkit bench generate`; the numbers are in
+docs/architecture.md). It is the one HTTP client of `generate`. It speaks exactly what
+OpenAI-compatible servers answer: Content-Length, chunked, or read-until-close bodies; http and
+https; one request per connection at a time (no pipelining); idle connections are reused per
+host. Not supported: HTTP proxies and HTTP/2.
 Errors: `HttpTimeout`, `HttpConnectError`, `HttpDropped` (connection closed mid-response).
 """
 
