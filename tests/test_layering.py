@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = SRC / "dflashkit"
 
 # Edges still to re-house (issue #12 remaining work); each one is named, so a new one fails.

@@ -13,7 +13,7 @@ from dflashkit.cli import main
 from dflashkit.config import TargetSection
 from dflashkit.model.target import load_target
 
-from test_export import _run_dir  # noqa: E402
+from tests.helpers import run_dir_with_drafter as _run_dir
 
 
 @pytest.fixture(scope="module")
