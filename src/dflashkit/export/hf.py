@@ -4,7 +4,7 @@ Usage:
     save_drafter(model, "runs/x/train/final", dtype="bfloat16")   # trainer and export write this
     save_drafter(model, "runs/x/export", head=target_head)        # reduced vocab: + lm_head rows, t2d
     drafter = load_drafter("runs/x/train/final", dtype=torch.float32)  # validated, safetensors only
-    check_fits(drafter.contract, num_layers=30, hidden_size=576, vocab_size=49152)
+    drafter.contract.check(target)                                # fits the loaded target? (exit 2)
     head = read_target_head("path/to/target")                     # [V, H] lm_head (or tied embedding)
 
 `config.json` is `DrafterContract.to_hf_config()` (a Qwen3 config plus `dflash_config`,
@@ -206,28 +206,6 @@ def load_drafter(drafter_dir: str | Path, *, dtype: torch.dtype | None = None,
     model.load_state_dict(state, strict=True)
     model.to(device=device, dtype=dtype or stored).eval().requires_grad_(False)
     return model
-
-
-def check_fits(contract: DrafterContract, *, num_layers: int, hidden_size: int, vocab_size: int,
-               where: str = "drafter") -> None:
-    """Raise UsageError (all problems at once) if the drafter cannot run on this target."""
-    problems = []
-    bad = [i for i in contract.target_layer_ids if not 0 <= i < num_layers]
-    if bad:
-        problems.append(f"dflash_config.target_layer_ids {bad} are outside the target's {num_layers} layers")
-    if contract.hidden_size != hidden_size:
-        problems.append(f"hidden_size {contract.hidden_size} != the target's {hidden_size}")
-    if not 0 <= contract.mask_token_id < vocab_size:
-        problems.append(f"dflash_config.mask_token_id {contract.mask_token_id} is outside the target vocab "
-                        f"[0, {vocab_size})")
-    if contract.vocab_size and contract.vocab_size != vocab_size:
-        problems.append(f"vocab_size {contract.vocab_size} != the target's {vocab_size}")
-    if problems:
-        raise UsageError(f"{where} does not fit the target: " + "; ".join(problems),
-                         hint="use a drafter trained for this target, or set target.path to its target")
-    if contract.num_target_layers and contract.num_target_layers != num_layers:
-        log.warning("%s was built for a %d-layer target; this target has %d layers", where,
-                    contract.num_target_layers, num_layers)
 
 
 def read_target_head(target_dir: str | Path) -> torch.Tensor | None:

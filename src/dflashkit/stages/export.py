@@ -134,7 +134,7 @@ def reload_check(source: Any, export_dir: Path, head: Any, atol: float) -> dict[
 
 def _target_head(cfg: Any):
     from dflashkit.export.hf import read_target_head
-    from dflashkit.model.target import resolve_target_path
+    from dflashkit.inspect.target import resolve_target_path
 
     if not cfg.target.path:
         return None

@@ -15,9 +15,7 @@ size, mask id and vocab inside the target's). An existing DEST is never overwrit
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,7 @@ from typing import Any
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
 from dflashkit.errors import UsageError
-from dflashkit.rundir import RunDir, atomic_write_json, write_manifest
+from dflashkit.rundir import RunDir, atomic_dir, atomic_write_json, write_manifest
 from dflashkit.stage_table import stage_hash
 
 log = logging.getLogger("dflashkit.import")
@@ -33,7 +31,8 @@ log = logging.getLogger("dflashkit.import")
 
 def target_facts(cfg: Any) -> dict[str, Any]:
     """num layers, hidden size, vocab, context of the target, from its config (no weights loaded)."""
-    from dflashkit.model.target import load_target, resolve_target_path, text_config_dict
+    from dflashkit.inspect.target import resolve_target_path
+    from dflashkit.model.target import load_target, text_config_dict
 
     if not cfg.target.path:
         raise UsageError("`dflashkit import` needs the target to check the drafter against",
@@ -53,7 +52,7 @@ def target_facts(cfg: Any) -> dict[str, Any]:
 
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.export.hf import MODELING_FILE, WEIGHTS, check_fits, load_drafter
+    from dflashkit.export.hf import MODELING_FILE, WEIGHTS, load_drafter
 
     t0 = time.time()
     if not ctx.positionals:
@@ -66,17 +65,14 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     model = load_drafter(src)  # validates config keys, tensor names, shapes, file integrity
     contract = model.contract
     facts = target_facts(cfg)
-    check_fits(contract, num_layers=facts["num_layers"], hidden_size=facts["hidden_size"],
-               vocab_size=facts["vocab_size"], where=f"drafter {src}")
+    contract.check(facts, where=f"drafter {src}")
     if dest.exists():
         raise UsageError(f"{dest} already exists; not overwriting it",
                          hint="pass another DEST (dflashkit import DIR DEST) or move the existing dir away")
     if ctx.dry_run:
         return {"dry_run": True, "source": str(src), "dest": str(dest), "fits": True}
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    try:
+    with atomic_dir(dest) as tmp:  # dest does not exist (checked above): nothing is ever replaced
         for name in ("config.json", WEIGHTS, MODELING_FILE):
             if (src / name).is_file():
                 shutil.copyfile(src / name, tmp / name)
@@ -84,10 +80,6 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
             from dflashkit.export.hf import save_drafter
 
             save_drafter(model, tmp, dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
-        os.replace(tmp, dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
     wrote_contract = False
     if not rd.contract_path.is_file():
