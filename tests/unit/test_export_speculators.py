@@ -76,7 +76,8 @@ def test_both_formats_import_to_the_same_drafter(tmp_path, target, tiny_qwen3, r
     assert [i - 1 for i in cfg["aux_hidden_state_layer_ids"]] == c.target_layer_ids   # vLLM subtracts 1
     assert cfg["mask_token_id"] == c.mask_token_id and cfg["block_size"] == c.block_size
     assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == c.block_size - 1
-    assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(Path(tiny_qwen3).resolve())
+    verifier = cfg["speculators_config"]["verifier"]
+    assert verifier == {"name_or_path": str(Path(tiny_qwen3).resolve()), "architectures": ["Qwen3ForCausalLM"]}
     assert cfg["sliding_window_non_causal"] is True and cfg["sample_from_anchor"] is False
     layer = cfg["transformer_layer_config"]
     assert "dflash_config" not in layer and layer["num_hidden_layers"] == 2 and layer["model_type"] == "qwen3"

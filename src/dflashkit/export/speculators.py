@@ -33,6 +33,7 @@ dropped (our decoder drafts with the target's own head rows).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -266,7 +267,9 @@ def target_tensors(target: Any) -> tuple[torch.Tensor, torch.Tensor, str, list[s
     t = load_target(target, device="cpu", dtype="float32", with_tokenizer=False)
     local = Path(target.path).expanduser()
     verifier = str(local.resolve()) if local.exists() else str(target.path)
-    archs = list(getattr(t.config, "architectures", None) or [])
+    archs = list(getattr(t.config, "architectures", None) or [])  # transformers may drop it on load:
+    if not archs and (t.model_dir / "config.json").is_file():      # the file says what the target is
+        archs = list(json.loads((t.model_dir / "config.json").read_text()).get("architectures") or [])
     return (t.model.get_input_embeddings().weight.detach(), t.lm_head.weight.detach(), verifier, archs)
 
 
