@@ -144,6 +144,7 @@ def _broken(spec: Path, tmp_path: Path, name: str, edit) -> Path:
     ("anchor", lambda c: c.update(sample_from_anchor=True), "sample_from_anchor"),
     ("block", lambda c: c.update(block_size=9), "block_size"),
     ("mask-type", lambda c: c.update(mask_token_id="7"), "mask_token_id"),
+    ("unknown", lambda c: [c.pop(k) for k in ("speculators_model_type", "speculators_config")], "dflash_config"),
 ])
 def test_malformed_speculators_configs_exit_2_naming_the_key(tmp_path, target, tiny_qwen3, capsys, name, edit, key):
     spec = tmp_path / "spec"
