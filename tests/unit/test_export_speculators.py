@@ -188,3 +188,22 @@ def test_format_errors_are_clear(tmp_path, target, tiny_qwen3, capsys):
     assert "export.format" in capsys.readouterr().out
     assert main(["export", "--format", "speculators", "--run-dir", str(rd), "--json"]) == 2
     assert "target.path" in capsys.readouterr().out
+
+
+def test_a_writer_that_drops_the_layer_offset_fails_the_reload_check(tmp_path, target, tiny_qwen3, monkeypatch):
+    import dflashkit.export.speculators as spx
+
+    rd = _trained_run(tmp_path, target, reduced=False)
+    args = ["export", "--format", "speculators", f"target.path={tiny_qwen3}", "--run-dir", str(rd), "--json"]
+    assert main(args) == 0
+    before = (rd / "export" / "config.json").read_bytes()
+    good = spx.speculators_config
+
+    def no_offset(*a, **k):  # the classic silent bug: z-lab ids written as hidden-state indices
+        cfg = good(*a, **k)
+        cfg["aux_hidden_state_layer_ids"] = [i - 1 for i in cfg["aux_hidden_state_layer_ids"]]
+        return cfg
+
+    monkeypatch.setattr(spx, "speculators_config", no_offset)
+    assert main(args) == 1
+    assert (rd / "export" / "config.json").read_bytes() == before  # the previous export is untouched
