@@ -207,3 +207,20 @@ def test_a_writer_that_drops_the_layer_offset_fails_the_reload_check(tmp_path, t
     monkeypatch.setattr(spx, "speculators_config", no_offset)
     assert main(args) == 1
     assert (rd / "export" / "config.json").read_bytes() == before  # the previous export is untouched
+
+
+def test_import_warns_when_the_stored_head_is_not_the_targets(tmp_path, target, tiny_qwen3, capsys):
+    from safetensors.torch import save_file
+
+    from dflashkit.export.speculators import head_mismatch
+
+    spec = tmp_path / "spec"
+    rd = _trained_run(tmp_path, target, reduced=True)
+    export_speculators(rd / "train" / "final", spec, target=TargetSection(path=str(tiny_qwen3)), dtype="float32")
+    assert head_mismatch(spec, TargetSection(path=str(tiny_qwen3))) == 0.0
+    sd = load_file(spec / "model.safetensors")
+    sd["lm_head.weight"] = sd["lm_head.weight"] * 1.5
+    save_file(sd, str(spec / "model.safetensors"))
+    capsys.readouterr()
+    assert main(["import", str(spec), f"target.path={tiny_qwen3}", "--run-dir", str(tmp_path / "r"), "--json"]) == 0
+    assert "lm_head.weight is not the target's head (max relative diff 0.5)" in capsys.readouterr().err

@@ -170,6 +170,41 @@ def load_speculators(drafter_dir: str | Path, *, dtype: torch.dtype | None = Non
     return build_drafter(contract, size, state, d, dtype=dtype, device=device)
 
 
+def head_mismatch(drafter_dir: str | Path, target: Any) -> float | None:
+    """Max |stored lm_head - the target head's rows| relative to the head's scale, with a warning if > 1e-2.
+
+    vLLM drafts with the checkpoint's own head, dflashkit with the target's: a speculators drafter
+    whose head is not the target's is decoded differently by the two (τ will differ). None when
+    either head cannot be read (no stored head, a GGUF target).
+    """
+    from safetensors import safe_open
+
+    from dflashkit.export.hf import read_target_head
+    from dflashkit.model.target import resolve_target_path
+
+    d = Path(drafter_dir)
+    try:
+        model_dir, gguf = resolve_target_path(target.path, target.gguf_file)
+        head = None if gguf else read_target_head(model_dir)
+        with safe_open(str(d / WEIGHTS), "pt") as fh:
+            stored = fh.get_tensor("lm_head.weight") if "lm_head.weight" in fh.keys() else None
+            d2t = fh.get_tensor("d2t") if "d2t" in fh.keys() else None
+    except (DflashkitError, OSError) as e:
+        log.debug("head check skipped: %s", e)
+        return None
+    if head is None or stored is None:
+        return None
+    rows = head if d2t is None else head.index_select(0, torch.arange(d2t.numel()) + d2t)
+    if rows.shape != stored.shape:
+        return None  # the loader has named the shape problem already
+    scale = max(1e-6, rows.float().abs().max().item())
+    diff = (stored.float() - rows.float()).abs().max().item() / scale
+    if diff > 1e-2:
+        log.warning("%s: lm_head.weight is not the target's head (max relative diff %.3g): vLLM drafts with the "
+                    "stored head, dflashkit with the target's, so their acceptance will differ", d / WEIGHTS, diff)
+    return diff
+
+
 def drafter_format(drafter_dir: str | Path) -> str:
     """"speculators" or "zlab", from the dir's config.json (UsageError if it is missing or not JSON)."""
     return "speculators" if is_speculators(read_config(Path(drafter_dir))[1]) else "zlab"

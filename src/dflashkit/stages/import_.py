@@ -56,7 +56,7 @@ def target_facts(cfg: Any) -> dict[str, Any]:
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     from dflashkit.export.hf import MODELING_FILE, WEIGHTS, check_fits
-    from dflashkit.export.speculators import load_any_drafter
+    from dflashkit.export.speculators import head_mismatch, load_any_drafter
 
     t0 = time.time()
     if not ctx.positionals:
@@ -69,8 +69,9 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     model, fmt = load_any_drafter(src)  # z-lab or speculators; validates keys, tensor names, shapes, integrity
     contract = model.contract
     facts = target_facts(cfg)
-    if fmt == "speculators":  # its config does not record the target's depth
+    if fmt == "speculators":  # its config does not record the target's depth; its head should be the target's
         contract.num_target_layers = facts["num_layers"]
+        head_mismatch(src, cfg.target)
     check_fits(contract, num_layers=facts["num_layers"], hidden_size=facts["hidden_size"],
                vocab_size=facts["vocab_size"], where=f"drafter {src}")
     if dest.exists():
