@@ -37,7 +37,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -309,22 +309,30 @@ def target_tensors(target: Any) -> tuple[torch.Tensor, torch.Tensor, str, list[s
 
 
 def export_speculators(src_dir: str | Path, out_dir: str | Path, *, target: Any, dtype: str = "bfloat16",
-                       atol: float = 5e-2) -> dict[str, Any]:
-    """Library entry: a trained drafter dir (either format) → a checked speculators dir at `out_dir`.
+                       atol: float = 5e-2, readme: Callable[[DFlashDraftModel], str] | None = None,
+                       config_hash: str = "", inputs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A trained drafter dir (either format) → a checked speculators dir at `out_dir`.
 
-    Built in a temp dir beside `out_dir`, reloaded and compared with the source, and only then
-    renamed into place (`out_dir` may only replace an earlier export). `target` is a `TargetSection`.
+    Built in a temp dir beside `out_dir` (config.json, model.safetensors, README.md from `readme`,
+    manifest.json of stage export), reloaded and compared with the source, and only then renamed
+    into place (`out_dir` may only replace an earlier export). `target` is a `TargetSection`.
     """
     from dflashkit.rundir import atomic_dir, write_manifest
 
     t0 = time.time()
     model, fmt = load_any_drafter(src_dir, dtype=torch.float32)
     embed, head, verifier, archs = target_tensors(target)
+    outputs = ["config.json", WEIGHTS] + (["README.md"] if readme else [])
     with atomic_dir(out_dir, owner="export") as tmp:
         write_speculators(model, tmp, verifier=verifier, verifier_architectures=archs, embed=embed, head=head,
                           dtype=dtype)
+        if readme:
+            (tmp / "README.md").write_text(readme(model))
         check = check_speculators(model, tmp, head, atol)
-        write_manifest(tmp, stage="export", config_hash="", started=t0,
-                       inputs={"source": str(src_dir), "source_format": fmt}, outputs=["config.json", WEIGHTS],
+        write_manifest(tmp, stage="export", config_hash=config_hash, started=t0,
+                       inputs={"source": str(src_dir), "source_format": fmt, **(inputs or {})},
+                       counts={"tensors": len(model.state_dict())}, outputs=outputs,
                        extra={"format": "speculators", "reload_check": check})
-    return {"out_dir": str(out_dir), "format": "speculators", "reload_check": check}
+    return {"out_dir": str(out_dir), "format": "speculators", "dtype": dtype, "block_size": model.contract.block_size,
+            "reload_check": check,
+            **({"draft_vocab_size": model.draft_vocab_size} if model.draft_vocab is not None else {})}

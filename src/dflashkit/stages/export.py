@@ -222,28 +222,16 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
 def _run_speculators(cfg: RunConfig, rd: RunDir, src: Path, which: str, source: dict[str, Any], out: Path,
                      t0: float) -> dict[str, Any]:
     """export.format=speculators: vLLM's own format (export/speculators.py), checked the same way."""
-    import torch
+    from dflashkit.export.speculators import export_speculators
 
-    from dflashkit.export.speculators import check_speculators, load_any_drafter, target_tensors, write_speculators
-
-    model, _ = load_any_drafter(src, dtype=torch.float32)
-    embed, head, verifier, archs = target_tensors(cfg.target)
-    with atomic_dir(out, owner="export") as tmp:
-        write_speculators(model, tmp, verifier=verifier, verifier_architectures=archs, embed=embed, head=head,
-                          dtype=cfg.export.dtype)
-        (tmp / "README.md").write_text(model_card(cfg, model.contract, out.resolve(), rd, model.draft_vocab_size,
-                                                  fmt="speculators"))
-        check = check_speculators(model, tmp, head, cfg.export.check_atol)
-        write_manifest(tmp, stage="export", config_hash=stage_hash("export", cfg), started=t0,
-                       inputs={"source": str(src), "source_kind": which}, counts={"tensors": len(model.state_dict())},
-                       outputs=["config.json", "model.safetensors", "README.md"],
-                       extra={"format": "speculators", "reload_check": check})
+    res = export_speculators(src, out, target=cfg.target, dtype=cfg.export.dtype, atol=cfg.export.check_atol,
+                             readme=lambda m: model_card(cfg, m.contract, out.resolve(), rd, m.draft_vocab_size,
+                                                         fmt="speculators"),
+                             config_hash=stage_hash("export", cfg), inputs={"source_kind": which})
     if out.resolve() != rd.stage_dir("export", create=False).resolve():
         write_manifest(rd.stage_dir("export"), stage="export", config_hash=stage_hash("export", cfg), started=t0,
                        inputs={"source": str(src)}, outputs=[str(out)],
-                       extra={"format": "speculators", "reload_check": check})
+                       extra={"format": "speculators", "reload_check": res["reload_check"]})
     log.info("exported %s (%s) → %s, speculators format (reload check: max diff %.2g)", src, which, out,
-             check["max_diff_vs_source"])
-    return {"out_dir": str(out), "format": "speculators", "source": str(src), "source_info": source,
-            "dtype": cfg.export.dtype, "block_size": model.contract.block_size, "reload_check": check,
-            **({"draft_vocab_size": model.draft_vocab_size} if model.draft_vocab is not None else {})}
+             res["reload_check"]["max_diff_vs_source"])
+    return {**res, "source": str(src), "source_info": source}
