@@ -90,7 +90,7 @@ def read_draft_vocab_size(cfg: dict, *, source: str = "config.json") -> int | No
     return None if n == vocab else n
 
 
-def _read_config(drafter_dir: str | Path) -> tuple[Path, dict]:
+def read_config(drafter_dir: str | Path) -> tuple[Path, dict]:
     path = Path(drafter_dir) / "config.json"
     if not path.is_file():
         raise UsageError(f"{path} not found: not a drafter directory",
@@ -103,16 +103,20 @@ def _read_config(drafter_dir: str | Path) -> tuple[Path, dict]:
 
 def read_contract(drafter_dir: str | Path) -> DrafterContract:
     """The contract stored in a drafter dir's `config.json` (UsageError naming the missing key)."""
-    return _contract(*_read_config(drafter_dir))
+    return _contract(*read_config(drafter_dir))
 
 
 def _contract(path: Path, cfg: dict) -> DrafterContract:
+    if "speculators_model_type" in cfg or "speculators_config" in cfg:
+        raise UsageError(f"{path}: a vLLM speculators-format checkpoint (key `speculators_model_type`), not the "
+                         "z-lab format dflashkit decodes with",
+                         hint="`dflashkit import DIR` converts it (or export with export.format=zlab)")
     contract = DrafterContract.from_hf_config(cfg, source=str(path))
     contract.check()
     return contract
 
 
-def _open_weights(drafter_dir: Path) -> dict[str, torch.Tensor]:
+def open_weights(drafter_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -182,10 +186,19 @@ def load_drafter(drafter_dir: str | Path, *, dtype: torch.dtype | None = None,
             file, or reduced-vocab tensors (d2t, t2d, lm_head.weight) that disagree with draft_vocab_size.
     """
     d = Path(drafter_dir)
-    config_path, cfg = _read_config(d)  # read once: the contract and the draft vocab size
+    config_path, cfg = read_config(d)  # read once: the contract and the draft vocab size
     contract = _contract(config_path, cfg)
     size = read_draft_vocab_size(cfg, source=str(config_path))
-    state = _open_weights(d)
+    return build_drafter(contract, size, open_weights(d), d, dtype=dtype, device=device)
+
+
+def build_drafter(contract: DrafterContract, size: int | None, state: dict[str, torch.Tensor], d: Path, *,
+                  dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> DFlashDraftModel:
+    """The drafter from a contract and the tensors of `d`/model.safetensors, checked as `load_drafter` says.
+
+    `size` is the draft vocab size (None: full vocab); the other reader (export/speculators.py) uses this.
+    """
+    config_path = d / "config.json"
     vocab = _draft_vocab(state, size, contract, d / WEIGHTS, config_path)
     model = DFlashDraftModel(contract, draft_vocab=vocab)
     want = model.state_dict()

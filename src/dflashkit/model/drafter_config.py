@@ -196,7 +196,8 @@ class DrafterContract:
         """Read a z-lab drafter `config.json` (import of an existing checkpoint)."""
         dc = cfg.get("dflash_config")
         if not isinstance(dc, dict):
-            raise UsageError(f"{source}: no `dflash_config` — not a z-lab DFlash drafter config",
+            raise UsageError(f"{source}: no `dflash_config` (z-lab format) and no `speculators_model_type` "
+                             "(vLLM speculators format) — not a DFlash drafter config",
                              hint="export with `dflashkit export`, or add dflash_config "
                              "{mask_token_id, target_layer_ids}")
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads") if k not in cfg]
