@@ -130,13 +130,18 @@ class DataSection:
 
 @dataclass(kw_only=True)
 class ServerSection:
-    urls: list[str] = f([], "OpenAI-compatible base URLs (…/v1). Empty = start `dflashkit serve` on "
+    urls: list[str] = f([], "OpenAI-compatible base URLs (…/v1). Empty = start `server.engine` on "
                         "127.0.0.1 for target.path.")
     model: str | None = f(None, "Model name sent to the server; null = the first of /v1/models.")
     api_key_env: str = f("OPENAI_API_KEY", "Environment variable holding the API key (never logged).")
     timeout_s: float = f(600.0, "Per-request timeout.")
     startup_timeout_s: float = f(300.0, "When `urls` is empty: seconds to wait for the local "
                                  "`dflashkit serve` to answer /health.")
+    engine: Literal["dflashkit", "vllm"] = f(
+        "dflashkit", "When `urls` is empty: the server `generate` and `bench serve` start for target.path: "
+        "`dflashkit serve`, or vLLM (the CPU build, installed once into the cache by "
+        "`dflashkit engines install vllm` or on first use; logs in <stage dir>/engine.log).",
+        hash_default=False)
 
 
 @dataclass(kw_only=True)

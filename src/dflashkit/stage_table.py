@@ -62,6 +62,8 @@ TABLE: tuple[Stage, ...] = (
           lambda c: [c.export], pipeline=True),
     Stage("import", "import_", "Import an existing z-lab drafter dir to continue training or to evaluate.",
           lambda c: [c.target]),
+    Stage("engines", "engines", "Serving engines dflashkit starts for you: `engines install vllm`, `engines status`.",
+          writes=False),
     Stage("bench", "bench", "Benchmarks: generate | tokenize | train | decode | serve endpoints | recipe ablations."),
     Stage("run", "pipeline", "Run every stage from one YAML, skipping those that are up to date."),
     Stage("report", "report", "One self-contained HTML page (+ PNGs) from a run directory.", pipeline=True),

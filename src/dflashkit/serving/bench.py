@@ -176,9 +176,12 @@ def bench_serve(cfg, rd, ctx) -> dict[str, Any]:
     with ExitStack() as stack:
         urls = [u.rstrip("/") for u in b.urls]
         if not urls:
-            from dflashkit.serving.local import start_local_server
+            import tempfile
 
-            urls = [stack.enter_context(start_local_server(cfg))]
+            from dflashkit.engines.launch import start_target_server
+
+            log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="dflashkit-bench-"))
+            urls = [stack.enter_context(start_target_server(cfg, log_dir=Path(log_dir)))]
         endpoints = []
         for url in urls[:2]:
             try:

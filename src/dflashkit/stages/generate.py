@@ -241,7 +241,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     total_turns = sum(len(plan_turns(c["messages"])) for c in convs)
     if ctx.dry_run:
         return {"dry_run": True, "conversations": len(convs), "turns": total_turns,
-                "urls": [redact_url(u) for u in cfg.server.urls] or ["<local dflashkit serve>"]}
+                "urls": [redact_url(u) for u in cfg.server.urls] or [f"<local {cfg.server.engine}>"]}
     journal = Journal(stage_dir / "shards", shard_size=cfg.generate.shard_size)
     prior = journal.open()
     done: dict[str, dict[int, dict]] = {}
@@ -266,10 +266,9 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
         with ExitStack() as stack:
             if todo:
                 if not urls:
-                    from dflashkit.serving.local import start_local_server
+                    from dflashkit.engines.launch import start_target_server
 
-                    urls = [stack.enter_context(start_local_server(
-                        cfg, log_path=stage_dir / "serve.log"))]
+                    urls = [stack.enter_context(start_target_server(cfg, log_dir=stage_dir))]
                 chat = None
                 if cfg.generate.preflight != "off" or cfg.generate.endpoint == "completions":
                     try:
@@ -298,7 +297,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
                    inputs={"prepare/train.jsonl": file_digest(src)}, counts=summary,
                    outputs=["conversations.jsonl", "failures.jsonl", "shards/"], started=t0,
                    extra={"model": settings_box.get("model"), "server_urls": [redact_url(u) for u in urls]
-                          if cfg.server.urls else ["<local dflashkit serve>"], "sampling": settings_box,
+                          if cfg.server.urls else [f"<local {cfg.server.engine}>"], "sampling": settings_box,
                           "chat_template_sha256": server_info.get("chat_template_sha256"),
                           "preflight": server_info.get("preflight"),
                           "request_token_ids": cfg.generate.request_token_ids

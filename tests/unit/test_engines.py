@@ -1,0 +1,113 @@
+"""The vLLM launcher without vLLM: metrics parsing and τ, the serve command line, the install marker,
+the child-process hygiene (a fake engine that dies shows its log tail), and the CLI/doctor reports."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from dflashkit.cli import main
+from dflashkit.engines import vllm
+from dflashkit.errors import ServerError
+
+METRICS = """\
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="t"} 10.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="t"} 30.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="t"} 18.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="t",position="0"} 8.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="t",position="2"} 4.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="t",position="1"} 6.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="t"} 1.7e9
+vllm:num_requests_running{engine="0",model_name="t"} 0.0
+"""
+
+
+def test_metrics_parse_tau_and_window():
+    c = vllm.parse_metrics(METRICS)
+    assert (c.drafts, c.draft_tokens, c.accepted) == (10, 30, 18)
+    assert c.per_position == (8, 6, 4)  # ordered by position label, not by line order
+    assert c.tau == pytest.approx(1 + 18 / 10)
+    assert c.per_position_acceptance == pytest.approx([0.8, 0.6, 0.4])
+    # per-position counts sum to the accepted tokens: each accepted token is at one position
+    assert sum(c.per_position) == c.accepted
+    window = c - vllm.parse_metrics(METRICS.replace(" 10.0", " 4.0").replace(" 18.0", " 6.0"))
+    assert (window.drafts, window.accepted) == (6, 12) and window.tau == pytest.approx(3.0)
+    assert vllm.parse_metrics("vllm:num_requests_running 0\n").tau == 0.0  # no drafts: no τ
+
+
+def test_serve_command_has_the_workarounds(tmp_path):
+    cmd = vllm.serve_command(tmp_path, "/m", dtype="float32", port=1234, served_name="s", chat_template="/t.jinja",
+                             speculative={"method": "dflash", "model": "/d", "num_speculative_tokens": 3})
+    assert cmd[:3] == [str(tmp_path / "bin" / "python"), str(tmp_path / "launch.py"), "serve"]
+    assert cmd[cmd.index("--speculative-config") + 1] == json.dumps(
+        {"method": "dflash", "model": "/d", "num_speculative_tokens": 3})
+    assert "--enforce-eager" in cmd and cmd[cmd.index("--chat-template") + 1] == "/t.jinja"
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    env = vllm.engine_env(tmp_path)
+    assert env["VLLM_TARGET_DEVICE"] == "cpu" and str(tmp_path / "lib" / "libiomp5.so") in env["LD_PRELOAD"]
+    assert "PYTHONPATH" not in env
+
+
+def _fake_venv(path, script: str):
+    """A venv-shaped dir whose `launch.py` is `script`, run by this interpreter; marked installed."""
+    (path / "bin").mkdir(parents=True)
+    (path / "bin" / "python").symlink_to(sys.executable)
+    (path / "launch.py").write_text(script)
+    (path / vllm.MARKER).write_text(json.dumps({"package": vllm.PACKAGE, "version": vllm.VERSION}))
+
+
+def test_installed_reads_the_marker_and_status(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(vllm.DIR_ENV, str(tmp_path / "v"))
+    assert vllm.installed() is None and vllm.status()["installed"] is False
+    assert main(["engines", "status", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["vllm"]["installed"] is False
+    _fake_venv(tmp_path / "v", "")
+    assert vllm.installed()["version"] == vllm.VERSION
+    assert main(["doctor", "--json", f"run.run_dir={tmp_path / 'r'}"]) == 0
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out.splitlines()[-1])["checks"]}
+    assert checks["engine vllm"]["status"] == "ok" and vllm.VERSION in checks["engine vllm"]["detail"]
+    (tmp_path / "v" / vllm.MARKER).write_text(json.dumps({"package": vllm.PACKAGE, "version": "0.1"}))
+    assert vllm.installed() is None  # another pinned version is not this install
+    assert main(["engines", "frobnicate"]) == 2
+
+
+def test_a_dying_engine_shows_its_log_tail(tmp_path, monkeypatch):
+    monkeypatch.setenv(vllm.DIR_ENV, str(tmp_path / "v"))
+    _fake_venv(tmp_path / "v", "import sys\nprint('ValueError: no such model dir', file=sys.stderr)\nsys.exit(3)\n")
+    with pytest.raises(ServerError) as e:
+        with vllm.start(tmp_path / "m", log_path=tmp_path / "engine.log", startup_timeout_s=30):
+            pass
+    assert "exited with code 3" in str(e.value) and "no such model dir" in str(e.value)
+    assert "engine.log" in str(e.value)
+
+
+def test_an_engine_is_stopped_on_exit(tmp_path, monkeypatch):
+    """A fake engine that answers /health and /v1/models: start() yields, and the process group is gone after."""
+    import os
+
+    monkeypatch.setenv(vllm.DIR_ENV, str(tmp_path / "v"))
+    server = (
+        "import json, sys\n"
+        "from http.server import BaseHTTPRequestHandler, HTTPServer\n"
+        "port = int(sys.argv[sys.argv.index('--port') + 1])\n"
+        "name = sys.argv[sys.argv.index('--served-model-name') + 1]\n"
+        "class H(BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        body = json.dumps({'data': [{'id': name}]}).encode()\n"
+        "        self.send_response(200); self.send_header('Content-Length', str(len(body))); self.end_headers()\n"
+        "        self.wfile.write(body)\n"
+        "    def log_message(self, *a): pass\n"
+        "HTTPServer(('127.0.0.1', port), H).serve_forever()\n")
+    _fake_venv(tmp_path / "v", server)
+    with vllm.start(tmp_path / "m", served_name="smol", log_path=tmp_path / "engine.log", startup_timeout_s=30) as eng:
+        assert eng.base_url.startswith("http://127.0.0.1:") and eng.served_name == "smol"
+        pid = eng.pid
+        os.kill(pid, 0)  # alive
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)
