@@ -60,6 +60,8 @@ TABLE: tuple[Stage, ...] = (
           lambda c: [c.eval], pipeline=True),
     Stage("export", "export", "Write the z-lab checkpoint dir that SGLang/vLLM load; reload and compare.",
           lambda c: [c.export], pipeline=True),
+    Stage("verify-engine", "verify_engine", "Serve the target + exported drafter in vLLM; check greedy outputs, "
+          "tau and per-position acceptance against dflashkit's decoder.", lambda c: [c.eval, c.target]),
     Stage("import", "import_", "Import an existing z-lab drafter dir to continue training or to evaluate.",
           lambda c: [c.target]),
     Stage("engines", "engines", "Serving engines dflashkit starts for you: `engines install vllm`, `engines status`.",

