@@ -352,6 +352,10 @@ class BenchSection:
     requests: int = f(32, "Requests per concurrency level.")
     max_tokens: int = f(128, "Tokens per request.")
     warmup: int = f(2, "Requests sent first and not timed.")
+    engine_methods: list[str] = f(["dflashkit", "ar", "ngram", "dflash"], "`bench serve` with server.engine=vllm "
+                                  "and no bench.urls: served in turn and swept — dflashkit (`dflashkit serve`), ar "
+                                  "(vLLM), ngram (vLLM prompt lookup, k=7), dflash (vLLM + the exported drafter).",
+                                  hash_default=False)
     generate_requests: int = f(4000, "`bench generate`: requests sent to the zero-latency server.")
     generate_concurrency: int = f(64, "`bench generate`: requests in flight.")
     recipe_steps: int = f(200, "`bench recipe`: training steps per variant.")
@@ -565,6 +569,9 @@ def _validate(cfg: RunConfig) -> list[str]:
     _at_least(p, "serve", sv, 0, "batch_wait_ms")
     b = cfg.bench
     _at_least(p, "bench", b, 1, "requests", "max_tokens", "generate_requests", "generate_concurrency")
+    for i, m in enumerate(b.engine_methods):
+        if m not in ("dflashkit", "ar", "ngram", "dflash"):
+            p.append(f"bench.engine_methods[{i}]: {m!r} is not one of dflashkit, ar, ngram, dflash")
     for i, c in enumerate(b.concurrency):
         if c < 1:
             p.append(f"bench.concurrency[{i}]: must be >= 1, got {c}")

@@ -173,15 +173,16 @@ def _prompts(rd) -> list[str]:
 def bench_serve(cfg, rd, ctx) -> dict[str, Any]:
     b = cfg.bench
     prompts = _prompts(rd)
+    if not b.urls and cfg.server.engine == "vllm":  # AR vs ngram vs DFlash (vs `dflashkit serve`) in vLLM
+        from dflashkit.engines.bench import bench_engine_serve
+
+        return bench_engine_serve(cfg, rd, ctx, prompts)
     with ExitStack() as stack:
         urls = [u.rstrip("/") for u in b.urls]
         if not urls:
-            import tempfile
+            from dflashkit.serving.local import start_local_server
 
-            from dflashkit.engines.launch import start_target_server
-
-            log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="dflashkit-bench-"))
-            urls = [stack.enter_context(start_target_server(cfg, log_dir=Path(log_dir)))]
+            urls = [stack.enter_context(start_local_server(cfg))]
         endpoints = []
         for url in urls[:2]:
             try:
