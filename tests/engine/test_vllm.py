@@ -58,7 +58,7 @@ def _config(tmp: Path) -> Path:
         "generate": {"temperature": 0.0, "max_tokens": 40, "concurrency": 6},
         "tokenize": {"max_length": 256},
         "capture": {"dtype": "float32"},
-        "train": {"features": "cached", "max_steps": 200, "batch_size": 6, "lr": 1.5e-2, "min_lr_ratio": 0.1,
+        "train": {"features": "cached", "max_steps": 80, "batch_size": 6, "lr": 1.5e-2, "min_lr_ratio": 0.1,
                   "num_anchors": 48, "heldout_samples": 0, "log_every": 20, "warmup_ratio": 0.05,
                   "eval_every": 0, "save_every": 0},
         # the drafter is overfit on the regenerated answers: judge it on those same prompts

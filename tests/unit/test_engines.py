@@ -127,7 +127,7 @@ def test_a_mismatch_names_its_likely_cause():
     (c,) = _causes(_checks(tau=False, per_position=False), 3.4, 1.02, [0.9, 0.8, 0.7], [0.01, 0.0, 0.0])
     assert "target_layer_ids" in c and "mask_token_id" in c and "d2t" in c
     # partial acceptance: it points at the first position that drifts
-    (c,) = _causes(_checks(tau=False), 3.4, 2.4, [0.9, 0.8, 0.7], [0.88, 0.4, 0.2])
+    (c,) = _causes(_checks(tau=False), 3.4, 2.4, [0.9, 0.8, 0.7], [0.88, 0.4, 0.2], 0.15)
     assert "from draft position 2" in c
     causes = _causes(_checks(template=False, greedy_engine_vs_ours=False), 2.0, 2.0, [], [])
     assert causes[0].startswith("template") and causes[1].startswith("target")

