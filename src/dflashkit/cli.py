@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--drafter", help="exported drafter dir: decode with DFlash (serve.drafter)")
             sp.add_argument("--host", help="bind address (serve.host)")
             sp.add_argument("--port", type=int, help="port (serve.port)")
+        if name == "export":
+            sp.add_argument("--format", help="checkpoint format: zlab or speculators (export.format)")
         if name == "train":
             sp.add_argument("--nproc-per-node", type=int,
                             help="re-launch under torchrun with this many processes")
@@ -123,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("drafter", "host", "port"):
         if getattr(ns, flag, None) is not None:
             overrides.append(f"serve.{flag}={getattr(ns, flag)}")
+    if getattr(ns, "format", None) is not None:
+        overrides.append(f"export.format={ns.format}")
     ctx = StageContext(
         command=ns.command, positionals=positionals, config_path=ns.config, overrides=overrides,
         dry_run=ns.dry_run, json=ns.json, from_stage=getattr(ns, "from_stage", None),

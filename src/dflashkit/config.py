@@ -328,6 +328,11 @@ class EvalSection:
 @dataclass(kw_only=True)
 class ExportSection:
     out_dir: str | None = f(None, "Output dir; null = <run_dir>/export.")
+    format: Literal["zlab", "speculators"] = f(
+        "zlab", "Checkpoint format: zlab (config.json with dflash_config + dflash.py; read by SGLang, vLLM, "
+        "transformers remote code, and dflashkit) or speculators (vLLM's own format: `vllm serve DIR` "
+        "finds the target and draft length in it; holds the target's embedding and head). `dflashkit "
+        "import` reads both. CLI: `dflashkit export --format speculators`.")
     dtype: Literal["bfloat16", "float16", "float32"] = f("bfloat16", "Stored weight dtype.")
     check_atol: float = f(5e-2, "Reload check: max |logits difference| between the export and the source "
                           "drafter, relative to the largest |logit| (bf16 rounding gives ~1e-2).")
@@ -375,7 +380,7 @@ class RunConfig:
     capture: CaptureSection = sub(CaptureSection, "Offline target-feature shards.")
     train: TrainSection = sub(TrainSection, "Drafter training.")
     eval: EvalSection = sub(EvalSection, "Speculative-decoding evaluation.")
-    export: ExportSection = sub(ExportSection, "z-lab format export.")
+    export: ExportSection = sub(ExportSection, "Export of the trained drafter (z-lab or vLLM speculators format).")
     serve: ServeSection = sub(ServeSection, "`dflashkit serve`.")
     bench: BenchSection = sub(BenchSection, "`dflashkit bench`.")
 

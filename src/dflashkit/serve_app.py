@@ -25,9 +25,11 @@ def build_app(cfg, model_path: str | None = None):
     Raises:
         UsageError: bad model path, or a drafter that does not fit the target.
     """
-    from dflashkit.model.target import load_target, resolve_target_path
+    from dflashkit.inspect.target import resolve_target_path
+    from dflashkit.model.target import load_target
     from dflashkit.serving.batching import BatchEngine
-    from dflashkit.serving.engine import SerialEngine, default_stop_ids
+    from dflashkit.decode.api import default_stop_ids
+    from dflashkit.serving.engine import SerialEngine
     from dflashkit.serving.server import App
 
     section = dataclasses.replace(cfg.target, path=model_path) if model_path else cfg.target

@@ -58,11 +58,11 @@ TABLE: tuple[Stage, ...] = (
           lambda c: [c.train, c.drafter, c.run.seed], pipeline=True),
     Stage("eval", "evaluate", "Lossless speculative decoding: tau, per-position acceptance, speedup.",
           lambda c: [c.eval], pipeline=True),
-    Stage("export", "export", "Write the z-lab checkpoint dir that SGLang/vLLM load; reload and compare.",
+    Stage("export", "export", "Write the drafter dir SGLang/vLLM load (z-lab or speculators format); reload, compare.",
           lambda c: [c.export], pipeline=True),
     Stage("verify-engine", "verify_engine", "Serve the target + exported drafter in vLLM; check greedy outputs, "
           "tau and per-position acceptance against dflashkit's decoder.", lambda c: [c.eval, c.target]),
-    Stage("import", "import_", "Import an existing z-lab drafter dir to continue training or to evaluate.",
+    Stage("import", "import_", "Import a drafter dir (z-lab or speculators format) to continue training or evaluate.",
           lambda c: [c.target]),
     Stage("engines", "engines", "Serving engines dflashkit starts for you: `engines install vllm`, `engines status`.",
           writes=False),

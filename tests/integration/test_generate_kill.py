@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from dflashkit.serving.conversations import build_prompt, plan_turns
-from dflashkit.serving.faults import FaultServer, Faults, canned_answer
+from dflashkit.generate.conversations import build_prompt, plan_turns
+from dflashkit.testing.faults import FaultServer, Faults, canned_answer
 
 KILLS = 10
 

@@ -6,7 +6,7 @@ import json
 
 from dflashkit.cli import main
 from dflashkit.rundir import RunDir
-from dflashkit.train.ablation import bigram_accuracy
+from dflashkit.bench.recipe import bigram_accuracy
 
 from tests.helpers import make_run, overrides
 

@@ -378,7 +378,7 @@ def test_log_level_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
 def test_secrets_in_urls_are_redacted_in_files_and_logs(tmp_path, capsys):
     w = W(tmp_path, Path("-"), Path("-"))
     w.run_file("prepare/train.jsonl", json.dumps(CONV) + "\n")
-    from dflashkit.serving.faults import FaultServer, Faults
+    from dflashkit.testing.faults import FaultServer, Faults
 
     with FaultServer(Faults()) as srv:
         url = srv.url.replace("http://", "http://alice:hunter2@")

@@ -8,7 +8,8 @@ import torch
 from dflashkit.config import TargetSection
 from dflashkit.decode.api import SamplingParams
 from dflashkit.decode.metrics import compare, summarize_acceptance, summarize_timing
-from dflashkit.decode.spec_decode import AdversarialProposer, CopyTargetProposer, SpecDecoder
+from dflashkit.decode.spec_decode import SpecDecoder
+from dflashkit.testing.proposers import AdversarialProposer, CopyTargetProposer
 from dflashkit.errors import UsageError
 from dflashkit.model.target import load_target
 from dflashkit.testing import random_drafter

@@ -12,8 +12,8 @@ import pytest
 
 from dflashkit.cli import main
 from dflashkit.data.drift import answer_line, compare_prompt, prompt_line
-from dflashkit.serving.faults import FaultServer, Faults
-from dflashkit.serving.preflight import NEUTRAL_SAMPLING
+from dflashkit.testing.faults import FaultServer, Faults
+from dflashkit.generate.preflight import NEUTRAL_SAMPLING
 from dflashkit.testing import CHATML_TEMPLATE, penalty_serving, serving
 
 SYSTEM = "You are a helpful AI assistant named Tiny."

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from dflashkit.cli import main
-from dflashkit.serving.conversations import build_prompt, plan_turns
-from dflashkit.serving.faults import FaultServer, Faults, canned_answer
-from dflashkit.serving.journal import Journal, read_records
+from dflashkit.generate.conversations import build_prompt, plan_turns
+from dflashkit.testing.faults import FaultServer, Faults, canned_answer
+from dflashkit.generate.journal import Journal, read_records
 
 ALL_FAULTS = {"429": 0.1, "500": 0.1, "timeout": 0.05, "drop": 0.08, "malformed": 0.08}
 
@@ -210,7 +210,7 @@ def test_two_endpoints_balanced_and_retry_after_honoured(tmp_path, capsys):
         assert a.stats["requests"] + b.stats["requests"] == 24
     import asyncio
 
-    from dflashkit.serving.openai_client import OpenAIClient
+    from dflashkit.generate.openai_client import OpenAIClient
 
     async def one(url: str) -> float:
         async with OpenAIClient([url], backoff_s=0.001, max_retries=2) as c:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from dflashkit.serving.http1 import Http1Client, HttpConnectError, HttpDropped, HttpTimeout
+from dflashkit.generate.http1 import Http1Client, HttpConnectError, HttpDropped, HttpTimeout
 
 
 class RawServer:

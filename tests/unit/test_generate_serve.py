@@ -8,7 +8,7 @@ import pytest
 
 from dflashkit.cli import main
 from dflashkit.decode.api import SamplingParams
-from dflashkit.serving.conversations import build_prompt, plan_turns
+from dflashkit.generate.conversations import build_prompt, plan_turns
 from dflashkit.testing import serving
 
 CONVS = [

@@ -16,8 +16,8 @@ import time
 from collections import Counter
 
 from dflashkit.cli import main
-from dflashkit.serving.faults import FaultServer, Faults
-from dflashkit.serving.journal import read_records
+from dflashkit.testing.faults import FaultServer, Faults
+from dflashkit.generate.journal import read_records
 
 
 def test_second_writer_is_refused_naming_the_first(tmp_path, capsys):

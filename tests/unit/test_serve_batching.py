@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dflashkit.serving.batching import BatchEngine
-from dflashkit.serving.engine import ServeParams
+from dflashkit.decode.api import SamplingParams
 from dflashkit.serving.kvcache import SlotCache
 
 
@@ -55,7 +55,7 @@ def test_continuous_batching_greedy_equals_single_sequence(tiny_targets, arch):
     try:
         reqs = []
         for w, wave in enumerate(jobs):
-            reqs += [engine.submit(ids, ServeParams(max_new_tokens=m)) for ids, m in wave]
+            reqs += [engine.submit(ids, SamplingParams(max_new_tokens=m)) for ids, m in wave]
             if w + 1 < len(jobs):
                 _wait_steps(engine, engine.metrics["decode_steps"] + 3)
         outs = [r.wait(timeout=120) for r in reqs]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from dflashkit.cli import main
-from dflashkit.serving.faults import FaultServer, Faults
+from dflashkit.testing.faults import FaultServer, Faults
 
 
 def _last_json(capsys) -> dict:

@@ -364,7 +364,8 @@ def load_chat(cfg: Any, kwargs: dict[str, Any] | None = None) -> ChatTemplate:
     `kwargs` are the template variables (default `tokenize.chat_template_kwargs`).
     """
     from dflashkit.errors import ConfigError
-    from dflashkit.model.target import load_tokenizer, resolve_target_path
+    from dflashkit.inspect.target import resolve_target_path
+    from dflashkit.model.target import load_tokenizer
 
     t = cfg.target
     if t.tokenizer:

@@ -1,31 +1,39 @@
 """The decoder interface shared by `eval`, `serve` and `bench` (autoregressive or speculative).
 
 Usage:
-    params = SamplingParams(temperature=0.0, max_new_tokens=64, stop_token_ids=(eos,))
+    params = SamplingParams(temperature=0.0, max_new_tokens=64, stop_token_ids=default_stop_ids(target))
     result = decoder.generate(prompt_ids, params)
     result.token_ids, result.finish_reason, result.acceptance_lengths
+
+The same two types carry a `serve` request (`stop` strings, the engine's stop ids when
+`stop_token_ids` is empty) and its answer (`text`, `prompt_tokens`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 
 @dataclass
 class SamplingParams:
+    """What one generation asks for (a decoder call or a `serve` request)."""
+
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 128
     seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # the serve engines use their default stop ids when empty
+    stop: list[str] = field(default_factory=list)  # stop strings (serve: the text is cut before one)
 
 
 @dataclass
 class GenerationResult:
     token_ids: list[int]                      # new tokens only (stop token included if emitted)
     finish_reason: Literal["stop", "length"]
+    text: str = ""                            # serve engines: the detokenised answer (cut at a stop string)
+    prompt_tokens: int = 0                    # serve engines: the prompt's length in tokens
     acceptance_lengths: list[int] = field(default_factory=list)  # τ per verify step (speculative only)
     prefill_s: float = 0.0                    # time to first token
     decode_s: float = 0.0                     # time after the first token
@@ -35,6 +43,17 @@ class GenerationResult:
     # greedy decoders built with record_top=k: per emitted token, the target's k best (token id, logit)
     # at the row that emitted it, best first (the lossless check's tie test, `decode/lossless.py`)
     top_logits: list[list[tuple[int, float]]] = field(default_factory=list)
+
+
+def default_stop_ids(target: Any) -> tuple[int, ...]:
+    """The tokenizer's eos plus the model's generation_config eos id(s), sorted."""
+    ids: set[int] = set()
+    tok = target.tokenizer
+    if tok is not None and tok.eos_token_id is not None:
+        ids.add(int(tok.eos_token_id))
+    gen_eos = getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)
+    ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+    return tuple(sorted(int(i) for i in ids))
 
 
 class Decoder(Protocol):

@@ -16,7 +16,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from dflashkit.decode.api import Decoder, GenerationResult, SamplingParams
+from dflashkit.decode.api import Decoder, GenerationResult, SamplingParams, default_stop_ids
 from dflashkit.errors import MissingArtifactError, UsageError
 
 log = logging.getLogger("dflashkit.decode")
@@ -94,21 +94,10 @@ def render_prompts(tokenizer: Any, prompts: list[tuple[str, list[dict[str, str]]
     return rendered
 
 
-def stop_ids(target: Any) -> tuple[int, ...]:
-    """The tokenizer's eos plus the generation config's eos id(s)."""
-    ids: set[int] = set()
-    tok = target.tokenizer
-    if tok is not None and tok.eos_token_id is not None:
-        ids.add(int(tok.eos_token_id))
-    gen_eos = getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)
-    ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
-    return tuple(sorted(int(i) for i in ids))
-
-
 def params_for(cfg: Any, target: Any, seed: int | None = None) -> SamplingParams:
     e = cfg.eval
     return SamplingParams(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, max_new_tokens=e.max_new_tokens,
-                          seed=seed, stop_token_ids=stop_ids(target))
+                          seed=seed, stop_token_ids=default_stop_ids(target))
 
 
 def run_interleaved(decoders: dict[str, Decoder], prompts: list[list[int]], params: SamplingParams, *,

@@ -96,10 +96,7 @@ class SpecDecoder:
         self.max_context = int(max_context or getattr(target.config, "max_position_embeddings", 0) or 1 << 30)
         self.layer_ids: list[int] | None = None
         if drafter is not None and proposer is None and block_size > 1:
-            from dflashkit.export.hf import check_fits
-
-            check_fits(drafter.contract, num_layers=target.num_layers, hidden_size=target.hidden_size,
-                       vocab_size=target.vocab_size, where="drafter")
+            drafter.contract.check(target, where="drafter")
             self.layer_ids = list(drafter.target_layer_ids)
             dev = target.device
             self._draft_dtype = draft_dtype or target.dtype
@@ -259,31 +256,3 @@ def fast_draft_dtype(target: Target) -> torch.dtype:
         if fast is not None and fast():
             return torch.bfloat16
     return target.dtype
-
-
-class CopyTargetProposer:
-    """Test stub: proposes the target's own greedy continuation, so greedy τ = B on every full step."""
-
-    def __init__(self, target: Target):
-        self.target = target
-
-    @torch.inference_mode()
-    def propose(self, sequence: list[int], num_tokens: int) -> list[int]:
-        from transformers import DynamicCache
-
-        cache, ids, out = DynamicCache(config=self.target.config), list(sequence), []
-        step = torch.tensor([ids], device=self.target.device)
-        for _ in range(num_tokens):
-            logits = self.target.model(input_ids=step, cache=cache, use_cache=True).logits
-            tok = int(logits[0, -1].argmax())
-            out.append(tok)
-            step = torch.tensor([[tok]], device=self.target.device)
-        return out
-
-
-class AdversarialProposer(CopyTargetProposer):
-    """Test stub: always proposes a token different from the target's greedy choice (τ = 1)."""
-
-    def propose(self, sequence: list[int], num_tokens: int) -> list[int]:
-        first = super().propose(sequence, 1)[0]
-        return [(first + 1) % self.target.vocab_size] * num_tokens

@@ -25,7 +25,7 @@ import sys
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger("dflashkit.bench")
 
@@ -42,24 +42,27 @@ def _speculative(method: str, cfg: Any, rd: Any) -> dict[str, Any] | None:
     if method == "ngram":
         return dict(NGRAM)
     if method == "dflash":
-        from dflashkit.export.hf import read_contract
+        from dflashkit.export.hf import read_config, read_contract
+        from dflashkit.export.speculators import drafter_format, read_speculators_contract
 
         d = _export_dir(cfg, rd)
         if d is None:
             return None
-        return {"method": "dflash", "model": str(d.resolve()), "num_speculative_tokens": read_contract(d).block_size - 1}
+        contract = (read_speculators_contract(read_config(d)[1])[0] if drafter_format(d) == "speculators"
+                    else read_contract(d))
+        return {"method": "dflash", "model": str(d.resolve()), "num_speculative_tokens": contract.block_size - 1}
     return None
 
 
-def _sweep(cfg: Any, url: str, model: str, prompts: list[str], counters: bool) -> list[dict[str, Any]]:
+def _sweep(cfg: Any, url: str, model: str, prompts: list[str], counters: bool, sweep_one: Callable
+           ) -> list[dict[str, Any]]:
     from dflashkit.engines import vllm
-    from dflashkit.serving.bench import _sweep_one
 
     b = cfg.bench
     rows = []
     for c in b.concurrency:
         before = vllm.metrics(url) if counters else None
-        row = asyncio.run(_sweep_one(url, model, prompts, c, b.requests, b.warmup, b.max_tokens))
+        row = asyncio.run(sweep_one(url, model, prompts, c, b.requests, b.warmup, b.max_tokens))
         if before is not None:
             spent = vllm.metrics(url) - before
             row["tau"] = round(spent.tau, 4)
@@ -70,8 +73,9 @@ def _sweep(cfg: Any, url: str, model: str, prompts: list[str], counters: bool) -
     return rows
 
 
-def bench_engine_serve(cfg: Any, rd: Any, ctx: Any, prompts: list[str]) -> dict[str, Any]:
-    """Serve each of `bench.engine_methods` in turn and sweep it; the result of `bench serve`."""
+def bench_engine_serve(cfg: Any, rd: Any, ctx: Any, prompts: list[str], sweep_one: Callable) -> dict[str, Any]:
+    """Serve each of `bench.engine_methods` in turn and sweep each with `sweep_one` (bench/serve.py's
+    one-concurrency sweep, passed in by its caller); the result of `bench serve`."""
     from dflashkit.engines.launch import start_vllm_for_target
     from dflashkit.model.target import cpu_facts
     from dflashkit.serving.local import start_local_server
@@ -95,7 +99,7 @@ def bench_engine_serve(cfg: Any, rd: Any, ctx: Any, prompts: list[str]) -> dict[
                     import httpx
 
                     model = httpx.get(url + "/models", timeout=30).json()["data"][0]["id"]
-                rows = _sweep(cfg, url, model, prompts, counters=spec is not None)
+                rows = _sweep(cfg, url, model, prompts, counters=spec is not None, sweep_one=sweep_one)
             methods.append({"method": method, "server": "dflashkit serve" if method == "dflashkit" else "vllm",
                             "speculative": spec, "sweep": rows})
     ar = next((m for m in methods if m["method"] == "ar"), None)

@@ -29,10 +29,10 @@ def start_vllm_for_target(cfg: Any, *, log_path: Path, speculative: dict[str, An
                           served_name: str | None = None) -> Iterator[Any]:
     """vLLM for `target.path` (a HF dir; the tokenizer and template are the target's); yields a vllm.Engine."""
     from dflashkit.engines import vllm
-    from dflashkit.inspect.target import resolve_input
+    from dflashkit.inspect.target import resolve_target_path
     from dflashkit.model.target import text_config_dict
 
-    model_dir, gguf = resolve_input(cfg.target.path, cfg.target.gguf_file)
+    model_dir, gguf = resolve_target_path(cfg.target.path, cfg.target.gguf_file)
     if gguf:
         raise UsageError(f"server.engine=vllm: target.path {cfg.target.path} is a GGUF file",
                          hint="point target.path at a HF model dir (dflashkit converts GGUF assets into one), "

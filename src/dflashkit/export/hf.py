@@ -4,7 +4,7 @@ Usage:
     save_drafter(model, "runs/x/train/final", dtype="bfloat16")   # trainer and export write this
     save_drafter(model, "runs/x/export", head=target_head)        # reduced vocab: + lm_head rows, t2d
     drafter = load_drafter("runs/x/train/final", dtype=torch.float32)  # validated, safetensors only
-    check_fits(drafter.contract, num_layers=30, hidden_size=576, vocab_size=49152)
+    drafter.contract.check(target)                                # fits the loaded target? (exit 2)
     head = read_target_head("path/to/target")                     # [V, H] lm_head (or tied embedding)
 
 `config.json` is `DrafterContract.to_hf_config()` (a Qwen3 config plus `dflash_config`,
@@ -90,7 +90,7 @@ def read_draft_vocab_size(cfg: dict, *, source: str = "config.json") -> int | No
     return None if n == vocab else n
 
 
-def _read_config(drafter_dir: str | Path) -> tuple[Path, dict]:
+def read_config(drafter_dir: str | Path) -> tuple[Path, dict]:
     path = Path(drafter_dir) / "config.json"
     if not path.is_file():
         raise UsageError(f"{path} not found: not a drafter directory",
@@ -103,16 +103,20 @@ def _read_config(drafter_dir: str | Path) -> tuple[Path, dict]:
 
 def read_contract(drafter_dir: str | Path) -> DrafterContract:
     """The contract stored in a drafter dir's `config.json` (UsageError naming the missing key)."""
-    return _contract(*_read_config(drafter_dir))
+    return _contract(*read_config(drafter_dir))
 
 
 def _contract(path: Path, cfg: dict) -> DrafterContract:
+    if "speculators_model_type" in cfg or "speculators_config" in cfg:
+        raise UsageError(f"{path}: a vLLM speculators-format checkpoint (key `speculators_model_type`), not the "
+                         "z-lab format dflashkit decodes with",
+                         hint="`dflashkit import DIR` converts it (or export with export.format=zlab)")
     contract = DrafterContract.from_hf_config(cfg, source=str(path))
     contract.check()
     return contract
 
 
-def _open_weights(drafter_dir: Path) -> dict[str, torch.Tensor]:
+def open_weights(drafter_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -182,10 +186,19 @@ def load_drafter(drafter_dir: str | Path, *, dtype: torch.dtype | None = None,
             file, or reduced-vocab tensors (d2t, t2d, lm_head.weight) that disagree with draft_vocab_size.
     """
     d = Path(drafter_dir)
-    config_path, cfg = _read_config(d)  # read once: the contract and the draft vocab size
+    config_path, cfg = read_config(d)  # read once: the contract and the draft vocab size
     contract = _contract(config_path, cfg)
     size = read_draft_vocab_size(cfg, source=str(config_path))
-    state = _open_weights(d)
+    return build_drafter(contract, size, open_weights(d), d, dtype=dtype, device=device)
+
+
+def build_drafter(contract: DrafterContract, size: int | None, state: dict[str, torch.Tensor], d: Path, *,
+                  dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> DFlashDraftModel:
+    """The drafter from a contract and the tensors of `d`/model.safetensors, checked as `load_drafter` says.
+
+    `size` is the draft vocab size (None: full vocab); the other reader (export/speculators.py) uses this.
+    """
+    config_path = d / "config.json"
     vocab = _draft_vocab(state, size, contract, d / WEIGHTS, config_path)
     model = DFlashDraftModel(contract, draft_vocab=vocab)
     want = model.state_dict()
@@ -206,28 +219,6 @@ def load_drafter(drafter_dir: str | Path, *, dtype: torch.dtype | None = None,
     model.load_state_dict(state, strict=True)
     model.to(device=device, dtype=dtype or stored).eval().requires_grad_(False)
     return model
-
-
-def check_fits(contract: DrafterContract, *, num_layers: int, hidden_size: int, vocab_size: int,
-               where: str = "drafter") -> None:
-    """Raise UsageError (all problems at once) if the drafter cannot run on this target."""
-    problems = []
-    bad = [i for i in contract.target_layer_ids if not 0 <= i < num_layers]
-    if bad:
-        problems.append(f"dflash_config.target_layer_ids {bad} are outside the target's {num_layers} layers")
-    if contract.hidden_size != hidden_size:
-        problems.append(f"hidden_size {contract.hidden_size} != the target's {hidden_size}")
-    if not 0 <= contract.mask_token_id < vocab_size:
-        problems.append(f"dflash_config.mask_token_id {contract.mask_token_id} is outside the target vocab "
-                        f"[0, {vocab_size})")
-    if contract.vocab_size and contract.vocab_size != vocab_size:
-        problems.append(f"vocab_size {contract.vocab_size} != the target's {vocab_size}")
-    if problems:
-        raise UsageError(f"{where} does not fit the target: " + "; ".join(problems),
-                         hint="use a drafter trained for this target, or set target.path to its target")
-    if contract.num_target_layers and contract.num_target_layers != num_layers:
-        log.warning("%s was built for a %d-layer target; this target has %d layers", where,
-                    contract.num_target_layers, num_layers)
 
 
 def read_target_head(target_dir: str | Path) -> torch.Tensor | None:

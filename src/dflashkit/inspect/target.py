@@ -1,7 +1,7 @@
 """Find a target's files and read its facts: the part of `probe` that `plan` and `bench train` share.
 
 Usage:
-    model_dir, gguf_file = resolve_input("smollm2-135m-instruct")     # dir, .gguf, config.json or asset
+    model_dir, gguf_file = resolve_target_path("smollm2-135m-instruct")  # dir, .gguf, config.json or asset
     model_dir, gguf_file, facts, tok = inspect_target(cfg, "path/to/Qwen3-8B", load_tokenizer=False)
 
 Reads files only (json, the GGUF header, tokenizer files); the tokenizer is loaded for real only
@@ -22,8 +22,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("dflashkit.probe")
 
 
-def resolve_input(path: str, gguf_file: str | None = None) -> tuple[Path, str | None]:
-    """(model dir, gguf file name or None) for a dir, a .gguf file, a config.json or an asset name."""
+def resolve_target_path(path: str, gguf_file: str | None = None) -> tuple[Path, str | None]:
+    """THE target-path resolver (probe, plan, load_target, serve, export, import, chat templates).
+
+    Returns (model dir, gguf file name or None) for a model dir, its `config.json`, a `.gguf` file,
+    a dir holding one `.gguf` and no config.json, or an asset name (downloaded when missing).
+    `gguf_file` (target.gguf_file) picks the .gguf inside a dir."""
+    if not path:
+        raise UsageError("target.path is empty", hint="set target.path to a HF model dir, a .gguf file "
+                         "or `smollm2-135m-instruct`")
     p = Path(path).expanduser()
     if not p.exists():
         from dflashkit.assets import ASSETS, asset_path
@@ -54,7 +61,7 @@ def inspect_target(cfg: Any, path: str, *, load_tokenizer: bool = True):
     from dflashkit.inspect.gguf_facts import read_gguf_facts
     from dflashkit.inspect.tokenizer_facts import read_tokenizer_facts, tokenizer_facts_from_gguf
 
-    model_dir, gguf_file = resolve_input(path, cfg.target.gguf_file)
+    model_dir, gguf_file = resolve_target_path(path, cfg.target.gguf_file)
     tok_dir = Path(cfg.target.tokenizer).expanduser() if cfg.target.tokenizer else model_dir
     if gguf_file:
         facts, meta = read_gguf_facts(model_dir / gguf_file)

@@ -13,11 +13,14 @@ feature of layer `id` is the *output* of that decoder layer, i.e. HF `hidden_sta
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from dflashkit.errors import UsageError
+
+log = logging.getLogger("dflashkit.contract")
 
 
 def build_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
@@ -36,6 +39,9 @@ def build_target_layer_ids(num_target_layers: int, num_features: int) -> list[in
     start, end = 1, num_target_layers - 3
     span = end - start
     return [int(round(start + i * span / (num_features - 1))) for i in range(num_features)]
+
+
+REPROBE_HINT = "re-run `dflashkit probe -c run.yaml` for this target"
 
 
 def default_gamma(block_size: int) -> float:
@@ -74,23 +80,47 @@ class DrafterContract:
     def num_features(self) -> int:
         return len(self.target_layer_ids)
 
-    def check(self) -> None:
-        """Internal consistency; raises UsageError naming the field."""
+    def check(self, target: Any = None, *, where: str = "drafter", hint: str | None = None) -> None:
+        """THE contract check: internal consistency and, given a target, whether the drafter fits it.
+
+        Without `target` the layer ids and mask token are checked against the contract's own
+        `num_target_layers` and `vocab_size`; with one (anything with `num_layers`, `hidden_size`,
+        `vocab_size`: a loaded `Target` or `inspect_target` facts as a dict) against the target's,
+        which must also match the contract's hidden and vocab sizes. Raises UsageError (exit 2)
+        listing every problem; a different layer count alone is only a warning.
+        """
+        def fact(name: str) -> int:
+            return int(target[name] if isinstance(target, dict) else getattr(target, name))
+
+        layers = self.num_target_layers if target is None else fact("num_layers")
+        vocab = self.vocab_size if target is None else fact("vocab_size")
         problems = []
         if self.hidden_size % 1 or self.hidden_size <= 0:
             problems.append(f"hidden_size must be > 0, got {self.hidden_size}")
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            problems.append(f"mask_token_id {self.mask_token_id} is outside the target vocab [0, {self.vocab_size})")
-        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        bad = [i for i in self.target_layer_ids if not 0 <= i < layers]
         if bad:
-            problems.append(f"target_layer_ids {bad} are outside the target's layers [0, {self.num_target_layers})")
+            problems.append(f"target_layer_ids {bad} are outside the target's layers [0, {layers})")
+        if not 0 <= self.mask_token_id < vocab:
+            problems.append(f"mask_token_id {self.mask_token_id} is outside the target vocab [0, {vocab})")
+        if target is not None:
+            if self.hidden_size != fact("hidden_size"):
+                problems.append(f"hidden_size {self.hidden_size} != the target's {fact('hidden_size')}")
+            if self.vocab_size and self.vocab_size != vocab:
+                problems.append(f"vocab_size {self.vocab_size} != the target's {vocab}")
         if self.num_attention_heads % max(1, self.num_key_value_heads):
             problems.append(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                             f"num_key_value_heads {self.num_key_value_heads}")
         if self.block_size < 1:
             problems.append(f"block_size must be >= 1, got {self.block_size}")
         if problems:
-            raise UsageError("invalid drafter contract: " + "; ".join(problems))
+            if target is None:
+                raise UsageError("invalid drafter contract: " + "; ".join(problems), hint=hint)
+            name = target.get("model_dir") if isinstance(target, dict) else getattr(target, "model_dir", None)
+            raise UsageError(f"{where} does not fit the target{f' {name}' if name else ''}: " + "; ".join(problems),
+                             hint=hint or "use a drafter trained for this target, or set target.path to its target")
+        if target is not None and self.num_target_layers and self.num_target_layers != layers:
+            log.warning("%s was built for a %d-layer target; this target has %d layers",
+                        where, self.num_target_layers, layers)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -166,7 +196,8 @@ class DrafterContract:
         """Read a z-lab drafter `config.json` (import of an existing checkpoint)."""
         dc = cfg.get("dflash_config")
         if not isinstance(dc, dict):
-            raise UsageError(f"{source}: no `dflash_config` — not a z-lab DFlash drafter config",
+            raise UsageError(f"{source}: no `dflash_config` (z-lab format) and no `speculators_model_type` "
+                             "(vLLM speculators format) — not a DFlash drafter config",
                              hint="export with `dflashkit export`, or add dflash_config "
                              "{mask_token_id, target_layer_ids}")
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads") if k not in cfg]

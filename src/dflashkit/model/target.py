@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from dflashkit.errors import UsageError
+from dflashkit.inspect.target import resolve_target_path
 
 log = logging.getLogger("dflashkit.target")
 
@@ -34,26 +35,6 @@ WRAPPER_KEYS = ("text_config", "language_config", "llm_config", "thinker_config"
 
 class _StopForward(Exception):
     pass
-
-
-def resolve_target_path(path: str, gguf_file: str | None = None) -> tuple[Path, str | None]:
-    """`path` may be a model dir, a .gguf file, or an asset name; returns (dir, gguf file name)."""
-    if not path:
-        raise UsageError("target.path is empty", hint="set target.path to a HF model dir, a .gguf file "
-                         "or `smollm2-135m-instruct`")
-    p = Path(path).expanduser()
-    if not p.exists():
-        from dflashkit.assets import ASSETS, asset_path
-
-        if path in ASSETS:
-            return asset_path(path), None
-        raise UsageError(f"target.path {path!r} does not exist",
-                         hint="give a HF model dir with config.json, a .gguf file, or an asset name")
-    if p.is_file():
-        if p.suffix != ".gguf":
-            raise UsageError(f"target.path {p} is a file but not a .gguf", hint="give the model directory")
-        return p.parent, p.name
-    return p, gguf_file
 
 
 def resolve_device(device: str) -> torch.device:

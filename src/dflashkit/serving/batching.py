@@ -2,7 +2,7 @@
 
 Usage:
     engine = BatchEngine(target, max_batch=8, batch_wait_ms=5).start()   # also a `Decoder`
-    req = engine.submit(prompt_ids, ServeParams(max_new_tokens=64), stream=True)
+    req = engine.submit(prompt_ids, SamplingParams(max_new_tokens=64), stream=True)
     out = req.wait()
 
 How: one worker thread owns a running batch: a preallocated KV cache (`serving.kvcache.SlotCache`:
@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from dflashkit.serving.engine import Completion, Request, _EngineBase, _TextTracker, default_stop_ids
+from dflashkit.decode.api import GenerationResult, default_stop_ids
+from dflashkit.serving.engine import Request, _EngineBase, _TextTracker
 from dflashkit.serving.kvcache import SlotCache
 
 log = logging.getLogger("dflashkit.serve")
@@ -138,7 +139,7 @@ class BatchEngine(_EngineBase):
             gen = torch.Generator(device=self.target.device)
             gen.manual_seed(r.params.seed if r.params.seed is not None else int(time.time_ns() % (1 << 31)))
         limit = max(0, min(r.params.max_new_tokens, self.max_context - len(r.prompt_ids)))
-        return {"out": [], "gen": gen, "limit": limit, "stops": getattr(r, "stop_token_ids", self.stop_token_ids),
+        return {"out": [], "gen": gen, "limit": limit, "stops": self.stop_ids(r),
                 "text": _TextTracker(self.tokenizer, r.params.stop, r.stream)}
 
     def _picks(self) -> list[int]:
@@ -213,6 +214,7 @@ class BatchEngine(_EngineBase):
         text = cut if cut is not None else tracker.text(st["out"])
         if r.stream and len(text) > tracker.sent:
             r.events.put(text[tracker.sent:])
-        out = Completion(text=text, token_ids=list(st["out"]), finish_reason=reason, prompt_tokens=len(r.prompt_ids))
+        out = GenerationResult(text=text, token_ids=list(st["out"]), finish_reason=reason,  # type: ignore[arg-type]
+                               prompt_tokens=len(r.prompt_ids))
         self._count(r, out)
         r._finish(out)

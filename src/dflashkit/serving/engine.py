@@ -2,14 +2,15 @@
 
 Usage:
     engine = SerialEngine(SpecDecoder(target, drafter), tokenizer, default_stop_ids(target)).start()
-    req = engine.submit(prompt_ids, ServeParams(max_new_tokens=64, stop=["\\n\\n"]), stream=True)
+    req = engine.submit(prompt_ids, SamplingParams(max_new_tokens=64, stop=["\\n\\n"]), stream=True)
     for delta in req.deltas(): ...                                  # text pieces (stream)
-    out = req.wait()                                                # Completion: text, token_ids, …
+    out = req.wait()                                                # GenerationResult: text, token_ids, …
     engine.generate(prompt_ids, SamplingParams(...))                # the Decoder protocol (blocking)
 
 The batched engine for plain targets is `serving.batching.BatchEngine`. Both end a request at a
 stop token (kept in `token_ids`, not in the text), at a stop string (the text is cut before it) or
-at `max_new_tokens` ("length"); streamed deltas concatenate exactly to the final text.
+at `max_new_tokens` ("length"); streamed deltas concatenate exactly to the final text. A request's
+stop ids are its `params.stop_token_ids`, or the engine's when those are empty.
 """
 
 from __future__ import annotations
@@ -17,42 +18,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Iterator
 
 from dflashkit.decode.api import GenerationResult, SamplingParams
 
 log = logging.getLogger("dflashkit.serve")
-
-
-@dataclass
-class ServeParams:
-    """What one HTTP request asks for."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 128
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Completion:
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    prompt_tokens: int
-    acceptance_lengths: list[int] = field(default_factory=list)
-
-
-def default_stop_ids(target) -> tuple[int, ...]:
-    """The tokenizer's eos plus the model's generation_config eos id(s)."""
-    tok = target.tokenizer
-    ids = {tok.eos_token_id} if tok is not None and tok.eos_token_id is not None else set()
-    gen_eos = getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)
-    ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
-    return tuple(sorted(int(i) for i in ids))
 
 
 class _TextTracker:
@@ -90,12 +61,12 @@ class RequestCancelled(Exception):
 
 
 class Request:
-    """A submitted request: `deltas()` yields streamed text, `wait()` the Completion, `cancel()` drops it."""
+    """A submitted request: `deltas()` yields streamed text, `wait()` the result, `cancel()` drops it."""
 
-    def __init__(self, prompt_ids: list[int], params: ServeParams, stream: bool):
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, stream: bool):
         self.prompt_ids, self.params, self.stream = list(prompt_ids), params, stream
         self.events: queue.Queue = queue.Queue()
-        self.result: Completion | None = None
+        self.result: GenerationResult | None = None
         self.error: BaseException | None = None
         self._done = threading.Event()
         self.cancelled = threading.Event()
@@ -104,7 +75,7 @@ class Request:
         """Ask the engine to drop this request at its next step (thread-safe, idempotent)."""
         self.cancelled.set()
 
-    def _finish(self, result: Completion | None, error: BaseException | None = None) -> None:
+    def _finish(self, result: GenerationResult | None, error: BaseException | None = None) -> None:
         self.result, self.error = result, error
         self._done.set()
         self.events.put(None)
@@ -116,7 +87,7 @@ class Request:
                 return
             yield item
 
-    def wait(self, timeout: float | None = None) -> Completion:
+    def wait(self, timeout: float | None = None) -> GenerationResult:
         if not self._done.wait(timeout):
             raise TimeoutError("request did not finish in time")
         if self.error is not None:
@@ -150,23 +121,20 @@ class _EngineBase:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
-    def submit(self, prompt_ids: list[int], params: ServeParams, stream: bool = False) -> Request:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, stream: bool = False) -> Request:
         req = Request(prompt_ids, params, stream)
         self.queue.put(req)
         return req
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
-        """The `Decoder` protocol: one blocking request (stop tokens from `params`)."""
-        sp = ServeParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                         max_new_tokens=params.max_new_tokens, seed=params.seed)
-        req = Request(prompt_ids, sp, False)
-        req.stop_token_ids = tuple(params.stop_token_ids) or self.stop_token_ids  # type: ignore[attr-defined]
-        self.queue.put(req)
-        out = req.wait()
-        return GenerationResult(token_ids=out.token_ids, finish_reason=out.finish_reason,  # type: ignore[arg-type]
-                                acceptance_lengths=out.acceptance_lengths)
+        """The `Decoder` protocol: one blocking request."""
+        return self.submit(prompt_ids, params).wait()
 
-    def _count(self, req: Request, out: Completion) -> None:
+    def stop_ids(self, req: Request) -> tuple[int, ...]:
+        """The request's stop token ids, else the engine's."""
+        return tuple(req.params.stop_token_ids) or self.stop_token_ids
+
+    def _count(self, req: Request, out: GenerationResult) -> None:
         with self._lock:
             m = self.metrics
             m["requests"] += 1
@@ -206,9 +174,7 @@ class SerialEngine(_EngineBase):
                 continue
             p = r.params
             try:
-                res = self.decoder.generate(r.prompt_ids, SamplingParams(
-                    temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_new_tokens=p.max_new_tokens,
-                    seed=p.seed, stop_token_ids=getattr(r, "stop_token_ids", self.stop_token_ids)))
+                res = self.decoder.generate(r.prompt_ids, replace(p, stop_token_ids=self.stop_ids(r)))
                 tracker = _TextTracker(self.tokenizer, p.stop, False)
                 ids, reason, text = list(res.token_ids), res.finish_reason, None
                 if tracker.stop and tracker.check(ids)[0] is not None:
@@ -217,9 +183,9 @@ class SerialEngine(_EngineBase):
                         if cut is not None:
                             ids, reason, text = ids[:n], "stop", cut
                             break
-                out = Completion(text=text if text is not None else tracker.text(ids), token_ids=ids,
-                                 finish_reason=reason, prompt_tokens=len(r.prompt_ids),
-                                 acceptance_lengths=list(res.acceptance_lengths))
+                out = GenerationResult(text=text if text is not None else tracker.text(ids), token_ids=ids,
+                                       finish_reason=reason, prompt_tokens=len(r.prompt_ids),
+                                       acceptance_lengths=list(res.acceptance_lengths))
                 if r.stream and out.text:
                     r.events.put(out.text)
                 self._count(r, out)

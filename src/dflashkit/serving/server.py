@@ -35,7 +35,8 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterator
 
-from dflashkit.serving.engine import RequestCancelled, ServeParams
+from dflashkit.decode.api import SamplingParams
+from dflashkit.serving.engine import RequestCancelled
 
 log = logging.getLogger("dflashkit.serve")
 
@@ -75,7 +76,7 @@ class App:
             raise BadRequest(f"chat template failed: {type(e).__name__}: {e}") from None
         return list(self.tok.encode(text, add_special_tokens=False))
 
-    def params(self, body: dict[str, Any]) -> ServeParams:
+    def params(self, body: dict[str, Any]) -> SamplingParams:
         def num(key: str, default, cast):
             v = body.get(key)
             if v is None:
@@ -92,10 +93,10 @@ class App:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise BadRequest("`stop` must be a string or a list of strings")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        p = ServeParams(temperature=num("temperature", 0.0, float), top_p=num("top_p", 1.0, float),
-                        top_k=num("top_k", 0, int), seed=num("seed", None, int),
-                        max_new_tokens=min(self.max_new_tokens, int(max_tokens)) if max_tokens is not None
-                        else min(self.max_new_tokens, 1024), stop=stop)
+        p = SamplingParams(temperature=num("temperature", 0.0, float), top_p=num("top_p", 1.0, float),
+                           top_k=num("top_k", 0, int), seed=num("seed", None, int),
+                           max_new_tokens=min(self.max_new_tokens, int(max_tokens)) if max_tokens is not None
+                           else min(self.max_new_tokens, 1024), stop=stop)
         if p.temperature < 0 or not 0 < p.top_p <= 1 or p.max_new_tokens < 0:
             raise BadRequest("need temperature >= 0, 0 < top_p <= 1, max_tokens >= 0")
         return p
@@ -229,7 +230,7 @@ class Handler(BaseHTTPRequestHandler):
         log.info("client %s disconnected; its request was cancelled", self.address_string())
 
     def _wait(self, req):
-        """The Completion, or None when the client went away meanwhile (the request is cancelled)."""
+        """The GenerationResult, or None when the client went away meanwhile (the request is cancelled)."""
         while True:
             try:
                 return req.wait(timeout=POLL_S)

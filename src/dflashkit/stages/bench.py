@@ -22,19 +22,19 @@ from dflashkit.rundir import RunDir, atomic_write_json
 
 
 def _generate(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.serving.bench import bench_generate
+    from dflashkit.bench.generate import bench_generate
 
     return bench_generate(cfg, rd, ctx)
 
 
 def _serve(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.serving.bench import bench_serve
+    from dflashkit.bench.serve import bench_serve
 
     return bench_serve(cfg, rd, ctx)
 
 
 def _tokenize(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.data.bench import bench_tokenize
+    from dflashkit.bench.tokenize import bench_tokenize
     from dflashkit.data.chat import load_chat
     from dflashkit.stages.tokenize import input_paths
 
@@ -42,19 +42,19 @@ def _tokenize(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
 
 
 def _train(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.train.bench import bench_train
+    from dflashkit.bench.train import bench_train
 
     return bench_train(cfg, rd, ctx)
 
 
 def _decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.decode.bench import bench_decode
+    from dflashkit.bench.decode import bench_decode
 
     return bench_decode(cfg, rd, ctx)
 
 
 def _recipe(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.train.ablation import bench_recipe
+    from dflashkit.bench.recipe import bench_recipe
 
     return bench_recipe(cfg, rd, ctx)
 

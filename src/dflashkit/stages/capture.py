@@ -170,10 +170,10 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
         return {"dry_run": True, **result}
     if todo:
         from dflashkit.model.target import load_target
-        from dflashkit.train.loop import check_compat
+        from dflashkit.model.drafter_config import REPROBE_HINT
 
         target = load_target(cfg.target)
-        check_compat(contract, target, str(rd.contract_path))
+        contract.check(target, where=str(rd.contract_path), hint=REPROBE_HINT)
         pad = (target.tokenizer.pad_token_id if target.tokenizer is not None else 0) or 0
         if autocast is not None:
             log.info("capture: target forward under %s autocast (train.target_dtype=%s)", autocast,

@@ -157,7 +157,7 @@ def drift_checks(cfg: Any, urls: list[str], timeout: float = 30.0) -> list[dict[
     import asyncio
 
     from dflashkit.data.drift import describe
-    from dflashkit.serving.preflight import local_chat
+    from dflashkit.generate.preflight import local_chat
 
     try:
         chat = local_chat(cfg)
@@ -182,9 +182,9 @@ def drift_checks(cfg: Any, urls: list[str], timeout: float = 30.0) -> list[dict[
 
 
 async def _preflight_one(cfg: Any, url: str, chat: Any, timeout: float):
-    from dflashkit.serving.openai_client import OpenAIClient
-    from dflashkit.serving.preflight import Sender, local_prompt_ids, preflight
-    from dflashkit.serving.preflight import request_body, sampling_settings
+    from dflashkit.generate.openai_client import OpenAIClient
+    from dflashkit.generate.preflight import Sender, local_prompt_ids, preflight
+    from dflashkit.generate.preflight import request_body, sampling_settings
 
     async with OpenAIClient([url], concurrency=1, timeout_s=timeout, max_retries=0,
                             api_key_env=cfg.server.api_key_env) as client:

@@ -199,7 +199,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     from dflashkit.decode.runner import (draft_dtype_for, load_prompt_messages, render_prompts,
                                          resolve_drafter_dir)
     from dflashkit.decode.spec_decode import SpecDecoder
-    from dflashkit.export.hf import check_fits, load_drafter, read_contract
+    from dflashkit.export.hf import load_drafter, read_contract
     from dflashkit.model.target import load_target
 
     t0 = time.time()
@@ -217,8 +217,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
                 "dtype": e.dtype, "prompt_lookup": e.prompt_lookup}
     tcfg = cfg.target if e.dtype in ("target", "auto") else dataclasses.replace(cfg.target, dtype=e.dtype)
     target = load_target(tcfg)
-    check_fits(contract, num_layers=target.num_layers, hidden_size=target.hidden_size,
-               vocab_size=target.vocab_size, where=f"drafter {drafter_dir}")
+    contract.check(target, where=f"drafter {drafter_dir}")
     ids = render_prompts(target.tokenizer, prompts, cfg.tokenize.chat_template_kwargs)
     check = SpecDecoder(target, None, 1, max_context=e.max_context)
     for i, p in enumerate(ids):  # every prompt must fit before anything is decoded

@@ -8,6 +8,9 @@ Outputs: `export.out_dir` (default `<run_dir>/export/`): config.json (architectu
          `AutoModel.from_pretrained(dir, trust_remote_code=True)`), README.md (model card with the
          SGLang and vLLM launch lines), manifest.json.
 Example: dflashkit export -c run.yaml export.dtype=bfloat16
+         dflashkit export -c run.yaml --format speculators   (export.format: vLLM's own format,
+         export/speculators.py: config.json + model.safetensors + README.md + manifest.json, reloaded
+         through our speculators reader and compared the same way; no dflash.py)
 
 The dir is built in a temp dir beside the destination, reloaded twice (our loader and the shipped
 dflash.py) and compared with the source drafter on a fixed input — the logits through the target's
@@ -47,13 +50,15 @@ def _counts(rd: Any) -> dict[str, Any]:
     return out
 
 
-def model_card(cfg: Any, contract: Any, out_dir: Path, rd: Any, draft_vocab_size: int | None = None) -> str:
-    """README.md: target, data counts, settings, measured τ/speedup, launch lines."""
+def model_card(cfg: Any, contract: Any, out_dir: Path, rd: Any, draft_vocab_size: int | None = None,
+               fmt: str = "zlab") -> str:
+    """README.md: target, data counts, settings, measured τ/speedup, launch lines (for format `fmt`)."""
     b = contract.block_size
     target = cfg.target.path or "TARGET"
     lines = ["---", "library_name: transformers", "tags: [dflash, speculative-decoding, block-diffusion, dflashkit]",
              f"base_model: {target}", "---", "", f"# {cfg.run.name}: DFlash drafter for `{target}`", "",
-             "A DFlash block-diffusion draft model (z-lab checkpoint format) trained with dflashkit.", "",
+             "A DFlash block-diffusion draft model (" + ("vLLM speculators" if fmt == "speculators" else "z-lab")
+             + " checkpoint format) trained with dflashkit.", "",
              "## Settings", "", "| key | value |", "|---|---|"]
     for k in ("block_size", "num_draft_layers", "target_layer_ids", "mask_token_id", "num_target_layers",
               "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size"):
@@ -75,6 +80,11 @@ def model_card(cfg: Any, contract: Any, out_dir: Path, rd: Any, draft_vocab_size
                          f"{r['decode_tokens_per_s']:.1f} |")
         lines.append(f"\n{res.get('prompts')} prompts, max_new_tokens {res.get('max_new_tokens')}, "
                      f"temperature {res.get('temperature')}, device {res.get('device')}.")
+    if fmt == "speculators":  # vLLM reads the target and the draft length from config.json
+        return "\n".join(lines + ["", "## Serve", "", "vLLM (the target is `speculators_config.verifier`):", "",
+                                  "```bash", f"vllm serve {out_dir}", "```", "",
+                                  "SGLang and transformers read the z-lab format: `dflashkit export "
+                                  "export.format=zlab`.", ""])
     lines += ["", "## Serve", "", "SGLang:", "", "```bash",
               f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
               f"--speculative-draft-model-path {out_dir} --speculative-num-draft-tokens {b}", "```", "",
@@ -134,7 +144,7 @@ def reload_check(source: Any, export_dir: Path, head: Any, atol: float) -> dict[
 
 def _target_head(cfg: Any):
     from dflashkit.export.hf import read_target_head
-    from dflashkit.model.target import resolve_target_path
+    from dflashkit.inspect.target import resolve_target_path
 
     if not cfg.target.path:
         return None
@@ -165,7 +175,8 @@ def _loaded_target_head(cfg: Any, hidden_size: int):
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     import torch
 
-    from dflashkit.export.hf import MODELING_FILE, load_drafter, save_drafter
+    from dflashkit.export.hf import MODELING_FILE, save_drafter
+    from dflashkit.export.speculators import load_any_drafter
 
     t0 = time.time()
     from dflashkit.train.checkpoint import read_best, trained_drafter_dir
@@ -179,8 +190,11 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         raise MissingArtifactError("trained drafter", src, run="dflashkit train -c run.yaml")
     out = Path(cfg.export.out_dir) if cfg.export.out_dir else rd.root / "export"
     if ctx.dry_run:
-        return {"dry_run": True, "source": str(src), "source_kind": which, "out_dir": str(out)}
-    model = load_drafter(src, dtype=torch.float32)
+        return {"dry_run": True, "source": str(src), "source_kind": which, "out_dir": str(out),
+                "format": cfg.export.format}
+    if cfg.export.format == "speculators":
+        return _run_speculators(cfg, rd, src, which, source, out, t0)
+    model, _ = load_any_drafter(src, dtype=torch.float32)  # a speculators source converts back to z-lab
     head = _target_head(cfg)
     if head is not None and head.shape[-1] != model.contract.hidden_size:
         head = None
@@ -203,3 +217,21 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     return {"out_dir": str(out), "source": str(src), "source_info": source, "dtype": cfg.export.dtype, "block_size": model.contract.block_size,
             "reload_check": check,
             **({"draft_vocab_size": model.draft_vocab_size} if model.draft_vocab is not None else {})}
+
+
+def _run_speculators(cfg: RunConfig, rd: RunDir, src: Path, which: str, source: dict[str, Any], out: Path,
+                     t0: float) -> dict[str, Any]:
+    """export.format=speculators: vLLM's own format (export/speculators.py), checked the same way."""
+    from dflashkit.export.speculators import export_speculators
+
+    res = export_speculators(src, out, target=cfg.target, dtype=cfg.export.dtype, atol=cfg.export.check_atol,
+                             readme=lambda m: model_card(cfg, m.contract, out.resolve(), rd, m.draft_vocab_size,
+                                                         fmt="speculators"),
+                             config_hash=stage_hash("export", cfg), inputs={"source_kind": which})
+    if out.resolve() != rd.stage_dir("export", create=False).resolve():
+        write_manifest(rd.stage_dir("export"), stage="export", config_hash=stage_hash("export", cfg), started=t0,
+                       inputs={"source": str(src)}, outputs=[str(out)],
+                       extra={"format": "speculators", "reload_check": res["reload_check"]})
+    log.info("exported %s (%s) → %s, speculators format (reload check: max diff %.2g)", src, which, out,
+             res["reload_check"]["max_diff_vs_source"])
+    return {**res, "source": str(src), "source_info": source}

@@ -1,8 +1,10 @@
-"""`dflashkit import DIR [DEST]`: adopt an existing z-lab DFlash drafter dir for `eval` or `train`.
+"""`dflashkit import DIR [DEST]`: adopt an existing DFlash drafter dir (z-lab or speculators) for `eval` or `train`.
 
-Inputs:  DIR with config.json (+ `dflash_config`) and model.safetensors; the target (`target.path`).
+Inputs:  DIR with config.json (+ `dflash_config`, or vLLM speculators keys: told apart by config.json's
+         `speculators_config` / `speculators_model_type`) and model.safetensors; the target (`target.path`).
 Outputs: DEST (default `<run_dir>/train/final/`, a relative DEST is under the run dir) holding
-         config.json, model.safetensors (and dflash.py if DIR had one); `contract.json` if absent;
+         config.json, model.safetensors (and dflash.py if DIR had one) — always z-lab format, a speculators
+         DIR is converted (its embedding and head copies dropped); `contract.json` if absent;
          `<run_dir>/import/manifest.json`.
 Example: dflashkit import ~/ckpt/Qwen3-8B-DFlash-b16 -c run.yaml
 
@@ -15,9 +17,7 @@ size, mask id and vocab inside the target's). An existing DEST is never overwrit
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from typing import Any
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
 from dflashkit.errors import UsageError
-from dflashkit.rundir import RunDir, atomic_write_json, write_manifest
+from dflashkit.rundir import RunDir, atomic_dir, atomic_write_json, write_manifest
 from dflashkit.stage_table import stage_hash
 
 log = logging.getLogger("dflashkit.import")
@@ -33,7 +33,8 @@ log = logging.getLogger("dflashkit.import")
 
 def target_facts(cfg: Any) -> dict[str, Any]:
     """num layers, hidden size, vocab, context of the target, from its config (no weights loaded)."""
-    from dflashkit.model.target import load_target, resolve_target_path, text_config_dict
+    from dflashkit.inspect.target import resolve_target_path
+    from dflashkit.model.target import load_target, text_config_dict
 
     if not cfg.target.path:
         raise UsageError("`dflashkit import` needs the target to check the drafter against",
@@ -53,7 +54,8 @@ def target_facts(cfg: Any) -> dict[str, Any]:
 
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.export.hf import MODELING_FILE, WEIGHTS, check_fits, load_drafter
+    from dflashkit.export.hf import MODELING_FILE, WEIGHTS
+    from dflashkit.export.speculators import head_mismatch, load_any_drafter
 
     t0 = time.time()
     if not ctx.positionals:
@@ -63,31 +65,27 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         raise UsageError(f"{src} is not a directory", hint="pass the drafter dir (config.json + model.safetensors)")
     dest = Path(ctx.positionals[1]) if len(ctx.positionals) > 1 else Path("train") / "final"
     dest = dest if dest.is_absolute() else rd.root / dest
-    model = load_drafter(src)  # validates config keys, tensor names, shapes, file integrity
+    model, fmt = load_any_drafter(src)  # z-lab or speculators; validates keys, tensor names, shapes, integrity
     contract = model.contract
     facts = target_facts(cfg)
-    check_fits(contract, num_layers=facts["num_layers"], hidden_size=facts["hidden_size"],
-               vocab_size=facts["vocab_size"], where=f"drafter {src}")
+    if fmt == "speculators":  # its config does not record the target's depth; its head should be the target's
+        contract.num_target_layers = facts["num_layers"]
+        head_mismatch(src, cfg.target)
+    contract.check(facts, where=f"drafter {src}")
     if dest.exists():
         raise UsageError(f"{dest} already exists; not overwriting it",
                          hint="pass another DEST (dflashkit import DIR DEST) or move the existing dir away")
     if ctx.dry_run:
         return {"dry_run": True, "source": str(src), "dest": str(dest), "fits": True}
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    try:
-        for name in ("config.json", WEIGHTS, MODELING_FILE):
+    with atomic_dir(dest) as tmp:  # dest does not exist (checked above): nothing is ever replaced
+        for name in ("config.json", WEIGHTS, MODELING_FILE) if fmt == "zlab" else ():
             if (src / name).is_file():
                 shutil.copyfile(src / name, tmp / name)
-        if not (tmp / WEIGHTS).is_file():  # sharded source: write one file in our format
+        if not (tmp / WEIGHTS).is_file():  # sharded or speculators source: write one file in our format
             from dflashkit.export.hf import save_drafter
 
             save_drafter(model, tmp, dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
-        os.replace(tmp, dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
     wrote_contract = False
     if not rd.contract_path.is_file():
@@ -104,6 +102,6 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     write_manifest(rd.stage_dir("import"), stage="import", config_hash=stage_hash("import", cfg), started=t0,
                    inputs={"source": str(src.resolve())}, outputs=[str(dest)],
                    counts={"tensors": len(model.state_dict())})
-    log.info("imported %s → %s%s", src, dest, " (wrote contract.json)" if wrote_contract else "")
-    return {"source": str(src), "dest": str(dest), "block_size": contract.block_size,
+    log.info("imported %s (%s format) → %s%s", src, fmt, dest, " (wrote contract.json)" if wrote_contract else "")
+    return {"source": str(src), "format": fmt, "dest": str(dest), "block_size": contract.block_size,
             "target_layer_ids": contract.target_layer_ids, "wrote_contract": wrote_contract}

@@ -24,7 +24,7 @@ from typing import Any
 
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
-from dflashkit.inspect.target import inspect_target, resolve_input  # noqa: F401  (re-exported)
+from dflashkit.inspect.target import inspect_target
 from dflashkit.rundir import RunDir
 
 log = logging.getLogger("dflashkit.probe")

@@ -62,9 +62,9 @@ def load_tokenized(rd) -> TokenData:
     data = TokenData([], [], [], shards, [])
     for si, path in enumerate(shards):
         try:
-            names = pq.read_schema(path).names
-            table = pq.read_table(path, columns=["id", "input_ids", "loss_mask"] +
-                                  (["source"] if "source" in names else []))
+            shard = pq.ParquetFile(path)  # one open: the schema, then the columns
+            names = shard.schema_arrow.names
+            table = shard.read(columns=["id", "input_ids", "loss_mask"] + (["source"] if "source" in names else []))
         except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad files
             raise UsageError(f"{path}: cannot read tokenized shard ({e})",
                              hint="re-run `dflashkit tokenize -c run.yaml`") from None

@@ -35,7 +35,7 @@ import torch
 from dflashkit.errors import UsageError
 from dflashkit.model.draft_vocab import label_token_counts, restricted_head, vocab_from_counts
 from dflashkit.model.drafter import DFlashDraftModel
-from dflashkit.model.drafter_config import DrafterContract
+from dflashkit.model.drafter_config import REPROBE_HINT, DrafterContract
 from dflashkit.model.target import target_autocast
 from dflashkit.train import checkpoint as ckpt
 from dflashkit.train.data import Batch, BatchPlan, FeatureStore, TokenData, collate, load_tokenized, split_heldout
@@ -51,23 +51,6 @@ if TYPE_CHECKING:
     from dflashkit.rundir import RunDir
 
 log = logging.getLogger("dflashkit.train")
-
-
-def check_compat(contract: DrafterContract, target, source: str) -> None:
-    """Contract vs loaded target; every mismatch is a UsageError naming contract.json (exit 2)."""
-    problems = []
-    if contract.hidden_size != target.hidden_size:
-        problems.append(f"hidden_size {contract.hidden_size} != the target's {target.hidden_size}")
-    if not 0 <= contract.mask_token_id < target.vocab_size:
-        problems.append(f"mask_token_id {contract.mask_token_id} is outside the target embedding "
-                        f"[0, {target.vocab_size})")
-    bad = [i for i in contract.target_layer_ids if not 0 <= i < target.num_layers]
-    if bad:
-        problems.append(f"target_layer_ids {bad} are outside the target's {target.num_layers} layers")
-    if problems:
-        raise UsageError(f"{source} does not match the target {target.model_dir}: " + "; ".join(problems),
-                         hint="re-run `dflashkit probe -c run.yaml` for this target")
-    contract.check()
 
 
 def feature_noise(feats: torch.Tensor, b: Batch, *, scale: float, n_feat: int) -> torch.Tensor:
@@ -238,7 +221,7 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
     check_recipe(cfg.train)
     data = load_tokenized(rd)
     target = load_target(cfg.target, device=str(dist.device))
-    check_compat(contract, target, str(rd.contract_path))
+    contract.check(target, where=str(rd.contract_path), hint=REPROBE_HINT)
     if cfg.train.features == "cached":
         data.features = FeatureStore(rd.root / "capture", data.shards, contract.target_layer_ids)
         if cfg.train.labels == "target":

@@ -1,44 +1,15 @@
-"""Test gear: tiny targets (from `dflashkit.model.tiny`), random drafters, our server on a free port.
+"""Our `dflashkit serve` app on 127.0.0.1 (a free port) in a thread, for tests.
 
 Usage:
-    make_tiny_target("/tmp/t", arch="qwen3")                  # Qwen3ForCausalLM + byte tokenizer
-    python -m dflashkit.testing /tmp/t qwen3
-    with serving({"target": {"path": "/tmp/t"}}) as (app, url): ...   # our `serve` on 127.0.0.1
+    with serving({"target": {"path": "/tmp/t"}}) as (app, url): ...          # the real app
+    with penalty_serving("/tmp/t", default_penalty=1.5) as (app, url): ...   # a server with its own defaults
 """
 
 from __future__ import annotations
 
-import sys
 from contextlib import contextmanager
 from pathlib import Path
-
-from dflashkit.model.tiny import (  # noqa: F401
-    CHATML_TEMPLATE,
-    SPECIALS,
-    TINY_VOCAB,
-    make_byte_tokenizer,
-    make_tiny_target,
-    tiny_config,
-)
-
-
-def random_drafter(target, block_size: int = 4, layers: int = 1, seed: int = 0, **overrides):
-    """A small random drafter that fits a loaded `Target` (arbitrary but real drafts)."""
-    import torch
-
-    from dflashkit.model.drafter import DFlashDraftModel
-    from dflashkit.model.drafter_config import DrafterContract, build_target_layer_ids
-
-    n = target.num_layers
-    heads = 4
-    fields = dict(block_size=block_size, num_draft_layers=layers,
-                  target_layer_ids=build_target_layer_ids(n, 2) if n >= 4 else [n // 2],
-                  mask_token_id=target.vocab_size - 1, num_target_layers=n, hidden_size=target.hidden_size,
-                  num_attention_heads=heads, num_key_value_heads=2, head_dim=target.hidden_size // heads,
-                  intermediate_size=2 * target.hidden_size, vocab_size=target.vocab_size)
-    fields.update(overrides)
-    torch.manual_seed(seed)
-    return DFlashDraftModel(DrafterContract(**fields)).eval()
+from typing import Literal
 
 
 @contextmanager
@@ -77,7 +48,8 @@ def penalty_serving(target_path: str | Path, default_penalty: float = 1.5):
 
     from dflashkit.config import TargetSection
     from dflashkit.model.target import load_target
-    from dflashkit.serving.engine import Completion, _EngineBase, default_stop_ids
+    from dflashkit.decode.api import GenerationResult, default_stop_ids
+    from dflashkit.serving.engine import _EngineBase
     from dflashkit.serving.server import App, serve_in_thread
 
     target = load_target(TargetSection(path=str(target_path)))
@@ -99,9 +71,9 @@ def penalty_serving(target_path: str | Path, default_penalty: float = 1.5):
                         max_new_tokens=r.params.max_new_tokens, do_sample=False, repetition_penalty=penalty,
                         eos_token_id=list(stop_ids), pad_token_id=stop_ids[0])
                 ids = out[0, len(r.prompt_ids):].tolist()
-                reason = "stop" if ids and ids[-1] in stop_ids else "length"
-                done = Completion(text=self.tokenizer.decode(ids, skip_special_tokens=True), token_ids=ids,
-                                  finish_reason=reason, prompt_tokens=len(r.prompt_ids))
+                reason: Literal["stop", "length"] = "stop" if ids and ids[-1] in stop_ids else "length"
+                done = GenerationResult(text=self.tokenizer.decode(ids, skip_special_tokens=True), token_ids=ids,
+                                        finish_reason=reason, prompt_tokens=len(r.prompt_ids))
                 self._count(r, done)
                 r._finish(done)
 
@@ -122,9 +94,3 @@ def penalty_serving(target_path: str | Path, default_penalty: float = 1.5):
     finally:
         engine.stop()
         torch.set_num_threads(threads)
-
-
-if __name__ == "__main__":
-    make_tiny_target(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "qwen3",
-                     wrapper=sys.argv[3] if len(sys.argv) > 3 else None)
-    print(sys.argv[1])

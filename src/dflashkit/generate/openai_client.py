@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 
 from dflashkit.config import redact_url
-from dflashkit.serving.http1 import Http1Client, HttpConnectError, HttpDropped, HttpError, HttpTimeout
+from dflashkit.generate.http1 import Http1Client, HttpConnectError, HttpDropped, HttpError, HttpTimeout
 
 log = logging.getLogger("dflashkit.generate")
 
@@ -255,7 +255,7 @@ class OpenAIClient:
                 status, headers, body = await self._fast.request("POST", endpoint, payload)
             else:
                 resp = await self._http.post(endpoint, content=payload)  # type: ignore[union-attr]
-                status, headers, body = resp.status_code, resp.headers, resp.content
+                status, headers, body = resp.status_code, dict(resp.headers), resp.content
         except (httpx.TimeoutException, HttpTimeout) as e:
             raise _Retryable("timeout", type(e).__name__) from None
         except (httpx.ConnectError, HttpConnectError) as e:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from typing import Any
 from urllib.parse import urlsplit
 
 
@@ -159,7 +160,7 @@ class Http1Client:
 
     async def _connect(self, scheme: str, host: str, port: int) -> _Conn:
         loop = asyncio.get_running_loop()
-        kw = {}
+        kw: dict[str, Any] = {}
         if scheme == "https":
             self._ssl = self._ssl or ssl.create_default_context()
             kw = {"ssl": self._ssl, "server_hostname": host}

@@ -64,7 +64,7 @@ def _scan_shard(path: Path, *, last: bool) -> tuple[list[dict[str, Any]], int, i
             lineno = data.count(b"\n", 0, pos) + 1
             raise UsageError(f"{path}:{lineno}: corrupt journal line in the middle of a shard",
                              hint=f"delete {path.parent} to regenerate, or remove that line by hand")
-        records.append(rec)
+        records.append(rec)  # type: ignore[arg-type]  # a dict: checked above
         pos = end
     return records, pos, torn
 

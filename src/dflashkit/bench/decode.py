@@ -19,7 +19,7 @@ import logging
 import time
 from typing import Any
 
-from dflashkit.decode.api import GenerationResult, SamplingParams
+from dflashkit.decode.api import Decoder, GenerationResult, SamplingParams
 from dflashkit.errors import UsageError
 
 log = logging.getLogger("dflashkit.bench")
@@ -76,12 +76,14 @@ def bench_decode(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
     ids = render_prompts(target.tokenizer, prompts, cfg.tokenize.chat_template_kwargs)
     params = params_for(cfg, target)
     drafter = load_drafter(drafter_dir, dtype=target.dtype, device=target.device)
-    decoders = {"baseline": SpecDecoder(target, None, 1, max_context=cfg.eval.max_context),
-                "ours": SpecDecoder(target, drafter, bs, max_context=cfg.eval.max_context,
-                                    draft_dtype=draft_dtype_for(cfg, target)),
-                "reference": ReferenceDecoder(target, str(drafter_dir), bs)}
+    baseline = SpecDecoder(target, None, 1, max_context=cfg.eval.max_context)
+    decoders: dict[str, Decoder] = {
+        "baseline": baseline,
+        "ours": SpecDecoder(target, drafter, bs, max_context=cfg.eval.max_context,
+                            draft_dtype=draft_dtype_for(cfg, target)),
+        "reference": ReferenceDecoder(target, str(drafter_dir), bs)}
     for i, p in enumerate(ids):
-        decoders["baseline"].check_prompt(len(p), params.max_new_tokens, what=f"prompt {i}")
+        baseline.check_prompt(len(p), params.max_new_tokens, what=f"prompt {i}")
     runs = run_interleaved(decoders, ids, params, warmup=max(1, cfg.eval.warmup), base_seed=cfg.run.seed)
 
     base_t, ours_t = summarize_timing(runs["baseline"]), summarize_timing(runs["ours"])

@@ -79,13 +79,14 @@ def _timed(fn, iters: int, device: torch.device) -> float:
 def bench_train(cfg, rd, ctx) -> dict:
     """Measure one training step (see the module docstring); returns the numbers."""
     from dflashkit.model.target import cpu_facts, load_target, target_autocast
-    from dflashkit.train.loop import autocast_dtype, check_compat
+    from dflashkit.model.drafter_config import REPROBE_HINT
+    from dflashkit.train.loop import autocast_dtype
     from dflashkit.train.optim import build_optimizer
 
     iters = int(ctx.positionals[1]) if len(ctx.positionals) > 1 else 5
     target = load_target(cfg.target)
     contract = _contract(cfg, rd)
-    check_compat(contract, target, str(rd.contract_path))
+    contract.check(target, where=str(rd.contract_path), hint=REPROBE_HINT)
     dev = target.device
     ids, lm, lens = (t.to(dev) for t in _batch(cfg, rd, target))
     att = (torch.arange(ids.shape[1], device=dev)[None] < lens[:, None]).long()

@@ -4,7 +4,7 @@ Usage:
     with FaultServer(Faults(rates={"429": 0.1, "500": 0.1, "timeout": 0.05, "drop": 0.05,
                                    "malformed": 0.05}, seed=0)) as srv:
         srv.url                    # "http://127.0.0.1:<port>/v1"; srv.stats counts every outcome
-    python -m dflashkit.serving.faults '{"latency_s": [0.001, 0.01]}'   # prints its URL, serves forever
+    python -m dflashkit.testing.faults '{"latency_s": [0.001, 0.01]}'   # prints its URL, serves forever
 
 Answers are canned and deterministic: `canned_answer(messages)` (the test oracle) depends on the
 whole conversation sent, so a client that feeds the wrong history gets a different answer. Faults
@@ -133,7 +133,7 @@ class FaultServer:
         self.lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._server = None
+        self._server: asyncio.base_events.Server | None = None
 
     @property
     def url(self) -> str:
@@ -226,15 +226,15 @@ class FaultServer:
         def main() -> None:
             self._loop = asyncio.new_event_loop()
             asyncio.set_event_loop(self._loop)
-            self._server = self._loop.run_until_complete(
+            server = self._server = self._loop.run_until_complete(
                 self._loop.create_server(lambda: _Proto(self), self.host, self.port, backlog=1024))
-            self.port = self._server.sockets[0].getsockname()[1]
+            self.port = server.sockets[0].getsockname()[1]
             ready.set()
             self._loop.run_forever()
             for task in asyncio.all_tasks(self._loop):
                 task.cancel()
-            self._server.close()
-            self._loop.run_until_complete(self._server.wait_closed())
+            server.close()
+            self._loop.run_until_complete(server.wait_closed())
             self._loop.close()
 
         self._thread = threading.Thread(target=main, name="fault-server", daemon=True)
@@ -256,7 +256,7 @@ class FaultServer:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m dflashkit.serving.faults '<Faults JSON>' [port]`: print the URL, serve until killed."""
+    """`python -m dflashkit.testing.faults '<Faults JSON>' [port]`: print the URL, serve until killed."""
     argv = sys.argv[1:] if argv is None else argv
     opts = json.loads(argv[0]) if argv else {}
     if "latency_s" in opts:

@@ -1,13 +1,8 @@
-"""`dflashkit bench generate|serve`: the generate client's overhead, and endpoint concurrency sweeps.
+"""`dflashkit bench serve`: concurrency sweeps over one or two OpenAI-compatible endpoints.
 
 Usage:
-    dflashkit bench generate -c run.yaml bench.generate_requests=4000
     dflashkit bench serve -c run.yaml bench.urls='[http://127.0.0.1:8000/v1,http://127.0.0.1:8001/v1]'
 
-`bench_generate` starts the zero-latency canned server (`serving.faults`, a raw asyncio HTTP/1.1
-server) in its own process, so the numbers are the client's: requests/s and client CPU seconds per
-request (`time.process_time`) for (a) `OpenAIClient.chat` alone and (b) the whole `generate` stage
-(request bodies, journal lines with batched fsync, final assembly) on single-turn conversations.
 `bench_serve` sweeps `bench.concurrency` over one or two endpoints (none: a local `dflashkit serve`
 for target.path) and reports output tokens/s, requests/s, latency p50/p90/p99 and, with two
 endpoints, the tokens/s speedup of the second over the first at each concurrency.
@@ -19,17 +14,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import subprocess
 import sys
-import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
-
-from dflashkit.serving.openai_client import OpenAIClient
 
 log = logging.getLogger("dflashkit.bench")
 
@@ -43,76 +34,6 @@ DEFAULT_PROMPTS = [
     "Give three tips for writing clear technical documentation.",
     "Translate 'good morning, how are you?' into French and Spanish.",
 ]
-
-
-def spawn_canned_server(options: dict[str, Any] | None = None) -> tuple[subprocess.Popen, str]:
-    """Start `python -m dflashkit.serving.faults` in its own process; return (process, base URL)."""
-    proc = subprocess.Popen([sys.executable, "-m", "dflashkit.serving.faults", json.dumps(options or {})],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    assert proc.stdout is not None
-    url = proc.stdout.readline().decode().strip()
-    if not url.startswith("http"):
-        proc.kill()
-        from dflashkit.errors import ServerError
-
-        raise ServerError("the zero-latency bench server did not start")
-    return proc, url
-
-
-async def _client_rate(url: str, n: int, concurrency: int, warmup: int) -> dict[str, float]:
-    async with OpenAIClient([url], concurrency=concurrency, max_retries=0, timeout_s=30) as client:
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-
-        async def burst(k: int) -> None:
-            await asyncio.gather(*(client.chat({**body, "seed": i}) for i in range(k)))
-
-        await burst(warmup)
-        cpu0, t0 = time.process_time(), time.perf_counter()
-        await burst(n)
-        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    return {"requests": n, "wall_s": round(wall, 4), "requests_per_s": round(n / wall, 1),
-            "client_cpu_s_per_request": cpu / n, "client_cpu_us_per_request": round(1e6 * cpu / n, 1)}
-
-
-def _stage_rate(url: str, n: int, concurrency: int) -> dict[str, float]:
-    from dflashkit.config import config_from_dict
-    from dflashkit.context import StageContext
-    from dflashkit.rundir import RunDir
-    from dflashkit.stages import generate
-
-    with tempfile.TemporaryDirectory(prefix="dflashkit-bench-") as tmp:
-        rd = RunDir(tmp)
-        lines = [json.dumps({"id": f"{i:016x}", "source": "bench",
-                             "messages": [{"role": "user", "content": f"prompt {i}"}]}) for i in range(n)]
-        (rd.stage_dir("prepare") / "train.jsonl").write_text("\n".join(lines) + "\n")
-        cfg = config_from_dict({"run": {"run_dir": tmp}, "server": {"urls": [url], "model": "m"},
-                                "generate": {"concurrency": concurrency, "progress": False, "max_tokens": 8}})
-        cpu0, t0 = time.process_time(), time.perf_counter()
-        out = generate.run(cfg, rd, StageContext(command="generate", json=True))
-        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    assert out["generate"]["turns_ok"] == n
-    return {"requests": n, "wall_s": round(wall, 4), "requests_per_s": round(n / wall, 1),
-            "client_cpu_us_per_request": round(1e6 * cpu / n, 1)}
-
-
-def bench_generate(cfg, rd, ctx) -> dict[str, Any]:
-    b = cfg.bench
-    proc, url = spawn_canned_server()
-    try:
-        raw = asyncio.run(_client_rate(url, b.generate_requests, b.generate_concurrency,
-                                       warmup=min(500, b.generate_requests)))
-        stage = _stage_rate(url, b.generate_requests, b.generate_concurrency)
-    finally:
-        proc.kill()
-        proc.wait()
-    result = {"client": raw, "stage": stage, "concurrency": b.generate_concurrency,
-              "goal_requests_per_s": 2000, "meets_goal": raw["requests_per_s"] >= 2000}
-    if not ctx.json:
-        print(f"{'path':<8} {'req/s':>9} {'client CPU µs/req':>18}\n"
-              f"{'client':<8} {raw['requests_per_s']:>9.0f} {raw['client_cpu_us_per_request']:>18.0f}\n"
-              f"{'stage':<8} {stage['requests_per_s']:>9.0f} {stage['client_cpu_us_per_request']:>18.0f}",
-              file=sys.stderr)
-    return result
 
 
 def _percentile(xs: list[float], q: float) -> float | None:
@@ -176,7 +97,7 @@ def bench_serve(cfg, rd, ctx) -> dict[str, Any]:
     if not b.urls and cfg.server.engine == "vllm":  # AR vs ngram vs DFlash (vs `dflashkit serve`) in vLLM
         from dflashkit.engines.bench import bench_engine_serve
 
-        return bench_engine_serve(cfg, rd, ctx, prompts)
+        return bench_engine_serve(cfg, rd, ctx, prompts, _sweep_one)
     with ExitStack() as stack:
         urls = [u.rstrip("/") for u in b.urls]
         if not urls:

@@ -22,7 +22,7 @@ from typing import Any
 
 from dflashkit.data.drift import PromptCheck, compare_prompt
 from dflashkit.errors import ConfigError
-from dflashkit.serving.openai_client import ChatReply, OpenAIClient, RequestFailed
+from dflashkit.generate.openai_client import ChatReply, OpenAIClient, RequestFailed
 
 log = logging.getLogger("dflashkit.generate")
 

@@ -1,0 +1,9 @@
+"""The benchmarks behind `dflashkit bench SUBJECT` (one module per subject; `stages/bench.py` dispatches).
+
+    generate.py   the generate client's req/s and CPU per request against a zero-latency server
+    serve.py      concurrency sweeps over one or two OpenAI-compatible endpoints
+    tokenize.py   the tokenize stage's samples/s vs the raw batched tokenizer
+    train.py      a drafter training step vs the target forward
+    decode.py     speculative decoding vs block_size=1 vs the reference dflash_generate
+    recipe.py     short training runs of recipe variants on a run's data (held-out τ, acc@1, bigram)
+"""

@@ -1,0 +1,333 @@
+"""The regeneration loop of `dflashkit generate`: the journal's missing turns → requests → journal, then outputs.
+
+Usage (what `stages/generate.py` does; `bench generate` times the same call):
+    out = generate_conversations(cfg, convs, stage_dir, servers=lambda: list(cfg.server.urls))
+    out.summary["turns_ok"], out.failures, out.settings, out.preflight
+
+`convs` are prepared conversations (`conversations.load_prepared`); `stage_dir` holds the journal
+(`shards/`), `settings.json`, `conversations.jsonl` and `failures.jsonl`. Resuming is exactly-once:
+the (id, turn) pairs the journal holds are skipped, failed turns are retried. `servers` is called
+only when there is a turn to generate (the stage starts a local server there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from dflashkit.config import RunConfig, redact_url
+from dflashkit.data.drift import describe, ids_summary
+from dflashkit.errors import ConfigError, UsageError
+from dflashkit.generate.conversations import assemble, build_prompt, plan_turns
+from dflashkit.generate.journal import Journal, read_records
+from dflashkit.generate.openai_client import OpenAIClient, RequestFailed
+from dflashkit.generate.preflight import Sender, local_chat, local_prompt_ids, preflight, request_body, sampling_settings
+from dflashkit.rundir import atomic_path, atomic_write_json, read_json
+
+if TYPE_CHECKING:
+    from dflashkit.data.chat import ChatTemplate as Chat
+
+log = logging.getLogger("dflashkit.generate")
+
+SUMMARY_KEYS = ("turns_total", "turns_skipped_done", "turns_ok", "turns_retried", "turns_failed",
+                "turns_not_attempted", "requests_sent", "retries", "torn_lines_dropped", "conversations_written",
+                "conversations_dropped_length", "conversations_failed", "conversations_no_user_turn")
+
+
+@dataclass
+class Regenerated:
+    """What one pass over the missing turns did."""
+
+    counts: Counter = field(default_factory=Counter)  # turns_ok/failed/retried/not_attempted, requests_sent, retries
+    reasons: Counter = field(default_factory=Counter)  # failed turns by reason ("http 500", "timeout", ...)
+    failures: list[dict] = field(default_factory=list)  # one row per failed turn (failures.jsonl)
+    settings: dict[str, Any] = field(default_factory=dict)  # the sampling settings sent (model from the server)
+    chat_template_sha256: str | None = None
+    preflight: dict[str, Any] | None = None
+    fields_refused: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Generated:
+    """A whole generate run over a stage dir (what the stage's manifest and JSON report)."""
+
+    summary: dict[str, Any]  # SUMMARY_KEYS + failed_by_reason, conversations_total
+    failures: list[dict]
+    settings: dict[str, Any]
+    urls: list[str]  # the endpoints used (a local server's URL included); [] when nothing was left to do
+    chat_template_sha256: str | None = None
+    preflight: dict[str, Any] | None = None
+    fields_refused: list[str] = field(default_factory=list)
+
+
+async def _preflight(cfg: RunConfig, sender: Sender, settings: dict[str, Any], chat: Chat | None,
+                     convs: list[dict]) -> dict[str, Any]:
+    """One request for the first turn: the server's prompt vs the local rendering (generate.preflight)."""
+    mode = cfg.generate.preflight
+    if mode == "off":
+        return {"status": "off"}
+    if chat is None:
+        return {"status": "skipped", "detail": "no local tokenizer (set target.path or target.tokenizer)"}
+    conv = next((c for c in convs if plan_turns(c["messages"])), None)
+    if conv is None:
+        return {"status": "skipped", "detail": "no user turn"}
+    messages = build_prompt(conv["messages"], plan_turns(conv["messages"]), [], 0)
+    text = chat.render(messages, add_generation_prompt=True)
+    prompt = text if cfg.generate.endpoint == "completions" else None
+    body = request_body(settings, messages, token_ids=cfg.generate.request_token_ids, prompt=prompt)
+    try:
+        check = await preflight(sender, body, local_prompt_ids(chat, text=text))
+    except RequestFailed as e:
+        return {"status": "skipped", "detail": f"the request failed: {e}"}
+    out = {"status": "differs" if check.differs else "ok" if check.checked else "not checked",
+           "detail": describe(check), "id": conv["id"], "server_tokens": check.server_tokens,
+           "local_tokens": check.local_tokens, "ids_equal": check.ids_equal}
+    if not check.differs:
+        log.info("pre-flight: %s", out["detail"])
+        return out
+    where = ""
+    if check.first_diff is not None:
+        where = (f"\n  local : {chat.tokenizer.decode(check.local_head or [])!r}"
+                 f"\n  server: {chat.tokenizer.decode(check.server_head or [])!r}")
+    msg = (f"pre-flight: the server did not see the prompt the target's chat template renders here "
+           f"(conversation {conv['id']}, turn 0): {out['detail']}{where}")
+    if mode == "warn":
+        log.warning("%s", msg)
+        return out
+    raise UsageError(msg, hint="serve the target with its own chat template (vLLM/SGLang --chat-template, "
+                     "llama.cpp --jinja), or set generate.endpoint=completions to render prompts here; "
+                     "generate.preflight=warn goes on anyway")
+
+
+class _Progress:
+    """tqdm on stderr: turns done/total, requests/s, generated tokens/s, ETA."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self.bar = None
+        self.tokens = 0
+        self.t0 = time.monotonic()
+        self._last = 0.0
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="turn", file=sys.stderr, dynamic_ncols=True,
+                            desc="generate", smoothing=0.1)
+
+    def update(self, tokens: int) -> None:
+        self.tokens += tokens
+        if self.bar is None:
+            return
+        self.bar.update(1)
+        now = time.monotonic()
+        if now - self._last > 0.5:
+            self._last = now
+            self.bar.set_postfix_str(f"{self.tokens / max(now - self.t0, 1e-9):.0f} tok/s", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+async def regenerate(cfg: RunConfig, convs: list[dict], journal: Journal, done: dict[str, dict[int, dict]],
+                     urls: list[str], chat: Chat | None, progress: _Progress, stage_dir: Path) -> Regenerated:
+    """Generate every turn of `convs` that `done` lacks, appending each finished one to `journal`.
+
+    A conversation stops at its first failed turn (the later ones are counted not attempted) and,
+    with generate.on_length=drop, at its first turn cut by max_tokens. Writes settings.json once the
+    server named its model."""
+    g = cfg.generate
+    out = Regenerated()
+    counts, reasons, failures = out.counts, out.reasons, out.failures
+    client = OpenAIClient(urls, concurrency=g.concurrency, timeout_s=cfg.server.timeout_s,
+                          max_retries=g.max_retries, backoff_s=g.backoff_s,
+                          api_key_env=cfg.server.api_key_env, seed=cfg.run.seed, http_client=g.http_client)
+    async with client:
+        try:
+            info = await client.model_info()
+        except Exception:  # noqa: BLE001 - /v1/models is optional when server.model is set
+            if not cfg.server.model:
+                raise
+            info = {}
+        model = cfg.server.model or str(info["id"])
+        settings = out.settings = sampling_settings(cfg, model)
+        atomic_write_json(stage_dir / "settings.json", settings)
+        out.chat_template_sha256 = info.get("chat_template_sha256")
+        sender = Sender(client, "completions" if g.endpoint == "completions" else "chat")
+        out.preflight = await _preflight(cfg, sender, settings, chat, convs)
+        queue: asyncio.Queue = asyncio.Queue()
+        for conv in convs:
+            queue.put_nowait(conv)
+
+        async def run_conversation(conv: dict[str, Any]) -> None:
+            turns = plan_turns(conv["messages"])
+            have = done.get(conv["id"], {})
+            answers: list[str] = []
+            for t in range(len(turns)):
+                rec = have.get(t)
+                if rec is None:
+                    prompt = build_prompt(conv["messages"], turns, answers, t)
+                    text = chat.render(prompt, add_generation_prompt=True) if g.endpoint == "completions" \
+                        and chat is not None else None
+                    try:
+                        reply = await sender.send(request_body(settings, prompt, token_ids=g.request_token_ids,
+                                                               prompt=text))
+                    except RequestFailed as e:
+                        counts["turns_failed"] += 1
+                        counts["turns_retried"] += e.attempts > 1
+                        reasons[e.reason] += 1
+                        failures.append({"id": conv["id"], "turn": t, "reason": e.reason, "detail": e.detail,
+                                         "attempts": e.attempts})
+                        counts["turns_not_attempted"] += len(turns) - t - 1
+                        return
+                    rec = {"id": conv["id"], "turn": t, "content": reply.content, "reasoning": reply.reasoning,
+                           "finish_reason": reply.finish_reason, "token_ids": reply.token_ids,
+                           "model": reply.model or model, "url": redact_url(reply.url), "attempts": reply.attempts,
+                           "completion_tokens": reply.usage.get("completion_tokens"),
+                           "prompt_tokens": reply.usage.get("prompt_tokens"),
+                           "prompt_ids": ids_summary(reply.prompt_token_ids)}
+                    journal.append(rec)
+                    counts["turns_ok"] += 1
+                    counts["turns_retried"] += reply.attempts > 1
+                    progress.update(int(reply.usage.get("completion_tokens") or 0))
+                answers.append(rec["content"])
+                if g.on_length == "drop" and rec.get("finish_reason") == "length":
+                    counts["turns_not_attempted"] += len(turns) - t - 1
+                    return
+
+        async def worker() -> None:
+            while True:
+                try:
+                    conv = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                await run_conversation(conv)
+
+        await asyncio.gather(*(worker() for _ in range(min(g.concurrency, max(1, len(convs))))))
+        counts["requests_sent"] = client.stats["requests"]
+        counts["retries"] = client.stats["retries"]
+        out.fields_refused = sorted(sender.dropped)
+    return out
+
+
+def _check_settings(stage_dir: Path, settings: dict[str, Any], journal_keys: int) -> None:
+    path = stage_dir / "settings.json"
+    if journal_keys and path.is_file():
+        old = read_json(path)
+        # keys an older journal's settings.json lacks were not settings then: not a change
+        changed = sorted(k for k in settings if k != "model" and k in old and old.get(k) != settings.get(k))
+        if changed:
+            raise ConfigError([f"generate.{k}: {old.get(k)!r} in the existing journal, now {settings.get(k)!r}"
+                               for k in changed],
+                              hint=f"restore the setting, or delete {stage_dir / 'shards'} to regenerate")
+
+
+def write_outputs(stage_dir: Path, convs: list[dict], journal_recs: dict[str, dict[int, dict]], cfg: RunConfig,
+                  failures: list[dict]) -> tuple[Counter, list[dict]]:
+    """Write conversations.jsonl (every conversation whose turns are all in the journal) and failures.jsonl.
+
+    Returns the conversation counts and the failures written (`failures` plus one "not generated"
+    row per incomplete conversation that had no failed turn this run)."""
+    counts: Counter = Counter()
+    failures = list(failures)
+    failed_ids = {f["id"] for f in failures}
+    with atomic_path(stage_dir / "conversations.jsonl") as tmp, open(tmp, "w", encoding="utf-8") as out:
+        for conv in convs:
+            turns = plan_turns(conv["messages"])
+            have = journal_recs.get(conv["id"], {})
+            recs = [have.get(t) for t in range(len(turns))]
+            if not turns:
+                counts["conversations_no_user_turn"] += 1
+                continue
+            if any(r is None for r in recs):
+                if cfg.generate.on_length == "drop" and any(r and r.get("finish_reason") == "length" for r in recs):
+                    counts["conversations_dropped_length"] += 1
+                else:
+                    counts["conversations_failed"] += 1
+                    if conv["id"] not in failed_ids:
+                        failures.append({"id": conv["id"], "turn": recs.index(None), "reason": "not generated"})
+                continue
+            row = assemble(conv, [r for r in recs if r is not None], reasoning=cfg.generate.reasoning, on_length=cfg.generate.on_length)
+            if row is None:
+                counts["conversations_dropped_length"] += 1
+                continue
+            counts["conversations_written"] += 1
+            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+    with atomic_path(stage_dir / "failures.jsonl") as tmp:
+        tmp.write_text("".join(json.dumps(f, ensure_ascii=False) + "\n" for f in failures), encoding="utf-8")
+    return counts, failures
+
+
+def _load_chat(cfg: RunConfig) -> Chat | None:
+    """The target's chat template rendered here, when pre-flight or completions mode needs it."""
+    if cfg.generate.preflight == "off" and cfg.generate.endpoint != "completions":
+        return None
+    try:
+        return local_chat(cfg)
+    except Exception as e:  # noqa: BLE001 - only completions mode needs it to go on
+        if cfg.generate.endpoint == "completions":
+            raise
+        log.warning("pre-flight skipped: cannot render the target's chat template here (%s)", e)
+        return None
+
+
+def generate_conversations(cfg: RunConfig, convs: list[dict], stage_dir: Path,
+                           servers: Callable[[], list[str]]) -> Generated:
+    """Resume the journal in `stage_dir`, generate the missing turns, write the outputs.
+
+    Args:
+        cfg: the run config (`generate`, `server`, `run.seed`, `target` for the local chat template).
+        convs: prepared conversations.
+        stage_dir: the generate stage's directory.
+        servers: returns the endpoint URLs (…/v1); called only when a turn is left to generate (a
+            local server it starts is the caller's to stop).
+
+    Raises:
+        ConfigError: a sampling setting differs from the one an existing journal was written with.
+    """
+    journal = Journal(stage_dir / "shards", shard_size=cfg.generate.shard_size)
+    prior = journal.open()
+    done: dict[str, dict[int, dict]] = {}
+    for rec in prior:
+        done.setdefault(rec["id"], {})[int(rec["turn"])] = rec
+    wanted = {c["id"]: len(plan_turns(c["messages"])) for c in convs}
+    total_turns = sum(wanted.values())
+    skipped = sum(1 for r in prior if int(r["turn"]) < wanted.get(r["id"], 0))
+    counts: Counter = Counter({"turns_total": total_turns, "turns_skipped_done": skipped, "turns_ok": 0,
+                               "turns_failed": 0, "turns_retried": 0, "turns_not_attempted": 0,
+                               "torn_lines_dropped": journal.torn_dropped})
+    todo = [c for c in convs if len(done.get(c["id"], {})) < wanted[c["id"]]]
+    settings = sampling_settings(cfg, cfg.server.model)
+    try:
+        _check_settings(stage_dir, settings, len(prior))
+    except BaseException:
+        journal.close()
+        raise
+    log.info("%d conversations, %d turns (%d already done); %d conversations to go",
+             len(convs), total_turns, skipped, len(todo))
+    urls: list[str] = []
+    run = Regenerated(settings=settings)
+    progress = _Progress(total_turns, skipped, cfg.generate.progress and bool(todo))
+    try:
+        if todo:
+            urls = servers()
+            run = asyncio.run(regenerate(cfg, todo, journal, done, urls, _load_chat(cfg), progress, stage_dir))
+    finally:
+        progress.close()
+        journal.close()
+    for rec in read_records(journal.dir):
+        done.setdefault(rec["id"], {})[int(rec["turn"])] = rec
+    written, failures = write_outputs(stage_dir, convs, done, cfg, run.failures)
+    counts.update(run.counts)
+    counts.update(written)
+    summary: dict[str, Any] = {k: counts[k] for k in SUMMARY_KEYS}
+    summary["failed_by_reason"] = dict(run.reasons)
+    summary["conversations_total"] = len(convs)
+    return Generated(summary=summary, failures=failures, settings=run.settings, urls=urls,
+                     chat_template_sha256=run.chat_template_sha256, preflight=run.preflight,
+                     fields_refused=run.fields_refused)

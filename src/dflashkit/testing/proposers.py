@@ -1,0 +1,42 @@
+"""Proposer stubs for `decode.spec_decode.SpecDecoder` (tests): the best and the worst possible drafter.
+
+Usage:
+    SpecDecoder(target, None, 4, proposer=CopyTargetProposer(target))    # greedy τ = B
+    SpecDecoder(target, None, 4, proposer=AdversarialProposer(target))   # τ = 1
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dflashkit.model.target import Target
+
+
+class CopyTargetProposer:
+    """Test stub: proposes the target's own greedy continuation, so greedy τ = B on every full step."""
+
+    def __init__(self, target: Target):
+        self.target = target
+
+    def propose(self, sequence: list[int], num_tokens: int) -> list[int]:
+        import torch
+        from transformers import DynamicCache
+
+        cache, ids, out = DynamicCache(config=self.target.config), list(sequence), []
+        with torch.inference_mode():
+            step = torch.tensor([ids], device=self.target.device)
+            for _ in range(num_tokens):
+                logits = self.target.model(input_ids=step, cache=cache, use_cache=True).logits
+                tok = int(logits[0, -1].argmax())
+                out.append(tok)
+                step = torch.tensor([[tok]], device=self.target.device)
+        return out
+
+
+class AdversarialProposer(CopyTargetProposer):
+    """Test stub: always proposes a token different from the target's greedy choice (τ = 1)."""
+
+    def propose(self, sequence: list[int], num_tokens: int) -> list[int]:
+        first = super().propose(sequence, 1)[0]
+        return [(first + 1) % self.target.vocab_size] * num_tokens
