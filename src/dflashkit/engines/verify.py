@@ -9,6 +9,8 @@ Three decodes of the same locally rendered prompt ids, greedy, float32, one requ
      (the same SpecDecoder and metrics `dflashkit eval` uses);
   2. vLLM serving the target without speculation (`/v1/completions` with the prompt ids, so the
      chat template is out of the loop; one chat request checks the engine's template separately);
+     kept in `engine-ar.json` and reused while target, prompt ids, length and vLLM version match
+     (a second export, e.g. the other format, then costs one engine start, not two);
   3. vLLM with `{"method": "dflash", "model": export_dir, "num_speculative_tokens": B - 1}`; its
      acceptance counters are read from /metrics before and after the prompts.
 
@@ -35,6 +37,7 @@ A failure names the likely cause (see `_causes`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from pathlib import Path
@@ -45,6 +48,7 @@ log = logging.getLogger("dflashkit.engines")
 TAU_RTOL = 0.15  # |τ_engine − τ_ours| ≤ TAU_RTOL · τ_ours
 POS_ATOL = 0.1  # per-position acceptance, absolute, plus prompts / steps (the final-step effect)
 SERVED_NAME = "target"
+AR_CACHE = "engine-ar.json"  # vLLM's non-speculative outputs, keyed by target, prompt ids, length, version
 
 
 def _strip(ids: list[int], stop: tuple[int, ...]) -> list[int]:
@@ -89,6 +93,14 @@ def engine_chat_prompt_ids(base_url: str, messages: list[dict[str, str]], model:
     r.raise_for_status()
     ids = r.json().get("prompt_token_ids")
     return [int(t) for t in ids] if isinstance(ids, list) else None
+
+
+def _read_ar_cache(path: Path, key: str) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("key") == key else None
 
 
 def _ours(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_size: int) -> dict[str, Any]:
@@ -141,7 +153,9 @@ def verify_engine(cfg: Any, drafter_dir: Path, prompts: list[tuple[str, list[dic
     from dflashkit.engines import vllm
     from dflashkit.engines.launch import start_vllm_for_target
     from dflashkit.export.speculators import load_any_drafter
+    from dflashkit.config import section_hash
     from dflashkit.model.target import load_target
+    from dflashkit.rundir import atomic_write_json
 
     fp32 = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, dtype="float32"))
     target = load_target(fp32.target)
@@ -158,10 +172,19 @@ def verify_engine(cfg: Any, drafter_dir: Path, prompts: list[tuple[str, list[dic
     del drafter, target
 
     spec = {"method": "dflash", "model": str(Path(drafter_dir).resolve()), "num_speculative_tokens": block_size - 1}
-    with start_vllm_for_target(fp32, log_path=out_dir / "engine-ar.log", served_name=SERVED_NAME) as eng:
-        engine_prompt = engine_chat_prompt_ids(eng.base_url, prompts[0][1], template_kwargs=cfg.tokenize.chat_template_kwargs)
-        ar, ar_s = engine_complete(eng.base_url, ids, max_tokens=max_tokens, stop=stop)
-        ar_startup = eng.startup_s
+    key = section_hash(fp32.target, ids, max_tokens, stop, cfg.tokenize.chat_template_kwargs, vllm.VERSION)
+    cached = _read_ar_cache(out_dir / AR_CACHE, key)
+    if cached:  # the engine's plain greedy outputs do not depend on the drafter: reuse them
+        log.info("verify-engine: vLLM's non-speculative outputs for these prompts from %s", out_dir / AR_CACHE)
+        engine_prompt, ar, ar_s, ar_startup = cached["chat_prompt_ids"], cached["outputs"], cached["wall_s"], None
+    else:
+        with start_vllm_for_target(fp32, log_path=out_dir / "engine-ar.log", served_name=SERVED_NAME) as eng:
+            engine_prompt = engine_chat_prompt_ids(eng.base_url, prompts[0][1],
+                                                   template_kwargs=cfg.tokenize.chat_template_kwargs)
+            ar, ar_s = engine_complete(eng.base_url, ids, max_tokens=max_tokens, stop=stop)
+            ar_startup = eng.startup_s
+        atomic_write_json(out_dir / AR_CACHE, {"key": key, "chat_prompt_ids": engine_prompt, "outputs": ar,
+                                               "wall_s": ar_s})
     with start_vllm_for_target(fp32, log_path=out_dir / "engine-dflash.log", speculative=spec,
                                served_name=SERVED_NAME) as eng:
         before = vllm.metrics(eng.base_url)
