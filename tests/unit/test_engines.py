@@ -190,3 +190,10 @@ def _cmdline(pid: str) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+def test_verify_engine_names_what_is_missing(tmp_path, capsys):
+    assert main(["verify-engine", f"run.run_dir={tmp_path / 'run'}"]) == 3  # no <run>/export yet
+    assert "dflashkit export" in capsys.readouterr().err
+    (tmp_path / "notadrafter").mkdir()
+    assert main(["verify-engine", str(tmp_path / "notadrafter"), f"run.run_dir={tmp_path / 'run'}"]) == 2
