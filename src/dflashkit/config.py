@@ -130,13 +130,18 @@ class DataSection:
 
 @dataclass(kw_only=True)
 class ServerSection:
-    urls: list[str] = f([], "OpenAI-compatible base URLs (…/v1). Empty = start `dflashkit serve` on "
+    urls: list[str] = f([], "OpenAI-compatible base URLs (…/v1). Empty = start `server.engine` on "
                         "127.0.0.1 for target.path.")
     model: str | None = f(None, "Model name sent to the server; null = the first of /v1/models.")
     api_key_env: str = f("OPENAI_API_KEY", "Environment variable holding the API key (never logged).")
     timeout_s: float = f(600.0, "Per-request timeout.")
     startup_timeout_s: float = f(300.0, "When `urls` is empty: seconds to wait for the local "
                                  "`dflashkit serve` to answer /health.")
+    engine: Literal["dflashkit", "vllm"] = f(
+        "dflashkit", "When `urls` is empty: the server `generate` and `bench serve` start for target.path: "
+        "`dflashkit serve`, or vLLM (the CPU build, installed once into the cache by "
+        "`dflashkit engines install vllm` or on first use; logs in <stage dir>/engine.log).",
+        hash_default=False)
 
 
 @dataclass(kw_only=True)
@@ -353,6 +358,10 @@ class BenchSection:
     requests: int = f(32, "Requests per concurrency level.")
     max_tokens: int = f(128, "Tokens per request.")
     warmup: int = f(2, "Requests sent first and not timed.")
+    engine_methods: list[str] = f(["dflashkit", "ar", "ngram", "dflash"], "`bench serve` with server.engine=vllm "
+                                  "and no bench.urls: served in turn and swept — dflashkit (`dflashkit serve`), ar "
+                                  "(vLLM), ngram (vLLM prompt lookup, k=7), dflash (vLLM + the exported drafter).",
+                                  hash_default=False)
     generate_requests: int = f(4000, "`bench generate`: requests sent to the zero-latency server.")
     generate_concurrency: int = f(64, "`bench generate`: requests in flight.")
     recipe_steps: int = f(200, "`bench recipe`: training steps per variant.")
@@ -566,6 +575,9 @@ def _validate(cfg: RunConfig) -> list[str]:
     _at_least(p, "serve", sv, 0, "batch_wait_ms")
     b = cfg.bench
     _at_least(p, "bench", b, 1, "requests", "max_tokens", "generate_requests", "generate_concurrency")
+    for i, m in enumerate(b.engine_methods):
+        if m not in ("dflashkit", "ar", "ngram", "dflash"):
+            p.append(f"bench.engine_methods[{i}]: {m!r} is not one of dflashkit, ar, ngram, dflash")
     for i, c in enumerate(b.concurrency):
         if c < 1:
             p.append(f"bench.concurrency[{i}]: must be >= 1, got {c}")

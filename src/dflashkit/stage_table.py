@@ -60,8 +60,12 @@ TABLE: tuple[Stage, ...] = (
           lambda c: [c.eval], pipeline=True),
     Stage("export", "export", "Write the drafter dir SGLang/vLLM load (z-lab or speculators format); reload, compare.",
           lambda c: [c.export], pipeline=True),
+    Stage("verify-engine", "verify_engine", "Serve the target + exported drafter in vLLM; check greedy outputs, "
+          "tau and per-position acceptance against dflashkit's decoder.", lambda c: [c.eval, c.target]),
     Stage("import", "import_", "Import a drafter dir (z-lab or speculators format) to continue training or evaluate.",
           lambda c: [c.target]),
+    Stage("engines", "engines", "Serving engines dflashkit starts for you: `engines install vllm`, `engines status`.",
+          writes=False),
     Stage("bench", "bench", "Benchmarks: generate | tokenize | train | decode | serve endpoints | recipe ablations."),
     Stage("run", "pipeline", "Run every stage from one YAML, skipping those that are up to date."),
     Stage("report", "report", "One self-contained HTML page (+ PNGs) from a run directory.", pipeline=True),

@@ -94,6 +94,10 @@ def _prompts(rd) -> list[str]:
 def bench_serve(cfg, rd, ctx) -> dict[str, Any]:
     b = cfg.bench
     prompts = _prompts(rd)
+    if not b.urls and cfg.server.engine == "vllm":  # AR vs ngram vs DFlash (vs `dflashkit serve`) in vLLM
+        from dflashkit.engines.bench import bench_engine_serve
+
+        return bench_engine_serve(cfg, rd, ctx, prompts, _sweep_one)
     with ExitStack() as stack:
         urls = [u.rstrip("/") for u in b.urls]
         if not urls:

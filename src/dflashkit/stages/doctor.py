@@ -214,11 +214,21 @@ def target_check(cfg: Any) -> list[dict[str, Any]]:
     return [_check("target.path", "error", f"{p} does not exist", "fix target.path")]
 
 
+def engine_checks() -> list[dict[str, Any]]:
+    """The vLLM engine venv (`server.engine: vllm`, `verify-engine`): installed or not; nothing is started."""
+    from dflashkit.engines import vllm
+
+    s = vllm.status()
+    return [_check("engine vllm", "ok" if s["installed"] else "absent",
+                   f"{vllm.PACKAGE} {s['version']} in {s['dir']}" if s["installed"] else "optional",
+                   None if s["installed"] else "dflashkit engines install vllm")]
+
+
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     endpoints = endpoint_checks(cfg.server)
     reachable = [c["name"].split(" ", 1)[1] for c in endpoints if c["status"] == "ok"]
     targets = target_check(cfg)
-    checks = (package_checks() + device_checks() + tool_checks(cfg.run.run_dir) + targets + endpoints
+    checks = (package_checks() + device_checks() + tool_checks(cfg.run.run_dir) + engine_checks() + targets + endpoints
               + (drift_checks(cfg, reachable) if all(c["status"] == "ok" for c in targets) else []))
     problems = [c["name"] for c in checks if c["status"] in ("missing", "error")]
     if not ctx.json:

@@ -50,15 +50,15 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     total_turns = sum(len(plan_turns(c["messages"])) for c in convs)
     if ctx.dry_run:
         return {"dry_run": True, "conversations": len(convs), "turns": total_turns,
-                "urls": [redact_url(u) for u in cfg.server.urls] or ["<local dflashkit serve>"]}
+                "urls": [redact_url(u) for u in cfg.server.urls] or [f"<local {cfg.server.engine}>"]}
     with ExitStack() as stack:
 
         def servers() -> list[str]:
             if cfg.server.urls:
                 return list(cfg.server.urls)
-            from dflashkit.serving.local import start_local_server
+            from dflashkit.engines.launch import start_target_server
 
-            return [stack.enter_context(start_local_server(cfg, log_path=stage_dir / "serve.log"))]
+            return [stack.enter_context(start_target_server(cfg, log_dir=stage_dir))]
 
         out = generate_conversations(cfg, convs, stage_dir, servers)
     summary, reasons = out.summary, out.summary["failed_by_reason"]
@@ -68,7 +68,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
                    inputs={"prepare/train.jsonl": file_digest(src)}, counts=summary,
                    outputs=["conversations.jsonl", "failures.jsonl", "shards/"], started=t0,
                    extra={"model": out.settings.get("model"), "server_urls": [redact_url(u) for u in urls]
-                          if cfg.server.urls else ["<local dflashkit serve>"], "sampling": out.settings,
+                          if cfg.server.urls else [f"<local {cfg.server.engine}>"], "sampling": out.settings,
                           "chat_template_sha256": out.chat_template_sha256,
                           "preflight": out.preflight,
                           "request_token_ids": cfg.generate.request_token_ids

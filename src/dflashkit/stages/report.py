@@ -186,7 +186,7 @@ def _fmt(x: Any, nd: int = 2) -> str:
 
 
 def render_html(rd: RunDir, name: str, figures: list[str], results: dict | None, bench: dict | None,
-                metrics: list[dict], curve_html: str = "") -> str:
+                metrics: list[dict], curve_html: str = "", engine: dict | None = None) -> str:
     out = [f"<!doctype html><html><head><meta charset='utf-8'><title>dflashkit report: {html.escape(name)}</title>",
            f"<style>{CSS}</style></head><body><h1>DFlash run: {html.escape(name)}</h1>",
            f"<p class='muted'>{html.escape(str(rd.root.resolve()))} · generated "
@@ -218,6 +218,8 @@ def render_html(rd: RunDir, name: str, figures: list[str], results: dict | None,
                            "identical to baseline"], rows))
     if results:
         out.append(eval_diagnostics_html(results))
+    if engine:
+        out.append(engine_section_html(engine))
     if bench:
         out.append("<h2>Decode bench (ours vs reference dflash_generate)</h2>")
         out.append(_table(["block size", "ours tok/s", "reference tok/s", "ours/reference", "identical", "τ",
@@ -233,7 +235,7 @@ def render_html(rd: RunDir, name: str, figures: list[str], results: dict | None,
         out.append("<h2>Drafter contract</h2>" + _table(["key", "value"], [[k, contract.get(k)] for k in keys]))
     prov = []
     versions = {}
-    for stage in (*STAGES, "import", "bench"):
+    for stage in (*STAGES, "verify-engine", "import", "bench"):
         m = rd.manifest(stage)
         if m:
             versions = m.get("versions") or versions
@@ -247,6 +249,24 @@ def render_html(rd: RunDir, name: str, figures: list[str], results: dict | None,
         out.append("<h2>Config</h2><pre>" + html.escape(rd.resolved_config_path.read_text()) + "</pre>")
     out.append("</body></html>")
     return "\n".join(out)
+
+
+def engine_section_html(res: dict) -> str:
+    """`verify-engine/results.json`: the exported drafter in vLLM vs our decoder (τ, per position, greedy)."""
+    c, t, pp = res["checks"], res["tau"], res["per_position_acceptance"]
+    verdict = {True: "ok", False: "FAILED", None: "not checked"}
+    head = (f"<h2>Engine ({html.escape(res['engine'])})</h2><p>The exported drafter served by vLLM with "
+            f"num_speculative_tokens = {res['num_speculative_tokens']} (B = {res['block_size']}), {res['prompts']} "
+            f"prompts, greedy, {res['dtype']}: <b>{'passed' if res['passed'] else 'FAILED'}</b>. Engine τ = 1 + "
+            f"accepted / drafts from its Prometheus counters; {html.escape(c['tau']['rule'])}.</p>")
+    rows = [["τ", _fmt(t["engine"]), _fmt(t["ours"]), verdict[c["tau"]["ok"]]]]
+    rows += [[f"acceptance, position {k + 1}", _fmt(a), _fmt(b), ""]
+             for k, (a, b) in enumerate(zip(pp["engine"], pp["ours"]))]
+    rows += [["greedy = ours (no speculation)", "", "", verdict[c["greedy_engine_vs_ours"]["ok"]]],
+             ["greedy with DFlash = without", "", "", verdict[c["greedy_spec_vs_ar"]["ok"]]],
+             ["chat template = target's", "", "", verdict[c["template"]["ok"]]]]
+    causes = "".join(f"<p>Likely cause: {html.escape(x)}</p>" for x in res.get("causes", []))
+    return head + _table(["", "vLLM", "dflashkit", "check"], rows) + causes
 
 
 def eval_diagnostics_html(results: dict) -> str:
@@ -342,7 +362,8 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         files.append(f"{spec[0]}.png")
         figures.append(f"<img alt='{html.escape(spec[1])}' src='data:image/png;base64,"
                        f"{base64.b64encode(png).decode()}'>")
-    page = render_html(rd, cfg.run.name, figures, results, bench, metrics, curve_html)
+    page = render_html(rd, cfg.run.name, figures, results, bench, metrics, curve_html,
+                       engine=_read_json(rd.root / "verify-engine" / "results.json"))
     atomic_write_text(out / "index.html", page)
     write_manifest(out, stage="report", config_hash="", started=t0, outputs=["index.html", *files],
                    counts={"plots": len(specs)})

