@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflashkit.config import redact_url
-from dflashkit.generate.http1 import Http1Client, HttpConnectError, HttpDropped, HttpError, HttpTimeout
+from dflashkit.http1 import Http1Client, HttpConnectError, HttpDropped, HttpError, HttpTimeout
 
 log = logging.getLogger("dflashkit.generate")
 
