@@ -5,6 +5,7 @@ Usage:
     run_dir = make_run(tmp_path / "run", tiny_qwen3)           # contract.json + tokenized Parquet shards
     main(["train", *overrides(run_dir, tiny_qwen3, train__max_steps=2)])
     lm, lens, anchors = random_case(seed=0)                    # a random loss mask and its anchors
+    rd = run_dir_with_drafter(tmp_path, target)                # a random drafter + held-out prompts (eval)
 """
 
 from __future__ import annotations
@@ -108,3 +109,18 @@ def random_case(seed: int, b: int = 3, s: int = 13, block: int = 4, num_anchors:
         lm[i, lens[i]:] = 0
     a = sample_anchors(lm, lens, num_anchors=num_anchors, block_size=block, seeds=[seed * 10 + i for i in range(b)])
     return lm, lens, a
+
+
+def run_dir_with_drafter(tmp_path: Path, target, block_size: int = 4, prompts: int = 3) -> Path:
+    """tmp_path/run with a random drafter in train/final (float32) and `prompts` held-out prompts."""
+    from dflashkit.export.hf import save_drafter
+    from dflashkit.testing import random_drafter
+
+    rd = tmp_path / "run"
+    save_drafter(random_drafter(target, block_size=block_size), rd / "train" / "final", dtype="float32")
+    (rd / "prepare").mkdir(parents=True)
+    rows = [{"id": f"p{i}", "source": "t", "messages": [{"role": "user", "content": f"tell me {i} things"},
+                                                        {"role": "assistant", "content": "ok"}]}
+            for i in range(prompts)]
+    (rd / "prepare" / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rd

@@ -165,8 +165,9 @@ class GenerateSection:
                                 "the returned ids in meta.token_ids; turn off for strict APIs.")
     extra_body: dict[str, Any] = f({}, "Extra JSON fields merged into every request body.")
     progress: bool = f(True, "Show a progress bar on stderr.")
-    http_client: Literal["fast", "httpx"] = f("fast", "HTTP client: the built-in keep-alive HTTP/1.1 client "
-                                             "(lowest overhead) or httpx (proxies, HTTP/2).")
+    http_client: Literal["fast", "httpx"] = f("fast", "Kept for old configs: both values use the one built-in "
+                                             "keep-alive HTTP/1.1 client (faster than httpx and aiohttp; no "
+                                             "proxies, no HTTP/2).")
     endpoint: Literal["chat", "completions"] = f(
         "chat", "chat: send messages to /v1/chat/completions (the server renders them with its chat "
         "template); completions: render them here with the target's template (target.chat_template, "

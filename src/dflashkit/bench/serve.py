@@ -20,7 +20,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import httpx
+from dflashkit.http1 import JSON_HEADERS, Http1Client, HttpError, get_json
 
 log = logging.getLogger("dflashkit.bench")
 
@@ -48,7 +48,8 @@ async def _sweep_one(url: str, model: str, prompts: list[str], concurrency: int,
     lat: list[float] = []
     tokens = 0
     errors = 0
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 2)) as http:
+    http = Http1Client(timeout_s=600, headers=JSON_HEADERS)
+    try:
         sem = asyncio.Semaphore(concurrency)
 
         async def one(i: int, timed: bool) -> None:
@@ -58,10 +59,11 @@ async def _sweep_one(url: str, model: str, prompts: list[str], concurrency: int,
             async with sem:
                 t0 = time.perf_counter()
                 try:
-                    r = await http.post(url + "/chat/completions", json=body)
-                    r.raise_for_status()
-                    ntok = int(r.json()["usage"]["completion_tokens"])
-                except (httpx.HTTPError, KeyError, ValueError):
+                    status, _, reply = await http.request("POST", url + "/chat/completions", json.dumps(body).encode())
+                    if status != 200:
+                        raise HttpError(f"HTTP {status}")
+                    ntok = int(json.loads(reply)["usage"]["completion_tokens"])
+                except (HttpError, KeyError, ValueError, TypeError):
                     errors += timed
                     return
                 if timed:
@@ -72,6 +74,8 @@ async def _sweep_one(url: str, model: str, prompts: list[str], concurrency: int,
         t0 = time.perf_counter()
         await asyncio.gather(*(one(i, True) for i in range(n)))
         wall = time.perf_counter() - t0
+    finally:
+        await http.aclose()
     return {"concurrency": concurrency, "requests": n, "errors": errors, "wall_s": round(wall, 3),
             "output_tokens_per_s": round(tokens / wall, 2), "requests_per_s": round(len(lat) / wall, 3),
             "latency_p50_s": _percentile(lat, 0.5), "latency_p90_s": _percentile(lat, 0.9),
@@ -107,9 +111,8 @@ def bench_serve(cfg, rd, ctx) -> dict[str, Any]:
         endpoints = []
         for url in urls[:2]:
             try:
-                with httpx.Client(timeout=30) as http:
-                    model = cfg.server.model or http.get(url + "/models").json()["data"][0]["id"]
-            except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+                model = cfg.server.model or get_json(url + "/models", timeout_s=30)["data"][0]["id"]
+            except (HttpError, KeyError, IndexError, ValueError, TypeError) as e:
                 from dflashkit.errors import ServerError
 
                 raise ServerError(f"bench.urls: cannot read {url}/models ({type(e).__name__}: {e})",

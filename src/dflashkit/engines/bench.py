@@ -96,9 +96,9 @@ def bench_engine_serve(cfg: Any, rd: Any, ctx: Any, prompts: list[str], sweep_on
                         cfg, log_path=Path(tmp) / f"engine-{method}.log", speculative=spec, served_name=SERVED_NAME))
                     url, model = eng.base_url, SERVED_NAME
                 if model is None:
-                    import httpx
+                    from dflashkit.http1 import get_json
 
-                    model = httpx.get(url + "/models", timeout=30).json()["data"][0]["id"]
+                    model = get_json(url + "/models", timeout_s=30)["data"][0]["id"]
                 rows = _sweep(cfg, url, model, prompts, counters=spec is not None, sweep_one=sweep_one)
             methods.append({"method": method, "server": "dflashkit serve" if method == "dflashkit" else "vllm",
                             "speculative": spec, "sweep": rows})

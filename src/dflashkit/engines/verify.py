@@ -66,32 +66,28 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 def engine_complete(base_url: str, prompts: list[list[int]], *, max_tokens: int, stop: tuple[int, ...],
                     model: str = SERVED_NAME) -> tuple[list[list[int]], float]:
     """Greedy completions of prompt ids, one request at a time; (output ids per prompt, wall seconds)."""
-    import httpx
+    from dflashkit.http1 import post_json
 
     out = []
     t0 = time.perf_counter()
-    with httpx.Client(timeout=600) as http:
-        for ids in prompts:
-            r = http.post(base_url + "/completions", json={
-                "model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0,
-                "repetition_penalty": 1.0, "stop_token_ids": list(stop), "return_token_ids": True})
-            r.raise_for_status()
-            out.append([int(t) for t in r.json()["choices"][0]["token_ids"]])
+    for ids in prompts:
+        reply = post_json(base_url + "/completions", {
+            "model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0,
+            "repetition_penalty": 1.0, "stop_token_ids": list(stop), "return_token_ids": True})
+        out.append([int(t) for t in reply["choices"][0]["token_ids"]])
     return out, time.perf_counter() - t0
 
 
 def engine_chat_prompt_ids(base_url: str, messages: list[dict[str, str]], model: str = SERVED_NAME,
                            template_kwargs: dict[str, Any] | None = None) -> list[int] | None:
     """The prompt ids the engine's chat template renders for `messages` (vLLM returns them)."""
-    import httpx
+    from dflashkit.http1 import post_json
 
     body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": 1, "temperature": 0.0,
                             "return_token_ids": True}
     if template_kwargs:
         body["chat_template_kwargs"] = template_kwargs
-    r = httpx.post(base_url + "/chat/completions", json=body, timeout=600)
-    r.raise_for_status()
-    ids = r.json().get("prompt_token_ids")
+    ids = post_json(base_url + "/chat/completions", body).get("prompt_token_ids")
     return [int(t) for t in ids] if isinstance(ids, list) else None
 
 

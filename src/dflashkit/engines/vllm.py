@@ -33,25 +33,21 @@ when the parent dies (PR_SET_PDEATHSIG), stopped on every exit path; a failed st
 
 from __future__ import annotations
 
-import atexit
 import fcntl
-import functools
 import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from dflashkit.errors import DflashkitError, ServerError
+from dflashkit.errors import DflashkitError
 
 log = logging.getLogger("dflashkit.engines")
 
@@ -214,38 +210,6 @@ class Engine:
     startup_s: float = 0.0
 
 
-def _tail(path: Path, n: int = 20) -> str:
-    try:
-        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return ""
-    return "\n".join(lines[-n:])
-
-
-def _wait_ready(base_url: str, served_name: str, proc: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
-    """/health answers 200 and /v1/models lists `served_name`; ServerError with the log tail otherwise."""
-    import httpx
-
-    root = base_url.removesuffix("/v1")
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=5.0) as http:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise ServerError(f"vLLM exited with code {proc.returncode} before it was ready; log "
-                                  f"{log_path}:\n{_tail(log_path)}",
-                                  hint="read the log; `dflashkit engines status` checks the install")
-            try:
-                if http.get(root + "/health").status_code == 200:
-                    models = http.get(base_url + "/models").json().get("data", [])
-                    if any(m.get("id") == served_name for m in models):
-                        return
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.5)
-    raise ServerError(f"vLLM did not answer {root}/health within {timeout_s:.0f} s; log {log_path}:\n"
-                      f"{_tail(log_path)}", hint="raise server.startup_timeout_s")
-
-
 @contextmanager
 def start(model_dir: str | Path, *, dtype: str = "float32", port: int | None = None, served_name: str = "target",
           chat_template: str | Path | None = None, tokenizer: str | Path | None = None,
@@ -268,7 +232,7 @@ def start(model_dir: str | Path, *, dtype: str = "float32", port: int | None = N
     Raises:
         ServerError: the server died or was not ready in time (the message holds the log tail).
     """
-    from dflashkit.serving.local import _death_signal_preexec, _raise_on_sigterm, _stop, free_port
+    from dflashkit.serving.local import child_process, free_port, wait_for_health
 
     venv = install()
     port = port or free_port()
@@ -282,25 +246,13 @@ def start(model_dir: str | Path, *, dtype: str = "float32", port: int | None = N
     log.info("starting vLLM %s for %s on %s%s (log: %s)", VERSION, model_dir, base_url,
              f" with {speculative['method']} speculation" if speculative else "", log_file)
     t0 = time.monotonic()
-    with open(log_file, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=_death_signal_preexec(os.getpid()),
-                                env=engine_env(venv), cwd=tmpdir)
-    stopper = functools.partial(_stop, proc, tmpdir)
-    atexit.register(stopper)
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    try:
-        _wait_ready(base_url, served_name, proc, log_file, startup_timeout_s)
+    with child_process(cmd, tmpdir=tmpdir, log_file=log_file, env=engine_env(venv), cwd=tmpdir,
+                       stdout_to_log=True) as proc:
+        wait_for_health(base_url, timeout_s=startup_timeout_s, proc=proc, log_path=log_file, served_name=served_name,
+                        what="vLLM", exit_hint="read the log; `dflashkit engines status` checks the install")
         startup = time.monotonic() - t0
         log.info("vLLM ready in %.0f s", startup)
         yield Engine(base_url, served_name, log_file, proc.pid, cmd, round(startup, 1))
-    finally:
-        stopper()
-        atexit.unregister(stopper)
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass(frozen=True)
@@ -359,9 +311,10 @@ def parse_metrics(text: str) -> SpecCounters:
 
 def metrics(base_url: str, timeout_s: float = 10.0) -> SpecCounters:
     """Read the server's /metrics now."""
-    import httpx
+    from dflashkit.http1 import HttpStatusError, request_sync
 
-    root = base_url.rstrip("/").removesuffix("/v1")
-    r = httpx.get(root + "/metrics", timeout=timeout_s)
-    r.raise_for_status()
-    return parse_metrics(r.text)
+    url = base_url.rstrip("/").removesuffix("/v1") + "/metrics"
+    status, _, body = request_sync("GET", url, timeout_s=timeout_s)
+    if status != 200:
+        raise HttpStatusError(url, status, body)
+    return parse_metrics(body.decode("utf-8", "replace"))

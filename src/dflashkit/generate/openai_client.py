@@ -8,8 +8,9 @@ Usage:
         reply.usage["prompt_tokens"], reply.prompt_token_ids       # what the server saw (ids if returned)
         reply = await client.complete({"model": model, "prompt": "<rendered text>", ...})  # same reply type
 
-One keep-alive connection pool serves every endpoint: the lean `Http1Client` by default, or
-`httpx.AsyncClient` (`http_client="httpx"`: proxies, HTTP/2). Each request goes to the endpoint
+One keep-alive connection pool serves every endpoint: the lean `Http1Client` (the one HTTP
+client of `generate`; `dflashkit bench generate` measured it against httpx and aiohttp, see
+docs/architecture.md). Each request goes to the endpoint
 with the fewest requests in flight. Retryable failures (HTTP 408/409/425/429/5xx, timeouts,
 connection errors, malformed JSON) are retried with exponential backoff and jitter, honouring
 `Retry-After`; anything else (HTTP 400, 401, 404, …) fails at once. After the last retry
@@ -29,10 +30,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
 from dflashkit.config import redact_url
-from dflashkit.generate.http1 import Http1Client, HttpConnectError, HttpDropped, HttpError, HttpTimeout
+from dflashkit.http1 import Http1Client, HttpConnectError, HttpDropped, HttpError, HttpTimeout
 
 log = logging.getLogger("dflashkit.generate")
 
@@ -128,7 +127,7 @@ class OpenAIClient:
 
     def __init__(self, urls: list[str], *, concurrency: int = 32, timeout_s: float = 600.0,
                  max_retries: int = 5, backoff_s: float = 0.5, api_key_env: str | None = None,
-                 seed: int = 0, http_client: str = "fast"):
+                 seed: int = 0):
         if not urls:
             raise ValueError("no endpoint URLs")
         self.urls = [u.rstrip("/") for u in urls]
@@ -144,15 +143,7 @@ class OpenAIClient:
         key = os.environ.get(api_key_env) if api_key_env else None
         if key:
             headers["Authorization"] = f"Bearer {key}"
-        self._fast: Http1Client | None = None
-        self._http: httpx.AsyncClient | None = None
-        if http_client == "fast":
-            self._fast = Http1Client(timeout_s=timeout_s, headers=headers)
-        else:
-            self._http = httpx.AsyncClient(
-                headers=headers, timeout=httpx.Timeout(timeout_s),
-                limits=httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4),
-            )
+        self._http = Http1Client(timeout_s=timeout_s, headers=headers)
         self.stats = {"requests": 0, "retries": 0}
 
     async def __aenter__(self) -> "OpenAIClient":
@@ -162,10 +153,7 @@ class OpenAIClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
-        if self._fast is not None:
-            await self._fast.aclose()
+        await self._http.aclose()
 
     def pick_url(self) -> str:
         """The endpoint with the fewest requests in flight (round robin among ties; cooled-down last)."""
@@ -184,18 +172,13 @@ class OpenAIClient:
         """The first entry of the first endpoint's /v1/models (has at least "id")."""
         url = self.urls[0] + "/models"
         try:
-            if self._fast is not None:
-                status, _, body = await self._fast.request("GET", url)
-                if status != 200:
-                    raise ValueError(f"HTTP {status}")
-                entry = json.loads(body)["data"][0]
-            else:
-                resp = await self._http.get(url)  # type: ignore[union-attr]
-                resp.raise_for_status()
-                entry = resp.json()["data"][0]
+            status, _, body = await self._http.request("GET", url)
+            if status != 200:
+                raise ValueError(f"HTTP {status}")
+            entry = json.loads(body)["data"][0]
             str(entry["id"])
             return entry
-        except (httpx.HTTPError, HttpError, KeyError, IndexError, TypeError, ValueError) as e:
+        except (HttpError, KeyError, IndexError, TypeError, ValueError) as e:
             from dflashkit.errors import ServerError
 
             raise ServerError(f"could not read the model name from {redact_url(url)}: {type(e).__name__}: {e}",
@@ -251,16 +234,12 @@ class OpenAIClient:
     async def _post(self, url: str, payload: bytes, route: str = "chat") -> ChatReply:
         endpoint = url + ("/completions" if route == "completions" else "/chat/completions")
         try:
-            if self._fast is not None:
-                status, headers, body = await self._fast.request("POST", endpoint, payload)
-            else:
-                resp = await self._http.post(endpoint, content=payload)  # type: ignore[union-attr]
-                status, headers, body = resp.status_code, dict(resp.headers), resp.content
-        except (httpx.TimeoutException, HttpTimeout) as e:
+            status, headers, body = await self._http.request("POST", endpoint, payload)
+        except HttpTimeout as e:
             raise _Retryable("timeout", type(e).__name__) from None
-        except (httpx.ConnectError, HttpConnectError) as e:
+        except HttpConnectError as e:
             raise _Retryable("connect error", str(e)[:120]) from None
-        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, HttpDropped, OSError) as e:
+        except (HttpDropped, OSError) as e:
             raise _Retryable("connection dropped", f"{type(e).__name__}: {str(e)[:120]}") from None
         if status != 200:
             detail = body[:200].decode("utf-8", "replace")

@@ -146,7 +146,7 @@ async def regenerate(cfg: RunConfig, convs: list[dict], journal: Journal, done: 
     counts, reasons, failures = out.counts, out.reasons, out.failures
     client = OpenAIClient(urls, concurrency=g.concurrency, timeout_s=cfg.server.timeout_s,
                           max_retries=g.max_retries, backoff_s=g.backoff_s,
-                          api_key_env=cfg.server.api_key_env, seed=cfg.run.seed, http_client=g.http_client)
+                          api_key_env=cfg.server.api_key_env, seed=cfg.run.seed)
     async with client:
         try:
             info = await client.model_info()

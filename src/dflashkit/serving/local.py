@@ -37,9 +37,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-import httpx
-
 from dflashkit.errors import ServerError
+from dflashkit.http1 import HttpError, get_json, request_sync
 
 log = logging.getLogger("dflashkit.serve")
 
@@ -110,31 +109,63 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def wait_for_health(base_url: str, *, timeout_s: float, proc: subprocess.Popen | None = None,
-                    log_path: Path | None = None) -> None:
-    """Poll `<base>/health` (base without /v1) until it answers 200; raise ServerError otherwise."""
-    root = base_url[:-3] if base_url.endswith("/v1") else base_url
+                    log_path: Path | None = None, served_name: str | None = None, what: str = "`dflashkit serve`",
+                    exit_hint: str = "check target.path, or run `dflashkit serve -c run.yaml` by hand") -> None:
+    """Poll `<base>/health` (base without /v1) until it answers 200 (and, given `served_name`, /v1/models
+    lists it); raise ServerError with the log's tail when the child dies or time runs out."""
+    root = base_url.removesuffix("/v1")
     deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=2.0) as http:
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                tail = _tail(log_path)
-                raise ServerError(f"`dflashkit serve` exited with code {proc.returncode} before it was "
-                                  f"ready{':' + chr(10) + tail if tail else ''}",
-                                  hint="check target.path, or run `dflashkit serve -c run.yaml` by hand")
-            try:
-                if http.get(root + "/health").status_code == 200:
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = _tail(log_path)
+            raise ServerError(f"{what} exited with code {proc.returncode} before it was ready"
+                              f"{f' (log {log_path})' if log_path else ''}{':' + chr(10) + tail if tail else ''}",
+                              hint=exit_hint)
+        try:
+            if request_sync("GET", root + "/health", timeout_s=2.0)[0] == 200:
+                if served_name is None:
                     return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-    raise ServerError(f"{root}/health did not answer within {timeout_s:.0f}s",
+                models = get_json(base_url + "/models", timeout_s=5.0).get("data", [])
+                if any(m.get("id") == served_name for m in models):
+                    return
+        except (HttpError, ValueError, AttributeError):
+            pass
+        time.sleep(0.2 if served_name is None else 0.5)
+    tail = _tail(log_path)
+    raise ServerError(f"{what} did not answer {root}/health within {timeout_s:.0f}s"
+                      f"{f' (log {log_path})' if log_path else ''}{':' + chr(10) + tail if tail else ''}",
                       hint="raise server.startup_timeout_s, or start the server yourself and set server.urls")
 
 
-def _tail(path: Path | None, n: int = 15) -> str:
+@contextmanager
+def child_process(cmd: list[str], *, tmpdir: str, log_file: Path, env: dict[str, str], cwd: str | None = None,
+                  stdout_to_log: bool = False) -> Iterator[subprocess.Popen]:
+    """Run a server `cmd` as our child: its own process group, SIGTERM when we die (PDEATHSIG), stderr (and
+    stdout, if asked) appended to `log_file`; on every exit path (return, exception, SIGTERM, interpreter
+    exit) its group is stopped and `tmpdir` removed."""
+    with open(log_file, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out if stdout_to_log else subprocess.DEVNULL, stderr=out,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_death_signal_preexec(os.getpid()), env=env, cwd=cwd)
+    stopper = functools.partial(_stop, proc, tmpdir)
+    atexit.register(stopper)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    try:
+        yield proc
+    finally:
+        stopper()
+        atexit.unregister(stopper)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _tail(path: Path | None, n: int = 20) -> str:
+    """The last `n` non-blank lines of a child's log ("" when there is none)."""
     if path is None or not path.is_file():
         return ""
-    return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    return "\n".join([ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()][-n:])
 
 
 @contextmanager
@@ -165,20 +196,7 @@ def start_local_server(cfg, *, host: str = "127.0.0.1", port: int | None = None,
            f"serve.port={port}", "--json", *(extra_overrides or [])]
     base_url = f"http://{host}:{port}/v1"
     log.info("starting a local server for %s on %s (log: %s)", cfg.target.path, base_url, log_file)
-    with open(log_file, "ab") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
-                                preexec_fn=_death_signal_preexec(os.getpid()),
-                                env={**os.environ, "TQDM_DISABLE": "1", TMPDIR_ENV: f"{os.getpid()}:{tmpdir}"})
-    stopper = functools.partial(_stop, proc, tmpdir)
-    atexit.register(stopper)
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    try:
+    env = {**os.environ, "TQDM_DISABLE": "1", TMPDIR_ENV: f"{os.getpid()}:{tmpdir}"}
+    with child_process(cmd, tmpdir=tmpdir, log_file=log_file, env=env) as proc:
         wait_for_health(base_url, timeout_s=cfg.server.startup_timeout_s, proc=proc, log_path=log_file)
         yield base_url
-    finally:
-        stopper()
-        atexit.unregister(stopper)
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)

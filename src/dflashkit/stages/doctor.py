@@ -35,7 +35,7 @@ from dflashkit.rundir import RunDir
 
 # pip name -> import name, for required packages
 REQUIRED = {"torch": "torch", "transformers": "transformers", "tokenizers": "tokenizers",
-            "safetensors": "safetensors", "pyarrow": "pyarrow", "httpx": "httpx", "pyyaml": "yaml",
+            "safetensors": "safetensors", "pyarrow": "pyarrow", "pyyaml": "yaml",
             "numpy": "numpy", "tqdm": "tqdm", "jinja2": "jinja2"}
 # pip name -> (import name, what it is for, install command)
 OPTIONAL = {
@@ -126,7 +126,7 @@ def tool_checks(run_dir: str) -> list[dict[str, Any]]:
 
 
 def endpoint_checks(server: Any, timeout: float = 3.0) -> list[dict[str, Any]]:
-    import httpx
+    from dflashkit.http1 import get_json
 
     out = []
     key = os.environ.get(server.api_key_env)
@@ -135,9 +135,8 @@ def endpoint_checks(server: Any, timeout: float = 3.0) -> list[dict[str, Any]]:
         models_url = url.rstrip("/") + "/models"
         shown = redact_url(url)
         try:
-            r = httpx.get(models_url, headers=headers, timeout=timeout)
-            r.raise_for_status()
-            ids = [m.get("id") for m in (r.json().get("data") or []) if isinstance(m, dict)]
+            ids = [m.get("id") for m in (get_json(models_url, headers=headers, timeout_s=timeout).get("data") or [])
+                   if isinstance(m, dict)]
             out.append(_check(f"endpoint {shown}", "ok", f"models: {', '.join(map(str, ids)) or '(none listed)'}"))
         except Exception as e:  # noqa: BLE001 - any failure is reported, never raised
             detail = (f"GET {redact_url(models_url)}: {type(e).__name__}: "

@@ -3,8 +3,8 @@
 Inputs:  whatever exists of `train/metrics.jsonl`, `train/curve.json`, `train/best/best.json`,
          `eval/results.json`, `bench/decode.json`,
          `bench/serve.json`, `config.resolved.yaml`, `contract.json` and the stage manifests.
-Outputs: `report/index.html` (inline CSS, plots embedded as base64 PNG data URIs — or inline SVG
-         when matplotlib, the `report` extra, is missing), `report/*.png`, manifest.
+Outputs: `report/index.html` (inline CSS, plots embedded as base64 PNG data URIs, drawn by
+         matplotlib), `report/*.png`, manifest.
 Example: dflashkit report -c run.yaml   (then open runs/x/report/index.html)
 
 Plots: training loss and simulated τ per step (train and held-out), per-position acceptance and
@@ -42,7 +42,7 @@ flex-wrap:wrap}.card{background:#f3f6fb;border-radius:8px;padding:.8rem 1.1rem;m
 .card b{display:block;font-size:1.5rem;color:#1f5fbf}table{border-collapse:collapse;margin:.5rem 0;
 font-size:.9rem}td,th{border:1px solid #d8dde8;padding:.3rem .6rem;text-align:right}th{background:#eef2f9}
 td:first-child,th:first-child{text-align:left}.plots{display:grid;grid-template-columns:1fr 1fr;gap:1rem}
-.plots img,.plots svg{width:100%;border:1px solid #e3e7ef;border-radius:6px}pre{background:#f6f8fa;
+.plots img{width:100%;border:1px solid #e3e7ef;border-radius:6px}pre{background:#f6f8fa;
 padding:.8rem;overflow:auto;font-size:.8rem;max-height:30rem}"""
 COLORS = ["#1f5fbf", "#d9480f", "#2b8a3e", "#862e9c", "#e67700", "#0b7285"]
 
@@ -95,40 +95,6 @@ def _png(spec: tuple) -> bytes:
     fig.savefig(buf, format="png")
     plt.close(fig)
     return buf.getvalue()
-
-
-def _svg(spec: tuple) -> str:
-    """A small dependency-free chart (used when matplotlib is not installed)."""
-    name, title, xlabel, ylabel, kind, series = spec
-    w, h, pad = 600, 360, 50
-    xs_all = [x for _, xs, _ in series for x in xs] or [0]
-    ys_all = [y for _, _, ys in series for y in ys] or [0]
-    x0, x1 = min(xs_all), max(xs_all) if max(xs_all) > min(xs_all) else min(xs_all) + 1
-    y0, y1 = min(0.0, min(ys_all)), max(ys_all) if max(ys_all) > 0 else 1.0
-    sx = lambda x: pad + (x - x0) / (x1 - x0 or 1) * (w - 2 * pad)  # noqa: E731
-    sy = lambda y: h - pad - (y - y0) / (y1 - y0 or 1) * (h - 2 * pad)  # noqa: E731
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {w} {h}" role="img">',
-             f'<rect width="{w}" height="{h}" fill="white"/>',
-             f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="14">{html.escape(title)}</text>',
-             f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="#333"/>',
-             f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="#333"/>',
-             f'<text x="{w / 2}" y="{h - 12}" text-anchor="middle" font-size="11">{html.escape(xlabel)}</text>',
-             f'<text x="12" y="{h / 2}" font-size="11" transform="rotate(-90 12 {h / 2})">{html.escape(ylabel)}</text>',
-             f'<text x="{pad - 4}" y="{sy(y1) + 4}" text-anchor="end" font-size="10">{y1:.3g}</text>',
-             f'<text x="{pad - 4}" y="{sy(y0) + 4}" text-anchor="end" font-size="10">{y0:.3g}</text>']
-    for i, (label, xs, ys) in enumerate(series):
-        c = COLORS[i % len(COLORS)]
-        if kind == "bar":
-            bw = (w - 2 * pad) / max(1, len(xs_all)) * 0.8 / len(series)
-            for x, y in zip(xs, ys):
-                parts.append(f'<rect x="{sx(x) - bw * len(series) / 2 + i * bw:.1f}" y="{sy(y):.1f}" width="{bw:.1f}" '
-                             f'height="{max(0.0, sy(y0) - sy(y)):.1f}" fill="{c}"/>')
-        else:
-            pts = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in zip(xs, ys))
-            parts.append(f'<polyline points="{pts}" fill="none" stroke="{c}" stroke-width="2"/>')
-        parts.append(f'<text x="{w - pad}" y="{40 + 14 * i}" text-anchor="end" font-size="11" fill="{c}">'
-                     f'{html.escape(label)}</text>')
-    return "".join(parts) + "</svg>"
 
 
 def plot_specs(metrics: list[dict], results: dict | None, serve: dict | None) -> list[tuple]:
@@ -389,22 +355,13 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     if ctx.dry_run:
         return {"dry_run": True, "plots": [s[0] for s in specs]}
     out = rd.stage_dir("report")
-    try:
-        import matplotlib  # noqa: F401
-        use_png = True
-    except ImportError:
-        log.warning("matplotlib not installed (pip install 'dflashkit[report]'): plots are inline SVG")
-        use_png = False
     figures, files = [], []
     for spec in specs:
-        if use_png:
-            png = _png(spec)
-            atomic_write_bytes(out / f"{spec[0]}.png", png)
-            files.append(f"{spec[0]}.png")
-            figures.append(f"<img alt='{html.escape(spec[1])}' src='data:image/png;base64,"
-                           f"{base64.b64encode(png).decode()}'>")
-        else:
-            figures.append(_svg(spec))
+        png = _png(spec)
+        atomic_write_bytes(out / f"{spec[0]}.png", png)
+        files.append(f"{spec[0]}.png")
+        figures.append(f"<img alt='{html.escape(spec[1])}' src='data:image/png;base64,"
+                       f"{base64.b64encode(png).decode()}'>")
     page = render_html(rd, cfg.run.name, figures, results, bench, metrics, curve_html,
                        engine=_read_json(rd.root / "verify-engine" / "results.json"))
     atomic_write_text(out / "index.html", page)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from dflashkit.config import config_reference_markdown, iter_fields
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
 
 def test_config_reference_is_in_sync():

@@ -1,22 +1,29 @@
-"""A minimal keep-alive HTTP/1.1 client on asyncio protocols: the fast path of `generate`.
+"""A minimal keep-alive HTTP/1.1 client on asyncio protocols: dflashkit's one HTTP client.
 
 Usage:
     http = Http1Client(timeout_s=600, headers={"Authorization": "Bearer …"})
     status, headers, body = await http.request("POST", "http://127.0.0.1:8000/v1/chat/completions", payload)
     await http.aclose()
+    models = get_json("http://127.0.0.1:8000/v1/models", timeout_s=5)     # from synchronous code
+    reply = post_json(url + "/chat/completions", {"messages": [...]})     # raises HttpStatusError on non-2xx
 
 Why: a chat request through httpx/httpcore/anyio costs milliseconds of client CPU on a busy
-2-core box; this client costs tens of microseconds, so `generate` is never the bottleneck of a
-fast server fleet (`dflashkit bench generate`). It speaks exactly what OpenAI-compatible servers
-answer: Content-Length, chunked, or read-until-close bodies; http and https; one request per
-connection at a time (no pipelining); idle connections are reused per host. Set
-`generate.http_client: httpx` for anything else (proxies, HTTP/2).
+2-core box, aiohttp about 2.4x this client's; this one costs tens of microseconds, so `generate`
+is never the bottleneck of a fast server fleet (`dflashkit bench generate`; the numbers are in
+docs/architecture.md). It is the one HTTP client of the library: `generate`'s hot path, and through
+`request_sync` / `get_json` / `post_json` the health checks, `doctor`, `bench serve`, the engines'
+metrics and verify-engine (httpx is a test-only dependency: an independent client for the server's
+tests). It speaks exactly what
+OpenAI-compatible servers answer: Content-Length, chunked, or read-until-close bodies; http and
+https; one request per connection at a time (no pipelining); idle connections are reused per
+host. Not supported: HTTP proxies and HTTP/2.
 Errors: `HttpTimeout`, `HttpConnectError`, `HttpDropped` (connection closed mid-response).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import ssl
 from typing import Any
 from urllib.parse import urlsplit
@@ -36,6 +43,14 @@ class HttpConnectError(HttpError):
 
 class HttpDropped(HttpError):
     pass
+
+
+class HttpStatusError(HttpError):
+    """A complete response with a non-2xx status (`get_json` / `post_json`)."""
+
+    def __init__(self, url: str, status: int, body: bytes):
+        super().__init__(f"{url}: HTTP {status}: {body[:300].decode('utf-8', 'replace')}")
+        self.status, self.body = status, body
 
 
 class _Conn(asyncio.Protocol):
@@ -222,3 +237,44 @@ class Http1Client:
             for c in conns:
                 c.close()
         self._idle.clear()
+
+
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def request_sync(method: str, url: str, body: bytes = b"", *, headers: dict[str, str] | None = None,
+                 timeout_s: float = 30.0) -> tuple[int, dict[str, str], bytes]:
+    """One request from synchronous code (its own event loop and connection): status, headers, body.
+
+    Raises: HttpTimeout, HttpConnectError, HttpDropped (never for a non-2xx status).
+    """
+    async def one() -> tuple[int, dict[str, str], bytes]:
+        http = Http1Client(timeout_s=timeout_s, headers=headers)
+        try:
+            return await http.request(method, url, body)
+        finally:
+            await http.aclose()
+
+    return asyncio.run(one())
+
+
+def _json(url: str, status: int, body: bytes) -> Any:
+    if not 200 <= status < 300:
+        raise HttpStatusError(url, status, body)
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise HttpError(f"{url}: the reply is not JSON: {body[:200]!r}") from None
+
+
+def get_json(url: str, *, headers: dict[str, str] | None = None, timeout_s: float = 30.0) -> Any:
+    """GET `url` and decode its JSON body; HttpStatusError on a non-2xx status, HttpError on non-JSON."""
+    status, _, body = request_sync("GET", url, headers=headers, timeout_s=timeout_s)
+    return _json(url, status, body)
+
+
+def post_json(url: str, payload: Any, *, headers: dict[str, str] | None = None, timeout_s: float = 600.0) -> Any:
+    """POST `payload` as JSON to `url` and decode the JSON reply (errors as get_json)."""
+    status, _, body = request_sync("POST", url, json.dumps(payload).encode(),
+                                   headers={**JSON_HEADERS, **(headers or {})}, timeout_s=timeout_s)
+    return _json(url, status, body)

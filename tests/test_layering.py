@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = SRC / "dflashkit"
 
 # Edges still to re-house (issue #12 remaining work); each one is named, so a new one fails.
@@ -140,6 +140,37 @@ def test_stages_share_code_through_the_library():
 def test_no_import_cycle():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " → ".join(cycle or [])
+
+
+TOP_ROOMS = ("dflashkit.bench", "dflashkit.testing")  # only stages, tests and each other import these
+APART = (("dflashkit.generate", "dflashkit.serving"), ("dflashkit.serving", "dflashkit.generate"))
+
+
+def _in(mod: str, room: str) -> bool:
+    return mod == room or mod.startswith(room + ".")
+
+
+def room_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Library → bench/testing imports, and generate (the client) ↔ serving (the server) imports."""
+    bad = []
+    for src, targets in graph.items():
+        if _is_upper(src):
+            continue
+        for dst in targets:
+            top = any(_in(dst, r) for r in TOP_ROOMS) and not any(_in(src, r) for r in TOP_ROOMS)
+            if top or any(_in(src, a) and _in(dst, b) for a, b in APART):
+                bad.append((src, dst))
+    return sorted(bad)
+
+
+def test_library_rooms_point_one_way():
+    bad = room_violations(import_graph())
+    assert not bad, "imports against the room order (docs/architecture.md):\n" + "\n".join(
+        f"  {a} → {b}" for a, b in bad)
+    planted = {"dflashkit.data.x": {"dflashkit.testing.faults"}, "dflashkit.generate.y": {"dflashkit.serving.z"},
+               "dflashkit.bench.w": {"dflashkit.testing"}, "dflashkit.stages.v": {"dflashkit.bench.w"}}
+    assert room_violations(planted) == [("dflashkit.data.x", "dflashkit.testing.faults"),
+                                        ("dflashkit.generate.y", "dflashkit.serving.z")]
 
 
 def test_checker_catches_a_cycle_and_an_upward_import(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -19,6 +20,7 @@ from dflashkit.rundir import RunDir
 from tests.helpers import TEXTS, make_run, overrides
 
 
+@pytest.mark.slow  # a 150-step CLI training run
 def test_overfit_one_conversation(tmp_path, tiny_qwen3):
     B = 4
     rd = make_run(tmp_path / "r", tiny_qwen3, texts=TEXTS[:1], block_size=B)

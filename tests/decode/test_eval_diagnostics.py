@@ -207,7 +207,7 @@ def _eval_run_dir(tmp_path, target):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from test_export import _run_dir  # noqa: E402
+    from tests.helpers import run_dir_with_drafter as _run_dir
 
     rd = _run_dir(tmp_path, target, block_size=4, prompts=2)
     (rd / "tokenize").mkdir()

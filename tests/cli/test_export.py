@@ -15,22 +15,12 @@ from dflashkit.export.hf import load_drafter, load_shipped_model, save_drafter
 from dflashkit.model.target import load_target
 
 from dflashkit.testing import random_drafter
+from tests.helpers import run_dir_with_drafter as _run_dir
 
 
 @pytest.fixture(scope="module")
 def target(tiny_qwen3):
     return load_target(TargetSection(path=str(tiny_qwen3), device="cpu", dtype="float32"))
-
-
-def _run_dir(tmp_path, target, block_size=4, prompts=3) -> Path:
-    rd = tmp_path / "run"
-    save_drafter(random_drafter(target, block_size=block_size), rd / "train" / "final", dtype="float32")
-    (rd / "prepare").mkdir(parents=True)
-    rows = [{"id": f"p{i}", "source": "t", "messages": [{"role": "user", "content": f"tell me {i} things"},
-                                                        {"role": "assistant", "content": "ok"}]}
-            for i in range(prompts)]
-    (rd / "prepare" / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return rd
 
 
 def _inputs(contract, t=6):

@@ -55,7 +55,7 @@ def test_doctor_packages_tools_and_endpoints(models_server, tmp_path, capsys, mo
     assert "sk-secret-123" not in out
     res = json.loads(out.strip().splitlines()[-1])
     checks = {c["name"]: c for c in res["checks"]}
-    for name in ("python", "torch", "transformers", "tokenizers", "safetensors", "pyarrow", "httpx"):
+    for name in ("python", "torch", "transformers", "tokenizers", "safetensors", "pyarrow"):
         assert checks[name]["status"] == "ok", checks[name]
     assert checks["tiktoken"]["status"] == "absent" and checks["tiktoken"]["fix"] == "pip install tiktoken"
     assert checks["torchrun"]["status"] == "ok" and "asset cache" in checks and "disk" in checks

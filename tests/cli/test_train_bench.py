@@ -11,11 +11,22 @@ from tests.helpers import make_run, overrides, tokenize_texts
 
 
 @pytest.mark.parametrize("vocab", [None, 24])
-def test_bench_train_reports_consistent_numbers(tmp_path, tiny_qwen3, capsys, vocab):
+def test_bench_train_reports_consistent_numbers(tmp_path, tiny_qwen3, capsys, monkeypatch, vocab):
+    import dflashkit.bench.train as bench_train
+    from dflashkit.train.objective import dflash_loss
+
+    calls: list[int] = []  # one entry per drafter step the bench runs: each a real loss + backward + AdamW step
+
+    def counted(*args, **kwargs):
+        out = dflash_loss(*args, **kwargs)
+        calls.append(int(out.loss.requires_grad))
+        return out
+
+    monkeypatch.setattr(bench_train, "dflash_loss", counted)
     rd = make_run(tmp_path / "r", tiny_qwen3)
     # the reduced-vocab case also runs the online target forward under bf16 autocast
     extra = [f"drafter.draft_vocab_size={vocab}", "train.target_dtype=bfloat16"] if vocab else []
-    assert main(["bench", "train", "1", "--json", *overrides(rd, tiny_qwen3), *extra]) == 0
+    assert main(["bench", "train", "3", "--json", *overrides(rd, tiny_qwen3), *extra]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["vocab_projected"] == (vocab or 320)
     # the step is measured on the run's first global batch (train.batch_size=2 samples), as tokenized
@@ -25,11 +36,10 @@ def test_bench_train_reports_consistent_numbers(tmp_path, tiny_qwen3, capsys, vo
     assert all(out[k] > 0 for k in ("target_forward_s", "features_s", "drafter_step_s"))
     written = json.loads((rd / "bench" / "train.json").read_text())
     assert written == {k: v for k, v in out.items() if k not in ("command", "ok", "subject", "wall_time_s")}
-    assert abs(out["online_step_s"] - out["features_s"] - out["drafter_step_s"]) < 1e-4
-    assert abs(out["drafter_over_target_forward"] - out["drafter_step_s"] / out["target_forward_s"]) < 0.01
-    step = out["online_step_s"]
-    assert abs(out["context_tokens_per_s"] - out["tokens"] / step) <= 0.1 + 1e-3 * out["context_tokens_per_s"]
-    assert abs(out["features_share"] + out["drafter_share"] - 1) < 0.01
+    # 2 warm-up + 3 timed drafter steps; on CPU without train autocast also 1 warm-up + 3 timed under bf16
+    bf16_too = "drafter_step_bf16_autocast_s" in out
+    assert out["iters"] == 3 and len(calls) == 2 + 3 + (1 + 3 if bf16_too else 0) and all(calls)
+    assert bf16_too == (out["autocast"] is None)
     assert out["target_autocast"] == ("torch.bfloat16" if vocab else None)
     timed = out["features_bf16_autocast_s"] if vocab else out["features_float32_s"]
     assert timed == out["features_s"] and out["features_float32_s"] > 0 and out["features_bf16_autocast_s"] > 0

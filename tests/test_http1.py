@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from dflashkit.generate.http1 import Http1Client, HttpConnectError, HttpDropped, HttpTimeout
+from dflashkit.http1 import Http1Client, HttpConnectError, HttpDropped, HttpTimeout
 
 
 class RawServer:
@@ -132,3 +132,25 @@ def test_stale_keep_alive_connection_is_replaced():
 
     a, b = run(go())
     assert a[2] == b[2] == b"hi" and srv.connections == 2
+
+
+def test_sync_json_helpers_send_json_and_raise_on_status_and_non_json():
+    from dflashkit.http1 import HttpError, HttpStatusError, get_json, post_json
+
+    ok = json.dumps({"data": [{"id": "m"}]}).encode()
+    srv = RawServer([
+        b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(ok) + ok,
+        b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(ok) + ok,
+        b"HTTP/1.1 503 Busy\r\nContent-Length: 4\r\n\r\nbusy",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nnot",
+    ])
+    assert get_json(srv.url, timeout_s=5) == {"data": [{"id": "m"}]}
+    assert post_json(srv.url, {"q": [1, 2]}, headers={"Authorization": "Bearer k"}, timeout_s=5)["data"][0]["id"] == "m"
+    post = srv.requests[1]
+    assert post.startswith(b"POST /v1/x ") and b"Content-Type: application/json" in post
+    assert b"Authorization: Bearer k" in post and json.loads(post.partition(b"\r\n\r\n")[2]) == {"q": [1, 2]}
+    with pytest.raises(HttpStatusError) as e:
+        get_json(srv.url, timeout_s=5)
+    assert e.value.status == 503 and "busy" in str(e.value)
+    with pytest.raises(HttpError, match="not JSON"):
+        get_json(srv.url, timeout_s=5)

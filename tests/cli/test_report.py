@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from dflashkit.cli import main
 from dflashkit.config import TargetSection
 from dflashkit.model.target import load_target
 
-from test_export import _run_dir  # noqa: E402
+from tests.helpers import run_dir_with_drafter as _run_dir
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +59,6 @@ def test_report_html_holds_the_numbers_and_plots(run_dir):
     assert page.count("data:image/png;base64,") == 5 and "<link" not in page and "<script" not in page
 
 
-def test_report_falls_back_to_inline_svg(run_dir, monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    assert main(["report", "--run-dir", str(run_dir), "--json"]) == 0
-    page = (run_dir / "report" / "index.html").read_text()
-    assert page.count("<svg") == 5 and "data:image/png" not in page
-
-
 def test_report_without_inputs_is_exit_3(tmp_path):
     assert main(["report", "--run-dir", str(tmp_path / "empty"), "--json"]) == 3
 
@@ -93,7 +85,7 @@ def test_report_renders_in_a_headless_browser(run_dir, tmp_path):
     assert var > 100 and 0.001 < dark < 0.5, f"blank-looking screenshot (variance {var:.1f}, dark share {dark:.4f})"
 
 
-def test_report_plots_the_learning_curve_per_source_with_the_gap(tmp_path, monkeypatch):
+def test_report_plots_the_learning_curve_per_source_with_the_gap(tmp_path):
     rd = tmp_path / "run"
     (rd / "train" / "best").mkdir(parents=True)
 
@@ -117,9 +109,7 @@ def test_report_plots_the_learning_curve_per_source_with_the_gap(tmp_path, monke
     labels = [lbl for lbl, _, _ in specs[0][5]]
     assert labels == ["held-out", "held-out humaneval", "held-out sharegpt", "train (same steps)"]
     assert specs[0][5][0][1] == [4000, 8000] and specs[0][5][3][2] == [1.30, 1.5]
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the SVG fallback draws them too
-    assert main(["report", "--run-dir", str(rd), "--json"]) == 0
-    assert (rd / "report" / "index.html").read_text().count("<svg") == 2
+    assert page.count("data:image/png;base64,") == 2
 
 
 def test_report_shows_prompt_lookup_diagnostics_and_the_lossless_verdict(run_dir):
