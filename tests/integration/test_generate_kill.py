@@ -212,7 +212,13 @@ def test_generate_against_real_serve_survives_sigkill_chaos(tmp_path, tiny_qwen3
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=30)
     assert all(b > a for a, b in zip(written, written[1:])), f"no progress between kills: {written}"
-    assert metrics["cancelled"] > 0  # the kills abandoned requests, and the server dropped them
+    # every turn was answered once for the journal, each of the KILLS + 1 runs sent one pre-flight request,
+    # and a kill abandons at most `concurrency` (8) requests, which the server either finished before it
+    # noticed (counted in requests) or dropped (cancelled). Whether a kill catches a request mid-decode is
+    # timing (a 24-token request can finish within the server's 0.2 s disconnect poll on a quiet machine):
+    # that a disconnect frees the row is tests/serving/test_serve_cancel.py's deterministic test
+    served = metrics["requests"] + metrics["cancelled"]
+    assert total + KILLS + 1 <= served <= total + KILLS + 1 + 8 * KILLS, (metrics, total)
     result = json.loads(out.decode().strip().splitlines()[-1])["generate"]
     keys = Counter((json.loads(x)["id"], json.loads(x)["turn"]) for x in _journal_lines(run_dir))
     assert len(keys) == total and max(keys.values()) == 1
