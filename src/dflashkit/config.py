@@ -333,7 +333,7 @@ class ExportSection:
         "zlab", "Checkpoint format: zlab (config.json with dflash_config + dflash.py; read by SGLang, vLLM, "
         "transformers remote code, and dflashkit) or speculators (vLLM's own format: `vllm serve DIR` "
         "finds the target and draft length in it; holds the target's embedding and head). `dflashkit "
-        "import` reads both. CLI: `dflashkit export --format speculators`.")
+        "import` reads both. CLI: `dflashkit export --format speculators`.", hash_default=False)
     dtype: Literal["bfloat16", "float16", "float32"] = f("bfloat16", "Stored weight dtype.")
     check_atol: float = f(5e-2, "Reload check: max |logits difference| between the export and the source "
                           "drafter, relative to the largest |logit| (bf16 rounding gives ~1e-2).")
