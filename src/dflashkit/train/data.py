@@ -107,9 +107,6 @@ class BatchPlan:
     def global_batch(self) -> int:
         return self.batch_size * self.grad_accum * self.world
 
-    def steps_per_epoch(self) -> int:
-        return max(1, len(self.train_idx) // self.global_batch)
-
     def _perm(self, epoch: int) -> list[int]:
         if epoch not in self._perms:
             order = np.random.default_rng([self.seed, epoch, 11]).permutation(len(self.train_idx))
@@ -235,7 +232,3 @@ class FeatureStore:
             raise UsageError(f"feature shard {where[0]} row {where[1]} holds {b - a} tokens but the tokenized "
                              f"sample has {length}", hint="re-run `dflashkit capture -c run.yaml` after tokenize")
         return fh.get_slice(name)[a:b]
-
-    def all_next_ids(self) -> list[torch.Tensor]:
-        """Every shard's `next_ids` (int32, all samples back to back), for label statistics."""
-        return [fh.get_tensor("next_ids") for fh, _ in self.files]
