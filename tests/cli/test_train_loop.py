@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflashkit.cli import main
-from tests.helpers import make_run, overrides
+from tests.helpers import assert_same_weights, make_run, overrides
 
 
 def _train(tmp_path, target, name="run", extra=(), **kw):
@@ -54,7 +54,7 @@ def test_micro_batch_times_grad_accum_equivalence(tmp_path, tiny_qwen3, extra):
     assert torch.allclose(torch.tensor(la), torch.tensor(lb), atol=1e-5), (la, lb)
     wa = load_file(a / "train" / "final" / "model.safetensors")
     wb = load_file(b / "train" / "final" / "model.safetensors")
-    assert all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)
+    assert_same_weights(wa, wb)
 
 
 @VOCAB_CASES

@@ -28,21 +28,23 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from dflashkit.errors import UsageError
-from dflashkit.model.draft_vocab import label_token_counts, restricted_head, vocab_from_counts
+from dflashkit.model.draft_vocab import restricted_head
 from dflashkit.model.drafter import DFlashDraftModel
 from dflashkit.model.drafter_config import REPROBE_HINT, DrafterContract
-from dflashkit.model.target import target_autocast
 from dflashkit.train import checkpoint as ckpt
 from dflashkit.train import guards
 from dflashkit.train.data import Batch, BatchPlan, FeatureStore, TokenData, collate, load_tokenized, split_heldout
+from dflashkit.train.heldout import BestKeeper, evaluate_heldout, log_eval, metrics_of
 from dflashkit.train.logging import LearningCurve, MetricSink
-from dflashkit.train.objective import dflash_loss, gamma_for, sample_anchors, target_label_ids, weight_sum
+from dflashkit.train.objective import dflash_loss, gamma_for, sample_anchors, weight_sum
 from dflashkit.train.optim import build_optimizer, build_scheduler
+from dflashkit.train.target_side import TargetOut, target_side
+from dflashkit.train.vocab import pick_draft_vocab
 from dflashkit.train.parallel import (DistInfo, TargetParts, all_reduce_sum, barrier, init_distributed,
                                       shard_target, wrap_drafter)
 
@@ -85,16 +87,6 @@ def autocast_dtype(train_dtype: str, device: torch.device) -> torch.dtype | None
 
 
 @dataclass
-class TargetOut:
-    """The target's side of one micro-batch (see `Trainer.target_outputs`)."""
-
-    features: torch.Tensor                  # [b, S, n_feat·H]
-    logits: torch.Tensor | None = None      # [b, S, V] (sharded targets, for KL)
-    last_hidden: torch.Tensor | None = None  # [b, S, H] final-norm output (for KL)
-    label_ids: torch.Tensor | None = None   # [b, S] labels from the target (train.labels=target)
-
-
-@dataclass
 class Trainer:
     """Everything one step needs (built by `setup`)."""
 
@@ -112,6 +104,7 @@ class Trainer:
     amp: torch.dtype | None
     head: torch.nn.Module | None = None       # the loss's head: parts.lm_head, or its rows `vocab`
     vocab: torch.Tensor | None = None         # reduced draft vocab (sorted target ids), on the device
+    target_side: Callable[[Batch], TargetOut] | None = None  # train/target_side.py: this run's feature source
 
     def __post_init__(self):
         if self.head is None:
@@ -131,41 +124,11 @@ class Trainer:
                     "continuing with the checkpoint's")
         self.use_draft_vocab(loaded)
 
-    def target_outputs(self, b: Batch) -> "TargetOut":
-        """What the loss needs from the target for batch `b`: features (cached or online), the labels
-        (`train.labels`), and the target's distribution for KL (logits, or its last hidden state)."""
-        t = self.cfg.train
-        need_kl = t.loss != "ce"
-        need_labels = t.labels == "target"
-        have_labels = b.next_ids is not None
-        have_kl = b.last_hidden is not None
-        if b.features is not None and (have_labels or not need_labels) and (have_kl or not need_kl):
-            labels = target_label_ids(b.input_ids, b.next_ids) if need_labels else None
-            feats = torch.zeros_like(b.features) if t.ablate_features else b.features
-            return TargetOut(feats, None, b.last_hidden if need_kl else None, labels)
-        logits = hidden = None
-        tamp = target_autocast(t.target_dtype, self.dist.device, self.target.dtype)
-        with torch.no_grad(), torch.autocast(self.dist.device.type, dtype=tamp, enabled=tamp is not None):
-            if self.parts.sharded:  # a sharded target gives logits, not its final-norm hidden state
-                feats, out = self.target.features(b.input_ids, layer_ids=self.contract.target_layer_ids,
-                                                  need_logits=True, attention_mask=b.attention_mask)
-                logits = out.logits
-                nxt = logits.argmax(-1) if need_labels else None
-            elif need_labels or need_kl:
-                feats, hidden = self.target.features(b.input_ids, layer_ids=self.contract.target_layer_ids,
-                                                     need_last_hidden=True, attention_mask=b.attention_mask)
-                nxt = self.target.next_token_ids(hidden) if need_labels else None
-            else:
-                feats, nxt = self.target.features(b.input_ids, layer_ids=self.contract.target_layer_ids,
-                                                  attention_mask=b.attention_mask), None
-        if b.next_ids is not None and need_labels:
-            nxt = b.next_ids
-        feats = b.features if b.features is not None else feats
-        feats = feats.float() if self.amp is None else feats
-        if t.ablate_features:
-            feats = torch.zeros_like(feats)
-        labels = target_label_ids(b.input_ids, nxt) if need_labels else None
-        return TargetOut(feats, logits if need_kl else None, hidden if need_kl and logits is None else None, labels)
+    def target_outputs(self, b: Batch) -> TargetOut:
+        """What the loss needs from the target for batch `b` (`train/target_side.py`: the builder of
+        this run's feature source)."""
+        assert self.target_side is not None  # set by `setup`
+        return self.target_side(b)
 
     def micro_loss(self, b: Batch, a, denom: float | None, tout: "TargetOut | None" = None, *,
                    training: bool = False):
@@ -252,6 +215,8 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
                  gamma_for(cfg.train.gamma, contract.block_size), attention,
                  autocast_dtype(cfg.train.dtype, dist.device))
     tr.use_draft_vocab(vocab)
+    tr.target_side = target_side(cfg.train, contract, target, parts, device=dist.device, amp=tr.amp,
+                                 store=data.features)
     return tr
 
 
@@ -264,61 +229,6 @@ def check_recipe(train) -> None:
         problems.append(f"train.feature_noise {train.feature_noise} is negative")
     if problems:
         raise UsageError("; ".join(problems), hint="e.g. train.dpace_alpha=0.5 train.feature_noise=0")
-
-
-def pick_draft_vocab(cfg, contract: DrafterContract, target, data, train_idx: list[int]) -> torch.Tensor | None:
-    """The reduced draft vocab for `drafter.draft_vocab_size` (None: unset, 0, or the whole vocab).
-
-    The most frequent supervised tokens of the training samples (held-out ones excluded) plus the
-    eos ids of the contract and the tokenizer; the same on every rank (a pure function of the data).
-    """
-    n, vocab_size = cfg.drafter.draft_vocab_size, target.vocab_size
-    if not n:
-        return None
-    if n > vocab_size:
-        raise UsageError(f"drafter.draft_vocab_size {n} exceeds the target vocab of {vocab_size} tokens",
-                         hint=f"use at most {vocab_size}, or null for the full vocab")
-    if n == vocab_size:
-        log.info("drafter.draft_vocab_size %d is the whole target vocab: training over the full vocab", n)
-        return None
-    eos = contract.eos_token_id
-    always = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    tok_eos = getattr(getattr(target, "tokenizer", None), "eos_token_id", None)
-    if tok_eos is not None:
-        always.add(int(tok_eos))
-    labels = [data.input_ids[i] for i in train_idx]
-    if cfg.train.labels == "target":  # the labels trained on are the target's own predictions: count those
-        labels = target_labels_of(cfg, contract, target, data, train_idx)
-    counts = label_token_counts(labels, [data.loss_mask[i] for i in train_idx], vocab_size)
-    vocab = vocab_from_counts(counts, n, always=always)
-    log.info("draft vocab: %d of %d target tokens, covering %.2f%% of the training label tokens", n, vocab_size,
-             100 * counts[vocab.numpy()].sum() / max(1, counts.sum()))
-    return vocab
-
-
-def target_labels_of(cfg, contract: DrafterContract, target, data, idx: list[int]) -> list:
-    """`train.labels=target` labels of samples `idx` (np.int64 arrays): from the cached `next_ids`, or
-    (online) from one batched prefill pass of the target over those samples."""
-    import numpy as np
-
-    out = []
-    if data.features is not None and data.features.has("next_ids"):
-        for i in idx:
-            nxt = data.features.get(data.where[i], len(data.input_ids[i]), "next_ids").to(torch.long)[None]
-            out.append(target_label_ids(torch.from_numpy(data.input_ids[i])[None], nxt)[0].numpy())
-        return out
-    log.info("draft vocab: labelling %d training samples with the target (one prefill pass)", len(idx))
-    pad = (getattr(getattr(target, "tokenizer", None), "pad_token_id", None) or 0)
-    bs = max(1, cfg.train.batch_size)
-    for k in range(0, len(idx), bs):
-        items = [(i, 0) for i in idx[k:k + bs]]
-        b = collate(data, items, run_seed=0, pad_id=pad).to(target.device)
-        with torch.no_grad():
-            _, hidden = target.features(b.input_ids, layer_ids=contract.target_layer_ids, need_last_hidden=True,
-                                        attention_mask=b.attention_mask)
-            lab = target_label_ids(b.input_ids, target.next_token_ids(hidden)).cpu()
-        out.extend(lab[r, :int(n)].numpy().astype(np.int64) for r, n in enumerate(b.seq_lens.tolist()))
-    return out
 
 
 def total_steps(cfg, plan: BatchPlan) -> int:
@@ -363,113 +273,7 @@ def train_step(tr: Trainer, step: int, opt, sched) -> dict:
     lr = opt.param_groups[0]["lr"]
     sched.step()
     stats = all_reduce_sum(stats, tr.dist)  # loss terms were divided by the global Σw: the sum is the mean
-    return _metrics(stats, B, step + 1, lr=lr, grad_norm=grad_norm)
-
-
-def _metrics(stats: torch.Tensor, B: int, step: int, **extra) -> dict:
-    correct, total = stats[4:4 + B], stats[4 + B:]
-    acc = [round(float(c / t), 4) if t > 0 else None for c, t in zip(correct[1:], total[1:])]
-    return {"step": step, "loss": float(stats[0]), "tau": float(stats[1] / max(stats[2], 1)),
-            "acc": acc, "acc_mean": float(correct[1:].sum() / max(total[1:].sum(), 1)),
-            "blocks": int(stats[2]), "tokens": int(stats[3]),
-            "_window": [float(stats[1]), float(stats[2]), float(correct[1]), float(total[1])], **extra}
-
-
-@torch.no_grad()
-def evaluate_heldout(tr: Trainer, step: int) -> dict | None:
-    """Simulated τ / per-position accuracy on the held-out samples (fixed anchors; same on every rank).
-
-    Samples are batched within their data source, so the result also holds `by_source` (the same
-    numbers per source; the overall numbers are their pooled sums)."""
-    if not tr.heldout:
-        return None
-    B = tr.contract.block_size
-    src = tr.sources()
-    groups: dict[str, list[int]] = {}
-    for j in tr.heldout:
-        groups.setdefault(src[j], []).append(j)
-    bs = tr.cfg.train.batch_size
-    total = torch.zeros(4 + 2 * B, dtype=torch.float64)
-    by_source = {}
-    for name in sorted(groups):
-        stats = torch.zeros(4 + 2 * B, dtype=torch.float64)
-        idx = groups[name]
-        for i in range(0, len(idx), bs):
-            b = tr.batch([(j, -1) for j in idx[i:i + bs]])
-            a = tr.anchors(b)
-            out = tr.micro_loss(b, a, None)
-            stats[0] += float(out.loss) * out.weight_sum
-            stats[1] += out.tau_sum
-            stats[2] += out.blocks
-            stats[3] += out.weight_sum
-            stats[4:] += torch.cat([out.correct, out.total]).double()
-        total += stats
-        by_source[name] = _heldout_row(stats, B, step, samples=len(idx))
-    row = _heldout_row(total, B, step)
-    return {"split": "heldout", **row, "by_source": by_source}
-
-
-def _heldout_row(stats: torch.Tensor, B: int, step: int, **extra) -> dict:
-    stats = stats.clone()
-    stats[0] /= max(float(stats[3]), 1e-6)
-    m = _metrics(stats, B, step)
-    return {"step": step, "loss": m["loss"], "tau": m["tau"], "acc": m["acc"], "acc_mean": m["acc_mean"],
-            "blocks": m["blocks"], **extra}
-
-
-def _log_eval(sink: MetricSink, ev: dict) -> None:
-    """The metrics.jsonl row of a held-out evaluation (per-source numbers only with several sources)."""
-    row = {k: v for k, v in ev.items() if k != "by_source"}
-    if len(ev.get("by_source", {})) > 1:
-        row["by_source"] = {k: {"tau": v["tau"], "acc": v["acc"], "loss": v["loss"]}
-                            for k, v in ev["by_source"].items()}
-    sink.log(row)
-
-
-class BestKeeper:
-    """`train/best/`: the drafter of the held-out evaluation with the highest τ so far (earliest on ties)."""
-
-    def __init__(self, out_dir, tr: Trainer, enabled: bool):
-        self.dir, self.tr, self.enabled = out_dir / "best", tr, enabled
-        self.record: dict | None = None
-
-    def restore(self, start: int, state: dict | None) -> None:
-        """Fresh run (or keep_best off): a stale best/ is removed. Resume: the checkpoint's record
-        (else best.json, if it is not newer than the checkpoint) is the best so far."""
-        if start == 0 or not self.enabled:
-            if self.tr.dist.is_main and self.dir.exists():
-                import shutil
-
-                from dflashkit.rundir import check_replaceable
-
-                check_replaceable(self.dir, owner="train", marker="model.safetensors")  # never a user's dir
-                log.info("removing %s from an earlier run", self.dir)
-                shutil.rmtree(self.dir)
-            barrier(self.tr.dist)
-            return
-        if state is not None and "best" in state:
-            self.record = state["best"]
-            return
-        rec = ckpt.read_best(self.dir)
-        self.record = rec if rec is not None and rec["step"] <= start else None
-
-    def offer(self, ev: dict | None) -> bool:
-        """Save the drafter as best when `ev` beats the record; True when it did."""
-        if not self.enabled or not ev:
-            return False
-        better = self.record is None or ev["tau"] > self.record["tau"]
-        if self.tr.dist.world > 1:  # every rank gathers the weights: follow the main rank's decision
-            flag = torch.tensor([1.0 if better and self.tr.dist.is_main else 0.0], dtype=torch.float64)
-            better = float(all_reduce_sum(flag, self.tr.dist)[0]) > 0
-        if not better:
-            return False
-        acc1 = ev["acc"][0] if ev["acc"] else None
-        self.record = {"step": ev["step"], "tau": ev["tau"], "acc": ev["acc"], "acc_pos1": acc1,
-                       "loss": ev["loss"]}
-        ckpt.save_final(self.dir, self.tr.drafter, self.tr.contract, is_main=self.tr.dist.is_main, best=self.record)
-        barrier(self.tr.dist)
-        log.info("best held-out τ %.4f at step %d → %s", ev["tau"], ev["step"], self.dir)
-        return True
+    return metrics_of(stats, B, step + 1, lr=lr, grad_norm=grad_norm)
 
 
 def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict:
@@ -505,7 +309,7 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
         ev = evaluate_heldout(tr, n)
         if ev:
             last_eval = ev
-            _log_eval(sink, ev)
+            log_eval(sink, ev)
             curve.record(n, ev)
             best.offer(ev)
 

@@ -1,0 +1,134 @@
+"""Held-out evaluation and best keeping: what `fit` measures on the held-out samples and keeps.
+
+Usage:
+    ev = evaluate_heldout(tr, step)          # simulated τ / accuracy / loss, overall and by_source
+    log_eval(sink, ev)                       # its metrics.jsonl row
+    best = BestKeeper(rd.train_dir, tr, enabled=cfg.train.keep_best)
+    best.restore(start, state); best.offer(ev)   # train/best/ (+ best.json) when τ beats the record
+    metrics_of(stats, B, step)               # a step's (or an evaluation's) summed statistics → metrics
+
+The statistics vector of a step or an evaluation: loss, τ sum, blocks, tokens, correct [B], total
+[B] (summed over micro-batches and ranks).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from dflashkit.train import checkpoint as ckpt
+from dflashkit.train.parallel import all_reduce_sum, barrier
+
+if TYPE_CHECKING:
+    from dflashkit.train.logging import MetricSink
+    from dflashkit.train.loop import Trainer
+
+log = logging.getLogger("dflashkit.train")
+
+
+def metrics_of(stats: torch.Tensor, B: int, step: int, **extra) -> dict:
+    correct, total = stats[4:4 + B], stats[4 + B:]
+    acc = [round(float(c / t), 4) if t > 0 else None for c, t in zip(correct[1:], total[1:])]
+    return {"step": step, "loss": float(stats[0]), "tau": float(stats[1] / max(stats[2], 1)),
+            "acc": acc, "acc_mean": float(correct[1:].sum() / max(total[1:].sum(), 1)),
+            "blocks": int(stats[2]), "tokens": int(stats[3]),
+            "_window": [float(stats[1]), float(stats[2]), float(correct[1]), float(total[1])], **extra}
+
+
+@torch.no_grad()
+def evaluate_heldout(tr: Trainer, step: int) -> dict | None:
+    """Simulated τ / per-position accuracy on the held-out samples (fixed anchors; same on every rank).
+
+    Samples are batched within their data source, so the result also holds `by_source` (the same
+    numbers per source; the overall numbers are their pooled sums)."""
+    if not tr.heldout:
+        return None
+    B = tr.contract.block_size
+    src = tr.sources()
+    groups: dict[str, list[int]] = {}
+    for j in tr.heldout:
+        groups.setdefault(src[j], []).append(j)
+    bs = tr.cfg.train.batch_size
+    total = torch.zeros(4 + 2 * B, dtype=torch.float64)
+    by_source = {}
+    for name in sorted(groups):
+        stats = torch.zeros(4 + 2 * B, dtype=torch.float64)
+        idx = groups[name]
+        for i in range(0, len(idx), bs):
+            b = tr.batch([(j, -1) for j in idx[i:i + bs]])
+            a = tr.anchors(b)
+            out = tr.micro_loss(b, a, None)
+            stats[0] += float(out.loss) * out.weight_sum
+            stats[1] += out.tau_sum
+            stats[2] += out.blocks
+            stats[3] += out.weight_sum
+            stats[4:] += torch.cat([out.correct, out.total]).double()
+        total += stats
+        by_source[name] = _heldout_row(stats, B, step, samples=len(idx))
+    row = _heldout_row(total, B, step)
+    return {"split": "heldout", **row, "by_source": by_source}
+
+
+def _heldout_row(stats: torch.Tensor, B: int, step: int, **extra) -> dict:
+    stats = stats.clone()
+    stats[0] /= max(float(stats[3]), 1e-6)
+    m = metrics_of(stats, B, step)
+    return {"step": step, "loss": m["loss"], "tau": m["tau"], "acc": m["acc"], "acc_mean": m["acc_mean"],
+            "blocks": m["blocks"], **extra}
+
+
+def log_eval(sink: MetricSink, ev: dict) -> None:
+    """The metrics.jsonl row of a held-out evaluation (per-source numbers only with several sources)."""
+    row = {k: v for k, v in ev.items() if k != "by_source"}
+    if len(ev.get("by_source", {})) > 1:
+        row["by_source"] = {k: {"tau": v["tau"], "acc": v["acc"], "loss": v["loss"]}
+                            for k, v in ev["by_source"].items()}
+    sink.log(row)
+
+
+class BestKeeper:
+    """`train/best/`: the drafter of the held-out evaluation with the highest τ so far (earliest on ties)."""
+
+    def __init__(self, out_dir, tr: Trainer, enabled: bool):
+        self.dir, self.tr, self.enabled = out_dir / "best", tr, enabled
+        self.record: dict | None = None
+
+    def restore(self, start: int, state: dict | None) -> None:
+        """Fresh run (or keep_best off): a stale best/ is removed. Resume: the checkpoint's record
+        (else best.json, if it is not newer than the checkpoint) is the best so far."""
+        if start == 0 or not self.enabled:
+            if self.tr.dist.is_main and self.dir.exists():
+                import shutil
+
+                from dflashkit.rundir import check_replaceable
+
+                check_replaceable(self.dir, owner="train", marker="model.safetensors")  # never a user's dir
+                log.info("removing %s from an earlier run", self.dir)
+                shutil.rmtree(self.dir)
+            barrier(self.tr.dist)
+            return
+        if state is not None and "best" in state:
+            self.record = state["best"]
+            return
+        rec = ckpt.read_best(self.dir)
+        self.record = rec if rec is not None and rec["step"] <= start else None
+
+    def offer(self, ev: dict | None) -> bool:
+        """Save the drafter as best when `ev` beats the record; True when it did."""
+        if not self.enabled or not ev:
+            return False
+        better = self.record is None or ev["tau"] > self.record["tau"]
+        if self.tr.dist.world > 1:  # every rank gathers the weights: follow the main rank's decision
+            flag = torch.tensor([1.0 if better and self.tr.dist.is_main else 0.0], dtype=torch.float64)
+            better = float(all_reduce_sum(flag, self.tr.dist)[0]) > 0
+        if not better:
+            return False
+        acc1 = ev["acc"][0] if ev["acc"] else None
+        self.record = {"step": ev["step"], "tau": ev["tau"], "acc": ev["acc"], "acc_pos1": acc1,
+                       "loss": ev["loss"]}
+        ckpt.save_final(self.dir, self.tr.drafter, self.tr.contract, is_main=self.tr.dist.is_main, best=self.record)
+        barrier(self.tr.dist)
+        log.info("best held-out τ %.4f at step %d → %s", ev["tau"], ev["step"], self.dir)
+        return True
