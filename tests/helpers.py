@@ -137,3 +137,12 @@ def assert_same_weights(wa: dict, wb: dict, atol: float = 2e-4) -> None:
     diff = {k: float((wa[k].float() - wb[k].float()).abs().max()) for k in wa}
     assert max(diff.values(), default=0.0) <= atol, {k: v for k, v in diff.items() if v > atol}
 
+
+def tokenized_rows(run_dir: Path) -> list[dict]:
+    """The run's tokenized samples as {id, input_ids, loss_mask} rows, through the one reader."""
+    from dflashkit.data.shards import load_tokenized
+    from dflashkit.rundir import RunDir
+
+    data = load_tokenized(RunDir(run_dir))
+    return [{"id": i, "input_ids": t, "loss_mask": m} for i, t, m in zip(data.ids, data.input_ids, data.loss_mask)]
+

@@ -268,10 +268,103 @@ class RunDir:
     def contract_path(self) -> Path:
         return self.root / "contract.json"
 
+    # The typed paths of the run dir's artifacts: every module names a run-dir path through these
+    # (tests/test_artifacts.py checks no module spells one by hand). Owner = the module holding the
+    # artifact's writer and reader.
+    @property
+    def probe_json(self) -> Path:
+        """`probe/probe.json` (owner: stages/probe.py; read by inspect/estimate.py)."""
+        return self.root / "probe" / "probe.json"
+
+    @property
+    def prepared_train(self) -> Path:
+        """`prepare/train.jsonl` prepared conversations (owner: data/records.py)."""
+        return self.root / "prepare" / "train.jsonl"
+
+    @property
+    def prepared_heldout(self) -> Path:
+        """`prepare/heldout.jsonl` held-out prompts (owner: data/records.py)."""
+        return self.root / "prepare" / "heldout.jsonl"
+
+    @property
+    def generate_dir(self) -> Path:
+        """`generate/`: the append-only journal shards and engine logs (owner: generate/journal.py)."""
+        return self.root / "generate"
+
+    @property
+    def conversations_path(self) -> Path:
+        """`generate/conversations.jsonl` regenerated conversations (owner: generate/conversations.py)."""
+        return self.root / "generate" / "conversations.jsonl"
+
+    @property
+    def tokenize_dir(self) -> Path:
+        """`tokenize/`: shard-*.parquet + stats.json (owner: data/shards.py)."""
+        return self.root / "tokenize"
+
+    @property
+    def tokenize_stats(self) -> Path:
+        return self.tokenize_dir / "stats.json"
+
     @property
     def capture_dir(self) -> Path:
         """Feature shards (`data/features.py`: writer, reader and format)."""
         return self.root / "capture"
+
+    @property
+    def train_dir(self) -> Path:
+        """`train/`: metrics.jsonl, curve.json, checkpoints/, final/, best/ (owner: train/checkpoint.py)."""
+        return self.root / "train"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.train_dir / "checkpoints"
+
+    @property
+    def final_dir(self) -> Path:
+        return self.train_dir / "final"
+
+    @property
+    def best_dir(self) -> Path:
+        return self.train_dir / "best"
+
+    @property
+    def train_metrics(self) -> Path:
+        return self.train_dir / "metrics.jsonl"
+
+    @property
+    def train_curve(self) -> Path:
+        return self.train_dir / "curve.json"
+
+    @property
+    def eval_results(self) -> Path:
+        """`eval/results.json` (owner: stages/evaluate.py)."""
+        return self.root / "eval" / "results.json"
+
+    @property
+    def export_dir(self) -> Path:
+        """`export/`: the exported drafter (owner: export/hf.py, export/speculators.py)."""
+        return self.root / "export"
+
+    @property
+    def bench_dir(self) -> Path:
+        return self.root / "bench"
+
+    def bench_result(self, subject: str) -> Path:
+        """`bench/<subject>.json` (owner: stages/bench.py)."""
+        return self.bench_dir / f"{subject}.json"
+
+    @property
+    def verify_engine_dir(self) -> Path:
+        """`verify-engine/`: results.json + engine logs (owner: engines/verify.py)."""
+        return self.root / "verify-engine"
+
+    @property
+    def verify_engine_results(self) -> Path:
+        return self.verify_engine_dir / "results.json"
+
+    @property
+    def report_dir(self) -> Path:
+        return self.root / "report"
 
     @property
     def resolved_config_path(self) -> Path:

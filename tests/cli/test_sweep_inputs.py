@@ -21,6 +21,7 @@ from typing import Callable
 import pytest
 
 from dflashkit.cli import main
+from dflashkit.rundir import RunDir
 from tests.helpers import make_run, overrides
 
 CONV = {"id": "0000000000000001", "source": "t",
@@ -579,7 +580,6 @@ def test_capture_removes_a_stale_temp_shard(tmp_path, tiny_qwen3, base_run, caps
 
 
 def test_eval_prompts_read_sharegpt_and_alpaca(tmp_path):
-    from types import SimpleNamespace
 
     from dflashkit.config import load_config
     from dflashkit.decode.runner import load_prompt_messages
@@ -590,7 +590,7 @@ def test_eval_prompts_read_sharegpt_and_alpaca(tmp_path):
             {"messages": [{"role": "user", "content": "m"}]}]
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = load_config(None, [f"eval.prompts={p}", "data.on_malformed=fail"])
-    got = load_prompt_messages(cfg, SimpleNamespace(root=tmp_path))
+    got = load_prompt_messages(cfg, RunDir(tmp_path))
     assert [m for _, m in got] == [[{"role": "user", "content": "hi there"}],
                                    [{"role": "user", "content": "Add\n\n2 and 2"}],
                                    [{"role": "user", "content": "plain"}], [{"role": "user", "content": "m"}]]

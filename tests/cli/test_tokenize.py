@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import yaml
 
 from dflashkit.cli import main
 from dflashkit.data.records import Conversation, write_jsonl
-from dflashkit.data.shards import iter_tokenized
+from tests.helpers import tokenized_rows
 
 ANSWERS = ["The capital of France is Paris, of course.", "Berlin is the capital of Germany, friend.",
            "Rome has been the capital of Italy since 1871."]
@@ -64,10 +63,9 @@ def test_tokenize_generate_output(tmp_path, capsys, tiny_qwen3, tok):
     schema = pq.read_schema(shards[0])
     assert [str(schema.field(n).type) for n in ("id", "input_ids", "loss_mask")] == \
         ["string", "list<element: int32>", "list<element: int8>"]
-    rows = list(iter_tokenized(run_dir / "tokenize"))
+    rows = tokenized_rows(run_dir)
     assert [r["id"] for r in rows] == [c["id"] for c in convs()]
     for r, answer in zip(rows, ANSWERS):
-        assert r["input_ids"].dtype == np.int32 and r["loss_mask"].dtype == np.int8
         assert supervised_text(tok, r) == answer + "<|im_end|>"
         assert tok.decode(r["input_ids"].tolist()).endswith("<|im_start|>assistant\n" + answer + "<|im_end|>")
     stats = json.loads((run_dir / "tokenize/stats.json").read_text())
@@ -141,7 +139,7 @@ def test_server_token_mismatch_reported(tmp_path, capsys, tiny_qwen3, tok):
     first = check["first_mismatch"]
     assert first["id"] == rows[1]["id"] and first["token"] == len("Berlin")  # byte tokens
     assert first["server"].startswith("rlin!") and first["ours"].startswith("rlin is")
-    row = list(iter_tokenized(run_dir / "tokenize"))[1]
+    row = tokenized_rows(run_dir)[1]
     assert supervised_text(tok, row) == "Berlin!<|im_end|>"  # the server's tokens were used
 
 
@@ -159,18 +157,18 @@ def test_failed_rerun_keeps_shards_and_rerun_drops_stale(tmp_path, capsys, tiny_
     setup(tmp_path, tiny_qwen3, convs(), shard_size=10)
     assert tokenize(tmp_path, capsys)[0] == 0
     assert sorted(p.name for p in tdir.glob("shard-*")) == ["shard-00000.parquet"]
-    assert len(list(iter_tokenized(tdir))) == 3
+    assert len(tokenized_rows(tdir.parent)) == 3
 
 
 def test_workers_give_identical_output(tmp_path, capsys, tiny_qwen3):
     rows = convs([f"{a} Variant {i}." for i in range(7) for a in ANSWERS])
     run_dir = setup(tmp_path, tiny_qwen3, rows, batch_size=4, shard_size=5)
     assert tokenize(tmp_path, capsys)[0] == 0
-    one = [(r["id"], r["input_ids"].tolist(), r["loss_mask"].tolist()) for r in iter_tokenized(run_dir / "tokenize")]
+    one = [(r["id"], r["input_ids"].tolist(), r["loss_mask"].tolist()) for r in tokenized_rows(run_dir)]
     stats1 = json.loads((run_dir / "tokenize/stats.json").read_text())
     code, out = tokenize(tmp_path, capsys, "tokenize.workers=2")
     assert code == 0 and out["samples"] == len(rows) == 21
-    two = [(r["id"], r["input_ids"].tolist(), r["loss_mask"].tolist()) for r in iter_tokenized(run_dir / "tokenize")]
+    two = [(r["id"], r["input_ids"].tolist(), r["loss_mask"].tolist()) for r in tokenized_rows(run_dir)]
     stats2 = json.loads((run_dir / "tokenize/stats.json").read_text())
     assert one == two and stats1["shards"] == stats2["shards"]
 
@@ -205,7 +203,7 @@ def test_original_answer_sources_join_the_regenerated_ones_without_generate(tmp_
     write_jsonl(run_dir / "generate" / "conversations.jsonl", regenerated)
     code, out = tokenize(tmp_path, capsys)
     assert code == 0, out
-    rows = list(iter_tokenized(run_dir / "tokenize"))
+    rows = tokenized_rows(run_dir)
     table = pq.read_table(sorted((run_dir / "tokenize").glob("shard-*.parquet"))[0])
     sources = table.column("source").to_pylist()
     texts = {s: [] for s in sources}

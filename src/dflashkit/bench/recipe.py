@@ -77,7 +77,7 @@ def plan_variants(cfg: Any, rd: RunDir) -> dict[str, Any]:
     problems = recipe_variant_problems(variants)
     if problems:
         raise ConfigError(problems)
-    root = rd.root / "bench" / "recipe"
+    root = rd.bench_dir / "recipe"
     out: dict[str, Any] = {}
     for name, over in variants.items():
         try:

@@ -17,7 +17,6 @@ import logging
 import sys
 import time
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 from dflashkit.http1 import JSON_HEADERS, Http1Client, HttpError, get_json
@@ -83,7 +82,7 @@ async def _sweep_one(url: str, model: str, prompts: list[str], concurrency: int,
 
 
 def _prompts(rd) -> list[str]:
-    path = Path(rd.root) / "prepare" / "heldout.jsonl"
+    path = rd.prepared_heldout
     out: list[str] = []
     if path.is_file():
         for line in path.read_text().splitlines():

@@ -54,6 +54,13 @@ def shard_metadata(path: Path) -> dict[str, str] | None:
         return None
 
 
+def shard_metadata_for(*, layer_ids: list[int], source: str, digest: str, dtype: str, hidden: int, samples: int,
+                       autocast: str) -> dict[str, str]:
+    """The metadata a shard is written with (`write_shard` adds `next_ids` / `last_hidden`)."""
+    return {"target_layer_ids": json.dumps(list(layer_ids)), "source": source, "source_digest": digest,
+            "dtype": dtype, "hidden_size": str(hidden), "samples": str(samples), "target_autocast": autocast}
+
+
 def shard_matches(path: Path, *, layer_ids: list[int], digest: str, dtype: str, last_hidden: bool,
                   autocast: str, engine: str = "local") -> bool:
     """Whether a complete shard at `path` holds what this capture would write (then it is skipped)."""

@@ -1,23 +1,28 @@
 """Tokenized Parquet shards: the schema `tokenize` writes and `train`/`capture` read.
 
 Usage:
-    write_parquet_shard(tok_dir / "shard-00000.parquet", [{"id": "a", "input_ids": ids, "loss_mask": m}])
-    for row in iter_tokenized(tok_dir):          # sorted shard order, row order within a shard
-        row["id"], row["input_ids"], row["loss_mask"]      # str, np.int32 [T], np.int8 [T]
+    write_parquet_shard(rd.tokenize_dir / shard_name(0), [{"id": "a", "input_ids": ids, "loss_mask": m}])
+    data = load_tokenized(rd)                    # TokenData: every sample, sorted shard order, row order
+    data.ids[i], data.input_ids[i], data.loss_mask[i], data.where[i]   # str, np.int64 [T] ×2, (shard, row)
 
-Schema (readers may use pyarrow directly): `id` string, `input_ids` list<int32>,
-`loss_mask` list<int8> (1 exactly on supervised assistant tokens), equal lengths per row.
+Schema: `id` string, `input_ids` list<int32>, `loss_mask` list<int8> (1 exactly on supervised
+assistant tokens), equal lengths per row, `source` string. The one writer and the one reader of the
+format (`train.data` re-exports the reader).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 
 from dflashkit.errors import MissingArtifactError, UsageError
-from dflashkit.rundir import atomic_path
+from dflashkit.rundir import RunDir, atomic_path
+
+if TYPE_CHECKING:
+    from dflashkit.data.features import FeatureStore
 
 SHARD_GLOB = "shard-*.parquet"
 
@@ -70,30 +75,61 @@ def write_parquet_shard(path: str | Path, rows: Iterable[dict[str, Any]]) -> dic
     return {"samples": len(ids), "tokens": int(len(flat_t)), "supervised": int(flat_m.sum(dtype=np.int64))}
 
 
-def shard_paths(tokenize_dir: str | Path) -> list[Path]:
-    """The shards of a tokenize dir, sorted; MissingArtifactError when there are none."""
-    d = Path(tokenize_dir)
-    paths = sorted(d.glob(SHARD_GLOB))
-    if not paths:
-        raise MissingArtifactError("tokenized shards", d / SHARD_GLOB, run="dflashkit tokenize -c run.yaml")
-    return paths
+@dataclass
+class TokenData:
+    """All tokenized samples in memory (token ids are small); `where[i]` = (shard index, row)."""
+
+    ids: list[str]
+    input_ids: list[np.ndarray]
+    loss_mask: list[np.ndarray]
+    shards: list[Path]
+    where: list[tuple[int, int]]
+    features: "FeatureStore | None" = None
+    source: list[str] = field(default_factory=list)   # each sample's data source ("" if unknown)
+
+    def __len__(self) -> int:
+        return len(self.ids)
 
 
-def iter_tokenized(tokenize_dir: str | Path) -> Iterator[dict[str, Any]]:
-    """Yield {id, input_ids: np.int32[T], loss_mask: np.int8[T]} in sorted shard order."""
+def tokenized_shards(rd: RunDir) -> list[Path]:
+    """The run's tokenized shards, sorted (empty when there are none)."""
+    return sorted(rd.tokenize_dir.glob(SHARD_GLOB))
+
+
+def load_tokenized(rd: RunDir) -> TokenData:
+    """Read every `tokenize/shard-*.parquet` (columns id, input_ids, loss_mask).
+
+    Raises:
+        MissingArtifactError: no shards (run `dflashkit tokenize`).
+        UsageError: a shard lacks a column or has mismatched lengths (names the file and row).
+    """
     import pyarrow.parquet as pq
 
-    for path in shard_paths(tokenize_dir):
-        table = pq.read_table(path)
-        if table.schema.names[:3] != ["id", "input_ids", "loss_mask"]:
-            raise UsageError(f"{path}: unexpected columns {table.schema.names}",
-                             hint="re-run `dflashkit tokenize -c run.yaml`")
-        ids = table.column("id").to_pylist()
-        tok_col = table.column("input_ids").combine_chunks()
-        mask_col = table.column("loss_mask").combine_chunks()
-        offsets = tok_col.offsets.to_numpy()
-        flat_t = tok_col.values.to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
-        flat_m = mask_col.values.to_numpy(zero_copy_only=False).astype(np.int8, copy=False)
-        for i, sid in enumerate(ids):
-            a, b = offsets[i], offsets[i + 1]
-            yield {"id": sid, "input_ids": flat_t[a:b], "loss_mask": flat_m[a:b]}
+    shards = tokenized_shards(rd)
+    if not shards:
+        raise MissingArtifactError("tokenized shards", rd.tokenize_dir / SHARD_GLOB,
+                                   run="dflashkit tokenize -c run.yaml")
+    data = TokenData([], [], [], shards, [])
+    for si, path in enumerate(shards):
+        try:
+            shard = pq.ParquetFile(path)  # one open: the schema, then the columns
+            names = shard.schema_arrow.names
+            table = shard.read(columns=["id", "input_ids", "loss_mask"] + (["source"] if "source" in names else []))
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad files
+            raise UsageError(f"{path}: cannot read tokenized shard ({e})",
+                             hint="re-run `dflashkit tokenize -c run.yaml`") from None
+        cols = table.to_pydict()
+        sources = cols.get("source") or [""] * len(cols["id"])
+        for row, (sid, ids, mask, src) in enumerate(zip(cols["id"], cols["input_ids"], cols["loss_mask"], sources)):
+            if len(ids) != len(mask):
+                raise UsageError(f"{path} row {row} (id {sid}): input_ids has {len(ids)} tokens but "
+                                 f"loss_mask has {len(mask)}", hint="re-run `dflashkit tokenize -c run.yaml`")
+            data.ids.append(str(sid))
+            data.input_ids.append(np.asarray(ids, dtype=np.int64))
+            data.loss_mask.append(np.asarray(mask, dtype=np.int64))
+            data.where.append((si, row))
+            data.source.append(str(src or ""))
+    if not data.ids:
+        raise UsageError(f"{rd.tokenize_dir}: the tokenized shards hold no samples",
+                         hint="check `tokenize/stats.json`; lower tokenize.min_supervised or add data")
+    return data

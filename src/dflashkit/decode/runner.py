@@ -37,10 +37,10 @@ def resolve_drafter_dir(cfg: Any, rd: Any, positionals: list[str]) -> Path:
         return p
     from dflashkit.train.checkpoint import trained_drafter_dir
 
-    for cand in (trained_drafter_dir(rd.root / "train")[0], rd.root / "export"):
+    for cand in (trained_drafter_dir(rd.train_dir)[0], rd.export_dir):
         if (cand / "config.json").is_file():
             return cand
-    raise MissingArtifactError("trained drafter", rd.root / "train" / "final", run="dflashkit train -c run.yaml")
+    raise MissingArtifactError("trained drafter", rd.final_dir, run="dflashkit train -c run.yaml")
 
 
 def _prompt_of(obj: Any, where: str) -> list[dict[str, str]]:
@@ -75,7 +75,7 @@ def load_prompt_messages(cfg: Any, rd: Any) -> list[tuple[str, list[dict[str, st
     """(id, chat messages) for `eval.prompts`, else prepare's held-out split."""
     from dflashkit.data.records import read_jsonl
 
-    path = Path(cfg.eval.prompts) if cfg.eval.prompts else rd.root / "prepare" / "heldout.jsonl"
+    path = Path(cfg.eval.prompts) if cfg.eval.prompts else rd.prepared_heldout
     if not path.is_file():
         if cfg.eval.prompts:
             what = "is a directory, not a JSONL file" if path.is_dir() else "does not exist"

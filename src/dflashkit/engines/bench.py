@@ -34,7 +34,7 @@ SERVED_NAME = "target"
 
 
 def _export_dir(cfg: Any, rd: Any) -> Path | None:
-    p = Path(cfg.eval.drafter) if cfg.eval.drafter else Path(rd.root) / "export"
+    p = Path(cfg.eval.drafter) if cfg.eval.drafter else rd.export_dir
     return p if (p / "config.json").is_file() else None
 
 
@@ -86,7 +86,7 @@ def bench_engine_serve(cfg: Any, rd: Any, ctx: Any, prompts: list[str], sweep_on
             spec = _speculative(method, cfg, rd)
             if method == "dflash" and spec is None:
                 log.warning("bench serve: no exported drafter (eval.drafter or %s): the dflash row is skipped",
-                            Path(rd.root) / "export")
+                            rd.export_dir)
                 continue
             with ExitStack() as stack:
                 if method == "dflashkit":

@@ -2,7 +2,7 @@
 or vLLM (`server.engine`), for `target.path`, with the target's dtype and chat template.
 
 Usage:
-    with start_target_server(cfg, log_dir=rd.root / "generate") as base_url:   # "http://127.0.0.1:P/v1"
+    with start_target_server(cfg, log_dir=rd.generate_dir) as base_url:   # "http://127.0.0.1:P/v1"
         ...                                                                      # stopped on exit
     with start_vllm_for_target(cfg, log_path=p, speculative={...}) as eng:     # vllm.Engine
         eng.base_url

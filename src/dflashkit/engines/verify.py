@@ -1,7 +1,7 @@
 """Does an exported drafter behave in vLLM as in our decoder? Greedy outputs, τ and per-position acceptance.
 
 Usage:
-    res = verify_engine(cfg, export_dir, prompts, out_dir=rd.root / "verify-engine")
+    res = verify_engine(cfg, export_dir, prompts, out_dir=rd.verify_engine_dir)
     res["passed"], res["checks"], res["causes"]                # what failed and its likely cause
 
 Three decodes of the same locally rendered prompt ids, greedy, float32, one request at a time:

@@ -1,7 +1,7 @@
 """Conversation bookkeeping for `generate`: which turns to regenerate, prompts, final assembly.
 
 Usage:
-    convs = load_prepared(rd.stage_dir("prepare") / "train.jsonl")
+    convs = load_prepared(rd.prepared_train)
     turns = plan_turns(conv["messages"])          # message index of each user turn that gets an answer
     prompt = build_prompt(conv["messages"], turns, answers, t)   # messages to send for turn t
     rec = assemble(conv, [journal records by turn], reasoning="keep", on_length="flag")

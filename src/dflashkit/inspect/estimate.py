@@ -51,7 +51,7 @@ def parse_gpus(positionals: list[str]) -> tuple[int, float, str, list[str]]:
 
 def data_size(cfg: Any, rd: Any) -> tuple[int, int, str]:
     """(tokens, sequences, where the numbers come from)."""
-    stats = rd.root / "tokenize" / "stats.json"
+    stats = rd.tokenize_stats
     if stats.is_file():
         try:
             s = json.loads(stats.read_text())
@@ -62,7 +62,7 @@ def data_size(cfg: Any, rd: Any) -> tuple[int, int, str]:
                 return int(toks), int(seqs), str(stats)
         except (OSError, json.JSONDecodeError, AttributeError):
             log.warning("%s: unreadable, estimating the data size instead", stats)
-    train = rd.root / "prepare" / "train.jsonl"
+    train = rd.prepared_train
     if train.is_file():
         with open(train, "rb") as fh:
             n = sum(1 for line in fh if line.strip())
@@ -80,7 +80,7 @@ def contract_and_facts(cfg: Any, rd: Any, model: str | None) -> tuple[Any, dict[
     from dflashkit.inspect.target import inspect_target
     from dflashkit.model.drafter_config import DrafterContract
 
-    probe_json = rd.root / "probe" / "probe.json"
+    probe_json = rd.probe_json
     if model is None and rd.contract_path.is_file():
         contract = DrafterContract.load(rd.contract_path)
         facts = json.loads(probe_json.read_text())["facts"] if probe_json.is_file() else {}

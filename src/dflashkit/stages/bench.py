@@ -74,7 +74,8 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     if ctx.dry_run:  # nothing runs, nothing is written (and no run-dir lock is taken)
         if subject == "recipe":  # every variant is built and checked, none trains
             return {"subject": subject, **SUBJECTS[subject](cfg, rd, ctx)}
-        return {"subject": subject, "dry_run": True, "would_write": str(rd.root / "bench" / f"{subject}.json")}
+        return {"subject": subject, "dry_run": True, "would_write": str(rd.bench_result(subject))}
     result = SUBJECTS[subject](cfg, rd, ctx)
-    atomic_write_json(rd.stage_dir("bench") / f"{subject}.json", result)
+    rd.bench_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(rd.bench_result(subject), result)
     return {"subject": subject, **result}

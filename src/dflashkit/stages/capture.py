@@ -22,7 +22,6 @@ complete shard whose layer ids and source digest still match is skipped, so a ki
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
@@ -31,7 +30,8 @@ from typing import Any
 import torch
 
 from dflashkit.config import RunConfig, section_hash
-from dflashkit.data.features import ST_DTYPES, local_batches, shard_matches, shard_path, write_shard
+from dflashkit.data.features import (ST_DTYPES, local_batches, shard_matches, shard_metadata_for, shard_path,
+                                     write_shard)
 from dflashkit.context import StageContext
 from dflashkit.errors import UsageError
 from dflashkit.rundir import RunDir, file_digest, read_json, remove_stale_temps, write_manifest
@@ -102,9 +102,8 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
                      cfg.train.target_dtype)
         for si, shard, digest, dest in todo:
             rows = [torch.from_numpy(data.input_ids[i]) for i, (s, _) in enumerate(data.where) if s == si]
-            meta = {"target_layer_ids": json.dumps(layer_ids), "source": shard.name, "source_digest": digest,
-                    "dtype": dtype, "hidden_size": str(contract.hidden_size), "samples": str(len(rows)),
-                    "target_autocast": str(autocast or "none")}
+            meta = shard_metadata_for(layer_ids=layer_ids, source=shard.name, digest=digest, dtype=dtype,
+                                      hidden=contract.hidden_size, samples=len(rows), autocast=str(autocast or "none"))
             batches = local_batches(target, rows, layer_ids, batch_size=cfg.capture.batch_size, pad_id=pad,
                                     last_hidden=keep_last, autocast=autocast)
             n = write_shard(dest, [len(r) for r in rows], batches, dtype=dtype, metadata=meta, width=width,

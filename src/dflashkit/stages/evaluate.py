@@ -56,11 +56,11 @@ def _drafter_source(drafter_dir: Path, rd: Any) -> dict[str, Any]:
     from dflashkit.train.checkpoint import read_best
 
     d = Path(drafter_dir).resolve()
-    if d == (rd.root / "train" / "best").resolve():
+    if d == (rd.best_dir).resolve():
         return {"kind": "best", **(read_best(d) or {})}
-    if d == (rd.root / "train" / "final").resolve():
+    if d == (rd.final_dir).resolve():
         return {"kind": "final"}
-    return {"kind": "export" if d == (rd.root / "export").resolve() else "dir"}
+    return {"kind": "export" if d == (rd.export_dir).resolve() else "dir"}
 
 
 def _diagnostic_lines(res: dict[str, Any]) -> list[str]:
@@ -185,7 +185,7 @@ def _diagnostics(cfg: Any, rd: Any, target: Any, drafter: Any, ids: list, base_r
         data = load_tokenized(rd)
         d["bigram"] = BigramTable.fit(data.input_ids, data.loss_mask).accuracy(outputs)
     else:
-        log.info("no tokenized shards in %s: bigram baseline skipped", rd.root / "tokenize")
+        log.info("no tokenized shards in %s: bigram baseline skipped", rd.tokenize_dir)
     d["simulated"] = simulated_acceptance(target, drafter, ids, outputs)
     d["no_features"] = simulated_acceptance(target, drafter, ids, outputs, zero_features=True)
     return d

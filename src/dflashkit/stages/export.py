@@ -70,7 +70,7 @@ def model_card(cfg: Any, contract: Any, out_dir: Path, rd: Any, draft_vocab_size
     if counts:
         lines += ["", "## Training data", ""]
         lines += [f"- {stage}: " + ", ".join(f"{k}={v}" for k, v in c.items()) for stage, c in counts.items()]
-    results = rd.root / "eval" / "results.json"
+    results = rd.eval_results
     if results.is_file():
         res = json.loads(results.read_text())
         lines += ["", "## Measured (dflashkit eval, HF reference loop)", "",
@@ -184,11 +184,11 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     if ctx.positionals:
         src, which = Path(ctx.positionals[0]), "dir"
     else:
-        src, which = trained_drafter_dir(rd.root / "train")
+        src, which = trained_drafter_dir(rd.train_dir)
     source = {"kind": which, **((read_best(src) or {}) if which == "best" else {})}
     if not (src / "config.json").is_file():
         raise MissingArtifactError("trained drafter", src, run="dflashkit train -c run.yaml")
-    out = Path(cfg.export.out_dir) if cfg.export.out_dir else rd.root / "export"
+    out = Path(cfg.export.out_dir) if cfg.export.out_dir else rd.export_dir
     if ctx.dry_run:
         return {"dry_run": True, "source": str(src), "source_kind": which, "out_dir": str(out),
                 "format": cfg.export.format}

@@ -39,7 +39,7 @@ log = logging.getLogger("dflashkit.generate")
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     t0 = time.time()
-    src = rd.stage_dir("prepare", create=False) / "train.jsonl"
+    src = rd.prepared_train
     convs = load_prepared(src)
     original = original_answer_sources(cfg.data.sources)
     if original:  # sources trained on their own answers (raw text) are not regenerated

@@ -147,7 +147,7 @@ def _plan_estimates(cfg: RunConfig, rd: RunDir) -> dict[str, Any] | None:
 def summary(rd: RunDir) -> dict[str, Any]:
     """The numbers a user wants at the end: τ, speedup, lossless yes/no, where things are."""
     out: dict[str, Any] = {}
-    res_path = rd.root / "eval" / "results.json"
+    res_path = rd.eval_results
     if res_path.is_file():
         try:
             res = json.loads(res_path.read_text())
@@ -156,7 +156,7 @@ def summary(rd: RunDir) -> dict[str, Any]:
             pass
     from dflashkit.train.checkpoint import trained_drafter_dir
 
-    drafter = trained_drafter_dir(rd.root / "train")[0].relative_to(rd.root)  # train/best if kept, else final
+    drafter = trained_drafter_dir(rd.train_dir)[0].relative_to(rd.root)  # train/best if kept, else final
     for name, rel in (("report", "report/index.html"), ("checkpoint", "export"), ("drafter", drafter)):
         p = rd.root / rel
         if p.exists():

@@ -340,14 +340,14 @@ def eval_diagnostics_html(results: dict) -> str:
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     t0 = time.time()
-    metrics = _read_jsonl(rd.root / "train" / "metrics.jsonl")
-    results = _read_json(rd.root / "eval" / "results.json")
-    serve = _read_json(rd.root / "bench" / "serve.json")
-    bench = _read_json(rd.root / "bench" / "decode.json")
-    curve = _read_json(rd.root / "train" / "curve.json")
-    best = _read_json(rd.root / "train" / "best" / "best.json")
+    metrics = _read_jsonl(rd.train_metrics)
+    results = _read_json(rd.eval_results)
+    serve = _read_json(rd.bench_result("serve"))
+    bench = _read_json(rd.bench_result("decode"))
+    curve = _read_json(rd.train_curve)
+    best = _read_json(rd.best_dir / "best.json")
     if not metrics and not results and not serve and not bench and not curve:
-        raise MissingArtifactError("training metrics or eval results", rd.root / "train" / "metrics.jsonl",
+        raise MissingArtifactError("training metrics or eval results", rd.train_metrics,
                                    run="dflashkit train -c run.yaml (and dflashkit eval)")
     specs = plot_specs(metrics, results, serve)
     curve_specs, curve_html = curve_section(curve, best)
@@ -363,7 +363,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         figures.append(f"<img alt='{html.escape(spec[1])}' src='data:image/png;base64,"
                        f"{base64.b64encode(png).decode()}'>")
     page = render_html(rd, cfg.run.name, figures, results, bench, metrics, curve_html,
-                       engine=_read_json(rd.root / "verify-engine" / "results.json"))
+                       engine=_read_json(rd.verify_engine_results))
     atomic_write_text(out / "index.html", page)
     write_manifest(out, stage="report", config_hash="", started=t0, outputs=["index.html", *files],
                    counts={"plots": len(specs)})

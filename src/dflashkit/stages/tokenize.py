@@ -58,14 +58,14 @@ def input_paths(cfg: Any, rd: RunDir) -> list[tuple[Path, set[str] | None]]:
     (`generate/conversations.jsonl`) plus, from `prepare/train.jsonl`, the sources configured with
     `answers: original` (raw text trained on as it is). MissingArtifactError (exit 3) names the stage
     to run."""
-    prepared = rd.root / "prepare" / "train.jsonl"
+    prepared = rd.prepared_train
     if cfg.tokenize.source == "prepare":
         if not prepared.is_file():
             raise MissingArtifactError("prepared conversations", prepared, run="dflashkit prepare -c run.yaml")
         return [(prepared, None)]
     out: list[tuple[Path, set[str] | None]] = []
     if needs_regeneration(cfg):
-        p = rd.root / "generate" / "conversations.jsonl"
+        p = rd.conversations_path
         if not p.is_file():
             raise MissingArtifactError("generated conversations (or set tokenize.source=prepare to train on "
                                        "the dataset's own answers)", p, run="dflashkit generate -c run.yaml")
@@ -114,7 +114,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     need = min_supervised(cfg, rd)
     if ctx.dry_run:
         return {"dry_run": True, "input": str(src), "inputs": [str(p) for p, _ in paths], "min_supervised": need}
-    created = not (rd.root / "tokenize").exists()
+    created = not (rd.tokenize_dir).exists()
     out = rd.stage_dir("tokenize")
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
     events: Counter[str] = Counter()
@@ -222,7 +222,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
 
 
 def _generate_manifest(cfg: Any, rd: RunDir) -> dict[str, Any]:
-    p = rd.root / "generate" / "manifest.json"
+    p = rd.manifest_path("generate")
     if cfg.tokenize.source != "generate" or not p.is_file():
         return {}
     try:
@@ -278,7 +278,7 @@ def _refuse_empty(rd: RunDir, paths: list[Path]) -> None:
     counts = (rd.manifest("generate") or {}).get("counts") or {}
     failed = counts.get("turns_failed") or 0
     why = (f": `generate` wrote none ({failed} of {counts.get('turns_total')} turns failed; see "
-           f"{rd.root / 'generate' / 'failures.jsonl'})" if failed else "")
+           f"{rd.generate_dir / 'failures.jsonl'})" if failed else "")
     raise UsageError(f"{', '.join(map(str, paths))}: no conversations to tokenize{why}",
                      hint="re-run `dflashkit generate -c run.yaml` (it retries the failed turns)" if failed
                      else "check data.sources and re-run `dflashkit prepare -c run.yaml` / `dflashkit generate`")

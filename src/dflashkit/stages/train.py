@@ -67,7 +67,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
 def _latest(rd) -> str | None:
     from dflashkit.train.checkpoint import latest_checkpoint
 
-    found = latest_checkpoint(rd.root / "train" / "checkpoints")
+    found = latest_checkpoint(rd.checkpoints_dir)
     return str(found) if found else None
 
 

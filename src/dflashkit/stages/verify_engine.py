@@ -34,7 +34,7 @@ def _drafter_dir(rd: RunDir, positionals: list[str]) -> Path:
             raise UsageError(f"{p} is not an exported drafter dir (no config.json)",
                              hint="pass the dir `dflashkit export` wrote")
         return p
-    p = rd.root / "export"
+    p = rd.export_dir
     if not (p / "config.json").is_file():
         raise MissingArtifactError("exported drafter", p, run="dflashkit export -c run.yaml")
     return p

@@ -4,8 +4,8 @@ Usage:
     save_checkpoint(ck_root, step=100, model=drafter, optimizer=opt, scheduler=sched, is_main=True)
     found = latest_checkpoint(ck_root)                  # Path | None (complete checkpoints only)
     step = load_checkpoint(found, model=drafter, optimizer=opt, scheduler=sched)
-    save_final(rd.stage_dir("train") / "final", drafter, contract)
-    save_final(rd.stage_dir("train") / "best", drafter, contract, best={"step": 100, "tau": 1.8})
+    save_final(rd.final_dir, drafter, contract)
+    save_final(rd.best_dir, drafter, contract, best={"step": 100, "tau": 1.8})
     src, which = trained_drafter_dir(rd.stage_dir("train"))    # train/best if kept, else train/final
 
 A checkpoint `checkpoints/step-XXXXXXX/` holds `model.safetensors` (full drafter state, z-lab

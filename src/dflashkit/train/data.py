@@ -17,72 +17,13 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from dflashkit.data.features import FeatureStore  # noqa: F401  (re-exported: the reader lives with the writer)
-from dflashkit.errors import MissingArtifactError, UsageError
-
-
-@dataclass
-class TokenData:
-    """All tokenized samples in memory (token ids are small); `where[i]` = (shard index, row)."""
-
-    ids: list[str]
-    input_ids: list[np.ndarray]
-    loss_mask: list[np.ndarray]
-    shards: list[Path]
-    where: list[tuple[int, int]]
-    features: "FeatureStore | None" = None
-    source: list[str] = field(default_factory=list)   # each sample's data source ("" if unknown)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-
-def tokenized_shards(rd) -> list[Path]:
-    return sorted((rd.root / "tokenize").glob("shard-*.parquet"))
-
-
-def load_tokenized(rd) -> TokenData:
-    """Read every `tokenize/shard-*.parquet` (columns id, input_ids, loss_mask).
-
-    Raises:
-        MissingArtifactError: no shards (run `dflashkit tokenize`).
-        UsageError: a shard lacks a column or has mismatched lengths (names the file and row).
-    """
-    import pyarrow.parquet as pq
-
-    shards = tokenized_shards(rd)
-    if not shards:
-        raise MissingArtifactError("tokenized shards", rd.root / "tokenize" / "shard-*.parquet",
-                                   run="dflashkit tokenize -c run.yaml")
-    data = TokenData([], [], [], shards, [])
-    for si, path in enumerate(shards):
-        try:
-            shard = pq.ParquetFile(path)  # one open: the schema, then the columns
-            names = shard.schema_arrow.names
-            table = shard.read(columns=["id", "input_ids", "loss_mask"] + (["source"] if "source" in names else []))
-        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad files
-            raise UsageError(f"{path}: cannot read tokenized shard ({e})",
-                             hint="re-run `dflashkit tokenize -c run.yaml`") from None
-        cols = table.to_pydict()
-        sources = cols.get("source") or [""] * len(cols["id"])
-        for row, (sid, ids, mask, src) in enumerate(zip(cols["id"], cols["input_ids"], cols["loss_mask"], sources)):
-            if len(ids) != len(mask):
-                raise UsageError(f"{path} row {row} (id {sid}): input_ids has {len(ids)} tokens but "
-                                 f"loss_mask has {len(mask)}", hint="re-run `dflashkit tokenize -c run.yaml`")
-            data.ids.append(str(sid))
-            data.input_ids.append(np.asarray(ids, dtype=np.int64))
-            data.loss_mask.append(np.asarray(mask, dtype=np.int64))
-            data.where.append((si, row))
-            data.source.append(str(src or ""))
-    if not data.ids:
-        raise UsageError(f"{rd.root / 'tokenize'}: the tokenized shards hold no samples",
-                         hint="check `tokenize/stats.json`; lower tokenize.min_supervised or add data")
-    return data
+from dflashkit.data.shards import TokenData, load_tokenized, tokenized_shards  # noqa: F401  (re-exported)
+from dflashkit.errors import UsageError
 
 
 def split_heldout(n: int, heldout: int, *, seed: int) -> tuple[list[int], list[int]]:

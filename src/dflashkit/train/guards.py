@@ -1,7 +1,7 @@
 """Pre-flight checks of `train`: refuse, before a weight is touched, what would be silently ignored or lost.
 
 Usage:
-    check_outputs_ours(rd.root / "train", cfg)          # train/final, train/best: ours, not imported
+    check_outputs_ours(rd.train_dir, cfg)          # train/final, train/best: ours, not imported
     check_drafter_overrides(cfg, contract, rd.contract_path)   # drafter.* given vs contract.json
     state["objective"] = objective(cfg.train)           # recorded in every checkpoint
     check_objective(checkpoint_dir, state, cfg.train)   # a resume under another loss/labels: exit 2

@@ -14,7 +14,7 @@ The statistics vector of a step or an evaluation: loss, τ sum, blocks, tokens, 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,7 +23,8 @@ from dflashkit.train.parallel import all_reduce_sum, barrier
 
 if TYPE_CHECKING:
     from dflashkit.train.logging import MetricSink
-    from dflashkit.train.loop import Trainer
+
+Trainer = Any  # train.loop.Trainer (not imported: loop imports this module)
 
 log = logging.getLogger("dflashkit.train")
 

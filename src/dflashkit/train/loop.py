@@ -278,7 +278,7 @@ def train_step(tr: Trainer, step: int, opt, sched) -> dict:
 
 def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict:
     """Train (or resume) until the configured number of steps; returns the final metrics."""
-    guards.check_outputs_ours(rd.root / "train", cfg)  # before any work: never replace what is not ours
+    guards.check_outputs_ours(rd.train_dir, cfg)  # before any work: never replace what is not ours
     dist = dist or init_distributed(cfg.train.parallel, cfg.target.device)
     tr = setup(cfg, rd, dist)
     steps = total_steps(cfg, tr.plan)
