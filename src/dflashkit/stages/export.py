@@ -96,6 +96,10 @@ def model_card(cfg: Any, contract: Any, out_dir: Path, rd: Any, draft_vocab_size
               "Transformers (this dir ships its own `dflash.py`):", "", "```python",
               "from transformers import AutoModel",
               f"drafter = AutoModel.from_pretrained(\"{out_dir}\", trust_remote_code=True)", "```", ""]
+    if getattr(contract, "is_dflash2", False):  # no remote code; the selector runs on vLLM's V2 runner only
+        lines = lines[:-7] + ["vLLM runs DFlash2's candidate selector on its V2 model runner only (GPU, Triton); "
+                              "its V1 runner (the CPU build) refuses the checkpoint. No `dflash.py` is shipped: "
+                              "`dflashkit eval` / `serve --drafter` decode it.", ""]
     return "\n".join(lines)
 
 
@@ -115,8 +119,10 @@ def reload_check(source: Any, export_dir: Path, head: Any, atol: float) -> dict[
     noise = torch.randn(1, q, c.hidden_size, generator=g)
     ctx = torch.randn(1, t, c.num_features * c.hidden_size, generator=g)
     pos = torch.arange(t + q)[None]
+    from dflashkit.export.hf import MODELING_FILE
+
     ours = load_drafter(export_dir, dtype=torch.float32)
-    shipped = load_shipped_model(export_dir)
+    shipped = load_shipped_model(export_dir) if (export_dir / MODELING_FILE).is_file() else None  # DFlash2: none
     vocab = source.draft_vocab
     if (vocab is None) != (ours.draft_vocab is None) or (vocab is not None and not torch.equal(vocab, ours.draft_vocab)):
         raise DflashkitError(f"export reload check failed in {export_dir}: the reloaded draft vocabulary differs "
@@ -126,7 +132,7 @@ def reload_check(source: Any, export_dir: Path, head: Any, atol: float) -> dict[
     with torch.inference_mode():
         ref = source.float()(noise, ctx, pos)
         a = ours(noise, ctx, pos)
-        b = shipped(noise_embedding=noise, target_hidden=ctx, position_ids=pos)
+        b = a if shipped is None else shipped(noise_embedding=noise, target_hidden=ctx, position_ids=pos)
         proj = head.float() if head is not None else torch.eye(c.hidden_size)
         lr, la, lb = ref @ proj.T, a @ proj.T, b @ proj.T
     scale = max(1.0, lr.abs().max().item())
@@ -138,8 +144,14 @@ def reload_check(source: Any, export_dir: Path, head: Any, atol: float) -> dict[
             f"shipped dflash.py vs our loader {diff_shipped:.3g} (allowed {atol * scale:.3g} / {1e-4 * scale:.3g})",
             hint="nothing was replaced; try export.dtype=float32 or raise export.check_atol")
     top1 = (la.argmax(-1) == lr.argmax(-1)).float().mean().item()
+    walk = {}
+    if c.is_dflash2:  # the selector's path too: exact when the export is float32
+        from dflashkit.export.dflash2 import walk_check
+
+        exact = next(v.dtype for v in ours.state_dict().values() if v.is_floating_point()) == torch.float32
+        walk = walk_check(source, ours, head, exact=exact)
     return {"max_diff_vs_source": diff_export, "max_diff_shipped_vs_ours": diff_shipped, "logit_scale": scale,
-            "top1_agreement": top1, "compared": "logits" if head is not None else "hidden states"}
+            "top1_agreement": top1, "compared": "logits" if head is not None else "hidden states", **walk}
 
 
 def _target_head(cfg: Any):
@@ -202,12 +214,19 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         head = _loaded_target_head(cfg, model.contract.hidden_size)
     with atomic_dir(out, owner="export") as tmp:
         save_drafter(model, tmp, dtype=cfg.export.dtype, head=head)
-        shutil.copyfile(Path(__file__).parent.parent / "export" / "dflash_modeling.py", tmp / MODELING_FILE)
+        if model.contract.is_dflash2:  # vLLM/SGLang code; our dflash.py has no DFlash2 class: no remote code
+            from dflashkit.export.hf import read_config
+            from dflashkit.rundir import atomic_write_json
+
+            atomic_write_json(tmp / "config.json", {k: v for k, v in read_config(tmp)[1].items() if k != "auto_map"})
+        else:
+            shutil.copyfile(Path(__file__).parent.parent / "export" / "dflash_modeling.py", tmp / MODELING_FILE)
         (tmp / "README.md").write_text(model_card(cfg, model.contract, out.resolve(), rd, model.draft_vocab_size))
         check = reload_check(model, tmp, head, cfg.export.check_atol)
         write_manifest(tmp, stage="export", config_hash=stage_hash("export", cfg), started=t0,
                        inputs={"source": str(src), "source_kind": which}, counts={"tensors": len(model.state_dict())},
-                       outputs=["config.json", "model.safetensors", MODELING_FILE, "README.md"],
+                       outputs=["config.json", "model.safetensors", "README.md"]
+                       + ([] if model.contract.is_dflash2 else [MODELING_FILE]),
                        extra={"reload_check": check})
     if out.resolve() != rd.stage_dir("export", create=False).resolve():
         write_manifest(rd.stage_dir("export"), stage="export", config_hash=stage_hash("export", cfg), started=t0,
