@@ -130,3 +130,42 @@ def test_a_dflash2_checkpoint_with_a_reduced_vocab_is_refused(tmp_path, target):
     (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UsageError, match="draft_vocab_size|d2t"):
         load_drafter(src)
+
+
+def test_speculators_format_carries_a_dflash2_drafter_as_update_dflash2_reads_it(tmp_path, target, tiny_qwen3, capsys):
+    d = dflash2_drafter(target)
+    d.contract.output_multiplier = None  # vLLM 0.32's update_dflash2 would drop it (refused below)
+    d.output_multiplier = None
+    rd = _run_dir(tmp_path, d)
+    spec = tmp_path / "spec"
+    args = ["export", "--format", "speculators", f"target.path={tiny_qwen3}", "export.dtype=float32",
+            f"export.out_dir={spec}", "--run-dir", str(rd), "--json"]
+    assert main(args) == 0
+    cfg = json.loads((spec / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "dflash2" and cfg["architectures"] == ["DFlash2DraftModel"]
+    assert cfg["speculators_config"]["algorithm"] == "dflash2"
+    assert {k: cfg[k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")} == \
+        {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 6}
+    check = json.loads((spec / "manifest.json").read_text())["reload_check"]
+    assert check["walk_agreement"] == 1.0 and check["max_diff_vs_source"] < 1e-5
+    # import converts it back to the z-lab format: the same tensors, the same walk
+    dest = tmp_path / "imported"
+    assert main(["import", str(spec), f"target.path={tiny_qwen3}", "--run-dir", str(dest), "--json"]) == 0
+    back = load_drafter(dest / "train" / "final")
+    assert isinstance(back, DFlash2DraftModel)
+    for k, v in d.state_dict().items():
+        assert torch.equal(v, back.state_dict()[k]), k
+    head = target.lm_head.weight.detach()
+    assert torch.equal(_walk(d, head)[1], _walk(back, head)[1])
+    # a speculators dflash2 dir without a selector key: refused by name
+    cfg.pop("selector_top_k")
+    (spec / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert main(["import", str(spec), "x", f"target.path={tiny_qwen3}", "--run-dir", str(dest), "--json"]) == 2
+    assert "selector_top_k" in capsys.readouterr().err
+    # output_multiplier set: vLLM's speculators reader would drop it, so that format is refused (exit 2)
+    rd2 = _run_dir(tmp_path / "b", dflash2_drafter(target))
+    args2 = ["export", "--format", "speculators", f"target.path={tiny_qwen3}", f"export.out_dir={tmp_path / 'spec2'}",
+             "--run-dir", str(rd2), "--json"]
+    assert main(args2) == 2
+    assert "output_multiplier" in capsys.readouterr().err and not (tmp_path / "spec2").exists()
