@@ -1,7 +1,7 @@
 """vLLM's own DFlash2 code, run in the engine's venv on an export's weights: what the engine computes.
 
 Usage:
-    outputs, report = vllm_dflash2_reference(export_dir, inputs, work_dir=tmp)   # tensors by name
+    [(outputs, report)] = vllm_dflash2_reference([export_dir], inputs, work_dir=tmp)   # tensors by name
     outputs["scores"]                       # [blocks, B-1, K, K] from vLLM's CandidateSelector
 
 `inputs` (tensors, written to safetensors in `work_dir`) and the outputs are described in
@@ -25,9 +25,10 @@ from dflashkit.errors import DflashkitError
 SCRIPT = Path(__file__).with_name("vllm_dflash2_reference.py")
 
 
-def vllm_dflash2_reference(export_dir: str | Path, inputs: dict[str, Any], *, work_dir: str | Path,
-                           timeout_s: float = 300.0) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Run vLLM's DFlash2 modules on `export_dir`'s weights and `inputs`; (outputs, report).
+def vllm_dflash2_reference(export_dirs: list[Path], inputs: dict[str, Any], *, work_dir: str | Path,
+                           timeout_s: float = 300.0) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Run vLLM's DFlash2 modules on each export's weights and `inputs` (one engine-venv process);
+    (outputs, report) per export.
 
     Raises:
         DflashkitError: the engine venv is missing or the script failed (the message holds its stderr).
@@ -43,8 +44,8 @@ def vllm_dflash2_reference(export_dir: str | Path, inputs: dict[str, Any], *, wo
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in inputs.items()}, str(work / "inputs.safetensors"))
-    cmd = [str(venv / "bin" / "python"), str(SCRIPT), str(Path(export_dir).resolve()), str(work / "inputs.safetensors"),
-           str(work / "vllm")]
+    cmd = [str(venv / "bin" / "python"), str(SCRIPT), str(work / "inputs.safetensors"), str(work / "vllm"),
+           *(str(Path(d).resolve()) for d in export_dirs)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=vllm.engine_env(venv), cwd=work, capture_output=True, text=True,
                           timeout=timeout_s, check=False)
@@ -53,6 +54,9 @@ def vllm_dflash2_reference(export_dir: str | Path, inputs: dict[str, Any], *, wo
         raise DflashkitError(f"vLLM's DFlash2 reference failed (exit {proc.returncode}); log: {work / 'vllm.log'}\n"
                              + "\n".join(proc.stderr.splitlines()[-15:]),
                              hint="read the log; `dflashkit engines status` checks the install")
-    report = json.loads((work / "vllm" / "report.json").read_text())
-    report["wall_s"] = round(time.perf_counter() - t0, 1)
-    return load_file(str(work / "vllm" / "outputs.safetensors")), report
+    wall = round(time.perf_counter() - t0, 1)
+    out = []
+    for i in range(len(export_dirs)):
+        report = {**json.loads((work / "vllm" / str(i) / "report.json").read_text()), "wall_s": wall}
+        out.append((load_file(str(work / "vllm" / str(i) / "outputs.safetensors")), report))
+    return out
