@@ -200,7 +200,12 @@ def build_drafter(contract: DrafterContract, size: int | None, state: dict[str, 
     """
     config_path = d / "config.json"
     vocab = _draft_vocab(state, size, contract, d / WEIGHTS, config_path)
-    model = DFlashDraftModel(contract, draft_vocab=vocab)
+    if contract.is_dflash2 and vocab is not None:
+        raise UsageError(f"{config_path}: a DFlash2DraftModel with draft_vocab_size {size}; DFlash2 drafts over "
+                         "the full target vocab", hint="re-export the drafter without a reduced draft vocab")
+    from dflashkit.model.dflash2 import drafter_for
+
+    model = drafter_for(contract, draft_vocab=vocab)
     want = model.state_dict()
     missing = sorted(set(want) - set(state))
     unexpected = sorted(set(state) - set(want))
