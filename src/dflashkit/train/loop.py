@@ -38,6 +38,7 @@ from dflashkit.model.dflash2 import drafter_for
 from dflashkit.model.drafter_config import REPROBE_HINT, DrafterContract
 from dflashkit.model.target import target_autocast
 from dflashkit.train import checkpoint as ckpt
+from dflashkit.train import guards
 from dflashkit.train.data import Batch, BatchPlan, FeatureStore, TokenData, collate, load_tokenized, split_heldout
 from dflashkit.train.logging import LearningCurve, MetricSink
 from dflashkit.train.objective import dflash_loss, gamma_for, sample_anchors, target_label_ids, weight_sum
@@ -218,6 +219,7 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
     from dflashkit.model.target import load_target
 
     contract = DrafterContract.load(rd.contract_path)
+    guards.check_drafter_overrides(cfg, contract, rd.contract_path)
     check_recipe(cfg.train)
     data = load_tokenized(rd)
     target = load_target(cfg.target, device=str(dist.device))
@@ -477,6 +479,9 @@ class BestKeeper:
             if self.tr.dist.is_main and self.dir.exists():
                 import shutil
 
+                from dflashkit.rundir import check_replaceable
+
+                check_replaceable(self.dir, owner="train", marker="model.safetensors")  # never a user's dir
                 log.info("removing %s from an earlier run", self.dir)
                 shutil.rmtree(self.dir)
             barrier(self.tr.dist)
@@ -508,6 +513,7 @@ class BestKeeper:
 
 def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict:
     """Train (or resume) until the configured number of steps; returns the final metrics."""
+    guards.check_outputs_ours(rd.root / "train", cfg)  # before any work: never replace what is not ours
     dist = dist or init_distributed(cfg.train.parallel, cfg.target.device)
     tr = setup(cfg, rd, dist)
     steps = total_steps(cfg, tr.plan)
@@ -521,6 +527,7 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
     if found is not None:
         start = ckpt.load_checkpoint(found, model=tr.drafter, optimizer=opt, scheduler=sched)
         state = ckpt.checkpoint_state(found)
+        guards.check_objective(found, state, cfg.train)
         tr.sync_draft_vocab()
     sink = MetricSink(out_dir, total_steps=steps, start_step=start, train=cfg.train, enabled=dist.is_main,
                       show_bar=show_bar)
@@ -542,7 +549,8 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
             best.offer(ev)
 
     def extra_state() -> dict:
-        return {"curve": curve.state_dict(), **({"best": best.record} if best.record else {})}
+        return {"curve": curve.state_dict(), "objective": guards.objective(cfg.train),
+                **({"best": best.record} if best.record else {})}
 
     try:
         tr.drafter.train()
