@@ -224,9 +224,6 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
     data = load_tokenized(rd)
     target = load_target(cfg.target, device=str(dist.device))
     contract.check(target, where=str(rd.contract_path), hint=REPROBE_HINT)
-    if cfg.drafter.type != contract.drafter_type:
-        raise UsageError(f"drafter.type is {cfg.drafter.type} but {rd.contract_path} describes a "
-                         f"{contract.drafter_type} drafter", hint=REPROBE_HINT)
     if cfg.train.features == "cached":
         data.features = FeatureStore(rd.root / "capture", data.shards, contract.target_layer_ids)
         if cfg.train.labels == "target":
