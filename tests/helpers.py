@@ -111,13 +111,14 @@ def random_case(seed: int, b: int = 3, s: int = 13, block: int = 4, num_anchors:
     return lm, lens, a
 
 
-def run_dir_with_drafter(tmp_path: Path, target, block_size: int = 4, prompts: int = 3) -> Path:
-    """tmp_path/run with a random drafter in train/final (float32) and `prompts` held-out prompts."""
+def run_dir_with_drafter(tmp_path: Path, target, block_size: int = 4, prompts: int = 3, **drafter) -> Path:
+    """tmp_path/run with a random drafter in train/final (float32) and `prompts` held-out prompts
+    (`drafter`: `random_drafter` overrides, e.g. drafter_type="dflash2")."""
     from dflashkit.export.hf import save_drafter
     from dflashkit.testing import random_drafter
 
     rd = tmp_path / "run"
-    save_drafter(random_drafter(target, block_size=block_size), rd / "train" / "final", dtype="float32")
+    save_drafter(random_drafter(target, block_size=block_size, **drafter), rd / "train" / "final", dtype="float32")
     (rd / "prepare").mkdir(parents=True)
     rows = [{"id": f"p{i}", "source": "t", "messages": [{"role": "user", "content": f"tell me {i} things"},
                                                         {"role": "assistant", "content": "ok"}]}

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from dflashkit.errors import UsageError
-from dflashkit.model.dflash2 import DFlash2DraftModel, drafter_for, grouped_conv, init_from_dflash, walk
+from dflashkit.model.dflash2 import (DFlash2DraftModel, drafter_for, grouped_conv, init_from_dflash, walk,
+                                      walk_path)
 from dflashkit.model.drafter import DFlashDraftModel
 from dflashkit.model.masks import dense_block_mask
 from dflashkit.train.objective import Anchors
@@ -197,3 +198,24 @@ def test_unary_transform_and_refusals():
     with pytest.raises(UsageError, match="conv_group_size 5 must divide hidden_size 32"):
         dflash2_contract(conv_group_size=5).check()
     assert math.isclose(d2.candidate_selector.predecessor_codebook.std().item(), 6 ** -0.5, rel_tol=0.3)
+
+
+def test_walk_path_equals_the_walk_over_all_edge_scores():
+    """The lazy walk (one row of scores per step) takes the same path as the walk over all K×K scores."""
+    torch.manual_seed(2)
+    model = DFlash2DraftModel(dflash2_contract()).double()
+    sel = model.candidate_selector
+    with torch.no_grad():
+        sel.predecessor_codebook.normal_()
+        sel.successor_codebook.normal_()
+    b, n, k = 4, 3, 5
+    hidden, unary = torch.randn(b, n, 32, dtype=torch.float64), torch.randn(b, n, k, dtype=torch.float64)
+    cand = torch.stack([torch.randperm(50)[:k] for _ in range(b * n)]).view(b, n, k)
+    anchor = torch.tensor([1, 2, 3, 4])
+    with torch.no_grad():
+        scores = sel(cand, unary, hidden, anchor)
+        for temp in (0.0, 1.0):
+            g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+            full = walk(scores, cand, temperature=temp, generator=g1)
+            lazy = walk_path(sel, cand, unary, hidden, anchor, temperature=temp, generator=g2)
+            assert torch.equal(full[0], lazy[0]) and torch.allclose(full[1], lazy[1], atol=1e-9)

@@ -7,6 +7,7 @@ Usage:
     scores = model.candidate_selector(ids, unary, h[:, 1:], anchor_ids)   # [b, L, K(prev), K(next)]
     tokens, rows = walk(scores, ids)                          # greedy path from the anchor: [b, L]
     tokens, rows = walk(scores, ids, temperature=0.7, generator=g)   # Gumbel-noised walk
+    tokens, rows = walk_path(model.candidate_selector, ids, unary, h[:, 1:], anchor_ids)  # the same, lazily
     model = drafter_for(contract)                             # DFlash or DFlash2, by contract.drafter_type
     report = init_from_dflash(model, dflash_state_dict)       # shared parts from a DFlash checkpoint
 
@@ -145,7 +146,7 @@ class CandidateSelector(nn.Module):
         Returns:
             [..., P, C] (float32).
         """
-        w = self.hidden_projection(hidden).float()                                 # [..., r]
+        w = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype)).float()   # [..., r]
         pred = self.predecessor_codebook[prev_ids].float() * w.unsqueeze(-2)       # [..., P, r]
         succ = self.successor_codebook[cand_ids].float()                           # [..., C, r]
         return unary.float().unsqueeze(-2) + pred @ succ.transpose(-1, -2)
@@ -159,6 +160,14 @@ class CandidateSelector(nn.Module):
         b, _, k = cand_ids.shape
         prev = torch.cat([anchor_ids.view(b, 1, 1).expand(b, 1, k), cand_ids[:, :-1]], dim=1)
         return self.pair_scores(prev, cand_ids, unary, hidden)
+
+
+def _choose(row: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """[b, K] scores → [b] index: argmax (first max), or argmax of row/T + Gumbel noise at T > 0."""
+    if temperature <= 0:
+        return row.argmax(-1)
+    u = torch.rand(row.shape, generator=generator, device=row.device, dtype=torch.float64)
+    return (row.double() / temperature - torch.log(-torch.log(u.clamp_min(1e-300)))).argmax(-1)
 
 
 def walk(scores: torch.Tensor, cand_ids: torch.Tensor, *, temperature: float = 0.0,
@@ -178,16 +187,25 @@ def walk(scores: torch.Tensor, cand_ids: torch.Tensor, *, temperature: float = 0
     prev = torch.zeros(b, dtype=torch.long, device=scores.device)
     batch = torch.arange(b, device=scores.device)
     for t in range(n):  # a sequential choice: position t depends on the candidate chosen at t − 1
-        row = scores[batch, t, prev]                                               # [b, K]
-        rows[:, t] = row
-        if temperature > 0:
-            u = torch.rand(row.shape, generator=generator, device=row.device, dtype=torch.float64)
-            noise = -torch.log(-torch.log(u.clamp_min(1e-300)))
-            prev = (row.double() / temperature + noise).argmax(-1)
-        else:
-            prev = row.argmax(-1)
+        rows[:, t] = scores[batch, t, prev]                                        # [b, K]
+        prev = _choose(rows[:, t], temperature, generator)
         chosen[:, t] = prev
     return cand_ids.gather(-1, chosen.unsqueeze(-1)).squeeze(-1), rows
+
+
+def walk_path(selector: CandidateSelector, cand_ids: torch.Tensor, unary: torch.Tensor, hidden: torch.Tensor,
+              anchor_ids: torch.Tensor, *, temperature: float = 0.0,
+              generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`walk(selector(cand_ids, unary, hidden, anchor_ids), cand_ids, …)` without the [b, L, K, K] scores:
+    each step scores only the K candidates after the token chosen one step earlier (same draws)."""
+    tokens, rows = [], []
+    prev = anchor_ids
+    for t in range(cand_ids.shape[1]):
+        row = selector.pair_scores(prev[:, None], cand_ids[:, t], unary[:, t], hidden[:, t])[:, 0]   # [b, K]
+        prev = cand_ids[:, t].gather(-1, _choose(row, temperature, generator)[:, None])[:, 0]
+        tokens.append(prev)
+        rows.append(row)
+    return torch.stack(tokens, 1), torch.stack(rows, 1)
 
 
 class DFlash2DraftModel(DFlashDraftModel):
@@ -253,8 +271,8 @@ class DFlash2DraftModel(DFlashDraftModel):
             tokens [b, L], cand_ids [b, L, K], realized rows [b, L, K] (see `walk`).
         """
         ids, unary = self.candidates(logits)
-        scores = self.candidate_selector(ids, unary, h, anchor_ids)
-        tokens, rows = walk(scores, ids, temperature=temperature, generator=generator)
+        tokens, rows = walk_path(self.candidate_selector, ids, unary, h, anchor_ids, temperature=temperature,
+                                 generator=generator)
         return tokens, ids, rows
 
 
