@@ -65,9 +65,10 @@ def test_export_of_a_dflash2_drafter_reloads_to_the_same_logits_and_walk(tmp_pat
     rd = _run_dir(tmp_path, d)
     assert main(["export", f"target.path={tiny_qwen3}", f"export.dtype={dtype}", "--run-dir", str(rd), "--json"]) == 0
     out = rd / "export"
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "manifest.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "dflash.py", "manifest.json",
+                                                     "model.safetensors"]
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["architectures"] == ["DFlash2DraftModel"] and "auto_map" not in cfg  # no remote code shipped
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["auto_map"]["AutoModel"] == "dflash.DFlash2DraftModel"
     for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "mask_token_id",
               "target_layer_ids", "block_size"):
         assert k in cfg["dflash_config"], k
@@ -80,6 +81,25 @@ def test_export_of_a_dflash2_drafter_reloads_to_the_same_logits_and_walk(tmp_pat
         (la, ta), (lb, tb) = _walk(d, head), _walk(back, head)
         torch.testing.assert_close(lb, la, atol=1e-5, rtol=1e-5)
         assert torch.equal(ta, tb)
+        assert check["max_diff_shipped_vs_ours"] < 1e-5
+        # the shipped dflash.py through transformers' remote-code path: the same hidden states, the selector loaded
+        from transformers import AutoModel
+
+        remote = AutoModel.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32).eval()
+        assert type(remote).__name__ == "DFlash2DraftModel"
+        c = back.contract
+        g = torch.Generator().manual_seed(5)
+        noise = torch.randn(2, c.block_size, c.hidden_size, generator=g)
+        ctx = torch.randn(2, 4, c.num_features * c.hidden_size, generator=g)
+        pos = torch.arange(4 + c.block_size)[None].expand(2, -1)
+        with torch.inference_mode():
+            torch.testing.assert_close(remote(noise_embedding=noise, target_hidden=ctx, position_ids=pos),
+                                       back(noise, ctx, pos), atol=1e-5, rtol=1e-5)
+            ids = torch.randint(0, c.vocab_size, (2, 3, 4), generator=g)
+            prev = torch.randint(0, c.vocab_size, (2, 3, 4), generator=g)
+            unary, hid = torch.randn(2, 3, 4, generator=g), torch.randn(2, 3, c.hidden_size, generator=g)
+            torch.testing.assert_close(remote.candidate_selector(prev, ids, unary, hid),
+                                       back.candidate_selector.pair_scores(prev, ids, unary, hid), atol=1e-5, rtol=1e-5)
     assert "V2 model runner" in (out / "README.md").read_text()
 
 

@@ -259,4 +259,5 @@ def load_shipped_model(export_dir: str | Path):
     assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.DFlashDraftModel.from_pretrained(str(export_dir), dtype=torch.float32).eval()
+    arch = (read_config(export_dir)[1].get("architectures") or ["DFlashDraftModel"])[0]  # or DFlash2DraftModel
+    return getattr(module, arch).from_pretrained(str(export_dir), dtype=torch.float32).eval()

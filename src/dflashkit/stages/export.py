@@ -12,6 +12,9 @@ Example: dflashkit export -c run.yaml export.dtype=bfloat16
          export/speculators.py: config.json + model.safetensors + README.md + manifest.json, reloaded
          through our speculators reader and compared the same way; no dflash.py)
 
+A DFlash2 drafter (`drafter.type: dflash2`) exports as `DFlash2DraftModel` (export/dflash2.py; dflash.py
+has the class too) and the reload check also requires the same walk through the candidates.
+
 The dir is built in a temp dir beside the destination, reloaded twice (our loader and the shipped
 dflash.py) and compared with the source drafter on a fixed input — the logits through the target's
 own head when its weights can be read — and only then renamed into place.
@@ -96,10 +99,11 @@ def model_card(cfg: Any, contract: Any, out_dir: Path, rd: Any, draft_vocab_size
               "Transformers (this dir ships its own `dflash.py`):", "", "```python",
               "from transformers import AutoModel",
               f"drafter = AutoModel.from_pretrained(\"{out_dir}\", trust_remote_code=True)", "```", ""]
-    if getattr(contract, "is_dflash2", False):  # no remote code; the selector runs on vLLM's V2 runner only
-        lines = lines[:-7] + ["vLLM runs DFlash2's candidate selector on its V2 model runner only (GPU, Triton); "
-                              "its V1 runner (the CPU build) refuses the checkpoint. No `dflash.py` is shipped: "
-                              "`dflashkit eval` / `serve --drafter` decode it.", ""]
+    if getattr(contract, "is_dflash2", False):
+        lines += ["DFlash2: vLLM runs the candidate selector on its V2 model runner only (GPU, Triton); its V1 "
+                  "runner (the CPU build) refuses the checkpoint. `dflash.py`'s DFlash2DraftModel computes the "
+                  "block's hidden states and holds the selector; `dflashkit eval` / `serve --drafter` draft "
+                  "through the walk.", ""]
     return "\n".join(lines)
 
 
@@ -119,10 +123,8 @@ def reload_check(source: Any, export_dir: Path, head: Any, atol: float) -> dict[
     noise = torch.randn(1, q, c.hidden_size, generator=g)
     ctx = torch.randn(1, t, c.num_features * c.hidden_size, generator=g)
     pos = torch.arange(t + q)[None]
-    from dflashkit.export.hf import MODELING_FILE
-
     ours = load_drafter(export_dir, dtype=torch.float32)
-    shipped = load_shipped_model(export_dir) if (export_dir / MODELING_FILE).is_file() else None  # DFlash2: none
+    shipped = load_shipped_model(export_dir)
     vocab = source.draft_vocab
     if (vocab is None) != (ours.draft_vocab is None) or (vocab is not None and not torch.equal(vocab, ours.draft_vocab)):
         raise DflashkitError(f"export reload check failed in {export_dir}: the reloaded draft vocabulary differs "
@@ -132,7 +134,7 @@ def reload_check(source: Any, export_dir: Path, head: Any, atol: float) -> dict[
     with torch.inference_mode():
         ref = source.float()(noise, ctx, pos)
         a = ours(noise, ctx, pos)
-        b = a if shipped is None else shipped(noise_embedding=noise, target_hidden=ctx, position_ids=pos)
+        b = shipped(noise_embedding=noise, target_hidden=ctx, position_ids=pos)
         proj = head.float() if head is not None else torch.eye(c.hidden_size)
         lr, la, lb = ref @ proj.T, a @ proj.T, b @ proj.T
     scale = max(1.0, lr.abs().max().item())
@@ -214,19 +216,12 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         head = _loaded_target_head(cfg, model.contract.hidden_size)
     with atomic_dir(out, owner="export") as tmp:
         save_drafter(model, tmp, dtype=cfg.export.dtype, head=head)
-        if model.contract.is_dflash2:  # vLLM/SGLang code; our dflash.py has no DFlash2 class: no remote code
-            from dflashkit.export.hf import read_config
-            from dflashkit.rundir import atomic_write_json
-
-            atomic_write_json(tmp / "config.json", {k: v for k, v in read_config(tmp)[1].items() if k != "auto_map"})
-        else:
-            shutil.copyfile(Path(__file__).parent.parent / "export" / "dflash_modeling.py", tmp / MODELING_FILE)
+        shutil.copyfile(Path(__file__).parent.parent / "export" / "dflash_modeling.py", tmp / MODELING_FILE)
         (tmp / "README.md").write_text(model_card(cfg, model.contract, out.resolve(), rd, model.draft_vocab_size))
         check = reload_check(model, tmp, head, cfg.export.check_atol)
         write_manifest(tmp, stage="export", config_hash=stage_hash("export", cfg), started=t0,
                        inputs={"source": str(src), "source_kind": which}, counts={"tensors": len(model.state_dict())},
-                       outputs=["config.json", "model.safetensors", "README.md"]
-                       + ([] if model.contract.is_dflash2 else [MODELING_FILE]),
+                       outputs=["config.json", "model.safetensors", MODELING_FILE, "README.md"],
                        extra={"reload_check": check})
     if out.resolve() != rd.stage_dir("export", create=False).resolve():
         write_manifest(rd.stage_dir("export"), stage="export", config_hash=stage_hash("export", cfg), started=t0,
