@@ -92,3 +92,41 @@ def test_drafter_type_must_match_the_contract(tmp_path, tiny_qwen3, capsys):
     assert "drafter.type: 'dflash2' in the config, 'dflash' in" in capsys.readouterr().err
     rc = main(["train", "--json", *overrides(rd, tiny_qwen3), *FLAGS, "drafter.draft_vocab_size=24"])
     assert rc == 2 and "drafter.draft_vocab_size: 24 with drafter.type=dflash2" in capsys.readouterr().err
+
+
+def test_probe_writes_the_dflash2_knobs_into_the_contract(tmp_path, tiny_qwen3, capsys):
+    run = tmp_path / "run"
+    assert main(["probe", str(tiny_qwen3), "--run-dir", str(run), "--json", "drafter.type=dflash2",
+                 "drafter.selector_top_k=4", "drafter.final_logit_softcapping=30"]) == 0
+    c = json.loads((run / "contract.json").read_text())
+    assert (c["drafter_type"], c["selector_top_k"], c["selector_rank"], c["conv_kernel_size"]) == ("dflash2", 4, 256, 2)
+    assert c["final_logit_softcapping"] == 30 and c["output_multiplier"] is None
+    capsys.readouterr()
+    assert main(["probe", str(tiny_qwen3), "--run-dir", str(tmp_path / "bad"), "--json", "drafter.type=dflash2",
+                 "drafter.conv_group_size=7"]) == 2
+    assert "conv_group_size 7 must divide hidden_size 64" in capsys.readouterr().err
+
+
+def test_dflash2_kill_and_resume_equals_uninterrupted(tmp_path, tiny_qwen3, monkeypatch):
+    from dflashkit.train import logging as tlog
+
+    kw = dict(train__max_steps=5, train__save_every=2, train__eval_every=3)
+    rc, full = _run(tmp_path, tiny_qwen3, "full", **kw)
+    assert rc == 0
+    real_log = tlog.MetricSink.log
+
+    def dying_log(self, row):
+        if row.get("step") == 4 and "split" not in row:
+            raise KeyboardInterrupt  # killed before the step-4 checkpoint
+        real_log(self, row)
+
+    monkeypatch.setattr(tlog.MetricSink, "log", dying_log)
+    rc, killed = _run(tmp_path, tiny_qwen3, "killed", **kw)
+    assert rc == 130
+    monkeypatch.setattr(tlog.MetricSink, "log", real_log)
+    assert main(["train", "--json", *overrides(killed, tiny_qwen3, **kw), *FLAGS]) == 0
+    for x, y in zip(_rows(full), _rows(killed)):
+        assert abs(x["loss"] - y["loss"]) < 1e-6 and x["tau"] == y["tau"] and x.get("unary_tau") == y.get("unary_tau")
+    for d in ("final", "best"):
+        wa, wb = (load_file(r / "train" / d / "model.safetensors") for r in (full, killed))
+        assert all(torch.equal(wa[k], wb[k]) for k in wa), d
