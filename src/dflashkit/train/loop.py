@@ -34,7 +34,7 @@ import torch
 
 from dflashkit.errors import UsageError
 from dflashkit.model.draft_vocab import label_token_counts, restricted_head, vocab_from_counts
-from dflashkit.model.drafter import DFlashDraftModel
+from dflashkit.model.dflash2 import drafter_for
 from dflashkit.model.drafter_config import REPROBE_HINT, DrafterContract
 from dflashkit.model.target import target_autocast
 from dflashkit.train import checkpoint as ckpt
@@ -180,7 +180,7 @@ class Trainer:
                            target_hidden=tout.last_hidden, target_head=self.parts.lm_head,
                            chunk_blocks=t.loss_chunk_blocks, attention=self.attention, autocast_dtype=self.amp,
                            vocab=self.vocab, label_ids=tout.label_ids, position_weighting=t.position_weighting,
-                           dpace_alpha=t.dpace_alpha)
+                           dpace_alpha=t.dpace_alpha, selector_weight=t.selector_loss_weight)
 
     def denom_gamma(self) -> float | None:
         """γ of the step denominator Σw: none (a plain count of supervised positions) under D-PACE."""
@@ -234,7 +234,7 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
     train_idx, heldout = split_heldout(len(data), cfg.train.heldout_samples, seed=cfg.run.seed)
     vocab = pick_draft_vocab(cfg, contract, target, data, train_idx)
     torch.manual_seed(cfg.run.seed)
-    drafter = DFlashDraftModel(contract, draft_vocab=vocab).to(dist.device)
+    drafter = drafter_for(contract, draft_vocab=vocab).to(dist.device)
     if cfg.drafter.init == "target":
         from dflashkit.model.init import init_from_target
 
@@ -339,7 +339,7 @@ def train_step(tr: Trainer, step: int, opt, sched) -> dict:
                              gamma=tr.denom_gamma(), vocab=tr.vocab, label_ids=o.label_ids)
                   for b, a, o in zip(batches, anchors, touts))
     denom = float(all_reduce_sum(torch.tensor([local_w], dtype=torch.float64), tr.dist)[0])
-    stats = torch.zeros(4 + 2 * B, dtype=torch.float64)  # loss, tau_sum, blocks, tokens, correct[B], total[B]
+    stats = torch.zeros(stats_size(B), dtype=torch.float64)  # loss, tau_sum, blocks, tokens, correct, total, +
     for b, a, o in zip(batches, anchors, touts):
         out = tr.micro_loss(b, a, denom, o, training=True)
         if denom > 0:
@@ -349,7 +349,8 @@ def train_step(tr: Trainer, step: int, opt, sched) -> dict:
         stats[2] += out.blocks
         stats[3] += float(b.seq_lens.sum())
         stats[4:4 + B] += out.correct.double()
-        stats[4 + B:] += out.total.double()
+        stats[4 + B:4 + 2 * B] += out.total.double()
+        stats[4 + 2 * B:] += _dflash2_stats(out, B, loss_scale=1 / max(denom, 1e-6))
     grad_norm = 0.0
     if denom > 0:
         params = [p for p in tr.drafter.parameters() if p.requires_grad]
@@ -363,16 +364,48 @@ def train_step(tr: Trainer, step: int, opt, sched) -> dict:
     lr = opt.param_groups[0]["lr"]
     sched.step()
     stats = all_reduce_sum(stats, tr.dist)  # loss terms were divided by the global Σw: the sum is the mean
-    return _metrics(stats, B, step + 1, lr=lr, grad_norm=grad_norm)
+    return _metrics(stats, B, step + 1, dflash2=tr.contract.is_dflash2, lr=lr, grad_norm=grad_norm)
 
 
-def _metrics(stats: torch.Tensor, B: int, step: int, **extra) -> dict:
-    correct, total = stats[4:4 + B], stats[4 + B:]
-    acc = [round(float(c / t), 4) if t > 0 else None for c, t in zip(correct[1:], total[1:])]
-    return {"step": step, "loss": float(stats[0]), "tau": float(stats[1] / max(stats[2], 1)),
-            "acc": acc, "acc_mean": float(correct[1:].sum() / max(total[1:].sum(), 1)),
-            "blocks": int(stats[2]), "tokens": int(stats[3]),
-            "_window": [float(stats[1]), float(stats[2]), float(correct[1]), float(total[1])], **extra}
+def stats_size(B: int) -> int:
+    """Length of a step's summable statistics: loss, τ sum, blocks, tokens, correct [B], total [B], then
+    DFlash2's unary τ sum, unary correct [B] and selector rows, covered, correct, loss."""
+    return 4 + 2 * B + 1 + B + 4
+
+
+def _dflash2_stats(out, B: int, *, loss_scale: float) -> torch.Tensor:
+    """The DFlash2 tail of the statistics (zeros for a DFlash drafter)."""
+    tail = torch.zeros(1 + B + 4, dtype=torch.float64)
+    if out.selector is None:
+        return tail
+    tail[0] = out.unary_tau_sum
+    tail[1:1 + B] = out.unary_correct.double()
+    sel = out.selector.as_list()
+    tail[1 + B:] = torch.tensor(sel[:3] + [sel[3] * loss_scale], dtype=torch.float64)
+    return tail
+
+
+def _ratio(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    return round(float(a / b), 4) if b > 0 else None
+
+
+def _metrics(stats: torch.Tensor, B: int, step: int, *, dflash2: bool = False, **extra) -> dict:
+    """Metrics of summed statistics; a DFlash2 drafter's τ / acc are the walk's, `unary_*` the argmax's."""
+    correct, total = stats[4:4 + B], stats[4 + B:4 + 2 * B]
+    acc = [_ratio(c, t) for c, t in zip(correct[1:], total[1:])]
+    out = {"step": step, "loss": float(stats[0]), "tau": float(stats[1] / max(stats[2], 1)),
+           "acc": acc, "acc_mean": float(correct[1:].sum() / max(total[1:].sum(), 1)),
+           "blocks": int(stats[2]), "tokens": int(stats[3]),
+           "_window": [float(stats[1]), float(stats[2]), float(correct[1]), float(total[1])], **extra}
+    if dflash2:
+        tail = stats[4 + 2 * B:]
+        unary = tail[1:1 + B]
+        rows, covered, sel_ok, sel_loss = tail[1 + B:]
+        out.update(unary_tau=float(tail[0] / max(stats[2], 1)),
+                   unary_acc=[_ratio(c, t) for c, t in zip(unary[1:], total[1:])],
+                   selector_acc=_ratio(sel_ok, rows), topk_coverage=_ratio(covered, rows),
+                   selector_loss=float(sel_loss))
+    return out
 
 
 @torch.no_grad()
@@ -389,10 +422,10 @@ def evaluate_heldout(tr: Trainer, step: int) -> dict | None:
     for j in tr.heldout:
         groups.setdefault(src[j], []).append(j)
     bs = tr.cfg.train.batch_size
-    total = torch.zeros(4 + 2 * B, dtype=torch.float64)
+    total = torch.zeros(stats_size(B), dtype=torch.float64)
     by_source = {}
     for name in sorted(groups):
-        stats = torch.zeros(4 + 2 * B, dtype=torch.float64)
+        stats = torch.zeros(stats_size(B), dtype=torch.float64)
         idx = groups[name]
         for i in range(0, len(idx), bs):
             b = tr.batch([(j, -1) for j in idx[i:i + bs]])
@@ -402,19 +435,22 @@ def evaluate_heldout(tr: Trainer, step: int) -> dict | None:
             stats[1] += out.tau_sum
             stats[2] += out.blocks
             stats[3] += out.weight_sum
-            stats[4:] += torch.cat([out.correct, out.total]).double()
+            stats[4:4 + 2 * B] += torch.cat([out.correct, out.total]).double()
+            stats[4 + 2 * B:] += _dflash2_stats(out, B, loss_scale=1.0)
         total += stats
-        by_source[name] = _heldout_row(stats, B, step, samples=len(idx))
-    row = _heldout_row(total, B, step)
+        by_source[name] = _heldout_row(stats, B, step, dflash2=tr.contract.is_dflash2, samples=len(idx))
+    row = _heldout_row(total, B, step, dflash2=tr.contract.is_dflash2)
     return {"split": "heldout", **row, "by_source": by_source}
 
 
-def _heldout_row(stats: torch.Tensor, B: int, step: int, **extra) -> dict:
+def _heldout_row(stats: torch.Tensor, B: int, step: int, *, dflash2: bool = False, **extra) -> dict:
     stats = stats.clone()
     stats[0] /= max(float(stats[3]), 1e-6)
-    m = _metrics(stats, B, step)
+    stats[-1] /= max(float(stats[3]), 1e-6)   # DFlash2's selector loss: Σ w·CE / Σ w, as the loss
+    m = _metrics(stats, B, step, dflash2=dflash2)
+    keys = ("unary_tau", "unary_acc", "selector_acc", "topk_coverage", "selector_loss") if dflash2 else ()
     return {"step": step, "loss": m["loss"], "tau": m["tau"], "acc": m["acc"], "acc_mean": m["acc_mean"],
-            "blocks": m["blocks"], **extra}
+            "blocks": m["blocks"], **{k: m[k] for k in keys}, **extra}
 
 
 def _log_eval(sink: MetricSink, ev: dict) -> None:
