@@ -111,13 +111,14 @@ def random_case(seed: int, b: int = 3, s: int = 13, block: int = 4, num_anchors:
     return lm, lens, a
 
 
-def run_dir_with_drafter(tmp_path: Path, target, block_size: int = 4, prompts: int = 3) -> Path:
-    """tmp_path/run with a random drafter in train/final (float32) and `prompts` held-out prompts."""
+def run_dir_with_drafter(tmp_path: Path, target, block_size: int = 4, prompts: int = 3, **drafter) -> Path:
+    """tmp_path/run with a random drafter in train/final (float32) and `prompts` held-out prompts
+    (`drafter`: `random_drafter` overrides, e.g. drafter_type="dflash2")."""
     from dflashkit.export.hf import save_drafter
     from dflashkit.testing import random_drafter
 
     rd = tmp_path / "run"
-    save_drafter(random_drafter(target, block_size=block_size), rd / "train" / "final", dtype="float32")
+    save_drafter(random_drafter(target, block_size=block_size, **drafter), rd / "train" / "final", dtype="float32")
     (rd / "prepare").mkdir(parents=True)
     rows = [{"id": f"p{i}", "source": "t", "messages": [{"role": "user", "content": f"tell me {i} things"},
                                                         {"role": "assistant", "content": "ok"}]}
@@ -146,3 +147,19 @@ def tokenized_rows(run_dir: Path) -> list[dict]:
     data = load_tokenized(RunDir(run_dir))
     return [{"id": i, "input_ids": t, "loss_mask": m} for i, t, m in zip(data.ids, data.input_ids, data.loss_mask)]
 
+
+def dflash2_drafter(target, block_size: int = 4, seed: int = 0):
+    """A random DFlash2 drafter for `target` whose convolutions and selector are not the identity / at init."""
+    from dflashkit.model.dflash2 import DFlash2DraftModel
+    from dflashkit.testing import random_drafter
+
+    c = random_drafter(target, block_size=block_size, layers=2).contract
+    c.drafter_type, c.conv_kernel_size, c.conv_group_size, c.selector_rank, c.selector_top_k = "dflash2", 2, 8, 8, 6
+    c.output_multiplier = 1.25
+    torch.manual_seed(seed)
+    model = DFlash2DraftModel(c)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "_conv." in name or name.startswith("candidate_selector."):
+                p.add_(torch.randn_like(p) * 0.2)
+    return model.eval()

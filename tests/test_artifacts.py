@@ -31,7 +31,10 @@ LIBRARY_USERS = {
     "safetensors": {"dflashkit.data.features",      # feature shards
                     "dflashkit.train.checkpoint",   # checkpoints, train/final, train/best
                     "dflashkit.export.hf",          # export/ (z-lab)
-                    "dflashkit.export.speculators"},  # export/ (vLLM speculators)
+                    "dflashkit.export.speculators",  # export/ (vLLM speculators)
+                    # a scratch exchange with a script run in the vLLM venv (no run-dir artifact; the
+                    # script cannot import dflashkit): inputs.safetensors / outputs.safetensors
+                    "dflashkit.engines.vllm_pieces", "dflashkit.engines.vllm_dflash2_reference"},
 }
 FEATURE_META_KEYS = {"source_digest"}  # the key that says which tokenized shard a feature shard was made from
 

@@ -98,6 +98,26 @@ class DrafterSection:
         "tokens of the training data (+ eos), projecting onto those rows of the target head; the "
         "checkpoint gains `d2t` (+ `lm_head.weight` rows and `t2d` on export, for vLLM). null or 0 = "
         "the full target vocab. Must be <= the target vocab.", hash_default=False)
+    type: Literal["dflash", "dflash2"] = f(
+        "dflash", "Drafter family: dflash (each block position predicted on its own) or dflash2 (DFlash plus a "
+        "grouped dynamic convolution around every attention and MLP sublayer, and a candidate selector that "
+        "walks one coherent path through each position's top-K tokens; checkpoints declare "
+        "DFlash2DraftModel). dflash2 needs the full target vocab (no draft_vocab_size).", hash_default=False)
+    conv_kernel_size: int = f(2, "dflash2: taps of the block-local convolution (tap j reads the position j "
+                              "back in the same block; never across a block boundary).", hash_default=False)
+    conv_group_size: int = f(16, "dflash2: channels per convolution group (one dynamic kernel delta per "
+                             "group and token); must divide the hidden size.", hash_default=False)
+    selector_rank: int = f(256, "dflash2: rank r of the selector's token codebooks (2 codebooks of V x r "
+                           "parameters: 84M for V = 163,840 and r = 256; `dflashkit plan` shows them).",
+                           hash_default=False)
+    selector_top_k: int = f(16, "dflash2: candidates K per block position (the unary head's top-K) that the "
+                            "selector's walk chooses from.", hash_default=False)
+    input_embedding_scale: float | None = f(
+        None, "dflash2: multiplies the block's input embeddings; null = 1 (not written).", hash_default=False)
+    output_multiplier: float | None = f(
+        None, "dflash2: multiplies the unary logits; null = 1 (not written).", hash_default=False)
+    final_logit_softcapping: float | None = f(
+        None, "dflash2: unary logits become cap·tanh(logits / cap); null = none.", hash_default=False)
 
 
 @dataclass(kw_only=True)
@@ -266,6 +286,10 @@ class TrainSection:
         "the drafter's own confidence, arXiv 2605.18810; the loss is then divided by the supervised-position "
         "count).")
     dpace_alpha: float = f(0.5, "D-PACE confidence smoothing: q~ = (1-alpha)·q + alpha, in (0, 1].")
+    selector_loss_weight: float = f(
+        1.0, "drafter.type=dflash2: weight of the selector's loss (a K-way cross-entropy over each position's "
+        "top-K candidates, scored after the gold previous token; the gold token replaces the K-th candidate "
+        "when it is missing) beside the unary DFlash loss, with the same position weights.", hash_default=False)
     feature_noise: float = f(0.0, "Uniform noise on the target features in training only, U(-x, x) times the "
                              "RMS of each token's feature vector per target layer (0 = off).")
     keep_best: bool = f(True, "Keep the drafter with the best held-out simulated τ in train/best/ (eval and "
@@ -503,6 +527,24 @@ def _at_least(problems: list[str], prefix: str, section: Any, low: int, *names: 
             problems.append(f"{prefix}.{name}: must be >= {low}, got {value}")
 
 
+def _dflash2_problems(d: DrafterSection) -> list[str]:
+    """Range checks of the DFlash2 knobs (only with drafter.type=dflash2)."""
+    if d.type != "dflash2":
+        return []
+    p = []
+    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        if getattr(d, name) < 1:
+            p.append(f"drafter.{name}: must be >= 1, got {getattr(d, name)}")
+    for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+        v = getattr(d, name)
+        if v is not None and not v > 0:
+            p.append(f"drafter.{name}: must be > 0 (or null), got {v}")
+    if d.draft_vocab_size:
+        p.append(f"drafter.draft_vocab_size: {d.draft_vocab_size} with drafter.type=dflash2; DFlash2 draws its "
+                 "candidates from the full target head (vLLM's DFlash2 has no draft-to-target id map): use null")
+    return p
+
+
 def _validate(cfg: RunConfig) -> list[str]:
     """Cross-field checks; each message names its dotted key."""
     p: list[str] = []
@@ -536,6 +578,9 @@ def _validate(cfg: RunConfig) -> list[str]:
     if d.draft_vocab_size is not None and d.draft_vocab_size < 0:
         p.append(f"drafter.draft_vocab_size: must be > 0 (null or 0 = the full target vocab), got "
                  f"{d.draft_vocab_size}")
+    p.extend(_dflash2_problems(d))
+    if t.selector_loss_weight < 0:
+        p.append(f"train.selector_loss_weight: must be >= 0, got {t.selector_loss_weight}")
     for name in ("lr", "batch_size", "grad_accum", "num_anchors", "loss_chunk_blocks"):
         if getattr(t, name) <= 0:
             p.append(f"train.{name}: must be > 0, got {getattr(t, name)}")

@@ -37,3 +37,23 @@ def test_bigram_baseline_is_perfect_on_a_text_it_has_seen(tmp_path, tiny_qwen3):
     assert bigram_accuracy(RunDir(rd), 2, 0) == 1.0
     rd2 = make_run(tmp_path / "mixed", tiny_qwen3)
     assert bigram_accuracy(RunDir(rd2), 2, 0) < bigram_accuracy(RunDir(rd), 2, 0)
+
+
+def test_recipe_dflash2_variant_trains_from_its_own_contract(tmp_path, tiny_qwen3, capsys):
+    rd = make_run(tmp_path / "r", tiny_qwen3)  # a DFlash contract, with a reduced draft vocab in the run config
+    variants = ('{base: [], dflash2: [drafter.type=dflash2, drafter.draft_vocab_size=null, drafter.selector_rank=8, '
+                'drafter.selector_top_k=4]}')
+    rc = main(["bench", "recipe", "--json", *overrides(rd, tiny_qwen3), "drafter.draft_vocab_size=40",
+               "bench.recipe_steps=2", f"bench.recipe_variants={variants}"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0, out
+    rows = {r["variant"]: r for r in out["variants"]}
+    assert rows["base"]["drafter_type"] == "dflash" and rows["dflash2"]["drafter_type"] == "dflash2"
+    assert rows["base"]["heldout_unary_tau"] == rows["base"]["heldout_tau"]
+    assert 1.0 <= rows["dflash2"]["heldout_unary_tau"] <= 4.0 and 1.0 <= rows["dflash2"]["heldout_tau"] <= 4.0
+    own = rd / "bench" / "recipe" / "dflash2" / "contract.json"
+    assert not own.is_symlink() and json.loads(own.read_text())["selector_top_k"] == 4
+    assert (rd / "bench" / "recipe" / "base" / "contract.json").is_symlink()
+    assert json.loads((rd / "contract.json").read_text())["drafter_type"] == "dflash"  # the run's is untouched
+    cfg = json.loads((rd / "bench" / "recipe" / "dflash2" / "train" / "final" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and "draft_vocab_size" not in cfg

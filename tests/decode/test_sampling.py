@@ -157,3 +157,47 @@ def test_the_law_test_detects_a_lossy_rule(small, monkeypatch):
     z = _chi2_z(_samples(dec, prompt, 100, 1.0), law)
     print(f"lossy chi2 z={z:.3f}")
     assert z > 4.0, f"the lossy rule went undetected (z = {z:.2f})"
+
+
+def dflash2_like(drafter, top_k: int = 3):
+    """A DFlash2 drafter sharing `drafter`'s DFlash weights, with a strong random selector over top_k < V."""
+    from dflashkit.model.dflash2 import DFlash2DraftModel, init_from_dflash
+
+    c = DrafterContract(**{**drafter.contract.to_dict(), "drafter_type": "dflash2", "conv_group_size": 8,
+                           "selector_rank": 4, "selector_top_k": top_k})
+    torch.manual_seed(5)
+    d2 = DFlash2DraftModel(c).eval()
+    init_from_dflash(d2, drafter.state_dict())
+    with torch.no_grad():
+        d2.candidate_selector.predecessor_codebook.normal_(std=3.0)
+        d2.candidate_selector.successor_codebook.normal_(std=3.0)
+        d2.candidate_selector.hidden_projection.weight.normal_(std=1.0)
+    return d2
+
+
+@pytest.mark.parametrize("draft_sampling", [pytest.param("greedy", marks=pytest.mark.slow), "sample"])
+def test_dflash2_walk_sampling_matches_the_target_law(small, draft_sampling):
+    """The Gumbel walk proposes from q_t over 3 of 8 tokens, conditioned on the previous draw; the rule stays
+    lossless (greedy: the walk's point mass)."""
+    target, drafter, prompt, law = small
+    dec = SpecDecoder(target, dflash2_like(drafter), block_size=4, draft_sampling=draft_sampling)
+    z = _chi2_z(_samples(dec, prompt, N_SAMPLES, 1.0), law)
+    print(f"chi2 z={z:.3f}")
+    assert abs(z) < 4.0, f"chi-square z = {z:.2f} (|z| < 4 expected for the target's law)"
+
+
+def test_the_law_test_detects_a_wrong_dflash2_draft_law(small, monkeypatch):
+    """Handing the rule the unary softmax instead of the walk's q (the selector's reranking ignored) is lossy."""
+    target, drafter, prompt, law = small
+    d2 = dflash2_like(drafter)
+    real = SpecDecoder._walk
+
+    def wrong_q(self, h, logits, anchor, params, gen):
+        tokens, q = real(self, h, logits, anchor, params, gen)
+        return tokens, torch.softmax(logits.float() / params.temperature, -1)
+
+    monkeypatch.setattr(SpecDecoder, "_walk", wrong_q)
+    dec = SpecDecoder(target, d2, block_size=4, draft_sampling="sample")
+    z = _chi2_z(_samples(dec, prompt, 200, 1.0), law)
+    print(f"lossy chi2 z={z:.3f}")
+    assert z > 4.0, f"the wrong draft law went undetected (z = {z:.2f})"

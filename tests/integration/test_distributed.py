@@ -21,12 +21,12 @@ pytestmark = pytest.mark.distributed
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
 
 
-def _losses(rd):
-    return [json.loads(x)["loss"] for x in (rd / "train" / "metrics.jsonl").read_text().splitlines()]
+def _losses(rd, key="loss"):
+    return [json.loads(x)[key] for x in (rd / "train" / "metrics.jsonl").read_text().splitlines()]
 
 
-def _compare(tmp_path, target, mode, tgt, extra=()):
-    one, two = make_run(tmp_path / "one", target), make_run(tmp_path / "two", target)
+def _compare(tmp_path, target, mode, tgt, extra=(), **contract):
+    one, two = make_run(tmp_path / "one", target, **contract), make_run(tmp_path / "two", target, **contract)
     kw = dict(train__max_steps=3, train__save_every=2, train__parallel__mode=mode, train__parallel__target=tgt)
     assert main(["train", "--json", *overrides(one, target, train__batch_size=4, **kw), *extra]) == 0
     r = subprocess.run([sys.executable, "-m", "dflashkit", "train", "--json", "--nproc-per-node", "2",
@@ -36,6 +36,7 @@ def _compare(tmp_path, target, mode, tgt, extra=()):
     assert json.loads(r.stdout.strip().splitlines()[-1])["world_size"] == 2
     l1, l2 = _losses(one), _losses(two)
     assert len(l1) == len(l2) == 4 and torch.allclose(torch.tensor(l1), torch.tensor(l2), atol=1e-5), (l1, l2)
+    assert _losses(one, "tau") == _losses(two, "tau")  # DFlash2: the walk's τ
     w1 = load_file(one / "train" / "final" / "model.safetensors")
     w2 = load_file(two / "train" / "final" / "model.safetensors")
     assert_same_weights(w1, w2)
@@ -49,6 +50,14 @@ def _compare(tmp_path, target, mode, tgt, extra=()):
                                         "train.feature_noise=0.05")], ids=["full-vocab", "draft-vocab-dpace-noise"])
 def test_one_rank_equals_two_ranks_fsdp_with_sharded_target(tmp_path, tiny_qwen3, extra):
     _compare(tmp_path, tiny_qwen3, "fsdp", "shard", extra)
+
+
+# DFlash2: the selector's parameters are used after the drafter's forward (edge scores of the top-K
+# candidates), and its loss and walk metrics must still not depend on the number of ranks
+@pytest.mark.parametrize("mode,tgt", [("fsdp", "shard"), pytest.param("ddp", "replicate", marks=pytest.mark.slow)])
+def test_one_rank_equals_two_ranks_dflash2(tmp_path, tiny_qwen3, mode, tgt):
+    _compare(tmp_path, tiny_qwen3, mode, tgt, ("drafter.type=dflash2",), drafter_type="dflash2",
+             conv_group_size=16, selector_rank=16, selector_top_k=8)
 
 
 @pytest.mark.slow

@@ -43,3 +43,20 @@ def test_init_from_llama_keeps_unit_qk_norm_and_skips_mla_moe(tiny_targets):
     assert "layers.0.self_attn.q_proj.weight" not in rep["copied"]  # MLA has no plain q_proj
     assert torch.equal(before, ds.layers[0].self_attn.q_proj.weight)
     assert "layers.0.input_layernorm.weight" in rep["copied"]
+
+
+def test_init_from_target_fills_dflash2_shared_parts_and_leaves_the_identity_convolutions(tiny_targets):
+    from dflashkit.model.dflash2 import DFlash2DraftModel
+
+    t = _load(tiny_targets["qwen3"])
+    c = make_contract(tiny_targets["qwen3"], num_draft_layers=2, drafter_type="dflash2", conv_group_size=16,
+                      selector_rank=8, selector_top_k=4)
+    d1, d2 = DFlashDraftModel(make_contract(tiny_targets["qwen3"], num_draft_layers=2)), DFlash2DraftModel(c)
+    r1, r2 = init_from_target(d1, t), init_from_target(d2, t)
+    assert r1["copied"] == r2["copied"] and not r2["skipped"]
+    shared = d1.state_dict()
+    own = d2.state_dict()
+    assert all(torch.equal(own[k], shared[k]) for k in r1["copied"])
+    conv = d2.layers[0].attention_conv
+    assert torch.equal(conv.base_kernel[:, 0], torch.ones_like(conv.base_kernel[:, 0]))
+    assert not conv.base_kernel[:, 1:].any() and not conv.kernel_projection.weight.any()

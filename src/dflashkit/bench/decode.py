@@ -10,7 +10,8 @@ decoder, and the reference loop from PyPI `dflash==0.1.0` (its `DFlashDraftModel
 same dir). Reports end-to-end tokens/s of each call, ours/reference ratio (goal ≥ 1.2), identical
 tokens, τ, our t(1), t(B), and the bound τ·t(1)/t(B) next to the measured speedup.
 The reference only reports stats through `torch.cuda.synchronize`, so it runs without stats and is
-timed here around the call.
+timed here around the call. A DFlash2 drafter has no reference (PyPI `dflash` 0.1.0 predates it): the
+bench then times our baseline against our walk-drafting decoder only (reference numbers 0 / null).
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ def bench_decode(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
     decoders: dict[str, Decoder] = {
         "baseline": baseline,
         "ours": SpecDecoder(target, drafter, bs, max_context=cfg.eval.max_context,
-                            draft_dtype=draft_dtype_for(cfg, target)),
-        "reference": ReferenceDecoder(target, str(drafter_dir), bs)}
+                            draft_dtype=draft_dtype_for(cfg, target))}
+    if not contract.is_dflash2:  # the PyPI reference (dflash 0.1.0) has no DFlash2
+        decoders["reference"] = ReferenceDecoder(target, str(drafter_dir), bs)
     for i, p in enumerate(ids):
         baseline.check_prompt(len(p), params.max_new_tokens, what=f"prompt {i}")
     runs = run_interleaved(decoders, ids, params, warmup=max(1, cfg.eval.warmup), base_seed=cfg.run.seed)
@@ -90,19 +92,20 @@ def bench_decode(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
     acc = summarize_acceptance(runs["ours"], bs)
     cmp = compare(base_t, ours_t, acc["tau"])
     n_ours, s_ours = _e2e(runs["ours"])
-    n_ref, s_ref = _e2e(runs["reference"])
+    n_ref, s_ref = _e2e(runs.get("reference", []))
     n_base, s_base = _e2e(runs["baseline"])
-    diffs = [first_difference(a.token_ids, b.token_ids) for a, b in zip(runs["ours"], runs["reference"])]
+    diffs = [first_difference(a.token_ids, b.token_ids) for a, b in zip(runs["ours"], runs.get("reference", []))]
     identical = all(d is None for d in diffs)
     tps = {k: round(n / s, 3) if s > 0 else 0.0 for k, n, s in
            (("baseline", n_base, s_base), ("ours", n_ours, s_ours), ("reference", n_ref, s_ref))}
     result = {
-        "target": str(cfg.target.path), "drafter": str(drafter_dir), "block_size": bs, "prompts": len(ids),
+        "target": str(cfg.target.path), "drafter": str(drafter_dir), "drafter_type": contract.drafter_type,
+        "block_size": bs, "prompts": len(ids),
         "max_new_tokens": params.max_new_tokens, "device": str(target.device), "threads": torch.get_num_threads(),
         "draft_dtype": str(next(drafter.parameters()).dtype).removeprefix("torch."),
         "tokens_per_s_e2e": tps,
         "ours_over_reference": round(tps["ours"] / tps["reference"], 4) if tps["reference"] else 0.0,
-        "identical_tokens": identical,
+        "identical_tokens": identical if "reference" in runs else None,
         "first_difference": next(({"prompt": i, "position": d} for i, d in enumerate(diffs) if d is not None), None),
         "tau": acc["tau"], "tau_histogram": acc["tau_histogram"],
         "decode_tokens_per_s": {"baseline": base_t["decode_tokens_per_s"], "ours": ours_t["decode_tokens_per_s"]},

@@ -14,6 +14,11 @@ The default variants answer the questions a weak drafter raises:
   * no-features      — target features zeroed in training and scoring: does the drafter use the
                        target at all? (a drafter that matches this one is a language model, not a
                        DFlash drafter);
+  * dflash2          — the same data and steps with a DFlash2 drafter (drafter.type=dflash2, full
+                       vocab): its held-out τ is the selector walk's, `heldout_unary_tau` the unary
+                       argmax's beside it. A variant that changes drafter.type or a DFlash2 knob
+                       trains from its own contract.json (the run's, with those fields replaced);
+                       every other variant links the run's;
   * bigram           — not a drafter: the share of held-out supervised positions whose label is the
                        most frequent successor of the previous token in the training labels.
 Steps, data and seed are the same for every variant, and all of them run in one process on one
@@ -40,7 +45,25 @@ DEFAULT_VARIANTS: dict[str, list[str]] = {
     "base": [],
     "labels=data": ["train.labels=data"],
     "no-features": ["train.ablate_features=true"],
+    "dflash2": ["drafter.type=dflash2", "drafter.draft_vocab_size=null"],
 }
+# drafter.* keys a variant may change although the contract holds them: they get a contract of their own
+OWN_CONTRACT_KEYS = ("drafter.type", "drafter.conv_kernel_size", "drafter.conv_group_size", "drafter.selector_rank",
+                     "drafter.selector_top_k", "drafter.input_embedding_scale", "drafter.output_multiplier",
+                     "drafter.final_logit_softcapping")
+
+
+def variant_contract(contract: Any, vcfg: Any, overrides: list[str]) -> Any | None:
+    """The variant's own contract (the run's with the drafter type and DFlash2 knobs of `vcfg`), or None
+    when the variant changes none of them and links the run's contract.json."""
+    from dflashkit.config import parse_override
+    from dflashkit.inspect.contract import dflash2_fields
+
+    if not any(parse_override(o)[0] in OWN_CONTRACT_KEYS for o in overrides):
+        return None
+    own = dataclasses.replace(contract, **dflash2_fields(vcfg.drafter))
+    own.check()
+    return own
 
 
 def _link(src: Path, dst: Path) -> None:
@@ -93,9 +116,13 @@ def plan_variants(cfg: Any, rd: RunDir) -> dict[str, Any]:
         check_drafter_overrides(cfg, contract, rd.contract_path)
         for name, vcfg in out.items():
             try:
-                check_drafter_overrides(vcfg, contract, rd.contract_path)
+                over = list(variants[name])
+                own = variant_contract(contract, vcfg, over)
+                check_drafter_overrides(vcfg, own or contract, rd.contract_path)
             except ConfigError as e:
                 raise ConfigError([f"bench.recipe_variants.{name}: {p}" for p in e.problems], hint=e.hint) from None
+            except DflashkitError as e:
+                raise ConfigError([f"bench.recipe_variants.{name}: {e.message}"]) from None
     return out
 
 
@@ -119,9 +146,11 @@ def bigram_accuracy(rd: RunDir, heldout_samples: int, seed: int) -> float | None
 
 
 def bench_recipe(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
-    from dflashkit.train.loop import fit
-
     import shutil
+
+    from dflashkit.model.drafter_config import DrafterContract
+    from dflashkit.rundir import atomic_write_json
+    from dflashkit.train.loop import fit
 
     steps = int(cfg.bench.recipe_steps)
     configs = plan_variants(cfg, rd)
@@ -138,6 +167,9 @@ def bench_recipe(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
             shutil.rmtree(vdir.root)
         vdir.root.mkdir(parents=True, exist_ok=True)
         (vdir.root / MARKER).write_text("made by `dflashkit bench recipe`; cleared when the bench re-runs\n")
+        own = variant_contract(DrafterContract.load(rd.contract_path), vcfg, over)
+        if own is not None:
+            atomic_write_json(vdir.contract_path, own.to_dict())
         for part in ("contract.json", "tokenize", "capture"):
             _link(rd.root / part, vdir.root / part)
         t0 = time.perf_counter()
@@ -145,7 +177,9 @@ def bench_recipe(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
         held, train = res.get("heldout") or {}, res.get("train") or {}
         acc = held.get("acc") or []
         rows.append({"variant": name, "overrides": list(over), "steps": steps,
+                     "drafter_type": vcfg.drafter.type,
                      "heldout_tau": held.get("tau"), "heldout_acc1": acc[0] if acc else None,
+                     "heldout_unary_tau": held.get("unary_tau", held.get("tau")),
                      "heldout_loss": held.get("loss"), "train_tau": train.get("tau"),
                      "gap_tau": (None if held.get("tau") is None or train.get("tau") is None
                                  else round(train["tau"] - held["tau"], 4)),

@@ -28,6 +28,10 @@ with the target head's rows of that vocab only: argmax / sampling run over V' an
 target ids. At temperature > 0 the draft law q is zero outside the vocab and is handed to the
 rejection rule in the full-vocab space, so sampling stays lossless.
 
+A DFlash2 drafter (`model/dflash2.py`) drafts through its selector's walk over the top-K candidates
+of each block position (`_walk`); at temperature > 0 with `draft_sampling="sample"` the walk is
+Gumbel-noised and its law over the K candidates is the q of the rejection rule.
+
 A `Proposer` replaces the DFlash drafter (prompt lookup in `decode/ngram.py`, test stubs): it gets
 the committed sequence and returns at most B−1 point-mass proposals; a shorter (or empty) proposal
 is verified as it is, so that step's block is 1 + len(proposal) tokens.
@@ -150,6 +154,8 @@ class SpecDecoder:
         t = ctx.shape[1]
         h = self.drafter(block, ctx.to(self._draft_dtype), positions[:, start - t: start + k + 1], cache=dcache)
         logits = F.linear(h[0, 1:], self._head_w, self._head_b)  # [k, V] (or [k, V'] over the draft vocab)
+        if getattr(self.drafter, "candidate_selector", None) is not None:
+            return self._walk(h[:, 1:], logits, seq[start], params, gen)
         vocab = self._vocab
         if params.temperature <= 0 or self.draft_sampling == "greedy":
             idx = logits.argmax(-1)
@@ -160,6 +166,23 @@ class SpecDecoder:
             return tokens.tolist(), q
         full = q.new_zeros(q.shape[0], self._full_vocab).index_copy_(1, vocab, q)  # q = 0 outside the vocab
         return vocab[tokens].tolist(), full
+
+    def _walk(self, h: torch.Tensor, logits: torch.Tensor, anchor: int, params: SamplingParams, gen):
+        """DFlash2: the selector's walk over each position's top-K candidates → (tokens, draft law or None).
+
+        Greedy (temperature 0, or draft_sampling greedy) walks the best edges: a point mass. Otherwise the
+        walk is Gumbel-noised, i.e. position t draws from q_t = softmax(row_t / T) over its K candidates, row_t
+        being the edge scores after the token drawn at t − 1: q_t (0 outside the candidates) is the law the
+        rejection rule needs, so sampling stays lossless."""
+        sample_walk = params.temperature > 0 and self.draft_sampling == "sample"
+        temp = params.temperature if sample_walk else 0.0
+        tokens, ids, rows = self.drafter.draft(h, logits[None], h.new_tensor([anchor], dtype=torch.long),
+                                               temperature=temp, generator=gen)
+        if not sample_walk:
+            return tokens[0].tolist(), None
+        q = torch.softmax(rows[0].float() / temp, dim=-1)                          # [k, K]
+        full = q.new_zeros(q.shape[0], self._full_vocab).scatter_(1, ids[0], q)
+        return tokens[0].tolist(), full
 
     def check_prompt(self, num_prompt_tokens: int, max_new_tokens: int, what: str = "prompt") -> None:
         """Raise UsageError if the prompt plus the generation does not fit the context."""

@@ -114,6 +114,16 @@ def _draft_attention(d: Any, facts: ModelFacts) -> tuple[int, int, int, str]:
     return heads, kv, head_dim, "copied from the target config (drafter.* overrides win)"
 
 
+def dflash2_fields(d: Any) -> dict[str, Any]:
+    """The contract's DFlash2 fields from `cfg.drafter` (only `drafter_type` for a DFlash drafter)."""
+    kind = getattr(d, "type", "dflash")
+    if kind != "dflash2":
+        return {"drafter_type": kind}
+    keys = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "input_embedding_scale",
+            "output_multiplier", "final_logit_softcapping")
+    return {"drafter_type": kind, **{k: getattr(d, k) for k in keys}}
+
+
 def derive_contract(d: Any, facts: ModelFacts, tok: TokenizerFacts | None) -> DrafterContract:
     """The drafter contract for a target.
 
@@ -166,6 +176,7 @@ def derive_contract(d: Any, facts: ModelFacts, tok: TokenizerFacts | None) -> Dr
         tie_word_embeddings=facts.tie_word_embeddings,
         target_model_type=facts.model_type, target_architecture=facts.architecture,
         mask_token_reason=mask_reason, bos_token_id=bos, eos_token_id=eos,  # type: ignore[arg-type]
+        **dflash2_fields(d),
         extra={"layer_convention": LAYER_CONVENTION, "target_layer_ids_reason": ids_reason,
                "attention_reason": attn_reason, "target_attention": facts.attention,
                "target_text_model_type": facts.text_model_type, "target_source": facts.source},

@@ -124,7 +124,8 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, ctx_k, ctx_v, cos, sin, attention_mask) -> torch.Tensor:
+    def forward(self, x, ctx_k, ctx_v, cos, sin, attention_mask, block_len: int = 0) -> torch.Tensor:
+        del block_len  # DFlash layers do not mix block positions outside attention (DFlash2's do)
         x = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, attention_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -143,7 +144,7 @@ class DFlashDraftModel(nn.Module):
         h = contract.hidden_size
         self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = Qwen3RMSNorm(h, eps=contract.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(self.config) for _ in range(contract.num_draft_layers))
+        self.layers = nn.ModuleList(self.make_layer() for _ in range(contract.num_draft_layers))
         self.norm = Qwen3RMSNorm(h, eps=contract.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(self.config)
         if draft_vocab is not None:
@@ -153,6 +154,10 @@ class DFlashDraftModel(nn.Module):
             check_draft_vocab(vocab, vocab_size=contract.vocab_size, source="draft vocabulary")
             self.register_buffer("d2t", to_offsets(vocab.long()))
         self.reset_parameters()
+
+    def make_layer(self) -> nn.Module:
+        """One draft decoder layer (DFlash2 wraps its sublayers in convolutions)."""
+        return DFlashDecoderLayer(self.config)
 
     @property
     def draft_vocab(self) -> torch.Tensor | None:
@@ -183,7 +188,7 @@ class DFlashDraftModel(nn.Module):
         return self.hidden_norm(self.fc(target_hidden))
 
     def forward(self, noise_embedding: torch.Tensor, target_hidden: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask=None, cache: DraftKVCache | None = None) -> torch.Tensor:
+                attention_mask=None, cache: DraftKVCache | None = None, block_len: int = 0) -> torch.Tensor:
         """One draft pass.
 
         Args:
@@ -192,6 +197,8 @@ class DFlashDraftModel(nn.Module):
             position_ids: [b, t + q] absolute positions of those context tokens then the block.
             attention_mask: None, a bool [b|1, 1, q, cache_len + t + q] tensor, or a flex BlockMask.
             cache: context K/V of earlier tokens; the new context K/V are appended to it.
+            block_len: tokens per block in the q queries (0: `block_size` with a mask, else all q are one
+                block); only DFlash2's convolution uses it.
         Returns:
             [b, q, H] normed hidden states; apply the target lm_head for logits.
         """
@@ -206,5 +213,6 @@ class DFlashDraftModel(nn.Module):
             k, v = layer.self_attn.context_kv(c, ctx_cos, ctx_sin)
             if cache is not None:
                 k, v = cache.append(i, k, v)
-            x = layer(x, k, v, q_cos, q_sin, attention_mask)
+            x = layer(x, k, v, q_cos, q_sin, attention_mask, block_len=block_len or
+                      (self.block_size if attention_mask is not None else x.shape[1]))
         return self.norm(x)

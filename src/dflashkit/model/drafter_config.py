@@ -41,6 +41,9 @@ def build_target_layer_ids(num_target_layers: int, num_features: int) -> list[in
     return [int(round(start + i * span / (num_features - 1))) for i in range(num_features)]
 
 
+DFLASH2_OPTIONAL = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
+DRAFTER_TYPES = ("dflash", "dflash2")
+
 REPROBE_HINT = "re-run `dflashkit probe -c run.yaml` for this target"
 
 
@@ -75,6 +78,28 @@ class DrafterContract:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # DFlash2 (`drafter_type: dflash2`, model/dflash2.py); ignored by DFlash. Names = vLLM's dflash_config keys.
+    drafter_type: str = "dflash"
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    input_embedding_scale: float | None = None
+    output_multiplier: float | None = None
+    final_logit_softcapping: float | None = None
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.drafter_type == "dflash2"
+
+    def dflash2_config(self) -> dict[str, Any]:
+        """The DFlash2 keys of `dflash_config` (vLLM's `qwen3_dflash2.py` reads them); optional ones only when set."""
+        out: dict[str, Any] = {"conv_kernel_size": self.conv_kernel_size, "conv_group_size": self.conv_group_size,
+                               "selector_rank": self.selector_rank, "selector_top_k": self.selector_top_k}
+        for k in DFLASH2_OPTIONAL:
+            if getattr(self, k) is not None:
+                out[k] = float(getattr(self, k))
+        return out
 
     @property
     def num_features(self) -> int:
@@ -112,6 +137,7 @@ class DrafterContract:
                             f"num_key_value_heads {self.num_key_value_heads}")
         if self.block_size < 1:
             problems.append(f"block_size must be >= 1, got {self.block_size}")
+        problems.extend(self.dflash2_problems())
         if problems:
             if target is None:
                 raise UsageError("invalid drafter contract: " + "; ".join(problems), hint=hint)
@@ -121,6 +147,27 @@ class DrafterContract:
         if target is not None and self.num_target_layers and self.num_target_layers != layers:
             log.warning("%s was built for a %d-layer target; this target has %d layers",
                         where, self.num_target_layers, layers)
+
+    def dflash2_problems(self) -> list[str]:
+        """What makes the DFlash2 knobs unusable (none for a DFlash contract)."""
+        if self.drafter_type not in DRAFTER_TYPES:
+            return [f"drafter_type {self.drafter_type!r} is not one of {list(DRAFTER_TYPES)}"]
+        if not self.is_dflash2:
+            return []
+        p = []
+        if self.conv_kernel_size < 1:
+            p.append(f"conv_kernel_size must be >= 1, got {self.conv_kernel_size}")
+        if self.conv_group_size < 1 or self.hidden_size % max(1, self.conv_group_size):
+            p.append(f"conv_group_size {self.conv_group_size} must divide hidden_size {self.hidden_size}")
+        if self.selector_rank < 1:
+            p.append(f"selector_rank must be >= 1, got {self.selector_rank}")
+        if not 1 <= self.selector_top_k <= max(1, self.vocab_size):
+            p.append(f"selector_top_k {self.selector_top_k} must be in [1, vocab_size {self.vocab_size}]")
+        for k in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+            v = getattr(self, k)
+            if v is not None and not float(v) > 0:
+                p.append(f"{k} must be > 0 (or null), got {v}")
+        return p
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -189,6 +236,10 @@ class DrafterContract:
             at = [k for k, _ in items].index("vocab_size") + 1  # next to vocab_size, where readers look
             cfg = dict(items[:at] + [("draft_vocab_size", int(draft_vocab_size))] + items[at:])
             cfg["dflash_config"]["draft_vocab_size"] = int(draft_vocab_size)
+        if self.is_dflash2:
+            cfg["architectures"] = ["DFlash2DraftModel"]
+            cfg["auto_map"] = {"AutoModel": "dflash.DFlash2DraftModel"}
+            cfg["dflash_config"].update(self.dflash2_config())
         return cfg
 
     @classmethod
@@ -238,4 +289,21 @@ class DrafterContract:
             max_position_embeddings=num(cfg.get("max_position_embeddings", 4096), "max_position_embeddings"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
+            **_dflash2_fields(cfg, dc, source),
         )
+
+
+def _dflash2_fields(cfg: dict[str, Any], dc: dict[str, Any], source: str) -> dict[str, Any]:
+    """The DFlash2 contract fields of a config.json (`architectures: [DFlash2DraftModel]`), else {}."""
+    if "DFlash2DraftModel" not in (cfg.get("architectures") or []):
+        return {}
+    required = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    missing = [f"dflash_config.{k}" for k in required if dc.get(k) is None]
+    if missing:
+        raise UsageError(f"{source}: a DFlash2DraftModel config without {missing}",
+                         hint="re-export the drafter (vLLM reads these keys from dflash_config)")
+    out: dict[str, Any] = {"drafter_type": "dflash2", **{k: int(dc[k]) for k in required}}
+    for k in DFLASH2_OPTIONAL:
+        if dc.get(k) is not None:
+            out[k] = float(dc[k])
+    return out

@@ -23,6 +23,11 @@ from dflashkit.context import StageContext
 from dflashkit.rundir import RunDir
 
 
+def _codebooks(d: dict[str, Any]) -> str:
+    n = d.get("selector_codebook_params") or 0
+    return f" (of which the selector's codebooks 2·V·r = {n / 1e6:.1f}M)" if n else ""
+
+
 def _table(r: dict[str, Any]) -> str:
     p = r["plan"]
     rows = [("target", f"{r['source']} ({p['target']['params_total'] / 1e9:.2f}B params, "
@@ -30,7 +35,8 @@ def _table(r: dict[str, Any]) -> str:
             ("data", f"{r['sequences']} sequences, {r['tokens']} tokens ({r['data_source']})"),
             ("gpus", f"{r['gpus']} × {r['gpu_mem_gib']:.0f} GiB ({r['gpu_source']})"),
             ("cached features", f"{p['features']['bytes_per_token']} B/token → {p['features']['total_gib']} GiB"),
-            ("drafter", f"{p['drafter']['params'] / 1e6:.1f}M params; weights+grads+Adam "
+            ("drafter", f"{p['drafter']['type']}, {p['drafter']['params'] / 1e6:.1f}M params"
+                        f"{_codebooks(p['drafter'])}; weights+grads+Adam "
                         f"{p['drafter']['weights_grads_adam_gib']} GiB, "
                         f"activations {p['drafter']['activations_gib']} GiB"),
             ("logits", f"{p['logits']['per_sequence_gib']} GiB/sequence unchunked; chunk "

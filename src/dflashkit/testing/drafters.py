@@ -2,16 +2,19 @@
 
 Usage:
     drafter = random_drafter(target, block_size=4, layers=1, seed=0)
+    drafter2 = random_drafter(target, drafter_type="dflash2", conv_group_size=8, selector_top_k=4)
 """
 
 from __future__ import annotations
 
 
 def random_drafter(target, block_size: int = 4, layers: int = 1, seed: int = 0, **overrides):
-    """A small random drafter that fits a loaded `Target` (arbitrary but real drafts)."""
+    """A small random drafter that fits a loaded `Target` (arbitrary but real drafts).
+
+    `drafter_type="dflash2"` (+ `conv_group_size=…`, `selector_top_k=…`) gives a DFlash2 drafter."""
     import torch
 
-    from dflashkit.model.drafter import DFlashDraftModel
+    from dflashkit.model.dflash2 import drafter_for
     from dflashkit.model.drafter_config import DrafterContract, build_target_layer_ids
 
     n = target.num_layers
@@ -23,4 +26,4 @@ def random_drafter(target, block_size: int = 4, layers: int = 1, seed: int = 0, 
                   intermediate_size=2 * target.hidden_size, vocab_size=target.vocab_size)
     fields.update(overrides)
     torch.manual_seed(seed)
-    return DFlashDraftModel(DrafterContract(**fields)).eval()
+    return drafter_for(DrafterContract(**fields)).eval()

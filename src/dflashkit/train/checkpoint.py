@@ -128,7 +128,9 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler) -> int:
 # Contract fields whose change makes a checkpoint a different drafter (labels are descriptive only).
 CONTRACT_KEYS = ("block_size", "num_draft_layers", "target_layer_ids", "mask_token_id", "num_target_layers",
                  "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                 "vocab_size", "rope_theta", "rope_scaling", "max_position_embeddings", "tie_word_embeddings")
+                 "vocab_size", "rope_theta", "rope_scaling", "max_position_embeddings", "tie_word_embeddings",
+                 "drafter_type", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                 "input_embedding_scale", "output_multiplier", "final_logit_softcapping")
 
 
 def _check_contract(path: Path, saved: dict | None, model) -> None:

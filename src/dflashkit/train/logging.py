@@ -146,7 +146,8 @@ class LearningCurve:
 
         tau_sum, blocks, c1, t1 = self.window
         point = {"step": step, "tokens": sum(self.tokens.values()),
-                 "heldout": {"tau": heldout["tau"], "acc1": acc1(heldout), "loss": heldout["loss"]},
+                 "heldout": {"tau": heldout["tau"], "acc1": acc1(heldout), "loss": heldout["loss"],
+                             **({"unary_tau": heldout["unary_tau"]} if "unary_tau" in heldout else {})},
                  "train": {"tau": tau_sum / blocks if blocks else None, "acc1": c1 / t1 if t1 else None},
                  "by_source": {k: {"tokens": self.tokens.get(k, 0),
                                    **({"tau": v["tau"], "acc1": acc1(v), "loss": v["loss"]} if v else {})}

@@ -33,13 +33,13 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from dflashkit.errors import UsageError
+from dflashkit.model.dflash2 import drafter_for
 from dflashkit.model.draft_vocab import restricted_head
-from dflashkit.model.drafter import DFlashDraftModel
 from dflashkit.model.drafter_config import REPROBE_HINT, DrafterContract
 from dflashkit.train import checkpoint as ckpt
 from dflashkit.train import guards
 from dflashkit.train.data import Batch, BatchPlan, FeatureStore, TokenData, collate, load_tokenized, split_heldout
-from dflashkit.train.heldout import BestKeeper, evaluate_heldout, log_eval, metrics_of
+from dflashkit.train.heldout import BestKeeper, dflash2_stats, evaluate_heldout, log_eval, metrics_of, stats_size
 from dflashkit.train.logging import LearningCurve, MetricSink
 from dflashkit.train.objective import dflash_loss, gamma_for, sample_anchors, weight_sum
 from dflashkit.train.optim import build_optimizer, build_scheduler
@@ -143,7 +143,7 @@ class Trainer:
                            target_hidden=tout.last_hidden, target_head=self.parts.lm_head,
                            chunk_blocks=t.loss_chunk_blocks, attention=self.attention, autocast_dtype=self.amp,
                            vocab=self.vocab, label_ids=tout.label_ids, position_weighting=t.position_weighting,
-                           dpace_alpha=t.dpace_alpha)
+                           dpace_alpha=t.dpace_alpha, selector_weight=t.selector_loss_weight)
 
     def denom_gamma(self) -> float | None:
         """γ of the step denominator Σw: none (a plain count of supervised positions) under D-PACE."""
@@ -197,7 +197,7 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
     train_idx, heldout = split_heldout(len(data), cfg.train.heldout_samples, seed=cfg.run.seed)
     vocab = pick_draft_vocab(cfg, contract, target, data, train_idx)
     torch.manual_seed(cfg.run.seed)
-    drafter = DFlashDraftModel(contract, draft_vocab=vocab).to(dist.device)
+    drafter = drafter_for(contract, draft_vocab=vocab).to(dist.device)
     if cfg.drafter.init == "target":
         from dflashkit.model.init import init_from_target
 
@@ -249,7 +249,7 @@ def train_step(tr: Trainer, step: int, opt, sched) -> dict:
                              gamma=tr.denom_gamma(), vocab=tr.vocab, label_ids=o.label_ids)
                   for b, a, o in zip(batches, anchors, touts))
     denom = float(all_reduce_sum(torch.tensor([local_w], dtype=torch.float64), tr.dist)[0])
-    stats = torch.zeros(4 + 2 * B, dtype=torch.float64)  # loss, tau_sum, blocks, tokens, correct[B], total[B]
+    stats = torch.zeros(stats_size(B), dtype=torch.float64)  # loss, tau_sum, blocks, tokens, correct, total, +
     for b, a, o in zip(batches, anchors, touts):
         out = tr.micro_loss(b, a, denom, o, training=True)
         if denom > 0:
@@ -259,7 +259,8 @@ def train_step(tr: Trainer, step: int, opt, sched) -> dict:
         stats[2] += out.blocks
         stats[3] += float(b.seq_lens.sum())
         stats[4:4 + B] += out.correct.double()
-        stats[4 + B:] += out.total.double()
+        stats[4 + B:4 + 2 * B] += out.total.double()
+        stats[4 + 2 * B:] += dflash2_stats(out, B, loss_scale=1 / max(denom, 1e-6))
     grad_norm = 0.0
     if denom > 0:
         params = [p for p in tr.drafter.parameters() if p.requires_grad]
@@ -273,7 +274,7 @@ def train_step(tr: Trainer, step: int, opt, sched) -> dict:
     lr = opt.param_groups[0]["lr"]
     sched.step()
     stats = all_reduce_sum(stats, tr.dist)  # loss terms were divided by the global Σw: the sum is the mean
-    return metrics_of(stats, B, step + 1, lr=lr, grad_norm=grad_norm)
+    return metrics_of(stats, B, step + 1, dflash2=tr.contract.is_dflash2, lr=lr, grad_norm=grad_norm)
 
 
 def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict:

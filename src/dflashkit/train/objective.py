@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from dflashkit.model.dflash2 import walk_path
 from dflashkit.model.draft_vocab import draft_labels
 from dflashkit.model.masks import dense_block_mask, flex_block_mask
 
@@ -172,7 +173,10 @@ def dpace_weights(ce: torch.Tensor, supervised: torch.Tensor, *, alpha: float) -
 
 @dataclass
 class LossOutput:
-    """`loss` (differentiable, already divided by the step denominator) and summable statistics."""
+    """`loss` (differentiable, already divided by the step denominator) and summable statistics.
+
+    For a DFlash2 drafter `correct` / `tau_sum` score the selector's walk (what the decoder drafts)
+    and `unary_*` the unary argmax beside it; for DFlash both are the argmax."""
 
     loss: torch.Tensor
     weight_sum: float
@@ -180,11 +184,35 @@ class LossOutput:
     total: torch.Tensor       # [B] supervised positions per block position
     tau_sum: float            # Σ over real blocks of (1 + leading correct)
     blocks: int               # number of real blocks
+    unary_correct: torch.Tensor | None = None   # [B] the unary argmax's (DFlash2; None: = correct)
+    unary_tau_sum: float | None = None
+    selector: SelectorStats | None = None
 
 
-def _chunk_rows(lm_head, h, labels, tgt, need_ce: bool, need_kl: bool):
-    """Per-row CE and KL (zeros when not needed) and the argmax of one chunk of rows."""
+@dataclass
+class SelectorStats:
+    """DFlash2's selector over the supervised rows: top-K coverage of the gold token, teacher-forced
+    selector accuracy over the strict top-K (serving semantics: no gold insertion), and its loss."""
+
+    rows: float = 0.0         # supervised rows
+    covered: float = 0.0      # gold label inside the unary top-K
+    correct: float = 0.0      # the selector's best candidate after the gold predecessor is the gold label
+    loss_sum: float = 0.0     # Σ w·CE_selector (before the denominator)
+
+    def as_list(self) -> list[float]:
+        return [self.rows, self.covered, self.correct, self.loss_sum]
+
+
+def _chunk_rows(lm_head, h, labels, tgt, need_ce: bool, need_kl: bool, model=None, prev=None):
+    """Per-row CE and KL (zeros when not needed) and the argmax of one chunk of rows.
+
+    With a DFlash2 `model` (and `prev` [rows], the gold predecessor tokens) the logits are the unary
+    scores and the selector's part is added (`_selector_rows`); without, the last item is None."""
     logits = lm_head(h).float()                                              # [rows, V]
+    sel = None
+    if model is not None:
+        logits = model.unary(logits)
+        sel = _selector_rows(model, logits, h, labels, prev)
     ce = F.cross_entropy(logits, labels, reduction="none") if need_ce else logits.new_zeros(labels.shape)
     if need_kl:
         logp = F.log_softmax(logits, dim=-1)
@@ -192,7 +220,23 @@ def _chunk_rows(lm_head, h, labels, tgt, need_ce: bool, need_kl: bool):
         kl = (tlogp.exp() * (tlogp - logp)).sum(-1)
     else:
         kl = logits.new_zeros(labels.shape)
-    return ce, kl, logits.argmax(-1)
+    return ce, kl, logits.argmax(-1), sel
+
+
+def _selector_rows(model, unary: torch.Tensor, h: torch.Tensor, labels: torch.Tensor, prev: torch.Tensor):
+    """DFlash2's selector on supervised rows: (CE over the K candidates after the gold predecessor, with the
+    gold label inserted as the K-th candidate when the unary top-K misses it; strict top-K ids [rows, K];
+    their unary scores [rows, K]; gold covered [rows]; selector correct [rows] (strict, no insertion))."""
+    k = model.top_k
+    ids = torch.topk(unary.detach(), k, dim=-1).indices                      # [rows, K] strict candidates
+    covered = (ids == labels[:, None]).any(-1)
+    cand = ids.clone()
+    cand[~covered, -1] = labels[~covered]                                    # gold insertion (training only)
+    scores = model.candidate_selector.pair_scores(prev[:, None], cand, unary.gather(-1, cand), h)[:, 0]
+    gold = (cand == labels[:, None]).long().argmax(-1)
+    ce = F.cross_entropy(scores, gold, reduction="none")
+    correct = covered & (scores.detach().argmax(-1) == gold)                 # with gold covered, cand == ids
+    return ce, ids, unary.detach().gather(-1, ids), covered, correct
 
 
 def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
@@ -202,7 +246,8 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
                 attention: str = "sdpa", autocast_dtype: torch.dtype | None = None,
                 vocab: torch.Tensor | None = None, label_ids: torch.Tensor | None = None,
                 target_hidden: torch.Tensor | None = None, target_head=None,
-                position_weighting: str = "decay", dpace_alpha: float = 0.5) -> LossOutput:
+                position_weighting: str = "decay", dpace_alpha: float = 0.5,
+                selector_weight: float = 1.0) -> LossOutput:
     """Drafter forward over all sampled blocks + the chunked weighted loss.
 
     Args:
@@ -223,11 +268,18 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
         position_weighting: "decay" (exp(−(k−1)/γ)) or "dpace" (`dpace_weights`, α = dpace_alpha;
             `gamma` is ignored and `denom` must be the step's count of supervised in-vocab positions,
             i.e. `weight_sum(..., gamma=None)`).
+        selector_weight: a DFlash2 drafter's selector loss weight (the selector CE of each supervised row,
+            with the same position weight as its unary CE; `_selector_rows`). DFlash2's unary CE and
+            metrics use its unary scores (`DFlash2DraftModel.unary`).
     Returns:
-        LossOutput.
+        LossOutput (DFlash2: τ and accuracy of the walk, the unary argmax's beside them, SelectorStats).
     """
     bsz, s = input_ids.shape
-    B = drafter.block_size if hasattr(drafter, "block_size") else drafter.module.block_size
+    model = getattr(drafter, "module", drafter)
+    B = model.block_size
+    d2 = model if getattr(model.contract, "is_dflash2", False) else None
+    if d2 is not None and vocab is not None:
+        raise ValueError("a DFlash2 drafter trains over the full vocab (no reduced draft vocab)")
     n = a.anchors.shape[1]
     dpace = position_weighting == "dpace"
     labels, w = labels_and_weights(input_ids, loss_mask, seq_lens, a, block_size=B, gamma=None if dpace else gamma,
@@ -264,7 +316,8 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
         row_batch = torch.arange(bsz, device=input_ids.device)[:, None, None].expand(bsz, n, B)
         tgt_rows = (row_batch.flatten(), tgt_pos.flatten())
     need_ce, need_kl = loss in ("ce", "ce+kl") or dpace, loss in ("kl", "ce+kl")
-    ce_parts, kl_parts = [], []
+    prev_f = _predecessors(input_ids, label_ids, a, block_size=B).flatten() if d2 is not None else None
+    ce_parts, kl_parts, sel_parts = [], [], []
     pred_flat = torch.full_like(labels_f, -1)
     step = max(1, chunk_blocks) * B
     for c0 in range(0, rows.numel(), step):
@@ -279,13 +332,14 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
                     tgt = target_head(target_hidden[tgt_rows[0][r], tgt_rows[1][r]].to(hidden.dtype))
         if tgt is not None and vocab is not None:
             tgt = tgt.index_select(-1, vocab)
-        args = (lm_head, hidden[r], labels_f[r], tgt, need_ce, need_kl)
+        args = (lm_head, hidden[r], labels_f[r], tgt, need_ce, need_kl, d2, None if prev_f is None else prev_f[r])
         if step >= rows.numel() or not hidden.requires_grad:
-            ce_r, kl_r, pred = _chunk_rows(*args)
+            ce_r, kl_r, pred, sel = _chunk_rows(*args)
         else:
-            ce_r, kl_r, pred = checkpoint(_chunk_rows, *args, use_reentrant=False)
+            ce_r, kl_r, pred, sel = checkpoint(_chunk_rows, *args, use_reentrant=False)
         ce_parts.append(ce_r)
         kl_parts.append(kl_r)
+        sel_parts.append(sel)
         pred_flat[r] = pred
     ce_rows = torch.cat(ce_parts) if ce_parts else hidden.new_zeros(0, dtype=torch.float32)
     kl_rows = torch.cat(kl_parts) if kl_parts else hidden.new_zeros(0, dtype=torch.float32)
@@ -300,6 +354,16 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
         total = total + (row_w * ce_rows).sum()
     if loss in ("kl", "ce+kl"):
         total = total + (kl_weight if loss == "ce+kl" else 1.0) * (row_w * kl_rows).sum()
+    sel_stats = None
+    if d2 is not None:
+        sel_ce = torch.cat([p[0] for p in sel_parts]) if sel_parts else ce_rows
+        sel_loss = (row_w * sel_ce).sum()
+        total = total + selector_weight * sel_loss
+        sel_stats = SelectorStats(rows=float(rows.numel()),
+                                  covered=float(sum(float(p[3].sum()) for p in sel_parts)),
+                                  correct=float(sum(float(p[4].sum()) for p in sel_parts)),
+                                  loss_sum=float(sel_loss.detach()))
+    scaled = total / max(denom, 1e-6)
     with torch.no_grad():
         pred = pred_flat.view(bsz, n, B)
         if vocab is not None:  # draft index → target id; rows without logits stay -1 (wrong)
@@ -307,10 +371,57 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
         ok = (pred == labels.view(bsz, n, B)) & sup
         correct = ok.sum(dim=(0, 1)).float().cpu()
         tot = sup.sum(dim=(0, 1)).float().cpu()
-        lead = torch.cumprod(ok[:, :, 1:].long(), dim=-1).sum(-1)             # leading correct
-        tau_sum = float(((1 + lead).float() * a.keep.float()).sum())
-    return LossOutput(loss=total / max(denom, 1e-6), weight_sum=wsum, correct=correct, total=tot,
-                      tau_sum=tau_sum, blocks=int(a.keep.sum()))
+        tau_sum = _tau_sum(ok, a.keep)
+        out = LossOutput(loss=scaled, weight_sum=wsum, correct=correct, total=tot,
+                         tau_sum=tau_sum, blocks=int(a.keep.sum()), selector=sel_stats)
+        if d2 is not None:  # the walk is what the decoder drafts: τ and accuracy are the walk's
+            walked = _walk_tokens(d2, hidden.detach(), rows, sel_parts, input_ids, a, block_size=B)
+            walk_ok = (walked == labels.view(bsz, n, B)) & sup
+            out.unary_correct, out.unary_tau_sum = correct, tau_sum
+            out.correct, out.tau_sum = walk_ok.sum(dim=(0, 1)).float().cpu(), _tau_sum(walk_ok, a.keep)
+    return out
+
+
+def _tau_sum(ok: torch.Tensor, keep: torch.Tensor) -> float:
+    """Σ over real blocks of 1 + the leading correct positions (ok [b, N, B], slot 0 ignored)."""
+    lead = torch.cumprod(ok[:, :, 1:].long(), dim=-1).sum(-1)
+    return float(((1 + lead).float() * keep.float()).sum())
+
+
+def _predecessors(input_ids: torch.Tensor, label_ids: torch.Tensor | None, a: Anchors, *,
+                  block_size: int) -> torch.Tensor:
+    """[b, N, B] the gold token before each block position: the anchor x[a] at k = 1, the label of
+    position k − 1 after it (slot 0: unused). Positions past the sequence take its last token."""
+    src = input_ids if label_ids is None else label_ids
+    s = input_ids.shape[1]
+    pos = (a.anchors[:, :, None] + torch.arange(block_size, device=input_ids.device) - 1).clamp(0, s - 1)
+    b, n = a.anchors.shape
+    prev = torch.gather(src, 1, pos.view(b, -1)).view(b, n, block_size).clone()
+    prev[:, :, 1] = torch.gather(input_ids, 1, a.anchors)
+    return prev
+
+
+@torch.no_grad()
+def _walk_tokens(model, hidden: torch.Tensor, rows: torch.Tensor, sel_parts: list, input_ids: torch.Tensor,
+                 a: Anchors, *, block_size: int) -> torch.Tensor:
+    """[b, N, B] the greedy walk's tokens per block (slot 0: −1), from the supervised rows' strict top-K.
+
+    Rows without logits (unsupervised) get candidate id 0 and unary 0; the walk through them is never
+    scored (τ and accuracy count supervised positions only and stop at the first unsupervised one)."""
+    b, n = a.anchors.shape
+    k = model.top_k
+    cand = torch.zeros(b * n * block_size, k, dtype=torch.long, device=hidden.device)
+    unary = torch.zeros(b * n * block_size, k, dtype=torch.float32, device=hidden.device)
+    if sel_parts:
+        cand[rows] = torch.cat([p[1] for p in sel_parts])
+        unary[rows] = torch.cat([p[2] for p in sel_parts])
+    cand, unary = cand.view(b * n, block_size, k)[:, 1:], unary.view(b * n, block_size, k)[:, 1:]
+    h = hidden.view(b * n, block_size, -1)[:, 1:]
+    anchor = torch.gather(input_ids, 1, a.anchors).flatten()
+    tokens, _ = walk_path(model.candidate_selector, cand, unary, h, anchor)
+    out = torch.full((b * n, block_size), -1, dtype=torch.long, device=hidden.device)
+    out[:, 1:] = tokens
+    return out.view(b, n, block_size)
 
 
 def target_label_ids(input_ids: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
