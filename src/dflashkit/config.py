@@ -254,8 +254,10 @@ class TrainSection:
                             "B=8, else B/2.")
     loss: Literal["ce", "kl", "ce+kl"] = f("ce", "Hard CE on the data, KL to target logits, or both.")
     kl_weight: float = f(1.0, "Weight of the KL term in ce+kl.")
-    ablate_features: bool = f(False, "Zero the target features (an ablation: does the drafter use the "
-                              "target at all? see `dflashkit bench recipe`).", hash_default=False)
+    ablate_features: bool = f(False, "The no-features ablation (does the drafter use the target at all? see "
+                              "`dflashkit bench recipe`): the blocks attend to themselves only, with no target "
+                              "context, in training and held-out scoring (zeroed features would not do: their "
+                              "zero keys still soak up attention).", hash_default=False)
     labels: Literal["data", "target"] = f(
         "data", "Hard labels: data = the token in the training text at a+k; target = the target's own greedy "
         "prediction there (its argmax at a+k-1, from the same forward that gives the features). `target` "
@@ -268,6 +270,9 @@ class TrainSection:
     dpace_alpha: float = f(0.5, "D-PACE confidence smoothing: q~ = (1-alpha)·q + alpha, in (0, 1].")
     feature_noise: float = f(0.0, "Uniform noise on the target features in training only, U(-x, x) times the "
                              "RMS of each token's feature vector per target layer (0 = off).")
+    forecast_tau: float = f(2.0, "The data-budget forecast's target: `train`, `report`, the run summary and `plan` "
+                            "say how many supervised tokens (samples, hours) the learning curve train/curve.json "
+                            "predicts for this held-out τ (train/forecast.py).", hash_default=False)
     keep_best: bool = f(True, "Keep the drafter with the best held-out simulated τ in train/best/ (eval and "
                         "export then use it by default).")
     loss_chunk_blocks: int = f(64, "Blocks per loss chunk (bounds the [blocks·B, vocab] logits).")
@@ -322,7 +327,7 @@ class EvalSection:
     prompt_lookup_ngram: int = f(3, "Prompt lookup: longest n-gram matched (falls back to shorter, down "
                                  "to 1).", hash_default=False)
     diagnostics: bool = f(True, "Bigram baseline (fit on the tokenized training answers) and the "
-                          "no-feature ablation (teacher-forced τ with the target features zeroed).",
+                          "no-feature ablation (teacher-forced τ with no target context: decode/diagnostics.py).",
                           hash_default=False)
 
 

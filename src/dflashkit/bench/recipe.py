@@ -11,7 +11,8 @@ held-out samples: simulated τ, position-1 accuracy, held-out loss and the train
 The default variants answer the questions a weak drafter raises:
   * base             — the config as it is;
   * labels=data      — learn the training text's tokens instead of the target's own predictions;
-  * no-features      — target features zeroed in training and scoring: does the drafter use the
+  * no-features      — no target context in training and scoring (blocks attend to themselves
+                       only; decode/diagnostics.py says why zeroed features would not do): does the drafter use the
                        target at all? (a drafter that matches this one is a language model, not a
                        DFlash drafter);
   * bigram           — not a drafter: the share of held-out supervised positions whose label is the

@@ -187,7 +187,7 @@ def _diagnostics(cfg: Any, rd: Any, target: Any, drafter: Any, ids: list, base_r
     else:
         log.info("no tokenized shards in %s: bigram baseline skipped", rd.root / "tokenize")
     d["simulated"] = simulated_acceptance(target, drafter, ids, outputs)
-    d["no_features"] = simulated_acceptance(target, drafter, ids, outputs, zero_features=True)
+    d["no_features"] = simulated_acceptance(target, drafter, ids, outputs, no_features=True)
     return d
 
 

@@ -8,7 +8,11 @@ Inputs:  the drafter contract + target facts (`contract.json`, `probe/probe.json
          loss) and `capture.dtype` shape the estimate.
 Outputs: nothing on disk; a table and the JSON (see `dflashkit.inspect.budget` for every formula).
 
+A positional `CURVE.json` (a `train/curve.json`) adds the data-budget forecast for
+`train.forecast_tau` (`dflashkit.train.forecast`), its hours at this plan's training speed.
+
 Example:
+    dflashkit plan -c run.yaml 8x80 runs/demo/train/curve.json
     dflashkit plan -c run.yaml 8x80
     dflashkit plan path/to/Kimi-K2.6 8x141 data.num_prompts=800000 data.mean_tokens=3000 --json
 """
@@ -131,14 +135,43 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     from dflashkit.inspect.budget import plan_budget
 
     gpus, mem, gpu_source, rest = parse_gpus(ctx.positionals)
-    if len(rest) > 1:
-        raise UsageError(f"`dflashkit plan` takes one MODEL and one NxMEM, got {rest}",
-                         hint="dflashkit plan [MODEL] [8x80]")
+    curves = [p for p in rest if p.endswith(".json")]
+    rest = [p for p in rest if not p.endswith(".json")]
+    if len(rest) > 1 or len(curves) > 1:
+        raise UsageError(f"`dflashkit plan` takes one MODEL, one NxMEM and one CURVE.json, got {ctx.positionals}",
+                         hint="dflashkit plan [MODEL] [8x80] [runs/x/train/curve.json]")
     contract, facts, source = contract_and_facts(cfg, rd, rest[0] if rest else None)
     tokens, seqs, data_source = data_size(cfg, rd)
     plan = plan_budget(contract, facts, cfg, tokens=tokens, sequences=seqs, gpus=gpus, mem_gib=mem)
     result = {"source": source, "tokens": tokens, "sequences": seqs, "data_source": data_source,
               "gpus": gpus, "gpu_mem_gib": round(mem, 2), "gpu_source": gpu_source, "plan": plan}
+    if curves:
+        result["forecast"] = forecast_at_scale(curves[0], plan, tokens, cfg.train.forecast_tau)
     if not ctx.json:
         print(_table(result), flush=True)
+        if curves:
+            print(f"{'forecast'.ljust(16)}  {result['forecast']['text']}", flush=True)
     return result
+
+
+def forecast_at_scale(curve_path: str, plan: dict[str, Any], tokens: int, target_tau: float) -> dict[str, Any]:
+    """The learning curve's forecast (train/forecast.py) with hours at this plan's training speed."""
+    from pathlib import Path
+
+    from dflashkit.train.forecast import forecast_at_rate
+
+    p = Path(curve_path)
+    if not p.is_file():
+        raise MissingArtifactError("learning curve", p, run="dflashkit train -c run.yaml (it writes train/curve.json)")
+    try:
+        curve = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{p}:{e.lineno}: not JSON ({e.msg})", hint="pass a train/curve.json") from None
+    if not isinstance(curve, dict) or not isinstance(curve.get("points"), list):
+        raise UsageError(f"{p}: not a learning curve (no `points` list)", hint="pass a train/curve.json")
+    fc = forecast_at_rate(curve, target_tau, hours_per_epoch=plan.get("time", {}).get("hours_per_epoch_online"),
+                          epoch_tokens=tokens)
+    out = fc.to_dict()
+    out["text"] = fc.text().replace("on this machine", "at this plan's throughput")
+    out["curve"] = str(p)
+    return out

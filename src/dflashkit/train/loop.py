@@ -140,8 +140,7 @@ class Trainer:
         have_kl = b.last_hidden is not None
         if b.features is not None and (have_labels or not need_labels) and (have_kl or not need_kl):
             labels = target_label_ids(b.input_ids, b.next_ids) if need_labels else None
-            feats = torch.zeros_like(b.features) if t.ablate_features else b.features
-            return TargetOut(feats, None, b.last_hidden if need_kl else None, labels)
+            return TargetOut(b.features, None, b.last_hidden if need_kl else None, labels)
         logits = hidden = None
         tamp = target_autocast(t.target_dtype, self.dist.device, self.target.dtype)
         with torch.no_grad(), torch.autocast(self.dist.device.type, dtype=tamp, enabled=tamp is not None):
@@ -161,8 +160,6 @@ class Trainer:
             nxt = b.next_ids
         feats = b.features if b.features is not None else feats
         feats = feats.float() if self.amp is None else feats
-        if t.ablate_features:
-            feats = torch.zeros_like(feats)
         labels = target_label_ids(b.input_ids, nxt) if need_labels else None
         return TargetOut(feats, logits if need_kl else None, hidden if need_kl and logits is None else None, labels)
 
@@ -179,7 +176,7 @@ class Trainer:
                            target_hidden=tout.last_hidden, target_head=self.parts.lm_head,
                            chunk_blocks=t.loss_chunk_blocks, attention=self.attention, autocast_dtype=self.amp,
                            vocab=self.vocab, label_ids=tout.label_ids, position_weighting=t.position_weighting,
-                           dpace_alpha=t.dpace_alpha)
+                           dpace_alpha=t.dpace_alpha, context=not t.ablate_features)
 
     def denom_gamma(self) -> float | None:
         """γ of the step denominator Σw: none (a plain count of supervised positions) under D-PACE."""
@@ -487,7 +484,12 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
                       show_bar=show_bar)
     best = BestKeeper(out_dir, tr, cfg.train.keep_best)
     best.restore(start, state)
-    curve = LearningCurve(out_dir / "curve.json", sorted(set(tr.sources())), enabled=dist.is_main)
+    n_train = max(1, len(tr.plan.train_idx))
+    curve = LearningCurve(out_dir / "curve.json", sorted(set(tr.sources())), enabled=dist.is_main,
+                          supervised_per_sample=round(sum(float(tr.data.loss_mask[i].sum())
+                                                          for i in tr.plan.train_idx) / n_train, 2),
+                          tokens_per_sample=round(sum(len(tr.data.input_ids[i]) for i in tr.plan.train_idx)
+                                                  / n_train, 2))
     curve.restore(start, (state or {}).get("curve"))
     log.info("training %d steps from step %d: %d train / %d held-out samples, global batch %d, world %d",
              steps, start, len(tr.plan.train_idx), len(tr.heldout), tr.plan.global_batch, dist.world)
@@ -512,7 +514,7 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
             last = train_step(tr, step, opt, sched)
             dt = time.perf_counter() - ts
             done_tokens += last["tokens"]
-            curve.add_step(tr.supervised_tokens(step), last.pop("_window"))
+            curve.add_step(tr.supervised_tokens(step), last.pop("_window"), seconds=dt)
             last.update(tok_s=round(last["tokens"] / dt, 1), anchors_s=round(last["blocks"] / dt, 1),
                         step_time_s=round(dt, 4))
             n = step + 1

@@ -203,7 +203,7 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
                 attention: str = "sdpa", autocast_dtype: torch.dtype | None = None,
                 vocab: torch.Tensor | None = None, label_ids: torch.Tensor | None = None,
                 target_hidden: torch.Tensor | None = None, target_head=None,
-                position_weighting: str = "decay", dpace_alpha: float = 0.5) -> LossOutput:
+                position_weighting: str = "decay", dpace_alpha: float = 0.5, context: bool = True) -> LossOutput:
     """Drafter forward over all sampled blocks + the chunked weighted loss.
 
     Args:
@@ -224,6 +224,11 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
         position_weighting: "decay" (exp(−(k−1)/γ)) or "dpace" (`dpace_weights`, α = dpace_alpha;
             `gamma` is ignored and `denom` must be the step's count of supervised in-vocab positions,
             i.e. `weight_sum(..., gamma=None)`).
+        context: False = the no-features ablation: the blocks attend to themselves only (no target
+            context at all, as a drafter run on an empty context). Zeroed features are not that: they
+            fuse to a context of zeros whose keys/values still take softmax mass (q·0 = 0 per context
+            position), so a long context drowns the block's own attention and the ablated drafter is
+            broken, not merely uninformed (`features` is then unused).
     Returns:
         LossOutput.
     """
@@ -246,12 +251,14 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
     denom = denom if denom is not None else wsum
     with torch.no_grad():
         noise = embed(block_input_ids(input_ids, a, mask_token_id=mask_token_id, block_size=B))
-    pos = block_position_ids(a, ctx_len=s, block_size=B)
+    ctx_len = s if context else 0
+    ctx_feats = features if context else features[:, :0]
+    pos = block_position_ids(a, ctx_len=ctx_len, block_size=B)
     make = flex_block_mask if attention == "flex" else dense_block_mask
-    mask = make(a.anchors, a.keep, seq_lens.to(a.anchors.device), ctx_len=s, block_size=B)
+    mask = make(a.anchors, a.keep, seq_lens.to(a.anchors.device), ctx_len=ctx_len, block_size=B)
     with torch.autocast(device_type=input_ids.device.type, dtype=autocast_dtype or torch.bfloat16,
                         enabled=autocast_dtype is not None):
-        hidden = drafter(noise.to(features.dtype), features, pos, attention_mask=mask)   # [b, N·B, H]
+        hidden = drafter(noise.to(features.dtype), ctx_feats, pos, attention_mask=mask)   # [b, N·B, H]
     # Only rows with w > 0 reach the vocab projection (slot 0 of every block, padded blocks and
     # unsupervised / past-the-end positions never do): the [rows, V] logits are the dominant cost.
     hidden = hidden.reshape(bsz * n * B, -1)
