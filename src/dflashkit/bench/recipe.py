@@ -2,23 +2,42 @@
 
 Usage:
     dflashkit bench recipe -c run.yaml                        # the default variants, bench.recipe_steps each
+    dflashkit bench recipe -c run.yaml bench.cpu_minutes=10   # equal CPU-minutes per variant (steps = a cap)
     dflashkit bench recipe -c run.yaml bench.recipe_variants='{base: [], wide: [train.lr=1e-3]}'
+    dflashkit bench recipe -c run.yaml bench.recipe_grid='{drafter.block_size: [4, 8, 16]}'
 
-Each variant is the run config plus dotted overrides, trained from scratch for `bench.recipe_steps`
-steps in `<run_dir>/bench/recipe/<name>/` (which links this run's contract.json, tokenize/ and
-capture/, so the data and cached features are shared and never copied), then scored on the same
-held-out samples: simulated τ, position-1 accuracy, held-out loss and the train-vs-held-out gap.
+Each variant is the run config plus dotted overrides, trained from scratch in
+`<run_dir>/bench/recipe/<NN-name>/` (which links this run's contract.json, tokenize/ and capture/,
+so the data and cached features are shared and never copied; a variant that changes block size,
+draft layers or target feature layers gets its own contract.json instead — with cached features,
+other feature layers need `train.features=online`), then scored on the same held-out samples. Variants come from `bench.recipe_variants` (name → overrides) and `bench.recipe_grid`
+(key → values: one variant `key=value` per value, every other key at the run's setting: one lever
+at a time, as a study varies them); with neither, the defaults below. Every variant's config is
+built and validated before the first one trains.
+
+Equal CPU-minutes (`bench.cpu_minutes`): each variant trains until its optimizer steps have used
+that much process CPU time (`time.process_time`: all of this process's threads; held-out
+evaluation not charged), with its lr schedule stretched over the steps the budget affords
+(`train/optim.py` CpuBudget), capped at `bench.recipe_steps`. A variant whose step costs twice as
+much gets half the steps: the comparison a user with a fixed machine cares about. Without it every
+variant runs `bench.recipe_steps` steps.
+
+Each row: held-out simulated τ, position-1 accuracy, per-position accuracy, held-out loss, the
+train-vs-held-out τ gap, τ per held-out data source and on the second source (the first of
+`train.heldout_sources`, a source never trained on, else the second source of the held-out set),
+CPU-minutes used, steps, supervised tokens seen, wall seconds, and the 1-minute load average
+before and after the variant (a number near or above the core count says the machine was not
+quiet and the CPU-minutes of different variants are not comparable).
+
 The default variants answer the questions a weak drafter raises:
   * base             — the config as it is;
   * labels=data      — learn the training text's tokens instead of the target's own predictions;
   * no-features      — no target context in training and scoring (blocks attend to themselves
-                       only; decode/diagnostics.py says why zeroed features would not do): does the drafter use the
-                       target at all? (a drafter that matches this one is a language model, not a
-                       DFlash drafter);
+                       only; decode/diagnostics.py says why zeroed features would not do): does the
+                       drafter use the target at all? (a drafter that matches this one is a language
+                       model, not a DFlash drafter);
   * bigram           — not a drafter: the share of held-out supervised positions whose label is the
                        most frequent successor of the previous token in the training labels.
-Steps, data and seed are the same for every variant, and all of them run in one process on one
-machine, so the table compares like with like (it is not a time measurement).
 """
 
 from __future__ import annotations
@@ -26,6 +45,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from dflashkit.config import config_from_dict, config_to_dict
+from dflashkit.errors import UsageError
 from dflashkit.rundir import RunDir
 
 log = logging.getLogger("dflashkit.bench")
@@ -51,12 +73,75 @@ def _link(src: Path, dst: Path) -> None:
         os.symlink(src.resolve(), dst)
 
 
+def dir_name(index: int, name: str) -> str:
+    """A variant's directory: its index and its name with anything but [A-Za-z0-9._=+-] replaced (unique,
+    never a path: `../x` or `a/b` stay inside bench/recipe/)."""
+    return f"{index:02d}-" + (re.sub(r"[^A-Za-z0-9._=+-]", "_", name).strip(".") or "variant")[:80]
+
+
+def variants_of(bench: Any) -> dict[str, list[str]]:
+    """name → overrides from `bench.recipe_variants` and `bench.recipe_grid` (defaults when both are empty)."""
+    out: dict[str, list[str]] = {}
+    for name, over in (bench.recipe_variants or {}).items():
+        if isinstance(over, str):
+            over = [over]
+        if not isinstance(over, list) or not all(isinstance(o, str) for o in over):
+            raise UsageError(f"bench.recipe_variants.{name}: expected a list of key=value overrides, got {over!r}",
+                             hint="e.g. bench.recipe_variants='{wide: [train.lr=1e-3]}'")
+        out[str(name)] = list(over)
+    for key, values in (bench.recipe_grid or {}).items():
+        if not isinstance(values, list) or not values:
+            raise UsageError(f"bench.recipe_grid.{key}: expected a non-empty list of values, got {values!r}",
+                             hint="e.g. bench.recipe_grid='{drafter.block_size: [4, 8, 16]}'")
+        for v in values:
+            text = _yaml_scalar(v)
+            out[f"{key}={text}"] = [f"{key}={text}"]
+    return out or dict(DEFAULT_VARIANTS)
+
+
+def _yaml_scalar(v: Any) -> str:
+    import json
+
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    return v if isinstance(v, str) else json.dumps(v)
+
+
 def variant_config(cfg: Any, name: str, overrides: list[str], root: Path, steps: int) -> Any:
     """The config of one variant: `cfg` + overrides, its own run dir, `steps` steps, one final eval."""
     data = config_to_dict(cfg)
-    data["run"]["run_dir"] = str(root / name)
+    data["run"]["run_dir"] = str(root)
     data["train"].update(max_steps=steps, eval_every=0, save_every=0)
-    return config_from_dict(data, overrides, source=f"bench.recipe_variants.{name}")
+    return config_from_dict(data, overrides, source=f"bench recipe variant {name!r}")
+
+
+_CONTRACT_KEYS = ("block_size", "num_draft_layers", "num_target_features", "target_layer_ids")
+
+
+def write_variant_contract(run_cfg: Any, vcfg: Any, rd: RunDir, vdir: RunDir) -> bool:
+    """A variant that changes the drafter's shape (block size, draft layers, target feature layers) gets its
+    own contract.json: the run's contract with those fields redone as `probe` would (layer ids by the
+    reference formula unless given). False (nothing written: the run's contract is linked) otherwise."""
+    import json
+
+    from dflashkit.model.drafter_config import DrafterContract, build_target_layer_ids
+    from dflashkit.rundir import atomic_write_json
+
+    a, b = run_cfg.drafter, vcfg.drafter
+    if all(getattr(a, k) == getattr(b, k) for k in _CONTRACT_KEYS) or not rd.contract_path.is_file():
+        return False
+    c = DrafterContract.load(rd.contract_path)
+    data = json.loads(rd.contract_path.read_text())
+    ids = (list(b.target_layer_ids) if b.target_layer_ids is not None
+           else c.target_layer_ids if (a.num_target_features, a.num_draft_layers, a.target_layer_ids)
+           == (b.num_target_features, b.num_draft_layers, b.target_layer_ids)
+           else build_target_layer_ids(c.num_target_layers, b.num_target_features or b.num_draft_layers))
+    data.update(block_size=b.block_size, num_draft_layers=b.num_draft_layers, target_layer_ids=ids)
+    DrafterContract.from_dict(data).check()
+    atomic_write_json(vdir.contract_path, data)
+    return True
 
 
 def bigram_accuracy(rd: RunDir, heldout_samples: int, seed: int) -> float | None:
@@ -78,37 +163,85 @@ def bigram_accuracy(rd: RunDir, heldout_samples: int, seed: int) -> float | None
     return round(hit / tot, 4) if tot else None
 
 
+def _load() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def second_source(cfg: Any, by_source: dict[str, Any]) -> str | None:
+    """The source reported as "second held-out source" (module docstring), or None."""
+    if cfg.train.heldout_sources:
+        return cfg.train.heldout_sources[0]
+    names = sorted(by_source)
+    return names[1] if len(names) > 1 else None
+
+
+def row_of(name: str, over: list[str], vcfg: Any, res: dict, *, wall_s: float, load: tuple) -> dict[str, Any]:
+    held, train = res.get("heldout") or {}, res.get("train") or {}
+    acc = held.get("acc") or []
+    by = res.get("heldout_by_source") or {}
+    second = second_source(vcfg, by)
+    return {"variant": name, "overrides": list(over), "steps": res.get("steps"),
+            "cpu_minutes": round(res["cpu_s"] / 60, 3) if res.get("cpu_s") is not None else None,
+            "supervised_tokens": res.get("supervised_tokens"),
+            "heldout_tau": held.get("tau"), "heldout_acc1": acc[0] if acc else None, "heldout_acc": acc,
+            "heldout_loss": held.get("loss"), "train_tau": train.get("tau"),
+            "gap_tau": (None if held.get("tau") is None or train.get("tau") is None
+                        else round(train["tau"] - held["tau"], 4)),
+            "second_source": second, "second_source_tau": (by.get(second) or {}).get("tau") if second else None,
+            "heldout_by_source": {k: v.get("tau") for k, v in by.items()},
+            "load_before": load[0], "load_after": load[1], "wall_s": round(wall_s, 1)}
+
+
 def bench_recipe(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
     from dflashkit.train.loop import fit
 
     steps = int(cfg.bench.recipe_steps)
-    variants = dict(cfg.bench.recipe_variants or DEFAULT_VARIANTS)
+    budget_s = cfg.bench.cpu_minutes * 60 if cfg.bench.cpu_minutes else None
     root = rd.root / "bench" / "recipe"
+    plan = [(name, over, root / dir_name(i, name)) for i, (name, over) in enumerate(variants_of(cfg.bench).items())]
+    configs = [variant_config(cfg, name, over, vroot, steps) for name, over, vroot in plan]  # all errors first
+    if ctx.dry_run:
+        return {"dry_run": True, "steps": steps, "cpu_minutes": cfg.bench.cpu_minutes,
+                "variants": [{"variant": n, "overrides": o, "dir": str(d)} for n, o, d in plan]}
     rows: list[dict[str, Any]] = []
-    for name, over in variants.items():
-        vcfg = variant_config(cfg, name, list(over), root, steps)
+    for (name, over, vroot), vcfg in zip(plan, configs):
         vdir = RunDir(vcfg.run.run_dir)
         vdir.root.mkdir(parents=True, exist_ok=True)
-        for part in ("contract.json", "tokenize", "capture"):
+        own = write_variant_contract(cfg, vcfg, rd, vdir)
+        for part in ("tokenize", "capture") if own else ("contract.json", "tokenize", "capture"):
             _link(rd.root / part, vdir.root / part)
-        t0 = time.perf_counter()
-        res = fit(vcfg, vdir, show_bar=False)
-        held, train = res.get("heldout") or {}, res.get("train") or {}
-        acc = held.get("acc") or []
-        rows.append({"variant": name, "overrides": list(over), "steps": steps,
-                     "heldout_tau": held.get("tau"), "heldout_acc1": acc[0] if acc else None,
-                     "heldout_loss": held.get("loss"), "train_tau": train.get("tau"),
-                     "gap_tau": (None if held.get("tau") is None or train.get("tau") is None
-                                 else round(train["tau"] - held["tau"], 4)),
-                     "wall_s": round(time.perf_counter() - t0, 1)})
-        log.info("recipe %-14s held-out τ %.3f acc1 %s (%.0f s)", name, held.get("tau") or 0,
-                 rows[-1]["heldout_acc1"], rows[-1]["wall_s"])
+        if (vdir.root / "train").is_dir():  # an earlier bench's run of this variant (we made it): train anew
+            shutil.rmtree(vdir.root / "train")
+        load0, t0 = _load(), time.perf_counter()
+        res = fit(vcfg, vdir, show_bar=False, cpu_budget_s=budget_s)
+        rows.append(row_of(name, over, vcfg, res, wall_s=time.perf_counter() - t0, load=(load0, _load())))
+        r = rows[-1]
+        log.info("recipe %-24s held-out τ %.3f acc1 %s, %s steps, %s CPU-min, load %s → %s", name,
+                 r["heldout_tau"] or 0, r["heldout_acc1"], r["steps"], r["cpu_minutes"], r["load_before"],
+                 r["load_after"])
     bigram = bigram_accuracy(rd, cfg.train.heldout_samples, cfg.run.seed)
     if not ctx.json:
-        print(f"{'variant':16s} {'held-out τ':>10s} {'acc@1':>7s} {'loss':>7s} {'train τ':>8s} {'wall s':>7s}")
-        for r in rows:
-            print(f"{r['variant']:16s} {r['heldout_tau'] or 0:10.3f} {r['heldout_acc1'] or 0:7.3f} "
-                  f"{r['heldout_loss'] or 0:7.3f} {r['train_tau'] or 0:8.3f} {r['wall_s']:7.1f}")
-        print(f"{'bigram (acc@1)':16s} {'':>10s} {bigram or 0:7.3f}")
-    return {"steps": steps, "variants": rows, "bigram_acc1": bigram,
+        print(table(rows, bigram))
+    return {"steps": steps, "cpu_minutes": cfg.bench.cpu_minutes, "cpu_count": os.cpu_count(),
+            "variants": rows, "bigram_acc1": bigram,
             "config": {k: v for k, v in dataclasses.asdict(cfg.train).items() if k != "parallel"}}
+
+
+def table(rows: list[dict[str, Any]], bigram: float | None) -> str:
+    def f(x: Any, nd: int = 3) -> str:
+        return f"{x:.{nd}f}" if isinstance(x, (int, float)) else "-"
+
+    head = (f"{'variant':28s} {'held-out τ':>10s} {'acc@1':>6s} {'gap':>6s} {'2nd src τ':>9s} {'steps':>6s} "
+            f"{'CPU-min':>7s} {'tokens':>9s} {'load':>11s}")
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['variant'][:28]:28s} {f(r['heldout_tau']):>10s} {f(r['heldout_acc1']):>6s} "
+                     f"{f(r['gap_tau']):>6s} {f(r['second_source_tau']):>9s} {r['steps'] or 0:6d} "
+                     f"{f(r['cpu_minutes'], 2):>7s} {r['supervised_tokens'] or 0:9d} "
+                     f"{f(r['load_before'], 1):>5s}→{f(r['load_after'], 1):<5s}")
+        lines.append(f"{'':28s} per-position acc {' '.join(f(a, 2) for a in r['heldout_acc'] or [])}")
+    lines.append(f"{'bigram (acc@1)':28s} {'':>10s} {f(bigram):>6s}")
+    return "\n".join(lines)

@@ -38,10 +38,11 @@ from dflashkit.model.drafter import DFlashDraftModel
 from dflashkit.model.drafter_config import REPROBE_HINT, DrafterContract
 from dflashkit.model.target import target_autocast
 from dflashkit.train import checkpoint as ckpt
-from dflashkit.train.data import Batch, BatchPlan, FeatureStore, TokenData, collate, load_tokenized, split_heldout
+from dflashkit.train.data import (Batch, BatchPlan, FeatureStore, TokenData, collate, hold_out_sources, load_tokenized,
+                                  split_heldout)
 from dflashkit.train.logging import LearningCurve, MetricSink
 from dflashkit.train.objective import dflash_loss, gamma_for, sample_anchors, target_label_ids, weight_sum
-from dflashkit.train.optim import build_optimizer, build_scheduler
+from dflashkit.train.optim import CpuBudget, build_optimizer, build_scheduler
 from dflashkit.train.parallel import (DistInfo, TargetParts, all_reduce_sum, barrier, init_distributed,
                                       shard_target, wrap_drafter)
 
@@ -208,7 +209,8 @@ class Trainer:
 
     def anchors(self, b: Batch):
         return sample_anchors(b.loss_mask, b.seq_lens, num_anchors=self.cfg.train.num_anchors,
-                              block_size=self.contract.block_size, seeds=b.seeds)
+                              block_size=self.contract.block_size, seeds=b.seeds,
+                              coverage=self.cfg.train.anchor_coverage)
 
 
 def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
@@ -227,9 +229,12 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
     if cfg.train.parallel.target == "shard":
         parts = shard_target(target, dist)
     train_idx, heldout = split_heldout(len(data), cfg.train.heldout_samples, seed=cfg.run.seed)
+    if cfg.train.heldout_sources:
+        train_idx, heldout = held_out_sources(cfg, data, train_idx, heldout)
     vocab = pick_draft_vocab(cfg, contract, target, data, train_idx)
     torch.manual_seed(cfg.run.seed)
-    drafter = DFlashDraftModel(contract, draft_vocab=vocab).to(dist.device)
+    scale = feature_scale_of(cfg, contract, target, data, train_idx) if cfg.drafter.feature_scale == "rms" else None
+    drafter = DFlashDraftModel(contract, draft_vocab=vocab, feature_scale=scale).to(dist.device)
     if cfg.drafter.init == "target":
         from dflashkit.model.init import init_from_target
 
@@ -250,11 +255,53 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
     return tr
 
 
+def held_out_sources(cfg, data, train_idx: list[int], heldout: list[int]) -> tuple[list[int], list[int]]:
+    """`train.heldout_sources` applied (`data.hold_out_sources`); an unknown source name is exit 2."""
+    src = [s or "all" for s in (getattr(data, "source", None) or [""] * len(data))]
+    names = list(cfg.train.heldout_sources)
+    missing = sorted(set(names) - set(src))
+    if missing:
+        raise UsageError(f"train.heldout_sources: no tokenized samples of source(s) {missing}; the data has "
+                         f"{sorted(set(src))}", hint="name sources as data.sources[].name (or their file stem)")
+    train_idx, heldout = hold_out_sources(train_idx, heldout, src, names, per_source=cfg.train.heldout_samples,
+                                          seed=cfg.run.seed)
+    if not train_idx:
+        raise UsageError(f"train.heldout_sources={names} holds out every training sample",
+                         hint="keep at least one source for training")
+    return train_idx, heldout
+
+
+def feature_scale_of(cfg, contract: DrafterContract, target, data, train_idx: list[int], samples: int = 32):
+    """`drafter.feature_scale=rms`: the per-channel scale (`model/feature_scale.py`) from the target features of
+    the first `samples` training samples (cached shards, or one online prefill of them); the same on every rank."""
+    from dflashkit.model.feature_scale import channel_scale
+
+    idx, n_feat = train_idx[:samples], len(contract.target_layer_ids)
+    if data.features is not None:
+        feats = (data.features.get(data.where[i], len(data.input_ids[i])).float() for i in idx)
+        return channel_scale(feats, n_feat=n_feat)
+    pad = (getattr(getattr(target, "tokenizer", None), "pad_token_id", None) or 0)
+    chunks = []
+    with torch.no_grad():
+        for k in range(0, len(idx), max(1, cfg.train.batch_size)):
+            b = collate(data, [(i, 0) for i in idx[k:k + cfg.train.batch_size]], run_seed=0,
+                        pad_id=pad).to(target.device)
+            f = target.features(b.input_ids, layer_ids=contract.target_layer_ids, attention_mask=b.attention_mask)
+            chunks += [f[r, :int(n)].float().cpu() for r, n in enumerate(b.seq_lens.tolist())]
+    scale = channel_scale(chunks, n_feat=n_feat)
+    log.info("feature scale: channel RMS folded to the layer median (largest reduction %.1f×)", float(1 / scale.min()))
+    return scale
+
+
 def check_recipe(train) -> None:
     """Range checks of the recipe keys (exit 2, naming the key)."""
     problems = []
     if not 0 < train.dpace_alpha <= 1:
         problems.append(f"train.dpace_alpha {train.dpace_alpha} is outside (0, 1]")
+    if train.anchor_coverage is not None and not 0 < train.anchor_coverage <= 1:
+        problems.append(f"train.anchor_coverage {train.anchor_coverage} is outside (0, 1]")
+    if train.optimizer == "muon" and train.parallel.mode == "fsdp":
+        problems.append("train.optimizer=muon does not support train.parallel.mode=fsdp (use ddp or none)")
     if not train.feature_noise >= 0:
         problems.append(f"train.feature_noise {train.feature_noise} is negative")
     if problems:
@@ -464,14 +511,19 @@ class BestKeeper:
         return True
 
 
-def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict:
-    """Train (or resume) until the configured number of steps; returns the final metrics."""
+def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True, cpu_budget_s: float | None = None) -> dict:
+    """Train (or resume) until the configured number of steps; returns the final metrics.
+
+    `cpu_budget_s` (`bench recipe` at equal CPU-minutes): stop once the optimizer steps have used this
+    much process CPU time (or at the configured steps, whichever comes first); the lr schedule runs
+    over the steps the budget affords (`optim.CpuBudget`)."""
     dist = dist or init_distributed(cfg.train.parallel, cfg.target.device)
     tr = setup(cfg, rd, dist)
     steps = total_steps(cfg, tr.plan)
     opt = build_optimizer(tr.drafter, cfg.train)
+    budget = CpuBudget(cpu_budget_s, steps) if cpu_budget_s else None
     sched = build_scheduler(opt, total_steps=steps, warmup_ratio=cfg.train.warmup_ratio,
-                            min_lr_ratio=cfg.train.min_lr_ratio)
+                            min_lr_ratio=cfg.train.min_lr_ratio, budget=budget)
     out_dir = rd.stage_dir("train")
     ck_root = out_dir / "checkpoints"
     start, state = 0, None
@@ -510,9 +562,11 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
     try:
         tr.drafter.train()
         for step in range(start, steps):
-            ts = time.perf_counter()
+            ts, cs = time.perf_counter(), time.process_time()
             last = train_step(tr, step, opt, sched)
             dt = time.perf_counter() - ts
+            if budget is not None:
+                budget.charge(time.process_time() - cs)
             done_tokens += last["tokens"]
             curve.add_step(tr.supervised_tokens(step), last.pop("_window"), seconds=dt)
             last.update(tok_s=round(last["tokens"] / dt, 1), anchors_s=round(last["blocks"] / dt, 1),
@@ -527,8 +581,12 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
                 ckpt.save_checkpoint(ck_root, step=n, model=tr.drafter, optimizer=opt, scheduler=sched,
                                      is_main=dist.is_main, keep=cfg.train.keep_checkpoints, extra=extra_state())
                 barrier(dist)
+            if budget is not None and budget.spent():
+                log.info("CPU budget of %.1f s spent after %d steps", budget.seconds, n)
+                steps = n
+                break
         tr.drafter.eval()
-        if start < steps:
+        if start < steps and not (last_eval and last_eval["step"] == steps):
             evaluated(steps)
             ckpt.save_checkpoint(ck_root, step=steps, model=tr.drafter, optimizer=opt, scheduler=sched,
                                  is_main=dist.is_main, keep=cfg.train.keep_checkpoints, extra=extra_state())
@@ -545,4 +603,8 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
             "heldout": ({k: v for k, v in last_eval.items() if k != "by_source"} if last_eval else None),
             "tokens_per_s": round(done_tokens / wall, 1) if wall > 0 else None,
             "world_size": dist.world, "samples": len(tr.plan.train_idx), "heldout_samples": len(tr.heldout),
+            "supervised_tokens": sum(curve.tokens.values()),
+            "heldout_by_source": ({k: {"tau": v["tau"], "acc": v["acc"], "samples": v.get("samples")}
+                                   for k, v in last_eval.get("by_source", {}).items()} if last_eval else {}),
+            **({"cpu_s": round(budget.used, 2), "cpu_budget_s": budget.seconds} if budget is not None else {}),
             **({"draft_vocab_size": int(tr.vocab.numel())} if tr.vocab is not None else {})}

@@ -57,7 +57,7 @@ class Anchors:
 
 
 def sample_anchors(loss_mask: torch.Tensor, seq_lens: torch.Tensor, *, num_anchors: int, block_size: int,
-                   seeds: list[int]) -> Anchors:
+                   seeds: list[int], coverage: float | None = None) -> Anchors:
     """Draw up to `num_anchors` sorted distinct anchors per sequence (see the module rules).
 
     Args:
@@ -66,6 +66,9 @@ def sample_anchors(loss_mask: torch.Tensor, seq_lens: torch.Tensor, *, num_ancho
         num_anchors: cap per sequence.
         block_size: B (unused by the candidate rule; positions past L are masked in the loss).
         seeds: one int per sequence; the same seed always draws the same anchors.
+        coverage: anchors per document in proportion to its length (`train.anchor_coverage`): each
+            sequence draws ceil(coverage · its candidates), still capped by `num_anchors`; None = the
+            cap alone (every long sequence gets `num_anchors`, a short one all its candidates).
     Returns:
         Anchors with N = min(num_anchors, max candidates in the batch), at least 1.
     """
@@ -83,6 +86,8 @@ def sample_anchors(loss_mask: torch.Tensor, seq_lens: torch.Tensor, *, num_ancho
         g = torch.Generator().manual_seed(int(seeds[i]) & 0x7FFFFFFFFFFFFFFF)
         keys = torch.rand(n_i, generator=g)[cand]
         take = min(num_anchors, cand.numel())
+        if coverage is not None:
+            take = min(take, math.ceil(coverage * cand.numel()))
         chosen = cand[torch.argsort(keys)[:take]]
         picks.append(torch.sort(chosen).values)
     n = max(1, max(p.numel() for p in picks))
