@@ -35,6 +35,7 @@ import torch
 from dflashkit.config import RunConfig, section_hash
 from dflashkit.context import StageContext
 from dflashkit.errors import UsageError
+from dflashkit.progress import Progress
 from dflashkit.rundir import RunDir, atomic_path, file_digest, read_json, write_manifest
 from dflashkit.stage_table import stage_hash
 
@@ -62,7 +63,7 @@ def _existing_ok(path: Path, layer_ids: list[int], digest: str, dtype: str, last
 
 def _write_shard(path: Path, target, rows: list[torch.Tensor], layer_ids: list[int], *, dtype: str,
                  batch_size: int, metadata: dict[str, str], width: int, pad_id: int,
-                 last_hidden: bool = False, autocast: torch.dtype | None = None) -> int:
+                 last_hidden: bool = False, autocast: torch.dtype | None = None, progress=None) -> int:
     """Write one safetensors file: header, offsets, features, next_ids, last_hidden.
 
     Samples are run in batches of similar length (sorted, so padding costs little) and each row is
@@ -114,6 +115,8 @@ def _write_shard(path: Path, target, rows: list[torch.Tensor], layer_ids: list[i
                 if side is not None:
                     side.seek(a * hidden * nbytes)
                     side.write(last[j, :n].to(tdtype).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+            if progress is not None:
+                progress.update(sum(lens[i] for i in part))
         fh.seek(base + total * width * nbytes)
         fh.write(next_ids.tobytes())
         if side is not None:
@@ -178,15 +181,18 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
         if autocast is not None:
             log.info("capture: target forward under %s autocast (train.target_dtype=%s)", autocast,
                      cfg.train.target_dtype)
+        bar = Progress("capture", total=need // per_token, unit="tok")
         for si, shard, digest, dest in todo:
             rows = [torch.from_numpy(data.input_ids[i]) for i, (s, _) in enumerate(data.where) if s == si]
             meta = {"target_layer_ids": json.dumps(layer_ids), "source": shard.name, "source_digest": digest,
                     "dtype": dtype, "hidden_size": str(contract.hidden_size), "samples": str(len(rows)),
                     "target_autocast": str(autocast or "none")}
             n = _write_shard(dest, target, rows, layer_ids, dtype=dtype, batch_size=cfg.capture.batch_size,
-                             metadata=meta, width=width, pad_id=pad, last_hidden=keep_last, autocast=autocast)
+                             metadata=meta, width=width, pad_id=pad, last_hidden=keep_last, autocast=autocast,
+                             progress=bar)
             log.info("captured %s: %d samples, %d tokens", dest.name, len(rows), n)
             result["written"] += 1
+        bar.close()
     write_manifest(out_dir, stage="capture", config_hash=stage_hash("capture", cfg, layer_ids, keep_last),
                    inputs={"contract": section_hash(read_json(rd.contract_path)),
                            "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")},

@@ -145,12 +145,13 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     plan = plan_budget(contract, facts, cfg, tokens=tokens, sequences=seqs, gpus=gpus, mem_gib=mem)
     result = {"source": source, "tokens": tokens, "sequences": seqs, "data_source": data_source,
               "gpus": gpus, "gpu_mem_gib": round(mem, 2), "gpu_source": gpu_source, "plan": plan}
-    if curves:
-        result["forecast"] = forecast_at_scale(curves[0], plan, tokens, cfg.train.forecast_tau)
+    forecast = forecast_at_scale(curves[0], plan, tokens, cfg.train.forecast_tau) if curves else None
+    if forecast is not None:
+        result["forecast"] = forecast
     if not ctx.json:
         print(_table(result), flush=True)
-        if curves:
-            print(f"{'forecast'.ljust(16)}  {result['forecast']['text']}", flush=True)
+        if forecast is not None:
+            print(f"{'forecast'.ljust(16)}  {forecast['text']}", flush=True)
     return result
 
 

@@ -1,4 +1,5 @@
-"""Rank-0 metric sinks: `train/metrics.jsonl`, `train/curve.json`, a tqdm bar, optional TensorBoard / W&B.
+"""Rank-0 metric sinks: `train/metrics.jsonl`, `train/curve.json`, progress (`dflashkit.progress`: a bar on a
+terminal, a line with rate and ETA every ~15 s otherwise), optional TensorBoard / W&B.
 
 Usage:
     sink = MetricSink(rd.stage_dir("train"), total_steps=1000, start_step=0, train=cfg.train, enabled=is_main)
@@ -57,10 +58,10 @@ class MetricSink:
             return
         truncate_metrics(self.path, start_step)
         self.fh = open(self.path, "a")
-        if show_bar:
-            from tqdm import tqdm
+        from dflashkit.progress import Progress
 
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        # a bar on a terminal (unless show_bar=False), else a line with rate and ETA every ~15 s
+        self.bar = Progress("train", total=total_steps, initial=start_step, unit="step", tty=None if show_bar else False)
         if train.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -92,9 +93,7 @@ class MetricSink:
 
     def progress(self, step: int, **shown: float) -> None:
         if self.enabled and self.bar is not None:
-            self.bar.n = step
-            self.bar.set_postfix({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in shown.items()},
-                                 refresh=True)
+            self.bar.set(step, **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in shown.items()})
 
     def close(self) -> None:
         if not self.enabled:
