@@ -38,8 +38,8 @@ from dflashkit.model.drafter import DFlashDraftModel
 from dflashkit.model.drafter_config import REPROBE_HINT, DrafterContract
 from dflashkit.model.target import target_autocast
 from dflashkit.train import checkpoint as ckpt
-from dflashkit.train.data import (Batch, BatchPlan, FeatureStore, TokenData, collate, hold_out_sources, load_tokenized,
-                                  split_heldout)
+from dflashkit.train.data import Batch, BatchPlan, FeatureStore, TokenData, collate, load_tokenized, split_heldout
+from dflashkit.train.levers import feature_scale_of, held_out_sources
 from dflashkit.train.logging import LearningCurve, MetricSink
 from dflashkit.train.objective import dflash_loss, gamma_for, sample_anchors, target_label_ids, weight_sum
 from dflashkit.train.optim import CpuBudget, build_optimizer, build_scheduler
@@ -253,44 +253,6 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
                  autocast_dtype(cfg.train.dtype, dist.device))
     tr.use_draft_vocab(vocab)
     return tr
-
-
-def held_out_sources(cfg, data, train_idx: list[int], heldout: list[int]) -> tuple[list[int], list[int]]:
-    """`train.heldout_sources` applied (`data.hold_out_sources`); an unknown source name is exit 2."""
-    src = [s or "all" for s in (getattr(data, "source", None) or [""] * len(data))]
-    names = list(cfg.train.heldout_sources)
-    missing = sorted(set(names) - set(src))
-    if missing:
-        raise UsageError(f"train.heldout_sources: no tokenized samples of source(s) {missing}; the data has "
-                         f"{sorted(set(src))}", hint="name sources as data.sources[].name (or their file stem)")
-    train_idx, heldout = hold_out_sources(train_idx, heldout, src, names, per_source=cfg.train.heldout_samples,
-                                          seed=cfg.run.seed)
-    if not train_idx:
-        raise UsageError(f"train.heldout_sources={names} holds out every training sample",
-                         hint="keep at least one source for training")
-    return train_idx, heldout
-
-
-def feature_scale_of(cfg, contract: DrafterContract, target, data, train_idx: list[int], samples: int = 32):
-    """`drafter.feature_scale=rms`: the per-channel scale (`model/feature_scale.py`) from the target features of
-    the first `samples` training samples (cached shards, or one online prefill of them); the same on every rank."""
-    from dflashkit.model.feature_scale import channel_scale
-
-    idx, n_feat = train_idx[:samples], len(contract.target_layer_ids)
-    if data.features is not None:
-        feats = (data.features.get(data.where[i], len(data.input_ids[i])).float() for i in idx)
-        return channel_scale(feats, n_feat=n_feat)
-    pad = (getattr(getattr(target, "tokenizer", None), "pad_token_id", None) or 0)
-    chunks = []
-    with torch.no_grad():
-        for k in range(0, len(idx), max(1, cfg.train.batch_size)):
-            b = collate(data, [(i, 0) for i in idx[k:k + cfg.train.batch_size]], run_seed=0,
-                        pad_id=pad).to(target.device)
-            f = target.features(b.input_ids, layer_ids=contract.target_layer_ids, attention_mask=b.attention_mask)
-            chunks += [f[r, :int(n)].float().cpu() for r, n in enumerate(b.seq_lens.tolist())]
-    scale = channel_scale(chunks, n_feat=n_feat)
-    log.info("feature scale: channel RMS folded to the layer median (largest reduction %.1f×)", float(1 / scale.min()))
-    return scale
 
 
 def check_recipe(train) -> None:
@@ -521,6 +483,9 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True, cpu_bud
     tr = setup(cfg, rd, dist)
     steps = total_steps(cfg, tr.plan)
     opt = build_optimizer(tr.drafter, cfg.train)
+    if cpu_budget_s and dist.world > 1:  # each rank would measure its own CPU time, stop and schedule alone
+        raise UsageError("a CPU-time budget (bench.cpu_minutes) needs one process",
+                         hint="run `dflashkit bench recipe` without torchrun")
     budget = CpuBudget(cpu_budget_s, steps) if cpu_budget_s else None
     sched = build_scheduler(opt, total_steps=steps, warmup_ratio=cfg.train.warmup_ratio,
                             min_lr_ratio=cfg.train.min_lr_ratio, budget=budget)
