@@ -6,7 +6,7 @@ import json
 
 from dflashkit.cli import main
 from dflashkit.rundir import RunDir
-from dflashkit.bench.recipe import bigram_accuracy, dir_name
+from dflashkit.bench.recipe import bigram_accuracy
 
 from tests.helpers import make_run, overrides
 
@@ -21,8 +21,8 @@ def test_recipe_variants_share_the_data_and_differ_where_they_should(tmp_path, t
     rows = {r["variant"]: r for r in out["variants"]}
     assert set(rows) == {"base", "no-features", "labels=data"} and all(r["steps"] == 2 for r in rows.values())
     # the data is linked, not copied, and each variant trained in its own dir
-    for i, name in enumerate(rows):
-        vdir = rd / "bench" / "recipe" / dir_name(i, name)
+    for name in rows:
+        vdir = rd / "bench" / "recipe" / name
         assert (vdir / "tokenize").is_symlink() and (vdir / "train" / "final" / "config.json").is_file()
     # zeroed features and data labels change what the drafter sees, so the held-out loss moves
     assert abs(rows["base"]["heldout_loss"] - rows["no-features"]["heldout_loss"]) > 1e-4
@@ -52,19 +52,25 @@ def test_equal_cpu_minutes_stop_each_variant_on_its_budget_and_a_grid_varies_one
         # stopped by the budget: at least the budget spent, at most one step beyond it, before the cap
         assert budget <= r["cpu_minutes"] and r["steps"] < 1000, r
         assert r["supervised_tokens"] > 0 and len(r["heldout_acc"]) >= 1 and r["load_before"] is not None
-    cfgs = [json.loads((rd / "bench" / "recipe" / dir_name(i, r["variant"]) / "train" / "final" / "config.json")
-                       .read_text()) for i, r in enumerate(rows)]
+    cfgs = [json.loads((rd / "bench" / "recipe" / r["variant"] / "train" / "final" / "config.json").read_text())
+            for r in rows]
+    # a variant that changes the drafter's shape trains under its own contract (the run's is not touched)
     assert [c["num_hidden_layers"] for c in cfgs] == [1, 2]
+    assert json.loads((rd / "contract.json").read_text())["num_draft_layers"] == 1
+    assert (rd / "bench" / "recipe" / rows[0]["variant"] / "contract.json").is_symlink()
+    assert not (rd / "bench" / "recipe" / rows[1]["variant"] / "contract.json").is_symlink()
 
 
 def test_bad_variants_fail_before_any_training_and_dry_run_trains_nothing(tmp_path, tiny_qwen3, capsys):
     rd = make_run(tmp_path / "r", tiny_qwen3)
     rc = main(["bench", "recipe", "--json", *overrides(rd, tiny_qwen3),
                "bench.recipe_variants={ok: [], bad: [train.lr=-1]}"])
-    assert rc == 2 and not (rd / "bench" / "recipe").exists()
+    assert rc == 2 and not (rd / "bench" / "recipe" / "ok").exists()
     capsys.readouterr()
     rc = main(["bench", "recipe", "--json", "--dry-run", *overrides(rd, tiny_qwen3),
-               "bench.recipe_variants={../up: [train.lr=1e-3]}"])
+               "bench.recipe_grid={drafter.block_size: [2, 8], train.lr: [1e-3]}"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["dry_run"] and not (rd / "bench" / "recipe").exists()
-    assert out["variants"][0]["dir"].startswith(str(rd / "bench" / "recipe" / "00-"))
+    v = out["variants"]
+    assert list(v) == ["drafter.block_size=2", "drafter.block_size=8", "train.lr=0.001"]
+    assert [x["own_contract"] for x in v.values()] == [True, True, False]

@@ -7,7 +7,7 @@ Usage:
     dflashkit bench recipe -c run.yaml bench.recipe_grid='{drafter.block_size: [4, 8, 16]}'
 
 Each variant is the run config plus dotted overrides, trained from scratch in
-`<run_dir>/bench/recipe/<NN-name>/` (which links this run's contract.json, tokenize/ and capture/,
+`<run_dir>/bench/recipe/<name>/` (which links this run's contract.json, tokenize/ and capture/,
 so the data and cached features are shared and never copied; a variant that changes block size,
 draft layers or target feature layers gets its own contract.json instead — with cached features,
 other feature layers need `train.features=online`), then scored on the same held-out samples. Variants come from `bench.recipe_variants` (name → overrides) and `bench.recipe_grid`
@@ -46,7 +46,6 @@ import dataclasses
 import logging
 import os
 import re
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -73,29 +72,27 @@ def _link(src: Path, dst: Path) -> None:
         os.symlink(src.resolve(), dst)
 
 
-def dir_name(index: int, name: str) -> str:
-    """A variant's directory: its index and its name with anything but [A-Za-z0-9._=+-] replaced (unique,
-    never a path: `../x` or `a/b` stay inside bench/recipe/)."""
-    return f"{index:02d}-" + (re.sub(r"[^A-Za-z0-9._=+-]", "_", name).strip(".") or "variant")[:80]
+def grid_name(key: str, value: str) -> str:
+    """The variant name of a grid value: `key=value` with anything outside the folder-name charset replaced."""
+    return re.sub(r"[^A-Za-z0-9._=+,-]", "_", f"{key}={value}")[:64]
 
 
 def variants_of(bench: Any) -> dict[str, list[str]]:
     """name → overrides from `bench.recipe_variants` and `bench.recipe_grid` (defaults when both are empty)."""
-    out: dict[str, list[str]] = {}
-    for name, over in (bench.recipe_variants or {}).items():
-        if isinstance(over, str):
-            over = [over]
-        if not isinstance(over, list) or not all(isinstance(o, str) for o in over):
-            raise UsageError(f"bench.recipe_variants.{name}: expected a list of key=value overrides, got {over!r}",
-                             hint="e.g. bench.recipe_variants='{wide: [train.lr=1e-3]}'")
-        out[str(name)] = list(over)
+    from dflashkit.config import recipe_variant_problems
+    from dflashkit.errors import ConfigError
+
+    problems = recipe_variant_problems(bench.recipe_variants or {})
+    if problems:
+        raise ConfigError(problems)
+    out: dict[str, list[str]] = {str(k): list(v) for k, v in (bench.recipe_variants or {}).items()}
     for key, values in (bench.recipe_grid or {}).items():
         if not isinstance(values, list) or not values:
             raise UsageError(f"bench.recipe_grid.{key}: expected a non-empty list of values, got {values!r}",
                              hint="e.g. bench.recipe_grid='{drafter.block_size: [4, 8, 16]}'")
         for v in values:
             text = _yaml_scalar(v)
-            out[f"{key}={text}"] = [f"{key}={text}"]
+            out[grid_name(key, text)] = [f"{key}={text}"]
     return out or dict(DEFAULT_VARIANTS)
 
 
@@ -111,37 +108,76 @@ def _yaml_scalar(v: Any) -> str:
 
 def variant_config(cfg: Any, name: str, overrides: list[str], root: Path, steps: int) -> Any:
     """The config of one variant: `cfg` + overrides, its own run dir, `steps` steps, one final eval."""
+    from dflashkit.config import given_keys, parse_override, set_given_keys
+
     data = config_to_dict(cfg)
     data["run"]["run_dir"] = str(root)
     data["train"].update(max_steps=steps, eval_every=0, save_every=0)
-    return config_from_dict(data, overrides, source=f"bench recipe variant {name!r}")
+    vcfg = config_from_dict(data, overrides, source=f"bench.recipe_variants.{name}")
+    set_given_keys(vcfg, set(given_keys(cfg) or ()) | {parse_override(o)[0] for o in overrides})
+    return vcfg
+
+
+MARKER = ".bench-recipe"  # in each variant dir this bench made: only those are ever cleared for a re-run
+
+
+def plan_variants(cfg: Any, rd: RunDir) -> dict[str, tuple[list[str], Any, Any]]:
+    """name → (overrides, config, contract or None) of every variant, built and checked before any trains:
+    names, override keys and values, and the drafter.* keys against the contract the variant will train
+    (its own, `variant_contract`, when it changes the drafter's shape): a bad last variant fails before
+    the first one costs minutes, and a user's directory where a variant would go is refused."""
+    from dflashkit.errors import ConfigError, DflashkitError
+    from dflashkit.rundir import check_replaceable
+    from dflashkit.train.guards import check_drafter_overrides
+
+    steps = int(cfg.bench.recipe_steps)
+    root = rd.root / "bench" / "recipe"
+    base = None
+    if rd.contract_path.is_file():
+        from dflashkit.model.drafter_config import DrafterContract
+
+        base = DrafterContract.load(rd.contract_path)
+        check_drafter_overrides(cfg, base, rd.contract_path)
+    out: dict[str, tuple[list[str], Any, Any]] = {}
+    for name, over in variants_of(cfg.bench).items():
+        try:
+            vcfg = variant_config(cfg, name, over, root / name, steps)
+            own = variant_contract(cfg, vcfg, base) if base is not None else None
+            if base is not None:
+                check_drafter_overrides(vcfg, own or base, rd.contract_path if own is None else "its own contract")
+        except ConfigError as e:
+            raise ConfigError([f"bench.recipe_variants.{name}: {p}" for p in e.problems], hint=e.hint) from None
+        except DflashkitError as e:
+            raise ConfigError([f"bench.recipe_variants.{name}: {e.message}"]) from None
+        check_replaceable(root / name, owner="bench recipe", marker=MARKER)
+        out[name] = (over, vcfg, own)
+    return out
 
 
 _CONTRACT_KEYS = ("block_size", "num_draft_layers", "num_target_features", "target_layer_ids")
 
 
-def write_variant_contract(run_cfg: Any, vcfg: Any, rd: RunDir, vdir: RunDir) -> bool:
-    """A variant that changes the drafter's shape (block size, draft layers, target feature layers) gets its
-    own contract.json: the run's contract with those fields redone as `probe` would (layer ids by the
-    reference formula unless given). False (nothing written: the run's contract is linked) otherwise."""
-    import json
+def variant_contract(run_cfg: Any, vcfg: Any, contract: Any) -> Any:
+    """The contract of a variant that changes the drafter's shape (block size, draft layers, target feature
+    layers): the run's contract with those fields redone as `probe` would (layer ids by the reference
+    formula unless given). None when the variant keeps the run's shape (the run's contract is linked)."""
+    import dataclasses
 
-    from dflashkit.model.drafter_config import DrafterContract, build_target_layer_ids
-    from dflashkit.rundir import atomic_write_json
+    from dflashkit.model.drafter_config import build_target_layer_ids
 
     a, b = run_cfg.drafter, vcfg.drafter
-    if all(getattr(a, k) == getattr(b, k) for k in _CONTRACT_KEYS) or not rd.contract_path.is_file():
-        return False
-    c = DrafterContract.load(rd.contract_path)
-    data = json.loads(rd.contract_path.read_text())
-    ids = (list(b.target_layer_ids) if b.target_layer_ids is not None
-           else c.target_layer_ids if (a.num_target_features, a.num_draft_layers, a.target_layer_ids)
-           == (b.num_target_features, b.num_draft_layers, b.target_layer_ids)
-           else build_target_layer_ids(c.num_target_layers, b.num_target_features or b.num_draft_layers))
-    data.update(block_size=b.block_size, num_draft_layers=b.num_draft_layers, target_layer_ids=ids)
-    DrafterContract.from_dict(data).check()
-    atomic_write_json(vdir.contract_path, data)
-    return True
+    if all(getattr(a, k) == getattr(b, k) for k in _CONTRACT_KEYS):
+        return None
+    if b.target_layer_ids is not None:
+        ids = list(b.target_layer_ids)
+    elif (a.num_target_features, a.num_draft_layers) == (b.num_target_features, b.num_draft_layers):
+        ids = list(contract.target_layer_ids)
+    else:
+        ids = build_target_layer_ids(contract.num_target_layers, b.num_target_features or b.num_draft_layers)
+    own = dataclasses.replace(contract, block_size=b.block_size, num_draft_layers=b.num_draft_layers,
+                              target_layer_ids=ids)
+    own.check()
+    return own
 
 
 def bigram_accuracy(rd: RunDir, heldout_samples: int, seed: int) -> float | None:
@@ -198,23 +234,28 @@ def row_of(name: str, over: list[str], vcfg: Any, res: dict, *, wall_s: float, l
 def bench_recipe(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
     from dflashkit.train.loop import fit
 
+    import shutil
+
+    from dflashkit.rundir import atomic_write_json
+
     steps = int(cfg.bench.recipe_steps)
     budget_s = cfg.bench.cpu_minutes * 60 if cfg.bench.cpu_minutes else None
-    root = rd.root / "bench" / "recipe"
-    plan = [(name, over, root / dir_name(i, name)) for i, (name, over) in enumerate(variants_of(cfg.bench).items())]
-    configs = [variant_config(cfg, name, over, vroot, steps) for name, over, vroot in plan]  # all errors first
+    plan = plan_variants(cfg, rd)
     if ctx.dry_run:
         return {"dry_run": True, "steps": steps, "cpu_minutes": cfg.bench.cpu_minutes,
-                "variants": [{"variant": n, "overrides": o, "dir": str(d)} for n, o, d in plan]}
+                "variants": {n: {"run_dir": c.run.run_dir, "overrides": o, "own_contract": own is not None}
+                             for n, (o, c, own) in plan.items()}}
     rows: list[dict[str, Any]] = []
-    for (name, over, vroot), vcfg in zip(plan, configs):
+    for name, (over, vcfg, own) in plan.items():
         vdir = RunDir(vcfg.run.run_dir)
+        if (vdir.root / MARKER).is_file():  # this bench's own earlier variant: trained from scratch again
+            shutil.rmtree(vdir.root)
         vdir.root.mkdir(parents=True, exist_ok=True)
-        own = write_variant_contract(cfg, vcfg, rd, vdir)
-        for part in ("tokenize", "capture") if own else ("contract.json", "tokenize", "capture"):
+        (vdir.root / MARKER).write_text("made by `dflashkit bench recipe`; cleared when the bench re-runs\n")
+        if own is not None:
+            atomic_write_json(vdir.contract_path, own.to_dict())
+        for part in ("tokenize", "capture") if own is not None else ("contract.json", "tokenize", "capture"):
             _link(rd.root / part, vdir.root / part)
-        if (vdir.root / "train").is_dir():  # an earlier bench's run of this variant (we made it): train anew
-            shutil.rmtree(vdir.root / "train")
         load0, t0 = _load(), time.perf_counter()
         res = fit(vcfg, vdir, show_bar=False, cpu_budget_s=budget_s)
         rows.append(row_of(name, over, vcfg, res, wall_s=time.perf_counter() - t0, load=(load0, _load())))

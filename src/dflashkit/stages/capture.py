@@ -36,7 +36,7 @@ from dflashkit.config import RunConfig, section_hash
 from dflashkit.context import StageContext
 from dflashkit.errors import UsageError
 from dflashkit.progress import Progress
-from dflashkit.rundir import RunDir, atomic_path, file_digest, read_json, write_manifest
+from dflashkit.rundir import RunDir, atomic_path, file_digest, read_json, remove_stale_temps, write_manifest
 from dflashkit.stage_table import stage_hash
 
 log = logging.getLogger("dflashkit.capture")
@@ -134,6 +134,9 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     contract = DrafterContract.load(rd.contract_path)
     data = load_tokenized(rd)
     out_dir = rd.stage_dir("capture", create=not ctx.dry_run)  # a dry run creates nothing
+    if not ctx.dry_run:  # a shard's temp file from a killed capture: we hold the lock, so nobody writes it
+        for p in remove_stale_temps(out_dir, "*.safetensors"):
+            log.info("removed %s (left by an interrupted capture)", p)
     dtype = cfg.capture.dtype
     width = contract.num_features * contract.hidden_size
     from dflashkit.model.target import resolve_device, resolve_dtype, target_autocast

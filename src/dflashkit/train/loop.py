@@ -38,6 +38,7 @@ from dflashkit.model.drafter import DFlashDraftModel
 from dflashkit.model.drafter_config import REPROBE_HINT, DrafterContract
 from dflashkit.model.target import target_autocast
 from dflashkit.train import checkpoint as ckpt
+from dflashkit.train import guards
 from dflashkit.train.data import Batch, BatchPlan, FeatureStore, TokenData, collate, load_tokenized, split_heldout
 from dflashkit.train.levers import feature_scale_of, held_out_sources
 from dflashkit.train.logging import LearningCurve, MetricSink
@@ -217,6 +218,7 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
     from dflashkit.model.target import load_target
 
     contract = DrafterContract.load(rd.contract_path)
+    guards.check_drafter_overrides(cfg, contract, rd.contract_path)
     check_recipe(cfg.train)
     data = load_tokenized(rd)
     target = load_target(cfg.target, device=str(dist.device))
@@ -444,6 +446,9 @@ class BestKeeper:
             if self.tr.dist.is_main and self.dir.exists():
                 import shutil
 
+                from dflashkit.rundir import check_replaceable
+
+                check_replaceable(self.dir, owner="train", marker="model.safetensors")  # never a user's dir
                 log.info("removing %s from an earlier run", self.dir)
                 shutil.rmtree(self.dir)
             barrier(self.tr.dist)
@@ -479,6 +484,7 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True, cpu_bud
     `cpu_budget_s` (`bench recipe` at equal CPU-minutes): stop once the optimizer steps have used this
     much process CPU time (or at the configured steps, whichever comes first); the lr schedule runs
     over the steps the budget affords (`optim.CpuBudget`)."""
+    guards.check_outputs_ours(rd.root / "train", cfg)  # before any work: never replace what is not ours
     dist = dist or init_distributed(cfg.train.parallel, cfg.target.device)
     tr = setup(cfg, rd, dist)
     steps = total_steps(cfg, tr.plan)
@@ -496,6 +502,7 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True, cpu_bud
     if found is not None:
         start = ckpt.load_checkpoint(found, model=tr.drafter, optimizer=opt, scheduler=sched)
         state = ckpt.checkpoint_state(found)
+        guards.check_objective(found, state, cfg.train)
         tr.sync_draft_vocab()
     sink = MetricSink(out_dir, total_steps=steps, start_step=start, train=cfg.train, enabled=dist.is_main,
                       show_bar=show_bar)
@@ -522,7 +529,8 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True, cpu_bud
             best.offer(ev)
 
     def extra_state() -> dict:
-        return {"curve": curve.state_dict(), **({"best": best.record} if best.record else {})}
+        return {"curve": curve.state_dict(), "objective": guards.objective(cfg.train),
+                **({"best": best.record} if best.record else {})}
 
     try:
         tr.drafter.train()
