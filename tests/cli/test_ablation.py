@@ -43,7 +43,8 @@ def test_equal_cpu_minutes_stop_each_variant_on_its_budget_and_a_grid_varies_one
     rd = make_run(tmp_path / "r", tiny_qwen3)
     budget = 0.05  # CPU-minutes: 3 s of optimizer steps per variant, far fewer than the 1000-step cap
     rc = main(["bench", "recipe", "--json", *overrides(rd, tiny_qwen3), "bench.recipe_steps=1000",
-               f"bench.cpu_minutes={budget}", "bench.recipe_grid={drafter.num_draft_layers: [1, 2]}"])
+               f"bench.cpu_minutes={budget}", "bench.recipe_grid={drafter.num_draft_layers: [1, 2]}",
+               "drafter.num_target_features=2"])  # the contract's 2 features whatever the layer count
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0, out
     rows = out["variants"]
@@ -72,5 +73,5 @@ def test_bad_variants_fail_before_any_training_and_dry_run_trains_nothing(tmp_pa
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["dry_run"] and not (rd / "bench" / "recipe").exists()
     v = out["variants"]
-    assert list(v) == ["drafter.block_size=2", "drafter.block_size=8", "train.lr=0.001"]
+    assert list(v) == ["drafter.block_size=2", "drafter.block_size=8", "train.lr=1e-3"]
     assert [x["own_contract"] for x in v.values()] == [True, True, False]

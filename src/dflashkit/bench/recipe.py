@@ -142,7 +142,7 @@ def plan_variants(cfg: Any, rd: RunDir) -> dict[str, tuple[list[str], Any, Any]]
     for name, over in variants_of(cfg.bench).items():
         try:
             vcfg = variant_config(cfg, name, over, root / name, steps)
-            own = variant_contract(cfg, vcfg, base) if base is not None else None
+            own = variant_contract(over, vcfg, base) if base is not None else None
             if base is not None:
                 check_drafter_overrides(vcfg, own or base, rd.contract_path if own is None else "its own contract")
         except ConfigError as e:
@@ -157,25 +157,30 @@ def plan_variants(cfg: Any, rd: RunDir) -> dict[str, tuple[list[str], Any, Any]]
 _CONTRACT_KEYS = ("block_size", "num_draft_layers", "num_target_features", "target_layer_ids")
 
 
-def variant_contract(run_cfg: Any, vcfg: Any, contract: Any) -> Any:
-    """The contract of a variant that changes the drafter's shape (block size, draft layers, target feature
-    layers): the run's contract with those fields redone as `probe` would (layer ids by the reference
-    formula unless given). None when the variant keeps the run's shape (the run's contract is linked)."""
+def variant_contract(over: list[str], vcfg: Any, contract: Any) -> Any:
+    """The contract of a variant whose overrides change the drafter's shape (block size, draft layers,
+    target feature layers): the run's contract with those fields redone as `probe` would (layer ids by
+    the reference formula unless given). None when the result is the run's contract (it is linked)."""
     import dataclasses
 
+    from dflashkit.config import parse_override
     from dflashkit.model.drafter_config import build_target_layer_ids
 
-    a, b = run_cfg.drafter, vcfg.drafter
-    if all(getattr(a, k) == getattr(b, k) for k in _CONTRACT_KEYS):
+    keys = {parse_override(o)[0] for o in over}
+    given = {k for k in _CONTRACT_KEYS if f"drafter.{k}" in keys}
+    if not given:
         return None
-    if b.target_layer_ids is not None:
-        ids = list(b.target_layer_ids)
-    elif (a.num_target_features, a.num_draft_layers) == (b.num_target_features, b.num_draft_layers):
-        ids = list(contract.target_layer_ids)
-    else:
-        ids = build_target_layer_ids(contract.num_target_layers, b.num_target_features or b.num_draft_layers)
-    own = dataclasses.replace(contract, block_size=b.block_size, num_draft_layers=b.num_draft_layers,
-                              target_layer_ids=ids)
+    d = vcfg.drafter
+    layers = d.num_draft_layers if "num_draft_layers" in given else contract.num_draft_layers
+    ids = list(contract.target_layer_ids)
+    if "target_layer_ids" in given and d.target_layer_ids is not None:
+        ids = list(d.target_layer_ids)
+    elif "num_target_features" in given or ("num_draft_layers" in given and d.num_target_features is None):
+        ids = build_target_layer_ids(contract.num_target_layers, d.num_target_features or layers)
+    own = dataclasses.replace(contract, block_size=d.block_size if "block_size" in given else contract.block_size,
+                              num_draft_layers=layers, target_layer_ids=ids)
+    if own == contract:
+        return None
     own.check()
     return own
 
