@@ -20,12 +20,13 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Callable
-from typing import Any, TextIO
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TextIO, TypeVar
 
 log = logging.getLogger("dflashkit.progress")
 
 INTERVAL_S = 15.0
+T = TypeVar("T")
 
 
 def human(x: float) -> str:
@@ -105,6 +106,12 @@ class Progress:
         if now - self.last >= self.interval:
             self.last = now
             self.log.info("%s", self.line())
+
+    def track(self, items: Iterable[T], size: Callable[[T], float] = lambda _: 1) -> Iterator[T]:
+        """Yield `items`, counting `size(item)` units for each once it has been produced."""
+        for item in items:
+            self.update(size(item))
+            yield item
 
     def set(self, n: float, **extra: Any) -> None:
         """Set the absolute count (e.g. the step just finished)."""

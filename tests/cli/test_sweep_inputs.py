@@ -466,3 +466,133 @@ def test_disk_full_is_named_without_tmpfs(tmp_path, monkeypatch):
     assert not rundir.is_disk_full(torch_error, tmp_path) or shutil.disk_usage(tmp_path).free < 16 << 20
     assert not rundir.is_disk_full(ValueError("bad value"), tmp_path)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+# --- finding 17: a permanent HTTP 400 is not "re-run to retry"; SIGTERM still prints the JSON line -----
+
+
+class _Server:
+    """A tiny OpenAI-shaped server in a thread: /v1/models answers, every POST gets `status` (or hangs)."""
+
+    def __init__(self, status: int = 400, hang: bool = False):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            def _send(self, code: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._send(200, {"data": [{"id": "m"}]})
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if outer.hang:
+                    outer.stop.wait(60)
+                self._send(status, {"error": {"message": "context length exceeded"}})
+
+            def log_message(self, *a):
+                pass
+
+        self.hang, self.stop = hang, threading.Event()
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_permanent_http_400_is_not_re_run_to_retry(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "prepare").mkdir(parents=True)
+    (run / "prepare" / "train.jsonl").write_text(json.dumps(CONV) + "\n")
+    with _Server(400) as srv:
+        rc = main(["generate", f"run.run_dir={run}", f"server.urls=[{srv.url}]", "server.model=m",
+                   "generate.progress=false", "generate.neutral_sampling=false", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 2, err
+    assert "re-run to retry" not in err and "http 400" in err and "failures.jsonl" in err
+    assert _last_json(out)["generate"]["turns_failed"] == 1
+
+
+def test_sigterm_of_generate_prints_the_json_line(tmp_path):
+    import signal
+    import sys
+    import time
+
+    import dflashkit
+
+    run = tmp_path / "run"
+    (run / "prepare").mkdir(parents=True)
+    (run / "prepare" / "train.jsonl").write_text(json.dumps(CONV) + "\n")
+    src = str(Path(dflashkit.__file__).resolve().parents[1])
+    with _Server(hang=True) as srv:
+        proc = subprocess.Popen([sys.executable, "-m", "dflashkit", "generate", f"run.run_dir={run}",
+                                 f"server.urls=[{srv.url}]", "server.model=m", "generate.progress=false",
+                                 "generate.neutral_sampling=false"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": src})
+        deadline = time.monotonic() + 60
+        while not (run / "generate" / "shards").exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        time.sleep(0.5)  # the request is in flight (the server holds it)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["ok"] is False and res["exit_code"] == 143 and "signal 15" in res["error"], (out, err)
+    assert "Traceback" not in err
+
+
+# --- finding 17: a killed capture's temp shard is removed by the next capture ------------------------
+
+
+def test_capture_removes_a_stale_temp_shard(tmp_path, tiny_qwen3, base_run, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(base_run, run)
+    stale = run / "capture" / ".shard-00000.safetensors.abc123.tmp"
+    stale.parent.mkdir()
+    stale.write_bytes(b"\0" * 4096)
+    mine = run / "capture" / "notes.tmp"  # not a name atomic_path makes: left alone
+    mine.write_text("keep")
+    assert main(["capture", f"run.run_dir={run}", f"target.path={tiny_qwen3}", "--dry-run"]) == 0
+    assert stale.exists()  # a dry run changes nothing
+    assert main(["capture", f"run.run_dir={run}", f"target.path={tiny_qwen3}"]) == 0, capsys.readouterr().err
+    assert not stale.exists() and mine.read_text() == "keep"
+    assert list((run / "capture").glob("shard-*.safetensors"))
+
+
+# --- finding 15: eval.prompts reads any prepare format -----------------------------------------------
+
+
+def test_eval_prompts_read_sharegpt_and_alpaca(tmp_path):
+    from types import SimpleNamespace
+
+    from dflashkit.config import load_config
+    from dflashkit.decode.runner import load_prompt_messages
+
+    p = tmp_path / "e.jsonl"
+    rows = [{"id": "s", "conversations": [{"from": "human", "value": "hi there"}, {"from": "gpt", "value": "yo"}]},
+            {"instruction": "Add", "input": "2 and 2"}, {"prompt": "plain"},
+            {"messages": [{"role": "user", "content": "m"}]}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(None, [f"eval.prompts={p}", "data.on_malformed=fail"])
+    got = load_prompt_messages(cfg, SimpleNamespace(root=tmp_path))
+    assert [m for _, m in got] == [[{"role": "user", "content": "hi there"}],
+                                   [{"role": "user", "content": "Add\n\n2 and 2"}],
+                                   [{"role": "user", "content": "plain"}], [{"role": "user", "content": "m"}]]

@@ -258,3 +258,30 @@ def forecast_at_rate(curve: dict, target_tau: float, *, hours_per_epoch: float |
     if rate is None:
         fc.hours = None
     return fc
+
+
+def curve_file_forecast(path, target_tau: float, *, hours_per_epoch: float | None,
+                        epoch_tokens: float | None) -> dict:
+    """`plan`'s forecast: `forecast_at_rate` on the curve file at `path`, as a dict with its `text`.
+
+    Raises MissingArtifactError (exit 3) when the file is missing, UsageError (exit 2) when it is not a
+    learning curve."""
+    import json
+    from pathlib import Path
+
+    from dflashkit.errors import MissingArtifactError, UsageError
+
+    p = Path(path)
+    if not p.is_file():
+        raise MissingArtifactError("learning curve", p, run="dflashkit train -c run.yaml (it writes train/curve.json)")
+    try:
+        curve = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{p}:{e.lineno}: not JSON ({e.msg})", hint="pass a train/curve.json") from None
+    if not isinstance(curve, dict) or not isinstance(curve.get("points"), list):
+        raise UsageError(f"{p}: not a learning curve (no `points` list)", hint="pass a train/curve.json")
+    fc = forecast_at_rate(curve, target_tau, hours_per_epoch=hours_per_epoch, epoch_tokens=epoch_tokens)
+    out = fc.to_dict()
+    out["text"] = fc.text().replace("on this machine", "at this plan's throughput")
+    out["curve"] = str(p)
+    return out
