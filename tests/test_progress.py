@@ -63,3 +63,14 @@ def test_on_a_terminal_it_draws_a_bar_and_logs_nothing(caplog):
 
 def test_durations_read_naturally():
     assert [duration(s) for s in (9, 64, 3720)] == ["9s", "1m04s", "1h02m"]
+
+
+def test_track_counts_what_it_yields_and_can_close_at_the_end(caplog):
+    clock = Clock()
+    caplog.set_level(logging.INFO, logger="dflashkit.progress")
+    p = Progress("capture", total=30, unit="tok", interval=1e9, stream=io.StringIO(), clock=clock)
+    batches = [[1, 2], [3], [4, 5, 6]]
+    clock.t = 6.0
+    got = list(p.track(iter(batches), size=lambda b: 5 * len(b), close=True))
+    assert got == batches and p.n == 30
+    assert caplog.records[-1].getMessage() == "capture: done, 30 tok in 6s (5 tok/s)"

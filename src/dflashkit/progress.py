@@ -107,11 +107,14 @@ class Progress:
             self.last = now
             self.log.info("%s", self.line())
 
-    def track(self, items: Iterable[T], size: Callable[[T], float] = lambda _: 1) -> Iterator[T]:
-        """Yield `items`, counting `size(item)` units for each once it has been produced."""
+    def track(self, items: Iterable[T], size: Callable[[T], float] = lambda _: 1, *, close: bool = False) -> Iterator[T]:
+        """Yield `items`, counting `size(item)` units for each once it has been produced (`close`: close the
+        progress when they run out)."""
         for item in items:
             self.update(size(item))
             yield item
+        if close:
+            self.close()
 
     def set(self, n: float, **extra: Any) -> None:
         """Set the absolute count (e.g. the step just finished)."""
