@@ -106,9 +106,11 @@ CASES: list[Case] = [
          ["drafter.target_layer_ids: [0, 2] in the config, [1, 3] in"]),
     Case("f2-all-at-once", lambda w: w.train("drafter.block_size=8", "drafter.mask_token_id=7"), 2,
          ["2 config errors", "drafter.block_size", "drafter.mask_token_id: 7 in the config, 300 in"]),
+    # (a variant that changes the drafter's shape, e.g. drafter.block_size, trains under its own contract:
+    # tests/cli/test_ablation.py; a key the contract fixes otherwise is named)
     Case("f2-bench-recipe-variant", lambda w: ["bench", "recipe", *overrides(w.run, w.target),
-                                               "bench.recipe_steps=1", _variants("{a: [], b: [drafter.block_size=8]}")],
-         2, ["bench.recipe_variants.b: drafter.block_size: 8 in the config"]),
+                                               "bench.recipe_steps=1", _variants("{a: [], b: [drafter.mask_token_id=7]}")],
+         2, ["bench.recipe_variants.b: drafter.mask_token_id: 7 in the config"]),
     # finding 5: variant names are folder names under bench/recipe/, never paths
     Case("f5-variant-dotdot", lambda w: ["bench", "recipe", *overrides(w.run, w.target), "bench.recipe_steps=1",
                                          _variants("{'../../victim': []}")], 2,

@@ -34,6 +34,7 @@ from dflashkit.config import RunConfig, section_hash
 from dflashkit.data.features import ST_DTYPES, local_batches, shard_matches, shard_path, write_shard
 from dflashkit.context import StageContext
 from dflashkit.errors import UsageError
+from dflashkit.progress import Progress
 from dflashkit.rundir import RunDir, file_digest, read_json, remove_stale_temps, write_manifest
 from dflashkit.stage_table import stage_hash
 
@@ -100,17 +101,20 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
         if autocast is not None:
             log.info("capture: target forward under %s autocast (train.target_dtype=%s)", autocast,
                      cfg.train.target_dtype)
+        bar = Progress("capture", total=need // per_token, unit="tok")
         for si, shard, digest, dest in todo:
             rows = [torch.from_numpy(data.input_ids[i]) for i, (s, _) in enumerate(data.where) if s == si]
             meta = {"target_layer_ids": json.dumps(layer_ids), "source": shard.name, "source_digest": digest,
                     "dtype": dtype, "hidden_size": str(contract.hidden_size), "samples": str(len(rows)),
                     "target_autocast": str(autocast or "none")}
-            batches = local_batches(target, rows, layer_ids, batch_size=cfg.capture.batch_size, pad_id=pad,
-                                    last_hidden=keep_last, autocast=autocast)
+            batches = bar.track(local_batches(target, rows, layer_ids, batch_size=cfg.capture.batch_size,
+                                              pad_id=pad, last_hidden=keep_last, autocast=autocast),
+                                size=lambda batch: sum(len(r[2]) for r in batch))
             n = write_shard(dest, [len(r) for r in rows], batches, dtype=dtype, metadata=meta, width=width,
                             hidden=contract.hidden_size, last_hidden=keep_last)
             log.info("captured %s: %d samples, %d tokens", dest.name, len(rows), n)
             result["written"] += 1
+        bar.close()
     write_manifest(out_dir, stage="capture", config_hash=stage_hash("capture", cfg, layer_ids, keep_last),
                    inputs={"contract": section_hash(read_json(rd.contract_path)),
                            "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")},

@@ -40,9 +40,10 @@ from dflashkit.model.target import target_autocast
 from dflashkit.train import checkpoint as ckpt
 from dflashkit.train import guards
 from dflashkit.train.data import Batch, BatchPlan, FeatureStore, TokenData, collate, load_tokenized, split_heldout
+from dflashkit.train.levers import feature_scale_of, held_out_sources
 from dflashkit.train.logging import LearningCurve, MetricSink
 from dflashkit.train.objective import dflash_loss, gamma_for, sample_anchors, target_label_ids, weight_sum
-from dflashkit.train.optim import build_optimizer, build_scheduler
+from dflashkit.train.optim import CpuBudget, build_optimizer, build_scheduler
 from dflashkit.train.parallel import (DistInfo, TargetParts, all_reduce_sum, barrier, init_distributed,
                                       shard_target, wrap_drafter)
 
@@ -141,8 +142,7 @@ class Trainer:
         have_kl = b.last_hidden is not None
         if b.features is not None and (have_labels or not need_labels) and (have_kl or not need_kl):
             labels = target_label_ids(b.input_ids, b.next_ids) if need_labels else None
-            feats = torch.zeros_like(b.features) if t.ablate_features else b.features
-            return TargetOut(feats, None, b.last_hidden if need_kl else None, labels)
+            return TargetOut(b.features, None, b.last_hidden if need_kl else None, labels)
         logits = hidden = None
         tamp = target_autocast(t.target_dtype, self.dist.device, self.target.dtype)
         with torch.no_grad(), torch.autocast(self.dist.device.type, dtype=tamp, enabled=tamp is not None):
@@ -162,8 +162,6 @@ class Trainer:
             nxt = b.next_ids
         feats = b.features if b.features is not None else feats
         feats = feats.float() if self.amp is None else feats
-        if t.ablate_features:
-            feats = torch.zeros_like(feats)
         labels = target_label_ids(b.input_ids, nxt) if need_labels else None
         return TargetOut(feats, logits if need_kl else None, hidden if need_kl and logits is None else None, labels)
 
@@ -180,7 +178,8 @@ class Trainer:
                            target_hidden=tout.last_hidden, target_head=self.parts.lm_head,
                            chunk_blocks=t.loss_chunk_blocks, attention=self.attention, autocast_dtype=self.amp,
                            vocab=self.vocab, label_ids=tout.label_ids, position_weighting=t.position_weighting,
-                           dpace_alpha=t.dpace_alpha, selector_weight=t.selector_loss_weight)
+                           dpace_alpha=t.dpace_alpha, selector_weight=t.selector_loss_weight,
+                           context=not t.ablate_features)
 
     def denom_gamma(self) -> float | None:
         """γ of the step denominator Σw: none (a plain count of supervised positions) under D-PACE."""
@@ -212,7 +211,8 @@ class Trainer:
 
     def anchors(self, b: Batch):
         return sample_anchors(b.loss_mask, b.seq_lens, num_anchors=self.cfg.train.num_anchors,
-                              block_size=self.contract.block_size, seeds=b.seeds)
+                              block_size=self.contract.block_size, seeds=b.seeds,
+                              coverage=self.cfg.train.anchor_coverage)
 
 
 def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
@@ -232,9 +232,12 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
     if cfg.train.parallel.target == "shard":
         parts = shard_target(target, dist)
     train_idx, heldout = split_heldout(len(data), cfg.train.heldout_samples, seed=cfg.run.seed)
+    if cfg.train.heldout_sources:
+        train_idx, heldout = held_out_sources(cfg, data, train_idx, heldout)
     vocab = pick_draft_vocab(cfg, contract, target, data, train_idx)
     torch.manual_seed(cfg.run.seed)
-    drafter = drafter_for(contract, draft_vocab=vocab).to(dist.device)
+    scale = feature_scale_of(cfg, contract, target, data, train_idx) if cfg.drafter.feature_scale == "rms" else None
+    drafter = drafter_for(contract, draft_vocab=vocab, feature_scale=scale).to(dist.device)
     if cfg.drafter.init == "target":
         from dflashkit.model.init import init_from_target
 
@@ -260,6 +263,10 @@ def check_recipe(train) -> None:
     problems = []
     if not 0 < train.dpace_alpha <= 1:
         problems.append(f"train.dpace_alpha {train.dpace_alpha} is outside (0, 1]")
+    if train.anchor_coverage is not None and not 0 < train.anchor_coverage <= 1:
+        problems.append(f"train.anchor_coverage {train.anchor_coverage} is outside (0, 1]")
+    if train.optimizer == "muon" and train.parallel.mode == "fsdp":
+        problems.append("train.optimizer=muon does not support train.parallel.mode=fsdp (use ddp or none)")
     if not train.feature_noise >= 0:
         problems.append(f"train.feature_noise {train.feature_noise} is negative")
     if problems:
@@ -508,15 +515,23 @@ class BestKeeper:
         return True
 
 
-def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict:
-    """Train (or resume) until the configured number of steps; returns the final metrics."""
+def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True, cpu_budget_s: float | None = None) -> dict:
+    """Train (or resume) until the configured number of steps; returns the final metrics.
+
+    `cpu_budget_s` (`bench recipe` at equal CPU-minutes): stop once the optimizer steps have used this
+    much process CPU time (or at the configured steps, whichever comes first); the lr schedule runs
+    over the steps the budget affords (`optim.CpuBudget`)."""
     guards.check_outputs_ours(rd.root / "train", cfg)  # before any work: never replace what is not ours
     dist = dist or init_distributed(cfg.train.parallel, cfg.target.device)
     tr = setup(cfg, rd, dist)
     steps = total_steps(cfg, tr.plan)
     opt = build_optimizer(tr.drafter, cfg.train)
+    if cpu_budget_s and dist.world > 1:  # each rank would measure its own CPU time, stop and schedule alone
+        raise UsageError("a CPU-time budget (bench.cpu_minutes) needs one process",
+                         hint="run `dflashkit bench recipe` without torchrun")
+    budget = CpuBudget(cpu_budget_s, steps) if cpu_budget_s else None
     sched = build_scheduler(opt, total_steps=steps, warmup_ratio=cfg.train.warmup_ratio,
-                            min_lr_ratio=cfg.train.min_lr_ratio)
+                            min_lr_ratio=cfg.train.min_lr_ratio, budget=budget)
     out_dir = rd.stage_dir("train")
     ck_root = out_dir / "checkpoints"
     start, state = 0, None
@@ -530,7 +545,12 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
                       show_bar=show_bar)
     best = BestKeeper(out_dir, tr, cfg.train.keep_best)
     best.restore(start, state)
-    curve = LearningCurve(out_dir / "curve.json", sorted(set(tr.sources())), enabled=dist.is_main)
+    n_train = max(1, len(tr.plan.train_idx))
+    curve = LearningCurve(out_dir / "curve.json", sorted(set(tr.sources())), enabled=dist.is_main,
+                          supervised_per_sample=round(sum(float(tr.data.loss_mask[i].sum())
+                                                          for i in tr.plan.train_idx) / n_train, 2),
+                          tokens_per_sample=round(sum(len(tr.data.input_ids[i]) for i in tr.plan.train_idx)
+                                                  / n_train, 2))
     curve.restore(start, (state or {}).get("curve"))
     log.info("training %d steps from step %d: %d train / %d held-out samples, global batch %d, world %d",
              steps, start, len(tr.plan.train_idx), len(tr.heldout), tr.plan.global_batch, dist.world)
@@ -552,11 +572,13 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
     try:
         tr.drafter.train()
         for step in range(start, steps):
-            ts = time.perf_counter()
+            ts, cs = time.perf_counter(), time.process_time()
             last = train_step(tr, step, opt, sched)
             dt = time.perf_counter() - ts
+            if budget is not None:
+                budget.charge(time.process_time() - cs)
             done_tokens += last["tokens"]
-            curve.add_step(tr.supervised_tokens(step), last.pop("_window"))
+            curve.add_step(tr.supervised_tokens(step), last.pop("_window"), seconds=dt)
             last.update(tok_s=round(last["tokens"] / dt, 1), anchors_s=round(last["blocks"] / dt, 1),
                         step_time_s=round(dt, 4))
             n = step + 1
@@ -569,8 +591,12 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
                 ckpt.save_checkpoint(ck_root, step=n, model=tr.drafter, optimizer=opt, scheduler=sched,
                                      is_main=dist.is_main, keep=cfg.train.keep_checkpoints, extra=extra_state())
                 barrier(dist)
+            if budget is not None and budget.spent():
+                log.info("CPU budget of %.1f s spent after %d steps", budget.seconds, n)
+                steps = n
+                break
         tr.drafter.eval()
-        if start < steps:
+        if start < steps and not (last_eval and last_eval["step"] == steps):
             evaluated(steps)
             ckpt.save_checkpoint(ck_root, step=steps, model=tr.drafter, optimizer=opt, scheduler=sched,
                                  is_main=dist.is_main, keep=cfg.train.keep_checkpoints, extra=extra_state())
@@ -587,4 +613,8 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
             "heldout": ({k: v for k, v in last_eval.items() if k != "by_source"} if last_eval else None),
             "tokens_per_s": round(done_tokens / wall, 1) if wall > 0 else None,
             "world_size": dist.world, "samples": len(tr.plan.train_idx), "heldout_samples": len(tr.heldout),
+            "supervised_tokens": sum(curve.tokens.values()),
+            "heldout_by_source": ({k: {"tau": v["tau"], "acc": v["acc"], "samples": v.get("samples")}
+                                   for k, v in last_eval.get("by_source", {}).items()} if last_eval else {}),
+            **({"cpu_s": round(budget.used, 2), "cpu_budget_s": budget.seconds} if budget is not None else {}),
             **({"draft_vocab_size": int(tr.vocab.numel())} if tr.vocab is not None else {})}
