@@ -65,6 +65,12 @@ def variant_config(cfg: Any, name: str, overrides: list[str], root: Path, steps:
 MARKER = ".bench-recipe"  # in each variant dir this bench made: only those are ever cleared for a re-run
 
 
+def _made_before_markers(vroot: Path) -> bool:
+    """A variant dir an earlier dflashkit made: tokenize/ linked to the run's, train/ written by train."""
+    return (vroot.is_dir() and not vroot.is_symlink() and (vroot / "tokenize").is_symlink()
+            and (vroot / "train" / "manifest.json").is_file() and not (vroot / MARKER).exists())
+
+
 def plan_variants(cfg: Any, rd: RunDir) -> dict[str, Any]:
     """Every variant's config, built and checked before any trains (names, override keys and values, the
     drafter.* keys against contract.json): a bad last variant fails before the first one costs minutes."""
@@ -84,7 +90,8 @@ def plan_variants(cfg: Any, rd: RunDir) -> dict[str, Any]:
             out[name] = variant_config(cfg, name, list(over), root, steps)
         except DflashkitError as e:
             raise ConfigError([f"bench.recipe_variants.{name}: {e.message}"]) from None
-        check_replaceable(root / name, owner="bench recipe", marker=MARKER)
+        if not _made_before_markers(root / name):  # a variant dir from before MARKER existed is ours too
+            check_replaceable(root / name, owner="bench recipe", marker=MARKER)
     if rd.contract_path.is_file():
         from dflashkit.model.drafter_config import DrafterContract
         from dflashkit.train.guards import check_drafter_overrides
@@ -134,7 +141,7 @@ def bench_recipe(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
     for name, vcfg in configs.items():
         over = list((cfg.bench.recipe_variants or DEFAULT_VARIANTS)[name])
         vdir = RunDir(vcfg.run.run_dir)
-        if (vdir.root / MARKER).is_file():  # this bench's own earlier variant: trained from scratch again
+        if (vdir.root / MARKER).is_file() or _made_before_markers(vdir.root):  # ours: trained from scratch again
             shutil.rmtree(vdir.root)
         vdir.root.mkdir(parents=True, exist_ok=True)
         (vdir.root / MARKER).write_text("made by `dflashkit bench recipe`; cleared when the bench re-runs\n")
