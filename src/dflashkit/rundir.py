@@ -269,6 +269,11 @@ class RunDir:
         return self.root / "contract.json"
 
     @property
+    def capture_dir(self) -> Path:
+        """Feature shards (`data/features.py`: writer, reader and format)."""
+        return self.root / "capture"
+
+    @property
     def resolved_config_path(self) -> Path:
         return self.root / "config.resolved.yaml"
 

@@ -95,7 +95,7 @@ class DrafterContract:
         layers = self.num_target_layers if target is None else fact("num_layers")
         vocab = self.vocab_size if target is None else fact("vocab_size")
         problems = []
-        if self.hidden_size % 1 or self.hidden_size <= 0:
+        if self.hidden_size <= 0:
             problems.append(f"hidden_size must be > 0, got {self.hidden_size}")
         bad = [i for i in self.target_layer_ids if not 0 <= i < layers]
         if bad:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from dflashkit.errors import UsageError
-from dflashkit.inspect.target import resolve_target_path
+from dflashkit.model.files import check_safetensors, resolve_target_path
 
 log = logging.getLogger("dflashkit.target")
 
@@ -261,8 +261,6 @@ def load_target(section, *, device: str | None = None, dtype: str | None = None,
     if not list(model_dir.glob("*.safetensors")):
         raise UsageError(f"{model_dir}: no *.safetensors weights (dflashkit loads safetensors only)",
                          hint="convert the checkpoint with save_pretrained(safe_serialization=True)")
-    from dflashkit.inspect.weights import check_safetensors
-
     for weights in sorted(model_dir.glob("*.safetensors")):  # a corrupt file: exit 2 naming it
         check_safetensors(weights)
     config = _hf_config(model_dir, section.trust_remote_code)

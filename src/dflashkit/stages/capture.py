@@ -14,7 +14,8 @@ tokenized-shard order) and metadata: the target_layer_ids, the source shard's di
 The target runs as online training would run it (`train.target_dtype`: float32, or under bf16
 autocast), so cached and online training see the same features. The total size is logged BEFORE
 any work, and the stage refuses (exit 2) when it exceeds capture.max_disk_fraction of the free disk.
-Shards are written through a temp file + rename and streamed (never held in memory whole); a
+The format, its writer and its reader are `data/features.py` (the `safetensors` library writes
+it). Shards are written through a temp file + rename and streamed (never held in memory whole); a
 complete shard whose layer ids and source digest still match is skipped, so a killed run resumes.
 `dflashkit train train.features=cached` refuses shards captured at other layer ids.
 """
@@ -24,104 +25,19 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import struct
 import time
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from dflashkit.config import RunConfig, section_hash
+from dflashkit.data.features import ST_DTYPES, local_batches, shard_matches, shard_path, write_shard
 from dflashkit.context import StageContext
 from dflashkit.errors import UsageError
-from dflashkit.rundir import RunDir, atomic_path, file_digest, read_json, remove_stale_temps, write_manifest
+from dflashkit.rundir import RunDir, file_digest, read_json, remove_stale_temps, write_manifest
 from dflashkit.stage_table import stage_hash
 
 log = logging.getLogger("dflashkit.capture")
-
-ST_DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
-
-
-def _existing_ok(path: Path, layer_ids: list[int], digest: str, dtype: str, last_hidden: bool,
-                 autocast: str) -> bool:
-    if not path.is_file():
-        return False
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as fh:
-            meta = fh.metadata() or {}
-    except Exception:  # noqa: BLE001 - a torn file is simply recomputed
-        return False
-    return (json.loads(meta.get("target_layer_ids", "null")) == list(layer_ids)
-            and meta.get("source_digest") == digest and meta.get("dtype") == dtype
-            and meta.get("next_ids") == "1" and (meta.get("last_hidden") == "1" or not last_hidden)
-            and meta.get("target_autocast", "none") == autocast)
-
-
-def _write_shard(path: Path, target, rows: list[torch.Tensor], layer_ids: list[int], *, dtype: str,
-                 batch_size: int, metadata: dict[str, str], width: int, pad_id: int,
-                 last_hidden: bool = False, autocast: torch.dtype | None = None) -> int:
-    """Write one safetensors file: header, offsets, features, next_ids, last_hidden.
-
-    Samples are run in batches of similar length (sorted, so padding costs little) and each row is
-    written at its own offset, so the file keeps tokenized-shard order. `next_ids` (small) is held
-    in memory; `last_hidden` goes to a side file and is appended."""
-    import tempfile
-
-    st_name, nbytes = ST_DTYPES[dtype]
-    lens = [len(r) for r in rows]
-    offsets = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0)
-    total = int(offsets[-1])
-    hidden = target.hidden_size
-    off_bytes = offsets.numpy().tobytes()
-    f_end = len(off_bytes) + total * width * nbytes
-    header = {"offsets": {"dtype": "I64", "shape": [len(rows) + 1], "data_offsets": [0, len(off_bytes)]},
-              "features": {"dtype": st_name, "shape": [total, width], "data_offsets": [len(off_bytes), f_end]},
-              "next_ids": {"dtype": "I32", "shape": [total], "data_offsets": [f_end, f_end + 4 * total]}}
-    if last_hidden:
-        header["last_hidden"] = {"dtype": st_name, "shape": [total, hidden],
-                                 "data_offsets": [f_end + 4 * total, f_end + 4 * total + total * hidden * nbytes]}
-    header["__metadata__"] = {**metadata, "next_ids": "1", "last_hidden": "1" if last_hidden else "0"}
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    hb += b" " * (-len(hb) % 8)
-    tdtype = getattr(torch, dtype)
-    base = 8 + len(hb) + len(off_bytes)                      # where `features` starts in the file
-    next_ids = np.zeros(total, dtype=np.int32)
-    side = tempfile.TemporaryFile(dir=path.parent) if last_hidden else None
-    # Batches of similar lengths (sorted), each row written at its own offset: little padding to compute.
-    order = sorted(range(len(rows)), key=lambda i: lens[i])
-    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
-        fh.write(struct.pack("<Q", len(hb)) + hb + off_bytes)
-        fh.truncate(base + total * width * nbytes)
-        for k in range(0, len(order), batch_size):
-            part = order[k:k + batch_size]
-            s = max(lens[i] for i in part)
-            ids = torch.full((len(part), s), pad_id, dtype=torch.long)
-            att = torch.zeros((len(part), s), dtype=torch.long)
-            for j, i in enumerate(part):
-                ids[j, :lens[i]], att[j, :lens[i]] = rows[i], 1
-            with torch.no_grad(), torch.autocast(target.device.type, dtype=autocast, enabled=autocast is not None):
-                feats, last = target.features(ids.to(target.device), layer_ids=layer_ids, need_last_hidden=True,
-                                              attention_mask=att.to(target.device))
-                nxt = target.next_token_ids(last)
-            for j, i in enumerate(part):
-                a, n = int(offsets[i]), lens[i]
-                fh.seek(base + a * width * nbytes)
-                fh.write(feats[j, :n].to(tdtype).contiguous().cpu().view(torch.uint8).numpy().tobytes())
-                next_ids[a:a + n] = nxt[j, :n].cpu().numpy()
-                if side is not None:
-                    side.seek(a * hidden * nbytes)
-                    side.write(last[j, :n].to(tdtype).contiguous().cpu().view(torch.uint8).numpy().tobytes())
-        fh.seek(base + total * width * nbytes)
-        fh.write(next_ids.tobytes())
-        if side is not None:
-            side.seek(0)
-            shutil.copyfileobj(side, fh, 1 << 24)
-            side.close()
-    return total
-
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     from dflashkit.model.drafter_config import DrafterContract
@@ -130,7 +46,9 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     t0 = time.time()
     contract = DrafterContract.load(rd.contract_path)
     data = load_tokenized(rd)
-    out_dir = rd.stage_dir("capture", create=not ctx.dry_run)  # a dry run creates nothing
+    out_dir = rd.capture_dir
+    if not ctx.dry_run:  # a dry run creates nothing
+        out_dir.mkdir(parents=True, exist_ok=True)
     if not ctx.dry_run:  # a shard's temp file from a killed capture: we hold the lock, so nobody writes it
         for p in remove_stale_temps(out_dir, "*.safetensors"):
             log.info("removed %s (left by an interrupted capture)", p)
@@ -148,8 +66,9 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     todo = []
     for si, shard in enumerate(data.shards):
         digest = file_digest(shard, limit=None)
-        dest = out_dir / f"{shard.stem}.safetensors"
-        if not _existing_ok(dest, layer_ids, digest, dtype, keep_last, str(autocast or "none")):
+        dest = shard_path(out_dir, shard)
+        if not shard_matches(dest, layer_ids=layer_ids, digest=digest, dtype=dtype, last_hidden=keep_last,
+                             autocast=str(autocast or "none")):
             todo.append((si, shard, digest, dest))
     todo_ids = {t[0] for t in todo}
     need = sum(len(data.input_ids[i]) for i, (si, _) in enumerate(data.where) if si in todo_ids) * per_token
@@ -186,8 +105,10 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
             meta = {"target_layer_ids": json.dumps(layer_ids), "source": shard.name, "source_digest": digest,
                     "dtype": dtype, "hidden_size": str(contract.hidden_size), "samples": str(len(rows)),
                     "target_autocast": str(autocast or "none")}
-            n = _write_shard(dest, target, rows, layer_ids, dtype=dtype, batch_size=cfg.capture.batch_size,
-                             metadata=meta, width=width, pad_id=pad, last_hidden=keep_last, autocast=autocast)
+            batches = local_batches(target, rows, layer_ids, batch_size=cfg.capture.batch_size, pad_id=pad,
+                                    last_hidden=keep_last, autocast=autocast)
+            n = write_shard(dest, [len(r) for r in rows], batches, dtype=dtype, metadata=meta, width=width,
+                            hidden=contract.hidden_size, last_hidden=keep_last)
             log.info("captured %s: %d samples, %d tokens", dest.name, len(rows), n)
             result["written"] += 1
     write_manifest(out_dir, stage="capture", config_hash=stage_hash("capture", cfg, layer_ids, keep_last),

@@ -225,7 +225,7 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
     target = load_target(cfg.target, device=str(dist.device))
     contract.check(target, where=str(rd.contract_path), hint=REPROBE_HINT)
     if cfg.train.features == "cached":
-        data.features = FeatureStore(rd.root / "capture", data.shards, contract.target_layer_ids)
+        data.features = FeatureStore(rd.capture_dir, data.shards, contract.target_layer_ids)
         if cfg.train.labels == "target":
             data.features.require("next_ids", "train.labels=target reads the target's argmax from the shards")
     parts = TargetParts(target.model.get_input_embeddings(), target.lm_head)
