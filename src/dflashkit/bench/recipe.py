@@ -131,6 +131,12 @@ def variant_config(cfg: Any, name: str, overrides: list[str], root: Path, steps:
 MARKER = ".bench-recipe"  # in each variant dir this bench made: only those are ever cleared for a re-run
 
 
+def _made_before_markers(vroot: Path) -> bool:
+    """A variant dir an earlier dflashkit made: tokenize/ linked to the run's, train/ written by train."""
+    return (vroot.is_dir() and not vroot.is_symlink() and (vroot / "tokenize").is_symlink()
+            and (vroot / "train" / "manifest.json").is_file() and not (vroot / MARKER).exists())
+
+
 def plan_variants(cfg: Any, rd: RunDir) -> dict[str, tuple[list[str], Any, Any]]:
     """name → (overrides, config, contract or None) of every variant, built and checked before any trains:
     names, override keys and values, and the drafter.* keys against the contract the variant will train
@@ -159,7 +165,8 @@ def plan_variants(cfg: Any, rd: RunDir) -> dict[str, tuple[list[str], Any, Any]]
             raise ConfigError([f"bench.recipe_variants.{name}: {p}" for p in e.problems], hint=e.hint) from None
         except DflashkitError as e:
             raise ConfigError([f"bench.recipe_variants.{name}: {e.message}"]) from None
-        check_replaceable(root / name, owner="bench recipe", marker=MARKER)
+        if not _made_before_markers(root / name):  # a variant dir from before MARKER existed is ours too
+            check_replaceable(root / name, owner="bench recipe", marker=MARKER)
         out[name] = (over, vcfg, own)
     return out
 
@@ -270,7 +277,7 @@ def bench_recipe(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for name, (over, vcfg, own) in plan.items():
         vdir = RunDir(vcfg.run.run_dir)
-        if (vdir.root / MARKER).is_file():  # this bench's own earlier variant: trained from scratch again
+        if (vdir.root / MARKER).is_file() or _made_before_markers(vdir.root):  # ours: trained from scratch again
             shutil.rmtree(vdir.root)
         vdir.root.mkdir(parents=True, exist_ok=True)
         (vdir.root / MARKER).write_text("made by `dflashkit bench recipe`; cleared when the bench re-runs\n")
