@@ -125,3 +125,20 @@ def run_dir_with_drafter(tmp_path: Path, target, block_size: int = 4, prompts: i
             for i in range(prompts)]
     (rd / "prepare" / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return rd
+
+
+def dflash2_drafter(target, block_size: int = 4, seed: int = 0):
+    """A random DFlash2 drafter for `target` whose convolutions and selector are not the identity / at init."""
+    from dflashkit.model.dflash2 import DFlash2DraftModel
+    from dflashkit.testing import random_drafter
+
+    c = random_drafter(target, block_size=block_size, layers=2).contract
+    c.drafter_type, c.conv_kernel_size, c.conv_group_size, c.selector_rank, c.selector_top_k = "dflash2", 2, 8, 8, 6
+    c.output_multiplier = 1.25
+    torch.manual_seed(seed)
+    model = DFlash2DraftModel(c)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "_conv." in name or name.startswith("candidate_selector."):
+                p.add_(torch.randn_like(p) * 0.2)
+    return model.eval()

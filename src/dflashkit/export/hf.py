@@ -199,14 +199,17 @@ def build_drafter(contract: DrafterContract, size: int | None, state: dict[str, 
     `size` is the draft vocab size (None: full vocab); the other reader (export/speculators.py) uses this.
     """
     config_path = d / "config.json"
-    vocab = _draft_vocab(state, size, contract, d / WEIGHTS, config_path)
-    if contract.is_dflash2 and vocab is not None:
-        raise UsageError(f"{config_path}: a DFlash2DraftModel with draft_vocab_size {size}; DFlash2 drafts over "
-                         "the full target vocab", hint="re-export the drafter without a reduced draft vocab")
+    from dflashkit.export.dflash2 import check_dflash2_tensors
     from dflashkit.model.dflash2 import drafter_for
 
+    vocab = _draft_vocab(state, size, contract, d / WEIGHTS, config_path)
+    if contract.is_dflash2 and vocab is not None:
+        raise UsageError(f"{config_path}: a DFlash2DraftModel with draft_vocab_size {size}; DFlash2 drafts over the "
+                         "full target vocabulary (vLLM's selector indexes its codebooks by target id)",
+                         hint="re-export the drafter without a reduced draft vocabulary")
     model = drafter_for(contract, draft_vocab=vocab)
     want = model.state_dict()
+    check_dflash2_tensors(contract, set(state), set(want), weights=d / WEIGHTS, config=config_path)
     missing = sorted(set(want) - set(state))
     unexpected = sorted(set(state) - set(want))
     shapes = [f"{k}: file {tuple(state[k].shape)} != config {tuple(want[k].shape)}"
@@ -256,4 +259,5 @@ def load_shipped_model(export_dir: str | Path):
     assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.DFlashDraftModel.from_pretrained(str(export_dir), dtype=torch.float32).eval()
+    arch = (read_config(export_dir)[1].get("architectures") or ["DFlashDraftModel"])[0]  # or DFlash2DraftModel
+    return getattr(module, arch).from_pretrained(str(export_dir), dtype=torch.float32).eval()

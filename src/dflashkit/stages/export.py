@@ -12,6 +12,9 @@ Example: dflashkit export -c run.yaml export.dtype=bfloat16
          export/speculators.py: config.json + model.safetensors + README.md + manifest.json, reloaded
          through our speculators reader and compared the same way; no dflash.py)
 
+A DFlash2 drafter (`drafter.type: dflash2`) exports as `DFlash2DraftModel` (export/dflash2.py; dflash.py
+has the class too) and the reload check also requires the same walk through the candidates.
+
 The dir is built in a temp dir beside the destination, reloaded twice (our loader and the shipped
 dflash.py) and compared with the source drafter on a fixed input — the logits through the target's
 own head when its weights can be read — and only then renamed into place.
@@ -96,6 +99,11 @@ def model_card(cfg: Any, contract: Any, out_dir: Path, rd: Any, draft_vocab_size
               "Transformers (this dir ships its own `dflash.py`):", "", "```python",
               "from transformers import AutoModel",
               f"drafter = AutoModel.from_pretrained(\"{out_dir}\", trust_remote_code=True)", "```", ""]
+    if getattr(contract, "is_dflash2", False):
+        lines += ["DFlash2: vLLM runs the candidate selector on its V2 model runner only (GPU, Triton); its V1 "
+                  "runner (the CPU build) refuses the checkpoint. `dflash.py`'s DFlash2DraftModel computes the "
+                  "block's hidden states and holds the selector; `dflashkit eval` / `serve --drafter` draft "
+                  "through the walk.", ""]
     return "\n".join(lines)
 
 
@@ -138,8 +146,14 @@ def reload_check(source: Any, export_dir: Path, head: Any, atol: float) -> dict[
             f"shipped dflash.py vs our loader {diff_shipped:.3g} (allowed {atol * scale:.3g} / {1e-4 * scale:.3g})",
             hint="nothing was replaced; try export.dtype=float32 or raise export.check_atol")
     top1 = (la.argmax(-1) == lr.argmax(-1)).float().mean().item()
+    walk = {}
+    if c.is_dflash2:  # the selector's path too: exact when the export is float32
+        from dflashkit.export.dflash2 import walk_check
+
+        exact = next(v.dtype for v in ours.state_dict().values() if v.is_floating_point()) == torch.float32
+        walk = walk_check(source, ours, head, exact=exact)
     return {"max_diff_vs_source": diff_export, "max_diff_shipped_vs_ours": diff_shipped, "logit_scale": scale,
-            "top1_agreement": top1, "compared": "logits" if head is not None else "hidden states"}
+            "top1_agreement": top1, "compared": "logits" if head is not None else "hidden states", **walk}
 
 
 def _target_head(cfg: Any):

@@ -6,6 +6,8 @@ Inputs:  the exported drafter (DIR, else `<run_dir>/export`), the target (`targe
 Outputs: `verify-engine/results.json` (+ manifest), `verify-engine/engine-ar.log`, `engine-dflash.log`.
 Example: dflashkit verify-engine -c run.yaml            # after `dflashkit export`
 
+A DFlash2 export fails unless vLLM ran it on its V2 model runner (the only one with the candidate
+selector; vLLM's CPU build has none: there it always fails, naming the engine's log line).
 Greedy outputs of vLLM (without speculation) must equal our target's, vLLM with DFlash must equal
 vLLM without, and the engine's τ and per-position acceptance must match our decoder's on the same
 prompts within the tolerances of `dflashkit.engines.verify` (τ within 15 %, each position within
@@ -41,6 +43,9 @@ def _drafter_dir(rd: RunDir, positionals: list[str]) -> Path:
 
 
 def _table(res: dict[str, Any]) -> str:
+    if "tau" not in res:  # a DFlash2 export on a runner without its selector: nothing was measured
+        return "\n".join([f"verify-engine ({res['engine']}, DFlash2, B={res['block_size']}): FAILED"]
+                         + [f"  likely cause: {x}" for x in res["causes"]])
     t, pp, c = res["tau"], res["per_position_acceptance"], res["checks"]
     ok = {True: "ok", False: "FAIL", None: "not checked"}
     lines = [f"verify-engine ({res['engine']}, B={res['block_size']}, {res['prompts']} prompts, {res['dtype']}): "
@@ -76,7 +81,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
                    outputs=["results.json", "engine-ar.log", "engine-dflash.log"])
     if not ctx.json:
         print(_table(res), file=sys.stderr, flush=True)
-    summary = {"passed": res["passed"], "tau": res["tau"], "checks": {k: v["ok"] for k, v in res["checks"].items()},
+    summary = {"passed": res["passed"], "tau": res.get("tau"), "checks": {k: v["ok"] for k, v in res["checks"].items()},
                "causes": res["causes"], "results": str(out / "results.json")}
     if not res["passed"]:
         raise StageFailed("verify-engine: the drafter does not behave in vLLM as in dflashkit: "
