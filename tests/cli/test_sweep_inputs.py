@@ -272,7 +272,9 @@ def test_bench_dry_run_writes_nothing(subject, tmp_path, tiny_qwen3, drafter_dir
     res = _last_json(out)
     assert res["dry_run"] is True
     if subject == "recipe":
-        assert set(res["variants"]) == {"base", "labels=data", "no-features"}
+        from dflashkit.bench.recipe import DEFAULT_VARIANTS
+
+        assert set(res["variants"]) == set(DEFAULT_VARIANTS) >= {"base", "labels=data", "no-features", "dflash2"}
     assert _snapshot(w.run) == before
     assert not (w.run / ".lock").exists()
 
