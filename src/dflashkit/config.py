@@ -88,8 +88,12 @@ class DrafterSection:
     head_dim: int | None = f(None, "null = the target's.")
     intermediate_size: int | None = f(None, "null = the target's (dense MLP size).")
     rms_norm_eps: float | None = f(None, "null = the target's.")
-    init: Literal["random", "target"] = f("random", "Initialise draft layers randomly or from target "
-                                          "layers (when the shapes allow).")
+    init: str = f("random", "random | target | a drafter dir. random: random draft layers; target: copied from "
+                  "target layers (when the shapes allow); a dir: warm start from a drafter you have (z-lab or "
+                  "speculators format: train/final, an export, an imported or published drafter) whose target "
+                  "hidden size, vocab, target_layer_ids, mask id and draft architecture match this run's (each "
+                  "mismatch named, exit 2); its block size may differ; a reduced vocab's d2t is kept when "
+                  "draft_vocab_size equals it, else rebuilt.")
     init_layer_ids: list[int] | None = f(None, "Target layers to copy when init=target; null = the last "
                                          "num_draft_layers layers.")
     attention: Literal["sdpa", "flex"] = f("sdpa", "sdpa (dense mask; CPU and GPU) or flex (GPU).")
@@ -529,6 +533,8 @@ def _validate(cfg: RunConfig) -> list[str]:
         if d.num_target_features is not None and len(ids) != d.num_target_features:
             p.append(f"drafter.target_layer_ids: {len(ids)} ids but drafter.num_target_features="
                      f"{d.num_target_features}; give one id per feature (or leave one of them null)")
+    if d.init in ("", "none", "null"):
+        p.append(f"drafter.init: {d.init!r} is not random, target or a drafter dir")
     if d.mask_token_id is not None and d.mask_token_id < 0:
         p.append(f"drafter.mask_token_id: must be >= 0, got {d.mask_token_id}")
     if d.draft_vocab_size is not None and d.draft_vocab_size < 0:

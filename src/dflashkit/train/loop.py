@@ -111,6 +111,7 @@ class Trainer:
     amp: torch.dtype | None
     head: torch.nn.Module | None = None       # the loss's head: parts.lm_head, or its rows `vocab`
     vocab: torch.Tensor | None = None         # reduced draft vocab (sorted target ids), on the device
+    warm_start: dict | None = None            # drafter.init=<dir>: what was copied (train/warm_start.py)
 
     def __post_init__(self):
         if self.head is None:
@@ -219,6 +220,12 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
 
     contract = DrafterContract.load(rd.contract_path)
     check_recipe(cfg.train)
+    warm = None
+    if cfg.drafter.init not in ("random", "target"):  # a drafter dir: read and checked before any work
+        from dflashkit.train.warm_start import check_fits, read_warm_start
+
+        warm = read_warm_start(cfg.drafter.init)
+        check_fits(warm, contract)
     data = load_tokenized(rd)
     target = load_target(cfg.target, device=str(dist.device))
     contract.check(target, where=str(rd.contract_path), hint=REPROBE_HINT)
@@ -230,13 +237,24 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
     if cfg.train.parallel.target == "shard":
         parts = shard_target(target, dist)
     train_idx, heldout = split_heldout(len(data), cfg.train.heldout_samples, seed=cfg.run.seed)
-    vocab = pick_draft_vocab(cfg, contract, target, data, train_idx)
+    vocab = None
+    if warm is not None:
+        from dflashkit.train.warm_start import keep_source_vocab
+
+        vocab = keep_source_vocab(warm, cfg.drafter.draft_vocab_size)
+    if vocab is None:
+        vocab = pick_draft_vocab(cfg, contract, target, data, train_idx)
     torch.manual_seed(cfg.run.seed)
     drafter = DFlashDraftModel(contract, draft_vocab=vocab).to(dist.device)
+    warm_report = None
     if cfg.drafter.init == "target":
         from dflashkit.model.init import init_from_target
 
         init_from_target(drafter, target, cfg.drafter.init_layer_ids)
+    elif warm is not None:
+        from dflashkit.train.warm_start import warm_start
+
+        warm_report = warm_start(drafter, warm, contract)
     if cfg.train.compile:
         for layer in drafter.layers:
             layer.compile()
@@ -250,6 +268,7 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
                  gamma_for(cfg.train.gamma, contract.block_size), attention,
                  autocast_dtype(cfg.train.dtype, dist.device))
     tr.use_draft_vocab(vocab)
+    tr.warm_start = warm_report
     return tr
 
 
@@ -506,6 +525,9 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
         return {"curve": curve.state_dict(), **({"best": best.record} if best.record else {})}
 
     try:
+        if start == 0 and tr.warm_start is not None:  # where the warm start begins: its held-out loss and τ
+            tr.drafter.eval()
+            evaluated(0)
         tr.drafter.train()
         for step in range(start, steps):
             ts = time.perf_counter()
@@ -543,4 +565,5 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
             "heldout": ({k: v for k, v in last_eval.items() if k != "by_source"} if last_eval else None),
             "tokens_per_s": round(done_tokens / wall, 1) if wall > 0 else None,
             "world_size": dist.world, "samples": len(tr.plan.train_idx), "heldout_samples": len(tr.heldout),
-            **({"draft_vocab_size": int(tr.vocab.numel())} if tr.vocab is not None else {})}
+            **({"draft_vocab_size": int(tr.vocab.numel())} if tr.vocab is not None else {}),
+            **({"warm_start": tr.warm_start} if tr.warm_start is not None else {})}
