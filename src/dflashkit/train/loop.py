@@ -47,6 +47,7 @@ from dflashkit.train.parallel import (DistInfo, TargetParts, all_reduce_sum, bar
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
+    from dflashkit.model.head import HeadOnlyTarget
     from dflashkit.model.target import Target
     from dflashkit.rundir import RunDir
 
@@ -101,7 +102,7 @@ class Trainer:
     contract: DrafterContract
     dist: DistInfo
     drafter: torch.nn.Module
-    target: Target
+    target: Target | HeadOnlyTarget  # head-only when every target output comes from the feature shards
     parts: TargetParts
     data: TokenData
     plan: BatchPlan
@@ -227,15 +228,22 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
         warm = read_warm_start(cfg.drafter.init)
         check_fits(warm, contract)
     data = load_tokenized(rd)
-    target = load_target(cfg.target, device=str(dist.device))
-    contract.check(target, where=str(rd.contract_path), hint=REPROBE_HINT)
     if cfg.train.features == "cached":
         data.features = FeatureStore(rd.root / "capture", data.shards, contract.target_layer_ids)
         if cfg.train.labels == "target":
             data.features.require("next_ids", "train.labels=target reads the target's argmax from the shards")
-    parts = TargetParts(target.model.get_input_embeddings(), target.lm_head)
-    if cfg.train.parallel.target == "shard":
-        parts = shard_target(target, dist)
+    target: Target | HeadOnlyTarget
+    if head_only(cfg.train, data.features):  # every target output is in the shards: embedding + head suffice
+        from dflashkit.model.head import load_head_only_target
+
+        target = load_head_only_target(cfg.target, device=str(dist.device))
+        parts = TargetParts(target.parts.embed, target.lm_head)
+    else:
+        full = load_target(cfg.target, device=str(dist.device))
+        target, parts = full, TargetParts(full.model.get_input_embeddings(), full.lm_head)
+        if cfg.train.parallel.target == "shard":
+            parts = shard_target(full, dist)
+    contract.check(target, where=str(rd.contract_path), hint=REPROBE_HINT)
     train_idx, heldout = split_heldout(len(data), cfg.train.heldout_samples, seed=cfg.run.seed)
     vocab = None
     if warm is not None:
@@ -270,6 +278,14 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
     tr.use_draft_vocab(vocab)
     tr.warm_start = warm_report
     return tr
+
+
+def head_only(train, store: FeatureStore | None) -> bool:
+    """Whether training needs only the target's embedding and head (model/head.py), not its layers: the
+    features, and the labels / KL target the recipe asks for, all come from the feature shards."""
+    if train.features != "cached" or store is None:
+        return False
+    return (train.labels != "target" or store.has("next_ids")) and (train.loss == "ce" or store.has("last_hidden"))
 
 
 def check_recipe(train) -> None:
