@@ -27,7 +27,7 @@ import shutil
 import struct
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -60,24 +60,43 @@ def _existing_ok(path: Path, layer_ids: list[int], digest: str, dtype: str, last
             and meta.get("target_autocast", "none") == autocast)
 
 
-def _write_shard(path: Path, target, rows: list[torch.Tensor], layer_ids: list[int], *, dtype: str,
-                 batch_size: int, metadata: dict[str, str], width: int, pad_id: int,
-                 last_hidden: bool = False, autocast: torch.dtype | None = None) -> int:
+def local_batches(target, rows: list[torch.Tensor], layer_ids: list[int], *, batch_size: int, pad_id: int,
+                  last_hidden: bool, autocast: torch.dtype | None = None) -> Iterator[list[tuple]]:
+    """The target in this process: samples in batches of similar length (sorted, so padding costs little);
+    yields [(row index, features [n, W], next_ids [n], last_hidden [n, H] | None)] per batch."""
+    lens = [len(r) for r in rows]
+    order = sorted(range(len(rows)), key=lambda i: lens[i])
+    for k in range(0, len(order), batch_size):
+        part = order[k:k + batch_size]
+        s = max(lens[i] for i in part)
+        ids = torch.full((len(part), s), pad_id, dtype=torch.long)
+        att = torch.zeros((len(part), s), dtype=torch.long)
+        for j, i in enumerate(part):
+            ids[j, :lens[i]], att[j, :lens[i]] = rows[i], 1
+        with torch.no_grad(), torch.autocast(target.device.type, dtype=autocast, enabled=autocast is not None):
+            feats, last = target.features(ids.to(target.device), layer_ids=layer_ids, need_last_hidden=True,
+                                          attention_mask=att.to(target.device))
+            nxt = target.next_token_ids(last)
+        yield [(i, feats[j, :lens[i]], nxt[j, :lens[i]], last[j, :lens[i]] if last_hidden else None)
+               for j, i in enumerate(part)]
+
+
+def write_shard(path: Path, lens: list[int], batches: Iterable[list[tuple]], *, dtype: str, metadata: dict[str, str],
+                width: int, hidden: int, last_hidden: bool = False) -> int:
     """Write one safetensors file: header, offsets, features, next_ids, last_hidden.
 
-    Samples are run in batches of similar length (sorted, so padding costs little) and each row is
-    written at its own offset, so the file keeps tokenized-shard order. `next_ids` (small) is held
-    in memory; `last_hidden` goes to a side file and is appended."""
+    `batches` yields [(row index, features [n, W], next_ids [n], last_hidden [n, H] | None)] in any
+    order (`local_batches`: the target here; `engines/capture.py`: a serving engine's rows); each row is
+    written at its own offset, so the file keeps tokenized-shard order. `next_ids` (small) is held in
+    memory; `last_hidden` goes to a side file and is appended."""
     import tempfile
 
     st_name, nbytes = ST_DTYPES[dtype]
-    lens = [len(r) for r in rows]
     offsets = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0)
     total = int(offsets[-1])
-    hidden = target.hidden_size
     off_bytes = offsets.numpy().tobytes()
     f_end = len(off_bytes) + total * width * nbytes
-    header = {"offsets": {"dtype": "I64", "shape": [len(rows) + 1], "data_offsets": [0, len(off_bytes)]},
+    header = {"offsets": {"dtype": "I64", "shape": [len(lens) + 1], "data_offsets": [0, len(off_bytes)]},
               "features": {"dtype": st_name, "shape": [total, width], "data_offsets": [len(off_bytes), f_end]},
               "next_ids": {"dtype": "I32", "shape": [total], "data_offsets": [f_end, f_end + 4 * total]}}
     if last_hidden:
@@ -90,30 +109,23 @@ def _write_shard(path: Path, target, rows: list[torch.Tensor], layer_ids: list[i
     base = 8 + len(hb) + len(off_bytes)                      # where `features` starts in the file
     next_ids = np.zeros(total, dtype=np.int32)
     side = tempfile.TemporaryFile(dir=path.parent) if last_hidden else None
-    # Batches of similar lengths (sorted), each row written at its own offset: little padding to compute.
-    order = sorted(range(len(rows)), key=lambda i: lens[i])
+    seen = 0
     with atomic_path(path) as tmp, open(tmp, "wb") as fh:
         fh.write(struct.pack("<Q", len(hb)) + hb + off_bytes)
         fh.truncate(base + total * width * nbytes)
-        for k in range(0, len(order), batch_size):
-            part = order[k:k + batch_size]
-            s = max(lens[i] for i in part)
-            ids = torch.full((len(part), s), pad_id, dtype=torch.long)
-            att = torch.zeros((len(part), s), dtype=torch.long)
-            for j, i in enumerate(part):
-                ids[j, :lens[i]], att[j, :lens[i]] = rows[i], 1
-            with torch.no_grad(), torch.autocast(target.device.type, dtype=autocast, enabled=autocast is not None):
-                feats, last = target.features(ids.to(target.device), layer_ids=layer_ids, need_last_hidden=True,
-                                              attention_mask=att.to(target.device))
-                nxt = target.next_token_ids(last)
-            for j, i in enumerate(part):
+        for batch in batches:
+            for i, feats, nxt, last in batch:
                 a, n = int(offsets[i]), lens[i]
+                assert feats.shape == (n, width), (feats.shape, n, width)
                 fh.seek(base + a * width * nbytes)
-                fh.write(feats[j, :n].to(tdtype).contiguous().cpu().view(torch.uint8).numpy().tobytes())
-                next_ids[a:a + n] = nxt[j, :n].cpu().numpy()
+                fh.write(feats.to(tdtype).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+                next_ids[a:a + n] = nxt.cpu().numpy()
                 if side is not None:
                     side.seek(a * hidden * nbytes)
-                    side.write(last[j, :n].to(tdtype).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+                    side.write(last.to(tdtype).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+                seen += 1
+        if seen != len(lens):
+            raise RuntimeError(f"{path}: {seen} of {len(lens)} rows were produced")  # nothing is renamed
         fh.seek(base + total * width * nbytes)
         fh.write(next_ids.tobytes())
         if side is not None:
@@ -183,8 +195,10 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
             meta = {"target_layer_ids": json.dumps(layer_ids), "source": shard.name, "source_digest": digest,
                     "dtype": dtype, "hidden_size": str(contract.hidden_size), "samples": str(len(rows)),
                     "target_autocast": str(autocast or "none")}
-            n = _write_shard(dest, target, rows, layer_ids, dtype=dtype, batch_size=cfg.capture.batch_size,
-                             metadata=meta, width=width, pad_id=pad, last_hidden=keep_last, autocast=autocast)
+            batches = local_batches(target, rows, layer_ids, batch_size=cfg.capture.batch_size, pad_id=pad,
+                                    last_hidden=keep_last, autocast=autocast)
+            n = write_shard(dest, [len(r) for r in rows], batches, dtype=dtype, metadata=meta, width=width,
+                            hidden=contract.hidden_size, last_hidden=keep_last)
             log.info("captured %s: %d samples, %d tokens", dest.name, len(rows), n)
             result["written"] += 1
     write_manifest(out_dir, stage="capture", config_hash=stage_hash("capture", cfg, layer_ids, keep_last),

@@ -1,0 +1,150 @@
+"""Feature rows from a serving engine (`capture.engine: vllm`, `train.features: engine`): request, check, spool.
+
+Usage:
+    src = EngineSource(base_url, "target", layer_ids=[1, 15], num_layers=30, head=parts, dtype="bfloat16",
+                       last_hidden=False)
+    row = src.sample(ids)                                   # FeatureRow: features [T, n·H], next_ids [T], last_hidden?
+    spool = Spool(run_dir / "capture" / "engine-spool" / "shard-00000")
+    spool.fill(src, rows, concurrency=4)                    # every missing row requested once, written atomically
+    for i, row in spool.rows(len(rows)): ...                # back in tokenized order, for the shard writer
+
+Each tokenized sample is one `/v1/completions` request with its token ids and `max_tokens: 1`;
+the engine's file (`engines/hidden_states.py`) is checked (the ids it computed are the ids sent,
+the layer count is the aux count), turned into our row — the contract layers concatenated in
+contract order, the target's greedy next token from the final norm + LM head (`model/head.py`)
+applied to the last layer's pre-norm output, optionally that final-norm output — and written to
+`<spool>/<row>.safetensors` through a temp file + rename; the engine's file is then deleted.
+
+Exactly once, kill −9 safe: a row's spool file is complete or absent, so a re-run requests only
+the rows without one; the shard is assembled from exactly one file per row (by the stage, through
+the one shard writer) and only then is the spool removed. Engine files a killed run left behind
+(its requests in flight) are never read again: the storage dir is emptied at the start.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from dflashkit.engines import hidden_states as hs_io
+
+log = logging.getLogger("dflashkit.capture")
+
+
+@dataclass
+class FeatureRow:
+    """One sample's target side: what a feature shard stores for it."""
+
+    features: torch.Tensor                   # [T, n_feat·H]
+    next_ids: torch.Tensor                   # [T] int64: argmax lm_head(final_norm(last layer))
+    last_hidden: torch.Tensor | None = None  # [T, H] final-norm output (for KL)
+
+
+@dataclass
+class EngineSource:
+    """Turns tokenized samples into FeatureRows through a vLLM server running `extract_hidden_states`."""
+
+    base_url: str
+    model: str
+    layer_ids: list[int]
+    num_layers: int
+    head: Any                      # model.head.HeadParts
+    dtype: str                     # stored dtype (capture.dtype)
+    last_hidden: bool
+    timeout_s: float = 600.0
+
+    @property
+    def aux(self) -> list[int]:
+        return hs_io.aux_layer_ids(self.layer_ids, num_layers=self.num_layers, with_last=True)
+
+    def sample(self, ids: list[int]) -> FeatureRow:
+        """Request one sample and return its row (the engine's file is removed once read)."""
+        path = hs_io.request(self.base_url, self.model, ids, timeout_s=self.timeout_s)
+        try:
+            got = hs_io.read(path, sent=ids, expect_layers=len(self.aux), timeout_s=self.timeout_s)
+        finally:
+            hs_io.remove(path)
+        return self.row(got.hidden_states)
+
+    def row(self, hidden: torch.Tensor) -> FeatureRow:
+        """[T, aux, H] engine hidden states → our row (features in contract order, labels from the head)."""
+        aux = self.aux
+        feats = torch.cat([hidden[:, aux.index(i + 1)] for i in self.layer_ids], dim=-1)
+        pre = hidden[:, aux.index(self.num_layers)].float()
+        last = self.head.final_norm(pre.to(self.head.norm_weight.dtype))
+        nxt = self.head.next_token_ids(last)
+        out_dtype = getattr(torch, self.dtype)
+        return FeatureRow(feats.to(out_dtype), nxt, last.to(out_dtype) if self.last_hidden else None)
+
+
+class Spool:
+    """`<dir>/<row:06d>.safetensors`: the finished rows of one shard (see the module docstring)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def path(self, i: int) -> Path:
+        return self.root / f"{i:06d}.safetensors"
+
+    def done(self, n: int) -> list[int]:
+        return [i for i in range(n) if self.path(i).is_file()]
+
+    def write(self, i: int, row: FeatureRow, n_tokens: int) -> None:
+        from safetensors.torch import save_file
+
+        from dflashkit.rundir import atomic_path
+
+        t = {"features": row.features.contiguous(), "next_ids": row.next_ids.to(torch.int32).contiguous()}
+        if row.last_hidden is not None:
+            t["last_hidden"] = row.last_hidden.contiguous()
+        assert row.features.shape[0] == n_tokens, (row.features.shape, n_tokens)
+        with atomic_path(self.path(i)) as tmp:
+            save_file(t, str(tmp), metadata={"tokens": str(n_tokens)})
+
+    def read(self, i: int) -> FeatureRow:
+        from safetensors.torch import load_file
+
+        t = load_file(str(self.path(i)))
+        return FeatureRow(t["features"], t["next_ids"].long(), t.get("last_hidden"))
+
+    def fill(self, src: EngineSource, rows: list[torch.Tensor], *, concurrency: int = 4,
+             progress: Any = None) -> int:
+        """Request every row without a spool file (at most `concurrency` in flight); returns how many."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        have = set(self.done(len(rows)))
+        todo = [i for i in range(len(rows)) if i not in have]
+
+        def one(i: int) -> int:
+            ids = rows[i].tolist()
+            self.write(i, src.sample(ids), len(ids))
+            return len(ids)
+
+        with ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="dflashkit-engine") as pool:
+            for n in pool.map(one, todo):
+                if progress is not None:
+                    progress(n)
+        return len(todo)
+
+    def rows(self, n: int) -> Iterator[tuple[int, FeatureRow]]:
+        for i in range(n):
+            yield i, self.read(i)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def clear_storage(storage: Path) -> int:
+    """Empty the engine's storage dir (ours: `<stage>/engine-files`): files a killed run left there."""
+    n = 0
+    if storage.is_dir():
+        for p in storage.iterdir():
+            if p.is_file() and (p.suffix in (".safetensors", ".lock", ".part") or p.name.endswith(".safetensors.part")):
+                p.unlink()
+                n += 1
+    return n
