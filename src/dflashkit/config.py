@@ -229,6 +229,17 @@ class CaptureSection:
         "auto", "Also store the target's final-norm hidden state per token (H values), from which cached "
         "training recomputes the target's distribution for KL; auto = when train.loss is kl or ce+kl.",
         hash_default=False)
+    engine: Literal["local", "vllm"] = f(
+        "local", "Who computes the features: local = the target loaded here (transformers); vllm = a vLLM server "
+        "with `extract_hidden_states` (started here for target.path with dflashkit's CPU-safe connector, or "
+        "`capture.server_url`), one /v1/completions request per sample (max_tokens 1, ids checked); labels and "
+        "KL from the target's final norm + LM head only (read by name). Same shards, same reader.",
+        hash_default=False)
+    server_url: str | None = f(
+        None, "capture.engine=vllm: base URL (…/v1) of a vLLM you already run with the flags "
+        "`dflashkit capture --dry-run` prints; its hidden-states files must be readable here. null = start one.",
+        hash_default=False)
+    concurrency: int = f(4, "capture.engine=vllm: requests in flight.", hash_default=False)
 
 
 @dataclass(kw_only=True)
@@ -552,7 +563,13 @@ def _validate(cfg: RunConfig) -> list[str]:
     _at_least(p, "train", t, 0, "keep_checkpoints")
     if not 0 < cfg.capture.max_disk_fraction <= 1:
         p.append(f"capture.max_disk_fraction: must be in (0, 1], got {cfg.capture.max_disk_fraction}")
-    _at_least(p, "capture", cfg.capture, 1, "batch_size")
+    _at_least(p, "capture", cfg.capture, 1, "batch_size", "concurrency")
+    if cfg.capture.server_url:
+        problem = url_problem(cfg.capture.server_url)
+        if problem:
+            p.append(f"capture.server_url: {problem}")
+        if cfg.capture.engine != "vllm":
+            p.append("capture.server_url: set, but capture.engine is local (set capture.engine=vllm)")
     g = cfg.generate
     _at_least(p, "generate", g, 1, "concurrency")
     _at_least(p, "generate", g, 0, "temperature")

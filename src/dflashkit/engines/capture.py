@@ -26,9 +26,10 @@ from __future__ import annotations
 import logging
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -148,3 +149,83 @@ def clear_storage(storage: Path) -> int:
                 p.unlink()
                 n += 1
     return n
+
+
+def engine_facts(cfg: Any) -> tuple[Path, dict[str, Any]]:
+    """The target dir and its facts (layers, hidden, vocab) from config.json alone (no weights)."""
+    from dflashkit.inspect.target import resolve_target_path
+    from dflashkit.model.target import text_config_dict
+
+    model_dir, _ = resolve_target_path(cfg.target.path, cfg.target.gguf_file)
+    tc = text_config_dict(model_dir)
+    return model_dir, {"num_layers": int(tc["num_hidden_layers"]), "hidden_size": int(tc["hidden_size"]),
+                       "vocab_size": int(tc["vocab_size"]), "model_dir": str(model_dir)}
+
+
+def serve_command_for(cfg: Any, layer_ids: list[int], storage: Path, *, cpu: bool = False) -> list[str]:
+    """The `vllm serve` command for `capture.server_url` mode (what `dflashkit capture --dry-run` prints)."""
+    from dflashkit.engines.launch import engine_dtype
+
+    model_dir, facts = engine_facts(cfg)
+    aux = hs_io.aux_layer_ids(layer_ids, num_layers=facts["num_layers"], with_last=True)
+    return ["vllm", "serve", str(model_dir), "--dtype", engine_dtype(cfg),
+            "--served-model-name", cfg.server.model or "target", *hs_io.serve_args(aux, storage.resolve(), cpu=cpu)]
+
+
+def _served_model(base_url: str, fallback: str | None) -> str:
+    from dflashkit.http1 import get_json
+
+    if fallback:
+        return fallback
+    models = get_json(base_url.rstrip("/") + "/models").get("data") or []
+    if not models:
+        raise hs_io.DflashkitError(f"{base_url}/models lists no model", hint="set server.model")
+    return str(models[0]["id"])
+
+
+@contextmanager
+def engine_source(cfg: Any, contract: Any, out_dir: Path, *, last_hidden: bool) -> Iterator[EngineSource]:
+    """An EngineSource on `capture.server_url`, or on a vLLM started here for target.path (stopped on exit).
+
+    The started engine writes into `<out_dir>/engine-files` (emptied first), logs to `<out_dir>/engine.log`.
+    """
+    from dflashkit.model.drafter_config import REPROBE_HINT
+    from dflashkit.model.head import load_head_parts
+
+    model_dir, facts = engine_facts(cfg)
+    contract.check(facts, where="contract.json", hint=REPROBE_HINT)
+    head = load_head_parts(model_dir, dtype=torch.float32)
+    storage = out_dir / "engine-files"
+    storage.mkdir(parents=True, exist_ok=True)
+    if clear_storage(storage):
+        log.info("removed engine files an interrupted run left in %s", storage)
+    aux = hs_io.aux_layer_ids(contract.target_layer_ids, num_layers=facts["num_layers"], with_last=True)
+    kw = dict(layer_ids=list(contract.target_layer_ids), num_layers=facts["num_layers"], head=head,
+              dtype=cfg.capture.dtype, last_hidden=last_hidden, timeout_s=cfg.server.timeout_s)
+    if cfg.capture.server_url:
+        url = cfg.capture.server_url.rstrip("/")
+        yield EngineSource(url, _served_model(url, cfg.server.model), **kw)  # type: ignore[arg-type]
+        return
+    from dflashkit.engines import vllm
+    from dflashkit.engines.launch import start_vllm_for_target
+
+    hs_io.install_connector(vllm.install())
+    with start_vllm_for_target(cfg, log_path=out_dir / "engine.log", served_name="target",
+                               extra_args=hs_io.serve_args(aux, storage.resolve(), cpu=True)) as eng:
+        yield EngineSource(eng.base_url, eng.served_name, **kw)  # type: ignore[arg-type]
+
+
+def capture_shards(src: EngineSource, todo: list[tuple[Path, list[torch.Tensor], dict[str, str]]], spool_root: Path,
+                   write_shard: Callable[..., int], *, concurrency: int, **shard_kw: Any) -> Iterator[tuple[Path, int]]:
+    """For each (dest, rows, metadata): spool every row through the engine, then write the shard with the
+    stage's `write_shard` (the one writer of the format) and drop the spool; yields (dest, tokens)."""
+    for dest, rows, meta in todo:
+        spool = Spool(spool_root / dest.stem)
+        sent = spool.fill(src, rows, concurrency=concurrency)
+        log.info("%s: %d samples requested from the engine, %d already spooled", dest.name, sent, len(rows) - sent)
+        batches = ([(i, r.features, r.next_ids, r.last_hidden)] for i, r in spool.rows(len(rows)))
+        n = write_shard(dest, [len(r) for r in rows], batches, metadata={**meta, "engine": "vllm"}, **shard_kw)
+        spool.remove()
+        yield dest, n
+    if spool_root.is_dir() and not any(spool_root.iterdir()):
+        spool_root.rmdir()
