@@ -173,6 +173,56 @@ def test_library_rooms_point_one_way():
                                         ("dflashkit.generate.y", "dflashkit.serving.z")]
 
 
+# The library's rooms, lowest first: a module imports only its own room or rooms ranked at or below
+# its own (issue #20: model/target.py → inspect/ and assets.py → model/tiny ran up). Rooms of one
+# rank may import each other (the cycle test still holds), top-level modules are their own room.
+RANKS: dict[str, int] = {
+    "dflashkit": 0, "dflashkit.errors": 0, "dflashkit.http1": 0, "dflashkit.config": 0, "dflashkit.stage_table": 0,
+    "dflashkit.rundir": 0, "dflashkit.context": 0,
+    "dflashkit.assets": 1,
+    "dflashkit.model": 2,
+    "dflashkit.inspect": 3,
+    "dflashkit.data": 4,
+    "dflashkit.train": 5, "dflashkit.export": 5, "dflashkit.generate": 5,
+    "dflashkit.decode": 6,
+    "dflashkit.serving": 7,
+    "dflashkit.engines": 8, "dflashkit.serve_app": 8,
+    "dflashkit.bench": 9, "dflashkit.testing": 9,
+}
+
+
+def room_of(mod: str) -> str:
+    parts = mod.split(".")
+    return ".".join(parts[:2])
+
+
+def rank_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Imports from a library room to a room ranked above it (modules of no ranked room: not checked)."""
+    bad = []
+    for src, targets in graph.items():
+        if _is_upper(src) or room_of(src) not in RANKS:
+            continue
+        for dst in targets:
+            if room_of(dst) in RANKS and RANKS[room_of(dst)] > RANKS[room_of(src)]:
+                bad.append((src, dst))
+    return sorted(bad)
+
+
+def test_every_library_room_has_a_rank():
+    rooms = {room_of(m) for m in import_graph() if not _is_upper(m)}
+    assert rooms <= set(RANKS), f"rank these rooms in RANKS: {sorted(rooms - set(RANKS))}"
+
+
+def test_no_import_runs_up_the_room_ranks():
+    bad = rank_violations(import_graph())
+    assert not bad, "imports up the room ranks (move the shared code down, or pass it in):\n" + "\n".join(
+        f"  {a} → {b}" for a, b in bad)
+    planted = {"dflashkit.model.target": {"dflashkit.inspect.target", "dflashkit.errors"},
+               "dflashkit.assets": {"dflashkit.model.tiny"}, "dflashkit.inspect.contract": {"dflashkit.model.x"}}
+    assert rank_violations(planted) == [("dflashkit.assets", "dflashkit.model.tiny"),
+                                        ("dflashkit.model.target", "dflashkit.inspect.target")]
+
+
 def test_checker_catches_a_cycle_and_an_upward_import(tmp_path):
     """The checks can fail: a planted cycle and a planted upward import are reported."""
     graph = {"dflashkit.a": {"dflashkit.b"}, "dflashkit.b": {"dflashkit.c"}, "dflashkit.c": {"dflashkit.a"},

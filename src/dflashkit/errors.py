@@ -88,3 +88,15 @@ class PartialFailure(StageFailed):
     """Some items of a stage failed; finished work is kept and a re-run retries the rest (exit 4)."""
 
     exit_code = EXIT_PARTIAL
+
+
+class PermanentFailure(StageFailed):
+    """Items failed with errors a re-run repeats (HTTP 400/401/404 …): fix the input, not a retry (exit 2)."""
+
+    exit_code = EXIT_USAGE
+
+
+class DiskFull(DflashkitError):
+    """A write failed because the filesystem is full (exit 1); the message names the path, the old data stays."""
+
+    detail: str | None = None

@@ -55,9 +55,41 @@ def _umask() -> int:
     return mask
 
 
+def is_disk_full(exc: BaseException, where: Path) -> bool:
+    """Whether `exc`, raised while writing under `where`, means the filesystem is full: ENOSPC/EDQUOT, or
+    a writer that wraps it (safetensors' `StorageFull`, torch's `inline_container.cc … file write failed`,
+    which names no errno: then the free space under `where` decides)."""
+    import errno
+
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(exc)
+    if "No space left on device" in text or "StorageFull" in text or "Disk quota exceeded" in text:
+        return True
+    if "inline_container" in text or "file write failed" in text:
+        try:
+            st = os.statvfs(where)
+            return st.f_bavail * st.f_frsize < 16 << 20
+        except OSError:
+            return False
+    return False
+
+
+def _disk_full_error(path: Path, exc: BaseException) -> Exception:
+    from dflashkit.errors import DiskFull
+
+    detail = getattr(exc, "detail", None) or f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+    err = DiskFull(f"the disk is full: writing {path} failed ({detail})",
+                   hint=f"free space on the filesystem of {path.parent} (`df -h {path.parent}`) and re-run the same "
+                   "command; what existed before is unchanged (the partial write was removed)")
+    err.detail = detail
+    return err
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temp path beside `path`; on success it is fsync'd and renamed over `path`."""
+    """Yield a temp path beside `path`; on success it is fsync'd and renamed over `path`. A full disk
+    raises `DiskFull` naming `path` (the old file stays)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -71,6 +103,13 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
                 os.fsync(fh.fileno())
         os.replace(tmp_path, path)
         _fsync_dir(path.parent)
+    except Exception as e:
+        full = is_disk_full(e, path.parent)
+        if tmp_path.exists():
+            tmp_path.unlink()
+        if full:
+            raise _disk_full_error(path, e) from None
+        raise
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
@@ -95,6 +134,38 @@ def _owned_by(path: Path, stage: str | None, marker: str) -> bool:
         return False
 
 
+def check_replaceable(path: str | Path, *, owner: str | None, marker: str = "manifest.json") -> None:
+    """Raise `UsageError` naming `path` unless `atomic_dir(path, owner=..., marker=...)` may replace
+    (or a stage may remove) it: absent, an empty directory, or a directory holding our `marker`.
+    Call it before long work so the refusal comes first, not after hours of training."""
+    from dflashkit.errors import UsageError
+
+    path = Path(path)
+    if _owned_by(path, owner, marker):
+        return
+    what = "a file" if path.is_file() else "a symlink" if path.is_symlink() else "a non-empty directory"
+    made_by = f" made by `dflashkit {owner}`" if owner else ""
+    raise UsageError(f"refusing to replace {path}: it is {what} that is not an output{made_by} "
+                     f"(no {marker} of stage {owner!r} in it)",
+                     hint="choose a new or empty directory, or remove it yourself if it is yours to delete")
+
+
+def share_files(root: Path) -> None:
+    """Give files under `root` that only their owner may read (safetensors, torch.save and mkstemp
+    write 0600) the mode a normal `open` gives under the umask, so another user's serving engine can
+    read train/final, train/best and checkpoints as it reads exports. Symlinks are left alone."""
+    mode = 0o666 & ~_umask()
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            p = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            if not os.path.islink(p) and (st.st_mode & 0o044) == 0 and (mode & 0o044):
+                os.chmod(p, mode | (st.st_mode & 0o111 & ~_umask()))
+
+
 @contextmanager
 def atomic_dir(path: str | Path, *, owner: str | None = None, marker: str = "manifest.json") -> Iterator[Path]:
     """Yield a temp dir beside `path`; on success it replaces `path`.
@@ -112,30 +183,47 @@ def atomic_dir(path: str | Path, *, owner: str | None = None, marker: str = "man
     """
     import shutil
 
-    from dflashkit.errors import UsageError
-
     path = Path(path)
-    if not _owned_by(path, owner, marker):
-        what = "a file" if path.is_file() else "a symlink" if path.is_symlink() else "a non-empty directory"
-        made_by = f" made by `dflashkit {owner}`" if owner else ""
-        raise UsageError(f"refusing to replace {path}: it is {what} that is not an output{made_by} "
-                         f"(no {marker} of stage {owner!r} in it)",
-                         hint="choose a new or empty directory, or remove it yourself if it is yours to delete")
+    check_replaceable(path, owner=owner, marker=marker)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     os.chmod(tmp, 0o777 & ~_umask())
     old = None
     try:
         yield tmp
+        share_files(tmp)
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
             os.replace(path, old / "x")
         os.replace(tmp, path)
         _fsync_dir(path.parent)
+    except Exception as e:
+        full = isinstance(e, _disk_full_type()) or is_disk_full(e, path.parent)  # before the space is freed
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise _disk_full_error(path, e) from None  # named by the directory being replaced
+        raise
     finally:
         for leftover in (tmp, old):
             if leftover is not None and leftover.exists():
                 shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _disk_full_type() -> type:
+    from dflashkit.errors import DiskFull
+
+    return DiskFull
+
+
+def remove_stale_temps(directory: str | Path, name_glob: str) -> list[Path]:
+    """Remove the temp files `atomic_path` left for outputs matching `name_glob` (`.{name}.XXXX.tmp`)
+    when its process was killed; only call it while holding the run-dir lock (no live writer)."""
+    removed = []
+    for p in Path(directory).glob(f".{name_glob}.*.tmp"):
+        if p.is_file() and not p.is_symlink():
+            p.unlink()
+            removed.append(p)
+    return removed
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
@@ -179,6 +267,11 @@ class RunDir:
     @property
     def contract_path(self) -> Path:
         return self.root / "contract.json"
+
+    @property
+    def capture_dir(self) -> Path:
+        """Feature shards (`data/features.py`: writer, reader and format)."""
+        return self.root / "capture"
 
     @property
     def resolved_config_path(self) -> Path:
@@ -249,9 +342,13 @@ def run_dir_lock(root: str | Path, command: str) -> Iterator[None]:
     created = [p for p in [root, *root.parents] if not p.exists()]
     if root.exists() and not root.is_dir():
         raise UsageError(f"run.run_dir {root} is a file, not a directory", hint="set run.run_dir to a directory")
-    root.mkdir(parents=True, exist_ok=True)
     path = root / ".lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # /proc/x, a read-only mount, no permission
+        raise UsageError(f"run.run_dir {root}: cannot write there ({e.strerror or e})",
+                         hint="set run.run_dir to a directory you can write to") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

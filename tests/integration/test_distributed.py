@@ -38,7 +38,12 @@ def _compare(tmp_path, target, mode, tgt, extra=()):
     assert len(l1) == len(l2) == 4 and torch.allclose(torch.tensor(l1), torch.tensor(l2), atol=1e-5), (l1, l2)
     w1 = load_file(one / "train" / "final" / "model.safetensors")
     w2 = load_file(two / "train" / "final" / "model.safetensors")
-    assert w1.keys() == w2.keys() and all(torch.allclose(w1[k], w2[k], atol=1e-5) for k in w1)
+    # AdamW moves a weight by ~lr·sign(g) where |g| is tiny, so the summation-order noise of two ranks
+    # (~1e-7 relative in g) can show as ~4e-5 after 3 steps at lr 3e-3 (seen on a fresh clone); a real
+    # difference (a wrong batch or loss normalisation) moves the losses (checked above at 1e-5) and the
+    # weights by ~lr = 3e-3 per step.
+    assert w1.keys() == w2.keys() and all(torch.allclose(w1[k], w2[k], atol=2e-4) for k in w1), \
+        {k: float((w1[k] - w2[k]).abs().max()) for k in w1}
     assert ("d2t" in w2) == any("draft_vocab_size" in e for e in extra)
     assert (two / "train" / "checkpoints" / "step-0000002" / "optimizer.pt").is_file()
 
@@ -100,3 +105,21 @@ def test_fsdp_resume_from_checkpoint_equals_uninterrupted(tmp_path, tiny_qwen3):
     again = load_file(rd / "train" / "final" / "model.safetensors")
     assert all(torch.allclose(full[k], again[k], atol=1e-6) for k in full)
     assert torch.allclose(torch.tensor(before), torch.tensor(_losses(rd)), atol=1e-6)
+
+
+@pytest.mark.parametrize("slow_rank", [1, 0])
+def test_ranks_finish_cleanly_when_one_is_slow_to_leave(tmp_path, tiny_qwen3, slow_rank):
+    """A rank that reaches teardown seconds after its peer (its peer has left and exited) still exits
+    0, and no rank aborts in teardown ("terminate called ...", SIGABRT) — the fresh-clone failure."""
+    rd = make_run(tmp_path / "r", tiny_qwen3)
+    env = {**ENV, "DFLASHKIT_TEST_SLOW_TEARDOWN": f"{slow_rank}:3"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "dflashkit.testing.slow_teardown", "train", "--json",
+           *overrides(rd, tiny_qwen3, train__max_steps=2, train__parallel__mode="fsdp",
+                      train__parallel__target="shard")]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "terminate called" not in r.stderr and "SIGABRT" not in r.stderr, r.stderr[-3000:]
+    results = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert len(results) == 2 and all(x["ok"] and x["world_size"] == 2 for x in results), (r.stdout, r.stderr[-3000:])
+    assert (rd / "train" / "final" / "model.safetensors").is_file() and (rd / "train" / "manifest.json").is_file()

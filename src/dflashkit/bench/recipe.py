@@ -52,10 +52,51 @@ def _link(src: Path, dst: Path) -> None:
 
 def variant_config(cfg: Any, name: str, overrides: list[str], root: Path, steps: int) -> Any:
     """The config of one variant: `cfg` + overrides, its own run dir, `steps` steps, one final eval."""
+    from dflashkit.config import given_keys, parse_override, set_given_keys
+
     data = config_to_dict(cfg)
     data["run"]["run_dir"] = str(root / name)
     data["train"].update(max_steps=steps, eval_every=0, save_every=0)
-    return config_from_dict(data, overrides, source=f"bench.recipe_variants.{name}")
+    vcfg = config_from_dict(data, overrides, source=f"bench.recipe_variants.{name}")
+    set_given_keys(vcfg, set(given_keys(cfg) or ()) | {parse_override(o)[0] for o in overrides})
+    return vcfg
+
+
+MARKER = ".bench-recipe"  # in each variant dir this bench made: only those are ever cleared for a re-run
+
+
+def plan_variants(cfg: Any, rd: RunDir) -> dict[str, Any]:
+    """Every variant's config, built and checked before any trains (names, override keys and values, the
+    drafter.* keys against contract.json): a bad last variant fails before the first one costs minutes."""
+    from dflashkit.config import recipe_variant_problems
+    from dflashkit.errors import ConfigError, DflashkitError
+    from dflashkit.rundir import check_replaceable
+
+    steps = int(cfg.bench.recipe_steps)
+    variants = dict(cfg.bench.recipe_variants or DEFAULT_VARIANTS)
+    problems = recipe_variant_problems(variants)
+    if problems:
+        raise ConfigError(problems)
+    root = rd.root / "bench" / "recipe"
+    out: dict[str, Any] = {}
+    for name, over in variants.items():
+        try:
+            out[name] = variant_config(cfg, name, list(over), root, steps)
+        except DflashkitError as e:
+            raise ConfigError([f"bench.recipe_variants.{name}: {e.message}"]) from None
+        check_replaceable(root / name, owner="bench recipe", marker=MARKER)
+    if rd.contract_path.is_file():
+        from dflashkit.model.drafter_config import DrafterContract
+        from dflashkit.train.guards import check_drafter_overrides
+
+        contract = DrafterContract.load(rd.contract_path)
+        check_drafter_overrides(cfg, contract, rd.contract_path)
+        for name, vcfg in out.items():
+            try:
+                check_drafter_overrides(vcfg, contract, rd.contract_path)
+            except ConfigError as e:
+                raise ConfigError([f"bench.recipe_variants.{name}: {p}" for p in e.problems], hint=e.hint) from None
+    return out
 
 
 def bigram_accuracy(rd: RunDir, heldout_samples: int, seed: int) -> float | None:
@@ -80,14 +121,23 @@ def bigram_accuracy(rd: RunDir, heldout_samples: int, seed: int) -> float | None
 def bench_recipe(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
     from dflashkit.train.loop import fit
 
+    import shutil
+
     steps = int(cfg.bench.recipe_steps)
-    variants = dict(cfg.bench.recipe_variants or DEFAULT_VARIANTS)
-    root = rd.root / "bench" / "recipe"
+    configs = plan_variants(cfg, rd)
+    if ctx.dry_run:
+        return {"dry_run": True, "steps": steps, "variants": {n: {"run_dir": c.run.run_dir,
+                                                                   "overrides": list((cfg.bench.recipe_variants
+                                                                                      or DEFAULT_VARIANTS)[n])}
+                                                               for n, c in configs.items()}}
     rows: list[dict[str, Any]] = []
-    for name, over in variants.items():
-        vcfg = variant_config(cfg, name, list(over), root, steps)
+    for name, vcfg in configs.items():
+        over = list((cfg.bench.recipe_variants or DEFAULT_VARIANTS)[name])
         vdir = RunDir(vcfg.run.run_dir)
+        if (vdir.root / MARKER).is_file():  # this bench's own earlier variant: trained from scratch again
+            shutil.rmtree(vdir.root)
         vdir.root.mkdir(parents=True, exist_ok=True)
+        (vdir.root / MARKER).write_text("made by `dflashkit bench recipe`; cleared when the bench re-runs\n")
         for part in ("contract.json", "tokenize", "capture"):
             _link(rd.root / part, vdir.root / part)
         t0 = time.perf_counter()

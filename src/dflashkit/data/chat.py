@@ -99,8 +99,10 @@ def strip_thinking(content: str) -> str:
 class ChatTemplate:
     """A tokenizer's (or an override) chat template, compiled once and rendered to text."""
 
-    def __init__(self, tokenizer: Any, template: str | None = None, kwargs: dict[str, Any] | None = None):
+    def __init__(self, tokenizer: Any, template: str | None = None, kwargs: dict[str, Any] | None = None,
+                 origin: str = "the tokenizer's chat template"):
         self.tokenizer = tokenizer
+        self.origin = origin  # named in errors: `target.chat_template <file>` or the tokenizer's dir
         self.template = template or getattr(tokenizer, "chat_template", None)
         if not self.template or not isinstance(self.template, str):
             raise UsageError("the tokenizer has no chat template",
@@ -117,6 +119,11 @@ class ChatTemplate:
             self._compiled = _compile_jinja_template(self.template)
         except ImportError:  # pragma: no cover - older/newer transformers: slower public path
             self._compiled = None
+        except Exception as e:  # noqa: BLE001 - jinja2.TemplateError: unknown filter/test, syntax
+            line = getattr(e, "lineno", None)
+            raise UsageError(f"{self.origin}{f':{line}' if line else ''}: the chat template does not compile "
+                             f"({type(e).__name__}: {e})",
+                             hint="fix the template (or set target.chat_template to a working Jinja file)") from None
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
         if self._compiled is not None:
@@ -375,9 +382,12 @@ def load_chat(cfg: Any, kwargs: dict[str, Any] | None = None) -> ChatTemplate:
     tok = load_tokenizer(model_dir, gguf_file=gguf, trust_remote_code=t.trust_remote_code,
                          tokenizer_dir=t.tokenizer)
     template = None
+    origin = f"the chat template of {t.tokenizer or model_dir} (tokenizer_config.json or chat_template.jinja)"
     if t.chat_template:
         p = Path(t.chat_template).expanduser()
         if not p.is_file():
             raise ConfigError(f"target.chat_template: file not found: {p}")
         template = p.read_text()
-    return ChatTemplate(tok, template, cfg.tokenize.chat_template_kwargs if kwargs is None else kwargs)
+        origin = f"target.chat_template {p}"
+    return ChatTemplate(tok, template, cfg.tokenize.chat_template_kwargs if kwargs is None else kwargs,
+                        origin=origin)

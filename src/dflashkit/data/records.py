@@ -147,8 +147,3 @@ def write_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> int:
             fh.write(dumps_record(row) + "\n")
             n += 1
     return n
-
-
-def load_conversations(path: str | Path) -> list[Conversation]:
-    """Read a conversation JSONL written by prepare or generate (strict: errors name file:line)."""
-    return [Conversation.from_dict(obj, f"{path}:{n}") for n, obj in read_jsonl(path)]

@@ -44,8 +44,17 @@ def resolve_drafter_dir(cfg: Any, rd: Any, positionals: list[str]) -> Path:
 
 
 def _prompt_of(obj: Any, where: str) -> list[dict[str, str]]:
-    if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+    from dflashkit.data.sources import RecordError, detect_format, to_messages
+
+    if isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and detect_format(obj) == "prompt":
         return [{"role": "user", "content": obj["prompt"]}]
+    if isinstance(obj, dict) and not isinstance(obj.get("messages"), list):
+        try:  # ShareGPT, alpaca, HumanEval: any format `prepare` reads
+            obj = {"messages": to_messages(obj)}
+        except RecordError as e:
+            raise UsageError(f"{where}: {e}",
+                             hint="use one record per line in any `prepare` format (messages, ShareGPT, alpaca, "
+                             "prompt, HumanEval)") from None
     msgs = obj.get("messages") if isinstance(obj, dict) else None
     if not isinstance(msgs, list) or not msgs:
         raise UsageError(f"{where}: expected {{\"messages\": [...]}} or {{\"prompt\": \"...\"}}",
@@ -69,7 +78,8 @@ def load_prompt_messages(cfg: Any, rd: Any) -> list[tuple[str, list[dict[str, st
     path = Path(cfg.eval.prompts) if cfg.eval.prompts else rd.root / "prepare" / "heldout.jsonl"
     if not path.is_file():
         if cfg.eval.prompts:
-            raise UsageError(f"eval.prompts {path} does not exist", hint="fix eval.prompts")
+            what = "is a directory, not a JSONL file" if path.is_dir() else "does not exist"
+            raise UsageError(f"eval.prompts {path} {what}", hint="set eval.prompts to a JSONL file")
         raise MissingArtifactError("held-out prompts", path, run="dflashkit prepare -c run.yaml")
     bad: list[str] = []  # malformed lines follow data.on_malformed: skipped (and logged) or an error
     out = [(str(obj.get("id", n)) if isinstance(obj, dict) else str(n), _prompt_of(obj, f"{path}:{n}"))

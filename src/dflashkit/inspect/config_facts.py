@@ -196,6 +196,19 @@ def _quant(cfg: dict[str, Any]) -> dict[str, Any] | None:
     return {"method": q.get("quant_method"), "bits": bits, "format": q.get("fmt") or q.get("format")}
 
 
+def _positive_int(value: Any, what: str, source: str) -> int:
+    """A count from config.json: a JSON integer >= 1 (a string, bool or fraction is an error naming the file)."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or (not isinstance(value, numbers.Integral)
+                                                                          and not float(value).is_integer()):
+        raise UsageError(f"{source}: {what} must be an integer, got {value!r} ({type(value).__name__})",
+                         hint=f"fix {source}: write the number without quotes")
+    if value < 1:
+        raise UsageError(f"{source}: {what} must be >= 1, got {value!r}", hint=f"fix {source}")
+    return int(float(value))
+
+
 def facts_from_config(raw: dict[str, Any], *, source: str, fmt: str = "hf") -> ModelFacts:
     """Facts from a parsed config.json (or a GGUF metadata dict shaped like one).
 
@@ -229,11 +242,13 @@ def facts_from_config(raw: dict[str, Any], *, source: str, fmt: str = "hf") -> M
         missing = [n for n, v in (("hidden size (" + "/".join(HIDDEN_KEYS) + ")", hidden),
                                   ("attention heads (" + "/".join(HEAD_KEYS) + ")", heads)) if v is None]
         raise UsageError(f"{source}: no {' and no '.join(missing)}")
-    n_layers, hidden, heads = int(n_layers), int(hidden), int(heads)
+    n_layers = _positive_int(n_layers, "layer count (" + "/".join(LAYER_KEYS) + ")", source)
+    hidden = _positive_int(hidden, "hidden size (" + "/".join(HIDDEN_KEYS) + ")", source)
+    heads = _positive_int(heads, "attention heads (" + "/".join(HEAD_KEYS) + ")", source)
     kv = _first(cfg, KV_KEYS)
     if kv is None:
         kv = 1 if cfg.get("multi_query") else heads
-    kv = int(kv)
+    kv = _positive_int(kv, "key/value heads (" + "/".join(KV_KEYS) + ")", source)
     head_dim = int(cfg.get("head_dim") or cfg.get("kv_channels") or hidden // heads)
     model_type = str(cfg.get("model_type") or raw.get("model_type") or "")
     archs = cfg.get("architectures") or raw.get("architectures") or [""]
@@ -265,6 +280,7 @@ def facts_from_config(raw: dict[str, Any], *, source: str, fmt: str = "hf") -> M
     vocab = get(VOCAB_KEYS)
     if vocab is None:
         raise UsageError(f"{source}: no vocab size (looked for {', '.join(VOCAB_KEYS)})")
+    vocab = _positive_int(vocab, "vocab size (" + "/".join(VOCAB_KEYS) + ")", source)
     tie = cfg.get("tie_word_embeddings")
     if tie is None:
         tie = raw.get("tie_word_embeddings", True if model_type.startswith("gemma") else False)

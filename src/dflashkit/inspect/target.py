@@ -15,44 +15,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import UsageError
+from dflashkit.model.files import resolve_target_path  # noqa: F401  (re-exported: the one resolver lives in model/)
 
 if TYPE_CHECKING:
     from dflashkit.inspect.tokenizer_facts import TokenizerFacts
 
 log = logging.getLogger("dflashkit.probe")
-
-
-def resolve_target_path(path: str, gguf_file: str | None = None) -> tuple[Path, str | None]:
-    """THE target-path resolver (probe, plan, load_target, serve, export, import, chat templates).
-
-    Returns (model dir, gguf file name or None) for a model dir, its `config.json`, a `.gguf` file,
-    a dir holding one `.gguf` and no config.json, or an asset name (downloaded when missing).
-    `gguf_file` (target.gguf_file) picks the .gguf inside a dir."""
-    if not path:
-        raise UsageError("target.path is empty", hint="set target.path to a HF model dir, a .gguf file "
-                         "or `smollm2-135m-instruct`")
-    p = Path(path).expanduser()
-    if not p.exists():
-        from dflashkit.assets import ASSETS, asset_path
-
-        if path in ASSETS:
-            return asset_path(path), None
-        raise UsageError(f"{path}: no such file or directory",
-                         hint="give a HF model dir (config.json), a .gguf file, or an asset name such as "
-                         "smollm2-135m-instruct")
-    if p.is_file():
-        if p.suffix == ".gguf":
-            return p.parent, p.name
-        if p.name == "config.json":
-            return p.parent, None
-        raise UsageError(f"{p}: a file that is neither a .gguf nor a config.json",
-                         hint="give the model directory")
-    if gguf_file:
-        return p, gguf_file
-    ggufs = sorted(p.glob("*.gguf"))
-    if not (p / "config.json").exists() and len(ggufs) == 1:
-        return p, ggufs[0].name
-    return p, None
 
 
 def inspect_target(cfg: Any, path: str, *, load_tokenizer: bool = True):

@@ -95,7 +95,7 @@ class DrafterContract:
         layers = self.num_target_layers if target is None else fact("num_layers")
         vocab = self.vocab_size if target is None else fact("vocab_size")
         problems = []
-        if self.hidden_size % 1 or self.hidden_size <= 0:
+        if self.hidden_size <= 0:
             problems.append(f"hidden_size must be > 0, got {self.hidden_size}")
         bad = [i for i in self.target_layer_ids if not 0 <= i < layers]
         if bad:
@@ -205,26 +205,37 @@ class DrafterContract:
             missing.append("dflash_config.mask_token_id")
         if missing:
             raise UsageError(f"{source}: missing keys {missing}")
-        num_layers = int(cfg["num_hidden_layers"])
-        n_target = int(dc.get("num_target_layers", cfg.get("num_target_layers", 0)) or 0)
-        ids = dc.get("target_layer_ids") or build_target_layer_ids(n_target, num_layers)
-        heads = int(cfg["num_attention_heads"])
+        def num(value: Any, key: str) -> int:  # a JSON integer: "4" or true is an error naming the key
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise UsageError(f"{source}: {key} must be an integer, got {value!r} ({type(value).__name__})",
+                                 hint=f"fix {source}: write the number without quotes")
+            return value
+
+        num_layers = num(cfg["num_hidden_layers"], "num_hidden_layers")
+        n_target = num(dc.get("num_target_layers", cfg.get("num_target_layers", 0)) or 0, "num_target_layers")
+        raw_ids = dc.get("target_layer_ids")
+        if raw_ids is not None and not isinstance(raw_ids, list):
+            raise UsageError(f"{source}: dflash_config.target_layer_ids must be a list, got {raw_ids!r}")
+        ids = [num(i, "dflash_config.target_layer_ids[]") for i in raw_ids] if raw_ids else \
+            build_target_layer_ids(n_target, num_layers)
+        heads = num(cfg["num_attention_heads"], "num_attention_heads")
+        hidden = num(cfg["hidden_size"], "hidden_size")
         return cls(
-            block_size=int(dc.get("block_size", cfg.get("block_size", 16))),
+            block_size=num(dc.get("block_size", cfg.get("block_size", 16)), "block_size"),
             num_draft_layers=num_layers,
-            target_layer_ids=[int(i) for i in ids],
-            mask_token_id=int(dc["mask_token_id"]),
+            target_layer_ids=ids,
+            mask_token_id=num(dc["mask_token_id"], "dflash_config.mask_token_id"),
             num_target_layers=n_target or (max(ids) + 3),
-            hidden_size=int(cfg["hidden_size"]),
+            hidden_size=hidden,
             num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-            intermediate_size=int(cfg.get("intermediate_size", 4 * cfg["hidden_size"])),
-            vocab_size=int(cfg.get("vocab_size", 0)),
+            num_key_value_heads=num(cfg.get("num_key_value_heads", heads), "num_key_value_heads"),
+            head_dim=num(cfg.get("head_dim") or hidden // heads, "head_dim"),
+            intermediate_size=num(cfg.get("intermediate_size", 4 * hidden), "intermediate_size"),
+            vocab_size=num(cfg.get("vocab_size", 0), "vocab_size"),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4))),
             rope_scaling=cfg.get("rope_scaling"),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=num(cfg.get("max_position_embeddings", 4096), "max_position_embeddings"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
         )

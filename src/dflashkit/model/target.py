@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from dflashkit.errors import UsageError
-from dflashkit.inspect.target import resolve_target_path
+from dflashkit.model.files import check_safetensors, resolve_target_path
 
 log = logging.getLogger("dflashkit.target")
 
@@ -90,6 +90,25 @@ def text_config_dict(model_dir: Path) -> dict[str, Any]:
     return raw
 
 
+def remote_code_reason(model_dir: Path) -> str | None:
+    """Why the model in `model_dir` can only load with its own Python code (its model_type is not built into
+    the installed transformers), or None when transformers has it."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    inner = dict(text_config_dict(model_dir))
+    mt = inner.get("model_type", "")
+    if MODEL_TYPE_ALIASES.get(mt, mt) in CONFIG_MAPPING:
+        return None
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        raw = {}
+    ships = "auto_map" in raw or "auto_map" in inner
+    return (f"{model_dir / 'config.json'}: model_type {mt!r} is not built into transformers "
+            f"{transformers.__version__}" + (" and the model ships its own code (auto_map)" if ships else ""))
+
+
 def _hf_config(model_dir: Path, trust_remote_code: bool):
     from transformers import AutoConfig, CONFIG_MAPPING
 
@@ -101,7 +120,16 @@ def _hf_config(model_dir: Path, trust_remote_code: bool):
         for k in ("architectures", "auto_map", "transformers_version"):
             inner.pop(k, None)
         return AutoConfig.for_model(mt, **inner)
-    return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    reason = remote_code_reason(model_dir)
+    if not trust_remote_code:
+        raise UsageError(f"{reason}: loading it runs that code, and target.trust_remote_code is off",
+                         hint=f"set target.trust_remote_code: true if you trust the Python files in {model_dir}, or "
+                         "upgrade transformers to a version that has this model")
+    try:
+        return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, OSError) as e:
+        raise UsageError(f"{reason}; transformers cannot load it even with target.trust_remote_code: {e}",
+                         hint="check the model dir's *.py files and config.json auto_map") from None
 
 
 @dataclass
@@ -233,8 +261,6 @@ def load_target(section, *, device: str | None = None, dtype: str | None = None,
     if not list(model_dir.glob("*.safetensors")):
         raise UsageError(f"{model_dir}: no *.safetensors weights (dflashkit loads safetensors only)",
                          hint="convert the checkpoint with save_pretrained(safe_serialization=True)")
-    from dflashkit.inspect.weights import check_safetensors
-
     for weights in sorted(model_dir.glob("*.safetensors")):  # a corrupt file: exit 2 naming it
         check_safetensors(weights)
     config = _hf_config(model_dir, section.trust_remote_code)

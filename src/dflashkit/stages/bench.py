@@ -71,6 +71,10 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
         raise UsageError(f"`dflashkit bench` needs a subject: {' | '.join(SUBJECTS)}",
                          hint="e.g. dflashkit bench decode -c run.yaml")
     subject = ctx.positionals[0]
+    if ctx.dry_run:  # nothing runs, nothing is written (and no run-dir lock is taken)
+        if subject == "recipe":  # every variant is built and checked, none trains
+            return {"subject": subject, **SUBJECTS[subject](cfg, rd, ctx)}
+        return {"subject": subject, "dry_run": True, "would_write": str(rd.root / "bench" / f"{subject}.json")}
     result = SUBJECTS[subject](cfg, rd, ctx)
     atomic_write_json(rd.stage_dir("bench") / f"{subject}.json", result)
     return {"subject": subject, **result}

@@ -14,7 +14,8 @@ tokenized-shard order) and metadata: the target_layer_ids, the source shard's di
 The target runs as online training would run it (`train.target_dtype`: float32, or under bf16
 autocast), so cached and online training see the same features. The total size is logged BEFORE
 any work, and the stage refuses (exit 2) when it exceeds capture.max_disk_fraction of the free disk.
-Shards are written through a temp file + rename and streamed (never held in memory whole); a
+The format, its writer and its reader are `data/features.py` (the `safetensors` library writes
+it). Shards are written through a temp file + rename and streamed (never held in memory whole); a
 complete shard whose layer ids and source digest still match is skipped, so a killed run resumes.
 `dflashkit train train.features=cached` refuses shards captured at other layer ids.
 
@@ -31,116 +32,19 @@ import json
 import logging
 import shlex
 import shutil
-import struct
 import time
-from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
-import numpy as np
 import torch
 
 from dflashkit.config import RunConfig, section_hash
+from dflashkit.data.features import ST_DTYPES, local_batches, shard_matches, shard_path, write_shard
 from dflashkit.context import StageContext
 from dflashkit.errors import UsageError
-from dflashkit.rundir import RunDir, atomic_path, file_digest, read_json, write_manifest
+from dflashkit.rundir import RunDir, file_digest, read_json, remove_stale_temps, write_manifest
 from dflashkit.stage_table import stage_hash
 
 log = logging.getLogger("dflashkit.capture")
-
-ST_DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
-
-
-def _existing_ok(path: Path, layer_ids: list[int], digest: str, dtype: str, last_hidden: bool,
-                 autocast: str, engine: str = "local") -> bool:
-    if not path.is_file():
-        return False
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as fh:
-            meta = fh.metadata() or {}
-    except Exception:  # noqa: BLE001 - a torn file is simply recomputed
-        return False
-    return (json.loads(meta.get("target_layer_ids", "null")) == list(layer_ids)
-            and meta.get("source_digest") == digest and meta.get("dtype") == dtype
-            and meta.get("next_ids") == "1" and (meta.get("last_hidden") == "1" or not last_hidden)
-            and meta.get("target_autocast", "none") == autocast and meta.get("engine", "local") == engine)
-
-
-def local_batches(target, rows: list[torch.Tensor], layer_ids: list[int], *, batch_size: int, pad_id: int,
-                  last_hidden: bool, autocast: torch.dtype | None = None) -> Iterator[list[tuple]]:
-    """The target in this process: samples in batches of similar length (sorted, so padding costs little);
-    yields [(row index, features [n, W], next_ids [n], last_hidden [n, H] | None)] per batch."""
-    lens = [len(r) for r in rows]
-    order = sorted(range(len(rows)), key=lambda i: lens[i])
-    for k in range(0, len(order), batch_size):
-        part = order[k:k + batch_size]
-        s = max(lens[i] for i in part)
-        ids = torch.full((len(part), s), pad_id, dtype=torch.long)
-        att = torch.zeros((len(part), s), dtype=torch.long)
-        for j, i in enumerate(part):
-            ids[j, :lens[i]], att[j, :lens[i]] = rows[i], 1
-        with torch.no_grad(), torch.autocast(target.device.type, dtype=autocast, enabled=autocast is not None):
-            feats, last = target.features(ids.to(target.device), layer_ids=layer_ids, need_last_hidden=True,
-                                          attention_mask=att.to(target.device))
-            nxt = target.next_token_ids(last)
-        yield [(i, feats[j, :lens[i]], nxt[j, :lens[i]], last[j, :lens[i]] if last_hidden else None)
-               for j, i in enumerate(part)]
-
-
-def write_shard(path: Path, lens: list[int], batches: Iterable[list[tuple]], *, dtype: str, metadata: dict[str, str],
-                width: int, hidden: int, last_hidden: bool = False) -> int:
-    """Write one safetensors file: header, offsets, features, next_ids, last_hidden.
-
-    `batches` yields [(row index, features [n, W], next_ids [n], last_hidden [n, H] | None)] in any
-    order (`local_batches`: the target here; `engines/capture.py`: a serving engine's rows); each row is
-    written at its own offset, so the file keeps tokenized-shard order. `next_ids` (small) is held in
-    memory; `last_hidden` goes to a side file and is appended."""
-    import tempfile
-
-    st_name, nbytes = ST_DTYPES[dtype]
-    offsets = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0)
-    total = int(offsets[-1])
-    off_bytes = offsets.numpy().tobytes()
-    f_end = len(off_bytes) + total * width * nbytes
-    header = {"offsets": {"dtype": "I64", "shape": [len(lens) + 1], "data_offsets": [0, len(off_bytes)]},
-              "features": {"dtype": st_name, "shape": [total, width], "data_offsets": [len(off_bytes), f_end]},
-              "next_ids": {"dtype": "I32", "shape": [total], "data_offsets": [f_end, f_end + 4 * total]}}
-    if last_hidden:
-        header["last_hidden"] = {"dtype": st_name, "shape": [total, hidden],
-                                 "data_offsets": [f_end + 4 * total, f_end + 4 * total + total * hidden * nbytes]}
-    header["__metadata__"] = {**metadata, "next_ids": "1", "last_hidden": "1" if last_hidden else "0"}
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    hb += b" " * (-len(hb) % 8)
-    tdtype = getattr(torch, dtype)
-    base = 8 + len(hb) + len(off_bytes)                      # where `features` starts in the file
-    next_ids = np.zeros(total, dtype=np.int32)
-    side = tempfile.TemporaryFile(dir=path.parent) if last_hidden else None
-    seen = 0
-    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
-        fh.write(struct.pack("<Q", len(hb)) + hb + off_bytes)
-        fh.truncate(base + total * width * nbytes)
-        for batch in batches:
-            for i, feats, nxt, last in batch:
-                a, n = int(offsets[i]), lens[i]
-                assert feats.shape == (n, width), (feats.shape, n, width)
-                fh.seek(base + a * width * nbytes)
-                fh.write(feats.to(tdtype).contiguous().cpu().view(torch.uint8).numpy().tobytes())
-                next_ids[a:a + n] = nxt.cpu().numpy()
-                if side is not None:
-                    side.seek(a * hidden * nbytes)
-                    side.write(last.to(tdtype).contiguous().cpu().view(torch.uint8).numpy().tobytes())
-                seen += 1
-        if seen != len(lens):
-            raise RuntimeError(f"{path}: {seen} of {len(lens)} rows were produced")  # nothing is renamed
-        fh.seek(base + total * width * nbytes)
-        fh.write(next_ids.tobytes())
-        if side is not None:
-            side.seek(0)
-            shutil.copyfileobj(side, fh, 1 << 24)
-            side.close()
-    return total
-
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     from dflashkit.model.drafter_config import DrafterContract
@@ -149,7 +53,12 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     t0 = time.time()
     contract = DrafterContract.load(rd.contract_path)
     data = load_tokenized(rd)
-    out_dir = rd.stage_dir("capture", create=not ctx.dry_run)  # a dry run creates nothing
+    out_dir = rd.capture_dir
+    if not ctx.dry_run:  # a dry run creates nothing
+        out_dir.mkdir(parents=True, exist_ok=True)
+    if not ctx.dry_run:  # a shard's temp file from a killed capture: we hold the lock, so nobody writes it
+        for p in remove_stale_temps(out_dir, "*.safetensors"):
+            log.info("removed %s (left by an interrupted capture)", p)
     dtype = cfg.capture.dtype
     width = contract.num_features * contract.hidden_size
     from dflashkit.model.target import resolve_device, resolve_dtype, target_autocast
@@ -166,8 +75,9 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     todo = []
     for si, shard in enumerate(data.shards):
         digest = file_digest(shard, limit=None)
-        dest = out_dir / f"{shard.stem}.safetensors"
-        if not _existing_ok(dest, layer_ids, digest, dtype, keep_last, str(autocast or "none"), engine):
+        dest = shard_path(out_dir, shard)
+        if not shard_matches(dest, layer_ids=layer_ids, digest=digest, dtype=dtype, last_hidden=keep_last,
+                             autocast=str(autocast or "none"), engine=engine):
             todo.append((si, shard, digest, dest))
     todo_ids = {t[0] for t in todo}
     need = sum(len(data.input_ids[i]) for i, (si, _) in enumerate(data.where) if si in todo_ids) * per_token

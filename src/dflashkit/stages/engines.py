@@ -39,5 +39,6 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     if not ctx.json:
         for name, s in result.items():
             state = f"installed ({s['version']})" if s["installed"] else f"not installed (pinned {s['pinned']})"
-            print(f"{name}: {state} in {s['dir']}", file=sys.stderr)
+            print(f"{name}: {state} in {s['dir']}" + (f" ({s['broken']})" if s.get("broken") else ""),
+                  file=sys.stderr)
     return result

@@ -28,7 +28,8 @@ from contextlib import ExitStack
 from dflashkit.config import RunConfig, redact_url, section_hash
 from dflashkit.context import StageContext
 from dflashkit.data.mixing import original_answer_sources
-from dflashkit.errors import PartialFailure
+from dflashkit.errors import PartialFailure, PermanentFailure
+from dflashkit.generate.openai_client import permanent_reason
 from dflashkit.generate.conversations import load_prepared, plan_turns
 from dflashkit.generate.regenerate import generate_conversations
 from dflashkit.rundir import RunDir, file_digest, write_manifest
@@ -83,6 +84,12 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
               f"{summary['conversations_written']}/{len(convs)}", file=sys.stderr)
     result = {"generate": summary, "conversations": str(stage_dir / "conversations.jsonl"),
               "preflight": out.preflight}
+    if summary["turns_failed"] and reasons and all(permanent_reason(r) for r in reasons):
+        raise PermanentFailure(
+            f"generate: {summary['turns_failed']} of {total_turns} turns failed with errors a re-run repeats "
+            f"({reasons}): the server refused the request itself",
+            result=result, hint=f"read the server's answer in {stage_dir / 'failures.jsonl'} and fix the request "
+            "(server.model, generate.max_tokens, generate.extra_body, the prompts) before re-running")
     if summary["turns_failed"] or summary["conversations_failed"]:
         raise PartialFailure(
             f"generate: {summary['turns_failed']} of {total_turns} turns failed "

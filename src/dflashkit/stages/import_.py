@@ -27,6 +27,7 @@ from dflashkit.context import StageContext
 from dflashkit.errors import UsageError
 from dflashkit.rundir import RunDir, atomic_dir, atomic_write_json, write_manifest
 from dflashkit.stage_table import stage_hash
+from dflashkit.train.guards import IMPORTED
 
 log = logging.getLogger("dflashkit.import")
 
@@ -53,6 +54,29 @@ def target_facts(cfg: Any) -> dict[str, Any]:
             "model_type": getattr(t.config, "model_type", ""), "architecture": type(t.model).__name__}
 
 
+# the fields of an imported drafter that must equal the run's contract.json (when the run has one)
+MATCH_KEYS = ("block_size", "num_draft_layers", "target_layer_ids", "mask_token_id", "hidden_size",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size")
+
+
+def check_against_run_contract(contract: Any, contract_path: Path, src: Path) -> None:
+    """Exit 2 naming each field where the drafter differs from the run's existing contract.json."""
+    import json
+
+    if not contract_path.is_file():
+        return
+    try:
+        have = json.loads(contract_path.read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{contract_path}: unreadable ({e})", hint="re-run `dflashkit probe -c run.yaml`") from None
+    diff = [f"{k}: {getattr(contract, k)!r} in {src}, {have.get(k)!r} in {contract_path}" for k in MATCH_KEYS
+            if k in have and getattr(contract, k) != have.get(k)]
+    if diff:
+        raise UsageError(f"the drafter {src} does not fit this run's contract ({'; '.join(diff)})",
+                         hint="import it into a fresh run dir (run.run_dir=...), or re-run `dflashkit probe` with "
+                         "drafter.* set to the drafter's values")
+
+
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     from dflashkit.export.hf import MODELING_FILE, WEIGHTS
     from dflashkit.export.speculators import head_mismatch, load_any_drafter
@@ -72,6 +96,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         contract.num_target_layers = facts["num_layers"]
         head_mismatch(src, cfg.target)
     contract.check(facts, where=f"drafter {src}")
+    check_against_run_contract(contract, rd.contract_path, src)
     if dest.exists():
         raise UsageError(f"{dest} already exists; not overwriting it",
                          hint="pass another DEST (dflashkit import DIR DEST) or move the existing dir away")
@@ -86,6 +111,9 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
             from dflashkit.export.hf import save_drafter
 
             save_drafter(model, tmp, dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
+        # marks the dir as imported: `train` will not replace it unless drafter.init starts from it
+        atomic_write_json(tmp / IMPORTED, {"source": str(src.resolve()), "format": fmt,
+                                           "imported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
 
     wrote_contract = False
     if not rd.contract_path.is_file():

@@ -136,10 +136,9 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
 
 def _plan_estimates(cfg: RunConfig, rd: RunDir) -> dict[str, Any] | None:
     try:
-        from dflashkit.stages import plan
+        from dflashkit.inspect.estimate import estimate
 
-        estimate = getattr(plan, "estimate", None)
-        return estimate(cfg, rd) if estimate else None
+        return estimate(cfg, rd)
     except Exception as e:  # noqa: BLE001 - estimates are advisory in a dry run
         log.warning("plan estimates unavailable: %s", e)
         return None

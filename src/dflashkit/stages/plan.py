@@ -6,7 +6,8 @@ Inputs:  the drafter contract + target facts (`contract.json`, `probe/probe.json
          × `data.mean_tokens`; the GPUs from a positional `NxMEM` (e.g. `8x80` = 8 GPUs of 80 GiB),
          else the visible CUDA devices, else 1x80. `train.*` (batch, anchors, loss_chunk_blocks,
          loss) and `capture.dtype` shape the estimate.
-Outputs: nothing on disk; a table and the JSON (see `dflashkit.inspect.budget` for every formula).
+Outputs: nothing on disk; a table and the JSON (`inspect/estimate.py` gathers the inputs, `inspect/budget.py`
+         holds every formula).
 
 Example:
     dflashkit plan -c run.yaml 8x80
@@ -15,92 +16,11 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import logging
-import re
 from typing import Any
 
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
-from dflashkit.errors import MissingArtifactError, UsageError
 from dflashkit.rundir import RunDir
-
-log = logging.getLogger("dflashkit.plan")
-GPU_SPEC = re.compile(r"^(\d+)x(\d+(?:\.\d+)?)(?:gib|gb|g)?$", re.I)
-DEFAULT_PROMPTS = 10_000
-
-
-def parse_gpus(positionals: list[str]) -> tuple[int, float, str, list[str]]:
-    """(gpus, GiB per GPU, source, remaining positionals)."""
-    rest, spec = [], None
-    for p in positionals:
-        m = GPU_SPEC.match(p)
-        if m and spec is None:
-            spec = (int(m.group(1)), float(m.group(2)))
-        else:
-            rest.append(p)
-    if spec:
-        if spec[0] < 1 or spec[1] <= 0:
-            raise UsageError(f"GPU spec {positionals}: need N >= 1 GPUs and memory > 0, e.g. 8x80")
-        return spec[0], spec[1], "argument", rest
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            n = torch.cuda.device_count()
-            return n, torch.cuda.get_device_properties(0).total_memory / 2**30, "detected", rest
-    except ImportError:
-        pass
-    return 1, 80.0, "assumed (pass e.g. 8x80 for 8 GPUs of 80 GiB)", rest
-
-
-def data_size(cfg: Any, rd: Any) -> tuple[int, int, str]:
-    """(tokens, sequences, where the numbers come from)."""
-    stats = rd.root / "tokenize" / "stats.json"
-    if stats.is_file():
-        try:
-            s = json.loads(stats.read_text())
-            tot = s.get("totals", s) if isinstance(s, dict) else {}
-            seqs = tot.get("samples") or tot.get("sequences")
-            toks = tot.get("tokens")
-            if seqs and toks:
-                return int(toks), int(seqs), str(stats)
-        except (OSError, json.JSONDecodeError, AttributeError):
-            log.warning("%s: unreadable, estimating the data size instead", stats)
-    train = rd.root / "prepare" / "train.jsonl"
-    if train.is_file():
-        with open(train, "rb") as fh:
-            n = sum(1 for line in fh if line.strip())
-        src = f"{train} lines × data.mean_tokens"
-    elif cfg.data.num_prompts:
-        n, src = cfg.data.num_prompts, "data.num_prompts × data.mean_tokens"
-    else:
-        n, src = DEFAULT_PROMPTS, f"assumed {DEFAULT_PROMPTS} prompts (set data.num_prompts) × data.mean_tokens"
-    return n * cfg.data.mean_tokens, n, src
-
-
-def contract_and_facts(cfg: Any, rd: Any, model: str | None) -> tuple[Any, dict[str, Any], str]:
-    """The contract and target facts: probe the given model, else the run dir, else target.path."""
-    from dflashkit.inspect.contract import derive_contract
-    from dflashkit.inspect.target import inspect_target
-    from dflashkit.model.drafter_config import DrafterContract
-
-    probe_json = rd.root / "probe" / "probe.json"
-    if model is None and rd.contract_path.is_file():
-        contract = DrafterContract.load(rd.contract_path)
-        facts = json.loads(probe_json.read_text())["facts"] if probe_json.is_file() else {}
-        if facts or not cfg.target.path:
-            return contract, facts, str(rd.contract_path)
-        _, _, f, _ = inspect_target(cfg, cfg.target.path, load_tokenizer=False)
-        return contract, f.to_dict(), str(rd.contract_path)
-    path = model or cfg.target.path
-    if not path:
-        raise MissingArtifactError("drafter contract", rd.contract_path, run="dflashkit probe -c run.yaml")
-    _, _, facts, _ = inspect_target(cfg, path, load_tokenizer=False)
-    # the mask row does not change any estimate: plan never fails on it
-    d = dataclasses.replace(cfg.drafter, mask_token_id=cfg.drafter.mask_token_id or 0)
-    return derive_contract(d, facts, None), facts.to_dict(), str(facts.source)
 
 
 def _table(r: dict[str, Any]) -> str:
@@ -128,17 +48,9 @@ def _table(r: dict[str, Any]) -> str:
 
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.inspect.budget import plan_budget
+    from dflashkit.inspect.estimate import estimate
 
-    gpus, mem, gpu_source, rest = parse_gpus(ctx.positionals)
-    if len(rest) > 1:
-        raise UsageError(f"`dflashkit plan` takes one MODEL and one NxMEM, got {rest}",
-                         hint="dflashkit plan [MODEL] [8x80]")
-    contract, facts, source = contract_and_facts(cfg, rd, rest[0] if rest else None)
-    tokens, seqs, data_source = data_size(cfg, rd)
-    plan = plan_budget(contract, facts, cfg, tokens=tokens, sequences=seqs, gpus=gpus, mem_gib=mem)
-    result = {"source": source, "tokens": tokens, "sequences": seqs, "data_source": data_source,
-              "gpus": gpus, "gpu_mem_gib": round(mem, 2), "gpu_source": gpu_source, "plan": plan}
+    result = estimate(cfg, rd, ctx.positionals)
     if not ctx.json:
         print(_table(result), flush=True)
     return result

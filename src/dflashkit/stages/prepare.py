@@ -112,7 +112,10 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
                  seed=cfg.run.seed)
     heldout, train = picked[:d.heldout], picked[d.heldout:]
     if not train:
-        log.warning("every selected conversation went to the held-out split (data.heldout=%d)", d.heldout)
+        raise ConfigError(f"data.heldout: {d.heldout} held-out conversations take all {len(picked)} selected "
+                          "ones, leaving 0 for training (nothing written)",
+                          hint=f"set data.heldout below {len(picked)} (e.g. data.heldout={len(picked) // 4}) or "
+                          "add data")
     for name, s in stats.items():
         s["train"] = sum(c.source == name for c in train)
         s["heldout"] = sum(c.source == name for c in heldout)

@@ -77,6 +77,17 @@ def _rows(rows: list[tuple[str, str]]) -> str:
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
 
+def _remote_code(model_dir: Any, gguf_file: str | None) -> str | None:
+    """Why loading this target needs its own code (None: transformers has it, or not a HF dir)."""
+    if gguf_file or not (model_dir / "config.json").is_file():
+        return None
+    try:
+        from dflashkit.model.target import remote_code_reason
+    except ImportError:  # transformers missing: probe still works without it
+        return None
+    return remote_code_reason(model_dir)
+
+
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     from dflashkit.context import require_positional
     from dflashkit.inspect.contract import LAYER_CONVENTION, derive_contract
@@ -89,12 +100,17 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     if not ctx.json:
         print(table(facts, tok), flush=True)  # the facts, even if the contract fails below
     contract = derive_contract(cfg.drafter, facts, tok)
+    remote = _remote_code(model_dir, gguf_file)
+    if remote and not cfg.target.trust_remote_code:
+        log.warning("%s: `train`, `capture` and `eval` will refuse to load it until you set "
+                    "target.trust_remote_code: true (only if you trust its Python files)", remote)
     if not ctx.json:
         print(table_contract(contract), flush=True)
     result: dict[str, Any] = {
         "target": str(model_dir / gguf_file) if gguf_file else str(model_dir),
         "facts": facts.to_dict(), "tokenizer": tok.to_dict() if tok else None,
         "contract": contract.to_dict(), "layer_convention": LAYER_CONVENTION,
+        **({"needs_remote_code": remote} if remote else {}),
     }
     if ctx.dry_run:
         return {**result, "dry_run": True, "written": []}

@@ -114,6 +114,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     need = min_supervised(cfg, rd)
     if ctx.dry_run:
         return {"dry_run": True, "input": str(src), "inputs": [str(p) for p, _ in paths], "min_supervised": need}
+    created = not (rd.root / "tokenize").exists()
     out = rd.stage_dir("tokenize")
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
     events: Counter[str] = Counter()
@@ -159,7 +160,10 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
             flush(False)
         flush(True)
         totals = {k: sum(s[k] for s in shards) for k in ("samples", "tokens", "supervised")}
-        _refuse_degenerate(totals, src, need, first_error, events["truncated"], tc.max_length)
+        if conversations == 0:
+            _refuse_empty(rd, [p for p, _ in paths])
+        _refuse_degenerate(totals, src, need, first_error and f"{chat.origin}: {first_error}", events["truncated"],
+                           tc.max_length)
         elapsed = time.time() - t0
         agreement = teacher_forced(cfg, rd, pick)
         refuse_drift(prompts, agreement, max_prompt_mismatch=tc.max_prompt_mismatch,
@@ -172,6 +176,8 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
                 stale.unlink()
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        if created and not any(out.iterdir()):  # a failed first run leaves no empty tokenize/ behind
+            out.rmdir()
     if first_error:
         log.warning("%d conversations skipped: the chat template raised (first: %s)",
                     events["template_errors"], first_error)
@@ -265,6 +271,17 @@ def _results(chat: ChatTemplate, batches: Iterator[list[Conversation]], tc: Any)
                 yield from pool.imap(partial(_work, tc=tc), window)
     finally:
         _CHAT = None
+
+
+def _refuse_empty(rd: RunDir, paths: list[Path]) -> None:
+    """No conversation to tokenize: say where they should have come from (not the chat template)."""
+    counts = (rd.manifest("generate") or {}).get("counts") or {}
+    failed = counts.get("turns_failed") or 0
+    why = (f": `generate` wrote none ({failed} of {counts.get('turns_total')} turns failed; see "
+           f"{rd.root / 'generate' / 'failures.jsonl'})" if failed else "")
+    raise UsageError(f"{', '.join(map(str, paths))}: no conversations to tokenize{why}",
+                     hint="re-run `dflashkit generate -c run.yaml` (it retries the failed turns)" if failed
+                     else "check data.sources and re-run `dflashkit prepare -c run.yaml` / `dflashkit generate`")
 
 
 def _refuse_degenerate(totals: dict[str, int], src: Path, need: int, template_error: str | None,

@@ -41,13 +41,14 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     from dflashkit.train.loop import fit
 
     t0 = time.time()
+    from dflashkit.train.parallel import leave_distributed
+
     try:
         result = fit(cfg, rd, show_bar=not ctx.json)
-    finally:
-        if "WORLD_SIZE" in os.environ:  # a torchrun rank: leave the process group this process joined
-            from dflashkit.train.parallel import leave_distributed
-
-            leave_distributed()
+    except BaseException:
+        leave_distributed(ok=False)  # a torchrun rank: leave the group even on an error path (no barrier)
+        raise
+    leave_distributed(ok=True)  # every rank meets at a barrier, then the group is destroyed
     if int(os.environ.get("RANK", "0")) == 0:
         inputs = {"contract": section_hash(read_json(rd.contract_path)),
                   "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")}

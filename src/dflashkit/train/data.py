@@ -15,7 +15,6 @@ the same global batch, and the data cursor is just the step number.
 
 from __future__ import annotations
 
-import json
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflashkit.data.features import FeatureStore  # noqa: F401  (re-exported: the reader lives with the writer)
 from dflashkit.errors import MissingArtifactError, UsageError
 
 
@@ -107,9 +107,6 @@ class BatchPlan:
     def global_batch(self) -> int:
         return self.batch_size * self.grad_accum * self.world
 
-    def steps_per_epoch(self) -> int:
-        return max(1, len(self.train_idx) // self.global_batch)
-
     def _perm(self, epoch: int) -> list[int]:
         if epoch not in self._perms:
             order = np.random.default_rng([self.seed, epoch, 11]).permutation(len(self.train_idx))
@@ -186,56 +183,3 @@ def collate(data: TokenData, items: list[tuple[int, int]], *, run_seed: int, pad
     last_hidden = stack("last_hidden", torch.float32) if with_last_hidden else None
     return Batch(ids, lm, att, torch.tensor(lens), [sample_seed(run_seed, i, e) for i, e in items], feats,
                  next_ids, last_hidden)
-
-
-class FeatureStore:
-    """Read-only access to `capture/shard-*.safetensors` (one per tokenized shard)."""
-
-    def __init__(self, capture_dir: Path, token_shards: list[Path], layer_ids: list[int]):
-        from safetensors import safe_open
-
-        self.files = []
-        self.paths: list[Path] = []
-        for shard in token_shards:
-            path = capture_dir / (shard.stem + ".safetensors")
-            if not path.is_file():
-                raise MissingArtifactError("captured features", path, run="dflashkit capture -c run.yaml")
-            try:
-                fh = safe_open(str(path), framework="pt")
-                meta = fh.metadata() or {}
-                offsets = fh.get_tensor("offsets")
-            except Exception as e:  # noqa: BLE001 - safetensors raises several types for bad files
-                raise UsageError(f"{path}: unreadable feature shard ({e})",
-                                 hint="delete it and re-run `dflashkit capture -c run.yaml`") from None
-            got = json.loads(meta.get("target_layer_ids", "null"))
-            if got != list(layer_ids):
-                raise UsageError(f"{path}: features were captured at target_layer_ids {got}, but the drafter "
-                                 f"contract uses {list(layer_ids)}",
-                                 hint="re-run `dflashkit capture -c run.yaml` (delete capture/ first) or set "
-                                 "train.features=online")
-            self.files.append((fh, offsets))
-            self.paths.append(path)
-
-    def has(self, name: str) -> bool:
-        """Whether every shard holds tensor `name` (`next_ids`, `last_hidden`: see `dflashkit capture`)."""
-        return all(name in fh.keys() for fh, _ in self.files)
-
-    def require(self, name: str, why: str) -> None:
-        missing = [str(p) for p, (fh, _) in zip(self.paths, self.files) if name not in fh.keys()]
-        if missing:
-            raise UsageError(f"{missing[0]}: the feature shard has no `{name}` ({why}; "
-                             f"{len(missing)} of {len(self.files)} shards lack it)",
-                             hint="re-run `dflashkit capture -c run.yaml` with this config (delete capture/ first), "
-                             "or set train.features=online")
-
-    def get(self, where: tuple[int, int], length: int, name: str = "features") -> torch.Tensor:
-        fh, offsets = self.files[where[0]]
-        a, b = int(offsets[where[1]]), int(offsets[where[1] + 1])
-        if b - a != length:
-            raise UsageError(f"feature shard {where[0]} row {where[1]} holds {b - a} tokens but the tokenized "
-                             f"sample has {length}", hint="re-run `dflashkit capture -c run.yaml` after tokenize")
-        return fh.get_slice(name)[a:b]
-
-    def all_next_ids(self) -> list[torch.Tensor]:
-        """Every shard's `next_ids` (int32, all samples back to back), for label statistics."""
-        return [fh.get_tensor("next_ids") for fh, _ in self.files]

@@ -38,6 +38,7 @@ from dflashkit.model.drafter import DFlashDraftModel
 from dflashkit.model.drafter_config import REPROBE_HINT, DrafterContract
 from dflashkit.model.target import target_autocast
 from dflashkit.train import checkpoint as ckpt
+from dflashkit.train import guards
 from dflashkit.train.data import Batch, BatchPlan, FeatureStore, TokenData, collate, load_tokenized, split_heldout
 from dflashkit.train.logging import LearningCurve, MetricSink
 from dflashkit.train.objective import dflash_loss, gamma_for, sample_anchors, target_label_ids, weight_sum
@@ -220,6 +221,7 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
     from dflashkit.model.target import load_target
 
     contract = DrafterContract.load(rd.contract_path)
+    guards.check_drafter_overrides(cfg, contract, rd.contract_path)
     check_recipe(cfg.train)
     warm = None
     if cfg.drafter.init not in ("random", "target"):  # a drafter dir: read and checked before any work
@@ -229,7 +231,7 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
         check_fits(warm, contract)
     data = load_tokenized(rd)
     if cfg.train.features == "cached":
-        data.features = FeatureStore(rd.root / "capture", data.shards, contract.target_layer_ids)
+        data.features = FeatureStore(rd.capture_dir, data.shards, contract.target_layer_ids)
         if cfg.train.labels == "target":
             data.features.require("next_ids", "train.labels=target reads the target's argmax from the shards")
     target: Target | HeadOnlyTarget
@@ -473,6 +475,9 @@ class BestKeeper:
             if self.tr.dist.is_main and self.dir.exists():
                 import shutil
 
+                from dflashkit.rundir import check_replaceable
+
+                check_replaceable(self.dir, owner="train", marker="model.safetensors")  # never a user's dir
                 log.info("removing %s from an earlier run", self.dir)
                 shutil.rmtree(self.dir)
             barrier(self.tr.dist)
@@ -504,6 +509,7 @@ class BestKeeper:
 
 def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict:
     """Train (or resume) until the configured number of steps; returns the final metrics."""
+    guards.check_outputs_ours(rd.root / "train", cfg)  # before any work: never replace what is not ours
     dist = dist or init_distributed(cfg.train.parallel, cfg.target.device)
     tr = setup(cfg, rd, dist)
     steps = total_steps(cfg, tr.plan)
@@ -517,6 +523,7 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
     if found is not None:
         start = ckpt.load_checkpoint(found, model=tr.drafter, optimizer=opt, scheduler=sched)
         state = ckpt.checkpoint_state(found)
+        guards.check_objective(found, state, cfg.train)
         tr.sync_draft_vocab()
     sink = MetricSink(out_dir, total_steps=steps, start_step=start, train=cfg.train, enabled=dist.is_main,
                       show_bar=show_bar)
@@ -538,7 +545,8 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
             best.offer(ev)
 
     def extra_state() -> dict:
-        return {"curve": curve.state_dict(), **({"best": best.record} if best.record else {})}
+        return {"curve": curve.state_dict(), "objective": guards.objective(cfg.train),
+                **({"best": best.record} if best.record else {})}
 
     try:
         if start == 0 and tr.warm_start is not None:  # where the warm start begins: its held-out loss and τ

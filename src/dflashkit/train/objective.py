@@ -37,7 +37,6 @@ Rules (each pinned by a test):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -325,8 +324,3 @@ def gamma_for(train_gamma: float | None, block_size: int) -> float:
     from dflashkit.model.drafter_config import default_gamma
 
     return float(train_gamma) if train_gamma else default_gamma(block_size)
-
-
-def decay_weights(block_size: int, gamma: float) -> list[float]:
-    """exp(−(k−1)/γ) for k = 1 … B−1 (position 0 has weight 0)."""
-    return [0.0] + [math.exp(-(k - 1) / gamma) for k in range(1, block_size)]

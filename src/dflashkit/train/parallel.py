@@ -6,7 +6,8 @@ Usage:
     parts = shard_target(target, dist)                               # train.parallel.target=shard
     total = all_reduce_sum(torch.tensor([w_sum]), dist)
     rc = relaunch_under_torchrun(4, ["train", "-c", "run.yaml"])     # `dflashkit train --nproc-per-node 4`
-    leave_distributed()                                              # at the end of a rank's process
+    leave_distributed(ok=True)                                       # at the end of a rank's work
+    exit_rank(rc)                                                    # `python -m dflashkit`'s last act
 
 The loss of every micro-batch is divided by the Σ w of the whole global step (all ranks), and DDP /
 FSDP average gradients over ranks, so the loop multiplies the loss by the world size: the update
@@ -16,10 +17,23 @@ Target sharding (train.parallel.target=shard) applies FSDP2 `fully_shard` to eve
 layer and the root over all ranks, so each rank stores 1/world of the frozen weights; the target
 forward all-gathers one layer at a time. The embedding and LM head the drafter reuses are kept as
 separate replicated frozen copies (they are called outside the target's forward).
+
+How a rank finishes (issue #20: on a slow fresh clone rank 1 died with "terminate called without an
+active exception", SIGABRT, after its last result line): `leave_distributed(ok=True)` meets every
+rank at a barrier (so no collective of any rank is still in flight), destroys the process group and
+collects garbage; on an error path (`ok=False`) it skips the barrier (the peer may never reach it)
+and still destroys the group. torch keeps the gloo process group's C++ object, and with it its native
+threads (`pt_gloo_runloop` ×2, `gloo_tcp_loop`), alive after `destroy_process_group` once FSDP2 /
+DTensor ran (DTensor's sharding caches hold the device mesh), so those threads would outlive the
+interpreter's finalization, where CPython kills any thread that then needs the GIL with
+`pthread_exit` — an abort through C++ `noexcept` frames. So a process that joined a group ends with
+`exit_rank(rc)`: stdout, stderr and logging flushed, then `os._exit(rc)`, without interpreter
+finalization (`python -m dflashkit` does this; in-process `cli.main` calls never join a group).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import subprocess
@@ -31,6 +45,7 @@ import torch
 from dflashkit.errors import DflashkitError, UsageError
 
 log = logging.getLogger("dflashkit.train")
+_joined = False  # this process joined a torch process group (init_distributed): end it with exit_rank
 
 
 @dataclass
@@ -60,7 +75,9 @@ def init_distributed(parallel, device: str = "auto") -> DistInfo:
         backend = parallel.backend if parallel.backend != "auto" else ("nccl" if cuda else "gloo")
         if cuda:
             torch.cuda.set_device(dev)
+        global _joined
         torch.distributed.init_process_group(backend=backend)
+        _joined = True
         log.info("rank %d/%d on %s (%s)", rank, world, dev, backend)
     return DistInfo(rank=rank, world=world, local_rank=local, device=dev)
 
@@ -130,11 +147,34 @@ def barrier(dist: DistInfo) -> None:
         torch.distributed.barrier()
 
 
-def leave_distributed() -> None:
-    """Destroy this process's process group, if any: ranks leave gloo/NCCL explicitly rather than in
-    interpreter teardown, where a rank whose peer has already exited can abort."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+def leave_distributed(*, ok: bool = True) -> None:
+    """Leave this process's process group, if any (see the module doc, "How a rank finishes").
+
+    ok=True (the rank's work succeeded): a barrier first, so every rank's collectives have completed
+    before any rank tears down. ok=False (an error path): no barrier, the group is still destroyed."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    try:
+        if ok:
+            torch.distributed.barrier()
+    finally:
         torch.distributed.destroy_process_group()
+        gc.collect()
+
+
+def exit_rank(rc: int) -> None:
+    """End a process that joined a process group: flush stdout, stderr and logging, then `os._exit(rc)`
+    (no interpreter finalization while torch's native threads live). Returns when it never joined."""
+    if not _joined:
+        return
+    leave_distributed(ok=rc == 0)  # a no-op when the stage already left
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(rc)
 
 
 def relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:

@@ -1,0 +1,198 @@
+"""Feature shards (`capture/shard-XXXXX.safetensors`): the one writer, the one reader, their checks.
+
+Usage:
+    path = shard_path(rd.capture_dir, token_shard)              # one feature shard per tokenized shard
+    if not shard_matches(path, layer_ids=ids, digest=d, dtype="bfloat16", last_hidden=False, autocast="none"):
+        write_shard(path, lens, local_batches(target, rows, ids, batch_size=8, pad_id=0, last_hidden=False),
+                    dtype="bfloat16", metadata=meta, width=W, hidden=H)
+    store = FeatureStore(rd.capture_dir, data.shards, ids)     # training's reader
+    store.get(data.where[i], n, "features")                     # [n, W] rows of sample i
+
+A shard holds `offsets` [samples+1] (int64 row offsets, in tokenized-shard order), `features`
+[tokens, n_feat·H] (capture.dtype), `next_ids` [tokens] (int32, the target's greedy next token),
+optionally `last_hidden` [tokens, H] (capture.dtype), and string metadata: `target_layer_ids`
+(JSON), `source`, `source_digest`, `dtype`, `hidden_size`, `samples`, `target_autocast`,
+`next_ids: "1"`, `last_hidden: "1"|"0"`. The file is written by the `safetensors` library
+(`save_file`) through a temp file + rename; rows arrive in any order (batches of similar length)
+and are spooled into memory-mapped scratch files beside the shard first, so a shard is never held in
+memory whole (the scratch files — one shard's worth of disk at a time — are removed after).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from dflashkit.errors import MissingArtifactError, UsageError
+from dflashkit.rundir import atomic_path
+
+# capture.dtype → (safetensors dtype name, bytes per value)
+ST_DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
+Row = tuple[int, torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # (row index, features, next_ids, last_hidden)
+
+
+def shard_path(capture_dir: Path, token_shard: Path) -> Path:
+    """The feature shard of tokenized shard `token_shard` (same stem)."""
+    return Path(capture_dir) / f"{Path(token_shard).stem}.safetensors"
+
+
+def shard_metadata(path: Path) -> dict[str, str] | None:
+    """The shard's metadata, or None when it is missing or unreadable (a torn file is recomputed)."""
+    if not path.is_file():
+        return None
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as fh:
+            return dict(fh.metadata() or {})
+    except Exception:  # noqa: BLE001 - safetensors raises several types for bad files
+        return None
+
+
+def shard_matches(path: Path, *, layer_ids: list[int], digest: str, dtype: str, last_hidden: bool,
+                  autocast: str, engine: str = "local") -> bool:
+    """Whether a complete shard at `path` holds what this capture would write (then it is skipped)."""
+    meta = shard_metadata(path)
+    if meta is None:
+        return False
+    return (json.loads(meta.get("target_layer_ids", "null")) == list(layer_ids)
+            and meta.get("source_digest") == digest and meta.get("dtype") == dtype
+            and meta.get("next_ids") == "1" and (meta.get("last_hidden") == "1" or not last_hidden)
+            and meta.get("target_autocast", "none") == autocast and meta.get("engine", "local") == engine)
+
+
+def local_batches(target: Any, rows: list[torch.Tensor], layer_ids: list[int], *, batch_size: int, pad_id: int,
+                  last_hidden: bool, autocast: torch.dtype | None = None) -> Iterator[list[Row]]:
+    """The target in this process: samples in batches of similar length (sorted, so padding costs
+    little); yields [(row index, features [n, W], next_ids [n], last_hidden [n, H] | None)] per batch."""
+    lens = [len(r) for r in rows]
+    order = sorted(range(len(rows)), key=lambda i: lens[i])
+    for k in range(0, len(order), batch_size):
+        part = order[k:k + batch_size]
+        s = max(lens[i] for i in part)
+        ids = torch.full((len(part), s), pad_id, dtype=torch.long)
+        att = torch.zeros((len(part), s), dtype=torch.long)
+        for j, i in enumerate(part):
+            ids[j, :lens[i]], att[j, :lens[i]] = rows[i], 1
+        with torch.no_grad(), torch.autocast(target.device.type, dtype=autocast, enabled=autocast is not None):
+            feats, last = target.features(ids.to(target.device), layer_ids=layer_ids, need_last_hidden=True,
+                                          attention_mask=att.to(target.device))
+            nxt = target.next_token_ids(last)
+        yield [(i, feats[j, :lens[i]], nxt[j, :lens[i]], last[j, :lens[i]] if last_hidden else None)
+               for j, i in enumerate(part)]
+
+
+def _spool(directory: Path, shape: tuple[int, ...], dtype: torch.dtype, keep: list) -> torch.Tensor:
+    """A zeroed tensor backed by an unlinked scratch file in `directory` (paged by the OS, not resident)."""
+    fh = tempfile.TemporaryFile(dir=directory)
+    keep.append(fh)
+    n = int(np.prod(shape)) if shape else 1
+    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    fh.truncate(max(nbytes, 1))
+    import mmap
+
+    buf = mmap.mmap(fh.fileno(), max(nbytes, 1))
+    keep.append(buf)
+    return torch.frombuffer(buf, dtype=dtype, count=n).view(shape) if n else torch.zeros(shape, dtype=dtype)
+
+
+def write_shard(path: Path, lens: list[int], batches: Iterable[list[Row]], *, dtype: str, metadata: dict[str, str],
+                width: int, hidden: int, last_hidden: bool = False) -> int:
+    """Write one feature shard (the format in the module doc) from `batches` of rows in any order
+    (`local_batches`, or a serving engine's rows); returns its token count. Nothing is renamed into
+    `path` unless every row arrived."""
+    from safetensors.torch import save_file
+
+    tdtype = getattr(torch, dtype)
+    offsets = torch.tensor([0] + list(lens), dtype=torch.int64).cumsum(0)
+    total = int(offsets[-1])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keep: list = []
+    feats = last = None
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        feats = _spool(path.parent, (total, width), tdtype, keep)
+        last = _spool(path.parent, (total, hidden), tdtype, keep) if last_hidden else None
+        next_ids = torch.zeros(total, dtype=torch.int32)
+        seen = 0
+        for batch in batches:
+            for i, f, nxt, lh in batch:
+                a, n = int(offsets[i]), lens[i]
+                if tuple(f.shape) != (n, width):
+                    raise ValueError(f"{path}: row {i} has features {tuple(f.shape)}, expected {(n, width)}")
+                feats[a:a + n] = f.to(tdtype).cpu()
+                next_ids[a:a + n] = nxt.to(torch.int32).cpu()
+                if last is not None and lh is not None:
+                    last[a:a + n] = lh.to(tdtype).cpu()
+                seen += 1
+        if seen != len(lens):
+            raise RuntimeError(f"{path}: {seen} of {len(lens)} rows were produced")  # nothing is renamed
+        tensors = {"offsets": offsets, "features": feats, "next_ids": next_ids}
+        if last is not None:
+            tensors["last_hidden"] = last
+        meta = {**metadata, "next_ids": "1", "last_hidden": "1" if last_hidden else "0"}
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata=meta)
+    finally:
+        feats = last = None  # release the views of the scratch maps before closing them
+        tensors.clear()
+        for h in reversed(keep):
+            try:
+                h.close()
+            except (BufferError, OSError):  # a view still alive: the unlinked file goes with the process
+                pass
+    return total
+
+
+class FeatureStore:
+    """Read-only access to `capture/shard-*.safetensors` (one per tokenized shard)."""
+
+    def __init__(self, capture_dir: Path, token_shards: list[Path], layer_ids: list[int]):
+        from safetensors import safe_open
+
+        self.files: list[tuple[Any, torch.Tensor]] = []
+        self.paths: list[Path] = []
+        for shard in token_shards:
+            path = shard_path(capture_dir, shard)
+            if not path.is_file():
+                raise MissingArtifactError("captured features", path, run="dflashkit capture -c run.yaml")
+            try:
+                fh = safe_open(str(path), framework="pt")
+                meta = fh.metadata() or {}
+                offsets = fh.get_tensor("offsets")
+            except Exception as e:  # noqa: BLE001 - safetensors raises several types for bad files
+                raise UsageError(f"{path}: unreadable feature shard ({e})",
+                                 hint="delete it and re-run `dflashkit capture -c run.yaml`") from None
+            got = json.loads(meta.get("target_layer_ids", "null"))
+            if got != list(layer_ids):
+                raise UsageError(f"{path}: features were captured at target_layer_ids {got}, but the drafter "
+                                 f"contract uses {list(layer_ids)}",
+                                 hint="re-run `dflashkit capture -c run.yaml` (delete capture/ first) or set "
+                                 "train.features=online")
+            self.files.append((fh, offsets))
+            self.paths.append(path)
+
+    def has(self, name: str) -> bool:
+        """Whether every shard holds tensor `name` (`next_ids`, `last_hidden`: see `dflashkit capture`)."""
+        return all(name in fh.keys() for fh, _ in self.files)
+
+    def require(self, name: str, why: str) -> None:
+        missing = [str(p) for p, (fh, _) in zip(self.paths, self.files) if name not in fh.keys()]
+        if missing:
+            raise UsageError(f"{missing[0]}: the feature shard has no `{name}` ({why}; "
+                             f"{len(missing)} of {len(self.files)} shards lack it)",
+                             hint="re-run `dflashkit capture -c run.yaml` with this config (delete capture/ first), "
+                             "or set train.features=online")
+
+    def get(self, where: tuple[int, int], length: int, name: str = "features") -> torch.Tensor:
+        fh, offsets = self.files[where[0]]
+        a, b = int(offsets[where[1]]), int(offsets[where[1] + 1])
+        if b - a != length:
+            raise UsageError(f"feature shard {where[0]} row {where[1]} holds {b - a} tokens but the tokenized "
+                             f"sample has {length}", hint="re-run `dflashkit capture -c run.yaml` after tokenize")
+        return fh.get_slice(name)[a:b]

@@ -1,0 +1,118 @@
+"""Pre-flight checks of `train`: refuse, before a weight is touched, what would be silently ignored or lost.
+
+Usage:
+    check_outputs_ours(rd.root / "train", cfg)          # train/final, train/best: ours, not imported
+    check_drafter_overrides(cfg, contract, rd.contract_path)   # drafter.* given vs contract.json
+    state["objective"] = objective(cfg.train)           # recorded in every checkpoint
+    check_objective(checkpoint_dir, state, cfg.train)   # a resume under another loss/labels: exit 2
+
+The contract (`contract.json`, written by `probe` or `import`) decides the drafter's shape; a
+`drafter.*` value given in the config that differs from it is an error naming each key, never
+silently dropped. A `train/final/` written by `dflashkit import` carries `imported.json`; training
+would replace it with a drafter trained from other weights, so `train` refuses unless
+`drafter.init` names that directory (a warm start from it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dflashkit.errors import ConfigError, UsageError
+
+IMPORTED = "imported.json"  # written by `dflashkit import` into the drafter dir it creates
+
+# drafter.* key -> (contract field, how the contract's value reads for that key)
+_SHAPE_KEYS = ("block_size", "num_draft_layers", "target_layer_ids", "mask_token_id", "hidden_size",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps")
+OBJECTIVE_KEYS = ("loss", "labels", "position_weighting", "ablate_features")
+
+
+def _given(cfg: Any, key: str, value: Any) -> bool:
+    """Whether the user gave `drafter.<key>`: named in the YAML/overrides, or (configs built in code)
+    a value other than the schema default (null is never given)."""
+    from dflashkit.config import DrafterSection, given_keys
+
+    if value is None:
+        return False
+    given = given_keys(cfg)
+    if given is not None and f"drafter.{key}" in given:
+        return True
+    return value != getattr(DrafterSection(), key)
+
+
+def check_drafter_overrides(cfg: Any, contract: Any, where: str | Path) -> None:
+    """Exit 2 naming every `drafter.*` value given in the config that the contract does not have."""
+    d = cfg.drafter
+    problems = []
+    for key in _SHAPE_KEYS:
+        mine, theirs = getattr(d, key), getattr(contract, key)
+        if _given(cfg, key, mine) and (float(mine) != float(theirs) if key == "rms_norm_eps" else mine != theirs):
+            problems.append(f"drafter.{key}: {mine!r} in the config, {theirs!r} in {where}")
+    n = d.num_target_features
+    if n is not None and n != len(contract.target_layer_ids):
+        problems.append(f"drafter.num_target_features: {n} in the config, {len(contract.target_layer_ids)} "
+                        f"(target_layer_ids {contract.target_layer_ids}) in {where}")
+    if problems:
+        raise ConfigError(problems, hint="the contract decides the drafter's shape and these values would be "
+                          "ignored: re-run `dflashkit probe -c run.yaml` so the contract takes them (then train from "
+                          "scratch: move train/ away), or drop these drafter.* keys to train the contract's drafter")
+
+
+def imported_record(drafter_dir: Path) -> dict | None:
+    """The `imported.json` of a drafter dir `dflashkit import` wrote, or None."""
+    try:
+        rec = json.loads((Path(drafter_dir) / IMPORTED).read_text())
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else {}
+
+
+def _init_dir(cfg: Any) -> Path | None:
+    init = getattr(cfg.drafter, "init", None)
+    if not isinstance(init, str) or init in ("random", "target", ""):
+        return None
+    return Path(init).expanduser()
+
+
+def check_outputs_ours(train_dir: Path, cfg: Any) -> None:
+    """Before training: `train/final` and `train/best` are absent or train's own (else exit 2 naming them);
+    an imported `train/final` is only replaced when `drafter.init` starts from it."""
+    from dflashkit.rundir import check_replaceable
+
+    train_dir = Path(train_dir)
+    final = train_dir / "final"
+    rec = imported_record(final) if final.is_dir() else None
+    if rec is not None:
+        init = _init_dir(cfg)
+        if init is None or not init.exists() or init.resolve() != final.resolve():
+            src = rec.get("source", "a drafter dir")
+            raise UsageError(f"{final} holds the drafter `dflashkit import` adopted from {src}; `train` would "
+                             f"start from {getattr(cfg.drafter, 'init', 'random')} weights and replace it",
+                             hint=f"to fine-tune the imported drafter set `drafter.init: {final.resolve()}` (train "
+                             f"then starts from it); to train a new drafter move {final} away first")
+    check_replaceable(final, owner="train", marker="model.safetensors")
+    check_replaceable(train_dir / "best", owner="train", marker="model.safetensors")
+
+
+def objective(train: Any) -> dict[str, Any]:
+    """The keys of `train.*` that define what a checkpoint was trained to do."""
+    return {k: getattr(train, k) for k in OBJECTIVE_KEYS}
+
+
+def check_objective(path: Path, state: dict, train: Any) -> None:
+    """A resume under another objective (train.loss, train.labels, …) than the checkpoint's: exit 2."""
+    saved = state.get("objective")
+    if not isinstance(saved, dict):
+        return  # checkpoints written before the objective was recorded
+    now = objective(train)
+    changed = [f"train.{k}: {saved[k]!r} in the checkpoint, now {now[k]!r}" for k in OBJECTIVE_KEYS
+               if k in saved and saved[k] != now[k]]
+    if changed:
+        ck = Path(path)
+        raise UsageError(f"{ck / 'state.json'}: the training objective changed since this checkpoint "
+                         f"({'; '.join(changed)}); resuming would mix two objectives and keep train/best/ "
+                         "from the old one",
+                         hint=f"restore the checkpoint's values to resume, or move {ck.parent.parent} away to "
+                         "train from scratch with the new objective")
