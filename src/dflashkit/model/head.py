@@ -203,7 +203,7 @@ class HeadOnlyTarget:
 
 def load_head_only_target(section: Any, *, device: str | None = None) -> HeadOnlyTarget:
     """`load_target`'s light twin for a `TargetSection`: embedding + final norm + head, and the tokenizer."""
-    from dflashkit.inspect.target import resolve_target_path
+    from dflashkit.model.files import resolve_target_path
     from dflashkit.model.target import load_tokenizer, resolve_device, resolve_dtype
 
     model_dir, gguf = resolve_target_path(section.path, section.gguf_file)
