@@ -88,8 +88,12 @@ class DrafterSection:
     head_dim: int | None = f(None, "null = the target's.")
     intermediate_size: int | None = f(None, "null = the target's (dense MLP size).")
     rms_norm_eps: float | None = f(None, "null = the target's.")
-    init: Literal["random", "target"] = f("random", "Initialise draft layers randomly or from target "
-                                          "layers (when the shapes allow).")
+    init: str = f("random", "random | target | a drafter dir. random: random draft layers; target: copied from "
+                  "target layers (when the shapes allow); a dir: warm start from a drafter you have (z-lab or "
+                  "speculators format: train/final, an export, an imported or published drafter) whose target "
+                  "hidden size, vocab, target_layer_ids, mask id and draft architecture match this run's (each "
+                  "mismatch named, exit 2); its block size may differ; a reduced vocab's d2t is kept when "
+                  "draft_vocab_size equals it, else rebuilt.")
     init_layer_ids: list[int] | None = f(None, "Target layers to copy when init=target; null = the last "
                                          "num_draft_layers layers.")
     attention: Literal["sdpa", "flex"] = f("sdpa", "sdpa (dense mask; CPU and GPU) or flex (GPU).")
@@ -250,6 +254,17 @@ class CaptureSection:
         "auto", "Also store the target's final-norm hidden state per token (H values), from which cached "
         "training recomputes the target's distribution for KL; auto = when train.loss is kl or ce+kl.",
         hash_default=False)
+    engine: Literal["local", "vllm"] = f(
+        "local", "Who computes the features: local = the target loaded here (transformers); vllm = a vLLM server "
+        "with `extract_hidden_states` (started here for target.path with dflashkit's CPU-safe connector, or "
+        "`capture.server_url`), one /v1/completions request per sample (max_tokens 1, ids checked); labels and "
+        "KL from the target's final norm + LM head only (read by name). Same shards, same reader.",
+        hash_default=False)
+    server_url: str | None = f(
+        None, "capture.engine=vllm: base URL (…/v1) of a vLLM you already run with the flags "
+        "`dflashkit capture --dry-run` prints; its hidden-states files must be readable here. null = start one.",
+        hash_default=False)
+    concurrency: int = f(4, "capture.engine=vllm: requests in flight.", hash_default=False)
 
 
 @dataclass(kw_only=True)
@@ -601,6 +616,8 @@ def _validate(cfg: RunConfig) -> list[str]:
         if d.num_target_features is not None and len(ids) != d.num_target_features:
             p.append(f"drafter.target_layer_ids: {len(ids)} ids but drafter.num_target_features="
                      f"{d.num_target_features}; give one id per feature (or leave one of them null)")
+    if d.init in ("", "none", "null"):
+        p.append(f"drafter.init: {d.init!r} is not random, target or a drafter dir")
     if d.mask_token_id is not None and d.mask_token_id < 0:
         p.append(f"drafter.mask_token_id: must be >= 0, got {d.mask_token_id}")
     if d.draft_vocab_size is not None and d.draft_vocab_size < 0:
@@ -621,7 +638,13 @@ def _validate(cfg: RunConfig) -> list[str]:
     _at_least(p, "train", t, 0, "keep_checkpoints")
     if not 0 < cfg.capture.max_disk_fraction <= 1:
         p.append(f"capture.max_disk_fraction: must be in (0, 1], got {cfg.capture.max_disk_fraction}")
-    _at_least(p, "capture", cfg.capture, 1, "batch_size")
+    _at_least(p, "capture", cfg.capture, 1, "batch_size", "concurrency")
+    if cfg.capture.server_url:
+        problem = url_problem(cfg.capture.server_url)
+        if problem:
+            p.append(f"capture.server_url: {problem}")
+        if cfg.capture.engine != "vllm":
+            p.append("capture.server_url: set, but capture.engine is local (set capture.engine=vllm)")
     g = cfg.generate
     _at_least(p, "generate", g, 1, "concurrency")
     _at_least(p, "generate", g, 0, "temperature")

@@ -49,6 +49,7 @@ from dflashkit.train.parallel import (DistInfo, TargetParts, all_reduce_sum, bar
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
+    from dflashkit.model.head import HeadOnlyTarget
     from dflashkit.model.target import Target
     from dflashkit.rundir import RunDir
 
@@ -103,7 +104,7 @@ class Trainer:
     contract: DrafterContract
     dist: DistInfo
     drafter: torch.nn.Module
-    target: Target
+    target: Target | HeadOnlyTarget  # head-only when every target output comes from the feature shards
     parts: TargetParts
     data: TokenData
     plan: BatchPlan
@@ -113,6 +114,7 @@ class Trainer:
     amp: torch.dtype | None
     head: torch.nn.Module | None = None       # the loss's head: parts.lm_head, or its rows `vocab`
     vocab: torch.Tensor | None = None         # reduced draft vocab (sorted target ids), on the device
+    warm_start: dict | None = None            # drafter.init=<dir>: what was copied (train/warm_start.py)
 
     def __post_init__(self):
         if self.head is None:
@@ -221,27 +223,51 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
     contract = DrafterContract.load(rd.contract_path)
     guards.check_drafter_overrides(cfg, contract, rd.contract_path)
     check_recipe(cfg.train)
+    warm = None
+    if cfg.drafter.init not in ("random", "target"):  # a drafter dir: read and checked before any work
+        from dflashkit.train.warm_start import check_fits, read_warm_start
+
+        warm = read_warm_start(cfg.drafter.init)
+        check_fits(warm, contract)
     data = load_tokenized(rd)
-    target = load_target(cfg.target, device=str(dist.device))
-    contract.check(target, where=str(rd.contract_path), hint=REPROBE_HINT)
     if cfg.train.features == "cached":
         data.features = FeatureStore(rd.capture_dir, data.shards, contract.target_layer_ids)
         if cfg.train.labels == "target":
             data.features.require("next_ids", "train.labels=target reads the target's argmax from the shards")
-    parts = TargetParts(target.model.get_input_embeddings(), target.lm_head)
-    if cfg.train.parallel.target == "shard":
-        parts = shard_target(target, dist)
+    target: Target | HeadOnlyTarget
+    if head_only(cfg.train, data.features):  # every target output is in the shards: embedding + head suffice
+        from dflashkit.model.head import load_head_only_target
+
+        target = load_head_only_target(cfg.target, device=str(dist.device))
+        parts = TargetParts(target.parts.embed, target.lm_head)
+    else:
+        full = load_target(cfg.target, device=str(dist.device))
+        target, parts = full, TargetParts(full.model.get_input_embeddings(), full.lm_head)
+        if cfg.train.parallel.target == "shard":
+            parts = shard_target(full, dist)
+    contract.check(target, where=str(rd.contract_path), hint=REPROBE_HINT)
     train_idx, heldout = split_heldout(len(data), cfg.train.heldout_samples, seed=cfg.run.seed)
     if cfg.train.heldout_sources:
         train_idx, heldout = held_out_sources(cfg, data, train_idx, heldout)
-    vocab = pick_draft_vocab(cfg, contract, target, data, train_idx)
+    vocab = None
+    if warm is not None:
+        from dflashkit.train.warm_start import keep_source_vocab
+
+        vocab = keep_source_vocab(warm, cfg.drafter.draft_vocab_size)
+    if vocab is None:
+        vocab = pick_draft_vocab(cfg, contract, target, data, train_idx)
     torch.manual_seed(cfg.run.seed)
     scale = feature_scale_of(cfg, contract, target, data, train_idx) if cfg.drafter.feature_scale == "rms" else None
     drafter = drafter_for(contract, draft_vocab=vocab, feature_scale=scale).to(dist.device)
+    warm_report = None
     if cfg.drafter.init == "target":
         from dflashkit.model.init import init_from_target
 
         init_from_target(drafter, target, cfg.drafter.init_layer_ids)
+    elif warm is not None:
+        from dflashkit.train.warm_start import warm_start
+
+        warm_report = warm_start(drafter, warm, contract)
     if cfg.train.compile:
         for layer in drafter.layers:
             layer.compile()
@@ -255,7 +281,16 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
                  gamma_for(cfg.train.gamma, contract.block_size), attention,
                  autocast_dtype(cfg.train.dtype, dist.device))
     tr.use_draft_vocab(vocab)
+    tr.warm_start = warm_report
     return tr
+
+
+def head_only(train, store: FeatureStore | None) -> bool:
+    """Whether training needs only the target's embedding and head (model/head.py), not its layers: the
+    features, and the labels / KL target the recipe asks for, all come from the feature shards."""
+    if train.features != "cached" or store is None:
+        return False
+    return (train.labels != "target" or store.has("next_ids")) and (train.loss == "ce" or store.has("last_hidden"))
 
 
 def check_recipe(train) -> None:
@@ -570,6 +605,9 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True, cpu_bud
                 **({"best": best.record} if best.record else {})}
 
     try:
+        if start == 0 and tr.warm_start is not None:  # where the warm start begins: its held-out loss and τ
+            tr.drafter.eval()
+            evaluated(0)
         tr.drafter.train()
         for step in range(start, steps):
             ts, cs = time.perf_counter(), time.process_time()
@@ -617,4 +655,5 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True, cpu_bud
             "heldout_by_source": ({k: {"tau": v["tau"], "acc": v["acc"], "samples": v.get("samples")}
                                    for k, v in last_eval.get("by_source", {}).items()} if last_eval else {}),
             **({"cpu_s": round(budget.used, 2), "cpu_budget_s": budget.seconds} if budget is not None else {}),
-            **({"draft_vocab_size": int(tr.vocab.numel())} if tr.vocab is not None else {})}
+            **({"draft_vocab_size": int(tr.vocab.numel())} if tr.vocab is not None else {}),
+            **({"warm_start": tr.warm_start} if tr.warm_start is not None else {})}
