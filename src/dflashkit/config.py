@@ -88,11 +88,20 @@ class DrafterSection:
     head_dim: int | None = f(None, "null = the target's.")
     intermediate_size: int | None = f(None, "null = the target's (dense MLP size).")
     rms_norm_eps: float | None = f(None, "null = the target's.")
-    init: Literal["random", "target"] = f("random", "Initialise draft layers randomly or from target "
-                                          "layers (when the shapes allow).")
+    init: str = f("random", "random | target | a drafter dir. random: random draft layers; target: copied from "
+                  "target layers (when the shapes allow); a dir: warm start from a drafter you have (z-lab or "
+                  "speculators format: train/final, an export, an imported or published drafter) whose target "
+                  "hidden size, vocab, target_layer_ids, mask id and draft architecture match this run's (each "
+                  "mismatch named, exit 2); its block size may differ; a reduced vocab's d2t is kept when "
+                  "draft_vocab_size equals it, else rebuilt.")
     init_layer_ids: list[int] | None = f(None, "Target layers to copy when init=target; null = the last "
                                          "num_draft_layers layers.")
     attention: Literal["sdpa", "flex"] = f("sdpa", "sdpa (dense mask; CPU and GPU) or flex (GPU).")
+    feature_scale: Literal["none", "rms"] = f(
+        "none", "Per-channel scale of the target features before `fc`: none; or rms = each channel divided by its "
+        "RMS over training samples and multiplied by the median RMS of its target layer (tames massive "
+        "activations: SmolLM2 has one channel at RMS ~1,650 vs a median of 5). Folded into fc.weight in every "
+        "saved drafter dir (model/feature_scale.py), so exports are unchanged in format.", hash_default=False)
     draft_vocab_size: int | None = f(
         None, "Reduced draft vocabulary V': the drafter predicts only the V' most frequent supervised "
         "tokens of the training data (+ eos), projecting onto those rows of the target head; the "
@@ -245,6 +254,17 @@ class CaptureSection:
         "auto", "Also store the target's final-norm hidden state per token (H values), from which cached "
         "training recomputes the target's distribution for KL; auto = when train.loss is kl or ce+kl.",
         hash_default=False)
+    engine: Literal["local", "vllm"] = f(
+        "local", "Who computes the features: local = the target loaded here (transformers); vllm = a vLLM server "
+        "with `extract_hidden_states` (started here for target.path with dflashkit's CPU-safe connector, or "
+        "`capture.server_url`), one /v1/completions request per sample (max_tokens 1, ids checked); labels and "
+        "KL from the target's final norm + LM head only (read by name). Same shards, same reader.",
+        hash_default=False)
+    server_url: str | None = f(
+        None, "capture.engine=vllm: base URL (…/v1) of a vLLM you already run with the flags "
+        "`dflashkit capture --dry-run` prints; its hidden-states files must be readable here. null = start one.",
+        hash_default=False)
+    concurrency: int = f(4, "capture.engine=vllm: requests in flight.", hash_default=False)
 
 
 @dataclass(kw_only=True)
@@ -264,18 +284,29 @@ class TrainSection:
     batch_size: int = f(4, "Sequences per micro-batch (per rank).")
     grad_accum: int = f(1, "Micro-batches per optimizer step.")
     lr: float = f(6e-4, "Peak learning rate (AdamW).")
+    optimizer: Literal["adamw", "muon"] = f(
+        "adamw", "adamw; or muon: torch.optim.Muon (Newton-Schulz orthogonalised momentum, its update matched to "
+        "AdamW's RMS so train.lr carries over) for every 2-D weight, AdamW for the rest (norms). Muon under "
+        "train.parallel.mode=fsdp is not supported.", hash_default=False)
+    muon_momentum: float = f(0.95, "Muon momentum (train.optimizer=muon).", hash_default=False)
     min_lr_ratio: float = f(0.0, "Final lr as a fraction of lr (cosine).")
     warmup_ratio: float = f(0.04, "Linear warmup as a fraction of steps.")
     weight_decay: float = f(0.0, "AdamW weight decay.")
     betas: list[float] = f([0.9, 0.95], "AdamW betas.")
     grad_clip: float = f(1.0, "Max grad norm (0 = off).")
     num_anchors: int = f(512, "Max anchors (blocks) per sequence.")
+    anchor_coverage: float | None = f(
+        None, "Anchors per document in proportion to its length: each sample draws ceil(x · its anchor candidates) "
+        "(capped by num_anchors); null = num_anchors per sample whatever its length. Samples are never packed, "
+        "so a row is a document here (speculators #1071's per-document coverage).", hash_default=False)
     gamma: float | None = f(None, "Loss decay over block positions; null = 7 for B=16, 5 for B=10, 4 for "
                             "B=8, else B/2.")
     loss: Literal["ce", "kl", "ce+kl"] = f("ce", "Hard CE on the data, KL to target logits, or both.")
     kl_weight: float = f(1.0, "Weight of the KL term in ce+kl.")
-    ablate_features: bool = f(False, "Zero the target features (an ablation: does the drafter use the "
-                              "target at all? see `dflashkit bench recipe`).", hash_default=False)
+    ablate_features: bool = f(False, "The no-features ablation (does the drafter use the target at all? see "
+                              "`dflashkit bench recipe`): the blocks attend to themselves only, with no target "
+                              "context, in training and held-out scoring (zeroed features would not do: their "
+                              "zero keys still soak up attention).", hash_default=False)
     labels: Literal["data", "target"] = f(
         "data", "Hard labels: data = the token in the training text at a+k; target = the target's own greedy "
         "prediction there (its argmax at a+k-1, from the same forward that gives the features). `target` "
@@ -292,6 +323,9 @@ class TrainSection:
         "when it is missing) beside the unary DFlash loss, with the same position weights.", hash_default=False)
     feature_noise: float = f(0.0, "Uniform noise on the target features in training only, U(-x, x) times the "
                              "RMS of each token's feature vector per target layer (0 = off).")
+    forecast_tau: float = f(2.0, "The data-budget forecast's target: `train`, `report`, the run summary and `plan` "
+                            "say how many supervised tokens (samples, hours) the learning curve train/curve.json "
+                            "predicts for this held-out τ (train/forecast.py).", hash_default=False)
     keep_best: bool = f(True, "Keep the drafter with the best held-out simulated τ in train/best/ (eval and "
                         "export then use it by default).")
     loss_chunk_blocks: int = f(64, "Blocks per loss chunk (bounds the [blocks·B, vocab] logits).")
@@ -305,6 +339,10 @@ class TrainSection:
     keep_checkpoints: int = f(3, "Keep the newest N step checkpoints (older ones are deleted; 0 = keep all).")
     log_every: int = f(10, "Log metrics every N steps.")
     heldout_samples: int = f(16, "Tokenized samples kept for held-out simulated τ.")
+    heldout_sources: list[str] = f([], "Data sources (data.sources[].name) never trained on: up to heldout_samples "
+                                   "samples of each join the held-out set, so held-out τ is also measured on a "
+                                   "source of another kind (curve.json and `bench recipe` report it per source).",
+                                   hash_default=False)
     compile: bool = f(False, "torch.compile the drafter.")
     tensorboard: bool = f(False, "Write TensorBoard logs (needs the tensorboard extra).")
     wandb: bool = f(False, "Log to Weights & Biases (needs the wandb extra).")
@@ -346,7 +384,7 @@ class EvalSection:
     prompt_lookup_ngram: int = f(3, "Prompt lookup: longest n-gram matched (falls back to shorter, down "
                                  "to 1).", hash_default=False)
     diagnostics: bool = f(True, "Bigram baseline (fit on the tokenized training answers) and the "
-                          "no-feature ablation (teacher-forced τ with the target features zeroed).",
+                          "no-feature ablation (teacher-forced τ with no target context: decode/diagnostics.py).",
                           hash_default=False)
 
 
@@ -388,9 +426,14 @@ class BenchSection:
                                   hash_default=False)
     generate_requests: int = f(4000, "`bench generate`: requests sent to the zero-latency server.")
     generate_concurrency: int = f(64, "`bench generate`: requests in flight.")
-    recipe_steps: int = f(200, "`bench recipe`: training steps per variant.")
+    recipe_steps: int = f(200, "`bench recipe`: training steps per variant (the cap when bench.cpu_minutes is set).")
     recipe_variants: dict[str, Any] = f({}, "`bench recipe`: variant name → list of dotted overrides; "
-                                        "empty = base, labels=data, no-features.")
+                                        "empty (and no recipe_grid) = base, labels=data, no-features.")
+    recipe_grid: dict[str, Any] = f({}, "`bench recipe`: dotted key → list of values; one variant `key=value` per "
+                                    "value (one lever at a time), added to recipe_variants.", hash_default=False)
+    cpu_minutes: float | None = f(None, "`bench recipe`: per-variant budget of process CPU-minutes for the optimizer "
+                                  "steps (all threads; evaluation not charged): variants compare at equal CPU cost, "
+                                  "not equal steps. null = bench.recipe_steps steps each.", hash_default=False)
 
 
 @dataclass(kw_only=True)
@@ -573,6 +616,8 @@ def _validate(cfg: RunConfig) -> list[str]:
         if d.num_target_features is not None and len(ids) != d.num_target_features:
             p.append(f"drafter.target_layer_ids: {len(ids)} ids but drafter.num_target_features="
                      f"{d.num_target_features}; give one id per feature (or leave one of them null)")
+    if d.init in ("", "none", "null"):
+        p.append(f"drafter.init: {d.init!r} is not random, target or a drafter dir")
     if d.mask_token_id is not None and d.mask_token_id < 0:
         p.append(f"drafter.mask_token_id: must be >= 0, got {d.mask_token_id}")
     if d.draft_vocab_size is not None and d.draft_vocab_size < 0:
@@ -593,7 +638,13 @@ def _validate(cfg: RunConfig) -> list[str]:
     _at_least(p, "train", t, 0, "keep_checkpoints")
     if not 0 < cfg.capture.max_disk_fraction <= 1:
         p.append(f"capture.max_disk_fraction: must be in (0, 1], got {cfg.capture.max_disk_fraction}")
-    _at_least(p, "capture", cfg.capture, 1, "batch_size")
+    _at_least(p, "capture", cfg.capture, 1, "batch_size", "concurrency")
+    if cfg.capture.server_url:
+        problem = url_problem(cfg.capture.server_url)
+        if problem:
+            p.append(f"capture.server_url: {problem}")
+        if cfg.capture.engine != "vllm":
+            p.append("capture.server_url: set, but capture.engine is local (set capture.engine=vllm)")
     g = cfg.generate
     _at_least(p, "generate", g, 1, "concurrency")
     _at_least(p, "generate", g, 0, "temperature")
@@ -622,6 +673,9 @@ def _validate(cfg: RunConfig) -> list[str]:
     _at_least(p, "serve", sv, 0, "batch_wait_ms")
     b = cfg.bench
     _at_least(p, "bench", b, 1, "requests", "max_tokens", "generate_requests", "generate_concurrency")
+    if b.cpu_minutes is not None and not b.cpu_minutes > 0:
+        p.append(f"bench.cpu_minutes: must be > 0 (or null), got {b.cpu_minutes}")
+    _at_least(p, "bench", b, 1, "recipe_steps")
     for i, m in enumerate(b.engine_methods):
         if m not in ("dflashkit", "ar", "ngram", "dflash"):
             p.append(f"bench.engine_methods[{i}]: {m!r} is not one of dflashkit, ar, ngram, dflash")

@@ -57,3 +57,41 @@ def test_recipe_dflash2_variant_trains_from_its_own_contract(tmp_path, tiny_qwen
     assert json.loads((rd / "contract.json").read_text())["drafter_type"] == "dflash"  # the run's is untouched
     cfg = json.loads((rd / "bench" / "recipe" / "dflash2" / "train" / "final" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlash2DraftModel"] and "draft_vocab_size" not in cfg
+
+
+def test_equal_cpu_minutes_stop_each_variant_on_its_budget_and_a_grid_varies_one_key(tmp_path, tiny_qwen3, capsys):
+    rd = make_run(tmp_path / "r", tiny_qwen3)
+    budget = 0.05  # CPU-minutes: 3 s of optimizer steps per variant, far fewer than the 1000-step cap
+    rc = main(["bench", "recipe", "--json", *overrides(rd, tiny_qwen3), "bench.recipe_steps=1000",
+               f"bench.cpu_minutes={budget}", "bench.recipe_grid={drafter.num_draft_layers: [1, 2]}",
+               "drafter.num_target_features=2"])  # the contract's 2 features whatever the layer count
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0, out
+    rows = out["variants"]
+    assert [r["variant"] for r in rows] == ["drafter.num_draft_layers=1", "drafter.num_draft_layers=2"]
+    for r in rows:
+        # stopped by the budget: at least the budget spent, at most one step beyond it, before the cap
+        assert budget <= r["cpu_minutes"] and r["steps"] < 1000, r
+        assert r["supervised_tokens"] > 0 and len(r["heldout_acc"]) >= 1 and r["load_before"] is not None
+    cfgs = [json.loads((rd / "bench" / "recipe" / r["variant"] / "train" / "final" / "config.json").read_text())
+            for r in rows]
+    # a variant that changes the drafter's shape trains under its own contract (the run's is not touched)
+    assert [c["num_hidden_layers"] for c in cfgs] == [1, 2]
+    assert json.loads((rd / "contract.json").read_text())["num_draft_layers"] == 1
+    assert (rd / "bench" / "recipe" / rows[0]["variant"] / "contract.json").is_symlink()
+    assert not (rd / "bench" / "recipe" / rows[1]["variant"] / "contract.json").is_symlink()
+
+
+def test_bad_variants_fail_before_any_training_and_dry_run_trains_nothing(tmp_path, tiny_qwen3, capsys):
+    rd = make_run(tmp_path / "r", tiny_qwen3)
+    rc = main(["bench", "recipe", "--json", *overrides(rd, tiny_qwen3),
+               "bench.recipe_variants={ok: [], bad: [train.lr=-1]}"])
+    assert rc == 2 and not (rd / "bench" / "recipe" / "ok").exists()
+    capsys.readouterr()
+    rc = main(["bench", "recipe", "--json", "--dry-run", *overrides(rd, tiny_qwen3),
+               "bench.recipe_grid={drafter.block_size: [2, 8], train.lr: [1e-3]}"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and out["dry_run"] and not (rd / "bench" / "recipe").exists()
+    v = out["variants"]
+    assert list(v) == ["drafter.block_size=2", "drafter.block_size=8", "train.lr=1e-3"]
+    assert [x["own_contract"] for x in v.values()] == [True, True, False]

@@ -80,8 +80,13 @@ def test_optional_keys_left_at_default_keep_old_fingerprints():
     from dflashkit.stage_table import stage_hash
 
     cfg = load_config(None)
-    old = {k: v for k, v in dataclasses.asdict(cfg.drafter).items() if k != "draft_vocab_size"}
+    later = {"draft_vocab_size", "feature_scale", "type", "conv_kernel_size", "conv_group_size", "selector_rank",
+             "selector_top_k", "input_embedding_scale", "output_multiplier",
+             "final_logit_softcapping"}  # keys added after run dirs existed
+    old = {k: v for k, v in dataclasses.asdict(cfg.drafter).items() if k not in later}
     assert section_hash(cfg.drafter) == section_hash(old)
+    d2 = load_config(None, ["drafter.type=dflash2"])  # the contract carries the drafter type: probe re-runs
+    assert stage_hash("probe", d2) != stage_hash("probe", cfg)
     small = load_config(None, ["drafter.draft_vocab_size=1000"])
     assert section_hash(small.drafter) != section_hash(cfg.drafter)
     assert stage_hash("probe", small) == stage_hash("probe", cfg)

@@ -103,6 +103,8 @@ def test_report_plots_the_learning_curve_per_source_with_the_gap(tmp_path):
     assert sorted(p.name for p in (rd / "report").glob("*.png")) == ["learning_curve.png", "learning_curve_acc1.png"]
     assert "Learning curve" in page and "8000" in page and "0.125" in page  # the gap 1.5 − 1.375 at step 20
     assert "step 20, held-out τ 1.375" in page and "1.425 (6000)" in page  # per source τ (tokens)
+    # two points: the forecast says why it gives no number
+    assert "Data-budget forecast" in page and "no number" in page and "at least 4" in page
     from dflashkit.stages.report import curve_section
 
     specs, _ = curve_section(json.loads((rd / "train" / "curve.json").read_text()), None)

@@ -107,9 +107,11 @@ CASES: list[Case] = [
          ["drafter.target_layer_ids: [0, 2] in the config, [1, 3] in"]),
     Case("f2-all-at-once", lambda w: w.train("drafter.block_size=8", "drafter.mask_token_id=7"), 2,
          ["2 config errors", "drafter.block_size", "drafter.mask_token_id: 7 in the config, 300 in"]),
+    # (a variant that changes the drafter's shape, e.g. drafter.block_size, trains under its own contract:
+    # tests/cli/test_ablation.py; a key the contract fixes otherwise is named)
     Case("f2-bench-recipe-variant", lambda w: ["bench", "recipe", *overrides(w.run, w.target),
-                                               "bench.recipe_steps=1", _variants("{a: [], b: [drafter.block_size=8]}")],
-         2, ["bench.recipe_variants.b: drafter.block_size: 8 in the config"]),
+                                               "bench.recipe_steps=1", _variants("{a: [], b: [drafter.mask_token_id=7]}")],
+         2, ["bench.recipe_variants.b: drafter.mask_token_id: 7 in the config"]),
     # finding 5: variant names are folder names under bench/recipe/, never paths
     Case("f5-variant-dotdot", lambda w: ["bench", "recipe", *overrides(w.run, w.target), "bench.recipe_steps=1",
                                          _variants("{'../../victim': []}")], 2,
@@ -271,7 +273,9 @@ def test_bench_dry_run_writes_nothing(subject, tmp_path, tiny_qwen3, drafter_dir
     res = _last_json(out)
     assert res["dry_run"] is True
     if subject == "recipe":
-        assert set(res["variants"]) == {"base", "labels=data", "no-features"}
+        from dflashkit.bench.recipe import DEFAULT_VARIANTS
+
+        assert set(res["variants"]) == set(DEFAULT_VARIANTS) >= {"base", "labels=data", "no-features", "dflash2"}
     assert _snapshot(w.run) == before
     assert not (w.run / ".lock").exists()
 

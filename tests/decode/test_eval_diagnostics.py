@@ -198,8 +198,8 @@ def test_simulated_acceptance_oracle_and_zeroed_features(target):
             first_ok += ok[0]
     assert sim["tau"] == pytest.approx(lead_sum / 15, abs=1e-4)
     assert sim["per_position_accuracy"][0] == pytest.approx(first_ok / 15, abs=1e-4)
-    zero = simulated_acceptance(target, drafter, [PROMPT], [out], zero_features=True)
-    assert zero["zero_features"] and zero["blocks"] == 15 and 1.0 <= zero["tau"] <= 4
+    zero = simulated_acceptance(target, drafter, [PROMPT], [out], no_features=True)
+    assert zero["no_features"] and zero["ablation"] == "context" and zero["blocks"] == 15 and 1.0 <= zero["tau"] <= 4
 
 
 # -- `dflashkit eval` end to end (tiny target, random drafter) ---------------------------------------------------
@@ -243,7 +243,7 @@ def test_eval_reports_prompt_lookup_diagnostics_and_the_best_block_size(tmp_path
     d = res["diagnostics"]
     assert 0 <= d["bigram"]["accuracy"] <= 1 and d["bigram"]["positions"] == 2 * 11
     assert d["bigram"]["training_pairs"] == 4 * 20
-    assert d["simulated"]["blocks"] == d["no_features"]["blocks"] == 2 * 11 and d["no_features"]["zero_features"]
+    assert d["simulated"]["blocks"] == d["no_features"]["blocks"] == 2 * 11 and d["no_features"]["no_features"]
     assert 0 <= d["drafter_position1"] <= 1 and 0 <= d["prompt_lookup_position1"] <= 1
 
 

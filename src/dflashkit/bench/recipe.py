@@ -2,18 +2,40 @@
 
 Usage:
     dflashkit bench recipe -c run.yaml                        # the default variants, bench.recipe_steps each
+    dflashkit bench recipe -c run.yaml bench.cpu_minutes=10   # equal CPU-minutes per variant (steps = a cap)
     dflashkit bench recipe -c run.yaml bench.recipe_variants='{base: [], wide: [train.lr=1e-3]}'
+    dflashkit bench recipe -c run.yaml bench.recipe_grid='{drafter.block_size: [4, 8, 16]}'
 
-Each variant is the run config plus dotted overrides, trained from scratch for `bench.recipe_steps`
-steps in `<run_dir>/bench/recipe/<name>/` (which links this run's contract.json, tokenize/ and
-capture/, so the data and cached features are shared and never copied), then scored on the same
-held-out samples: simulated τ, position-1 accuracy, held-out loss and the train-vs-held-out gap.
+Each variant is the run config plus dotted overrides, trained from scratch in
+`<run_dir>/bench/recipe/<name>/` (which links this run's contract.json, tokenize/ and capture/,
+so the data and cached features are shared and never copied; a variant that changes block size,
+draft layers or target feature layers gets its own contract.json instead — with cached features,
+other feature layers need `train.features=online`), then scored on the same held-out samples. Variants come from `bench.recipe_variants` (name → overrides) and `bench.recipe_grid`
+(key → values: one variant `key=value` per value, every other key at the run's setting: one lever
+at a time, as a study varies them); with neither, the defaults below. Every variant's config is
+built and validated before the first one trains.
+
+Equal CPU-minutes (`bench.cpu_minutes`): each variant trains until its optimizer steps have used
+that much process CPU time (`time.process_time`: all of this process's threads; held-out
+evaluation not charged), with its lr schedule stretched over the steps the budget affords
+(`train/optim.py` CpuBudget), capped at `bench.recipe_steps`. A variant whose step costs twice as
+much gets half the steps: the comparison a user with a fixed machine cares about. Without it every
+variant runs `bench.recipe_steps` steps.
+
+Each row: held-out simulated τ, position-1 accuracy, per-position accuracy, held-out loss, the
+train-vs-held-out τ gap, τ per held-out data source and on the second source (the first of
+`train.heldout_sources`, a source never trained on, else the second source of the held-out set),
+CPU-minutes used, steps, supervised tokens seen, wall seconds, and the 1-minute load average
+before and after the variant (a number near or above the core count says the machine was not
+quiet and the CPU-minutes of different variants are not comparable).
+
 The default variants answer the questions a weak drafter raises:
   * base             — the config as it is;
   * labels=data      — learn the training text's tokens instead of the target's own predictions;
-  * no-features      — target features zeroed in training and scoring: does the drafter use the
-                       target at all? (a drafter that matches this one is a language model, not a
-                       DFlash drafter);
+  * no-features      — no target context in training and scoring (blocks attend to themselves
+                       only; decode/diagnostics.py says why zeroed features would not do): does the
+                       drafter use the target at all? (a drafter that matches this one is a language
+                       model, not a DFlash drafter);
   * dflash2          — the same data and steps with a DFlash2 drafter (drafter.type=dflash2, full
                        vocab): its held-out τ is the selector walk's, `heldout_unary_tau` the unary
                        argmax's beside it. A variant that changes drafter.type or a DFlash2 knob
@@ -21,8 +43,6 @@ The default variants answer the questions a weak drafter raises:
                        every other variant links the run's;
   * bigram           — not a drafter: the share of held-out supervised positions whose label is the
                        most frequent successor of the previous token in the training labels.
-Steps, data and seed are the same for every variant, and all of them run in one process on one
-machine, so the table compares like with like (it is not a time measurement).
 """
 
 from __future__ import annotations
@@ -30,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from dflashkit.config import config_from_dict, config_to_dict
+from dflashkit.errors import UsageError
 from dflashkit.rundir import RunDir
 
 log = logging.getLogger("dflashkit.bench")
@@ -53,19 +75,6 @@ OWN_CONTRACT_KEYS = ("drafter.type", "drafter.conv_kernel_size", "drafter.conv_g
                      "drafter.final_logit_softcapping")
 
 
-def variant_contract(contract: Any, vcfg: Any, overrides: list[str]) -> Any | None:
-    """The variant's own contract (the run's with the drafter type and DFlash2 knobs of `vcfg`), or None
-    when the variant changes none of them and links the run's contract.json."""
-    from dflashkit.config import parse_override
-    from dflashkit.inspect.contract import dflash2_fields
-
-    if not any(parse_override(o)[0] in OWN_CONTRACT_KEYS for o in overrides):
-        return None
-    own = dataclasses.replace(contract, **dflash2_fields(vcfg.drafter))
-    own.check()
-    return own
-
-
 def _link(src: Path, dst: Path) -> None:
     if dst.is_symlink() or dst.exists():
         return
@@ -73,12 +82,46 @@ def _link(src: Path, dst: Path) -> None:
         os.symlink(src.resolve(), dst)
 
 
+def grid_name(key: str, value: str) -> str:
+    """The variant name of a grid value: `key=value` with anything outside the folder-name charset replaced."""
+    return re.sub(r"[^A-Za-z0-9._=+,-]", "_", f"{key}={value}")[:64]
+
+
+def variants_of(bench: Any) -> dict[str, list[str]]:
+    """name → overrides from `bench.recipe_variants` and `bench.recipe_grid` (defaults when both are empty)."""
+    from dflashkit.config import recipe_variant_problems
+    from dflashkit.errors import ConfigError
+
+    problems = recipe_variant_problems(bench.recipe_variants or {})
+    if problems:
+        raise ConfigError(problems)
+    out: dict[str, list[str]] = {str(k): list(v) for k, v in (bench.recipe_variants or {}).items()}
+    for key, values in (bench.recipe_grid or {}).items():
+        if not isinstance(values, list) or not values:
+            raise UsageError(f"bench.recipe_grid.{key}: expected a non-empty list of values, got {values!r}",
+                             hint="e.g. bench.recipe_grid='{drafter.block_size: [4, 8, 16]}'")
+        for v in values:
+            text = _yaml_scalar(v)
+            out[grid_name(key, text)] = [f"{key}={text}"]
+    return out or dict(DEFAULT_VARIANTS)
+
+
+def _yaml_scalar(v: Any) -> str:
+    import json
+
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    return v if isinstance(v, str) else json.dumps(v)
+
+
 def variant_config(cfg: Any, name: str, overrides: list[str], root: Path, steps: int) -> Any:
     """The config of one variant: `cfg` + overrides, its own run dir, `steps` steps, one final eval."""
     from dflashkit.config import given_keys, parse_override, set_given_keys
 
     data = config_to_dict(cfg)
-    data["run"]["run_dir"] = str(root / name)
+    data["run"]["run_dir"] = str(root)
     data["train"].update(max_steps=steps, eval_every=0, save_every=0)
     vcfg = config_from_dict(data, overrides, source=f"bench.recipe_variants.{name}")
     set_given_keys(vcfg, set(given_keys(cfg) or ()) | {parse_override(o)[0] for o in overrides})
@@ -88,42 +131,81 @@ def variant_config(cfg: Any, name: str, overrides: list[str], root: Path, steps:
 MARKER = ".bench-recipe"  # in each variant dir this bench made: only those are ever cleared for a re-run
 
 
-def plan_variants(cfg: Any, rd: RunDir) -> dict[str, Any]:
-    """Every variant's config, built and checked before any trains (names, override keys and values, the
-    drafter.* keys against contract.json): a bad last variant fails before the first one costs minutes."""
-    from dflashkit.config import recipe_variant_problems
+def _made_before_markers(vroot: Path) -> bool:
+    """A variant dir an earlier dflashkit made: tokenize/ linked to the run's, train/ written by train."""
+    return (vroot.is_dir() and not vroot.is_symlink() and (vroot / "tokenize").is_symlink()
+            and (vroot / "train" / "manifest.json").is_file() and not (vroot / MARKER).exists())
+
+
+def plan_variants(cfg: Any, rd: RunDir) -> dict[str, tuple[list[str], Any, Any]]:
+    """name → (overrides, config, contract or None) of every variant, built and checked before any trains:
+    names, override keys and values, and the drafter.* keys against the contract the variant will train
+    (its own, `variant_contract`, when it changes the drafter's shape): a bad last variant fails before
+    the first one costs minutes, and a user's directory where a variant would go is refused."""
     from dflashkit.errors import ConfigError, DflashkitError
     from dflashkit.rundir import check_replaceable
+    from dflashkit.train.guards import check_drafter_overrides
 
     steps = int(cfg.bench.recipe_steps)
-    variants = dict(cfg.bench.recipe_variants or DEFAULT_VARIANTS)
-    problems = recipe_variant_problems(variants)
-    if problems:
-        raise ConfigError(problems)
     root = rd.bench_dir / "recipe"
-    out: dict[str, Any] = {}
-    for name, over in variants.items():
-        try:
-            out[name] = variant_config(cfg, name, list(over), root, steps)
-        except DflashkitError as e:
-            raise ConfigError([f"bench.recipe_variants.{name}: {e.message}"]) from None
-        check_replaceable(root / name, owner="bench recipe", marker=MARKER)
+    base = None
     if rd.contract_path.is_file():
         from dflashkit.model.drafter_config import DrafterContract
-        from dflashkit.train.guards import check_drafter_overrides
 
-        contract = DrafterContract.load(rd.contract_path)
-        check_drafter_overrides(cfg, contract, rd.contract_path)
-        for name, vcfg in out.items():
-            try:
-                over = list(variants[name])
-                own = variant_contract(contract, vcfg, over)
-                check_drafter_overrides(vcfg, own or contract, rd.contract_path)
-            except ConfigError as e:
-                raise ConfigError([f"bench.recipe_variants.{name}: {p}" for p in e.problems], hint=e.hint) from None
-            except DflashkitError as e:
-                raise ConfigError([f"bench.recipe_variants.{name}: {e.message}"]) from None
+        base = DrafterContract.load(rd.contract_path)
+        check_drafter_overrides(cfg, base, rd.contract_path)
+    out: dict[str, tuple[list[str], Any, Any]] = {}
+    for name, over in variants_of(cfg.bench).items():
+        try:
+            vcfg = variant_config(cfg, name, over, root / name, steps)
+            own = variant_contract(over, vcfg, base) if base is not None else None
+            if base is not None:
+                check_drafter_overrides(vcfg, own or base, rd.contract_path if own is None else "its own contract")
+        except ConfigError as e:
+            raise ConfigError([f"bench.recipe_variants.{name}: {p}" for p in e.problems], hint=e.hint) from None
+        except DflashkitError as e:
+            raise ConfigError([f"bench.recipe_variants.{name}: {e.message}"]) from None
+        if not _made_before_markers(root / name):  # a variant dir from before MARKER existed is ours too
+            check_replaceable(root / name, owner="bench recipe", marker=MARKER)
+        out[name] = (over, vcfg, own)
     return out
+
+
+_CONTRACT_KEYS = ("block_size", "num_draft_layers", "num_target_features", "target_layer_ids")
+
+
+def variant_contract(over: list[str], vcfg: Any, contract: Any) -> Any:
+    """The contract of a variant whose overrides change the drafter's shape (block size, draft layers,
+    target feature layers) or family (drafter.type, the DFlash2 knobs): the run's contract with those
+    fields redone as `probe` would (layer ids by the reference formula unless given). None when the
+    result is the run's contract (it is linked)."""
+    import dataclasses
+
+    from dflashkit.config import parse_override
+    from dflashkit.model.drafter_config import build_target_layer_ids
+
+    keys = {parse_override(o)[0] for o in over}
+    given = {k for k in _CONTRACT_KEYS if f"drafter.{k}" in keys}
+    family = any(k in OWN_CONTRACT_KEYS for k in keys)
+    if not given and not family:
+        return None
+    d = vcfg.drafter
+    layers = d.num_draft_layers if "num_draft_layers" in given else contract.num_draft_layers
+    ids = list(contract.target_layer_ids)
+    if "target_layer_ids" in given and d.target_layer_ids is not None:
+        ids = list(d.target_layer_ids)
+    elif "num_target_features" in given or ("num_draft_layers" in given and d.num_target_features is None):
+        ids = build_target_layer_ids(contract.num_target_layers, d.num_target_features or layers)
+    own = dataclasses.replace(contract, block_size=d.block_size if "block_size" in given else contract.block_size,
+                              num_draft_layers=layers, target_layer_ids=ids)
+    if family:
+        from dflashkit.inspect.contract import dflash2_fields
+
+        own = dataclasses.replace(own, **dflash2_fields(d))
+    if own == contract:
+        return None
+    own.check()
+    return own
 
 
 def bigram_accuracy(rd: RunDir, heldout_samples: int, seed: int) -> float | None:
@@ -145,53 +227,91 @@ def bigram_accuracy(rd: RunDir, heldout_samples: int, seed: int) -> float | None
     return round(hit / tot, 4) if tot else None
 
 
-def bench_recipe(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
-    import shutil
+def _load() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
 
-    from dflashkit.model.drafter_config import DrafterContract
-    from dflashkit.rundir import atomic_write_json
+
+def second_source(cfg: Any, by_source: dict[str, Any]) -> str | None:
+    """The source reported as "second held-out source" (module docstring), or None."""
+    if cfg.train.heldout_sources:
+        return cfg.train.heldout_sources[0]
+    names = sorted(by_source)
+    return names[1] if len(names) > 1 else None
+
+
+def row_of(name: str, over: list[str], vcfg: Any, res: dict, *, wall_s: float, load: tuple) -> dict[str, Any]:
+    held, train = res.get("heldout") or {}, res.get("train") or {}
+    acc = held.get("acc") or []
+    by = res.get("heldout_by_source") or {}
+    second = second_source(vcfg, by)
+    return {"variant": name, "overrides": list(over), "steps": res.get("steps"), "drafter_type": vcfg.drafter.type,
+            "cpu_minutes": round(res["cpu_s"] / 60, 3) if res.get("cpu_s") is not None else None,
+            "supervised_tokens": res.get("supervised_tokens"),
+            "heldout_tau": held.get("tau"), "heldout_acc1": acc[0] if acc else None, "heldout_acc": acc,
+            "heldout_unary_tau": held.get("unary_tau", held.get("tau")),
+            "heldout_loss": held.get("loss"), "train_tau": train.get("tau"),
+            "gap_tau": (None if held.get("tau") is None or train.get("tau") is None
+                        else round(train["tau"] - held["tau"], 4)),
+            "second_source": second, "second_source_tau": (by.get(second) or {}).get("tau") if second else None,
+            "heldout_by_source": {k: v.get("tau") for k, v in by.items()},
+            "load_before": load[0], "load_after": load[1], "wall_s": round(wall_s, 1)}
+
+
+def bench_recipe(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
     from dflashkit.train.loop import fit
 
+    import shutil
+
+    from dflashkit.rundir import atomic_write_json
+
     steps = int(cfg.bench.recipe_steps)
-    configs = plan_variants(cfg, rd)
+    budget_s = cfg.bench.cpu_minutes * 60 if cfg.bench.cpu_minutes else None
+    plan = plan_variants(cfg, rd)
     if ctx.dry_run:
-        return {"dry_run": True, "steps": steps, "variants": {n: {"run_dir": c.run.run_dir,
-                                                                   "overrides": list((cfg.bench.recipe_variants
-                                                                                      or DEFAULT_VARIANTS)[n])}
-                                                               for n, c in configs.items()}}
+        return {"dry_run": True, "steps": steps, "cpu_minutes": cfg.bench.cpu_minutes,
+                "variants": {n: {"run_dir": c.run.run_dir, "overrides": o, "own_contract": own is not None}
+                             for n, (o, c, own) in plan.items()}}
     rows: list[dict[str, Any]] = []
-    for name, vcfg in configs.items():
-        over = list((cfg.bench.recipe_variants or DEFAULT_VARIANTS)[name])
+    for name, (over, vcfg, own) in plan.items():
         vdir = RunDir(vcfg.run.run_dir)
-        if (vdir.root / MARKER).is_file():  # this bench's own earlier variant: trained from scratch again
+        if (vdir.root / MARKER).is_file() or _made_before_markers(vdir.root):  # ours: trained from scratch again
             shutil.rmtree(vdir.root)
         vdir.root.mkdir(parents=True, exist_ok=True)
         (vdir.root / MARKER).write_text("made by `dflashkit bench recipe`; cleared when the bench re-runs\n")
-        own = variant_contract(DrafterContract.load(rd.contract_path), vcfg, over)
         if own is not None:
             atomic_write_json(vdir.contract_path, own.to_dict())
-        for part in ("contract.json", "tokenize", "capture"):
+        for part in ("tokenize", "capture") if own is not None else ("contract.json", "tokenize", "capture"):
             _link(rd.root / part, vdir.root / part)
-        t0 = time.perf_counter()
-        res = fit(vcfg, vdir, show_bar=False)
-        held, train = res.get("heldout") or {}, res.get("train") or {}
-        acc = held.get("acc") or []
-        rows.append({"variant": name, "overrides": list(over), "steps": steps,
-                     "drafter_type": vcfg.drafter.type,
-                     "heldout_tau": held.get("tau"), "heldout_acc1": acc[0] if acc else None,
-                     "heldout_unary_tau": held.get("unary_tau", held.get("tau")),
-                     "heldout_loss": held.get("loss"), "train_tau": train.get("tau"),
-                     "gap_tau": (None if held.get("tau") is None or train.get("tau") is None
-                                 else round(train["tau"] - held["tau"], 4)),
-                     "wall_s": round(time.perf_counter() - t0, 1)})
-        log.info("recipe %-14s held-out τ %.3f acc1 %s (%.0f s)", name, held.get("tau") or 0,
-                 rows[-1]["heldout_acc1"], rows[-1]["wall_s"])
+        load0, t0 = _load(), time.perf_counter()
+        res = fit(vcfg, vdir, show_bar=False, cpu_budget_s=budget_s)
+        rows.append(row_of(name, over, vcfg, res, wall_s=time.perf_counter() - t0, load=(load0, _load())))
+        r = rows[-1]
+        log.info("recipe %-24s held-out τ %.3f acc1 %s, %s steps, %s CPU-min, load %s → %s", name,
+                 r["heldout_tau"] or 0, r["heldout_acc1"], r["steps"], r["cpu_minutes"], r["load_before"],
+                 r["load_after"])
     bigram = bigram_accuracy(rd, cfg.train.heldout_samples, cfg.run.seed)
     if not ctx.json:
-        print(f"{'variant':16s} {'held-out τ':>10s} {'acc@1':>7s} {'loss':>7s} {'train τ':>8s} {'wall s':>7s}")
-        for r in rows:
-            print(f"{r['variant']:16s} {r['heldout_tau'] or 0:10.3f} {r['heldout_acc1'] or 0:7.3f} "
-                  f"{r['heldout_loss'] or 0:7.3f} {r['train_tau'] or 0:8.3f} {r['wall_s']:7.1f}")
-        print(f"{'bigram (acc@1)':16s} {'':>10s} {bigram or 0:7.3f}")
-    return {"steps": steps, "variants": rows, "bigram_acc1": bigram,
+        print(table(rows, bigram))
+    return {"steps": steps, "cpu_minutes": cfg.bench.cpu_minutes, "cpu_count": os.cpu_count(),
+            "variants": rows, "bigram_acc1": bigram,
             "config": {k: v for k, v in dataclasses.asdict(cfg.train).items() if k != "parallel"}}
+
+
+def table(rows: list[dict[str, Any]], bigram: float | None) -> str:
+    def f(x: Any, nd: int = 3) -> str:
+        return f"{x:.{nd}f}" if isinstance(x, (int, float)) else "-"
+
+    head = (f"{'variant':28s} {'held-out τ':>10s} {'acc@1':>6s} {'gap':>6s} {'2nd src τ':>9s} {'steps':>6s} "
+            f"{'CPU-min':>7s} {'tokens':>9s} {'load':>11s}")
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['variant'][:28]:28s} {f(r['heldout_tau']):>10s} {f(r['heldout_acc1']):>6s} "
+                     f"{f(r['gap_tau']):>6s} {f(r['second_source_tau']):>9s} {r['steps'] or 0:6d} "
+                     f"{f(r['cpu_minutes'], 2):>7s} {r['supervised_tokens'] or 0:9d} "
+                     f"{f(r['load_before'], 1):>5s}→{f(r['load_after'], 1):<5s}")
+        lines.append(f"{'':28s} per-position acc {' '.join(f(a, 2) for a in r['heldout_acc'] or [])}")
+    lines.append(f"{'bigram (acc@1)':28s} {'':>10s} {f(bigram):>6s}")
+    return "\n".join(lines)

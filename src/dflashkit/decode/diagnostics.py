@@ -4,7 +4,7 @@ Usage:
     table = BigramTable.fit(data.input_ids, data.loss_mask)        # the training answers
     table.accuracy([out.token_ids for out in baseline_results])    # share of next tokens it predicts
     sim = simulated_acceptance(target, drafter, prompts, outputs)  # teacher-forced τ, position-1 acc
-    sim0 = simulated_acceptance(target, drafter, prompts, outputs, zero_features=True)
+    sim0 = simulated_acceptance(target, drafter, prompts, outputs, no_features=True)
 
 Bigram baseline: a table of next-token counts over the training answers (pairs (x[t−1], x[t]) with
 x[t] supervised), evaluated on the target's greedy outputs: the share of output positions t ≥ 1
@@ -15,11 +15,21 @@ more than token co-occurrence.
 No-feature ablation (teacher-forced, simulated — not a decode): the baseline's greedy outputs are
 re-read by the target once (its features at the drafter's layers), then the drafter drafts a
 block at *every* output position at once (the training block mask), with the real features and
-with the features zeroed. Simulated τ = mean over blocks of 1 + the number of leading drafts that
+with the features removed. Simulated τ = mean over blocks of 1 + the number of leading drafts that
 equal the greedy tokens; position-k accuracy = share of blocks whose draft k equals the greedy
 token (in a real decode, accepted drafts come in prefixes, so the real position-1 acceptance and
-this accuracy agree but later positions differ). A drafter whose numbers barely drop with the
-features zeroed does not use the target.
+this accuracy agree but later positions differ). A drafter whose numbers barely drop without the
+features does not use the target.
+
+"Without the features" means without the target context: each block attends to itself only, as
+a drafter run on an empty context (`dflash_loss(..., context=False)`). Zeroing the features is
+not that ablation. The drafter fuses zeros into a context of zeros, whose keys and values are
+zeros too (no biases; RMSNorm of 0 is 0). Each context position then scores q·0 = 0 and takes
+softmax mass while adding nothing, so with hundreds of context tokens the mask positions hardly
+see their own block's anchor any more. Every mask position then predicts about the same token.
+That is where the "τ 1.00, accuracy 0.000 at every position" of the zeroed ablation came from: a
+broken drafter, not a measure of how much it uses the target (its numbers even depend on the
+context length). `ablation="zeros"` keeps the old reading for comparison.
 """
 
 from __future__ import annotations
@@ -78,17 +88,21 @@ class BigramTable:
 
 @torch.inference_mode()
 def simulated_acceptance(target, drafter, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], *,
-                         zero_features: bool = False) -> dict:
+                         no_features: bool = False, ablation: str = "context") -> dict:
     """Teacher-forced τ and per-position accuracy of `drafter` on prompt + greedy output sequences.
 
     A block is anchored at every output position p (the token the decoder would start a step with)
-    whose next token exists; the drafter sees the target features of positions < p (zeros with
-    `zero_features`) and [x_p, MASK × (B−1)], exactly as in training and decoding.
-    Returns {"tau", "blocks", "per_position_accuracy" (positions 1..B−1), "zero_features"}.
+    whose next token exists; the drafter sees the target features of positions < p and [x_p, MASK ×
+    (B−1)], exactly as in training and decoding. `no_features`: the ablation (module docstring):
+    `ablation="context"` removes the context (the block attends to itself only), "zeros" feeds
+    zeroed features (kept to show why that reading is wrong).
+    Returns {"tau", "blocks", "per_position_accuracy" (positions 1..B−1), "no_features", "ablation"}.
     """
     from dflashkit.model.draft_vocab import restricted_head
     from dflashkit.train.objective import dflash_loss, Anchors
 
+    if ablation not in ("context", "zeros"):
+        raise ValueError(f"ablation must be 'context' or 'zeros', got {ablation!r}")
     B = drafter.block_size
     p0 = next(drafter.parameters())
     head = target.lm_head
@@ -112,7 +126,7 @@ def simulated_acceptance(target, drafter, prompts: Sequence[Sequence[int]], outp
             continue
         ids = torch.tensor([ids_list], device=target.device)
         feats = target.features(ids, layer_ids=list(drafter.target_layer_ids)).to(p0.dtype)  # [1, L, nF·H]
-        if zero_features:
+        if no_features and ablation == "zeros":
             feats = torch.zeros_like(feats)
         loss_mask = torch.zeros_like(ids)
         loss_mask[0, n_p:] = 1
@@ -120,11 +134,12 @@ def simulated_acceptance(target, drafter, prompts: Sequence[Sequence[int]], outp
         a = Anchors(anchors, torch.ones_like(anchors, dtype=torch.bool))
         res = dflash_loss(drafter, target.embed, lm_head, feats, ids, loss_mask,
                           torch.tensor([length], device=target.device), a, mask_token_id=drafter.mask_token_id,
-                          gamma=None, vocab=vocab)
+                          gamma=None, vocab=vocab, context=not (no_features and ablation == "context"))
         correct += res.correct
         total += res.total
         tau_sum += res.tau_sum
         blocks += res.blocks
     acc = (correct[1:] / total[1:].clamp(min=1)).tolist()
     return {"tau": round(tau_sum / blocks, 4) if blocks else 0.0, "blocks": blocks,
-            "per_position_accuracy": [round(x, 4) for x in acc], "zero_features": zero_features}
+            "per_position_accuracy": [round(x, 4) for x in acc], "no_features": no_features,
+            "ablation": (ablation if no_features else None)}

@@ -111,20 +111,28 @@ def params_for(cfg: Any, target: Any, seed: int | None = None) -> SamplingParams
 
 
 def run_interleaved(decoders: dict[str, Decoder], prompts: list[list[int]], params: SamplingParams, *,
-                    warmup: int = 0, base_seed: int = 0) -> dict[str, list[GenerationResult]]:
+                    warmup: int = 0, base_seed: int = 0, desc: str = "decode") -> dict[str, list[GenerationResult]]:
     """Decode every prompt with every decoder, prompt by prompt, so load noise hits all alike.
 
     Each decoder first decodes `warmup` prompts untimed (discarded). Prompt i uses seed base_seed + i.
+    Progress (`dflashkit.progress`, named `desc`) counts generated tokens against the upper bound
+    prompts × decoders × max_new_tokens (an early stop finishes below it).
     """
     from dataclasses import replace
+
+    from dflashkit.progress import Progress
 
     for dec in decoders.values():
         for i in range(warmup):
             dec.generate(prompts[i % len(prompts)], replace(params, seed=base_seed))
     out: dict[str, list[GenerationResult]] = {name: [] for name in decoders}
-    for i, p in enumerate(prompts):
-        for name, dec in decoders.items():
-            out[name].append(dec.generate(p, replace(params, seed=base_seed + i)))
+    bound = len(prompts) * len(decoders) * int(getattr(params, "max_new_tokens", 0) or 0)
+    with Progress(desc, total=bound or None, unit="tok") as bar:
+        for i, p in enumerate(prompts):
+            for name, dec in decoders.items():
+                res = dec.generate(p, replace(params, seed=base_seed + i))
+                out[name].append(res)
+                bar.update(len(res.token_ids))
     return out
 
 

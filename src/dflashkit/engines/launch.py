@@ -26,7 +26,7 @@ def engine_dtype(cfg: Any) -> str:
 
 @contextmanager
 def start_vllm_for_target(cfg: Any, *, log_path: Path, speculative: dict[str, Any] | None = None,
-                          served_name: str | None = None) -> Iterator[Any]:
+                          served_name: str | None = None, extra_args: list[str] | None = None) -> Iterator[Any]:
     """vLLM for `target.path` (a HF dir; the tokenizer and template are the target's); yields a vllm.Engine."""
     from dflashkit.engines import vllm
     from dflashkit.inspect.target import resolve_target_path
@@ -41,7 +41,7 @@ def start_vllm_for_target(cfg: Any, *, log_path: Path, speculative: dict[str, An
     with vllm.start(model_dir, dtype=engine_dtype(cfg), served_name=served_name or cfg.server.model or "target",
                     chat_template=cfg.target.chat_template, tokenizer=cfg.target.tokenizer,
                     speculative=speculative, max_model_len=min(max_pos, MAX_MODEL_LEN), log_path=log_path,
-                    startup_timeout_s=max(cfg.server.startup_timeout_s, 600.0)) as eng:
+                    startup_timeout_s=max(cfg.server.startup_timeout_s, 600.0), extra_args=extra_args) as eng:
         yield eng
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -107,32 +106,21 @@ async def _preflight(cfg: RunConfig, sender: Sender, settings: dict[str, Any], c
 
 
 class _Progress:
-    """tqdm on stderr: turns done/total, requests/s, generated tokens/s, ETA."""
+    """`dflashkit.progress` for generate: turns done/total, turns/s, ETA, generated tokens/s beside."""
 
     def __init__(self, total: int, initial: int, enabled: bool):
-        self.bar = None
+        from dflashkit.progress import Progress
+
         self.tokens = 0
         self.t0 = time.monotonic()
-        self._last = 0.0
-        if enabled:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, initial=initial, unit="turn", file=sys.stderr, dynamic_ncols=True,
-                            desc="generate", smoothing=0.1)
+        self.bar = Progress("generate", total=total, initial=initial, unit="turn", enabled=enabled)
 
     def update(self, tokens: int) -> None:
         self.tokens += tokens
-        if self.bar is None:
-            return
-        self.bar.update(1)
-        now = time.monotonic()
-        if now - self._last > 0.5:
-            self._last = now
-            self.bar.set_postfix_str(f"{self.tokens / max(now - self.t0, 1e-9):.0f} tok/s", refresh=False)
+        self.bar.update(1, tok_s=round(self.tokens / max(time.monotonic() - self.t0, 1e-9)))
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()
 
 async def regenerate(cfg: RunConfig, convs: list[dict], journal: Journal, done: dict[str, dict[int, dict]],
                      urls: list[str], chat: Chat | None, progress: _Progress, stage_dir: Path) -> Regenerated:

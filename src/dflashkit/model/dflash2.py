@@ -211,13 +211,14 @@ def walk_path(selector: CandidateSelector, cand_ids: torch.Tensor, unary: torch.
 class DFlash2DraftModel(DFlashDraftModel):
     """DFlash2 drafter; `state_dict()` keys are vLLM's DFlash2 checkpoint names (module docstring)."""
 
-    def __init__(self, contract: DrafterContract, draft_vocab: torch.Tensor | None = None):
+    def __init__(self, contract: DrafterContract, draft_vocab: torch.Tensor | None = None,
+                 feature_scale: torch.Tensor | None = None):
         if draft_vocab is not None:
             raise UsageError("a DFlash2 drafter drafts over the full target vocabulary (vLLM's selector has no "
                              "draft-to-target map)", hint="remove drafter.draft_vocab_size")
         if not contract.is_dflash2:
             raise UsageError(f"DFlash2DraftModel needs drafter_type dflash2, got {contract.drafter_type!r}")
-        super().__init__(contract)
+        super().__init__(contract, feature_scale=feature_scale)
         self.top_k = contract.selector_top_k
         self.input_embedding_scale = contract.input_embedding_scale
         self.output_multiplier = contract.output_multiplier
@@ -276,13 +277,14 @@ class DFlash2DraftModel(DFlashDraftModel):
         return tokens, ids, rows
 
 
-def drafter_for(contract: DrafterContract, draft_vocab: torch.Tensor | None = None) -> DFlashDraftModel:
+def drafter_for(contract: DrafterContract, draft_vocab: torch.Tensor | None = None,
+                feature_scale: torch.Tensor | None = None) -> DFlashDraftModel:
     """A new (random) drafter of the contract's family: DFlash2DraftModel or DFlashDraftModel."""
     match contract.drafter_type:
         case "dflash2":
-            return DFlash2DraftModel(contract, draft_vocab=draft_vocab)
+            return DFlash2DraftModel(contract, draft_vocab=draft_vocab, feature_scale=feature_scale)
         case "dflash":
-            return DFlashDraftModel(contract, draft_vocab=draft_vocab)
+            return DFlashDraftModel(contract, draft_vocab=draft_vocab, feature_scale=feature_scale)
         case other:
             raise UsageError(f"unknown drafter type {other!r}", hint="drafter.type is dflash or dflash2")
 

@@ -12,7 +12,9 @@ fuse the target features once per forward into a context `c`; each of `layers.{i
 decoder layer whose keys/values are `[k_proj(c); k_proj(x)]` / `[v_proj(c); v_proj(x)]` while the
 queries come from the block `x` only; final `norm`. No embedding and no LM head of its own.
 With a reduced draft vocabulary (`model/draft_vocab.py`) the model also holds the int64 buffer
-`d2t` (vLLM's offsets: target id of draft index i = i + d2t[i]), so checkpoints carry it.
+`d2t` (vLLM's offsets: target id of draft index i = i + d2t[i]), so checkpoints carry it. With
+`drafter.feature_scale: rms` it holds `feature_scale` (`model/feature_scale.py`), folded into
+`fc.weight` whenever a drafter dir is written.
 
 Attention: pass `attention_mask` as a dense bool tensor `[b|1, 1, q, kv]` (SDPA, any device), a
 flex `BlockMask` (flex_attention, GPU training), or None (everything visible: inference).
@@ -133,7 +135,8 @@ class DFlashDecoderLayer(nn.Module):
 class DFlashDraftModel(nn.Module):
     """DFlash drafter; `state_dict()` keys are exactly the z-lab checkpoint's."""
 
-    def __init__(self, contract: DrafterContract, draft_vocab: torch.Tensor | None = None):
+    def __init__(self, contract: DrafterContract, draft_vocab: torch.Tensor | None = None,
+                 feature_scale: torch.Tensor | None = None):
         super().__init__()
         contract.check()
         self.contract = contract
@@ -153,6 +156,8 @@ class DFlashDraftModel(nn.Module):
             vocab = torch.as_tensor(draft_vocab).cpu()
             check_draft_vocab(vocab, vocab_size=contract.vocab_size, source="draft vocabulary")
             self.register_buffer("d2t", to_offsets(vocab.long()))
+        if feature_scale is not None:  # drafter.feature_scale (model/feature_scale.py): folded into fc on save
+            self.register_buffer("feature_scale", torch.as_tensor(feature_scale, dtype=torch.float32).flatten())
         self.reset_parameters()
 
     def make_layer(self) -> nn.Module:
@@ -185,6 +190,9 @@ class DFlashDraftModel(nn.Module):
 
     def fuse(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """[b, t, n_feat·H] target features → context c [b, t, H]."""
+        scale = getattr(self, "feature_scale", None)
+        if scale is not None:
+            target_hidden = target_hidden * scale.to(target_hidden.dtype)
         return self.hidden_norm(self.fc(target_hidden))
 
     def forward(self, noise_embedding: torch.Tensor, target_hidden: torch.Tensor, position_ids: torch.Tensor,

@@ -18,11 +18,18 @@ The format, its writer and its reader are `data/features.py` (the `safetensors` 
 it). Shards are written through a temp file + rename and streamed (never held in memory whole); a
 complete shard whose layer ids and source digest still match is skipped, so a killed run resumes.
 `dflashkit train train.features=cached` refuses shards captured at other layer ids.
+
+`capture.engine: vllm` (`engines/capture.py`): the features come from vLLM's `extract_hidden_states`
+(started here with dflashkit's CPU-safe connector, or `capture.server_url`; `--dry-run` prints the
+`vllm serve` flags), one request per sample, its ids checked; labels and `last_hidden` from the
+target's final norm + LM head only. Rows are spooled per sample (`capture/engine-spool/`, atomic), so
+a killed run re-requests only what it lost, and the shard is written by the same `write_shard`.
 """
 
 from __future__ import annotations
 
 import logging
+import shlex
 import shutil
 import time
 from typing import Any
@@ -34,6 +41,7 @@ from dflashkit.data.features import (ST_DTYPES, local_batches, shard_matches, sh
                                      write_shard)
 from dflashkit.context import StageContext
 from dflashkit.errors import UsageError
+from dflashkit.progress import Progress
 from dflashkit.rundir import RunDir, file_digest, read_json, remove_stale_temps, write_manifest
 from dflashkit.stage_table import stage_hash
 
@@ -58,7 +66,9 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
 
     # the forward online training would run (train.target_dtype), so cached ≡ online
     dev = resolve_device(cfg.target.device)
-    autocast = target_autocast(cfg.train.target_dtype, dev, resolve_dtype(cfg.target.dtype, dev))
+    engine = cfg.capture.engine
+    autocast = None if engine == "vllm" else target_autocast(cfg.train.target_dtype, dev,
+                                                              resolve_dtype(cfg.target.dtype, dev))
     keep_last = cfg.capture.last_hidden == "true" or (cfg.capture.last_hidden == "auto" and cfg.train.loss != "ce")
     per_token = (width + (contract.hidden_size if keep_last else 0)) * ST_DTYPES[dtype][1] + 4
     tokens = sum(len(x) for x in data.input_ids)
@@ -68,7 +78,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
         digest = file_digest(shard, limit=None)
         dest = shard_path(out_dir, shard)
         if not shard_matches(dest, layer_ids=layer_ids, digest=digest, dtype=dtype, last_hidden=keep_last,
-                             autocast=str(autocast or "none")):
+                             autocast=str(autocast or "none"), engine=engine):
             todo.append((si, shard, digest, dest))
     todo_ids = {t[0] for t in todo}
     need = sum(len(data.input_ids[i]) for i, (si, _) in enumerate(data.where) if si in todo_ids) * per_token
@@ -88,9 +98,32 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     result: dict[str, Any] = {"shards": len(data.shards), "to_write": len(todo), "written": 0, "skipped": len(data.shards) - len(todo),
               "tokens": tokens, "bytes_total": tokens * per_token, "bytes_written": need, "dtype": dtype,
               "target_layer_ids": layer_ids, "bytes_per_token": per_token, "last_hidden": keep_last}
+    if engine == "vllm":
+        from dflashkit.engines.capture import serve_command_for
+
+        cmd = serve_command_for(cfg, layer_ids, out_dir / "engine-files")
+        result["engine"] = {"server_url": cfg.capture.server_url, "vllm_serve": shlex.join(cmd)}
+        if ctx.dry_run and not ctx.json:
+            print("capture.server_url mode: start vLLM with (GPU: vLLM's stock connector; a CPU build needs "
+                  "dflashkit's, which capture.server_url=null starts for you):\n  " + shlex.join(cmd), flush=True)
     if ctx.dry_run:
         return {"dry_run": True, **result}
-    if todo:
+    if todo and engine == "vllm":
+        from dflashkit.engines.capture import capture_shards, engine_source
+
+        jobs = []
+        for si, shard, digest, dest in todo:
+            rows = [torch.from_numpy(data.input_ids[i]) for i, (s, _) in enumerate(data.where) if s == si]
+            jobs.append((dest, rows, shard_metadata_for(layer_ids=layer_ids, source=shard.name, digest=digest,
+                                                        dtype=dtype, hidden=contract.hidden_size, samples=len(rows),
+                                                        autocast="none")))
+        with engine_source(cfg, contract, out_dir, last_hidden=keep_last) as src:
+            for dest, n in capture_shards(src, jobs, out_dir / "engine-spool", write_shard,
+                                          concurrency=cfg.capture.concurrency, dtype=dtype, width=width,
+                                          hidden=contract.hidden_size, last_hidden=keep_last):
+                log.info("captured %s through vLLM: %d tokens", dest.name, n)
+                result["written"] += 1
+    elif todo:
         from dflashkit.model.target import load_target
         from dflashkit.model.drafter_config import REPROBE_HINT
 
@@ -100,16 +133,19 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
         if autocast is not None:
             log.info("capture: target forward under %s autocast (train.target_dtype=%s)", autocast,
                      cfg.train.target_dtype)
+        bar = Progress("capture", total=need // per_token, unit="tok")
         for si, shard, digest, dest in todo:
             rows = [torch.from_numpy(data.input_ids[i]) for i, (s, _) in enumerate(data.where) if s == si]
             meta = shard_metadata_for(layer_ids=layer_ids, source=shard.name, digest=digest, dtype=dtype,
                                       hidden=contract.hidden_size, samples=len(rows), autocast=str(autocast or "none"))
-            batches = local_batches(target, rows, layer_ids, batch_size=cfg.capture.batch_size, pad_id=pad,
-                                    last_hidden=keep_last, autocast=autocast)
+            batches = bar.track(local_batches(target, rows, layer_ids, batch_size=cfg.capture.batch_size,
+                                              pad_id=pad, last_hidden=keep_last, autocast=autocast),
+                                size=lambda batch: sum(len(r[2]) for r in batch))
             n = write_shard(dest, [len(r) for r in rows], batches, dtype=dtype, metadata=meta, width=width,
                             hidden=contract.hidden_size, last_hidden=keep_last)
             log.info("captured %s: %d samples, %d tokens", dest.name, len(rows), n)
             result["written"] += 1
+        bar.close()
     write_manifest(out_dir, stage="capture", config_hash=stage_hash("capture", cfg, layer_ids, keep_last),
                    inputs={"contract": section_hash(read_json(rd.contract_path)),
                            "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")},

@@ -104,7 +104,8 @@ def _decode(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_siz
         for bs in block_sizes:
             decoders[f"lookup-{bs}"] = SpecDecoder(target, None, bs, max_context=e.max_context, record_top=TOP_K,
                                                    proposer=PromptLookupProposer(e.prompt_lookup_ngram, 1))
-    return run_interleaved(decoders, ids, params_for(cfg, target), warmup=warmup, base_seed=cfg.run.seed)
+    return run_interleaved(decoders, ids, params_for(cfg, target), warmup=warmup, base_seed=cfg.run.seed,
+                           desc=f"eval ({str(target.dtype).removeprefix('torch.')})")
 
 
 def _entries(runs: dict[str, Any], base_t: dict) -> dict[str, dict]:
@@ -187,7 +188,7 @@ def _diagnostics(cfg: Any, rd: Any, target: Any, drafter: Any, ids: list, base_r
     else:
         log.info("no tokenized shards in %s: bigram baseline skipped", rd.tokenize_dir)
     d["simulated"] = simulated_acceptance(target, drafter, ids, outputs)
-    d["no_features"] = simulated_acceptance(target, drafter, ids, outputs, zero_features=True)
+    d["no_features"] = simulated_acceptance(target, drafter, ids, outputs, no_features=True)
     return d
 
 

@@ -129,7 +129,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     if ctx.dry_run:
         out["plan_estimates"] = _plan_estimates(cfg, rd)
         return out
-    out["summary"] = summary(rd)
+    out["summary"] = summary(rd, cfg.train.forecast_tau)
     _print_summary(out["summary"])
     return out
 
@@ -144,7 +144,7 @@ def _plan_estimates(cfg: RunConfig, rd: RunDir) -> dict[str, Any] | None:
         return None
 
 
-def summary(rd: RunDir) -> dict[str, Any]:
+def summary(rd: RunDir, target_tau: float = 2.0) -> dict[str, Any]:
     """The numbers a user wants at the end: τ, speedup, lossless yes/no, where things are."""
     out: dict[str, Any] = {}
     res_path = rd.eval_results
@@ -155,6 +155,11 @@ def summary(rd: RunDir) -> dict[str, Any]:
         except json.JSONDecodeError:
             pass
     from dflashkit.train.checkpoint import trained_drafter_dir
+    from dflashkit.train.forecast import read_curve_forecast
+
+    fc = read_curve_forecast(rd.train_curve, target_tau)
+    if fc is not None:
+        out["forecast"] = fc.text()
 
     drafter = trained_drafter_dir(rd.train_dir)[0].relative_to(rd.root)  # train/best if kept, else final
     for name, rel in (("report", "report/index.html"), ("checkpoint", "export"), ("drafter", drafter)):
@@ -174,6 +179,8 @@ def _print_summary(s: dict[str, Any]) -> None:
     if lk:
         lines.append(f"  {'prompt lookup':17s} tau {lk['tau']} speedup {lk['speedup']} at B={lk['block_size']} "
                      f"(the drafter {'beats' if ev.get('beats_prompt_lookup') else 'does not beat'} it)")
+    if s.get("forecast"):
+        lines.append(f"  {'forecast':17s} {s['forecast']}")
     for key in ("report", "checkpoint", "drafter"):
         if key in s:
             lines.append(f"  {key:17s} {s[key]}")

@@ -6,6 +6,8 @@ Inputs:  the drafter contract + target facts (`contract.json`, `probe/probe.json
          × `data.mean_tokens`; the GPUs from a positional `NxMEM` (e.g. `8x80` = 8 GPUs of 80 GiB),
          else the visible CUDA devices, else 1x80. `train.*` (batch, anchors, loss_chunk_blocks,
          loss) and `capture.dtype` shape the estimate.
+         A positional `CURVE.json` (a `train/curve.json`) adds the data-budget forecast for
+         `train.forecast_tau` (`train/forecast.py`), with hours at this plan's training speed.
 Outputs: nothing on disk; a table and the JSON (`inspect/estimate.py` gathers the inputs, `inspect/budget.py`
          holds every formula).
 
@@ -20,6 +22,7 @@ from typing import Any
 
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
+from dflashkit.errors import UsageError
 from dflashkit.rundir import RunDir
 
 
@@ -56,7 +59,19 @@ def _table(r: dict[str, Any]) -> str:
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     from dflashkit.inspect.estimate import estimate
 
-    result = estimate(cfg, rd, ctx.positionals)
+    curves = [p for p in ctx.positionals if p.endswith(".json")]  # a train/curve.json: the forecast at scale
+    result = estimate(cfg, rd, [p for p in ctx.positionals if not p.endswith(".json")])
+    if len(curves) > 1:
+        raise UsageError(f"`dflashkit plan` takes one CURVE.json, got {curves}",
+                         hint="dflashkit plan [MODEL] [8x80] [runs/x/train/curve.json]")
+    if curves:
+        from dflashkit.train.forecast import curve_file_forecast
+
+        result["forecast"] = curve_file_forecast(curves[0], cfg.train.forecast_tau,
+                                                 hours_per_epoch=result["plan"]["time"]["hours_per_epoch_online"],
+                                                 epoch_tokens=result["tokens"])
     if not ctx.json:
         print(_table(result), flush=True)
+        if curves:
+            print(f"{'forecast'.ljust(16)}  {result['forecast']['text']}", flush=True)
     return result

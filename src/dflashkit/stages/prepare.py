@@ -23,6 +23,7 @@ from dflashkit.data.mixing import mix, normalise, source_names
 from dflashkit.data.records import Conversation, write_jsonl
 from dflashkit.data.sources import RecordError, SourceReport, iter_source, resolve_source_path, to_messages
 from dflashkit.errors import ConfigError, UsageError
+from dflashkit.progress import Progress
 from dflashkit.rundir import RunDir, atomic_write_json, file_digest, write_manifest
 from dflashkit.stage_table import stage_hash
 
@@ -45,7 +46,8 @@ def read_sources(cfg: Any) -> tuple[dict[str, list[Conversation]], dict[str, dic
         report = SourceReport(name=name, path=str(src.path))
         drops: Counter[str] = Counter()
         convs: list[Conversation] = []
-        for where, obj in iter_source(src, report, on_malformed=d.on_malformed):
+        records = iter_source(src, report, on_malformed=d.on_malformed)
+        for where, obj in Progress(f"prepare {name}", total=src.max_records, unit="rec").track(records, close=True):
             try:
                 conv = normalise(name, to_messages(obj, src.format), max_turns=d.max_turns,
                                  max_prompt_chars=d.max_prompt_chars)

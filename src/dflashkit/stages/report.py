@@ -126,7 +126,7 @@ def plot_specs(metrics: list[dict], results: dict | None, serve: dict | None) ->
 
 
 # -- the learning curve (train/curve.json) and the kept best drafter ---------------------------------
-def curve_section(curve: dict | None, best: dict | None) -> tuple[list[tuple], str]:
+def curve_section(curve: dict | None, best: dict | None, target_tau: float = 2.0) -> tuple[list[tuple], str]:
     """Plot specs and an HTML section for `train/curve.json` (+ `train/best/best.json`).
 
     Plots: held-out τ vs supervised tokens seen (overall, each source when there are several, and
@@ -169,6 +169,11 @@ def curve_section(curve: dict | None, best: dict | None) -> tuple[list[tuple], s
     text = ("<h2>Learning curve</h2><p>Held-out simulated τ at each held-out evaluation against the supervised "
             "tokens seen so far (train/curve.json); train τ is pooled over the steps since the previous point, "
             "so the gap shows over-fitting. A curve still rising at its end says more data pays.</p>")
+    from dflashkit.train.forecast import forecast_from_curve
+
+    fc = forecast_from_curve(curve or {}, target_tau)
+    text += (f"<p><b>Data-budget forecast</b> (τ∞ − a·n<sup>−b</sup> fitted to the held-out curve; "
+             f"train/forecast.py): {html.escape(fc.text())}</p>")
     if best:
         text += (f"<p>Kept drafter (train/best, used by eval and export): step {best.get('step')}, held-out τ "
                  f"{_fmt(best.get('tau'), 3)}.</p>")
@@ -299,7 +304,7 @@ def eval_diagnostics_html(results: dict) -> str:
         if sim:
             rows.append(["drafter, teacher-forced", _fmt(sim["per_position_accuracy"][0]), _fmt(sim["tau"])])
         if zero:
-            rows.append(["drafter, target features zeroed (teacher-forced)", _fmt(zero["per_position_accuracy"][0]),
+            rows.append(["drafter without target features (no context; teacher-forced)", _fmt(zero["per_position_accuracy"][0]),
                          _fmt(zero["tau"])])
         if big:
             rows.append(["bigram table of the training answers", _fmt(big["accuracy"]), "-"])
@@ -307,7 +312,7 @@ def eval_diagnostics_html(results: dict) -> str:
             rows.append(["prompt lookup, measured (best block size)", _fmt(diag["prompt_lookup_position1"]), "-"])
         out.append(f"<h2>Why is the drafter weak?</h2><p>On the baseline's outputs for the eval prompts. "
                    f"Teacher-forced = a block drafted at every output position at once (B={diag.get('block_size')}), "
-                   "not a decode. A drafter whose numbers barely drop with the features zeroed does not use the "
+                   "not a decode. A drafter whose numbers barely drop without the features does not use the "
                    "target; one at or below the bigram table has learned little more than token pairs.</p>")
         out.append(_table(["", "position-1 acceptance", "simulated τ"], rows))
     ll = results.get("lossless")
@@ -350,7 +355,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         raise MissingArtifactError("training metrics or eval results", rd.train_metrics,
                                    run="dflashkit train -c run.yaml (and dflashkit eval)")
     specs = plot_specs(metrics, results, serve)
-    curve_specs, curve_html = curve_section(curve, best)
+    curve_specs, curve_html = curve_section(curve, best, cfg.train.forecast_tau)
     specs += curve_specs
     if ctx.dry_run:
         return {"dry_run": True, "plots": [s[0] for s in specs]}

@@ -44,6 +44,7 @@ from dflashkit.data.mixing import needs_regeneration, original_answer_sources
 from dflashkit.data.records import Conversation, read_jsonl
 from dflashkit.data.shards import SHARD_GLOB, shard_name, write_parquet_shard
 from dflashkit.errors import ConfigError, MissingArtifactError, UsageError
+from dflashkit.progress import Progress
 from dflashkit.rundir import RunDir, atomic_write_json, file_digest, write_manifest
 
 log = logging.getLogger("dflashkit.tokenize")
@@ -86,6 +87,12 @@ def min_supervised(cfg: Any, rd: RunDir) -> int:
 
         return 2 * DrafterContract.load(rd.contract_path).block_size
     return 2 * cfg.drafter.block_size
+
+
+def _lines(path: Path) -> int:
+    """Non-empty lines of a JSONL file (the progress total; cheap next to tokenizing them)."""
+    with open(path, "rb") as fh:
+        return sum(1 for line in fh if line.strip())
 
 
 def _batches(paths: list[tuple[Path, set[str] | None]], size: int) -> Iterator[list[Conversation]]:
@@ -135,10 +142,13 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
             del pending[:tc.shard_size]
             shards.append({"file": name, **write_parquet_shard(staging / name, part)})
 
+    bar = Progress("tokenize", total=sum(len(keep) if keep is not None else _lines(p) for p, keep in paths),
+                   unit="conv")
     try:
         for samples, ev, c, err in _results(chat, _batches(paths, tc.batch_size), tc):
             first_error = first_error or err
-            conversations += ev.pop("conversations")
+            conversations += ev["conversations"]
+            bar.update(ev.pop("conversations"))
             events.update(ev)
             checks["server_turns"] += c["server_turns"]
             checks["server_mismatches"] += c["server_mismatches"]
@@ -159,6 +169,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
                 by_source[s.source]["supervised"] += n_sup
             flush(False)
         flush(True)
+        bar.close()
         totals = {k: sum(s[k] for s in shards) for k in ("samples", "tokens", "supervised")}
         if conversations == 0:
             _refuse_empty(rd, [p for p, _ in paths])

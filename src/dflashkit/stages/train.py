@@ -54,6 +54,12 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
                   "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")}
         if cfg.train.features == "cached":
             inputs["capture"] = (rd.manifest("capture") or {}).get("config_hash")
+        from dflashkit.train.forecast import read_curve_forecast
+
+        fc = read_curve_forecast(rd.train_curve, cfg.train.forecast_tau)
+        if fc is not None:
+            result["forecast"] = fc.to_dict()
+            result["forecast"]["text"] = fc.text()
         write_manifest(rd.stage_dir("train"), stage="train",
                        config_hash=stage_hash("train", cfg), inputs=inputs,
                        counts={"steps": result["steps"], "samples": result["samples"]},
@@ -81,3 +87,5 @@ def _table(result: dict) -> None:
                       f"{result['best']['tau']:.4f})") if result.get("best") else None)]
     for k, v in rows:
         print(f"{k:>14}  {v if not isinstance(v, float) else round(v, 4)}")
+    if result.get("forecast"):
+        print(f"{'forecast':>14}  {result['forecast']['text']}")

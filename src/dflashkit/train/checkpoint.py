@@ -175,7 +175,9 @@ def save_final(out_dir: Path, model, contract, *, is_main: bool = True, best: di
     atomic replacement (`train/best/`)."""
     from safetensors.torch import save_file
 
-    sd = full_model_state(model)
+    from dflashkit.model.feature_scale import fold_feature_scale
+
+    sd = fold_feature_scale(full_model_state(model))  # a plain z-lab drafter: the scale lives in fc.weight
     if not is_main:
         return None
     out_dir = Path(out_dir)

@@ -33,6 +33,20 @@ def split_heldout(n: int, heldout: int, *, seed: int) -> tuple[list[int], list[i
     return (sorted(perm[:n - k]), sorted(perm[n - k:])) if k else (list(range(n)), [])
 
 
+def hold_out_sources(train_idx: list[int], heldout: list[int], sources: list[str], names: list[str], *,
+                     per_source: int, seed: int) -> tuple[list[int], list[int]]:
+    """`train.heldout_sources`: samples of the sources `names` never train; up to `per_source` of each
+    (a seeded choice) join the held-out set, so held-out τ is also measured on data of another kind."""
+    unseen = set(names)
+    train = [i for i in train_idx if sources[i] not in unseen]
+    held = [i for i in heldout if sources[i] not in unseen]
+    rng = np.random.default_rng([seed, 11])
+    for name in sorted(unseen):
+        idx = [i for i, s in enumerate(sources) if s == name]
+        held += sorted(rng.permutation(idx)[:per_source].tolist()) if idx else []
+    return train, sorted(held)
+
+
 @dataclass
 class BatchPlan:
     """Which samples each rank's micro-batches hold at each step (see the module docstring)."""

@@ -1,4 +1,5 @@
-"""Rank-0 metric sinks: `train/metrics.jsonl`, `train/curve.json`, a tqdm bar, optional TensorBoard / W&B.
+"""Rank-0 metric sinks: `train/metrics.jsonl`, `train/curve.json`, progress (`dflashkit.progress`: a bar on a
+terminal, a line with rate and ETA every ~15 s otherwise), optional TensorBoard / W&B.
 
 Usage:
     sink = MetricSink(rd.stage_dir("train"), total_steps=1000, start_step=0, train=cfg.train, enabled=is_main)
@@ -12,7 +13,9 @@ TensorBoard and W&B are imported only when asked for (`train.tensorboard`, `trai
 `train/curve.json` (`LearningCurve`) is the learning curve: one point per held-out evaluation with
 the supervised tokens seen so far (Σ loss_mask of every training sample consumed, all ranks,
 overall and per data source), held-out τ / position-1 accuracy / loss (overall and per source)
-and the train τ / position-1 accuracy pooled over the steps since the previous point. It is
+and the train τ / position-1 accuracy pooled over the steps since the previous point, and the
+seconds spent in optimizer steps so far (`train_s`; with `supervised_per_sample`, the rates the
+data-budget forecast `train/forecast.py` turns tokens into samples and hours with). It is
 rewritten atomically at every point; its counters travel in the checkpoints, and on resume the
 points after the resumed step are dropped, so the curve equals the uninterrupted run's.
 """
@@ -55,10 +58,10 @@ class MetricSink:
             return
         truncate_metrics(self.path, start_step)
         self.fh = open(self.path, "a")
-        if show_bar:
-            from tqdm import tqdm
+        from dflashkit.progress import Progress
 
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        # a bar on a terminal (unless show_bar=False), else a line with rate and ETA every ~15 s
+        self.bar = Progress("train", total=total_steps, initial=start_step, unit="step", tty=None if show_bar else False)
         if train.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -90,9 +93,7 @@ class MetricSink:
 
     def progress(self, step: int, **shown: float) -> None:
         if self.enabled and self.bar is not None:
-            self.bar.n = step
-            self.bar.set_postfix({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in shown.items()},
-                                 refresh=True)
+            self.bar.set(step, **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in shown.items()})
 
     def close(self) -> None:
         if not self.enabled:
@@ -109,14 +110,17 @@ class MetricSink:
 class LearningCurve:
     """Learning-curve points (see the module docstring); writes only when `enabled` (main rank)."""
 
-    def __init__(self, path: Path, sources: list[str], *, enabled: bool = True):
+    def __init__(self, path: Path, sources: list[str], *, enabled: bool = True,
+                 supervised_per_sample: float | None = None, tokens_per_sample: float | None = None):
         self.path, self.enabled = Path(path), enabled
         self.tokens = {s: 0 for s in sources}       # cumulative supervised tokens per source
         self.window = [0.0, 0.0, 0.0, 0.0]          # train τ-sum, blocks, pos-1 correct, pos-1 total
+        self.train_s = 0.0                          # cumulative seconds in optimizer steps (no evals)
+        self.supervised_per_sample, self.tokens_per_sample = supervised_per_sample, tokens_per_sample
         self.points: list[dict] = []
 
     def state_dict(self) -> dict:
-        return {"tokens": dict(self.tokens), "window": list(self.window)}
+        return {"tokens": dict(self.tokens), "window": list(self.window), "train_s": self.train_s}
 
     def restore(self, start_step: int, state: dict | None) -> None:
         """Counters from the checkpoint's `state` (None: a fresh run) and the file's points ≤ start_step."""
@@ -125,6 +129,7 @@ class LearningCurve:
         else:
             self.tokens.update({k: int(v) for k, v in state["tokens"].items()})
             self.window = [float(x) for x in state["window"]]
+            self.train_s = float(state.get("train_s", 0.0))
         if start_step > 0 and self.path.is_file():
             try:
                 self.points = [p for p in json.loads(self.path.read_text())["points"] if p["step"] <= start_step]
@@ -133,8 +138,10 @@ class LearningCurve:
         if self.enabled:
             self._write()
 
-    def add_step(self, tokens_by_source: dict[str, int], window: list[float]) -> None:
-        """Account one optimizer step: its global supervised tokens and its train τ / accuracy sums."""
+    def add_step(self, tokens_by_source: dict[str, int], window: list[float], seconds: float = 0.0) -> None:
+        """Account one optimizer step: its global supervised tokens, its train τ / accuracy sums and its
+        wall seconds (the forecast's time per token)."""
+        self.train_s += float(seconds)
         for k, v in tokens_by_source.items():
             self.tokens[k] = self.tokens.get(k, 0) + int(v)
         self.window = [a + float(b) for a, b in zip(self.window, window)]
@@ -145,7 +152,7 @@ class LearningCurve:
             return r["acc"][0] if r.get("acc") else None
 
         tau_sum, blocks, c1, t1 = self.window
-        point = {"step": step, "tokens": sum(self.tokens.values()),
+        point = {"step": step, "tokens": sum(self.tokens.values()), "train_s": round(self.train_s, 3),
                  "heldout": {"tau": heldout["tau"], "acc1": acc1(heldout), "loss": heldout["loss"],
                              **({"unary_tau": heldout["unary_tau"]} if "unary_tau" in heldout else {})},
                  "train": {"tau": tau_sum / blocks if blocks else None, "acc1": c1 / t1 if t1 else None},
@@ -163,4 +170,7 @@ class LearningCurve:
         from dflashkit.rundir import atomic_write_json
 
         atomic_write_json(self.path, {"x": "supervised tokens seen (loss_mask, all ranks)",
-                                      "sources": sorted(self.tokens), "points": self.points})
+                                      "sources": sorted(self.tokens),
+                                      "supervised_per_sample": self.supervised_per_sample,
+                                      "tokens_per_sample": self.tokens_per_sample,
+                                      "points": self.points})

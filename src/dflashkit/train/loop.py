@@ -40,9 +40,10 @@ from dflashkit.train import checkpoint as ckpt
 from dflashkit.train import guards
 from dflashkit.train.data import Batch, BatchPlan, FeatureStore, TokenData, collate, load_tokenized, split_heldout
 from dflashkit.train.heldout import BestKeeper, dflash2_stats, evaluate_heldout, log_eval, metrics_of, stats_size
+from dflashkit.train.levers import feature_scale_of, held_out_sources
 from dflashkit.train.logging import LearningCurve, MetricSink
 from dflashkit.train.objective import dflash_loss, gamma_for, sample_anchors, weight_sum
-from dflashkit.train.optim import build_optimizer, build_scheduler
+from dflashkit.train.optim import CpuBudget, build_optimizer, build_scheduler
 from dflashkit.train.target_side import TargetOut, target_side
 from dflashkit.train.vocab import pick_draft_vocab
 from dflashkit.train.parallel import (DistInfo, TargetParts, all_reduce_sum, barrier, init_distributed,
@@ -50,6 +51,7 @@ from dflashkit.train.parallel import (DistInfo, TargetParts, all_reduce_sum, bar
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
+    from dflashkit.model.head import HeadOnlyTarget
     from dflashkit.model.target import Target
     from dflashkit.rundir import RunDir
 
@@ -94,7 +96,7 @@ class Trainer:
     contract: DrafterContract
     dist: DistInfo
     drafter: torch.nn.Module
-    target: Target
+    target: Target | HeadOnlyTarget  # head-only when every target output comes from the feature shards
     parts: TargetParts
     data: TokenData
     plan: BatchPlan
@@ -105,6 +107,7 @@ class Trainer:
     head: torch.nn.Module | None = None       # the loss's head: parts.lm_head, or its rows `vocab`
     vocab: torch.Tensor | None = None         # reduced draft vocab (sorted target ids), on the device
     target_side: Callable[[Batch], TargetOut] | None = None  # train/target_side.py: this run's feature source
+    warm_start: dict | None = None            # drafter.init=<dir>: what was copied (train/warm_start.py)
 
     def __post_init__(self):
         if self.head is None:
@@ -143,7 +146,8 @@ class Trainer:
                            target_hidden=tout.last_hidden, target_head=self.parts.lm_head,
                            chunk_blocks=t.loss_chunk_blocks, attention=self.attention, autocast_dtype=self.amp,
                            vocab=self.vocab, label_ids=tout.label_ids, position_weighting=t.position_weighting,
-                           dpace_alpha=t.dpace_alpha, selector_weight=t.selector_loss_weight)
+                           dpace_alpha=t.dpace_alpha, selector_weight=t.selector_loss_weight,
+                           context=not t.ablate_features)
 
     def denom_gamma(self) -> float | None:
         """γ of the step denominator Σw: none (a plain count of supervised positions) under D-PACE."""
@@ -175,7 +179,8 @@ class Trainer:
 
     def anchors(self, b: Batch):
         return sample_anchors(b.loss_mask, b.seq_lens, num_anchors=self.cfg.train.num_anchors,
-                              block_size=self.contract.block_size, seeds=b.seeds)
+                              block_size=self.contract.block_size, seeds=b.seeds,
+                              coverage=self.cfg.train.anchor_coverage)
 
 
 def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
@@ -184,24 +189,51 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
     contract = DrafterContract.load(rd.contract_path)
     guards.check_drafter_overrides(cfg, contract, rd.contract_path)
     check_recipe(cfg.train)
+    warm = None
+    if cfg.drafter.init not in ("random", "target"):  # a drafter dir: read and checked before any work
+        from dflashkit.train.warm_start import check_fits, read_warm_start
+
+        warm = read_warm_start(cfg.drafter.init)
+        check_fits(warm, contract)
     data = load_tokenized(rd)
-    target = load_target(cfg.target, device=str(dist.device))
-    contract.check(target, where=str(rd.contract_path), hint=REPROBE_HINT)
     if cfg.train.features == "cached":
         data.features = FeatureStore(rd.capture_dir, data.shards, contract.target_layer_ids)
         if cfg.train.labels == "target":
             data.features.require("next_ids", "train.labels=target reads the target's argmax from the shards")
-    parts = TargetParts(target.model.get_input_embeddings(), target.lm_head)
-    if cfg.train.parallel.target == "shard":
-        parts = shard_target(target, dist)
+    target: Target | HeadOnlyTarget
+    if head_only(cfg.train, data.features):  # every target output is in the shards: embedding + head suffice
+        from dflashkit.model.head import load_head_only_target
+
+        target = load_head_only_target(cfg.target, device=str(dist.device))
+        parts = TargetParts(target.parts.embed, target.lm_head)
+    else:
+        full = load_target(cfg.target, device=str(dist.device))
+        target, parts = full, TargetParts(full.model.get_input_embeddings(), full.lm_head)
+        if cfg.train.parallel.target == "shard":
+            parts = shard_target(full, dist)
+    contract.check(target, where=str(rd.contract_path), hint=REPROBE_HINT)
     train_idx, heldout = split_heldout(len(data), cfg.train.heldout_samples, seed=cfg.run.seed)
-    vocab = pick_draft_vocab(cfg, contract, target, data, train_idx)
+    if cfg.train.heldout_sources:
+        train_idx, heldout = held_out_sources(cfg, data, train_idx, heldout)
+    vocab = None
+    if warm is not None:
+        from dflashkit.train.warm_start import keep_source_vocab
+
+        vocab = keep_source_vocab(warm, cfg.drafter.draft_vocab_size)
+    if vocab is None:
+        vocab = pick_draft_vocab(cfg, contract, target, data, train_idx)
     torch.manual_seed(cfg.run.seed)
-    drafter = drafter_for(contract, draft_vocab=vocab).to(dist.device)
+    scale = feature_scale_of(cfg, contract, target, data, train_idx) if cfg.drafter.feature_scale == "rms" else None
+    drafter = drafter_for(contract, draft_vocab=vocab, feature_scale=scale).to(dist.device)
+    warm_report = None
     if cfg.drafter.init == "target":
         from dflashkit.model.init import init_from_target
 
         init_from_target(drafter, target, cfg.drafter.init_layer_ids)
+    elif warm is not None:
+        from dflashkit.train.warm_start import warm_start
+
+        warm_report = warm_start(drafter, warm, contract)
     if cfg.train.compile:
         for layer in drafter.layers:
             layer.compile()
@@ -217,7 +249,16 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
     tr.use_draft_vocab(vocab)
     tr.target_side = target_side(cfg.train, contract, target, parts, device=dist.device, amp=tr.amp,
                                  store=data.features)
+    tr.warm_start = warm_report
     return tr
+
+
+def head_only(train, store: FeatureStore | None) -> bool:
+    """Whether training needs only the target's embedding and head (model/head.py), not its layers: the
+    features, and the labels / KL target the recipe asks for, all come from the feature shards."""
+    if train.features != "cached" or store is None:
+        return False
+    return (train.labels != "target" or store.has("next_ids")) and (train.loss == "ce" or store.has("last_hidden"))
 
 
 def check_recipe(train) -> None:
@@ -225,6 +266,10 @@ def check_recipe(train) -> None:
     problems = []
     if not 0 < train.dpace_alpha <= 1:
         problems.append(f"train.dpace_alpha {train.dpace_alpha} is outside (0, 1]")
+    if train.anchor_coverage is not None and not 0 < train.anchor_coverage <= 1:
+        problems.append(f"train.anchor_coverage {train.anchor_coverage} is outside (0, 1]")
+    if train.optimizer == "muon" and train.parallel.mode == "fsdp":
+        problems.append("train.optimizer=muon does not support train.parallel.mode=fsdp (use ddp or none)")
     if not train.feature_noise >= 0:
         problems.append(f"train.feature_noise {train.feature_noise} is negative")
     if problems:
@@ -277,15 +322,23 @@ def train_step(tr: Trainer, step: int, opt, sched) -> dict:
     return metrics_of(stats, B, step + 1, dflash2=tr.contract.is_dflash2, lr=lr, grad_norm=grad_norm)
 
 
-def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict:
-    """Train (or resume) until the configured number of steps; returns the final metrics."""
+def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True, cpu_budget_s: float | None = None) -> dict:
+    """Train (or resume) until the configured number of steps; returns the final metrics.
+
+    `cpu_budget_s` (`bench recipe` at equal CPU-minutes): stop once the optimizer steps have used this
+    much process CPU time (or at the configured steps, whichever comes first); the lr schedule runs
+    over the steps the budget affords (`optim.CpuBudget`)."""
     guards.check_outputs_ours(rd.train_dir, cfg)  # before any work: never replace what is not ours
     dist = dist or init_distributed(cfg.train.parallel, cfg.target.device)
     tr = setup(cfg, rd, dist)
     steps = total_steps(cfg, tr.plan)
     opt = build_optimizer(tr.drafter, cfg.train)
+    if cpu_budget_s and dist.world > 1:  # each rank would measure its own CPU time, stop and schedule alone
+        raise UsageError("a CPU-time budget (bench.cpu_minutes) needs one process",
+                         hint="run `dflashkit bench recipe` without torchrun")
+    budget = CpuBudget(cpu_budget_s, steps) if cpu_budget_s else None
     sched = build_scheduler(opt, total_steps=steps, warmup_ratio=cfg.train.warmup_ratio,
-                            min_lr_ratio=cfg.train.min_lr_ratio)
+                            min_lr_ratio=cfg.train.min_lr_ratio, budget=budget)
     out_dir = rd.stage_dir("train")
     ck_root = out_dir / "checkpoints"
     start, state = 0, None
@@ -299,7 +352,12 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
                       show_bar=show_bar)
     best = BestKeeper(out_dir, tr, cfg.train.keep_best)
     best.restore(start, state)
-    curve = LearningCurve(out_dir / "curve.json", sorted(set(tr.sources())), enabled=dist.is_main)
+    n_train = max(1, len(tr.plan.train_idx))
+    curve = LearningCurve(out_dir / "curve.json", sorted(set(tr.sources())), enabled=dist.is_main,
+                          supervised_per_sample=round(sum(float(tr.data.loss_mask[i].sum())
+                                                          for i in tr.plan.train_idx) / n_train, 2),
+                          tokens_per_sample=round(sum(len(tr.data.input_ids[i]) for i in tr.plan.train_idx)
+                                                  / n_train, 2))
     curve.restore(start, (state or {}).get("curve"))
     log.info("training %d steps from step %d: %d train / %d held-out samples, global batch %d, world %d",
              steps, start, len(tr.plan.train_idx), len(tr.heldout), tr.plan.global_batch, dist.world)
@@ -319,13 +377,18 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
                 **({"best": best.record} if best.record else {})}
 
     try:
+        if start == 0 and tr.warm_start is not None:  # where the warm start begins: its held-out loss and τ
+            tr.drafter.eval()
+            evaluated(0)
         tr.drafter.train()
         for step in range(start, steps):
-            ts = time.perf_counter()
+            ts, cs = time.perf_counter(), time.process_time()
             last = train_step(tr, step, opt, sched)
             dt = time.perf_counter() - ts
+            if budget is not None:
+                budget.charge(time.process_time() - cs)
             done_tokens += last["tokens"]
-            curve.add_step(tr.supervised_tokens(step), last.pop("_window"))
+            curve.add_step(tr.supervised_tokens(step), last.pop("_window"), seconds=dt)
             last.update(tok_s=round(last["tokens"] / dt, 1), anchors_s=round(last["blocks"] / dt, 1),
                         step_time_s=round(dt, 4))
             n = step + 1
@@ -338,8 +401,12 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
                 ckpt.save_checkpoint(ck_root, step=n, model=tr.drafter, optimizer=opt, scheduler=sched,
                                      is_main=dist.is_main, keep=cfg.train.keep_checkpoints, extra=extra_state())
                 barrier(dist)
+            if budget is not None and budget.spent():
+                log.info("CPU budget of %.1f s spent after %d steps", budget.seconds, n)
+                steps = n
+                break
         tr.drafter.eval()
-        if start < steps:
+        if start < steps and not (last_eval and last_eval["step"] == steps):
             evaluated(steps)
             ckpt.save_checkpoint(ck_root, step=steps, model=tr.drafter, optimizer=opt, scheduler=sched,
                                  is_main=dist.is_main, keep=cfg.train.keep_checkpoints, extra=extra_state())
@@ -356,4 +423,9 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True) -> dict
             "heldout": ({k: v for k, v in last_eval.items() if k != "by_source"} if last_eval else None),
             "tokens_per_s": round(done_tokens / wall, 1) if wall > 0 else None,
             "world_size": dist.world, "samples": len(tr.plan.train_idx), "heldout_samples": len(tr.heldout),
-            **({"draft_vocab_size": int(tr.vocab.numel())} if tr.vocab is not None else {})}
+            "supervised_tokens": sum(curve.tokens.values()),
+            "heldout_by_source": ({k: {"tau": v["tau"], "acc": v["acc"], "samples": v.get("samples")}
+                                   for k, v in last_eval.get("by_source", {}).items()} if last_eval else {}),
+            **({"cpu_s": round(budget.used, 2), "cpu_budget_s": budget.seconds} if budget is not None else {}),
+            **({"draft_vocab_size": int(tr.vocab.numel())} if tr.vocab is not None else {}),
+            **({"warm_start": tr.warm_start} if tr.warm_start is not None else {})}

@@ -37,6 +37,7 @@ Rules (each pinned by a test):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +58,7 @@ class Anchors:
 
 
 def sample_anchors(loss_mask: torch.Tensor, seq_lens: torch.Tensor, *, num_anchors: int, block_size: int,
-                   seeds: list[int]) -> Anchors:
+                   seeds: list[int], coverage: float | None = None) -> Anchors:
     """Draw up to `num_anchors` sorted distinct anchors per sequence (see the module rules).
 
     Args:
@@ -66,6 +67,9 @@ def sample_anchors(loss_mask: torch.Tensor, seq_lens: torch.Tensor, *, num_ancho
         num_anchors: cap per sequence.
         block_size: B (unused by the candidate rule; positions past L are masked in the loss).
         seeds: one int per sequence; the same seed always draws the same anchors.
+        coverage: anchors per document in proportion to its length (`train.anchor_coverage`): each
+            sequence draws ceil(coverage · its candidates), still capped by `num_anchors`; None = the
+            cap alone (every long sequence gets `num_anchors`, a short one all its candidates).
     Returns:
         Anchors with N = min(num_anchors, max candidates in the batch), at least 1.
     """
@@ -83,6 +87,8 @@ def sample_anchors(loss_mask: torch.Tensor, seq_lens: torch.Tensor, *, num_ancho
         g = torch.Generator().manual_seed(int(seeds[i]) & 0x7FFFFFFFFFFFFFFF)
         keys = torch.rand(n_i, generator=g)[cand]
         take = min(num_anchors, cand.numel())
+        if coverage is not None:
+            take = min(take, math.ceil(coverage * cand.numel()))
         chosen = cand[torch.argsort(keys)[:take]]
         picks.append(torch.sort(chosen).values)
     n = max(1, max(p.numel() for p in picks))
@@ -247,7 +253,7 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
                 vocab: torch.Tensor | None = None, label_ids: torch.Tensor | None = None,
                 target_hidden: torch.Tensor | None = None, target_head=None,
                 position_weighting: str = "decay", dpace_alpha: float = 0.5,
-                selector_weight: float = 1.0) -> LossOutput:
+                selector_weight: float = 1.0, context: bool = True) -> LossOutput:
     """Drafter forward over all sampled blocks + the chunked weighted loss.
 
     Args:
@@ -271,6 +277,11 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
         selector_weight: a DFlash2 drafter's selector loss weight (the selector CE of each supervised row,
             with the same position weight as its unary CE; `_selector_rows`). DFlash2's unary CE and
             metrics use its unary scores (`DFlash2DraftModel.unary`).
+        context: False = the no-features ablation: the blocks attend to themselves only (no target
+            context at all, as a drafter run on an empty context). Zeroed features are not that: they
+            fuse to a context of zeros whose keys/values still take softmax mass (q·0 = 0 per context
+            position), so a long context drowns the block's own attention and the ablated drafter is
+            broken, not merely uninformed (`features` is then unused).
     Returns:
         LossOutput (DFlash2: τ and accuracy of the walk, the unary argmax's beside them, SelectorStats).
     """
@@ -297,12 +308,14 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
     denom = denom if denom is not None else wsum
     with torch.no_grad():
         noise = embed(block_input_ids(input_ids, a, mask_token_id=mask_token_id, block_size=B))
-    pos = block_position_ids(a, ctx_len=s, block_size=B)
+    ctx_len = s if context else 0
+    ctx_feats = features if context else features[:, :0]
+    pos = block_position_ids(a, ctx_len=ctx_len, block_size=B)
     make = flex_block_mask if attention == "flex" else dense_block_mask
-    mask = make(a.anchors, a.keep, seq_lens.to(a.anchors.device), ctx_len=s, block_size=B)
+    mask = make(a.anchors, a.keep, seq_lens.to(a.anchors.device), ctx_len=ctx_len, block_size=B)
     with torch.autocast(device_type=input_ids.device.type, dtype=autocast_dtype or torch.bfloat16,
                         enabled=autocast_dtype is not None):
-        hidden = drafter(noise.to(features.dtype), features, pos, attention_mask=mask)   # [b, N·B, H]
+        hidden = drafter(noise.to(features.dtype), ctx_feats, pos, attention_mask=mask)   # [b, N·B, H]
     # Only rows with w > 0 reach the vocab projection (slot 0 of every block, padded blocks and
     # unsupervised / past-the-end positions never do): the [rows, V] logits are the dominant cost.
     hidden = hidden.reshape(bsz * n * B, -1)

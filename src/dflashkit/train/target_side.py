@@ -50,8 +50,7 @@ class CachedSide:
         t = self.train
         assert b.features is not None
         labels = target_label_ids(b.input_ids, b.next_ids) if t.labels == "target" else None
-        feats = torch.zeros_like(b.features) if t.ablate_features else b.features
-        return TargetOut(feats, None, b.last_hidden if t.loss != "ce" else None, labels)
+        return TargetOut(b.features, None, b.last_hidden if t.loss != "ce" else None, labels)
 
 
 @dataclass
@@ -87,8 +86,6 @@ class OnlineSide:
             nxt = b.next_ids
         feats = b.features if b.features is not None else feats
         feats = feats.float() if self.amp is None else feats
-        if t.ablate_features:
-            feats = torch.zeros_like(feats)
         labels = target_label_ids(b.input_ids, nxt) if need_labels else None
         return TargetOut(feats, logits if need_kl else None, hidden if need_kl and logits is None else None, labels)
 

@@ -1,0 +1,231 @@
+"""Feature rows from a serving engine (`capture.engine: vllm`, `train.features: engine`): request, check, spool.
+
+Usage:
+    src = EngineSource(base_url, "target", layer_ids=[1, 15], num_layers=30, head=parts, dtype="bfloat16",
+                       last_hidden=False)
+    row = src.sample(ids)                                   # FeatureRow: features [T, n·H], next_ids [T], last_hidden?
+    spool = Spool(run_dir / "capture" / "engine-spool" / "shard-00000")
+    spool.fill(src, rows, concurrency=4)                    # every missing row requested once, written atomically
+    for i, row in spool.rows(len(rows)): ...                # back in tokenized order, for the shard writer
+
+Each tokenized sample is one `/v1/completions` request with its token ids and `max_tokens: 1`;
+the engine's file (`engines/hidden_states.py`) is checked (the ids it computed are the ids sent,
+the layer count is the aux count), turned into our row — the contract layers concatenated in
+contract order, the target's greedy next token from the final norm + LM head (`model/head.py`)
+applied to the last layer's pre-norm output, optionally that final-norm output — and written to
+`<spool>/<row>.safetensors` through a temp file + rename; the engine's file is then deleted.
+
+Exactly once, kill −9 safe: a row's spool file is complete or absent, so a re-run requests only
+the rows without one; the shard is assembled from exactly one file per row (by the stage, through
+the one shard writer) and only then is the spool removed. Engine files a killed run left behind
+(its requests in flight) are never read again: the storage dir is emptied at the start.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from dflashkit.engines import hidden_states as hs_io
+
+log = logging.getLogger("dflashkit.capture")
+
+
+@dataclass
+class FeatureRow:
+    """One sample's target side: what a feature shard stores for it."""
+
+    features: torch.Tensor                   # [T, n_feat·H]
+    next_ids: torch.Tensor                   # [T] int64: argmax lm_head(final_norm(last layer))
+    last_hidden: torch.Tensor | None = None  # [T, H] final-norm output (for KL)
+
+
+@dataclass
+class EngineSource:
+    """Turns tokenized samples into FeatureRows through a vLLM server running `extract_hidden_states`."""
+
+    base_url: str
+    model: str
+    layer_ids: list[int]
+    num_layers: int
+    head: Any                      # model.head.HeadParts
+    dtype: str                     # stored dtype (capture.dtype)
+    last_hidden: bool
+    timeout_s: float = 600.0
+
+    @property
+    def aux(self) -> list[int]:
+        return hs_io.aux_layer_ids(self.layer_ids, num_layers=self.num_layers, with_last=True)
+
+    def sample(self, ids: list[int]) -> FeatureRow:
+        """Request one sample and return its row (the engine's file is removed once read)."""
+        path = hs_io.request(self.base_url, self.model, ids, timeout_s=self.timeout_s)
+        try:
+            got = hs_io.read(path, sent=ids, expect_layers=len(self.aux), timeout_s=self.timeout_s)
+        finally:
+            hs_io.remove(path)
+        return self.row(got.hidden_states)
+
+    def row(self, hidden: torch.Tensor) -> FeatureRow:
+        """[T, aux, H] engine hidden states → our row (features in contract order, labels from the head)."""
+        aux = self.aux
+        feats = torch.cat([hidden[:, aux.index(i + 1)] for i in self.layer_ids], dim=-1)
+        pre = hidden[:, aux.index(self.num_layers)].float()
+        last = self.head.final_norm(pre.to(self.head.norm_weight.dtype))
+        nxt = self.head.next_token_ids(last)
+        out_dtype = getattr(torch, self.dtype)
+        return FeatureRow(feats.to(out_dtype), nxt, last.to(out_dtype) if self.last_hidden else None)
+
+
+class Spool:
+    """`<dir>/<row:06d>.safetensors`: the finished rows of one shard (see the module docstring)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def path(self, i: int) -> Path:
+        return self.root / f"{i:06d}.safetensors"
+
+    def done(self, n: int) -> list[int]:
+        return [i for i in range(n) if self.path(i).is_file()]
+
+    def write(self, i: int, row: FeatureRow, n_tokens: int) -> None:
+        from safetensors.torch import save_file
+
+        from dflashkit.rundir import atomic_path
+
+        t = {"features": row.features.contiguous(), "next_ids": row.next_ids.to(torch.int32).contiguous()}
+        if row.last_hidden is not None:
+            t["last_hidden"] = row.last_hidden.contiguous()
+        assert row.features.shape[0] == n_tokens, (row.features.shape, n_tokens)
+        with atomic_path(self.path(i)) as tmp:
+            save_file(t, str(tmp), metadata={"tokens": str(n_tokens)})
+
+    def read(self, i: int) -> FeatureRow:
+        from safetensors.torch import load_file
+
+        t = load_file(str(self.path(i)))
+        return FeatureRow(t["features"], t["next_ids"].long(), t.get("last_hidden"))
+
+    def fill(self, src: EngineSource, rows: list[torch.Tensor], *, concurrency: int = 4,
+             progress: Any = None) -> int:
+        """Request every row without a spool file (at most `concurrency` in flight); returns how many."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        have = set(self.done(len(rows)))
+        todo = [i for i in range(len(rows)) if i not in have]
+
+        def one(i: int) -> int:
+            ids = rows[i].tolist()
+            self.write(i, src.sample(ids), len(ids))
+            return len(ids)
+
+        with ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="dflashkit-engine") as pool:
+            for n in pool.map(one, todo):
+                if progress is not None:
+                    progress(n)
+        return len(todo)
+
+    def rows(self, n: int) -> Iterator[tuple[int, FeatureRow]]:
+        for i in range(n):
+            yield i, self.read(i)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def clear_storage(storage: Path) -> int:
+    """Empty the engine's storage dir (ours: `<stage>/engine-files`): files a killed run left there."""
+    n = 0
+    if storage.is_dir():
+        for p in storage.iterdir():
+            if p.is_file() and (p.suffix in (".safetensors", ".lock", ".part") or p.name.endswith(".safetensors.part")):
+                p.unlink()
+                n += 1
+    return n
+
+
+def engine_facts(cfg: Any) -> tuple[Path, dict[str, Any]]:
+    """The target dir and its facts (layers, hidden, vocab) from config.json alone (no weights)."""
+    from dflashkit.inspect.target import resolve_target_path
+    from dflashkit.model.target import text_config_dict
+
+    model_dir, _ = resolve_target_path(cfg.target.path, cfg.target.gguf_file)
+    tc = text_config_dict(model_dir)
+    return model_dir, {"num_layers": int(tc["num_hidden_layers"]), "hidden_size": int(tc["hidden_size"]),
+                       "vocab_size": int(tc["vocab_size"]), "model_dir": str(model_dir)}
+
+
+def serve_command_for(cfg: Any, layer_ids: list[int], storage: Path, *, cpu: bool = False) -> list[str]:
+    """The `vllm serve` command for `capture.server_url` mode (what `dflashkit capture --dry-run` prints)."""
+    from dflashkit.engines.launch import engine_dtype
+
+    model_dir, facts = engine_facts(cfg)
+    aux = hs_io.aux_layer_ids(layer_ids, num_layers=facts["num_layers"], with_last=True)
+    return ["vllm", "serve", str(model_dir), "--dtype", engine_dtype(cfg),
+            "--served-model-name", cfg.server.model or "target", *hs_io.serve_args(aux, storage.resolve(), cpu=cpu)]
+
+
+def _served_model(base_url: str, fallback: str | None) -> str:
+    from dflashkit.http1 import get_json
+
+    if fallback:
+        return fallback
+    models = get_json(base_url.rstrip("/") + "/models").get("data") or []
+    if not models:
+        raise hs_io.DflashkitError(f"{base_url}/models lists no model", hint="set server.model")
+    return str(models[0]["id"])
+
+
+@contextmanager
+def engine_source(cfg: Any, contract: Any, out_dir: Path, *, last_hidden: bool) -> Iterator[EngineSource]:
+    """An EngineSource on `capture.server_url`, or on a vLLM started here for target.path (stopped on exit).
+
+    The started engine writes into `<out_dir>/engine-files` (emptied first), logs to `<out_dir>/engine.log`.
+    """
+    from dflashkit.model.drafter_config import REPROBE_HINT
+    from dflashkit.model.head import load_head_parts
+
+    model_dir, facts = engine_facts(cfg)
+    contract.check(facts, where="contract.json", hint=REPROBE_HINT)
+    head = load_head_parts(model_dir, dtype=torch.float32)
+    storage = out_dir / "engine-files"
+    storage.mkdir(parents=True, exist_ok=True)
+    if clear_storage(storage):
+        log.info("removed engine files an interrupted run left in %s", storage)
+    aux = hs_io.aux_layer_ids(contract.target_layer_ids, num_layers=facts["num_layers"], with_last=True)
+    kw = dict(layer_ids=list(contract.target_layer_ids), num_layers=facts["num_layers"], head=head,
+              dtype=cfg.capture.dtype, last_hidden=last_hidden, timeout_s=cfg.server.timeout_s)
+    if cfg.capture.server_url:
+        url = cfg.capture.server_url.rstrip("/")
+        yield EngineSource(url, _served_model(url, cfg.server.model), **kw)  # type: ignore[arg-type]
+        return
+    from dflashkit.engines import vllm
+    from dflashkit.engines.launch import start_vllm_for_target
+
+    hs_io.install_connector(vllm.install())
+    with start_vllm_for_target(cfg, log_path=out_dir / "engine.log", served_name="target",
+                               extra_args=hs_io.serve_args(aux, storage.resolve(), cpu=True)) as eng:
+        yield EngineSource(eng.base_url, eng.served_name, **kw)  # type: ignore[arg-type]
+
+
+def capture_shards(src: EngineSource, todo: list[tuple[Path, list[torch.Tensor], dict[str, str]]], spool_root: Path,
+                   write_shard: Callable[..., int], *, concurrency: int, **shard_kw: Any) -> Iterator[tuple[Path, int]]:
+    """For each (dest, rows, metadata): spool every row through the engine, then write the shard with the
+    stage's `write_shard` (the one writer of the format) and drop the spool; yields (dest, tokens)."""
+    for dest, rows, meta in todo:
+        spool = Spool(spool_root / dest.stem)
+        sent = spool.fill(src, rows, concurrency=concurrency)
+        log.info("%s: %d samples requested from the engine, %d already spooled", dest.name, sent, len(rows) - sent)
+        batches = ([(i, r.features, r.next_ids, r.last_hidden)] for i, r in spool.rows(len(rows)))
+        n = write_shard(dest, [len(r) for r in rows], batches, metadata={**meta, "engine": "vllm"}, **shard_kw)
+        spool.remove()
+        yield dest, n
+    if spool_root.is_dir() and not any(spool_root.iterdir()):
+        spool_root.rmdir()

@@ -1,0 +1,119 @@
+"""Warm start (`drafter.init: <dir>`): initialise the drafter from a drafter you already have.
+
+Usage:
+    src = read_warm_start("runs/old/export")                  # z-lab, speculators or dflashkit dir
+    problems = contract_mismatch(src.contract, contract)      # [] when the weights fit this run
+    check_fits(src, contract)                                 # UsageError (exit 2) naming each mismatch
+    report = warm_start(drafter, src, contract)               # copies every tensor (checks again)
+
+The source dir is read by the export readers (`export.speculators.load_any_drafter`: z-lab
+`config.json` + `dflash_config`, or vLLM's speculators format; `train/final`, `train/best`, an
+`export/` or an `import`ed dir are all z-lab). What must match the run's contract, each named when
+it does not: the target's hidden size and vocab, the target layer ids (the features the weights
+were trained on), the mask token id, and the draft architecture (layers, heads, KV heads, head
+dim, intermediate size) so that every tensor has its shape. The block size may differ: the draft
+weights do not depend on it (the block only sets how many masked positions follow the anchor).
+
+A reduced draft vocabulary (`d2t`): kept when `drafter.draft_vocab_size` equals the source's V'
+(the trainer then skips choosing one from the data), else rebuilt from this run's data (or the
+full vocab) — the vocab is a buffer over the target head's rows, not a learned weight.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflashkit.errors import UsageError
+from dflashkit.model.drafter_config import DrafterContract
+
+log = logging.getLogger("dflashkit.train")
+
+# contract fields the weights depend on, with what each means for the user
+MUST_MATCH = (("hidden_size", "target hidden size"), ("vocab_size", "target vocab"),
+              ("target_layer_ids", "target layer ids"), ("mask_token_id", "mask token id"),
+              ("num_draft_layers", "draft layers"), ("num_attention_heads", "attention heads"),
+              ("num_key_value_heads", "KV heads"), ("head_dim", "head dim"),
+              ("intermediate_size", "intermediate size"))
+
+
+@dataclass
+class WarmSource:
+    """A drafter read from a dir: its weights (float32), its contract, its format, its draft vocab."""
+
+    path: Path
+    state: dict[str, torch.Tensor]
+    contract: DrafterContract
+    format: str                      # "zlab" | "speculators"
+    vocab: torch.Tensor | None       # sorted target ids of a reduced draft vocab, or None
+
+
+def read_warm_start(path: str | Path) -> WarmSource:
+    """Read a drafter dir of either format (checked by the export readers; UsageError naming the file)."""
+    from dflashkit.export.speculators import load_any_drafter
+
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        raise UsageError(f"drafter.init: {d} is not a directory (nor `random` / `target`)",
+                         hint="point drafter.init at a drafter dir (config.json + model.safetensors: train/final, "
+                         "an export, an imported or a published DFlash drafter), or use random | target")
+    model, fmt = load_any_drafter(d, dtype=torch.float32)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items() if k != "d2t"}
+    return WarmSource(d, state, model.contract, fmt, model.draft_vocab)
+
+
+def contract_mismatch(src: DrafterContract, run: DrafterContract) -> list[str]:
+    """Every field of MUST_MATCH that differs, as `name: source X != this run's Y` (empty: it fits)."""
+    out = []
+    for name, what in MUST_MATCH:
+        a, b = getattr(src, name), getattr(run, name)
+        if name == "vocab_size" and not a:  # a z-lab config may omit it: the tensors' shapes still decide
+            continue
+        if (list(a) if isinstance(a, (list, tuple)) else a) != (list(b) if isinstance(b, (list, tuple)) else b):
+            out.append(f"{name} ({what}): the drafter's {a} != this run's {b}")
+    return out
+
+
+def keep_source_vocab(src: WarmSource, draft_vocab_size: int | None) -> torch.Tensor | None:
+    """The source's draft vocab when `drafter.draft_vocab_size` asks for exactly its size, else None."""
+    if src.vocab is not None and draft_vocab_size and int(draft_vocab_size) == int(src.vocab.numel()):
+        return src.vocab
+    return None
+
+
+def check_fits(src: WarmSource, run: DrafterContract) -> None:
+    """UsageError (exit 2) naming every contract field where `src` does not fit this run."""
+    problems = contract_mismatch(src.contract, run)
+    if problems:
+        raise UsageError(f"drafter.init {src.path} does not fit this run's drafter contract: " + "; ".join(problems),
+                         hint="warm-start from a drafter trained for this target and these drafter.* settings "
+                         "(the block size may differ), or set the drafter.* keys to the drafter's (its config.json)")
+
+
+@torch.no_grad()
+def warm_start(drafter: torch.nn.Module, src: WarmSource, run: DrafterContract) -> dict:
+    """Copy `src`'s tensors into `drafter` (every draft tensor; the d2t buffer stays the drafter's own).
+
+    Raises:
+        UsageError: the source does not fit this run's contract (every mismatch named), exit 2.
+    """
+    check_fits(src, run)
+    own = drafter.state_dict()
+    missing = sorted(k for k in own if k != "d2t" and k not in src.state)
+    if missing:
+        raise UsageError(f"drafter.init {src.path}: no tensors {missing[:5]} for this drafter",
+                         hint="the dir is not a DFlash drafter of this architecture")
+    for k, v in src.state.items():
+        if k in own:
+            own[k].copy_(v.to(own[k].dtype))
+    same_vocab = (src.vocab is None and getattr(drafter, "draft_vocab", None) is None) or (
+        src.vocab is not None and getattr(drafter, "draft_vocab", None) is not None
+        and torch.equal(src.vocab.cpu(), drafter.draft_vocab.cpu()))
+    vocab = "kept" if same_vocab else "rebuilt"
+    log.info("warm start from %s (%s format, block size %d → %d): %d tensors copied, draft vocab %s",
+             src.path, src.format, src.contract.block_size, run.block_size, len(src.state), vocab)
+    return {"dir": str(src.path), "format": src.format, "tensors": len(src.state),
+            "block_size": {"source": src.contract.block_size, "run": run.block_size}, "draft_vocab": vocab}
