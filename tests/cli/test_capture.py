@@ -52,9 +52,11 @@ def test_capture_refuses_when_disk_too_small(tmp_path, tiny_qwen3, capsys):
 @pytest.mark.parametrize("extra", [[], ["drafter.draft_vocab_size=24"], ["train.labels=target"],
                                    ["train.labels=target", "drafter.draft_vocab_size=24"],
                                    ["train.labels=target", "train.loss=ce+kl"], ["train.loss=kl"],
-                                   ["train.labels=target", "train.target_dtype=bfloat16"]],
+                                   ["train.labels=target", "train.target_dtype=bfloat16"],
+                                   ["train.labels=target", "drafter.init=target"]],
                          ids=["full-vocab", "draft-vocab", "target-labels", "target-labels-draft-vocab",
-                              "target-labels-ce+kl", "kl", "bf16-target-forward"])
+                              "target-labels-ce+kl", "kl", "bf16-target-forward",
+                              "target-labels-init-from-target"])  # the shards hold every output, the layers are still needed
 def test_online_equals_cached_loss(tmp_path, tiny_qwen3, capsys, extra):
     rd_on = make_run(tmp_path / "on", tiny_qwen3)
     rd_ca = make_run(tmp_path / "ca", tiny_qwen3)

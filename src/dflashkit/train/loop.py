@@ -201,7 +201,7 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
         if cfg.train.labels == "target":
             data.features.require("next_ids", "train.labels=target reads the target's argmax from the shards")
     target: Target | HeadOnlyTarget
-    if head_only(cfg.train, data.features):  # every target output is in the shards: embedding + head suffice
+    if head_only(cfg, data.features):  # every target output is in the shards: embedding + head suffice
         from dflashkit.model.head import load_head_only_target
 
         target = load_head_only_target(cfg.target, device=str(dist.device))
@@ -253,10 +253,12 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
     return tr
 
 
-def head_only(train, store: FeatureStore | None) -> bool:
+def head_only(cfg, store: FeatureStore | None) -> bool:
     """Whether training needs only the target's embedding and head (model/head.py), not its layers: the
-    features, and the labels / KL target the recipe asks for, all come from the feature shards."""
-    if train.features != "cached" or store is None:
+    features, and the labels / KL target the recipe asks for, all come from the feature shards, and the
+    drafter is not initialised from the target's layers (`drafter.init: target`)."""
+    train = cfg.train
+    if train.features != "cached" or store is None or cfg.drafter.init == "target":
         return False
     return (train.labels != "target" or store.has("next_ids")) and (train.loss == "ce" or store.has("last_hidden"))
 
