@@ -106,6 +106,12 @@ def _engine_processes(marker: str) -> list[int]:
     return pids
 
 
+def _progress(rd: Path) -> int:
+    """Monotone while capture runs: shards written (a shard's spool rows are dropped only after it)."""
+    cap = rd / "capture"
+    return 1000 * len(list(cap.glob("shard-*.safetensors"))) + len(list((cap / "engine-spool").rglob("*.safetensors")))
+
+
 def _child(argv: list[str], log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
     return subprocess.Popen([sys.executable, "-m", "dflashkit", *argv], stdout=open(log, "ab"),
@@ -116,10 +122,11 @@ def test_kill9_during_engine_capture_then_rerun_gives_each_sample_once(tmp_path,
     from dflashkit.engines import hidden_states as hs_io
     from dflashkit.engines import vllm
 
-    texts = [(q + f" (variant {k})", a * 3) for k in range(3) for q, a in TEXTS]  # 24 samples, 6 shards
+    texts = [(q + f" (variant {k})", a * 3) for k in range(4) for q, a in TEXTS]  # 32 samples, 8 shards
     rd = _smol_run(tmp_path, smollm2_dir, "killed", texts)
     ref = _smol_run(tmp_path, smollm2_dir, "ref", texts)
     _ok(["capture", "--json", *_common(ref, smollm2_dir)], capsys)
+    n_shards = len(list((ref / "capture").glob("shard-*.safetensors")))
     contract = json.loads((rd / "contract.json").read_text())
     aux = hs_io.aux_layer_ids(contract["target_layer_ids"], num_layers=30, with_last=True)
     storage = tmp_path / "engine-files"
@@ -132,16 +139,27 @@ def test_kill9_during_engine_capture_then_rerun_gives_each_sample_once(tmp_path,
                 f"capture.server_url={eng.base_url}", "server.model=target"]
         kills = 0
         while kills < 5:
+            # Kills are placed by progress, not by the clock (a clock-timed kill lands after the run finished
+            # on a fast machine and before it started on a slow one): the first one while the child starts
+            # up, each later one a random 0-0.5 s after the child's first new spool row or shard, so every
+            # kill lands mid-work (spooling a shard's rows, writing the shard, or dropping its spool).
+            before = _progress(rd)
             proc = _child(argv, log)
-            time.sleep(rng.uniform(3.0, 9.0))
+            if kills == 0:
+                time.sleep(1.0)
+            else:
+                deadline = time.monotonic() + 180
+                while proc.poll() is None and _progress(rd) == before and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                time.sleep(rng.uniform(0.0, 0.5))
             if proc.poll() is not None:
                 break  # it finished before this kill: the re-run below still checks everything
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             kills += 1
-        assert kills >= 3, f"capture finished after {kills} kills: make the data larger\n{log.read_text()[-2000:]}"
+        assert kills == 5, f"capture finished after {kills} kills\n{log.read_text()[-2000:]}"
         res = _ok(argv, capsys)
-        assert res["written"] + res["skipped"] == 6, res
+        assert res["written"] + res["skipped"] == n_shards == 8, res
     _compare(ref, rd)
     leftovers = [p.name for p in (rd / "capture").rglob("*") if p.suffix in (".tmp", ".part")]
     assert not leftovers and not (rd / "capture" / "engine-spool").exists(), leftovers
