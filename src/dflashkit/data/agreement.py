@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from typing import Any, Hashable
+from typing import TYPE_CHECKING, Any, Hashable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from dflashkit.config import TargetSection
 
 HEAD_CHUNK = 512  # supervised positions per lm_head call (bounds the [n, vocab] logits)
 
@@ -115,7 +118,7 @@ def agreement_report(model: Any, pick: Reservoir, *, device: Any, batch_tokens: 
     return out
 
 
-def check_sources(target_section: Any, pick: Reservoir, *, temperature: float | None, min_agreement: float,
+def check_sources(target_section: TargetSection, pick: Reservoir, *, temperature: float | None, min_agreement: float,
                   ) -> dict[str, Any]:
     """Load the target and measure agreement per (source, regenerated) key of `pick`.
 

@@ -29,11 +29,15 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
 from dflashkit.engines import hidden_states as hs_io
+
+if TYPE_CHECKING:
+    from dflashkit.config import RunConfig
+    from dflashkit.model.drafter_config import DrafterContract
 
 log = logging.getLogger("dflashkit.capture")
 
@@ -151,7 +155,7 @@ def clear_storage(storage: Path) -> int:
     return n
 
 
-def engine_facts(cfg: Any) -> tuple[Path, dict[str, Any]]:
+def engine_facts(cfg: RunConfig) -> tuple[Path, dict[str, Any]]:
     """The target dir and its facts (layers, hidden, vocab) from config.json alone (no weights)."""
     from dflashkit.inspect.target import resolve_target_path
     from dflashkit.model.target import text_config_dict
@@ -162,7 +166,7 @@ def engine_facts(cfg: Any) -> tuple[Path, dict[str, Any]]:
                        "vocab_size": int(tc["vocab_size"]), "model_dir": str(model_dir)}
 
 
-def serve_command_for(cfg: Any, layer_ids: list[int], storage: Path, *, cpu: bool = False) -> list[str]:
+def serve_command_for(cfg: RunConfig, layer_ids: list[int], storage: Path, *, cpu: bool = False) -> list[str]:
     """The `vllm serve` command for `capture.server_url` mode (what `dflashkit capture --dry-run` prints)."""
     from dflashkit.engines.launch import engine_dtype
 
@@ -184,7 +188,7 @@ def _served_model(base_url: str, fallback: str | None) -> str:
 
 
 @contextmanager
-def engine_source(cfg: Any, contract: Any, out_dir: Path, *, last_hidden: bool) -> Iterator[EngineSource]:
+def engine_source(cfg: RunConfig, contract: DrafterContract, out_dir: Path, *, last_hidden: bool) -> Iterator[EngineSource]:
     """An EngineSource on `capture.server_url`, or on a vLLM started here for target.path (stopped on exit).
 
     The started engine writes into `<out_dir>/engine-files` (emptied first), logs to `<out_dir>/engine.log`.
