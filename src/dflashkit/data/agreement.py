@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Hashable
+from typing import TYPE_CHECKING, Any, Hashable, cast
 
 import numpy as np
 
@@ -135,7 +135,8 @@ def check_sources(target_section: TargetSection, pick: Reservoir, *, temperature
     target = load_target(target_section, with_tokenizer=False)
     report = agreement_report(target.model, pick, device=target.device)
     sources = {}
-    keyed: list[tuple[tuple[str, bool], dict[str, Any]]] = [(k, v) for k, v in report.items()]  # type: ignore[misc]
+    # the reservoir's keys are (source name, regenerated): what tokenize offers it
+    keyed = [(cast(tuple[str, bool], k), v) for k, v in report.items()]
     for (source, regenerated), r in sorted(keyed, key=lambda kv: (not kv[0][1], kv[0][0])):
         name = (source or "(no source)") + ("" if regenerated else " (not regenerated)")
         sources[name] = {**r, "regenerated": regenerated,

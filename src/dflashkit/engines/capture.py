@@ -204,11 +204,11 @@ def engine_source(cfg: RunConfig, contract: DrafterContract, out_dir: Path, *, l
     if clear_storage(storage):
         log.info("removed engine files an interrupted run left in %s", storage)
     aux = hs_io.aux_layer_ids(contract.target_layer_ids, num_layers=facts["num_layers"], with_last=True)
-    kw = dict(layer_ids=list(contract.target_layer_ids), num_layers=facts["num_layers"], head=head,
-              dtype=cfg.capture.dtype, last_hidden=last_hidden, timeout_s=cfg.server.timeout_s)
+    kw: dict[str, Any] = dict(layer_ids=list(contract.target_layer_ids), num_layers=facts["num_layers"], head=head,
+                          dtype=cfg.capture.dtype, last_hidden=last_hidden, timeout_s=cfg.server.timeout_s)
     if cfg.capture.server_url:
         url = cfg.capture.server_url.rstrip("/")
-        yield EngineSource(url, _served_model(url, cfg.server.model), **kw)  # type: ignore[arg-type]
+        yield EngineSource(url, _served_model(url, cfg.server.model), **kw)
         return
     from dflashkit.engines import vllm
     from dflashkit.engines.launch import start_vllm_for_target
@@ -216,7 +216,7 @@ def engine_source(cfg: RunConfig, contract: DrafterContract, out_dir: Path, *, l
     hs_io.install_connector(vllm.install())
     with start_vllm_for_target(cfg, log_path=out_dir / "engine.log", served_name="target",
                                extra_args=hs_io.serve_args(aux, storage.resolve(), cpu=True)) as eng:
-        yield EngineSource(eng.base_url, eng.served_name, **kw)  # type: ignore[arg-type]
+        yield EngineSource(eng.base_url, eng.served_name, **kw)
 
 
 def capture_shards(src: EngineSource, todo: list[tuple[Path, list[torch.Tensor], dict[str, str]]], spool_root: Path,
