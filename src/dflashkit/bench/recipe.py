@@ -141,7 +141,8 @@ def _made_before_markers(vroot: Path) -> bool:
             and (vroot / "train" / "manifest.json").is_file() and not (vroot / MARKER).exists())
 
 
-def plan_variants(cfg: RunConfig, rd: RunDir\n                  ) -> dict[str, tuple[list[str], RunConfig, DrafterContract | None]]:
+def plan_variants(cfg: RunConfig, rd: RunDir
+                  ) -> dict[str, tuple[list[str], RunConfig, DrafterContract | None]]:
     """name → (overrides, config, contract or None) of every variant, built and checked before any trains:
     names, override keys and values, and the drafter.* keys against the contract the variant will train
     (its own, `variant_contract`, when it changes the drafter's shape): a bad last variant fails before
