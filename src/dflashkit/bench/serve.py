@@ -112,7 +112,7 @@ def bench_serve(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]
             from dflashkit.serving.local import start_local_server
 
             urls = [stack.enter_context(start_local_server(cfg))]
-        endpoints = []
+        endpoints: list[dict[str, Any]] = []
         for url in urls[:2]:
             try:
                 model = cfg.server.model or get_json(url + "/models", timeout_s=30)["data"][0]["id"]

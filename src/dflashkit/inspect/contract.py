@@ -178,7 +178,7 @@ def derive_contract(d: DrafterSection, facts: ModelFacts, tok: TokenizerFacts | 
         max_position_embeddings=int(facts.max_position_embeddings or 4096),
         tie_word_embeddings=facts.tie_word_embeddings,
         target_model_type=facts.model_type, target_architecture=facts.architecture,
-        mask_token_reason=mask_reason, bos_token_id=bos, eos_token_id=eos,  # type: ignore[arg-type]
+        mask_token_reason=mask_reason, bos_token_id=bos, eos_token_id=eos,
         **dflash2_fields(d),
         extra={"layer_convention": LAYER_CONVENTION, "target_layer_ids_reason": ids_reason,
                "attention_reason": attn_reason, "target_attention": facts.attention,
