@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dflashkit.data.records import Conversation
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dflashkit.errors import UsageError
 from dflashkit.model.files import resolve_target_path  # noqa: F401  (re-exported: the one resolver lives in model/)
