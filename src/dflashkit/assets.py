@@ -118,7 +118,7 @@ def _extract(archive: Path, member: str, dest: Path) -> None:
     with tarfile.open(archive) as t:
         for m in t.getmembers():
             if m.isfile() and m.name.startswith(member):
-                with t.extractfile(m) as src, open(dest / Path(m.name).name, "wb") as out:  # type: ignore[union-attr]
+                with t.extractfile(m) as src, open(dest / Path(m.name).name, "wb") as out:  # type: ignore[union-attr]  # a regular file member: never None
                     shutil.copyfileobj(src, out, 1 << 20)
 
 

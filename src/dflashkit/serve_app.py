@@ -13,13 +13,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dflashkit.errors import UsageError
+
+if TYPE_CHECKING:
+    from dflashkit.config import RunConfig
+    from dflashkit.serving.server import App
 
 log = logging.getLogger("dflashkit.serve")
 
 
-def build_app(cfg, model_path: str | None = None):
+def build_app(cfg: RunConfig, model_path: str | None = None) -> App:
     """Load the target (and drafter) named by `cfg`/`model_path`; return a started `App`.
 
     Raises:

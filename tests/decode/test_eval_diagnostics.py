@@ -144,6 +144,19 @@ def test_first_divergence_and_verdict():
     assert tie_rule("bfloat16", 0.5).limit(tie) == 0.5
 
 
+def test_verdict_of_ties_whose_margin_was_not_recorded():
+    """A tie's margin may be unknown (Divergence.margin None: no runner-up recorded); the verdict
+    still judges it, and max_tie_margin is the largest recorded one (mypy found the crash: round(None))."""
+    rule = TieRule(0.0, 0.25)
+    unknown = Divergence(1, None, 0.1, 4.0, 6, 4)
+    known = Divergence(2, 0.2, 0.2, 8.0, 7, 1)
+    v = lossless_verdict([unknown], rule)
+    assert v["verdict"] == "ties-only" and v["ties"] == 1
+    assert v["max_tie_gap"] == pytest.approx(0.1) and v["max_tie_margin"] is None
+    v = lossless_verdict([unknown, known, None], rule)
+    assert v["verdict"] == "ties-only" and v["ties"] == 2
+    assert v["max_tie_gap"] == pytest.approx(0.2) and v["max_tie_margin"] == pytest.approx(0.2)
+
 def _bigram_oracle(samples, outputs):
     counts: dict[int, dict[int, int]] = {}
     uni: dict[int, int] = {}

@@ -18,10 +18,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflashkit.decode.api import Decoder, GenerationResult, SamplingParams
 from dflashkit.errors import UsageError
+
+if TYPE_CHECKING:
+    from dflashkit.config import RunConfig
+    from dflashkit.context import StageContext
+    from dflashkit.rundir import RunDir
 
 log = logging.getLogger("dflashkit.bench")
 
@@ -59,7 +64,7 @@ def _e2e(results: list[GenerationResult]) -> tuple[int, float]:
     return sum(len(r.token_ids) for r in results), sum(r.prefill_s + r.decode_s for r in results)
 
 
-def bench_decode(cfg: Any, rd: Any, ctx: Any) -> dict[str, Any]:
+def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     import torch
 
     from dflashkit.decode.metrics import compare, summarize_acceptance, summarize_timing

@@ -21,9 +21,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflashkit.generate.openai_client import OpenAIClient
+
+if TYPE_CHECKING:
+    from dflashkit.config import RunConfig
+    from dflashkit.context import StageContext
+    from dflashkit.rundir import RunDir
 
 log = logging.getLogger("dflashkit.bench")
 
@@ -79,7 +84,7 @@ def _stage_rate(url: str, n: int, concurrency: int) -> dict[str, float]:
             "client_cpu_us_per_request": round(1e6 * cpu / n, 1)}
 
 
-def bench_generate(cfg, rd, ctx) -> dict[str, Any]:
+def bench_generate(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     b = cfg.bench
     proc, url = spawn_canned_server()
     try:

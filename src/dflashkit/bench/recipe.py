@@ -53,13 +53,17 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dflashkit.config import config_from_dict, config_to_dict
+from dflashkit.config import BenchSection, RunConfig, config_from_dict, config_to_dict
 from dflashkit.errors import UsageError
 from dflashkit.rundir import RunDir
+
+if TYPE_CHECKING:
+    from dflashkit.context import StageContext
+    from dflashkit.model.drafter_config import DrafterContract
 
 log = logging.getLogger("dflashkit.bench")
 
@@ -87,7 +91,7 @@ def grid_name(key: str, value: str) -> str:
     return re.sub(r"[^A-Za-z0-9._=+,-]", "_", f"{key}={value}")[:64]
 
 
-def variants_of(bench: Any) -> dict[str, list[str]]:
+def variants_of(bench: BenchSection) -> dict[str, list[str]]:
     """name → overrides from `bench.recipe_variants` and `bench.recipe_grid` (defaults when both are empty)."""
     from dflashkit.config import recipe_variant_problems
     from dflashkit.errors import ConfigError
@@ -116,7 +120,7 @@ def _yaml_scalar(v: Any) -> str:
     return v if isinstance(v, str) else json.dumps(v)
 
 
-def variant_config(cfg: Any, name: str, overrides: list[str], root: Path, steps: int) -> Any:
+def variant_config(cfg: RunConfig, name: str, overrides: list[str], root: Path, steps: int) -> RunConfig:
     """The config of one variant: `cfg` + overrides, its own run dir, `steps` steps, one final eval."""
     from dflashkit.config import given_keys, parse_override, set_given_keys
 
@@ -137,7 +141,8 @@ def _made_before_markers(vroot: Path) -> bool:
             and (vroot / "train" / "manifest.json").is_file() and not (vroot / MARKER).exists())
 
 
-def plan_variants(cfg: Any, rd: RunDir) -> dict[str, tuple[list[str], Any, Any]]:
+def plan_variants(cfg: RunConfig, rd: RunDir
+                  ) -> dict[str, tuple[list[str], RunConfig, DrafterContract | None]]:
     """name → (overrides, config, contract or None) of every variant, built and checked before any trains:
     names, override keys and values, and the drafter.* keys against the contract the variant will train
     (its own, `variant_contract`, when it changes the drafter's shape): a bad last variant fails before
@@ -154,7 +159,7 @@ def plan_variants(cfg: Any, rd: RunDir) -> dict[str, tuple[list[str], Any, Any]]
 
         base = DrafterContract.load(rd.contract_path)
         check_drafter_overrides(cfg, base, rd.contract_path)
-    out: dict[str, tuple[list[str], Any, Any]] = {}
+    out: dict[str, tuple[list[str], RunConfig, DrafterContract | None]] = {}
     for name, over in variants_of(cfg.bench).items():
         try:
             vcfg = variant_config(cfg, name, over, root / name, steps)
@@ -174,7 +179,7 @@ def plan_variants(cfg: Any, rd: RunDir) -> dict[str, tuple[list[str], Any, Any]]
 _CONTRACT_KEYS = ("block_size", "num_draft_layers", "num_target_features", "target_layer_ids")
 
 
-def variant_contract(over: list[str], vcfg: Any, contract: Any) -> Any:
+def variant_contract(over: list[str], vcfg: RunConfig, contract: DrafterContract) -> DrafterContract | None:
     """The contract of a variant whose overrides change the drafter's shape (block size, draft layers,
     target feature layers) or family (drafter.type, the DFlash2 knobs): the run's contract with those
     fields redone as `probe` would (layer ids by the reference formula unless given). None when the
@@ -234,7 +239,7 @@ def _load() -> float | None:
         return None
 
 
-def second_source(cfg: Any, by_source: dict[str, Any]) -> str | None:
+def second_source(cfg: RunConfig, by_source: dict[str, Any]) -> str | None:
     """The source reported as "second held-out source" (module docstring), or None."""
     if cfg.train.heldout_sources:
         return cfg.train.heldout_sources[0]
@@ -242,7 +247,7 @@ def second_source(cfg: Any, by_source: dict[str, Any]) -> str | None:
     return names[1] if len(names) > 1 else None
 
 
-def row_of(name: str, over: list[str], vcfg: Any, res: dict, *, wall_s: float, load: tuple) -> dict[str, Any]:
+def row_of(name: str, over: list[str], vcfg: RunConfig, res: dict, *, wall_s: float, load: tuple) -> dict[str, Any]:
     held, train = res.get("heldout") or {}, res.get("train") or {}
     acc = held.get("acc") or []
     by = res.get("heldout_by_source") or {}
@@ -260,7 +265,7 @@ def row_of(name: str, over: list[str], vcfg: Any, res: dict, *, wall_s: float, l
             "load_before": load[0], "load_after": load[1], "wall_s": round(wall_s, 1)}
 
 
-def bench_recipe(cfg: Any, rd: RunDir, ctx: Any) -> dict[str, Any]:
+def bench_recipe(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     from dflashkit.train.loop import fit
 
     import shutil

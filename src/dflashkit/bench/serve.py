@@ -17,9 +17,14 @@ import logging
 import sys
 import time
 from contextlib import ExitStack
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflashkit.http1 import JSON_HEADERS, Http1Client, HttpError, get_json
+
+if TYPE_CHECKING:
+    from dflashkit.config import RunConfig
+    from dflashkit.context import StageContext
+    from dflashkit.rundir import RunDir
 
 log = logging.getLogger("dflashkit.bench")
 
@@ -94,7 +99,7 @@ def _prompts(rd) -> list[str]:
     return out or DEFAULT_PROMPTS
 
 
-def bench_serve(cfg, rd, ctx) -> dict[str, Any]:
+def bench_serve(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     b = cfg.bench
     prompts = _prompts(rd)
     if not b.urls and cfg.server.engine == "vllm":  # AR vs ngram vs DFlash (vs `dflashkit serve`) in vLLM
@@ -107,7 +112,7 @@ def bench_serve(cfg, rd, ctx) -> dict[str, Any]:
             from dflashkit.serving.local import start_local_server
 
             urls = [stack.enter_context(start_local_server(cfg))]
-        endpoints = []
+        endpoints: list[dict[str, Any]] = []
         for url in urls[:2]:
             try:
                 model = cfg.server.model or get_json(url + "/models", timeout_s=30)["data"][0]["id"]

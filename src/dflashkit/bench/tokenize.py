@@ -19,10 +19,14 @@ import platform
 import time
 from itertools import islice
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from dflashkit.data.chat import build_samples
 from dflashkit.data.records import Conversation, read_jsonl
+
+if TYPE_CHECKING:
+    from dflashkit.config import RunConfig
+    from dflashkit.context import StageContext
 
 log = logging.getLogger("dflashkit.bench")
 
@@ -36,7 +40,7 @@ def _best(fn, repeats: int) -> tuple[float, Any]:
     return best, out
 
 
-def bench_tokenize(cfg: Any, ctx: Any, src: Path, load_chat: Callable[[], Any], *,
+def bench_tokenize(cfg: RunConfig, ctx: StageContext, src: Path, load_chat: Callable[[], Any], *,
                    repeats: int = 3) -> dict[str, Any]:
     """Tokenize the conversations in `src` our way and the raw way; `load_chat()` gives the chat template
     (`stages/bench.py` passes tokenize's input file and loader, so this module needs no stage)."""

@@ -26,16 +26,23 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dflashkit.model.drafter import DFlashDraftModel
 from dflashkit.train.objective import dflash_loss, gamma_for, sample_anchors
 
+if TYPE_CHECKING:
+    from dflashkit.config import RunConfig
+    from dflashkit.context import StageContext
+    from dflashkit.model.drafter_config import DrafterContract
+    from dflashkit.rundir import RunDir
+
 log = logging.getLogger("dflashkit.bench")
 
 
-def _contract(cfg, rd):
+def _contract(cfg: RunConfig, rd: RunDir) -> DrafterContract:
     from dflashkit.model.drafter_config import DrafterContract
 
     if rd.contract_path.is_file():
@@ -47,7 +54,7 @@ def _contract(cfg, rd):
     return derive_contract(cfg.drafter, facts, tok)
 
 
-def _batch(cfg, rd, target) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _batch(cfg: RunConfig, rd: RunDir, target: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from dflashkit.train.data import collate, load_tokenized, tokenized_shards
 
     bs = cfg.train.batch_size
@@ -76,7 +83,7 @@ def _timed(fn, iters: int, device: torch.device) -> float:
     return statistics.median(out)
 
 
-def bench_train(cfg, rd, ctx) -> dict:
+def bench_train(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     """Measure one training step (see the module docstring); returns the numbers."""
     from dflashkit.model.target import cpu_facts, load_target, target_autocast
     from dflashkit.model.drafter_config import REPROBE_HINT

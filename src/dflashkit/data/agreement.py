@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from typing import Any, Hashable
+from typing import TYPE_CHECKING, Any, Hashable, cast
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from dflashkit.config import TargetSection
 
 HEAD_CHUNK = 512  # supervised positions per lm_head call (bounds the [n, vocab] logits)
 
@@ -115,7 +118,7 @@ def agreement_report(model: Any, pick: Reservoir, *, device: Any, batch_tokens: 
     return out
 
 
-def check_sources(target_section: Any, pick: Reservoir, *, temperature: float | None, min_agreement: float,
+def check_sources(target_section: TargetSection, pick: Reservoir, *, temperature: float | None, min_agreement: float,
                   ) -> dict[str, Any]:
     """Load the target and measure agreement per (source, regenerated) key of `pick`.
 
@@ -132,7 +135,8 @@ def check_sources(target_section: Any, pick: Reservoir, *, temperature: float | 
     target = load_target(target_section, with_tokenizer=False)
     report = agreement_report(target.model, pick, device=target.device)
     sources = {}
-    keyed: list[tuple[tuple[str, bool], dict[str, Any]]] = [(k, v) for k, v in report.items()]  # type: ignore[misc]
+    # the reservoir's keys are (source name, regenerated): what tokenize offers it
+    keyed = [(cast(tuple[str, bool], k), v) for k, v in report.items()]
     for (source, regenerated), r in sorted(keyed, key=lambda kv: (not kv[0][1], kv[0][0])):
         name = (source or "(no source)") + ("" if regenerated else " (not regenerated)")
         sources[name] = {**r, "regenerated": regenerated,

@@ -38,13 +38,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dflashkit.data.drift import add_prompt_check, compare_prompt, is_regenerated, new_checks
 from dflashkit.data.records import Conversation
 from dflashkit.errors import UsageError
+
+if TYPE_CHECKING:
+    from dflashkit.config import RunConfig
 
 log = logging.getLogger("dflashkit.tokenize")
 
@@ -365,7 +368,7 @@ def tokenize_batch(chat: ChatTemplate, convs: list[Conversation], *, max_length:
     return samples, events, checks
 
 
-def load_chat(cfg: Any, kwargs: dict[str, Any] | None = None) -> ChatTemplate:
+def load_chat(cfg: RunConfig, kwargs: dict[str, Any] | None = None) -> ChatTemplate:
     """The target tokenizer (no model) and its chat template or the `target.chat_template` file.
 
     `kwargs` are the template variables (default `tokenize.chat_template_kwargs`).

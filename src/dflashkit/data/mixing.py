@@ -22,11 +22,14 @@ from __future__ import annotations
 import hashlib
 import random
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dflashkit.data.records import Conversation
 
 from dflashkit.data.sources import RecordError
+
+if TYPE_CHECKING:
+    from dflashkit.config import RunConfig, SourceSection
 
 
 def normalise(source: str, messages: list[dict[str, str]], *, max_turns: int,
@@ -111,7 +114,7 @@ def mix(by_source: dict[str, list[Conversation]], weights: dict[str, float], *, 
     return picked
 
 
-def source_names(sources: list[Any]) -> list[str]:
+def source_names(sources: list[SourceSection]) -> list[str]:
     """`name`, else the file stem (or asset name); repeated names get `-2`, `-3`…"""
     names: list[str] = []
     for src in sources:
@@ -123,12 +126,12 @@ def source_names(sources: list[Any]) -> list[str]:
     return names
 
 
-def original_answer_sources(sources: list[Any]) -> set[str]:
+def original_answer_sources(sources: list[SourceSection]) -> set[str]:
     """Names of the sources whose own answers are trained on as they are (`answers: original`)."""
     return {n for n, s in zip(source_names(sources), sources) if s.answers == "original"}
 
 
-def needs_regeneration(cfg: Any) -> bool:
+def needs_regeneration(cfg: RunConfig) -> bool:
     """Whether `generate` has work: tokenize reads generated answers and some source regenerates."""
     if cfg.tokenize.source == "prepare":
         return False

@@ -23,10 +23,13 @@ import logging
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from dflashkit.data.records import open_text, read_jsonl
 from dflashkit.errors import UsageError
+
+if TYPE_CHECKING:
+    from dflashkit.config import SourceSection
 
 log = logging.getLogger("dflashkit.data")
 
@@ -204,7 +207,7 @@ def _utf8_ok(obj: Any, where: str, report: SourceReport, on_malformed: str) -> b
     return True
 
 
-def iter_source(src: Any, report: SourceReport, *, on_malformed: str = "skip") -> Iterator[tuple[str, Any]]:
+def iter_source(src: SourceSection, report: SourceReport, *, on_malformed: str = "skip") -> Iterator[tuple[str, Any]]:
     """Yield (location, raw record) for one `data.sources[]` entry, at most `src.max_records`.
 
     Raises:

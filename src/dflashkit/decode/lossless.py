@@ -113,11 +113,13 @@ def lossless_verdict(divergences: list[Divergence | None], rule: TieRule) -> dic
     verdict = "exact" if not divs else "ties-only" if not others else "not lossless"
     # a token outside the recorded top-k is at least (top-1 − k-th best) behind; the margin bounds that below
     lower = [d.gap if d.gap is not None else d.margin for d in others]
-    lower = [x for x in lower if x is not None]
+    bounds = [x for x in lower if x is not None]
+    gaps = [d.gap for d in ties if d.gap is not None]  # every tie has a gap (is_tie)
+    margins = [d.margin for d in ties if d.margin is not None]  # None: not recorded (a top-1 only record)
     return {"verdict": verdict, "compared": len(divergences), "divergences": len(divs), "ties": len(ties),
-            "max_tie_gap": round(max(d.gap for d in ties), 6) if ties else None,
-            "max_tie_margin": round(max(d.margin for d in ties), 6) if ties else None,
-            "min_non_tie_gap": round(min(lower), 6) if lower else None, "tolerance": rule.describe()}
+            "max_tie_gap": round(max(gaps), 6) if gaps else None,
+            "max_tie_margin": round(max(margins), 6) if margins else None,
+            "min_non_tie_gap": round(min(bounds), 6) if bounds else None, "tolerance": rule.describe()}
 
 
 def divergence_record(d: Divergence, rule: TieRule, **where) -> dict:

@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflashkit.decode.api import Decoder, GenerationResult, SamplingParams, default_stop_ids
 from dflashkit.errors import MissingArtifactError, UsageError
 
+if TYPE_CHECKING:
+    from dflashkit.config import RunConfig
+    from dflashkit.rundir import RunDir
+
 log = logging.getLogger("dflashkit.decode")
 
 
-def resolve_drafter_dir(cfg: Any, rd: Any, positionals: list[str]) -> Path:
+def resolve_drafter_dir(cfg: RunConfig, rd: RunDir, positionals: list[str]) -> Path:
     """Positional DIR, else `eval.drafter`, else `<run_dir>/train/best` (the best held-out τ, when
     kept) or `<run_dir>/train/final`, else `<run_dir>/export`."""
     if positionals:
@@ -71,7 +75,7 @@ def _prompt_of(obj: Any, where: str) -> list[dict[str, str]]:
     return out
 
 
-def load_prompt_messages(cfg: Any, rd: Any) -> list[tuple[str, list[dict[str, str]]]]:
+def load_prompt_messages(cfg: RunConfig, rd: RunDir) -> list[tuple[str, list[dict[str, str]]]]:
     """(id, chat messages) for `eval.prompts`, else prepare's held-out split."""
     from dflashkit.data.records import read_jsonl
 
@@ -104,7 +108,7 @@ def render_prompts(tokenizer: Any, prompts: list[tuple[str, list[dict[str, str]]
     return rendered
 
 
-def params_for(cfg: Any, target: Any, seed: int | None = None) -> SamplingParams:
+def params_for(cfg: RunConfig, target: Any, seed: int | None = None) -> SamplingParams:
     e = cfg.eval
     return SamplingParams(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, max_new_tokens=e.max_new_tokens,
                           seed=seed, stop_token_ids=default_stop_ids(target))
@@ -136,7 +140,7 @@ def run_interleaved(decoders: dict[str, Decoder], prompts: list[list[int]], para
     return out
 
 
-def draft_dtype_for(cfg: Any, target: Any):
+def draft_dtype_for(cfg: RunConfig, target: Any) -> Any:
     """`eval.draft_dtype` → a torch dtype (None = the target's)."""
     import torch
 

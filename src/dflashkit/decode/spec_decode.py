@@ -149,6 +149,7 @@ class SpecDecoder:
         """Propose k tokens after seq[start] → (tokens, draft law [k, V] or None for point mass)."""
         if self.proposer is not None:
             return list(self.proposer.propose(seq[: start + 1], k))[:k], None
+        assert self.drafter is not None  # no proposer and block_size > 1: __init__ required a drafter
         x = self.target.embed(positions.new_tensor([[seq[start]]])).to(self._draft_dtype)
         block = torch.cat([x, self._mask_emb.expand(1, k, -1)], dim=1)  # [1, k+1, H]
         t = ctx.shape[1]
@@ -176,6 +177,7 @@ class SpecDecoder:
         rejection rule needs, so sampling stays lossless."""
         sample_walk = params.temperature > 0 and self.draft_sampling == "sample"
         temp = params.temperature if sample_walk else 0.0
+        assert self.drafter is not None  # _walk runs for a DFlash2 drafter only
         tokens, ids, rows = self.drafter.draft(h, logits[None], h.new_tensor([anchor], dtype=torch.long),
                                                temperature=temp, generator=gen)
         if not sample_walk:

@@ -25,7 +25,12 @@ import sys
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from dflashkit.config import RunConfig
+    from dflashkit.context import StageContext
+    from dflashkit.rundir import RunDir
 
 log = logging.getLogger("dflashkit.bench")
 
@@ -33,12 +38,12 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_max": 3,
 SERVED_NAME = "target"
 
 
-def _export_dir(cfg: Any, rd: Any) -> Path | None:
+def _export_dir(cfg: RunConfig, rd: RunDir) -> Path | None:
     p = Path(cfg.eval.drafter) if cfg.eval.drafter else rd.export_dir
     return p if (p / "config.json").is_file() else None
 
 
-def _speculative(method: str, cfg: Any, rd: Any) -> dict[str, Any] | None:
+def _speculative(method: str, cfg: RunConfig, rd: RunDir) -> dict[str, Any] | None:
     if method == "ngram":
         return dict(NGRAM)
     if method == "dflash":
@@ -54,7 +59,7 @@ def _speculative(method: str, cfg: Any, rd: Any) -> dict[str, Any] | None:
     return None
 
 
-def _sweep(cfg: Any, url: str, model: str, prompts: list[str], counters: bool, sweep_one: Callable
+def _sweep(cfg: RunConfig, url: str, model: str, prompts: list[str], counters: bool, sweep_one: Callable
            ) -> list[dict[str, Any]]:
     from dflashkit.engines import vllm
 
@@ -73,7 +78,7 @@ def _sweep(cfg: Any, url: str, model: str, prompts: list[str], counters: bool, s
     return rows
 
 
-def bench_engine_serve(cfg: Any, rd: Any, ctx: Any, prompts: list[str], sweep_one: Callable) -> dict[str, Any]:
+def bench_engine_serve(cfg: RunConfig, rd: RunDir, ctx: StageContext, prompts: list[str], sweep_one: Callable) -> dict[str, Any]:
     """Serve each of `bench.engine_methods` in turn and sweep each with `sweep_one` (bench/serve.py's
     one-concurrency sweep, passed in by its caller); the result of `bench serve`."""
     from dflashkit.engines.launch import start_vllm_for_target

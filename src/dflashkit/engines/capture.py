@@ -29,11 +29,15 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
 from dflashkit.engines import hidden_states as hs_io
+
+if TYPE_CHECKING:
+    from dflashkit.config import RunConfig
+    from dflashkit.model.drafter_config import DrafterContract
 
 log = logging.getLogger("dflashkit.capture")
 
@@ -151,7 +155,7 @@ def clear_storage(storage: Path) -> int:
     return n
 
 
-def engine_facts(cfg: Any) -> tuple[Path, dict[str, Any]]:
+def engine_facts(cfg: RunConfig) -> tuple[Path, dict[str, Any]]:
     """The target dir and its facts (layers, hidden, vocab) from config.json alone (no weights)."""
     from dflashkit.inspect.target import resolve_target_path
     from dflashkit.model.target import text_config_dict
@@ -162,7 +166,7 @@ def engine_facts(cfg: Any) -> tuple[Path, dict[str, Any]]:
                        "vocab_size": int(tc["vocab_size"]), "model_dir": str(model_dir)}
 
 
-def serve_command_for(cfg: Any, layer_ids: list[int], storage: Path, *, cpu: bool = False) -> list[str]:
+def serve_command_for(cfg: RunConfig, layer_ids: list[int], storage: Path, *, cpu: bool = False) -> list[str]:
     """The `vllm serve` command for `capture.server_url` mode (what `dflashkit capture --dry-run` prints)."""
     from dflashkit.engines.launch import engine_dtype
 
@@ -184,7 +188,7 @@ def _served_model(base_url: str, fallback: str | None) -> str:
 
 
 @contextmanager
-def engine_source(cfg: Any, contract: Any, out_dir: Path, *, last_hidden: bool) -> Iterator[EngineSource]:
+def engine_source(cfg: RunConfig, contract: DrafterContract, out_dir: Path, *, last_hidden: bool) -> Iterator[EngineSource]:
     """An EngineSource on `capture.server_url`, or on a vLLM started here for target.path (stopped on exit).
 
     The started engine writes into `<out_dir>/engine-files` (emptied first), logs to `<out_dir>/engine.log`.
@@ -200,11 +204,11 @@ def engine_source(cfg: Any, contract: Any, out_dir: Path, *, last_hidden: bool) 
     if clear_storage(storage):
         log.info("removed engine files an interrupted run left in %s", storage)
     aux = hs_io.aux_layer_ids(contract.target_layer_ids, num_layers=facts["num_layers"], with_last=True)
-    kw = dict(layer_ids=list(contract.target_layer_ids), num_layers=facts["num_layers"], head=head,
-              dtype=cfg.capture.dtype, last_hidden=last_hidden, timeout_s=cfg.server.timeout_s)
+    kw: dict[str, Any] = dict(layer_ids=list(contract.target_layer_ids), num_layers=facts["num_layers"], head=head,
+                          dtype=cfg.capture.dtype, last_hidden=last_hidden, timeout_s=cfg.server.timeout_s)
     if cfg.capture.server_url:
         url = cfg.capture.server_url.rstrip("/")
-        yield EngineSource(url, _served_model(url, cfg.server.model), **kw)  # type: ignore[arg-type]
+        yield EngineSource(url, _served_model(url, cfg.server.model), **kw)
         return
     from dflashkit.engines import vllm
     from dflashkit.engines.launch import start_vllm_for_target
@@ -212,7 +216,7 @@ def engine_source(cfg: Any, contract: Any, out_dir: Path, *, last_hidden: bool) 
     hs_io.install_connector(vllm.install())
     with start_vllm_for_target(cfg, log_path=out_dir / "engine.log", served_name="target",
                                extra_args=hs_io.serve_args(aux, storage.resolve(), cpu=True)) as eng:
-        yield EngineSource(eng.base_url, eng.served_name, **kw)  # type: ignore[arg-type]
+        yield EngineSource(eng.base_url, eng.served_name, **kw)
 
 
 def capture_shards(src: EngineSource, todo: list[tuple[Path, list[torch.Tensor], dict[str, str]]], spool_root: Path,

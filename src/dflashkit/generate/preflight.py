@@ -18,11 +18,15 @@ for the rest of the run (`Sender.dropped`, logged once).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflashkit.data.drift import PromptCheck, compare_prompt
 from dflashkit.errors import ConfigError
 from dflashkit.generate.openai_client import ChatReply, OpenAIClient, RequestFailed
+
+if TYPE_CHECKING:
+    from dflashkit.config import RunConfig
+    from dflashkit.data.chat import ChatTemplate
 
 log = logging.getLogger("dflashkit.generate")
 
@@ -85,7 +89,7 @@ async def preflight(sender: Sender, body: dict[str, Any], local_ids: list[int]) 
                           server_ids=reply.prompt_token_ids)
 
 
-def sampling_settings(cfg, model: str | None) -> dict[str, Any]:
+def sampling_settings(cfg: RunConfig, model: str | None) -> dict[str, Any]:
     g = cfg.generate
     return {"model": model, "temperature": g.temperature, "top_p": g.top_p, "max_tokens": g.max_tokens,
             "seed": g.seed if g.seed is not None else cfg.run.seed, "stop": list(g.stop),
@@ -116,7 +120,7 @@ def request_body(settings: dict[str, Any], messages: list[dict[str, str]], *, to
     return body
 
 
-def local_chat(cfg):
+def local_chat(cfg: RunConfig) -> ChatTemplate | None:
     """The target's chat template rendered here (with generate's kwargs), or None without a tokenizer."""
     if not (cfg.target.path or cfg.target.tokenizer):
         if cfg.generate.endpoint == "completions":

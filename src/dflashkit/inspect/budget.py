@@ -29,7 +29,10 @@ at an assumed 400 TFLOP/s per GPU (≈ 40 % of an H100's dense bf16 peak).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dflashkit.config import RunConfig
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
 USABLE = 0.9
@@ -76,7 +79,7 @@ def _gib(n: float) -> float:
     return round(n / 2**30, 2)
 
 
-def plan_budget(c: Any, facts: dict[str, Any], cfg: Any, *, tokens: int, sequences: int, gpus: int,
+def plan_budget(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, sequences: int, gpus: int,
                 mem_gib: float) -> dict[str, Any]:
     """Every estimate in the module docstring, plus the mode that fits and a loss-chunk size.
 

@@ -26,12 +26,15 @@ from __future__ import annotations
 import logging
 import math
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import UsageError
 from dflashkit.inspect.config_facts import ModelFacts
 from dflashkit.inspect.tokenizer_facts import TokenizerFacts
 from dflashkit.model.drafter_config import DrafterContract, build_target_layer_ids
+
+if TYPE_CHECKING:
+    from dflashkit.config import DrafterSection
 
 MASK_NAMES = ("<|mask|>", "<mask>", "[mask]", "<|mask_token|>")
 RESERVED = re.compile(r"reserved|^<unused\d+>$|^\[unused\d+\]$", re.I)
@@ -100,7 +103,7 @@ def choose_mask_token(vocab_size: int, tok: TokenizerFacts | None,
         "whose embedding is padded beyond the tokenizer; dflashkit never resizes the target")
 
 
-def _draft_attention(d: Any, facts: ModelFacts) -> tuple[int, int, int, str]:
+def _draft_attention(d: DrafterSection, facts: ModelFacts) -> tuple[int, int, int, str]:
     """(heads, kv heads, head_dim, reason)."""
     if facts.attention == "MLA":
         heads = d.num_attention_heads or facts.num_attention_heads
@@ -114,7 +117,7 @@ def _draft_attention(d: Any, facts: ModelFacts) -> tuple[int, int, int, str]:
     return heads, kv, head_dim, "copied from the target config (drafter.* overrides win)"
 
 
-def dflash2_fields(d: Any) -> dict[str, Any]:
+def dflash2_fields(d: DrafterSection) -> dict[str, Any]:
     """The contract's DFlash2 fields from `cfg.drafter` (only `drafter_type` for a DFlash drafter)."""
     kind = getattr(d, "type", "dflash")
     if kind != "dflash2":
@@ -124,7 +127,7 @@ def dflash2_fields(d: Any) -> dict[str, Any]:
     return {"drafter_type": kind, **{k: getattr(d, k) for k in keys}}
 
 
-def derive_contract(d: Any, facts: ModelFacts, tok: TokenizerFacts | None) -> DrafterContract:
+def derive_contract(d: DrafterSection, facts: ModelFacts, tok: TokenizerFacts | None) -> DrafterContract:
     """The drafter contract for a target.
 
     Args:
@@ -175,7 +178,7 @@ def derive_contract(d: Any, facts: ModelFacts, tok: TokenizerFacts | None) -> Dr
         max_position_embeddings=int(facts.max_position_embeddings or 4096),
         tie_word_embeddings=facts.tie_word_embeddings,
         target_model_type=facts.model_type, target_architecture=facts.architecture,
-        mask_token_reason=mask_reason, bos_token_id=bos, eos_token_id=eos,  # type: ignore[arg-type]
+        mask_token_reason=mask_reason, bos_token_id=bos, eos_token_id=eos,
         **dflash2_fields(d),
         extra={"layer_convention": LAYER_CONVENTION, "target_layer_ids_reason": ids_reason,
                "attention_reason": attn_reason, "target_attention": facts.attention,

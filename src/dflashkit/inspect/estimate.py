@@ -16,9 +16,13 @@ import dataclasses
 import json
 import logging
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import MissingArtifactError, UsageError
+
+if TYPE_CHECKING:
+    from dflashkit.config import RunConfig
+    from dflashkit.rundir import RunDir
 
 log = logging.getLogger("dflashkit.plan")
 GPU_SPEC = re.compile(r"^(\d+)x(\d+(?:\.\d+)?)(?:gib|gb|g)?$", re.I)
@@ -49,7 +53,7 @@ def parse_gpus(positionals: list[str]) -> tuple[int, float, str, list[str]]:
     return 1, 80.0, "assumed (pass e.g. 8x80 for 8 GPUs of 80 GiB)", rest
 
 
-def data_size(cfg: Any, rd: Any) -> tuple[int, int, str]:
+def data_size(cfg: RunConfig, rd: RunDir) -> tuple[int, int, str]:
     """(tokens, sequences, where the numbers come from)."""
     stats = rd.tokenize_stats
     if stats.is_file():
@@ -74,7 +78,7 @@ def data_size(cfg: Any, rd: Any) -> tuple[int, int, str]:
     return n * cfg.data.mean_tokens, n, src
 
 
-def contract_and_facts(cfg: Any, rd: Any, model: str | None) -> tuple[Any, dict[str, Any], str]:
+def contract_and_facts(cfg: RunConfig, rd: RunDir, model: str | None) -> tuple[Any, dict[str, Any], str]:
     """The contract and target facts: probe the given model, else the run dir, else target.path."""
     from dflashkit.inspect.contract import derive_contract
     from dflashkit.inspect.target import inspect_target
@@ -97,7 +101,7 @@ def contract_and_facts(cfg: Any, rd: Any, model: str | None) -> tuple[Any, dict[
     return derive_contract(d, facts, None), facts.to_dict(), str(facts.source)
 
 
-def estimate(cfg: Any, rd: Any, positionals: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+def estimate(cfg: RunConfig, rd: RunDir, positionals: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """The plan for `positionals` ([MODEL] [NxMEM]): target, data size, GPUs and `plan_budget`'s plan."""
     from dflashkit.inspect.budget import plan_budget
 

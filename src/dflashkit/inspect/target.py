@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dflashkit.errors import UsageError
 from dflashkit.model.files import resolve_target_path  # noqa: F401  (re-exported: the one resolver lives in model/)
 
 if TYPE_CHECKING:
+    from dflashkit.inspect.config_facts import ModelFacts
+    from dflashkit.config import RunConfig
     from dflashkit.inspect.tokenizer_facts import TokenizerFacts
 
 log = logging.getLogger("dflashkit.probe")
 
 
-def inspect_target(cfg: Any, path: str, *, load_tokenizer: bool = True):
+def inspect_target(cfg: RunConfig, path: str, *, load_tokenizer: bool = True
+                   ) -> tuple[Path, str | None, ModelFacts, TokenizerFacts | None]:
     """(model dir, gguf file, ModelFacts, TokenizerFacts | None) — reads files, writes nothing."""
     from dflashkit.inspect.config_facts import read_model_facts
     from dflashkit.inspect.gguf_facts import read_gguf_facts

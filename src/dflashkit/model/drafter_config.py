@@ -75,7 +75,7 @@ class DrafterContract:
     target_model_type: str = ""
     target_architecture: str = ""
     mask_token_reason: str = ""
-    bos_token_id: int | None = None
+    bos_token_id: int | list[int] | None = None  # as the target config.json has it (like eos)
     eos_token_id: int | list[int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     # DFlash2 (`drafter_type: dflash2`, model/dflash2.py); ignored by DFlash. Names = vLLM's dflash_config keys.

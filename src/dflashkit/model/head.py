@@ -23,12 +23,15 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from dflashkit.errors import UsageError
+
+if TYPE_CHECKING:
+    from dflashkit.config import TargetSection
 
 log = logging.getLogger("dflashkit.target")
 
@@ -201,7 +204,7 @@ class HeadOnlyTarget:
                            "store or the engine")
 
 
-def load_head_only_target(section: Any, *, device: str | None = None) -> HeadOnlyTarget:
+def load_head_only_target(section: TargetSection, *, device: str | None = None) -> HeadOnlyTarget:
     """`load_target`'s light twin for a `TargetSection`: embedding + final norm + head, and the tokenizer."""
     from dflashkit.model.files import resolve_target_path
     from dflashkit.model.target import load_tokenizer, resolve_device, resolve_dtype

@@ -18,13 +18,16 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from dflashkit.errors import UsageError
 from dflashkit.model.files import check_safetensors, resolve_target_path
+
+if TYPE_CHECKING:
+    from dflashkit.config import TargetSection
 
 log = logging.getLogger("dflashkit.target")
 
@@ -240,7 +243,7 @@ def load_tokenizer(model_dir: Path, *, gguf_file: str | None = None, trust_remot
     return AutoTokenizer.from_pretrained(src, trust_remote_code=trust_remote_code, **kw)
 
 
-def load_target(section, *, device: str | None = None, dtype: str | None = None,
+def load_target(section: TargetSection, *, device: str | None = None, dtype: str | None = None,
                 with_tokenizer: bool = True) -> Target:
     """Load the target described by a `TargetSection` (frozen, eval mode)."""
     from transformers import AutoModelForCausalLM

@@ -22,7 +22,7 @@ import logging
 import os
 import queue
 import time
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -209,12 +209,12 @@ class BatchEngine(_EngineBase):
         self.cache.advance()
         self.next_pos = self.next_pos + 1
 
-    def _complete(self, r: Request, st: dict[str, Any], reason: str, cut: str | None) -> None:
+    def _complete(self, r: Request, st: dict[str, Any], reason: Literal["stop", "length"], cut: str | None) -> None:
         tracker: _TextTracker = st["text"]
         text = cut if cut is not None else tracker.text(st["out"])
         if r.stream and len(text) > tracker.sent:
             r.events.put(text[tracker.sent:])
-        out = GenerationResult(text=text, token_ids=list(st["out"]), finish_reason=reason,  # type: ignore[arg-type]
+        out = GenerationResult(text=text, token_ids=list(st["out"]), finish_reason=reason,
                                prompt_tokens=len(r.prompt_ids))
         self._count(r, out)
         r._finish(out)

@@ -130,7 +130,8 @@ class SlotCache(Cache):
                 for kb, vb in zip(self.keys, self.values):
                     kb[dst, :, :end] = kb[src, :, :end]
                     vb[dst, :, :end] = vb[src, :, :end]
-                self.mask[dst, :end] = self.mask[src, :end]  # type: ignore[index]
+                assert self.mask is not None  # keep is not empty here: asserted above
+                self.mask[dst, :end] = self.mask[src, :end]
         self.rows = len(keep)
         if not keep:
             self.length = 0

@@ -35,10 +35,13 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from dflashkit.errors import ServerError
 from dflashkit.http1 import HttpError, get_json, request_sync
+
+if TYPE_CHECKING:
+    from dflashkit.config import RunConfig
 
 log = logging.getLogger("dflashkit.serve")
 
@@ -169,7 +172,7 @@ def _tail(path: Path | None, n: int = 20) -> str:
 
 
 @contextmanager
-def start_local_server(cfg, *, host: str = "127.0.0.1", port: int | None = None,
+def start_local_server(cfg: RunConfig, *, host: str = "127.0.0.1", port: int | None = None,
                        log_path: str | Path | None = None, extra_overrides: list[str] | None = None,
                        ) -> Iterator[str]:
     """Run `dflashkit serve` for `cfg.target` in a subprocess; yield its base URL (…/v1).

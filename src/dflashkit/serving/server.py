@@ -245,7 +245,7 @@ class Handler(BaseHTTPRequestHandler):
             choice["message"] = {"role": "assistant", "content": out.text}
         else:
             choice["text"] = out.text
-        resp = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+        resp: dict[str, Any] = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
                 "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.app.model_name, "choices": [choice], "usage": self.app.usage(out)}
         if prompt_ids is not None:  # as vLLM does with `return_token_ids`

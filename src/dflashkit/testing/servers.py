@@ -81,7 +81,7 @@ def penalty_serving(target_path: str | Path, default_penalty: float = 1.5):
         def params(self, body):
             p = super().params(body)
             value = body.get("repetition_penalty")
-            p.repetition_penalty = float(value) if value is not None else None  # type: ignore[attr-defined]
+            p.repetition_penalty = float(value) if value is not None else None  # type: ignore[attr-defined]  # a field this fake server adds
             return p
 
     threads = torch.get_num_threads()

@@ -30,7 +30,7 @@ def _slowed(leave):
 
 
 if __name__ == "__main__":
-    parallel.leave_distributed = _slowed(parallel.leave_distributed)  # type: ignore[assignment]
+    parallel.leave_distributed = _slowed(parallel.leave_distributed)
     from dflashkit.__main__ import run_as_main
 
     run_as_main()

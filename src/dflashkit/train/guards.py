@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import ConfigError, UsageError
+
+if TYPE_CHECKING:
+    from dflashkit.config import RunConfig, TrainSection
+    from dflashkit.model.drafter_config import DrafterContract
 
 IMPORTED = "imported.json"  # written by `dflashkit import` into the drafter dir it creates
 
@@ -34,7 +38,7 @@ _DFLASH2_KEYS = {"type": "drafter_type", "conv_kernel_size": "conv_kernel_size",
 OBJECTIVE_KEYS = ("loss", "labels", "position_weighting", "ablate_features", "selector_loss_weight")
 
 
-def _given(cfg: Any, key: str, value: Any) -> bool:
+def _given(cfg: RunConfig, key: str, value: Any) -> bool:
     """Whether the user gave `drafter.<key>`: named in the YAML/overrides, or (configs built in code)
     a value other than the schema default (null is never given)."""
     from dflashkit.config import DrafterSection, given_keys
@@ -47,7 +51,7 @@ def _given(cfg: Any, key: str, value: Any) -> bool:
     return value != getattr(DrafterSection(), key)
 
 
-def check_drafter_overrides(cfg: Any, contract: Any, where: str | Path) -> None:
+def check_drafter_overrides(cfg: RunConfig, contract: DrafterContract, where: str | Path) -> None:
     """Exit 2 naming every `drafter.*` value given in the config that the contract does not have."""
     d = cfg.drafter
     problems = []
@@ -80,14 +84,14 @@ def imported_record(drafter_dir: Path) -> dict | None:
     return rec if isinstance(rec, dict) else {}
 
 
-def _init_dir(cfg: Any) -> Path | None:
+def _init_dir(cfg: RunConfig) -> Path | None:
     init = getattr(cfg.drafter, "init", None)
     if not isinstance(init, str) or init in ("random", "target", ""):
         return None
     return Path(init).expanduser()
 
 
-def check_outputs_ours(train_dir: Path, cfg: Any) -> None:
+def check_outputs_ours(train_dir: Path, cfg: RunConfig) -> None:
     """Before training: `train/final` and `train/best` are absent or train's own (else exit 2 naming them);
     an imported `train/final` is only replaced when `drafter.init` starts from it."""
     from dflashkit.rundir import check_replaceable
@@ -107,12 +111,12 @@ def check_outputs_ours(train_dir: Path, cfg: Any) -> None:
     check_replaceable(train_dir / "best", owner="train", marker="model.safetensors")
 
 
-def objective(train: Any) -> dict[str, Any]:
+def objective(train: TrainSection) -> dict[str, Any]:
     """The keys of `train.*` that define what a checkpoint was trained to do."""
     return {k: getattr(train, k) for k in OBJECTIVE_KEYS}
 
 
-def check_objective(path: Path, state: dict, train: Any) -> None:
+def check_objective(path: Path, state: dict, train: TrainSection) -> None:
     """A resume under another objective (train.loss, train.labels, …) than the checkpoint's: exit 2."""
     saved = state.get("objective")
     if not isinstance(saved, dict):

@@ -10,6 +10,7 @@ Both are pure functions of the config and the data (the same on every rank); `tr
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 import logging
 
 import torch
@@ -18,10 +19,13 @@ from dflashkit.errors import UsageError
 from dflashkit.model.drafter_config import DrafterContract
 from dflashkit.train.data import collate, hold_out_sources
 
+if TYPE_CHECKING:
+    from dflashkit.config import RunConfig
+
 log = logging.getLogger("dflashkit.train")
 
 
-def held_out_sources(cfg, data, train_idx: list[int], heldout: list[int]) -> tuple[list[int], list[int]]:
+def held_out_sources(cfg: RunConfig, data, train_idx: list[int], heldout: list[int]) -> tuple[list[int], list[int]]:
     """`train.heldout_sources` applied (`data.hold_out_sources`); an unknown source name is exit 2."""
     src = [s or "all" for s in (getattr(data, "source", None) or [""] * len(data))]
     names = list(cfg.train.heldout_sources)
@@ -37,7 +41,7 @@ def held_out_sources(cfg, data, train_idx: list[int], heldout: list[int]) -> tup
     return train_idx, heldout
 
 
-def feature_scale_of(cfg, contract: DrafterContract, target, data, train_idx: list[int], samples: int = 32):
+def feature_scale_of(cfg: RunConfig, contract: DrafterContract, target, data, train_idx: list[int], samples: int = 32):
     """`drafter.feature_scale=rms`: the per-channel scale (`model/feature_scale.py`) from the target features of
     the first `samples` training samples (cached shards, or one online prefill of them); the same on every rank."""
     from dflashkit.model.feature_scale import channel_scale

@@ -253,7 +253,7 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
     return tr
 
 
-def head_only(cfg, store: FeatureStore | None) -> bool:
+def head_only(cfg: RunConfig, store: FeatureStore | None) -> bool:
     """Whether training needs only the target's embedding and head (model/head.py), not its layers: the
     features, and the labels / KL target the recipe asks for, all come from the feature shards, and the
     drafter is not initialised from the target's layers (`drafter.init: target`)."""
@@ -278,7 +278,7 @@ def check_recipe(train) -> None:
         raise UsageError("; ".join(problems), hint="e.g. train.dpace_alpha=0.5 train.feature_noise=0")
 
 
-def total_steps(cfg, plan: BatchPlan) -> int:
+def total_steps(cfg: RunConfig, plan: BatchPlan) -> int:
     if cfg.train.max_steps:
         return int(cfg.train.max_steps)
     return max(1, math.ceil(cfg.train.epochs * len(plan.train_idx) / plan.global_batch))
@@ -324,7 +324,7 @@ def train_step(tr: Trainer, step: int, opt, sched) -> dict:
     return metrics_of(stats, B, step + 1, dflash2=tr.contract.is_dflash2, lr=lr, grad_norm=grad_norm)
 
 
-def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True, cpu_budget_s: float | None = None) -> dict:
+def fit(cfg: RunConfig, rd: RunDir, *, dist: DistInfo | None = None, show_bar: bool = True, cpu_budget_s: float | None = None) -> dict:
     """Train (or resume) until the configured number of steps; returns the final metrics.
 
     `cpu_budget_s` (`bench recipe` at equal CPU-minutes): stop once the optimizer steps have used this

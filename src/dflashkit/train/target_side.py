@@ -14,13 +14,16 @@ shards have them, replace the target's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from dflashkit.model.target import target_autocast
 from dflashkit.train.data import Batch, FeatureStore
 from dflashkit.train.objective import target_label_ids
+
+if TYPE_CHECKING:
+    from dflashkit.config import TrainSection
 
 
 @dataclass
@@ -33,7 +36,7 @@ class TargetOut:
     label_ids: torch.Tensor | None = None   # [b, S] labels from the target (train.labels=target)
 
 
-def cached_covers(train: Any, store: FeatureStore | None) -> bool:
+def cached_covers(train: TrainSection, store: FeatureStore | None) -> bool:
     """Whether the feature shards hold everything the recipe needs from the target."""
     if train.features != "cached" or store is None:
         return False

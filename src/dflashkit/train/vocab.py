@@ -11,7 +11,7 @@ pass) plus the eos ids; the same on every rank. The counting is `model/draft_voc
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,10 +21,13 @@ from dflashkit.model.drafter_config import DrafterContract
 from dflashkit.train.data import collate
 from dflashkit.train.objective import target_label_ids
 
+if TYPE_CHECKING:
+    from dflashkit.config import RunConfig
+
 log = logging.getLogger("dflashkit.train")
 
 
-def pick_draft_vocab(cfg: Any, contract: DrafterContract, target: Any, data: Any, train_idx: list[int]) -> torch.Tensor | None:
+def pick_draft_vocab(cfg: RunConfig, contract: DrafterContract, target: Any, data: Any, train_idx: list[int]) -> torch.Tensor | None:
     """The reduced draft vocab for `drafter.draft_vocab_size` (None: unset, 0, or the whole vocab).
 
     The most frequent supervised tokens of the training samples (held-out ones excluded) plus the
@@ -54,7 +57,7 @@ def pick_draft_vocab(cfg: Any, contract: DrafterContract, target: Any, data: Any
     return vocab
 
 
-def target_labels_of(cfg, contract: DrafterContract, target, data, idx: list[int]) -> list:
+def target_labels_of(cfg: RunConfig, contract: DrafterContract, target, data, idx: list[int]) -> list:
     """`train.labels=target` labels of samples `idx` (np.int64 arrays): from the cached `next_ids`, or
     (online) from one batched prefill pass of the target over those samples."""
     import numpy as np
