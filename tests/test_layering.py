@@ -186,7 +186,7 @@ RANKS: dict[str, int] = {
     "dflashkit.train": 5, "dflashkit.export": 5, "dflashkit.generate": 5,
     "dflashkit.decode": 6, "dflashkit.report": 6,
     "dflashkit.serving": 7,
-    "dflashkit.engines": 8, "dflashkit.serve_app": 8,
+    "dflashkit.engines": 8, "dflashkit.serve_app": 8, "dflashkit.doctor": 8,
     "dflashkit.bench": 9, "dflashkit.testing": 9,
 }
 
