@@ -121,7 +121,7 @@ def diagnostic_lines(res: dict[str, Any]) -> list[str]:
 
 
 def decode_all(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_sizes: list[int], *,
-            lookup: bool, warmup: int) -> dict[str, Any]:
+               lookup: bool, warmup: int) -> dict[str, Any]:
     """Baseline + drafter (+ prompt lookup) at every block size, interleaved; results by decoder name."""
     from dflashkit.decode.lossless import TOP_K
     from dflashkit.decode.ngram import PromptLookupProposer
@@ -172,7 +172,7 @@ def choose_dtype(cfg: Any, drafter_dir: Any, ids: list[list[int]], block_sizes: 
         target = load_target(dataclasses.replace(cfg.target, dtype=name))
         drafter = load_drafter(drafter_dir, dtype=target.dtype, device=target.device)
         runs = decode_all(cfg, target, drafter, ids[:CALIBRATION_PROMPTS], block_sizes, lookup=False,
-                       warmup=cfg.eval.warmup)
+                          warmup=cfg.eval.warmup)
         base_t = summarize_timing(runs.pop("1"))
         best = best_entry(entries(runs, base_t)) or {"block_size": 1, "speedup": 1.0}
         calib[name] = {"baseline_tokens_per_s": base_t["decode_tokens_per_s"], "t1_s": round(base_t["verify_s_mean"], 6),
