@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflashkit.decode.api import Decoder
 from dflashkit.errors import DflashkitError
 
 log = logging.getLogger("dflashkit.eval")
@@ -58,6 +59,12 @@ def load_checked_target(cfg: Any, inputs: DecodeInputs, target_cfg: Any) -> tupl
     return target, ids
 
 
+def verify_target_config(cfg: Any) -> Any:
+    """The target section eval verifies with: `eval.dtype` target/auto keep `target.dtype`, else that dtype."""
+    dtype = cfg.eval.dtype
+    return cfg.target if dtype in ("target", "auto") else dataclasses.replace(cfg.target, dtype=dtype)
+
+
 def block_sizes_for(requested: list[int] | None, contract: Any) -> list[int]:
     """`eval.block_sizes` (else the drafter's), without 1 (the baseline); warns past the trained size."""
     block_sizes = [b for b in dict.fromkeys(requested or [contract.block_size]) if b != 1]
@@ -91,7 +98,7 @@ def drafter_source(drafter_dir: Path, rd: Any) -> dict[str, Any]:
 
     d = Path(drafter_dir).resolve()
     if d == (rd.best_dir).resolve():
-        return {"kind": "best", **(readbest_entry(d) or {})}
+        return {"kind": "best", **(read_best(d) or {})}
     if d == (rd.final_dir).resolve():
         return {"kind": "final"}
     return {"kind": "export" if d == (rd.export_dir).resolve() else "dir"}
@@ -130,7 +137,7 @@ def decode_all(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_
 
     e = cfg.eval
     ddt = draft_dtype_for(cfg, target)
-    decoders = {"1": SpecDecoder(target, None, 1, max_context=e.max_context, record_top=TOP_K)}
+    decoders: dict[str, Decoder] = {"1": SpecDecoder(target, None, 1, max_context=e.max_context, record_top=TOP_K)}
     for bs in block_sizes:
         decoders[str(bs)] = SpecDecoder(target, drafter, bs, max_context=e.max_context, record_top=TOP_K,
                                         draft_sampling=e.draft_sampling, draft_dtype=ddt)

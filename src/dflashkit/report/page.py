@@ -163,7 +163,7 @@ def render_html(rd: RunDir, name: str, figures: list[str], results: dict | None,
                 "hidden_size", "vocab_size", "target_model_type")
         out.append("<h2>Drafter contract</h2>" + _table(["key", "value"], [[k, contract.get(k)] for k in keys]))
     prov = []
-    versions = {}
+    versions: dict[str, Any] = {}
     for stage in (*STAGES, "verify-engine", "import", "bench"):
         m = rd.manifest(stage)
         if m:

@@ -20,14 +20,13 @@ not a tie is written to results.json and fails the command (exit 1). The decodin
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
 from dflashkit.config import RunConfig, section_hash
 from dflashkit.context import StageContext
 from dflashkit.decode.evaluation import (block_sizes_for, choose_dtype, decode_inputs, evaluate, load_checked_target,
-                                         mismatch_error, results_table)
+                                         mismatch_error, results_table, verify_target_config)
 from dflashkit.rundir import RunDir, atomic_write_json, write_manifest
 
 
@@ -40,8 +39,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     if ctx.dry_run:
         return {"dry_run": True, "drafter": str(drafter_dir), "prompts": len(inputs.prompts),
                 "block_sizes": block_sizes, "dtype": e.dtype, "prompt_lookup": e.prompt_lookup}
-    tcfg = cfg.target if e.dtype in ("target", "auto") else dataclasses.replace(cfg.target, dtype=e.dtype)
-    target, ids = load_checked_target(cfg, inputs, tcfg)
+    target, ids = load_checked_target(cfg, inputs, verify_target_config(cfg))
     choice = None
     if e.dtype == "auto":
         del target
