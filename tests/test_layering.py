@@ -184,9 +184,9 @@ RANKS: dict[str, int] = {
     "dflashkit.inspect": 3,
     "dflashkit.data": 4,
     "dflashkit.train": 5, "dflashkit.export": 5, "dflashkit.generate": 5,
-    "dflashkit.decode": 6,
+    "dflashkit.decode": 6, "dflashkit.report": 6,
     "dflashkit.serving": 7,
-    "dflashkit.engines": 8, "dflashkit.serve_app": 8,
+    "dflashkit.engines": 8, "dflashkit.serve_app": 8, "dflashkit.doctor": 8,
     "dflashkit.bench": 9, "dflashkit.testing": 9,
 }
 
@@ -245,3 +245,21 @@ def test_imports_are_read_at_any_depth(tmp_path, source, expected):
     modules = {"dflashkit.stages.probe": p, "dflashkit.inspect.config_facts": p, "dflashkit.cli": p,
                "dflashkit.inspect.m": p}
     assert imports_of("dflashkit.inspect.m", p, modules) == expected
+
+
+STAGE_MAX_LINES = 150  # issue #20: a stage is glue (parse config → call the library → write → summary)
+
+
+def long_stages(limit: int = STAGE_MAX_LINES, folder: Path = PKG / "stages") -> list[tuple[str, int]]:
+    """The stage modules longer than `limit` lines, with their line counts."""
+    counts = ((p.name, len(p.read_text().splitlines())) for p in sorted(folder.glob("*.py")))
+    return [(name, n) for name, n in counts if n > limit]
+
+
+def test_stages_are_glue_of_at_most_150_lines(tmp_path):
+    bad = long_stages()
+    assert not bad, (f"stages over {STAGE_MAX_LINES} lines (move the logic into the library):\n"
+                     + "\n".join(f"  stages/{name}: {n} lines" for name, n in bad))
+    (tmp_path / "long.py").write_text("x = 1\n" * (STAGE_MAX_LINES + 1))
+    (tmp_path / "short.py").write_text("x = 1\n" * STAGE_MAX_LINES)
+    assert long_stages(folder=tmp_path) == [("long.py", STAGE_MAX_LINES + 1)]

@@ -105,7 +105,7 @@ def test_report_plots_the_learning_curve_per_source_with_the_gap(tmp_path):
     assert "step 20, held-out τ 1.375" in page and "1.425 (6000)" in page  # per source τ (tokens)
     # two points: the forecast says why it gives no number
     assert "Data-budget forecast" in page and "no number" in page and "at least 4" in page
-    from dflashkit.stages.report import curve_section
+    from dflashkit.report.page import curve_section
 
     specs, _ = curve_section(json.loads((rd / "train" / "curve.json").read_text()), None)
     labels = [lbl for lbl, _, _ in specs[0][5]]
@@ -126,7 +126,7 @@ def test_report_shows_prompt_lookup_diagnostics_and_the_lossless_verdict(run_dir
     assert f"<td>{res['diagnostics']['no_features']['tau']:.2f}</td>" in page
     assert "<h2>Lossless check (float32)</h2><p><b>exact</b>" in page
     # a bf16 run with ties only, and a broken one, read as such
-    from dflashkit.stages.report import eval_diagnostics_html
+    from dflashkit.report.page import eval_diagnostics_html
 
     tie = {"proposer": "drafter", "block_size": 4, "id": "p0", "position": 7, "margin": 0.0, "gap": 0.125}
     ll = {"verdict": "ties-only", "compared": 4, "divergences": 1, "ties": 1, "max_tie_gap": 0.125,

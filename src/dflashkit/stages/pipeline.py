@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import logging
 import time
 from typing import Any
@@ -28,6 +27,7 @@ from dflashkit.config import RunConfig, dump_config
 from dflashkit.context import StageContext
 from dflashkit.data.mixing import needs_regeneration
 from dflashkit.errors import UsageError
+from dflashkit.report.summary import run_summary, summary_lines
 from dflashkit.rundir import RunDir, atomic_write_json, atomic_write_text, read_json
 from dflashkit.stage_table import PIPELINE, STAGES, stage_hash
 
@@ -129,8 +129,8 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     if ctx.dry_run:
         out["plan_estimates"] = _plan_estimates(cfg, rd)
         return out
-    out["summary"] = summary(rd, cfg.train.forecast_tau)
-    _print_summary(out["summary"])
+    out["summary"] = run_summary(rd, cfg.train.forecast_tau)
+    log.info("\n".join(summary_lines(out["summary"])))
     return out
 
 
@@ -142,46 +142,3 @@ def _plan_estimates(cfg: RunConfig, rd: RunDir) -> dict[str, Any] | None:
     except Exception as e:  # noqa: BLE001 - estimates are advisory in a dry run
         log.warning("plan estimates unavailable: %s", e)
         return None
-
-
-def summary(rd: RunDir, target_tau: float = 2.0) -> dict[str, Any]:
-    """The numbers a user wants at the end: τ, speedup, lossless yes/no, where things are."""
-    out: dict[str, Any] = {}
-    res_path = rd.eval_results
-    if res_path.is_file():
-        try:
-            res = json.loads(res_path.read_text())
-            out["eval"] = res.get("summary", res)
-        except json.JSONDecodeError:
-            pass
-    from dflashkit.train.checkpoint import trained_drafter_dir
-    from dflashkit.train.forecast import read_curve_forecast
-
-    fc = read_curve_forecast(rd.train_curve, target_tau)
-    if fc is not None:
-        out["forecast"] = fc.text()
-
-    drafter = trained_drafter_dir(rd.train_dir)[0].relative_to(rd.root)  # train/best if kept, else final
-    for name, rel in (("report", "report/index.html"), ("checkpoint", "export"), ("drafter", drafter)):
-        p = rd.root / rel
-        if p.exists():
-            out[name] = str(p)
-    return out
-
-
-def _print_summary(s: dict[str, Any]) -> None:
-    ev = s.get("eval") or {}
-    lines = ["", "== dflashkit run summary =="]
-    for key in ("tau", "speedup", "bound", "greedy_identical", "block_size", "lossless", "dtype"):
-        if key in ev:
-            lines.append(f"  {key:17s} {ev[key]}")
-    lk = ev.get("prompt_lookup")
-    if lk:
-        lines.append(f"  {'prompt lookup':17s} tau {lk['tau']} speedup {lk['speedup']} at B={lk['block_size']} "
-                     f"(the drafter {'beats' if ev.get('beats_prompt_lookup') else 'does not beat'} it)")
-    if s.get("forecast"):
-        lines.append(f"  {'forecast':17s} {s['forecast']}")
-    for key in ("report", "checkpoint", "drafter"):
-        if key in s:
-            lines.append(f"  {key:17s} {s[key]}")
-    log.info("\n".join(lines))

@@ -1,0 +1,307 @@
+"""What `eval` (and the decoder part of `bench decode`) computes: decode held-out prompts with the
+baseline, the drafter and the prompt-lookup proposer, and summarise τ, speedup, the lossless verdict
+and the diagnostics into `eval/results.json`'s dict (the stage writes it; `rundir.eval_results`).
+
+Usage:
+    inputs = decode_inputs(cfg, rd, ctx.positionals, num_prompts=cfg.eval.num_prompts)
+    target, ids = load_checked_target(cfg, inputs, cfg.target)   # every prompt checked to fit
+    res = evaluate(cfg, rd, inputs, target, ids, block_sizes=[4, 8])
+    print(results_table(res))
+    err = mismatch_error(res, out_dir)                          # a DflashkitError to raise, or None
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflashkit.decode.api import Decoder
+from dflashkit.errors import DflashkitError
+
+log = logging.getLogger("dflashkit.eval")
+CALIBRATION_PROMPTS = 2  # eval.dtype=auto: prompts decoded in both dtypes before choosing
+
+
+@dataclass
+class DecodeInputs:
+    """The drafter dir, its contract and the prompts (id, messages) that eval and bench decode read."""
+
+    drafter_dir: Path
+    contract: Any
+    prompts: list[tuple[str, list[dict[str, str]]]]
+
+
+def decode_inputs(cfg: Any, rd: Any, positionals: list[str], *, num_prompts: int) -> DecodeInputs:
+    """The drafter (DIR, eval.drafter, train/best|final, export), its contract and the first prompts."""
+    from dflashkit.decode.runner import load_prompt_messages, resolve_drafter_dir
+    from dflashkit.export.hf import read_contract
+
+    drafter_dir = resolve_drafter_dir(cfg, rd, positionals)
+    return DecodeInputs(drafter_dir, read_contract(drafter_dir), load_prompt_messages(cfg, rd)[:num_prompts])
+
+
+def load_checked_target(cfg: Any, inputs: DecodeInputs, target_cfg: Any) -> tuple[Any, list[list[int]]]:
+    """Load the target, check the drafter fits it and that every rendered prompt fits the context
+    (exit 2 before anything is decoded); the target and the prompts' ids."""
+    from dflashkit.decode.runner import render_prompts
+    from dflashkit.decode.spec_decode import SpecDecoder
+    from dflashkit.model.target import load_target
+
+    target = load_target(target_cfg)
+    inputs.contract.check(target, where=f"drafter {inputs.drafter_dir}")
+    ids = render_prompts(target.tokenizer, inputs.prompts, cfg.tokenize.chat_template_kwargs)
+    check = SpecDecoder(target, None, 1, max_context=cfg.eval.max_context)
+    for i, p in enumerate(ids):  # every prompt must fit before anything is decoded
+        check.check_prompt(len(p), cfg.eval.max_new_tokens, what=f"prompt {i} ({inputs.prompts[i][0]})")
+    return target, ids
+
+
+def verify_target_config(cfg: Any) -> Any:
+    """The target section eval verifies with: `eval.dtype` target/auto keep `target.dtype`, else that dtype."""
+    dtype = cfg.eval.dtype
+    return cfg.target if dtype in ("target", "auto") else dataclasses.replace(cfg.target, dtype=dtype)
+
+
+def block_sizes_for(requested: list[int] | None, contract: Any) -> list[int]:
+    """`eval.block_sizes` (else the drafter's), without 1 (the baseline); warns past the trained size."""
+    block_sizes = [b for b in dict.fromkeys(requested or [contract.block_size]) if b != 1]
+    for bs in (b for b in block_sizes if b > contract.block_size):
+        log.warning("eval.block_sizes: %d > the drafter's trained block size %d: positions past %d were never "
+                    "trained, so they are drafted from noise (lossless, but tau will not improve)",
+                    bs, contract.block_size, contract.block_size - 1)
+    return block_sizes
+
+
+def results_table(res: dict[str, Any]) -> str:
+    b = res["baseline"]
+    rows = [("B", "proposer", "tau", "tok/s", "speedup", "bound", "e2e", "TTFT ms", "identical"),
+            ("1", "-", "1.00", f"{b['decode_tokens_per_s']:.1f}", "1.00", "1.00", "1.00", f"{b['ttft_s'] * 1e3:.1f}", "-")]
+    for name, group in (("drafter", res["speculative"]), ("lookup", res.get("prompt_lookup", {}))):
+        for bs, r in group.items():
+            rows.append((bs, name, f"{r['tau']:.2f}", f"{r['decode_tokens_per_s']:.1f}", f"{r['speedup']:.2f}",
+                         f"{r['bound']:.2f}", f"{r['speedup_e2e']:.2f}", f"{r['ttft_s'] * 1e3:.1f}",
+                         str(r.get("identical_to_baseline", "-"))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    for bs, r in res["speculative"].items():
+        lines.append(f"B={bs} per-position acceptance: " + " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]))
+    lines += diagnostic_lines(res)
+    return "\n".join(lines)
+
+
+def drafter_source(drafter_dir: Path, rd: Any) -> dict[str, Any]:
+    """Which drafter eval used: train/best (with its best.json: step, held-out τ), train/final, or other."""
+    from dflashkit.train.checkpoint import read_best
+
+    d = Path(drafter_dir).resolve()
+    if d == (rd.best_dir).resolve():
+        return {"kind": "best", **(read_best(d) or {})}
+    if d == (rd.final_dir).resolve():
+        return {"kind": "final"}
+    return {"kind": "export" if d == (rd.export_dir).resolve() else "dir"}
+
+
+def diagnostic_lines(res: dict[str, Any]) -> list[str]:
+    out, s = [], res["summary"]
+    lk = s.get("prompt_lookup")
+    if lk:
+        verdict = "beats" if s.get("beats_prompt_lookup") else "does NOT beat"
+        out.append(f"best: drafter B={s['block_size']} tau {s['tau']:.2f} speedup {s['speedup']:.2f}x; prompt lookup "
+                   f"B={lk['block_size']} tau {lk['tau']:.2f} speedup {lk['speedup']:.2f}x: the drafter {verdict} it")
+    d = res.get("diagnostics") or {}
+    if d.get("bigram"):
+        out.append(f"position-1: drafter {d['drafter_position1']:.2f} (simulated {d['simulated']['per_position_accuracy'][0]:.2f}), "
+                   f"bigram baseline {d['bigram']['accuracy']:.2f}, prompt lookup {d.get('prompt_lookup_position1', 0):.2f}")
+    if d.get("no_features"):
+        sim, zero = d["simulated"], d["no_features"]
+        out.append(f"no-feature ablation (teacher-forced, B={d['block_size']}): tau {sim['tau']:.2f} -> {zero['tau']:.2f}, "
+                   f"position-1 {sim['per_position_accuracy'][0]:.2f} -> {zero['per_position_accuracy'][0]:.2f}")
+    ll = res.get("lossless")
+    if ll:
+        extra = f", {ll['ties']} ties, largest gap {ll['max_tie_gap']}" if ll["ties"] else ""
+        out.append(f"lossless ({res['dtype']}, tie tolerance {ll['tolerance']}): {ll['verdict']} "
+                   f"({ll['divergences']} of {ll['compared']} outputs diverge{extra})")
+    return out
+
+
+def decode_all(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_sizes: list[int], *,
+               lookup: bool, warmup: int) -> dict[str, Any]:
+    """Baseline + drafter (+ prompt lookup) at every block size, interleaved; results by decoder name."""
+    from dflashkit.decode.lossless import TOP_K
+    from dflashkit.decode.ngram import PromptLookupProposer
+    from dflashkit.decode.runner import draft_dtype_for, params_for, run_interleaved
+    from dflashkit.decode.spec_decode import SpecDecoder
+
+    e = cfg.eval
+    ddt = draft_dtype_for(cfg, target)
+    decoders: dict[str, Decoder] = {"1": SpecDecoder(target, None, 1, max_context=e.max_context, record_top=TOP_K)}
+    for bs in block_sizes:
+        decoders[str(bs)] = SpecDecoder(target, drafter, bs, max_context=e.max_context, record_top=TOP_K,
+                                        draft_sampling=e.draft_sampling, draft_dtype=ddt)
+    if lookup:
+        for bs in block_sizes:
+            decoders[f"lookup-{bs}"] = SpecDecoder(target, None, bs, max_context=e.max_context, record_top=TOP_K,
+                                                   proposer=PromptLookupProposer(e.prompt_lookup_ngram, 1))
+    return run_interleaved(decoders, ids, params_for(cfg, target), warmup=warmup, base_seed=cfg.run.seed,
+                           desc=f"eval ({str(target.dtype).removeprefix('torch.')})")
+
+
+def entries(runs: dict[str, Any], base_t: dict) -> dict[str, dict]:
+    from dflashkit.decode.metrics import compare, summarize_acceptance, summarize_timing
+
+    out = {}
+    for key, results in runs.items():
+        bs = int(key.removeprefix("lookup-"))
+        acc, tim = summarize_acceptance(results, bs), summarize_timing(results)
+        out[key] = {**acc, **tim, **compare(base_t, tim, acc["tau"])}
+    return out
+
+
+def best_entry(group: dict[str, dict]) -> dict | None:
+    """The entry with the highest measured speedup (its key as block_size)."""
+    if not group:
+        return None
+    bs, r = max(group.items(), key=lambda kv: kv[1]["speedup"])
+    return {"block_size": int(bs), "tau": r["tau"], "speedup": r["speedup"], "bound": r["bound"]}
+
+
+def choose_dtype(cfg: Any, drafter_dir: Any, ids: list[list[int]], block_sizes: list[int]) -> tuple[Any, dict]:
+    """eval.dtype=auto: decode the first prompts in float32 and bfloat16; keep the better honest speedup."""
+    from dflashkit.decode.metrics import summarize_timing
+    from dflashkit.export.hf import load_drafter
+    from dflashkit.model.target import load_target
+
+    calib, targets = {}, {}
+    for name in ("float32", "bfloat16"):
+        target = load_target(dataclasses.replace(cfg.target, dtype=name))
+        drafter = load_drafter(drafter_dir, dtype=target.dtype, device=target.device)
+        runs = decode_all(cfg, target, drafter, ids[:CALIBRATION_PROMPTS], block_sizes, lookup=False,
+                          warmup=cfg.eval.warmup)
+        base_t = summarize_timing(runs.pop("1"))
+        best = best_entry(entries(runs, base_t)) or {"block_size": 1, "speedup": 1.0}
+        calib[name] = {"baseline_tokens_per_s": base_t["decode_tokens_per_s"], "t1_s": round(base_t["verify_s_mean"], 6),
+                       "best_block_size": best["block_size"], "speedup": best["speedup"],
+                       "tokens_per_s": round(base_t["decode_tokens_per_s"] * best["speedup"], 3)}
+        targets[name] = target
+        log.info("eval.dtype=auto: %s baseline %.1f tok/s, best B=%d speedup %.2f", name,
+                 base_t["decode_tokens_per_s"], best["block_size"], best["speedup"])
+    chosen = max(calib, key=lambda n: calib[n]["speedup"])
+    return targets[chosen], {"mode": "auto", "chosen": chosen, "prompts": min(len(ids), CALIBRATION_PROMPTS),
+                             "rule": "higher best speedup over the same dtype's block_size=1 baseline",
+                             "calibration": calib}
+
+
+def lossless_check(cfg: Any, target: Any, runs: dict[str, Any], base_results: list, prompts: list) -> dict:
+    from dflashkit.decode.lossless import divergence_record, first_divergence, lossless_verdict, tie_rule
+
+    rule = tie_rule(target.dtype, cfg.eval.tie_tolerance)
+    firsts, rows = [], []
+    for key, results in runs.items():
+        for i, (r, b) in enumerate(zip(results, base_results)):
+            d = first_divergence(r, b)
+            firsts.append(d)
+            if d is not None:
+                rows.append(divergence_record(d, rule, decoder=key, block_size=int(key.removeprefix("lookup-")),
+                                              proposer="prompt_lookup" if key.startswith("lookup-") else "drafter",
+                                              prompt=i, id=prompts[i][0]))
+    v = lossless_verdict(firsts, rule)
+    return {**v, "dtype": str(target.dtype).removeprefix("torch."), "first_divergences": rows}
+
+
+def diagnostics(cfg: Any, rd: Any, target: Any, drafter: Any, ids: list, base_results: list, res: dict) -> dict:
+    from dflashkit.decode.diagnostics import BigramTable, simulated_acceptance
+    from dflashkit.train.data import load_tokenized, tokenized_shards
+
+    outputs = [r.token_ids for r in base_results]
+    d: dict[str, Any] = {"outputs": "the baseline's outputs on the eval prompts", "block_size": drafter.block_size}
+    best = res["summary"]
+    if str(best["block_size"]) in res["speculative"]:
+        d["drafter_position1"] = res["speculative"][str(best["block_size"])]["per_position_acceptance"][0]
+    lk = best.get("prompt_lookup")
+    if lk:
+        d["prompt_lookup_position1"] = res["prompt_lookup"][str(lk["block_size"])]["per_position_acceptance"][0]
+    if tokenized_shards(rd):
+        data = load_tokenized(rd)
+        d["bigram"] = BigramTable.fit(data.input_ids, data.loss_mask).accuracy(outputs)
+    else:
+        log.info("no tokenized shards in %s: bigram baseline skipped", rd.tokenize_dir)
+    d["simulated"] = simulated_acceptance(target, drafter, ids, outputs)
+    d["no_features"] = simulated_acceptance(target, drafter, ids, outputs, no_features=True)
+    return d
+
+
+def evaluate(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list[list[int]], block_sizes: list[int],
+             choice: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Decode every prompt with the baseline and each decoder; `eval/results.json`'s dict."""
+    import torch
+
+    from dflashkit.decode.metrics import summarize_timing
+    from dflashkit.decode.runner import draft_dtype_for
+    from dflashkit.export.hf import load_drafter
+
+    e = cfg.eval
+    drafter_dir, prompts = inputs.drafter_dir, inputs.prompts
+    drafter = load_drafter(drafter_dir, dtype=target.dtype, device=target.device)
+    source = drafter_source(drafter_dir, rd)
+    log.info("eval: %d prompts, block sizes %s, drafter %s (%s), verify dtype %s", len(ids), block_sizes,
+             drafter_dir, source["kind"], target.dtype)
+    runs = decode_all(cfg, target, drafter, ids, block_sizes, lookup=e.prompt_lookup, warmup=e.warmup)
+    base_results = runs.pop("1")
+    base_t = summarize_timing(base_results)
+    found = entries(runs, base_t)
+    ddt = draft_dtype_for(cfg, target)
+    res: dict[str, Any] = {"drafter": str(drafter_dir), "drafter_source": source, "target": str(cfg.target.path),
+                           "prompts": len(ids),
+                           "max_new_tokens": e.max_new_tokens, "temperature": e.temperature,
+                           "threads": torch.get_num_threads(), "device": str(target.device),
+                           "dtype": str(target.dtype).removeprefix("torch."),
+                           "draft_dtype": str(ddt or target.dtype).removeprefix("torch."),
+                           "baseline": base_t, "speculative": {}, "mismatches": []}
+    if choice:
+        res["dtype_choice"] = choice
+    res["speculative"] = {k: v for k, v in found.items() if not k.startswith("lookup-")}
+    if e.prompt_lookup:
+        res["prompt_lookup"] = {k.removeprefix("lookup-"): v for k, v in found.items() if k.startswith("lookup-")}
+        res["prompt_lookup_ngram"] = e.prompt_lookup_ngram
+    if e.temperature <= 0:
+        res["lossless"] = lossless_check(cfg, target, runs, base_results, prompts)
+        diverged = {(row["decoder"], row["prompt"]) for row in res["lossless"]["first_divergences"]}
+        for key, entry in found.items():
+            entry["identical_to_baseline"] = not any(k == key for k, _ in diverged)
+        res["mismatches"] = [row for row in res["lossless"]["first_divergences"]
+                             if res["lossless"]["verdict"] == "not lossless"]
+    for bs, r in res["speculative"].items():
+        log.info("B=%s: tau %.2f, speedup %.2f (bound %.2f), %.1f tok/s", bs, r["tau"], r["speedup"], r["bound"],
+                 r["decode_tokens_per_s"])
+    best = best_entry(res["speculative"]) or {"block_size": 1, "tau": 1.0, "speedup": 1.0, "bound": 1.0}
+    lookup_best = best_entry(res.get("prompt_lookup", {}))
+    ll = res.get("lossless")
+    res["summary"] = {**best, "rule": "block size with the highest measured speedup",
+                      "greedy_identical": (ll["verdict"] == "exact") if ll else None,
+                      "lossless": ll["verdict"] if ll else None, "dtype": res["dtype"]}
+    if lookup_best:
+        res["summary"]["prompt_lookup"] = lookup_best
+        res["summary"]["beats_prompt_lookup"] = (best["tau"] > lookup_best["tau"]
+                                                 and best["speedup"] > lookup_best["speedup"])
+    if e.diagnostics:
+        res["diagnostics"] = diagnostics(cfg, rd, target, drafter, ids, base_results, res)
+    return res
+
+
+def mismatch_error(res: dict[str, Any], results_path: Path) -> DflashkitError | None:
+    """The error for a greedy divergence beyond a numerical tie (a bug: lossless is violated), or None."""
+    from dflashkit.decode.lossless import TOP_K
+
+    if not res["mismatches"]:
+        return None
+    m = next(r for r in res["mismatches"] if not r["tie"])
+    gap = f"{m['gap']}" if m["gap"] is not None else f"more than its top {TOP_K} (margin {m['margin']})"
+    return DflashkitError(
+        f"greedy speculative output differs from the baseline beyond a numerical tie: {m['proposer']} block "
+        f"size {m['block_size']}, prompt {m['prompt']} ({m['id']}), first differing token at position "
+        f"{m['position']}, where the baseline preferred its token by {gap} logits (tie tolerance "
+        f"{m['tolerance']}: {res['lossless']['tolerance']}, {res['dtype']}; see {results_path})",
+        hint="this is a bug (lossless decoding is violated); re-run with --log-level debug and report it")

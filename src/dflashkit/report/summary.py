@@ -1,0 +1,57 @@
+"""`dflashkit run`'s closing summary: the numbers a user wants at the end (τ, speedup, lossless, the
+data-budget forecast) and where the report, export and drafter are.
+
+Usage:
+    s = run_summary(rd, target_tau=2.0)     # {"eval": results.json's summary, "forecast", "report", ...}
+    log.info("\n".join(summary_lines(s)))
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from dflashkit.rundir import RunDir
+
+
+def run_summary(rd: RunDir, target_tau: float = 2.0) -> dict[str, Any]:
+    """The numbers a user wants at the end: τ, speedup, lossless yes/no, where things are."""
+    out: dict[str, Any] = {}
+    res_path = rd.eval_results
+    if res_path.is_file():
+        try:
+            res = json.loads(res_path.read_text())
+            out["eval"] = res.get("summary", res)
+        except json.JSONDecodeError:
+            pass
+    from dflashkit.train.checkpoint import trained_drafter_dir
+    from dflashkit.train.forecast import read_curve_forecast
+
+    fc = read_curve_forecast(rd.train_curve, target_tau)
+    if fc is not None:
+        out["forecast"] = fc.text()
+
+    drafter = trained_drafter_dir(rd.train_dir)[0].relative_to(rd.root)  # train/best if kept, else final
+    for name, rel in (("report", "report/index.html"), ("checkpoint", "export"), ("drafter", drafter)):
+        p = rd.root / rel
+        if p.exists():
+            out[name] = str(p)
+    return out
+
+
+def summary_lines(s: dict[str, Any]) -> list[str]:
+    ev = s.get("eval") or {}
+    lines = ["", "== dflashkit run summary =="]
+    for key in ("tau", "speedup", "bound", "greedy_identical", "block_size", "lossless", "dtype"):
+        if key in ev:
+            lines.append(f"  {key:17s} {ev[key]}")
+    lk = ev.get("prompt_lookup")
+    if lk:
+        lines.append(f"  {'prompt lookup':17s} tau {lk['tau']} speedup {lk['speedup']} at B={lk['block_size']} "
+                     f"(the drafter {'beats' if ev.get('beats_prompt_lookup') else 'does not beat'} it)")
+    if s.get("forecast"):
+        lines.append(f"  {'forecast':17s} {s['forecast']}")
+    for key in ("report", "checkpoint", "drafter"):
+        if key in s:
+            lines.append(f"  {key:17s} {s[key]}")
+    return lines
