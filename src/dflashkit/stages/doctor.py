@@ -213,21 +213,35 @@ def target_check(cfg: Any) -> list[dict[str, Any]]:
     return [_check("target.path", "error", f"{p} does not exist", "fix target.path")]
 
 
-def engine_checks() -> list[dict[str, Any]]:
-    """The vLLM engine venv (`server.engine: vllm`, `verify-engine`): installed or not; nothing is started."""
+def engine_checks(cfg: Any = None) -> list[dict[str, Any]]:
+    """The vLLM engine venv (`server.engine: vllm`, `verify-engine`, `capture.engine`/`train.features`):
+    installed or not, and whether it holds what the target's tokenizer needs; nothing is started."""
     from dflashkit.engines import vllm
 
     s = vllm.status()
-    return [_check("engine vllm", "ok" if s["installed"] else "absent",
-                   f"{vllm.PACKAGE} {s['version']} in {s['dir']}" if s["installed"] else "optional",
-                   None if s["installed"] else "dflashkit engines install vllm")]
+    out = [_check("engine vllm", "ok" if s["installed"] else "absent",
+                  f"{vllm.PACKAGE} {s['version']} in {s['dir']}" if s["installed"] else "optional",
+                  None if s["installed"] else "dflashkit engines install vllm")]
+    if not s["installed"]:
+        return out
+    target = Path(str(getattr(getattr(cfg, "target", None), "path", "") or "")).expanduser()
+    uses = cfg is not None and "vllm" in (cfg.server.engine, cfg.capture.engine)  # then a gap is a problem
+    tiktoken = target.is_dir() and ((target / "tiktoken.model").is_file() or any(target.glob("*.tiktoken")))
+    for pkg in ("transformers", *(("tiktoken",) if tiktoken else ())):
+        ver = vllm.venv_version(Path(s["dir"]), pkg)
+        out.append(_check(f"engine {pkg}", "ok" if ver else "missing" if uses else "absent",
+                          f"{ver} in the engine venv" if ver else
+                          f"the engine venv lacks {pkg} (the target's tokenizer)",
+                          None if ver else f"{Path(s['dir']) / 'bin' / 'python'} -m pip install {pkg}"))
+    return out
 
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     endpoints = endpoint_checks(cfg.server)
     reachable = [c["name"].split(" ", 1)[1] for c in endpoints if c["status"] == "ok"]
     targets = target_check(cfg)
-    checks = (package_checks() + device_checks() + tool_checks(cfg.run.run_dir) + engine_checks() + targets + endpoints
+    checks = (package_checks() + device_checks() + tool_checks(cfg.run.run_dir) + engine_checks(cfg) + targets
+              + endpoints
               + (drift_checks(cfg, reachable) if all(c["status"] == "ok" for c in targets) else []))
     problems = [c["name"] for c in checks if c["status"] in ("missing", "error")]
     if not ctx.json:
