@@ -12,7 +12,6 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from dflashkit.cli import main
 from dflashkit.testing.fake_engine import FakeHiddenStatesEngine

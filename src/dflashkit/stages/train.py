@@ -46,7 +46,10 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     from dflashkit.train.parallel import leave_distributed
 
     try:
-        result = fit(cfg, rd, show_bar=not ctx.json)
+        from dflashkit.engines.feed import open_engine_feed  # passed down: train/ never reaches up to engines/
+
+        result = fit(cfg, rd, show_bar=not ctx.json,
+                     open_feed=open_engine_feed if cfg.train.features == "engine" else None)
     except BaseException:
         leave_distributed(ok=False)  # a torchrun rank: leave the group even on an error path (no barrier)
         raise

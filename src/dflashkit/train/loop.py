@@ -191,11 +191,12 @@ class Trainer:
                               coverage=self.cfg.train.anchor_coverage)
 
 
-def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
-    """Everything a step needs; with train.features=engine the engine runs from here until `Trainer.close`."""
+def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, *, open_feed: Callable[..., Any] | None = None) -> Trainer:
+    """Everything a step needs. train.features=engine: `open_feed` (the train stage passes
+    `engines.feed.open_engine_feed`) opens the engine and its feed, which run until `Trainer.close`."""
     opened: list[Any] = []
     try:
-        return _setup(cfg, rd, dist, opened)
+        return _setup(cfg, rd, dist, opened, open_feed)
     except BaseException:
         for feed in opened:
             feed.close()
@@ -212,7 +213,8 @@ def engine_feed_key(cfg: RunConfig, rd: RunDir, contract: DrafterContract, dist:
             "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")}
 
 
-def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any]) -> Trainer:
+def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any],
+           open_feed: Callable[..., Any] | None) -> Trainer:
     from dflashkit.model.target import load_target
 
     contract = DrafterContract.load(rd.contract_path)
@@ -230,11 +232,13 @@ def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any]) -> Tra
         if cfg.train.labels == "target":
             data.features.require("next_ids", "train.labels=target reads the target's argmax from the shards")
     elif cfg.train.features == "engine":  # rows from the engine as training consumes them (engines/feed.py)
-        from dflashkit.engines.feed import open_engine_feed
-
-        data.features = open_engine_feed(cfg, contract, data, rd.stage_dir("train"), rank=dist.rank,
-                                         world=dist.world, key=engine_feed_key(cfg, rd, contract, dist))
-        opened.append(data.features)
+        if open_feed is None:
+            raise UsageError("train.features=engine is served by `dflashkit train` (and `dflashkit run`) only",
+                             hint="train with train.features=cached or online here")
+        feed = open_feed(cfg, contract, data, rd.stage_dir("train"), rank=dist.rank, world=dist.world,
+                         key=engine_feed_key(cfg, rd, contract, dist))
+        opened.append(feed)
+        data.features = feed  # type: ignore[assignment]  # FeatureStore's reading API (has / require / get)
     target: Target | HeadOnlyTarget
     if head_only(cfg, data.features):  # every target output is in the shards: embedding + head suffice
         from dflashkit.model.head import load_head_only_target
@@ -360,7 +364,8 @@ def train_step(tr: Trainer, step: int, opt, sched) -> dict:
     return metrics_of(stats, B, step + 1, dflash2=tr.contract.is_dflash2, lr=lr, grad_norm=grad_norm)
 
 
-def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True, cpu_budget_s: float | None = None) -> dict:
+def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True, cpu_budget_s: float | None = None,
+        open_feed: Callable[..., Any] | None = None) -> dict:
     """Train (or resume) until the configured number of steps; returns the final metrics.
 
     `cpu_budget_s` (`bench recipe` at equal CPU-minutes): stop once the optimizer steps have used this
@@ -368,7 +373,7 @@ def fit(cfg, rd, *, dist: DistInfo | None = None, show_bar: bool = True, cpu_bud
     over the steps the budget affords (`optim.CpuBudget`)."""
     guards.check_outputs_ours(rd.train_dir, cfg)  # before any work: never replace what is not ours
     dist = dist or init_distributed(cfg.train.parallel, cfg.target.device)
-    tr = setup(cfg, rd, dist)
+    tr = setup(cfg, rd, dist, open_feed=open_feed)
     try:
         return _fit(cfg, rd, tr, dist, show_bar=show_bar, cpu_budget_s=cpu_budget_s)
     finally:
