@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from dflashkit.cli import main
 from dflashkit.testing.fake_engine import FakeHiddenStatesEngine
@@ -101,3 +104,71 @@ def test_plan_shows_the_cache_and_the_engine_queue(tmp_path, tiny_qwen3, capsys)
     assert main(["plan", *overrides(rd, tiny_qwen3)]) == 0
     text = capsys.readouterr().out
     assert "cached" in text and "engine" in text and "bounded queue" in text, text
+
+
+def test_an_engine_computing_other_ids_fails_training_and_leaves_no_queue(tmp_path, tiny_qwen3, capsys):
+    rd = make_run(tmp_path / "r", tiny_qwen3)
+    with FakeHiddenStatesEngine(tiny_qwen3, aux=_aux(rd, tiny_qwen3), storage=tmp_path / "hs", token_offset=1) as fake:
+        rc = main(["train", *overrides(rd, tiny_qwen3), "train.features=engine", "capture.engine=vllm",
+                   f"capture.server_url={fake.url}"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "differ from the" in err and "position 0" in err, err[-2000:]
+    assert not (rd / "train" / "engine-queue").exists() and not (rd / "train" / "final").exists()
+
+
+class _Source:
+    """A stand-in EngineSource: each sample's row is a function of its ids; counts the requests."""
+
+    last_hidden = False
+
+    def __init__(self):
+        self.calls = 0
+
+    def sample(self, ids):
+        from dflashkit.engines.capture import FeatureRow
+
+        self.calls += 1
+        t = torch.tensor(ids, dtype=torch.float32)
+        return FeatureRow(torch.stack([t, -t], dim=-1), torch.tensor(ids[1:] + [0]))
+
+
+def test_a_queue_left_by_a_killed_run_is_reused_only_for_its_own_plan(tmp_path):
+    import numpy as np
+
+    from dflashkit.engines.feed import EngineFeed
+
+    data = SimpleNamespace(where=[(0, i) for i in range(8)],
+                           input_ids=[np.arange(3 + i, dtype=np.int64) + 10 * i for i in range(8)])
+    batches = [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+    def item(first):
+        return lambda k: (first + k, 0, batches[first + k])
+
+    src, root, key = _Source(), tmp_path / "queue", {"plan": 1}
+    feed = EngineFeed(src, data, root, prefetch=2, concurrency=1, key=key)
+    feed.start(item(0), 4)
+    feed.stage([0, 1])
+    assert torch.equal(feed.get((0, 1), 4), src.sample(list(range(10, 14))).features)
+    while 1 not in feed._slots:  # step 1 is prefetched before the "kill" (step 2 may be partly spooled)
+        time.sleep(0.01)
+    feed._slots[1].ready.wait()
+    feed._stop.set()  # killed: the prefetcher stops, its files stay (no close)
+    feed._thread.join()
+    left = sorted(p.name for p in root.glob("step-*"))
+    assert left and left[0] == "step-00000001-m00" and len(left) <= 2, left  # at most `prefetch` batches
+    src2 = _Source()
+    again = EngineFeed(src2, data, root, prefetch=2, concurrency=1, key=key)
+    again.start(item(1), 3)  # resumed at step 1
+    for b in batches[1:]:
+        again.stage(b)
+        assert torch.equal(again.get((0, b[1]), len(data.input_ids[b[1]]), "next_ids"),
+                           src.sample([int(x) for x in data.input_ids[b[1]]]).next_ids)
+    st = again.stats()
+    assert st["engine_rows_reused"] + st["engine_rows_requested"] == 6 == st["engine_rows_reused"] + src2.calls
+    assert st["engine_rows_reused"] >= 2  # step 1's rows were on disk: not requested again
+    again.close()
+    assert not root.exists()
+    EngineFeed(_Source(), data, root, prefetch=1, concurrency=1, key=key)
+    (root / "step-00000000-m00").mkdir()
+    EngineFeed(_Source(), data, root, prefetch=1, concurrency=1, key={"plan": 2})  # another plan: emptied
+    assert not (root / "step-00000000-m00").exists()
