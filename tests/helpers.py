@@ -163,3 +163,26 @@ def dflash2_drafter(target, block_size: int = 4, seed: int = 0):
             if "_conv." in name or name.startswith("candidate_selector."):
                 p.add_(torch.randn_like(p) * 0.2)
     return model.eval()
+
+
+def engine_queue_bound(rd: Path, argv: list[str], *, prefetch: int) -> int:
+    """`train.features=engine`'s queue bound, from a run's cached shards: prefetch × the largest training
+    micro-batch's rows (+ 4 KiB per row file for its safetensors header)."""
+    from dflashkit.config import load_config
+    from dflashkit.rundir import RunDir
+    from dflashkit.train.data import BatchPlan, FeatureStore, load_tokenized, split_heldout
+
+    cfg = load_config(None, argv)
+    data = load_tokenized(RunDir(rd))
+    layer_ids = json.loads((rd / "contract.json").read_text())["target_layer_ids"]
+    store = FeatureStore(rd / "capture", data.shards, layer_ids)
+    train_idx, _ = split_heldout(len(data), cfg.train.heldout_samples, seed=cfg.run.seed)
+    plan = BatchPlan(train_idx, cfg.train.batch_size, cfg.train.grad_accum, 1, cfg.run.seed)
+    names = ["features", "next_ids"] + (["last_hidden"] if cfg.train.loss != "ce" else [])
+
+    def row_bytes(i: int) -> int:
+        n = len(data.input_ids[i])
+        return sum(store.get(data.where[i], n, k).nbytes for k in names) + 4096
+
+    return prefetch * max(sum(row_bytes(i) for i, _ in mb) for s in range(cfg.train.max_steps or 1)
+                          for mb in plan.micro_batches(s, 0))

@@ -277,8 +277,13 @@ class ParallelSection:
 
 @dataclass(kw_only=True)
 class TrainSection:
-    features: Literal["online", "cached"] = f("online", "Target features computed in the loop, or read "
-                                             "from `capture` shards.")
+    features: Literal["online", "cached", "engine"] = f(
+        "online", "Target features computed in the loop, read from `capture` shards, or engine = requested "
+        "from a vLLM (`capture.engine=vllm`: started here, or `capture.server_url`) as training consumes them, "
+        "through a bounded on-disk queue (train.engine_prefetch micro-batches; no cache; docs/engines.md).")
+    engine_prefetch: int = f(2, "train.features=engine: micro-batches requested ahead of training; the queue "
+                             "(train/engine-queue/) never holds more than this many micro-batches of feature rows.",
+                             hash_default=False)
     epochs: float = f(1.0, "Passes over the training data (ignored if max_steps is set).")
     max_steps: int | None = f(None, "Optimizer steps; overrides epochs.")
     batch_size: int = f(4, "Sequences per micro-batch (per rank).")
@@ -636,6 +641,10 @@ def _validate(cfg: RunConfig) -> list[str]:
     if len(t.betas) != 2:
         p.append(f"train.betas: expected two numbers, got {t.betas}")
     _at_least(p, "train", t, 0, "keep_checkpoints")
+    _at_least(p, "train", t, 1, "engine_prefetch")
+    if t.features == "engine" and cfg.capture.engine != "vllm":
+        p.append("train.features: engine needs capture.engine=vllm (train starts vLLM for target.path) or "
+                 "capture.server_url (a vLLM you run; set capture.engine=vllm too)")
     if not 0 < cfg.capture.max_disk_fraction <= 1:
         p.append(f"capture.max_disk_fraction: must be in (0, 1], got {cfg.capture.max_disk_fraction}")
     _at_least(p, "capture", cfg.capture, 1, "batch_size", "concurrency")

@@ -2,7 +2,7 @@
 target path, the vLLM engine venv, configured endpoints and their chat-template drift.
 
 Usage:
-    checks = package_checks() + device_checks() + tool_checks(run_dir) + engine_checks() + target_check(cfg)
+    checks = package_checks() + device_checks() + tool_checks(run_dir) + engine_checks(cfg) + target_check(cfg)
     checks += endpoint_checks(cfg.server) + drift_checks(cfg, reachable_urls)
     # each: {"name", "status": ok | missing | absent | error, "detail", "fix"}
 
@@ -204,11 +204,24 @@ def target_check(cfg: Any) -> list[dict[str, Any]]:
     return [_check("target.path", "error", f"{p} does not exist", "fix target.path")]
 
 
-def engine_checks() -> list[dict[str, Any]]:
-    """The vLLM engine venv (`server.engine: vllm`, `verify-engine`): installed or not; nothing is started."""
+def engine_checks(cfg: Any = None) -> list[dict[str, Any]]:
+    """The vLLM engine venv (`server.engine: vllm`, `verify-engine`, `capture.engine`/`train.features`):
+    installed or not, and whether it holds what the target's tokenizer needs; nothing is started."""
     from dflashkit.engines import vllm
 
     s = vllm.status()
-    return [_check("engine vllm", "ok" if s["installed"] else "absent",
-                   f"{vllm.PACKAGE} {s['version']} in {s['dir']}" if s["installed"] else "optional",
-                   None if s["installed"] else "dflashkit engines install vllm")]
+    out = [_check("engine vllm", "ok" if s["installed"] else "absent",
+                  f"{vllm.PACKAGE} {s['version']} in {s['dir']}" if s["installed"] else "optional",
+                  None if s["installed"] else "dflashkit engines install vllm")]
+    if not s["installed"]:
+        return out
+    target = Path(str(getattr(getattr(cfg, "target", None), "path", "") or "")).expanduser()
+    uses = cfg is not None and "vllm" in (cfg.server.engine, cfg.capture.engine)  # then a gap is a problem
+    tiktoken = target.is_dir() and ((target / "tiktoken.model").is_file() or any(target.glob("*.tiktoken")))
+    for pkg in ("transformers", *(("tiktoken",) if tiktoken else ())):
+        ver = vllm.venv_version(Path(s["dir"]), pkg)
+        out.append(_check(f"engine {pkg}", "ok" if ver else "missing" if uses else "absent",
+                          f"{ver} in the engine venv" if ver else
+                          f"the engine venv lacks {pkg} (the target's tokenizer)",
+                          None if ver else f"{Path(s['dir']) / 'bin' / 'python'} -m pip install {pkg}"))
+    return out

@@ -102,6 +102,17 @@ def _has_vllm(venv: Path) -> bool:
     return False
 
 
+def venv_version(venv: Path, dist: str) -> str | None:
+    """The version of distribution `dist` installed in the engine venv (its dist-info; nothing imported), or None."""
+    norm = dist.lower().replace("-", "_")
+    for site in venv.glob("lib/python*/site-packages"):
+        for d in site.glob("*.dist-info"):
+            name, _, ver = d.name[: -len(".dist-info")].partition("-")
+            if name.lower().replace("-", "_") == norm:
+                return ver
+    return None
+
+
 def installed(venv: Path | None = None) -> dict[str, Any] | None:
     """The install marker ({"package", "version", "python", ...}) if the pinned version is installed:
     the marker names it, and the venv has its python and the vllm package (a marker alone is not enough)."""

@@ -21,7 +21,9 @@ Model (all per GPU, bytes; assumptions stated so the numbers can be checked):
     target        = P_t · bytes/param (dtype, or the quantization bits; a GGUF file: its size)
                     (+ batch · S · H · 2 · 4 forward activations)
 Modes: online-replicate (target copy per GPU), online-shard (P_t / gpus per GPU), cached
-(features from `capture`; the target runs once, sharded, during capture). Usable memory = 90 %.
+(features from `capture`; the target runs once, sharded, during capture), engine (features from a
+serving engine as training consumes them; on disk only the queue, per rank
+train.engine_prefetch · batch · S · (n_feat · H + 4 + H if KL) · bytes). Usable memory = 90 %.
 Time: FLOPs = 2 · P_t,active · tokens (target forward) + 6 · P_d · q · sequences (drafter),
 at an assumed 400 TFLOP/s per GPU (≈ 40 % of an H100's dense bf16 peak).
 """
@@ -111,6 +113,8 @@ def plan_budget(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, s
     t_w = target_weight_bytes(facts)
     t_act = t.batch_size * seq * h * 2 * 4
     blocks_total = min(t.num_anchors, seq) * t.batch_size
+    row_bpt = feat_bpt + 4 + (h * DTYPE_BYTES[cfg.capture.dtype] if t.loss != "ce" else 0)  # + next ids, last hidden
+    queue_bytes = t.engine_prefetch * t.batch_size * seq * row_bpt
 
     def max_chunk(other: float) -> int:
         free = budget - other
@@ -120,7 +124,8 @@ def plan_budget(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, s
     for name, target_share, conf in (
             ("online-replicate", t_w + t_act, "train.features=online train.parallel.target=replicate"),
             ("online-shard", t_w / gpus + t_act, "train.features=online train.parallel.target=shard"),
-            ("cached", 0.0, "train.features=cached (run `dflashkit capture` first)")):
+            ("cached", 0.0, "train.features=cached (run `dflashkit capture` first)"),
+            ("engine", 0.0, "train.features=engine capture.engine=vllm (a vLLM serves the target's features)")):
         if name == "online-shard" and gpus < 2:
             continue
         need = target_share + train_fixed + chunk
@@ -128,9 +133,14 @@ def plan_budget(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, s
                  "max_loss_chunk_blocks": max_chunk(target_share + train_fixed)}
         if name == "cached":
             entry["disk_gib"] = _gib(feat_bpt * tokens)
+            entry["disk_bytes"] = int(feat_bpt * tokens)
+            entry["capture_fits"] = (t_w / gpus + t_act) <= budget
+        if name == "engine":  # the bounded queue, per rank: prefetch micro-batches of rows
+            entry["disk_gib"] = _gib(queue_bytes)
+            entry["disk_bytes"] = int(queue_bytes)
             entry["capture_fits"] = (t_w / gpus + t_act) <= budget
         modes.append(entry)
-    fitting = [m for m in modes if m["fits"] and (m["mode"] != "cached" or m["capture_fits"])]
+    fitting = [m for m in modes if m["fits"] and (m["mode"] not in ("cached", "engine") or m["capture_fits"])]
     recommended = fitting[0]["mode"] if fitting else None
     flops_target = 2 * int(facts.get("params_active") or p_t) * tokens
     flops_draft = 6 * (p_d - codebook_params(c)) * q * sequences

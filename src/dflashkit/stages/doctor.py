@@ -33,7 +33,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     endpoints = endpoint_checks(cfg.server)
     reachable = [c["name"].split(" ", 1)[1] for c in endpoints if c["status"] == "ok"]
     targets = target_check(cfg)
-    checks = (package_checks() + device_checks() + tool_checks(cfg.run.run_dir) + engine_checks() + targets + endpoints
+    checks = (package_checks() + device_checks() + tool_checks(cfg.run.run_dir) + engine_checks(cfg) + targets + endpoints
               + (drift_checks(cfg, reachable) if all(c["status"] == "ok" for c in targets) else []))
     problems = [c["name"] for c in checks if c["status"] in ("missing", "error")]
     if not ctx.json:

@@ -47,6 +47,8 @@ def _table(r: dict[str, Any]) -> str:
                        f"fits {p['logits']['max_loss_chunk_blocks']}")]
     for m in p["modes"]:
         extra = f", disk {m['disk_gib']} GiB, capture fits: {m['capture_fits']}" if m["mode"] == "cached" else ""
+        if m["mode"] == "engine":
+            extra = f", disk {m['disk_gib']} GiB ({m['disk_bytes']} B: the bounded queue; the engine serves the target)"
         rows.append((m["mode"], f"{m['per_gpu_gib']} GiB/GPU, fits: {m['fits']}{extra}  [{m['config']}]"))
     tm = p["time"]
     rows += [("recommended", str(p["recommended"] or "nothing fits: more GPUs, smaller train.batch_size or "

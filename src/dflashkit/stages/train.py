@@ -1,7 +1,9 @@
 """`dflashkit train`: train the DFlash drafter (one process, or every rank under torchrun).
 
 Inputs:  contract.json (probe), tokenize/shard-*.parquet (tokenize), capture/*.safetensors when
-         train.features=cached, the target (target.path).
+         train.features=cached, the target (target.path); train.features=engine: a vLLM
+         (capture.server_url, or one started here) feeding train/engine-queue/ (bounded by
+         train.engine_prefetch; the summary's engine_peak_disk_bytes is its measured peak).
 Outputs: train/checkpoints/step-XXXXXXX/ (resumable), train/best/ (+ best.json: the best held-out
          simulated τ, train.keep_best), train/curve.json (learning curve), train/final/ (z-lab drafter dir:
          config.json + model.safetensors), train/metrics.jsonl, train/manifest.json.
@@ -44,7 +46,10 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     from dflashkit.train.parallel import leave_distributed
 
     try:
-        result = fit(cfg, rd, show_bar=not ctx.json)
+        from dflashkit.engines.feed import open_engine_feed  # passed down: train/ never reaches up to engines/
+
+        result = fit(cfg, rd, show_bar=not ctx.json,
+                     open_feed=open_engine_feed if cfg.train.features == "engine" else None)
     except BaseException:
         leave_distributed(ok=False)  # a torchrun rank: leave the group even on an error path (no barrier)
         raise
@@ -85,6 +90,9 @@ def _table(result: dict) -> None:
             ("tokens/s", result.get("tokens_per_s")), ("final", result["final_dir"]),
             ("best", (f"{result['best']['dir']} (step {result['best']['step']}, held-out tau "
                       f"{result['best']['tau']:.4f})") if result.get("best") else None)]
+    if "engine_peak_disk_bytes" in result:
+        rows.append(("engine queue", f"peak {result['engine_peak_disk_bytes']} B on disk "
+                                     f"(train.engine_prefetch={result['engine_prefetch']})"))
     for k, v in rows:
         print(f"{k:>14}  {v if not isinstance(v, float) else round(v, 4)}")
     if result.get("forecast"):

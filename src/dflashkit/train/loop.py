@@ -28,7 +28,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -108,10 +108,16 @@ class Trainer:
     vocab: torch.Tensor | None = None         # reduced draft vocab (sorted target ids), on the device
     target_side: Callable[[Batch], TargetOut] | None = None  # train/target_side.py: this run's feature source
     warm_start: dict | None = None            # drafter.init=<dir>: what was copied (train/warm_start.py)
+    feed: Any = None                          # train.features=engine: engines/feed.EngineFeed (also data.features)
 
     def __post_init__(self):
         if self.head is None:
             self.head = self.parts.lm_head
+
+    def close(self) -> None:
+        """Stop what `setup` started: the engine feed (and the vLLM it runs), if any."""
+        if self.feed is not None:
+            self.feed.close()
 
     def use_draft_vocab(self, vocab: torch.Tensor | None) -> None:
         """Train over `vocab` (None: the full vocab): the restricted head is built here, once."""
@@ -170,8 +176,10 @@ class Trainer:
     def batch(self, items) -> Batch:
         pad = self.target.tokenizer.pad_token_id if getattr(self.target, "tokenizer", None) else 0
         t = self.cfg.train
-        cached = t.features == "cached"
+        cached = t.features in ("cached", "engine")  # engine: the rows of these samples, staged from the engine
         store = self.data.features
+        if self.feed is not None:
+            self.feed.stage([i for i, _ in items])
         return collate(self.data, items, run_seed=self.cfg.run.seed, pad_id=pad or 0, with_features=cached,
                        with_next_ids=cached and t.labels == "target" and store is not None and store.has("next_ids"),
                        with_last_hidden=cached and t.loss != "ce" and store is not None and store.has("last_hidden")
@@ -183,7 +191,30 @@ class Trainer:
                               coverage=self.cfg.train.anchor_coverage)
 
 
-def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
+def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, *, open_feed: Callable[..., Any] | None = None) -> Trainer:
+    """Everything a step needs. train.features=engine: `open_feed` (the train stage passes
+    `engines.feed.open_engine_feed`) opens the engine and its feed, which run until `Trainer.close`."""
+    opened: list[Any] = []
+    try:
+        return _setup(cfg, rd, dist, opened, open_feed)
+    except BaseException:
+        for feed in opened:
+            feed.close()
+        raise
+
+
+def engine_feed_key(cfg: RunConfig, rd: RunDir, contract: DrafterContract, dist: DistInfo) -> dict[str, Any]:
+    """What an engine queue's rows depend on (a queue left by a killed run is reused only when it matches)."""
+    t = cfg.train
+    return {"target_layer_ids": list(contract.target_layer_ids), "dtype": cfg.capture.dtype,
+            "last_hidden": t.loss != "ce", "seed": cfg.run.seed, "batch_size": t.batch_size,
+            "grad_accum": t.grad_accum, "world": dist.world, "rank": dist.rank,
+            "heldout": [t.heldout_samples, list(t.heldout_sources)],
+            "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")}
+
+
+def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any],
+           open_feed: Callable[..., Any] | None) -> Trainer:
     from dflashkit.model.target import load_target
 
     contract = DrafterContract.load(rd.contract_path)
@@ -200,6 +231,14 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
         data.features = FeatureStore(rd.capture_dir, data.shards, contract.target_layer_ids)
         if cfg.train.labels == "target":
             data.features.require("next_ids", "train.labels=target reads the target's argmax from the shards")
+    elif cfg.train.features == "engine":  # rows from the engine as training consumes them (engines/feed.py)
+        if open_feed is None:
+            raise UsageError("train.features=engine is served by `dflashkit train` (and `dflashkit run`) only",
+                             hint="train with train.features=cached or online here")
+        feed = open_feed(cfg, contract, data, rd.stage_dir("train"), rank=dist.rank, world=dist.world,
+                         key=engine_feed_key(cfg, rd, contract, dist))
+        opened.append(feed)
+        data.features = feed  # type: ignore[assignment]  # FeatureStore's reading API (has / require / get)
     target: Target | HeadOnlyTarget
     if head_only(cfg, data.features):  # every target output is in the shards: embedding + head suffice
         from dflashkit.model.head import load_head_only_target
@@ -250,6 +289,7 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo) -> Trainer:
     tr.target_side = target_side(cfg.train, contract, target, parts, device=dist.device, amp=tr.amp,
                                  store=data.features)
     tr.warm_start = warm_report
+    tr.feed = opened[0] if opened else None
     return tr
 
 
@@ -258,7 +298,7 @@ def head_only(cfg: RunConfig, store: FeatureStore | None) -> bool:
     features, and the labels / KL target the recipe asks for, all come from the feature shards, and the
     drafter is not initialised from the target's layers (`drafter.init: target`)."""
     train = cfg.train
-    if train.features != "cached" or store is None or cfg.drafter.init == "target":
+    if train.features not in ("cached", "engine") or store is None or cfg.drafter.init == "target":
         return False
     return (train.labels != "target" or store.has("next_ids")) and (train.loss == "ce" or store.has("last_hidden"))
 
@@ -324,7 +364,8 @@ def train_step(tr: Trainer, step: int, opt, sched) -> dict:
     return metrics_of(stats, B, step + 1, dflash2=tr.contract.is_dflash2, lr=lr, grad_norm=grad_norm)
 
 
-def fit(cfg: RunConfig, rd: RunDir, *, dist: DistInfo | None = None, show_bar: bool = True, cpu_budget_s: float | None = None) -> dict:
+def fit(cfg: RunConfig, rd: RunDir, *, dist: DistInfo | None = None, show_bar: bool = True,
+        cpu_budget_s: float | None = None, open_feed: Callable[..., Any] | None = None) -> dict:
     """Train (or resume) until the configured number of steps; returns the final metrics.
 
     `cpu_budget_s` (`bench recipe` at equal CPU-minutes): stop once the optimizer steps have used this
@@ -332,7 +373,31 @@ def fit(cfg: RunConfig, rd: RunDir, *, dist: DistInfo | None = None, show_bar: b
     over the steps the budget affords (`optim.CpuBudget`)."""
     guards.check_outputs_ours(rd.train_dir, cfg)  # before any work: never replace what is not ours
     dist = dist or init_distributed(cfg.train.parallel, cfg.target.device)
-    tr = setup(cfg, rd, dist)
+    tr = setup(cfg, rd, dist, open_feed=open_feed)
+    try:
+        return _fit(cfg, rd, tr, dist, show_bar=show_bar, cpu_budget_s=cpu_budget_s)
+    finally:
+        tr.close()
+
+
+def engine_schedule(tr: Trainer, start: int, steps: int) -> tuple[Callable[[int], tuple[int, int, list[int]]], int]:
+    """The training micro-batches of steps start..steps-1 on this rank, in the order `train_step` builds
+    them: k → (step, micro-batch, sample indices), and their count (what the engine feed prefetches)."""
+    import threading
+
+    p = tr.plan
+    plan = BatchPlan(p.train_idx, p.batch_size, p.grad_accum, p.world, p.seed)  # the feed's own copy
+    lock = threading.Lock()  # the feed's producer and the training loop both ask (BatchPlan caches one epoch)
+
+    def item(k: int) -> tuple[int, int, list[int]]:
+        step, m = divmod(k, p.grad_accum)
+        with lock:
+            return start + step, m, [i for i, _ in plan.micro_batches(start + step, tr.dist.rank)[m]]
+
+    return item, max(0, steps - start) * p.grad_accum
+
+
+def _fit(cfg, rd, tr: Trainer, dist: DistInfo, *, show_bar: bool, cpu_budget_s: float | None) -> dict:
     steps = total_steps(cfg, tr.plan)
     opt = build_optimizer(tr.drafter, cfg.train)
     if cpu_budget_s and dist.world > 1:  # each rank would measure its own CPU time, stop and schedule alone
@@ -361,6 +426,8 @@ def fit(cfg: RunConfig, rd: RunDir, *, dist: DistInfo | None = None, show_bar: b
                           tokens_per_sample=round(sum(len(tr.data.input_ids[i]) for i in tr.plan.train_idx)
                                                   / n_train, 2))
     curve.restore(start, (state or {}).get("curve"))
+    if tr.feed is not None:
+        tr.feed.start(*engine_schedule(tr, start, steps))
     log.info("training %d steps from step %d: %d train / %d held-out samples, global batch %d, world %d",
              steps, start, len(tr.plan.train_idx), len(tr.heldout), tr.plan.global_batch, dist.world)
     last, last_eval, t0, done_tokens = {}, None, time.perf_counter(), 0
@@ -430,4 +497,15 @@ def fit(cfg: RunConfig, rd: RunDir, *, dist: DistInfo | None = None, show_bar: b
                                    for k, v in last_eval.get("by_source", {}).items()} if last_eval else {}),
             **({"cpu_s": round(budget.used, 2), "cpu_budget_s": budget.seconds} if budget is not None else {}),
             **({"draft_vocab_size": int(tr.vocab.numel())} if tr.vocab is not None else {}),
-            **({"warm_start": tr.warm_start} if tr.warm_start is not None else {})}
+            **({"warm_start": tr.warm_start} if tr.warm_start is not None else {}),
+            **(feed_summary(tr.feed) if tr.feed is not None else {})}
+
+
+def feed_summary(feed: Any) -> dict:
+    """train.features=engine: the queue's measured peak on disk and what was requested (logged too)."""
+    st = feed.stats()
+    log.info("engine feed: peak %d B on disk (prefetch %d, largest micro-batch %d B); %d rows requested, "
+             "%d reused from the queue, %d on demand", st["engine_peak_disk_bytes"], st["engine_prefetch"],
+             st["engine_batch_max_bytes"], st["engine_rows_requested"], st["engine_rows_reused"],
+             st["engine_rows_on_demand"])
+    return st

@@ -5,8 +5,9 @@ Usage:
     out = side(batch)            # TargetOut: features, and the labels / KL target the recipe asks for
 
 `CachedSide`: every output the recipe needs is in the feature shards (`train.features=cached` and,
-for `train.labels=target`, their `next_ids`; for KL, their `last_hidden`): the target's layers never
-run. `OnlineSide`: the target runs on the batch — a sharded target (`train.parallel.target=shard`)
+for `train.labels=target`, their `next_ids`; for KL, their `last_hidden`) or in the engine's rows
+(`train.features=engine`, `engines/feed.py`: the same rows, staged per batch): the target's layers
+never run. `OnlineSide`: the target runs on the batch — a sharded target (`train.parallel.target=shard`)
 gives logits, a whole one its final-norm hidden state; cached features or `next_ids`, where the
 shards have them, replace the target's.
 """
@@ -38,7 +39,7 @@ class TargetOut:
 
 def cached_covers(train: TrainSection, store: FeatureStore | None) -> bool:
     """Whether the feature shards hold everything the recipe needs from the target."""
-    if train.features != "cached" or store is None:
+    if train.features not in ("cached", "engine") or store is None:
         return False
     return (train.labels != "target" or store.has("next_ids")) and (train.loss == "ce" or store.has("last_hidden"))
 
