@@ -43,7 +43,7 @@ from dflashkit.data.drift import answer_line, merge_checks, new_checks, prompt_l
 from dflashkit.data.mixing import needs_regeneration, original_answer_sources
 from dflashkit.data.records import Conversation, read_jsonl
 from dflashkit.data.shards import SHARD_GLOB, shard_name, write_parquet_shard
-from dflashkit.errors import ConfigError, MissingArtifactError, UsageError
+from dflashkit.errors import MissingArtifactError, UsageError
 from dflashkit.progress import Progress
 from dflashkit.rundir import RunDir, atomic_write_json, file_digest, write_manifest
 
@@ -113,8 +113,6 @@ def _batches(paths: list[tuple[Path, set[str] | None]], size: int) -> Iterator[l
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     t0 = time.time()
     tc = cfg.tokenize
-    if tc.shard_size < 1 or tc.batch_size < 1:
-        raise ConfigError("tokenize.shard_size and tokenize.batch_size must be >= 1")
     paths = input_paths(cfg, rd)
     src = paths[0][0]
     chat = load_chat(cfg)
