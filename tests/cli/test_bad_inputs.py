@@ -152,6 +152,11 @@ CASES: list[Case] = [
     Case("all-problems-at-once", lambda w: ["generate", w.rd(), "drafter.block_size=1", "generate.top_p=2",
                                             "server.urls=[x:1]"], 2,
          ["3 config errors", "drafter.block_size", "generate.top_p", "server.urls[0]"]),
+    # issue #20: checks once made by the stage that read them (train's recipe, tokenize's and prepare's
+    # sizes, pipeline's run.scale) are config checks now: one error lists them all, before any stage runs
+    Case("every-kind-at-once", lambda w: ["train", w.rd(), "--dry-run", "train.dpace_alpha=0", "tokenize.batch_size=0",
+                                          "run.scale=0", "data.num_prompts=0"], 2,
+         ["4 config errors", "train.dpace_alpha", "tokenize.batch_size", "run.scale", "data.num_prompts"]),
     Case("chat-template-missing", lambda w: ["tokenize", w.rd(), f"target.chat_template={w.user}/nope.jinja"], 2,
          lambda w: ["target.chat_template", f"{w.user}/nope.jinja"]),
     Case("chat-template-syntax", lambda w: ["tokenize", w.rd(), "target.chat_template=" + str(

@@ -138,3 +138,29 @@ def test_manifest_hash_comes_from_the_stage_table(tmp_path, tiny_qwen3, capsys):
     assert manifest["config_hash"] == stage_hash("probe", cfg, str(tiny_qwen3 / "config.json"))
     assert manifest["config_hash"] != stage_hash("probe", load_config(None, ["drafter.block_size=8"]),
                                                  str(tiny_qwen3 / "config.json"))
+
+
+# issue #20: the checks train, tokenize, prepare and `run` once made when they ran are config checks
+@pytest.mark.parametrize("override,key", [
+    ("train.dpace_alpha=0", "train.dpace_alpha"), ("train.dpace_alpha=1.5", "train.dpace_alpha"),
+    ("train.anchor_coverage=0", "train.anchor_coverage"), ("train.anchor_coverage=2", "train.anchor_coverage"),
+    ("train.feature_noise=-0.1", "train.feature_noise"), ("tokenize.shard_size=0", "tokenize.shard_size"),
+    ("tokenize.batch_size=0", "tokenize.batch_size"), ("data.num_prompts=0", "data.num_prompts"),
+    ("data.heldout=-1", "data.heldout"), ("data.max_turns=0", "data.max_turns"),
+    ("data.max_prompt_chars=0", "data.max_prompt_chars"), ("run.scale=0", "run.scale"),
+])
+def test_stage_option_checks_run_when_the_config_loads(override, key):
+    with pytest.raises(ConfigError) as ei:
+        config_from_dict({}, [override])
+    assert len(ei.value.problems) == 1 and ei.value.problems[0].startswith(key), ei.value.problems
+
+
+def test_stage_option_checks_accept_their_bounds_and_combine():
+    edge = ["train.dpace_alpha=1", "train.anchor_coverage=1", "train.feature_noise=0", "tokenize.shard_size=1",
+            "tokenize.batch_size=1", "data.num_prompts=1", "data.heldout=0", "data.max_turns=1",
+            "data.max_prompt_chars=1", "train.optimizer=muon", "train.parallel.mode=ddp"]
+    cfg = config_from_dict({}, edge)
+    assert cfg.train.dpace_alpha == 1 and cfg.data.heldout == 0 and cfg.train.optimizer == "muon"
+    with pytest.raises(ConfigError) as ei:
+        config_from_dict({}, ["train.optimizer=muon", "train.parallel.mode=fsdp"])
+    assert ei.value.problems == ["train.optimizer=muon does not support train.parallel.mode=fsdp (use ddp or none)"]

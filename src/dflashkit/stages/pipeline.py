@@ -41,8 +41,6 @@ def apply_scale(cfg: RunConfig) -> RunConfig:
     s = cfg.run.scale
     if s == 1.0:
         return cfg
-    if s <= 0:
-        raise UsageError(f"run.scale must be > 0, got {s}")
     cfg = dataclasses.replace(cfg)
     if cfg.data.num_prompts:
         cfg.data = dataclasses.replace(cfg.data, num_prompts=max(1, round(cfg.data.num_prompts * s)))

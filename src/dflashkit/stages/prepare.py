@@ -101,10 +101,6 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     if not d.sources:
         raise ConfigError("data.sources: no sources configured",
                           hint="add e.g. `data: {sources: [{path: sharegpt}]}` to run.yaml")
-    if d.num_prompts is not None and d.num_prompts <= 0:
-        raise ConfigError(f"data.num_prompts: must be > 0 or null, got {d.num_prompts}")
-    if d.heldout < 0 or d.max_turns < 1 or d.max_prompt_chars < 1:
-        raise ConfigError("data.heldout must be >= 0, data.max_turns and data.max_prompt_chars >= 1")
     by_source, stats = read_sources(cfg)
     total = sum(len(v) for v in by_source.values())
     if total == 0:

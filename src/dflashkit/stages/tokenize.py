@@ -38,7 +38,6 @@ from dflashkit.data.drift import answer_line, prompt_line, refuse_drift
 from dflashkit.data.tokenizing import (generate_manifest, input_paths, log_warnings, min_supervised, publish_shards,
                                        refuse_degenerate, refuse_empty, teacher_forced, tokenize_shards,
                                        tokenize_stats)
-from dflashkit.errors import ConfigError
 from dflashkit.rundir import RunDir, atomic_write_json, file_digest, write_manifest
 
 log = logging.getLogger("dflashkit.tokenize")
@@ -47,8 +46,6 @@ log = logging.getLogger("dflashkit.tokenize")
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     t0 = time.time()
     tc = cfg.tokenize
-    if tc.shard_size < 1 or tc.batch_size < 1:
-        raise ConfigError("tokenize.shard_size and tokenize.batch_size must be >= 1")
     paths = input_paths(cfg, rd)
     src = paths[0][0]
     chat = load_chat(cfg)

@@ -219,7 +219,6 @@ def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any],
 
     contract = DrafterContract.load(rd.contract_path)
     guards.check_drafter_overrides(cfg, contract, rd.contract_path)
-    check_recipe(cfg.train)
     warm = None
     if cfg.drafter.init not in ("random", "target"):  # a drafter dir: read and checked before any work
         from dflashkit.train.warm_start import check_fits, read_warm_start
@@ -301,21 +300,6 @@ def head_only(cfg: RunConfig, store: FeatureStore | None) -> bool:
     if train.features not in ("cached", "engine") or store is None or cfg.drafter.init == "target":
         return False
     return (train.labels != "target" or store.has("next_ids")) and (train.loss == "ce" or store.has("last_hidden"))
-
-
-def check_recipe(train) -> None:
-    """Range checks of the recipe keys (exit 2, naming the key)."""
-    problems = []
-    if not 0 < train.dpace_alpha <= 1:
-        problems.append(f"train.dpace_alpha {train.dpace_alpha} is outside (0, 1]")
-    if train.anchor_coverage is not None and not 0 < train.anchor_coverage <= 1:
-        problems.append(f"train.anchor_coverage {train.anchor_coverage} is outside (0, 1]")
-    if train.optimizer == "muon" and train.parallel.mode == "fsdp":
-        problems.append("train.optimizer=muon does not support train.parallel.mode=fsdp (use ddp or none)")
-    if not train.feature_noise >= 0:
-        problems.append(f"train.feature_noise {train.feature_noise} is negative")
-    if problems:
-        raise UsageError("; ".join(problems), hint="e.g. train.dpace_alpha=0.5 train.feature_noise=0")
 
 
 def total_steps(cfg: RunConfig, plan: BatchPlan) -> int:

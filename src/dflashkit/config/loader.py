@@ -1,0 +1,289 @@
+"""The config loader: strict build from YAML/dicts, dotted overrides, dump, hashing, the docs reference.
+
+Usage:
+    cfg = load_config("run.yaml", ["train.lr=3e-4", "drafter.block_size=8"])
+    cfg.train.lr                       # 0.0003
+    dump_config(cfg)                   # resolved YAML text (written to <run_dir>/config.resolved.yaml)
+
+Rules: dataclass defaults < YAML < overrides. Unknown keys are errors with a "did you mean";
+all problems are reported at once, each naming its dotted key (the checks: `validate.problems`).
+The schema itself (sections, fields, defaults, help) is `schema.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+from dflashkit.config.schema import RunConfig
+from dflashkit.config.validate import problems as validation_problems
+from dflashkit.config.validate import redact_url
+from dflashkit.errors import ConfigError, UsageError
+
+# --------------------------------------------------------------------------------------------
+# Strict build
+# --------------------------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if origin is not None:
+        return getattr(origin, "__name__", str(origin)) + "[" + ", ".join(_type_name(a) for a in get_args(tp)) + "]"
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
+    """Return `value` converted to `tp`, or append a problem naming `key`."""
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            problems.append(f"{key}: expected a mapping, got {type(value).__name__}")
+            return None
+        return _build(typing.cast(type, tp), value, key, problems)
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        trial: list[str] = []
+        for arg in non_none:
+            trial = []
+            out = _coerce(value, arg, key, trial)
+            if not trial:
+                return out
+        problems.append(trial[0] if len(non_none) == 1 else f"{key}: expected {_type_name(tp)}, got {value!r}")
+        return None
+    if origin is Literal:
+        choices = get_args(tp)
+        if value in choices and not (isinstance(value, bool) and True in choices):
+            return value
+        if isinstance(value, bool) and str(value).lower() in choices:  # YAML reads `true` as a bool
+            return str(value).lower()
+        hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        problems.append(f"{key}: {value!r} is not one of {list(choices)}"
+                        + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+        return None
+    if origin is list:
+        if not isinstance(value, list):
+            problems.append(f"{key}: expected a list, got {value!r}")
+            return None
+        (item_tp,) = get_args(tp)
+        return [_coerce(v, item_tp, f"{key}[{i}]", problems) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            problems.append(f"{key}: expected a mapping, got {value!r}")
+            return None
+        return dict(value)
+    if tp is Any:
+        return value
+    if value is None:
+        problems.append(f"{key}: must not be null (expected {_type_name(tp)})")
+        return None
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    problems.append(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    return None
+
+
+def _build(cls: type, data: dict, prefix: str, problems: list[str]) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [fl.name for fl in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+            problems.append(f"{dotted}: unknown key" + (f" (did you mean {prefix + '.' if prefix else ''}"
+                                                        f"{close[0]}?)" if close else
+                                                        f"; valid keys: {', '.join(names)}"))
+            continue
+        kwargs[key] = _coerce(value, hints[key], dotted, problems)
+    if problems:
+        # Still build so later checks can run; invalid values are replaced by defaults.
+        kwargs = {k: v for k, v in kwargs.items() if v is not None or _allows_none(hints[k])}
+    return cls(**kwargs)
+
+
+def _allows_none(tp: Any) -> bool:
+    return get_origin(tp) in (typing.Union, types.UnionType) and type(None) in get_args(tp)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=value` → ("a.b", yaml-parsed value)."""
+    if "=" not in text:
+        raise UsageError(f"override {text!r} is not key=value", hint="e.g. train.lr=3e-4")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def _set_dotted(data: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for part in parts[:-1]:
+        nxt = node.get(part)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            node[part] = nxt
+        node = nxt
+    node[parts[-1]] = value
+
+
+def config_from_dict(data: dict, overrides: list[str] | None = None, *, source: str = "<dict>") -> RunConfig:
+    """Build and validate a RunConfig; raises ConfigError listing every problem."""
+    data = json.loads(json.dumps(data or {}, default=str))
+    for ov in overrides or []:
+        key, value = parse_override(ov)
+        _set_dotted(data, key, value)
+    problems: list[str] = []
+    cfg = _build(RunConfig, data, "", problems)
+    if not problems:
+        problems = validation_problems(cfg)
+    if problems:
+        raise ConfigError(problems, hint=f"fix {source} or the key=value overrides; `docs/config.md` "
+                          "lists every key")
+    return cfg
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Read YAML (or start from defaults when `path` is None) and apply dotted overrides."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if p.is_dir():
+            raise UsageError(f"-c {p}: is a directory, not a YAML file", hint="pass -c path/to/run.yaml")
+        if not p.is_file():
+            raise UsageError(f"config file not found: {p}", hint="pass -c path/to/run.yaml")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark else str(p)
+            raise UsageError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+        if not isinstance(data, dict):
+            raise UsageError(f"{p}: top level must be a mapping of sections, got {type(data).__name__}")
+    cfg = config_from_dict(data, overrides, source=str(path) if path else "the overrides")
+    keys = set(_leaf_keys(data))
+    for ov in overrides or []:
+        key, value = parse_override(ov)
+        keys |= {key} | set(_leaf_keys(value, key))
+    set_given_keys(cfg, keys)
+    return cfg
+
+
+def _leaf_keys(data: Any, prefix: str = "") -> list[str]:
+    if not isinstance(data, dict):
+        return [prefix] if prefix else []
+    out = []
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        out += [key] + _leaf_keys(v, key)
+    return out
+
+
+def set_given_keys(cfg: RunConfig, keys: set[str] | frozenset[str]) -> None:
+    """Record the dotted keys the user wrote (YAML and overrides), for checks that must tell a value
+    the user gave from a default (`train/guards.py`)."""
+    cfg.__dict__["_given_keys"] = frozenset(keys)
+
+
+def given_keys(cfg: RunConfig) -> frozenset[str] | None:
+    """The dotted keys given in the YAML and overrides (None: a config built in code)."""
+    return cfg.__dict__.get("_given_keys")
+
+
+def config_to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """Resolved YAML; credentials inside server/bench URLs are redacted (keys live in env vars)."""
+    data = config_to_dict(cfg)
+    for section in ("server", "bench"):
+        data[section]["urls"] = [redact_url(u) for u in data[section]["urls"]]
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def _hashed(section: Any) -> Any:
+    """The dict hashed for a dataclass section: fields marked hash_default=False left out at their default."""
+    data = dataclasses.asdict(section)
+    for fl in dataclasses.fields(section):
+        if fl.metadata.get("hash_default") is False:
+            default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()  # type: ignore[misc,operator]
+            if data.get(fl.name) == default:
+                data.pop(fl.name)
+    return data
+
+
+def section_hash(*sections: Any) -> str:
+    """Stable hash of config sections (manifests use it to decide whether a stage is up to date)."""
+    blob = json.dumps([_hashed(s) if dataclasses.is_dataclass(s) else s for s in sections],
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def iter_fields(cls: type = RunConfig, prefix: str = ""):
+    """Yield (dotted key, type name, default, help) for every leaf field (docs/config.md)."""
+    hints = typing.get_type_hints(cls)
+    for fl in dataclasses.fields(cls):
+        key = f"{prefix}.{fl.name}" if prefix else fl.name
+        tp = hints[fl.name]
+        if dataclasses.is_dataclass(tp):
+            yield from iter_fields(typing.cast(type, tp), key)
+            continue
+        if get_origin(tp) is list and dataclasses.is_dataclass(get_args(tp)[0]):
+            yield key, "list", [], fl.metadata.get("help", "")
+            yield from iter_fields(get_args(tp)[0], key + "[]")
+            continue
+        default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()  # type: ignore[misc,operator]
+        yield key, _type_name(tp), default, fl.metadata.get("help", "")
+
+
+def config_reference_markdown() -> str:
+    """docs/config.md, generated from the schema (a test keeps the file in sync)."""
+    lines = ["# Config reference", "",
+             "Generated from `src/dflashkit/config/schema.py` by `python -m dflashkit.config > docs/config.md`.",
+             "Every key can be set in the run YAML or overridden on the command line as `section.key=value`.",
+             "Unknown keys are errors. Defaults < YAML < command-line overrides.", ""]
+    section = None
+    for key, tname, default, help_text in iter_fields():
+        top = key.split(".")[0]
+        if top != section:
+            section = top
+            doc = RunConfig.__dataclass_fields__[top].metadata.get("help", "")
+            lines += ["", f"## `{top}`", "", doc, "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        shown = json.dumps(default) if not isinstance(default, str) else repr(default)
+        lines.append(f"| `{key}` | {tname.replace('|', '&#124;')} | `{shown}` | {help_text.replace('|', '&#124;')} |")
+    return "\n".join(lines).strip() + "\n"

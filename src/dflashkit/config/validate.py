@@ -1,0 +1,297 @@
+"""All checks of a built config in one place: `problems(cfg)` lists every problem, each naming its key.
+
+Usage:
+    problems(cfg)                      # [] or ["train.lr: must be > 0, got 0", ...]
+
+`loader.config_from_dict` runs it on every config it builds and raises one ConfigError listing them
+all (exit 2), so a config with several mistakes is reported at once, before any stage runs. Pure
+config checks belong here (ranges, cross-field rules, the recipe, tokenize and data options,
+run.scale); a check that needs an artifact on disk (the probe contract, the tokenizer, a drafter
+dir) stays where the artifact is read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dflashkit.config.schema import DrafterSection, RunConfig
+
+
+def _at_least(problems: list[str], prefix: str, section: Any, low: int, *names: str) -> None:
+    """One problem `<prefix>.<name>: must be >= low, got v` per field `name` of `section` below `low`."""
+    for name in names:
+        value = getattr(section, name)
+        if value < low:
+            problems.append(f"{prefix}.{name}: must be >= {low}, got {value}")
+
+
+def _dflash2_problems(d: DrafterSection) -> list[str]:
+    """Range checks of the DFlash2 knobs (only with drafter.type=dflash2)."""
+    if d.type != "dflash2":
+        return []
+    p = []
+    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        if getattr(d, name) < 1:
+            p.append(f"drafter.{name}: must be >= 1, got {getattr(d, name)}")
+    for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+        v = getattr(d, name)
+        if v is not None and not v > 0:
+            p.append(f"drafter.{name}: must be > 0 (or null), got {v}")
+    if d.draft_vocab_size:
+        p.append(f"drafter.draft_vocab_size: {d.draft_vocab_size} with drafter.type=dflash2; DFlash2 draws its "
+                 "candidates from the full target head (vLLM's DFlash2 has no draft-to-target id map): use null")
+    return p
+
+
+def problems(cfg: RunConfig) -> list[str]:
+    """Cross-field checks; each message names its dotted key."""
+    p: list[str] = []
+    d, t = cfg.drafter, cfg.train
+    if d.block_size < 2:
+        p.append(f"drafter.block_size: must be >= 2 (an anchor plus at least one drafted position), "
+                 f"got {d.block_size}")
+    elif d.block_size > cfg.tokenize.max_length:
+        p.append(f"drafter.block_size: {d.block_size} is longer than the training context "
+                 f"tokenize.max_length={cfg.tokenize.max_length}")
+    if d.num_draft_layers < 1:
+        p.append(f"drafter.num_draft_layers: must be >= 1, got {d.num_draft_layers}")
+    if d.num_target_features is not None and d.num_target_features < 1:
+        p.append(f"drafter.num_target_features: must be >= 1, got {d.num_target_features}")
+    ids = d.target_layer_ids
+    if ids is not None and len(ids) == 0:
+        p.append("drafter.target_layer_ids: must not be empty (use null for the default)")
+    elif ids is not None:
+        if any(i < 0 for i in ids):
+            p.append(f"drafter.target_layer_ids: layer ids are 0-based and >= 0, got {ids}")
+        if len(set(ids)) != len(ids):
+            p.append(f"drafter.target_layer_ids: duplicated ids in {ids}")
+        elif list(ids) != sorted(ids):
+            p.append(f"drafter.target_layer_ids: must be sorted ascending, got {ids} (did you mean "
+                     f"{sorted(ids)}?)")
+        if d.num_target_features is not None and len(ids) != d.num_target_features:
+            p.append(f"drafter.target_layer_ids: {len(ids)} ids but drafter.num_target_features="
+                     f"{d.num_target_features}; give one id per feature (or leave one of them null)")
+    if d.init in ("", "none", "null"):
+        p.append(f"drafter.init: {d.init!r} is not random, target or a drafter dir")
+    if d.mask_token_id is not None and d.mask_token_id < 0:
+        p.append(f"drafter.mask_token_id: must be >= 0, got {d.mask_token_id}")
+    if d.draft_vocab_size is not None and d.draft_vocab_size < 0:
+        p.append(f"drafter.draft_vocab_size: must be > 0 (null or 0 = the full target vocab), got "
+                 f"{d.draft_vocab_size}")
+    p.extend(_dflash2_problems(d))
+    if t.selector_loss_weight < 0:
+        p.append(f"train.selector_loss_weight: must be >= 0, got {t.selector_loss_weight}")
+    for name in ("lr", "batch_size", "grad_accum", "num_anchors", "loss_chunk_blocks"):
+        if getattr(t, name) <= 0:
+            p.append(f"train.{name}: must be > 0, got {getattr(t, name)}")
+    if not 0 <= t.warmup_ratio < 1:
+        p.append(f"train.warmup_ratio: must be in [0, 1), got {t.warmup_ratio}")
+    if t.max_steps is not None and t.max_steps <= 0:
+        p.append(f"train.max_steps: must be > 0, got {t.max_steps}")
+    if len(t.betas) != 2:
+        p.append(f"train.betas: expected two numbers, got {t.betas}")
+    _at_least(p, "train", t, 0, "keep_checkpoints")
+    _at_least(p, "train", t, 1, "engine_prefetch")
+    if t.features == "engine" and cfg.capture.engine != "vllm":
+        p.append("train.features: engine needs capture.engine=vllm (train starts vLLM for target.path) or "
+                 "capture.server_url (a vLLM you run; set capture.engine=vllm too)")
+    if not 0 < cfg.capture.max_disk_fraction <= 1:
+        p.append(f"capture.max_disk_fraction: must be in (0, 1], got {cfg.capture.max_disk_fraction}")
+    _at_least(p, "capture", cfg.capture, 1, "batch_size", "concurrency")
+    if cfg.capture.server_url:
+        problem = url_problem(cfg.capture.server_url)
+        if problem:
+            p.append(f"capture.server_url: {problem}")
+        if cfg.capture.engine != "vllm":
+            p.append("capture.server_url: set, but capture.engine is local (set capture.engine=vllm)")
+    g = cfg.generate
+    _at_least(p, "generate", g, 1, "concurrency")
+    _at_least(p, "generate", g, 0, "temperature")
+    if not 0 < g.top_p <= 1:
+        p.append(f"generate.top_p: must be in (0, 1], got {g.top_p}")
+    _at_least(p, "generate", g, 1, "max_tokens", "shard_size")
+    _at_least(p, "generate", g, 0, "max_retries", "backoff_s")
+    if not cfg.run.scale > 0:
+        p.append(f"run.scale: must be > 0, got {cfg.run.scale}")
+    for name in ("timeout_s", "startup_timeout_s"):
+        if not getattr(cfg.server, name) > 0:
+            p.append(f"server.{name}: must be > 0, got {getattr(cfg.server, name)}")
+    for key, urls in (("server.urls", cfg.server.urls), ("bench.urls", cfg.bench.urls)):
+        for i, url in enumerate(urls):
+            problem = url_problem(url)
+            if problem:
+                p.append(f"{key}[{i}]: {problem}")
+    if cfg.eval.top_k < 0:
+        p.append(f"eval.top_k: must be >= 0 (0 = off), got {cfg.eval.top_k}")
+    _at_least(p, "eval", cfg.eval, 1, "num_prompts", "max_new_tokens")
+    _at_least(p, "eval", cfg.eval, 0, "warmup")
+    sv = cfg.serve
+    if not 0 <= sv.port <= 65535:
+        p.append(f"serve.port: must be in 0..65535 (0 = any free port), got {sv.port}")
+    _at_least(p, "serve", sv, 1, "max_batch", "max_new_tokens")
+    _at_least(p, "serve", sv, 0, "batch_wait_ms")
+    b = cfg.bench
+    _at_least(p, "bench", b, 1, "requests", "max_tokens", "generate_requests", "generate_concurrency")
+    if b.cpu_minutes is not None and not b.cpu_minutes > 0:
+        p.append(f"bench.cpu_minutes: must be > 0 (or null), got {b.cpu_minutes}")
+    _at_least(p, "bench", b, 1, "recipe_steps")
+    for i, m in enumerate(b.engine_methods):
+        if m not in ("dflashkit", "ar", "ngram", "dflash"):
+            p.append(f"bench.engine_methods[{i}]: {m!r} is not one of dflashkit, ar, ngram, dflash")
+    for i, c in enumerate(b.concurrency):
+        if c < 1:
+            p.append(f"bench.concurrency[{i}]: must be >= 1, got {c}")
+    p += recipe_variant_problems(b.recipe_variants)
+    _at_least(p, "eval", cfg.eval, 0, "temperature")
+    if not 0 < cfg.eval.top_p <= 1:
+        p.append(f"eval.top_p: must be in (0, 1], got {cfg.eval.top_p}")
+    _at_least(p, "eval", cfg.eval, 1, "prompt_lookup_ngram")
+    if cfg.eval.tie_tolerance is not None and cfg.eval.tie_tolerance < 0:
+        p.append(f"eval.tie_tolerance: must be >= 0 (or null), got {cfg.eval.tie_tolerance}")
+    for i, size in enumerate(cfg.eval.block_sizes):
+        if size < 1:
+            p.append(f"eval.block_sizes[{i}]: must be >= 1, got {size}")
+    _at_least(p, "tokenize", cfg.tokenize, 0, "agreement_samples")
+    for name in ("min_agreement", "max_prompt_mismatch"):
+        if not 0 <= getattr(cfg.tokenize, name) <= 1:
+            p.append(f"tokenize.{name}: must be in [0, 1], got {getattr(cfg.tokenize, name)}")
+    _at_least(p, "tokenize", cfg.tokenize, 8, "max_length")
+    if cfg.target.chat_template:
+        problem = chat_template_problem(cfg.target.chat_template)
+        if problem:
+            p.append(f"target.chat_template: {problem}")
+    for i, s in enumerate(cfg.data.sources):
+        if not s.path:
+            p.append(f"data.sources[{i}].path: required")
+        if s.weight <= 0:
+            p.append(f"data.sources[{i}].weight: must be > 0, got {s.weight}")
+    p += _stage_option_problems(cfg)
+    return p
+
+
+def _stage_option_problems(cfg: RunConfig) -> list[str]:
+    """The recipe, tokenize and data options once checked only when their stage ran (train, tokenize,
+    prepare), so a config with mistakes in several of them was reported one stage at a time."""
+    p: list[str] = []
+    t = cfg.train
+    if not 0 < t.dpace_alpha <= 1:
+        p.append(f"train.dpace_alpha {t.dpace_alpha} is outside (0, 1]")
+    if t.anchor_coverage is not None and not 0 < t.anchor_coverage <= 1:
+        p.append(f"train.anchor_coverage {t.anchor_coverage} is outside (0, 1]")
+    if t.optimizer == "muon" and t.parallel.mode == "fsdp":
+        p.append("train.optimizer=muon does not support train.parallel.mode=fsdp (use ddp or none)")
+    if not t.feature_noise >= 0:
+        p.append(f"train.feature_noise {t.feature_noise} is negative")
+    _at_least(p, "tokenize", cfg.tokenize, 1, "shard_size", "batch_size")
+    d = cfg.data
+    if d.num_prompts is not None and d.num_prompts <= 0:
+        p.append(f"data.num_prompts: must be > 0 or null, got {d.num_prompts}")
+    _at_least(p, "data", d, 0, "heldout")
+    _at_least(p, "data", d, 1, "max_turns", "max_prompt_chars")
+    return p
+
+
+VARIANT_NAME = r"[A-Za-z0-9][A-Za-z0-9._=+,-]{0,63}"  # one path component under bench/recipe/, never `..`
+
+
+def recipe_variant_problems(variants: dict[str, Any]) -> list[str]:
+    """`bench.recipe_variants`: each name a plain folder name (it becomes `bench/recipe/<name>/`), each
+    value a list of `key=value` strings (a bare string would be read character by character)."""
+    import re
+
+    p = []
+    for name, over in variants.items():
+        key = f"bench.recipe_variants.{name}"
+        if not re.fullmatch(VARIANT_NAME, str(name)) or ".." in str(name):
+            p.append(f"{key}: the variant name becomes the folder bench/recipe/<name>/ and must be a plain name "
+                     f"(letters, digits, . _ = + , -; no '/', no '..'), got {name!r}")
+        if isinstance(over, str):
+            p.append(f"{key}: expected a list of key=value overrides, got the string {over!r} "
+                     f"(write [{over}])")
+        elif not isinstance(over, list):
+            p.append(f"{key}: expected a list of key=value overrides, got {over!r}")
+        else:
+            for i, o in enumerate(over):
+                if not isinstance(o, str) or "=" not in o:
+                    p.append(f"{key}[{i}]: expected a key=value override such as train.lr=1e-3, got {o!r}")
+    return p
+
+
+def chat_template_problem(path: str) -> str | None:
+    """Why the Jinja chat template file at `path` cannot be used (missing, not UTF-8, a syntax error
+    named `file:line`), or None. Parsed the way transformers compiles templates (loop controls and
+    its `{% generation %}` tag allowed); nothing is rendered."""
+    import jinja2
+    from jinja2.ext import Extension
+
+    class _Generation(Extension):  # transformers' assistant-mask tag: parse its body, ignore the tag
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        return f"file not found: {p}"
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"{p}: not UTF-8 (byte at offset {e.start})"
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _Generation]).compile(text)
+    except jinja2.TemplateSyntaxError as e:  # TemplateAssertionError (an unknown filter or test) is one too
+        kind = "syntax error" if type(e) is jinja2.TemplateSyntaxError else "error"
+        return f"{p}:{e.lineno}: Jinja {kind}: {e.message}"
+    return None
+
+
+def url_problem(url: str) -> str | None:
+    """Why `url` cannot be an OpenAI-compatible base URL, or None (scheme http/https, a host, a valid port)."""
+    from urllib.parse import urlsplit
+
+    if "://" not in url:
+        shown = redact_url(url)
+        return (f"{shown!r} has no scheme (it would not reach the port you meant); write "
+                f"'http://{shown}'")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        return f"{redact_url(url)!r}: {e}"
+    if parts.scheme not in ("http", "https"):
+        return f"{redact_url(url)!r}: scheme {parts.scheme!r} is not http or https"
+    if not parts.hostname:
+        return f"{redact_url(url)!r} has no host"
+    if port is not None and port == 0:
+        return f"{redact_url(url)!r}: port 0 is not a server port"
+    return None
+
+
+_SECRET_QUERY = ("key", "token", "secret", "password", "passwd", "pwd", "sig", "auth")
+
+
+def redact_url(url: str) -> str:
+    """`url` with credentials hidden, for logs and files.
+
+    `http://u:pw@h/v1?api_key=k` → `http://***@h/v1?api_key=***`."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+    url = str(url)
+    schemeless = "://" not in url  # `u:pw@host:1/v1`: parse it as `//u:pw@host:1/v1`, show it as given
+    try:
+        parts = urlsplit("//" + url if schemeless else url)
+    except ValueError:
+        return "<unparseable url>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode([(k, "***" if any(s in k.lower() for s in _SECRET_QUERY) else v) for k, v in pairs],
+                          safe="*")
+    out = urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    return out.removeprefix("//") if schemeless else out
