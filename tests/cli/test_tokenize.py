@@ -173,6 +173,57 @@ def test_workers_give_identical_output(tmp_path, capsys, tiny_qwen3):
     assert one == two and stats1["shards"] == stats2["shards"]
 
 
+def test_a_worker_stuck_in_native_code_does_not_hang_the_stage(tmp_path, capsys, tiny_qwen3, monkeypatch):
+    """One forked worker blocks forever in native code (a pthread mutex locked twice: no Python bytecode
+    runs, so a Python SIGTERM handler inherited from the CLI never would); the other does every batch.
+    The pool's closing terminate() must still end it: the stage returns with the same shards as one
+    process. An alarm turns the former hang into a failure."""
+    import ctypes
+    import os
+    import signal
+
+    from dflashkit.data import tokenizing
+
+    rows = convs([f"{a} Variant {i}." for i in range(3) for a in ANSWERS])
+    run_dir = setup(tmp_path, tiny_qwen3, rows, batch_size=2, shard_size=4)
+    assert tokenize(tmp_path, capsys, "tokenize.workers=1")[0] == 0
+    one = [(r["id"], r["input_ids"].tolist()) for r in tokenized_rows(run_dir)]
+    claim = tmp_path / "stuck-worker"
+    init = tokenizing._init_worker
+
+    def stuck_once(chat):
+        try:
+            os.close(os.open(claim, os.O_CREAT | os.O_EXCL))  # the first worker only
+        except FileExistsError:
+            return init(chat)
+        libc = ctypes.CDLL(None)
+        mutex = ctypes.create_string_buffer(64)
+        libc.pthread_mutex_init(mutex, None)
+        libc.pthread_mutex_lock(mutex)
+        libc.pthread_mutex_lock(mutex)  # never returns
+
+    hung = []
+
+    def alarm(*_):
+        import multiprocessing
+
+        hung.append(True)
+        for child in multiprocessing.active_children():  # end the hang (the test then fails below)
+            child.kill()
+
+    monkeypatch.setattr(tokenizing, "_init_worker", stuck_once)
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(120)
+    try:
+        code, out = tokenize(tmp_path, capsys, "tokenize.workers=2")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert not hung, "tokenize hung on the stuck worker until the alarm killed it"
+    assert claim.exists() and code == 0, out
+    assert [(r["id"], r["input_ids"].tolist()) for r in tokenized_rows(run_dir)] == one
+
+
 def test_bench_tokenize(tmp_path, capsys, tiny_qwen3):
     run_dir = setup(tmp_path, tiny_qwen3, convs(ANSWERS * 4))
     code = main(["bench", "tokenize", "-c", str(tmp_path / "run.yaml"), "--json"])

@@ -16,6 +16,7 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
@@ -244,9 +245,28 @@ def _results(chat: ChatTemplate, batches: Iterator[list[Conversation]], tc: Any)
         for batch in batches:
             yield _work(batch, tc, chat)
         return
-    with multiprocessing.get_context("fork").Pool(workers, initializer=_init_worker, initargs=(chat,)) as pool:
+    with _forked_pool(workers, chat) as pool:
         while window := list(islice(batches, 4 * workers)):  # bounded read-ahead
             yield from pool.imap(partial(_work, tc=tc), window)
+
+
+def _forked_pool(workers: int, chat: ChatTemplate) -> Any:
+    """The fork pool, its workers forked with SIGTERM at the default action.
+
+    The CLI's SIGTERM handler is Python code, which a worker only runs between bytecodes of its main
+    thread; a worker stuck in native code (a lock some other parent thread held at the fork) then
+    ignores the pool's closing `terminate()`, and the parent's join waits forever — seen under load in
+    the test suite: all batches done, the parent hung in `Pool.__exit__`. With the default action the
+    kernel ends the worker wherever it is."""
+    ctx = multiprocessing.get_context("fork")
+    try:
+        previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except ValueError:  # not the main thread: nothing installed a Python handler here
+        return ctx.Pool(workers, initializer=_init_worker, initargs=(chat,))
+    try:
+        return ctx.Pool(workers, initializer=_init_worker, initargs=(chat,))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def refuse_empty(rd: RunDir, paths: list[Path]) -> None:
