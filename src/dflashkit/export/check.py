@@ -56,12 +56,9 @@ def reload_check(source: Any, export_dir: Path, head: Any, atol: float) -> dict[
             f"shipped dflash.py vs our loader {diff_shipped:.3g} (allowed {atol * scale:.3g} / {1e-4 * scale:.3g})",
             hint="nothing was replaced; try export.dtype=float32 or raise export.check_atol")
     top1 = (la.argmax(-1) == lr.argmax(-1)).float().mean().item()
-    walk = {}
-    if c.is_dflash2:  # the selector's path too: exact when the export is float32
-        from dflashkit.export.dflash2 import walk_check
+    from dflashkit.export.dflash2 import reload_walk_check
 
-        exact = next(v.dtype for v in ours.state_dict().values() if v.is_floating_point()) == torch.float32
-        walk = walk_check(source, ours, head, exact=exact)
+    walk = reload_walk_check(source, ours, head)  # the selector's path too (DFlash2)
     return {"max_diff_vs_source": diff_export, "max_diff_shipped_vs_ours": diff_shipped, "logit_scale": scale,
             "top1_agreement": top1, "compared": "logits" if head is not None else "hidden states", **walk}
 

@@ -49,6 +49,15 @@ def check_dflash2_tensors(contract: Any, have: set[str], want: set[str], *, weig
                          "conv_group_size, selector_rank, selector_top_k (or re-export)")
 
 
+def reload_walk_check(source: Any, reloaded: Any, head: torch.Tensor | None) -> dict[str, Any]:
+    """The export reload check's selector part: `walk_check` for a DFlash2 drafter (exact when the export is
+    float32), nothing for DFlash. One place for both export formats."""
+    if not source.contract.is_dflash2:
+        return {}
+    exact = next(v.dtype for v in reloaded.state_dict().values() if v.is_floating_point()) == torch.float32
+    return walk_check(source, reloaded, head, exact=exact)
+
+
 def walk_check(source: Any, reloaded: Any, head: torch.Tensor | None, *, exact: bool,
                blocks: int = 3, context: int = 6) -> dict[str, Any]:
     """Source vs reloaded DFlash2 drafter on a fixed input: unary logits and the greedy walk.

@@ -320,12 +320,9 @@ def check_speculators(source: DFlashDraftModel, export_dir: Path, head: torch.Te
                              f"{diff:.3g} (allowed {atol * scale:.3g})",
                              hint="nothing was replaced; try export.dtype=float32 or raise export.check_atol")
     top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    walk = {}
-    if c.is_dflash2:  # the selector's path too: exact when the export is float32
-        from dflashkit.export.dflash2 import walk_check
+    from dflashkit.export.dflash2 import reload_walk_check
 
-        exact = next(v.dtype for v in back.state_dict().values() if v.is_floating_point()) == torch.float32
-        walk = walk_check(source, back, head, exact=exact)
+    walk = reload_walk_check(source, back, head)  # the selector's path too (DFlash2)
     return {"max_diff_vs_source": diff, "logit_scale": scale, "top1_agreement": top1, "compared": "logits", **walk}
 
 
