@@ -4,7 +4,8 @@
   `<rd>.root / "<stage>"` or `stage_dir("<stage>") / "<file>"` by hand;
 - each format's writer and reader are defined once, in its owner module, and only the owners import
   the format's library (pyarrow for Parquet shards, safetensors for tensor files);
-- the feature shards' metadata keys are spelled only in their owner.
+- the feature shards' metadata keys are spelled only in their owner;
+- every stage's manifest `config_hash` is the stage table's `stage_hash` (report's is empty: it reads no config).
 """
 
 from __future__ import annotations
@@ -122,6 +123,32 @@ def test_feature_shard_metadata_is_spelled_by_its_owner_only():
     assert string_users(_modules(), FEATURE_META_KEYS) == {"dflashkit.data.features"}
 
 
+def manifest_hashes_not_from_the_table(trees: dict[str, ast.Module]) -> list[str]:
+    """`write_manifest(..., config_hash=X)` calls whose X is not `stage_hash(...)` (or ""). A library function
+    may pass on a `config_hash` parameter (export/speculators.py: its stage gives it `stage_hash("export", cfg)`)."""
+    bad = []
+    for mod, tree in trees.items():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "write_manifest"):
+                continue
+            for kw in node.keywords:
+                v = kw.value
+                ok = (isinstance(v, ast.Call) and getattr(v.func, "id", None) == "stage_hash") or \
+                    (isinstance(v, ast.Constant) and v.value == "") or \
+                    (isinstance(v, ast.Name) and not mod.startswith("dflashkit.stages."))
+                if kw.arg == "config_hash" and not ok:
+                    bad.append(f"{mod}:{node.lineno}")
+    return bad
+
+
+def test_manifest_hashes_come_from_the_stage_table():
+    trees = _modules()
+    bad = manifest_hashes_not_from_the_table(trees)
+    assert not bad, "manifest config_hash not from stage_table.stage_hash:\n  " + "\n  ".join(bad)
+    assert sum(isinstance(n, ast.Call) and getattr(n.func, "id", None) == "write_manifest"
+               for t in trees.values() for n in ast.walk(t)) >= 10  # the scan sees the stages' calls
+
+
 def test_the_checks_can_fail():
     planted = {
         "dflashkit.x": ast.parse('p = rd.root / "train" / "best"\nq = rd.stage_dir("eval") / "results.json"\n'
@@ -132,3 +159,7 @@ def test_the_checks_can_fail():
     assert library_importers(planted, "safetensors") == {"dflashkit.x"}
     assert definitions(planted, {"write_shard"}) == {"write_shard": ["dflashkit.x"]}
     assert string_users(planted, FEATURE_META_KEYS) == {"dflashkit.x"}
+    hashed = {"dflashkit.stages.y": ast.parse('write_manifest(d, stage="eval", config_hash=section_hash(cfg.eval))\n'
+                                       'write_manifest(d, stage="eval", config_hash=stage_hash("eval", cfg))\n'
+                                       'write_manifest(d, stage="eval", config_hash=h)\n')}
+    assert manifest_hashes_not_from_the_table(hashed) == ["dflashkit.stages.y:1", "dflashkit.stages.y:3"]

@@ -23,11 +23,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from dflashkit.config import RunConfig, section_hash
+from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
 from dflashkit.decode.evaluation import (block_sizes_for, choose_dtype, decode_inputs, evaluate, load_checked_target,
                                          mismatch_error, results_table, verify_target_config)
 from dflashkit.rundir import RunDir, atomic_write_json, write_manifest
+from dflashkit.stage_table import stage_hash
 
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
@@ -47,7 +48,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     res = evaluate(cfg, rd, inputs, target, ids, block_sizes, choice)
     out = rd.stage_dir("eval")
     atomic_write_json(out / "results.json", res)
-    write_manifest(out, stage="eval", config_hash=section_hash(cfg.eval, cfg.target), started=t0,
+    write_manifest(out, stage="eval", config_hash=stage_hash("eval", cfg), started=t0,
                    inputs={"drafter": str(drafter_dir)}, counts={"prompts": len(ids), "block_sizes": len(block_sizes)},
                    outputs=["results.json"])
     if not ctx.json:

@@ -25,7 +25,7 @@ import sys
 import time
 from contextlib import ExitStack
 
-from dflashkit.config import RunConfig, redact_url, section_hash
+from dflashkit.config import RunConfig, redact_url
 from dflashkit.context import StageContext
 from dflashkit.data.mixing import original_answer_sources
 from dflashkit.errors import PartialFailure, PermanentFailure
@@ -33,6 +33,7 @@ from dflashkit.generate.openai_client import permanent_reason
 from dflashkit.generate.conversations import load_prepared, plan_turns
 from dflashkit.generate.regenerate import generate_conversations
 from dflashkit.rundir import RunDir, file_digest, write_manifest
+from dflashkit.stage_table import stage_hash
 
 log = logging.getLogger("dflashkit.generate")
 
@@ -65,7 +66,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     summary, reasons = out.summary, out.summary["failed_by_reason"]
     skipped = summary["turns_skipped_done"]
     urls = out.urls or list(cfg.server.urls)
-    write_manifest(stage_dir, stage="generate", config_hash=section_hash(cfg.generate, cfg.server.model),
+    write_manifest(stage_dir, stage="generate", config_hash=stage_hash("generate", cfg),
                    inputs={"prepare/train.jsonl": file_digest(src)}, counts=summary,
                    outputs=["conversations.jsonl", "failures.jsonl", "shards/"], started=t0,
                    extra={"model": out.settings.get("model"), "server_urls": [redact_url(u) for u in urls]

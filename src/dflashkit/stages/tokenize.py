@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflashkit.config import RunConfig, section_hash
+from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
 from dflashkit.data.agreement import agreement_lines
 from dflashkit.data.chat import load_chat
@@ -39,6 +39,7 @@ from dflashkit.data.tokenizing import (generate_manifest, input_paths, log_warni
                                        refuse_degenerate, refuse_empty, teacher_forced, tokenize_shards,
                                        tokenize_stats)
 from dflashkit.rundir import RunDir, atomic_write_json, file_digest, write_manifest
+from dflashkit.stage_table import stage_hash
 
 log = logging.getLogger("dflashkit.tokenize")
 
@@ -76,7 +77,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     stats = tokenize_stats(cfg, paths, need, tok, agreement, elapsed)
     atomic_write_json(out / "stats.json", stats)
     write_manifest(out, stage="tokenize",
-                   config_hash=section_hash(tc, cfg.target.tokenizer, cfg.target.chat_template),
+                   config_hash=stage_hash("tokenize", cfg),
                    inputs={"conversations": {"path": str(src), "digest": file_digest(src)},
                            **{f"conversations{i}": {"path": str(p), "digest": file_digest(p)}
                               for i, (p, _) in enumerate(paths[1:], 1)}},
