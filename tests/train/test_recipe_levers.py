@@ -13,7 +13,8 @@ import torch
 from dflashkit.model.feature_scale import channel_scale, fold_feature_scale
 from dflashkit.train.data import hold_out_sources
 from dflashkit.train.objective import sample_anchors
-from dflashkit.train.optim import CpuBudget, MuonAdamW, build_optimizer, build_scheduler, lr_factor
+from dflashkit.train.optim import (CpuBudget, Fp32Muon, MuonAdamW, build_optimizer, build_scheduler, lr_factor,
+                                  newton_schulz_fp32)
 
 
 def _train(kind: str, **kw):
@@ -48,6 +49,35 @@ def test_muon_orthogonalises_the_2d_updates_and_leaves_the_rest_to_adamw():
     # the 1-D parameters moved by AdamW's first step: lr·sign(g) exactly
     b_delta = m[0].bias.detach() - before[1]
     assert torch.allclose(b_delta.abs(), torch.full_like(b_delta, 1e-2), rtol=1e-3)
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24)])
+def test_fp32_muon_follows_torch_muon(shape):
+    """Fp32Muon (Newton-Schulz in float32, for CPUs without fast bf16) takes torch.optim.Muon's steps: same
+    momentum, Nesterov, lr adjustment and weight decay; only the orthogonalisation's rounding differs (bf16 there)."""
+    torch.manual_seed(0)
+    w0 = torch.randn(*shape)
+    grads = [torch.randn(*shape) for _ in range(5)]
+    moved = []
+    for cls in (torch.optim.Muon, Fp32Muon):
+        w = torch.nn.Parameter(w0.clone())
+        opt = cls([w], lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+        for g in grads:
+            w.grad = g.clone()
+            opt.step()
+        moved.append(w.detach() - w0)
+    rel = float((moved[0] - moved[1]).norm() / moved[0].norm())
+    assert rel < 0.02, rel  # bf16 rounding of the torch side; a wrong scale, momentum or decay is far off
+    # the float32 function is the quintic iteration itself: a float64 loop of it as the oracle
+    g = grads[0]
+    x = g.double() if g.size(0) <= g.size(1) else g.double().T
+    x = x / x.norm()
+    for _ in range(5):
+        gram = x @ x.T
+        x = 3.4445 * x + (-4.7750 * gram + 2.0315 * gram @ gram) @ x
+    x = x if g.size(0) <= g.size(1) else x.T
+    ours = newton_schulz_fp32(g, (3.4445, -4.7750, 2.0315), 5, 1e-7).double()
+    assert float((ours - x).abs().max()) < 1e-4
 
 
 def test_muon_state_round_trips_through_state_dict():

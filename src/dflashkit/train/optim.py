@@ -25,11 +25,66 @@ def build_optimizer(model: torch.nn.Module, train) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay,
                                  eps=1e-8, foreach=False)
     matrices, rest = muon_split(model)
-    muon = torch.optim.Muon(matrices, lr=train.lr, weight_decay=train.weight_decay, momentum=train.muon_momentum,
-                            adjust_lr_fn="match_rms_adamw")
+    dev = matrices[0].device if matrices else torch.device("cpu")
+    muon_cls = torch.optim.Muon if fast_bf16(dev) else Fp32Muon
+    muon = muon_cls(matrices, lr=train.lr, weight_decay=train.weight_decay, momentum=train.muon_momentum,
+                    adjust_lr_fn="match_rms_adamw")
     adamw = torch.optim.AdamW(rest or [torch.nn.Parameter(torch.zeros(1))], lr=train.lr, betas=tuple(train.betas),
                               weight_decay=train.weight_decay, eps=1e-8, foreach=False)
     return MuonAdamW(muon, adamw)
+
+
+def fast_bf16(device: torch.device) -> bool:
+    """Whether bf16 matrix products are fast here: CUDA, or a CPU with AMX-BF16."""
+    from dflashkit.model.target import cpu_facts
+
+    return device.type == "cuda" or (device.type == "cpu" and "amx_bf16" in cpu_facts().get("bf16", []))
+
+
+def newton_schulz_fp32(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
+                       eps: float) -> torch.Tensor:
+    """Muon's quintic Newton-Schulz orthogonalisation of a 2-D update, in float32 (torch.optim.Muon's runs in
+    bfloat16, which on a CPU without AMX-BF16 made a demo Muon step cost 52 CPU-s instead of AdamW's 3.9)."""
+    a, b, c = coefficients
+    x = g.float()
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+class Fp32Muon(torch.optim.Muon):
+    """torch.optim.Muon (same hyper-parameters, state and checkpoints) with the Newton-Schulz iteration in
+    float32: the update where bfloat16 products are slow (CPUs without AMX-BF16). Elsewhere torch's own runs."""
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, wd, mom = float(group["lr"]), group["weight_decay"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - mom)
+                update = p.grad.lerp(buf, mom) if group["nesterov"] else buf
+                update = newton_schulz_fp32(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                rows, cols = p.shape[:2]
+                scale = 0.2 * math.sqrt(max(rows, cols)) if group["adjust_lr_fn"] == "match_rms_adamw" \
+                    else math.sqrt(max(1, rows / cols))
+                p.mul_(1 - lr * wd)
+                p.add_(update.to(p.dtype), alpha=-lr * scale)
+        return loss
 
 
 def lr_factor(step: int, total: int, warmup_ratio: float, min_lr_ratio: float) -> float:
