@@ -278,12 +278,13 @@ class RunDir:
 
     @property
     def prepared_train(self) -> Path:
-        """`prepare/train.jsonl` prepared conversations (owner: data/records.py)."""
+        """`prepare/train.jsonl` prepared conversations (owner: data/records.py: `write_prepared`, `read_prepared`,
+        `prepared_file`)."""
         return self.root / "prepare" / "train.jsonl"
 
     @property
     def prepared_heldout(self) -> Path:
-        """`prepare/heldout.jsonl` held-out prompts (owner: data/records.py)."""
+        """`prepare/heldout.jsonl` held-out prompts (owner: data/records.py: `write_prepared`, `prepared_file`)."""
         return self.root / "prepare" / "heldout.jsonl"
 
     @property
@@ -293,8 +294,14 @@ class RunDir:
 
     @property
     def conversations_path(self) -> Path:
-        """`generate/conversations.jsonl` regenerated conversations (owner: generate/conversations.py)."""
+        """`generate/conversations.jsonl` regenerated conversations (owner: generate/conversations.py:
+        `write_conversations`, `regenerated_file`; also failures.jsonl and settings.json)."""
         return self.root / "generate" / "conversations.jsonl"
+
+    @property
+    def generate_failures(self) -> Path:
+        """`generate/failures.jsonl` the turns that failed (owner: generate/conversations.py `write_failures`)."""
+        return self.root / "generate" / "failures.jsonl"
 
     @property
     def tokenize_dir(self) -> Path:
@@ -312,32 +319,38 @@ class RunDir:
 
     @property
     def train_dir(self) -> Path:
-        """`train/`: metrics.jsonl, curve.json, checkpoints/, final/, best/ (owner: train/checkpoint.py)."""
+        """`train/`: checkpoints/, final/, best/ (owner: train/checkpoint.py), metrics.jsonl, curve.json
+        (owner: train/logging.py)."""
         return self.root / "train"
 
     @property
     def checkpoints_dir(self) -> Path:
+        """`train/checkpoints/step-*` (owner: train/checkpoint.py: `save_checkpoint`, `load_checkpoint`)."""
         return self.train_dir / "checkpoints"
 
     @property
     def final_dir(self) -> Path:
+        """`train/final/` (owner: train/checkpoint.py `save_final`; loaded by export/hf.py `load_drafter`)."""
         return self.train_dir / "final"
 
     @property
     def best_dir(self) -> Path:
+        """`train/best/` + best.json (owner: train/checkpoint.py: `save_final(best=...)`, `read_best`)."""
         return self.train_dir / "best"
 
     @property
     def train_metrics(self) -> Path:
+        """`train/metrics.jsonl` (owner: train/logging.py: `MetricSink`, `read_metrics`)."""
         return self.train_dir / "metrics.jsonl"
 
     @property
     def train_curve(self) -> Path:
+        """`train/curve.json` (owner: train/logging.py: `LearningCurve`, `read_curve`)."""
         return self.train_dir / "curve.json"
 
     @property
     def eval_results(self) -> Path:
-        """`eval/results.json` (owner: stages/evaluate.py)."""
+        """`eval/results.json` (owner: decode/evaluation.py: `write_eval_results`, `read_eval_results`)."""
         return self.root / "eval" / "results.json"
 
     @property
@@ -350,7 +363,7 @@ class RunDir:
         return self.root / "bench"
 
     def bench_result(self, subject: str) -> Path:
-        """`bench/<subject>.json` (owner: stages/bench.py)."""
+        """`bench/<subject>.json` (owner: bench/results.py: `write_bench_result`, `read_bench_result`)."""
         return self.bench_dir / f"{subject}.json"
 
     @property
@@ -360,6 +373,7 @@ class RunDir:
 
     @property
     def verify_engine_results(self) -> Path:
+        """`verify-engine/results.json` (owner: engines/verify.py: `write_engine_results`, `read_engine_results`)."""
         return self.verify_engine_dir / "results.json"
 
     @property

@@ -64,11 +64,11 @@ async def _client_rate(url: str, n: int, concurrency: int, warmup: int) -> dict[
 
 def _stage_rate(url: str, n: int, concurrency: int) -> dict[str, float]:
     from dflashkit.config import config_from_dict
-    from dflashkit.generate.conversations import load_prepared
+    from dflashkit.data.records import read_prepared
     from dflashkit.generate.regenerate import generate_conversations
 
     with tempfile.TemporaryDirectory(prefix="dflashkit-bench-") as tmp:
-        src = Path(tmp) / "train.jsonl"
+        src = Path(tmp) / "prompts.jsonl"
         lines = [json.dumps({"id": f"{i:016x}", "source": "bench",
                              "messages": [{"role": "user", "content": f"prompt {i}"}]}) for i in range(n)]
         src.write_text("\n".join(lines) + "\n")
@@ -77,7 +77,7 @@ def _stage_rate(url: str, n: int, concurrency: int) -> dict[str, float]:
         cpu0, t0 = time.process_time(), time.perf_counter()
         stage_dir = Path(tmp) / "generate"
         stage_dir.mkdir()
-        out = generate_conversations(cfg, load_prepared(src), stage_dir, servers=lambda: [url])
+        out = generate_conversations(cfg, read_prepared(src), stage_dir, servers=lambda: [url])
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     assert out.summary["turns_ok"] == n
     return {"requests": n, "wall_s": round(wall, 4), "requests_per_s": round(n / wall, 1),

@@ -87,16 +87,9 @@ async def _sweep_one(url: str, model: str, prompts: list[str], concurrency: int,
 
 
 def _prompts(rd) -> list[str]:
-    path = rd.prepared_heldout
-    out: list[str] = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                msgs = json.loads(line)["messages"]
-                out += [m["content"] for m in msgs if m["role"] == "user"][:1]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue
-    return out or DEFAULT_PROMPTS
+    from dflashkit.data.records import heldout_user_prompts
+
+    return heldout_user_prompts(rd) or DEFAULT_PROMPTS
 
 
 def bench_serve(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:

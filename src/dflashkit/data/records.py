@@ -1,4 +1,5 @@
-"""The conversation record every data stage reads and writes, its content id, and JSONL I/O.
+"""The conversation record every data stage reads and writes, its content id, and JSONL I/O; the owner of
+prepare's outputs `prepare/train.jsonl` and `prepare/heldout.jsonl` (`RunDir.prepared_train`, `prepared_heldout`).
 
 Usage:
     conv = Conversation.from_messages("sharegpt", [{"role": "user", "content": "Hi"}])
@@ -6,6 +7,13 @@ Usage:
     write_jsonl(path, [c.to_dict() for c in convs])        # atomic, byte-identical on re-runs
     for line_no, obj in read_jsonl(path, on_malformed="fail"):   # UsageError names file:line
         ...
+    for conv in iter_conversations(path): ...               # Conversation per record (tokenize)
+
+Prepared conversations: `write_prepared(rd, train, heldout)` is their only writer (the prepare stage);
+`read_prepared(path)` reads the train split for `generate` (strict: ids, roles, no duplicates), and
+`prepared_file(rd, split)` hands the file to the record readers above (tokenize: `iter_conversations`;
+eval's held-out prompts: `read_jsonl`), exit 3 naming it when it is missing. `prepared_lines` (the
+data-size estimate) and `heldout_user_prompts` (`bench serve`'s prompts) are built on them.
 
 Record layout (`prepare/train.jsonl`, `prepare/heldout.jsonl`, `generate/conversations.jsonl`):
     {"id": "<16 hex>", "source": "<name>", "messages": [{"role": ..., "content": ...}], "meta": {...}}
@@ -23,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from dflashkit.errors import UsageError
+from dflashkit.errors import MissingArtifactError, UsageError
 from dflashkit.rundir import atomic_path
 
 ROLES = ("system", "user", "assistant")
@@ -147,3 +155,88 @@ def write_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> int:
             fh.write(dumps_record(row) + "\n")
             n += 1
     return n
+
+
+def iter_conversations(path: str | Path) -> Iterator[Conversation]:
+    """Every record of a conversation file (prepare's or generate's), parsed; UsageError names file:line."""
+    for line_no, obj in read_jsonl(path, on_malformed="fail"):
+        yield Conversation.from_dict(obj, f"{path}:{line_no}")
+
+
+# -- prepared conversations: prepare/train.jsonl, prepare/heldout.jsonl ----------------------------------
+PREPARED_WHAT = {"train": "prepared conversations", "heldout": "held-out prompts"}
+
+
+def write_prepared(rd: Any, train: Iterable[dict[str, Any]], heldout: Iterable[dict[str, Any]]) -> list[Path]:
+    """Write `prepare/train.jsonl` and `prepare/heldout.jsonl` (each atomically); returns their paths."""
+    write_jsonl(rd.prepared_train, train)
+    write_jsonl(rd.prepared_heldout, heldout)
+    return [rd.prepared_train, rd.prepared_heldout]
+
+
+def prepared_file(rd: Any, split: str = "train") -> Path:
+    """The path of prepare's `split` file ("train" | "heldout").
+
+    Raises:
+        MissingArtifactError: the file does not exist (exit 3; run `dflashkit prepare`)."""
+    path = rd.prepared_train if split == "train" else rd.prepared_heldout
+    if not path.is_file():
+        raise MissingArtifactError(PREPARED_WHAT[split], path, run="dflashkit prepare -c run.yaml")
+    return path
+
+
+def prepared_lines(rd: Any) -> tuple[int, Path] | None:
+    """(non-empty lines, path) of `prepare/train.jsonl`, or None when it does not exist."""
+    path = rd.prepared_train
+    if not path.is_file():
+        return None
+    with open(path, "rb") as fh:
+        return sum(1 for line in fh if line.strip()), path
+
+
+def heldout_user_prompts(rd: Any) -> list[str]:
+    """The first user message of each held-out conversation ([] when there is no held-out file); lines that
+    are not records are skipped."""
+    path = rd.prepared_heldout
+    out: list[str] = []
+    if path.is_file():
+        for _, obj in read_jsonl(path, on_malformed="skip"):
+            try:
+                out += [m["content"] for m in obj["messages"] if m["role"] == "user"][:1]
+            except (KeyError, TypeError):
+                continue
+    return out
+
+
+def read_prepared(path: Path) -> list[dict[str, Any]]:
+    """Read `prepare/train.jsonl`; a malformed line is a UsageError naming file:line."""
+    if not path.is_file():
+        raise MissingArtifactError("prepared conversations", path, run="dflashkit prepare -c run.yaml")
+    convs: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    with open(path, "rb") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                rec = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise UsageError(f"{where}: not UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1})",
+                                 hint="re-run `dflashkit prepare -c run.yaml`") from None
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{where}: not JSON ({e.msg})",
+                                 hint="re-run `dflashkit prepare -c run.yaml`") from None
+            msgs = rec.get("messages") if isinstance(rec, dict) else None
+            if not isinstance(rec, dict) or not isinstance(rec.get("id"), str) or not isinstance(msgs, list):
+                raise UsageError(f"{where}: expected {{\"id\": str, \"messages\": [...]}}",
+                                 hint="re-run `dflashkit prepare -c run.yaml`")
+            for j, m in enumerate(msgs):
+                if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                    raise UsageError(f"{where}: messages[{j}] needs a role in {ROLES} and string content",
+                                     hint="re-run `dflashkit prepare -c run.yaml`")
+            if rec["id"] in seen:
+                raise UsageError(f"{where}: duplicate id {rec['id']!r}", hint="re-run `dflashkit prepare -c run.yaml`")
+            seen.add(rec["id"])
+            convs.append(rec)
+    return convs

@@ -3,7 +3,7 @@ the chat template, the per-batch counters, the checks that refuse a degenerate d
 stats `tokenize/stats.json` holds (the stage writes it; the shard format is `data/shards.py`).
 
 Usage:
-    paths = input_paths(cfg, rd)                  # [(jsonl, sources to keep or None)]
+    paths = input_paths(cfg, rd, regenerated_file)   # [(jsonl, sources to keep or None)]
     tok = tokenize_shards(cfg, chat, paths, min_supervised(cfg, rd), staging_dir)
     refuse_degenerate(tok.totals, ...); agreement = teacher_forced(cfg, rd, tok.pick)
     publish_shards(staging_dir, rd.tokenize_dir, tok.shards)
@@ -22,15 +22,15 @@ from dataclasses import dataclass, field
 from functools import partial
 from itertools import islice
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from dflashkit.data.agreement import Reservoir, check_sources
 from dflashkit.data.chat import ChatTemplate, tokenize_batch
 from dflashkit.data.drift import merge_checks, new_checks
 from dflashkit.data.mixing import needs_regeneration, original_answer_sources
-from dflashkit.data.records import Conversation, read_jsonl
+from dflashkit.data.records import Conversation, iter_conversations, prepared_file
 from dflashkit.data.shards import SHARD_GLOB, shard_name, write_parquet_shard
-from dflashkit.errors import MissingArtifactError, UsageError
+from dflashkit.errors import UsageError
 from dflashkit.progress import Progress
 from dflashkit.rundir import RunDir
 
@@ -39,30 +39,22 @@ log = logging.getLogger("dflashkit.tokenize")
 DROPS = ("no_assistant_turn", "no_aligned_turn", "template_error", "too_few_supervised")
 
 
-def input_paths(cfg: Any, rd: RunDir) -> list[tuple[Path, set[str] | None]]:
+def input_paths(cfg: Any, rd: RunDir, regenerated: Callable[[RunDir], Path]) -> list[tuple[Path, set[str] | None]]:
     """The conversation files to tokenize, each with the source names to keep from it (None = all).
 
     `tokenize.source=prepare`: prepare's own answers for every source. Else the regenerated answers
     (`generate/conversations.jsonl`) plus, from `prepare/train.jsonl`, the sources configured with
     `answers: original` (raw text trained on as it is). MissingArtifactError (exit 3) names the stage
-    to run."""
-    prepared = rd.prepared_train
+    to run. `regenerated` is the generated file's owner's path check (the stage hands in
+    `generate.conversations.regenerated_file`: `generate/` ranks above `data/`)."""
     if cfg.tokenize.source == "prepare":
-        if not prepared.is_file():
-            raise MissingArtifactError("prepared conversations", prepared, run="dflashkit prepare -c run.yaml")
-        return [(prepared, None)]
+        return [(prepared_file(rd), None)]
     out: list[tuple[Path, set[str] | None]] = []
     if needs_regeneration(cfg):
-        p = rd.conversations_path
-        if not p.is_file():
-            raise MissingArtifactError("generated conversations (or set tokenize.source=prepare to train on "
-                                       "the dataset's own answers)", p, run="dflashkit generate -c run.yaml")
-        out.append((p, None))
+        out.append((regenerated(rd), None))
     original = original_answer_sources(cfg.data.sources)
     if original:
-        if not prepared.is_file():
-            raise MissingArtifactError("prepared conversations", prepared, run="dflashkit prepare -c run.yaml")
-        out.append((prepared, original))
+        out.append((prepared_file(rd), original))
     return out
 
 
@@ -85,8 +77,7 @@ def _lines(path: Path) -> int:
 def _batches(paths: list[tuple[Path, set[str] | None]], size: int) -> Iterator[list[Conversation]]:
     batch: list[Conversation] = []
     for path, keep in paths:
-        for line_no, obj in read_jsonl(path, on_malformed="fail"):
-            conv = Conversation.from_dict(obj, f"{path}:{line_no}")
+        for conv in iter_conversations(path):
             if keep is not None and conv.source not in keep:
                 continue
             batch.append(conv)
@@ -269,12 +260,13 @@ def _forked_pool(workers: int, chat: ChatTemplate) -> Any:
         signal.signal(signal.SIGTERM, previous)
 
 
-def refuse_empty(rd: RunDir, paths: list[Path]) -> None:
-    """No conversation to tokenize: say where they should have come from (not the chat template)."""
+def refuse_empty(rd: RunDir, paths: list[Path], failures: Path) -> None:
+    """No conversation to tokenize: say where they should have come from (not the chat template);
+    `failures` is generate's failures.jsonl (`RunDir.generate_failures`)."""
     counts = (rd.manifest("generate") or {}).get("counts") or {}
     failed = counts.get("turns_failed") or 0
     why = (f": `generate` wrote none ({failed} of {counts.get('turns_total')} turns failed; see "
-           f"{rd.generate_dir / 'failures.jsonl'})" if failed else "")
+           f"{failures})" if failed else "")
     raise UsageError(f"{', '.join(map(str, paths))}: no conversations to tokenize{why}",
                      hint="re-run `dflashkit generate -c run.yaml` (it retries the failed turns)" if failed
                      else "check data.sources and re-run `dflashkit prepare -c run.yaml` / `dflashkit generate`")

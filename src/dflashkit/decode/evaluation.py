@@ -1,13 +1,17 @@
 """What `eval` (and the decoder part of `bench decode`) computes: decode held-out prompts with the
 baseline, the drafter and the prompt-lookup proposer, and summarise τ, speedup, the lossless verdict
-and the diagnostics into `eval/results.json`'s dict (the stage writes it; `rundir.eval_results`).
+and the diagnostics into `eval/results.json`'s dict. This module owns that file: `write_eval_results`
+(the eval stage) and `read_eval_results` (report, the run summary, the model card) are its only writer and
+reader; its path is `RunDir.eval_results`.
 
 Usage:
     inputs = decode_inputs(cfg, rd, ctx.positionals, num_prompts=cfg.eval.num_prompts)
     target, ids = load_checked_target(cfg, inputs, cfg.target)   # every prompt checked to fit
     res = evaluate(cfg, rd, inputs, target, ids, block_sizes=[4, 8])
     print(results_table(res))
-    err = mismatch_error(res, out_dir)                          # a DflashkitError to raise, or None
+    path = write_eval_results(rd, res)                           # eval/results.json, atomic
+    err = mismatch_error(res, path)                             # a DflashkitError to raise, or None
+    read_eval_results(rd)                                       # (report, run summary) that dict, or None
 """
 
 from __future__ import annotations
@@ -23,6 +27,26 @@ from dflashkit.errors import DflashkitError
 
 log = logging.getLogger("dflashkit.eval")
 CALIBRATION_PROMPTS = 2  # eval.dtype=auto: prompts decoded in both dtypes before choosing
+
+
+def write_eval_results(rd: Any, res: dict[str, Any]) -> Path:
+    """Write `eval/results.json` atomically; returns its path."""
+    from dflashkit.rundir import atomic_write_json
+
+    atomic_write_json(rd.eval_results, res)
+    return rd.eval_results
+
+
+def read_eval_results(rd: Any) -> dict[str, Any] | None:
+    """`eval/results.json`, or None when it is absent or not valid JSON (logged, then skipped)."""
+    import json
+
+    path = rd.eval_results
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except json.JSONDecodeError:
+        log.warning("%s is not valid JSON; skipped", path)
+        return None
 
 
 @dataclass

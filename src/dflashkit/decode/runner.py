@@ -77,14 +77,15 @@ def _prompt_of(obj: Any, where: str) -> list[dict[str, str]]:
 
 def load_prompt_messages(cfg: RunConfig, rd: RunDir) -> list[tuple[str, list[dict[str, str]]]]:
     """(id, chat messages) for `eval.prompts`, else prepare's held-out split."""
-    from dflashkit.data.records import read_jsonl
+    from dflashkit.data.records import prepared_file, read_jsonl
 
-    path = Path(cfg.eval.prompts) if cfg.eval.prompts else rd.prepared_heldout
-    if not path.is_file():
-        if cfg.eval.prompts:
+    if cfg.eval.prompts:
+        path = Path(cfg.eval.prompts)
+        if not path.is_file():
             what = "is a directory, not a JSONL file" if path.is_dir() else "does not exist"
             raise UsageError(f"eval.prompts {path} {what}", hint="set eval.prompts to a JSONL file")
-        raise MissingArtifactError("held-out prompts", path, run="dflashkit prepare -c run.yaml")
+    else:
+        path = prepared_file(rd, "heldout")  # held-out prompts: exit 3 naming prepare when missing
     bad: list[str] = []  # malformed lines follow data.on_malformed: skipped (and logged) or an error
     out = [(str(obj.get("id", n)) if isinstance(obj, dict) else str(n), _prompt_of(obj, f"{path}:{n}"))
            for n, obj in read_jsonl(path, on_malformed=cfg.data.on_malformed, bad=bad)]

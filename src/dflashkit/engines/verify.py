@@ -1,8 +1,13 @@
 """Does an exported drafter behave in vLLM as in our decoder? Greedy outputs, τ and per-position acceptance.
 
 Usage:
-    res = verify_engine(cfg, export_dir, prompts, out_dir=rd.verify_engine_dir)
+    res = verify_engine(cfg, export_dir, prompts, out_dir=rd.stage_dir("verify-engine"))
     res["passed"], res["checks"], res["causes"]                # what failed and its likely cause
+    path = write_engine_results(rd, res)                       # verify-engine/results.json, atomic
+    read_engine_results(rd)                                    # that dict, or None (absent, not JSON)
+
+This module owns `verify-engine/results.json` (`RunDir.verify_engine_results`): `write_engine_results`
+(the verify-engine stage) and `read_engine_results` (report) are its only writer and reader.
 
 Three decodes of the same locally rendered prompt ids, greedy, float32, one request at a time:
   1. ours: `decode/` on the target without and with the drafter at B = the drafter's block size
@@ -60,6 +65,24 @@ TAU_RTOL = 0.15  # |τ_engine − τ_ours| ≤ TAU_RTOL · τ_ours
 POS_ATOL = 0.1  # per-position acceptance, absolute, plus prompts / steps (the final-step effect)
 SERVED_NAME = "target"
 AR_CACHE = "engine-ar.json"  # vLLM's non-speculative outputs, keyed by target, prompt ids, length, version
+
+
+def write_engine_results(rd: Any, res: dict[str, Any]) -> Path:
+    """Write `verify-engine/results.json` atomically; returns its path."""
+    from dflashkit.rundir import atomic_write_json
+
+    atomic_write_json(rd.verify_engine_results, res)
+    return rd.verify_engine_results
+
+
+def read_engine_results(rd: Any) -> dict[str, Any] | None:
+    """`verify-engine/results.json`, or None when it is absent or not valid JSON (logged, then skipped)."""
+    path = rd.verify_engine_results
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except json.JSONDecodeError:
+        log.warning("%s is not valid JSON; skipped", path)
+        return None
 
 
 def _strip(ids: list[int], stop: tuple[int, ...]) -> list[int]:

@@ -2,12 +2,12 @@
 τ/speedup from `eval/results.json`, and the SGLang / vLLM / transformers launch lines for its format.
 
 Usage:
-    text = model_card(cfg, contract, out_dir, rd, draft_vocab_size, fmt="zlab")   # or fmt="speculators"
+    text = model_card(cfg, contract, out_dir, rd, draft_vocab_size, fmt="zlab",   # or fmt="speculators"
+                      results=read_eval_results(rd))                          # dflashkit.decode.evaluation
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,9 @@ def _counts(rd: Any) -> dict[str, Any]:
 
 
 def model_card(cfg: Any, contract: Any, out_dir: Path, rd: Any, draft_vocab_size: int | None = None,
-               fmt: str = "zlab") -> str:
-    """README.md: target, data counts, settings, measured τ/speedup, launch lines (for format `fmt`)."""
+               fmt: str = "zlab", results: dict[str, Any] | None = None) -> str:
+    """README.md: target, data counts, settings, measured τ/speedup (`results`: eval's results.json, read by
+    the stage through `decode.evaluation.read_eval_results`), launch lines (for format `fmt`)."""
     b = contract.block_size
     target = cfg.target.path or "TARGET"
     lines = ["---", "library_name: transformers", "tags: [dflash, speculative-decoding, block-diffusion, dflashkit]",
@@ -41,9 +42,8 @@ def model_card(cfg: Any, contract: Any, out_dir: Path, rd: Any, draft_vocab_size
     if counts:
         lines += ["", "## Training data", ""]
         lines += [f"- {stage}: " + ", ".join(f"{k}={v}" for k, v in c.items()) for stage, c in counts.items()]
-    results = rd.eval_results
-    if results.is_file():
-        res = json.loads(results.read_text())
+    res = results
+    if res is not None:
         lines += ["", "## Measured (dflashkit eval, HF reference loop)", "",
                   "| block size | τ | speedup | bound τ·t(1)/t(B) | tokens/s |", "|---|---|---|---|---|"]
         for bs, r in res.get("speculative", {}).items():

@@ -1,7 +1,9 @@
-"""Conversation bookkeeping for `generate`: which turns to regenerate, prompts, final assembly.
+"""Conversation bookkeeping for `generate`: which turns to regenerate, prompts, final assembly; the owner of
+generate's outputs `generate/conversations.jsonl` (`RunDir.conversations_path`), `failures.jsonl` and
+`settings.json`.
 
 Usage:
-    convs = load_prepared(rd.prepared_train)
+    convs = read_prepared(rd.prepared_train)      # dflashkit.data.records
     turns = plan_turns(conv["messages"])          # message index of each user turn that gets an answer
     prompt = build_prompt(conv["messages"], turns, answers, t)   # messages to send for turn t
     rec = assemble(conv, [journal records by turn], reasoning="keep", on_length="flag")
@@ -13,51 +15,63 @@ do). With `reasoning: keep` the stored answer is `<think>\\n{reasoning}\\n</thin
 and `meta.reasoning[t]` holds the raw text; with `drop` both are left out. `meta.prompt_tokens[t]`
 (the server's usage.prompt_tokens) and `meta.prompt_ids[t]` (a summary of the prompt ids it returned,
 `dflashkit.data.drift.ids_summary`) let `tokenize` check that the server saw the prompt it renders.
+
+Files (in the generate stage dir; `regenerate.py` calls the writers, `tokenize` the reader):
+    write_conversations(stage_dir, rows)   # conversations.jsonl, atomic: one assembled record per line
+    write_failures(stage_dir, failures)    # failures.jsonl, atomic: one failed turn per line
+    write_settings(stage_dir, settings) / read_settings(stage_dir)   # the sampling settings of the journal
+    path = regenerated_file(rd)            # conversations.jsonl, exit 3 when missing; its records are
+                                           # read with `data.records.iter_conversations` (same layout)
+The journal `shards/` is `journal.py`'s.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
-from dflashkit.errors import MissingArtifactError, UsageError
+from dflashkit.errors import MissingArtifactError
+from dflashkit.rundir import atomic_path, atomic_write_json, read_json
 
-ROLES = ("system", "user", "assistant")
+CONVERSATIONS_FILE = "conversations.jsonl"
+FAILURES_FILE = "failures.jsonl"
+SETTINGS_FILE = "settings.json"
 
 
-def load_prepared(path: Path) -> list[dict[str, Any]]:
-    """Read `prepare/train.jsonl`; a malformed line is a UsageError naming file:line."""
+def write_conversations(stage_dir: Path, rows: Iterable[dict[str, Any]]) -> None:
+    """Write `conversations.jsonl` atomically, one record per line, as `rows` yields them."""
+    with atomic_path(Path(stage_dir) / CONVERSATIONS_FILE) as tmp, open(tmp, "w", encoding="utf-8") as out:
+        for row in rows:
+            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def write_failures(stage_dir: Path, failures: list[dict[str, Any]]) -> None:
+    """Write `failures.jsonl` atomically (one row per failed turn; empty when none failed)."""
+    with atomic_path(Path(stage_dir) / FAILURES_FILE) as tmp:
+        tmp.write_text("".join(json.dumps(f, ensure_ascii=False) + "\n" for f in failures), encoding="utf-8")
+
+
+def write_settings(stage_dir: Path, settings: dict[str, Any]) -> None:
+    atomic_write_json(Path(stage_dir) / SETTINGS_FILE, settings)
+
+
+def read_settings(stage_dir: Path) -> dict[str, Any] | None:
+    """The settings the journal in `stage_dir` was generated with, or None when there are none."""
+    path = Path(stage_dir) / SETTINGS_FILE
+    return read_json(path) if path.is_file() else None
+
+
+def regenerated_file(rd: Any) -> Path:
+    """`generate/conversations.jsonl`.
+
+    Raises:
+        MissingArtifactError: it does not exist (exit 3; run `dflashkit generate`)."""
+    path = rd.conversations_path
     if not path.is_file():
-        raise MissingArtifactError("prepared conversations", path, run="dflashkit prepare -c run.yaml")
-    convs: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    with open(path, "rb") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                rec = json.loads(line.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                raise UsageError(f"{where}: not UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1})",
-                                 hint="re-run `dflashkit prepare -c run.yaml`") from None
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{where}: not JSON ({e.msg})",
-                                 hint="re-run `dflashkit prepare -c run.yaml`") from None
-            msgs = rec.get("messages") if isinstance(rec, dict) else None
-            if not isinstance(rec, dict) or not isinstance(rec.get("id"), str) or not isinstance(msgs, list):
-                raise UsageError(f"{where}: expected {{\"id\": str, \"messages\": [...]}}",
-                                 hint="re-run `dflashkit prepare -c run.yaml`")
-            for j, m in enumerate(msgs):
-                if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                    raise UsageError(f"{where}: messages[{j}] needs a role in {ROLES} and string content",
-                                     hint="re-run `dflashkit prepare -c run.yaml`")
-            if rec["id"] in seen:
-                raise UsageError(f"{where}: duplicate id {rec['id']!r}", hint="re-run `dflashkit prepare -c run.yaml`")
-            seen.add(rec["id"])
-            convs.append(rec)
-    return convs
+        raise MissingArtifactError("generated conversations (or set tokenize.source=prepare to train on "
+                                   "the dataset's own answers)", path, run="dflashkit generate -c run.yaml")
+    return path
 
 
 def plan_turns(messages: list[dict[str, Any]]) -> list[int]:

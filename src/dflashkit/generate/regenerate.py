@@ -4,8 +4,9 @@ Usage (what `stages/generate.py` does; `bench generate` times the same call):
     out = generate_conversations(cfg, convs, stage_dir, servers=lambda: list(cfg.server.urls))
     out.summary["turns_ok"], out.failures, out.settings, out.preflight
 
-`convs` are prepared conversations (`conversations.load_prepared`); `stage_dir` holds the journal
-(`shards/`), `settings.json`, `conversations.jsonl` and `failures.jsonl`. Resuming is exactly-once:
+`convs` are prepared conversations (`data.records.read_prepared`); `stage_dir` holds the journal
+(`shards/`, `journal.py`), `settings.json`, `conversations.jsonl` and `failures.jsonl` (written through
+`conversations.py`, their owner). Resuming is exactly-once:
 the (id, turn) pairs the journal holds are skipped, failed turns are retried. `servers` is called
 only when there is a turn to generate (the stage starts a local server there).
 """
@@ -13,22 +14,21 @@ only when there is a turn to generate (the stage starts a local server there).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from dflashkit.config import RunConfig, redact_url
 from dflashkit.data.drift import describe, ids_summary
 from dflashkit.errors import ConfigError, UsageError
-from dflashkit.generate.conversations import assemble, build_prompt, plan_turns
+from dflashkit.generate.conversations import (assemble, build_prompt, plan_turns, read_settings, write_conversations,
+                                             write_failures, write_settings)
 from dflashkit.generate.journal import Journal, read_records
 from dflashkit.generate.openai_client import OpenAIClient, RequestFailed
 from dflashkit.generate.preflight import Sender, local_chat, local_prompt_ids, preflight, request_body, sampling_settings
-from dflashkit.rundir import atomic_path, atomic_write_json, read_json
 
 if TYPE_CHECKING:
     from dflashkit.data.chat import ChatTemplate as Chat
@@ -144,7 +144,7 @@ async def regenerate(cfg: RunConfig, convs: list[dict], journal: Journal, done: 
             info = {}
         model = cfg.server.model or str(info["id"])
         settings = out.settings = sampling_settings(cfg, model)
-        atomic_write_json(stage_dir / "settings.json", settings)
+        write_settings(stage_dir, settings)
         out.chat_template_sha256 = info.get("chat_template_sha256")
         sender = Sender(client, "completions" if g.endpoint == "completions" else "chat")
         out.preflight = await _preflight(cfg, sender, settings, chat, convs)
@@ -204,9 +204,8 @@ async def regenerate(cfg: RunConfig, convs: list[dict], journal: Journal, done: 
 
 
 def _check_settings(stage_dir: Path, settings: dict[str, Any], journal_keys: int) -> None:
-    path = stage_dir / "settings.json"
-    if journal_keys and path.is_file():
-        old = read_json(path)
+    old = read_settings(stage_dir) if journal_keys else None
+    if old is not None:
         # keys an older journal's settings.json lacks were not settings then: not a change
         changed = sorted(k for k in settings if k != "model" and k in old and old.get(k) != settings.get(k))
         if changed:
@@ -224,7 +223,8 @@ def write_outputs(stage_dir: Path, convs: list[dict], journal_recs: dict[str, di
     counts: Counter = Counter()
     failures = list(failures)
     failed_ids = {f["id"] for f in failures}
-    with atomic_path(stage_dir / "conversations.jsonl") as tmp, open(tmp, "w", encoding="utf-8") as out:
+
+    def rows() -> Iterator[dict]:
         for conv in convs:
             turns = plan_turns(conv["messages"])
             have = journal_recs.get(conv["id"], {})
@@ -245,9 +245,10 @@ def write_outputs(stage_dir: Path, convs: list[dict], journal_recs: dict[str, di
                 counts["conversations_dropped_length"] += 1
                 continue
             counts["conversations_written"] += 1
-            out.write(json.dumps(row, ensure_ascii=False) + "\n")
-    with atomic_path(stage_dir / "failures.jsonl") as tmp:
-        tmp.write_text("".join(json.dumps(f, ensure_ascii=False) + "\n" for f in failures), encoding="utf-8")
+            yield row
+
+    write_conversations(stage_dir, rows())
+    write_failures(stage_dir, failures)
     return counts, failures
 
 

@@ -2,7 +2,7 @@
 
 Usage:
     gpus, mem_gib, source, rest = parse_gpus(["8x80"])        # NxMEM, else the visible GPUs, else 1x80
-    result = estimate(cfg, rd, ["8x80"])                       # the JSON `dflashkit plan` prints
+    result = estimate(cfg, rd, ["8x80"], prepared_lines=records.prepared_lines)   # the JSON `dflashkit plan` prints
 
 The data size comes from `tokenize/stats.json`, else `prepare/train.jsonl` lines (or
 `data.num_prompts`, else 10,000) × `data.mean_tokens`; the contract and target facts from the run
@@ -16,7 +16,8 @@ import dataclasses
 import json
 import logging
 import re
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
 from dflashkit.errors import MissingArtifactError, UsageError
 
@@ -53,8 +54,10 @@ def parse_gpus(positionals: list[str]) -> tuple[int, float, str, list[str]]:
     return 1, 80.0, "assumed (pass e.g. 8x80 for 8 GPUs of 80 GiB)", rest
 
 
-def data_size(cfg: RunConfig, rd: RunDir) -> tuple[int, int, str]:
-    """(tokens, sequences, where the numbers come from)."""
+def data_size(cfg: RunConfig, rd: RunDir, prepared_lines: Callable[[RunDir], tuple[int, Path] | None],
+              ) -> tuple[int, int, str]:
+    """(tokens, sequences, where the numbers come from). `prepared_lines` counts prepare's train split (the
+    stage hands in `data.records.prepared_lines`, the file's owner)."""
     stats = rd.tokenize_stats
     if stats.is_file():
         try:
@@ -66,10 +69,9 @@ def data_size(cfg: RunConfig, rd: RunDir) -> tuple[int, int, str]:
                 return int(toks), int(seqs), str(stats)
         except (OSError, json.JSONDecodeError, AttributeError):
             log.warning("%s: unreadable, estimating the data size instead", stats)
-    train = rd.prepared_train
-    if train.is_file():
-        with open(train, "rb") as fh:
-            n = sum(1 for line in fh if line.strip())
+    counted = prepared_lines(rd)
+    if counted is not None:
+        n, train = counted
         src = f"{train} lines × data.mean_tokens"
     elif cfg.data.num_prompts:
         n, src = cfg.data.num_prompts, "data.num_prompts × data.mean_tokens"
@@ -101,8 +103,10 @@ def contract_and_facts(cfg: RunConfig, rd: RunDir, model: str | None) -> tuple[A
     return derive_contract(d, facts, None), facts.to_dict(), str(facts.source)
 
 
-def estimate(cfg: RunConfig, rd: RunDir, positionals: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
-    """The plan for `positionals` ([MODEL] [NxMEM]): target, data size, GPUs and `plan_budget`'s plan."""
+def estimate(cfg: RunConfig, rd: RunDir, positionals: list[str] | tuple[str, ...] = (), *,
+             prepared_lines: Callable[[RunDir], tuple[int, Path] | None]) -> dict[str, Any]:
+    """The plan for `positionals` ([MODEL] [NxMEM]): target, data size, GPUs and `plan_budget`'s plan
+    (`prepared_lines`: see `data_size`)."""
     from dflashkit.inspect.budget import plan_budget
 
     gpus, mem, gpu_source, rest = parse_gpus(list(positionals))
@@ -110,7 +114,7 @@ def estimate(cfg: RunConfig, rd: RunDir, positionals: list[str] | tuple[str, ...
         raise UsageError(f"`dflashkit plan` takes one MODEL and one NxMEM, got {rest}",
                          hint="dflashkit plan [MODEL] [8x80]")
     contract, facts, source = contract_and_facts(cfg, rd, rest[0] if rest else None)
-    tokens, seqs, data_source = data_size(cfg, rd)
+    tokens, seqs, data_source = data_size(cfg, rd, prepared_lines)
     plan = plan_budget(contract, facts, cfg, tokens=tokens, sequences=seqs, gpus=gpus, mem_gib=mem)
     return {"source": source, "tokens": tokens, "sequences": seqs, "data_source": data_source,
             "gpus": gpus, "gpu_mem_gib": round(mem, 2), "gpu_source": gpu_source, "plan": plan}

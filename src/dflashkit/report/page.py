@@ -1,7 +1,7 @@
 """The report page: one self-contained HTML document (inline CSS; the plots are passed in as <img> tags).
 
 Usage:
-    metrics, results = read_jsonl_rows(rd.train_metrics), read_json_or_none(rd.eval_results)
+    metrics, results = read_metrics(rd), read_eval_results(rd)   # their owners: train/logging, decode/evaluation
     specs, curve_html = curve_section(curve, best, target_tau=2.0)
     page = render_html(rd, name, figures, results, bench, metrics, curve_html, engine=engine_results)
 """
@@ -30,18 +30,8 @@ td:first-child,th:first-child{text-align:left}.plots{display:grid;grid-template-
 padding:.8rem;overflow:auto;font-size:.8rem;max-height:30rem}"""
 
 
-def read_jsonl_rows(path: Path) -> list[dict]:
-    rows = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
-
-
 def read_json_or_none(path: Path) -> Any:
+    """A small JSON file that may be absent (the contract); None when absent or not valid JSON (logged)."""
     try:
         return json.loads(path.read_text()) if path.is_file() else None
     except json.JSONDecodeError:

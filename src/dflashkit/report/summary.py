@@ -8,7 +8,6 @@ Usage:
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from dflashkit.rundir import RunDir
@@ -17,17 +16,15 @@ from dflashkit.rundir import RunDir
 def run_summary(rd: RunDir, target_tau: float = 2.0) -> dict[str, Any]:
     """The numbers a user wants at the end: τ, speedup, lossless yes/no, where things are."""
     out: dict[str, Any] = {}
-    res_path = rd.eval_results
-    if res_path.is_file():
-        try:
-            res = json.loads(res_path.read_text())
-            out["eval"] = res.get("summary", res)
-        except json.JSONDecodeError:
-            pass
+    from dflashkit.decode.evaluation import read_eval_results
+
+    res = read_eval_results(rd)
+    if res is not None:
+        out["eval"] = res.get("summary", res)
     from dflashkit.train.checkpoint import trained_drafter_dir
     from dflashkit.train.forecast import read_curve_forecast
 
-    fc = read_curve_forecast(rd.train_curve, target_tau)
+    fc = read_curve_forecast(rd, target_tau)
     if fc is not None:
         out["forecast"] = fc.text()
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from dflashkit.bench.results import write_bench_result
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
 from dflashkit.errors import UsageError
-from dflashkit.rundir import RunDir, atomic_write_json
+from dflashkit.rundir import RunDir
 
 
 def _generate(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
@@ -37,8 +38,9 @@ def _tokenize(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     from dflashkit.bench.tokenize import bench_tokenize
     from dflashkit.data.chat import load_chat
     from dflashkit.data.tokenizing import input_paths
+    from dflashkit.generate.conversations import regenerated_file
 
-    return bench_tokenize(cfg, ctx, input_paths(cfg, rd)[0][0], lambda: load_chat(cfg))
+    return bench_tokenize(cfg, ctx, input_paths(cfg, rd, regenerated_file)[0][0], lambda: load_chat(cfg))
 
 
 def _train(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
@@ -76,6 +78,5 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
             return {"subject": subject, **SUBJECTS[subject](cfg, rd, ctx)}
         return {"subject": subject, "dry_run": True, "would_write": str(rd.bench_result(subject))}
     result = SUBJECTS[subject](cfg, rd, ctx)
-    rd.bench_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(rd.bench_result(subject), result)
+    write_bench_result(rd, subject, result)
     return {"subject": subject, **result}

@@ -26,8 +26,8 @@ from typing import Any
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
 from dflashkit.decode.evaluation import (block_sizes_for, choose_dtype, decode_inputs, evaluate, load_checked_target,
-                                         mismatch_error, results_table, verify_target_config)
-from dflashkit.rundir import RunDir, atomic_write_json, write_manifest
+                                         mismatch_error, results_table, verify_target_config, write_eval_results)
+from dflashkit.rundir import RunDir, write_manifest
 from dflashkit.stage_table import stage_hash
 
 
@@ -47,17 +47,17 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         target, choice = choose_dtype(cfg, drafter_dir, ids, block_sizes)
     res = evaluate(cfg, rd, inputs, target, ids, block_sizes, choice)
     out = rd.stage_dir("eval")
-    atomic_write_json(out / "results.json", res)
+    path = write_eval_results(rd, res)
     write_manifest(out, stage="eval", config_hash=stage_hash("eval", cfg), started=t0,
                    inputs={"drafter": str(drafter_dir)}, counts={"prompts": len(ids), "block_sizes": len(block_sizes)},
                    outputs=["results.json"])
     if not ctx.json:
         print(results_table(res), flush=True)
-    err = mismatch_error(res, out / "results.json")
+    err = mismatch_error(res, path)
     if err is not None:
         raise err
     summary = {bs: {k: r[k] for k in ("tau", "speedup", "bound", "decode_tokens_per_s")}
                for bs, r in res["speculative"].items()}
-    return {"results": str(out / "results.json"), "drafter": str(drafter_dir), "drafter_source": res["drafter_source"],
+    return {"results": str(path), "drafter": str(drafter_dir), "drafter_source": res["drafter_source"],
             "prompts": len(ids), "summary": res["summary"],
             "baseline_tokens_per_s": res["baseline"]["decode_tokens_per_s"], "block_sizes": summary}

@@ -36,6 +36,7 @@ from typing import Any
 
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
+from dflashkit.decode.evaluation import read_eval_results
 from dflashkit.errors import MissingArtifactError
 from dflashkit.export.card import model_card
 from dflashkit.export.check import loaded_target_head, reload_check, target_head
@@ -76,7 +77,8 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     with atomic_dir(out, owner="export") as tmp:
         save_drafter(model, tmp, dtype=cfg.export.dtype, head=head)
         shutil.copyfile(Path(__file__).parent.parent / "export" / "dflash_modeling.py", tmp / MODELING_FILE)
-        (tmp / "README.md").write_text(model_card(cfg, model.contract, out.resolve(), rd, model.draft_vocab_size))
+        (tmp / "README.md").write_text(model_card(cfg, model.contract, out.resolve(), rd, model.draft_vocab_size,
+                                                  results=read_eval_results(rd)))
         check = reload_check(model, tmp, head, cfg.export.check_atol)
         write_manifest(tmp, stage="export", config_hash=stage_hash("export", cfg), started=t0,
                        inputs={"source": str(src), "source_kind": which}, counts={"tensors": len(model.state_dict())},
@@ -99,7 +101,7 @@ def _run_speculators(cfg: RunConfig, rd: RunDir, src: Path, which: str, source: 
 
     res = export_speculators(src, out, target=cfg.target, dtype=cfg.export.dtype, atol=cfg.export.check_atol,
                              readme=lambda m: model_card(cfg, m.contract, out.resolve(), rd, m.draft_vocab_size,
-                                                         fmt="speculators"),
+                                                         fmt="speculators", results=read_eval_results(rd)),
                              config_hash=stage_hash("export", cfg), inputs={"source_kind": which})
     if out.resolve() != rd.stage_dir("export", create=False).resolve():
         write_manifest(rd.stage_dir("export"), stage="export", config_hash=stage_hash("export", cfg), started=t0,

@@ -28,9 +28,10 @@ from contextlib import ExitStack
 from dflashkit.config import RunConfig, redact_url
 from dflashkit.context import StageContext
 from dflashkit.data.mixing import original_answer_sources
+from dflashkit.data.records import read_prepared
 from dflashkit.errors import PartialFailure, PermanentFailure
 from dflashkit.generate.openai_client import permanent_reason
-from dflashkit.generate.conversations import load_prepared, plan_turns
+from dflashkit.generate.conversations import plan_turns
 from dflashkit.generate.regenerate import generate_conversations
 from dflashkit.rundir import RunDir, file_digest, write_manifest
 from dflashkit.stage_table import stage_hash
@@ -41,7 +42,7 @@ log = logging.getLogger("dflashkit.generate")
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     t0 = time.time()
     src = rd.prepared_train
-    convs = load_prepared(src)
+    convs = read_prepared(src)
     original = original_answer_sources(cfg.data.sources)
     if original:  # sources trained on their own answers (raw text) are not regenerated
         kept = [c for c in convs if c.get("source") not in original]
@@ -83,7 +84,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
         print(f"turns: {summary['turns_ok']} ok, {skipped} done before, {summary['turns_failed']} failed, "
               f"{summary['turns_not_attempted']} not attempted / {total_turns}; conversations written: "
               f"{summary['conversations_written']}/{len(convs)}", file=sys.stderr)
-    result = {"generate": summary, "conversations": str(stage_dir / "conversations.jsonl"),
+    result = {"generate": summary, "conversations": str(rd.conversations_path),
               "preflight": out.preflight}
     if summary["turns_failed"] and reasons and all(permanent_reason(r) for r in reasons):
         raise PermanentFailure(

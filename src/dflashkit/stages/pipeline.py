@@ -134,9 +134,10 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
 
 def _plan_estimates(cfg: RunConfig, rd: RunDir) -> dict[str, Any] | None:
     try:
+        from dflashkit.data.records import prepared_lines
         from dflashkit.inspect.estimate import estimate
 
-        return estimate(cfg, rd)
+        return estimate(cfg, rd, prepared_lines=prepared_lines)
     except Exception as e:  # noqa: BLE001 - estimates are advisory in a dry run
         log.warning("plan estimates unavailable: %s", e)
         return None

@@ -59,10 +59,11 @@ def _table(r: dict[str, Any]) -> str:
 
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
+    from dflashkit.data.records import prepared_lines
     from dflashkit.inspect.estimate import estimate
 
     curves = [p for p in ctx.positionals if p.endswith(".json")]  # a train/curve.json: the forecast at scale
-    result = estimate(cfg, rd, [p for p in ctx.positionals if not p.endswith(".json")])
+    result = estimate(cfg, rd, [p for p in ctx.positionals if not p.endswith(".json")], prepared_lines=prepared_lines)
     if len(curves) > 1:
         raise UsageError(f"`dflashkit plan` takes one CURVE.json, got {curves}",
                          hint="dflashkit plan [MODEL] [8x80] [runs/x/train/curve.json]")

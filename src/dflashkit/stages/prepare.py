@@ -20,7 +20,7 @@ from typing import Any
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
 from dflashkit.data.mixing import mix, normalise, source_names
-from dflashkit.data.records import Conversation, write_jsonl
+from dflashkit.data.records import Conversation, write_prepared
 from dflashkit.data.sources import RecordError, SourceReport, iter_source, resolve_source_path, to_messages
 from dflashkit.errors import ConfigError, UsageError
 from dflashkit.progress import Progress
@@ -126,8 +126,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     if ctx.dry_run:
         return {**result, "dry_run": True}
     out = rd.stage_dir("prepare")
-    write_jsonl(out / "train.jsonl", (c.to_dict() for c in train))
-    write_jsonl(out / "heldout.jsonl", (c.to_dict() for c in heldout))
+    written = write_prepared(rd, (c.to_dict() for c in train), (c.to_dict() for c in heldout))
     atomic_write_json(out / "stats.json", {"seed": cfg.run.seed, "num_prompts": d.num_prompts,
                                            **{k: result[k] for k in ("train", "heldout", "read", "dropped")},
                                            "sources": stats})
@@ -140,4 +139,4 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
                    outputs=["train.jsonl", "heldout.jsonl", "stats.json"], started=t0)
     if not ctx.json:
         print(_table(stats, result))
-    return {**result, "outputs": [str(out / "train.jsonl"), str(out / "heldout.jsonl")]}
+    return {**result, "outputs": [str(p) for p in written]}

@@ -24,24 +24,29 @@ import logging
 import time
 from typing import Any
 
+from dflashkit.bench.results import read_bench_result
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
+from dflashkit.decode.evaluation import read_eval_results
+from dflashkit.engines.verify import read_engine_results
 from dflashkit.errors import MissingArtifactError
-from dflashkit.report.page import curve_section, figure_html, read_json_or_none, read_jsonl_rows, render_html
+from dflashkit.report.page import curve_section, figure_html, render_html
 from dflashkit.report.plots import draw_png, plot_specs
 from dflashkit.rundir import RunDir, atomic_write_bytes, atomic_write_text, write_manifest
+from dflashkit.train.checkpoint import read_best
+from dflashkit.train.logging import read_curve, read_metrics
 
 log = logging.getLogger("dflashkit.report")
 
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     t0 = time.time()
-    metrics = read_jsonl_rows(rd.train_metrics)
-    results = read_json_or_none(rd.eval_results)
-    serve = read_json_or_none(rd.bench_result("serve"))
-    bench = read_json_or_none(rd.bench_result("decode"))
-    curve = read_json_or_none(rd.train_curve)
-    best = read_json_or_none(rd.best_dir / "best.json")
+    metrics = read_metrics(rd)
+    results = read_eval_results(rd)
+    serve = read_bench_result(rd, "serve")
+    bench = read_bench_result(rd, "decode")
+    curve = read_curve(rd)
+    best = read_best(rd.best_dir, complete=False)
     if not metrics and not results and not serve and not bench and not curve:
         raise MissingArtifactError("training metrics or eval results", rd.train_metrics,
                                    run="dflashkit train -c run.yaml (and dflashkit eval)")
@@ -58,7 +63,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         files.append(f"{spec[0]}.png")
         figures.append(figure_html(spec[1], png))
     page = render_html(rd, cfg.run.name, figures, results, bench, metrics, curve_html,
-                       engine=read_json_or_none(rd.verify_engine_results))
+                       engine=read_engine_results(rd))
     atomic_write_text(out / "index.html", page)
     write_manifest(out, stage="report", config_hash="", started=t0, outputs=["index.html", *files],
                    counts={"plots": len(specs)})

@@ -38,6 +38,7 @@ from dflashkit.data.drift import answer_line, prompt_line, refuse_drift
 from dflashkit.data.tokenizing import (generate_manifest, input_paths, log_warnings, min_supervised, publish_shards,
                                        refuse_degenerate, refuse_empty, teacher_forced, tokenize_shards,
                                        tokenize_stats)
+from dflashkit.generate.conversations import regenerated_file
 from dflashkit.rundir import RunDir, atomic_write_json, file_digest, write_manifest
 from dflashkit.stage_table import stage_hash
 
@@ -47,7 +48,7 @@ log = logging.getLogger("dflashkit.tokenize")
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     t0 = time.time()
     tc = cfg.tokenize
-    paths = input_paths(cfg, rd)
+    paths = input_paths(cfg, rd, regenerated_file)
     src = paths[0][0]
     chat = load_chat(cfg)
     need = min_supervised(cfg, rd)
@@ -60,7 +61,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         tok = tokenize_shards(cfg, chat, paths, need, staging)
         totals = tok.totals
         if tok.conversations == 0:
-            refuse_empty(rd, [p for p, _ in paths])
+            refuse_empty(rd, [p for p, _ in paths], rd.generate_failures)
         refuse_degenerate(totals, src, need, tok.first_error and f"{chat.origin}: {tok.first_error}",
                           tok.events["truncated"], tc.max_length)
         elapsed = time.time() - t0

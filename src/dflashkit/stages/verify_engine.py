@@ -25,7 +25,7 @@ from typing import Any
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
 from dflashkit.errors import MissingArtifactError, StageFailed, UsageError
-from dflashkit.rundir import RunDir, atomic_write_json, write_manifest
+from dflashkit.rundir import RunDir, write_manifest
 from dflashkit.stage_table import stage_hash
 
 
@@ -71,19 +71,19 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     prompts = load_prompt_messages(cfg, rd)[: cfg.eval.num_prompts]
     if ctx.dry_run:
         return {"dry_run": True, "drafter": str(drafter_dir), "prompts": len(prompts)}
-    from dflashkit.engines.verify import verify_engine
+    from dflashkit.engines.verify import verify_engine, write_engine_results
 
     out = rd.stage_dir("verify-engine")
     res = verify_engine(cfg, drafter_dir, prompts, out_dir=out)
-    atomic_write_json(out / "results.json", res)
+    path = write_engine_results(rd, res)
     write_manifest(out, stage="verify-engine", config_hash=stage_hash("verify-engine", cfg), started=t0,
                    inputs={"drafter": str(drafter_dir)}, counts={"prompts": res["prompts"]},
                    outputs=["results.json", "engine-ar.log", "engine-dflash.log"])
     if not ctx.json:
         print(_table(res), file=sys.stderr, flush=True)
     summary = {"passed": res["passed"], "tau": res.get("tau"), "checks": {k: v["ok"] for k, v in res["checks"].items()},
-               "causes": res["causes"], "results": str(out / "results.json")}
+               "causes": res["causes"], "results": str(path)}
     if not res["passed"]:
         raise StageFailed("verify-engine: the drafter does not behave in vLLM as in dflashkit: "
-                          + "; ".join(res["causes"]), result=summary, hint=f"see {out / 'results.json'}")
+                          + "; ".join(res["causes"]), result=summary, hint=f"see {path}")
     return summary

@@ -21,6 +21,13 @@ final), so a resumed run continues with the vocabulary it started with.
 τ, accuracy): the drafter of the held-out evaluation with the highest simulated τ so far (the
 earliest on ties); `eval` and `export` use it by default. The best-so-far record also travels in
 every checkpoint's state.json, so a resumed run compares against what the uninterrupted run had.
+
+This module owns these directories (`RunDir.checkpoints_dir`, `final_dir`, `best_dir`): checkpoints
+are written by `save_checkpoint` and read back only by `load_checkpoint` (+ `checkpoint_state`,
+`latest_checkpoint`) on resume; `train/final` and `train/best` are written by `save_final` and
+loaded as drafters by the drafter-dir loader `export/hf.py` `load_drafter` (eval, bench, export,
+serve), found through `trained_drafter_dir`; `best.json` has one writer (`save_final(best=...)`) and
+one reader (`read_best`: eval's drafter source, export, report).
 """
 
 from __future__ import annotations
@@ -29,11 +36,13 @@ import json
 import logging
 import shutil
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from dflashkit.errors import UsageError
 from dflashkit.rundir import atomic_dir, atomic_write_json
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("dflashkit.train")
 
@@ -55,6 +64,7 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def save_checkpoint(root: Path, *, step: int, model, optimizer, scheduler, is_main: bool, keep: int = 3,
                     extra: dict | None = None) -> Path | None:
     """Write `root/step-{step:07d}` atomically (gathers on every rank; writes on the main rank)."""
+    import torch
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -93,6 +103,7 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler) -> int:
     Raises:
         UsageError: a file is missing or corrupt (names it; delete the dir to fall back to an older one).
     """
+    import torch
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
@@ -192,10 +203,11 @@ def save_final(out_dir: Path, model, contract, *, is_main: bool = True, best: di
     return out_dir
 
 
-def read_best(best_dir: Path) -> dict | None:
-    """The best.json record of a complete `train/best/`, or None (absent or torn)."""
+def read_best(best_dir: Path, *, complete: bool = True) -> dict | None:
+    """The best.json record of a complete `train/best/`, or None (absent or torn). `complete=False` (report)
+    also reads the record of a dir whose weights are missing."""
     best_dir = Path(best_dir)
-    if not (best_dir / "model.safetensors").is_file():
+    if complete and not (best_dir / "model.safetensors").is_file():
         return None
     try:
         rec = json.loads((best_dir / BEST_FILE).read_text())

@@ -232,16 +232,12 @@ def forecast_from_curve(curve: dict, target_tau: float, *, source: str | None = 
 
 
 def read_curve_forecast(path, target_tau: float, *, seconds_per_token: float | None = None) -> Forecast | None:
-    """`forecast_from_curve` on the curve file at `path`; None when the file is missing or unreadable."""
-    import json
-    from pathlib import Path
+    """`forecast_from_curve` on the curve file at `path`, or a run dir's (`train/logging.read_curve`); None
+    when the file is missing or unreadable."""
+    from dflashkit.train.logging import read_curve
 
-    p = Path(path)
-    try:
-        curve = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    if not isinstance(curve, dict):
+    curve = read_curve(path)
+    if curve is None:
         return None
     return forecast_from_curve(curve, target_tau, seconds_per_token=seconds_per_token)
 

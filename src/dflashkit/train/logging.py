@@ -5,6 +5,11 @@ Usage:
     sink = MetricSink(rd.stage_dir("train"), total_steps=1000, start_step=0, train=cfg.train, enabled=is_main)
     sink.log({"step": 10, "loss": 2.3, "tau": 1.8, "tok_s": 5e3, "lr": 6e-4})
     sink.close()
+    rows, curve = read_metrics(rd), read_curve(rd)   # report's inputs ([] / None when absent)
+
+This module owns both files (`RunDir.train_metrics`, `RunDir.train_curve`): `MetricSink` and
+`LearningCurve` are their writers, `read_metrics` and `read_curve` their readers (report, the run
+summary, `train/forecast.py`'s `read_curve_forecast`).
 
 metrics.jsonl is appended line by line (one JSON object per logged step or eval); on resume the
 lines after the resumed step are dropped first so the file matches an uninterrupted run.
@@ -28,6 +33,35 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("dflashkit.train")
+METRICS_FILE = "metrics.jsonl"  # in the train dir (`RunDir.train_metrics`)
+CURVE_FILE = "curve.json"       # in the train dir (`RunDir.train_curve`)
+
+
+def read_metrics(rd: Any) -> list[dict]:
+    """The rows of a run dir's `train/metrics.jsonl` ([] when absent; a torn or non-JSON line is skipped)."""
+    path = rd.train_metrics
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def read_curve(where: Any) -> dict | None:
+    """The learning curve of a run dir (`train/curve.json`) or of the curve file at a path; None when it is
+    absent, unreadable or not a JSON object (a file that is not JSON is logged)."""
+    path = Path(where) if isinstance(where, (str, Path)) else where.train_curve
+    try:
+        curve = json.loads(path.read_text())
+    except OSError:
+        return None
+    except json.JSONDecodeError:
+        log.warning("%s is not valid JSON; skipped", path)
+        return None
+    return curve if isinstance(curve, dict) else None
 
 
 def truncate_metrics(path: Path, after_step: int) -> None:
@@ -52,7 +86,7 @@ class MetricSink:
     def __init__(self, out_dir: Path, *, total_steps: int, start_step: int, train, enabled: bool = True,
                  show_bar: bool = True):
         self.enabled = enabled
-        self.path = Path(out_dir) / "metrics.jsonl"
+        self.path = Path(out_dir) / METRICS_FILE
         self.bar = self.tb = self.wandb = None
         if not enabled:
             return

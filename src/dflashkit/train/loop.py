@@ -41,7 +41,7 @@ from dflashkit.train import guards
 from dflashkit.train.data import Batch, BatchPlan, FeatureStore, TokenData, collate, load_tokenized, split_heldout
 from dflashkit.train.heldout import BestKeeper, dflash2_stats, evaluate_heldout, log_eval, metrics_of, stats_size
 from dflashkit.train.levers import feature_scale_of, held_out_sources
-from dflashkit.train.logging import LearningCurve, MetricSink
+from dflashkit.train.logging import CURVE_FILE, LearningCurve, MetricSink
 from dflashkit.train.objective import dflash_loss, gamma_for, sample_anchors, weight_sum
 from dflashkit.train.optim import CpuBudget, build_optimizer, build_scheduler
 from dflashkit.train.target_side import TargetOut, target_side
@@ -404,7 +404,7 @@ def _fit(cfg, rd, tr: Trainer, dist: DistInfo, *, show_bar: bool, cpu_budget_s: 
     best = BestKeeper(out_dir, tr, cfg.train.keep_best)
     best.restore(start, state)
     n_train = max(1, len(tr.plan.train_idx))
-    curve = LearningCurve(out_dir / "curve.json", sorted(set(tr.sources())), enabled=dist.is_main,
+    curve = LearningCurve(out_dir / CURVE_FILE, sorted(set(tr.sources())), enabled=dist.is_main,
                           supervised_per_sample=round(sum(float(tr.data.loss_mask[i].sum())
                                                           for i in tr.plan.train_idx) / n_train, 2),
                           tokens_per_sample=round(sum(len(tr.data.input_ids[i]) for i in tr.plan.train_idx)
