@@ -20,6 +20,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import platform
 import sys
@@ -241,6 +242,15 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
 
 def read_json(path: str | Path) -> Any:
     return json.loads(Path(path).read_text())
+
+
+def read_json_or_none(path: Path, log: logging.Logger) -> Any:
+    """A small JSON file that may be absent; None when absent or not valid JSON (a warning on `log`)."""
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except json.JSONDecodeError:
+        log.warning("%s is not valid JSON; skipped", path)
+        return None
 
 
 def file_digest(path: str | Path, limit: int | None = 1 << 20) -> str:

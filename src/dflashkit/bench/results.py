@@ -9,12 +9,11 @@ This module is the file's owner: its only writer and reader.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
-from dflashkit.rundir import RunDir, atomic_write_json
+from dflashkit.rundir import RunDir, atomic_write_json, read_json_or_none
 
 log = logging.getLogger("dflashkit.bench")
 
@@ -29,9 +28,4 @@ def write_bench_result(rd: RunDir, subject: str, result: dict[str, Any]) -> Path
 
 def read_bench_result(rd: RunDir, subject: str) -> dict[str, Any] | None:
     """`bench/<subject>.json`, or None when it is absent or not valid JSON (logged, then skipped)."""
-    path = rd.bench_result(subject)
-    try:
-        return json.loads(path.read_text()) if path.is_file() else None
-    except json.JSONDecodeError:
-        log.warning("%s is not valid JSON; skipped", path)
-        return None
+    return read_json_or_none(rd.bench_result(subject), log)

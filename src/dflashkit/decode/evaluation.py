@@ -39,14 +39,9 @@ def write_eval_results(rd: Any, res: dict[str, Any]) -> Path:
 
 def read_eval_results(rd: Any) -> dict[str, Any] | None:
     """`eval/results.json`, or None when it is absent or not valid JSON (logged, then skipped)."""
-    import json
+    from dflashkit.rundir import read_json_or_none
 
-    path = rd.eval_results
-    try:
-        return json.loads(path.read_text()) if path.is_file() else None
-    except json.JSONDecodeError:
-        log.warning("%s is not valid JSON; skipped", path)
-        return None
+    return read_json_or_none(rd.eval_results, log)
 
 
 @dataclass

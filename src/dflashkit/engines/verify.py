@@ -77,12 +77,9 @@ def write_engine_results(rd: Any, res: dict[str, Any]) -> Path:
 
 def read_engine_results(rd: Any) -> dict[str, Any] | None:
     """`verify-engine/results.json`, or None when it is absent or not valid JSON (logged, then skipped)."""
-    path = rd.verify_engine_results
-    try:
-        return json.loads(path.read_text()) if path.is_file() else None
-    except json.JSONDecodeError:
-        log.warning("%s is not valid JSON; skipped", path)
-        return None
+    from dflashkit.rundir import read_json_or_none
+
+    return read_json_or_none(rd.verify_engine_results, log)
 
 
 def _strip(ids: list[int], stop: tuple[int, ...]) -> list[int]:

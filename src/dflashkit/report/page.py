@@ -9,13 +9,11 @@ Usage:
 from __future__ import annotations
 
 import html
-import json
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
-from dflashkit.rundir import RunDir, STAGES
+from dflashkit.rundir import RunDir, STAGES, read_json_or_none
 
 log = logging.getLogger("dflashkit.report")
 
@@ -28,15 +26,6 @@ font-size:.9rem}td,th{border:1px solid #d8dde8;padding:.3rem .6rem;text-align:ri
 td:first-child,th:first-child{text-align:left}.plots{display:grid;grid-template-columns:1fr 1fr;gap:1rem}
 .plots img{width:100%;border:1px solid #e3e7ef;border-radius:6px}pre{background:#f6f8fa;
 padding:.8rem;overflow:auto;font-size:.8rem;max-height:30rem}"""
-
-
-def read_json_or_none(path: Path) -> Any:
-    """A small JSON file that may be absent (the contract); None when absent or not valid JSON (logged)."""
-    try:
-        return json.loads(path.read_text()) if path.is_file() else None
-    except json.JSONDecodeError:
-        log.warning("%s is not valid JSON; skipped", path)
-        return None
 
 
 # -- the learning curve (train/curve.json) and the kept best drafter ---------------------------------
@@ -147,7 +136,7 @@ def render_html(rd: RunDir, name: str, figures: list[str], results: dict | None,
                             bench["tokens_per_s_e2e"]["reference"], bench["ours_over_reference"],
                             bench["identical_tokens"], bench["tau"], bench["t1_ms"], bench["tB_ms"],
                             bench["speedup"], bench["bound"]]]))
-    contract = read_json_or_none(rd.contract_path)
+    contract = read_json_or_none(rd.contract_path, log)
     if contract:
         keys = ("block_size", "num_draft_layers", "target_layer_ids", "mask_token_id", "num_target_layers",
                 "hidden_size", "vocab_size", "target_model_type")
