@@ -113,6 +113,38 @@ def test_engine_capture_resumes_each_sample_exactly_once(tmp_path, tiny_qwen3, c
         assert all(torch.equal(a[s][k], b[s][k]) for k in a[s]), s
 
 
+@pytest.mark.parametrize("dies_at", [1, 2], ids=["first-shard", "last-shard"])
+def test_kill_between_a_shard_write_and_its_spool_drop_leaves_no_spool(tmp_path, tiny_qwen3, capsys, monkeypatch,
+                                                                       dies_at):
+    """The window the kill -9 test in test_vllm_capture.py once hit: the shard is written (atomically), its
+    spool is not yet dropped; the re-run skips that shard and must still drop its spool (also when the
+    killed shard was the last one and the re-run has nothing left to capture)."""
+    from dflashkit.engines import capture as ec
+
+    rd = make_run(tmp_path / "r", tiny_qwen3)
+    ov = [*overrides(rd, tiny_qwen3), "capture.dtype=float32", "capture.engine=vllm", "capture.concurrency=1"]
+    real = ec.Spool.remove
+    calls = {"n": 0}
+
+    def dying(self):
+        calls["n"] += 1
+        if calls["n"] == dies_at:
+            raise KeyboardInterrupt
+        real(self)
+
+    with FakeHiddenStatesEngine(tiny_qwen3, aux=_aux(rd, tiny_qwen3), storage=tmp_path / "hs") as fake:
+        monkeypatch.setattr(ec.Spool, "remove", dying)
+        assert main(["capture", "--json", *ov, f"capture.server_url={fake.url}"]) == 130
+        shards = sorted(p.name for p in (rd / "capture").glob("shard-*.safetensors"))
+        assert len(shards) == dies_at and (rd / "capture" / "engine-spool" / f"shard-{dies_at - 1:05d}").is_dir()
+        monkeypatch.setattr(ec.Spool, "remove", real)
+        before = fake.requests
+        res = _ok(["capture", "--json", *ov, f"capture.server_url={fake.url}"], capsys)
+        assert res["skipped"] == dies_at and res["written"] == 2 - dies_at, res
+        assert fake.requests - before == 4 * (2 - dies_at)  # the written shard's rows are not asked for again
+    assert not (rd / "capture" / "engine-spool").exists(), list((rd / "capture").rglob("*"))
+
+
 def test_dry_run_prints_the_vllm_serve_flags(tmp_path, tiny_qwen3, capsys):
     rd = make_run(tmp_path / "r", tiny_qwen3)
     assert main(["capture", "--dry-run", *overrides(rd, tiny_qwen3), "capture.engine=vllm",

@@ -98,6 +98,11 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
         for dest, samples, n in capture_local(cfg, contract, data, plan, where=str(rd.contract_path)):
             log.info("captured %s: %d samples, %d tokens", dest.name, samples, n)
             result["written"] += 1
+    if (out_dir / "engine-spool").is_dir():
+        from dflashkit.engines.capture import drop_finished_spools
+
+        if drop_finished_spools(out_dir / "engine-spool", shard_dir=out_dir):
+            log.info("removed the engine spools of shards an interrupted run had already written")
     write_manifest(out_dir, stage="capture", config_hash=stage_hash("capture", cfg, layer_ids, keep_last),
                    inputs={"contract": section_hash(read_json(rd.contract_path)),
                            "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")},
