@@ -231,21 +231,20 @@ def capture_shards(src: EngineSource, todo: list[tuple[Path, list[torch.Tensor],
         n = write_shard(dest, [len(r) for r in rows], batches, metadata={**meta, "engine": "vllm"}, **shard_kw)
         spool.remove()
         yield dest, n
-    drop_finished_spools(spool_root, shard_dir=todo[0][0].parent if todo else None)
 
 
-def drop_finished_spools(spool_root: Path, *, shard_dir: Path | None) -> int:
+def drop_finished_spools(spool_root: Path, *, shard_dir: Path) -> int:
     """Remove the spools of shards already written to `shard_dir` (a kill between writing a shard and
     dropping its spool leaves one, and the re-run skips that shard), then `spool_root` itself if empty.
-    Returns how many spools went."""
+    The stage calls it once, after capture: before, a stale shard about to be rewritten may still own a
+    live spool. Returns how many spools went."""
     n = 0
     if not spool_root.is_dir():
         return 0
-    if shard_dir is not None:
-        for d in list(spool_root.iterdir()):
-            if d.is_dir() and (shard_dir / f"{d.name}.safetensors").is_file():
-                Spool(d).remove()
-                n += 1
+    for d in list(spool_root.iterdir()):
+        if d.is_dir() and (shard_dir / f"{d.name}.safetensors").is_file():
+            Spool(d).remove()
+            n += 1
     if not any(spool_root.iterdir()):
         spool_root.rmdir()
     return n
