@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from dflashkit.cli import main
+from dflashkit.engines.capture import spool_root
 from dflashkit.testing.fake_engine import FakeHiddenStatesEngine
 from tests.helpers import make_run, overrides
 
@@ -50,7 +51,7 @@ def test_engine_capture_equals_local_capture_and_trains_the_same(tmp_path, tiny_
                    f"capture.server_url={fake.url}", "capture.concurrency=2"], capsys)
         assert fake.requests == 8 and res["written"] == 2  # one request per sample
     assert not list((tmp_path / "hs").glob("*.safetensors")), "engine files are removed once ingested"
-    assert not (eng / "capture" / "engine-spool").exists()
+    assert not spool_root(eng / "capture").exists()
     a, b = _tensors(loc), _tensors(eng)
     assert a.keys() == b.keys() and all(a[s].keys() == b[s].keys() for s in a)
     for s in a:
@@ -98,7 +99,7 @@ def test_engine_capture_resumes_each_sample_exactly_once(tmp_path, tiny_qwen3, c
         assert main(["capture", "--json", *ov, f"capture.server_url={fake.url}"]) == 130
         assert (rd / "capture" / "shard-00000.safetensors").is_file()
         assert not (rd / "capture" / "shard-00001.safetensors").exists()
-        spooled = len(list((rd / "capture" / "engine-spool" / "shard-00001").glob("0*.safetensors")))
+        spooled = len(list((spool_root(rd / "capture") / "shard-00001").glob("0*.safetensors")))
         assert 1 <= spooled <= 3  # rows already in flight may finish after the failing one
         monkeypatch.setattr(ec.Spool, "write", real)
         before = fake.requests
@@ -136,13 +137,13 @@ def test_kill_between_a_shard_write_and_its_spool_drop_leaves_no_spool(tmp_path,
         monkeypatch.setattr(ec.Spool, "remove", dying)
         assert main(["capture", "--json", *ov, f"capture.server_url={fake.url}"]) == 130
         shards = sorted(p.name for p in (rd / "capture").glob("shard-*.safetensors"))
-        assert len(shards) == dies_at and (rd / "capture" / "engine-spool" / f"shard-{dies_at - 1:05d}").is_dir()
+        assert len(shards) == dies_at and (spool_root(rd / "capture") / f"shard-{dies_at - 1:05d}").is_dir()
         monkeypatch.setattr(ec.Spool, "remove", real)
         before = fake.requests
         res = _ok(["capture", "--json", *ov, f"capture.server_url={fake.url}"], capsys)
         assert res["skipped"] == dies_at and res["written"] == 2 - dies_at, res
         assert fake.requests - before == 4 * (2 - dies_at)  # the written shard's rows are not asked for again
-    assert not (rd / "capture" / "engine-spool").exists(), list((rd / "capture").rglob("*"))
+    assert not spool_root(rd / "capture").exists(), list((rd / "capture").rglob("*"))
 
 
 def test_dry_run_prints_the_vllm_serve_flags(tmp_path, tiny_qwen3, capsys):

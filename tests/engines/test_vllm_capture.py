@@ -30,6 +30,7 @@ import torch
 from safetensors import safe_open
 
 from dflashkit.cli import main
+from dflashkit.engines.capture import engine_storage, spool_root
 from tests.helpers import TEXTS, make_run, overrides
 
 pytestmark = pytest.mark.engine
@@ -109,7 +110,7 @@ def _engine_processes(marker: str) -> list[int]:
 def _progress(rd: Path) -> int:
     """Monotone while capture runs: shards written (a shard's spool rows are dropped only after it)."""
     cap = rd / "capture"
-    return 1000 * len(list(cap.glob("shard-*.safetensors"))) + len(list((cap / "engine-spool").rglob("*.safetensors")))
+    return 1000 * len(list(cap.glob("shard-*.safetensors"))) + len(list(spool_root(cap).rglob("*.safetensors")))
 
 
 def _child(argv: list[str], log: Path) -> subprocess.Popen:
@@ -162,7 +163,7 @@ def test_kill9_during_engine_capture_then_rerun_gives_each_sample_once(tmp_path,
         assert res["written"] + res["skipped"] == n_shards == 8, res
     _compare(ref, rd)
     leftovers = [p.name for p in (rd / "capture").rglob("*") if p.suffix in (".tmp", ".part")]
-    assert not leftovers and not (rd / "capture" / "engine-spool").exists(), leftovers
+    assert not leftovers and not spool_root(rd / "capture").exists(), leftovers
     from dflashkit.rundir import RunDir
     from dflashkit.train.data import FeatureStore, load_tokenized
 
@@ -174,9 +175,9 @@ def test_kill9_during_engine_capture_then_rerun_gives_each_sample_once(tmp_path,
     # one kill while capture runs its own vLLM: the engine dies with it (parent-death signal)
     fresh = _smol_run(tmp_path, smollm2_dir, "own-engine", texts)
     proc = _child(["capture", "--json", *_common(fresh, smollm2_dir), "capture.engine=vllm"], log)
-    marker = str((fresh / "capture" / "engine-files").resolve())
+    marker = str(engine_storage(fresh / "capture").resolve())
     deadline = time.monotonic() + 300
-    while not list((fresh / "capture" / "engine-spool").rglob("0*.safetensors")) and time.monotonic() < deadline:
+    while not list(spool_root(fresh / "capture").rglob("0*.safetensors")) and time.monotonic() < deadline:
         assert proc.poll() is None, log.read_text()[-3000:]
         time.sleep(0.5)
     assert _engine_processes(marker), "capture's vLLM is not running"

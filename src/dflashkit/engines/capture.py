@@ -4,7 +4,7 @@ Usage:
     src = EngineSource(base_url, "target", layer_ids=[1, 15], num_layers=30, head=parts, dtype="bfloat16",
                        last_hidden=False)
     row = src.sample(ids)                                   # FeatureRow: features [T, n·H], next_ids [T], last_hidden?
-    spool = Spool(run_dir / "capture" / "engine-spool" / "shard-00000")
+    spool = Spool(spool_root(run_dir / "capture") / "shard-00000")
     spool.fill(src, rows, concurrency=4)                    # every missing row requested once, written atomically
     for i, row in spool.rows(len(rows)): ...                # back in tokenized order, for the shard writer
 
@@ -40,6 +40,16 @@ if TYPE_CHECKING:
     from dflashkit.model.drafter_config import DrafterContract
 
 log = logging.getLogger("dflashkit.capture")
+
+
+def engine_storage(out_dir: Path) -> Path:
+    """The dir the engine's hidden-states connector writes into (`<stage dir>/engine-files`)."""
+    return out_dir / "engine-files"
+
+
+def spool_root(capture_dir: Path) -> Path:
+    """Where the engine path spools rows: `<capture dir>/engine-spool/<shard stem>/<row>.safetensors`."""
+    return capture_dir / "engine-spool"
 
 
 @dataclass
@@ -199,7 +209,7 @@ def engine_source(cfg: RunConfig, contract: DrafterContract, out_dir: Path, *, l
     model_dir, facts = engine_facts(cfg)
     contract.check(facts, where="contract.json", hint=REPROBE_HINT)
     head = load_head_parts(model_dir, dtype=torch.float32)
-    storage = out_dir / "engine-files"
+    storage = engine_storage(out_dir)
     storage.mkdir(parents=True, exist_ok=True)
     if clear_storage(storage):
         log.info("removed engine files an interrupted run left in %s", storage)
@@ -219,12 +229,14 @@ def engine_source(cfg: RunConfig, contract: DrafterContract, out_dir: Path, *, l
         yield EngineSource(eng.base_url, eng.served_name, **kw)
 
 
-def capture_shards(src: EngineSource, todo: list[tuple[Path, list[torch.Tensor], dict[str, str]]], spool_root: Path,
-                   write_shard: Callable[..., int], *, concurrency: int, **shard_kw: Any) -> Iterator[tuple[Path, int]]:
-    """For each (dest, rows, metadata): spool every row through the engine, then write the shard with the
-    stage's `write_shard` (the one writer of the format) and drop the spool; yields (dest, tokens)."""
+def capture_shards(src: EngineSource, todo: list[tuple[Path, list[torch.Tensor], dict[str, str]]],
+                   capture_dir: Path, write_shard: Callable[..., int], *, concurrency: int,
+                   **shard_kw: Any) -> Iterator[tuple[Path, int]]:
+    """For each (dest, rows, metadata): spool every row through the engine (under `spool_root(capture_dir)`),
+    then write the shard with the stage's `write_shard` (the one writer of the format) and drop the spool;
+    yields (dest, tokens)."""
     for dest, rows, meta in todo:
-        spool = Spool(spool_root / dest.stem)
+        spool = Spool(spool_root(capture_dir) / dest.stem)
         sent = spool.fill(src, rows, concurrency=concurrency)
         log.info("%s: %d samples requested from the engine, %d already spooled", dest.name, sent, len(rows) - sent)
         batches = ([(i, r.features, r.next_ids, r.last_hidden)] for i, r in spool.rows(len(rows)))
@@ -233,18 +245,19 @@ def capture_shards(src: EngineSource, todo: list[tuple[Path, list[torch.Tensor],
         yield dest, n
 
 
-def drop_finished_spools(spool_root: Path, *, shard_dir: Path) -> int:
-    """Remove the spools of shards already written to `shard_dir` (a kill between writing a shard and
-    dropping its spool leaves one, and the re-run skips that shard), then `spool_root` itself if empty.
+def drop_finished_spools(capture_dir: Path) -> int:
+    """Remove the spools of shards already written to `capture_dir` (a kill between writing a shard and
+    dropping its spool leaves one, and the re-run skips that shard), then the spool root itself if empty.
     The stage calls it once, after capture: before, a stale shard about to be rewritten may still own a
-    live spool. Returns how many spools went."""
-    n = 0
-    if not spool_root.is_dir():
+    live spool. Returns how many spools went (0 when there is no spool root: the local capture path)."""
+    root = spool_root(capture_dir)
+    if not root.is_dir():
         return 0
-    for d in list(spool_root.iterdir()):
-        if d.is_dir() and (shard_dir / f"{d.name}.safetensors").is_file():
+    n = 0
+    for d in list(root.iterdir()):
+        if d.is_dir() and (capture_dir / f"{d.name}.safetensors").is_file():
             Spool(d).remove()
             n += 1
-    if not any(spool_root.iterdir()):
-        spool_root.rmdir()
+    if not any(root.iterdir()):
+        root.rmdir()
     return n

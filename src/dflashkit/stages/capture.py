@@ -70,9 +70,9 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
                               "target_layer_ids": layer_ids, "bytes_per_token": plan.per_token,
                               "last_hidden": keep_last}
     if plan.engine == "vllm":
-        from dflashkit.engines.capture import serve_command_for
+        from dflashkit.engines.capture import engine_storage, serve_command_for
 
-        cmd = serve_command_for(cfg, layer_ids, out_dir / "engine-files")
+        cmd = serve_command_for(cfg, layer_ids, engine_storage(out_dir))
         result["engine"] = {"server_url": cfg.capture.server_url, "vllm_serve": shlex.join(cmd)}
         if ctx.dry_run and not ctx.json:
             print("capture.server_url mode: start vLLM with (GPU: vLLM's stock connector; a CPU build needs "
@@ -89,7 +89,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
                                                         dtype=dtype, hidden=contract.hidden_size, samples=len(rows),
                                                         autocast="none")))
         with engine_source(cfg, contract, out_dir, last_hidden=keep_last) as src:
-            for dest, n in capture_shards(src, jobs, out_dir / "engine-spool", write_shard,
+            for dest, n in capture_shards(src, jobs, out_dir, write_shard,
                                           concurrency=cfg.capture.concurrency, dtype=dtype, width=plan.width,
                                           hidden=contract.hidden_size, last_hidden=keep_last):
                 log.info("captured %s through vLLM: %d tokens", dest.name, n)
@@ -98,11 +98,10 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
         for dest, samples, n in capture_local(cfg, contract, data, plan, where=str(rd.contract_path)):
             log.info("captured %s: %d samples, %d tokens", dest.name, samples, n)
             result["written"] += 1
-    if (out_dir / "engine-spool").is_dir():
-        from dflashkit.engines.capture import drop_finished_spools
+    from dflashkit.engines.capture import drop_finished_spools
 
-        if drop_finished_spools(out_dir / "engine-spool", shard_dir=out_dir):
-            log.info("removed the engine spools of shards an interrupted run had already written")
+    if drop_finished_spools(out_dir):
+        log.info("removed the engine spools of shards an interrupted run had already written")
     write_manifest(out_dir, stage="capture", config_hash=stage_hash("capture", cfg, layer_ids, keep_last),
                    inputs={"contract": section_hash(read_json(rd.contract_path)),
                            "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")},
