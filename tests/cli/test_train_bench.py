@@ -54,5 +54,33 @@ def test_target_autocast_setting():
     assert target_autocast("float32", cpu, torch.float32) is None
     assert target_autocast("bfloat16", cpu, torch.float32) is torch.bfloat16
     assert target_autocast("bfloat16", cpu, torch.bfloat16) is None  # already 16-bit: nothing to do
-    amx = "amx_bf16" in cpu_facts().get("bf16", [])
-    assert target_autocast("auto", cpu, torch.float32) is (torch.bfloat16 if amx else None)
+    fast = bool({"amx_bf16", "avx512_bf16"} & set(cpu_facts().get("bf16", [])))
+    assert target_autocast("auto", cpu, torch.float32) is (torch.bfloat16 if fast else None)
+
+
+@pytest.mark.parametrize("flags,fast", [([], False), (["avx512_bf16"], True), (["amx_bf16"], True),
+                                        (["avx512_bf16", "amx_bf16"], True)])
+def test_bf16_is_chosen_on_every_cpu_with_bf16_matmuls_and_only_there(monkeypatch, flags, fast):
+    """auto → bf16 wherever the CPU multiplies bf16 natively (AVX512-BF16 or AMX), for the target's autocast,
+    the drafter's dtype in decoding and Muon's Newton-Schulz alike; emulated bf16 (neither) stays float32."""
+    import torch
+
+    import dflashkit.model.target as target_mod
+    from dflashkit.decode.spec_decode import fast_draft_dtype
+    from dflashkit.train.optim import Fp32Muon, build_optimizer
+
+    monkeypatch.setattr(target_mod, "cpu_facts", lambda: {"cpu": "test", "bf16": list(flags)})
+    cpu = torch.device("cpu")
+    assert target_mod.fast_bf16(cpu) is fast
+    assert target_mod.target_autocast("auto", cpu, torch.float32) is (torch.bfloat16 if fast else None)
+
+    class FakeTarget:
+        device, dtype = cpu, torch.float32
+
+    assert fast_draft_dtype(FakeTarget()) is (torch.bfloat16 if fast else torch.float32)  # type: ignore[arg-type]
+
+    class Train:
+        optimizer, lr, weight_decay, muon_momentum, betas = "muon", 1e-3, 0.0, 0.95, (0.9, 0.95)
+
+    opt = build_optimizer(torch.nn.Linear(4, 4, bias=False), Train())
+    assert isinstance(opt.inner[0], Fp32Muon) is (not fast)

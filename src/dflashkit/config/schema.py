@@ -328,7 +328,8 @@ class TrainSection:
     dtype: Literal["auto", "float32", "bfloat16"] = f("auto", "Autocast dtype; auto = bf16 on CUDA.")
     target_dtype: Literal["float32", "auto", "bfloat16"] = f(
         "float32", "Autocast dtype of the online target forward (features, target logits) when the target "
-        "is loaded in float32: float32 = none; bfloat16; auto = bfloat16 on CUDA and on CPUs with AMX-BF16. "
+        "is loaded in float32: float32 = none; bfloat16; auto = bfloat16 on CUDA and on CPUs with AMX-BF16 or "
+        "AVX512-BF16. "
         "`dflashkit bench train` times both.")
     eval_every: int = f(50, "Held-out simulated-τ evaluation every N steps (0 = only at the end).")
     save_every: int = f(100, "Checkpoint every N steps (and at the end).")

@@ -54,7 +54,7 @@ from dflashkit.decode.api import GenerationResult, SamplingParams
 from dflashkit.decode.sampling import sample, sampling_probs, verify_greedy, verify_sampled
 from dflashkit.errors import UsageError
 from dflashkit.model.drafter import DFlashDraftModel, DraftKVCache
-from dflashkit.model.target import Target
+from dflashkit.model.target import Target, fast_bf16
 
 
 class Proposer(Protocol):
@@ -275,9 +275,6 @@ class SpecDecoder:
 
 def fast_draft_dtype(target: Target) -> torch.dtype:
     """bf16 for drafting when the target is fp32 on a CPU with AMX/AVX512-BF16 matmuls, else the target's."""
-    if target.device.type == "cpu" and target.dtype == torch.float32:
-        cpu = getattr(torch, "cpu", None)
-        fast = getattr(cpu, "_is_amx_tile_supported", None) or getattr(cpu, "_is_avx512_bf16_supported", None)
-        if fast is not None and fast():
-            return torch.bfloat16
+    if target.device.type == "cpu" and target.dtype == torch.float32 and fast_bf16(target.device):
+        return torch.bfloat16
     return target.dtype

@@ -26,19 +26,14 @@ def build_optimizer(model: torch.nn.Module, train) -> torch.optim.Optimizer:
                                  eps=1e-8, foreach=False)
     matrices, rest = muon_split(model)
     dev = matrices[0].device if matrices else torch.device("cpu")
+    from dflashkit.model.target import fast_bf16
+
     muon_cls = torch.optim.Muon if fast_bf16(dev) else Fp32Muon
     muon = muon_cls(matrices, lr=train.lr, weight_decay=train.weight_decay, momentum=train.muon_momentum,
                     adjust_lr_fn="match_rms_adamw")
     adamw = torch.optim.AdamW(rest or [torch.nn.Parameter(torch.zeros(1))], lr=train.lr, betas=tuple(train.betas),
                               weight_decay=train.weight_decay, eps=1e-8, foreach=False)
     return MuonAdamW(muon, adamw)
-
-
-def fast_bf16(device: torch.device) -> bool:
-    """Whether bf16 matrix products are fast here: CUDA, or a CPU with AMX-BF16."""
-    from dflashkit.model.target import cpu_facts
-
-    return device.type == "cuda" or (device.type == "cpu" and "amx_bf16" in cpu_facts().get("bf16", []))
 
 
 def newton_schulz_fp32(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
@@ -59,7 +54,8 @@ def newton_schulz_fp32(g: torch.Tensor, coefficients: tuple[float, float, float]
 
 class Fp32Muon(torch.optim.Muon):
     """torch.optim.Muon (same hyper-parameters, state and checkpoints) with the Newton-Schulz iteration in
-    float32: the update where bfloat16 products are slow (CPUs without AMX-BF16). Elsewhere torch's own runs."""
+    float32: the update where bfloat16 products are slow (CPUs without AMX-BF16 or AVX512-BF16:
+    `model.target.fast_bf16`). Elsewhere torch's own runs."""
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
