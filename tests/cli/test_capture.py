@@ -84,3 +84,57 @@ def test_cached_features_with_other_layer_ids_are_refused(tmp_path, tiny_qwen3, 
     rc = main(["train", "--json", *overrides(rd, tiny_qwen3, train__features="cached")])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 2 and "target_layer_ids" in out["error"] and "capture" in out["hint"]
+
+
+def _losses(rd) -> list[float]:
+    return [json.loads(x)["loss"] for x in (rd / "train" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_extra_captured_layers_serve_any_subset_of_layers_as_if_captured_alone(tmp_path, tiny_qwen3, capsys):
+    """capture.extra_layer_ids: one capture, several drafters' feature layers. The reader's selection of the
+    contract's layers equals a capture of those layers alone (bit for bit), and a drafter on other layers
+    (a subset of the captured ones, in another order than stored) trains on them exactly as online."""
+    from dflashkit.data.features import FeatureStore
+
+    plain, wide = make_run(tmp_path / "plain", tiny_qwen3), make_run(tmp_path / "wide", tiny_qwen3)
+    ids = json.loads((plain / "contract.json").read_text())["target_layer_ids"]
+    others = sorted(set(range(4)) - set(ids))
+    assert main(["capture", "--json", *overrides(plain, tiny_qwen3), "capture.dtype=float32"]) == 0
+    assert main(["capture", "--json", *overrides(wide, tiny_qwen3), "capture.dtype=float32",
+                 f"capture.extra_layer_ids={json.dumps(others[::-1] + [ids[0]])}"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["target_layer_ids"] == ids + others  # the contract's first, then the extras ascending, once
+    data = load_tokenized(RunDir(plain))
+    a = FeatureStore(plain / "capture", data.shards, ids)
+    b = FeatureStore(wide / "capture", data.shards, ids)
+    for i, n in enumerate(len(x) for x in data.input_ids):
+        assert torch.equal(a.get(data.where[i], n), b.get(data.where[i], n))
+    for rd in (plain, wide):
+        assert main(["train", "--json", *overrides(rd, tiny_qwen3, train__max_steps=2, train__features="cached")]) == 0
+    assert _losses(plain) == _losses(wide)
+
+    # another drafter on [others[1], ids[0]]: cached from `wide` ≡ online
+    online = make_run(tmp_path / "online", tiny_qwen3)
+    for rd in (wide, online):
+        c = json.loads((rd / "contract.json").read_text())
+        c["target_layer_ids"] = [others[1], ids[0]] if others[1] < ids[0] else [ids[0], others[1]]
+        (rd / "contract.json").write_text(json.dumps(c))
+    import shutil
+
+    shutil.rmtree(wide / "train")
+    capsys.readouterr()
+    assert main(["capture", "--json", *overrides(wide, tiny_qwen3), "capture.dtype=float32"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["skipped"] == 2  # the shards hold them
+    assert main(["train", "--json", *overrides(wide, tiny_qwen3, train__max_steps=3, train__features="cached")]) == 0
+    assert main(["train", "--json", *overrides(online, tiny_qwen3, train__max_steps=3)]) == 0
+    on, ca = _losses(online), _losses(wide)
+    assert len(on) == 4 and torch.allclose(torch.tensor(on), torch.tensor(ca), atol=1e-4), (on, ca)
+
+
+@pytest.mark.parametrize("extra,where", [("[99]", "outside the target"), ("[-1]", ">= 0"), ("[2, 2]", "duplicated")])
+def test_bad_extra_layer_ids_are_refused_naming_the_key(tmp_path, tiny_qwen3, capsys, extra, where):
+    rd = make_run(tmp_path / "r", tiny_qwen3)
+    rc = main(["capture", "--json", *overrides(rd, tiny_qwen3), f"capture.extra_layer_ids={extra}"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 2 and "capture.extra_layer_ids" in out["error"] and where in out["error"], out
+    assert not list((rd / "capture").glob("*.safetensors"))

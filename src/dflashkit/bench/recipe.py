@@ -10,7 +10,9 @@ Each variant is the run config plus dotted overrides, trained from scratch in
 `<run_dir>/bench/recipe/<name>/` (which links this run's contract.json, tokenize/ and capture/,
 so the data and cached features are shared and never copied; a variant that changes block size,
 draft layers or target feature layers gets its own contract.json instead — with cached features,
-other feature layers need `train.features=online`), then scored on the same held-out samples. Variants come from `bench.recipe_variants` (name → overrides) and `bench.recipe_grid`
+other feature layers must be among those captured: `capture.extra_layer_ids` captures more than the
+contract's, else `train.features=online`), then scored on the same held-out samples. Variants come
+from `bench.recipe_variants` (name → overrides) and `bench.recipe_grid`
 (key → values: one variant `key=value` per value, every other key at the run's setting: one lever
 at a time, as a study varies them); with neither, the defaults below. Every variant's config is
 built and validated before the first one trains.

@@ -256,6 +256,11 @@ class CaptureSection:
         "`dflashkit capture --dry-run` prints; its hidden-states files must be readable here. null = start one.",
         hash_default=False)
     concurrency: int = f(4, "capture.engine=vllm: requests in flight.", hash_default=False)
+    extra_layer_ids: list[int] = f(
+        [], "Target layers captured beside the contract's target_layer_ids (same numbering), so a drafter with "
+        "other feature layers (drafter.target_layer_ids=…, e.g. `bench recipe` variants) trains on cached "
+        "features without a second capture: the reader takes any subset of the captured layers. Each extra "
+        "layer costs hidden_size × dtype bytes per token on disk; the target forward costs the same.")
 
 
 @dataclass(kw_only=True)

@@ -99,6 +99,11 @@ def problems(cfg: RunConfig) -> list[str]:
     if not 0 < cfg.capture.max_disk_fraction <= 1:
         p.append(f"capture.max_disk_fraction: must be in (0, 1], got {cfg.capture.max_disk_fraction}")
     _at_least(p, "capture", cfg.capture, 1, "batch_size", "concurrency")
+    extra = cfg.capture.extra_layer_ids
+    if any(not isinstance(i, int) or i < 0 for i in extra):
+        p.append(f"capture.extra_layer_ids: layer ids are 0-based and >= 0, got {extra}")
+    elif len(set(extra)) != len(extra):
+        p.append(f"capture.extra_layer_ids: duplicated ids in {extra}")
     if cfg.capture.server_url:
         problem = url_problem(cfg.capture.server_url)
         if problem:

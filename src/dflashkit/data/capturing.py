@@ -54,12 +54,26 @@ class CapturePlan:
                              hint="free disk space, use capture.dtype=bfloat16, or train with train.features=online")
 
 
+def capture_layer_ids(cfg: Any, contract: Any) -> list[int]:
+    """The target layers a capture writes: the contract's `target_layer_ids` (in its order, the drafter's
+    feature order), then `capture.extra_layer_ids` not among them, ascending."""
+    ids = list(contract.target_layer_ids)
+    extra = sorted(set(cfg.capture.extra_layer_ids) - set(ids))
+    bad = [i for i in extra if not 0 <= i < contract.num_target_layers]
+    if bad:
+        raise UsageError(f"capture.extra_layer_ids: {bad} outside the target's {contract.num_target_layers} "
+                         f"decoder layers (0 … {contract.num_target_layers - 1})",
+                         hint="use 0-based decoder layer ids, as drafter.target_layer_ids does")
+    return ids + extra
+
+
 def plan_capture(cfg: Any, contract: Any, data: Any, out_dir: Path) -> CapturePlan:
     """The shards whose features are missing or stale (layer ids, source digest, dtype, autocast, engine)."""
     from dflashkit.model.target import resolve_device, resolve_dtype, target_autocast
 
     dtype = cfg.capture.dtype
-    width = contract.num_features * contract.hidden_size
+    layer_ids = capture_layer_ids(cfg, contract)
+    width = len(layer_ids) * contract.hidden_size
     # the forward online training would run (train.target_dtype), so cached ≡ online
     dev = resolve_device(cfg.target.device)
     engine = cfg.capture.engine
@@ -68,7 +82,6 @@ def plan_capture(cfg: Any, contract: Any, data: Any, out_dir: Path) -> CapturePl
     keep_last = cfg.capture.last_hidden == "true" or (cfg.capture.last_hidden == "auto" and cfg.train.loss != "ce")
     per_token = (width + (contract.hidden_size if keep_last else 0)) * ST_DTYPES[dtype][1] + 4
     tokens = sum(len(x) for x in data.input_ids)
-    layer_ids = list(contract.target_layer_ids)
     todo = []
     for si, shard in enumerate(data.shards):
         digest = file_digest(shard, limit=None)
@@ -79,7 +92,7 @@ def plan_capture(cfg: Any, contract: Any, data: Any, out_dir: Path) -> CapturePl
     todo_ids = {t[0] for t in todo}
     need = sum(len(data.input_ids[i]) for i, (si, _) in enumerate(data.where) if si in todo_ids) * per_token
     free = shutil.disk_usage(next(p for p in (out_dir, *out_dir.parents) if p.exists())).free
-    what = f"{contract.num_features}{' + 1 (last hidden)' if keep_last else ''} x {contract.hidden_size} x " \
+    what = f"{len(layer_ids)}{' + 1 (last hidden)' if keep_last else ''} x {contract.hidden_size} x " \
            f"{ST_DTYPES[dtype][1]} B + 4 B (next ids)"
     return CapturePlan(layer_ids=layer_ids, dtype=dtype, engine=engine, autocast=autocast, keep_last=keep_last,
                        width=width, hidden=contract.hidden_size, per_token=per_token, tokens=tokens, todo=todo,

@@ -67,7 +67,8 @@ def shard_matches(path: Path, *, layer_ids: list[int], digest: str, dtype: str, 
     meta = shard_metadata(path)
     if meta is None:
         return False
-    return (json.loads(meta.get("target_layer_ids", "null")) == list(layer_ids)
+    have = json.loads(meta.get("target_layer_ids", "null")) or []
+    return (set(layer_ids) <= set(have)  # a shard with more layers holds these too (FeatureStore selects them)
             and meta.get("source_digest") == digest and meta.get("dtype") == dtype
             and meta.get("next_ids") == "1" and (meta.get("last_hidden") == "1" or not last_hidden)
             and meta.get("target_autocast", "none") == autocast and meta.get("engine", "local") == engine)
@@ -157,13 +158,18 @@ def write_shard(path: Path, lens: list[int], batches: Iterable[list[Row]], *, dt
 
 
 class FeatureStore:
-    """Read-only access to `capture/shard-*.safetensors` (one per tokenized shard)."""
+    """Read-only access to `capture/shard-*.safetensors` (one per tokenized shard).
+
+    `layer_ids` may be any subset of the layers a shard holds (`capture.extra_layer_ids`): `get` then
+    returns those layers' columns in `layer_ids`' order."""
 
     def __init__(self, capture_dir: Path, token_shards: list[Path], layer_ids: list[int]):
         from safetensors import safe_open
 
         self.files: list[tuple[Any, torch.Tensor]] = []
         self.paths: list[Path] = []
+        # per shard: None when it holds exactly `layer_ids`, else (its layer count, the positions of ours)
+        self.layers: list[tuple[int, list[int]] | None] = []
         for shard in token_shards:
             path = shard_path(capture_dir, shard)
             if not path.is_file():
@@ -175,14 +181,16 @@ class FeatureStore:
             except Exception as e:  # noqa: BLE001 - safetensors raises several types for bad files
                 raise UsageError(f"{path}: unreadable feature shard ({e})",
                                  hint="delete it and re-run `dflashkit capture -c run.yaml`") from None
-            got = json.loads(meta.get("target_layer_ids", "null"))
-            if got != list(layer_ids):
+            got = json.loads(meta.get("target_layer_ids", "null")) or []
+            if not set(layer_ids) <= set(got):
                 raise UsageError(f"{path}: features were captured at target_layer_ids {got}, but the drafter "
                                  f"contract uses {list(layer_ids)}",
-                                 hint="re-run `dflashkit capture -c run.yaml` (delete capture/ first) or set "
-                                 "train.features=online")
+                                 hint="re-run `dflashkit capture -c run.yaml` (delete capture/ first; "
+                                 "capture.extra_layer_ids captures more layers than the contract's, for drafters "
+                                 "that use other ones) or set train.features=online")
             self.files.append((fh, offsets))
             self.paths.append(path)
+            self.layers.append(None if got == list(layer_ids) else (len(got), [got.index(i) for i in layer_ids]))
 
     def has(self, name: str) -> bool:
         """Whether every shard holds tensor `name` (`next_ids`, `last_hidden`: see `dflashkit capture`)."""
@@ -202,4 +210,9 @@ class FeatureStore:
         if b - a != length:
             raise UsageError(f"feature shard {where[0]} row {where[1]} holds {b - a} tokens but the tokenized "
                              f"sample has {length}", hint="re-run `dflashkit capture -c run.yaml` after tokenize")
-        return fh.get_slice(name)[a:b]
+        rows = fh.get_slice(name)[a:b]
+        pick = self.layers[where[0]]
+        if name != "features" or pick is None:
+            return rows
+        count, idx = pick
+        return rows.view(length, count, -1)[:, idx].reshape(length, -1)  # the contract's layers, in its order

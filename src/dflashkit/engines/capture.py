@@ -198,10 +198,12 @@ def _served_model(base_url: str, fallback: str | None) -> str:
 
 
 @contextmanager
-def engine_source(cfg: RunConfig, contract: DrafterContract, out_dir: Path, *, last_hidden: bool) -> Iterator[EngineSource]:
+def engine_source(cfg: RunConfig, contract: DrafterContract, out_dir: Path, *, last_hidden: bool,
+                  layer_ids: list[int] | None = None) -> Iterator[EngineSource]:
     """An EngineSource on `capture.server_url`, or on a vLLM started here for target.path (stopped on exit).
 
     The started engine writes into `<out_dir>/engine-files` (emptied first), logs to `<out_dir>/engine.log`.
+    `layer_ids`: the target layers to take (capture's, with `capture.extra_layer_ids`); default the contract's.
     """
     from dflashkit.model.drafter_config import REPROBE_HINT
     from dflashkit.model.head import load_head_parts
@@ -213,8 +215,9 @@ def engine_source(cfg: RunConfig, contract: DrafterContract, out_dir: Path, *, l
     storage.mkdir(parents=True, exist_ok=True)
     if clear_storage(storage):
         log.info("removed engine files an interrupted run left in %s", storage)
-    aux = hs_io.aux_layer_ids(contract.target_layer_ids, num_layers=facts["num_layers"], with_last=True)
-    kw: dict[str, Any] = dict(layer_ids=list(contract.target_layer_ids), num_layers=facts["num_layers"], head=head,
+    layer_ids = list(contract.target_layer_ids if layer_ids is None else layer_ids)
+    aux = hs_io.aux_layer_ids(layer_ids, num_layers=facts["num_layers"], with_last=True)
+    kw: dict[str, Any] = dict(layer_ids=layer_ids, num_layers=facts["num_layers"], head=head,
                           dtype=cfg.capture.dtype, last_hidden=last_hidden, timeout_s=cfg.server.timeout_s)
     if cfg.capture.server_url:
         url = cfg.capture.server_url.rstrip("/")

@@ -88,7 +88,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
             jobs.append((dest, rows, shard_metadata_for(layer_ids=layer_ids, source=shard.name, digest=digest,
                                                         dtype=dtype, hidden=contract.hidden_size, samples=len(rows),
                                                         autocast="none")))
-        with engine_source(cfg, contract, out_dir, last_hidden=keep_last) as src:
+        with engine_source(cfg, contract, out_dir, last_hidden=keep_last, layer_ids=layer_ids) as src:
             for dest, n in capture_shards(src, jobs, out_dir, write_shard,
                                           concurrency=cfg.capture.concurrency, dtype=dtype, width=plan.width,
                                           hidden=contract.hidden_size, last_hidden=keep_last):
