@@ -72,3 +72,46 @@ def test_train_says_what_the_curve_forecasts(tmp_path, tiny_qwen3, capsys):
     plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert plan["forecast"]["tokens"] == fc["tokens"] and plan["forecast"]["curve"].endswith("curve.json")
     assert main(["plan", "--json", *overrides(rd, tiny_qwen3), str(tmp_path / "missing.json")]) == 3
+
+
+def test_train_samples_trains_on_a_nested_subset_and_keeps_the_held_out_set(tmp_path, tiny_qwen3, capsys, monkeypatch):
+    """train.train_samples: data-vs-epochs on one run dir. The held-out samples stay the same, a smaller set is
+    a subset of a larger one, and the steps only ever read the chosen samples."""
+    import dflashkit.train.loop as loop
+    from dflashkit.train.data import first_of
+
+    idx = list(range(3, 40, 2))
+    for n in range(1, len(idx)):
+        small, large = first_of(idx, n, seed=0), first_of(idx, n + 1, seed=0)
+        assert len(small) == n and small == sorted(small) and set(small) < set(large) <= set(idx)
+    assert first_of(idx, None, seed=0) == idx == first_of(idx, 99, seed=0)
+    assert first_of(idx, 5, seed=0) != first_of(idx, 5, seed=1)
+
+    from dflashkit.train.data import BatchPlan
+
+    seen: dict[str, tuple[list[int], set[int]]] = {}
+    real_setup, real_micro = loop._setup, BatchPlan.micro_batches
+    read: set[int] = set()
+
+    def setup(cfg, rd, *a, **k):
+        tr = real_setup(cfg, rd, *a, **k)
+        read.clear()
+        seen[rd.root.name] = (list(tr.heldout), read)
+        return tr
+
+    def micro_batches(self, step, rank):
+        out = real_micro(self, step, rank)
+        read.update(i for mb in out for i, _ in mb)
+        return out
+
+    monkeypatch.setattr(BatchPlan, "micro_batches", micro_batches)
+    monkeypatch.setattr(loop, "_setup", setup)
+    results = {}
+    for name, n in (("all", None), ("two", 2)):
+        extra = [] if n is None else [f"train.train_samples={n}"]
+        assert _train(tmp_path / name, tiny_qwen3, *extra, train__max_steps=3, train__batch_size=1) == 0
+        results[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    held_all, held_two = seen["all"][0], seen["two"][0]
+    read_two = set(seen["two"][1])
+    assert held_all == held_two and len(read_two) == 2 and not set(held_two) & read_two
+    assert results["two"]["samples"] == 2 and results["all"]["samples"] > 2

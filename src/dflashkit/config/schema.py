@@ -341,6 +341,10 @@ class TrainSection:
     keep_checkpoints: int = f(3, "Keep the newest N step checkpoints (older ones are deleted; 0 = keep all).")
     log_every: int = f(10, "Log metrics every N steps.")
     heldout_samples: int = f(16, "Tokenized samples kept for held-out simulated τ.")
+    train_samples: int | None = f(
+        None, "Train on this many of the training samples only (a seeded choice; the smaller set is always a "
+        "subset of the larger one, and the held-out samples do not change): data-vs-epochs and data-budget "
+        "studies on one captured run dir (`bench recipe`). null = all of them.")
     heldout_sources: list[str] = f([], "Data sources (data.sources[].name) never trained on: up to heldout_samples "
                                    "samples of each join the held-out set, so held-out τ is also measured on a "
                                    "source of another kind (curve.json and `bench recipe` report it per source).",

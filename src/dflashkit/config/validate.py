@@ -89,6 +89,8 @@ def problems(cfg: RunConfig) -> list[str]:
         p.append(f"train.warmup_ratio: must be in [0, 1), got {t.warmup_ratio}")
     if t.max_steps is not None and t.max_steps <= 0:
         p.append(f"train.max_steps: must be > 0, got {t.max_steps}")
+    if t.train_samples is not None and t.train_samples <= 0:
+        p.append(f"train.train_samples: must be > 0 (null = all), got {t.train_samples}")
     if len(t.betas) != 2:
         p.append(f"train.betas: expected two numbers, got {t.betas}")
     _at_least(p, "train", t, 0, "keep_checkpoints")

@@ -33,6 +33,15 @@ def split_heldout(n: int, heldout: int, *, seed: int) -> tuple[list[int], list[i
     return (sorted(perm[:n - k]), sorted(perm[n - k:])) if k else (list(range(n)), [])
 
 
+def first_of(train_idx: list[int], n: int | None, *, seed: int) -> list[int]:
+    """`train.train_samples`: n of `train_idx` by a seeded permutation (sorted); the first n of the same
+    permutation, so a smaller n always picks a subset of a larger one. None (or n ≥ all) = all."""
+    if n is None or n >= len(train_idx):
+        return list(train_idx)
+    order = np.random.default_rng([seed, 13]).permutation(len(train_idx))[:n]
+    return sorted(train_idx[i] for i in order.tolist())
+
+
 def hold_out_sources(train_idx: list[int], heldout: list[int], sources: list[str], names: list[str], *,
                      per_source: int, seed: int) -> tuple[list[int], list[int]]:
     """`train.heldout_sources`: samples of the sources `names` never train; up to `per_source` of each

@@ -38,7 +38,8 @@ from dflashkit.model.draft_vocab import restricted_head
 from dflashkit.model.drafter_config import REPROBE_HINT, DrafterContract
 from dflashkit.train import checkpoint as ckpt
 from dflashkit.train import guards
-from dflashkit.train.data import Batch, BatchPlan, FeatureStore, TokenData, collate, load_tokenized, split_heldout
+from dflashkit.train.data import (Batch, BatchPlan, FeatureStore, TokenData, collate, first_of, load_tokenized,
+                                  split_heldout)
 from dflashkit.train.heldout import BestKeeper, dflash2_stats, evaluate_heldout, log_eval, metrics_of, stats_size
 from dflashkit.train.levers import feature_scale_of, held_out_sources
 from dflashkit.train.logging import CURVE_FILE, LearningCurve, MetricSink
@@ -209,7 +210,7 @@ def engine_feed_key(cfg: RunConfig, rd: RunDir, contract: DrafterContract, dist:
     return {"target_layer_ids": list(contract.target_layer_ids), "dtype": cfg.capture.dtype,
             "last_hidden": t.loss != "ce", "seed": cfg.run.seed, "batch_size": t.batch_size,
             "grad_accum": t.grad_accum, "world": dist.world, "rank": dist.rank,
-            "heldout": [t.heldout_samples, list(t.heldout_sources)],
+            "heldout": [t.heldout_samples, list(t.heldout_sources)], "train_samples": t.train_samples,
             "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")}
 
 
@@ -253,6 +254,10 @@ def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any],
     train_idx, heldout = split_heldout(len(data), cfg.train.heldout_samples, seed=cfg.run.seed)
     if cfg.train.heldout_sources:
         train_idx, heldout = held_out_sources(cfg, data, train_idx, heldout)
+    if cfg.train.train_samples is not None:
+        kept = first_of(train_idx, cfg.train.train_samples, seed=cfg.run.seed)
+        log.info("train.train_samples: training on %d of %d training samples", len(kept), len(train_idx))
+        train_idx = kept
     vocab = None
     if warm is not None:
         from dflashkit.train.warm_start import keep_source_vocab
