@@ -95,3 +95,18 @@ def test_bad_variants_fail_before_any_training_and_dry_run_trains_nothing(tmp_pa
     v = out["variants"]
     assert list(v) == ["drafter.block_size=2", "drafter.block_size=8", "train.lr=1e-3"]
     assert [x["own_contract"] for x in v.values()] == [True, True, False]
+
+
+def test_each_recipe_row_carries_its_learning_curve(tmp_path, tiny_qwen3, capsys):
+    """bench.recipe_eval_every: one held-out point every N steps and one at the end, in the row; the end point is
+    the row's held-out τ, and supervised tokens and optimizer seconds only grow along it."""
+    rd = make_run(tmp_path / "r", tiny_qwen3)
+    rc = main(["bench", "recipe", "--json", *overrides(rd, tiny_qwen3), "bench.recipe_steps=5",
+               "bench.recipe_eval_every=2", "bench.recipe_variants={base: []}"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0, out
+    (row,) = out["variants"]
+    curve = row["curve"]
+    assert [p[0] for p in curve] == [2, 4, 5] and curve[-1][3] == row["heldout_tau"]
+    assert all(a[1] < b[1] and a[2] < b[2] for a, b in zip(curve, curve[1:]))
+    assert all(1.0 <= p[3] <= 4.0 and 0.0 <= p[4] <= 1.0 for p in curve)

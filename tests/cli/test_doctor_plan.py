@@ -116,6 +116,13 @@ def test_plan_modes_qwen3_and_kimi(tmp_path, capsys):
     assert p["features"]["total_gib"] == round(5 * 4096 * 2 * 2_000_000 / 2**30, 2)
     assert p["recommended"] == "online-replicate" and abs(p["target"]["weights_gib"] - 8.19e9 * 2 / 2**30) < 0.05
     assert not (tmp_path / "contract.json").exists()  # plan writes nothing
+    assert main(["plan", q, "8x80", *args, "capture.extra_layer_ids=[0, 2, 3]"]) == 0  # + the layers not already there
+    wide = last_json(capsys)["plan"]
+    from dflashkit.model.drafter_config import build_target_layer_ids
+
+    ids = build_target_layer_ids(36, 5)  # Qwen3-8B: 36 layers, 5 features
+    assert wide["features"]["bytes_per_token"] == (5 + len({0, 2, 3} - set(ids))) * 4096 * 2 > 5 * 4096 * 2
+    assert {m["mode"]: m for m in wide["modes"]}["cached"]["disk_bytes"] == wide["features"]["bytes_per_token"] * 2_000_000
     k = str(FIXTURES / "kimi-k2.6")
     assert main(["plan", k, "8x141", *args]) == 0
     modes = {m["mode"]: m for m in last_json(capsys)["plan"]["modes"]}

@@ -257,6 +257,7 @@ def test_eval_reports_prompt_lookup_diagnostics_and_the_best_block_size(tmp_path
     assert 0 <= d["bigram"]["accuracy"] <= 1 and d["bigram"]["positions"] == 2 * 11
     assert d["bigram"]["training_pairs"] == 4 * 20
     assert d["simulated"]["blocks"] == d["no_features"]["blocks"] == 2 * 11 and d["no_features"]["no_features"]
+    assert d["other_context"]["blocks"] == 2 * 11 and d["other_context"]["ablation"] == "other"
     assert 0 <= d["drafter_position1"] <= 1 and 0 <= d["prompt_lookup_position1"] <= 1
 
 

@@ -92,3 +92,39 @@ def test_the_ablation_in_the_loss_equals_the_drafter_on_an_empty_context(tiny_qw
     zeros = simulated_acceptance(target, drafter, [ids[0, :10].tolist()], [out], no_features=True, ablation="zeros")
     assert diag["ablation"] == "context" and zeros["ablation"] == "zeros"
     assert diag["blocks"] == zeros["blocks"] == len(out) - 1
+
+
+def test_another_prompts_context_is_the_next_sequences_features_and_equals_the_own_when_they_are_the_same(
+        tiny_qwen3, monkeypatch):
+    """ablation="other": each sequence gets the real features of the others (the next ones, cyclically, cut to
+    its length). With identical sequences that is its own context, so every number equals the plain run."""
+    import dflashkit.train.objective as objective
+
+    target = load_target(TargetSection(path=str(tiny_qwen3), device="cpu", dtype="float32"))
+    drafter = random_drafter(target, B)
+    torch.manual_seed(1)
+    seqs = [torch.randint(3, 200, (n,)).tolist() for n in (30, 12, 20)]
+    prompts, outs = [s[:6] for s in seqs], [s[6:] for s in seqs]
+    same = simulated_acceptance(target, drafter, [prompts[0]] * 2, [outs[0]] * 2)
+    other_same = simulated_acceptance(target, drafter, [prompts[0]] * 2, [outs[0]] * 2, no_features=True,
+                                      ablation="other")
+    assert (same["tau"], same["per_position_accuracy"], same["blocks"]) == \
+        (other_same["tau"], other_same["per_position_accuracy"], other_same["blocks"])
+
+    seen: list[torch.Tensor] = []
+    real = objective.dflash_loss
+
+    def spy(drafter_, embed, head, feats, *a, **k):
+        seen.append(feats.clone())
+        return real(drafter_, embed, head, feats, *a, **k)
+
+    monkeypatch.setattr(objective, "dflash_loss", spy)
+    res = simulated_acceptance(target, drafter, prompts, outs, no_features=True, ablation="other")
+    own = [target.features(torch.tensor([s]), layer_ids=list(drafter.target_layer_ids)) for s in seqs]
+    # sequence 1 (30 tokens) takes sequence 2's 12 and 18 of sequence 3's; 2 takes 3's; 3 takes 1's
+    want = [torch.cat([own[1], own[2]], 1)[:, :30], own[2][:, :12], own[0][:, :20]]
+    assert [f.shape[1] for f in seen] == [30, 12, 20] and res["blocks"] == sum(len(o) - 1 for o in outs)
+    for got, exp in zip(seen, want):
+        torch.testing.assert_close(got, exp, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="two or more"):
+        simulated_acceptance(target, drafter, prompts[:1], outs[:1], no_features=True, ablation="other")

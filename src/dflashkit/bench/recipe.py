@@ -27,8 +27,9 @@ variant runs `bench.recipe_steps` steps.
 Each row: held-out simulated τ, position-1 accuracy, per-position accuracy, held-out loss, the
 train-vs-held-out τ gap, τ per held-out data source and on the second source (the first of
 `train.heldout_sources`, a source never trained on, else the second source of the held-out set),
-CPU-minutes used, steps, supervised tokens seen, wall seconds, and the 1-minute load average
-before and after the variant (a number near or above the core count says the machine was not
+CPU-minutes used, steps, supervised tokens seen, wall seconds, its learning curve (`curve`: one point
+per `bench.recipe_eval_every` steps and at the end), and the 1-minute load average before and after
+the variant (a number near or above the core count says the machine was not
 quiet and the CPU-minutes of different variants are not comparable).
 
 The default variants answer the questions a weak drafter raises:
@@ -128,7 +129,7 @@ def variant_config(cfg: RunConfig, name: str, overrides: list[str], root: Path, 
 
     data = config_to_dict(cfg)
     data["run"]["run_dir"] = str(root)
-    data["train"].update(max_steps=steps, eval_every=0, save_every=0)
+    data["train"].update(max_steps=steps, eval_every=cfg.bench.recipe_eval_every, save_every=0)
     vcfg = config_from_dict(data, overrides, source=f"bench.recipe_variants.{name}")
     set_given_keys(vcfg, set(given_keys(cfg) or ()) | {parse_override(o)[0] for o in overrides})
     return vcfg
@@ -234,6 +235,15 @@ def bigram_accuracy(rd: RunDir, heldout_samples: int, seed: int) -> float | None
     return round(hit / tot, 4) if tot else None
 
 
+def curve_of(vdir: RunDir) -> list[list[Any]]:
+    """A variant's learning curve (its train/curve.json) as rows [step, supervised tokens, optimizer seconds,
+    held-out τ, position-1 accuracy]: one per `bench.recipe_eval_every` and the final one."""
+    from dflashkit.train.logging import read_curve
+
+    points = (read_curve(vdir) or {}).get("points") or []
+    return [[p["step"], p["tokens"], p["train_s"], p["heldout"]["tau"], p["heldout"]["acc1"]] for p in points]
+
+
 def _load() -> float | None:
     try:
         return round(os.getloadavg()[0], 2)
@@ -249,7 +259,8 @@ def second_source(cfg: RunConfig, by_source: dict[str, Any]) -> str | None:
     return names[1] if len(names) > 1 else None
 
 
-def row_of(name: str, over: list[str], vcfg: RunConfig, res: dict, *, wall_s: float, load: tuple) -> dict[str, Any]:
+def row_of(name: str, over: list[str], vcfg: RunConfig, res: dict, *, wall_s: float, load: tuple,
+           curve: list[list[Any]] | None = None) -> dict[str, Any]:
     held, train = res.get("heldout") or {}, res.get("train") or {}
     acc = held.get("acc") or []
     by = res.get("heldout_by_source") or {}
@@ -264,7 +275,7 @@ def row_of(name: str, over: list[str], vcfg: RunConfig, res: dict, *, wall_s: fl
                         else round(train["tau"] - held["tau"], 4)),
             "second_source": second, "second_source_tau": (by.get(second) or {}).get("tau") if second else None,
             "heldout_by_source": {k: v.get("tau") for k, v in by.items()},
-            "load_before": load[0], "load_after": load[1], "wall_s": round(wall_s, 1)}
+            "load_before": load[0], "load_after": load[1], "wall_s": round(wall_s, 1), "curve": curve}
 
 
 def bench_recipe(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
@@ -294,7 +305,8 @@ def bench_recipe(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any
             _link(rd.root / part, vdir.root / part)
         load0, t0 = _load(), time.perf_counter()
         res = fit(vcfg, vdir, show_bar=False, cpu_budget_s=budget_s)
-        rows.append(row_of(name, over, vcfg, res, wall_s=time.perf_counter() - t0, load=(load0, _load())))
+        rows.append(row_of(name, over, vcfg, res, wall_s=time.perf_counter() - t0, load=(load0, _load()),
+                           curve=curve_of(vdir)))
         r = rows[-1]
         log.info("recipe %-24s held-out τ %.3f acc1 %s, %s steps, %s CPU-min, load %s → %s", name,
                  r["heldout_tau"] or 0, r["heldout_acc1"], r["steps"], r["cpu_minutes"], r["load_before"],

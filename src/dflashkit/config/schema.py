@@ -390,7 +390,8 @@ class EvalSection:
     prompt_lookup_ngram: int = f(3, "Prompt lookup: longest n-gram matched (falls back to shorter, down "
                                  "to 1).", hash_default=False)
     diagnostics: bool = f(True, "Bigram baseline (fit on the tokenized training answers) and the "
-                          "no-feature ablation (teacher-forced τ with no target context: decode/diagnostics.py).",
+                          "target-context ablations (teacher-forced τ with no target context and with another "
+                          "prompt's: decode/diagnostics.py).",
                           hash_default=False)
 
 
@@ -440,6 +441,10 @@ class BenchSection:
     cpu_minutes: float | None = f(None, "`bench recipe`: per-variant budget of process CPU-minutes for the optimizer "
                                   "steps (all threads; evaluation not charged): variants compare at equal CPU cost, "
                                   "not equal steps. null = bench.recipe_steps steps each.", hash_default=False)
+    recipe_eval_every: int = f(0, "`bench recipe`: a held-out evaluation every N steps of each variant (not charged "
+                               "to bench.cpu_minutes), so every row carries its learning curve (`curve`: step, "
+                               "supervised tokens, optimizer seconds, held-out τ, position-1); 0 = at the end only.",
+                               hash_default=False)
 
 
 @dataclass(kw_only=True)

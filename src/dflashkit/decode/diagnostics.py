@@ -5,6 +5,7 @@ Usage:
     table.accuracy([out.token_ids for out in baseline_results])    # share of next tokens it predicts
     sim = simulated_acceptance(target, drafter, prompts, outputs)  # teacher-forced τ, position-1 acc
     sim0 = simulated_acceptance(target, drafter, prompts, outputs, no_features=True)
+    simx = simulated_acceptance(target, drafter, prompts, outputs, no_features=True, ablation="other")
 
 Bigram baseline: a table of next-token counts over the training answers (pairs (x[t−1], x[t]) with
 x[t] supervised), evaluated on the target's greedy outputs: the share of output positions t ≥ 1
@@ -30,6 +31,16 @@ see their own block's anchor any more. Every mask position then predicts about t
 That is where the "τ 1.00, accuracy 0.000 at every position" of the zeroed ablation came from: a
 broken drafter, not a measure of how much it uses the target (its numbers even depend on the
 context length). `ablation="zeros"` keeps the old reading for comparison.
+
+A drafter trained with a context and run without one is outside anything it was trained on, so
+its collapse there (the demo's drafter: τ 1.00, position-1 0.00 over 659 blocks — real, not a
+defect) says that it drafts from the context, not how much the context is worth. Two readings say
+more. `ablation="other"` gives each sequence the real target features of *other* sequences (those
+of the next sequences, cyclically, concatenated and cut to its length): a context in the training
+distribution, but about another text. A drafter that reads the target drops there; one that only
+uses the context as a generic language-model prefix does not (the demo's drafter: τ 1.23 → 1.03,
+position-1 0.22 → 0.03, below the bigram table). What the target's context is worth against no
+context is a drafter *trained* without it: `bench recipe`'s `no-features` variant (docs/recipe.md).
 """
 
 from __future__ import annotations
@@ -94,15 +105,18 @@ def simulated_acceptance(target, drafter, prompts: Sequence[Sequence[int]], outp
     A block is anchored at every output position p (the token the decoder would start a step with)
     whose next token exists; the drafter sees the target features of positions < p and [x_p, MASK ×
     (B−1)], exactly as in training and decoding. `no_features`: the ablation (module docstring):
-    `ablation="context"` removes the context (the block attends to itself only), "zeros" feeds
-    zeroed features (kept to show why that reading is wrong).
+    `ablation="context"` removes the context (the block attends to itself only), "other" gives each
+    sequence the features of the other sequences (the next ones, cyclically; needs two or more),
+    "zeros" feeds zeroed features (kept to show why that reading is wrong).
     Returns {"tau", "blocks", "per_position_accuracy" (positions 1..B−1), "no_features", "ablation"}.
     """
     from dflashkit.model.draft_vocab import restricted_head
     from dflashkit.train.objective import dflash_loss, Anchors
 
-    if ablation not in ("context", "zeros"):
-        raise ValueError(f"ablation must be 'context' or 'zeros', got {ablation!r}")
+    if ablation not in ("context", "other", "zeros"):
+        raise ValueError(f"ablation must be 'context', 'other' or 'zeros', got {ablation!r}")
+    if no_features and ablation == "other" and len(prompts) < 2:
+        raise ValueError("ablation='other' needs two or more sequences (each takes the others' features)")
     B = drafter.block_size
     p0 = next(drafter.parameters())
     head = target.lm_head
@@ -116,16 +130,30 @@ def simulated_acceptance(target, drafter, prompts: Sequence[Sequence[int]], outp
     def lm_head(h: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(h, head_w, None if head_b is None else head_b.to(p0.dtype))
 
+    def features_of(ids_list: list[int]) -> torch.Tensor:
+        ids = torch.tensor([ids_list], device=target.device)
+        return target.features(ids, layer_ids=list(drafter.target_layer_ids)).to(p0.dtype)      # [1, L, nF·H]
+
+    seqs = [[*prompt, *out] for prompt, out in zip(prompts, outputs)]
+    others = [features_of(x) for x in seqs] if no_features and ablation == "other" else None
     correct = torch.zeros(B)
     total = torch.zeros(B)
     tau_sum, blocks = 0.0, 0
-    for prompt, out in zip(prompts, outputs):
-        ids_list = [*prompt, *out]
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        ids_list = seqs[i]
         n_p, length = len(prompt), len(prompt) + len(out)
         if len(out) < 2:
             continue
         ids = torch.tensor([ids_list], device=target.device)
-        feats = target.features(ids, layer_ids=list(drafter.target_layer_ids)).to(p0.dtype)  # [1, L, nF·H]
+        if others is not None:  # the next sequences' features, cyclically, cut to this one's length
+            parts, j = [], i
+            while sum(f.shape[1] for f in parts) < length:
+                j = (j + 1) % len(others)
+                if j != i:
+                    parts.append(others[j])
+            feats = torch.cat(parts, dim=1)[:, :length]
+        else:
+            feats = features_of(ids_list)
         if no_features and ablation == "zeros":
             feats = torch.zeros_like(feats)
         loss_mask = torch.zeros_like(ids)

@@ -135,9 +135,13 @@ def diagnostic_lines(res: dict[str, Any]) -> list[str]:
         out.append(f"position-1: drafter {d['drafter_position1']:.2f} (simulated {d['simulated']['per_position_accuracy'][0]:.2f}), "
                    f"bigram baseline {d['bigram']['accuracy']:.2f}, prompt lookup {d.get('prompt_lookup_position1', 0):.2f}")
     if d.get("no_features"):
-        sim, zero = d["simulated"], d["no_features"]
-        out.append(f"no-feature ablation (teacher-forced, B={d['block_size']}): tau {sim['tau']:.2f} -> {zero['tau']:.2f}, "
-                   f"position-1 {sim['per_position_accuracy'][0]:.2f} -> {zero['per_position_accuracy'][0]:.2f}")
+        sim, zero, other = d["simulated"], d["no_features"], d.get("other_context")
+        what = [f"none {zero['tau']:.2f}"] + ([f"another prompt's {other['tau']:.2f}"] if other else [])
+        acc1 = [f"{zero['per_position_accuracy'][0]:.2f}"] + ([f"{other['per_position_accuracy'][0]:.2f}"] if other else [])
+        out.append(f"target context (teacher-forced, B={d['block_size']}): tau {sim['tau']:.2f} with its own, "
+                   f"{' / '.join(what)}; position-1 {sim['per_position_accuracy'][0]:.2f} -> {' / '.join(acc1)} "
+                   "(a drafter trained with context drafts from it; what the context is worth: "
+                   "`bench recipe` no-features)")
     ll = res.get("lossless")
     if ll:
         extra = f", {ll['ties']} ties, largest gap {ll['max_tie_gap']}" if ll["ties"] else ""
@@ -249,6 +253,8 @@ def diagnostics(cfg: Any, rd: Any, target: Any, drafter: Any, ids: list, base_re
         log.info("no tokenized shards in %s: bigram baseline skipped", rd.tokenize_dir)
     d["simulated"] = simulated_acceptance(target, drafter, ids, outputs)
     d["no_features"] = simulated_acceptance(target, drafter, ids, outputs, no_features=True)
+    if len(ids) > 1:
+        d["other_context"] = simulated_acceptance(target, drafter, ids, outputs, no_features=True, ablation="other")
     return d
 
 

@@ -5,7 +5,8 @@ Usage:
     p["modes"], p["recommended"], p["logits"]["max_loss_chunk_blocks"]
 
 Model (all per GPU, bytes; assumptions stated so the numbers can be checked):
-    features      = n_feat · H · bytes(capture.dtype) per token (cached mode: on disk, × tokens)
+    features      = n_feat · H · bytes(capture.dtype) per token (cached mode: on disk, × tokens; n_feat counts
+                    capture.extra_layer_ids too)
     drafter       = P_d params; weights + grads + AdamW m, v in fp32 = 16 · P_d (DFlash2: + the
                     convolutions and the selector, whose two V × r codebooks are 2·V·r parameters —
                     84M for Kimi's V = 163,840 at r = 256 — looked up, so left out of the FLOPs)
@@ -99,6 +100,8 @@ def plan_budget(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, s
     seq = max(1, tokens // max(1, sequences))
     q = min(t.num_anchors, seq) * b
     feat_bpt = n_feat * h * DTYPE_BYTES[cfg.capture.dtype]
+    captured = len(set(c.target_layer_ids) | set(cfg.capture.extra_layer_ids))  # what capture writes per token
+    cap_bpt = captured * h * DTYPE_BYTES[cfg.capture.dtype]
     p_d = drafter_params(c)
     opt = 16 * p_d
     frozen = v * h * 2 * (1 if c.tie_word_embeddings else 2)
@@ -132,8 +135,8 @@ def plan_budget(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, s
         entry = {"mode": name, "per_gpu_gib": _gib(need), "fits": need <= budget, "config": conf,
                  "max_loss_chunk_blocks": max_chunk(target_share + train_fixed)}
         if name == "cached":
-            entry["disk_gib"] = _gib(feat_bpt * tokens)
-            entry["disk_bytes"] = int(feat_bpt * tokens)
+            entry["disk_gib"] = _gib(cap_bpt * tokens)
+            entry["disk_bytes"] = int(cap_bpt * tokens)
             entry["capture_fits"] = (t_w / gpus + t_act) <= budget
         if name == "engine":  # the bounded queue, per rank: prefetch micro-batches of rows
             entry["disk_gib"] = _gib(queue_bytes)
@@ -146,8 +149,8 @@ def plan_budget(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, s
     flops_draft = 6 * (p_d - codebook_params(c)) * q * sequences
     rate = TFLOPS_PER_GPU * gpus
     return {
-        "features": {"dtype": cfg.capture.dtype, "bytes_per_token": feat_bpt,
-                     "total_gib": _gib(feat_bpt * tokens)},
+        "features": {"dtype": cfg.capture.dtype, "bytes_per_token": cap_bpt,
+                     "total_gib": _gib(cap_bpt * tokens)},
         "drafter": {"params": p_d, "type": getattr(c, "drafter_type", "dflash"),
                     "selector_codebook_params": codebook_params(c), "weights_grads_adam_gib": _gib(opt), "frozen_embed_head_gib": _gib(frozen),
                     "activations_gib": _gib(act), "kl_targets_gib": _gib(kl)},

@@ -209,14 +209,21 @@ def eval_diagnostics_html(results: dict) -> str:
         if zero:
             rows.append(["drafter without target features (no context; teacher-forced)", _fmt(zero["per_position_accuracy"][0]),
                          _fmt(zero["tau"])])
+        other = diag.get("other_context")
+        if other:
+            rows.append(["drafter with another prompt's target features (teacher-forced)",
+                         _fmt(other["per_position_accuracy"][0]), _fmt(other["tau"])])
         if big:
             rows.append(["bigram table of the training answers", _fmt(big["accuracy"]), "-"])
         if "prompt_lookup_position1" in diag:
             rows.append(["prompt lookup, measured (best block size)", _fmt(diag["prompt_lookup_position1"]), "-"])
         out.append(f"<h2>Why is the drafter weak?</h2><p>On the baseline's outputs for the eval prompts. "
                    f"Teacher-forced = a block drafted at every output position at once (B={diag.get('block_size')}), "
-                   "not a decode. A drafter whose numbers barely drop without the features does not use the "
-                   "target; one at or below the bigram table has learned little more than token pairs.</p>")
+                   "not a decode. A drafter whose numbers barely drop without the features, or with another "
+                   "prompt's, does not use the target; one at or below the bigram table has learned little more "
+                   "than token pairs. A drafter trained with the target's context collapses without it (it never "
+                   "saw that case); what the context is worth is a drafter trained without it "
+                   "(<code>bench recipe</code> variant no-features).</p>")
         out.append(_table(["", "position-1 acceptance", "simulated τ"], rows))
     ll = results.get("lossless")
     if ll:
