@@ -146,7 +146,8 @@ def simulated_acceptance(target, drafter, prompts: Sequence[Sequence[int]], outp
             continue
         ids = torch.tensor([ids_list], device=target.device)
         if others is not None:  # the next sequences' features, cyclically, cut to this one's length
-            parts, j = [], i
+            parts: list[torch.Tensor] = []
+            j = i
             while sum(f.shape[1] for f in parts) < length:
                 j = (j + 1) % len(others)
                 if j != i:
