@@ -60,17 +60,15 @@ def test_run_end_to_end_then_skip(tmp_path, capsys, config):
     assert [k for k, v in actions.items() if v == "run"] == ["eval", "export", "report"], actions
     if config != "tiny.yaml":
         return
-    # A reduced draft vocab re-runs train onwards, never the data stages; train refuses to resume the
-    # full-vocab checkpoints with it (exit 2, naming the key) until train/ is removed.
-    small = ["run", "-c", str(CONFIGS / config), f"run.run_dir={run_dir}", "eval.max_new_tokens=16",
+    # A reduced draft vocab re-runs train onwards, never the data stages. `train` alone refuses to resume
+    # the full-vocab checkpoints with it (exit 2, naming the key); `run` starts train over instead.
+    small = ["-c", str(CONFIGS / config), f"run.run_dir={run_dir}", "eval.max_new_tokens=16",
              "drafter.draft_vocab_size=64"]
-    assert main(small) == 2 and "drafter.draft_vocab_size" in _last_json(capsys)["error"]
-    import shutil
-
-    shutil.rmtree(run_dir / "train")
-    out = _run(capsys, *small)
+    assert main(["train", *small]) == 2 and "drafter.draft_vocab_size" in _last_json(capsys)["error"]
+    out = _run(capsys, "run", *small)
     actions = {s["stage"]: s["action"] for s in out["stages"]}
     assert [k for k, v in actions.items() if v == "run"] == ["train", "eval", "export", "report"], actions
+    assert json.loads((run_dir / "train" / "manifest.json").read_text())["result"]["resumed_from"] == 0
     results = _check_run_dir(run_dir)
     assert results["summary"]["greedy_identical"] is True
     assert json.loads((run_dir / "export" / "config.json").read_text())["draft_vocab_size"] == 64

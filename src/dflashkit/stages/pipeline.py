@@ -8,10 +8,10 @@ Example: dflashkit run -c configs/smollm2-135m.yaml [--from train] [--to eval] [
 Order: probe → prepare → generate → tokenize → (capture, when train.features=cached) → train →
 eval → export → report. A stage is up to date when its manifest exists and its fingerprint — a
 hash of the config sections it reads plus the fingerprint and completion time of the stage before
-it — equals the one recorded after its last success. So editing `train.lr` re-runs train and
-everything after it, and a forced re-run of prepare invalidates what follows. Each stage is itself
-resumable (generate keeps finished rows, train resumes from its last checkpoint), so an
-interrupted `run` continues where it stopped. With `server.urls` empty, `generate` starts
+it — equals the one recorded after its last success. So editing `train.lr` re-runs train (from
+scratch: checkpoints of another run are not resumed) and everything after it, and a forced re-run of
+prepare invalidates what follows. Each stage is itself resumable (generate keeps finished rows, train
+resumes from its last checkpoint of the same run), so an interrupted `run` continues where it stopped. With `server.urls` empty, `generate` starts
 `dflashkit serve` on 127.0.0.1 for the target and stops it afterwards.
 """
 
@@ -113,7 +113,11 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
                 t0 = time.time()
                 sub = StageContext(command=stage, config_path=ctx.config_path, json=True)
                 try:
-                    results[stage] = _stage_module(stage).run(cfg, rd, sub) or {}
+                    module = _stage_module(stage)
+                    restart = getattr(module, "restart_if_changed", None)  # train: not another run's checkpoints
+                    if restart is not None:
+                        restart(cfg, rd)
+                    results[stage] = module.run(cfg, rd, sub) or {}
                 except Exception:
                     log.error("stage %s failed; completed work is kept — fix the cause and re-run "
                               "`dflashkit run` to continue from %s", stage, stage)

@@ -11,7 +11,10 @@ Example: dflashkit train -c run.yaml train.max_steps=200
          torchrun --nproc-per-node 2 -m dflashkit train -c run.yaml     (or --nproc-per-node 2)
 
 Re-running resumes from the latest complete checkpoint (weights, optimizer, scheduler, data
-cursor, RNG), so a killed run continues exactly where it stopped.
+cursor, RNG), so a killed run continues exactly where it stopped. A checkpoint of another run (other
+tokenized data, seed, objective or optimisation settings: `train/guards.py` `resume_changes`) is
+refused with exit 2 naming what changed; `dflashkit run`, which re-runs train because its config or
+inputs changed, starts it over instead (`restart_if_changed`).
 """
 
 from __future__ import annotations
@@ -73,6 +76,37 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
         if not ctx.json:
             _table(result)
     return result
+
+
+def restart_if_changed(cfg: RunConfig, rd: RunDir) -> list[str]:
+    """Before `dflashkit run` re-runs train: when the latest checkpoint belongs to another run (the data,
+    seed, objective, optimisation settings, drafter contract or draft vocab changed since), remove train/checkpoints so that train starts
+    over (a fresh start also replaces train/best; train/final is replaced when it finishes) instead of
+    continuing that run's drafter. Returns what changed (empty: nothing to remove, an interrupted run of
+    this config resumes)."""
+    import logging
+    import shutil
+
+    from dflashkit.rundir import check_replaceable
+    from dflashkit.train import checkpoint as ckpt
+    from dflashkit.train import guards
+
+    latest = ckpt.latest_checkpoint(rd.checkpoints_dir)
+    if latest is None:
+        return []
+    contract = read_json(rd.contract_path) if rd.contract_path.is_file() else None
+    changed = guards.resume_changes(ckpt.checkpoint_state, latest, cfg, rd) + ckpt.shape_changes(
+        latest, contract, cfg.drafter.draft_vocab_size)
+    if changed:
+        logging.getLogger("dflashkit.train").warning(
+            "train starts over: the checkpoints in %s belong to another run (%s)", rd.checkpoints_dir,
+            "; ".join(changed))
+        guards.check_outputs_ours(rd.train_dir, cfg)
+        for step_dir in sorted(rd.checkpoints_dir.glob("step-*")):
+            if step_dir.is_dir() and (step_dir / "state.json").is_file():
+                check_replaceable(step_dir, owner="train", marker="state.json")
+                shutil.rmtree(step_dir)
+    return changed
 
 
 def _latest(rd) -> str | None:

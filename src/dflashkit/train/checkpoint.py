@@ -176,6 +176,27 @@ def _check_draft_vocab(path: Path, msd: dict, model) -> None:
                          f"{path.parent.parent} to start over")
 
 
+def shape_changes(path: Path, contract: dict | None, draft_vocab_size: int | None) -> list[str]:
+    """What `load_checkpoint` would refuse the checkpoint at `path` for, without loading it: its drafter
+    contract against `contract` (contract.json) and its draft vocab against `draft_vocab_size`."""
+    from safetensors import safe_open
+
+    state = checkpoint_state(path)
+    saved = state.get("contract") or {}
+    changed = [f"{k}: {saved.get(k)!r} in the checkpoint, now {contract.get(k)!r}" for k in CONTRACT_KEYS
+               if contract and k in saved and saved.get(k) != contract.get(k)]
+    try:
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            n = f.get_slice("d2t").get_shape()[0] if "d2t" in f.keys() else None
+    except Exception:  # noqa: BLE001 - a torn file: load_checkpoint names it when it is read
+        return changed
+    vocab = (contract or {}).get("vocab_size")
+    want = draft_vocab_size if draft_vocab_size and not (vocab and draft_vocab_size >= vocab) else None
+    if n != want:  # None: the full target vocab (unset, 0, or the whole vocab: `train/vocab.py`)
+        changed.append(f"drafter.draft_vocab_size: {n} in the checkpoint, now {want}")
+    return changed
+
+
 BEST_FILE = "best.json"
 
 

@@ -5,6 +5,9 @@ Usage:
     check_drafter_overrides(cfg, contract, rd.contract_path)   # drafter.* given vs contract.json
     state["objective"] = objective(cfg.train)           # recorded in every checkpoint
     check_objective(checkpoint_dir, state, cfg.train)   # a resume under another loss/labels: exit 2
+    state["trajectory"] = trajectory(cfg, rd)           # the data and the other train.* a step depends on
+    check_trajectory(checkpoint_dir, state, cfg, rd)    # a resume on other data / lr / seed …: exit 2
+    resume_changes(checkpoint_state, latest, cfg, rd)   # why `dflashkit run` starts train over
 
 The contract (`contract.json`, written by `probe` or `import`) decides the drafter's shape; a
 `drafter.*` value given in the config that differs from it is an error naming each key, never
@@ -17,13 +20,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from dflashkit.errors import ConfigError, UsageError
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig, TrainSection
     from dflashkit.model.drafter_config import DrafterContract
+    from dflashkit.rundir import RunDir
 
 IMPORTED = "imported.json"  # written by `dflashkit import` into the drafter dir it creates
 
@@ -114,6 +118,65 @@ def check_outputs_ours(train_dir: Path, cfg: RunConfig) -> None:
 def objective(train: TrainSection) -> dict[str, Any]:
     """The keys of `train.*` that define what a checkpoint was trained to do."""
     return {k: getattr(train, k) for k in OBJECTIVE_KEYS}
+
+
+# train.* keys besides the objective that change what a step computes (so a checkpoint trained under other
+# values is another run, not this one interrupted). Not here: the step count (max_steps, epochs: resuming with
+# more steps continues the run), how often it logs / evaluates / saves, features (online ≡ cached ≡ engine),
+# numerics-only knobs (loss_chunk_blocks, compile) and where it logs.
+TRAJECTORY_KEYS = ("batch_size", "grad_accum", "lr", "optimizer", "muon_momentum", "min_lr_ratio", "warmup_ratio",
+                   "weight_decay", "betas", "grad_clip", "num_anchors", "anchor_coverage", "gamma", "kl_weight",
+                   "dpace_alpha", "feature_noise", "dtype", "heldout_samples", "train_samples", "heldout_sources")
+
+
+def trajectory(cfg: RunConfig, rd: RunDir) -> dict[str, Any]:
+    """What, besides the objective, a checkpoint's steps depended on: the tokenized data (tokenize's
+    fingerprint and its inputs' digests, so other prompts, a rescaled demo or a re-prepared source are
+    other data), run.seed and `TRAJECTORY_KEYS`."""
+    tok = rd.manifest("tokenize") or {}
+    inputs = {k: v.get("digest") if isinstance(v, dict) else v for k, v in (tok.get("inputs") or {}).items()}
+    data = {"tokenize": tok.get("config_hash"), "inputs": inputs} if tok else None
+    return {"data": data, "run.seed": cfg.run.seed,
+            **{f"train.{k}": _plain(getattr(cfg.train, k)) for k in TRAJECTORY_KEYS}}
+
+
+def _plain(v: Any) -> Any:
+    return list(v) if isinstance(v, tuple) else v
+
+
+def trajectory_changes(state: dict, cfg: RunConfig, rd: RunDir) -> list[str]:
+    """`key: then → now` for each recorded trajectory value that differs now (none for old checkpoints)."""
+    saved = state.get("trajectory")
+    if not isinstance(saved, dict):
+        return []  # checkpoints written before the trajectory was recorded
+    now = json.loads(json.dumps(trajectory(cfg, rd)))  # as state.json stores it
+    return [("the tokenized data (tokenize re-ran on other prompts or settings)" if k == "data" else
+             f"{k}: {saved[k]!r} in the checkpoint, now {now.get(k)!r}")
+            for k in saved if k in now and saved[k] != now[k]]
+
+
+def check_trajectory(path: Path, state: dict, cfg: RunConfig, rd: RunDir) -> None:
+    """A resume on other data, seed or optimisation settings than the checkpoint's: exit 2."""
+    changed = trajectory_changes(state, cfg, rd)
+    if changed:
+        ck = Path(path)
+        raise UsageError(f"{ck / 'state.json'}: this run is not the one the checkpoint belongs to "
+                         f"({'; '.join(changed)}); resuming would continue another run's drafter",
+                         hint=f"restore the checkpoint's settings and data to resume, or move {ck.parent.parent} away "
+                         "to train from scratch (`dflashkit run` starts train over by itself when they changed)")
+
+
+def resume_changes(checkpoint_state: Callable[[Path], dict], latest: Path | None, cfg: RunConfig,
+                   rd: RunDir) -> list[str]:
+    """Why the latest checkpoint (if any) is not this run's: its objective or trajectory changes."""
+    if latest is None:
+        return []
+    state = checkpoint_state(latest)
+    saved = state.get("objective")
+    now = objective(cfg.train)
+    changed = [f"train.{k}: {saved[k]!r} in the checkpoint, now {now[k]!r}" for k in OBJECTIVE_KEYS
+               if isinstance(saved, dict) and k in saved and saved[k] != now[k]]
+    return changed + trajectory_changes(state, cfg, rd)
 
 
 def check_objective(path: Path, state: dict, train: TrainSection) -> None:

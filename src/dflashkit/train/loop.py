@@ -403,6 +403,7 @@ def _fit(cfg, rd, tr: Trainer, dist: DistInfo, *, show_bar: bool, cpu_budget_s: 
         start = ckpt.load_checkpoint(found, model=tr.drafter, optimizer=opt, scheduler=sched)
         state = ckpt.checkpoint_state(found)
         guards.check_objective(found, state, cfg.train)
+        guards.check_trajectory(found, state, cfg, rd)
         tr.sync_draft_vocab()
     sink = MetricSink(out_dir, total_steps=steps, start_step=start, train=cfg.train, enabled=dist.is_main,
                       show_bar=show_bar)
@@ -432,6 +433,7 @@ def _fit(cfg, rd, tr: Trainer, dist: DistInfo, *, show_bar: bool, cpu_budget_s: 
 
     def extra_state() -> dict:
         return {"curve": curve.state_dict(), "objective": guards.objective(cfg.train),
+                "trajectory": guards.trajectory(cfg, rd),
                 **({"best": best.record} if best.record else {})}
 
     try:
