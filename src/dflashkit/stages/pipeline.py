@@ -11,8 +11,9 @@ hash of the config sections it reads plus the fingerprint and completion time of
 it — equals the one recorded after its last success. So editing `train.lr` re-runs train (from
 scratch: checkpoints of another run are not resumed) and everything after it, and a forced re-run of
 prepare invalidates what follows. Each stage is itself resumable (generate keeps finished rows, train
-resumes from its last checkpoint of the same run), so an interrupted `run` continues where it stopped. With `server.urls` empty, `generate` starts
-`dflashkit serve` on 127.0.0.1 for the target and stops it afterwards.
+resumes from its last checkpoint of the same run), so an interrupted `run` continues where it stopped.
+With `server.urls` empty, `generate` starts `dflashkit serve` on 127.0.0.1 for the target and stops it
+afterwards.
 """
 
 from __future__ import annotations

@@ -80,8 +80,8 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
 
 def restart_if_changed(cfg: RunConfig, rd: RunDir) -> list[str]:
     """Before `dflashkit run` re-runs train: when the latest checkpoint belongs to another run (the data,
-    seed, objective, optimisation settings, drafter contract or draft vocab changed since), remove train/checkpoints so that train starts
-    over (a fresh start also replaces train/best; train/final is replaced when it finishes) instead of
+    seed, objective, optimisation settings, drafter contract or draft vocab changed since), remove
+    train/checkpoints so that train starts over (a fresh start also replaces train/best; train/final is replaced when it finishes) instead of
     continuing that run's drafter. Returns what changed (empty: nothing to remove, an interrupted run of
     this config resumes)."""
     import logging
@@ -95,7 +95,7 @@ def restart_if_changed(cfg: RunConfig, rd: RunDir) -> list[str]:
     if latest is None:
         return []
     contract = read_json(rd.contract_path) if rd.contract_path.is_file() else None
-    changed = guards.resume_changes(ckpt.checkpoint_state, latest, cfg, rd) + ckpt.shape_changes(
+    changed = guards.resume_changes(ckpt.checkpoint_state(latest), cfg, rd) + ckpt.shape_changes(
         latest, contract, cfg.drafter.draft_vocab_size)
     if changed:
         logging.getLogger("dflashkit.train").warning(

@@ -149,14 +149,18 @@ def _check_contract(path: Path, saved: dict | None, model) -> None:
     current = getattr(getattr(model, "module", model), "contract", None)
     if not saved or current is None:
         return  # checkpoints written before contracts were recorded
-    now = current.to_dict()
-    changed = [f"{k}: {saved.get(k)!r} in the checkpoint, now {now.get(k)!r}" for k in CONTRACT_KEYS
-               if k in saved and saved.get(k) != now.get(k)]
+    changed = _contract_changes(saved, current.to_dict())
     if changed:
         raise UsageError(f"{path / 'state.json'}: the drafter contract changed since this checkpoint "
                          f"({'; '.join(changed)})",
                          hint=f"restore the previous settings (contract.json / drafter.*) to resume, or delete "
                          f"{path.parent.parent} to train from scratch")
+
+
+def _contract_changes(saved: dict, now: dict) -> list[str]:
+    """`key: then → now` for each contract field the checkpoint recorded that differs now."""
+    return [f"{k}: {saved.get(k)!r} in the checkpoint, now {now.get(k)!r}" for k in CONTRACT_KEYS
+            if k in saved and saved.get(k) != now.get(k)]
 
 
 def _check_draft_vocab(path: Path, msd: dict, model) -> None:
@@ -181,10 +185,8 @@ def shape_changes(path: Path, contract: dict | None, draft_vocab_size: int | Non
     contract against `contract` (contract.json) and its draft vocab against `draft_vocab_size`."""
     from safetensors import safe_open
 
-    state = checkpoint_state(path)
-    saved = state.get("contract") or {}
-    changed = [f"{k}: {saved.get(k)!r} in the checkpoint, now {contract.get(k)!r}" for k in CONTRACT_KEYS
-               if contract and k in saved and saved.get(k) != contract.get(k)]
+    saved = checkpoint_state(path).get("contract") or {}
+    changed = _contract_changes(saved, contract) if contract else []
     try:
         with safe_open(str(path / "model.safetensors"), framework="pt") as f:
             n = f.get_slice("d2t").get_shape()[0] if "d2t" in f.keys() else None

@@ -7,7 +7,7 @@ Usage:
     check_objective(checkpoint_dir, state, cfg.train)   # a resume under another loss/labels: exit 2
     state["trajectory"] = trajectory(cfg, rd)           # the data and the other train.* a step depends on
     check_trajectory(checkpoint_dir, state, cfg, rd)    # a resume on other data / lr / seed …: exit 2
-    resume_changes(checkpoint_state, latest, cfg, rd)   # why `dflashkit run` starts train over
+    resume_changes(state, cfg, rd)                      # why `dflashkit run` starts train over
 
 The contract (`contract.json`, written by `probe` or `import`) decides the drafter's shape; a
 `drafter.*` value given in the config that differs from it is an error naming each key, never
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import ConfigError, UsageError
 
@@ -166,27 +166,24 @@ def check_trajectory(path: Path, state: dict, cfg: RunConfig, rd: RunDir) -> Non
                          "to train from scratch (`dflashkit run` starts train over by itself when they changed)")
 
 
-def resume_changes(checkpoint_state: Callable[[Path], dict], latest: Path | None, cfg: RunConfig,
-                   rd: RunDir) -> list[str]:
-    """Why the latest checkpoint (if any) is not this run's: its objective or trajectory changes."""
-    if latest is None:
-        return []
-    state = checkpoint_state(latest)
+def resume_changes(state: dict, cfg: RunConfig, rd: RunDir) -> list[str]:
+    """Why a checkpoint (its state.json) is not this run's: its objective and trajectory changes."""
+    return objective_changes(state, cfg.train) + trajectory_changes(state, cfg, rd)
+
+
+def objective_changes(state: dict, train: TrainSection) -> list[str]:
+    """`train.key: then → now` for each recorded objective value that differs now (none for old checkpoints)."""
     saved = state.get("objective")
-    now = objective(cfg.train)
-    changed = [f"train.{k}: {saved[k]!r} in the checkpoint, now {now[k]!r}" for k in OBJECTIVE_KEYS
-               if isinstance(saved, dict) and k in saved and saved[k] != now[k]]
-    return changed + trajectory_changes(state, cfg, rd)
+    if not isinstance(saved, dict):
+        return []  # checkpoints written before the objective was recorded
+    now = objective(train)
+    return [f"train.{k}: {saved[k]!r} in the checkpoint, now {now[k]!r}" for k in OBJECTIVE_KEYS
+            if k in saved and saved[k] != now[k]]
 
 
 def check_objective(path: Path, state: dict, train: TrainSection) -> None:
     """A resume under another objective (train.loss, train.labels, …) than the checkpoint's: exit 2."""
-    saved = state.get("objective")
-    if not isinstance(saved, dict):
-        return  # checkpoints written before the objective was recorded
-    now = objective(train)
-    changed = [f"train.{k}: {saved[k]!r} in the checkpoint, now {now[k]!r}" for k in OBJECTIVE_KEYS
-               if k in saved and saved[k] != now[k]]
+    changed = objective_changes(state, train)
     if changed:
         ck = Path(path)
         raise UsageError(f"{ck / 'state.json'}: the training objective changed since this checkpoint "

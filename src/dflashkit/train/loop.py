@@ -398,6 +398,7 @@ def _fit(cfg, rd, tr: Trainer, dist: DistInfo, *, show_bar: bool, cpu_budget_s: 
     out_dir = rd.stage_dir("train")
     ck_root = out_dir / "checkpoints"
     start, state = 0, None
+    traj = guards.trajectory(cfg, rd)  # read once: what every checkpoint records and a resume must match
     found = ckpt.latest_checkpoint(ck_root)
     if found is not None:
         start = ckpt.load_checkpoint(found, model=tr.drafter, optimizer=opt, scheduler=sched)
@@ -433,7 +434,7 @@ def _fit(cfg, rd, tr: Trainer, dist: DistInfo, *, show_bar: bool, cpu_budget_s: 
 
     def extra_state() -> dict:
         return {"curve": curve.state_dict(), "objective": guards.objective(cfg.train),
-                "trajectory": guards.trajectory(cfg, rd),
+                "trajectory": traj,
                 **({"best": best.record} if best.record else {})}
 
     try:
