@@ -5,7 +5,7 @@ Usage:
     fam.build(contract, None, None)               # a new random drafter network of this family
     fam.reduced_vocab, fam.vllm_runner            # capabilities: a draft vocab? which vLLM runner?
     tokens, law = fam.propose(drafter, h, logits, anchor, DraftSampling(), None, vocab_size)   # one draft step
-    terms = fam.loss_terms(cfg.train)             # its own loss terms (train/objective.py composes them)
+    terms = fam.loss_terms(cfg.train)             # its own loss terms (train/loss.py composes them)
 
 A `Family` is a frozen record of facts and functions, written by one module per family
 (`family/dflash.py`, `family/dflash2.py`) and listed by the registry (`family/__init__.py`): the
@@ -118,7 +118,7 @@ class Scored:
     labels: torch.Tensor                # [b, N, B] label ids (target ids)
     supervised: torch.Tensor            # [b, N, B] bool
     ok: torch.Tensor                    # [b, N, B] the argmax prediction is the label (and supervised)
-    tau_sum: Callable[[torch.Tensor], float]   # Σ over real blocks of 1 + leading ok (train.objective)
+    tau_sum: Callable[[torch.Tensor], float]   # Σ over real blocks of 1 + leading ok (train.loss.tau_sum)
 
 
 class LossTerm(Protocol):

@@ -32,7 +32,7 @@ Rules (each pinned by a test):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -227,7 +227,8 @@ class DraftLoss:
     def _chunk(self, model, head, h, labels, tgt, prev, need_ce: bool, need_kl: bool):
         """Per-row CE and KL (zeros when not needed), the argmax, and each term's own values, of one chunk."""
         scores = self.family.scores(model, head(h).float())                       # [rows, V']
-        own = [t.chunk(Rows(model, h, scores, labels, prev)) for t in self.terms]
+        rows = Rows(model, h, scores, labels, prev)
+        own = [t.chunk(rows) for t in self.terms]
         ce = F.cross_entropy(scores, labels, reduction="none") if need_ce else scores.new_zeros(labels.shape)
         if need_kl:
             logp = F.log_softmax(scores, dim=-1)
@@ -336,8 +337,7 @@ class DraftLoss:
             scored = Scored(model, hidden.detach(), rows, [], x.input_ids, a, labels.view(bsz, n, B), sup, ok,
                             lambda v: tau_sum(v, a.keep))
             for term, parts in zip(self.terms, own):
-                scored.parts = parts
-                better, stats = term.rescore(scored)
+                better, stats = term.rescore(replace(scored, parts=parts))
                 extra.update(stats)
                 ok = ok if better is None else better
             return LossOutput(loss=scaled, weight_sum=wsum, correct=ok.sum(dim=(0, 1)).float().cpu(),
