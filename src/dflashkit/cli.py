@@ -29,6 +29,7 @@ from typing import Any
 from dflashkit import __version__
 from dflashkit.context import StageContext, require_positional  # noqa: F401  (re-exported)
 from dflashkit.errors import EXIT_FAILURE, EXIT_USAGE, DflashkitError, NotImplementedStage, StageFailed
+from dflashkit.redact import redact_text
 from dflashkit.stage_table import READ_ONLY, TABLE  # READ_ONLY: commands that take no run-dir lock
 
 log = logging.getLogger("dflashkit")
@@ -88,11 +89,19 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+class _RedactingFormatter(logging.Formatter):
+    """Every log line (a traceback included) with the secrets of any URL in it hidden (`dflashkit.redact`):
+    an exception's message may quote a URL that no dflashkit code formatted."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact_text(super().format(record))
+
+
 def _setup_logging(level: str) -> None:
     root = logging.getLogger("dflashkit")
     if not root.handlers:
         handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+        handler.setFormatter(_RedactingFormatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
         root.addHandler(handler)
     root.setLevel(level.upper())
     root.propagate = False
@@ -100,7 +109,7 @@ def _setup_logging(level: str) -> None:
 
 def _emit(result: dict[str, Any]) -> None:
     sys.stdout.flush()
-    print(json.dumps(result, default=str), flush=True)
+    print(redact_text(json.dumps(result, default=str)), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -156,18 +156,19 @@ def drift_checks(cfg: Any, urls: list[str], timeout: float = 30.0) -> list[dict[
                        "fix target.path / target.tokenizer / target.chat_template")]
     out = []
     for url in urls:
+        shown = redact_url(url)
         try:
             check = asyncio.run(_preflight_one(cfg, url, chat, timeout))
         except Exception as e:  # noqa: BLE001
-            out.append(_check(f"drift {url}", "error", f"pre-flight request failed: {type(e).__name__}: {e}"[:300],
+            out.append(_check(f"drift {shown}", "error", f"pre-flight request failed: {type(e).__name__}: {e}"[:300],
                               "check the server log"))
             continue
         if check.differs:
-            out.append(_check(f"drift {url}", "error", f"the server's prompt differs from the target's chat "
+            out.append(_check(f"drift {shown}", "error", f"the server's prompt differs from the target's chat "
                               f"template: {describe(check)}", "serve the target with its own chat template, or "
                               "set generate.endpoint=completions"))
         else:
-            out.append(_check(f"drift {url}", "ok" if check.checked else "absent", f"prompt: {describe(check)}"))
+            out.append(_check(f"drift {shown}", "ok" if check.checked else "absent", f"prompt: {describe(check)}"))
     return out
 
 

@@ -17,7 +17,9 @@ tests). It speaks exactly what
 OpenAI-compatible servers answer: Content-Length, chunked, or read-until-close bodies; http and
 https; one request per connection at a time (no pipelining); idle connections are reused per
 host. Not supported: HTTP proxies and HTTP/2.
-Errors: `HttpTimeout`, `HttpConnectError`, `HttpDropped` (connection closed mid-response).
+Errors: `HttpTimeout`, `HttpConnectError`, `HttpDropped` (connection closed mid-response); their
+messages show URLs redacted (`dflashkit.redact`). A URL's `user:password@` is sent as HTTP Basic auth
+(unless the client has its own Authorization header), never in the Host header.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import asyncio
 import json
 import ssl
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
+
+from dflashkit.redact import redact_url
 
 
 class HttpError(Exception):
@@ -49,7 +53,7 @@ class HttpStatusError(HttpError):
     """A complete response with a non-2xx status (`get_json` / `post_json`)."""
 
     def __init__(self, url: str, status: int, body: bytes):
-        super().__init__(f"{url}: HTTP {status}: {body[:300].decode('utf-8', 'replace')}")
+        super().__init__(f"{redact_url(url)}: HTTP {status}: {body[:300].decode('utf-8', 'replace')}")
         self.status, self.body = status, body
 
 
@@ -196,9 +200,13 @@ class Http1Client:
         host = parts.hostname or "127.0.0.1"
         key = (scheme, host, port)
         target = parts.path + (f"?{parts.query}" if parts.query else "")
-        head = (f"{method} {target} HTTP/1.1\r\nHost: {parts.netloc}\r\nAccept: */*\r\n{self.headers}"
+        netloc, headers = parts.netloc, self.headers
+        if "@" in netloc:  # user info: Basic auth, and never in the Host header
+            netloc = netloc.rpartition("@")[2]
+            headers += _basic_auth(parts.username, parts.password, headers)
+        head = (f"{method} {target} HTTP/1.1\r\nHost: {netloc}\r\nAccept: */*\r\n{headers}"
                 f"Content-Length: {len(body)}\r\n\r\n") if method != "GET" else \
-            f"GET {target} HTTP/1.1\r\nHost: {parts.netloc}\r\nAccept: */*\r\n{self.headers}\r\n"
+            f"GET {target} HTTP/1.1\r\nHost: {netloc}\r\nAccept: */*\r\n{headers}\r\n"
         data = head.encode("latin-1") + body
         idle = self._idle.setdefault(key, [])
         while idle:
@@ -242,6 +250,16 @@ class Http1Client:
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 
+def _basic_auth(user: str | None, password: str | None, headers: str) -> str:
+    """The Authorization header line for a URL's user info (none when there is none, or the client has one)."""
+    if user is None or "\nauthorization:" in "\n" + headers.lower():
+        return ""
+    import base64
+
+    token = base64.b64encode(f"{unquote(user)}:{unquote(password or '')}".encode()).decode("ascii")
+    return f"Authorization: Basic {token}\r\n"
+
+
 def request_sync(method: str, url: str, body: bytes = b"", *, headers: dict[str, str] | None = None,
                  timeout_s: float = 30.0) -> tuple[int, dict[str, str], bytes]:
     """One request from synchronous code (its own event loop and connection): status, headers, body.
@@ -264,7 +282,7 @@ def _json(url: str, status: int, body: bytes) -> Any:
     try:
         return json.loads(body)
     except ValueError:
-        raise HttpError(f"{url}: the reply is not JSON: {body[:200]!r}") from None
+        raise HttpError(f"{redact_url(url)}: the reply is not JSON: {body[:200]!r}") from None
 
 
 def get_json(url: str, *, headers: dict[str, str] | None = None, timeout_s: float = 30.0) -> Any:

@@ -20,6 +20,7 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 from dflashkit.http1 import JSON_HEADERS, Http1Client, HttpError, get_json
+from dflashkit.redact import redact_url
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -107,16 +108,17 @@ def bench_serve(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]
             urls = [stack.enter_context(start_local_server(cfg))]
         endpoints: list[dict[str, Any]] = []
         for url in urls[:2]:
+            shown = redact_url(url)  # what results, tables and messages show
             try:
                 model = cfg.server.model or get_json(url + "/models", timeout_s=30)["data"][0]["id"]
             except (HttpError, KeyError, IndexError, ValueError, TypeError) as e:
                 from dflashkit.errors import ServerError
 
-                raise ServerError(f"bench.urls: cannot read {url}/models ({type(e).__name__}: {e})",
+                raise ServerError(f"bench.urls: cannot read {shown}/models ({type(e).__name__}: {e})",
                                   hint="start the server, or fix bench.urls") from None
             rows = [asyncio.run(_sweep_one(url, model, prompts, c, b.requests, b.warmup, b.max_tokens))
                     for c in b.concurrency]
-            endpoints.append({"url": url, "model": model, "sweep": rows})
+            endpoints.append({"url": shown, "model": model, "sweep": rows})
     from dflashkit.model.target import cpu_facts
 
     result: dict[str, Any] = {"endpoints": endpoints, "max_tokens": b.max_tokens, "prompts": len(prompts),

@@ -23,6 +23,7 @@ from dflashkit.config.loader import (
     iter_fields,
     load_config,
     parse_override,
+    redacted_dict,
     section_hash,
     set_given_keys,
 )
@@ -45,21 +46,22 @@ from dflashkit.config.schema import (
     TrainSection,
     f,
     sub,
+    url_fields,
 )
 from dflashkit.config.validate import (
     VARIANT_NAME,
     chat_template_problem,
     recipe_variant_problems,
-    redact_url,
     url_problem,
 )
 from dflashkit.config.validate import problems as config_problems
+from dflashkit.redact import redact_text, redact_url
 
 __all__ = [
     "BenchSection", "CaptureSection", "DataSection", "DrafterSection", "EvalSection", "ExportSection",
     "GenerateSection", "ParallelSection", "RunConfig", "RunSection", "ServeSection", "ServerSection",
     "SourceSection", "TargetSection", "TokenizeSection", "TrainSection", "VARIANT_NAME", "chat_template_problem",
     "config_from_dict", "config_problems", "config_reference_markdown", "config_to_dict", "dump_config", "f",
-    "given_keys", "iter_fields", "load_config", "parse_override", "recipe_variant_problems", "redact_url",
-    "section_hash", "set_given_keys", "sub", "url_problem",
+    "given_keys", "iter_fields", "load_config", "parse_override", "recipe_variant_problems", "redact_text",
+    "redact_url", "redacted_dict", "section_hash", "set_given_keys", "sub", "url_fields", "url_problem",
 ]

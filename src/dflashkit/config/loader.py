@@ -25,8 +25,8 @@ import yaml
 
 from dflashkit.config.schema import RunConfig
 from dflashkit.config.validate import problems as validation_problems
-from dflashkit.config.validate import redact_url
 from dflashkit.errors import ConfigError, UsageError
+from dflashkit.redact import redact_text, redact_url
 
 # --------------------------------------------------------------------------------------------
 # Strict build
@@ -175,8 +175,8 @@ def config_from_dict(data: dict, overrides: list[str] | None = None, *, source: 
     cfg = _build(RunConfig, data, "", problems)
     if not problems:
         problems = validation_problems(cfg) + (checks(cfg) if checks is not None else [])
-    if problems:
-        raise ConfigError(problems, hint=f"fix {source} or the key=value overrides; `docs/config.md` "
+    if problems:  # a message may quote a bad value: a URL's secrets never reach it
+        raise ConfigError([redact_text(p) for p in problems], hint=f"fix {source} or the key=value overrides; `docs/config.md` "
                           "lists every key")
     return cfg
 
@@ -234,12 +234,26 @@ def config_to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def redacted_dict(cfg: Any) -> Any:
+    """`config_to_dict(cfg)` with every field marked `url=True` in the schema redacted (`dflashkit.redact`):
+    what may be written to a file or shown (API keys live in env vars, never in the config)."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        out = {}
+        for fl in dataclasses.fields(cfg):
+            value = getattr(cfg, fl.name)
+            if fl.metadata.get("url") and value:
+                out[fl.name] = [redact_url(u) for u in value] if isinstance(value, list) else redact_url(value)
+            else:
+                out[fl.name] = redacted_dict(value)
+        return out
+    if isinstance(cfg, list):
+        return [redacted_dict(v) for v in cfg]
+    return json.loads(json.dumps(cfg)) if isinstance(cfg, dict) else cfg
+
+
 def dump_config(cfg: RunConfig) -> str:
-    """Resolved YAML; credentials inside server/bench URLs are redacted (keys live in env vars)."""
-    data = config_to_dict(cfg)
-    for section in ("server", "bench"):
-        data[section]["urls"] = [redact_url(u) for u in data[section]["urls"]]
-    return yaml.safe_dump(data, sort_keys=False)
+    """Resolved YAML, every URL field redacted (`redacted_dict`)."""
+    return yaml.safe_dump(redacted_dict(cfg), sort_keys=False)
 
 
 def _hashed(section: Any) -> Any:

@@ -18,20 +18,52 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 
-def f(default: Any, help: str, *, hash_default: bool = True) -> Any:  # noqa: A002 - "help" reads best
+def f(default: Any, help: str, *, hash_default: bool = True, url: bool = False) -> Any:  # noqa: A002
     """A field with a default and a one-line help text (docs/config.md is built from these).
 
     `hash_default=False`: `section_hash` leaves the field out while it holds its default, so adding
     an optional key does not make existing run dirs look out of date to `dflashkit run`.
+    `url=True`: the field holds a server URL (or a list of them): it is checked by `url_problem` and
+    redacted (`dflashkit.redact`) wherever the config is dumped (`url_fields` below finds every one).
     """
-    meta = {"help": help} if hash_default else {"help": help, "hash_default": False}
+    meta: dict[str, object] = {"help": help}
+    if not hash_default:
+        meta["hash_default"] = False
+    if url:
+        meta["url"] = True
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: json.loads(json.dumps(d)), metadata=meta)
+        def fresh(d: Any = default) -> Any:  # a new copy per instance
+            return json.loads(json.dumps(d))
+
+        return field(default_factory=fresh, metadata=meta)
     return field(default=default, metadata=meta)
 
 
 def sub(cls: type, help: str) -> Any:  # noqa: A002
     return field(default_factory=cls, metadata={"help": help})
+
+
+def url_fields(cfg: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted key, URL) of every value of every field marked `url=True` in `cfg` (a config or a section),
+    list items as `key[i]`, sections and lists of sections walked: what `url_problem` checks and what
+    every dump of the config redacts."""
+    import dataclasses
+
+    out: list[tuple[str, str]] = []
+    for fl in dataclasses.fields(cfg):
+        key, value = f"{prefix}{fl.name}", getattr(cfg, fl.name)
+        if fl.metadata.get("url"):
+            if isinstance(value, list):
+                out += [(f"{key}[{i}]", str(v)) for i, v in enumerate(value)]
+            elif value:
+                out.append((key, str(value)))
+        elif dataclasses.is_dataclass(value):
+            out += url_fields(value, key + ".")
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                if dataclasses.is_dataclass(v):
+                    out += url_fields(v, f"{key}[{i}].")
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,7 +185,8 @@ class DataSection:
 @dataclass(kw_only=True)
 class ServerSection:
     urls: list[str] = f([], "OpenAI-compatible base URLs (…/v1). Empty = start `server.engine` on "
-                        "127.0.0.1 for target.path.")
+                        "127.0.0.1 for target.path. `user:password@` is sent as HTTP Basic auth and never "
+                        "shown; a query string is refused (the API key goes in server.api_key_env).", url=True)
     model: str | None = f(None, "Model name sent to the server; null = the first of /v1/models.")
     api_key_env: str = f("OPENAI_API_KEY", "Environment variable holding the API key (never logged).")
     timeout_s: float = f(600.0, "Per-request timeout.")
@@ -256,7 +289,7 @@ class CaptureSection:
     server_url: str | None = f(
         None, "capture.engine=vllm: base URL (…/v1) of a vLLM you already run with the flags "
         "`dflashkit capture --dry-run` prints; its hidden-states files must be readable here. null = start one.",
-        hash_default=False)
+        hash_default=False, url=True)
     concurrency: int = f(4, "capture.engine=vllm: requests in flight.", hash_default=False)
     extra_layer_ids: list[int] = f(
         [], "Target layers captured beside the contract's target_layer_ids (same numbering), so a drafter with "
@@ -424,7 +457,7 @@ class ServeSection:
 
 @dataclass(kw_only=True)
 class BenchSection:
-    urls: list[str] = f([], "Endpoints to compare (e.g. without and with speculation).")
+    urls: list[str] = f([], "Endpoints to compare (e.g. without and with speculation).", url=True)
     concurrency: list[int] = f([1, 2, 4, 8], "Concurrency sweep.")
     requests: int = f(32, "Requests per concurrency level.")
     max_tokens: int = f(128, "Tokens per request.")

@@ -17,7 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dflashkit.config.schema import RunConfig
+from dflashkit.config.schema import RunConfig, url_fields
+from dflashkit.redact import redact_url
 
 
 def _at_least(problems: list[str], prefix: str, section: Any, low: int, *names: str) -> None:
@@ -90,9 +91,6 @@ def problems(cfg: RunConfig) -> list[str]:
     elif len(set(extra)) != len(extra):
         p.append(f"capture.extra_layer_ids: duplicated ids in {extra}")
     if cfg.capture.server_url:
-        problem = url_problem(cfg.capture.server_url)
-        if problem:
-            p.append(f"capture.server_url: {problem}")
         if cfg.capture.engine != "vllm":
             p.append("capture.server_url: set, but capture.engine is local (set capture.engine=vllm)")
     g = cfg.generate
@@ -107,11 +105,10 @@ def problems(cfg: RunConfig) -> list[str]:
     for name in ("timeout_s", "startup_timeout_s"):
         if not getattr(cfg.server, name) > 0:
             p.append(f"server.{name}: must be > 0, got {getattr(cfg.server, name)}")
-    for key, urls in (("server.urls", cfg.server.urls), ("bench.urls", cfg.bench.urls)):
-        for i, url in enumerate(urls):
-            problem = url_problem(url)
-            if problem:
-                p.append(f"{key}[{i}]: {problem}")
+    for key, url in url_fields(cfg):  # every field marked url=True in the schema, by one rule
+        problem = url_problem(url)
+        if problem:
+            p.append(f"{key}: {problem}")
     if cfg.eval.top_k < 0:
         p.append(f"eval.top_k: must be >= 0 (0 = off), got {cfg.eval.top_k}")
     _at_least(p, "eval", cfg.eval, 1, "num_prompts", "max_new_tokens")
@@ -239,7 +236,8 @@ def chat_template_problem(path: str) -> str | None:
 
 
 def url_problem(url: str) -> str | None:
-    """Why `url` cannot be an OpenAI-compatible base URL, or None (scheme http/https, a host, a valid port)."""
+    """Why `url` cannot be an OpenAI-compatible base URL, or None (scheme http/https, a host, a valid port, no
+    query or fragment); the URL is shown redacted."""
     from urllib.parse import urlsplit
 
     if "://" not in url:
@@ -257,31 +255,8 @@ def url_problem(url: str) -> str | None:
         return f"{redact_url(url)!r} has no host"
     if port is not None and port == 0:
         return f"{redact_url(url)!r}: port 0 is not a server port"
+    if parts.query or parts.fragment:  # `?api_key=…`: the API paths would land after it
+        return (f"{redact_url(url)!r}: a base URL cannot carry a query or fragment (dflashkit appends /models, "
+                "/chat/completions … to it); give the API key through the variable server.api_key_env names "
+                "(sent as a Bearer token), or user:password@ for HTTP Basic auth")
     return None
-
-
-_SECRET_QUERY = ("key", "token", "secret", "password", "passwd", "pwd", "sig", "auth")
-
-
-def redact_url(url: str) -> str:
-    """`url` with credentials hidden, for logs and files.
-
-    `http://u:pw@h/v1?api_key=k` → `http://***@h/v1?api_key=***`."""
-    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
-
-    url = str(url)
-    schemeless = "://" not in url  # `u:pw@host:1/v1`: parse it as `//u:pw@host:1/v1`, show it as given
-    try:
-        parts = urlsplit("//" + url if schemeless else url)
-    except ValueError:
-        return "<unparseable url>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        netloc = "***@" + netloc.rsplit("@", 1)[1]
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, "***" if any(s in k.lower() for s in _SECRET_QUERY) else v) for k, v in pairs],
-                          safe="*")
-    out = urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
-    return out.removeprefix("//") if schemeless else out

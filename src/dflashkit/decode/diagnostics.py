@@ -37,8 +37,8 @@ its collapse there (the demo's drafter: τ 1.00 — real, not a defect) says tha
 more. `ablation="other"` gives each sequence the real target features of *other* sequences (those
 of the next sequences, cyclically, concatenated and cut to its length): a context in the training
 distribution, but about another text. A drafter that reads the target drops there; one that only
-uses the context as a generic language-model prefix does not (the session-11 demo drafter on 12
-held-out outputs: τ 1.21 with its own context, 1.03 with another prompt's, 1.00 with none). What the target's context is worth against no
+uses the context as a generic language-model prefix does not (the block-4 demo drafter of 8461bfb
+on 12 held-out outputs: τ 1.21 with its own context, 1.03 with another prompt's, 1.00 with none). What the target's context is worth against no
 context is a drafter *trained* without it: `bench recipe`'s `no-features` variant (docs/recipe.md).
 """
 

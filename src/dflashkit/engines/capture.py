@@ -193,7 +193,9 @@ def _served_model(base_url: str, fallback: str | None) -> str:
         return fallback
     models = get_json(base_url.rstrip("/") + "/models").get("data") or []
     if not models:
-        raise hs_io.DflashkitError(f"{base_url}/models lists no model", hint="set server.model")
+        from dflashkit.redact import redact_url
+
+        raise hs_io.DflashkitError(f"{redact_url(base_url)}/models lists no model", hint="set server.model")
     return str(models[0]["id"])
 
 

@@ -144,7 +144,9 @@ def request(base_url: str, model: str, ids: list[int], *, timeout_s: float = 600
     out = post_json(base_url.rstrip("/") + "/completions", body, timeout_s=timeout_s)
     path = ((out or {}).get("kv_transfer_params") or {}).get("hidden_states_path")
     if not path:
-        raise DflashkitError(f"{base_url}: the completion response has no kv_transfer_params.hidden_states_path",
+        from dflashkit.redact import redact_url
+
+        raise DflashkitError(f"{redact_url(base_url)}: the completion response has no kv_transfer_params.hidden_states_path",
                              hint="start vLLM with the flags `dflashkit capture --dry-run` prints "
                              "(--speculative-config extract_hidden_states and --kv-transfer-config)")
     return str(path)

@@ -34,7 +34,7 @@ import shlex
 import time
 from typing import Any
 
-from dflashkit.config import RunConfig, section_hash
+from dflashkit.config import RunConfig, redact_url, section_hash
 from dflashkit.context import StageContext
 from dflashkit.data.capturing import capture_local, plan_capture, shard_rows
 from dflashkit.data.features import shard_metadata_for, write_shard
@@ -73,7 +73,8 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
         from dflashkit.engines.capture import engine_storage, serve_command_for
 
         cmd = serve_command_for(cfg, layer_ids, engine_storage(out_dir))
-        result["engine"] = {"server_url": cfg.capture.server_url, "vllm_serve": shlex.join(cmd)}
+        result["engine"] = {"server_url": cfg.capture.server_url and redact_url(cfg.capture.server_url),
+                            "vllm_serve": shlex.join(cmd)}
         if ctx.dry_run and not ctx.json:
             print("capture.server_url mode: start vLLM with (GPU: vLLM's stock connector; a CPU build needs "
                   "dflashkit's, which capture.server_url=null starts for you):\n  " + shlex.join(cmd), flush=True)
