@@ -5,6 +5,7 @@ Usage:
     run_dir = make_run(tmp_path / "run", tiny_qwen3)           # contract.json + tokenized Parquet shards
     main(["train", *overrides(run_dir, tiny_qwen3, train__max_steps=2)])
     lm, lens, anchors = random_case(seed=0)                    # a random loss mask and its anchors
+    out = train_loss(contract, gamma=2.0, loss="ce+kl")(model, Heads(emb, head), LossInputs(f, ids, lm, lens), a)
     rd = run_dir_with_drafter(tmp_path, target)                # a random drafter + held-out prompts (eval)
 """
 
@@ -40,9 +41,12 @@ def make_contract(target_dir: Path, *, block_size: int = 4, num_draft_layers: in
                         num_target_layers=layers, hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=hidden // 4, intermediate_size=2 * hidden, vocab_size=cfg["vocab_size"],
                         rope_theta=10000.0)
-    for k, v in over.items():
-        setattr(c, k, v)
-    return c
+    return with_fields(c, **over)
+
+
+def with_fields(c: DrafterContract, **over) -> DrafterContract:
+    """`c` with some fields replaced; a drafter family's knobs too (flat keys, as contract.json holds them)."""
+    return DrafterContract.from_dict({**c.to_dict(), **over})
 
 
 def tokenize_texts(target_dir: Path, texts=TEXTS) -> list[dict]:
@@ -100,6 +104,14 @@ def tiny_contract(block_size: int = 4, vocab: int = 50, hidden: int = 32) -> Dra
                            head_dim=8, intermediate_size=64, vocab_size=vocab)
 
 
+def train_loss(contract: DrafterContract, *, gamma: float | None = None, **train):
+    """`DraftLoss.from_train` of a `TrainSection` with `train` set (e.g. loss="ce+kl", loss_chunk_blocks=2)."""
+    from dflashkit.config import TrainSection
+    from dflashkit.train.loss import DraftLoss
+
+    return DraftLoss.from_train(TrainSection(**train), contract, gamma=gamma)
+
+
 def random_case(seed: int, b: int = 3, s: int = 13, block: int = 4, num_anchors: int = 5):
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(2, s + 1, (b,), generator=g)
@@ -150,14 +162,13 @@ def tokenized_rows(run_dir: Path) -> list[dict]:
 
 def dflash2_drafter(target, block_size: int = 4, seed: int = 0):
     """A random DFlash2 drafter for `target` whose convolutions and selector are not the identity / at init."""
-    from dflashkit.model.dflash2 import DFlash2DraftModel
+    from dflashkit.family import new_drafter
     from dflashkit.testing import random_drafter
 
-    c = random_drafter(target, block_size=block_size, layers=2).contract
-    c.drafter_type, c.conv_kernel_size, c.conv_group_size, c.selector_rank, c.selector_top_k = "dflash2", 2, 8, 8, 6
-    c.output_multiplier = 1.25
+    c = with_fields(random_drafter(target, block_size=block_size, layers=2).contract, drafter_type="dflash2",
+                    conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=6, output_multiplier=1.25)
     torch.manual_seed(seed)
-    model = DFlash2DraftModel(c)
+    model = new_drafter(c)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "_conv." in name or name.startswith("candidate_selector."):

@@ -150,10 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from contextlib import ExitStack
 
+        from dflashkit import family
         from dflashkit.config import load_config
         from dflashkit.rundir import RunDir, run_dir_lock
 
-        cfg = load_config(ns.config, overrides)
+        cfg = load_config(ns.config, overrides, checks=family.checks)
         level = ns.log_level or cfg.run.log_level
         _setup_logging(level)
         module_name, _ = COMMANDS[ns.command]

@@ -3,6 +3,7 @@ and `dflashkit import` refusing DFlash2 dirs without their selector/convolution 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -50,7 +51,7 @@ def test_save_load_roundtrip_keeps_the_dflash2_drafter(tmp_path, target):
     assert {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 6,
             "output_multiplier": 1.25}.items() <= cfg["dflash_config"].items()
     back = load_drafter(tmp_path / "x")
-    assert isinstance(back, DFlash2DraftModel) and back.contract.selector_top_k == 6
+    assert isinstance(back, DFlash2DraftModel) and back.contract.knobs.selector_top_k == 6
     assert set(back.state_dict()) == set(d.state_dict())
     for k, v in d.state_dict().items():
         assert torch.equal(v, back.state_dict()[k]), k
@@ -154,8 +155,8 @@ def test_a_dflash2_checkpoint_with_a_reduced_vocab_is_refused(tmp_path, target):
 
 def test_speculators_format_carries_a_dflash2_drafter_as_update_dflash2_reads_it(tmp_path, target, tiny_qwen3, capsys):
     d = dflash2_drafter(target)
-    d.contract.output_multiplier = None  # vLLM 0.32's update_dflash2 would drop it (refused below)
-    d.output_multiplier = None
+    d.contract.knobs = dataclasses.replace(d.contract.knobs, output_multiplier=None)  # vLLM 0.32's update_dflash2
+    d.output_multiplier = None                                                       # would drop it (refused below)
     rd = _run_dir(tmp_path, d)
     spec = tmp_path / "spec"
     args = ["export", "--format", "speculators", f"target.path={tiny_qwen3}", "export.dtype=float32",

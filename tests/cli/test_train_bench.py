@@ -12,17 +12,17 @@ from tests.helpers import make_run, overrides, tokenize_texts
 
 @pytest.mark.parametrize("vocab", [None, 24])
 def test_bench_train_reports_consistent_numbers(tmp_path, tiny_qwen3, capsys, monkeypatch, vocab):
-    import dflashkit.bench.train as bench_train
-    from dflashkit.train.objective import dflash_loss
+    from dflashkit.train.loss import DraftLoss
 
     calls: list[int] = []  # one entry per drafter step the bench runs: each a real loss + backward + AdamW step
+    real = DraftLoss.__call__
 
-    def counted(*args, **kwargs):
-        out = dflash_loss(*args, **kwargs)
+    def counted(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
         calls.append(int(out.loss.requires_grad))
         return out
 
-    monkeypatch.setattr(bench_train, "dflash_loss", counted)
+    monkeypatch.setattr(DraftLoss, "__call__", counted)
     rd = make_run(tmp_path / "r", tiny_qwen3)
     # the reduced-vocab case also runs the online target forward under bf16 autocast
     extra = [f"drafter.draft_vocab_size={vocab}", "train.target_dtype=bfloat16"] if vocab else []

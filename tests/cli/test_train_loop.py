@@ -292,7 +292,7 @@ def test_bad_draft_vocab_size_is_a_usage_error(tmp_path, tiny_qwen3, capsys):
 def test_feature_noise_is_relative_per_sample_and_training_only(tmp_path, tiny_qwen3):
     from types import SimpleNamespace
 
-    from dflashkit.train.loop import feature_noise
+    from dflashkit.train.trainer import feature_noise
 
     feats = torch.randn(2, 6, 2 * 8) * torch.tensor([1.0, 100.0]).repeat_interleave(8)  # two layers, 100× apart
     b = SimpleNamespace(seq_lens=torch.tensor([6, 4]), seeds=[11, 12])  # what feature_noise reads of a Batch

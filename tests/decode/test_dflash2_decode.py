@@ -43,7 +43,7 @@ def test_dflash2_greedy_speculative_equals_target_greedy(targets, arch, monkeypa
     params = SamplingParams(max_new_tokens=23)
     base = SpecDecoder(target, None, block_size=1).generate(PROMPT, params).token_ids
     walked, argmax = [], []
-    real = SpecDecoder._walk
+    real = SpecDecoder._propose
 
     def spy(self, h, logits, anchor, p, gen):
         out = real(self, h, logits, anchor, p, gen)
@@ -51,7 +51,7 @@ def test_dflash2_greedy_speculative_equals_target_greedy(targets, arch, monkeypa
         argmax.append(logits.argmax(-1).tolist())
         return out
 
-    monkeypatch.setattr(SpecDecoder, "_walk", spy)
+    monkeypatch.setattr(SpecDecoder, "_propose", spy)
     for b in (2, 4, 8):
         r = SpecDecoder(target, drafter, block_size=b).generate(PROMPT, params)
         assert r.token_ids == base, f"B={b}"
@@ -78,7 +78,7 @@ def test_a_drafter_that_drafts_the_target_gets_full_blocks(targets, monkeypatch)
         self._seen = s[len(PROMPT):start + 1]
         return real(self, s, start, *a)
 
-    monkeypatch.setattr(SpecDecoder, "_walk", oracle_walk)
+    monkeypatch.setattr(SpecDecoder, "_propose", oracle_walk)
     monkeypatch.setattr(SpecDecoder, "_draft", track)
     r = dec.generate(PROMPT, params)
     assert r.token_ids == base and r.acceptance_lengths == [4, 4, 4, 4]

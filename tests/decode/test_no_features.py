@@ -2,7 +2,7 @@
 
 Zeroed features fuse into a context of zero keys/values that still takes softmax mass, so a long
 context drowns each block's own attention (the "τ 1.00, accuracy 0.000 everywhere" reading);
-`dflash_loss(..., context=False)` drops the context instead, which is what "no features" means.
+`DraftLoss(context=False)` drops the context instead, which is what "no features" means.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from dflashkit.config import TargetSection
 from dflashkit.decode.diagnostics import simulated_acceptance
 from dflashkit.model.target import load_target
 from dflashkit.testing import random_drafter
-from dflashkit.train.objective import Anchors, block_input_ids, dflash_loss
+from dflashkit.train.loss import DraftLoss, Heads, LossInputs
+from dflashkit.train.objective import Anchors, block_input_ids
 
 B = 4
 
@@ -66,9 +67,9 @@ def test_the_ablation_in_the_loss_equals_the_drafter_on_an_empty_context(tiny_qw
     a = Anchors(anchors.contiguous(), torch.ones_like(anchors, dtype=torch.bool))
     head = target.lm_head
 
-    def run(f, context):
-        return dflash_loss(drafter, target.embed, head, f, ids, mask, lens, a, mask_token_id=drafter.mask_token_id,
-                           gamma=None, context=context)
+    def run(f, context, ids=ids, mask=mask, lens=lens, a=a):
+        return DraftLoss.scoring(drafter.contract, context=context)(drafter, Heads(target.embed, head),
+                                                                     LossInputs(f, ids, mask, lens), a)
 
     with torch.no_grad():
         free = run(feats, False)
@@ -81,8 +82,7 @@ def test_the_ablation_in_the_loss_equals_the_drafter_on_an_empty_context(tiny_qw
     with torch.no_grad():
         for p in (10, 17, 33):
             one = Anchors(torch.tensor([[p]]), torch.tensor([[True]]))
-            res = dflash_loss(drafter, target.embed, head, feats[:1], ids[:1], mask[:1], lens[:1], one,
-                              mask_token_id=drafter.mask_token_id, gamma=None, context=False)
+            res = run(feats[:1], False, ids[:1], mask[:1], lens[:1], one)
             h = _mask_hidden(drafter, target, ids[0, p: p + B].tolist(), 0, context=False, zeros=False)
             ce = torch.nn.functional.cross_entropy(head(h)[1:], ids[0, p + 1: p + B])  # uniform weights (γ none)
             assert float(res.loss) == pytest.approx(float(ce), rel=1e-4), (p, float(res.loss), float(ce))
@@ -98,7 +98,7 @@ def test_another_prompts_context_is_the_next_sequences_features_and_equals_the_o
         tiny_qwen3, monkeypatch):
     """ablation="other": each sequence gets the real features of the others (the next ones, cyclically, cut to
     its length). With identical sequences that is its own context, so every number equals the plain run."""
-    import dflashkit.train.objective as objective
+    from dflashkit.train import loss as loss_module
 
     target = load_target(TargetSection(path=str(tiny_qwen3), device="cpu", dtype="float32"))
     drafter = random_drafter(target, B)
@@ -112,13 +112,13 @@ def test_another_prompts_context_is_the_next_sequences_features_and_equals_the_o
         (other_same["tau"], other_same["per_position_accuracy"], other_same["blocks"])
 
     seen: list[torch.Tensor] = []
-    real = objective.dflash_loss
+    real = loss_module.DraftLoss.__call__
 
-    def spy(drafter_, embed, head, feats, *a, **k):
-        seen.append(feats.clone())
-        return real(drafter_, embed, head, feats, *a, **k)
+    def spy(self, drafter_, heads, x, *a, **k):
+        seen.append(x.features.clone())
+        return real(self, drafter_, heads, x, *a, **k)
 
-    monkeypatch.setattr(objective, "dflash_loss", spy)
+    monkeypatch.setattr(loss_module.DraftLoss, "__call__", spy)
     res = simulated_acceptance(target, drafter, prompts, outs, no_features=True, ablation="other")
     own = [target.features(torch.tensor([s]), layer_ids=list(drafter.target_layer_ids)) for s in seqs]
     # sequence 1 (30 tokens) takes sequence 2's 12 and 18 of sequence 3's; 2 takes 3's; 3 takes 1's

@@ -163,8 +163,8 @@ def dflash2_like(drafter, top_k: int = 3):
     """A DFlash2 drafter sharing `drafter`'s DFlash weights, with a strong random selector over top_k < V."""
     from dflashkit.model.dflash2 import DFlash2DraftModel, init_from_dflash
 
-    c = DrafterContract(**{**drafter.contract.to_dict(), "drafter_type": "dflash2", "conv_group_size": 8,
-                           "selector_rank": 4, "selector_top_k": top_k})
+    c = DrafterContract.from_dict({**drafter.contract.to_dict(), "drafter_type": "dflash2", "conv_group_size": 8,
+                                   "selector_rank": 4, "selector_top_k": top_k})
     torch.manual_seed(5)
     d2 = DFlash2DraftModel(c).eval()
     init_from_dflash(d2, drafter.state_dict())
@@ -190,13 +190,13 @@ def test_the_law_test_detects_a_wrong_dflash2_draft_law(small, monkeypatch):
     """Handing the rule the unary softmax instead of the walk's q (the selector's reranking ignored) is lossy."""
     target, drafter, prompt, law = small
     d2 = dflash2_like(drafter)
-    real = SpecDecoder._walk
+    real = SpecDecoder._propose
 
     def wrong_q(self, h, logits, anchor, params, gen):
         tokens, q = real(self, h, logits, anchor, params, gen)
         return tokens, torch.softmax(logits.float() / params.temperature, -1)
 
-    monkeypatch.setattr(SpecDecoder, "_walk", wrong_q)
+    monkeypatch.setattr(SpecDecoder, "_propose", wrong_q)
     dec = SpecDecoder(target, d2, block_size=4, draft_sampling="sample")
     z = _chi2_z(_samples(dec, prompt, 200, 1.0), law)
     print(f"lossy chi2 z={z:.3f}")

@@ -20,7 +20,7 @@ import torch
 
 from dflashkit.export.hf import save_drafter
 from dflashkit.model.dflash2 import DFlash2DraftModel, grouped_conv, walk
-from tests.helpers import tiny_contract
+from tests.helpers import tiny_contract, with_fields
 
 pytestmark = pytest.mark.engine
 
@@ -74,18 +74,15 @@ def _check(model, theirs: dict, report: dict, inputs: dict) -> None:
 
 
 def test_our_dflash2_pieces_match_vllms_code_on_the_exported_weights(tmp_path):
-    import copy
-
     from dflashkit.engines import vllm
     from dflashkit.engines.vllm_pieces import vllm_dflash2_reference
     from dflashkit.export.speculators import write_speculators
 
     vllm.install()  # a no-op when the cache has it
-    c = tiny_contract(block_size=B, vocab=64, hidden=32)
-    c.num_draft_layers, c.intermediate_size = 2, 48
-    c.drafter_type, c.conv_kernel_size, c.conv_group_size, c.selector_rank, c.selector_top_k = "dflash2", 3, 8, 6, 5
-    plain = copy.deepcopy(c)  # the speculators export: vLLM 0.32's reader drops the two optional keys below
-    c.output_multiplier, c.final_logit_softcapping = 1.5, 4.0
+    plain = with_fields(tiny_contract(block_size=B, vocab=64, hidden=32), num_draft_layers=2, intermediate_size=48,
+                        drafter_type="dflash2", conv_kernel_size=3, conv_group_size=8, selector_rank=6, selector_top_k=5)
+    # the z-lab export also sets the two optional keys (vLLM 0.32's speculators reader drops them)
+    c = with_fields(plain, output_multiplier=1.5, final_logit_softcapping=4.0)
     torch.manual_seed(0)
     model = DFlash2DraftModel(c)
     with torch.no_grad():  # identity convolutions and unit norms would hide wiring mistakes
@@ -95,7 +92,7 @@ def test_our_dflash2_pieces_match_vllms_code_on_the_exported_weights(tmp_path):
     model_s.load_state_dict(model.state_dict())
 
     g = torch.Generator().manual_seed(1)
-    n, h, taps, groups = BLOCKS * B, c.hidden_size, c.conv_kernel_size, c.hidden_size // c.conv_group_size
+    n, h, taps, groups = BLOCKS * B, c.hidden_size, c.knobs.conv_kernel_size, c.hidden_size // c.knobs.conv_group_size
     inputs = {"x": torch.randn(n, h, generator=g), "stub": torch.randn(h, h, generator=g) / h ** 0.5,
               "head": torch.randn(c.vocab_size, h, generator=g), "anchor": torch.randint(0, c.vocab_size, (BLOCKS,), generator=g),
               "delta": torch.randn(n, taps, groups, generator=g), "base": torch.randn(taps, h, generator=g),

@@ -10,20 +10,18 @@ import pytest
 import torch
 
 from dflashkit.errors import UsageError
-from dflashkit.model.dflash2 import (DFlash2DraftModel, drafter_for, grouped_conv, init_from_dflash, walk,
-                                      walk_path)
+from dflashkit.family import new_drafter
+from dflashkit.model.dflash2 import DFlash2DraftModel, grouped_conv, init_from_dflash, walk, walk_path
 from dflashkit.model.drafter import DFlashDraftModel
 from dflashkit.model.masks import dense_block_mask
 from dflashkit.train.objective import Anchors
-from tests.helpers import tiny_contract
+from tests.helpers import tiny_contract, with_fields
 
 
 def dflash2_contract(**over):
-    c = tiny_contract(block_size=4, vocab=50, hidden=32)
-    c.drafter_type, c.conv_group_size, c.selector_rank, c.selector_top_k = "dflash2", 8, 6, 5
-    for k, v in over.items():
-        setattr(c, k, v)
-    return c
+    return with_fields(tiny_contract(block_size=4, vocab=50, hidden=32),
+                       **{"drafter_type": "dflash2", "conv_group_size": 8, "selector_rank": 6, "selector_top_k": 5,
+                          **over})
 
 
 def loop_conv(x, delta, base, block_len):
@@ -191,10 +189,10 @@ def test_unary_transform_and_refusals():
     d2 = DFlash2DraftModel(dflash2_contract(output_multiplier=2.0, final_logit_softcapping=3.0))
     logits = torch.tensor([[0.5, -4.0, 10.0]])
     assert torch.allclose(d2.unary(logits), 3.0 * torch.tanh(2.0 * logits / 3.0))
-    assert isinstance(drafter_for(dflash2_contract()), DFlash2DraftModel)
-    assert type(drafter_for(tiny_contract())) is DFlashDraftModel
+    assert isinstance(new_drafter(dflash2_contract()), DFlash2DraftModel)
+    assert type(new_drafter(tiny_contract())) is DFlashDraftModel
     with pytest.raises(UsageError, match="full target vocabulary"):
-        DFlash2DraftModel(dflash2_contract(), draft_vocab=torch.arange(10))
+        new_drafter(dflash2_contract(), draft_vocab=torch.arange(10))
     with pytest.raises(UsageError, match="conv_group_size 5 must divide hidden_size 32"):
         dflash2_contract(conv_group_size=5).check()
     assert math.isclose(d2.candidate_selector.predecessor_codebook.std().item(), 6 ** -0.5, rel_tol=0.3)

@@ -19,8 +19,9 @@ from dflashkit.model.draft_vocab import (check_draft_vocab, choose_draft_vocab, 
                                          label_token_counts, restricted_head, t2d_mask, to_offsets)
 from dflashkit.model.drafter import DFlashDraftModel
 from dflashkit.model.masks import dense_block_mask
-from dflashkit.train.objective import block_input_ids, block_position_ids, dflash_loss, weight_sum
-from tests.helpers import random_case, tiny_contract
+from dflashkit.train.loss import Heads, LossInputs
+from dflashkit.train.objective import block_input_ids, block_position_ids, weight_sum
+from tests.helpers import random_case, tiny_contract, train_loss
 
 
 def _oracle_vocab(samples, size, vocab_size, always=()):
@@ -112,9 +113,9 @@ def test_reduced_vocab_loss_and_metrics_equal_loop_oracle(seed, kind):
     feats = torch.randn(*lm.shape, 2 * c.hidden_size)
     tl = torch.randn(*ids.shape, V) * 3
     vocab = torch.tensor(sorted(torch.randperm(12)[:6].tolist() + [20, 30]))
-    kw = dict(mask_token_id=c.mask_token_id, gamma=gamma, loss=kind, kl_weight=kl_weight, target_logits=tl,
-              chunk_blocks=2)
-    out = dflash_loss(model, emb, restricted_head(head, vocab), feats, ids, lm, lens, a, vocab=vocab, **kw)
+    objective = train_loss(c, gamma=gamma, loss=kind, kl_weight=kl_weight, loss_chunk_blocks=2)
+    out = objective(model, Heads(emb, restricted_head(head, vocab), vocab), LossInputs(feats, ids, lm, lens, target_logits=tl),
+               a)
     out.loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
@@ -166,8 +167,8 @@ def test_restricted_head_requires_matching_rows():
     head = torch.nn.Linear(c.hidden_size, 50, bias=False)
     lm, lens, a = random_case(0, b=2, s=10)
     with pytest.raises(ValueError, match="restricted_head"):
-        dflash_loss(model, emb, head, torch.randn(2, 10, 64), torch.randint(0, 40, (2, 10)), lm, lens, a,
-                    mask_token_id=49, gamma=2.0, vocab=torch.tensor([1, 2, 3]))
+        train_loss(c, gamma=2.0)(model, Heads(emb, head, torch.tensor([1, 2, 3])),
+                                 LossInputs(torch.randn(2, 10, 64), torch.randint(0, 40, (2, 10)), lm, lens), a)
 
 
 # -- the checkpoint format -------------------------------------------------------------------

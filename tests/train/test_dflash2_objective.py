@@ -8,18 +8,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dflashkit.family import new_drafter
+from dflashkit.family.dflash2 import selector_rows
 from dflashkit.model.dflash2 import DFlash2DraftModel
-from dflashkit.train.objective import _selector_rows, dflash_loss, labels_and_weights
-from tests.helpers import random_case, tiny_contract
+from dflashkit.train.loss import Heads, LossInputs
+from dflashkit.train.objective import labels_and_weights
+from tests.helpers import random_case, tiny_contract, train_loss, with_fields
 
 V, H = 50, 32
 
 
 def _model(seed: int = 0, top_k: int = 4) -> DFlash2DraftModel:
-    c = tiny_contract(block_size=4, vocab=V, hidden=H)
-    c.drafter_type, c.conv_group_size, c.selector_rank, c.selector_top_k = "dflash2", 8, 6, top_k
+    c = with_fields(tiny_contract(block_size=4, vocab=V, hidden=H), drafter_type="dflash2", conv_group_size=8,
+                    selector_rank=6, selector_top_k=top_k)
     torch.manual_seed(seed)
-    m = DFlash2DraftModel(c)
+    m = new_drafter(c)
     with torch.no_grad():
         m.candidate_selector.predecessor_codebook.normal_()
         m.candidate_selector.successor_codebook.normal_()
@@ -33,7 +36,7 @@ def test_gold_insertion_replaces_the_last_candidate_only_when_missing():
     h = torch.randn(2, H)
     labels = torch.tensor([1, 5])            # row 0: inside the top-4; row 1: rank 6, missing
     prev = torch.tensor([7, 8])
-    ce, ids, uvals, covered, correct = _selector_rows(m, unary, h, labels, prev)
+    ce, ids, uvals, covered, correct = selector_rows(m, unary, h, labels, prev)
     assert ids.tolist() == [[0, 1, 2, 3]] * 2 and covered.tolist() == [True, False]
     assert not correct[1]                    # a missing gold token is never a correct strict pick
     sel = m.candidate_selector
@@ -103,22 +106,21 @@ def test_selector_loss_and_walk_tau_equal_the_loop_oracle(seed):
     lm, lens, a = random_case(seed, b=3, s=13, block=4, num_anchors=5)
     ids = torch.randint(0, V - 1, lm.shape, generator=g)
     feats = torch.randn(3, 13, 2 * H, generator=g)
-    kw = dict(mask_token_id=m.mask_token_id, gamma=2.0)
     # labels = the walk's own tokens where blocks agree on them, so some blocks are accepted past slot 1
     walks = _oracle(m, lm_head, embed, feats, ids, lm, lens, a, 2.0)[-1]
     label_ids = ids.clone()
     for (bi, p), tok in sorted(walks.items()):
         if p < int(lens[bi]):
             label_ids[bi, p] = tok
-    kw["label_ids"] = label_ids
-    with_sel = dflash_loss(m, embed, lm_head, feats, ids, lm, lens, a, selector_weight=1.0, **kw)
-    without = dflash_loss(m, embed, lm_head, feats, ids, lm, lens, a, selector_weight=0.0, **kw)
+    x = LossInputs(feats, ids, lm, lens, label_ids=label_ids)
+    with_sel = train_loss(m.contract, gamma=2.0, selector_loss_weight=1.0)(m, Heads(embed, lm_head), x, a)
+    without = train_loss(m.contract, gamma=2.0, selector_loss_weight=0.0)(m, Heads(embed, lm_head), x, a)
     sel_loss, tau, blocks, wsum, _ = _oracle(m, lm_head, embed, feats, ids, lm, lens, a, 2.0, label_ids)
     assert blocks == with_sel.blocks and sel_loss > 0
     assert abs(float((with_sel.loss - without.loss).detach()) - sel_loss / wsum) < 1e-4
     assert abs(with_sel.tau_sum - tau) < 1e-6 and tau > blocks + 2, (tau, blocks)
-    assert with_sel.unary_tau_sum is not None and with_sel.selector is not None
-    assert abs(with_sel.selector.loss_sum - sel_loss) < 1e-3 * max(1.0, sel_loss)
+    assert with_sel.extra["unary_tau_sum"] >= blocks and with_sel.extra["selector_rows"] > 0
+    assert abs(with_sel.extra["selector_loss"] - sel_loss) < 1e-3 * max(1.0, sel_loss)
     # the selector gets gradients from its loss, the backbone from both
     with_sel.loss.backward()
     assert m.candidate_selector.successor_codebook.grad.abs().sum() > 0

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from dflashkit.model.drafter import DFlashDraftModel
-from dflashkit.train.objective import (Anchors, block_input_ids, block_position_ids, dflash_loss,
-                                       labels_and_weights, sample_anchors)
-from tests.helpers import random_case, tiny_contract
+from dflashkit.train.loss import Heads, LossInputs
+from dflashkit.train.objective import Anchors, block_input_ids, block_position_ids, labels_and_weights, sample_anchors
+from tests.helpers import random_case, tiny_contract, train_loss
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -72,8 +72,8 @@ def test_chunked_loss_and_grads_equal_unchunked(kind):
     outs, grads = [], []
     for chunk in (1000, 2):
         model.zero_grad()
-        out = dflash_loss(model, emb, head, feats, ids, lm, lens, a, mask_token_id=c.mask_token_id, gamma=2.0,
-                          loss=kind, target_logits=tl, chunk_blocks=chunk)
+        out = train_loss(c, gamma=2.0, loss=kind, loss_chunk_blocks=chunk)(
+            model, Heads(emb, head), LossInputs(feats, ids, lm, lens, target_logits=tl), a)
         out.loss.backward()
         outs.append(out)
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
@@ -88,8 +88,7 @@ def test_no_nan_with_anchor_zero_and_padded_blocks():
     a = Anchors(torch.tensor([[0, 2, 0], [0, 0, 0], [1, 0, 0]]),
                 torch.tensor([[True, True, False], [True, False, False], [True, False, False]]))
     lm = torch.ones_like(lm)
-    out = dflash_loss(model, emb, head, feats, ids, lm, torch.full((3,), 16), a, mask_token_id=c.mask_token_id,
-                      gamma=2.0)
+    out = train_loss(c, gamma=2.0)(model, Heads(emb, head), LossInputs(feats, ids, lm, torch.full((3,), 16)), a)
     out.loss.backward()
     assert torch.isfinite(out.loss)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
@@ -102,9 +101,9 @@ def test_kl_target_is_next_token_distribution_at_anchor_plus_k_minus_1():
     tl = torch.full((*ids.shape, c.vocab_size), -1e4)
     nxt = torch.roll(ids, -1, dims=1)  # row t predicts x[t+1]
     tl.scatter_(2, nxt[..., None], 1e4)
-    kw = dict(mask_token_id=c.mask_token_id, gamma=2.0, target_logits=tl)
-    ce = dflash_loss(model, emb, head, feats, ids, lm, lens, a, loss="ce", **kw).loss
-    kl = dflash_loss(model, emb, head, feats, ids, lm, lens, a, loss="kl", **kw).loss
+    x = LossInputs(feats, ids, lm, lens, target_logits=tl)
+    ce = train_loss(c, gamma=2.0, loss="ce")(model, Heads(emb, head), x, a).loss
+    kl = train_loss(c, gamma=2.0, loss="kl")(model, Heads(emb, head), x, a).loss
     assert torch.allclose(ce, kl, rtol=1e-4), (ce, kl)
 
 
@@ -152,13 +151,12 @@ def test_dpace_weights_match_loop_oracle(seed):
 
 
 def test_dpace_loss_is_weighted_ce_over_supervised_count():
-    """dflash_loss(dpace) == Σ_j w_j·CE_j / #supervised, with w from the oracle on the same CEs
+    """The D-PACE loss == Σ_j w_j·CE_j / #supervised, with w from the oracle on the same CEs
     (CEs recovered from a per-position decay-free run) and the metrics unchanged."""
     c, model, emb, head, lm, lens, a, ids, feats = _setup(B=5)
-    kw = dict(mask_token_id=c.mask_token_id)
-    plain = dflash_loss(model, emb, head, feats, ids, lm, lens, a, gamma=None, **kw)
-    dp = dflash_loss(model, emb, head, feats, ids, lm, lens, a, gamma=3.0, position_weighting="dpace",
-                     dpace_alpha=0.5, **kw)
+    x = LossInputs(feats, ids, lm, lens)
+    plain = train_loss(c, gamma=None)(model, Heads(emb, head), x, a)
+    dp = train_loss(c, gamma=3.0, position_weighting="dpace", dpace_alpha=0.5)(model, Heads(emb, head), x, a)
     labels, mask = labels_and_weights(ids, lm, lens, a, block_size=5, gamma=None)
     assert dp.weight_sum == plain.weight_sum == float(mask.sum())
     assert torch.equal(dp.correct, plain.correct) and dp.tau_sum == plain.tau_sum
@@ -188,9 +186,9 @@ def test_dpace_denominator_makes_the_split_loss_sum_to_the_whole():
     """Two halves of a batch, each divided by the WHOLE batch's supervised count, add up to the
     whole batch's loss and gradient (what micro-batch × accumulation and 1 ≡ N ranks rely on)."""
     c, model, emb, head, lm, lens, a, ids, feats = _setup(B=4)
-    kw = dict(mask_token_id=c.mask_token_id, gamma=None, position_weighting="dpace", dpace_alpha=0.5)
+    loss = train_loss(c, gamma=None, position_weighting="dpace", dpace_alpha=0.5)
     model.zero_grad()
-    whole = dflash_loss(model, emb, head, feats, ids, lm, lens, a, **kw)
+    whole = loss(model, Heads(emb, head), LossInputs(feats, ids, lm, lens), a)
     whole.loss.backward()
     g_whole = {k: p.grad.clone() for k, p in model.named_parameters()}
     denom = whole.weight_sum
@@ -198,7 +196,7 @@ def test_dpace_denominator_makes_the_split_loss_sum_to_the_whole():
     parts = 0.0
     for sl in (slice(0, 1), slice(1, 3)):
         sub = Anchors(a.anchors[sl], a.keep[sl])
-        out = dflash_loss(model, emb, head, feats[sl], ids[sl], lm[sl], lens[sl], sub, denom=denom, **kw)
+        out = loss(model, Heads(emb, head), LossInputs(feats[sl], ids[sl], lm[sl], lens[sl]), sub, denom=denom)
         out.loss.backward()
         parts += float(out.loss.detach())
     assert abs(parts - float(whole.loss.detach())) < 1e-5

@@ -84,7 +84,7 @@ def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any
         "baseline": baseline,
         "ours": SpecDecoder(target, drafter, bs, max_context=cfg.eval.max_context,
                             draft_dtype=draft_dtype_for(cfg, target))}
-    if not contract.is_dflash2:  # the PyPI reference (dflash 0.1.0) has no DFlash2
+    if contract.family.reference_loop:  # the PyPI reference (dflash 0.1.0) decodes this family
         decoders["reference"] = ReferenceDecoder(target, str(drafter_dir), bs)
     runs = run_interleaved(decoders, ids, params, warmup=max(1, cfg.eval.warmup), base_seed=cfg.run.seed)
 

@@ -39,11 +39,12 @@ The default variants answer the questions a weak drafter raises:
                        only; decode/diagnostics.py says why zeroed features would not do): does the
                        drafter use the target at all? (a drafter that matches this one is a language
                        model, not a DFlash drafter);
-  * dflash2          — the same data and steps with a DFlash2 drafter (drafter.type=dflash2, full
-                       vocab): its held-out τ is the selector walk's, `heldout_unary_tau` the unary
-                       argmax's beside it. A variant that changes drafter.type or a DFlash2 knob
-                       trains from its own contract.json (the run's, with those fields replaced);
-                       every other variant links the run's;
+  * one per drafter family beside DFlash (dflashkit/family/; today dflash2) — the same data and
+                       steps with that family's drafter (drafter.type=…, full vocab if the family has
+                       no reduced one): DFlash2's held-out τ is the selector walk's, `heldout_unary_tau`
+                       the unary argmax's beside it. A variant that changes drafter.type or a family's
+                       knob trains from its own contract.json (the run's, with those fields
+                       replaced); every other variant links the run's;
   * bigram           — not a drafter: the share of held-out supervised positions whose label is the
                        most frequent successor of the previous token in the training labels.
 """
@@ -70,16 +71,29 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dflashkit.bench")
 
+def _family_variants() -> dict[str, list[str]]:
+    """One variant per drafter family beside the default one: the same data and steps with that family's
+    drafter (full vocab when the family has no reduced vocab)."""
+    from dflashkit import family
+
+    return {f.name: [f"drafter.type={f.name}", *([] if f.reduced_vocab else ["drafter.draft_vocab_size=null"])]
+            for f in family.FAMILIES.values() if f is not family.DEFAULT}
+
+
 DEFAULT_VARIANTS: dict[str, list[str]] = {
     "base": [],
     "labels=data": ["train.labels=data"],
     "no-features": ["train.ablate_features=true"],
-    "dflash2": ["drafter.type=dflash2", "drafter.draft_vocab_size=null"],
+    **_family_variants(),
 }
-# drafter.* keys a variant may change although the contract holds them: they get a contract of their own
-OWN_CONTRACT_KEYS = ("drafter.type", "drafter.conv_kernel_size", "drafter.conv_group_size", "drafter.selector_rank",
-                     "drafter.selector_top_k", "drafter.input_embedding_scale", "drafter.output_multiplier",
-                     "drafter.final_logit_softcapping")
+
+
+def own_contract_keys() -> set[str]:
+    """drafter.* keys a variant may change although the contract holds them (they get a contract of their own):
+    the drafter family and every family's knobs."""
+    from dflashkit import family
+
+    return {"drafter.type", *(f"drafter.{k}" for k in family.knob_keys())}
 
 
 def _link(src: Path, dst: Path) -> None:
@@ -130,7 +144,9 @@ def variant_config(cfg: RunConfig, name: str, overrides: list[str], root: Path, 
     data = config_to_dict(cfg)
     data["run"]["run_dir"] = str(root)
     data["train"].update(max_steps=steps, eval_every=cfg.bench.recipe_eval_every, save_every=0)
-    vcfg = config_from_dict(data, overrides, source=f"bench.recipe_variants.{name}")
+    from dflashkit import family
+
+    vcfg = config_from_dict(data, overrides, source=f"bench.recipe_variants.{name}", checks=family.checks)
     set_given_keys(vcfg, set(given_keys(cfg) or ()) | {parse_override(o)[0] for o in overrides})
     return vcfg
 
@@ -184,7 +200,7 @@ _CONTRACT_KEYS = ("block_size", "num_draft_layers", "num_target_features", "targ
 
 def variant_contract(over: list[str], vcfg: RunConfig, contract: DrafterContract) -> DrafterContract | None:
     """The contract of a variant whose overrides change the drafter's shape (block size, draft layers,
-    target feature layers) or family (drafter.type, the DFlash2 knobs): the run's contract with those
+    target feature layers) or family (drafter.type, a family's knobs): the run's contract with those
     fields redone as `probe` would (layer ids by the reference formula unless given). None when the
     result is the run's contract (it is linked)."""
     import dataclasses
@@ -194,8 +210,8 @@ def variant_contract(over: list[str], vcfg: RunConfig, contract: DrafterContract
 
     keys = {parse_override(o)[0] for o in over}
     given = {k for k in _CONTRACT_KEYS if f"drafter.{k}" in keys}
-    family = any(k in OWN_CONTRACT_KEYS for k in keys)
-    if not given and not family:
+    refamily = bool(keys & own_contract_keys())
+    if not given and not refamily:
         return None
     d = vcfg.drafter
     layers = d.num_draft_layers if "num_draft_layers" in given else contract.num_draft_layers
@@ -206,10 +222,10 @@ def variant_contract(over: list[str], vcfg: RunConfig, contract: DrafterContract
         ids = build_target_layer_ids(contract.num_target_layers, d.num_target_features or layers)
     own = dataclasses.replace(contract, block_size=d.block_size if "block_size" in given else contract.block_size,
                               num_draft_layers=layers, target_layer_ids=ids)
-    if family:
-        from dflashkit.inspect.contract import dflash2_fields
+    if refamily:
+        from dflashkit.family import get
 
-        own = dataclasses.replace(own, **dflash2_fields(d))
+        own = dataclasses.replace(own, **get(d.type).contract_fields(d))
     if own == contract:
         return None
     own.check()

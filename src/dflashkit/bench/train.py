@@ -23,6 +23,7 @@ label tokens, as training would from the whole data), so its saving on the vocab
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -30,8 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dflashkit.model.drafter import DFlashDraftModel
-from dflashkit.train.objective import dflash_loss, gamma_for, sample_anchors
+from dflashkit.family import new_drafter
+from dflashkit.train.loss import CE, Decay, DraftLoss, Heads, LossInputs
+from dflashkit.train.objective import gamma_for, sample_anchors
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -87,7 +89,7 @@ def bench_train(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     """Measure one training step (see the module docstring); returns the numbers."""
     from dflashkit.model.target import cpu_facts, load_target, target_autocast
     from dflashkit.model.drafter_config import REPROBE_HINT
-    from dflashkit.train.loop import autocast_dtype
+    from dflashkit.train.trainer import autocast_dtype
     from dflashkit.train.optim import build_optimizer
 
     iters = int(ctx.positionals[1]) if len(ctx.positionals) > 1 else 5
@@ -107,9 +109,12 @@ def bench_train(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
                                    target.vocab_size).to(dev)
         head = restricted_head(target.lm_head, vocab)
     torch.manual_seed(cfg.run.seed)
-    drafter = DFlashDraftModel(contract, draft_vocab=vocab).to(dev)
+    drafter = new_drafter(contract, draft_vocab=vocab).to(dev)
     opt = build_optimizer(drafter, cfg.train)
-    gamma = gamma_for(cfg.train.gamma, contract.block_size)
+    fam = contract.family  # the CE loss at the reference decay, and the family's own terms
+    loss = DraftLoss(fam, contract.mask_token_id, (CE(), *fam.loss_terms(cfg.train)),
+                     Decay(gamma_for(cfg.train.gamma, contract.block_size)), chunk_blocks=cfg.train.loss_chunk_blocks)
+    heads = Heads(target.model.get_input_embeddings(), head, vocab)
     layer_ids = contract.target_layer_ids
     with torch.no_grad():
         feats = target.features(ids, layer_ids=layer_ids, attention_mask=att).float()
@@ -125,9 +130,7 @@ def bench_train(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
             target.features(ids, layer_ids=layer_ids, attention_mask=att)
 
     def drafter_step(amp=None):
-        out = dflash_loss(drafter, target.model.get_input_embeddings(), head, feats, ids, lm, lens, a,
-                          mask_token_id=contract.mask_token_id, gamma=gamma, chunk_blocks=cfg.train.loss_chunk_blocks,
-                          autocast_dtype=amp, vocab=vocab)
+        out = dataclasses.replace(loss, amp=amp)(drafter, heads, LossInputs(feats, ids, lm, lens), a)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

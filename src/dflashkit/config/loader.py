@@ -19,7 +19,7 @@ import json
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Callable, Literal, get_args, get_origin
 
 import yaml
 
@@ -161,8 +161,12 @@ def _set_dotted(data: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def config_from_dict(data: dict, overrides: list[str] | None = None, *, source: str = "<dict>") -> RunConfig:
-    """Build and validate a RunConfig; raises ConfigError listing every problem."""
+def config_from_dict(data: dict, overrides: list[str] | None = None, *, source: str = "<dict>",
+                     checks: Callable[[RunConfig], list[str]] | None = None) -> RunConfig:
+    """Build and validate a RunConfig; raises ConfigError listing every problem.
+
+    `checks`: more checks from the rooms above this one, listed with the config's own (the CLI hands the
+    drafter families' `drafter.*` checks, `dflashkit.family.config_problems`)."""
     data = json.loads(json.dumps(data or {}, default=str))
     for ov in overrides or []:
         key, value = parse_override(ov)
@@ -170,15 +174,17 @@ def config_from_dict(data: dict, overrides: list[str] | None = None, *, source: 
     problems: list[str] = []
     cfg = _build(RunConfig, data, "", problems)
     if not problems:
-        problems = validation_problems(cfg)
+        problems = validation_problems(cfg) + (checks(cfg) if checks is not None else [])
     if problems:  # a message may quote a bad value: a URL's secrets never reach it
         raise ConfigError([redact_text(p) for p in problems], hint=f"fix {source} or the key=value overrides; `docs/config.md` "
                           "lists every key")
     return cfg
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
-    """Read YAML (or start from defaults when `path` is None) and apply dotted overrides."""
+def load_config(path: str | Path | None, overrides: list[str] | None = None, *,
+                checks: Callable[[RunConfig], list[str]] | None = None) -> RunConfig:
+    """Read YAML (or start from defaults when `path` is None) and apply dotted overrides (`checks`: as
+    `config_from_dict`)."""
     data: dict = {}
     if path is not None:
         p = Path(path)
@@ -194,7 +200,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise UsageError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
         if not isinstance(data, dict):
             raise UsageError(f"{p}: top level must be a mapping of sections, got {type(data).__name__}")
-    cfg = config_from_dict(data, overrides, source=str(path) if path else "the overrides")
+    cfg = config_from_dict(data, overrides, source=str(path) if path else "the overrides", checks=checks)
     keys = set(_leaf_keys(data))
     for ov in overrides or []:
         key, value = parse_override(ov)

@@ -130,11 +130,13 @@ class DrafterSection:
         "tokens of the training data (+ eos), projecting onto those rows of the target head; the "
         "checkpoint gains `d2t` (+ `lm_head.weight` rows and `t2d` on export, for vLLM). null or 0 = "
         "the full target vocab. Must be <= the target vocab.", hash_default=False)
-    type: Literal["dflash", "dflash2"] = f(
-        "dflash", "Drafter family: dflash (each block position predicted on its own) or dflash2 (DFlash plus a "
-        "grouped dynamic convolution around every attention and MLP sublayer, and a candidate selector that "
-        "walks one coherent path through each position's top-K tokens; checkpoints declare "
-        "DFlash2DraftModel). dflash2 needs the full target vocab (no draft_vocab_size).", hash_default=False)
+    type: str = f(
+        "dflash", "Drafter family, one of the registry's (dflashkit/family/, docs/architecture.md \"Drafter "
+        "families\"): dflash (each block position predicted on its own) or dflash2 (DFlash plus a grouped dynamic "
+        "convolution around every attention and MLP sublayer, and a candidate selector that walks one coherent "
+        "path through each position's top-K tokens; checkpoints declare DFlash2DraftModel; needs the full target "
+        "vocab, no draft_vocab_size). The keys below marked with a family's name are that family's knobs.",
+        hash_default=False)
     conv_kernel_size: int = f(2, "dflash2: taps of the block-local convolution (tap j reads the position j "
                               "back in the same block; never across a block boundary).", hash_default=False)
     conv_group_size: int = f(16, "dflash2: channels per convolution group (one dynamic kernel delta per "

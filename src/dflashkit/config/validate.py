@@ -7,7 +7,9 @@ Usage:
 all (exit 2), so a config with several mistakes is reported at once, before any stage runs. Pure
 config checks belong here (ranges, cross-field rules, the recipe, tokenize and data options,
 run.scale); a check that needs an artifact on disk (the probe contract, the tokenizer, a drafter
-dir) stays where the artifact is read.
+dir) stays where the artifact is read. `drafter.type` and the knobs of a drafter family are the
+family's to check (`dflashkit.family.config_problems`: the CLI runs it right after the config loads;
+this room ranks below the families).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dflashkit.config.schema import DrafterSection, RunConfig, url_fields
+from dflashkit.config.schema import RunConfig, url_fields
 from dflashkit.redact import redact_url
 
 
@@ -25,24 +27,6 @@ def _at_least(problems: list[str], prefix: str, section: Any, low: int, *names: 
         value = getattr(section, name)
         if value < low:
             problems.append(f"{prefix}.{name}: must be >= {low}, got {value}")
-
-
-def _dflash2_problems(d: DrafterSection) -> list[str]:
-    """Range checks of the DFlash2 knobs (only with drafter.type=dflash2)."""
-    if d.type != "dflash2":
-        return []
-    p = []
-    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-        if getattr(d, name) < 1:
-            p.append(f"drafter.{name}: must be >= 1, got {getattr(d, name)}")
-    for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
-        v = getattr(d, name)
-        if v is not None and not v > 0:
-            p.append(f"drafter.{name}: must be > 0 (or null), got {v}")
-    if d.draft_vocab_size:
-        p.append(f"drafter.draft_vocab_size: {d.draft_vocab_size} with drafter.type=dflash2; DFlash2 draws its "
-                 "candidates from the full target head (vLLM's DFlash2 has no draft-to-target id map): use null")
-    return p
 
 
 def problems(cfg: RunConfig) -> list[str]:
@@ -80,7 +64,6 @@ def problems(cfg: RunConfig) -> list[str]:
     if d.draft_vocab_size is not None and d.draft_vocab_size < 0:
         p.append(f"drafter.draft_vocab_size: must be > 0 (null or 0 = the full target vocab), got "
                  f"{d.draft_vocab_size}")
-    p.extend(_dflash2_problems(d))
     if t.selector_loss_weight < 0:
         p.append(f"train.selector_loss_weight: must be >= 0, got {t.selector_loss_weight}")
     for name in ("lr", "batch_size", "grad_accum", "num_anchors", "loss_chunk_blocks"):

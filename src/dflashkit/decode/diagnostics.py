@@ -23,7 +23,7 @@ this accuracy agree but later positions differ). A drafter whose numbers barely 
 features does not use the target.
 
 "Without the features" means without the target context: each block attends to itself only, as
-a drafter run on an empty context (`dflash_loss(..., context=False)`). Zeroing the features is
+a drafter run on an empty context (`DraftLoss(..., context=False)`). Zeroing the features is
 not that ablation. The drafter fuses zeros into a context of zeros, whose keys and values are
 zeros too (no biases; RMSNorm of 0 is 0). Each context position then scores q·0 = 0 and takes
 softmax mass while adding nothing, so with hundreds of context tokens the mask positions hardly
@@ -110,7 +110,8 @@ def simulated_acceptance(target, drafter, prompts: Sequence[Sequence[int]], outp
     Returns {"tau", "blocks", "per_position_accuracy" (positions 1..B−1), "no_features", "ablation"}.
     """
     from dflashkit.model.draft_vocab import restricted_head
-    from dflashkit.train.objective import dflash_loss, Anchors
+    from dflashkit.train.loss import DraftLoss, Heads, LossInputs
+    from dflashkit.train.objective import Anchors
 
     if ablation not in ("context", "other", "zeros"):
         raise ValueError(f"ablation must be 'context', 'other' or 'zeros', got {ablation!r}")
@@ -133,6 +134,10 @@ def simulated_acceptance(target, drafter, prompts: Sequence[Sequence[int]], outp
         ids = torch.tensor([ids_list], device=target.device)
         return target.features(ids, layer_ids=list(drafter.target_layer_ids)).to(p0.dtype)      # [1, L, nF·H]
 
+    # teacher-forced scoring: the training loss's metrics (unweighted positions), the context dropped for
+    # the "context" ablation
+    score = DraftLoss.scoring(drafter.contract, context=not (no_features and ablation == "context"))
+    heads = Heads(target.embed, lm_head, vocab)
     seqs = [[*prompt, *out] for prompt, out in zip(prompts, outputs)]
     others = [features_of(x) for x in seqs] if no_features and ablation == "other" else None
     correct = torch.zeros(B)
@@ -160,9 +165,7 @@ def simulated_acceptance(target, drafter, prompts: Sequence[Sequence[int]], outp
         loss_mask[0, n_p:] = 1
         anchors = torch.arange(n_p, length - 1, device=target.device)[None]               # [1, N]
         a = Anchors(anchors, torch.ones_like(anchors, dtype=torch.bool))
-        res = dflash_loss(drafter, target.embed, lm_head, feats, ids, loss_mask,
-                          torch.tensor([length], device=target.device), a, mask_token_id=drafter.mask_token_id,
-                          gamma=None, vocab=vocab, context=not (no_features and ablation == "context"))
+        res = score(drafter, heads, LossInputs(feats, ids, loss_mask, torch.tensor([length], device=target.device)), a)
         correct += res.correct
         total += res.total
         tau_sum += res.tau_sum

@@ -28,9 +28,12 @@ with the target head's rows of that vocab only: argmax / sampling run over V' an
 target ids. At temperature > 0 the draft law q is zero outside the vocab and is handed to the
 rejection rule in the full-vocab space, so sampling stays lossless.
 
-A DFlash2 drafter (`model/dflash2.py`) drafts through its selector's walk over the top-K candidates
-of each block position (`_walk`); at temperature > 0 with `draft_sampling="sample"` the walk is
-Gumbel-noised and its law over the K candidates is the q of the rejection rule.
+How a block is drafted from the drafter's hidden states and head logits is the drafter family's
+proposal step (`Family.propose`, dflashkit/family/; `_propose`): DFlash takes each position's argmax or a draw
+from its head law; DFlash2 walks its selector over the top-K candidates of each position (at
+temperature > 0 with `draft_sampling="sample"` the walk is Gumbel-noised and its law over the K
+candidates is the q of the rejection rule). The decoder hands the step its sampling law
+(`DraftSampling`).
 
 A `Proposer` replaces the DFlash drafter (prompt lookup in `decode/ngram.py`, test stubs): it gets
 the committed sequence and returns at most B−1 point-mass proposals; a shorter (or empty) proposal
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import os
 import time
+from functools import partial
 from typing import Literal, Protocol
 
 import torch
@@ -53,6 +57,7 @@ import torch.nn.functional as F
 from dflashkit.decode.api import GenerationResult, SamplingParams
 from dflashkit.decode.sampling import sample, sampling_probs, verify_greedy, verify_sampled
 from dflashkit.errors import UsageError
+from dflashkit.family.base import DraftSampling
 from dflashkit.model.drafter import DFlashDraftModel, DraftKVCache
 from dflashkit.model.target import Target, fast_bf16
 
@@ -121,6 +126,7 @@ class SpecDecoder:
                 b = getattr(head, "bias", None)
                 self._head_w = head.weight.detach().to(self._draft_dtype)  # [V or V', H]
                 self._head_b = None if b is None else b.detach().to(self._draft_dtype)
+            self._step = drafter.contract.family.propose  # the family's proposal step
         self._cuda = target.device.type == "cuda"
 
     # -- helpers ------------------------------------------------------------------------------
@@ -155,36 +161,20 @@ class SpecDecoder:
         t = ctx.shape[1]
         h = self.drafter(block, ctx.to(self._draft_dtype), positions[:, start - t: start + k + 1], cache=dcache)
         logits = F.linear(h[0, 1:], self._head_w, self._head_b)  # [k, V] (or [k, V'] over the draft vocab)
-        if getattr(self.drafter, "candidate_selector", None) is not None:
-            return self._walk(h[:, 1:], logits, seq[start], params, gen)
-        vocab = self._vocab
+        return self._propose(h[:, 1:], logits, seq[start], params, gen)
+
+    def _propose(self, h: torch.Tensor, logits: torch.Tensor, anchor: int, params: SamplingParams, gen):
+        """The drafter family's proposal step (`Family.propose`): h [1, k, H] and head logits [k, V'] of block
+        positions 1 … k → (k tokens, their draft law [k, V] or None for point masses)."""
+        return self._step(self.drafter, h, logits, anchor, self._sampling(params, gen), self._vocab, self._full_vocab)
+
+    def _sampling(self, params: SamplingParams, gen) -> DraftSampling:
+        """Point-mass drafts at temperature 0 or with draft_sampling "greedy"; else draws from the draft law."""
         if params.temperature <= 0 or self.draft_sampling == "greedy":
-            idx = logits.argmax(-1)
-            return (idx if vocab is None else vocab[idx]).tolist(), None
-        q = sampling_probs(logits, params.temperature, params.top_p, params.top_k)
-        tokens = sample(q, gen)
-        if vocab is None:
-            return tokens.tolist(), q
-        full = q.new_zeros(q.shape[0], self._full_vocab).index_copy_(1, vocab, q)  # q = 0 outside the vocab
-        return vocab[tokens].tolist(), full
-
-    def _walk(self, h: torch.Tensor, logits: torch.Tensor, anchor: int, params: SamplingParams, gen):
-        """DFlash2: the selector's walk over each position's top-K candidates → (tokens, draft law or None).
-
-        Greedy (temperature 0, or draft_sampling greedy) walks the best edges: a point mass. Otherwise the
-        walk is Gumbel-noised, i.e. position t draws from q_t = softmax(row_t / T) over its K candidates, row_t
-        being the edge scores after the token drawn at t − 1: q_t (0 outside the candidates) is the law the
-        rejection rule needs, so sampling stays lossless."""
-        sample_walk = params.temperature > 0 and self.draft_sampling == "sample"
-        temp = params.temperature if sample_walk else 0.0
-        assert self.drafter is not None  # _walk runs for a DFlash2 drafter only
-        tokens, ids, rows = self.drafter.draft(h, logits[None], h.new_tensor([anchor], dtype=torch.long),
-                                               temperature=temp, generator=gen)
-        if not sample_walk:
-            return tokens[0].tolist(), None
-        q = torch.softmax(rows[0].float() / temp, dim=-1)                          # [k, K]
-        full = q.new_zeros(q.shape[0], self._full_vocab).scatter_(1, ids[0], q)
-        return tokens[0].tolist(), full
+            return DraftSampling(generator=gen)
+        return DraftSampling(temperature=params.temperature, generator=gen, draw=sample,
+                             law=partial(sampling_probs, temperature=params.temperature, top_p=params.top_p,
+                                         top_k=params.top_k))
 
     def check_prompt(self, num_prompt_tokens: int, max_new_tokens: int, what: str = "prompt") -> None:
         """Raise UsageError if the prompt plus the generation does not fit the context."""

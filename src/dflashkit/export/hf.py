@@ -199,17 +199,15 @@ def build_drafter(contract: DrafterContract, size: int | None, state: dict[str, 
     `size` is the draft vocab size (None: full vocab); the other reader (export/speculators.py) uses this.
     """
     config_path = d / "config.json"
-    from dflashkit.export.dflash2 import check_dflash2_tensors
-    from dflashkit.model.dflash2 import drafter_for
+    from dflashkit import family
 
+    fam = contract.family
     vocab = _draft_vocab(state, size, contract, d / WEIGHTS, config_path)
-    if contract.is_dflash2 and vocab is not None:
-        raise UsageError(f"{config_path}: a DFlash2DraftModel with draft_vocab_size {size}; DFlash2 drafts over the "
-                         "full target vocabulary (vLLM's selector indexes its codebooks by target id)",
-                         hint="re-export the drafter without a reduced draft vocabulary")
-    model = drafter_for(contract, draft_vocab=vocab)
+    family.refuse_draft_vocab(fam, size, where=f"{config_path}: draft_vocab_size",
+                              hint="re-export the drafter without a reduced draft vocabulary")
+    model = family.new_drafter(contract, draft_vocab=vocab)
     want = model.state_dict()
-    check_dflash2_tensors(contract, set(state), set(want), weights=d / WEIGHTS, config=config_path)
+    family.check_tensors(fam, set(state), set(want), weights=d / WEIGHTS, config=config_path)
     missing = sorted(set(want) - set(state))
     unexpected = sorted(set(state) - set(want))
     shapes = [f"{k}: file {tuple(state[k].shape)} != config {tuple(want[k].shape)}"
@@ -259,5 +257,7 @@ def load_shipped_model(export_dir: str | Path):
     assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    arch = (read_config(export_dir)[1].get("architectures") or ["DFlashDraftModel"])[0]  # or DFlash2DraftModel
+    from dflashkit.family import by_architecture
+
+    arch = by_architecture(read_config(export_dir)[1].get("architectures")).architecture  # its family's class
     return getattr(module, arch).from_pretrained(str(export_dir), dtype=torch.float32).eval()

@@ -25,12 +25,13 @@ reads it; written here from our contract, no code shared):
   verifier's `embed_tokens.weight` [V, H] and `lm_head.weight` [V', H] (its head rows; all V rows
   for a full vocabulary), and for V' < V the int64 `d2t` offsets and the bool `t2d` [V].
 
-DFlash2 (vLLM 0.32's `update_dflash2`): `architectures ["DFlash2DraftModel"]`,
-`speculators_model_type` and `speculators_config.algorithm` "dflash2" (vLLM maps the method back to
-"dflash"), and `conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k` at the top
-level; the tensors add the convolutions and `candidate_selector.*` under their z-lab names.
-`update_dflash2` drops `input_embedding_scale`, `output_multiplier` and `final_logit_softcapping`,
-so a drafter that sets any of them is refused (exit 2; export it in the z-lab format).
+Another drafter family (`dflashkit.family`; DFlash2 = vLLM 0.32's `update_dflash2`): its
+`architectures`, `speculators_model_type` and `speculators_config.algorithm` = the family's name
+(vLLM maps the method back to "dflash"), and the knobs vLLM reads from the top level
+(`Family.speculators_keys`; DFlash2: `conv_kernel_size`, `conv_group_size`, `selector_rank`,
+`selector_top_k`); the tensors add the family's own under their z-lab names. A knob outside those
+that is set (DFlash2: `input_embedding_scale`, `output_multiplier`, `final_logit_softcapping`,
+which `update_dflash2` drops) is refused (exit 2; export it in the z-lab format).
 
 The reader refuses what the decoder cannot run (another `speculators_model_type`,
 `sample_from_anchor`, sliding-window layers) and every missing or malformed key with a `UsageError`
@@ -48,18 +49,17 @@ from typing import Any, Callable
 
 import torch
 
+from dflashkit import family
 from dflashkit.errors import DflashkitError, UsageError
+from dflashkit.family.base import Contract
 from dflashkit.export.hf import (DTYPES, WEIGHTS, build_drafter, load_drafter, open_weights, read_config,
                                  read_draft_vocab_size)
 from dflashkit.model.drafter import DFlashDraftModel
-from dflashkit.model.drafter_config import DFLASH2_OPTIONAL, DrafterContract
+from dflashkit.model.drafter_config import DrafterContract
 
 log = logging.getLogger("dflashkit.export")
 
 FORMATS = ("zlab", "speculators")
-MODEL_TYPE = "dflash"
-MODEL_TYPE_DFLASH2 = "dflash2"  # vLLM 0.32's `update_dflash2`: the four keys below, read from the top level
-DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 # z-lab config keys that are DFlash's, not the draft transformer's
 _DFLASH_KEYS = ("architectures", "auto_map", "block_size", "num_target_layers", "dflash_config", "draft_vocab_size")
 # tensors the speculators library itself keeps out of, or tolerates in, a checkpoint
@@ -71,23 +71,22 @@ def is_speculators(cfg: dict[str, Any]) -> bool:
     return "speculators_config" in cfg or "speculators_model_type" in cfg
 
 
-def speculators_config(contract: DrafterContract, *, verifier: str, verifier_architectures: list[str],
+def speculators_config(contract: Contract, *, verifier: str, verifier_architectures: list[str],
                        dtype: str = "bfloat16", draft_vocab_size: int | None = None) -> dict[str, Any]:
     """The speculators `config.json` for a drafter contract (a pure function: same inputs, same bytes)."""
     layer = {k: v for k, v in contract.to_hf_config(dtype=dtype).items() if k not in _DFLASH_KEYS}
     b = contract.block_size
-    kind = MODEL_TYPE_DFLASH2 if contract.is_dflash2 else MODEL_TYPE
-    if contract.is_dflash2:
-        dropped = [k for k in DFLASH2_OPTIONAL if getattr(contract, k) is not None]
-        if dropped:
-            raise UsageError(f"drafter.{dropped[0]} is set ({', '.join(f'{k}={getattr(contract, k)}' for k in dropped)}); "
-                             "vLLM 0.32's speculators reader (update_dflash2) carries only conv_kernel_size, "
-                             "conv_group_size, selector_rank and selector_top_k into dflash_config, so vLLM would "
-                             "serve another drafter", hint="export with export.format=zlab (its dflash_config "
-                             "carries them)")
+    fam = contract.family
+    knobs = {k: getattr(contract.knobs, k) for k in fam.knob_names}
+    dropped = [k for k, v in knobs.items() if k not in fam.speculators_keys and v is not None]
+    if dropped:
+        raise UsageError(f"drafter.{dropped[0]} is set ({', '.join(f'{k}={knobs[k]}' for k in dropped)}); "
+                         f"vLLM 0.32's speculators reader carries only {', '.join(fam.speculators_keys)} of a "
+                         f"{fam.architecture} into dflash_config, so vLLM would serve another drafter",
+                         hint="export with export.format=zlab (its dflash_config carries them)")
     return {
-        "architectures": ["DFlash2DraftModel" if contract.is_dflash2 else "DFlashDraftModel"],
-        "speculators_model_type": kind,
+        "architectures": [fam.architecture],
+        "speculators_model_type": fam.name,
         "transformer_layer_config": layer,
         "draft_vocab_size": int(draft_vocab_size or contract.vocab_size),
         "block_size": b,
@@ -96,9 +95,9 @@ def speculators_config(contract: DrafterContract, *, verifier: str, verifier_arc
         "sample_from_anchor": False,
         "sliding_window_non_causal": True,
         "dtype": dtype,
-        **({k: v for k, v in contract.dflash2_config().items() if k in DFLASH2_KEYS} if contract.is_dflash2 else {}),
+        **{k: knobs[k] for k in fam.speculators_keys},
         "speculators_config": {
-            "algorithm": kind,
+            "algorithm": fam.name,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": b - 1,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
@@ -129,18 +128,17 @@ def _need(cfg: dict[str, Any], dotted: str, source: str, kind: type) -> Any:
 def read_speculators_contract(cfg: dict[str, Any], *, source: str = "config.json") -> tuple[DrafterContract, int | None]:
     """The drafter contract and draft vocab size (None = full) of a speculators DFlash config.json."""
     kind = _need(cfg, "speculators_model_type", source, str)
-    if kind not in (MODEL_TYPE, MODEL_TYPE_DFLASH2):
-        raise UsageError(f"{source}: key `speculators_model_type` is {kind!r}, not {MODEL_TYPE!r} or "
-                         f"{MODEL_TYPE_DFLASH2!r}: dflashkit reads DFlash and DFlash2 drafters only",
-                         hint="pass a DFlash speculators checkpoint")
-    dflash2: dict[str, Any] = {}
-    if kind == MODEL_TYPE_DFLASH2:
-        missing = [k for k in DFLASH2_KEYS if cfg.get(k) is None]
-        if missing:
-            raise UsageError(f"{source}: a `speculators_model_type` dflash2 config without the key(s) {missing} "
-                             "(vLLM's update_dflash2 reads them from the top level)",
-                             hint="re-export with `dflashkit export export.format=speculators`")
-        dflash2 = {k: _need(cfg, k, source, int) for k in DFLASH2_KEYS}
+    if kind not in family.FAMILIES:
+        raise UsageError(f"{source}: key `speculators_model_type` is {kind!r}, not one of {family.names()}: "
+                         "dflashkit reads its drafter families only", hint="pass a DFlash speculators checkpoint")
+    fam = family.get(kind, key="speculators_model_type")
+    missing = [k for k in fam.speculators_keys if cfg.get(k) is None]
+    if missing:
+        raise UsageError(f"{source}: a `speculators_model_type` {kind} config without the key(s) {missing} "
+                         "(vLLM's reader takes them from the top level)",
+                         hint="re-export with `dflashkit export export.format=speculators`")
+    defaults = fam.knobs()
+    knobs = {k: _need(cfg, k, source, type(getattr(defaults, k))) for k in fam.speculators_keys}
     layer = _need(cfg, "transformer_layer_config", source, dict)
     aux = _need(cfg, "aux_hidden_state_layer_ids", source, list)
     if not aux or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in aux):
@@ -160,11 +158,9 @@ def read_speculators_contract(cfg: dict[str, Any], *, source: str = "config.json
     if types:
         raise UsageError(f"{source}: key `transformer_layer_config.layer_types` has {sorted(set(types))}; "
                          "dflashkit drafters are full attention only")
-    zlab = {**layer, "block_size": b,
+    zlab = {**layer, "block_size": b, "architectures": [fam.architecture],
             "dflash_config": {"block_size": b, "mask_token_id": mask, "target_layer_ids": [i - 1 for i in aux],
-                              **dflash2}}
-    if dflash2:
-        zlab["architectures"] = ["DFlash2DraftModel"]
+                              **knobs}}
     missing = [f"transformer_layer_config.{k}" for k in ("hidden_size", "num_hidden_layers", "num_attention_heads")
                if k not in layer]
     if missing:
@@ -300,7 +296,9 @@ def check_speculators(source: DFlashDraftModel, export_dir: Path, head: torch.Te
     vocab = source.draft_vocab
     same_vocab = (vocab is None) == (back.draft_vocab is None) and (vocab is None or torch.equal(vocab, back.draft_vocab))
     changed = [k for k in ("block_size", "target_layer_ids", "mask_token_id", "hidden_size", "num_draft_layers",
-                           "vocab_size", "drafter_type", *DFLASH2_KEYS) if getattr(c, k) != getattr(bc, k)] + ([] if same_vocab else ["draft vocab"])
+                           "vocab_size", "drafter_type") if getattr(c, k) != getattr(bc, k)]
+    changed += [k for k in c.family.speculators_keys if getattr(c.knobs, k) != getattr(bc.knobs, k, None)]
+    changed += [] if same_vocab else ["draft vocab"]
     if changed:
         raise DflashkitError(f"export reload check failed in {export_dir}: {changed} differ from the source",
                              hint="nothing was replaced; this is a bug, please report it")
@@ -320,9 +318,7 @@ def check_speculators(source: DFlashDraftModel, export_dir: Path, head: torch.Te
                              f"{diff:.3g} (allowed {atol * scale:.3g})",
                              hint="nothing was replaced; try export.dtype=float32 or raise export.check_atol")
     top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    from dflashkit.export.dflash2 import reload_walk_check
-
-    walk = reload_walk_check(source, back, head)  # the selector's path too (DFlash2)
+    walk = c.family.reload_check(source, back, head)  # the family's own part (DFlash2: the selector's walk)
     return {"max_diff_vs_source": diff, "logit_scale": scale, "top1_agreement": top1, "compared": "logits", **walk}
 
 

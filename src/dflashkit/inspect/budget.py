@@ -7,8 +7,8 @@ Usage:
 Model (all per GPU, bytes; assumptions stated so the numbers can be checked):
     features      = n_feat · H · bytes(capture.dtype) per token (cached mode: on disk, × tokens; n_feat counts
                     capture.extra_layer_ids too)
-    drafter       = P_d params; weights + grads + AdamW m, v in fp32 = 16 · P_d (DFlash2: + the
-                    convolutions and the selector, whose two V × r codebooks are 2·V·r parameters —
+    drafter       = P_d params; weights + grads + AdamW m, v in fp32 = 16 · P_d (+ the drafter family's own:
+                    DFlash2's convolutions and selector, whose two V × r codebooks are 2·V·r parameters —
                     84M for Kimi's V = 163,840 at r = 256 — looked up, so left out of the FLOPs)
     frozen        = target embedding + LM head in bf16 = V · H · 2 (· 2 when untied)
     activations   = batch · [L_d · (q · (4H + 2·nh·d + 3I) + S · 2·nkv·d)
@@ -44,23 +44,17 @@ LOGIT_BYTES = 12
 
 
 def drafter_params(c: Any) -> int:
-    """Parameters of `DFlashDraftModel(contract)` (no embedding / LM head of its own)."""
+    """Parameters of the contract's drafter (no embedding / LM head of its own): DFlash's, plus its family's."""
     h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
     attn = h * c.num_attention_heads * d * 2 + 2 * h * c.num_key_value_heads * d + 2 * d
     layer = attn + 3 * h * i + 2 * h
-    total = c.num_draft_layers * layer + len(c.target_layer_ids) * h * h + 2 * h
-    if getattr(c, "is_dflash2", False):  # 2 convolutions per layer, the selector
-        taps, groups = c.conv_kernel_size, h // max(1, c.conv_group_size)
-        total += c.num_draft_layers * 2 * (2 * taps * h + 2 * taps * groups * h)
-        total += codebook_params(c) + c.selector_rank * h
-    return total
+    return c.num_draft_layers * layer + len(c.target_layer_ids) * h * h + 2 * h + c.family.extra_params(c)
 
 
 def codebook_params(c: Any) -> int:
-    """DFlash2's selector codebooks (predecessor + successor, V × r each): 2·V·r; 0 for DFlash.
-
-    They are looked up, not multiplied: 2·r·(K+1) FLOPs per drafted position, whatever V is."""
-    return 2 * c.vocab_size * c.selector_rank if getattr(c, "is_dflash2", False) else 0
+    """The drafter's looked-up parameters (DFlash2's selector codebooks, 2·V·r; 0 for DFlash): they cost
+    2·r·(K+1) FLOPs per drafted position whatever V is, so the FLOPs leave them out."""
+    return c.family.lookup_params(c)
 
 
 def target_bytes_per_param(facts: dict[str, Any]) -> float:
@@ -151,7 +145,7 @@ def plan_budget(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, s
     return {
         "features": {"dtype": cfg.capture.dtype, "bytes_per_token": cap_bpt,
                      "total_gib": _gib(cap_bpt * tokens)},
-        "drafter": {"params": p_d, "type": getattr(c, "drafter_type", "dflash"),
+        "drafter": {"params": p_d, "type": c.drafter_type,
                     "selector_codebook_params": codebook_params(c), "weights_grads_adam_gib": _gib(opt), "frozen_embed_head_gib": _gib(frozen),
                     "activations_gib": _gib(act), "kl_targets_gib": _gib(kl)},
         "logits": {"per_sequence_gib": _gib(t.num_anchors * b * v * 4), "chunk_gib": _gib(chunk),

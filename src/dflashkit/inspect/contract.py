@@ -26,8 +26,9 @@ from __future__ import annotations
 import logging
 import math
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from dflashkit import family
 from dflashkit.errors import UsageError
 from dflashkit.inspect.config_facts import ModelFacts
 from dflashkit.inspect.tokenizer_facts import TokenizerFacts
@@ -117,16 +118,6 @@ def _draft_attention(d: DrafterSection, facts: ModelFacts) -> tuple[int, int, in
     return heads, kv, head_dim, "copied from the target config (drafter.* overrides win)"
 
 
-def dflash2_fields(d: DrafterSection) -> dict[str, Any]:
-    """The contract's DFlash2 fields from `cfg.drafter` (only `drafter_type` for a DFlash drafter)."""
-    kind = getattr(d, "type", "dflash")
-    if kind != "dflash2":
-        return {"drafter_type": kind}
-    keys = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "input_embedding_scale",
-            "output_multiplier", "final_logit_softcapping")
-    return {"drafter_type": kind, **{k: getattr(d, k) for k in keys}}
-
-
 def derive_contract(d: DrafterSection, facts: ModelFacts, tok: TokenizerFacts | None) -> DrafterContract:
     """The drafter contract for a target.
 
@@ -179,7 +170,7 @@ def derive_contract(d: DrafterSection, facts: ModelFacts, tok: TokenizerFacts | 
         tie_word_embeddings=facts.tie_word_embeddings,
         target_model_type=facts.model_type, target_architecture=facts.architecture,
         mask_token_reason=mask_reason, bos_token_id=bos, eos_token_id=eos,
-        **dflash2_fields(d),
+        **family.get(d.type).contract_fields(d),
         extra={"layer_convention": LAYER_CONVENTION, "target_layer_ids_reason": ids_reason,
                "attention_reason": attn_reason, "target_attention": facts.attention,
                "target_text_model_type": facts.text_model_type, "target_source": facts.source},

@@ -1,14 +1,13 @@
 """The DFlash2 draft network: DFlash + block-local grouped dynamic convolutions + a candidate selector.
 
 Usage:
-    model = DFlash2DraftModel(contract)                      # contract.drafter_type == "dflash2"
+    model = DFlash2DraftModel(contract)                      # family/dflash2.py builds it (contract.knobs)
     h = model(noise_embedding, target_hidden, position_ids)   # [b, q, H], exactly as DFlash
     ids, unary = model.candidates(lm_head(h[:, 1:]))          # top-K of the unary logits: [b, L, K] each
     scores = model.candidate_selector(ids, unary, h[:, 1:], anchor_ids)   # [b, L, K(prev), K(next)]
     tokens, rows = walk(scores, ids)                          # greedy path from the anchor: [b, L]
     tokens, rows = walk(scores, ids, temperature=0.7, generator=g)   # Gumbel-noised walk
     tokens, rows = walk_path(model.candidate_selector, ids, unary, h[:, 1:], anchor_ids)  # the same, lazily
-    model = drafter_for(contract)                             # DFlash or DFlash2, by contract.drafter_type
     report = init_from_dflash(model, dflash_state_dict)       # shared parts from a DFlash checkpoint
 
 What differs from DFlash (`model/drafter.py`; every other tensor and name is the same). Names
@@ -32,7 +31,8 @@ export is a plain state-dict write:
     q_t = softmax(row/T) over the K candidates: the draft law handed to the rejection rule.
   * `input_embedding_scale` multiplies the block's input embeddings.
 DFlash2 drafts over the full target vocabulary (vLLM's selector indexes the codebooks by target id
-and has no draft-to-target map), so a reduced draft vocab is refused.
+and has no draft-to-target map), so its family (family/dflash2.py) refuses a reduced draft vocab.
+The knobs (`conv_kernel_size`, …) are the contract's `knobs` (`family.dflash2.DFlash2Knobs`).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
 from dflashkit.errors import UsageError
+from dflashkit.family.base import Contract
 from dflashkit.model.drafter import DFlashAttention, DFlashDraftModel
-from dflashkit.model.drafter_config import DrafterContract
 
 log = logging.getLogger("dflashkit.model")
 
@@ -211,23 +211,19 @@ def walk_path(selector: CandidateSelector, cand_ids: torch.Tensor, unary: torch.
 class DFlash2DraftModel(DFlashDraftModel):
     """DFlash2 drafter; `state_dict()` keys are vLLM's DFlash2 checkpoint names (module docstring)."""
 
-    def __init__(self, contract: DrafterContract, draft_vocab: torch.Tensor | None = None,
-                 feature_scale: torch.Tensor | None = None):
-        if draft_vocab is not None:
-            raise UsageError("a DFlash2 drafter drafts over the full target vocabulary (vLLM's selector has no "
-                             "draft-to-target map)", hint="remove drafter.draft_vocab_size")
-        if not contract.is_dflash2:
-            raise UsageError(f"DFlash2DraftModel needs drafter_type dflash2, got {contract.drafter_type!r}")
+    def __init__(self, contract: Contract, feature_scale: torch.Tensor | None = None):
         super().__init__(contract, feature_scale=feature_scale)
-        self.top_k = contract.selector_top_k
-        self.input_embedding_scale = contract.input_embedding_scale
-        self.output_multiplier = contract.output_multiplier
-        self.final_logit_softcapping = contract.final_logit_softcapping
-        self.candidate_selector = CandidateSelector(contract.hidden_size, contract.vocab_size, contract.selector_rank)
+        k = contract.knobs
+        self.top_k = k.selector_top_k
+        self.input_embedding_scale = k.input_embedding_scale
+        self.output_multiplier = k.output_multiplier
+        self.final_logit_softcapping = k.final_logit_softcapping
+        self.candidate_selector = CandidateSelector(contract.hidden_size, contract.vocab_size, k.selector_rank)
         self.candidate_selector.reset_parameters()
 
     def make_layer(self) -> nn.Module:
-        return DFlash2DecoderLayer(self.config, self.contract.conv_kernel_size, self.contract.conv_group_size)
+        k = self.contract.knobs
+        return DFlash2DecoderLayer(self.config, k.conv_kernel_size, k.conv_group_size)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         super().reset_parameters(std)
@@ -275,18 +271,6 @@ class DFlash2DraftModel(DFlashDraftModel):
         tokens, rows = walk_path(self.candidate_selector, ids, unary, h, anchor_ids, temperature=temperature,
                                  generator=generator)
         return tokens, ids, rows
-
-
-def drafter_for(contract: DrafterContract, draft_vocab: torch.Tensor | None = None,
-                feature_scale: torch.Tensor | None = None) -> DFlashDraftModel:
-    """A new (random) drafter of the contract's family: DFlash2DraftModel or DFlashDraftModel."""
-    match contract.drafter_type:
-        case "dflash2":
-            return DFlash2DraftModel(contract, draft_vocab=draft_vocab, feature_scale=feature_scale)
-        case "dflash":
-            return DFlashDraftModel(contract, draft_vocab=draft_vocab, feature_scale=feature_scale)
-        case other:
-            raise UsageError(f"unknown drafter type {other!r}", hint="drafter.type is dflash or dflash2")
 
 
 @torch.no_grad()

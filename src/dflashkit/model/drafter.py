@@ -31,7 +31,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from dflashkit.model.drafter_config import DrafterContract
+from dflashkit.family.base import Contract
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -71,7 +71,7 @@ class DraftKVCache:
         self.values = [None if v is None else v[..., :length, :] for v in self.values]
 
 
-def hf_config(contract: DrafterContract) -> Qwen3Config:
+def hf_config(contract: Contract) -> Qwen3Config:
     cfg = contract.to_hf_config(dtype="float32")
     for k in ("architectures", "auto_map", "dflash_config", "block_size", "num_target_layers", "dtype"):
         cfg.pop(k, None)
@@ -135,7 +135,7 @@ class DFlashDecoderLayer(nn.Module):
 class DFlashDraftModel(nn.Module):
     """DFlash drafter; `state_dict()` keys are exactly the z-lab checkpoint's."""
 
-    def __init__(self, contract: DrafterContract, draft_vocab: torch.Tensor | None = None,
+    def __init__(self, contract: Contract, draft_vocab: torch.Tensor | None = None,
                  feature_scale: torch.Tensor | None = None):
         super().__init__()
         contract.check()

@@ -4,6 +4,12 @@ Usage:
     ids = build_target_layer_ids(36, 5)          # [1, 9, 17, 25, 33]
     contract = DrafterContract.load(rd.contract_path)
     hf_config = contract.to_hf_config()          # dict for config.json (z-lab format)
+    contract.family                              # its drafter family (dflashkit.family): what consumers ask
+    contract.knobs                               # the family's own fields (DFlash2: conv_kernel_size, …)
+
+The contract is family-agnostic data plus the family's `knobs`; what they mean (their checks, their
+`dflash_config` keys, how a config.json declares them) is the family's, asked through `family`.
+`contract.json` stays flat: the knobs are written and read as top-level keys.
 
 Convention (dflash-spec §1.7, §2.3): `target_layer_ids` are 0-based decoder-layer indices; the
 feature of layer `id` is the *output* of that decoder layer, i.e. HF `hidden_states[id + 1]`
@@ -12,12 +18,14 @@ feature of layer `id` is the *output* of that decoder layer, i.e. HF `hidden_sta
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from dflashkit import family as families
 from dflashkit.errors import UsageError
 
 log = logging.getLogger("dflashkit.contract")
@@ -41,9 +49,6 @@ def build_target_layer_ids(num_target_layers: int, num_features: int) -> list[in
     return [int(round(start + i * span / (num_features - 1))) for i in range(num_features)]
 
 
-DFLASH2_OPTIONAL = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
-DRAFTER_TYPES = ("dflash", "dflash2")
-
 REPROBE_HINT = "re-run `dflashkit probe -c run.yaml` for this target"
 
 
@@ -52,7 +57,7 @@ def default_gamma(block_size: int) -> float:
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2))
 
 
-@dataclass
+@dataclass(slots=True)  # slots: a misspelt (or another family's) field is an AttributeError, never ignored
 class DrafterContract:
     """Everything later stages need about the target and the drafter. Written by `probe`."""
 
@@ -78,28 +83,17 @@ class DrafterContract:
     bos_token_id: int | list[int] | None = None  # as the target config.json has it (like eos)
     eos_token_id: int | list[int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-    # DFlash2 (`drafter_type: dflash2`, model/dflash2.py); ignored by DFlash. Names = vLLM's dflash_config keys.
-    drafter_type: str = "dflash"
-    conv_kernel_size: int = 2
-    conv_group_size: int = 16
-    selector_rank: int = 256
-    selector_top_k: int = 16
-    input_embedding_scale: float | None = None
-    output_multiplier: float | None = None
-    final_logit_softcapping: float | None = None
+    drafter_type: str = "dflash"   # the drafter family (`drafter.type`, dflashkit.family)
+    knobs: Any = None              # the family's own fields (its `knobs` dataclass); None = its defaults
+
+    def __post_init__(self) -> None:
+        if self.knobs is None and self.drafter_type in families.FAMILIES:
+            self.knobs = families.FAMILIES[self.drafter_type].knobs()
 
     @property
-    def is_dflash2(self) -> bool:
-        return self.drafter_type == "dflash2"
-
-    def dflash2_config(self) -> dict[str, Any]:
-        """The DFlash2 keys of `dflash_config` (vLLM's `qwen3_dflash2.py` reads them); optional ones only when set."""
-        out: dict[str, Any] = {"conv_kernel_size": self.conv_kernel_size, "conv_group_size": self.conv_group_size,
-                               "selector_rank": self.selector_rank, "selector_top_k": self.selector_top_k}
-        for k in DFLASH2_OPTIONAL:
-            if getattr(self, k) is not None:
-                out[k] = float(getattr(self, k))
-        return out
+    def family(self) -> families.Family:
+        """The drafter family of `drafter_type` (UsageError naming it when unknown)."""
+        return families.get(self.drafter_type, key="drafter_type")
 
     @property
     def num_features(self) -> int:
@@ -137,7 +131,15 @@ class DrafterContract:
                             f"num_key_value_heads {self.num_key_value_heads}")
         if self.block_size < 1:
             problems.append(f"block_size must be >= 1, got {self.block_size}")
-        problems.extend(self.dflash2_problems())
+        if self.drafter_type in families.FAMILIES:
+            fam = self.family
+            if isinstance(self.knobs, fam.knobs):
+                problems.extend(fam.contract_problems(self))
+            else:
+                problems.append(f"knobs {type(self.knobs).__name__} are not the {fam.title} family's "
+                                f"{fam.knobs.__name__} (build the contract with DrafterContract.from_dict)")
+        else:
+            problems.append(f"drafter_type {self.drafter_type!r} is not one of {families.names()}")
         if problems:
             if target is None:
                 raise UsageError("invalid drafter contract: " + "; ".join(problems), hint=hint)
@@ -148,34 +150,18 @@ class DrafterContract:
             log.warning("%s was built for a %d-layer target; this target has %d layers",
                         where, self.num_target_layers, layers)
 
-    def dflash2_problems(self) -> list[str]:
-        """What makes the DFlash2 knobs unusable (none for a DFlash contract)."""
-        if self.drafter_type not in DRAFTER_TYPES:
-            return [f"drafter_type {self.drafter_type!r} is not one of {list(DRAFTER_TYPES)}"]
-        if not self.is_dflash2:
-            return []
-        p = []
-        if self.conv_kernel_size < 1:
-            p.append(f"conv_kernel_size must be >= 1, got {self.conv_kernel_size}")
-        if self.conv_group_size < 1 or self.hidden_size % max(1, self.conv_group_size):
-            p.append(f"conv_group_size {self.conv_group_size} must divide hidden_size {self.hidden_size}")
-        if self.selector_rank < 1:
-            p.append(f"selector_rank must be >= 1, got {self.selector_rank}")
-        if not 1 <= self.selector_top_k <= max(1, self.vocab_size):
-            p.append(f"selector_top_k {self.selector_top_k} must be in [1, vocab_size {self.vocab_size}]")
-        for k in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
-            v = getattr(self, k)
-            if v is not None and not float(v) > 0:
-                p.append(f"{k} must be > 0 (or null), got {v}")
-        return p
-
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The flat `contract.json` record: the fields, then the family's knobs as top-level keys."""
+        out = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "knobs"}
+        return {**out, **(asdict(self.knobs) if self.knobs is not None else {})}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "DrafterContract":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        names = {f.name for f in fields(cls)} - {"knobs"}
+        c = cls(**{k: v for k, v in data.items() if k in names})
+        if c.drafter_type in families.FAMILIES:
+            c.knobs = c.family.make_knobs(data)
+        return c
 
     @classmethod
     def load(cls, path: str | Path) -> "DrafterContract":
@@ -196,10 +182,11 @@ class DrafterContract:
         `draft_vocab_size` (a reduced draft vocabulary) adds the top-level key vLLM reads and the
         same value in `dflash_config`; without it the config is exactly the full-vocab one.
         """
+        fam = self.family
         cfg: dict[str, Any] = {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [fam.architecture],
             "model_type": "qwen3",
-            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "auto_map": {"AutoModel": f"dflash.{fam.architecture}"},
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_draft_layers,
             "num_attention_heads": self.num_attention_heads,
@@ -236,15 +223,13 @@ class DrafterContract:
             at = [k for k, _ in items].index("vocab_size") + 1  # next to vocab_size, where readers look
             cfg = dict(items[:at] + [("draft_vocab_size", int(draft_vocab_size))] + items[at:])
             cfg["dflash_config"]["draft_vocab_size"] = int(draft_vocab_size)
-        if self.is_dflash2:
-            cfg["architectures"] = ["DFlash2DraftModel"]
-            cfg["auto_map"] = {"AutoModel": "dflash.DFlash2DraftModel"}
-            cfg["dflash_config"].update(self.dflash2_config())
+        cfg["dflash_config"].update(fam.dflash_config(self))
         return cfg
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], *, source: str = "config.json") -> "DrafterContract":
-        """Read a z-lab drafter `config.json` (import of an existing checkpoint)."""
+        """Read a z-lab drafter `config.json` (import of an existing checkpoint); its family is the one its
+        `architectures` declare (`family.by_architecture`), which reads its own knobs."""
         dc = cfg.get("dflash_config")
         if not isinstance(dc, dict):
             raise UsageError(f"{source}: no `dflash_config` (z-lab format) and no `speculators_model_type` "
@@ -271,6 +256,7 @@ class DrafterContract:
             build_target_layer_ids(n_target, num_layers)
         heads = num(cfg["num_attention_heads"], "num_attention_heads")
         hidden = num(cfg["hidden_size"], "hidden_size")
+        fam = families.by_architecture(cfg.get("architectures"))
         return cls(
             block_size=num(dc.get("block_size", cfg.get("block_size", 16)), "block_size"),
             num_draft_layers=num_layers,
@@ -289,21 +275,6 @@ class DrafterContract:
             max_position_embeddings=num(cfg.get("max_position_embeddings", 4096), "max_position_embeddings"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
-            **_dflash2_fields(cfg, dc, source),
+            drafter_type=fam.name,
+            knobs=fam.make_knobs(fam.read_knobs(cfg, dc, source)),
         )
-
-
-def _dflash2_fields(cfg: dict[str, Any], dc: dict[str, Any], source: str) -> dict[str, Any]:
-    """The DFlash2 contract fields of a config.json (`architectures: [DFlash2DraftModel]`), else {}."""
-    if "DFlash2DraftModel" not in (cfg.get("architectures") or []):
-        return {}
-    required = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-    missing = [f"dflash_config.{k}" for k in required if dc.get(k) is None]
-    if missing:
-        raise UsageError(f"{source}: a DFlash2DraftModel config without {missing}",
-                         hint="re-export the drafter (vLLM reads these keys from dflash_config)")
-    out: dict[str, Any] = {"drafter_type": "dflash2", **{k: int(dc[k]) for k in required}}
-    for k in DFLASH2_OPTIONAL:
-        if dc.get(k) is not None:
-            out[k] = float(dc[k])
-    return out

@@ -12,8 +12,9 @@ Example: dflashkit export -c run.yaml export.dtype=bfloat16
          export/speculators.py: config.json + model.safetensors + README.md + manifest.json, reloaded
          through our speculators reader and compared the same way; no dflash.py)
 
-A DFlash2 drafter (`drafter.type: dflash2`) exports as `DFlash2DraftModel` (export/dflash2.py; dflash.py
-has the class too) and the reload check also requires the same walk through the candidates.
+A drafter of another family (`drafter.type: dflash2`) exports with its family's architecture, keys and
+tensors (dflashkit/family/; dflash.py has its class too), and the reload check adds the family's part
+(DFlash2: the same walk through the candidates).
 
 The dir is built in a temp dir beside the destination, reloaded twice (our loader and the shipped
 dflash.py) and compared with the source drafter on a fixed input — the logits through the target's

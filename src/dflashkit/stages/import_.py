@@ -10,8 +10,9 @@ Example: dflashkit import ~/ckpt/Qwen3-8B-DFlash-b16 -c run.yaml
 
 Checks, all before anything is written (exit 2 with the key named): the config has
 `dflash_config` and the Qwen3 keys, the weights are readable safetensors whose names and shapes
-match the config, and the drafter fits the target (target_layer_ids < target layers, equal hidden
-size, mask id and vocab inside the target's). An existing DEST is never overwritten.
+match the config, the drafter fits the target (target_layer_ids < target layers, equal hidden
+size, mask id and vocab inside the target's) and, when the run has a contract.json, it is of the
+run's drafter family with the run's shape and knobs. An existing DEST is never overwritten.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflashkit import family
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
 from dflashkit.errors import UsageError
@@ -59,8 +61,13 @@ MATCH_KEYS = ("block_size", "num_draft_layers", "target_layer_ids", "mask_token_
               "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size")
 
 
+def _fields(contract: Any) -> dict[str, Any]:
+    return {**{k: getattr(contract, k) for k in MATCH_KEYS},
+            **{k: getattr(contract.knobs, k) for k in contract.family.knob_names}}
+
+
 def check_against_run_contract(contract: Any, contract_path: Path, src: Path) -> None:
-    """Exit 2 naming each field where the drafter differs from the run's existing contract.json."""
+    """Exit 2 naming both drafter families, or each field where the drafter differs from the run's contract.json."""
     import json
 
     if not contract_path.is_file():
@@ -69,8 +76,14 @@ def check_against_run_contract(contract: Any, contract_path: Path, src: Path) ->
         have = json.loads(contract_path.read_text())
     except (OSError, ValueError) as e:
         raise UsageError(f"{contract_path}: unreadable ({e})", hint="re-run `dflashkit probe -c run.yaml`") from None
-    diff = [f"{k}: {getattr(contract, k)!r} in {src}, {have.get(k)!r} in {contract_path}" for k in MATCH_KEYS
-            if k in have and getattr(contract, k) != have.get(k)]
+    kind = have.get("drafter_type", family.DEFAULT.name)
+    if contract.drafter_type != kind:  # adopting another family's drafter is never a conversion
+        raise UsageError(f"the drafter {src} is a {contract.family.title} drafter (drafter_type "
+                         f"{contract.drafter_type}) but this run's contract {contract_path} is drafter_type {kind}",
+                         hint=f"set drafter.type={contract.drafter_type} and re-run `dflashkit probe`, or import it "
+                         f"into a run of that type (run.run_dir=...)")
+    diff = [f"{k}: {v!r} in {src}, {have.get(k)!r} in {contract_path}" for k, v in _fields(contract).items()
+            if k in have and v != have.get(k)]
     if diff:
         raise UsageError(f"the drafter {src} does not fit this run's contract ({'; '.join(diff)})",
                          hint="import it into a fresh run dir (run.run_dir=...), or re-run `dflashkit probe` with "

@@ -14,7 +14,7 @@ def random_drafter(target, block_size: int = 4, layers: int = 1, seed: int = 0, 
     `drafter_type="dflash2"` (+ `conv_group_size=…`, `selector_top_k=…`) gives a DFlash2 drafter."""
     import torch
 
-    from dflashkit.model.dflash2 import drafter_for
+    from dflashkit.family import new_drafter
     from dflashkit.model.drafter_config import DrafterContract, build_target_layer_ids
 
     n = target.num_layers
@@ -24,6 +24,6 @@ def random_drafter(target, block_size: int = 4, layers: int = 1, seed: int = 0, 
                   mask_token_id=target.vocab_size - 1, num_target_layers=n, hidden_size=target.hidden_size,
                   num_attention_heads=heads, num_key_value_heads=2, head_dim=target.hidden_size // heads,
                   intermediate_size=2 * target.hidden_size, vocab_size=target.vocab_size)
-    fields.update(overrides)
+    fields.update(overrides)  # a family's knobs too (flat, as contract.json holds them)
     torch.manual_seed(seed)
-    return drafter_for(DrafterContract(**fields)).eval()
+    return new_drafter(DrafterContract.from_dict(fields)).eval()

@@ -136,12 +136,21 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler) -> int:
     return int(state["step"])
 
 
-# Contract fields whose change makes a checkpoint a different drafter (labels are descriptive only).
+# Contract fields whose change makes a checkpoint a different drafter (labels are descriptive only), beside the
+# knobs of the drafter family (`contract_keys`).
 CONTRACT_KEYS = ("block_size", "num_draft_layers", "target_layer_ids", "mask_token_id", "num_target_layers",
                  "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                  "vocab_size", "rope_theta", "rope_scaling", "max_position_embeddings", "tie_word_embeddings",
-                 "drafter_type", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
-                 "input_embedding_scale", "output_multiplier", "final_logit_softcapping")
+                 "drafter_type")
+
+
+def contract_keys(now: dict) -> tuple[str, ...]:
+    """CONTRACT_KEYS and the knobs of the family of `now` (a contract dict); another family's knobs, which an
+    earlier contract.json may hold, mean nothing to this drafter (a changed family is `drafter_type`)."""
+    from dflashkit import family
+
+    fam = family.FAMILIES.get(now.get("drafter_type", family.DEFAULT.name))
+    return CONTRACT_KEYS + (fam.knob_names if fam is not None else ())
 
 
 def _check_contract(path: Path, saved: dict | None, model) -> None:
@@ -159,7 +168,7 @@ def _check_contract(path: Path, saved: dict | None, model) -> None:
 
 def _contract_changes(saved: dict, now: dict) -> list[str]:
     """`key: then → now` for each contract field the checkpoint recorded that differs now."""
-    return [f"{k}: {saved.get(k)!r} in the checkpoint, now {now.get(k)!r}" for k in CONTRACT_KEYS
+    return [f"{k}: {saved.get(k)!r} in the checkpoint, now {now.get(k)!r}" for k in contract_keys(now)
             if k in saved and saved.get(k) != now.get(k)]
 
 

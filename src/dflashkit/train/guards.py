@@ -34,11 +34,6 @@ IMPORTED = "imported.json"  # written by `dflashkit import` into the drafter dir
 # drafter.* key -> (contract field, how the contract's value reads for that key)
 _SHAPE_KEYS = ("block_size", "num_draft_layers", "target_layer_ids", "mask_token_id", "hidden_size",
                "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps")
-# drafter.type and DFlash2's knobs: drafter.* key -> contract field
-_DFLASH2_KEYS = {"type": "drafter_type", "conv_kernel_size": "conv_kernel_size", "conv_group_size": "conv_group_size",
-                 "selector_rank": "selector_rank", "selector_top_k": "selector_top_k",
-                 "input_embedding_scale": "input_embedding_scale", "output_multiplier": "output_multiplier",
-                 "final_logit_softcapping": "final_logit_softcapping"}
 OBJECTIVE_KEYS = ("loss", "labels", "position_weighting", "ablate_features", "selector_loss_weight")
 
 
@@ -63,10 +58,10 @@ def check_drafter_overrides(cfg: RunConfig, contract: DrafterContract, where: st
         mine, theirs = getattr(d, key), getattr(contract, key)
         if _given(cfg, key, mine) and (float(mine) != float(theirs) if key == "rms_norm_eps" else mine != theirs):
             problems.append(f"drafter.{key}: {mine!r} in the config, {theirs!r} in {where}")
-    for key, field in _DFLASH2_KEYS.items():
-        mine, theirs = getattr(d, key), getattr(contract, field, None)
-        if key != "type" and not contract.is_dflash2:
-            continue  # DFlash2 knobs of a DFlash contract: meaningless (drafter.type is checked)
+    if _given(cfg, "type", d.type) and d.type != contract.drafter_type:
+        problems.append(f"drafter.type: {d.type!r} in the config, {contract.drafter_type!r} in {where}")
+    for key in contract.family.knob_names:  # the contract's family's knobs (another family's mean nothing here)
+        mine, theirs = getattr(d, key), getattr(contract.knobs, key)
         if _given(cfg, key, mine) and mine != theirs:
             problems.append(f"drafter.{key}: {mine!r} in the config, {theirs!r} in {where}")
     n = d.num_target_features

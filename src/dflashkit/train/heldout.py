@@ -5,69 +5,27 @@ Usage:
     log_eval(sink, ev)                       # its metrics.jsonl row
     best = BestKeeper(rd.train_dir, tr, enabled=cfg.train.keep_best)
     best.restore(start, state); best.offer(ev)   # train/best/ (+ best.json) when τ beats the record
-    metrics_of(stats, B, step)               # a step's (or an evaluation's) summed statistics → metrics
 
-The statistics vector of a step or an evaluation: loss, τ sum, blocks, tokens, correct [B], total
-[B] (summed over micro-batches and ranks).
+An evaluation sums `train/stats.StepStats` over its batches (the loss as loss·Σw, normalised per Σw
+at the end), per data source and pooled; the drafter family adds its own metrics (`Family.stats`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from dflashkit.train import checkpoint as ckpt
 from dflashkit.train.parallel import all_reduce_sum, barrier
+from dflashkit.train.stats import StepStats
+from dflashkit.train.trainer import Trainer
 
 if TYPE_CHECKING:
     from dflashkit.train.logging import MetricSink
 
-Trainer = Any  # train.loop.Trainer (not imported: loop imports this module)
-
 log = logging.getLogger("dflashkit.train")
-
-
-def stats_size(B: int) -> int:
-    """Length of a step's summable statistics: loss, τ sum, blocks, tokens, correct [B], total [B], then
-    DFlash2's unary τ sum, unary correct [B] and selector rows, covered, correct, loss."""
-    return 4 + 2 * B + 1 + B + 4
-
-
-def dflash2_stats(out, B: int, *, loss_scale: float) -> torch.Tensor:
-    """The DFlash2 tail of the statistics (zeros for a DFlash drafter)."""
-    tail = torch.zeros(1 + B + 4, dtype=torch.float64)
-    if out.selector is None:
-        return tail
-    tail[0] = out.unary_tau_sum
-    tail[1:1 + B] = out.unary_correct.double()
-    sel = out.selector.as_list()
-    tail[1 + B:] = torch.tensor(sel[:3] + [sel[3] * loss_scale], dtype=torch.float64)
-    return tail
-
-
-def _ratio(a: torch.Tensor, b: torch.Tensor) -> float | None:
-    return round(float(a / b), 4) if b > 0 else None
-
-
-def metrics_of(stats: torch.Tensor, B: int, step: int, *, dflash2: bool = False, **extra) -> dict:
-    """Metrics of summed statistics; a DFlash2 drafter's τ / acc are the walk's, `unary_*` the argmax's."""
-    correct, total = stats[4:4 + B], stats[4 + B:4 + 2 * B]
-    acc = [_ratio(c, t) for c, t in zip(correct[1:], total[1:])]
-    out = {"step": step, "loss": float(stats[0]), "tau": float(stats[1] / max(stats[2], 1)),
-           "acc": acc, "acc_mean": float(correct[1:].sum() / max(total[1:].sum(), 1)),
-           "blocks": int(stats[2]), "tokens": int(stats[3]),
-           "_window": [float(stats[1]), float(stats[2]), float(correct[1]), float(total[1])], **extra}
-    if dflash2:
-        tail = stats[4 + 2 * B:]
-        unary = tail[1:1 + B]
-        rows, covered, sel_ok, sel_loss = tail[1 + B:]
-        out.update(unary_tau=float(tail[0] / max(stats[2], 1)),
-                   unary_acc=[_ratio(c, t) for c, t in zip(unary[1:], total[1:])],
-                   selector_acc=_ratio(sel_ok, rows), topk_coverage=_ratio(covered, rows),
-                   selector_loss=float(sel_loss))
-    return out
 
 
 @torch.no_grad()
@@ -84,35 +42,18 @@ def evaluate_heldout(tr: Trainer, step: int) -> dict | None:
     for j in tr.heldout:
         groups.setdefault(src[j], []).append(j)
     bs = tr.cfg.train.batch_size
-    total = torch.zeros(stats_size(B), dtype=torch.float64)
+    fam = tr.contract.family
+    total = StepStats.zeros(B, fam)
     by_source = {}
     for name in sorted(groups):
-        stats = torch.zeros(stats_size(B), dtype=torch.float64)
+        stats = StepStats.zeros(B, fam)
         idx = groups[name]
         for i in range(0, len(idx), bs):
             b = tr.batch([(j, -1) for j in idx[i:i + bs]])
-            a = tr.anchors(b)
-            out = tr.micro_loss(b, a, None)
-            stats[0] += float(out.loss) * out.weight_sum
-            stats[1] += out.tau_sum
-            stats[2] += out.blocks
-            stats[3] += out.weight_sum
-            stats[4:4 + 2 * B] += torch.cat([out.correct, out.total]).double()
-            stats[4 + 2 * B:] += dflash2_stats(out, B, loss_scale=1.0)
+            stats.add_heldout(tr.micro_loss(b, tr.anchors(b), None))
         total += stats
-        by_source[name] = _heldout_row(stats, B, step, dflash2=tr.contract.is_dflash2, samples=len(idx))
-    row = _heldout_row(total, B, step, dflash2=tr.contract.is_dflash2)
-    return {"split": "heldout", **row, "by_source": by_source}
-
-
-def _heldout_row(stats: torch.Tensor, B: int, step: int, *, dflash2: bool = False, **extra) -> dict:
-    stats = stats.clone()
-    stats[0] /= max(float(stats[3]), 1e-6)
-    stats[-1] /= max(float(stats[3]), 1e-6)   # DFlash2's selector loss: Σ w·CE / Σ w, as the loss
-    m = metrics_of(stats, B, step, dflash2=dflash2)
-    keys = ("unary_tau", "unary_acc", "selector_acc", "topk_coverage", "selector_loss") if dflash2 else ()
-    return {"step": step, "loss": m["loss"], "tau": m["tau"], "acc": m["acc"], "acc_mean": m["acc_mean"],
-            "blocks": m["blocks"], **{k: m[k] for k in keys}, **extra}
+        by_source[name] = stats.heldout_row(step, samples=len(idx))
+    return {"split": "heldout", **total.heldout_row(step), "by_source": by_source}
 
 
 def log_eval(sink: MetricSink, ev: dict) -> None:

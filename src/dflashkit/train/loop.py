@@ -27,25 +27,25 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from dflashkit.errors import UsageError
-from dflashkit.model.dflash2 import drafter_for
-from dflashkit.model.draft_vocab import restricted_head
+from dflashkit.family import new_drafter
 from dflashkit.model.drafter_config import REPROBE_HINT, DrafterContract
 from dflashkit.train import checkpoint as ckpt
 from dflashkit.train import guards
-from dflashkit.train.data import (Batch, BatchPlan, FeatureStore, TokenData, collate, first_of, load_tokenized,
-                                  split_heldout)
-from dflashkit.train.heldout import BestKeeper, dflash2_stats, evaluate_heldout, log_eval, metrics_of, stats_size
+from dflashkit.train.data import BatchPlan, FeatureStore, first_of, load_tokenized, split_heldout
+from dflashkit.train.heldout import BestKeeper, evaluate_heldout, log_eval
 from dflashkit.train.levers import feature_scale_of, held_out_sources
 from dflashkit.train.logging import CURVE_FILE, LearningCurve, MetricSink
-from dflashkit.train.objective import dflash_loss, gamma_for, sample_anchors, weight_sum
+from dflashkit.train.loss import DraftLoss
+from dflashkit.train.objective import gamma_for, weight_sum
 from dflashkit.train.optim import CpuBudget, build_optimizer, build_scheduler
-from dflashkit.train.target_side import TargetOut, target_side
+from dflashkit.train.stats import StepStats
+from dflashkit.train.target_side import target_side
+from dflashkit.train.trainer import Trainer, autocast_dtype
 from dflashkit.train.vocab import pick_draft_vocab
 from dflashkit.train.parallel import (DistInfo, TargetParts, all_reduce_sum, barrier, init_distributed,
                                       shard_target, wrap_drafter)
@@ -57,139 +57,6 @@ if TYPE_CHECKING:
     from dflashkit.rundir import RunDir
 
 log = logging.getLogger("dflashkit.train")
-
-
-def feature_noise(feats: torch.Tensor, b: Batch, *, scale: float, n_feat: int) -> torch.Tensor:
-    """Training-only feature noise: feats + U(−scale, scale)·RMS, per token and target layer.
-
-    speculators (`train/noise_transforms.py`, AddUniformNoise, std 0.05) adds an absolute
-    U(−0.05, 0.05) to every element of the raw target hidden states, whatever their size; target
-    residual streams differ by orders of magnitude between channels and models (SmolLM2: channel
-    RMS 5 … 1,650), so the noise here is relative: U(−scale, scale) times the RMS of each token's
-    H-dim feature of each target layer (scale 0.05 ≈ speculators' noise on unit-RMS features).
-    Each sample draws from its own seeded generator over its true length only (padding gets none),
-    so the noise does not depend on the batch a sample lands in or on the number of ranks.
-    """
-    bsz, s, d = feats.shape
-    h = d // n_feat
-    noise = torch.zeros(bsz, s, d, dtype=torch.float32)
-    for i in range(bsz):
-        n = int(b.seq_lens[i])
-        g = torch.Generator().manual_seed((int(b.seeds[i]) ^ 0x5DEECE66D) & 0x7FFFFFFFFFFFFFFF)
-        noise[i, :n] = torch.rand(n, d, generator=g) * 2 - 1
-    f = feats.float().view(bsz, s, n_feat, h)
-    rms = f.pow(2).mean(-1, keepdim=True).sqrt()
-    out = f + noise.to(feats.device).view(bsz, s, n_feat, h) * rms * scale
-    return out.view(bsz, s, d).to(feats.dtype)
-
-
-def autocast_dtype(train_dtype: str, device: torch.device) -> torch.dtype | None:
-    if train_dtype == "bfloat16" or (train_dtype == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return None
-
-
-@dataclass
-class Trainer:
-    """Everything one step needs (built by `setup`)."""
-
-    cfg: RunConfig
-    contract: DrafterContract
-    dist: DistInfo
-    drafter: torch.nn.Module
-    target: Target | HeadOnlyTarget  # head-only when every target output comes from the feature shards
-    parts: TargetParts
-    data: TokenData
-    plan: BatchPlan
-    heldout: list[int]
-    gamma: float
-    attention: str
-    amp: torch.dtype | None
-    head: torch.nn.Module | None = None       # the loss's head: parts.lm_head, or its rows `vocab`
-    vocab: torch.Tensor | None = None         # reduced draft vocab (sorted target ids), on the device
-    target_side: Callable[[Batch], TargetOut] | None = None  # train/target_side.py: this run's feature source
-    warm_start: dict | None = None            # drafter.init=<dir>: what was copied (train/warm_start.py)
-    feed: Any = None                          # train.features=engine: engines/feed.EngineFeed (also data.features)
-
-    def __post_init__(self):
-        if self.head is None:
-            self.head = self.parts.lm_head
-
-    def close(self) -> None:
-        """Stop what `setup` started: the engine feed (and the vLLM it runs), if any."""
-        if self.feed is not None:
-            self.feed.close()
-
-    def use_draft_vocab(self, vocab: torch.Tensor | None) -> None:
-        """Train over `vocab` (None: the full vocab): the restricted head is built here, once."""
-        self.vocab = None if vocab is None else vocab.to(self.dist.device)
-        self.head = self.parts.lm_head if vocab is None else restricted_head(self.parts.lm_head, self.vocab)
-
-    def sync_draft_vocab(self) -> None:
-        """After a resume: the checkpoint's d2t (loaded into the drafter) wins over today's choice."""
-        loaded = getattr(self.drafter, "module", self.drafter).draft_vocab
-        if loaded is None or (self.vocab is not None and torch.equal(loaded.cpu(), self.vocab.cpu())):
-            return
-        log.warning("the checkpoint's draft vocab differs from the one chosen from today's data; "
-                    "continuing with the checkpoint's")
-        self.use_draft_vocab(loaded)
-
-    def target_outputs(self, b: Batch) -> TargetOut:
-        """What the loss needs from the target for batch `b` (`train/target_side.py`: the builder of
-        this run's feature source)."""
-        assert self.target_side is not None  # set by `setup`
-        return self.target_side(b)
-
-    def micro_loss(self, b: Batch, a, denom: float | None, tout: "TargetOut | None" = None, *,
-                   training: bool = False):
-        tout = tout or self.target_outputs(b)
-        t = self.cfg.train
-        feats = tout.features
-        if training and t.feature_noise > 0:
-            feats = feature_noise(feats, b, scale=t.feature_noise, n_feat=len(self.contract.target_layer_ids))
-        return dflash_loss(self.drafter, self.parts.embed, self.head, feats, b.input_ids, b.loss_mask,
-                           b.seq_lens, a, mask_token_id=self.contract.mask_token_id, gamma=self.gamma, denom=denom,
-                           loss=t.loss, kl_weight=t.kl_weight, target_logits=tout.logits,
-                           target_hidden=tout.last_hidden, target_head=self.parts.lm_head,
-                           chunk_blocks=t.loss_chunk_blocks, attention=self.attention, autocast_dtype=self.amp,
-                           vocab=self.vocab, label_ids=tout.label_ids, position_weighting=t.position_weighting,
-                           dpace_alpha=t.dpace_alpha, selector_weight=t.selector_loss_weight,
-                           context=not t.ablate_features)
-
-    def denom_gamma(self) -> float | None:
-        """γ of the step denominator Σw: none (a plain count of supervised positions) under D-PACE."""
-        return None if self.cfg.train.position_weighting == "dpace" else self.gamma
-
-    def sources(self) -> list[str]:
-        """Each sample's data source (`TokenData.source`; "all" for samples without one)."""
-        src = getattr(self.data, "source", None) or [""] * len(self.data)
-        return [s or "all" for s in src]
-
-    def supervised_tokens(self, step: int) -> dict[str, int]:
-        """Supervised (loss_mask) tokens of the step's GLOBAL batch, all ranks, by source."""
-        src, out = self.sources(), {}  # type: list[str], dict[str, int]
-        for rank in range(self.dist.world):
-            for items in self.plan.micro_batches(step, rank):
-                for i, _ in items:
-                    out[src[i]] = out.get(src[i], 0) + int(self.data.loss_mask[i].sum())
-        return out
-
-    def batch(self, items) -> Batch:
-        pad = self.target.tokenizer.pad_token_id if getattr(self.target, "tokenizer", None) else 0
-        t = self.cfg.train
-        cached = t.features in ("cached", "engine")  # engine: the rows of these samples, staged from the engine
-        store = self.data.features
-        if self.feed is not None:
-            self.feed.stage([i for i, _ in items])
-        return collate(self.data, items, run_seed=self.cfg.run.seed, pad_id=pad or 0, with_features=cached,
-                       with_next_ids=cached and t.labels == "target" and store is not None and store.has("next_ids"),
-                       with_last_hidden=cached and t.loss != "ce" and store is not None and store.has("last_hidden")
-                       ).to(self.dist.device)
-
-    def anchors(self, b: Batch):
-        return sample_anchors(b.loss_mask, b.seq_lens, num_anchors=self.cfg.train.num_anchors,
-                              block_size=self.contract.block_size, seeds=b.seeds,
-                              coverage=self.cfg.train.anchor_coverage)
 
 
 def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, *, open_feed: Callable[..., Any] | None = None) -> Trainer:
@@ -267,7 +134,7 @@ def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any],
         vocab = pick_draft_vocab(cfg, contract, target, data, train_idx)
     torch.manual_seed(cfg.run.seed)
     scale = feature_scale_of(cfg, contract, target, data, train_idx) if cfg.drafter.feature_scale == "rms" else None
-    drafter = drafter_for(contract, draft_vocab=vocab, feature_scale=scale).to(dist.device)
+    drafter = new_drafter(contract, draft_vocab=vocab, feature_scale=scale).to(dist.device)
     warm_report = None
     if cfg.drafter.init == "target":
         from dflashkit.model.init import init_from_target
@@ -286,11 +153,12 @@ def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any],
         attention = "sdpa"
     drafter = wrap_drafter(drafter, cfg.train.parallel.mode, dist)
     plan = BatchPlan(train_idx, cfg.train.batch_size, cfg.train.grad_accum, dist.world, cfg.run.seed)
-    tr = Trainer(cfg, contract, dist, drafter, target, parts, data, plan, heldout,
-                 gamma_for(cfg.train.gamma, contract.block_size), attention,
-                 autocast_dtype(cfg.train.dtype, dist.device))
+    amp = autocast_dtype(cfg.train.dtype, dist.device)
+    loss = DraftLoss.from_train(cfg.train, contract, gamma=gamma_for(cfg.train.gamma, contract.block_size),
+                                attention=attention, amp=amp)
+    tr = Trainer(cfg, contract, dist, drafter, target, parts, data, plan, heldout, loss)
     tr.use_draft_vocab(vocab)
-    tr.target_side = target_side(cfg.train, contract, target, parts, device=dist.device, amp=tr.amp,
+    tr.target_side = target_side(cfg.train, contract, target, parts, device=dist.device, amp=amp,
                                  store=data.features)
     tr.warm_start = warm_report
     tr.feed = opened[0] if opened else None
@@ -325,18 +193,12 @@ def train_step(tr: Trainer, step: int, opt, sched) -> dict:
                              gamma=tr.denom_gamma(), vocab=tr.vocab, label_ids=o.label_ids)
                   for b, a, o in zip(batches, anchors, touts))
     denom = float(all_reduce_sum(torch.tensor([local_w], dtype=torch.float64), tr.dist)[0])
-    stats = torch.zeros(stats_size(B), dtype=torch.float64)  # loss, tau_sum, blocks, tokens, correct, total, +
+    stats = StepStats.zeros(B, tr.contract.family)
     for b, a, o in zip(batches, anchors, touts):
         out = tr.micro_loss(b, a, denom, o, training=True)
         if denom > 0:
             (out.loss * tr.dist.world).backward()
-        stats[0] += float(out.loss.detach())
-        stats[1] += out.tau_sum
-        stats[2] += out.blocks
-        stats[3] += float(b.seq_lens.sum())
-        stats[4:4 + B] += out.correct.double()
-        stats[4 + B:4 + 2 * B] += out.total.double()
-        stats[4 + 2 * B:] += dflash2_stats(out, B, loss_scale=1 / max(denom, 1e-6))
+        stats.add_step(out, tokens=float(b.seq_lens.sum()), loss_scale=1 / max(denom, 1e-6))
     grad_norm = 0.0
     if denom > 0:
         params = [p for p in tr.drafter.parameters() if p.requires_grad]
@@ -349,8 +211,9 @@ def train_step(tr: Trainer, step: int, opt, sched) -> dict:
     opt.zero_grad(set_to_none=True)
     lr = opt.param_groups[0]["lr"]
     sched.step()
-    stats = all_reduce_sum(stats, tr.dist)  # loss terms were divided by the global Σw: the sum is the mean
-    return metrics_of(stats, B, step + 1, dflash2=tr.contract.is_dflash2, lr=lr, grad_norm=grad_norm)
+    # the loss terms were divided by the global Σw: the sum over ranks is the step's mean
+    stats = StepStats.from_tensor(all_reduce_sum(stats.to_tensor(), tr.dist), B, tr.contract.family)
+    return stats.metrics(step + 1, lr=lr, grad_norm=grad_norm)
 
 
 def fit(cfg: RunConfig, rd: RunDir, *, dist: DistInfo | None = None, show_bar: bool = True,

@@ -6,6 +6,11 @@ Usage:
     check_fits(src, contract)                                 # UsageError (exit 2) naming each mismatch
     report = warm_start(drafter, src, contract)               # copies every tensor (checks again)
 
+The drafter family must be the run's, or one the run's family documents a conversion from
+(`Family.init_from`: DFlash2 starts from a DFlash checkpoint's shared tensors, its convolutions the
+identity and its selector random); any other pair is exit 2 naming both families — a DFlash2 dir in
+a DFlash run would otherwise lose its convolutions and selector without a word.
+
 The source dir is read by the export readers (`export.speculators.load_any_drafter`: z-lab
 `config.json` + `dflash_config`, or vLLM's speculators format; `train/final`, `train/best`, an
 `export/` or an `import`ed dir are all z-lab). What must match the run's contract, each named when
@@ -28,6 +33,7 @@ from pathlib import Path
 import torch
 
 from dflashkit.errors import UsageError
+from dflashkit.family.base import Contract
 from dflashkit.model.drafter_config import DrafterContract
 
 log = logging.getLogger("dflashkit.train")
@@ -46,7 +52,7 @@ class WarmSource:
 
     path: Path
     state: dict[str, torch.Tensor]
-    contract: DrafterContract
+    contract: Contract
     format: str                      # "zlab" | "speculators"
     vocab: torch.Tensor | None       # sorted target ids of a reduced draft vocab, or None
 
@@ -65,7 +71,7 @@ def read_warm_start(path: str | Path) -> WarmSource:
     return WarmSource(d, state, model.contract, fmt, model.draft_vocab)
 
 
-def contract_mismatch(src: DrafterContract, run: DrafterContract) -> list[str]:
+def contract_mismatch(src: Contract, run: Contract) -> list[str]:
     """Every field of MUST_MATCH that differs, as `name: source X != this run's Y` (empty: it fits)."""
     out = []
     for name, what in MUST_MATCH:
@@ -84,8 +90,24 @@ def keep_source_vocab(src: WarmSource, draft_vocab_size: int | None) -> torch.Te
     return None
 
 
+def family_mismatch(src: Contract, run: Contract) -> str | None:
+    """Why a drafter of `src`'s family cannot start this run's (None: the same family, or a conversion the
+    run's family allows)."""
+    if src.drafter_type == run.drafter_type or src.drafter_type in run.family.init_from:
+        return None
+    allowed = sorted(run.family.init_from)
+    return (f"a {src.family.title} drafter (drafter_type {src.drafter_type}) cannot start this run's "
+            f"{run.family.title} drafter (drafter_type {run.drafter_type}): a {run.family.title} drafter starts from "
+            f"{' or '.join([run.drafter_type, *allowed])} checkpoints only")
+
+
 def check_fits(src: WarmSource, run: DrafterContract) -> None:
-    """UsageError (exit 2) naming every contract field where `src` does not fit this run."""
+    """UsageError (exit 2) naming the two drafter families, or every contract field where `src` does not fit."""
+    wrong = family_mismatch(src.contract, run)
+    if wrong:
+        raise UsageError(f"drafter.init {src.path}: {wrong}",
+                         hint=f"set drafter.type={src.contract.drafter_type} (and re-run `dflashkit probe`) to train "
+                         f"that family, or point drafter.init at a {run.family.title} drafter")
     problems = contract_mismatch(src.contract, run)
     if problems:
         raise UsageError(f"drafter.init {src.path} does not fit this run's drafter contract: " + "; ".join(problems),
@@ -101,6 +123,8 @@ def warm_start(drafter: torch.nn.Module, src: WarmSource, run: DrafterContract) 
         UsageError: the source does not fit this run's contract (every mismatch named), exit 2.
     """
     check_fits(src, run)
+    if src.contract.drafter_type != run.drafter_type:  # a conversion the run's family documents
+        return _converted(drafter, src, run)
     own = drafter.state_dict()
     missing = sorted(k for k in own if k != "d2t" and k not in src.state)
     if missing:
@@ -117,3 +141,15 @@ def warm_start(drafter: torch.nn.Module, src: WarmSource, run: DrafterContract) 
              src.path, src.format, src.contract.block_size, run.block_size, len(src.state), vocab)
     return {"dir": str(src.path), "format": src.format, "tensors": len(src.state),
             "block_size": {"source": src.contract.block_size, "run": run.block_size}, "draft_vocab": vocab}
+
+
+def _converted(drafter: torch.nn.Module, src: WarmSource, run: DrafterContract) -> dict:
+    """`drafter.init` from another family's checkpoint, by the run's family's conversion."""
+    report = run.family.init_from[src.contract.drafter_type](getattr(drafter, "module", drafter), src.state)
+    log.info("warm start from %s (%s format, a %s drafter converted to %s, block size %d → %d): %d tensors copied, "
+             "%d skipped", src.path, src.format, src.contract.family.title, run.family.title, src.contract.block_size,
+             run.block_size, len(report["copied"]), len(report["skipped"]))
+    return {"dir": str(src.path), "format": src.format, "tensors": len(report["copied"]),
+            "block_size": {"source": src.contract.block_size, "run": run.block_size},
+            "converted": {"from": src.contract.drafter_type, "to": run.drafter_type,
+                          "skipped": len(report["skipped"])}, "draft_vocab": "full"}

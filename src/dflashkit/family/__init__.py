@@ -1,0 +1,112 @@
+"""The drafter families: THE registry that the contract, the trainer, the decoder, the formats and the engines ask.
+
+Usage:
+    from dflashkit import family
+    fam = family.get("dflash2")                       # UsageError naming drafter.type and the families
+    fam = contract.family                             # the same lookup, by contract.drafter_type
+    fam = family.by_architecture(cfg["architectures"])   # the family a drafter config.json declares
+    family.names()                                    # ["dflash", "dflash2"]
+    drafter = family.new_drafter(contract)            # a random drafter network of the contract's family
+    family.config_problems(cfg.drafter)               # the drafter.* checks the families own
+    cfg = load_config(path, overrides, checks=family.checks)   # … listed with the config's own (the CLI)
+    family.check_tensors(fam, set(state), set(want), weights=w, config=c)   # UsageError naming tensors
+
+Adding a head is one module in this package (its `Family`: facts and hooks, `base.py` says which)
+plus its tests, and its entry in FAMILIES; its `drafter.*` knobs are also fields of
+`config/schema.py`'s DrafterSection (the schema is what users read; tests/family check that the two
+agree). Nothing outside this package and the family's own network tests a drafter's type
+(tests/family/test_seam.py scans for it).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import TYPE_CHECKING
+
+from dflashkit.errors import UsageError
+from dflashkit.family.base import Contract, Family, draft_vocab_problem, refuse_draft_vocab
+from dflashkit.family.dflash import DFLASH
+from dflashkit.family.dflash2 import DFLASH2
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+
+    from dflashkit.config import DrafterSection, RunConfig
+
+__all__ = ["DEFAULT", "FAMILIES", "Family", "by_architecture", "check_tensors", "checks", "config_problems",
+           "draft_vocab_problem", "get", "knob_keys", "names", "new_drafter", "refuse_draft_vocab"]
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (DFLASH, DFLASH2)}
+DEFAULT = DFLASH  # a z-lab config.json that names none of the architectures below is DFlash's (the format's base)
+
+
+def names() -> list[str]:
+    return list(FAMILIES)
+
+
+def _unknown(name: object, key: str) -> str:
+    close = difflib.get_close_matches(str(name), names(), n=1)
+    return f"{key}: {name!r} is not a drafter family, one of {names()}" + (f" (did you mean {close[0]!r}?)"
+                                                                             if close else "")
+
+
+def get(name: str, *, key: str = "drafter.type") -> Family:
+    """The family called `name`; UsageError (exit 2) naming `key` and the known families otherwise."""
+    fam = FAMILIES.get(name)
+    if fam is None:
+        raise UsageError(_unknown(name, key), hint=f"set {key} to one of {names()}")
+    return fam
+
+
+def new_drafter(contract: Contract, draft_vocab: torch.Tensor | None = None,
+                feature_scale: torch.Tensor | None = None):
+    """A new random drafter of the contract's family (checks the contract; a family without a reduced
+    vocab refuses `draft_vocab`)."""
+    return contract.family.build(contract, draft_vocab, feature_scale)
+
+
+def by_architecture(architectures: object) -> Family:
+    """The family a drafter `config.json` declares by its `architectures` (DEFAULT when none is known)."""
+    archs = architectures if isinstance(architectures, list) else []
+    return next((f for f in FAMILIES.values() if f.architecture in archs), DEFAULT)
+
+
+def knob_keys() -> tuple[str, ...]:
+    """Every family's knob names (the `drafter.*` keys that give a drafter its own contract)."""
+    return tuple(k for f in FAMILIES.values() for k in f.knob_names)
+
+
+def config_problems(d: DrafterSection) -> list[str]:
+    """The `drafter.*` problems the families own: the family name, its knobs, a draft vocab it cannot take."""
+    fam = FAMILIES.get(d.type)
+    if fam is None:
+        return [_unknown(d.type, "drafter.type")]
+    p = fam.config_problems(d)
+    vocab = draft_vocab_problem(fam, d.draft_vocab_size, where="drafter.draft_vocab_size")
+    return p + ([vocab] if vocab else [])
+
+
+def checks(cfg: RunConfig) -> list[str]:
+    """`config_problems` of a whole run config: what the CLI hands the config loader (`load_config(checks=…)`)."""
+    return config_problems(cfg.drafter)
+
+
+def check_tensors(fam: Family, have: set[str], want: set[str], *, weights: Path, config: Path) -> None:
+    """UsageError naming the family's own tensors a checkpoint lacks, or another family's tensors it holds."""
+    missing = sorted(k for k in want - have if fam.owns_tensor(k))
+    if missing:
+        shown = ", ".join(missing[:12]) + (f" … ({len(missing)} in all)" if len(missing) > 12 else "")
+        raise UsageError(f"{weights}: {config} declares a {fam.architecture} but the weights lack its "
+                         f"{fam.title} tensors: {shown}",
+                         hint=f"a checkpoint of another family labelled {fam.architecture}? re-export the "
+                         f"{fam.title} drafter, or set architectures to the family its weights are")
+    for other in FAMILIES.values():
+        extra = sorted(k for k in have - want if other is not fam and other.owns_tensor(k))
+        if extra:
+            keys = ", ".join(other.speculators_keys or other.knob_names)
+            raise UsageError(f"{weights} holds {other.title} tensors ({', '.join(extra[:4])}"
+                             f"{' …' if len(extra) > 4 else ''}) but {config} declares a {fam.title} drafter",
+                             hint=f"set architectures [\"{other.architecture}\"]"
+                             + (f" and the dflash_config keys {keys}" if keys else "") + " (or re-export)")

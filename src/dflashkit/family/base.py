@@ -1,0 +1,275 @@
+"""What a drafter family is: the one object every consumer asks instead of testing a drafter's type.
+
+Usage:
+    fam = contract.family                         # the `Family` of `contract.drafter_type` (registry: __init__)
+    fam.build(contract, None, None)               # a new random drafter network of this family
+    fam.reduced_vocab, fam.vllm_runner            # capabilities: a draft vocab? which vLLM runner?
+    tokens, law = fam.propose(drafter, h, logits, anchor, DraftSampling(), None, vocab_size)   # one draft step
+    terms = fam.loss_terms(cfg.train)             # its own loss terms (train/loss.py composes them)
+
+A `Family` is a frozen record of facts and functions, written by one module per family
+(`family/dflash.py`, `family/dflash2.py`) and listed by the registry (`family/__init__.py`): the
+pattern of torchtitan's `TrainSpec`, composition rather than a class hierarchy. What a hook gets
+from a higher room is handed in (the decoder's sampling law in `DraftSampling`; the loss's chunk of
+rows in `Rows`), so this room ranks beside `model/` and below everything that asks it.
+
+The contract (`model/drafter_config.py`) asks its family for its checks and its `config.json`
+keys, so the families (and the networks) read a contract through the `Contract` protocol below:
+importing the contract module back would be an import cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from dflashkit.config import DrafterSection, TrainSection
+
+
+class Contract(Protocol):
+    """The drafter contract's interface (`model.drafter_config.DrafterContract`: every field, the methods the
+    families and networks use). That module asks this registry for its family, so the families and the
+    drafter networks type a contract by this protocol instead of importing it back (an import cycle);
+    tests/family check that it lists every field of the dataclass."""
+
+    block_size: int
+    num_draft_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    num_target_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    target_model_type: str
+    target_architecture: str
+    mask_token_reason: str
+    bos_token_id: int | list[int] | None
+    eos_token_id: int | list[int] | None
+    extra: dict[str, Any]
+    drafter_type: str
+    knobs: Any      # the family's `knobs` dataclass (its own contract fields)
+
+    @property
+    def num_features(self) -> int: ...
+
+    @property
+    def family(self) -> Family: ...
+
+    def check(self, target: Any = None, *, where: str = "drafter", hint: str | None = None) -> None: ...
+
+    def to_hf_config(self, *, dtype: str = "bfloat16", draft_vocab_size: int | None = None) -> dict[str, Any]: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class NoKnobs:
+    """The knobs of a family that adds no contract field."""
+
+
+@dataclass(frozen=True)
+class DraftSampling:
+    """How the decoder wants one block drafted (it ranks above this room, so it hands its sampling in).
+
+    `temperature` 0 asks for point-mass drafts (greedy); > 0 for drafts drawn from the family's draft
+    law, which the step then returns for the rejection rule. `law` turns head logits [k, V'] into the
+    sampling law at the request's temperature / top-p / top-k (`decode.sampling.sampling_probs`),
+    `draw` takes one token per row of a law (`decode.sampling.sample`)."""
+
+    temperature: float = 0.0
+    law: Callable[[torch.Tensor], torch.Tensor] | None = None
+    draw: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
+    generator: Any = None
+
+
+@dataclass
+class Rows:
+    """One chunk of supervised rows of the loss, as a loss term's `chunk` sees it (inside the checkpoint)."""
+
+    model: Any                          # the drafter (unwrapped)
+    hidden: torch.Tensor                # [r, H] drafter outputs
+    scores: torch.Tensor                # [r, V'] float32: the head's logits as the family scores them
+    labels: torch.Tensor                # [r] labels (draft-vocab indices with a reduced vocab)
+    prev: torch.Tensor | None = None    # [r] the gold token before each row (terms with `needs_prev`)
+
+
+@dataclass
+class Scored:
+    """What a loss term may re-score after the chunks (`LossTerm.rescore`): the argmax's verdicts and the
+    context of every block, so a family can score what its decoder actually drafts."""
+
+    model: Any
+    hidden: torch.Tensor                # [b·N·B, H] drafter outputs (detached)
+    rows: torch.Tensor                  # [r] flat indices of the supervised rows
+    parts: list[Any]                    # this term's `chunk` results, chunk by chunk
+    input_ids: torch.Tensor             # [b, S]
+    anchors: Any                        # train.objective.Anchors
+    labels: torch.Tensor                # [b, N, B] label ids (target ids)
+    supervised: torch.Tensor            # [b, N, B] bool
+    ok: torch.Tensor                    # [b, N, B] the argmax prediction is the label (and supervised)
+    tau_sum: Callable[[torch.Tensor], float]   # Σ over real blocks of 1 + leading ok (train.loss.tau_sum)
+
+
+class LossTerm(Protocol):
+    """One part of the training loss; `train/loss.py` has CE and KL, a family adds its own.
+
+    `base_rows` names the per-row losses the shared chunk computes for it ("ce", "kl"); `chunk`
+    computes its own per-row values inside the checkpointed chunk (None: nothing); `total` returns
+    its part of Σ (weighted, before the step denominator) and its statistics (names of the family's
+    `stats`); `rescore` may replace the argmax verdicts the metrics count (None: keep them)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def base_rows(self) -> tuple[str, ...]: ...
+
+    @property
+    def needs_prev(self) -> bool: ...
+
+    def chunk(self, rows: Rows) -> Any: ...
+
+    def total(self, parts: list[Any], row_w: torch.Tensor, base: dict[str, torch.Tensor]
+              ) -> tuple[torch.Tensor, dict[str, Any]]: ...
+
+    def rescore(self, s: Scored) -> tuple[torch.Tensor | None, dict[str, Any]]: ...
+
+
+@dataclass(frozen=True)
+class StatField:
+    """One summable statistic a family adds to a step's (`train/stats.py`): `size` 1 or "B" (one per block
+    position); a `loss` one is scaled like the loss (1/denominator in training, per Σw held out)."""
+
+    name: str
+    size: int | str = 1
+    loss: bool = False
+
+
+def _nothing(*_: Any, **__: Any) -> list:
+    return []
+
+
+def _empty(*_: Any, **__: Any) -> dict[str, Any]:
+    return {}
+
+
+def _same(_model: Any, logits: torch.Tensor) -> torch.Tensor:
+    return logits
+
+
+def _zero(_c: Any) -> int:
+    return 0
+
+
+@dataclass(frozen=True)
+class Family:
+    """A drafter family: everything about it that the trainer, the decoder, the formats and the engines ask.
+
+    Facts (name, title, architecture and the two hooks build and propose are required):
+        name: `drafter.type`, `contract.drafter_type`; title: how messages and the docs call it.
+        architecture: config.json `architectures[0]` (also the class of the shipped `dflash.py`).
+        knobs: frozen dataclass of the contract fields (and `drafter.*` keys, same names) it adds.
+        speculators_keys: the knobs vLLM's speculators reader takes from the config's top level; any
+            other knob that is set cannot travel in that format.
+        tensor_markers: name parts of the tensors only this family's checkpoints hold.
+        reduced_vocab: whether it can draft over a reduced draft vocabulary (`drafter.draft_vocab_size`).
+        init_from: family name → conversion(model, state) of the checkpoints it may start from
+            (`drafter.init`), besides its own; anything else is refused.
+        vllm_runner: "any" or "v2" (vLLM runs it on its V2 model runner only).
+        reference_loop: the z-lab PyPI loop (dflash 0.1.0) decodes it (`bench decode`'s reference).
+        metric_names: the step / held-out metrics its `metrics` adds.
+    Hooks (the others' defaults: nothing to add):
+        build(c, draft_vocab, feature_scale): a new random drafter network (refusing a draft vocab when
+            `reduced_vocab` is False: `refuse_draft_vocab`).
+        propose(drafter, h, logits, anchor, sampling, vocab, vocab_size): one draft step → (tokens,
+            draft law [k, V] or None for point masses).
+        config_problems(d): problems of its `drafter.*` keys (each naming the key).
+        contract_problems(c): problems of its contract fields.
+        dflash_config(c): its `dflash_config` keys (z-lab config.json).
+        read_knobs(cfg, dflash_config, source): its contract fields from a config.json (UsageError).
+        scores(model, logits): the head's logits as the loss and metrics score them.
+        loss_terms(train): its own loss terms.
+        stats: its statistics (`StatField`), filled by its terms.
+        metrics(stats): its metrics from a step's summed statistics.
+        extra_params(c) / lookup_params(c): parameters beyond DFlash's, and those of them that are
+            looked up rather than multiplied (`dflashkit plan`).
+        reload_check(source, reloaded, head): the export reload check's family part.
+        card_lines(c): what the model card says about serving it.
+    """
+
+    name: str
+    title: str
+    architecture: str
+    build: Callable[..., Any]
+    propose: Callable[..., tuple[list[int], Any]]
+    knobs: type = NoKnobs
+    speculators_keys: tuple[str, ...] = ()
+    tensor_markers: tuple[str, ...] = ()
+    reduced_vocab: bool = True
+    init_from: Mapping[str, Callable[[Any, dict], dict]] = field(default_factory=dict)
+    vllm_runner: str = "any"
+    reference_loop: bool = False
+    metric_names: tuple[str, ...] = ()
+    config_problems: Callable[[DrafterSection], list[str]] = _nothing
+    contract_problems: Callable[[Contract], list[str]] = _nothing
+    dflash_config: Callable[[Contract], dict[str, Any]] = _empty
+    read_knobs: Callable[[dict, dict, str], dict[str, Any]] = _empty
+    scores: Callable[[Any, torch.Tensor], torch.Tensor] = _same
+    loss_terms: Callable[[TrainSection], list[LossTerm]] = _nothing
+    stats: tuple[StatField, ...] = ()
+    metrics: Callable[..., dict[str, Any]] = _empty
+    extra_params: Callable[[Contract], int] = _zero
+    lookup_params: Callable[[Contract], int] = _zero
+    reload_check: Callable[[Any, Any, Any], dict[str, Any]] = _empty
+    card_lines: Callable[[Contract], list[str]] = _nothing
+
+    @property
+    def knob_names(self) -> tuple[str, ...]:
+        """Its contract fields, in the order they are written."""
+        return tuple(f.name for f in fields(self.knobs))
+
+    def make_knobs(self, values: Mapping[str, Any]) -> Any:
+        """Its knobs from a mapping holding (some of) their names; the rest keep their defaults."""
+        return self.knobs(**{k: values[k] for k in self.knob_names if k in values})
+
+    def contract_fields(self, d: DrafterSection) -> dict[str, Any]:
+        """The contract's family fields from `cfg.drafter` (probe, `bench recipe`'s own contracts)."""
+        return {"drafter_type": self.name, "knobs": self.make_knobs({k: getattr(d, k) for k in self.knob_names})}
+
+    def owns_tensor(self, name: str) -> bool:
+        return any(m in name for m in self.tensor_markers)
+
+
+def draft_vocab_problem(fam: Family, size: int | None, *, where: str) -> str | None:
+    """THE refusal of a reduced draft vocabulary (`size` tokens) for a family that drafts over the full vocab:
+    the problem naming `where` (a config key, a file), or None when the family takes one (or there is none)."""
+    if fam.reduced_vocab or not size:
+        return None
+    return (f"{where}: {size} with drafter.type={fam.name}; a {fam.architecture} drafts over the full target "
+            "vocabulary (vLLM indexes its tensors by target id and has no draft-to-target map for it)")
+
+
+def refuse_draft_vocab(fam: Family, size: int | None, *, where: str, hint: str = "remove drafter.draft_vocab_size"
+                       ) -> None:
+    """Raise the `draft_vocab_problem` as a UsageError (exit 2), if there is one."""
+    from dflashkit.errors import UsageError
+
+    problem = draft_vocab_problem(fam, size, where=where)
+    if problem:
+        raise UsageError(problem, hint=hint)
+
+
+def ratio(a: Any, b: Any) -> float | None:
+    """a / b of two summed counts, rounded to 4 places (None when nothing was counted)."""
+    return round(float(a / b), 4) if b > 0 else None

@@ -1,0 +1,345 @@
+"""DFlash2 (z-lab with inco.ai): DFlash + block-local grouped convolutions + a candidate selector's walk.
+
+Usage:
+    from dflashkit.family.dflash2 import DFLASH2
+    drafter = DFLASH2.build(contract, None, None)            # model/dflash2.py's DFlash2DraftModel
+    terms = DFLASH2.loss_terms(cfg.train)                    # [SelectorTerm(train.selector_loss_weight)]
+    tokens, law = DFLASH2.propose(drafter, h, logits, anchor, sampling, None, vocab_size)   # the walk
+
+Everything dflashkit knows about DFlash2 beside its network (`model/dflash2.py`, which mirrors vLLM
+0.32's `qwen3_dflash2.py`; read, not copied):
+  * knobs (contract fields = `drafter.*` keys = `dflash_config` keys): `conv_kernel_size`,
+    `conv_group_size`, `selector_rank`, `selector_top_k`, and the optional `input_embedding_scale`,
+    `output_multiplier`, `final_logit_softcapping` (written only when set). vLLM's speculators reader
+    (`update_dflash2`) carries the first four only, so an optional one that is set cannot travel in
+    that format.
+  * checkpoints: `architectures ["DFlash2DraftModel"]`; beside DFlash's tensors
+    `layers.{i}.{attention_conv,mlp_conv}.*` and `candidate_selector.*` (the markers below).
+  * full target vocabulary only (the selector indexes its codebooks by target id).
+  * `drafter.init` may start from a DFlash checkpoint (`model.dflash2.init_from_dflash`: the shared
+    tensors; identity convolutions, so it computes the DFlash hidden states exactly).
+  * the loss adds the selector's K-way CE after the gold predecessor (`SelectorTerm`; the gold label
+    replaces the K-th candidate when the top-K misses it), with the unary term's position weights
+    times `train.selector_loss_weight`; the head's logits are scored as the unary scores U.
+  * metrics: `tau` / `acc` are the walk's (what the decoder drafts, greedy over the strict top-K),
+    `unary_tau` / `unary_acc` the unary argmax's, plus `topk_coverage`, `selector_acc`, `selector_loss`.
+  * decoding: the walk (`propose`); at T > 0 it is Gumbel-noised and its law over the K candidates is
+    the q of the rejection rule.
+  * vLLM runs the selector on its V2 model runner only (Triton); the z-lab PyPI loop has no DFlash2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dflashkit.errors import DflashkitError, UsageError
+from dflashkit.family.base import Contract, DraftSampling, Family, Rows, Scored, StatField, refuse_draft_vocab
+
+if TYPE_CHECKING:
+    import torch
+
+    from dflashkit.config import DrafterSection, TrainSection
+
+REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+OPTIONAL = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
+
+
+@dataclass(frozen=True)
+class DFlash2Knobs:
+    """DFlash2's contract fields (defaults = the `drafter.*` defaults of config/schema.py)."""
+
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    input_embedding_scale: float | None = None
+    output_multiplier: float | None = None
+    final_logit_softcapping: float | None = None
+
+
+# -- config, contract, config.json ------------------------------------------------------------------------------
+def config_problems(d: DrafterSection) -> list[str]:
+    """Range checks of the `drafter.*` knobs."""
+    p = [f"drafter.{k}: must be >= 1, got {getattr(d, k)}" for k in REQUIRED if getattr(d, k) < 1]
+    for k in OPTIONAL:
+        v = getattr(d, k)
+        if v is not None and not v > 0:
+            p.append(f"drafter.{k}: must be > 0 (or null), got {v}")
+    return p
+
+
+def contract_problems(c: Contract) -> list[str]:
+    """What makes the knobs unusable for this contract's target."""
+    k: DFlash2Knobs = c.knobs
+    p = []
+    if k.conv_kernel_size < 1:
+        p.append(f"conv_kernel_size must be >= 1, got {k.conv_kernel_size}")
+    if k.conv_group_size < 1 or c.hidden_size % max(1, k.conv_group_size):
+        p.append(f"conv_group_size {k.conv_group_size} must divide hidden_size {c.hidden_size}")
+    if k.selector_rank < 1:
+        p.append(f"selector_rank must be >= 1, got {k.selector_rank}")
+    if not 1 <= k.selector_top_k <= max(1, c.vocab_size):
+        p.append(f"selector_top_k {k.selector_top_k} must be in [1, vocab_size {c.vocab_size}]")
+    for name in OPTIONAL:
+        v = getattr(k, name)
+        if v is not None and not float(v) > 0:
+            p.append(f"{name} must be > 0 (or null), got {v}")
+    return p
+
+
+def dflash_config(c: Contract) -> dict[str, Any]:
+    """The `dflash_config` keys vLLM's `qwen3_dflash2.py` reads; the optional ones only when set."""
+    k: DFlash2Knobs = c.knobs
+    out: dict[str, Any] = {name: getattr(k, name) for name in REQUIRED}
+    for name in OPTIONAL:
+        if getattr(k, name) is not None:
+            out[name] = float(getattr(k, name))
+    return out
+
+
+def read_knobs(cfg: dict[str, Any], dc: dict[str, Any], source: str) -> dict[str, Any]:
+    """The knobs of a `DFlash2DraftModel` config.json (`dflash_config`); UsageError naming a missing key."""
+    del cfg
+    missing = [f"dflash_config.{k}" for k in REQUIRED if dc.get(k) is None]
+    if missing:
+        raise UsageError(f"{source}: a DFlash2DraftModel config without {missing}",
+                         hint="re-export the drafter (vLLM reads these keys from dflash_config)")
+    out: dict[str, Any] = {k: int(dc[k]) for k in REQUIRED}
+    for k in OPTIONAL:
+        if dc.get(k) is not None:
+            out[k] = float(dc[k])
+    return out
+
+
+# -- the network ------------------------------------------------------------------------------------------------
+def build(contract: Contract, draft_vocab: torch.Tensor | None = None, feature_scale: torch.Tensor | None = None):
+    """A new random DFlash2 drafter (`model.dflash2.DFlash2DraftModel`); a draft vocab is refused."""
+    from dflashkit.model.dflash2 import DFlash2DraftModel
+
+    refuse_draft_vocab(DFLASH2, None if draft_vocab is None else int(draft_vocab.numel()), where="draft vocabulary")
+    return DFlash2DraftModel(contract, feature_scale=feature_scale)
+
+
+def from_dflash(model: Any, state: dict) -> dict:
+    """`drafter.init` from a DFlash checkpoint: its shared tensors (`model.dflash2.init_from_dflash`)."""
+    from dflashkit.model.dflash2 import init_from_dflash
+
+    return init_from_dflash(model, state)
+
+
+# -- training ---------------------------------------------------------------------------------------------------
+def scores(model: Any, logits: torch.Tensor) -> torch.Tensor:
+    """The unary scores U (the head's logits × output_multiplier, soft-capped)."""
+    return model.unary(logits)
+
+
+@dataclass(frozen=True)
+class SelectorTerm:
+    """The selector's loss: per supervised row, a K-way CE over its strict top-K scored after the gold
+    predecessor, the gold label replacing the K-th candidate when missing (in the loss only); the row's
+    position weight × `weight`. It also re-scores the blocks by the greedy walk (what the decoder drafts)."""
+
+    weight: float = 1.0
+    name: str = "selector"
+    base_rows: tuple[str, ...] = ()
+    needs_prev: bool = True
+
+    def chunk(self, rows: Rows):
+        return selector_rows(rows.model, rows.scores, rows.hidden, rows.labels, rows.prev)
+
+    def total(self, parts: list, row_w: torch.Tensor, base: dict) -> tuple[torch.Tensor, dict[str, Any]]:
+        import torch
+
+        sel_ce = torch.cat([p[0] for p in parts]) if parts else base["ce"]
+        sel_loss = (row_w * sel_ce).sum()
+        stats = {"selector_rows": float(row_w.numel()),
+                 "selector_covered": float(sum(float(p[3].sum()) for p in parts)),
+                 "selector_correct": float(sum(float(p[4].sum()) for p in parts)),
+                 "selector_loss": float(sel_loss.detach())}
+        return self.weight * sel_loss, stats
+
+    def rescore(self, s: Scored) -> tuple[torch.Tensor, dict[str, Any]]:
+        """τ and accuracy of the walk; the unary argmax's kept as `unary_*`."""
+        walked = walk_tokens(s.model, s.hidden, s.rows, s.parts, s.input_ids, s.anchors,
+                             block_size=s.labels.shape[-1])
+        walk_ok = (walked == s.labels) & s.supervised
+        return walk_ok, {"unary_correct": s.ok.sum(dim=(0, 1)).float().cpu(), "unary_tau_sum": s.tau_sum(s.ok)}
+
+
+def loss_terms(train: TrainSection) -> list:
+    return [SelectorTerm(weight=train.selector_loss_weight)]
+
+
+def selector_rows(model: Any, unary: torch.Tensor, h: torch.Tensor, labels: torch.Tensor, prev: torch.Tensor):
+    """The selector on supervised rows: (CE over the K candidates after the gold predecessor, with the gold label
+    inserted as the K-th candidate when the unary top-K misses it; strict top-K ids [rows, K]; their unary
+    scores [rows, K]; gold covered [rows]; selector correct [rows] (strict, no insertion))."""
+    import torch
+    import torch.nn.functional as F
+
+    k = model.top_k
+    ids = torch.topk(unary.detach(), k, dim=-1).indices                      # [rows, K] strict candidates
+    covered = (ids == labels[:, None]).any(-1)
+    cand = ids.clone()
+    cand[~covered, -1] = labels[~covered]                                    # gold insertion (training only)
+    sc = model.candidate_selector.pair_scores(prev[:, None], cand, unary.gather(-1, cand), h)[:, 0]
+    gold = (cand == labels[:, None]).long().argmax(-1)
+    ce = F.cross_entropy(sc, gold, reduction="none")
+    correct = covered & (sc.detach().argmax(-1) == gold)                     # with gold covered, cand == ids
+    return ce, ids, unary.detach().gather(-1, ids), covered, correct
+
+
+def walk_tokens(model: Any, hidden: torch.Tensor, rows: torch.Tensor, parts: list, input_ids: torch.Tensor,
+                a: Any, *, block_size: int) -> torch.Tensor:
+    """[b, N, B] the greedy walk's tokens per block (slot 0: −1), from the supervised rows' strict top-K.
+
+    Rows without logits (unsupervised) get candidate id 0 and unary 0; the walk through them is never
+    scored (τ and accuracy count supervised positions only and stop at the first unsupervised one)."""
+    import torch
+
+    from dflashkit.model.dflash2 import walk_path
+
+    with torch.no_grad():
+        b, n = a.anchors.shape
+        k = model.top_k
+        cand = torch.zeros(b * n * block_size, k, dtype=torch.long, device=hidden.device)
+        unary = torch.zeros(b * n * block_size, k, dtype=torch.float32, device=hidden.device)
+        if parts:
+            cand[rows] = torch.cat([p[1] for p in parts])
+            unary[rows] = torch.cat([p[2] for p in parts])
+        cand, unary = cand.view(b * n, block_size, k)[:, 1:], unary.view(b * n, block_size, k)[:, 1:]
+        h = hidden.view(b * n, block_size, -1)[:, 1:]
+        anchor = torch.gather(input_ids, 1, a.anchors).flatten()
+        tokens, _ = walk_path(model.candidate_selector, cand, unary, h, anchor)
+        out = torch.full((b * n, block_size), -1, dtype=torch.long, device=hidden.device)
+        out[:, 1:] = tokens
+        return out.view(b, n, block_size)
+
+
+STATS = (StatField("unary_tau_sum"), StatField("unary_correct", "B"), StatField("selector_rows"),
+         StatField("selector_covered"), StatField("selector_correct"), StatField("selector_loss", loss=True))
+
+
+def metrics(stats: Any) -> dict[str, Any]:
+    """unary τ / accuracy (the argmax's) and the selector's coverage, accuracy and loss."""
+    from dflashkit.family.base import ratio
+
+    x = stats.extra
+    return {"unary_tau": float(x["unary_tau_sum"] / max(stats.blocks, 1)),
+            "unary_acc": [ratio(c, t) for c, t in zip(x["unary_correct"][1:], stats.total[1:])],
+            "selector_acc": ratio(x["selector_correct"], x["selector_rows"]),
+            "topk_coverage": ratio(x["selector_covered"], x["selector_rows"]),
+            "selector_loss": float(x["selector_loss"])}
+
+
+# -- decoding ---------------------------------------------------------------------------------------------------
+def propose(drafter: Any, h: torch.Tensor, logits: torch.Tensor, anchor: int, sampling: DraftSampling,
+            vocab: torch.Tensor | None, vocab_size: int) -> tuple[list[int], torch.Tensor | None]:
+    """The walk over each position's top-K candidates → (tokens, draft law [k, V] or None).
+
+    Greedy (temperature 0) walks the best edges: a point mass. Otherwise the walk is Gumbel-noised, i.e.
+    position t draws from q_t = softmax(row_t / T) over its K candidates, row_t being the edge scores
+    after the token drawn at t − 1: q_t (0 outside the candidates) is the law the rejection rule needs."""
+    import torch
+
+    del vocab  # the full vocabulary (build refuses a draft vocab)
+    temp = sampling.temperature
+    tokens, ids, rows = drafter.draft(h, logits[None], h.new_tensor([anchor], dtype=torch.long),
+                                      temperature=temp, generator=sampling.generator)
+    if temp <= 0:
+        return tokens[0].tolist(), None
+    q = torch.softmax(rows[0].float() / temp, dim=-1)                          # [k, K]
+    full = q.new_zeros(q.shape[0], vocab_size).scatter_(1, ids[0], q)
+    return tokens[0].tolist(), full
+
+
+# -- plan, export -----------------------------------------------------------------------------------------------
+def extra_params(c: Contract) -> int:
+    """Two convolutions per layer and the selector (its two V × r codebooks included)."""
+    k: DFlash2Knobs = c.knobs
+    h = c.hidden_size
+    taps, groups = k.conv_kernel_size, h // max(1, k.conv_group_size)
+    return c.num_draft_layers * 2 * (2 * taps * h + 2 * taps * groups * h) + lookup_params(c) + k.selector_rank * h
+
+
+def lookup_params(c: Contract) -> int:
+    """The selector's codebooks (predecessor + successor, V × r each): 2·V·r, looked up, not multiplied
+    (2·r·(K+1) FLOPs per drafted position, whatever V is)."""
+    return 2 * c.vocab_size * c.knobs.selector_rank
+
+
+def reload_check(source: Any, reloaded: Any, head: torch.Tensor | None) -> dict[str, Any]:
+    """The export reload check's selector part: the same walk (exact when the export is float32)."""
+    import torch
+
+    exact = next(v.dtype for v in reloaded.state_dict().values() if v.is_floating_point()) == torch.float32
+    return walk_check(source, reloaded, head, exact=exact)
+
+
+def walk_check(source: Any, reloaded: Any, head: torch.Tensor | None, *, exact: bool,
+               blocks: int = 3, context: int = 6) -> dict[str, Any]:
+    """Source vs reloaded DFlash2 drafter on a fixed input: unary logits and the greedy walk.
+
+    `head` [V, H] is the target head (None: a fixed random one, so the selector is still exercised).
+    With `exact` (a float32 export) the walks must be identical; otherwise their agreement is reported.
+    """
+    import torch
+
+    c = source.contract
+    g = torch.Generator().manual_seed(0)
+    q = c.block_size
+    noise = torch.randn(blocks, q, c.hidden_size, generator=g)
+    ctx = torch.randn(blocks, context, c.num_features * c.hidden_size, generator=g)
+    pos = torch.arange(context + q)[None].expand(blocks, -1)
+    anchors = torch.randint(0, c.vocab_size, (blocks,), generator=g)
+    proj = (head if head is not None else torch.randn(c.vocab_size, c.hidden_size, generator=g)).float()
+    with torch.inference_mode():
+        paths = []
+        for model in (source.float(), reloaded.float()):
+            h = model(noise, ctx, pos)[:, 1:]                                  # [blocks, B-1, H]
+            tokens, _, _ = model.draft(h, h @ proj.T, anchors)
+            paths.append(tokens)
+    same = (paths[0] == paths[1]).float().mean().item()
+    if exact and same < 1.0:
+        raise DflashkitError(f"export reload check failed: the reloaded DFlash2 drafter walks another path "
+                             f"({same:.0%} of the drafted tokens agree) on the same input",
+                             hint="nothing was replaced; this is a bug, please report it")
+    return {"walk_agreement": same, "walk_tokens": int(paths[0].numel())}
+
+
+def card_lines(c: Contract) -> list[str]:
+    del c
+    return ["DFlash2: vLLM runs the candidate selector on its V2 model runner only (GPU, Triton); its V1 "
+            "runner (the CPU build) refuses the checkpoint. `dflash.py`'s DFlash2DraftModel computes the "
+            "block's hidden states and holds the selector; `dflashkit eval` / `serve --drafter` draft "
+            "through the walk.", ""]
+
+
+DFLASH2 = Family(
+    name="dflash2",
+    title="DFlash2",
+    architecture="DFlash2DraftModel",
+    knobs=DFlash2Knobs,
+    speculators_keys=REQUIRED,
+    tensor_markers=("attention_conv.", "mlp_conv.", "candidate_selector."),
+    reduced_vocab=False,
+    init_from={"dflash": from_dflash},
+    vllm_runner="v2",
+    reference_loop=False,
+    metric_names=("unary_tau", "unary_acc", "selector_acc", "topk_coverage", "selector_loss"),
+    config_problems=config_problems,
+    contract_problems=contract_problems,
+    dflash_config=dflash_config,
+    read_knobs=read_knobs,
+    build=build,
+    scores=scores,
+    loss_terms=loss_terms,
+    stats=STATS,
+    metrics=metrics,
+    propose=propose,
+    extra_params=extra_params,
+    lookup_params=lookup_params,
+    reload_check=reload_check,
+    card_lines=card_lines,
+)

@@ -1,0 +1,95 @@
+"""The family registry: what users read (the schema) agrees with what the families declare, the contract
+stays flat on disk, and the family-owned config checks run when a command's config loads."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+
+import pytest
+import torch
+
+from dflashkit import family
+from dflashkit.cli import main
+from dflashkit.config import DrafterSection
+from dflashkit.errors import UsageError
+from dflashkit.family.base import Contract
+from dflashkit.model.drafter_config import DrafterContract
+from dflashkit.train.stats import StepStats
+from tests.helpers import tiny_contract, with_fields
+
+
+def test_each_familys_knobs_are_drafter_keys_with_the_schemas_defaults():
+    schema = {f.name: f.default for f in dataclasses.fields(DrafterSection)}
+    for fam in family.FAMILIES.values():
+        defaults = fam.knobs()
+        for name in fam.knob_names:
+            assert name in schema, f"{fam.name}: knob {name} is not a drafter.* key (config/schema.py)"
+            assert getattr(defaults, name) == schema[name], (fam.name, name)
+    assert len(family.knob_keys()) == len(set(family.knob_keys()))  # one owner per knob
+    assert len({f.architecture for f in family.FAMILIES.values()}) == len(family.FAMILIES)
+    assert family.DEFAULT.name in family.FAMILIES and DrafterSection().type == family.DEFAULT.name
+
+
+def test_the_contract_protocol_lists_every_contract_field():
+    declared = set(typing.get_type_hints(Contract)) | {"knobs"}
+    assert {f.name for f in dataclasses.fields(DrafterContract)} <= declared
+
+
+def test_contract_json_stays_flat_and_round_trips_each_family():
+    d2 = with_fields(tiny_contract(), drafter_type="dflash2", conv_group_size=8, selector_top_k=5, output_multiplier=2.0)
+    data = d2.to_dict()
+    assert data["selector_top_k"] == 5 and data["output_multiplier"] == 2.0 and "knobs" not in data
+    assert DrafterContract.from_dict(json.loads(json.dumps(data))) == d2
+    plain = tiny_contract().to_dict()
+    assert not set(plain) & set(family.knob_keys()) and DrafterContract.from_dict(plain) == tiny_contract()
+    with pytest.raises(AttributeError):  # a misspelt (or another family's) field is never silently ignored
+        d2.selector_top_k = 3  # type: ignore[attr-defined]
+    with pytest.raises(UsageError, match="drafter_type 'dflash3' is not one of"):
+        DrafterContract.from_dict({**plain, "drafter_type": "dflash3"}).check()
+    with pytest.raises(UsageError, match="knobs NoKnobs are not the DFlash2 family's"):
+        dataclasses.replace(tiny_contract(), drafter_type="dflash2").check()
+
+
+def test_family_checks_run_when_a_commands_config_loads(tmp_path, capsys):
+    def err(*args: str) -> str:
+        assert main(["train", "--dry-run", f"run.run_dir={tmp_path}", *args]) == 2
+        return capsys.readouterr().err
+
+    e = err("drafter.type=dflash3")
+    assert "drafter.type: 'dflash3' is not a drafter family, one of ['dflash', 'dflash2'] (did you mean" in e
+    e = err("drafter.type=dflash2", "drafter.selector_top_k=0", "drafter.draft_vocab_size=24", "train.lr=0")
+    assert "drafter.selector_top_k: must be >= 1, got 0" in e and "train.lr: must be > 0" in e  # listed together
+    assert "drafter.draft_vocab_size: 24 with drafter.type=dflash2" in e and "full target vocabulary" in e
+    assert family.config_problems(DrafterSection(draft_vocab_size=24)) == []  # DFlash takes a draft vocab
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_step_stats_go_through_one_flat_tensor_and_back(kind):
+    fam = family.get(kind)
+    st = StepStats.zeros(4, fam)
+    st.loss, st.tau_sum, st.blocks, st.tokens = 1.5, 20.0, 9.0, 77.0
+    st.correct += torch.tensor([0.0, 3, 2, 1], dtype=torch.float64)
+    st.total += torch.tensor([0.0, 5, 5, 4], dtype=torch.float64)
+    for i, f in enumerate(fam.stats):
+        st.extra[f.name] = st.extra[f.name] + (torch.arange(4.0).double() if f.size == "B" else 0.0) + i + 1
+    t = st.to_tensor()
+    assert t.dtype == torch.float64 and t.numel() == 4 + 2 * 4 + sum(4 if f.size == "B" else 1 for f in fam.stats)
+    back = StepStats.from_tensor(t, 4, fam)
+    assert torch.equal(back.to_tensor(), t) and back.metrics(3) == st.metrics(3)
+    assert set(back.metrics(3)) >= {"tau", "acc", "loss", *fam.metric_names}
+    with pytest.raises(ValueError, match="statistics of"):
+        StepStats.from_tensor(t[:-1], 4, fam)
+
+
+def test_tensors_of_another_family_are_named(tmp_path):
+    d1, d2 = family.DEFAULT, family.get("dflash2")
+    w, c = tmp_path / "model.safetensors", tmp_path / "config.json"
+    have = {"fc.weight", "layers.0.mlp_conv.base_kernel"}
+    with pytest.raises(UsageError, match="holds DFlash2 tensors .*declares a DFlash drafter"):
+        family.check_tensors(d1, have, {"fc.weight"}, weights=w, config=c)
+    with pytest.raises(UsageError, match="lack its DFlash2 tensors: candidate_selector.successor_codebook"):
+        family.check_tensors(d2, {"fc.weight"}, {"fc.weight", "candidate_selector.successor_codebook"},
+                             weights=w, config=c)
+    family.check_tensors(d2, have, have, weights=w, config=c)  # its own: fine

@@ -1,0 +1,103 @@
+"""No drafter type test outside the family modules: the consumers ask the family (`contract.family`), never
+compare a drafter's type, name an architecture or reach for a family's own modules.
+
+The scan reads every module of src/dflashkit with `ast` and names file:line for each of:
+  * an attribute or name `is_<family>` (`contract.is_dflash2`), or `getattr(x, "is_<family>", …)`;
+  * a comparison (==, !=, in, not in) of a string that names a family with anything called `*type*`
+    (`drafter_type == "dflash"`, `d.type != "dflash2"`, `kind in ("dflash", …)`);
+  * a string constant equal to the name of a family other than the default one, or to any family's
+    architecture (`"dflash2"`, `"DFlash2DraftModel"`): the family's facts, spelt out of place;
+  * `candidate_selector` (attribute or string): DFlash2's selector, reached around its family;
+  * `isinstance(x, <a family's network class>)`.
+Allowed: the family modules, DFlash2's own network file, and two files that are other programs' code:
+the remote-code `dflash.py` dflashkit ships (its text is part of the checkpoint format) and the script
+run inside vLLM's venv against vLLM's own DFlash2 modules.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from dflashkit import family
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "dflashkit"
+ALLOWED = {
+    "family/__init__.py", "family/base.py", "family/dflash.py", "family/dflash2.py",
+    "model/dflash2.py",                    # the DFlash2 network itself
+    "export/dflash_modeling.py",           # the shipped remote-code file (`dflash.py` in every export)
+    "engines/vllm_dflash2_reference.py",   # runs in vLLM's venv, on vLLM's own DFlash2 modules
+}
+NETWORKS = {"DFlashDraftModel", "DFlash2DraftModel"}
+
+
+def _names() -> tuple[set[str], set[str]]:
+    names = set(family.names())
+    quoted = (names - {family.DEFAULT.name}) | {f.architecture for f in family.FAMILIES.values()}
+    return names, quoted
+
+
+def _typeish(node: ast.AST) -> bool:
+    text = ast.unparse(node)
+    return "type" in text.lower()
+
+
+def type_tests(source: str, where: str) -> list[str]:
+    """Each type test in `source` as `where:line: what`."""
+    names, quoted = _names()
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Attribute) and (node.attr.startswith("is_") and node.attr[3:] in names
+                                                or node.attr == "candidate_selector"):
+            out.append(f"{where}:{line}: .{node.attr}")
+        elif isinstance(node, ast.Name) and node.id.startswith("is_") and node.id[3:] in names:
+            out.append(f"{where}:{line}: {node.id}")
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            strings = [c for s in sides for c in ast.walk(s) if isinstance(c, ast.Constant) and c.value in names]
+            if strings and any(_typeish(s) for s in sides if not isinstance(s, ast.Constant)):
+                out.append(f"{where}:{line}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if node.value in quoted or node.value.startswith("is_") and node.value[3:] in names \
+                    or "candidate_selector" in node.value and not node.value.strip().count(" "):
+                out.append(f"{where}:{line}: {node.value!r}")
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) == "isinstance" and len(node.args) == 2:
+            classes = {c.id if isinstance(c, ast.Name) else getattr(c, "attr", "") for c in ast.walk(node.args[1])}
+            if classes & NETWORKS:
+                out.append(f"{where}:{line}: {ast.unparse(node)}")
+    return out
+
+
+def test_no_drafter_type_test_outside_the_family_modules():
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if rel not in ALLOWED:
+            found += type_tests(path.read_text(), f"src/dflashkit/{rel}")
+    assert not found, "ask the drafter family (contract.family, dflashkit.family) instead:\n  " + "\n  ".join(found)
+
+
+def test_every_allowed_file_exists():
+    assert all((SRC / rel).is_file() for rel in ALLOWED), sorted(r for r in ALLOWED if not (SRC / r).is_file())
+
+
+def test_the_scan_finds_each_kind_of_type_test():
+    planted = '''
+if contract.is_dflash2: pass
+flag = getattr(c, "is_dflash2", False)
+if contract.drafter_type == "dflash": pass
+if d.type != "dflash2": pass
+if kind_type in ("dflash", "dflash2"): pass
+arch = "DFlash2DraftModel"
+sel = getattr(drafter, "candidate_selector", None)
+scores = model.candidate_selector.pair_scores(a, b, c, d)
+ok = isinstance(m, DFlash2DraftModel)
+name = "dflash"                       # the default family's name alone: also vLLM's method name
+msg = "a DFlash2DraftModel config"    # prose naming it is not a test
+'''
+    got = sorted(x.split(": ", 1)[1] for x in type_tests(planted, "x.py"))
+    assert got == sorted([".is_dflash2", "'is_dflash2'", "contract.drafter_type == 'dflash'", "d.type != 'dflash2'",
+                          "'dflash2'", "kind_type in ('dflash', 'dflash2')", "'dflash2'", "'DFlash2DraftModel'",
+                          "'candidate_selector'", ".candidate_selector", "isinstance(m, DFlash2DraftModel)"]), got
+    assert all(x.startswith("x.py:") for x in type_tests(planted, "x.py"))

@@ -1,0 +1,149 @@
+"""The loss object (train/loss.py) equals a slow, straightforward computation on a fixed seed: CE, KL and CE+KL
+under the fixed decay and D-PACE, a reduced draft vocab, and DFlash2's selector term — the loss to rtol 1e-6,
+its gradients, and the accuracy / τ counts exactly.
+
+The reference runs the drafter once over all blocks, then walks every block position in plain Python: the
+head's logits of that one position, its CE / KL / selector CE from their definitions, its weight (the decay,
+or the D-PACE recurrence on the block's own CEs), summed in float64 and divided by the step's Σw. The
+drafter runs in float64, so both sides see the same float32 logits; what remains is summation order."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflashkit.family import new_drafter
+from dflashkit.model.draft_vocab import restricted_head
+from dflashkit.model.masks import dense_block_mask
+from dflashkit.train.loss import Heads, LossInputs
+from dflashkit.train.objective import block_input_ids, block_position_ids, labels_and_weights, weight_sum
+from tests.helpers import random_case, tiny_contract, train_loss, with_fields
+
+V, B = 40, 4
+
+
+def _dpace(ce: list[float], sup: list[bool], alpha: float) -> list[float]:
+    """w_j = Σ_{m≥j} Π_{1≤i≤m} q̃_i, q̃ = (1−α)·exp(−CE) + α on supervised positions, 0 elsewhere."""
+    qt = [((1 - alpha) * math.exp(-c) + alpha) if s else 0.0 for c, s in zip(ce, sup)]
+    return [0.0] + [sum(math.prod(qt[1:m + 1]) for m in range(j, len(ce))) for j in range(1, len(ce))]
+
+
+def _reference(model, emb, head, feats, ids, lm, lens, a, *, loss, gamma, kl_weight=1.0, dpace=None,
+               selector=None, vocab=None, tl=None):
+    """(loss, correct [B], total [B], tau_sum) from the definitions, one block position at a time."""
+    b, n = a.anchors.shape
+    labels, w = labels_and_weights(ids, lm, lens, a, block_size=B, gamma=None if dpace else gamma)
+    labels, w = labels.view(b, n, B), w.view(b, n, B)
+    noise = emb(block_input_ids(ids, a, mask_token_id=model.mask_token_id, block_size=B))
+    mask = dense_block_mask(a.anchors, a.keep, lens, ctx_len=ids.shape[1], block_size=B)
+    hid = model(noise, feats, block_position_ids(a, ctx_len=ids.shape[1], block_size=B), attention_mask=mask)
+    hid = hid.view(b, n, B, -1)
+    vl = None if vocab is None else vocab.tolist()
+    total = torch.zeros((), dtype=torch.float64)
+    correct, count, tau_sum, denom = [0] * B, [0] * B, 0.0, 0.0
+    for i in range(b):
+        for j in range(n):
+            ces, sups, terms, lead, leading = [0.0] * B, [False] * B, [None] * B, 0, True
+            for k in range(1, B):
+                ok = False
+                if w[i, j, k] > 0:
+                    p, label = int(a.anchors[i, j]) + k, int(labels[i, j, k])
+                    scores = head(hid[i, j, k]).float()
+                    if selector is not None:
+                        scores = model.unary(scores)
+                    count[k] += 1
+                    ok = (vl[int(scores.argmax())] if vl else int(scores.argmax())) == label
+                    correct[k] += ok
+                    sups[k] = True
+                    if vl is None or label in vl:
+                        gold = label if vl is None else vl.index(label)
+                        logq = F.log_softmax(scores, -1)
+                        ces[k] = -float(logq[gold].detach())
+                        part = (-logq[gold]).double() if loss in ("ce", "ce+kl") else torch.zeros((), dtype=torch.float64)
+                        if loss in ("kl", "ce+kl"):
+                            t = tl[i, p - 1] if vl is None else tl[i, p - 1][vocab]
+                            logp = F.log_softmax(t.float(), -1)
+                            part = part + (kl_weight if loss == "ce+kl" else 1.0) * (logp.exp() * (logp - logq)).sum().double()
+                        if selector is not None:
+                            top = torch.topk(scores.detach(), model.top_k).indices.tolist()
+                            cand = top if label in top else top[:-1] + [label]
+                            prev = int(ids[i, p - 1])   # the anchor at k = 1, the gold label after it
+                            sc = model.candidate_selector.pair_scores(torch.tensor([[prev]]), torch.tensor([cand]),
+                                                                      scores[cand][None], hid[i, j, k][None])[0, 0]
+                            part = part + selector * F.cross_entropy(sc[None], torch.tensor([cand.index(label)])).double()
+                        terms[k] = part
+                        denom += 1.0 if dpace else float(w[i, j, k])
+                    else:
+                        ces[k] = math.inf
+                leading = leading and ok
+                lead += leading
+            tau_sum += (1 + lead) * bool(a.keep[i, j])
+            weights = _dpace(ces, sups, dpace) if dpace else w[i, j].tolist()
+            for k in range(1, B):
+                if terms[k] is not None:
+                    total = total + weights[k] * terms[k]
+    return total / denom, correct, count, tau_sum
+
+
+CASES = {
+    "ce-decay": dict(loss="ce"),
+    "kl-decay": dict(loss="kl"),
+    "ce+kl-decay": dict(loss="ce+kl", kl_weight=0.5),
+    "ce-dpace": dict(loss="ce", dpace=0.5),
+    "ce+kl-dpace": dict(loss="ce+kl", kl_weight=0.3, dpace=0.2),
+    "ce-decay-vocab": dict(loss="ce", vocab=True),
+    "kl-dpace-vocab": dict(loss="kl", dpace=0.5, vocab=True),
+    "dflash2-ce-decay": dict(loss="ce", selector=0.7),
+    "dflash2-ce-dpace": dict(loss="ce", dpace=0.5, selector=1.0),
+    "dflash2-ce+kl": dict(loss="ce+kl", kl_weight=0.5, selector=0.4),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_loss_object_equals_the_slow_reference(case):
+    kw = dict(CASES[case])
+    seed, gamma = 3, 2.0
+    torch.manual_seed(seed)
+    c = tiny_contract(block_size=B, vocab=V)
+    if kw.get("selector") is not None:
+        c = with_fields(c, drafter_type="dflash2", conv_group_size=8, selector_rank=6, selector_top_k=5,
+                        output_multiplier=1.5)
+    model = new_drafter(c).double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # a selector and convolutions away from their init
+            if "_conv." in name or name.startswith("candidate_selector."):
+                p.add_(torch.randn_like(p) * 0.5)
+    emb = torch.nn.Embedding(V, c.hidden_size).double().requires_grad_(False)
+    head = torch.nn.Linear(c.hidden_size, V, bias=False).double().requires_grad_(False)
+    lm, lens, a = random_case(seed, b=3, s=14, num_anchors=4)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 12, lm.shape, generator=g)  # few labels, so a draft vocab has them on both sides
+    feats = torch.randn(*lm.shape, 2 * c.hidden_size, generator=g).double()
+    tl = torch.randn(*lm.shape, V, generator=g).double() * 3
+    vocab = torch.tensor([0, 2, 3, 5, 7, 9, 20]) if kw.pop("vocab", False) else None
+    loss_head = head if vocab is None else restricted_head(head, vocab)
+
+    ref, correct, count, tau = _reference(model, emb, loss_head, feats, ids, lm, lens, a, gamma=gamma, vocab=vocab,
+                                          tl=tl, **kw)
+    ref.backward()
+    want = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    train = dict(loss=kw["loss"], kl_weight=kw.get("kl_weight", 1.0), loss_chunk_blocks=2,
+                 position_weighting="dpace" if kw.get("dpace") else "decay", dpace_alpha=kw.get("dpace") or 0.5,
+                 selector_loss_weight=kw.get("selector") or 1.0)
+    objective = train_loss(c, gamma=gamma, **train)
+    denom = weight_sum(lm, lens, a, input_ids=ids, block_size=B, gamma=objective.weighting.label_gamma, vocab=vocab)
+    out = objective(model, Heads(emb, loss_head, vocab), LossInputs(feats, ids, lm, lens, target_logits=tl), a,
+                    denom=denom)
+    out.loss.backward()
+    assert float(ref) > 0 and math.isclose(float(out.loss), float(ref), rel_tol=1e-6), (float(out.loss), float(ref))
+    for k, gr in want.items():  # float32 logits on both sides: near-zero entries differ at ~1e-7 of the largest
+        torch.testing.assert_close(model.get_parameter(k).grad, gr, rtol=1e-5, atol=1e-6 * float(gr.abs().max()))
+    if kw.get("selector") is None:  # DFlash2 scores the walk (tests/train/test_dflash2_objective.py)
+        assert out.correct.tolist()[1:] == correct[1:] and out.tau_sum == tau
+    else:
+        assert out.extra["unary_correct"].tolist()[1:] == correct[1:] and out.extra["unary_tau_sum"] == tau
+    assert out.total.tolist()[1:] == count[1:]
