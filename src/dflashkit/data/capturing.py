@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 from dflashkit.data.features import ST_DTYPES, local_batches, shard_matches, shard_metadata_for, shard_path, write_shard
 from dflashkit.errors import UsageError
+from dflashkit.family import reads_target_law
 from dflashkit.progress import Progress
 from dflashkit.rundir import file_digest
 
@@ -79,7 +80,8 @@ def plan_capture(cfg: Any, contract: Any, data: Any, out_dir: Path) -> CapturePl
     engine = cfg.capture.engine
     autocast = None if engine == "vllm" else target_autocast(cfg.train.target_dtype, dev,
                                                               resolve_dtype(cfg.target.dtype, dev))
-    keep_last = cfg.capture.last_hidden == "true" or (cfg.capture.last_hidden == "auto" and cfg.train.loss != "ce")
+    keep_last = cfg.capture.last_hidden == "true" or (cfg.capture.last_hidden == "auto"
+                                                      and reads_target_law(cfg.train, contract.family))
     per_token = (width + (contract.hidden_size if keep_last else 0)) * ST_DTYPES[dtype][1] + 4
     tokens = sum(len(x) for x in data.input_ids)
     todo = []

@@ -30,10 +30,11 @@ rejection rule in the full-vocab space, so sampling stays lossless.
 
 How a block is drafted from the drafter's hidden states and head logits is the drafter family's
 proposal step (`Family.propose`, dflashkit/family/; `_propose`): DFlash takes each position's argmax or a draw
-from its head law; DFlash2 walks its selector over the top-K candidates of each position (at
-temperature > 0 with `draft_sampling="sample"` the walk is Gumbel-noised and its law over the K
-candidates is the q of the rejection rule). The decoder hands the step its sampling law
-(`DraftSampling`).
+from its head law; DFlash2 walks its selector over the top-K candidates of each position, LiLiCorr its
+lattice head's scores (at temperature > 0 with `draft_sampling="sample"` the walk is Gumbel-noised and
+its law over the K candidates is the q of the rejection rule). The decoder hands the step its sampling
+law (`DraftSampling`) and what it knows of the block (`DraftBlock`: the target's embedding and the
+features of the token before the anchor, which LiLiCorr's lattice reads).
 
 A `Proposer` replaces the DFlash drafter (prompt lookup in `decode/ngram.py`, test stubs): it gets
 the committed sequence and returns at most B−1 point-mass proposals; a shorter (or empty) proposal
@@ -57,7 +58,7 @@ import torch.nn.functional as F
 from dflashkit.decode.api import GenerationResult, SamplingParams
 from dflashkit.decode.sampling import sample, sampling_probs, verify_greedy, verify_sampled
 from dflashkit.errors import UsageError
-from dflashkit.family.base import DraftSampling
+from dflashkit.family.base import DraftBlock, DraftSampling
 from dflashkit.model.drafter import DFlashDraftModel, DraftKVCache
 from dflashkit.model.target import Target, fast_bf16
 
@@ -161,12 +162,15 @@ class SpecDecoder:
         t = ctx.shape[1]
         h = self.drafter(block, ctx.to(self._draft_dtype), positions[:, start - t: start + k + 1], cache=dcache)
         logits = F.linear(h[0, 1:], self._head_w, self._head_b)  # [k, V] (or [k, V'] over the draft vocab)
-        return self._propose(h[:, 1:], logits, seq[start], params, gen)
+        return self._propose(h[:, 1:], logits, seq[start], params, gen, DraftBlock(self.target.embed, ctx[0, -1:]))
 
-    def _propose(self, h: torch.Tensor, logits: torch.Tensor, anchor: int, params: SamplingParams, gen):
+    def _propose(self, h: torch.Tensor, logits: torch.Tensor, anchor: int, params: SamplingParams, gen,
+                 block: DraftBlock | None = None):
         """The drafter family's proposal step (`Family.propose`): h [1, k, H] and head logits [k, V'] of block
-        positions 1 … k → (k tokens, their draft law [k, V] or None for point masses)."""
-        return self._step(self.drafter, h, logits, anchor, self._sampling(params, gen), self._vocab, self._full_vocab)
+        positions 1 … k → (k tokens, their draft law [k, V] or None for point masses). `block`: the target's
+        embedding and the features of the token before the anchor (the last row of the new context)."""
+        return self._step(self.drafter, h, logits, anchor, self._sampling(params, gen), self._vocab, self._full_vocab,
+                          block=block)
 
     def _sampling(self, params: SamplingParams, gen) -> DraftSampling:
         """Point-mass drafts at temperature 0 or with draft_sampling "greedy"; else draws from the draft law."""

@@ -243,6 +243,7 @@ def open_engine_feed(cfg: Any, contract: Any, data: Any, out_dir: Path, *, rank:
     from contextlib import ExitStack
 
     from dflashkit.engines.capture import engine_source
+    from dflashkit.family import reads_target_law
 
     if world > 1 and not cfg.capture.server_url:
         raise UsageError("train.features=engine under torchrun needs capture.server_url (one engine for "
@@ -251,7 +252,7 @@ def open_engine_feed(cfg: Any, contract: Any, data: Any, out_dir: Path, *, rank:
                          "capture.server_url, or train in one process")
     stack = ExitStack()
     try:
-        src = stack.enter_context(engine_source(cfg, contract, Path(out_dir), last_hidden=cfg.train.loss != "ce"))
+        src = stack.enter_context(engine_source(cfg, contract, Path(out_dir), last_hidden=reads_target_law(cfg.train, contract.family)))
         root = Path(out_dir) / "engine-queue"
         feed = EngineFeed(src, data, root / f"rank-{rank}" if world > 1 else root,
                           prefetch=cfg.train.engine_prefetch, concurrency=cfg.capture.concurrency, key=key)

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import DflashkitError, UsageError
-from dflashkit.family.base import Contract, DraftSampling, Family, Rows, Scored, StatField, refuse_draft_vocab
+from dflashkit.family.base import (Contract, DraftBlock, DraftSampling, Family, Rows, Scored, StatField,
+                                  refuse_draft_vocab)
 
 if TYPE_CHECKING:
     import torch
@@ -144,6 +145,7 @@ class SelectorTerm:
     name: str = "selector"
     base_rows: tuple[str, ...] = ()
     needs_prev: bool = True
+    needs_target: bool = False
 
     def chunk(self, rows: Rows):
         return selector_rows(rows.model, rows.scores, rows.hidden, rows.labels, rows.prev)
@@ -235,7 +237,8 @@ def metrics(stats: Any) -> dict[str, Any]:
 
 # -- decoding ---------------------------------------------------------------------------------------------------
 def propose(drafter: Any, h: torch.Tensor, logits: torch.Tensor, anchor: int, sampling: DraftSampling,
-            vocab: torch.Tensor | None, vocab_size: int) -> tuple[list[int], torch.Tensor | None]:
+            vocab: torch.Tensor | None, vocab_size: int, block: DraftBlock | None = None
+            ) -> tuple[list[int], torch.Tensor | None]:
     """The walk over each position's top-K candidates → (tokens, draft law [k, V] or None).
 
     Greedy (temperature 0) walks the best edges: a point mass. Otherwise the walk is Gumbel-noised, i.e.
@@ -243,7 +246,7 @@ def propose(drafter: Any, h: torch.Tensor, logits: torch.Tensor, anchor: int, sa
     after the token drawn at t − 1: q_t (0 outside the candidates) is the law the rejection rule needs."""
     import torch
 
-    del vocab  # the full vocabulary (build refuses a draft vocab)
+    del vocab, block  # the full vocabulary (build refuses a draft vocab); the walk reads h and the logits only
     temp = sampling.temperature
     tokens, ids, rows = drafter.draft(h, logits[None], h.new_tensor([anchor], dtype=torch.long),
                                       temperature=temp, generator=sampling.generator)

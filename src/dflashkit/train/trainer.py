@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from dflashkit.family import reads_target_law
 from dflashkit.model.draft_vocab import restricted_head
 from dflashkit.model.drafter_config import DrafterContract
 from dflashkit.train.data import Batch, BatchPlan, TokenData, collate
@@ -157,7 +158,8 @@ class Trainer:
             self.feed.stage([i for i, _ in items])
         return collate(self.data, items, run_seed=self.cfg.run.seed, pad_id=pad or 0, with_features=cached,
                        with_next_ids=cached and t.labels == "target" and store is not None and store.has("next_ids"),
-                       with_last_hidden=cached and t.loss != "ce" and store is not None and store.has("last_hidden")
+                       with_last_hidden=cached and reads_target_law(t, self.contract.family) and store is not None
+                       and store.has("last_hidden")
                        ).to(self.dist.device)
 
     def anchors(self, b: Batch) -> Anchors:
