@@ -96,7 +96,8 @@ def test_export_reloads_to_the_same_logits_and_walk_and_imports_back(tmp_path, t
     assert isinstance(dc["lilicorr_mlp_ratio"], float) and "has_own_lm_head" not in cfg
     check = json.loads((out / "manifest.json").read_text())["reload_check"]
     assert check["walk_tokens"] == 3 * 3 and "V2 model runner" in (out / "README.md").read_text()
-    if dtype != "float32":
+    if dtype != "float32":  # a bf16 export need not walk the source's path (the reader upcasts it): reported
+        assert 0.0 <= check["walk_agreement"] <= 1.0
         return
     assert check["walk_agreement"] == 1.0 and check["max_diff_vs_source"] < 1e-5
     back = load_drafter(out)

@@ -229,3 +229,16 @@ def test_refusals_name_the_key():
                         ({"lilicorr_vector_eps": 0.0}, "lilicorr_vector_eps: must be in (0, 0.5)")):
         with pytest.raises(UsageError, match=what.replace("(", r"\(").replace(")", r"\)")):
             lili_contract(**knobs).check()
+
+
+def test_only_a_bit_exact_reload_must_walk_the_same_path():
+    from dflashkit.family.base import same_weights
+
+    m = LiLiCorrDraftModel(lili_contract())
+    copy = LiLiCorrDraftModel(lili_contract())
+    copy.load_state_dict(m.state_dict())
+    assert same_weights(m, copy)
+    with torch.no_grad():                       # a bf16 export read back as float32
+        for p in copy.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    assert not same_weights(m, copy)

@@ -302,6 +302,19 @@ def refuse_draft_vocab(fam: Family, size: int | None, *, where: str, hint: str =
         raise UsageError(problem, hint=hint)
 
 
+def same_weights(source: Any, reloaded: Any) -> bool:
+    """Whether `reloaded` holds `source`'s weights bit for bit (a float32 export; a reader that upcasts a bf16
+    export to float32 does not make it one): then a family's reload check must find the same drafts."""
+    a, b = source.state_dict(), reloaded.state_dict()
+    return a.keys() == b.keys() and all(torch_equal(a[k], b[k]) for k in a)
+
+
+def torch_equal(x: Any, y: Any) -> bool:
+    import torch
+
+    return x.shape == y.shape and bool(torch.equal(x.detach().cpu().to(y.dtype), y.detach().cpu()))
+
+
 def ratio(a: Any, b: Any) -> float | None:
     """a / b of two summed counts, rounded to 4 places (None when nothing was counted)."""
     return round(float(a / b), 4) if b > 0 else None

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import DflashkitError, UsageError
 from dflashkit.family.base import (Contract, DraftBlock, DraftSampling, Family, Rows, Scored, StatField, ratio,
-                                   refuse_draft_vocab)
+                                   refuse_draft_vocab, same_weights)
 
 if TYPE_CHECKING:
     import torch
@@ -378,11 +378,9 @@ def extra_params(c: Contract) -> int:
 
 
 def reload_check(source: Any, reloaded: Any, head: torch.Tensor | None) -> dict[str, Any]:
-    """The export reload check's lattice part: the same walk (exact when the export is float32)."""
-    import torch
-
-    exact = next(v.dtype for v in reloaded.state_dict().values() if v.is_floating_point()) == torch.float32
-    return walk_check(source, reloaded, head, exact=exact)
+    """The export reload check's lattice part: the same walk (exact when the export holds the source's weights
+    bit for bit: float32)."""
+    return walk_check(source, reloaded, head, exact=same_weights(source, reloaded))
 
 
 def walk_check(source: Any, reloaded: Any, head: torch.Tensor | None, *, exact: bool, blocks: int = 3,
