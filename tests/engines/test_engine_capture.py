@@ -148,11 +148,18 @@ def test_kill_between_a_shard_write_and_its_spool_drop_leaves_no_spool(tmp_path,
 
 def test_dry_run_prints_the_vllm_serve_flags(tmp_path, tiny_qwen3, capsys):
     rd = make_run(tmp_path / "r", tiny_qwen3)
-    assert main(["capture", "--dry-run", *overrides(rd, tiny_qwen3), "capture.engine=vllm",
-                 "capture.server_url=http://127.0.0.1:8000/v1"]) == 0
+    aux = _aux(rd, tiny_qwen3)
+    with FakeHiddenStatesEngine(tiny_qwen3, aux=aux, storage=tmp_path / "hs") as fake:
+        assert main(["capture", "--dry-run", *overrides(rd, tiny_qwen3), "capture.engine=vllm",
+                     f"capture.server_url={fake.url}"]) == 0
     out = capsys.readouterr().out
     line = next(x.strip() for x in out.splitlines() if x.strip().startswith("vllm serve"))
     assert '"method": "extract_hidden_states"' in line and "ExampleHiddenStatesConnector" in line
-    aux = _aux(rd, tiny_qwen3)
     assert f'"eagle_aux_hidden_state_layer_ids": {json.dumps(aux)}' in line, line
     assert not (rd / "capture").exists()  # a dry run creates nothing
+    # nothing answering at the URL: the dry run refuses as the run would (exit 3) and names the same flags
+    assert main(["capture", "--dry-run", *overrides(rd, tiny_qwen3), "capture.engine=vllm",
+                 "capture.server_url=http://127.0.0.1:9/v1"]) == 3
+    err = capsys.readouterr().err
+    assert "capture.server_url: nothing answers at http://127.0.0.1:9/v1" in err and line in err, err
+    assert not (rd / "capture").exists()

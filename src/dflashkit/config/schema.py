@@ -195,7 +195,8 @@ class ServerSection:
     engine: Literal["dflashkit", "vllm"] = f(
         "dflashkit", "When `urls` is empty: the server `generate` and `bench serve` start for target.path: "
         "`dflashkit serve`, or vLLM (the CPU build, installed once into the cache by "
-        "`dflashkit engines install vllm` or on first use; logs in <stage dir>/engine.log).",
+        "`dflashkit engines install vllm`; without it the stage refuses, exit 3, unless "
+        "DFLASHKIT_VLLM_AUTO_INSTALL=1 lets it install; logs in <stage dir>/engine.log).",
         hash_default=False)
 
 

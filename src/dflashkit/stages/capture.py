@@ -44,26 +44,40 @@ from dflashkit.stage_table import stage_hash
 log = logging.getLogger("dflashkit.capture")
 
 
-def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
-    from dflashkit.model.drafter_config import DrafterContract
+def check(cfg: RunConfig, rd: RunDir) -> tuple[Any, Any, Any]:
+    """Every refusal of capture before it computes a feature (the real run and --dry-run both call it):
+    the contract and tokenized shards, the plan (layer ids, disk space), and the engine (the vLLM at
+    capture.server_url answering, or vLLM installed to start one) or the target's config against the
+    contract. Returns (contract, tokenized data, plan)."""
+    from dflashkit.engines.capture import check_engine, engine_facts
+    from dflashkit.model.drafter_config import REPROBE_HINT, DrafterContract
     from dflashkit.train.data import load_tokenized
 
-    t0 = time.time()
     contract = DrafterContract.load(rd.contract_path)
     data = load_tokenized(rd)
+    plan = plan_capture(cfg, contract, data, rd.capture_dir)
+    plan.refuse_if_too_big(cfg.capture.max_disk_fraction, rd.capture_dir)
+    if plan.todo and plan.engine == "vllm":
+        check_engine(cfg, contract, rd.capture_dir, what="capture.engine=vllm", layer_ids=plan.layer_ids)
+    elif plan.todo:
+        contract.check(engine_facts(cfg)[1], where=str(rd.contract_path), hint=REPROBE_HINT)
+    return contract, data, plan
+
+
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
+    t0 = time.time()
     out_dir = rd.capture_dir
+    contract, data, plan = check(cfg, rd)
     if not ctx.dry_run:  # a dry run creates nothing
         out_dir.mkdir(parents=True, exist_ok=True)
-    if not ctx.dry_run:  # a shard's temp file from a killed capture: we hold the lock, so nobody writes it
+        # a shard's temp file from a killed capture: we hold the lock, so nobody writes it
         for p in remove_stale_temps(out_dir, "*.safetensors"):
             log.info("removed %s (left by an interrupted capture)", p)
-    plan = plan_capture(cfg, contract, data, out_dir)
     layer_ids, dtype, keep_last, todo = plan.layer_ids, plan.dtype, plan.keep_last, plan.todo
     msg = plan.message(len(data.shards))
     log.info("%s", msg)
     if not ctx.json:
         print(msg, flush=True)
-    plan.refuse_if_too_big(cfg.capture.max_disk_fraction, out_dir)
     result: dict[str, Any] = {"shards": len(data.shards), "to_write": len(todo), "written": 0,
                               "skipped": len(data.shards) - len(todo), "tokens": plan.tokens,
                               "bytes_total": plan.tokens * plan.per_token, "bytes_written": plan.need, "dtype": dtype,

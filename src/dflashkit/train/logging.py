@@ -129,12 +129,13 @@ class MetricSink:
         if self.enabled and self.bar is not None:
             self.bar.set(step, **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in shown.items()})
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
+        """`ok=False` (stopped by an error or a signal): no "train: done" line."""
         if not self.enabled:
             return
         self.fh.close()
         if self.bar is not None:
-            self.bar.close()
+            self.bar.close(ok=ok)
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:

@@ -44,6 +44,7 @@ from dflashkit.train.loss import DraftLoss
 from dflashkit.train.objective import gamma_for, weight_sum
 from dflashkit.train.optim import CpuBudget, build_optimizer, build_scheduler
 from dflashkit.train.stats import StepStats
+from dflashkit.train.stopping import StopOnSignal
 from dflashkit.train.target_side import target_side
 from dflashkit.train.trainer import Trainer, autocast_dtype
 from dflashkit.train.vocab import pick_draft_vocab
@@ -223,7 +224,7 @@ def fit(cfg: RunConfig, rd: RunDir, *, dist: DistInfo | None = None, show_bar: b
     `cpu_budget_s` (`bench recipe` at equal CPU-minutes): stop once the optimizer steps have used this
     much process CPU time (or at the configured steps, whichever comes first); the lr schedule runs
     over the steps the budget affords (`optim.CpuBudget`)."""
-    guards.check_outputs_ours(rd.train_dir, cfg)  # before any work: never replace what is not ours
+    guards.preflight(cfg, rd)  # every refusal before any work (`train --dry-run` makes the same ones)
     dist = dist or init_distributed(cfg.train.parallel, cfg.target.device)
     tr = setup(cfg, rd, dist, open_feed=open_feed)
     try:
@@ -263,11 +264,11 @@ def _fit(cfg, rd, tr: Trainer, dist: DistInfo, *, show_bar: bool, cpu_budget_s: 
     start, state = 0, None
     traj = guards.trajectory(cfg, rd)  # read once: what every checkpoint records and a resume must match
     found = ckpt.latest_checkpoint(ck_root)
-    if found is not None:
-        start = ckpt.load_checkpoint(found, model=tr.drafter, optimizer=opt, scheduler=sched)
+    if found is not None:  # another run's checkpoint is refused by name before any of it is loaded
         state = ckpt.checkpoint_state(found)
         guards.check_objective(found, state, cfg.train)
         guards.check_trajectory(found, state, cfg, rd)
+        start = ckpt.load_checkpoint(found, model=tr.drafter, optimizer=opt, scheduler=sched)
         tr.sync_draft_vocab()
     sink = MetricSink(out_dir, total_steps=steps, start_step=start, train=cfg.train, enabled=dist.is_main,
                       show_bar=show_bar)
@@ -300,7 +301,9 @@ def _fit(cfg, rd, tr: Trainer, dist: DistInfo, *, show_bar: bool, cpu_budget_s: 
                 "trajectory": traj,
                 **({"best": best.record} if best.record else {})}
 
+    ok, stop = False, StopOnSignal(dist)  # SIGTERM: checkpoint at the next step boundary, then exit 143
     try:
+        stop.install()
         if start == 0 and tr.warm_start is not None:  # where the warm start begins: its held-out loss and τ
             tr.drafter.eval()
             evaluated(0)
@@ -329,6 +332,13 @@ def _fit(cfg, rd, tr: Trainer, dist: DistInfo, *, show_bar: bool, cpu_budget_s: 
                 log.info("CPU budget of %.1f s spent after %d steps", budget.seconds, n)
                 steps = n
                 break
+            if n < steps and stop.agreed(n):  # every rank stops after the same step, with its checkpoint
+                saved = ck_root / f"step-{n:07d}"
+                if not (cfg.train.save_every and n % cfg.train.save_every == 0):
+                    ckpt.save_checkpoint(ck_root, step=n, model=tr.drafter, optimizer=opt, scheduler=sched,
+                                         is_main=dist.is_main, keep=cfg.train.keep_checkpoints, extra=extra_state())
+                    barrier(dist)
+                stop.exit(n, saved)
         tr.drafter.eval()
         if start < steps and not (last_eval and last_eval["step"] == steps):
             evaluated(steps)
@@ -338,8 +348,12 @@ def _fit(cfg, rd, tr: Trainer, dist: DistInfo, *, show_bar: bool, cpu_budget_s: 
             last_eval = evaluate_heldout(tr, steps)
         ckpt.save_final(out_dir / "final", tr.drafter, tr.contract, is_main=dist.is_main)
         barrier(dist)
+        if stop.agreed(steps):  # signalled during the last step or the final evaluation: finished, then 143
+            stop.exit(steps, None, finished=True)
+        ok = True
     finally:
-        sink.close()
+        stop.restore()
+        sink.close(ok=ok)
     wall = time.perf_counter() - t0
     return {"steps": steps, "resumed_from": start, "final_dir": str(out_dir / "final"),
             "best": ({"dir": str(out_dir / "best"), **best.record} if best.record else None),
