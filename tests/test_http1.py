@@ -105,11 +105,11 @@ def test_drop_mid_response_and_timeout_and_refused():
 
     with pytest.raises(HttpDropped):
         run(go(srv.url))
-    slow = RawServer([b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"], delay=1.0)
+    slow = RawServer([b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"], delay=10.0)  # a daemon thread: no wait
     t0 = time.monotonic()
     with pytest.raises(HttpTimeout):
         run(go(slow.url, timeout=0.2))
-    assert time.monotonic() - t0 < 0.9
+    assert time.monotonic() - t0 < 5.0  # gave up at its timeout, not at the reply (a loaded machine stalls for seconds)
     free = socket.socket()
     free.bind(("127.0.0.1", 0))
     port = free.getsockname()[1]
