@@ -126,7 +126,8 @@ def objective(train: TrainSection) -> dict[str, Any]:
 # numerics-only knobs (loss_chunk_blocks, compile) and where it logs.
 TRAJECTORY_KEYS = ("batch_size", "grad_accum", "lr", "optimizer", "muon_momentum", "min_lr_ratio", "warmup_ratio",
                    "weight_decay", "betas", "grad_clip", "num_anchors", "anchor_coverage", "gamma", "kl_weight",
-                   "dpace_alpha", "feature_noise", "dtype", "heldout_samples", "train_samples", "heldout_sources")
+                   "dpace_alpha", "feature_noise", "dtype", "heldout_samples", "train_samples", "heldout_sources",
+                   "on_path")
 
 
 def trajectory(cfg: RunConfig, rd: RunDir) -> dict[str, Any]:

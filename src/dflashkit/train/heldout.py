@@ -74,8 +74,12 @@ def metrics_of(stats: torch.Tensor, B: int, step: int, *, dflash2: bool = False,
 def evaluate_heldout(tr: Trainer, step: int) -> dict | None:
     """Simulated τ / per-position accuracy on the held-out samples (fixed anchors; same on every rank).
 
-    Samples are batched within their data source, so the result also holds `by_source` (the same
-    numbers per source; the overall numbers are their pooled sums)."""
+    Blocks are scored with `tr.heldout_labels` ("target_path": the target's own greedy path;
+    "on_path_positions": its argmax labels on the positions on that path only; "raw": the training labels,
+    `train/target_side.py`); `tau_raw` / `acc_raw` beside them score the same blocks with the training
+    labels, as before on-path scoring, so old and new curves compare. Samples are batched within their data
+    source, so the result also holds `by_source` (the same numbers per source; the overall numbers are
+    their pooled sums)."""
     if not tr.heldout:
         return None
     B = tr.contract.block_size
@@ -84,25 +88,41 @@ def evaluate_heldout(tr: Trainer, step: int) -> dict | None:
     for j in tr.heldout:
         groups.setdefault(src[j], []).append(j)
     bs = tr.cfg.train.batch_size
-    total = torch.zeros(stats_size(B), dtype=torch.float64)
+    how = tr.heldout_labels
+    total, total_raw = (torch.zeros(stats_size(B), dtype=torch.float64) for _ in range(2))
     by_source = {}
     for name in sorted(groups):
-        stats = torch.zeros(stats_size(B), dtype=torch.float64)
+        stats, raw = (torch.zeros(stats_size(B), dtype=torch.float64) for _ in range(2))
         idx = groups[name]
         for i in range(0, len(idx), bs):
-            b = tr.batch([(j, -1) for j in idx[i:i + bs]])
+            b = tr.batch([(j, -1) for j in idx[i:i + bs]], heldout=True)
             a = tr.anchors(b)
-            out = tr.micro_loss(b, a, None)
-            stats[0] += float(out.loss) * out.weight_sum
-            stats[1] += out.tau_sum
-            stats[2] += out.blocks
-            stats[3] += out.weight_sum
-            stats[4:4 + 2 * B] += torch.cat([out.correct, out.total]).double()
-            stats[4 + 2 * B:] += dflash2_stats(out, B, loss_scale=1.0)
+            tout = tr.target_outputs(b, a)
+            _add(stats, tr.micro_loss(b, a, None, tout, scoring=how), B)
+            if how != "raw":
+                _add(raw, tr.micro_loss(b, a, None, tout, scoring="raw"), B)
         total += stats
-        by_source[name] = _heldout_row(stats, B, step, dflash2=tr.contract.is_dflash2, samples=len(idx))
+        total_raw += raw if how != "raw" else stats
+        by_source[name] = {**_heldout_row(stats, B, step, dflash2=tr.contract.is_dflash2, samples=len(idx)),
+                           **_raw(raw if how != "raw" else stats, B, step)}
     row = _heldout_row(total, B, step, dflash2=tr.contract.is_dflash2)
-    return {"split": "heldout", **row, "by_source": by_source}
+    return {"split": "heldout", **row, "heldout_labels": how, **_raw(total_raw, B, step), "by_source": by_source}
+
+
+def _add(stats: torch.Tensor, out, B: int) -> None:
+    """Add one held-out micro-batch's `LossOutput` to the summed statistics."""
+    stats[0] += float(out.loss) * out.weight_sum
+    stats[1] += out.tau_sum
+    stats[2] += out.blocks
+    stats[3] += out.weight_sum
+    stats[4:4 + 2 * B] += torch.cat([out.correct, out.total]).double()
+    stats[4 + 2 * B:] += dflash2_stats(out, B, loss_scale=1.0)
+
+
+def _raw(stats: torch.Tensor, B: int, step: int) -> dict:
+    """`tau_raw` / `acc_raw`: the held-out numbers scored with the training labels."""
+    m = _heldout_row(stats, B, step)
+    return {"tau_raw": m["tau"], "acc_raw": m["acc"]}
 
 
 def _heldout_row(stats: torch.Tensor, B: int, step: int, *, dflash2: bool = False, **extra) -> dict:
@@ -119,7 +139,7 @@ def log_eval(sink: MetricSink, ev: dict) -> None:
     """The metrics.jsonl row of a held-out evaluation (per-source numbers only with several sources)."""
     row = {k: v for k, v in ev.items() if k != "by_source"}
     if len(ev.get("by_source", {})) > 1:
-        row["by_source"] = {k: {"tau": v["tau"], "acc": v["acc"], "loss": v["loss"]}
+        row["by_source"] = {k: {"tau": v["tau"], "acc": v["acc"], "loss": v["loss"], "tau_raw": v.get("tau_raw")}
                             for k, v in ev["by_source"].items()}
     sink.log(row)
 
@@ -155,7 +175,8 @@ class BestKeeper:
         """Save the drafter as best when `ev` beats the record; True when it did."""
         if not self.enabled or not ev:
             return False
-        better = self.record is None or ev["tau"] > self.record["tau"]
+        better = (self.record is None or ev["tau"] > self.record["tau"]
+                  or self.record.get("heldout_labels", "raw") != ev.get("heldout_labels", "raw"))  # another yardstick
         if self.tr.dist.world > 1:  # every rank gathers the weights: follow the main rank's decision
             flag = torch.tensor([1.0 if better and self.tr.dist.is_main else 0.0], dtype=torch.float64)
             better = float(all_reduce_sum(flag, self.tr.dist)[0]) > 0
@@ -163,7 +184,7 @@ class BestKeeper:
             return False
         acc1 = ev["acc"][0] if ev["acc"] else None
         self.record = {"step": ev["step"], "tau": ev["tau"], "acc": ev["acc"], "acc_pos1": acc1,
-                       "loss": ev["loss"]}
+                       "loss": ev["loss"], "heldout_labels": ev.get("heldout_labels", "raw")}
         ckpt.save_final(self.dir, self.tr.drafter, self.tr.contract, is_main=self.tr.dist.is_main, best=self.record)
         barrier(self.tr.dist)
         log.info("best held-out τ %.4f at step %d → %s", ev["tau"], ev["step"], self.dir)

@@ -36,16 +36,16 @@ from dflashkit.errors import UsageError
 from dflashkit.model.dflash2 import drafter_for
 from dflashkit.model.draft_vocab import restricted_head
 from dflashkit.model.drafter_config import REPROBE_HINT, DrafterContract
+from dflashkit.model.path_labels import path_depth
 from dflashkit.train import checkpoint as ckpt
 from dflashkit.train import guards
-from dflashkit.train.data import (Batch, BatchPlan, FeatureStore, TokenData, collate, first_of, load_tokenized,
-                                  split_heldout)
+from dflashkit.train.data import Batch, BatchPlan, FeatureStore, TokenData, collate, first_of, load_tokenized
 from dflashkit.train.heldout import BestKeeper, dflash2_stats, evaluate_heldout, log_eval, metrics_of, stats_size
-from dflashkit.train.levers import feature_scale_of, held_out_sources
+from dflashkit.train.levers import feature_scale_of, split_samples
 from dflashkit.train.logging import CURVE_FILE, LearningCurve, MetricSink
 from dflashkit.train.objective import dflash_loss, gamma_for, sample_anchors, weight_sum
 from dflashkit.train.optim import CpuBudget, build_optimizer, build_scheduler
-from dflashkit.train.target_side import TargetOut, target_side
+from dflashkit.train.target_side import TargetOut, heldout_labels, scored, target_side
 from dflashkit.train.vocab import pick_draft_vocab
 from dflashkit.train.parallel import (DistInfo, TargetParts, all_reduce_sum, barrier, init_distributed,
                                       shard_target, wrap_drafter)
@@ -107,9 +107,11 @@ class Trainer:
     amp: torch.dtype | None
     head: torch.nn.Module | None = None       # the loss's head: parts.lm_head, or its rows `vocab`
     vocab: torch.Tensor | None = None         # reduced draft vocab (sorted target ids), on the device
-    target_side: Callable[[Batch], TargetOut] | None = None  # train/target_side.py: this run's feature source
+    target_side: Callable[..., TargetOut] | None = None  # train/target_side.py: this run's feature source
     warm_start: dict | None = None            # drafter.init=<dir>: what was copied (train/warm_start.py)
     feed: Any = None                          # train.features=engine: engines/feed.EngineFeed (also data.features)
+    heldout_labels: str = "raw"               # the yardstick's labels (train/target_side.py heldout_scoring)
+    heldout_paths: dict[int, torch.Tensor] | None = None  # held-out greedy paths computed at setup (online)
 
     def __post_init__(self):
         if self.head is None:
@@ -134,15 +136,19 @@ class Trainer:
                     "continuing with the checkpoint's")
         self.use_draft_vocab(loaded)
 
-    def target_outputs(self, b: Batch) -> TargetOut:
-        """What the loss needs from the target for batch `b` (`train/target_side.py`: the builder of
-        this run's feature source)."""
+    def target_outputs(self, b: Batch, a=None) -> TargetOut:
+        """What the loss needs from the target for batch `b` with anchors `a` (`train/target_side.py`: the
+        builder of this run's feature source)."""
         assert self.target_side is not None  # set by `setup`
-        return self.target_side(b)
+        return self.target_side(b, a)
 
     def micro_loss(self, b: Batch, a, denom: float | None, tout: "TargetOut | None" = None, *,
-                   training: bool = False):
-        tout = tout or self.target_outputs(b)
+                   training: bool = False, scoring: str | None = None):
+        """The loss and statistics of one micro-batch; `scoring` (held-out): the labels to score with
+        (`target_side.scored`), else the training labels."""
+        tout = tout or self.target_outputs(b, a)
+        if scoring is not None:
+            tout = scored(tout, b, scoring)
         t = self.cfg.train
         feats = tout.features
         if training and t.feature_noise > 0:
@@ -154,7 +160,7 @@ class Trainer:
                            chunk_blocks=t.loss_chunk_blocks, attention=self.attention, autocast_dtype=self.amp,
                            vocab=self.vocab, label_ids=tout.label_ids, position_weighting=t.position_weighting,
                            dpace_alpha=t.dpace_alpha, selector_weight=t.selector_loss_weight,
-                           context=not t.ablate_features)
+                           context=not t.ablate_features, path_ids=tout.path_ids, on_path_only=tout.on_path_only)
 
     def denom_gamma(self) -> float | None:
         """γ of the step denominator Σw: none (a plain count of supervised positions) under D-PACE."""
@@ -174,17 +180,22 @@ class Trainer:
                     out[src[i]] = out.get(src[i], 0) + int(self.data.loss_mask[i].sum())
         return out
 
-    def batch(self, items) -> Batch:
+    def batch(self, items, *, heldout: bool = False) -> Batch:
+        """The micro-batch of `items`; `heldout`: also what the held-out scoring reads (next ids, paths)."""
         pad = self.target.tokenizer.pad_token_id if getattr(self.target, "tokenizer", None) else 0
         t = self.cfg.train
         cached = t.features in ("cached", "engine")  # engine: the rows of these samples, staged from the engine
         store = self.data.features
         if self.feed is not None:
             self.feed.stage([i for i, _ in items])
+        labels = t.labels == "target" or (heldout and self.heldout_labels == "on_path_positions")
+        stored_paths = t.on_path == "rollout" or (heldout and self.heldout_labels == "target_path"
+                                                   and self.heldout_paths is None)
         return collate(self.data, items, run_seed=self.cfg.run.seed, pad_id=pad or 0, with_features=cached,
-                       with_next_ids=cached and t.labels == "target" and store is not None and store.has("next_ids"),
-                       with_last_hidden=cached and t.loss != "ce" and store is not None and store.has("last_hidden")
-                       ).to(self.dist.device)
+                       with_next_ids=cached and labels and store is not None and store.has("next_ids"),
+                       with_last_hidden=cached and t.loss != "ce" and store is not None and store.has("last_hidden"),
+                       with_path_ids=cached and stored_paths and isinstance(store, FeatureStore),
+                       paths=self.heldout_paths if heldout else None).to(self.dist.device)
 
     def anchors(self, b: Batch):
         return sample_anchors(b.loss_mask, b.seq_lens, num_anchors=self.cfg.train.num_anchors,
@@ -231,6 +242,8 @@ def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any],
         data.features = FeatureStore(rd.capture_dir, data.shards, contract.target_layer_ids)
         if cfg.train.labels == "target":
             data.features.require("next_ids", "train.labels=target reads the target's argmax from the shards")
+        if cfg.train.on_path == "rollout":
+            data.features.require_paths(path_depth(contract.block_size), "train.on_path=rollout learns it")
     elif cfg.train.features == "engine":  # rows from the engine as training consumes them (engines/feed.py)
         if open_feed is None:
             raise UsageError("train.features=engine is served by `dflashkit train` (and `dflashkit run`) only",
@@ -251,9 +264,7 @@ def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any],
         if cfg.train.parallel.target == "shard":
             parts = shard_target(full, dist)
     contract.check(target, where=str(rd.contract_path), hint=REPROBE_HINT)
-    train_idx, heldout = split_heldout(len(data), cfg.train.heldout_samples, seed=cfg.run.seed)
-    if cfg.train.heldout_sources:
-        train_idx, heldout = held_out_sources(cfg, data, train_idx, heldout)
+    train_idx, heldout = split_samples(cfg, data)
     if cfg.train.train_samples is not None:
         kept = first_of(train_idx, cfg.train.train_samples, seed=cfg.run.seed)
         log.info("train.train_samples: training on %d of %d training samples", len(kept), len(train_idx))
@@ -292,6 +303,8 @@ def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any],
     tr.use_draft_vocab(vocab)
     tr.target_side = target_side(cfg.train, contract, target, parts, device=dist.device, amp=tr.amp,
                                  store=data.features)
+    tr.heldout_labels, tr.heldout_paths = heldout_labels(cfg.train, data.features, target, data, heldout,
+                                                         path_depth(contract.block_size))
     tr.warm_start = warm_report
     tr.feed = opened[0] if opened else None
     return tr
@@ -320,9 +333,10 @@ def train_step(tr: Trainer, step: int, opt, sched) -> dict:
     anchors = [tr.anchors(b) for b in batches]
     # The target side first: with train.labels=target the labels (and so Σw over in-vocab labels) come
     # from the target's forward.
-    touts = [tr.target_outputs(b) for b in batches]
+    touts = [tr.target_outputs(b, a) for b, a in zip(batches, anchors)]
     local_w = sum(weight_sum(b.loss_mask, b.seq_lens, a, input_ids=b.input_ids, block_size=B,
-                             gamma=tr.denom_gamma(), vocab=tr.vocab, label_ids=o.label_ids)
+                             gamma=tr.denom_gamma(), vocab=tr.vocab, label_ids=o.label_ids, path_ids=o.path_ids,
+                             on_path_only=o.on_path_only)
                   for b, a, o in zip(batches, anchors, touts))
     denom = float(all_reduce_sum(torch.tensor([local_w], dtype=torch.float64), tr.dist)[0])
     stats = torch.zeros(stats_size(B), dtype=torch.float64)  # loss, tau_sum, blocks, tokens, correct, total, +
