@@ -287,14 +287,17 @@ def row_of(name: str, over: list[str], vcfg: RunConfig, res: dict, *, wall_s: fl
     acc = held.get("acc") or []
     by = res.get("heldout_by_source") or {}
     second = second_source(vcfg, by)
+    # the gap compares train τ with the held-out τ under the labels training scored itself with
+    held_train = held.get("tau") if vcfg.train.on_path == "rollout" else held.get("tau_raw", held.get("tau"))
     return {"variant": name, "overrides": list(over), "steps": res.get("steps"), "drafter_type": vcfg.drafter.type,
             "cpu_minutes": round(res["cpu_s"] / 60, 3) if res.get("cpu_s") is not None else None,
             "supervised_tokens": res.get("supervised_tokens"),
             "heldout_tau": held.get("tau"), "heldout_acc1": acc[0] if acc else None, "heldout_acc": acc,
             "heldout_unary_tau": held.get("unary_tau", held.get("tau")),
             "heldout_loss": held.get("loss"), "train_tau": train.get("tau"),
-            "gap_tau": (None if held.get("tau") is None or train.get("tau") is None
-                        else round(train["tau"] - held["tau"], 4)),
+            "heldout_labels": held.get("heldout_labels"), "heldout_tau_raw": held.get("tau_raw"),
+            "gap_tau": (None if held_train is None or train.get("tau") is None
+                        else round(train["tau"] - held_train, 4)),
             "second_source": second, "second_source_tau": (by.get(second) or {}).get("tau") if second else None,
             "heldout_by_source": {k: v.get("tau") for k, v in by.items()},
             "load_before": load[0], "load_after": load[1], "wall_s": round(wall_s, 1), "curve": curve}

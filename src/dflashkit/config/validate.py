@@ -29,6 +29,32 @@ def _at_least(problems: list[str], prefix: str, section: Any, low: int, *names: 
             problems.append(f"{prefix}.{name}: must be >= {low}, got {value}")
 
 
+def _on_path_problems(cfg: RunConfig) -> list[str]:
+    """`train.on_path`: only with target labels; rollout needs the target's own decoder (not an engine's rows)."""
+    t, p = cfg.train, []  # type: Any, list[str]
+    if t.on_path == "off":
+        return p
+    if t.labels != "target":
+        p.append(f"train.on_path: {t.on_path} needs train.labels=target (it corrects the target's labels on raw "
+                 f"text), got train.labels={t.labels}")
+    if t.on_path != "rollout":
+        return p
+    if t.features == "engine":
+        p.append("train.on_path: rollout needs the target's greedy path, which train.features=engine does not "
+                 "give (the engine returns next-token ids only); use train.on_path=mask")
+    elif t.features == "cached" and cfg.capture.engine == "vllm":
+        p.append("train.on_path: rollout needs path_ids in the feature shards, which capture.engine=vllm does not "
+                 "write; use train.on_path=mask (or capture.engine=local)")
+    if t.loss != "ce":
+        p.append(f"train.on_path: rollout gives hard labels on the target's path, but train.loss={t.loss} also "
+                 "distils the target's distribution after the raw tokens; use train.loss=ce or train.on_path=mask")
+    if t.features == "online" and t.parallel.target == "shard":
+        p.append("train.on_path: rollout online with train.parallel.target=shard is not supported (each rank "
+                 "would decode a different number of path tokens through the sharded target); capture the "
+                 "path first (train.features=cached) or use train.on_path=mask")
+    return p
+
+
 def problems(cfg: RunConfig) -> list[str]:
     """Cross-field checks; each message names its dotted key."""
     p: list[str] = []
@@ -79,6 +105,7 @@ def problems(cfg: RunConfig) -> list[str]:
         p.append(f"train.betas: expected two numbers, got {t.betas}")
     _at_least(p, "train", t, 0, "keep_checkpoints")
     _at_least(p, "train", t, 1, "engine_prefetch")
+    p.extend(_on_path_problems(cfg))
     if t.features == "engine" and cfg.capture.engine != "vllm":
         p.append("train.features: engine needs capture.engine=vllm (train starts vLLM for target.path) or "
                  "capture.server_url (a vLLM you run; set capture.engine=vllm too)")

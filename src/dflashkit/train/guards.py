@@ -121,13 +121,17 @@ def preflight(cfg: RunConfig, rd: RunDir) -> DrafterContract:
 
 def check_cached_features(cfg: RunConfig, rd: RunDir, contract: DrafterContract, shards: list[Path]) -> None:
     """train.features=cached: the feature shards of `rd` exist and hold the contract's layers (and next_ids for
-    train.labels=target), as training opens them (`FeatureStore`; exit 3 / exit 2 naming the shard)."""
+    train.labels=target, every sample's greedy path for train.on_path=rollout), as training opens them
+    (`FeatureStore`; exit 3 / exit 2 naming the shard)."""
     from dflashkit.data.features import FeatureStore
+    from dflashkit.model.path_labels import path_depth
 
     if cfg.train.features == "cached":
         store = FeatureStore(rd.capture_dir, shards, contract.target_layer_ids)
         if cfg.train.labels == "target":
             store.require("next_ids", "train.labels=target reads the target's argmax from the shards")
+        if cfg.train.on_path == "rollout":
+            store.require_paths(path_depth(contract.block_size), "train.on_path=rollout learns it")
 
 
 def check_outputs_ours(train_dir: Path, cfg: RunConfig) -> None:
@@ -161,7 +165,8 @@ def objective(train: TrainSection) -> dict[str, Any]:
 # numerics-only knobs (loss_chunk_blocks, compile) and where it logs.
 TRAJECTORY_KEYS = ("batch_size", "grad_accum", "lr", "optimizer", "muon_momentum", "min_lr_ratio", "warmup_ratio",
                    "weight_decay", "betas", "grad_clip", "num_anchors", "anchor_coverage", "gamma", "kl_weight",
-                   "dpace_alpha", "feature_noise", "dtype", "heldout_samples", "train_samples", "heldout_sources")
+                   "dpace_alpha", "feature_noise", "dtype", "heldout_samples", "train_samples", "heldout_sources",
+                   "on_path")
 
 
 def trajectory(cfg: RunConfig, rd: RunDir) -> dict[str, Any]:
