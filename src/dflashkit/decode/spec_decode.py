@@ -54,7 +54,7 @@ from dflashkit.decode.api import GenerationResult, SamplingParams
 from dflashkit.decode.sampling import sample, sampling_probs, verify_greedy, verify_sampled
 from dflashkit.errors import UsageError
 from dflashkit.model.drafter import DFlashDraftModel, DraftKVCache
-from dflashkit.model.target import Target, fast_bf16
+from dflashkit.model.target import Target, cache_kwarg, fast_bf16
 
 
 class Proposer(Protocol):
@@ -122,6 +122,7 @@ class SpecDecoder:
                 self._head_w = head.weight.detach().to(self._draft_dtype)  # [V or V', H]
                 self._head_b = None if b is None else b.detach().to(self._draft_dtype)
         self._cuda = target.device.type == "cuda"
+        self._cache_kw = cache_kwarg(target.model)  # `cache` or `past_key_values`, by transformers version
 
     # -- helpers ------------------------------------------------------------------------------
     def _now(self) -> float:
@@ -131,7 +132,7 @@ class SpecDecoder:
 
     def _forward(self, ids: torch.Tensor, cache, last_only: bool = False):
         """Target forward with KV cache → (features [1, t, nF·H] or None, logits [t', V])."""
-        kw = {"cache": cache, "use_cache": True}
+        kw = {self._cache_kw: cache, "use_cache": True}
         if last_only:
             kw["logits_to_keep"] = 1
         if self.layer_ids:

@@ -209,12 +209,20 @@ class SelectorStats:
         return [self.rows, self.covered, self.correct, self.loss_sum]
 
 
+def in_head_dtype(head, x: torch.Tensor) -> torch.Tensor:
+    """`x` in the dtype of `head`'s weight. The drafter's output is float32 (its final norm's weight is), and
+    outside autocast F.linear takes one dtype: a bf16 target's head (`target.dtype: auto` on CUDA) projects
+    it in bf16, as autocast would, instead of refusing it."""
+    w = getattr(head, "weight", None)
+    return x if w is None or x.dtype == w.dtype else x.to(w.dtype)
+
+
 def _chunk_rows(lm_head, h, labels, tgt, need_ce: bool, need_kl: bool, model=None, prev=None):
     """Per-row CE and KL (zeros when not needed) and the argmax of one chunk of rows.
 
     With a DFlash2 `model` (and `prev` [rows], the gold predecessor tokens) the logits are the unary
     scores and the selector's part is added (`_selector_rows`); without, the last item is None."""
-    logits = lm_head(h).float()                                              # [rows, V]
+    logits = lm_head(in_head_dtype(lm_head, h)).float()                      # [rows, V]
     sel = None
     if model is not None:
         logits = model.unary(logits)
@@ -342,7 +350,7 @@ def dflash_loss(drafter, embed, lm_head, features: torch.Tensor, input_ids: torc
             else:
                 assert target_hidden is not None and target_head is not None  # checked above
                 with torch.no_grad():
-                    tgt = target_head(target_hidden[tgt_rows[0][r], tgt_rows[1][r]].to(hidden.dtype))
+                    tgt = target_head(in_head_dtype(target_head, target_hidden[tgt_rows[0][r], tgt_rows[1][r]]))
         if tgt is not None and vocab is not None:
             tgt = tgt.index_select(-1, vocab)
         args = (lm_head, hidden[r], labels_f[r], tgt, need_ce, need_kl, d2, None if prev_f is None else prev_f[r])
