@@ -11,7 +11,9 @@ Example: dflashkit import ~/ckpt/Qwen3-8B-DFlash-b16 -c run.yaml
 Checks, all before anything is written (exit 2 with the key named): the config has
 `dflash_config` and the Qwen3 keys, the weights are readable safetensors whose names and shapes
 match the config, and the drafter fits the target (target_layer_ids < target layers, equal hidden
-size, mask id and vocab inside the target's). An existing DEST is never overwritten.
+size, mask id and vocab inside the target's). An existing DEST is never overwritten. A
+`speculation_profile.json` beside the weights is validated (a broken one: exit 2 naming the file and
+field; none is fine) and its headline numbers are reported (export/profile.py `profile_report`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
 from dflashkit.errors import UsageError
+from dflashkit.export.profile_ship import profile_report
 from dflashkit.rundir import RunDir, atomic_dir, atomic_write_json, write_manifest
 from dflashkit.stage_table import stage_hash
 from dflashkit.train.guards import IMPORTED
@@ -90,6 +93,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     dest = Path(ctx.positionals[1]) if len(ctx.positionals) > 1 else Path("train") / "final"
     dest = dest if dest.is_absolute() else rd.root / dest
     model, fmt = load_any_drafter(src)  # z-lab or speculators; validates keys, tensor names, shapes, integrity
+    profile = profile_report(src)  # its speculation_profile.json, validated (exit 2 naming the field) or None
     contract = model.contract
     facts = target_facts(cfg)
     if fmt == "speculators":  # its config does not record the target's depth; its head should be the target's
@@ -101,7 +105,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         raise UsageError(f"{dest} already exists; not overwriting it",
                          hint="pass another DEST (dflashkit import DIR DEST) or move the existing dir away")
     if ctx.dry_run:
-        return {"dry_run": True, "source": str(src), "dest": str(dest), "fits": True}
+        return {"dry_run": True, "source": str(src), "dest": str(dest), "fits": True, "speculation_profile": profile}
 
     with atomic_dir(dest) as tmp:  # dest does not exist (checked above): nothing is ever replaced
         for name in ("config.json", WEIGHTS, MODELING_FILE) if fmt == "zlab" else ():
@@ -132,4 +136,5 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
                    counts={"tensors": len(model.state_dict())})
     log.info("imported %s (%s format) → %s%s", src, fmt, dest, " (wrote contract.json)" if wrote_contract else "")
     return {"source": str(src), "format": fmt, "dest": str(dest), "block_size": contract.block_size,
-            "target_layer_ids": contract.target_layer_ids, "wrote_contract": wrote_contract}
+            "target_layer_ids": contract.target_layer_ids, "wrote_contract": wrote_contract,
+            "speculation_profile": profile}
