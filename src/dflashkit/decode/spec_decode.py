@@ -248,6 +248,7 @@ class SpecDecoder:
                 feats = feats[:, :produced]
             start += produced
             res.acceptance_lengths.append(produced)
+            res.acceptance_cut.append(size < self.block_size or produced < a + 1)
             res.draft_s.append(tv - ts)
             res.verify_s.append(te - tv)
             res.step_s.append(self._now() - ts)
