@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 from dflashkit.decode.api import GenerationResult, SamplingParams
 from dflashkit.decode.sampling import sample, sampling_probs, verify_greedy, verify_sampled
+from dflashkit.decode.fast_draft import DraftState, FastDraft
 from dflashkit.errors import UsageError
 from dflashkit.model.drafter import DFlashDraftModel, DraftKVCache
 from dflashkit.model.target import Target, fast_bf16
@@ -99,6 +100,7 @@ class SpecDecoder:
         self.draft_sampling = draft_sampling
         self.max_context = int(max_context or getattr(target.config, "max_position_embeddings", 0) or 1 << 30)
         self.layer_ids: list[int] | None = None
+        self._fast: FastDraft | None = None
         if drafter is not None and proposer is None and block_size > 1:
             drafter.contract.check(target, where="drafter")
             self.layer_ids = list(drafter.target_layer_ids)
@@ -121,6 +123,9 @@ class SpecDecoder:
                 b = getattr(head, "bias", None)
                 self._head_w = head.weight.detach().to(self._draft_dtype)  # [V or V', H]
                 self._head_b = None if b is None else b.detach().to(self._draft_dtype)
+                self._fast = (FastDraft(drafter, self._head_w, self._head_b, self._mask_emb, max_len=self.max_context
+                                        if self.max_context < 1 << 20 else 4096)
+                              if FastDraft.supports(drafter) else None)
         self._cuda = target.device.type == "cuda"
 
     # -- helpers ------------------------------------------------------------------------------
@@ -144,18 +149,24 @@ class SpecDecoder:
             return int(logits.argmax())
         return int(sample(sampling_probs(logits, params.temperature, params.top_p, params.top_k), gen))
 
-    def _draft(self, seq: list[int], start: int, k: int, ctx: torch.Tensor, dcache: DraftKVCache,
+    def _draft(self, seq: list[int], start: int, k: int, ctx: torch.Tensor, dcache: DraftKVCache | DraftState,
                positions: torch.Tensor, params: SamplingParams, gen):
         """Propose k tokens after seq[start] → (tokens, draft law [k, V] or None for point mass)."""
         if self.proposer is not None:
             return list(self.proposer.propose(seq[: start + 1], k))[:k], None
         assert self.drafter is not None  # no proposer and block_size > 1: __init__ required a drafter
         x = self.target.embed(positions.new_tensor([[seq[start]]])).to(self._draft_dtype)
-        block = torch.cat([x, self._mask_emb.expand(1, k, -1)], dim=1)  # [1, k+1, H]
-        t = ctx.shape[1]
-        h = self.drafter(block, ctx.to(self._draft_dtype), positions[:, start - t: start + k + 1], cache=dcache)
-        logits = F.linear(h[0, 1:], self._head_w, self._head_b)  # [k, V] (or [k, V'] over the draft vocab)
+        if isinstance(dcache, DraftState):  # the lean forward (decode/fast_draft.py): the same logits
+            assert self._fast is not None
+            logits = self._fast.propose(dcache, ctx.to(self._draft_dtype), x, start, k)
+            h = None
+        else:
+            block = torch.cat([x, self._mask_emb.expand(1, k, -1)], dim=1)  # [1, k+1, H]
+            t = ctx.shape[1]
+            h = self.drafter(block, ctx.to(self._draft_dtype), positions[:, start - t: start + k + 1], cache=dcache)
+            logits = F.linear(h[0, 1:], self._head_w, self._head_b)  # [k, V] (or [k, V'] over the draft vocab)
         if getattr(self.drafter, "candidate_selector", None) is not None:
+            assert h is not None  # a DFlash2 drafter has no lean forward
             return self._walk(h[:, 1:], logits, seq[start], params, gen)
         vocab = self._vocab
         if params.temperature <= 0 or self.draft_sampling == "greedy":
@@ -214,7 +225,8 @@ class SpecDecoder:
         max_len = n_prompt + max_new
         cache = DynamicCache(config=self.target.config)
         positions = torch.arange(max_len + self.block_size, device=dev)[None]
-        dcache = DraftKVCache()
+        dcache: DraftKVCache | DraftState = (self._fast.new_state(max_len + self.block_size) if self._fast is not None
+                                             else DraftKVCache())
 
         t0 = self._now()
         feats, logits = self._forward(torch.tensor([prompt_ids], device=dev), cache, last_only=True)
