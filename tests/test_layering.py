@@ -12,6 +12,7 @@ and the module-level graph (an edge A → B when A imports B anywhere in its fil
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,7 @@ def imports_of(mod: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return out
 
 
+@functools.cache  # parsed once per test process; the checks only read the graph
 def import_graph() -> dict[str, set[str]]:
     modules = _modules()
     return {m: imports_of(m, p, modules) for m, p in modules.items()}
@@ -142,7 +144,7 @@ def test_no_import_cycle():
     assert cycle is None, "import cycle: " + " → ".join(cycle or [])
 
 
-TOP_ROOMS = ("dflashkit.bench", "dflashkit.testing")  # only stages, tests and each other import these
+TOP_ROOMS = ("dflashkit.bench", "dflashkit.testing", "dflashkit.gpucheck")  # only stages, tests, each other
 APART = (("dflashkit.generate", "dflashkit.serving"), ("dflashkit.serving", "dflashkit.generate"))
 
 
@@ -187,7 +189,7 @@ RANKS: dict[str, int] = {
     "dflashkit.decode": 6, "dflashkit.report": 6,
     "dflashkit.serving": 7,
     "dflashkit.engines": 8, "dflashkit.serve_app": 8, "dflashkit.doctor": 8,
-    "dflashkit.bench": 9, "dflashkit.testing": 9,
+    "dflashkit.bench": 9, "dflashkit.testing": 9, "dflashkit.gpucheck": 9,
 }
 
 

@@ -364,6 +364,11 @@ class RunDir:
         return self.root / "eval" / "results.json"
 
     @property
+    def eval_profile(self) -> Path:
+        """`eval/speculation_profile.json` (owner: export/profile.py: `write_profile`, `read_profile`)."""
+        return self.root / "eval" / "speculation_profile.json"
+
+    @property
     def export_dir(self) -> Path:
         """`export/`: the exported drafter (owner: export/hf.py, export/speculators.py)."""
         return self.root / "export"
@@ -387,8 +392,20 @@ class RunDir:
         return self.verify_engine_dir / "results.json"
 
     @property
+    def verify_engine_profile(self) -> Path:
+        """`verify-engine/speculation_profile.json`: the drafter's profile with the engine's figures, when the
+        drafter dir is not an export of ours to update (owner: export/profile.py)."""
+        return self.verify_engine_dir / "speculation_profile.json"
+
+    @property
     def report_dir(self) -> Path:
         return self.root / "report"
+
+    @property
+    def gpu_check_dir(self) -> Path:
+        """`gpu-check/`: `dflashkit gpu-check`'s default OUT_DIR, summary.json + gpu-check.log (owner:
+        gpucheck/runner.py)."""
+        return self.root / "gpu-check"
 
     @property
     def resolved_config_path(self) -> Path:

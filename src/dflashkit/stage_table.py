@@ -53,7 +53,8 @@ TABLE: tuple[Stage, ...] = (
     Stage("tokenize", "tokenize", "Render with the target's chat template; build input_ids + loss masks.",
           lambda c: [c.tokenize, c.target.tokenizer, c.target.chat_template], pipeline=True),
     Stage("capture", "capture", "Cache target features at target_layer_ids into safetensors shards.",
-          lambda c: [c.capture, c.train.loss, c.train.target_dtype], pipeline=True),
+          lambda c: [c.capture, c.train.loss, c.train.target_dtype, c.train.on_path == "rollout", c.run.seed,
+                     c.train.heldout_samples, c.train.heldout_sources], pipeline=True),
     Stage("train", "train", "Train the drafter (one process, or under torchrun).",
           lambda c: [c.train, c.drafter, c.run.seed, *([c.capture.dtype] if c.train.features == "engine" else [])],
           pipeline=True),
@@ -68,6 +69,8 @@ TABLE: tuple[Stage, ...] = (
     Stage("engines", "engines", "Serving engines dflashkit starts for you: `engines install vllm`, `engines status`.",
           writes=False),
     Stage("bench", "bench", "Benchmarks: generate | tokenize | train | decode | serve endpoints | recipe ablations."),
+    Stage("gpu-check", "gpu_check", "Check the CUDA paths (flex attention, bf16 on an 8B-shaped target, CPU = GPU, "
+          "the GPU decoder, 1 = 2 ranks) in time-boxed checks; write OUT_DIR/summary.json.", writes=False),
     Stage("run", "pipeline", "Run every stage from one YAML, skipping those that are up to date."),
     Stage("report", "report", "One self-contained HTML page (+ PNGs) from a run directory.", pipeline=True),
 )

@@ -106,9 +106,10 @@ def test_one_stage_table_keeps_commands_order_and_fingerprints():
     from dflashkit.stages.pipeline import ORDER
 
     assert list(COMMANDS) == ["probe", "doctor", "plan", "prepare", "generate", "serve", "tokenize", "capture",
-                              "train", "eval", "export", "verify-engine", "import", "engines", "bench", "run", "report"]
+                              "train", "eval", "export", "verify-engine", "import", "engines", "bench", "gpu-check", "run",
+                              "report"]
     assert COMMANDS["eval"][0] == "evaluate" and COMMANDS["import"][0] == "import_" and COMMANDS["run"][0] == "pipeline"
-    assert READ_ONLY == {"doctor", "plan", "serve", "engines"}
+    assert READ_ONLY == {"doctor", "plan", "serve", "engines", "gpu-check"}
     assert ORDER == STAGES == ("probe", "prepare", "generate", "tokenize", "capture", "train", "eval", "export",
                                "report")
     before = {
@@ -116,7 +117,8 @@ def test_one_stage_table_keeps_commands_order_and_fingerprints():
         "prepare": lambda c: [c.data, c.run.seed],
         "generate": lambda c: [c.generate, c.server.model, c.target.path, c.target.chat_template],
         "tokenize": lambda c: [c.tokenize, c.target.tokenizer, c.target.chat_template],
-        "capture": lambda c: [c.capture, c.train.loss, c.train.target_dtype],
+        "capture": lambda c: [c.capture, c.train.loss, c.train.target_dtype, c.train.on_path == "rollout", c.run.seed,
+                              c.train.heldout_samples, c.train.heldout_sources],  # the held-out paths it writes
         "train": lambda c: [c.train, c.drafter, c.run.seed],
         "eval": lambda c: [c.eval],
         "export": lambda c: [c.export],
@@ -165,3 +167,15 @@ def test_stage_option_checks_accept_their_bounds_and_combine():
     with pytest.raises(ConfigError) as ei:
         config_from_dict({}, ["train.optimizer=muon", "train.parallel.mode=fsdp"])
     assert ei.value.problems == ["train.optimizer=muon does not support train.parallel.mode=fsdp (use ddp or none)"]
+
+
+def test_yaml_boolean_spellings_of_a_choice_read_as_the_choice(tmp_path):
+    """YAML 1.1 reads `off` as false: a Literal key with the choice "off" takes it back (generate.preflight)."""
+    p = tmp_path / "r.yaml"
+    p.write_text("generate:\n  preflight: off\n")
+    assert load_config(p, []).generate.preflight == "off"
+    assert load_config(p, ["generate.preflight=off"]).generate.preflight == "off"
+    assert load_config(p, ["generate.preflight=warn"]).generate.preflight == "warn"
+    with pytest.raises(ConfigError) as ei:  # a bool where no choice is spelt like it stays an error
+        load_config(p, ["train.loss=true"])
+    assert any(m.startswith("train.loss") for m in ei.value.problems)

@@ -215,3 +215,20 @@ def test_run_to_export_with_a_lilicorr_drafter(tmp_path, capsys):
     check = json.loads((rd / "export" / "manifest.json").read_text())["reload_check"]
     assert check["walk_agreement"] == 1.0
     assert isinstance(load_drafter(rd / "export"), LiLiCorrDraftModel)
+
+
+def test_recipe_lilicorr_variants_train_from_their_own_contracts(tmp_path, tiny_qwen3, capsys):
+    """The lead's recipe rows: `bench recipe` with a LiLiCorr variant and one with DFlash2's convolutions."""
+    rd = make_run(tmp_path / "r", tiny_qwen3)  # a DFlash contract with a reduced draft vocab in the run config
+    common = "drafter.type=lilicorr, drafter.draft_vocab_size=null, drafter.lilicorr_num_heads=4"
+    variants = (f"{{lilicorr: [{common}], lilicorr+conv: [{common}, drafter.lilicorr_conv_kernel_size=2, "
+                "drafter.lilicorr_conv_group_size=16]}")
+    rc = main(["bench", "recipe", "--json", *overrides(rd, tiny_qwen3), "drafter.draft_vocab_size=40",
+               "bench.recipe_steps=2", f"bench.recipe_variants={variants}"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0, out
+    rows = {r["variant"]: r for r in out["variants"]}
+    assert {rows[v]["drafter_type"] for v in ("lilicorr", "lilicorr+conv")} == {"lilicorr"}
+    assert all(1.0 <= rows[v]["heldout_unary_tau"] <= 4.0 and 1.0 <= rows[v]["heldout_tau"] <= 4.0 for v in rows)
+    own = json.loads((rd / "bench" / "recipe" / "lilicorr+conv" / "contract.json").read_text())
+    assert (own["lilicorr_conv_kernel_size"], own["lilicorr_conv_group_size"]) == (2, 16)

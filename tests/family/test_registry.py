@@ -65,7 +65,7 @@ def test_family_checks_run_when_a_commands_config_loads(tmp_path, capsys):
     assert family.config_problems(DrafterSection(draft_vocab_size=24)) == []  # DFlash takes a draft vocab
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "lilicorr"])
 def test_step_stats_go_through_one_flat_tensor_and_back(kind):
     fam = family.get(kind)
     st = StepStats.zeros(4, fam)

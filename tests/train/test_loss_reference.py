@@ -1,6 +1,8 @@
 """The loss object (train/loss.py) equals a slow, straightforward computation on a fixed seed: CE, KL and CE+KL
-under the fixed decay and D-PACE, a reduced draft vocab, and DFlash2's selector term — the loss to rtol 1e-6,
-its gradients, and the accuracy / τ counts exactly.
+under the fixed decay and D-PACE, a reduced draft vocab, DFlash2's selector term, and the on-path labels
+(`train.on_path`: rollout = the target's greedy path as the labels and DFlash2's gold predecessors; mask = only
+the positions after raw tokens that agree with the target's argmax) — the loss to rtol 1e-6, its gradients, and
+the accuracy / τ counts exactly.
 
 The reference runs the drafter once over all blocks, then walks every block position in plain Python: the
 head's logits of that one position, its CE / KL / selector CE from their definitions, its weight (the decay,
@@ -32,11 +34,29 @@ def _dpace(ce: list[float], sup: list[bool], alpha: float) -> list[float]:
 
 
 def _reference(model, emb, head, feats, ids, lm, lens, a, *, loss, gamma, kl_weight=1.0, dpace=None,
-               selector=None, vocab=None, tl=None):
-    """(loss, correct [B], total [B], tau_sum) from the definitions, one block position at a time."""
+               selector=None, vocab=None, tl=None, path=None, label_ids=None):
+    """(loss, correct [B], total [B], tau_sum) from the definitions, one block position at a time.
+
+    `path` [b, S, B−1] (rollout): position k of anchor a learns path[a, k−1], its gold predecessor is
+    path[a, k−2] (k ≥ 2). `label_ids` [b, S] (mask): position k learns label_ids[a+k] and weighs only when
+    ids[a+m] == label_ids[a+m] for every 1 ≤ m < k."""
     b, n = a.anchors.shape
     labels, w = labels_and_weights(ids, lm, lens, a, block_size=B, gamma=None if dpace else gamma)
-    labels, w = labels.view(b, n, B), w.view(b, n, B)
+    labels, w = labels.view(b, n, B), w.view(b, n, B).clone()
+    if path is not None or label_ids is not None:
+        labels = labels.clone()
+        for i in range(b):
+            for j in range(n):
+                anc = int(a.anchors[i, j])
+                for k in range(1, B):
+                    if w[i, j, k] == 0:
+                        continue
+                    if path is not None:
+                        labels[i, j, k] = path[i, anc, k - 1]
+                    else:
+                        labels[i, j, k] = label_ids[i, anc + k]
+                        if any(int(ids[i, anc + m]) != int(label_ids[i, anc + m]) for m in range(1, k)):
+                            w[i, j, k] = 0.0
     noise = emb(block_input_ids(ids, a, mask_token_id=model.mask_token_id, block_size=B))
     mask = dense_block_mask(a.anchors, a.keep, lens, ctx_len=ids.shape[1], block_size=B)
     hid = model(noise, feats, block_position_ids(a, ctx_len=ids.shape[1], block_size=B), attention_mask=mask)
@@ -71,6 +91,8 @@ def _reference(model, emb, head, feats, ids, lm, lens, a, *, loss, gamma, kl_wei
                             top = torch.topk(scores.detach(), model.top_k).indices.tolist()
                             cand = top if label in top else top[:-1] + [label]
                             prev = int(ids[i, p - 1])   # the anchor at k = 1, the gold label after it
+                            if path is not None and k >= 2:
+                                prev = int(path[i, int(a.anchors[i, j]), k - 2])
                             sc = model.candidate_selector.pair_scores(torch.tensor([[prev]]), torch.tensor([cand]),
                                                                       scores[cand][None], hid[i, j, k][None])[0, 0]
                             part = part + selector * F.cross_entropy(sc[None], torch.tensor([cand.index(label)])).double()
@@ -99,6 +121,9 @@ CASES = {
     "dflash2-ce-decay": dict(loss="ce", selector=0.7),
     "dflash2-ce-dpace": dict(loss="ce", dpace=0.5, selector=1.0),
     "dflash2-ce+kl": dict(loss="ce+kl", kl_weight=0.5, selector=0.4),
+    "ce-decay-rollout": dict(loss="ce", on_path="rollout"),
+    "ce-dpace-mask": dict(loss="ce", dpace=0.5, on_path="mask"),
+    "dflash2-ce-rollout": dict(loss="ce", selector=0.7, on_path="rollout"),
 }
 
 
@@ -125,6 +150,12 @@ def test_the_loss_object_equals_the_slow_reference(case):
     tl = torch.randn(*lm.shape, V, generator=g).double() * 3
     vocab = torch.tensor([0, 2, 3, 5, 7, 9, 20]) if kw.pop("vocab", False) else None
     loss_head = head if vocab is None else restricted_head(head, vocab)
+    on_path = kw.pop("on_path", None)
+    path = torch.randint(0, 12, (*lm.shape, B - 1), generator=g) if on_path == "rollout" else None
+    # mask: the target's argmax labels agree with the raw text at about half the positions
+    label_ids = torch.where(torch.rand(lm.shape, generator=g) < 0.5, ids, torch.randint(0, 12, lm.shape, generator=g)) \
+        if on_path == "mask" else None
+    kw.update(path=path, label_ids=label_ids)
 
     ref, correct, count, tau = _reference(model, emb, loss_head, feats, ids, lm, lens, a, gamma=gamma, vocab=vocab,
                                           tl=tl, **kw)
@@ -135,11 +166,14 @@ def test_the_loss_object_equals_the_slow_reference(case):
                  position_weighting="dpace" if kw.get("dpace") else "decay", dpace_alpha=kw.get("dpace") or 0.5,
                  selector_loss_weight=kw.get("selector") or 1.0)
     objective = train_loss(c, gamma=gamma, **train)
-    denom = weight_sum(lm, lens, a, input_ids=ids, block_size=B, gamma=objective.weighting.label_gamma, vocab=vocab)
-    out = objective(model, Heads(emb, loss_head, vocab), LossInputs(feats, ids, lm, lens, target_logits=tl), a,
-                    denom=denom)
+    denom = weight_sum(lm, lens, a, input_ids=ids, block_size=B, gamma=objective.weighting.label_gamma, vocab=vocab,
+                       label_ids=label_ids, path_ids=path, on_path_only=on_path == "mask")
+    x = LossInputs(feats, ids, lm, lens, target_logits=tl, label_ids=label_ids, path_ids=path,
+                   on_path_only=on_path == "mask")
+    out = objective(model, Heads(emb, loss_head, vocab), x, a, denom=denom)
     out.loss.backward()
-    assert float(ref) > 0 and math.isclose(float(out.loss), float(ref), rel_tol=1e-6), (float(out.loss), float(ref))
+    ref_loss = float(ref.detach())
+    assert ref_loss > 0 and math.isclose(float(out.loss.detach()), ref_loss, rel_tol=1e-6), (float(out.loss.detach()), ref_loss)
     for k, gr in want.items():  # float32 logits on both sides: near-zero entries differ at ~1e-7 of the largest
         torch.testing.assert_close(model.get_parameter(k).grad, gr, rtol=1e-5, atol=1e-6 * float(gr.abs().max()))
     if kw.get("selector") is None:  # DFlash2 scores the walk (tests/train/test_dflash2_objective.py)

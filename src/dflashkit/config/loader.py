@@ -69,8 +69,10 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
         choices = get_args(tp)
         if value in choices and not (isinstance(value, bool) and True in choices):
             return value
-        if isinstance(value, bool) and str(value).lower() in choices:  # YAML reads `true` as a bool
-            return str(value).lower()
+        if isinstance(value, bool):  # YAML 1.1 reads `true`/`yes`/`on` and `false`/`no`/`off` as bools
+            spelt = [w for w in (("true", "yes", "on") if value else ("false", "no", "off")) if w in choices]
+            if len(spelt) == 1:
+                return spelt[0]
         hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
         problems.append(f"{key}: {value!r} is not one of {list(choices)}"
                         + (f" (did you mean {hint[0]!r}?)" if hint else ""))
@@ -193,7 +195,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, *,
         if not p.is_file():
             raise UsageError(f"config file not found: {p}", hint="pass -c path/to/run.yaml")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            text = p.read_text()
+            _refuse_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), p)
+            data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark else str(p)
@@ -207,6 +211,35 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, *,
         keys |= {key} | set(_leaf_keys(value, key))
     set_given_keys(cfg, keys)
     return cfg
+
+
+def _refuse_duplicate_keys(node: Any, path: Path) -> None:
+    """Exit 2 naming every key given twice in one mapping, at any depth (a second `train:` section
+    included), with both lines: YAML would silently keep only the last. Walks PyYAML's node tree."""
+    found: list[str] = []
+
+    def walk(n: Any, prefix: str) -> None:
+        if isinstance(n, yaml.MappingNode):
+            seen: dict[str, int] = {}
+            for k, v in n.value:
+                if k.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` merges; it is not a key
+                    continue
+                name = str(k.value)
+                key = f"{prefix}.{name}" if prefix else name
+                line = k.start_mark.line + 1
+                if name in seen:
+                    found.append(f"{path}:{line}: `{key}` is given twice (first at line {seen[name]}); YAML "
+                                 "would keep only this one")
+                else:
+                    seen[name] = line
+                walk(v, key)
+        elif isinstance(n, yaml.SequenceNode):
+            for i, v in enumerate(n.value):
+                walk(v, f"{prefix}[{i}]")
+
+    walk(node, "")
+    if found:
+        raise ConfigError(found, hint=f"keep one of each in {path} (merge the two sections into one)")
 
 
 def _leaf_keys(data: Any, prefix: str = "") -> list[str]:

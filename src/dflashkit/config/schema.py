@@ -219,7 +219,8 @@ class ServerSection:
     engine: Literal["dflashkit", "vllm"] = f(
         "dflashkit", "When `urls` is empty: the server `generate` and `bench serve` start for target.path: "
         "`dflashkit serve`, or vLLM (the CPU build, installed once into the cache by "
-        "`dflashkit engines install vllm` or on first use; logs in <stage dir>/engine.log).",
+        "`dflashkit engines install vllm`; without it the stage refuses, exit 3, unless "
+        "DFLASHKIT_VLLM_AUTO_INSTALL=1 lets it install; logs in <stage dir>/engine.log).",
         hash_default=False)
 
 
@@ -372,6 +373,16 @@ class TrainSection:
         "prediction there (its argmax at a+k-1, from the same forward that gives the features). `target` "
         "makes raw, non-regenerated text (data.sources[].answers=original) train on-policy at slot 1; on "
         "greedy regenerated data both agree up to numerical near-ties.", hash_default=False)
+    on_path: Literal["off", "mask", "rollout"] = f(
+        "off", "train.labels=target on raw text: slot k learns the target's argmax after the RAW tokens up to a+k-1, "
+        "which is off the target's own greedy path (the one verification checks) once a raw token inside the "
+        "block differs from the target's argmax. rollout = learn the target's greedy continuation of x[..a] "
+        "instead (exact; capture stores it as path_ids [tokens, B-1] int32, 4·(B-1) B/token, and the target "
+        "decodes (B-2) extra tokens per raw token where the text disagrees with it: ≈ (B-2) × the disagreement "
+        "rate per raw token, computed in capture or online; not with train.features=engine or "
+        "capture.engine=vllm); mask = keep today's labels but give weight 0 to every position past the first "
+        "disagreement in its block (free); off = today's labels everywhere. Held-out τ is scored on the "
+        "target's path whatever this says (docs/training-data.md).", hash_default=False)
     position_weighting: Literal["decay", "dpace"] = f(
         "decay", "Loss weight per block position: the fixed decay exp(-(k-1)/gamma), or D-PACE (weights from "
         "the drafter's own confidence, arXiv 2605.18810; the loss is then divided by the supervised-position "
@@ -458,6 +469,10 @@ class EvalSection:
         "top-1 logit exceeds its logit of the speculative token by at most this many logits there; null = "
         "a share of the baseline's largest |logit| there by verify dtype (bfloat16 4%, float16 0.5%, "
         "float32 0.01%; see decode/lossless.py).", hash_default=False)
+    adaptive_length: bool = f(True, "Also decode every block size with the adaptive draft length: each step "
+                              "verifies only the drafts the drafter's own confidence and the measured cost t(n) of a "
+                              "target step over n tokens say pay (decode/draft_length.py; lossless). Reported beside "
+                              "fixed B, which stays the figure that predicts an engine.", hash_default=False)
     prompt_lookup: bool = f(True, "Also decode every block size with the training-free prompt-lookup "
                             "(n-gram) proposer: the floor a drafter must beat.", hash_default=False)
     prompt_lookup_ngram: int = f(3, "Prompt lookup: longest n-gram matched (falls back to shorter, down "
@@ -491,6 +506,8 @@ class ServeSection:
     batch_wait_ms: float = f(5.0, "How long the batcher waits for more requests before decoding.")
     max_new_tokens: int = f(4096, "Upper bound on a request's max_tokens.")
     cpu_threads: int | None = f(None, "torch CPU threads for the server process; null = torch's default.")
+    adaptive_length: bool = f(False, "With a drafter: pick each step's draft length from the drafter's confidence "
+                              "and the measured verify cost (lossless; eval.adaptive_length reports what it buys).")
 
 
 @dataclass(kw_only=True)

@@ -9,6 +9,7 @@ Usage:
     target, ids = load_checked_target(cfg, inputs, cfg.target)   # every prompt checked to fit
     res = evaluate(cfg, rd, inputs, target, ids, block_sizes=[4, 8])
     print(results_table(res))
+    res["speculation_profile"]                                   # its speculation_profile.json (export/profile.py)
     path = write_eval_results(rd, res)                           # eval/results.json, atomic
     err = mismatch_error(res, path)                             # a DflashkitError to raise, or None
     read_eval_results(rd)                                       # (report, run summary) that dict, or None
@@ -62,6 +63,21 @@ def decode_inputs(cfg: Any, rd: Any, positionals: list[str], *, num_prompts: int
     return DecodeInputs(drafter_dir, read_contract(drafter_dir), load_prompt_messages(cfg, rd)[:num_prompts])
 
 
+def check_target_fits(inputs: DecodeInputs, target_cfg: Any) -> None:
+    """The drafter against the target's config.json, before the target loads (exit 2 naming both; a GGUF
+    target is checked once loaded): what `load_checked_target` checks first, and a dry run with it."""
+    from dflashkit.inspect.target import resolve_target_path
+    from dflashkit.model.target import text_config_dict
+
+    model_dir, gguf = resolve_target_path(target_cfg.path, target_cfg.gguf_file)
+    if gguf or not (model_dir / "config.json").is_file():
+        return  # load_target converts or refuses it
+    tc = text_config_dict(model_dir)
+    facts = {"num_layers": int(tc["num_hidden_layers"]), "hidden_size": int(tc["hidden_size"]),
+             "vocab_size": int(tc["vocab_size"])}
+    inputs.contract.check(facts, where=f"drafter {inputs.drafter_dir}")
+
+
 def load_checked_target(cfg: Any, inputs: DecodeInputs, target_cfg: Any) -> tuple[Any, list[list[int]]]:
     """Load the target, check the drafter fits it and that every rendered prompt fits the context
     (exit 2 before anything is decoded); the target and the prompts' ids."""
@@ -69,6 +85,7 @@ def load_checked_target(cfg: Any, inputs: DecodeInputs, target_cfg: Any) -> tupl
     from dflashkit.decode.spec_decode import SpecDecoder
     from dflashkit.model.target import load_target
 
+    check_target_fits(inputs, target_cfg)
     target = load_target(target_cfg)
     inputs.contract.check(target, where=f"drafter {inputs.drafter_dir}")
     ids = render_prompts(target.tokenizer, inputs.prompts, cfg.tokenize.chat_template_kwargs)
@@ -94,12 +111,20 @@ def block_sizes_for(requested: list[int] | None, contract: Any) -> list[int]:
     return block_sizes
 
 
+def block_of(key: str) -> int:
+    """The block size of a decoder key: "4", "lookup-4", "adaptive-4"."""
+    return int(key.rpartition("-")[2])
+
+
+GROUPS = (("drafter", "speculative"), ("adaptive", "adaptive"), ("lookup", "prompt_lookup"))
+
+
 def results_table(res: dict[str, Any]) -> str:
     b = res["baseline"]
     rows = [("B", "proposer", "tau", "tok/s", "speedup", "bound", "e2e", "TTFT ms", "identical"),
             ("1", "-", "1.00", f"{b['decode_tokens_per_s']:.1f}", "1.00", "1.00", "1.00", f"{b['ttft_s'] * 1e3:.1f}", "-")]
-    for name, group in (("drafter", res["speculative"]), ("lookup", res.get("prompt_lookup", {}))):
-        for bs, r in group.items():
+    for name, key in GROUPS:
+        for bs, r in res.get(key, {}).items():
             rows.append((bs, name, f"{r['tau']:.2f}", f"{r['decode_tokens_per_s']:.1f}", f"{r['speedup']:.2f}",
                          f"{r['bound']:.2f}", f"{r['speedup_e2e']:.2f}", f"{r['ttft_s'] * 1e3:.1f}",
                          str(r.get("identical_to_baseline", "-"))))
@@ -130,6 +155,10 @@ def diagnostic_lines(res: dict[str, Any]) -> list[str]:
         verdict = "beats" if s.get("beats_prompt_lookup") else "does NOT beat"
         out.append(f"best: drafter B={s['block_size']} tau {s['tau']:.2f} speedup {s['speedup']:.2f}x; prompt lookup "
                    f"B={lk['block_size']} tau {lk['tau']:.2f} speedup {lk['speedup']:.2f}x: the drafter {verdict} it")
+    ad = s.get("adaptive")
+    if ad:
+        out.append(f"adaptive draft length (dflashkit's decoder; engines run fixed B): best B={ad['block_size']} tau "
+                   f"{ad['tau']:.2f} speedup {ad['speedup']:.2f}x, {ad['drafts_per_step']:.2f} drafts verified per step")
     d = res.get("diagnostics") or {}
     if d.get("bigram"):
         out.append(f"position-1: drafter {d['drafter_position1']:.2f} (simulated {d['simulated']['per_position_accuracy'][0]:.2f}), "
@@ -151,7 +180,7 @@ def diagnostic_lines(res: dict[str, Any]) -> list[str]:
 
 
 def decode_all(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_sizes: list[int], *,
-               lookup: bool, warmup: int) -> dict[str, Any]:
+               lookup: bool, warmup: int, adaptive: bool | None = None) -> dict[str, Any]:
     """Baseline + drafter (+ prompt lookup) at every block size, interleaved; results by decoder name."""
     from dflashkit.decode.lossless import TOP_K
     from dflashkit.decode.ngram import PromptLookupProposer
@@ -164,6 +193,10 @@ def decode_all(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_
     for bs in block_sizes:
         decoders[str(bs)] = SpecDecoder(target, drafter, bs, max_context=e.max_context, record_top=TOP_K,
                                         draft_sampling=e.draft_sampling, draft_dtype=ddt)
+    if e.adaptive_length if adaptive is None else adaptive:
+        for bs in block_sizes:
+            decoders[f"adaptive-{bs}"] = SpecDecoder(target, drafter, bs, max_context=e.max_context, record_top=TOP_K,
+                                                     draft_sampling=e.draft_sampling, draft_dtype=ddt, adaptive=True)
     if lookup:
         for bs in block_sizes:
             decoders[f"lookup-{bs}"] = SpecDecoder(target, None, bs, max_context=e.max_context, record_top=TOP_K,
@@ -177,9 +210,12 @@ def entries(runs: dict[str, Any], base_t: dict) -> dict[str, dict]:
 
     out = {}
     for key, results in runs.items():
-        bs = int(key.removeprefix("lookup-"))
+        bs = block_of(key)
         acc, tim = summarize_acceptance(results, bs), summarize_timing(results)
         out[key] = {**acc, **tim, **compare(base_t, tim, acc["tau"])}
+        if key.startswith("adaptive-"):  # what the policy verified: drafts per step (fixed B: B − 1)
+            steps = sum(len(r.acceptance_lengths) for r in results)
+            out[key]["drafts_per_step"] = round(sum(r.verified_drafts for r in results) / max(1, steps), 4)
     return out
 
 
@@ -188,7 +224,8 @@ def best_entry(group: dict[str, dict]) -> dict | None:
     if not group:
         return None
     bs, r = max(group.items(), key=lambda kv: kv[1]["speedup"])
-    return {"block_size": int(bs), "tau": r["tau"], "speedup": r["speedup"], "bound": r["bound"]}
+    return {"block_size": int(bs), "tau": r["tau"], "speedup": r["speedup"], "bound": r["bound"],
+            **({"drafts_per_step": r["drafts_per_step"]} if "drafts_per_step" in r else {})}
 
 
 def choose_dtype(cfg: Any, drafter_dir: Any, ids: list[list[int]], block_sizes: list[int]) -> tuple[Any, dict]:
@@ -202,7 +239,7 @@ def choose_dtype(cfg: Any, drafter_dir: Any, ids: list[list[int]], block_sizes: 
         target = load_target(dataclasses.replace(cfg.target, dtype=name))
         drafter = load_drafter(drafter_dir, dtype=target.dtype, device=target.device)
         runs = decode_all(cfg, target, drafter, ids[:CALIBRATION_PROMPTS], block_sizes, lookup=False,
-                          warmup=cfg.eval.warmup)
+                          warmup=cfg.eval.warmup, adaptive=False)
         base_t = summarize_timing(runs.pop("1"))
         best = best_entry(entries(runs, base_t)) or {"block_size": 1, "speedup": 1.0}
         calib[name] = {"baseline_tokens_per_s": base_t["decode_tokens_per_s"], "t1_s": round(base_t["verify_s_mean"], 6),
@@ -227,8 +264,9 @@ def lossless_check(cfg: Any, target: Any, runs: dict[str, Any], base_results: li
             d = first_divergence(r, b)
             firsts.append(d)
             if d is not None:
-                rows.append(divergence_record(d, rule, decoder=key, block_size=int(key.removeprefix("lookup-")),
-                                              proposer="prompt_lookup" if key.startswith("lookup-") else "drafter",
+                rows.append(divergence_record(d, rule, decoder=key, block_size=block_of(key),
+                                              proposer=("prompt_lookup" if key.startswith("lookup-") else
+                                                        "drafter-adaptive" if key.startswith("adaptive-") else "drafter"),
                                               prompt=i, id=prompts[i][0]))
     v = lossless_verdict(firsts, rule)
     return {**v, "dtype": str(target.dtype).removeprefix("torch."), "first_divergences": rows}
@@ -287,7 +325,9 @@ def evaluate(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list[lis
                            "baseline": base_t, "speculative": {}, "mismatches": []}
     if choice:
         res["dtype_choice"] = choice
-    res["speculative"] = {k: v for k, v in found.items() if not k.startswith("lookup-")}
+    res["speculative"] = {k: v for k, v in found.items() if k.isdigit()}
+    if e.adaptive_length:
+        res["adaptive"] = {k.removeprefix("adaptive-"): v for k, v in found.items() if k.startswith("adaptive-")}
     if e.prompt_lookup:
         res["prompt_lookup"] = {k.removeprefix("lookup-"): v for k, v in found.items() if k.startswith("lookup-")}
         res["prompt_lookup_ngram"] = e.prompt_lookup_ngram
@@ -307,13 +347,59 @@ def evaluate(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list[lis
     res["summary"] = {**best, "rule": "block size with the highest measured speedup",
                       "greedy_identical": (ll["verdict"] == "exact") if ll else None,
                       "lossless": ll["verdict"] if ll else None, "dtype": res["dtype"]}
+    adaptive_best = best_entry(res.get("adaptive", {}))
+    if adaptive_best:  # reported beside fixed B; the fixed-B figure is the one an engine's predicts
+        res["summary"]["adaptive"] = adaptive_best
     if lookup_best:
         res["summary"]["prompt_lookup"] = lookup_best
         res["summary"]["beats_prompt_lookup"] = (best["tau"] > lookup_best["tau"]
                                                  and best["speedup"] > lookup_best["speedup"])
     if e.diagnostics:
         res["diagnostics"] = diagnostics(cfg, rd, target, drafter, ids, base_results, res)
+    res["speculation_profile"] = eval_profile(cfg, rd, inputs, target, ids, runs, block_sizes, res)
     return res
+
+
+def eval_profile(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list[list[int]], runs: dict[str, Any],
+                 block_sizes: list[int], res: dict[str, Any]) -> dict[str, Any] | None:
+    """`speculation_profile.json` (export/profile.py) from the drafter's fixed-B decodes: one entry of
+    `accept_length_by_k` per block size, the vectors of the drafter's own block size (else eval's first)."""
+    import torch
+
+    from dflashkit.decode.runner import prompt_sources
+    from dflashkit.export.profile import (Measurement, build_profile, checkpoint_id, dflashkit_source, method_for,
+                                          prompts_digest, weights_digest)
+    from dflashkit.model.target import cpu_facts
+
+    if not block_sizes:
+        return None
+    e, c = cfg.eval, inputs.contract
+    known = prompt_sources(cfg, rd)
+    sources = [known.get(pid) for pid, _ in inputs.prompts]
+    ms = [Measurement(b, [r.acceptance_lengths for r in runs[str(b)]], [r.acceptance_cut for r in runs[str(b)]],
+                      sources) for b in block_sizes]
+    src = res["drafter_source"]
+    device = target.device
+    conditions = {
+        "measured_by": "dflashkit eval",
+        "prompts": {"count": len(ids), "source": checkpoint_id(e.prompts) or "prepare's held-out split",
+                    "sources": sorted({x for x in sources if x}) or None, "sha256": prompts_digest(ids)},
+        "max_new_tokens": e.max_new_tokens, "temperature": e.temperature, "top_p": e.top_p, "top_k": e.top_k,
+        "draft_sampling": e.draft_sampling, "target_dtype": res["dtype"], "draft_dtype": res["draft_dtype"],
+        "device": str(device),
+        "device_name": cpu_facts().get("cpu") if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "threads": res["threads"], "dflashkit": dflashkit_source()}
+    archs = getattr(target.config, "architectures", None) or [type(target.model).__name__]
+    profile = build_profile(
+        ms, headline=c.block_size if c.block_size in block_sizes else block_sizes[0], method=method_for(c),
+        draft_checkpoint={"name": cfg.run.name, "kind": src["kind"], **({"step": src["step"]} if "step" in src else {}),
+                          "weights_sha256": weights_digest(inputs.drafter_dir)},
+        target_model={"id": checkpoint_id(cfg.target.path), "architecture": archs[0]},
+        block_size=c.block_size, max_supported_k=c.block_size - 1, conditions=conditions)
+    if not profile["measured"]:
+        log.warning("speculation profile: no verify step at B=%d was a full uncut block, so it holds no rates "
+                    "(raise eval.max_new_tokens)", profile["num_speculative_tokens"] + 1)
+    return profile
 
 
 def mismatch_error(res: dict[str, Any], results_path: Path) -> DflashkitError | None:
