@@ -192,6 +192,16 @@ def test_config_checks_name_the_key(tmp_path, capsys):
     assert "drafter.draft_vocab_size: 24 with drafter.type=lilicorr" in err and "train.lilicorr_margin: must be > 0" in err
 
 
+def test_rollout_labels_and_the_penalty_are_refused_together(tmp_path, tiny_qwen3, capsys):
+    rd = make_run(tmp_path / "run", tiny_qwen3, **LILI)
+    for dry in (["--dry-run"], []):
+        assert main(["train", "--json", *dry, *overrides(rd, tiny_qwen3), *FLAGS, "train.labels=target",
+                     "train.on_path=rollout"]) == 2
+        assert "the LiLiCorr loss term 'lattice' reads the target's logits" in capsys.readouterr().err
+    assert main(["train", "--json", "--dry-run", *overrides(rd, tiny_qwen3), *FLAGS, "train.labels=target",
+                 "train.on_path=rollout", "train.lilicorr_penalty_weight=0"]) == 0
+
+
 def test_eval_takes_a_lilicorr_drafter(tmp_path, target, tiny_qwen3):
     rd = run_dir_with_drafter(tmp_path, target, block_size=4, prompts=2, **LILI)
     common = [f"target.path={tiny_qwen3}", "eval.max_new_tokens=12", "eval.warmup=0", "--run-dir", str(rd), "--json"]

@@ -92,6 +92,7 @@ def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any],
 
     contract = DrafterContract.load(rd.contract_path)
     guards.check_drafter_overrides(cfg, contract, rd.contract_path)
+    guards.check_family_objective(cfg, contract)
     warm = None
     if cfg.drafter.init not in ("random", "target"):  # a drafter dir: read and checked before any work
         from dflashkit.train.warm_start import check_fits, read_warm_start
