@@ -417,7 +417,8 @@ def card_lines(c: Contract) -> list[str]:
     del c
     return ["LiLiCorr: vLLM runs the lattice head's walk on its V2 model runner only (GPU, Triton); its V1 "
             "runner (the CPU build) cannot run it. `dflash.py`'s LiLiCorrDraftModel computes the block's hidden "
-            "states and holds the lattice head; `dflashkit eval` / `serve --drafter` draft through the walk.", ""]
+            "states and the lattice scores; `dflashkit eval` / `serve --drafter` draft through the walk. Which "
+            "SGLang release runs the LiLiCorr head (the line above is DFlash's) was not checked by dflashkit.", ""]
 
 
 LILICORR = Family(

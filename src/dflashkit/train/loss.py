@@ -333,8 +333,8 @@ class DraftLoss:
         step = max(1, self.chunk_blocks) * B
         fam = self.family
 
-        def score(hr: torch.Tensor) -> torch.Tensor:
-            return fam.scores(model, heads.head(hr).float())
+        def score(hr: torch.Tensor) -> torch.Tensor:  # as `_chunk` scores its rows
+            return fam.scores(model, heads.head(in_head_dtype(heads.head, hr)).float())
 
         blocks = Blocks(hidden, score, heads.embed, ctx_feats if self.context else None, a.anchors, B)
         for c0, c1 in chunk_bounds(rows, step, B):
