@@ -7,6 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 DEMO_CONFIG ?= configs/smollm2-135m.yaml
 DEMO_SCALE ?= 1
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 2
 
 .PHONY: install assets test test-engine demo clean-demo
 
@@ -22,10 +23,20 @@ install: $(STAMP)
 assets: install
 	$(PY) -m dflashkit.assets all
 
+# pytest in two parts: every test not marked `serial` on TEST_WORKERS xdist workers (one single-threaded
+# test per core; worksteal: a worker left idle takes over half of the other's queue), then the
+# `serial` ones alone (torchrun ranks, a server and its clients, a browser: tests/conftest.py says when a
+# test is serial). Both parts run even if the first fails; a part that selects nothing (PYTEST_ARGS naming
+# one test) is not a failure, unless neither selects anything. One test, serially:
+# .venv/bin/python -m pytest tests/x.py::test_y
 test: assets
 	$(PY) -m ruff check src tests
 	$(PY) -m mypy
-	$(PY) -m pytest $(PYTEST_ARGS)
+	@a=0; b=0; \
+	set -x; $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not engine and not serial" $(PYTEST_ARGS) || a=$$?; \
+	$(PY) -m pytest -m "not engine and serial" $(PYTEST_ARGS) || b=$$?; { set +x; } 2>/dev/null; \
+	if [ $$a = 5 ] && [ $$b = 5 ]; then exit 5; fi; \
+	for rc in $$a $$b; do [ $$rc = 0 ] || [ $$rc = 5 ] || exit $$rc; done
 
 # The real-engine tests (pytest marker `engine`, excluded from `make test`): vLLM's CPU build, installed
 # into the cache on first use (a few minutes, ~3.5 GB), regenerates data and judges an exported drafter.

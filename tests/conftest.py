@@ -1,4 +1,15 @@
-"""Shared fixtures: offline, deterministic, tiny real models built in code."""
+"""Shared fixtures: offline, deterministic, tiny real models built in code.
+
+How the suite is split (`make test`, see the Makefile): pytest-xdist runs every test not marked
+`serial` on 2 workers, one single-threaded test per core; then the `serial` tests run alone, one
+at a time. A test opts into the serial part with `@pytest.mark.serial` (a whole module:
+`pytestmark = pytest.mark.serial`), next to a comment saying why, when it keeps two or more
+CPU-busy processes going at once (torchrun ranks, a server and the client that floods it, a
+browser) or when its deadlines assume the CPUs are its own; `distributed` (torchrun) tests are
+serial without saying so. A test that starts one child process and waits for it stays parallel:
+the child is single-threaded (OMP_NUM_THREADS=1 below) and the waiting test uses no CPU.
+Run one test serially with `.venv/bin/python -m pytest tests/x.py::test_y`.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +20,21 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
+if "PYTEST_XDIST_WORKER" in os.environ:  # the parallel part of `make test`
+    # Its tests' child processes (CLI runs, servers) inherit this: one OpenMP thread each, as the tests
+    # themselves (`_torch_hygiene`). Two workers' children spin-waiting on two threads apiece on a
+    # 2-core box run many times slower, and a deadline that held alone can then expire. (The serial
+    # part and `make test-engine` leave the children's threads alone: they have the CPUs to themselves.)
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest  # noqa: E402
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: `-m "not serial"` must see the added mark
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("distributed"):  # torchrun: two ranks, a core each
+            item.add_marker(pytest.mark.serial)
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 from dflashkit.stage_table import TABLE
@@ -81,6 +82,7 @@ LIBRARY_USERS = {
 FEATURE_META_KEYS = {"source_digest"}  # the key that says which tokenized shard a feature shard was made from
 
 
+@functools.cache  # parsed once per test process; the checks only read the trees
 def _modules() -> dict[str, ast.Module]:
     out = {}
     for p in sorted(PKG.rglob("*.py")):
@@ -200,11 +202,12 @@ def test_each_format_has_one_writer_and_one_reader_in_its_owner():
 
 
 def test_format_paths_are_named_by_their_owners_and_passed_on_by_the_stages():
-    bad = format_path_misuse(_modules())
+    trees = _modules()
+    bad = format_path_misuse(trees)
     assert not bad, "a format's path named outside its owner (read/write it through the owner):\n  " + \
         "\n  ".join(bad)
     for fmt, (owner, props, names) in FORMAT_PATHS.items():  # the scan sees each owner's own uses
-        tree = _modules()[owner]
+        tree = trees[owner]
         docs = _docstrings(tree)
         assert any(isinstance(n, ast.Attribute) and n.attr in props or isinstance(n, ast.Constant)
                    and n.value in names and id(n) not in docs for n in ast.walk(tree)), f"{fmt}: {owner}"

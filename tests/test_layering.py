@@ -12,6 +12,7 @@ and the module-level graph (an edge A → B when A imports B anywhere in its fil
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,7 @@ def imports_of(mod: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return out
 
 
+@functools.cache  # parsed once per test process; the checks only read the graph
 def import_graph() -> dict[str, set[str]]:
     modules = _modules()
     return {m: imports_of(m, p, modules) for m, p in modules.items()}

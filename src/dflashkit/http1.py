@@ -52,8 +52,8 @@ class HttpDropped(HttpError):
 class HttpStatusError(HttpError):
     """A complete response with a non-2xx status (`get_json` / `post_json`)."""
 
-    def __init__(self, url: str, status: int, body: bytes):
-        super().__init__(f"{redact_url(url)}: HTTP {status}: {body[:300].decode('utf-8', 'replace')}")
+    def __init__(self, url: str, status: int, body: bytes, headers: dict[str, str] | None = None):
+        super().__init__(f"{redact_url(url)}: HTTP {status} ({excerpt(headers or {}, body, 200)})")
         self.status, self.body = status, body
 
 
@@ -276,9 +276,24 @@ def request_sync(method: str, url: str, body: bytes = b"", *, headers: dict[str,
     return asyncio.run(one())
 
 
-def _json(url: str, status: int, body: bytes) -> Any:
+def excerpt(headers: dict[str, str], body: bytes, limit: int = 120) -> str:
+    """What answered, in one short line: the content type and an HTML page's <title> or the body's start."""
+    import re
+
+    kind = headers.get("content-type", "").split(";")[0].strip() or "body"
+    text = body[:4096].decode("utf-8", "replace")
+    title = re.search(r"<title[^>]*>(.*?)</title>", text, re.I | re.S)
+    if title:
+        text = title.group(1)
+    elif "html" in kind:
+        text = re.sub(r"<[^>]+>", " ", text)
+    text = " ".join(text.split())
+    return f"{kind}: {text[:limit] + ('…' if len(text) > limit else '')!r}"
+
+
+def _json(url: str, status: int, body: bytes, headers: dict[str, str] | None = None) -> Any:
     if not 200 <= status < 300:
-        raise HttpStatusError(url, status, body)
+        raise HttpStatusError(url, status, body, headers)
     try:
         return json.loads(body)
     except ValueError:
@@ -287,12 +302,12 @@ def _json(url: str, status: int, body: bytes) -> Any:
 
 def get_json(url: str, *, headers: dict[str, str] | None = None, timeout_s: float = 30.0) -> Any:
     """GET `url` and decode its JSON body; HttpStatusError on a non-2xx status, HttpError on non-JSON."""
-    status, _, body = request_sync("GET", url, headers=headers, timeout_s=timeout_s)
-    return _json(url, status, body)
+    status, got, body = request_sync("GET", url, headers=headers, timeout_s=timeout_s)
+    return _json(url, status, body, got)
 
 
 def post_json(url: str, payload: Any, *, headers: dict[str, str] | None = None, timeout_s: float = 600.0) -> Any:
     """POST `payload` as JSON to `url` and decode the JSON reply (errors as get_json)."""
-    status, _, body = request_sync("POST", url, json.dumps(payload).encode(),
-                                   headers={**JSON_HEADERS, **(headers or {})}, timeout_s=timeout_s)
-    return _json(url, status, body)
+    status, got, body = request_sync("POST", url, json.dumps(payload).encode(),
+                                     headers={**JSON_HEADERS, **(headers or {})}, timeout_s=timeout_s)
+    return _json(url, status, body, got)

@@ -434,8 +434,9 @@ def test_run_stops_at_a_stage_that_finished_with_failures(tmp_path, capsys):
     assert "generate" not in state  # so the next `run` retries it
 
 
-def test_eval_block_sizes_above_the_trained_one_warn_what_it_means(tmp_path, drafter_dir, capsys):
+def test_eval_block_sizes_above_the_trained_one_warn_what_it_means(tmp_path, drafter_dir, tiny_qwen3, capsys):
     rc = main(["eval", str(drafter_dir), f"run.run_dir={tmp_path}", "eval.block_sizes=[4,8]", "--dry-run",
+               f"target.path={tiny_qwen3}",
                "eval.prompts=" + str(W(tmp_path, Path("-"), Path("-")).file("e.jsonl", GOOD + "\n"))])
     err = capsys.readouterr().err
     assert rc == 0, err

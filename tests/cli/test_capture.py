@@ -23,7 +23,9 @@ def test_capture_features_equal_target_and_resume(tmp_path, tiny_qwen3, capsys):
     out = capsys.readouterr().out
     assert "GB in total" in out.splitlines()[0]  # size printed before the work
     res = json.loads(out.strip().splitlines()[-1])
-    assert res["written"] == 2 and res["bytes_total"] == res["tokens"] * (2 * 64 * 4 + 4)  # features + next ids
+    # features + next ids + the greedy path of depth B − 1 = 3 (the held-out samples' rows)
+    assert res["written"] == 2 and res["bytes_total"] == res["tokens"] * (2 * 64 * 4 + 4 + 3 * 4)
+    assert res["path_ids"]["rows"] == "heldout" and res["path_ids"]["tokens"] > 0
     data = load_tokenized(RunDir(rd))
     target = load_target(load_config(None, ov).target)
     contract = json.loads((rd / "contract.json").read_text())
@@ -53,10 +55,12 @@ def test_capture_refuses_when_disk_too_small(tmp_path, tiny_qwen3, capsys):
                                    ["train.labels=target", "drafter.draft_vocab_size=24"],
                                    ["train.labels=target", "train.loss=ce+kl"], ["train.loss=kl"],
                                    ["train.labels=target", "train.target_dtype=bfloat16"],
-                                   ["train.labels=target", "drafter.init=target"]],
+                                   ["train.labels=target", "drafter.init=target"],
+                                   ["train.labels=target", "train.on_path=rollout"],
+                                   ["train.labels=target", "train.on_path=mask", "train.position_weighting=dpace"]],
                          ids=["full-vocab", "draft-vocab", "target-labels", "target-labels-draft-vocab",
                               "target-labels-ce+kl", "kl", "bf16-target-forward",
-                              "target-labels-init-from-target"])  # the shards hold every output, the layers are still needed
+                              "target-labels-init-from-target", "on-path-rollout", "on-path-mask-dpace"])  # the shards hold every output, the layers are still needed
 def test_online_equals_cached_loss(tmp_path, tiny_qwen3, capsys, extra):
     rd_on = make_run(tmp_path / "on", tiny_qwen3)
     rd_ca = make_run(tmp_path / "ca", tiny_qwen3)
@@ -65,7 +69,8 @@ def test_online_equals_cached_loss(tmp_path, tiny_qwen3, capsys, extra):
         from safetensors import safe_open
 
         with safe_open(str(rd_ca / "capture" / "shard-00000.safetensors"), "pt") as fh:
-            assert {"features", "next_ids", "last_hidden", "offsets"} == set(fh.keys())
+            assert {"features", "next_ids", "last_hidden", "offsets"} <= set(fh.keys()) <= \
+                {"features", "next_ids", "last_hidden", "offsets", "path_ids"}  # path_ids: held-out samples
     assert main(["train", "--json", *overrides(rd_on, tiny_qwen3, train__max_steps=3), *extra]) == 0
     assert main(["train", "--json", *overrides(rd_ca, tiny_qwen3, train__max_steps=3, train__features="cached"),
                  *extra]) == 0

@@ -115,7 +115,8 @@ def test_one_stage_table_keeps_commands_order_and_fingerprints():
         "prepare": lambda c: [c.data, c.run.seed],
         "generate": lambda c: [c.generate, c.server.model, c.target.path, c.target.chat_template],
         "tokenize": lambda c: [c.tokenize, c.target.tokenizer, c.target.chat_template],
-        "capture": lambda c: [c.capture, c.train.loss, c.train.target_dtype],
+        "capture": lambda c: [c.capture, c.train.loss, c.train.target_dtype, c.train.on_path == "rollout", c.run.seed,
+                              c.train.heldout_samples, c.train.heldout_sources],  # the held-out paths it writes
         "train": lambda c: [c.train, c.drafter, c.run.seed],
         "eval": lambda c: [c.eval],
         "export": lambda c: [c.export],

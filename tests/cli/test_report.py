@@ -63,6 +63,7 @@ def test_report_without_inputs_is_exit_3(tmp_path):
     assert main(["report", "--run-dir", str(tmp_path / "empty"), "--json"]) == 3
 
 
+@pytest.mark.serial  # chromium: several multi-threaded processes
 def test_report_renders_in_a_headless_browser(run_dir, tmp_path):
     chromium = _chromium()
     if chromium is None:

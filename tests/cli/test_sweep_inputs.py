@@ -265,9 +265,12 @@ def test_redact_url_without_scheme():
 @pytest.mark.parametrize("subject", ["recipe", "train", "decode"])
 def test_bench_dry_run_writes_nothing(subject, tmp_path, tiny_qwen3, drafter_dir, base_run, capsys):
     w = _world(tmp_path, tiny_qwen3, drafter_dir, base_run)
-    before = _snapshot(w.run)
     capsys.readouterr()
-    rc = main(["bench", subject, "--dry-run", "--json", *overrides(w.run, w.target), "bench.recipe_steps=50"])
+    # a dry run checks the drafter and the prompts as the run does
+    prompt = json.dumps({"prompt": "What is 2+2?"}) + "\n"
+    decode = [str(w.drafter), f"eval.prompts={w.file('e.jsonl', prompt)}"] if subject == "decode" else []
+    before = _snapshot(w.run)
+    rc = main(["bench", subject, *decode, "--dry-run", "--json", *overrides(w.run, w.target), "bench.recipe_steps=50"])
     out, err = capsys.readouterr()
     assert rc == 0, err
     res = _last_json(out)

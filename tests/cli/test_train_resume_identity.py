@@ -32,11 +32,28 @@ def _train(rd, target, *extra, **kw):
     return main(["train", "--json", *overrides(rd, target, **kw), *extra])
 
 
-@pytest.mark.parametrize("change", ["train.lr=1e-3", "run.seed=1", "train.num_anchors=4", "data"])
-def test_a_checkpoint_of_another_run_is_refused_naming_what_changed(change, tmp_path, tiny_qwen3, capsys):
-    rd = make_run(tmp_path / "run", tiny_qwen3)
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_qwen3):
+    """`run`: tokenized (fingerprint aaaa) and trained 2 steps (checkpoint step-2), once for the module;
+    `untrained`: the same run dir before training. Each test works on its own copy."""
+    root = tmp_path_factory.mktemp("resume")
+    rd = make_run(root / "run", tiny_qwen3)
     _tokenized_as(rd, "aaaa")
-    assert _train(rd, tiny_qwen3, train__max_steps=2) == 0, capsys.readouterr().err
+    shutil.copytree(rd, root / "untrained")
+    assert _train(rd, tiny_qwen3, train__max_steps=2) == 0  # pytest shows its stderr on failure
+    assert (rd / "train" / "checkpoints" / "step-0000002").is_dir()
+    return root
+
+
+def _copy(trained, tmp_path, name: str = "run", to: str | None = None):
+    return shutil.copytree(trained / name, tmp_path / (to or name))
+
+
+# train.optimizer: the checkpoint's optimizer state (AdamW's) is never loaded into Muon: the change is named first
+@pytest.mark.parametrize("change", ["train.lr=1e-3", "run.seed=1", "train.num_anchors=4", "train.optimizer=muon",
+                                    "data"])
+def test_a_checkpoint_of_another_run_is_refused_naming_what_changed(change, trained, tmp_path, tiny_qwen3, capsys):
+    rd = _copy(trained, tmp_path)
     before = _snapshot(rd / "train")
     capsys.readouterr()
     if change == "data":
@@ -51,11 +68,8 @@ def test_a_checkpoint_of_another_run_is_refused_naming_what_changed(change, tmp_
     assert _snapshot(rd / "train") == before
 
 
-def test_more_steps_continue_the_same_run(tmp_path, tiny_qwen3, capsys):
-    rd = make_run(tmp_path / "run", tiny_qwen3)
-    _tokenized_as(rd, "aaaa")
-    assert _train(rd, tiny_qwen3, train__max_steps=2) == 0, capsys.readouterr().err
-    capsys.readouterr()
+def test_more_steps_continue_the_same_run(trained, tmp_path, tiny_qwen3, capsys):
+    rd = _copy(trained, tmp_path)
     assert _train(rd, tiny_qwen3, train__max_steps=4) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["resumed_from"] == 2 and out["steps"] == 4
@@ -63,13 +77,10 @@ def test_more_steps_continue_the_same_run(tmp_path, tiny_qwen3, capsys):
 
 @pytest.mark.parametrize("change", [("train.lr=1e-3",), ("drafter.draft_vocab_size=24",), ()],
                          ids=["lr", "draft-vocab", "unchanged"])
-def test_run_restart_trains_what_a_fresh_run_trains(change, tmp_path, tiny_qwen3, capsys):
+def test_run_restart_trains_what_a_fresh_run_trains(change, trained, tmp_path, tiny_qwen3, capsys):
     from dflashkit.stages.train import restart_if_changed
 
-    rd = make_run(tmp_path / "run", tiny_qwen3)
-    fresh = tmp_path / "fresh"
-    shutil.copytree(rd, fresh)
-    assert _train(rd, tiny_qwen3, train__max_steps=2) == 0, capsys.readouterr().err
+    rd, fresh = _copy(trained, tmp_path), _copy(trained, tmp_path, "untrained", to="fresh")
     ov = [*overrides(rd, tiny_qwen3, train__max_steps=3), *change]
     changed = restart_if_changed(load_config(None, ov), RunDir(rd))
     if not change:  # the same run: nothing removed, train resumes it

@@ -53,7 +53,8 @@ def test_engine_capture_equals_local_capture_and_trains_the_same(tmp_path, tiny_
     assert not list((tmp_path / "hs").glob("*.safetensors")), "engine files are removed once ingested"
     assert not spool_root(eng / "capture").exists()
     a, b = _tensors(loc), _tensors(eng)
-    assert a.keys() == b.keys() and all(a[s].keys() == b[s].keys() for s in a)
+    # the local capture also holds the held-out samples' greedy paths (an engine gives none)
+    assert a.keys() == b.keys() and all(a[s].keys() - {"path_ids"} == b[s].keys() for s in a)
     for s in a:
         assert torch.equal(a[s]["offsets"], b[s]["offsets"])
         assert torch.equal(a[s]["next_ids"], b[s]["next_ids"]), s  # labels from the head-only load
@@ -65,8 +66,13 @@ def test_engine_capture_equals_local_capture_and_trains_the_same(tmp_path, tiny_
     for rd in (loc, eng):
         _ok(["train", "--json", *overrides(rd, tiny_qwen3, train__max_steps=3, train__features="cached"), *extra],
             capsys)
-    la = [json.loads(x)["loss"] for x in (loc / "train" / "metrics.jsonl").read_text().splitlines()]
-    lb = [json.loads(x)["loss"] for x in (eng / "train" / "metrics.jsonl").read_text().splitlines()]
+    # training steps, and the held-out blocks scored the same way (tau_raw: the training labels; the local run
+    # scores τ on the target's path, the engine run on the positions still on it)
+    def losses(rd):
+        rows = [json.loads(x) for x in (rd / "train" / "metrics.jsonl").read_text().splitlines()]
+        return [r["tau_raw"] if r.get("split") == "heldout" else r["loss"] for r in rows]
+
+    la, lb = losses(loc), losses(eng)
     assert torch.allclose(torch.tensor(la), torch.tensor(lb), atol=1e-4), (la, lb)
 
 
@@ -148,11 +154,18 @@ def test_kill_between_a_shard_write_and_its_spool_drop_leaves_no_spool(tmp_path,
 
 def test_dry_run_prints_the_vllm_serve_flags(tmp_path, tiny_qwen3, capsys):
     rd = make_run(tmp_path / "r", tiny_qwen3)
-    assert main(["capture", "--dry-run", *overrides(rd, tiny_qwen3), "capture.engine=vllm",
-                 "capture.server_url=http://127.0.0.1:8000/v1"]) == 0
+    aux = _aux(rd, tiny_qwen3)
+    with FakeHiddenStatesEngine(tiny_qwen3, aux=aux, storage=tmp_path / "hs") as fake:
+        assert main(["capture", "--dry-run", *overrides(rd, tiny_qwen3), "capture.engine=vllm",
+                     f"capture.server_url={fake.url}"]) == 0
     out = capsys.readouterr().out
     line = next(x.strip() for x in out.splitlines() if x.strip().startswith("vllm serve"))
     assert '"method": "extract_hidden_states"' in line and "ExampleHiddenStatesConnector" in line
-    aux = _aux(rd, tiny_qwen3)
     assert f'"eagle_aux_hidden_state_layer_ids": {json.dumps(aux)}' in line, line
     assert not (rd / "capture").exists()  # a dry run creates nothing
+    # nothing answering at the URL: the dry run refuses as the run would (exit 3) and names the same flags
+    assert main(["capture", "--dry-run", *overrides(rd, tiny_qwen3), "capture.engine=vllm",
+                 "capture.server_url=http://127.0.0.1:9/v1"]) == 3
+    err = capsys.readouterr().err
+    assert "capture.server_url: nothing answers at http://127.0.0.1:9/v1" in err and line in err, err
+    assert not (rd / "capture").exists()

@@ -75,11 +75,12 @@ def test_install_refuses_a_path_it_did_not_create(tmp_path, monkeypatch, capsys,
 
 
 def test_automatic_install_refuses_too(tmp_path, monkeypatch, fake_pip):
-    """verify-engine and server.engine=vllm go through vllm.start → install: the same refusal."""
+    """verify-engine and server.engine=vllm go through vllm.start → install (opted in): the same refusal."""
     target = tmp_path / "mine"
     target.mkdir()
     (target / "notes.txt").write_text("x")
     monkeypatch.setenv(vllm.DIR_ENV, str(target))
+    monkeypatch.setenv(vllm.AUTO_INSTALL_ENV, "1")
     with pytest.raises(UsageError, match="refusing to install"):
         with vllm.start(tmp_path / "model", startup_timeout_s=1):
             pass
@@ -132,3 +133,66 @@ def test_a_failed_install_keeps_what_was_there(tmp_path, monkeypatch, fake_pip):
         vllm.install()
     assert target.is_dir() and not any(target.iterdir())
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".empty.") and not p.name.endswith(".lock")]
+
+
+def _not_installed_world(tmp_path, tiny_qwen3):
+    from dflashkit.config import TargetSection
+    from dflashkit.model.target import load_target
+    from tests.helpers import make_run, run_dir_with_drafter
+
+    rd = make_run(tmp_path / "run", tiny_qwen3)
+    (rd / "prepare").mkdir(exist_ok=True)
+    conv = {"id": "0000000000000001", "source": "t",
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    (rd / "prepare" / "train.jsonl").write_text(json.dumps(conv) + "\n")
+    (rd / "prepare" / "heldout.jsonl").write_text(json.dumps(conv) + "\n")
+    target = load_target(TargetSection(path=str(tiny_qwen3), device="cpu", dtype="float32"))
+    drafter = run_dir_with_drafter(tmp_path / "d", target) / "train" / "final"
+    return rd, drafter
+
+
+@pytest.mark.parametrize("argv,key", [
+    (["generate", "server.engine=vllm"], "server.engine=vllm"),
+    (["capture", "capture.engine=vllm"], "capture.engine=vllm"),
+    (["train", "capture.engine=vllm", "train.features=engine"], "train.features=engine"),
+    (["bench", "serve", "server.engine=vllm"], "bench serve with server.engine=vllm"),
+    (["verify-engine", "DRAFTER"], "verify-engine"),
+], ids=["generate", "capture", "train", "bench-serve", "verify-engine"])
+@pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry-run"])
+def test_a_stage_needing_vllm_refuses_without_an_install(argv, key, dry_run, tmp_path, tiny_qwen3, monkeypatch,
+                                                         fake_pip, capsys):
+    """No install from inside a stage (3.5 GB, and an unclear failure offline): exit 3 naming the command
+    that installs it and the opt-in, before anything is written or installed."""
+    import hashlib
+
+    rd, drafter = _not_installed_world(tmp_path, tiny_qwen3)
+    monkeypatch.setenv(vllm.DIR_ENV, str(tmp_path / "no-engine"))  # an empty cache: not installed
+    monkeypatch.delenv(vllm.AUTO_INSTALL_ENV, raising=False)
+
+    def snapshot():
+        return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(tmp_path.rglob("*"))
+                if p.is_file() and p.name != ".lock"}  # the run-dir lock file stays (empty, unlocked)
+
+    before = snapshot()
+    argv = [str(drafter) if a == "DRAFTER" else a for a in argv]
+    rc = main([*argv, f"run.run_dir={rd}", f"target.path={tiny_qwen3}", *(["--dry-run"] if dry_run else [])])
+    err = capsys.readouterr().err
+    assert rc == 3, err
+    assert f"{key}" in err and "needs vLLM" in err and "`dflashkit engines install vllm`" in err, err
+    assert vllm.AUTO_INSTALL_ENV in err and "Traceback" not in err, err
+    assert fake_pip == [] and not (tmp_path / "no-engine").exists()  # nothing installed
+    assert snapshot() == before  # nothing written
+
+
+def test_the_opt_in_lets_a_stage_install_vllm(tmp_path, tiny_qwen3, monkeypatch, fake_pip, capsys):
+    rd, _ = _not_installed_world(tmp_path, tiny_qwen3)
+    monkeypatch.setenv(vllm.DIR_ENV, str(tmp_path / "engine"))
+    monkeypatch.setenv(vllm.AUTO_INSTALL_ENV, "1")
+    started = []
+    monkeypatch.setattr(vllm, "serve_command", lambda venv, *a, **k: started.append(venv) or [sys.executable,
+                                                                                             "-c", "exit(1)"])
+    rc = main(["generate", "server.engine=vllm", f"run.run_dir={rd}", f"target.path={tiny_qwen3}",
+               "server.startup_timeout_s=5"])
+    err = capsys.readouterr().err
+    assert fake_pip and vllm.installed() is not None, err  # installed by the stage, as asked
+    assert started == [tmp_path / "engine"] and rc == 1, err  # then started (the fake exits at once)

@@ -10,6 +10,7 @@ import pytest
 
 from dflashkit.cli import main
 from dflashkit.config import TargetSection
+from dflashkit.engines import vllm
 from dflashkit.engines.verify import selector_runner
 from dflashkit.errors import ServerError
 from dflashkit.export.hf import save_drafter
@@ -45,7 +46,7 @@ def test_verify_engine_fails_a_dflash2_export_that_vllm_cannot_select_on(tmp_pat
     starts = []
 
     @contextmanager
-    def refusing_vllm(cfg, *, log_path, speculative=None, served_name=None):
+    def refusing_vllm(cfg, *, log_path, speculative=None, served_name=None, what=None):
         starts.append(speculative)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_path.write_text(f"{FALLBACK}\nTraceback (most recent call last):\n{REFUSED}\n")
@@ -53,6 +54,7 @@ def test_verify_engine_fails_a_dflash2_export_that_vllm_cannot_select_on(tmp_pat
         yield  # pragma: no cover
 
     monkeypatch.setattr(launch, "start_vllm_for_target", refusing_vllm)
+    monkeypatch.setenv(vllm.AUTO_INSTALL_ENV, "1")  # the stage's check passes without an install: none starts
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hello"}) + "\n")
     rd = tmp_path / "run"

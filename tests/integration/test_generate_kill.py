@@ -29,6 +29,9 @@ import pytest
 from dflashkit.generate.conversations import build_prompt, plan_turns
 from dflashkit.testing.faults import FaultServer, Faults, canned_answer
 
+# serial: each test runs a client that keeps 8 requests in flight against a server (the chaos test's
+# serves a real target on its own core), and kills it 10 times within deadlines
+pytestmark = pytest.mark.serial
 KILLS = 10
 
 

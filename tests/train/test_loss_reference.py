@@ -1,7 +1,9 @@
 """The loss object (train/loss.py) equals a slow, straightforward computation on a fixed seed: CE, KL and CE+KL
 under the fixed decay, uniform weights and D-PACE, the KL at a temperature (T² scaled), causal in-block drafters
-(JetSpec's row: forward KL, uniform weights), a reduced draft vocab, and DFlash2's selector term — the loss to
-rtol 1e-6, its gradients, and the accuracy / τ counts exactly.
+(JetSpec's row: forward KL, uniform weights), a reduced draft vocab, DFlash2's selector term, and the on-path
+labels (`train.on_path`: rollout = the target's greedy path as the labels and DFlash2's gold predecessors; mask =
+only the positions after raw tokens that agree with the target's argmax) — the loss to rtol 1e-6, its gradients,
+and the accuracy / τ counts exactly.
 
 The reference runs the drafter once over all blocks, then walks every block position in plain Python: the
 head's logits of that one position, its CE / KL / selector CE from their definitions, its weight (the decay,
@@ -33,11 +35,30 @@ def _dpace(ce: list[float], sup: list[bool], alpha: float) -> list[float]:
 
 
 def _reference(model, emb, head, feats, ids, lm, lens, a, *, loss, gamma, kl_weight=1.0, dpace=None,
-               selector=None, vocab=None, tl=None, uniform=False, temperature=1.0, causal=False):
-    """(loss, correct [B], total [B], tau_sum) from the definitions, one block position at a time."""
+               selector=None, vocab=None, tl=None, path=None, label_ids=None, uniform=False, temperature=1.0,
+               causal=False):
+    """(loss, correct [B], total [B], tau_sum) from the definitions, one block position at a time.
+
+    `path` [b, S, B−1] (rollout): position k of anchor a learns path[a, k−1], its gold predecessor is
+    path[a, k−2] (k ≥ 2). `label_ids` [b, S] (mask): position k learns label_ids[a+k] and weighs only when
+    ids[a+m] == label_ids[a+m] for every 1 ≤ m < k."""
     b, n = a.anchors.shape
     labels, w = labels_and_weights(ids, lm, lens, a, block_size=B, gamma=None if dpace or uniform else gamma)
-    labels, w = labels.view(b, n, B), w.view(b, n, B)
+    labels, w = labels.view(b, n, B), w.view(b, n, B).clone()
+    if path is not None or label_ids is not None:
+        labels = labels.clone()
+        for i in range(b):
+            for j in range(n):
+                anc = int(a.anchors[i, j])
+                for k in range(1, B):
+                    if w[i, j, k] == 0:
+                        continue
+                    if path is not None:
+                        labels[i, j, k] = path[i, anc, k - 1]
+                    else:
+                        labels[i, j, k] = label_ids[i, anc + k]
+                        if any(int(ids[i, anc + m]) != int(label_ids[i, anc + m]) for m in range(1, k)):
+                            w[i, j, k] = 0.0
     noise = emb(block_input_ids(ids, a, mask_token_id=model.mask_token_id, block_size=B))
     mask = loop_block_mask(a.anchors.tolist(), a.keep.tolist(), lens.tolist(), ctx_len=ids.shape[1], block_size=B,
                            causal=causal)
@@ -75,6 +96,8 @@ def _reference(model, emb, head, feats, ids, lm, lens, a, *, loss, gamma, kl_wei
                             top = torch.topk(scores.detach(), model.top_k).indices.tolist()
                             cand = top if label in top else top[:-1] + [label]
                             prev = int(ids[i, p - 1])   # the anchor at k = 1, the gold label after it
+                            if path is not None and k >= 2:
+                                prev = int(path[i, int(a.anchors[i, j]), k - 2])
                             sc = model.candidate_selector.pair_scores(torch.tensor([[prev]]), torch.tensor([cand]),
                                                                       scores[cand][None], hid[i, j, k][None])[0, 0]
                             part = part + selector * F.cross_entropy(sc[None], torch.tensor([cand.index(label)])).double()
@@ -103,6 +126,9 @@ CASES = {
     "dflash2-ce-decay": dict(loss="ce", selector=0.7),
     "dflash2-ce-dpace": dict(loss="ce", dpace=0.5, selector=1.0),
     "dflash2-ce+kl": dict(loss="ce+kl", kl_weight=0.5, selector=0.4),
+    "ce-decay-rollout": dict(loss="ce", on_path="rollout"),
+    "ce-dpace-mask": dict(loss="ce", dpace=0.5, on_path="mask"),
+    "dflash2-ce-rollout": dict(loss="ce", selector=0.7, on_path="rollout"),
     "ce-uniform": dict(loss="ce", uniform=True),
     "kl-T2-decay": dict(loss="kl", temperature=2.0),
     # JetSpec as NeMo Automodel trains it: forward KL, T² scaled, uniform weights over 1 … B−1, causal blocks
@@ -138,6 +164,12 @@ def test_the_loss_object_equals_the_slow_reference(case):
     tl = torch.randn(*lm.shape, V, generator=g).double() * 3
     vocab = torch.tensor([0, 2, 3, 5, 7, 9, 20]) if kw.pop("vocab", False) else None
     loss_head = head if vocab is None else restricted_head(head, vocab)
+    on_path = kw.pop("on_path", None)
+    path = torch.randint(0, 12, (*lm.shape, B - 1), generator=g) if on_path == "rollout" else None
+    # mask: the target's argmax labels agree with the raw text at about half the positions
+    label_ids = torch.where(torch.rand(lm.shape, generator=g) < 0.5, ids, torch.randint(0, 12, lm.shape, generator=g)) \
+        if on_path == "mask" else None
+    kw.update(path=path, label_ids=label_ids)
 
     ref, correct, count, tau = _reference(model, emb, loss_head, feats, ids, lm, lens, a, gamma=gamma, vocab=vocab,
                                           tl=tl, **kw)
@@ -149,9 +181,11 @@ def test_the_loss_object_equals_the_slow_reference(case):
                  position_weighting=weighting, dpace_alpha=kw.get("dpace") or 0.5,
                  selector_loss_weight=kw.get("selector") or 1.0, kl_temperature=kw.get("temperature", 1.0))
     objective = train_loss(c, gamma=gamma, **train)
-    denom = weight_sum(lm, lens, a, input_ids=ids, block_size=B, gamma=objective.weighting.label_gamma, vocab=vocab)
-    out = objective(model, Heads(emb, loss_head, vocab), LossInputs(feats, ids, lm, lens, target_logits=tl), a,
-                    denom=denom)
+    denom = weight_sum(lm, lens, a, input_ids=ids, block_size=B, gamma=objective.weighting.label_gamma, vocab=vocab,
+                       label_ids=label_ids, path_ids=path, on_path_only=on_path == "mask")
+    x = LossInputs(feats, ids, lm, lens, target_logits=tl, label_ids=label_ids, path_ids=path,
+                   on_path_only=on_path == "mask")
+    out = objective(model, Heads(emb, loss_head, vocab), x, a, denom=denom)
     out.loss.backward()
     assert float(ref) > 0 and math.isclose(float(out.loss), float(ref), rel_tol=1e-6), (float(out.loss), float(ref))
     for k, gr in want.items():  # float32 logits on both sides: near-zero entries differ at ~1e-7 of the largest

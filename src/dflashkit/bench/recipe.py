@@ -163,12 +163,14 @@ def _made_before_markers(vroot: Path) -> bool:
 def plan_variants(cfg: RunConfig, rd: RunDir
                   ) -> dict[str, tuple[list[str], RunConfig, DrafterContract | None]]:
     """name → (overrides, config, contract or None) of every variant, built and checked before any trains:
-    names, override keys and values, and the drafter.* keys against the contract the variant will train
-    (its own, `variant_contract`, when it changes the drafter's shape): a bad last variant fails before
-    the first one costs minutes, and a user's directory where a variant would go is refused."""
-    from dflashkit.errors import ConfigError, DflashkitError
+    names, override keys and values, the drafter.* keys against the contract the variant will train
+    (its own, `variant_contract`, when it changes the drafter's shape), and with train.features=cached
+    that this run's capture/ holds the variant's feature layers: a bad last variant fails before the first
+    one costs minutes, and a user's directory where a variant would go is refused."""
+    from dflashkit.data.shards import tokenized_shards
+    from dflashkit.errors import ConfigError, DflashkitError, MissingArtifactError
     from dflashkit.rundir import check_replaceable
-    from dflashkit.train.guards import check_drafter_overrides
+    from dflashkit.train.guards import check_cached_features, check_drafter_overrides
 
     steps = int(cfg.bench.recipe_steps)
     root = rd.bench_dir / "recipe"
@@ -185,10 +187,14 @@ def plan_variants(cfg: RunConfig, rd: RunDir
             own = variant_contract(over, vcfg, base) if base is not None else None
             if base is not None:
                 check_drafter_overrides(vcfg, own or base, rd.contract_path if own is None else "its own contract")
+                # the variant trains on this run's capture/ (linked): its feature layers must be in it
+                check_cached_features(vcfg, rd, own or base, tokenized_shards(rd))
         except ConfigError as e:
             raise ConfigError([f"bench.recipe_variants.{name}: {p}" for p in e.problems], hint=e.hint) from None
+        except MissingArtifactError:  # exit 3: the stage that makes it is named
+            raise
         except DflashkitError as e:
-            raise ConfigError([f"bench.recipe_variants.{name}: {e.message}"]) from None
+            raise ConfigError([f"bench.recipe_variants.{name}: {e.message}"], hint=e.hint) from None
         if not _made_before_markers(root / name):  # a variant dir from before MARKER existed is ours too
             check_replaceable(root / name, owner="bench recipe", marker=MARKER)
         out[name] = (over, vcfg, own)
@@ -281,14 +287,17 @@ def row_of(name: str, over: list[str], vcfg: RunConfig, res: dict, *, wall_s: fl
     acc = held.get("acc") or []
     by = res.get("heldout_by_source") or {}
     second = second_source(vcfg, by)
+    # the gap compares train τ with the held-out τ under the labels training scored itself with
+    held_train = held.get("tau") if vcfg.train.on_path == "rollout" else held.get("tau_raw", held.get("tau"))
     return {"variant": name, "overrides": list(over), "steps": res.get("steps"), "drafter_type": vcfg.drafter.type,
             "cpu_minutes": round(res["cpu_s"] / 60, 3) if res.get("cpu_s") is not None else None,
             "supervised_tokens": res.get("supervised_tokens"),
             "heldout_tau": held.get("tau"), "heldout_acc1": acc[0] if acc else None, "heldout_acc": acc,
             "heldout_unary_tau": held.get("unary_tau", held.get("tau")),
             "heldout_loss": held.get("loss"), "train_tau": train.get("tau"),
-            "gap_tau": (None if held.get("tau") is None or train.get("tau") is None
-                        else round(train["tau"] - held["tau"], 4)),
+            "heldout_labels": held.get("heldout_labels"), "heldout_tau_raw": held.get("tau_raw"),
+            "gap_tau": (None if held_train is None or train.get("tau") is None
+                        else round(train["tau"] - held_train, 4)),
             "second_source": second, "second_source_tau": (by.get(second) or {}).get("tau") if second else None,
             "heldout_by_source": {k: v.get("tau") for k, v in by.items()},
             "load_before": load[0], "load_after": load[1], "wall_s": round(wall_s, 1), "curve": curve}

@@ -93,8 +93,21 @@ def _prompts(rd) -> list[str]:
     return heldout_user_prompts(rd) or DEFAULT_PROMPTS
 
 
+ENGINE_KEY = "bench serve with server.engine=vllm and no bench.urls"
+
+
+def check_bench_serve(cfg: RunConfig) -> None:
+    """Every refusal of `bench serve` before it starts a server (its --dry-run too): the vLLM its engine
+    methods need."""
+    if not cfg.bench.urls and cfg.server.engine == "vllm" and set(cfg.bench.engine_methods) - {"dflashkit"}:
+        from dflashkit.engines.launch import check_vllm_for_target
+
+        check_vllm_for_target(cfg, ENGINE_KEY)
+
+
 def bench_serve(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     b = cfg.bench
+    check_bench_serve(cfg)
     prompts = _prompts(rd)
     if not b.urls and cfg.server.engine == "vllm":  # AR vs ngram vs DFlash (vs `dflashkit serve`) in vLLM
         from dflashkit.engines.bench import bench_engine_serve

@@ -193,7 +193,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, *,
         if not p.is_file():
             raise UsageError(f"config file not found: {p}", hint="pass -c path/to/run.yaml")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            text = p.read_text()
+            _refuse_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), p)
+            data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark else str(p)
@@ -207,6 +209,35 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, *,
         keys |= {key} | set(_leaf_keys(value, key))
     set_given_keys(cfg, keys)
     return cfg
+
+
+def _refuse_duplicate_keys(node: Any, path: Path) -> None:
+    """Exit 2 naming every key given twice in one mapping, at any depth (a second `train:` section
+    included), with both lines: YAML would silently keep only the last. Walks PyYAML's node tree."""
+    found: list[str] = []
+
+    def walk(n: Any, prefix: str) -> None:
+        if isinstance(n, yaml.MappingNode):
+            seen: dict[str, int] = {}
+            for k, v in n.value:
+                if k.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` merges; it is not a key
+                    continue
+                name = str(k.value)
+                key = f"{prefix}.{name}" if prefix else name
+                line = k.start_mark.line + 1
+                if name in seen:
+                    found.append(f"{path}:{line}: `{key}` is given twice (first at line {seen[name]}); YAML "
+                                 "would keep only this one")
+                else:
+                    seen[name] = line
+                walk(v, key)
+        elif isinstance(n, yaml.SequenceNode):
+            for i, v in enumerate(n.value):
+                walk(v, f"{prefix}[{i}]")
+
+    walk(node, "")
+    if found:
+        raise ConfigError(found, hint=f"keep one of each in {path} (merge the two sections into one)")
 
 
 def _leaf_keys(data: Any, prefix: str = "") -> list[str]:

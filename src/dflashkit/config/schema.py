@@ -200,7 +200,8 @@ class ServerSection:
     engine: Literal["dflashkit", "vllm"] = f(
         "dflashkit", "When `urls` is empty: the server `generate` and `bench serve` start for target.path: "
         "`dflashkit serve`, or vLLM (the CPU build, installed once into the cache by "
-        "`dflashkit engines install vllm` or on first use; logs in <stage dir>/engine.log).",
+        "`dflashkit engines install vllm`; without it the stage refuses, exit 3, unless "
+        "DFLASHKIT_VLLM_AUTO_INSTALL=1 lets it install; logs in <stage dir>/engine.log).",
         hash_default=False)
 
 
@@ -356,6 +357,16 @@ class TrainSection:
         "prediction there (its argmax at a+k-1, from the same forward that gives the features). `target` "
         "makes raw, non-regenerated text (data.sources[].answers=original) train on-policy at slot 1; on "
         "greedy regenerated data both agree up to numerical near-ties.", hash_default=False)
+    on_path: Literal["off", "mask", "rollout"] = f(
+        "off", "train.labels=target on raw text: slot k learns the target's argmax after the RAW tokens up to a+k-1, "
+        "which is off the target's own greedy path (the one verification checks) once a raw token inside the "
+        "block differs from the target's argmax. rollout = learn the target's greedy continuation of x[..a] "
+        "instead (exact; capture stores it as path_ids [tokens, B-1] int32, 4·(B-1) B/token, and the target "
+        "decodes (B-2) extra tokens per raw token where the text disagrees with it: ≈ (B-2) × the disagreement "
+        "rate per raw token, computed in capture or online; not with train.features=engine or "
+        "capture.engine=vllm); mask = keep today's labels but give weight 0 to every position past the first "
+        "disagreement in its block (free); off = today's labels everywhere. Held-out τ is scored on the "
+        "target's path whatever this says (docs/training-data.md).", hash_default=False)
     position_weighting: Literal["decay", "uniform", "dpace"] = f(
         "decay", "Loss weight per block position: the fixed decay exp(-(k-1)/gamma); uniform = 1 at every position "
         "1 … B-1 (train.gamma unused; JetSpec's KL recipe); or D-PACE (weights from the drafter's own confidence, "

@@ -29,6 +29,32 @@ def _at_least(problems: list[str], prefix: str, section: Any, low: int, *names: 
             problems.append(f"{prefix}.{name}: must be >= {low}, got {value}")
 
 
+def _on_path_problems(cfg: RunConfig) -> list[str]:
+    """`train.on_path`: only with target labels; rollout needs the target's own decoder (not an engine's rows)."""
+    t, p = cfg.train, []  # type: Any, list[str]
+    if t.on_path == "off":
+        return p
+    if t.labels != "target":
+        p.append(f"train.on_path: {t.on_path} needs train.labels=target (it corrects the target's labels on raw "
+                 f"text), got train.labels={t.labels}")
+    if t.on_path != "rollout":
+        return p
+    if t.features == "engine":
+        p.append("train.on_path: rollout needs the target's greedy path, which train.features=engine does not "
+                 "give (the engine returns next-token ids only); use train.on_path=mask")
+    elif t.features == "cached" and cfg.capture.engine == "vllm":
+        p.append("train.on_path: rollout needs path_ids in the feature shards, which capture.engine=vllm does not "
+                 "write; use train.on_path=mask (or capture.engine=local)")
+    if t.loss != "ce":
+        p.append(f"train.on_path: rollout gives hard labels on the target's path, but train.loss={t.loss} also "
+                 "distils the target's distribution after the raw tokens; use train.loss=ce or train.on_path=mask")
+    if t.features == "online" and t.parallel.target == "shard":
+        p.append("train.on_path: rollout online with train.parallel.target=shard is not supported (each rank "
+                 "would decode a different number of path tokens through the sharded target); capture the "
+                 "path first (train.features=cached) or use train.on_path=mask")
+    return p
+
+
 def problems(cfg: RunConfig) -> list[str]:
     """Cross-field checks; each message names its dotted key."""
     p: list[str] = []
@@ -79,6 +105,7 @@ def problems(cfg: RunConfig) -> list[str]:
         p.append(f"train.betas: expected two numbers, got {t.betas}")
     _at_least(p, "train", t, 0, "keep_checkpoints")
     _at_least(p, "train", t, 1, "engine_prefetch")
+    p.extend(_on_path_problems(cfg))
     if t.features == "engine" and cfg.capture.engine != "vllm":
         p.append("train.features: engine needs capture.engine=vllm (train starts vLLM for target.path) or "
                  "capture.server_url (a vLLM you run; set capture.engine=vllm too)")
@@ -154,6 +181,59 @@ def problems(cfg: RunConfig) -> list[str]:
         if s.weight <= 0:
             p.append(f"data.sources[{i}].weight: must be > 0, got {s.weight}")
     p += _stage_option_problems(cfg)
+    p += _range_problems(cfg)
+    return p
+
+
+def _values(cfg: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of every leaf of a config, list items as `key[i]` (sections and lists walked)."""
+    import dataclasses
+
+    out: list[tuple[str, Any]] = []
+    for fl in dataclasses.fields(cfg):
+        key, value = f"{prefix}{fl.name}", getattr(cfg, fl.name)
+        if dataclasses.is_dataclass(value):
+            out += _values(value, key + ".")
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                out += _values(v, f"{key}[{i}].") if dataclasses.is_dataclass(v) else [(f"{key}[{i}]", v)]
+        else:
+            out.append((key, value))
+    return out
+
+
+def _range_problems(cfg: RunConfig) -> list[str]:
+    """The rules every field obeys (no number is nan or inf, no string holds a NUL byte: no path or name
+    can), then the ranges the other checks do not cover."""
+    import math
+
+    p: list[str] = []
+    for key, v in _values(cfg):
+        if isinstance(v, float) and not math.isfinite(v):
+            p.append(f"{key}: must be a finite number, got {v}")
+        elif isinstance(v, str) and "\x00" in v:
+            p.append(f"{key}: contains a NUL byte (\\x00), which no path or name can hold: {v!r}")
+    if p:
+        return p
+    t = cfg.train
+    if not 0 <= t.muon_momentum < 1:
+        p.append(f"train.muon_momentum: must be in [0, 1) (the share of the last update kept), got {t.muon_momentum}")
+    if not t.forecast_tau > 1:
+        p.append(f"train.forecast_tau: must be > 1 (τ counts the bonus token: τ 1 is decoding without a drafter), "
+                 f"got {t.forecast_tau}")
+    if not 0 <= t.min_lr_ratio <= 1:
+        p.append(f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
+    if len(t.betas) == 2 and not all(0 <= b < 1 for b in t.betas):
+        p.append(f"train.betas: each must be in [0, 1), got {t.betas}")
+    for name in ("weight_decay", "grad_clip", "kl_weight"):
+        if getattr(t, name) < 0:
+            p.append(f"train.{name}: must be >= 0, got {getattr(t, name)}")
+    if t.gamma is not None and not t.gamma > 0:
+        p.append(f"train.gamma: must be > 0 (or null), got {t.gamma}")
+    if cfg.drafter.rms_norm_eps is not None and not cfg.drafter.rms_norm_eps > 0:
+        p.append(f"drafter.rms_norm_eps: must be > 0 (or null), got {cfg.drafter.rms_norm_eps}")
+    if not cfg.export.check_atol > 0:
+        p.append(f"export.check_atol: must be > 0, got {cfg.export.check_atol}")
     return p
 
 

@@ -3,20 +3,29 @@ disk against the free space) and the capture through the target in this process.
 format, its writer and its reader are `data/features.py`; the vLLM path is `engines/capture.py`.
 
 Usage:
-    plan = plan_capture(cfg, contract, data, rd.capture_dir)   # plan.todo, plan.need (bytes), plan.message()
+    plan = plan_capture(cfg, contract, data, rd.capture_dir, heldout=heldout_idx)   # plan.todo, plan.need (bytes)
     plan.refuse_if_too_big(cfg.capture.max_disk_fraction, out_dir)
     for dest, samples, tokens in capture_local(cfg, contract, data, plan, where=str(rd.contract_path)): ...
+    plan.path_cost.as_dict()                                   # what the greedy paths cost (target tokens)
+
+The target's greedy path (`path_ids`, `model/path_labels.py`) of depth B−1 is computed, from the same
+forward as the features, for the held-out samples always (the yardstick scores held-out blocks on it)
+and for every sample with `train.on_path=rollout`. A shard whose features still match but which lacks
+some of those paths is not captured again: only its missing paths are computed and the shard is
+rewritten with its stored rows (`plan.patch`).
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from dflashkit.data.features import ST_DTYPES, local_batches, shard_matches, shard_metadata_for, shard_path, write_shard
+from dflashkit.data.features import (ST_DTYPES, PathCost, PathSpec, local_batches, missing_path_rows, shard_matches,
+                                     shard_metadata, shard_metadata_for, shard_path, stored_rows, stored_width,
+                                     write_shard)
 from dflashkit.errors import UsageError
 from dflashkit.progress import Progress
 from dflashkit.rundir import file_digest
@@ -41,11 +50,23 @@ class CapturePlan:
     need: int
     free: int
     what: str
+    path_depth: int = 0                                          # D of the greedy paths (0: none, engine capture)
+    path_rows: dict[int, Any] = field(default_factory=dict)      # shard index → PathRows it must hold
+    patch: list[tuple[int, Path, Path, list[int]]] = field(default_factory=list)  # (shard, src, dest, rows)
+    path_cost: PathCost = field(default_factory=PathCost)
 
     def message(self, shards: int) -> str:
+        patch = f", {len(self.patch)} more to add greedy paths to" if self.patch else ""
         return (f"capture: {self.tokens} tokens x ({self.what}) = {self.per_token} B/token = "
                 f"{self.tokens * self.per_token / 1e9:.3f} GB in total, {self.need / 1e9:.3f} GB to write "
-                f"({len(self.todo)}/{shards} shards); {self.free / 1e9:.1f} GB free")
+                f"({len(self.todo)}/{shards} shards{patch}); {self.free / 1e9:.1f} GB free")
+
+    def path_message(self) -> str:
+        c = self.path_cost.as_dict()
+        return (f"capture: greedy paths (depth {self.path_depth}) of {c['tokens']} tokens ({c['supervised_tokens']} "
+                f"supervised): {c['rolled_tokens']} extra target tokens = {c['extra_per_token']} per token, "
+                f"{c['extra_per_supervised_token']} per supervised token ({c['rollout_rows']} rows where the text "
+                "differs from the target's argmax)")
 
     def refuse_if_too_big(self, max_disk_fraction: float, out_dir: Path) -> None:
         if self.need > max_disk_fraction * self.free:
@@ -67,8 +88,22 @@ def capture_layer_ids(cfg: Any, contract: Any) -> list[int]:
     return ids + extra
 
 
-def plan_capture(cfg: Any, contract: Any, data: Any, out_dir: Path) -> CapturePlan:
-    """The shards whose features are missing or stale (layer ids, source digest, dtype, autocast, engine)."""
+def path_rows_wanted(cfg: Any, data: Any, heldout: list[int]) -> dict[int, Any]:
+    """Per tokenized shard, the rows (PathRows) whose greedy path capture writes: all with
+    `train.on_path=rollout`, else the held-out samples'."""
+    if cfg.train.on_path == "rollout":
+        return {si: "all" for si in range(len(data.shards))}
+    out: dict[int, Any] = {}
+    for i in heldout:
+        si, row = data.where[i]
+        out.setdefault(si, []).append(row)
+    return {si: sorted(rows) for si, rows in out.items()}
+
+
+def plan_capture(cfg: Any, contract: Any, data: Any, out_dir: Path, *, heldout: list[int] | None = None) -> CapturePlan:
+    """The shards whose features are missing or stale (layer ids, source digest, dtype, autocast, engine),
+    and those whose features match but lack greedy paths (`heldout`: the held-out sample indices)."""
+    from dflashkit.model.path_labels import path_depth
     from dflashkit.model.target import resolve_device, resolve_dtype, target_autocast
 
     dtype = cfg.capture.dtype
@@ -80,23 +115,31 @@ def plan_capture(cfg: Any, contract: Any, data: Any, out_dir: Path) -> CapturePl
     autocast = None if engine == "vllm" else target_autocast(cfg.train.target_dtype, dev,
                                                               resolve_dtype(cfg.target.dtype, dev))
     keep_last = cfg.capture.last_hidden == "true" or (cfg.capture.last_hidden == "auto" and cfg.train.loss != "ce")
-    per_token = (width + (contract.hidden_size if keep_last else 0)) * ST_DTYPES[dtype][1] + 4
+    depth = path_depth(contract.block_size) if engine == "local" else 0  # an engine gives no greedy paths
+    wanted = path_rows_wanted(cfg, data, heldout or []) if depth else {}
+    per_token = (width + (contract.hidden_size if keep_last else 0)) * ST_DTYPES[dtype][1] + 4 + \
+        (4 * depth if wanted else 0)
     tokens = sum(len(x) for x in data.input_ids)
-    todo = []
+    todo, patch = [], []
+    samples = [0] * len(data.shards)
+    for si, _ in data.where:
+        samples[si] += 1
     for si, shard in enumerate(data.shards):
         digest = file_digest(shard, limit=None)
         dest = shard_path(out_dir, shard)
         if not shard_matches(dest, layer_ids=layer_ids, digest=digest, dtype=dtype, last_hidden=keep_last,
                              autocast=str(autocast or "none"), engine=engine):
             todo.append((si, shard, digest, dest))
-    todo_ids = {t[0] for t in todo}
+        elif missing := missing_path_rows(dest, wanted.get(si), samples[si], depth):
+            patch.append((si, shard, dest, missing))
+    todo_ids = {t[0] for t in todo} | {p[0] for p in patch}
     need = sum(len(data.input_ids[i]) for i, (si, _) in enumerate(data.where) if si in todo_ids) * per_token
     free = shutil.disk_usage(next(p for p in (out_dir, *out_dir.parents) if p.exists())).free
     what = f"{len(layer_ids)}{' + 1 (last hidden)' if keep_last else ''} x {contract.hidden_size} x " \
-           f"{ST_DTYPES[dtype][1]} B + 4 B (next ids)"
+           f"{ST_DTYPES[dtype][1]} B + 4 B (next ids){f' + {depth} x 4 B (greedy path)' if wanted else ''}"
     return CapturePlan(layer_ids=layer_ids, dtype=dtype, engine=engine, autocast=autocast, keep_last=keep_last,
                        width=width, hidden=contract.hidden_size, per_token=per_token, tokens=tokens, todo=todo,
-                       need=need, free=free, what=what)
+                       need=need, free=free, what=what, path_depth=depth, path_rows=wanted, patch=patch)
 
 
 def shard_rows(data: Any, si: int) -> list[Any]:
@@ -104,6 +147,11 @@ def shard_rows(data: Any, si: int) -> list[Any]:
     import torch
 
     return [torch.from_numpy(data.input_ids[i]) for i, (s, _) in enumerate(data.where) if s == si]
+
+
+def _path_spec(plan: CapturePlan, data: Any, si: int, rows: Any) -> PathSpec:
+    masks = [data.loss_mask[i] for i, (s, _) in enumerate(data.where) if s == si]
+    return PathSpec(depth=plan.path_depth if rows else 0, rows=rows, loss_masks=masks, cost=plan.path_cost)
 
 
 def capture_local(cfg: Any, contract: Any, data: Any, plan: CapturePlan, *, where: str) -> Iterator[tuple[Path, int, int]]:
@@ -123,10 +171,30 @@ def capture_local(cfg: Any, contract: Any, data: Any, plan: CapturePlan, *, wher
         rows = shard_rows(data, si)
         meta = shard_metadata_for(layer_ids=plan.layer_ids, source=shard.name, digest=digest, dtype=plan.dtype,
                                   hidden=plan.hidden, samples=len(rows), autocast=str(plan.autocast or "none"))
+        paths = _path_spec(plan, data, si, plan.path_rows.get(si))
         batches = bar.track(local_batches(target, rows, plan.layer_ids, batch_size=cfg.capture.batch_size,
-                                          pad_id=pad, last_hidden=plan.keep_last, autocast=plan.autocast),
+                                          pad_id=pad, last_hidden=plan.keep_last, autocast=plan.autocast,
+                                          paths=paths),
                             size=lambda batch: sum(len(r[2]) for r in batch))
         n = write_shard(dest, [len(r) for r in rows], batches, dtype=plan.dtype, metadata=meta, width=plan.width,
-                        hidden=plan.hidden, last_hidden=plan.keep_last)
+                        hidden=plan.hidden, last_hidden=plan.keep_last, path_depth=paths.depth)
+        yield dest, len(rows), n
+    for si, _shard, dest, missing in plan.patch:  # features kept: the target runs over the missing paths' samples
+        rows = shard_rows(data, si)
+        masks = _path_spec(plan, data, si, missing).loss_masks or []
+        paths = PathSpec(depth=plan.path_depth, rows="all", loss_masks=[masks[r] for r in missing],
+                         cost=plan.path_cost)  # local_batches numbers the rows it is given: all of them
+        new: dict[int, Any] = {}
+        for batch in bar.track(local_batches(target, [rows[r] for r in missing], plan.layer_ids,
+                                             batch_size=cfg.capture.batch_size, pad_id=pad, last_hidden=False,
+                                             autocast=plan.autocast, paths=paths),
+                               size=lambda batch: sum(len(r[2]) for r in batch)):
+            new.update((missing[r[0]], r[4]) for r in batch)
+        meta = dict(shard_metadata(dest) or {})
+        n = write_shard(dest, [len(r) for r in rows], stored_rows(dest, [len(r) for r in rows], new,
+                                                                  depth=plan.path_depth),
+                        dtype=plan.dtype, metadata=meta, width=stored_width(dest), hidden=plan.hidden,
+                        last_hidden=meta.get("last_hidden") == "1", path_depth=plan.path_depth)
+        log.info("%s: added the greedy paths of %d samples (features kept)", dest.name, len(missing))
         yield dest, len(rows), n
     bar.close()

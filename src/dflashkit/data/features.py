@@ -10,9 +10,14 @@ Usage:
 
 A shard holds `offsets` [samples+1] (int64 row offsets, in tokenized-shard order), `features`
 [tokens, n_feat·H] (capture.dtype), `next_ids` [tokens] (int32, the target's greedy next token),
-optionally `last_hidden` [tokens, H] (capture.dtype), and string metadata: `target_layer_ids`
-(JSON), `source`, `source_digest`, `dtype`, `hidden_size`, `samples`, `target_autocast`,
-`next_ids: "1"`, `last_hidden: "1"|"0"`. The file is written by the `safetensors` library
+optionally `last_hidden` [tokens, H] (capture.dtype), optionally `path_ids` [tokens, D] (int32, the
+target's greedy continuation of depth D after each raw prefix, `model/path_labels.py`; −1 where not
+computed: outside the rows block labels read, and in samples not in `path_rows`), and string metadata:
+`target_layer_ids` (JSON), `source`, `source_digest`, `dtype`, `hidden_size`, `samples`,
+`target_autocast`, `next_ids: "1"`, `last_hidden: "1"|"0"`, and with path_ids `path_depth` (D) and
+`path_rows` ("all", or a JSON list of the samples, by row in the shard, that have theirs: capture
+computes them for the held-out samples always, for all with `train.on_path=rollout`). The file is
+written by the `safetensors` library
 (`save_file`) through a temp file + rename; rows arrive in any order (batches of similar length)
 and are spooled into memory-mapped scratch files beside the shard first, so a shard is never held in
 memory whole (the scratch files — one shard's worth of disk at a time — are removed after).
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -33,7 +39,9 @@ from dflashkit.rundir import atomic_path
 
 # capture.dtype → (safetensors dtype name, bytes per value)
 ST_DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
-Row = tuple[int, torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # (row index, features, next_ids, last_hidden)
+# (row index, features, next_ids, last_hidden[, path_ids [n, D] or None])
+Row = tuple[Any, ...]
+PathRows = Any  # the samples (by row) that need path_ids: a list of rows, "all", or None = none
 
 
 def shard_path(capture_dir: Path, token_shard: Path) -> Path:
@@ -63,7 +71,8 @@ def shard_metadata_for(*, layer_ids: list[int], source: str, digest: str, dtype:
 
 def shard_matches(path: Path, *, layer_ids: list[int], digest: str, dtype: str, last_hidden: bool,
                   autocast: str, engine: str = "local") -> bool:
-    """Whether a complete shard at `path` holds what this capture would write (then it is skipped)."""
+    """Whether a complete shard at `path` holds the features this capture would write (then they are kept;
+    `missing_path_rows` says whether its path_ids still need rows)."""
     meta = shard_metadata(path)
     if meta is None:
         return False
@@ -74,10 +83,69 @@ def shard_matches(path: Path, *, layer_ids: list[int], digest: str, dtype: str, 
             and meta.get("target_autocast", "none") == autocast and meta.get("engine", "local") == engine)
 
 
+def path_coverage(meta: dict[str, str] | None, samples: int) -> tuple[int, set[int]]:
+    """(depth, the rows that have path_ids) of a shard's metadata (0, {} without path_ids)."""
+    if not meta or "path_depth" not in meta:
+        return 0, set()
+    rows = meta.get("path_rows", "[]")
+    return int(meta["path_depth"]), set(range(samples)) if rows == "all" else set(json.loads(rows))
+
+
+def missing_path_rows(path: Path, want: PathRows, samples: int, depth: int) -> list[int]:
+    """The rows of `want` whose path_ids (of depth ≥ `depth`) the shard at `path` lacks (all of them when it
+    has a smaller depth)."""
+    rows = list(range(samples)) if want == "all" else sorted(want or [])
+    if not rows or depth <= 0:
+        return []
+    have_depth, have = path_coverage(shard_metadata(path), samples)
+    return rows if have_depth < depth else [r for r in rows if r not in have]
+
+
+@dataclass
+class PathCost:
+    """What computing greedy paths cost: target tokens fed beyond the prefill (`GreedyPath.rolled`), the
+    rows that needed them (raw next token ≠ the target's argmax), and the tokens / supervised tokens of the
+    samples that got paths."""
+
+    rolled: int = 0
+    rollout_rows: int = 0
+    tokens: int = 0
+    supervised: int = 0
+
+    def add(self, other: "PathCost") -> None:
+        for k in ("rolled", "rollout_rows", "tokens", "supervised"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
+    def as_dict(self) -> dict[str, Any]:
+        per = (lambda x, n: round(x / n, 4) if n else None)
+        return {"rolled_tokens": self.rolled, "rollout_rows": self.rollout_rows, "tokens": self.tokens,
+                "supervised_tokens": self.supervised, "extra_per_token": per(self.rolled, self.tokens),
+                "extra_per_supervised_token": per(self.rolled, self.supervised),
+                "rollout_rows_per_supervised_token": per(self.rollout_rows, self.supervised)}
+
+
+@dataclass
+class PathSpec:
+    """Which rows of a shard get the greedy path of depth `depth` (`rows`: PathRows), with their loss masks
+    (the rows block labels read: `label_need`); `cost` adds up what it took."""
+
+    depth: int = 0
+    rows: Any = None                     # PathRows
+    loss_masks: list[Any] | None = None  # per row of the shard (numpy / tensor 0/1)
+    cost: PathCost = field(default_factory=PathCost)
+
+    def wants(self, row: int) -> bool:
+        return self.depth > 0 and (self.rows == "all" or (self.rows is not None and row in self.rows))
+
+
 def local_batches(target: Any, rows: list[torch.Tensor], layer_ids: list[int], *, batch_size: int, pad_id: int,
-                  last_hidden: bool, autocast: torch.dtype | None = None) -> Iterator[list[Row]]:
+                  last_hidden: bool, autocast: torch.dtype | None = None,
+                  paths: PathSpec | None = None) -> Iterator[list[Row]]:
     """The target in this process: samples in batches of similar length (sorted, so padding costs
-    little); yields [(row index, features [n, W], next_ids [n], last_hidden [n, H] | None)] per batch."""
+    little); yields [(row index, features [n, W], next_ids [n], last_hidden [n, H] | None, path_ids [n, D] |
+    None)] per batch. `paths`: the greedy path of its rows, from the same forward (its KV cache)."""
+    from dflashkit.model.path_labels import path_cache
+
     lens = [len(r) for r in rows]
     order = sorted(range(len(rows)), key=lambda i: lens[i])
     for k in range(0, len(order), batch_size):
@@ -87,12 +155,38 @@ def local_batches(target: Any, rows: list[torch.Tensor], layer_ids: list[int], *
         att = torch.zeros((len(part), s), dtype=torch.long)
         for j, i in enumerate(part):
             ids[j, :lens[i]], att[j, :lens[i]] = rows[i], 1
+        want = [paths is not None and paths.wants(i) for i in part]
+        path = None
         with torch.no_grad(), torch.autocast(target.device.type, dtype=autocast, enabled=autocast is not None):
+            cache = path_cache() if any(want) else None
             feats, last = target.features(ids.to(target.device), layer_ids=layer_ids, need_last_hidden=True,
-                                          attention_mask=att.to(target.device))
+                                          attention_mask=att.to(target.device),
+                                          **({"cache": cache, "use_cache": True} if cache is not None else {}))
             nxt = target.next_token_ids(last)
-        yield [(i, feats[j, :lens[i]], nxt[j, :lens[i]], last[j, :lens[i]] if last_hidden else None)
+            if paths is not None and cache is not None:
+                path = _batch_paths(target, ids, att, nxt, cache, part, want, paths)
+        yield [(i, feats[j, :lens[i]], nxt[j, :lens[i]], last[j, :lens[i]] if last_hidden else None,
+                path[j, :lens[i]] if path is not None and want[j] else None)
                for j, i in enumerate(part)]
+
+
+def _batch_paths(target: Any, ids: torch.Tensor, att: torch.Tensor, nxt: torch.Tensor, cache: Any,
+                 part: list[int], want: list[bool], paths: PathSpec) -> torch.Tensor:
+    """The greedy path of the wanted rows of one batch (the rows block labels read), its cost added to `paths`."""
+    from dflashkit.model.path_labels import greedy_path_ids, label_need
+
+    dev = target.device
+    lens = att.sum(1)
+    lm = torch.zeros_like(att)
+    for j, i in enumerate(part):
+        if want[j]:
+            m = paths.loss_masks[i] if paths.loss_masks is not None else None
+            lm[j, :int(lens[j])] = 1 if m is None else torch.as_tensor(m[:int(lens[j])]).long()
+    need = label_need(lm.to(dev), lens.to(dev), paths.depth)
+    got = greedy_path_ids(target, ids.to(dev), lens.to(dev), paths.depth, next_ids=nxt, cache=cache, need=need)
+    wanted = torch.tensor(want)
+    paths.cost.add(PathCost(got.rolled, got.rollout_rows, int(lens[wanted].sum()), int(lm[wanted].sum())))
+    return got.path_ids
 
 
 def _spool(directory: Path, shape: tuple[int, ...], dtype: torch.dtype, keep: list) -> torch.Tensor:
@@ -110,10 +204,11 @@ def _spool(directory: Path, shape: tuple[int, ...], dtype: torch.dtype, keep: li
 
 
 def write_shard(path: Path, lens: list[int], batches: Iterable[list[Row]], *, dtype: str, metadata: dict[str, str],
-                width: int, hidden: int, last_hidden: bool = False) -> int:
+                width: int, hidden: int, last_hidden: bool = False, path_depth: int = 0) -> int:
     """Write one feature shard (the format in the module doc) from `batches` of rows in any order
-    (`local_batches`, or a serving engine's rows); returns its token count. Nothing is renamed into
-    `path` unless every row arrived."""
+    (`local_batches`, `stored_rows`, or a serving engine's rows); returns its token count. Nothing is renamed
+    into `path` unless every row arrived. `path_depth` D > 0: a `path_ids` [tokens, D] tensor holds the
+    rows that come with one (the others stay −1; `path_rows` records which)."""
     from safetensors.torch import save_file
 
     tdtype = getattr(torch, dtype)
@@ -126,10 +221,14 @@ def write_shard(path: Path, lens: list[int], batches: Iterable[list[Row]], *, dt
     try:
         feats = _spool(path.parent, (total, width), tdtype, keep)
         last = _spool(path.parent, (total, hidden), tdtype, keep) if last_hidden else None
+        paths = torch.full((total, path_depth), -1, dtype=torch.int32) if path_depth > 0 else None
+        with_path: list[int] = []
         next_ids = torch.zeros(total, dtype=torch.int32)
         seen = 0
         for batch in batches:
-            for i, f, nxt, lh in batch:
+            for row in batch:
+                i, f, nxt, lh = row[:4]
+                pth = row[4] if len(row) > 4 else None
                 a, n = int(offsets[i]), lens[i]
                 if tuple(f.shape) != (n, width):
                     raise ValueError(f"{path}: row {i} has features {tuple(f.shape)}, expected {(n, width)}")
@@ -137,6 +236,9 @@ def write_shard(path: Path, lens: list[int], batches: Iterable[list[Row]], *, dt
                 next_ids[a:a + n] = nxt.to(torch.int32).cpu()
                 if last is not None and lh is not None:
                     last[a:a + n] = lh.to(tdtype).cpu()
+                if paths is not None and pth is not None:
+                    paths[a:a + n] = pth[:, :path_depth].to(torch.int32).cpu()
+                    with_path.append(int(i))
                 seen += 1
         if seen != len(lens):
             raise RuntimeError(f"{path}: {seen} of {len(lens)} rows were produced")  # nothing is renamed
@@ -144,6 +246,10 @@ def write_shard(path: Path, lens: list[int], batches: Iterable[list[Row]], *, dt
         if last is not None:
             tensors["last_hidden"] = last
         meta = {**metadata, "next_ids": "1", "last_hidden": "1" if last_hidden else "0"}
+        if paths is not None and with_path:
+            tensors["path_ids"] = paths
+            meta.update(path_depth=str(path_depth),
+                        path_rows="all" if len(set(with_path)) == len(lens) else json.dumps(sorted(set(with_path))))
         with atomic_path(path) as tmp:
             save_file(tensors, str(tmp), metadata=meta)
     finally:
@@ -155,6 +261,44 @@ def write_shard(path: Path, lens: list[int], batches: Iterable[list[Row]], *, dt
             except (BufferError, OSError):  # a view still alive: the unlinked file goes with the process
                 pass
     return total
+
+
+def stored_rows(path: Path, lens: list[int], new_paths: dict[int, torch.Tensor], *, depth: int,
+                batch: int = 16) -> Iterator[list[Row]]:
+    """The rows of the complete shard at `path` as `write_shard` takes them, read slice by slice (never the
+    whole shard in memory), with the path_ids of `new_paths` (row → [n, D]) beside the stored ones (of depth ≥ D):
+    capture adds path rows to a shard whose features still match without running the target over it again."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        names = set(fh.keys())
+        offsets = fh.get_tensor("offsets")
+        had_depth, had = path_coverage(fh.metadata() or {}, len(lens))
+        had = had if had_depth >= depth else set()  # shallower stored paths are dropped (the new depth replaces)
+        out: list[Row] = []
+        for i, n in enumerate(lens):
+            a, b = int(offsets[i]), int(offsets[i + 1])
+            if b - a != n:
+                raise UsageError(f"{path}: row {i} holds {b - a} tokens but the tokenized sample has {n}",
+                                 hint="delete the shard and re-run `dflashkit capture -c run.yaml`")
+            pth = new_paths.get(i)
+            if pth is None and i in had:
+                pth = fh.get_slice("path_ids")[a:b]
+            out.append((i, fh.get_slice("features")[a:b], fh.get_slice("next_ids")[a:b],
+                        fh.get_slice("last_hidden")[a:b] if "last_hidden" in names else None, pth))
+            if len(out) == batch:
+                yield out
+                out = []
+        if out:
+            yield out
+
+
+def stored_width(path: Path) -> int:
+    """The feature width of the shard at `path` (it may hold more layers than a capture asks for)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        return int(fh.get_slice("features").get_shape()[1])
 
 
 class FeatureStore:
@@ -195,6 +339,23 @@ class FeatureStore:
     def has(self, name: str) -> bool:
         """Whether every shard holds tensor `name` (`next_ids`, `last_hidden`: see `dflashkit capture`)."""
         return all(name in fh.keys() for fh, _ in self.files)
+
+    def path_rows(self, where: tuple[int, int], depth: int) -> bool:
+        """Whether sample `where` (shard, row) has its greedy path of depth ≥ `depth` (`path_ids`)."""
+        fh, offsets = self.files[where[0]]
+        have_depth, rows = path_coverage(fh.metadata() or {}, len(offsets) - 1)
+        return have_depth >= depth and where[1] in rows
+
+    def require_paths(self, depth: int, why: str) -> None:
+        """Every sample's greedy path of depth ≥ `depth`, or exit 2 naming the first shard without."""
+        for p, (fh, offsets) in zip(self.paths, self.files):
+            have_depth, rows = path_coverage(fh.metadata() or {}, len(offsets) - 1)
+            if have_depth < depth or len(rows) < len(offsets) - 1:
+                got = f"depth {have_depth} for {len(rows)} of {len(offsets) - 1} samples" if have_depth else "none"
+                raise UsageError(f"{p}: the feature shard lacks the target's greedy path (`path_ids` of depth "
+                                 f"{depth} for every sample; it has {got}) ({why})",
+                                 hint="re-run `dflashkit capture -c run.yaml` with this config (it adds the paths "
+                                 "to shards whose features still match), or set train.features=online")
 
     def require(self, name: str, why: str) -> None:
         missing = [str(p) for p, (fh, _) in zip(self.paths, self.files) if name not in fh.keys()]

@@ -96,6 +96,15 @@ def tokenized_shards(rd: RunDir) -> list[Path]:
     return sorted(rd.tokenize_dir.glob(SHARD_GLOB))
 
 
+def require_tokenized_shards(rd: RunDir) -> list[Path]:
+    """The run's tokenized shards; MissingArtifactError (exit 3, run `dflashkit tokenize`) when there are none."""
+    shards = tokenized_shards(rd)
+    if not shards:
+        raise MissingArtifactError("tokenized shards", rd.tokenize_dir / SHARD_GLOB,
+                                   run="dflashkit tokenize -c run.yaml")
+    return shards
+
+
 def load_tokenized(rd: RunDir) -> TokenData:
     """Read every `tokenize/shard-*.parquet` (columns id, input_ids, loss_mask).
 
@@ -105,10 +114,7 @@ def load_tokenized(rd: RunDir) -> TokenData:
     """
     import pyarrow.parquet as pq
 
-    shards = tokenized_shards(rd)
-    if not shards:
-        raise MissingArtifactError("tokenized shards", rd.tokenize_dir / SHARD_GLOB,
-                                   run="dflashkit tokenize -c run.yaml")
+    shards = require_tokenized_shards(rd)
     data = TokenData([], [], [], shards, [])
     for si, path in enumerate(shards):
         try:

@@ -62,6 +62,21 @@ def decode_inputs(cfg: Any, rd: Any, positionals: list[str], *, num_prompts: int
     return DecodeInputs(drafter_dir, read_contract(drafter_dir), load_prompt_messages(cfg, rd)[:num_prompts])
 
 
+def check_target_fits(inputs: DecodeInputs, target_cfg: Any) -> None:
+    """The drafter against the target's config.json, before the target loads (exit 2 naming both; a GGUF
+    target is checked once loaded): what `load_checked_target` checks first, and a dry run with it."""
+    from dflashkit.inspect.target import resolve_target_path
+    from dflashkit.model.target import text_config_dict
+
+    model_dir, gguf = resolve_target_path(target_cfg.path, target_cfg.gguf_file)
+    if gguf or not (model_dir / "config.json").is_file():
+        return  # load_target converts or refuses it
+    tc = text_config_dict(model_dir)
+    facts = {"num_layers": int(tc["num_hidden_layers"]), "hidden_size": int(tc["hidden_size"]),
+             "vocab_size": int(tc["vocab_size"])}
+    inputs.contract.check(facts, where=f"drafter {inputs.drafter_dir}")
+
+
 def load_checked_target(cfg: Any, inputs: DecodeInputs, target_cfg: Any) -> tuple[Any, list[list[int]]]:
     """Load the target, check the drafter fits it and that every rendered prompt fits the context
     (exit 2 before anything is decoded); the target and the prompts' ids."""
@@ -69,6 +84,7 @@ def load_checked_target(cfg: Any, inputs: DecodeInputs, target_cfg: Any) -> tupl
     from dflashkit.decode.spec_decode import SpecDecoder
     from dflashkit.model.target import load_target
 
+    check_target_fits(inputs, target_cfg)
     target = load_target(target_cfg)
     inputs.contract.check(target, where=f"drafter {inputs.drafter_dir}")
     ids = render_prompts(target.tokenizer, inputs.prompts, cfg.tokenize.chat_template_kwargs)

@@ -98,7 +98,8 @@ def bench_engine_serve(cfg: RunConfig, rd: RunDir, ctx: StageContext, prompts: l
                     url, model = stack.enter_context(start_local_server(cfg, log_path=Path(tmp) / "serve.log")), None
                 else:
                     eng = stack.enter_context(start_vllm_for_target(
-                        cfg, log_path=Path(tmp) / f"engine-{method}.log", speculative=spec, served_name=SERVED_NAME))
+                        cfg, log_path=Path(tmp) / f"engine-{method}.log", speculative=spec, served_name=SERVED_NAME,
+                        what=f"bench.engine_methods {method}"))
                     url, model = eng.base_url, SERVED_NAME
                 if model is None:
                     from dflashkit.http1 import get_json

@@ -23,7 +23,9 @@ the one shard writer) and only then is the spool removed. Engine files a killed 
 
 from __future__ import annotations
 
+import json
 import logging
+import shlex
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from dflashkit.engines import hidden_states as hs_io
+from dflashkit.errors import EXIT_MISSING, DflashkitError, UsageError
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -186,32 +189,75 @@ def serve_command_for(cfg: RunConfig, layer_ids: list[int], storage: Path, *, cp
             "--served-model-name", cfg.server.model or "target", *hs_io.serve_args(aux, storage.resolve(), cpu=cpu)]
 
 
-def _served_model(base_url: str, fallback: str | None) -> str:
-    from dflashkit.http1 import get_json
+class EngineNotAnswering(DflashkitError):
+    """Nothing answers at `capture.server_url` (exit 3): the vLLM it names is not running; the hint starts it."""
 
-    if fallback:
-        return fallback
-    models = get_json(base_url.rstrip("/") + "/models").get("data") or []
-    if not models:
-        from dflashkit.redact import redact_url
+    exit_code = EXIT_MISSING
 
-        raise hs_io.DflashkitError(f"{redact_url(base_url)}/models lists no model", hint="set server.model")
-    return str(models[0]["id"])
+
+def served_model_at(cfg: RunConfig, url: str, start: list[str]) -> str:
+    """The model name the vLLM at `capture.server_url` serves, read from its /v1/models before any request.
+
+    Nothing answering is exit 3 (start it: `start` is the `vllm serve` command), something that is not an
+    OpenAI server (an error status, a web page, no model list) exit 2 naming the key, the URL (redacted)
+    and what answered. `server.model`, when set, must be one of the served names."""
+    from dflashkit.http1 import HttpError, excerpt, request_sync
+    from dflashkit.redact import redact_url
+
+    shown = redact_url(url)
+    hint = ("start vLLM there with the flags `dflashkit capture --dry-run` prints:\n    " + shlex.join(start)
+            + "\n  or set capture.server_url=null and dflashkit starts one for target.path")
+    try:
+        status, headers, body = request_sync("GET", url + "/models", timeout_s=30)
+    except HttpError as e:
+        raise EngineNotAnswering(f"capture.server_url: nothing answers at {shown} ({type(e).__name__}: {e})",
+                                 hint=hint) from None
+    try:
+        ids = [str(m["id"]) for m in json.loads(body)["data"]] if status == 200 else None
+    except (ValueError, KeyError, TypeError):
+        ids = None
+    if not ids:
+        raise UsageError(f"capture.server_url: {shown} is not a vLLM server: GET {shown}/models answered HTTP "
+                         f"{status} ({excerpt(headers, body)}), not a list of served models", hint=hint)
+    if cfg.server.model and cfg.server.model not in ids:
+        raise UsageError(f"server.model: {cfg.server.model!r} is not served at capture.server_url {shown} "
+                         f"(it serves {ids})", hint=f"set server.model={ids[0]}, or null for the first")
+    return cfg.server.model or ids[0]
+
+
+def check_engine(cfg: RunConfig, contract: DrafterContract, out_dir: Path, *, what: str,
+                 layer_ids: list[int] | None = None) -> str | None:
+    """Every check `engine_source` makes before any work (stages call it in their checks, --dry-run too):
+    the contract against the target's config.json, then either the vLLM at `capture.server_url` (its served
+    model name, returned; `served_model_at`) or what starting one for target.path needs (vLLM installed,
+    a HF dir: `launch.check_vllm_for_target`, under `what`, the key that asks for the engine; None)."""
+    from dflashkit.model.drafter_config import REPROBE_HINT
+
+    _, facts = engine_facts(cfg)
+    contract.check(facts, where="contract.json", hint=REPROBE_HINT)
+    if cfg.capture.server_url:
+        layer_ids = list(contract.target_layer_ids if layer_ids is None else layer_ids)
+        url = cfg.capture.server_url.rstrip("/")
+        return served_model_at(cfg, url, serve_command_for(cfg, layer_ids, engine_storage(out_dir)))
+    from dflashkit.engines.launch import check_vllm_for_target
+
+    check_vllm_for_target(cfg, what)
+    return None
 
 
 @contextmanager
 def engine_source(cfg: RunConfig, contract: DrafterContract, out_dir: Path, *, last_hidden: bool,
-                  layer_ids: list[int] | None = None) -> Iterator[EngineSource]:
+                  layer_ids: list[int] | None = None, what: str = "capture.engine=vllm") -> Iterator[EngineSource]:
     """An EngineSource on `capture.server_url`, or on a vLLM started here for target.path (stopped on exit).
 
-    The started engine writes into `<out_dir>/engine-files` (emptied first), logs to `<out_dir>/engine.log`.
-    `layer_ids`: the target layers to take (capture's, with `capture.extra_layer_ids`); default the contract's.
+    `check_engine` runs first. The started engine writes into `<out_dir>/engine-files` (emptied first), logs
+    to `<out_dir>/engine.log`. `layer_ids`: the target layers to take (capture's, with
+    `capture.extra_layer_ids`); default the contract's. `what`: the key that asks for the engine.
     """
-    from dflashkit.model.drafter_config import REPROBE_HINT
     from dflashkit.model.head import load_head_parts
 
+    model = check_engine(cfg, contract, out_dir, what=what, layer_ids=layer_ids)
     model_dir, facts = engine_facts(cfg)
-    contract.check(facts, where="contract.json", hint=REPROBE_HINT)
     head = load_head_parts(model_dir, dtype=torch.float32)
     storage = engine_storage(out_dir)
     storage.mkdir(parents=True, exist_ok=True)
@@ -221,15 +267,14 @@ def engine_source(cfg: RunConfig, contract: DrafterContract, out_dir: Path, *, l
     aux = hs_io.aux_layer_ids(layer_ids, num_layers=facts["num_layers"], with_last=True)
     kw: dict[str, Any] = dict(layer_ids=layer_ids, num_layers=facts["num_layers"], head=head,
                           dtype=cfg.capture.dtype, last_hidden=last_hidden, timeout_s=cfg.server.timeout_s)
-    if cfg.capture.server_url:
-        url = cfg.capture.server_url.rstrip("/")
-        yield EngineSource(url, _served_model(url, cfg.server.model), **kw)
+    if model is not None:
+        yield EngineSource(str(cfg.capture.server_url).rstrip("/"), model, **kw)
         return
     from dflashkit.engines import vllm
     from dflashkit.engines.launch import start_vllm_for_target
 
-    hs_io.install_connector(vllm.install())
-    with start_vllm_for_target(cfg, log_path=out_dir / "engine.log", served_name="target",
+    hs_io.install_connector(vllm.require(what))
+    with start_vllm_for_target(cfg, log_path=out_dir / "engine.log", served_name="target", what=what,
                                extra_args=hs_io.serve_args(aux, storage.resolve(), cpu=True)) as eng:
         yield EngineSource(eng.base_url, eng.served_name, **kw)
 

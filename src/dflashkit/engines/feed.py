@@ -235,6 +235,28 @@ class EngineFeed:
             self.engine.close()
 
 
+FEED_KEY = "train.features=engine"
+
+
+def check_world(cfg: Any, world: int) -> None:
+    """Under torchrun the ranks share one engine: capture.server_url (exit 2 without it)."""
+    if world > 1 and not cfg.capture.server_url:
+        raise UsageError("train.features=engine under torchrun needs capture.server_url (one engine for "
+                         f"every rank; {world} ranks would each start a vLLM)",
+                         hint="start vLLM with the flags `dflashkit capture --dry-run` prints and set "
+                         "capture.server_url, or train in one process")
+
+
+def check_engine_feed(cfg: Any, contract: Any, out_dir: Path, *, world: int) -> None:
+    """Every check `open_engine_feed` makes before any work (`train --dry-run` calls it): one engine for
+    every rank, and `engines/capture.py` `check_engine` (the vLLM at capture.server_url, or what starting
+    one needs)."""
+    from dflashkit.engines.capture import check_engine
+
+    check_world(cfg, world)
+    check_engine(cfg, contract, Path(out_dir), what=FEED_KEY)
+
+
 def open_engine_feed(cfg: Any, contract: Any, data: Any, out_dir: Path, *, rank: int, world: int,
                      key: dict[str, Any]) -> EngineFeed:
     """The engine (`capture.server_url`, or a vLLM started here: `<out_dir>/engine.log`,
@@ -244,14 +266,11 @@ def open_engine_feed(cfg: Any, contract: Any, data: Any, out_dir: Path, *, rank:
 
     from dflashkit.engines.capture import engine_source
 
-    if world > 1 and not cfg.capture.server_url:
-        raise UsageError("train.features=engine under torchrun needs capture.server_url (one engine for "
-                         f"every rank; {world} ranks would each start a vLLM)",
-                         hint="start vLLM with the flags `dflashkit capture --dry-run` prints and set "
-                         "capture.server_url, or train in one process")
+    check_world(cfg, world)
     stack = ExitStack()
     try:
-        src = stack.enter_context(engine_source(cfg, contract, Path(out_dir), last_hidden=cfg.train.loss != "ce"))
+        src = stack.enter_context(engine_source(cfg, contract, Path(out_dir), last_hidden=cfg.train.loss != "ce",
+                                                what=FEED_KEY))
         root = Path(out_dir) / "engine-queue"
         feed = EngineFeed(src, data, root / f"rank-{rank}" if world > 1 else root,
                           prefetch=cfg.train.engine_prefetch, concurrency=cfg.capture.concurrency, key=key)

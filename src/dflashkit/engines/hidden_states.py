@@ -138,17 +138,30 @@ def install_connector(venv: Path) -> Path:
 
 def request(base_url: str, model: str, ids: list[int], *, timeout_s: float = 600.0) -> str:
     """Send one tokenized sample (`max_tokens: 1`); the path of the hidden-states file the server writes."""
-    from dflashkit.http1 import post_json
+    from dflashkit.errors import ServerError, UsageError
+    from dflashkit.http1 import HttpConnectError, HttpDropped, HttpError, HttpStatusError, HttpTimeout, excerpt, post_json
+    from dflashkit.redact import redact_url
 
     body = {"model": model, "prompt": [int(i) for i in ids], "max_tokens": 1, "temperature": 0.0}
-    out = post_json(base_url.rstrip("/") + "/completions", body, timeout_s=timeout_s)
-    path = ((out or {}).get("kv_transfer_params") or {}).get("hidden_states_path")
+    shown = redact_url(base_url.rstrip("/") + "/completions")
+    flags = ("start vLLM with the flags `dflashkit capture --dry-run` prints (--speculative-config "
+             "extract_hidden_states and --kv-transfer-config)")
+    try:
+        out = post_json(base_url.rstrip("/") + "/completions", body, timeout_s=timeout_s)
+    except HttpStatusError as e:  # the server is up but refuses the request: a re-run repeats it
+        raise UsageError(f"the engine at {shown} answered HTTP {e.status} to a tokenized completion "
+                         f"({excerpt({}, e.body)}): not a vLLM serving the target with extract_hidden_states",
+                         hint=flags) from None
+    except (HttpConnectError, HttpTimeout, HttpDropped) as e:  # it stopped answering: a re-run goes on
+        raise ServerError(f"the engine at {shown} stopped answering ({type(e).__name__}: {e}); finished rows "
+                          "are kept", hint="restart the engine and re-run the same command") from None
+    except HttpError as e:  # a reply that is not JSON
+        raise UsageError(f"the engine at {shown} did not answer a completion in JSON ({e}): not a vLLM server?",
+                         hint=flags) from None
+    path = ((out or {}).get("kv_transfer_params") or {}).get("hidden_states_path") if isinstance(out, dict) else None
     if not path:
-        from dflashkit.redact import redact_url
-
-        raise DflashkitError(f"{redact_url(base_url)}: the completion response has no kv_transfer_params.hidden_states_path",
-                             hint="start vLLM with the flags `dflashkit capture --dry-run` prints "
-                             "(--speculative-config extract_hidden_states and --kv-transfer-config)")
+        raise UsageError(f"{shown}: the completion response has no kv_transfer_params.hidden_states_path: "
+                         "not a vLLM started with extract_hidden_states", hint=flags)
     return str(path)
 
 

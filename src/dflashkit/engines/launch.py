@@ -6,6 +6,10 @@ Usage:
         ...                                                                      # stopped on exit
     with start_vllm_for_target(cfg, log_path=p, speculative={...}) as eng:     # vllm.Engine
         eng.base_url
+    check_target_server(cfg)          # in a stage's checks (and its --dry-run): what starting one needs
+
+Without vLLM installed these refuse (exit 3, naming `dflashkit engines install vllm`) unless
+$DFLASHKIT_VLLM_AUTO_INSTALL=1 lets the command install it (`engines/vllm.py` `check_available`).
 """
 
 from __future__ import annotations
@@ -27,32 +31,54 @@ def engine_dtype(cfg: RunConfig) -> str:
     return "float32" if cfg.target.dtype == "auto" else cfg.target.dtype
 
 
-@contextmanager
-def start_vllm_for_target(cfg: RunConfig, *, log_path: Path, speculative: dict[str, Any] | None = None,
-                          served_name: str | None = None, extra_args: list[str] | None = None) -> Iterator[Any]:
-    """vLLM for `target.path` (a HF dir; the tokenizer and template are the target's); yields a vllm.Engine."""
+def check_vllm_for_target(cfg: RunConfig, what: str = "server.engine=vllm") -> Path:
+    """What starting vLLM for `target.path` needs, checked before any work (stages call it in their checks,
+    `start_vllm_for_target` again): a HF model dir (not a GGUF file), and vLLM installed (exit 3, or
+    $DFLASHKIT_VLLM_AUTO_INSTALL=1). `what` is the key that asks for vLLM. Returns the model dir."""
     from dflashkit.engines import vllm
     from dflashkit.inspect.target import resolve_target_path
-    from dflashkit.model.target import text_config_dict
 
     model_dir, gguf = resolve_target_path(cfg.target.path, cfg.target.gguf_file)
     if gguf:
-        raise UsageError(f"server.engine=vllm: target.path {cfg.target.path} is a GGUF file",
+        raise UsageError(f"{what}: target.path {cfg.target.path} is a GGUF file",
                          hint="point target.path at a HF model dir (dflashkit converts GGUF assets into one), "
                          "or use server.engine=dflashkit")
+    vllm.check_available(what)
+    return model_dir
+
+
+@contextmanager
+def start_vllm_for_target(cfg: RunConfig, *, log_path: Path, speculative: dict[str, Any] | None = None,
+                          served_name: str | None = None, extra_args: list[str] | None = None,
+                          what: str = "server.engine=vllm") -> Iterator[Any]:
+    """vLLM for `target.path` (a HF dir; the tokenizer and template are the target's); yields a vllm.Engine.
+    `what`: the key that asks for vLLM (named when it is not installed)."""
+    from dflashkit.engines import vllm
+    from dflashkit.model.target import text_config_dict
+
+    model_dir = check_vllm_for_target(cfg, what)
     max_pos = int(text_config_dict(model_dir).get("max_position_embeddings") or MAX_MODEL_LEN)
     with vllm.start(model_dir, dtype=engine_dtype(cfg), served_name=served_name or cfg.server.model or "target",
                     chat_template=cfg.target.chat_template, tokenizer=cfg.target.tokenizer,
                     speculative=speculative, max_model_len=min(max_pos, MAX_MODEL_LEN), log_path=log_path,
-                    startup_timeout_s=max(cfg.server.startup_timeout_s, 600.0), extra_args=extra_args) as eng:
+                    startup_timeout_s=max(cfg.server.startup_timeout_s, 600.0), extra_args=extra_args,
+                    what=what) as eng:
         yield eng
+
+
+def check_target_server(cfg: RunConfig) -> None:
+    """What `start_target_server` needs, checked before any work: with server.engine=vllm, vLLM for the target."""
+    if cfg.server.engine == "vllm":
+        check_vllm_for_target(cfg, "server.engine=vllm (server.urls is empty)")
 
 
 @contextmanager
 def start_target_server(cfg: RunConfig, *, log_dir: Path) -> Iterator[str]:
     """`server.engine`'s server for the target on 127.0.0.1; yields its base URL (…/v1); logs in log_dir."""
+    check_target_server(cfg)
     if cfg.server.engine == "vllm":
-        with start_vllm_for_target(cfg, log_path=Path(log_dir) / "engine.log") as eng:
+        with start_vllm_for_target(cfg, log_path=Path(log_dir) / "engine.log",
+                                   what="server.engine=vllm (server.urls is empty)") as eng:
             yield eng.base_url
         return
     from dflashkit.serving.local import start_local_server

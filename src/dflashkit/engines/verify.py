@@ -207,7 +207,8 @@ def _v2_runner(cfg: RunConfig, spec: dict[str, Any], log_path: Path) -> dict[str
     from dflashkit.errors import ServerError
 
     try:
-        with start_vllm_for_target(cfg, log_path=log_path, speculative=spec, served_name=SERVED_NAME):
+        with start_vllm_for_target(cfg, log_path=log_path, speculative=spec, served_name=SERVED_NAME,
+                                   what="verify-engine"):
             pass
         started = True
     except ServerError as e:
@@ -262,14 +263,15 @@ def verify_engine(cfg: RunConfig, drafter_dir: Path, prompts: list[tuple[str, li
         log.info("verify-engine: vLLM's non-speculative outputs for these prompts from %s", out_dir / AR_CACHE)
         engine_prompt, ar, ar_s, ar_startup = cached["chat_prompt_ids"], cached["outputs"], cached["wall_s"], None
     else:
-        with start_vllm_for_target(fp32, log_path=out_dir / "engine-ar.log", served_name=SERVED_NAME) as eng:
+        with start_vllm_for_target(fp32, log_path=out_dir / "engine-ar.log", served_name=SERVED_NAME,
+                                   what="verify-engine") as eng:
             engine_prompt = engine_chat_prompt_ids(eng.base_url, prompts[0][1],
                                                    template_kwargs=cfg.tokenize.chat_template_kwargs)
             ar, ar_s = engine_complete(eng.base_url, ids, max_tokens=max_tokens, stop=stop)
             ar_startup = eng.startup_s
         atomic_write_json(out_dir / AR_CACHE, {"key": key, "chat_prompt_ids": engine_prompt, "outputs": ar,
                                                "wall_s": ar_s})
-    with start_vllm_for_target(fp32, log_path=out_dir / "engine-dflash.log", speculative=spec,
+    with start_vllm_for_target(fp32, log_path=out_dir / "engine-dflash.log", speculative=spec, what="verify-engine",
                                served_name=SERVED_NAME) as eng:
         before = vllm.metrics(eng.base_url)
         sp, sp_s = engine_complete(eng.base_url, ids, max_tokens=max_tokens, stop=stop)

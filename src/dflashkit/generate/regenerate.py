@@ -203,6 +203,21 @@ async def regenerate(cfg: RunConfig, convs: list[dict], journal: Journal, done: 
     return out
 
 
+def check_generate(cfg: RunConfig, convs: list[dict], stage_dir: Path) -> int:
+    """Every refusal of generate before its first request, read-only (the stage calls it on a real run and a
+    dry run alike): the sampling settings against those of an existing journal, and the local chat template
+    when generate.endpoint=completions renders prompts here. Returns how many conversations still have a
+    turn to generate (none: no server is needed)."""
+    done: dict[str, set[int]] = {}
+    for rec in read_records(stage_dir / "shards"):
+        done.setdefault(rec["id"], set()).add(int(rec["turn"]))
+    _check_settings(stage_dir, sampling_settings(cfg, cfg.server.model), sum(map(len, done.values())))
+    todo = sum(1 for c in convs if len(done.get(c["id"], ())) < len(plan_turns(c["messages"])))
+    if todo and cfg.generate.endpoint == "completions":
+        local_chat(cfg)
+    return todo
+
+
 def _check_settings(stage_dir: Path, settings: dict[str, Any], journal_keys: int) -> None:
     old = read_settings(stage_dir) if journal_keys else None
     if old is not None:

@@ -68,11 +68,40 @@ SUBJECTS: dict[str, Callable[[RunConfig, RunDir, StageContext], dict[str, Any]]]
 }
 
 
+def _check_serve(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> None:
+    from dflashkit.bench.serve import check_bench_serve
+
+    check_bench_serve(cfg)
+
+
+def _check_tokenize(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> None:
+    from dflashkit.data.chat import load_chat
+    from dflashkit.data.tokenizing import input_paths
+    from dflashkit.generate.conversations import regenerated_file
+
+    input_paths(cfg, rd, regenerated_file)
+    load_chat(cfg)
+
+
+def _check_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> None:
+    from dflashkit.decode.evaluation import check_target_fits, decode_inputs
+
+    check_target_fits(decode_inputs(cfg, rd, ctx.positionals[1:], num_prompts=cfg.eval.num_prompts), cfg.target)
+
+
+# subject -> what the bench checks before it runs (recipe checks every variant itself: `plan_variants`)
+CHECKS: dict[str, Callable[[RunConfig, RunDir, StageContext], None]] = {
+    "serve": _check_serve, "tokenize": _check_tokenize, "decode": _check_decode,
+}
+
+
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     if not ctx.positionals or ctx.positionals[0] not in SUBJECTS:
         raise UsageError(f"`dflashkit bench` needs a subject: {' | '.join(SUBJECTS)}",
                          hint="e.g. dflashkit bench decode -c run.yaml")
     subject = ctx.positionals[0]
+    if subject in CHECKS:  # the refusals a bench makes before it runs: the real run and the dry run alike
+        CHECKS[subject](cfg, rd, ctx)
     if ctx.dry_run:  # nothing runs, nothing is written (and no run-dir lock is taken)
         if subject == "recipe":  # every variant is built and checked, none trains
             return {"subject": subject, **SUBJECTS[subject](cfg, rd, ctx)}

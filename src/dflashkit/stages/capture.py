@@ -19,6 +19,12 @@ it). Shards are written through a temp file + rename and streamed (never held in
 complete shard whose layer ids and source digest still match is skipped, so a killed run resumes.
 `dflashkit train train.features=cached` refuses shards captured at other layer ids.
 
+With the local target, capture also writes the target's greedy path after each raw prefix (`path_ids`
+[tokens, B−1] int32, `model/path_labels.py`) for the held-out samples (train's own split, so the
+yardstick scores held-out blocks on the target's path), and for every sample with
+`train.on_path=rollout`. The log line and the manifest (`counts.path_ids`) say what it cost: the target
+tokens decoded beyond the prefill per raw token.
+
 `capture.engine: vllm` (`engines/capture.py`): the features come from vLLM's `extract_hidden_states`
 (started here with dflashkit's CPU-safe connector, or `capture.server_url`; `--dry-run` prints the
 `vllm serve` flags), one request per sample, its ids checked; labels and `last_hidden` from the
@@ -44,28 +50,44 @@ from dflashkit.stage_table import stage_hash
 log = logging.getLogger("dflashkit.capture")
 
 
-def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
-    from dflashkit.model.drafter_config import DrafterContract
+def check(cfg: RunConfig, rd: RunDir) -> tuple[Any, Any, Any]:
+    """Every refusal of capture before it computes a feature (the real run and --dry-run both call it):
+    the contract and tokenized shards, the plan (layer ids, disk space), and the engine (the vLLM at
+    capture.server_url answering, or vLLM installed to start one) or the target's config against the
+    contract. Returns (contract, tokenized data, plan)."""
+    from dflashkit.engines.capture import check_engine, engine_facts
+    from dflashkit.model.drafter_config import REPROBE_HINT, DrafterContract
     from dflashkit.train.data import load_tokenized
+    from dflashkit.train.levers import split_samples
 
-    t0 = time.time()
     contract = DrafterContract.load(rd.contract_path)
     data = load_tokenized(rd)
+    _, heldout = split_samples(cfg, data)  # train's split: the held-out samples' greedy paths are captured
+    plan = plan_capture(cfg, contract, data, rd.capture_dir, heldout=heldout)
+    plan.refuse_if_too_big(cfg.capture.max_disk_fraction, rd.capture_dir)
+    if plan.todo and plan.engine == "vllm":
+        check_engine(cfg, contract, rd.capture_dir, what="capture.engine=vllm", layer_ids=plan.layer_ids)
+    elif plan.todo or plan.patch:  # the local target computes the features, or the paths they lack
+        contract.check(engine_facts(cfg)[1], where=str(rd.contract_path), hint=REPROBE_HINT)
+    return contract, data, plan
+
+
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
+    t0 = time.time()
     out_dir = rd.capture_dir
+    contract, data, plan = check(cfg, rd)
     if not ctx.dry_run:  # a dry run creates nothing
         out_dir.mkdir(parents=True, exist_ok=True)
-    if not ctx.dry_run:  # a shard's temp file from a killed capture: we hold the lock, so nobody writes it
+        # a shard's temp file from a killed capture: we hold the lock, so nobody writes it
         for p in remove_stale_temps(out_dir, "*.safetensors"):
             log.info("removed %s (left by an interrupted capture)", p)
-    plan = plan_capture(cfg, contract, data, out_dir)
     layer_ids, dtype, keep_last, todo = plan.layer_ids, plan.dtype, plan.keep_last, plan.todo
     msg = plan.message(len(data.shards))
     log.info("%s", msg)
     if not ctx.json:
         print(msg, flush=True)
-    plan.refuse_if_too_big(cfg.capture.max_disk_fraction, out_dir)
-    result: dict[str, Any] = {"shards": len(data.shards), "to_write": len(todo), "written": 0,
-                              "skipped": len(data.shards) - len(todo), "tokens": plan.tokens,
+    result: dict[str, Any] = {"shards": len(data.shards), "to_write": len(todo) + len(plan.patch), "written": 0,
+                              "skipped": len(data.shards) - len(todo) - len(plan.patch), "tokens": plan.tokens,
                               "bytes_total": plan.tokens * plan.per_token, "bytes_written": plan.need, "dtype": dtype,
                               "target_layer_ids": layer_ids, "bytes_per_token": plan.per_token,
                               "last_hidden": keep_last}
@@ -95,10 +117,21 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
                                           hidden=contract.hidden_size, last_hidden=keep_last):
                 log.info("captured %s through vLLM: %d tokens", dest.name, n)
                 result["written"] += 1
-    elif todo:
+    elif todo or plan.patch:
         for dest, samples, n in capture_local(cfg, contract, data, plan, where=str(rd.contract_path)):
             log.info("captured %s: %d samples, %d tokens", dest.name, samples, n)
             result["written"] += 1
+        if plan.path_cost.tokens:
+            log.info("%s", plan.path_message())
+            if not ctx.json:
+                print(plan.path_message(), flush=True)
+    paths = {"depth": plan.path_depth, "rows": "all" if cfg.train.on_path == "rollout" else "heldout",
+             **plan.path_cost.as_dict()} if plan.path_depth else None
+    before = ((rd.manifest("capture") or {}).get("counts") or {}).get("path_ids")
+    if paths and not plan.path_cost.tokens and isinstance(before, dict) and \
+            (before.get("depth"), before.get("rows")) == (paths["depth"], paths["rows"]):
+        paths = before  # nothing computed now: the cost of the capture that computed them
+    result["path_ids"] = paths
     from dflashkit.engines.capture import drop_finished_spools
 
     if drop_finished_spools(out_dir):
@@ -106,6 +139,6 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     write_manifest(out_dir, stage="capture", config_hash=stage_hash("capture", cfg, layer_ids, keep_last),
                    inputs={"contract": section_hash(read_json(rd.contract_path)),
                            "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")},
-                   counts={"shards": len(data.shards), "tokens": plan.tokens}, started=t0,
+                   counts={"shards": len(data.shards), "tokens": plan.tokens, "path_ids": paths}, started=t0,
                    outputs=[f"{s.stem}.safetensors" for s in data.shards])
     return result

@@ -25,8 +25,9 @@ from typing import Any
 
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
-from dflashkit.decode.evaluation import (block_sizes_for, choose_dtype, decode_inputs, evaluate, load_checked_target,
-                                         mismatch_error, results_table, verify_target_config, write_eval_results)
+from dflashkit.decode.evaluation import (block_sizes_for, check_target_fits, choose_dtype, decode_inputs, evaluate,
+                                         load_checked_target, mismatch_error, results_table, verify_target_config,
+                                         write_eval_results)
 from dflashkit.rundir import RunDir, write_manifest
 from dflashkit.stage_table import stage_hash
 
@@ -37,6 +38,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     inputs = decode_inputs(cfg, rd, ctx.positionals, num_prompts=e.num_prompts)
     drafter_dir = inputs.drafter_dir
     block_sizes = block_sizes_for(e.block_sizes, inputs.contract)
+    check_target_fits(inputs, verify_target_config(cfg))  # what load_checked_target checks first: a dry run too
     if ctx.dry_run:
         return {"dry_run": True, "drafter": str(drafter_dir), "prompts": len(inputs.prompts),
                 "block_sizes": block_sizes, "dtype": e.dtype, "prompt_lookup": e.prompt_lookup}

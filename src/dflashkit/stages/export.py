@@ -41,7 +41,7 @@ from dflashkit.decode.evaluation import read_eval_results
 from dflashkit.errors import MissingArtifactError
 from dflashkit.export.card import model_card
 from dflashkit.export.check import loaded_target_head, reload_check, target_head
-from dflashkit.rundir import RunDir, atomic_dir, write_manifest
+from dflashkit.rundir import RunDir, atomic_dir, check_replaceable, write_manifest
 from dflashkit.stage_table import stage_hash
 
 log = logging.getLogger("dflashkit.export")
@@ -64,6 +64,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     if not (src / "config.json").is_file():
         raise MissingArtifactError("trained drafter", src, run="dflashkit train -c run.yaml")
     out = Path(cfg.export.out_dir) if cfg.export.out_dir else rd.export_dir
+    check_replaceable(out, owner="export")  # what atomic_dir refuses, before the drafter loads (a dry run too)
     if ctx.dry_run:
         return {"dry_run": True, "source": str(src), "source_kind": which, "out_dir": str(out),
                 "format": cfg.export.format}

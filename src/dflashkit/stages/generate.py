@@ -32,7 +32,7 @@ from dflashkit.data.records import read_prepared
 from dflashkit.errors import PartialFailure, PermanentFailure
 from dflashkit.generate.openai_client import permanent_reason
 from dflashkit.generate.conversations import plan_turns
-from dflashkit.generate.regenerate import generate_conversations
+from dflashkit.generate.regenerate import check_generate, generate_conversations
 from dflashkit.rundir import RunDir, file_digest, write_manifest
 from dflashkit.stage_table import stage_hash
 
@@ -51,6 +51,11 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
         convs = kept
     stage_dir = rd.stage_dir("generate", create=not ctx.dry_run)
     total_turns = sum(len(plan_turns(c["messages"])) for c in convs)
+    todo = check_generate(cfg, convs, stage_dir)  # every refusal before a request: the dry run's too
+    if todo and not cfg.server.urls:
+        from dflashkit.engines.launch import check_target_server
+
+        check_target_server(cfg)
     if ctx.dry_run:
         return {"dry_run": True, "conversations": len(convs), "turns": total_turns,
                 "urls": [redact_url(u) for u in cfg.server.urls] or [f"<local {cfg.server.engine}>"]}

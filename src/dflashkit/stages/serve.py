@@ -27,12 +27,25 @@ from dflashkit.serve_app import build_app
 log = logging.getLogger("dflashkit.serve")
 
 
+def check_port(cfg: RunConfig) -> None:
+    """Bind serve.host:serve.port and let go, before the model loads (a dry run too): a busy or invalid port
+    fails in a second, not after the load."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in cfg.serve.host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((cfg.serve.host, cfg.serve.port))
+    except OSError as e:
+        raise UsageError(f"serve.port: cannot bind {cfg.serve.host}:{cfg.serve.port}: {e.strerror or e}",
+                         hint="pick another --port (0 = any free port), or stop what is using it") from None
+
+
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     from dflashkit.serving.server import make_server
 
     model_path = ctx.positionals[0] if ctx.positionals else cfg.target.path
     if not model_path:
         raise UsageError("`dflashkit serve` needs a model", hint="dflashkit serve MODEL_DIR, or set target.path")
+    check_port(cfg)
     if ctx.dry_run:
         return {"dry_run": True, "model": model_path, "host": cfg.serve.host, "port": cfg.serve.port,
                 "drafter": cfg.serve.drafter}
@@ -41,15 +54,6 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     cleanup_on_exit_of_child()
     if threading.current_thread() is threading.main_thread():  # SIGTERM while loading: exit cleanly
         signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    # Bind before loading the model: a busy or invalid port fails in a second, not after the load.
-    try:
-        probe = socket.socket(socket.AF_INET6 if ":" in cfg.serve.host else socket.AF_INET, socket.SOCK_STREAM)
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind((cfg.serve.host, cfg.serve.port))
-        probe.close()
-    except OSError as e:
-        raise UsageError(f"serve.port: cannot bind {cfg.serve.host}:{cfg.serve.port}: {e.strerror or e}",
-                         hint="pick another --port (0 = any free port), or stop what is using it") from None
     if cfg.serve.cpu_threads:
         import torch
 

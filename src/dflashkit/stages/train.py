@@ -39,6 +39,10 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
         manifest = rd.manifest("train") or {}
         return {"relaunched_nproc": ctx.nproc_per_node, **manifest.get("result", {})}
     if ctx.dry_run:
+        from dflashkit.train import guards
+
+        check_engine(cfg, rd)
+        guards.preflight(cfg, rd)  # what `fit` checks first
         shards = tokenized_shards(rd)
         return {"dry_run": True, "contract": str(rd.contract_path), "contract_exists": rd.contract_path.is_file(),
                 "tokenized_shards": len(shards), "features": cfg.train.features,
@@ -51,6 +55,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     try:
         from dflashkit.engines.feed import open_engine_feed  # passed down: train/ never reaches up to engines/
 
+        check_engine(cfg, rd)  # before fit writes anything (the feed checks it again when it opens)
         result = fit(cfg, rd, show_bar=not ctx.json,
                      open_feed=open_engine_feed if cfg.train.features == "engine" else None)
     except BaseException:
@@ -76,6 +81,18 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
         if not ctx.json:
             _table(result)
     return result
+
+
+def check_engine(cfg: RunConfig, rd: RunDir) -> None:
+    """train.features=engine: the checks `open_engine_feed` makes (`engines/feed.py` check_engine_feed), run
+    before `fit` and by `--dry-run` (which then makes `fit`'s own checks, `guards.preflight`)."""
+    if cfg.train.features != "engine":
+        return
+    from dflashkit.engines.feed import check_engine_feed
+    from dflashkit.model.drafter_config import DrafterContract
+
+    check_engine_feed(cfg, DrafterContract.load(rd.contract_path), rd.stage_dir("train", create=False),
+                      world=int(os.environ.get("WORLD_SIZE", "1")))
 
 
 def restart_if_changed(cfg: RunConfig, rd: RunDir) -> list[str]:

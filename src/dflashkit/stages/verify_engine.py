@@ -69,6 +69,9 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     t0 = time.time()
     drafter_dir = _drafter_dir(rd, ctx.positionals)
     prompts = load_prompt_messages(cfg, rd)[: cfg.eval.num_prompts]
+    from dflashkit.engines.launch import check_vllm_for_target
+
+    check_vllm_for_target(cfg, "verify-engine")  # what starting vLLM needs, before any work (a dry run too)
     if ctx.dry_run:
         return {"dry_run": True, "drafter": str(drafter_dir), "prompts": len(prompts)}
     from dflashkit.engines.verify import verify_engine, write_engine_results

@@ -44,6 +44,8 @@ from dflashkit.rundir import atomic_dir, atomic_write_json
 if TYPE_CHECKING:
     import torch
 
+    from dflashkit.rundir import RunDir
+
 log = logging.getLogger("dflashkit.train")
 
 
@@ -95,6 +97,11 @@ def latest_checkpoint(root: Path) -> Path | None:
     """The newest complete checkpoint dir (temp dirs of killed writes are ignored)."""
     done = [p for p in sorted(root.glob("step-*")) if (p / "state.json").is_file()]
     return done[-1] if done else None
+
+
+def latest_run_checkpoint(rd: RunDir) -> Path | None:
+    """The newest complete checkpoint of the run dir `rd` (`train/checkpoints/step-*`), or None."""
+    return latest_checkpoint(rd.checkpoints_dir)
 
 
 def load_checkpoint(path: Path, *, model, optimizer, scheduler) -> int:
@@ -154,8 +161,11 @@ def contract_keys(now: dict) -> tuple[str, ...]:
 
 
 def _check_contract(path: Path, saved: dict | None, model) -> None:
+    check_contract(path, saved, getattr(getattr(model, "module", model), "contract", None))
+
+
+def check_contract(path: Path, saved: dict | None, current) -> None:
     """The checkpoint's recorded drafter contract must equal this run's (block size, layer ids, mask id …)."""
-    current = getattr(getattr(model, "module", model), "contract", None)
     if not saved or current is None:
         return  # checkpoints written before contracts were recorded
     changed = _contract_changes(saved, current.to_dict())
@@ -258,5 +268,15 @@ def trained_drafter_dir(train_dir: Path) -> tuple[Path, str]:
 
 
 def checkpoint_state(path: Path) -> dict:
-    """state.json of a complete checkpoint (read again after `load_checkpoint` validated it)."""
-    return json.loads((Path(path) / "state.json").read_text())
+    """state.json of a complete checkpoint (the resume checks read it before `load_checkpoint` loads anything)."""
+    file = Path(path) / "state.json"
+    try:
+        state = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"corrupt or incomplete checkpoint file {file}: {type(e).__name__}: {e}",
+                         hint=f"delete {path} to resume from the previous checkpoint (or train/ to start over)"
+                         ) from None
+    if not isinstance(state, dict):
+        raise UsageError(f"corrupt checkpoint file {file}: not a JSON object",
+                         hint=f"delete {path} to resume from the previous checkpoint (or train/ to start over)")
+    return state

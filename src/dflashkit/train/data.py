@@ -107,6 +107,7 @@ class Batch:
     features: torch.Tensor | None = None  # [b, S, n_feat·H] (cached mode)
     next_ids: torch.Tensor | None = None  # [b, S] the target's argmax at each position (cached mode)
     last_hidden: torch.Tensor | None = None  # [b, S, H] the target's final-norm output (cached, for KL)
+    path_ids: torch.Tensor | None = None  # [b, S, D] the target's greedy path after each prefix (−1: none)
 
     def to(self, device: torch.device) -> "Batch":
         def mv(t):
@@ -114,7 +115,7 @@ class Batch:
 
         return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.attention_mask.to(device),
                      self.seq_lens.to(device), self.seeds, mv(self.features), mv(self.next_ids),
-                     mv(self.last_hidden))
+                     mv(self.last_hidden), mv(self.path_ids))
 
 
 def sample_seed(run_seed: int, index: int, epoch: int) -> int:
@@ -123,8 +124,10 @@ def sample_seed(run_seed: int, index: int, epoch: int) -> int:
 
 
 def collate(data: TokenData, items: list[tuple[int, int]], *, run_seed: int, pad_id: int = 0,
-            with_features: bool = False, with_next_ids: bool = False, with_last_hidden: bool = False) -> Batch:
-    """Pad the samples `items` ((index, epoch) pairs) into a Batch (cached tensors from `data.features`)."""
+            with_features: bool = False, with_next_ids: bool = False, with_last_hidden: bool = False,
+            with_path_ids: bool = False, paths: dict[int, torch.Tensor] | None = None) -> Batch:
+    """Pad the samples `items` ((index, epoch) pairs) into a Batch (cached tensors from `data.features`;
+    `paths`: greedy paths [n, D] by sample index, computed elsewhere; samples without one get −1)."""
     lens = [len(data.input_ids[i]) for i, _ in items]
     s = max(lens)
     ids = torch.full((len(items), s), pad_id, dtype=torch.long)
@@ -145,5 +148,12 @@ def collate(data: TokenData, items: list[tuple[int, int]], *, run_seed: int, pad
     feats = stack("features", torch.float32) if with_features else None
     next_ids = stack("next_ids", torch.long) if with_next_ids else None
     last_hidden = stack("last_hidden", torch.float32) if with_last_hidden else None
+    path_ids = stack("path_ids", torch.long) if with_path_ids else None
+    if paths:
+        depth = next(iter(paths.values())).shape[1]
+        path_ids = torch.full((len(items), s, depth), -1, dtype=torch.long)
+        for r, ((i, _), n) in enumerate(zip(items, lens)):
+            if i in paths:
+                path_ids[r, :n] = paths[i]
     return Batch(ids, lm, att, torch.tensor(lens), [sample_seed(run_seed, i, e) for i, e in items], feats,
-                 next_ids, last_hidden)
+                 next_ids, last_hidden, path_ids)

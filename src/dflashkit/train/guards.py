@@ -1,6 +1,7 @@
 """Pre-flight checks of `train`: refuse, before a weight is touched, what would be silently ignored or lost.
 
 Usage:
+    preflight(cfg, rd)                             # every check below that train makes before any work
     check_outputs_ours(rd.train_dir, cfg)          # train/final, train/best: ours, not imported
     check_drafter_overrides(cfg, contract, rd.contract_path)   # drafter.* given vs contract.json
     state["objective"] = objective(cfg.train)           # recorded in every checkpoint
@@ -90,6 +91,49 @@ def _init_dir(cfg: RunConfig) -> Path | None:
     return Path(init).expanduser()
 
 
+def preflight(cfg: RunConfig, rd: RunDir) -> DrafterContract:
+    """Every refusal `train` makes before it loads the target or a weight: `fit` and `train --dry-run` both
+    call it, so a dry run refuses what the run would, with the same message. train/final and train/best are
+    ours; the contract exists and every drafter.* given agrees with it; a drafter.init dir fits it; the
+    tokenized shards exist and, with train.features=cached, the feature shards hold its layers (and next_ids
+    for train.labels=target); the latest checkpoint, if any, is this run's (objective, trajectory, contract).
+    The engine of train.features=engine is the stage's to check (`engines/feed.py` check_engine_feed)."""
+    from dflashkit.data.shards import require_tokenized_shards
+    from dflashkit.model.drafter_config import DrafterContract
+    from dflashkit.train import checkpoint as ckpt
+
+    check_outputs_ours(rd.train_dir, cfg)
+    contract = DrafterContract.load(rd.contract_path)
+    check_drafter_overrides(cfg, contract, rd.contract_path)
+    if _init_dir(cfg) is not None:
+        from dflashkit.train.warm_start import check_fits, read_warm_start
+
+        check_fits(read_warm_start(cfg.drafter.init), contract)
+    check_cached_features(cfg, rd, contract, require_tokenized_shards(rd))
+    found = ckpt.latest_run_checkpoint(rd)
+    if found is not None:
+        state = ckpt.checkpoint_state(found)
+        check_objective(found, state, cfg.train)
+        check_trajectory(found, state, cfg, rd)
+        ckpt.check_contract(found, state.get("contract"), contract)
+    return contract
+
+
+def check_cached_features(cfg: RunConfig, rd: RunDir, contract: DrafterContract, shards: list[Path]) -> None:
+    """train.features=cached: the feature shards of `rd` exist and hold the contract's layers (and next_ids for
+    train.labels=target, every sample's greedy path for train.on_path=rollout), as training opens them
+    (`FeatureStore`; exit 3 / exit 2 naming the shard)."""
+    from dflashkit.data.features import FeatureStore
+    from dflashkit.model.path_labels import path_depth
+
+    if cfg.train.features == "cached":
+        store = FeatureStore(rd.capture_dir, shards, contract.target_layer_ids)
+        if cfg.train.labels == "target":
+            store.require("next_ids", "train.labels=target reads the target's argmax from the shards")
+        if cfg.train.on_path == "rollout":
+            store.require_paths(path_depth(contract.block_size), "train.on_path=rollout learns it")
+
+
 def check_outputs_ours(train_dir: Path, cfg: RunConfig) -> None:
     """Before training: `train/final` and `train/best` are absent or train's own (else exit 2 naming them);
     an imported `train/final` is only replaced when `drafter.init` starts from it."""
@@ -121,7 +165,8 @@ def objective(train: TrainSection) -> dict[str, Any]:
 # numerics-only knobs (loss_chunk_blocks, compile) and where it logs.
 TRAJECTORY_KEYS = ("batch_size", "grad_accum", "lr", "optimizer", "muon_momentum", "min_lr_ratio", "warmup_ratio",
                    "weight_decay", "betas", "grad_clip", "num_anchors", "anchor_coverage", "gamma", "kl_weight",
-                   "dpace_alpha", "feature_noise", "dtype", "heldout_samples", "train_samples", "heldout_sources")
+                   "dpace_alpha", "feature_noise", "dtype", "heldout_samples", "train_samples", "heldout_sources",
+                   "on_path")
 
 
 def trajectory(cfg: RunConfig, rd: RunDir) -> dict[str, Any]:

@@ -32,8 +32,12 @@ log = logging.getLogger("dflashkit.train")
 def evaluate_heldout(tr: Trainer, step: int) -> dict | None:
     """Simulated τ / per-position accuracy on the held-out samples (fixed anchors; same on every rank).
 
-    Samples are batched within their data source, so the result also holds `by_source` (the same
-    numbers per source; the overall numbers are their pooled sums)."""
+    Blocks are scored with `tr.heldout_labels` ("target_path": the target's own greedy path;
+    "on_path_positions": its argmax labels on the positions on that path only; "raw": the training labels,
+    `train/target_side.py`); `tau_raw` / `acc_raw` beside them score the same blocks with the training
+    labels, as before on-path scoring, so old and new curves compare. Samples are batched within their data
+    source, so the result also holds `by_source` (the same numbers per source; the overall numbers are
+    their pooled sums)."""
     if not tr.heldout:
         return None
     B = tr.contract.block_size
@@ -42,25 +46,38 @@ def evaluate_heldout(tr: Trainer, step: int) -> dict | None:
     for j in tr.heldout:
         groups.setdefault(src[j], []).append(j)
     bs = tr.cfg.train.batch_size
-    fam = tr.contract.family
-    total = StepStats.zeros(B, fam)
+    fam, how = tr.contract.family, tr.heldout_labels
+    total, total_raw = StepStats.zeros(B, fam), StepStats.zeros(B, fam)
     by_source = {}
     for name in sorted(groups):
-        stats = StepStats.zeros(B, fam)
+        stats, raw = StepStats.zeros(B, fam), StepStats.zeros(B, fam)
         idx = groups[name]
         for i in range(0, len(idx), bs):
-            b = tr.batch([(j, -1) for j in idx[i:i + bs]])
-            stats.add_heldout(tr.micro_loss(b, tr.anchors(b), None))
+            b = tr.batch([(j, -1) for j in idx[i:i + bs]], heldout=True)
+            a = tr.anchors(b)
+            tout = tr.target_outputs(b, a)
+            stats.add_heldout(tr.micro_loss(b, a, None, tout, scoring=how))
+            if how != "raw":
+                raw.add_heldout(tr.micro_loss(b, a, None, tout, scoring="raw"))
+        raw = raw if how != "raw" else stats
         total += stats
-        by_source[name] = stats.heldout_row(step, samples=len(idx))
-    return {"split": "heldout", **total.heldout_row(step), "by_source": by_source}
+        total_raw += raw
+        by_source[name] = {**stats.heldout_row(step, samples=len(idx)), **_raw(raw, step)}
+    return {"split": "heldout", **total.heldout_row(step), "heldout_labels": how, **_raw(total_raw, step),
+            "by_source": by_source}
+
+
+def _raw(stats: StepStats, step: int) -> dict:
+    """`tau_raw` / `acc_raw`: the held-out numbers scored with the training labels."""
+    m = stats.heldout_row(step)
+    return {"tau_raw": m["tau"], "acc_raw": m["acc"]}
 
 
 def log_eval(sink: MetricSink, ev: dict) -> None:
     """The metrics.jsonl row of a held-out evaluation (per-source numbers only with several sources)."""
     row = {k: v for k, v in ev.items() if k != "by_source"}
     if len(ev.get("by_source", {})) > 1:
-        row["by_source"] = {k: {"tau": v["tau"], "acc": v["acc"], "loss": v["loss"]}
+        row["by_source"] = {k: {"tau": v["tau"], "acc": v["acc"], "loss": v["loss"], "tau_raw": v.get("tau_raw")}
                             for k, v in ev["by_source"].items()}
     sink.log(row)
 
@@ -96,7 +113,8 @@ class BestKeeper:
         """Save the drafter as best when `ev` beats the record; True when it did."""
         if not self.enabled or not ev:
             return False
-        better = self.record is None or ev["tau"] > self.record["tau"]
+        better = (self.record is None or ev["tau"] > self.record["tau"]
+                  or self.record.get("heldout_labels", "raw") != ev.get("heldout_labels", "raw"))  # another yardstick
         if self.tr.dist.world > 1:  # every rank gathers the weights: follow the main rank's decision
             flag = torch.tensor([1.0 if better and self.tr.dist.is_main else 0.0], dtype=torch.float64)
             better = float(all_reduce_sum(flag, self.tr.dist)[0]) > 0
@@ -104,7 +122,7 @@ class BestKeeper:
             return False
         acc1 = ev["acc"][0] if ev["acc"] else None
         self.record = {"step": ev["step"], "tau": ev["tau"], "acc": ev["acc"], "acc_pos1": acc1,
-                       "loss": ev["loss"]}
+                       "loss": ev["loss"], "heldout_labels": ev.get("heldout_labels", "raw")}
         ckpt.save_final(self.dir, self.tr.drafter, self.tr.contract, is_main=self.tr.dist.is_main, best=self.record)
         barrier(self.tr.dist)
         log.info("best held-out τ %.4f at step %d → %s", ev["tau"], ev["step"], self.dir)

@@ -1,6 +1,7 @@
 """Setup-time recipe levers of the training loop: held-out sources and the feature scale.
 
 Usage:
+    train_idx, heldout = split_samples(cfg, data)                          # train's split (capture's too)
     train_idx, heldout = held_out_sources(cfg, data, train_idx, heldout)    # train.heldout_sources
     scale = feature_scale_of(cfg, contract, target, data, train_idx)       # drafter.feature_scale=rms
 
@@ -17,12 +18,21 @@ import torch
 
 from dflashkit.errors import UsageError
 from dflashkit.model.drafter_config import DrafterContract
-from dflashkit.train.data import collate, hold_out_sources
+from dflashkit.train.data import collate, hold_out_sources, split_heldout
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
 
 log = logging.getLogger("dflashkit.train")
+
+
+def split_samples(cfg: RunConfig, data) -> tuple[list[int], list[int]]:
+    """(training, held-out) sample indices: `train.heldout_samples` of a seeded permutation (run.seed), then
+    `train.heldout_sources`. The one split: `capture` computes the held-out samples' greedy paths with it."""
+    train_idx, heldout = split_heldout(len(data), cfg.train.heldout_samples, seed=cfg.run.seed)
+    if cfg.train.heldout_sources:
+        train_idx, heldout = held_out_sources(cfg, data, train_idx, heldout)
+    return train_idx, heldout
 
 
 def held_out_sources(cfg: RunConfig, data, train_idx: list[int], heldout: list[int]) -> tuple[list[int], list[int]]:

@@ -18,6 +18,8 @@ TensorBoard and W&B are imported only when asked for (`train.tensorboard`, `trai
 `train/curve.json` (`LearningCurve`) is the learning curve: one point per held-out evaluation with
 the supervised tokens seen so far (Σ loss_mask of every training sample consumed, all ranks,
 overall and per data source), held-out τ / position-1 accuracy / loss (overall and per source)
+(`labels`: the held-out scoring, "target_path" | "on_path_positions" | "raw", also the file's
+`heldout_labels`; `tau_raw` / `acc1_raw`: the same blocks scored with the training labels)
 and the train τ / position-1 accuracy pooled over the steps since the previous point, and the
 seconds spent in optimizer steps so far (`train_s`; with `supervised_per_sample`, the rates the
 data-budget forecast `train/forecast.py` turns tokens into samples and hours with). It is
@@ -129,12 +131,13 @@ class MetricSink:
         if self.enabled and self.bar is not None:
             self.bar.set(step, **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in shown.items()})
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
+        """`ok=False` (stopped by an error or a signal): no "train: done" line."""
         if not self.enabled:
             return
         self.fh.close()
         if self.bar is not None:
-            self.bar.close()
+            self.bar.close(ok=ok)
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
@@ -188,7 +191,10 @@ class LearningCurve:
         tau_sum, blocks, c1, t1 = self.window
         point = {"step": step, "tokens": sum(self.tokens.values()), "train_s": round(self.train_s, 3),
                  "heldout": {"tau": heldout["tau"], "acc1": acc1(heldout), "loss": heldout["loss"],
-                             **({"unary_tau": heldout["unary_tau"]} if "unary_tau" in heldout else {})},
+                             **({"unary_tau": heldout["unary_tau"]} if "unary_tau" in heldout else {}),
+                             **({"labels": heldout["heldout_labels"], "tau_raw": heldout.get("tau_raw"),
+                                 "acc1_raw": (heldout.get("acc_raw") or [None])[0]}
+                                if "heldout_labels" in heldout else {})},
                  "train": {"tau": tau_sum / blocks if blocks else None, "acc1": c1 / t1 if t1 else None},
                  "by_source": {k: {"tokens": self.tokens.get(k, 0),
                                    **({"tau": v["tau"], "acc1": acc1(v), "loss": v["loss"]} if v else {})}
@@ -203,7 +209,9 @@ class LearningCurve:
     def _write(self) -> None:
         from dflashkit.rundir import atomic_write_json
 
+        labels = next((p["heldout"]["labels"] for p in reversed(self.points) if "labels" in p["heldout"]), None)
         atomic_write_json(self.path, {"x": "supervised tokens seen (loss_mask, all ranks)",
+                                      "heldout_labels": labels,
                                       "sources": sorted(self.tokens),
                                       "supervised_per_sample": self.supervised_per_sample,
                                       "tokens_per_sample": self.tokens_per_sample,

@@ -34,17 +34,19 @@ import torch
 from dflashkit.errors import UsageError
 from dflashkit.family import new_drafter
 from dflashkit.model.drafter_config import REPROBE_HINT, DrafterContract
+from dflashkit.model.path_labels import path_depth
 from dflashkit.train import checkpoint as ckpt
 from dflashkit.train import guards
-from dflashkit.train.data import BatchPlan, FeatureStore, first_of, load_tokenized, split_heldout
+from dflashkit.train.data import BatchPlan, FeatureStore, first_of, load_tokenized
 from dflashkit.train.heldout import BestKeeper, evaluate_heldout, log_eval
-from dflashkit.train.levers import feature_scale_of, held_out_sources
+from dflashkit.train.levers import feature_scale_of, split_samples
 from dflashkit.train.logging import CURVE_FILE, LearningCurve, MetricSink
 from dflashkit.train.loss import DraftLoss
 from dflashkit.train.objective import gamma_for, weight_sum
 from dflashkit.train.optim import CpuBudget, build_optimizer, build_scheduler
 from dflashkit.train.stats import StepStats
-from dflashkit.train.target_side import target_side
+from dflashkit.train.stopping import StopOnSignal
+from dflashkit.train.target_side import heldout_labels, target_side
 from dflashkit.train.trainer import Trainer, autocast_dtype
 from dflashkit.train.vocab import pick_draft_vocab
 from dflashkit.train.parallel import (DistInfo, TargetParts, all_reduce_sum, barrier, init_distributed,
@@ -98,6 +100,8 @@ def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any],
         data.features = FeatureStore(rd.capture_dir, data.shards, contract.target_layer_ids)
         if cfg.train.labels == "target":
             data.features.require("next_ids", "train.labels=target reads the target's argmax from the shards")
+        if cfg.train.on_path == "rollout":
+            data.features.require_paths(path_depth(contract.block_size), "train.on_path=rollout learns it")
     elif cfg.train.features == "engine":  # rows from the engine as training consumes them (engines/feed.py)
         if open_feed is None:
             raise UsageError("train.features=engine is served by `dflashkit train` (and `dflashkit run`) only",
@@ -118,9 +122,7 @@ def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any],
         if cfg.train.parallel.target == "shard":
             parts = shard_target(full, dist)
     contract.check(target, where=str(rd.contract_path), hint=REPROBE_HINT)
-    train_idx, heldout = split_heldout(len(data), cfg.train.heldout_samples, seed=cfg.run.seed)
-    if cfg.train.heldout_sources:
-        train_idx, heldout = held_out_sources(cfg, data, train_idx, heldout)
+    train_idx, heldout = split_samples(cfg, data)
     if cfg.train.train_samples is not None:
         kept = first_of(train_idx, cfg.train.train_samples, seed=cfg.run.seed)
         log.info("train.train_samples: training on %d of %d training samples", len(kept), len(train_idx))
@@ -160,6 +162,8 @@ def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any],
     tr.use_draft_vocab(vocab)
     tr.target_side = target_side(cfg.train, contract, target, parts, device=dist.device, amp=amp,
                                  store=data.features)
+    tr.heldout_labels, tr.heldout_paths = heldout_labels(cfg.train, data.features, target, data, heldout,
+                                                         path_depth(contract.block_size))
     tr.warm_start = warm_report
     tr.feed = opened[0] if opened else None
     return tr
@@ -188,9 +192,10 @@ def train_step(tr: Trainer, step: int, opt, sched) -> dict:
     anchors = [tr.anchors(b) for b in batches]
     # The target side first: with train.labels=target the labels (and so Σw over in-vocab labels) come
     # from the target's forward.
-    touts = [tr.target_outputs(b) for b in batches]
+    touts = [tr.target_outputs(b, a) for b, a in zip(batches, anchors)]
     local_w = sum(weight_sum(b.loss_mask, b.seq_lens, a, input_ids=b.input_ids, block_size=B,
-                             gamma=tr.denom_gamma(), vocab=tr.vocab, label_ids=o.label_ids)
+                             gamma=tr.denom_gamma(), vocab=tr.vocab, label_ids=o.label_ids, path_ids=o.path_ids,
+                             on_path_only=o.on_path_only)
                   for b, a, o in zip(batches, anchors, touts))
     denom = float(all_reduce_sum(torch.tensor([local_w], dtype=torch.float64), tr.dist)[0])
     stats = StepStats.zeros(B, tr.contract.family)
@@ -223,7 +228,7 @@ def fit(cfg: RunConfig, rd: RunDir, *, dist: DistInfo | None = None, show_bar: b
     `cpu_budget_s` (`bench recipe` at equal CPU-minutes): stop once the optimizer steps have used this
     much process CPU time (or at the configured steps, whichever comes first); the lr schedule runs
     over the steps the budget affords (`optim.CpuBudget`)."""
-    guards.check_outputs_ours(rd.train_dir, cfg)  # before any work: never replace what is not ours
+    guards.preflight(cfg, rd)  # every refusal before any work (`train --dry-run` makes the same ones)
     dist = dist or init_distributed(cfg.train.parallel, cfg.target.device)
     tr = setup(cfg, rd, dist, open_feed=open_feed)
     try:
@@ -263,11 +268,11 @@ def _fit(cfg, rd, tr: Trainer, dist: DistInfo, *, show_bar: bool, cpu_budget_s: 
     start, state = 0, None
     traj = guards.trajectory(cfg, rd)  # read once: what every checkpoint records and a resume must match
     found = ckpt.latest_checkpoint(ck_root)
-    if found is not None:
-        start = ckpt.load_checkpoint(found, model=tr.drafter, optimizer=opt, scheduler=sched)
+    if found is not None:  # another run's checkpoint is refused by name before any of it is loaded
         state = ckpt.checkpoint_state(found)
         guards.check_objective(found, state, cfg.train)
         guards.check_trajectory(found, state, cfg, rd)
+        start = ckpt.load_checkpoint(found, model=tr.drafter, optimizer=opt, scheduler=sched)
         tr.sync_draft_vocab()
     sink = MetricSink(out_dir, total_steps=steps, start_step=start, train=cfg.train, enabled=dist.is_main,
                       show_bar=show_bar)
@@ -300,7 +305,9 @@ def _fit(cfg, rd, tr: Trainer, dist: DistInfo, *, show_bar: bool, cpu_budget_s: 
                 "trajectory": traj,
                 **({"best": best.record} if best.record else {})}
 
+    ok, stop = False, StopOnSignal(dist)  # SIGTERM: checkpoint at the next step boundary, then exit 143
     try:
+        stop.install()
         if start == 0 and tr.warm_start is not None:  # where the warm start begins: its held-out loss and τ
             tr.drafter.eval()
             evaluated(0)
@@ -329,6 +336,13 @@ def _fit(cfg, rd, tr: Trainer, dist: DistInfo, *, show_bar: bool, cpu_budget_s: 
                 log.info("CPU budget of %.1f s spent after %d steps", budget.seconds, n)
                 steps = n
                 break
+            if n < steps and stop.agreed(n):  # every rank stops after the same step, with its checkpoint
+                saved = ck_root / f"step-{n:07d}"
+                if not (cfg.train.save_every and n % cfg.train.save_every == 0):
+                    ckpt.save_checkpoint(ck_root, step=n, model=tr.drafter, optimizer=opt, scheduler=sched,
+                                         is_main=dist.is_main, keep=cfg.train.keep_checkpoints, extra=extra_state())
+                    barrier(dist)
+                stop.exit(n, saved)
         tr.drafter.eval()
         if start < steps and not (last_eval and last_eval["step"] == steps):
             evaluated(steps)
@@ -338,8 +352,12 @@ def _fit(cfg, rd, tr: Trainer, dist: DistInfo, *, show_bar: bool, cpu_budget_s: 
             last_eval = evaluate_heldout(tr, steps)
         ckpt.save_final(out_dir / "final", tr.drafter, tr.contract, is_main=dist.is_main)
         barrier(dist)
+        if stop.agreed(steps):  # signalled during the last step or the final evaluation: finished, then 143
+            stop.exit(steps, None, finished=True)
+        ok = True
     finally:
-        sink.close()
+        stop.restore()
+        sink.close(ok=ok)
     wall = time.perf_counter() - t0
     return {"steps": steps, "resumed_from": start, "final_dir": str(out_dir / "final"),
             "best": ({"dir": str(out_dir / "best"), **best.record} if best.record else None),

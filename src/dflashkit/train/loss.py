@@ -45,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 from dflashkit.family.base import Family, LossTerm, Rows, Scored
 from dflashkit.model.draft_vocab import draft_labels
 from dflashkit.model.masks import dense_block_mask, flex_block_mask
+from dflashkit.model.path_labels import path_label_ids
 from dflashkit.train.objective import Anchors, block_input_ids, block_position_ids, dpace_weights, labels_and_weights
 
 if TYPE_CHECKING:
@@ -142,7 +143,9 @@ class Heads:
 class LossInputs:
     """One micro-batch: features [b, S, n_feat·H] (online or cached), right-padded ids / loss mask [b, S], true
     lengths [b]; `label_ids` [b, S] the label of each position (default the ids; `labels_and_weights`);
-    for KL the target's logits [b, S, V], or its final-norm output [b, S, H] through `Heads.target_head`."""
+    for KL the target's logits [b, S, V], or its final-norm output [b, S, H] through `Heads.target_head`;
+    `train.on_path`: `path_ids` [b, S, D] the target's greedy path after each raw prefix (the labels instead,
+    rollout) or `on_path_only` (only the positions on that path weigh, mask; `labels_and_weights`)."""
 
     features: torch.Tensor
     input_ids: torch.Tensor
@@ -151,6 +154,8 @@ class LossInputs:
     label_ids: torch.Tensor | None = None
     target_logits: torch.Tensor | None = None
     target_hidden: torch.Tensor | None = None
+    path_ids: torch.Tensor | None = None
+    on_path_only: bool = False
 
 
 @dataclass
@@ -174,14 +179,17 @@ def tau_sum(ok: torch.Tensor, keep: torch.Tensor) -> float:
 
 
 def predecessors(input_ids: torch.Tensor, label_ids: torch.Tensor | None, a: Anchors, *,
-                 block_size: int) -> torch.Tensor:
+                 block_size: int, path_ids: torch.Tensor | None = None) -> torch.Tensor:
     """[b, N, B] the gold token before each block position: the anchor x[a] at k = 1, the label of
-    position k − 1 after it (slot 0: unused). Positions past the sequence take its last token."""
+    position k − 1 after it (slot 0: unused; with `path_ids`, the path label path_ids[a, k−2]).
+    Positions past the sequence take its last token."""
     src = input_ids if label_ids is None else label_ids
     s = input_ids.shape[1]
     pos = (a.anchors[:, :, None] + torch.arange(block_size, device=input_ids.device) - 1).clamp(0, s - 1)
     b, n = a.anchors.shape
     prev = torch.gather(src, 1, pos.view(b, -1)).view(b, n, block_size).clone()
+    if path_ids is not None and block_size > 2:
+        prev[:, :, 2:] = path_label_ids(path_ids.to(prev.dtype), a.anchors, block_size)[:, :, 1:-1]
     prev[:, :, 1] = torch.gather(input_ids, 1, a.anchors)
     return prev
 
@@ -267,7 +275,8 @@ class DraftLoss:
         n = a.anchors.shape[1]
         vocab = heads.vocab
         labels, w = labels_and_weights(x.input_ids, x.loss_mask, x.seq_lens, a, block_size=B,
-                                       gamma=self.weighting.label_gamma, label_ids=x.label_ids)
+                                       gamma=self.weighting.label_gamma, label_ids=x.label_ids,
+                                       path_ids=x.path_ids, on_path_only=x.on_path_only)
         sup = w.view(bsz, n, B) > 0                       # supervised positions: the metrics' denominators
         loss_labels = labels
         if vocab is not None:
@@ -305,7 +314,7 @@ class DraftLoss:
             tgt_rows = (row_batch.flatten(), tgt_pos.flatten())
         prev_f = None
         if any(t.needs_prev for t in self.terms):
-            prev_f = predecessors(x.input_ids, x.label_ids, a, block_size=B).flatten()
+            prev_f = predecessors(x.input_ids, x.label_ids, a, block_size=B, path_ids=x.path_ids).flatten()
         ce_parts, kl_parts = [], []
         own: list[list[Any]] = [[] for _ in self.terms]
         pred_flat = torch.full_like(labels_f, -1)

@@ -15,7 +15,10 @@ Rules (each pinned by a test):
     a sample lands in, nor on the number of ranks) and sorted; rows are padded with anchor 0 and
     keep=False.
   * Block j input = [x[a_j], MASK × (B−1)], positions a_j … a_j+B−1; context positions 0 … S−1.
-  * Same-position labels: block j position k is trained to predict x[a_j + k] (pitfall §3.7.1).
+  * Same-position labels: block j position k is trained to predict x[a_j + k] (pitfall §3.7.1); with
+    `train.labels=target` the target's argmax at a_j+k−1, and with `train.on_path` the target's own greedy
+    path after x[..a_j] (`path_ids`, rollout) or only the positions where the two agree (`on_path_only`,
+    mask): `model/path_labels.py`.
   * Weight w = keep·[a_j+k < L]·[k > 0]·loss_mask[a_j+k]·exp(−(k−1)/γ).
   * The loss divides by denom = Σ w over the whole optimizer step (`weight_sum` of every micro-batch
     and rank, in-vocab labels only), so micro-batching, accumulation and world size do not change it.
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from dflashkit.model.draft_vocab import draft_labels
+from dflashkit.model.path_labels import on_path_weights, path_label_ids
 
 
 @dataclass
@@ -105,12 +109,17 @@ def block_position_ids(a: Anchors, *, ctx_len: int, block_size: int) -> torch.Te
 
 
 def labels_and_weights(input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_lens: torch.Tensor, a: Anchors, *,
-                       block_size: int, gamma: float | None,
-                       label_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       block_size: int, gamma: float | None, label_ids: torch.Tensor | None = None,
+                       path_ids: torch.Tensor | None = None,
+                       on_path_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Same-position labels and loss weights, both [b, N·B] (labels 0 where the weight is 0).
 
     `label_ids` [b, S] (default `input_ids`) is the label of each position: with `train.labels=target`
-    it holds the target's greedy prediction for position t (its argmax at t−1; `target_label_ids`)."""
+    it holds the target's greedy prediction for position t (its argmax at t−1; `target_label_ids`).
+    `path_ids` [b, S, D] (`train.on_path=rollout`): position k ≥ 1 of anchor a learns the target's own
+    greedy path instead, path_ids[a, k−1] (`model/path_labels.py`). `on_path_only` (`train.on_path=mask`;
+    `label_ids` must be the target's argmax labels): weight 0 for the positions past the first raw token
+    of the block that differs from the target's argmax (`on_path_weights`)."""
     b, n = a.anchors.shape
     dev = input_ids.device
     k = torch.arange(block_size, device=dev)
@@ -118,19 +127,28 @@ def labels_and_weights(input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_len
     inside = pos < seq_lens.to(dev)[:, None, None]
     safe = torch.where(inside, pos, torch.zeros_like(pos)).view(b, -1)
     labels = torch.gather(input_ids if label_ids is None else label_ids, 1, safe).view(b, n, block_size)
+    if path_ids is not None:
+        labels = path_label_ids(path_ids.to(labels.dtype), a.anchors, block_size)
     sup = torch.gather(loss_mask.to(torch.float32), 1, safe).view(b, n, block_size)
     decay = torch.exp(-(k.float() - 1).clamp(min=0) / gamma) if gamma else torch.ones(block_size, device=dev)
     decay = decay * (k > 0).float()
     w = a.keep[:, :, None].float() * inside.float() * sup * decay
+    if on_path_only:
+        if label_ids is None:
+            raise ValueError("on_path_only needs label_ids, the target's argmax labels (target_label_ids)")
+        w = w * on_path_weights(input_ids, label_ids, seq_lens, a.anchors, block_size=block_size)
+    if path_ids is not None and bool(((labels < 0) & (w > 0)).any()):
+        raise ValueError("path_ids lacks the greedy path of a supervised block position (computed for other rows)")
     labels = torch.where(w > 0, labels, torch.zeros_like(labels))
     return labels.view(b, -1), w.view(b, -1)
 
 
 def weight_sum(loss_mask, seq_lens, a: Anchors, *, input_ids, block_size: int, gamma: float | None,
-               vocab: torch.Tensor | None = None, label_ids: torch.Tensor | None = None) -> float:
+               vocab: torch.Tensor | None = None, label_ids: torch.Tensor | None = None,
+               path_ids: torch.Tensor | None = None, on_path_only: bool = False) -> float:
     """Σ w of one micro-batch (summed over the step to form the loss denominator; in-vocab labels only)."""
     labels, w = labels_and_weights(input_ids, loss_mask, seq_lens, a, block_size=block_size, gamma=gamma,
-                                   label_ids=label_ids)
+                                   label_ids=label_ids, path_ids=path_ids, on_path_only=on_path_only)
     if vocab is not None:
         w = w * draft_labels(labels, vocab)[1]
     return float(w.sum())

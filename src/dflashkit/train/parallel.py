@@ -195,7 +195,18 @@ def relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "dflashkit", *cleaned]
     log.info("re-launching: %s", " ".join(cmd))
-    rc = subprocess.call(cmd)
+    proc = subprocess.Popen(cmd)
+    try:
+        rc = proc.wait()
+    except BaseException:  # SIGTERM (SystemExit 143) or Ctrl-C here: the workers checkpoint, then stop
+        import signal
+
+        proc.send_signal(signal.SIGTERM)  # torchrun forwards it to every rank (`train/stopping.py`)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
     if rc != 0:
         raise DflashkitError(f"torchrun exited with status {rc}", hint="see the ranks' logs above")
     return rc

@@ -2,29 +2,44 @@
 
 Usage:
     side = target_side(cfg.train, contract, target, parts, device=dist.device, amp=amp, store=data.features)
-    out = side(batch)            # TargetOut: features, and the labels / KL target the recipe asks for
+    out = side(batch, anchors)   # TargetOut: features, and the labels / KL target the recipe asks for
+    how, paths = heldout_labels(cfg.train, data.features, target, data, heldout, depth)  # the yardstick's
+    out = scored(out, batch, how)  # the labels a held-out block is scored with (paths: online, computed once)
 
 `CachedSide`: every output the recipe needs is in the feature shards (`train.features=cached` and,
 for `train.labels=target`, their `next_ids`; for KL, their `last_hidden`) or in the engine's rows
 (`train.features=engine`, `engines/feed.py`: the same rows, staged per batch): the target's layers
 never run. `OnlineSide`: the target runs on the batch — a sharded target (`train.parallel.target=shard`)
 gives logits, a whole one its final-norm hidden state; cached features or `next_ids`, where the
-shards have them, replace the target's.
+shards have them, replace the target's. With `train.on_path=rollout` the labels are the target's greedy
+path (`path_ids`: from the shards, or rolled out here from the same forward's KV cache for the batch's
+anchors only); with `train.on_path=mask` the positions off that path get weight 0 (`on_path_only`).
+
+The held-out yardstick scores blocks on the target's own path whatever `train.on_path` says
+(`heldout_scoring`): "target_path" (labels = path_ids: from the shards, which `capture` writes for the
+held-out samples, or computed here once at setup when the target is loaded), else "on_path_positions"
+(the target's argmax labels on the positions the mask keeps: engine features, shards without paths),
+else "raw" (the training labels, as before).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from dflashkit.model.target import target_autocast
-from dflashkit.train.data import Batch, FeatureStore
-from dflashkit.train.objective import target_label_ids
+from dflashkit.model.path_labels import greedy_path_ids, label_need, path_cache, path_depth
+from dflashkit.model.target import Target, target_autocast
+from dflashkit.train.data import Batch, FeatureStore, collate
+from dflashkit.train.objective import Anchors, target_label_ids
 
 if TYPE_CHECKING:
     from dflashkit.config import TrainSection
+
+log = logging.getLogger("dflashkit.train")
 
 
 @dataclass
@@ -35,13 +50,16 @@ class TargetOut:
     logits: torch.Tensor | None = None      # [b, S, V] (sharded targets, for KL)
     last_hidden: torch.Tensor | None = None  # [b, S, H] final-norm output (for KL)
     label_ids: torch.Tensor | None = None   # [b, S] labels from the target (train.labels=target)
+    path_ids: torch.Tensor | None = None    # [b, S, D] on-path labels (train.on_path=rollout; held-out)
+    on_path_only: bool = False              # train.on_path=mask: weight only the positions on the path
 
 
 def cached_covers(train: TrainSection, store: FeatureStore | None) -> bool:
     """Whether the feature shards hold everything the recipe needs from the target."""
     if train.features not in ("cached", "engine") or store is None:
         return False
-    return (train.labels != "target" or store.has("next_ids")) and (train.loss == "ce" or store.has("last_hidden"))
+    return ((train.labels != "target" or store.has("next_ids")) and (train.loss == "ce" or store.has("last_hidden"))
+            and (train.on_path != "rollout" or store.has("path_ids")))
 
 
 @dataclass
@@ -50,11 +68,12 @@ class CachedSide:
 
     train: Any
 
-    def __call__(self, b: Batch) -> TargetOut:
+    def __call__(self, b: Batch, a: Anchors | None = None) -> TargetOut:
         t = self.train
         assert b.features is not None
         labels = target_label_ids(b.input_ids, b.next_ids) if t.labels == "target" else None
-        return TargetOut(b.features, None, b.last_hidden if t.loss != "ce" else None, labels)
+        return TargetOut(b.features, None, b.last_hidden if t.loss != "ce" else None, labels,
+                         b.path_ids if t.on_path == "rollout" else None, t.on_path == "mask")
 
 
 @dataclass
@@ -67,11 +86,15 @@ class OnlineSide:
     sharded: bool
     device: torch.device
     amp: torch.dtype | None
+    depth: int = 1                          # D of the greedy path (train.on_path=rollout)
 
-    def __call__(self, b: Batch) -> TargetOut:
+    def __call__(self, b: Batch, a: Anchors | None = None) -> TargetOut:
         t = self.train
         need_kl, need_labels = t.loss != "ce", t.labels == "target"
-        logits = hidden = None
+        rollout = t.on_path == "rollout" and b.path_ids is None   # cached paths (shards, held-out) win
+        logits = hidden = path = None
+        cache = path_cache() if rollout else None
+        kw = {"cache": cache, "use_cache": True} if rollout else {}
         tamp = target_autocast(t.target_dtype, self.device, self.target.dtype)
         with torch.no_grad(), torch.autocast(self.device.type, dtype=tamp, enabled=tamp is not None):
             if self.sharded:  # a sharded target gives logits, not its final-norm hidden state
@@ -81,22 +104,89 @@ class OnlineSide:
                 nxt = logits.argmax(-1) if need_labels else None
             elif need_labels or need_kl:
                 feats, hidden = self.target.features(b.input_ids, layer_ids=self.layer_ids, need_last_hidden=True,
-                                                     attention_mask=b.attention_mask)
+                                                     attention_mask=b.attention_mask, **kw)
                 nxt = self.target.next_token_ids(hidden) if need_labels else None
             else:
                 feats, nxt = self.target.features(b.input_ids, layer_ids=self.layer_ids,
                                                   attention_mask=b.attention_mask), None
+            if rollout:  # the batch's anchors only (all candidates without them), from this forward's cache
+                need = label_need(b.loss_mask, b.seq_lens, self.depth, a.anchors if a else None,
+                                  a.keep if a else None)
+                path = greedy_path_ids(self.target, b.input_ids, b.seq_lens, self.depth, next_ids=nxt, cache=cache,
+                                       need=need).path_ids
         if b.next_ids is not None and need_labels:
             nxt = b.next_ids
         feats = b.features if b.features is not None else feats
         feats = feats.float() if self.amp is None else feats
         labels = target_label_ids(b.input_ids, nxt) if need_labels else None
-        return TargetOut(feats, logits if need_kl else None, hidden if need_kl and logits is None else None, labels)
+        if t.on_path == "rollout" and path is None:
+            path = b.path_ids
+        return TargetOut(feats, logits if need_kl else None, hidden if need_kl and logits is None else None, labels,
+                         path, t.on_path == "mask")
 
 
 def target_side(train: Any, contract: Any, target: Any, parts: Any, *, device: torch.device,
-                amp: torch.dtype | None, store: FeatureStore | None) -> Callable[[Batch], TargetOut]:
+                amp: torch.dtype | None, store: FeatureStore | None) -> Callable[..., TargetOut]:
     """The builder of this run's feature source (see the module doc)."""
     if cached_covers(train, store):
         return CachedSide(train)
-    return OnlineSide(train, list(contract.target_layer_ids), target, bool(parts.sharded), device, amp)
+    return OnlineSide(train, list(contract.target_layer_ids), target, bool(parts.sharded), device, amp,
+                      path_depth(contract.block_size))
+
+
+def scored(out: TargetOut, b: Batch, scoring: str) -> TargetOut:
+    """`out` with the labels of a held-out scoring (see the module doc): "target_path" (b.path_ids),
+    "on_path_positions" (the target's argmax labels, positions off its path unweighted) or "raw" (the
+    training labels, no path, no mask)."""
+    if scoring == "target_path":
+        return dataclasses.replace(out, path_ids=b.path_ids, on_path_only=False)
+    if scoring == "on_path_positions":
+        labels = out.label_ids if out.label_ids is not None else target_label_ids(b.input_ids, b.next_ids)
+        return dataclasses.replace(out, label_ids=labels, path_ids=None, on_path_only=True)
+    return dataclasses.replace(out, path_ids=None, on_path_only=False)
+
+
+def paths_stored(store: Any, data: Any, heldout: list[int], depth: int) -> bool:
+    """Whether the feature shards hold the greedy path (depth ≥ D) of every held-out sample."""
+    return isinstance(store, FeatureStore) and all(store.path_rows(data.where[j], depth) for j in heldout)
+
+
+def heldout_scoring(store: Any, target: Any, data: Any, heldout: list[int], depth: int) -> str:
+    """How held-out blocks are scored: "target_path" when the shards hold every held-out sample's greedy
+    path or the target is loaded here (`heldout_paths`), "on_path_positions" when only next_ids are had
+    (engine features; shards without paths), else "raw"."""
+    if paths_stored(store, data, heldout, depth) or isinstance(target, Target):
+        return "target_path"
+    return "on_path_positions" if store is not None and store.has("next_ids") else "raw"
+
+
+def heldout_labels(train: Any, store: Any, target: Any, data: Any, heldout: list[int],
+                   depth: int) -> tuple[str, dict[int, torch.Tensor] | None]:
+    """The held-out scoring (`heldout_scoring`) and, when the target loaded here gives the paths, the
+    held-out samples' paths (`heldout_paths`; None when the shards hold them)."""
+    if not heldout:
+        return "raw", None
+    how = heldout_scoring(store, target, data, heldout, depth)
+    log.info("held-out τ scored on %s labels", how)
+    if how != "target_path" or paths_stored(store, data, heldout, depth):
+        return how, None
+    pad = target.tokenizer.pad_token_id if target.tokenizer is not None else 0
+    return how, heldout_paths(train, target, data, heldout, depth, pad_id=pad or 0)
+
+
+def heldout_paths(train: Any, target: Target, data: Any, heldout: list[int], depth: int, *,
+                  pad_id: int) -> dict[int, torch.Tensor]:
+    """The greedy paths [n, D] of the held-out samples (every anchor candidate), computed once with the
+    target loaded here, under the online forward's autocast (`train.target_dtype`)."""
+    out: dict[int, torch.Tensor] = {}
+    dev = target.device
+    tamp = target_autocast(train.target_dtype, dev, target.dtype)
+    bs = max(1, train.batch_size)
+    with torch.no_grad(), torch.autocast(dev.type, dtype=tamp, enabled=tamp is not None):
+        for k in range(0, len(heldout), bs):
+            idx = heldout[k:k + bs]
+            b = collate(data, [(j, -1) for j in idx], run_seed=0, pad_id=pad_id).to(dev)
+            need = label_need(b.loss_mask, b.seq_lens, depth)
+            got = greedy_path_ids(target, b.input_ids, b.seq_lens, depth, attention_mask=b.attention_mask, need=need)
+            out.update((j, got.path_ids[r, :int(b.seq_lens[r])].cpu()) for r, j in enumerate(idx))
+    return out

@@ -21,11 +21,11 @@ import torch
 
 from dflashkit.model.draft_vocab import restricted_head
 from dflashkit.model.drafter_config import DrafterContract
-from dflashkit.train.data import Batch, BatchPlan, TokenData, collate
+from dflashkit.train.data import Batch, BatchPlan, FeatureStore, TokenData, collate
 from dflashkit.train.loss import DraftLoss, Heads, LossInputs, LossOutput
 from dflashkit.train.objective import Anchors, sample_anchors
 from dflashkit.train.parallel import DistInfo, TargetParts
-from dflashkit.train.target_side import TargetOut
+from dflashkit.train.target_side import TargetOut, scored
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -81,9 +81,11 @@ class Trainer:
     loss: DraftLoss                           # the run's loss (`train.*` + the drafter family's terms)
     head: torch.nn.Module | None = None       # the loss's head: parts.lm_head, or its rows `vocab`
     vocab: torch.Tensor | None = None         # reduced draft vocab (sorted target ids), on the device
-    target_side: Callable[[Batch], TargetOut] | None = None  # train/target_side.py: this run's feature source
+    target_side: Callable[..., TargetOut] | None = None  # train/target_side.py: this run's feature source
     warm_start: dict | None = None            # drafter.init=<dir>: what was copied (train/warm_start.py)
     feed: Any = None                          # train.features=engine: engines/feed.EngineFeed (also data.features)
+    heldout_labels: str = "raw"               # the yardstick's labels (train/target_side.py heldout_scoring)
+    heldout_paths: dict[int, torch.Tensor] | None = None  # held-out greedy paths computed at setup (online)
 
     def __post_init__(self):
         if self.head is None:
@@ -108,11 +110,11 @@ class Trainer:
                     "continuing with the checkpoint's")
         self.use_draft_vocab(loaded)
 
-    def target_outputs(self, b: Batch) -> TargetOut:
-        """What the loss needs from the target for batch `b` (`train/target_side.py`: the builder of
-        this run's feature source)."""
+    def target_outputs(self, b: Batch, a: Anchors | None = None) -> TargetOut:
+        """What the loss needs from the target for batch `b` with anchors `a` (`train/target_side.py`: the
+        builder of this run's feature source; an online rollout decodes the paths of `a`'s blocks only)."""
         assert self.target_side is not None  # set by `setup`
-        return self.target_side(b)
+        return self.target_side(b, a)
 
     def heads(self) -> Heads:
         """The frozen target parts the loss uses (the loss's head follows `use_draft_vocab`)."""
@@ -120,14 +122,19 @@ class Trainer:
         return Heads(self.parts.embed, self.head, self.vocab, self.parts.lm_head)
 
     def micro_loss(self, b: Batch, a: Anchors, denom: float | None, tout: TargetOut | None = None, *,
-                   training: bool = False) -> LossOutput:
-        tout = tout or self.target_outputs(b)
+                   training: bool = False, scoring: str | None = None) -> LossOutput:
+        """The loss and statistics of one micro-batch; `scoring` (held-out): the labels to score with
+        (`target_side.scored`), else the training labels."""
+        tout = tout or self.target_outputs(b, a)
+        if scoring is not None:
+            tout = scored(tout, b, scoring)
         t = self.cfg.train
         feats = tout.features
         if training and t.feature_noise > 0:
             feats = feature_noise(feats, b, scale=t.feature_noise, n_feat=len(self.contract.target_layer_ids))
         x = LossInputs(feats, b.input_ids, b.loss_mask, b.seq_lens, label_ids=tout.label_ids,
-                       target_logits=tout.logits, target_hidden=tout.last_hidden)
+                       target_logits=tout.logits, target_hidden=tout.last_hidden, path_ids=tout.path_ids,
+                       on_path_only=tout.on_path_only)
         return self.loss(self.drafter, self.heads(), x, a, denom=denom)
 
     def denom_gamma(self) -> float | None:
@@ -148,17 +155,22 @@ class Trainer:
                     out[src[i]] = out.get(src[i], 0) + int(self.data.loss_mask[i].sum())
         return out
 
-    def batch(self, items) -> Batch:
+    def batch(self, items, *, heldout: bool = False) -> Batch:
+        """The micro-batch of `items`; `heldout`: also what the held-out scoring reads (next ids, paths)."""
         pad = self.target.tokenizer.pad_token_id if getattr(self.target, "tokenizer", None) else 0
         t = self.cfg.train
         cached = t.features in ("cached", "engine")  # engine: the rows of these samples, staged from the engine
         store = self.data.features
         if self.feed is not None:
             self.feed.stage([i for i, _ in items])
+        labels = t.labels == "target" or (heldout and self.heldout_labels == "on_path_positions")
+        stored_paths = t.on_path == "rollout" or (heldout and self.heldout_labels == "target_path"
+                                                   and self.heldout_paths is None)
         return collate(self.data, items, run_seed=self.cfg.run.seed, pad_id=pad or 0, with_features=cached,
-                       with_next_ids=cached and t.labels == "target" and store is not None and store.has("next_ids"),
-                       with_last_hidden=cached and t.loss != "ce" and store is not None and store.has("last_hidden")
-                       ).to(self.dist.device)
+                       with_next_ids=cached and labels and store is not None and store.has("next_ids"),
+                       with_last_hidden=cached and t.loss != "ce" and store is not None and store.has("last_hidden"),
+                       with_path_ids=cached and stored_paths and isinstance(store, FeatureStore),
+                       paths=self.heldout_paths if heldout else None).to(self.dist.device)
 
     def anchors(self, b: Batch) -> Anchors:
         return sample_anchors(b.loss_mask, b.seq_lens, num_anchors=self.cfg.train.num_anchors,

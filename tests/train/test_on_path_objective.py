@@ -1,0 +1,60 @@
+"""`labels_and_weights` with on-path labels (`path_ids`) and the on-path mask (`on_path_only`), and DFlash2's
+gold predecessors on the path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflashkit.model.path_labels import on_path_weights
+from dflashkit.train.loss import predecessors
+from dflashkit.train.objective import labels_and_weights, target_label_ids
+from tests.helpers import random_case
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_path_labels_replace_the_labels_and_keep_the_weights(seed):
+    lm, lens, a = random_case(seed, b=3, s=15, num_anchors=5)
+    B = 4
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 40, lm.shape, generator=g)
+    nxt = torch.randint(0, 40, lm.shape, generator=g)
+    path = torch.randint(0, 40, (*lm.shape, B - 1), generator=g)
+    tl = target_label_ids(ids, nxt)
+    plain_l, plain_w = labels_and_weights(ids, lm, lens, a, block_size=B, gamma=2.0, label_ids=tl)
+    got_l, got_w = labels_and_weights(ids, lm, lens, a, block_size=B, gamma=2.0, label_ids=tl, path_ids=path)
+    assert torch.equal(got_w, plain_w)
+    n = a.anchors.shape[1]
+    for i in range(3):
+        for j in range(n):
+            for k in range(1, B):
+                q = j * B + k
+                if got_w[i, q] > 0:
+                    assert int(got_l[i, q]) == int(path[i, a.anchors[i, j], k - 1])
+    masked_l, masked_w = labels_and_weights(ids, lm, lens, a, block_size=B, gamma=2.0, label_ids=tl,
+                                            on_path_only=True)
+    keep = on_path_weights(ids, tl, lens, a.anchors, block_size=B).view(3, -1)
+    assert torch.equal(masked_w, plain_w * keep) and torch.equal(masked_l, torch.where(masked_w > 0, plain_l, 0))
+
+
+def test_a_supervised_position_without_its_path_is_an_error_not_a_label():
+    lm, lens, a = random_case(0, b=2, s=12, num_anchors=4)
+    ids = torch.randint(0, 40, lm.shape)
+    path = torch.full((*lm.shape, 3), -1)
+    with pytest.raises(ValueError, match="greedy path"):
+        labels_and_weights(ids, lm, lens, a, block_size=4, gamma=2.0, path_ids=path)
+    with pytest.raises(ValueError, match="label_ids"):
+        labels_and_weights(ids, lm, lens, a, block_size=4, gamma=2.0, on_path_only=True)
+
+
+def test_dflash2_gold_predecessor_follows_the_path():
+    lm, lens, a = random_case(1, b=2, s=14, num_anchors=4)
+    B = 5
+    ids = torch.randint(0, 40, lm.shape)
+    path = torch.randint(0, 40, (*lm.shape, B - 1))
+    prev = predecessors(ids, target_label_ids(ids, ids), a, block_size=B, path_ids=path)
+    for i in range(2):
+        for j in range(a.anchors.shape[1]):
+            anc = int(a.anchors[i, j])
+            assert int(prev[i, j, 1]) == int(ids[i, anc])                     # the anchor itself
+            assert prev[i, j, 2:].tolist() == path[i, anc, :B - 2].tolist()    # the path label before k
