@@ -9,7 +9,7 @@ DEMO_SCALE ?= 1
 PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 
-.PHONY: install assets test test-engine demo clean-demo
+.PHONY: install assets test test-engine gpu-check demo clean-demo
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -42,6 +42,14 @@ test: assets
 # into the cache on first use (a few minutes, ~3.5 GB), regenerates data and judges an exported drafter.
 test-engine: assets
 	$(PY) -m pytest -m engine tests/engines/ $(PYTEST_ARGS)
+
+# The GPU check (`dflashkit gpu-check`: flex attention, bf16 on an 8B-shaped target, CPU = GPU, the GPU
+# decoder, 1 = 2 ranks; under 8 min on one H100/H200): on a CUDA machine whose python3 has torch and
+# transformers (no venv, no network needed), `make gpu-check GPU_CHECK_OUT=DIR`. Exit 1 names a failed check.
+GPU_CHECK_OUT ?= gpu-check
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	PYTHONPATH=src PYTHONUNBUFFERED=1 $(GPU_PY) -m dflashkit gpu-check $(GPU_CHECK_OUT)
 
 demo: assets
 	$(PY) -m dflashkit run -c $(DEMO_CONFIG) run.scale=$(DEMO_SCALE)

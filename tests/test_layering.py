@@ -144,7 +144,7 @@ def test_no_import_cycle():
     assert cycle is None, "import cycle: " + " → ".join(cycle or [])
 
 
-TOP_ROOMS = ("dflashkit.bench", "dflashkit.testing")  # only stages, tests and each other import these
+TOP_ROOMS = ("dflashkit.bench", "dflashkit.testing", "dflashkit.gpucheck")  # only stages, tests, each other
 APART = (("dflashkit.generate", "dflashkit.serving"), ("dflashkit.serving", "dflashkit.generate"))
 
 
@@ -189,7 +189,7 @@ RANKS: dict[str, int] = {
     "dflashkit.decode": 6, "dflashkit.report": 6,
     "dflashkit.serving": 7,
     "dflashkit.engines": 8, "dflashkit.serve_app": 8, "dflashkit.doctor": 8,
-    "dflashkit.bench": 9, "dflashkit.testing": 9,
+    "dflashkit.bench": 9, "dflashkit.testing": 9, "dflashkit.gpucheck": 9,
 }
 
 

@@ -391,6 +391,12 @@ class RunDir:
         return self.root / "report"
 
     @property
+    def gpu_check_dir(self) -> Path:
+        """`gpu-check/`: `dflashkit gpu-check`'s default OUT_DIR, summary.json + gpu-check.log (owner:
+        gpucheck/runner.py)."""
+        return self.root / "gpu-check"
+
+    @property
     def resolved_config_path(self) -> Path:
         return self.root / "config.resolved.yaml"
 

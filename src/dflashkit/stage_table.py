@@ -69,6 +69,8 @@ TABLE: tuple[Stage, ...] = (
     Stage("engines", "engines", "Serving engines dflashkit starts for you: `engines install vllm`, `engines status`.",
           writes=False),
     Stage("bench", "bench", "Benchmarks: generate | tokenize | train | decode | serve endpoints | recipe ablations."),
+    Stage("gpu-check", "gpu_check", "Check the CUDA paths (flex attention, bf16 on an 8B-shaped target, CPU = GPU, "
+          "the GPU decoder, 1 = 2 ranks) in time-boxed checks; write OUT_DIR/summary.json.", writes=False),
     Stage("run", "pipeline", "Run every stage from one YAML, skipping those that are up to date."),
     Stage("report", "report", "One self-contained HTML page (+ PNGs) from a run directory.", pipeline=True),
 )

@@ -105,9 +105,10 @@ def test_one_stage_table_keeps_commands_order_and_fingerprints():
     from dflashkit.stages.pipeline import ORDER
 
     assert list(COMMANDS) == ["probe", "doctor", "plan", "prepare", "generate", "serve", "tokenize", "capture",
-                              "train", "eval", "export", "verify-engine", "import", "engines", "bench", "run", "report"]
+                              "train", "eval", "export", "verify-engine", "import", "engines", "bench", "gpu-check", "run",
+                              "report"]
     assert COMMANDS["eval"][0] == "evaluate" and COMMANDS["import"][0] == "import_" and COMMANDS["run"][0] == "pipeline"
-    assert READ_ONLY == {"doctor", "plan", "serve", "engines"}
+    assert READ_ONLY == {"doctor", "plan", "serve", "engines", "gpu-check"}
     assert ORDER == STAGES == ("probe", "prepare", "generate", "tokenize", "capture", "train", "eval", "export",
                                "report")
     before = {

@@ -208,3 +208,24 @@ def test_label_need_marks_the_kept_anchors_and_the_levels_inside_the_sequence():
     got = label_need(lm, lens, 3, anchors, keep)
     assert got[0, :, 0].nonzero().flatten().tolist() == [0, 5]
     assert not label_need(lm, lens, 3, anchors, torch.tensor([[False, True, False, False]]))[0, 0].any()
+
+
+def test_the_rollout_keeps_its_cache_under_the_older_name(planted):
+    """transformers before 5.2x names the forward's cache `past_key_values` and swallows an unknown `cache`:
+    the prefill and the rollout hand theirs by the installed name (`model.target.cache_kwarg`), same paths."""
+    target, seqs, _, _ = planted
+    ids, att, lens = _batch(seqs)
+    want = greedy_path_ids(target, ids, lens, D, attention_mask=att)
+    base = type(target.model)
+
+    class PastKeyValuesNamed(base):  # type: ignore[misc, valid-type]
+        def forward(self, input_ids=None, past_key_values=None, **kw):
+            kw.pop("cache", None)  # swallowed by **kwargs there, without an error
+            return base.forward(self, input_ids=input_ids, cache=past_key_values, **kw)
+
+    target.model.__class__ = PastKeyValuesNamed
+    try:
+        got = greedy_path_ids(target, ids, lens, D, attention_mask=att)
+    finally:
+        target.model.__class__ = base
+    assert want.rolled > 0 and got.rolled == want.rolled and torch.equal(got.path_ids, want.path_ids)

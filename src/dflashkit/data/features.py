@@ -144,7 +144,7 @@ def local_batches(target: Any, rows: list[torch.Tensor], layer_ids: list[int], *
     """The target in this process: samples in batches of similar length (sorted, so padding costs
     little); yields [(row index, features [n, W], next_ids [n], last_hidden [n, H] | None, path_ids [n, D] |
     None)] per batch. `paths`: the greedy path of its rows, from the same forward (its KV cache)."""
-    from dflashkit.model.path_labels import path_cache
+    from dflashkit.model.path_labels import path_cache, with_cache
 
     lens = [len(r) for r in rows]
     order = sorted(range(len(rows)), key=lambda i: lens[i])
@@ -161,7 +161,7 @@ def local_batches(target: Any, rows: list[torch.Tensor], layer_ids: list[int], *
             cache = path_cache() if any(want) else None
             feats, last = target.features(ids.to(target.device), layer_ids=layer_ids, need_last_hidden=True,
                                           attention_mask=att.to(target.device),
-                                          **({"cache": cache, "use_cache": True} if cache is not None else {}))
+                                          **(with_cache(target, cache) if cache is not None else {}))
             nxt = target.next_token_ids(last)
             if paths is not None and cache is not None:
                 path = _batch_paths(target, ids, att, nxt, cache, part, want, paths)

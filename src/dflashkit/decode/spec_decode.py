@@ -59,7 +59,7 @@ from dflashkit.decode.sampling import sample, sampling_probs, verify_greedy, ver
 from dflashkit.errors import UsageError
 from dflashkit.family.base import DraftSampling
 from dflashkit.model.drafter import DFlashDraftModel, DraftKVCache
-from dflashkit.model.target import Target, fast_bf16
+from dflashkit.model.target import Target, cache_kwarg, fast_bf16
 
 
 class Proposer(Protocol):
@@ -128,6 +128,7 @@ class SpecDecoder:
                 self._head_b = None if b is None else b.detach().to(self._draft_dtype)
             self._step = drafter.contract.family.propose  # the family's proposal step
         self._cuda = target.device.type == "cuda"
+        self._cache_kw = cache_kwarg(target.model)  # `cache` or `past_key_values`, by transformers version
 
     # -- helpers ------------------------------------------------------------------------------
     def _now(self) -> float:
@@ -137,7 +138,7 @@ class SpecDecoder:
 
     def _forward(self, ids: torch.Tensor, cache, last_only: bool = False):
         """Target forward with KV cache → (features [1, t, nF·H] or None, logits [t', V])."""
-        kw = {"cache": cache, "use_cache": True}
+        kw = {self._cache_kw: cache, "use_cache": True}
         if last_only:
             kw["logits_to_keep"] = 1
         if self.layer_ids:

@@ -82,6 +82,24 @@ def hf_config(contract: Contract) -> Qwen3Config:
     return Qwen3Config(**cfg)
 
 
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
+                    repeat_kv: bool | None = None) -> torch.Tensor:
+    """SDPA of queries [b, heads, q, d] over grouped keys/values [b, kv_heads, t, d] under a dense bool mask.
+
+    With a mask on CUDA the keys/values are repeated per query head (`repeat_kv`, default: mask and CUDA):
+    torch's fused CUDA kernels take a mask or grouped K/V (`enable_gqa`), not both, and fall back to the math
+    kernel, which materialises the [b, heads, q, kv] scores (tens of GB for a Qwen3-8B-sized drafter's batch:
+    4 × 32 heads × 8192 block queries × 10240 keys); repeated K/V cost [b, heads, t, d] and let the
+    memory-efficient kernel take the mask. Same result either way (query head h reads K/V head h // groups)."""
+    groups = q.shape[1] // k.shape[1]
+    if repeat_kv is None:
+        repeat_kv = mask is not None and q.is_cuda
+    if repeat_kv and groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        groups = 1
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
+
+
 class DFlashAttention(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -115,8 +133,7 @@ class DFlashAttention(nn.Module):
 
             out = flex_attention(q, k, v, block_mask=attention_mask, enable_gqa=self.n_heads != self.n_kv)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask,
-                                                 enable_gqa=self.n_heads != self.n_kv)
+            out = block_attention(q, k, v, attention_mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 

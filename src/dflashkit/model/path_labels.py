@@ -3,7 +3,7 @@
 Usage:
     cache = path_cache()                                    # the prefill's KV cache, kept for the rollout
     feats, last = target.features(ids, layer_ids=ids_, need_last_hidden=True, attention_mask=att,
-                                  cache=cache, use_cache=True)
+                                  **with_cache(target, cache))
     nxt = target.next_token_ids(last)                       # [b, S] = path_ids[:, :, 0]
     need = label_need(loss_mask, seq_lens, depth=B - 1)     # the rows / levels block labels read
     path = greedy_path_ids(target, ids, seq_lens, B - 1, next_ids=nxt, cache=cache, need=need)
@@ -59,6 +59,13 @@ class GreedyPath:
 def path_depth(block_size: int) -> int:
     """D for training block size B: labels of positions 1 … B−1 read levels 0 … B−2."""
     return max(1, int(block_size) - 1)
+
+
+def with_cache(target: Any, cache: Any) -> dict[str, Any]:
+    """The forward keywords that fill `cache` (its name by transformers version: `model.target.cache_kwarg`)."""
+    from dflashkit.model.target import cache_kwarg
+
+    return {cache_kwarg(target.model): cache, "use_cache": True}
 
 
 def path_cache() -> Any:
@@ -141,7 +148,7 @@ def greedy_path_ids(target: Any, input_ids: torch.Tensor, seq_lens: torch.Tensor
     if next_ids is None or cache is None:
         att = attention_mask if attention_mask is not None else valid.long()
         cache = path_cache()
-        next_ids = target.model(input_ids=input_ids, attention_mask=att, cache=cache, use_cache=True).logits.argmax(-1)
+        next_ids = target.model(input_ids=input_ids, attention_mask=att, **with_cache(target, cache)).logits.argmax(-1)
     next_ids = next_ids.to(dev).long()
     agree = torch.zeros(b, s, dtype=torch.bool, device=dev)
     agree[:, :-1] = (input_ids[:, 1:] == next_ids[:, :-1]) & (t_idx[None, 1:] < lens[:, None])
@@ -189,7 +196,7 @@ def _rollout(target: Any, cache: Any, path: torch.Tensor, levels: torch.Tensor, 
             tok = torch.where(active, torch.gather(path[:, :, j - 1], 1, safe_t), torch.zeros_like(row_t))
             pos = torch.where(active, safe_t + j, torch.zeros_like(row_t))
             logits = target.model(input_ids=tok, position_ids=pos, attention_mask=_as_mask(mask, target),
-                                  cache=cache, use_cache=True).logits
+                                  **with_cache(target, cache)).logits
             got = logits.argmax(-1)                                            # [b, q]
             for i in range(b):
                 sel = active[i]

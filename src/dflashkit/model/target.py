@@ -87,6 +87,15 @@ def target_autocast(setting: str, device: torch.device, target_dtype: torch.dtyp
     return None
 
 
+def cache_kwarg(model: nn.Module) -> str:
+    """The keyword a model's forward takes its KV cache by: `cache` (transformers 5.2x) or `past_key_values`
+    (earlier 5.x, e.g. 5.17). An unknown keyword is swallowed by transformers' `**kwargs` without an error, so
+    passing the wrong one silently decodes without the cache."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def text_config_dict(model_dir: Path) -> dict[str, Any]:
     """config.json with wrappers (text_config, …) resolved: the language model's own config."""
     cfg_path = model_dir / "config.json"

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import torch
 
 from dflashkit.decode.api import GenerationResult, default_stop_ids
+from dflashkit.model.target import cache_kwarg
 from dflashkit.serving.engine import Request, _EngineBase, _TextTracker
 from dflashkit.serving.kvcache import SlotCache
 
@@ -47,7 +48,7 @@ class BatchEngine(_EngineBase):
         self.pad_id = int(pad if pad is not None else (self.stop_token_ids or (0,))[0])
         self.max_context = int(getattr(target.config, "max_position_embeddings", 0) or 1 << 30)
         params = inspect.signature(target.model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
+        self._cache_kw = cache_kwarg(target.model)
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.kv_capacity = 256  # initial KV columns; the cache doubles them when a step needs more
         if target.device.type == "cpu":

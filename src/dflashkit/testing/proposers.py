@@ -23,11 +23,14 @@ class CopyTargetProposer:
         import torch
         from transformers import DynamicCache
 
+        from dflashkit.model.target import cache_kwarg
+
+        kw = cache_kwarg(self.target.model)
         cache, ids, out = DynamicCache(config=self.target.config), list(sequence), []
         with torch.inference_mode():
             step = torch.tensor([ids], device=self.target.device)
             for _ in range(num_tokens):
-                logits = self.target.model(input_ids=step, cache=cache, use_cache=True).logits
+                logits = self.target.model(input_ids=step, use_cache=True, **{kw: cache}).logits
                 tok = int(logits[0, -1].argmax())
                 out.append(tok)
                 step = torch.tensor([[tok]], device=self.target.device)

@@ -61,12 +61,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("dflashkit.train")
 
 
-def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, *, open_feed: Callable[..., Any] | None = None) -> Trainer:
+def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, *, open_feed: Callable[..., Any] | None = None,
+          target: Target | None = None) -> Trainer:
     """Everything a step needs. train.features=engine: `open_feed` (the train stage passes
-    `engines.feed.open_engine_feed`) opens the engine and its feed, which run until `Trainer.close`."""
+    `engines.feed.open_engine_feed`) opens the engine and its feed, which run until `Trainer.close`.
+    `target`: a target already in memory instead of `cfg.target` (the GPU check's random
+    Qwen3-8B-shaped target, whose weights exist nowhere on disk)."""
     opened: list[Any] = []
     try:
-        return _setup(cfg, rd, dist, opened, open_feed)
+        return _setup(cfg, rd, dist, opened, open_feed, target)
     except BaseException:
         for feed in opened:
             feed.close()
@@ -84,7 +87,7 @@ def engine_feed_key(cfg: RunConfig, rd: RunDir, contract: DrafterContract, dist:
 
 
 def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any],
-           open_feed: Callable[..., Any] | None) -> Trainer:
+           open_feed: Callable[..., Any] | None, loaded: Target | None = None) -> Trainer:
     from dflashkit.model.target import load_target
 
     contract = DrafterContract.load(rd.contract_path)
@@ -111,13 +114,13 @@ def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any],
         opened.append(feed)
         data.features = feed  # type: ignore[assignment]  # FeatureStore's reading API (has / require / get)
     target: Target | HeadOnlyTarget
-    if head_only(cfg, data.features):  # every target output is in the shards: embedding + head suffice
+    if loaded is None and head_only(cfg, data.features):  # every output in the shards: embedding + head suffice
         from dflashkit.model.head import load_head_only_target
 
         target = load_head_only_target(cfg.target, device=str(dist.device))
         parts = TargetParts(target.parts.embed, target.lm_head)
     else:
-        full = load_target(cfg.target, device=str(dist.device))
+        full = loaded if loaded is not None else load_target(cfg.target, device=str(dist.device))
         target, parts = full, TargetParts(full.model.get_input_embeddings(), full.lm_head)
         if cfg.train.parallel.target == "shard":
             parts = shard_target(full, dist)

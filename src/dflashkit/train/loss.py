@@ -172,6 +172,14 @@ class LossOutput:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def in_head_dtype(head: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """`x` in the dtype of `head`'s weight. The drafter's output is float32 (its final norm's weight is), and
+    outside autocast F.linear takes one dtype: a bf16 target's head (`target.dtype: auto` on CUDA) projects
+    it in bf16, as autocast would, instead of refusing it."""
+    w = getattr(head, "weight", None)
+    return x if w is None or x.dtype == w.dtype else x.to(w.dtype)
+
+
 def tau_sum(ok: torch.Tensor, keep: torch.Tensor) -> float:
     """Σ over real blocks of 1 + the leading correct positions (ok [b, N, B], slot 0 ignored)."""
     lead = torch.cumprod(ok[:, :, 1:].long(), dim=-1).sum(-1)
@@ -246,7 +254,7 @@ class DraftLoss:
 
     def _chunk(self, model, head, h, labels, tgt, prev, need_ce: bool, need_kl: bool):
         """Per-row CE and KL (zeros when not needed), the argmax, and each term's own values, of one chunk."""
-        scores = self.family.scores(model, head(h).float())                       # [rows, V']
+        scores = self.family.scores(model, head(in_head_dtype(head, h)).float())  # [rows, V']
         rows = Rows(model, h, scores, labels, prev)
         own = [t.chunk(rows) for t in self.terms]
         ce = F.cross_entropy(scores, labels, reduction="none") if need_ce else scores.new_zeros(labels.shape)
@@ -328,7 +336,8 @@ class DraftLoss:
                 else:
                     assert x.target_hidden is not None and heads.target_head is not None  # checked above
                     with torch.no_grad():
-                        tgt = heads.target_head(x.target_hidden[tgt_rows[0][r], tgt_rows[1][r]].to(hidden.dtype))
+                        tgt = heads.target_head(in_head_dtype(heads.target_head,
+                                                              x.target_hidden[tgt_rows[0][r], tgt_rows[1][r]]))
             if tgt is not None and vocab is not None:
                 tgt = tgt.index_select(-1, vocab)
             args = (model, heads.head, hidden[r], labels_f[r], tgt, None if prev_f is None else prev_f[r],

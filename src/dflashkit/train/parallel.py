@@ -13,6 +13,10 @@ The loss of every micro-batch is divided by the Σ w of the whole global step (a
 FSDP average gradients over ranks, so the loop multiplies the loss by the world size: the update
 is then identical to one process holding the whole global batch.
 
+Each rank takes the GPU of its local rank. With `train.parallel.backend: gloo` a node may run more ranks
+than it has GPUs (they share them round robin: the GPU check's 1 ≡ 2 processes on one GPU); NCCL refuses
+two ranks on one GPU, so that is a usage error before the rendezvous (`cuda_index`).
+
 Target sharding (train.parallel.target=shard) applies FSDP2 `fully_shard` to every target decoder
 layer and the root over all ranks, so each rank stores 1/world of the frozen weights; the target
 forward all-gathers one layer at a time. The embedding and LM head the drafter reuses are kept as
@@ -64,15 +68,30 @@ class DistInfo:
         return self.world > 1
 
 
+def cuda_index(local_rank: int, devices: int, backend: str) -> int:
+    """The GPU of a rank: its own (`cuda:<local rank>`), or, when a node has fewer GPUs than ranks, a shared one
+    (round robin) under gloo, which moves CUDA tensors through host memory. NCCL refuses two ranks on one GPU
+    ("Duplicate GPU detected"), so that case is a usage error naming the fix, before any rank blocks in a
+    rendezvous that cannot complete."""
+    if local_rank < devices or devices < 1:
+        return local_rank
+    if backend == "gloo":
+        return local_rank % devices
+    raise UsageError(f"local rank {local_rank} has no GPU of its own: {devices} visible, and {backend} refuses two "
+                     "ranks on one GPU", hint=f"run at most {devices} process(es) per node (--nproc-per-node), or "
+                     "set train.parallel.backend=gloo to share the GPUs (slow: for checks, not for training)")
+
+
 def init_distributed(parallel, device: str = "auto") -> DistInfo:
-    """Join the torchrun process group when WORLD_SIZE > 1; pick this rank's device."""
+    """Join the torchrun process group when WORLD_SIZE > 1; pick this rank's device (`cuda_index`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available() and device in ("auto", "cuda") or device.startswith("cuda")
-    dev = torch.device(f"cuda:{local}") if cuda else torch.device("cpu")
+    backend = parallel.backend if parallel.backend != "auto" else ("nccl" if cuda else "gloo")
+    index = cuda_index(local, torch.cuda.device_count(), backend) if cuda and world > 1 else local
+    dev = torch.device(f"cuda:{index}") if cuda else torch.device("cpu")
     if world > 1 and not torch.distributed.is_initialized():
-        backend = parallel.backend if parallel.backend != "auto" else ("nccl" if cuda else "gloo")
         if cuda:
             torch.cuda.set_device(dev)
         global _joined

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from dflashkit.model.path_labels import greedy_path_ids, label_need, path_cache, path_depth
+from dflashkit.model.path_labels import greedy_path_ids, label_need, path_cache, path_depth, with_cache
 from dflashkit.model.target import Target, target_autocast
 from dflashkit.train.data import Batch, FeatureStore, collate
 from dflashkit.train.objective import Anchors, target_label_ids
@@ -94,7 +94,7 @@ class OnlineSide:
         rollout = t.on_path == "rollout" and b.path_ids is None   # cached paths (shards, held-out) win
         logits = hidden = path = None
         cache = path_cache() if rollout else None
-        kw = {"cache": cache, "use_cache": True} if rollout else {}
+        kw = with_cache(self.target, cache) if rollout else {}
         tamp = target_autocast(t.target_dtype, self.device, self.target.dtype)
         with torch.no_grad(), torch.autocast(self.device.type, dtype=tamp, enabled=tamp is not None):
             if self.sharded:  # a sharded target gives logits, not its final-norm hidden state

@@ -1,0 +1,90 @@
+"""The GPU check's checks, run with device=cpu: the same functions the GPU machine runs, on `fixtures.SMALL`
+and the tiny target (flex: losses only, torch has no flex backward on the CPU; CPU ≡ GPU: two CPU runs)."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import pytest
+
+from dflashkit.gpucheck.decode_check import decoder_equals_baseline
+from dflashkit.gpucheck.dist_check import distributed_plan, one_equals_two_processes
+from dflashkit.gpucheck.runner import CheckContext
+from dflashkit.gpucheck.train_checks import bf16_steps, cpu_equals_gpu, flex_vs_sdpa
+
+
+@pytest.fixture
+def ctx(tmp_path, tiny_qwen3):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.symlink(tiny_qwen3, shared / "tiny-target")  # the same model/tiny.py target the check would build
+    return CheckContext(device="cpu", work_dir=tmp_path / "work", deadline=time.monotonic() + 600, shared_dir=shared)
+
+
+def _parts(result: dict) -> dict[str, dict]:
+    return {p["name"]: p for p in result["parts"]}
+
+
+def test_flex_equals_sdpa_in_the_trainers_loss(ctx):
+    r = flex_vs_sdpa(ctx)
+    parts = _parts(r)
+    assert r["status"] == "passed", r
+    assert set(parts) == {"tiny, float32", "tiny, bf16 autocast", "medium (small-shape), float32",
+                          "medium (small-shape), bf16 autocast"}
+    for name, p in parts.items():
+        assert p["loss_rel"] <= p["loss_rtol"] and math.isfinite(p["loss_flex"]), (name, p)
+        assert "no backward on the CPU" in p["grads"]
+    assert parts["tiny, float32"]["loss_rel"] < 1e-5
+
+
+def test_bf16_steps_on_a_bf16_target(ctx):
+    r = bf16_steps(ctx)
+    assert r["status"] == "passed", r
+    one, five = _parts(r)["1-layer drafter"], _parts(r)["5-layer drafter"]
+    assert len(one["target_layer_ids"]) == 1 and len(five["target_layer_ids"]) == 5
+    assert five["drafter_params_m"] > one["drafter_params_m"] > 0
+    for p in (one, five):
+        assert p["tokens_per_s"] > 0 and p["step_s"] > 0 and all(math.isfinite(x) for x in p["losses"])
+        assert len(p["step_s_each"]) == p["timed_steps"] and p["peak_memory_gib"] is None  # no CUDA here
+
+
+def test_cpu_equals_gpu_compares_two_fits(ctx):
+    r = cpu_equals_gpu(ctx)
+    assert r["status"] == "passed", r
+    losses = _parts(r)["losses, step by step (train rows, then the held-out row)"]
+    assert len(losses["got"]) == 3  # 2 steps + the final held-out row
+    assert losses["max_rel"] <= 1e-6 and _parts(r)["final drafter weights"]["max_abs"] <= 1e-6  # one device, twice
+
+
+def test_the_decoder_equals_the_baseline(ctx):
+    r = decoder_equals_baseline(ctx)
+    assert r["status"] == "passed", r
+    parts = _parts(r)
+    assert len(parts) == 9  # 3 targets × (baseline, random drafter, copy-target proposer)
+    for name, p in parts.items():
+        if "baseline" not in name:
+            assert p["verdict"] in ("exact", "ties-only") and 1 <= p["tau"] <= 4, (name, p)
+    assert parts["tiny float32: copy-target proposer, B=4"]["verdict"] == "exact"
+    assert parts["tiny float32: copy-target proposer, B=4"]["tau"] > 2  # every full step accepts its drafts
+
+
+def test_distributed_plan_says_what_one_machine_allows(ctx):
+    runs, skipped = distributed_plan("cuda", 1)
+    assert [(r.backend, r.mode) for r in runs] == [("gloo", "ddp"), ("gloo", "fsdp")]
+    assert skipped and "one GPU" in skipped[0][1] and "NCCL" in skipped[0][1]
+    runs, skipped = distributed_plan("cuda", 8)
+    assert {r.backend for r in runs} == {"nccl"} and not skipped
+    assert distributed_plan("cpu", 0)[0] == []
+    r = one_equals_two_processes(ctx)
+    assert r["status"] == "skipped" and "no CUDA device" in r["reason"]
+
+
+def test_only_gloos_own_refusal_turns_a_failed_run_into_a_skip():
+    from dflashkit.gpucheck.dist_check import gloo_refusal
+
+    err = "Traceback ...\nRuntimeError: ProcessGroupGloo does not support reduce_scatter_tensor on CUDA tensors\n"
+    assert gloo_refusal(err) == "ProcessGroupGloo does not support reduce_scatter_tensor on CUDA tensors"
+    assert gloo_refusal("torch.OutOfMemoryError: CUDA out of memory") is None
+    assert gloo_refusal("AssertionError: losses differ") is None
