@@ -228,8 +228,8 @@ class DraftLoss:
         if train.loss in ("kl", "ce+kl"):
             terms.append(KL(train.kl_weight if train.loss == "ce+kl" else 1.0, train.kl_temperature))
         fam = contract.family
-        weighting = {"dpace": DPace(train.dpace_alpha), "uniform": Decay(None)}.get(train.position_weighting,
-                                                                                   Decay(gamma))
+        weighting: Decay | DPace = (DPace(train.dpace_alpha) if train.position_weighting == "dpace" else
+                                    Decay(None if train.position_weighting == "uniform" else gamma))
         return cls(fam, contract.mask_token_id, (*terms, *fam.loss_terms(train)), weighting,
                    chunk_blocks=train.loss_chunk_blocks, attention=attention, amp=amp,
                    context=not train.ablate_features)
