@@ -43,6 +43,7 @@ OWNERS = {
     "training metrics and curve": ("dflashkit.train.logging", {"MetricSink", "LearningCurve", "read_metrics",
                                                                "read_curve"}),
     "bench results": ("dflashkit.bench.results", {"write_bench_result", "read_bench_result"}),
+    "speculation profile": ("dflashkit.export.profile", {"write_profile", "read_profile"}),
 }
 # format → (its owner module, its `RunDir` properties, its file names); only rundir.py, the owner and the stages
 # may name them, and a stage only to pass them to the owner or print them. (train/final and train/best are
@@ -58,6 +59,8 @@ FORMAT_PATHS = {
     "training metrics and curve": ("dflashkit.train.logging", {"train_metrics", "train_curve"},
                                    {"metrics.jsonl", "curve.json"}),
     "bench results": ("dflashkit.bench.results", {"bench_result"}, set()),
+    "speculation profile": ("dflashkit.export.profile", {"eval_profile", "verify_engine_profile"},
+                            {"speculation_profile.json"}),
 }
 # what reads or writes any file: a stage never hands one of these a format's path
 GENERIC_IO = {"read_json", "read_json_or_none", "read_jsonl", "read_jsonl_rows", "atomic_write_json",

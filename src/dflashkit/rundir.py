@@ -364,6 +364,11 @@ class RunDir:
         return self.root / "eval" / "results.json"
 
     @property
+    def eval_profile(self) -> Path:
+        """`eval/speculation_profile.json` (owner: export/profile.py: `write_profile`, `read_profile`)."""
+        return self.root / "eval" / "speculation_profile.json"
+
+    @property
     def export_dir(self) -> Path:
         """`export/`: the exported drafter (owner: export/hf.py, export/speculators.py)."""
         return self.root / "export"
@@ -385,6 +390,12 @@ class RunDir:
     def verify_engine_results(self) -> Path:
         """`verify-engine/results.json` (owner: engines/verify.py: `write_engine_results`, `read_engine_results`)."""
         return self.verify_engine_dir / "results.json"
+
+    @property
+    def verify_engine_profile(self) -> Path:
+        """`verify-engine/speculation_profile.json`: the drafter's profile with the engine's figures, when the
+        drafter dir is not an export of ours to update (owner: export/profile.py)."""
+        return self.verify_engine_dir / "speculation_profile.json"
 
     @property
     def report_dir(self) -> Path:

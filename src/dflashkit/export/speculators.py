@@ -53,6 +53,7 @@ import torch
 
 from dflashkit import family
 from dflashkit.errors import DflashkitError, UsageError
+from dflashkit.export.profile import PROFILE_FILE
 from dflashkit.family.base import Contract
 from dflashkit.export.hf import (DTYPES, WEIGHTS, build_drafter, load_drafter, open_weights, read_config,
                                  read_draft_vocab_size)
@@ -351,12 +352,14 @@ def target_tensors(target: Any) -> tuple[torch.Tensor, torch.Tensor, str, list[s
 
 def export_speculators(src_dir: str | Path, out_dir: str | Path, *, target: Any, dtype: str = "bfloat16",
                        atol: float = 5e-2, readme: Callable[[DFlashDraftModel], str] | None = None,
-                       config_hash: str = "", inputs: dict[str, Any] | None = None) -> dict[str, Any]:
+                       config_hash: str = "", inputs: dict[str, Any] | None = None,
+                       profile: Callable[[Path], dict[str, Any]] | None = None) -> dict[str, Any]:
     """A trained drafter dir (either format) → a checked speculators dir at `out_dir`.
 
     Built in a temp dir beside `out_dir` (config.json, model.safetensors, README.md from `readme`,
     manifest.json of stage export), reloaded and compared with the source, and only then renamed
-    into place (`out_dir` may only replace an earlier export). `target` is a `TargetSection`.
+    into place (`out_dir` may only replace an earlier export). `target` is a `TargetSection`. `profile`
+    writes the speculation profile into the temp dir (the export stage's) and says what it did.
     """
     from dflashkit.rundir import atomic_dir, write_manifest
 
@@ -370,10 +373,12 @@ def export_speculators(src_dir: str | Path, out_dir: str | Path, *, target: Any,
         if readme:
             (tmp / "README.md").write_text(readme(model))
         check = check_speculators(model, tmp, head, atol)
+        shipped = profile(tmp) if profile else None
         write_manifest(tmp, stage="export", config_hash=config_hash, started=t0,
                        inputs={"source": str(src_dir), "source_format": fmt, **(inputs or {})},
-                       counts={"tensors": len(model.state_dict())}, outputs=outputs,
-                       extra={"format": "speculators", "reload_check": check})
+                       counts={"tensors": len(model.state_dict())},
+                       outputs=outputs + ([PROFILE_FILE] if (shipped or {}).get("shipped") else []),
+                       extra={"format": "speculators", "reload_check": check, "speculation_profile": shipped})
     return {"out_dir": str(out_dir), "format": "speculators", "dtype": dtype, "block_size": model.contract.block_size,
-            "reload_check": check,
+            "reload_check": check, "speculation_profile": shipped,
             **({"draft_vocab_size": model.draft_vocab_size} if model.draft_vocab is not None else {})}

@@ -172,7 +172,8 @@ def engine_section_html(res: dict) -> str:
              for k, (a, b) in enumerate(zip(pp["engine"], pp["ours"]))]
     rows += [["greedy = ours (no speculation)", "", "", verdict[c["greedy_engine_vs_ours"]["ok"]]],
              ["greedy with DFlash = without", "", "", verdict[c["greedy_spec_vs_ar"]["ok"]]],
-             ["chat template = target's", "", "", verdict[c["template"]["ok"]]]]
+             ["chat template = target's", "", "", verdict[c["template"]["ok"]]],
+             ["speculation_profile.json = engine", "", "", verdict[(c.get("profile") or {}).get("ok")]]]
     causes = "".join(f"<p>Likely cause: {html.escape(x)}</p>" for x in res.get("causes", []))
     return head + _table(["", "vLLM", "dflashkit", "check"], rows) + causes
 

@@ -8,7 +8,8 @@ Outputs: `eval/results.json` (+ manifest): the baseline (block_size 1, same loop
          TTFT, and the bound τ·t(1)/t(B) from the same run's step timings (`decode/metrics.py`);
          the same for the training-free prompt-lookup proposer (`prompt_lookup`); the lossless
          verdict (`lossless`); `diagnostics` (bigram baseline, no-feature ablation); `summary` = the
-         best block size by measured speedup.
+         best block size by measured speedup. `eval/speculation_profile.json` (export/profile.py):
+         the drafter's acceptance rates in ModelOpt's schema, which `export` ships beside the weights.
 Example: dflashkit eval -c run.yaml eval.block_sizes=[4,8,16] eval.dtype=bfloat16
 
 Every problem with the inputs (drafter that does not fit the target, prompt longer than the context)
@@ -28,6 +29,7 @@ from dflashkit.context import StageContext
 from dflashkit.decode.evaluation import (block_sizes_for, check_target_fits, choose_dtype, decode_inputs, evaluate,
                                          load_checked_target, mismatch_error, results_table, verify_target_config,
                                          write_eval_results)
+from dflashkit.export.profile import headline, write_profile
 from dflashkit.rundir import RunDir, write_manifest
 from dflashkit.stage_table import stage_hash
 
@@ -49,10 +51,14 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         target, choice = choose_dtype(cfg, drafter_dir, ids, block_sizes)
     res = evaluate(cfg, rd, inputs, target, ids, block_sizes, choice)
     out = rd.stage_dir("eval")
+    profile = res.pop("speculation_profile", None)  # the owner writes it; results.json keeps its headline
+    if profile is not None:
+        res["speculation_profile"] = {"path": str(write_profile(rd.eval_profile, profile)), **headline(profile)}
     path = write_eval_results(rd, res)
     write_manifest(out, stage="eval", config_hash=stage_hash("eval", cfg), started=t0,
                    inputs={"drafter": str(drafter_dir)}, counts={"prompts": len(ids), "block_sizes": len(block_sizes)},
-                   outputs=["results.json"])
+                   outputs=["results.json", *(["speculation_profile.json"] if profile is not None else [])],
+                   extra={"speculation_profile": res.get("speculation_profile")})
     if not ctx.json:
         print(results_table(res), flush=True)
     err = mismatch_error(res, path)
@@ -61,5 +67,11 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     summary = {bs: {k: r[k] for k in ("tau", "speedup", "bound", "decode_tokens_per_s")}
                for bs, r in res["speculative"].items()}
     return {"results": str(path), "drafter": str(drafter_dir), "drafter_source": res["drafter_source"],
+            "speculation_profile": res.get("speculation_profile"),
             "prompts": len(ids), "summary": res["summary"],
             "baseline_tokens_per_s": res["baseline"]["decode_tokens_per_s"], "block_sizes": summary}
+
+
+def outputs_present(rd: RunDir) -> bool:
+    """`dflashkit run`: an eval from before the speculation profile runs again (once)."""
+    return "speculation_profile" in (rd.manifest("eval") or {})

@@ -25,6 +25,11 @@ A drafter with a reduced draft vocabulary (`drafter.draft_vocab_size`) also gets
 top-level `draft_vocab_size`; this needs the target head (target.path). SGLang, the z-lab reference
 and the shipped dflash.py ignore those tensors and draft with the target's full head (lossless,
 but not the vocabulary the drafter was trained for).
+
+Both formats get `speculation_profile.json` (export/profile.py) beside the weights: the newest of
+`eval/speculation_profile.json` and the source dir's own that was measured on the source's weights
+(sha256), stamped with the export's format, dtype and weights digest. Without one the command says so
+(run `dflashkit eval` first); a profile measured on another drafter is never shipped.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ from dflashkit.decode.evaluation import read_eval_results
 from dflashkit.errors import MissingArtifactError
 from dflashkit.export.card import model_card
 from dflashkit.export.check import loaded_target_head, reload_check, target_head
+from dflashkit.export.profile import PROFILE_FILE, profile_path
+from dflashkit.export.profile_ship import ship
 from dflashkit.rundir import RunDir, atomic_dir, check_replaceable, write_manifest
 from dflashkit.stage_table import stage_hash
 
@@ -82,18 +89,38 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         (tmp / "README.md").write_text(model_card(cfg, model.contract, out.resolve(), rd, model.draft_vocab_size,
                                                   results=read_eval_results(rd)))
         check = reload_check(model, tmp, head, cfg.export.check_atol)
+        profile = _ship_profile(cfg, rd, src, tmp, "zlab")
         write_manifest(tmp, stage="export", config_hash=stage_hash("export", cfg), started=t0,
                        inputs={"source": str(src), "source_kind": which}, counts={"tensors": len(model.state_dict())},
-                       outputs=["config.json", "model.safetensors", MODELING_FILE, "README.md"],
-                       extra={"reload_check": check})
+                       outputs=["config.json", "model.safetensors", MODELING_FILE, "README.md",
+                                *([PROFILE_FILE] if profile["shipped"] else [])],
+                       extra={"reload_check": check, "speculation_profile": profile})
     if out.resolve() != rd.stage_dir("export", create=False).resolve():
         write_manifest(rd.stage_dir("export"), stage="export", config_hash=stage_hash("export", cfg), started=t0,
-                       inputs={"source": str(src)}, outputs=[str(out)], extra={"reload_check": check})
+                       inputs={"source": str(src)}, outputs=[str(out)],
+                       extra={"reload_check": check, "speculation_profile": profile})
     log.info("exported %s (%s) → %s (reload check: %s max diff %.2g)", src, which, out, check["compared"],
              check["max_diff_vs_source"])
     return {"out_dir": str(out), "source": str(src), "source_info": source, "dtype": cfg.export.dtype, "block_size": model.contract.block_size,
-            "reload_check": check,
+            "reload_check": check, "speculation_profile": profile,
             **({"draft_vocab_size": model.draft_vocab_size} if model.draft_vocab is not None else {})}
+
+
+def _ship_profile(cfg: RunConfig, rd: RunDir, src: Path, tmp: Path, fmt: str) -> dict[str, Any]:
+    """Ship eval's (or the source dir's own) profile measured on these weights into the export, or say why not."""
+    info = ship([rd.eval_profile, profile_path(src)], src, tmp, fmt=fmt, dtype=cfg.export.dtype)
+    if info["shipped"]:
+        log.info("%s: measured %s, %s tokens per step at K=%d", PROFILE_FILE, info["measured_at"],
+                 info["mean_accept_length"], info["num_speculative_tokens"])
+    else:
+        log.warning("no %s beside the export: %s%s", PROFILE_FILE, info["reason"],
+                    "".join(f"\n  not shipped: {x}" for x in info["skipped"]))
+    return info
+
+
+def outputs_present(rd: RunDir) -> bool:
+    """`dflashkit run`: an export from before profiles were shipped runs again (once)."""
+    return "speculation_profile" in (rd.manifest("export") or {})
 
 
 def _run_speculators(cfg: RunConfig, rd: RunDir, src: Path, which: str, source: dict[str, Any], out: Path,
@@ -104,11 +131,13 @@ def _run_speculators(cfg: RunConfig, rd: RunDir, src: Path, which: str, source: 
     res = export_speculators(src, out, target=cfg.target, dtype=cfg.export.dtype, atol=cfg.export.check_atol,
                              readme=lambda m: model_card(cfg, m.contract, out.resolve(), rd, m.draft_vocab_size,
                                                          fmt="speculators", results=read_eval_results(rd)),
-                             config_hash=stage_hash("export", cfg), inputs={"source_kind": which})
+                             config_hash=stage_hash("export", cfg), inputs={"source_kind": which},
+                             profile=lambda tmp: _ship_profile(cfg, rd, src, tmp, "speculators"))
     if out.resolve() != rd.stage_dir("export", create=False).resolve():
         write_manifest(rd.stage_dir("export"), stage="export", config_hash=stage_hash("export", cfg), started=t0,
                        inputs={"source": str(src)}, outputs=[str(out)],
-                       extra={"format": "speculators", "reload_check": res["reload_check"]})
+                       extra={"format": "speculators", "reload_check": res["reload_check"],
+                              "speculation_profile": res["speculation_profile"]})
     log.info("exported %s (%s) → %s, speculators format (reload check: max diff %.2g)", src, which, out,
              res["reload_check"]["max_diff_vs_source"])
     return {**res, "source": str(src), "source_info": source}

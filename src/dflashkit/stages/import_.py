@@ -2,17 +2,17 @@
 
 Inputs:  DIR with config.json (+ `dflash_config`, or vLLM speculators keys: told apart by config.json's
          `speculators_config` / `speculators_model_type`) and model.safetensors; the target (`target.path`).
-Outputs: DEST (default `<run_dir>/train/final/`, a relative DEST is under the run dir) holding
-         config.json, model.safetensors (and dflash.py if DIR had one) — always z-lab format, a speculators
-         DIR is converted (its embedding and head copies dropped); `contract.json` if absent;
-         `<run_dir>/import/manifest.json`.
+Outputs: DEST (default `<run_dir>/train/final/`, a relative DEST is under the run dir) holding config.json,
+         model.safetensors (and dflash.py if DIR had one) — always z-lab format, a speculators DIR is converted
+         (its embedding and head copies dropped); `contract.json` if absent; `<run_dir>/import/manifest.json`.
 Example: dflashkit import ~/ckpt/Qwen3-8B-DFlash-b16 -c run.yaml
 
-Checks, all before anything is written (exit 2 with the key named): the config has
-`dflash_config` and the Qwen3 keys, the weights are readable safetensors whose names and shapes
-match the config, the drafter fits the target (target_layer_ids < target layers, equal hidden
-size, mask id and vocab inside the target's) and, when the run has a contract.json, it is of the
-run's drafter family with the run's shape and knobs. An existing DEST is never overwritten.
+Checks, all before anything is written (exit 2 with the key named): the config has `dflash_config` and the Qwen3
+keys, the weights are readable safetensors whose names and shapes match the config, the drafter fits the target
+(target_layer_ids < target layers, equal hidden size, mask id and vocab inside the target's) and, when the run has a
+contract.json, it is of the run's drafter family with the run's shape and knobs. An existing DEST is never
+overwritten. A `speculation_profile.json` beside the weights is validated (a broken one: exit 2 naming the file and
+field; none is fine) and its headline numbers are reported (export/profile.py `profile_report`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from dflashkit import family
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
 from dflashkit.errors import UsageError
+from dflashkit.export.profile_ship import profile_report
 from dflashkit.rundir import RunDir, atomic_dir, atomic_write_json, write_manifest
 from dflashkit.stage_table import stage_hash
 from dflashkit.train.guards import IMPORTED
@@ -103,6 +104,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     dest = Path(ctx.positionals[1]) if len(ctx.positionals) > 1 else Path("train") / "final"
     dest = dest if dest.is_absolute() else rd.root / dest
     model, fmt = load_any_drafter(src)  # z-lab or speculators; validates keys, tensor names, shapes, integrity
+    profile = profile_report(src)  # its speculation_profile.json, validated (exit 2 naming the field) or None
     contract = model.contract
     facts = target_facts(cfg)
     if fmt == "speculators":  # its config does not record the target's depth; its head should be the target's
@@ -114,7 +116,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         raise UsageError(f"{dest} already exists; not overwriting it",
                          hint="pass another DEST (dflashkit import DIR DEST) or move the existing dir away")
     if ctx.dry_run:
-        return {"dry_run": True, "source": str(src), "dest": str(dest), "fits": True}
+        return {"dry_run": True, "source": str(src), "dest": str(dest), "fits": True, "speculation_profile": profile}
 
     with atomic_dir(dest) as tmp:  # dest does not exist (checked above): nothing is ever replaced
         for name in ("config.json", WEIGHTS, MODELING_FILE) if fmt == "zlab" else ():
@@ -128,8 +130,8 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         atomic_write_json(tmp / IMPORTED, {"source": str(src.resolve()), "format": fmt,
                                            "imported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
 
-    wrote_contract = False
-    if not rd.contract_path.is_file():
+    wrote_contract = not rd.contract_path.is_file()
+    if wrote_contract:
         contract.num_target_layers = facts["num_layers"]
         contract.vocab_size = facts["vocab_size"]
         contract.tie_word_embeddings = facts["tie_word_embeddings"]
@@ -139,10 +141,10 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
             contract.max_position_embeddings = int(facts["max_position_embeddings"])
         contract.mask_token_reason = f"imported from {src}"
         atomic_write_json(rd.contract_path, contract.to_dict())
-        wrote_contract = True
     write_manifest(rd.stage_dir("import"), stage="import", config_hash=stage_hash("import", cfg), started=t0,
                    inputs={"source": str(src.resolve())}, outputs=[str(dest)],
                    counts={"tensors": len(model.state_dict())})
     log.info("imported %s (%s format) → %s%s", src, fmt, dest, " (wrote contract.json)" if wrote_contract else "")
     return {"source": str(src), "format": fmt, "dest": str(dest), "block_size": contract.block_size,
-            "target_layer_ids": contract.target_layer_ids, "wrote_contract": wrote_contract}
+            "target_layer_ids": contract.target_layer_ids, "wrote_contract": wrote_contract,
+            "speculation_profile": profile}

@@ -103,6 +103,8 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
         fp = _fingerprint(cfg, rd, stage, previous, prev_fp)
         if stage in stages:
             fresh = state.get(stage) == fp and rd.manifest(stage) is not None and stage != "report"
+            present = getattr(_stage_module(stage), "outputs_present", None) if fresh else None
+            fresh = fresh and (present is None or present(rd))  # outputs it writes now, missing from an older run
             action = "run" if (stage in force or not fresh) else "skip"
             plan.append({"stage": stage, "action": action})
             if ctx.dry_run:

@@ -3,7 +3,9 @@
 Inputs:  the exported drafter (DIR, else `<run_dir>/export`), the target (`target.*`, run in float32),
          the eval prompts (`eval.prompts`, else prepare's held-out split; `eval.num_prompts`,
          `eval.max_new_tokens`). The drafter's block size B gives vLLM num_speculative_tokens = B − 1.
-Outputs: `verify-engine/results.json` (+ manifest), `verify-engine/engine-ar.log`, `engine-dflash.log`.
+Outputs: `verify-engine/results.json` (+ manifest), `verify-engine/engine-ar.log`, `engine-dflash.log`;
+         the engine's acceptance in the drafter's `speculation_profile.json` (`engines`: in place for an
+         export of ours, else `verify-engine/speculation_profile.json`).
 Example: dflashkit verify-engine -c run.yaml            # after `dflashkit export`
 
 A DFlash2 export fails unless vLLM ran it on its V2 model runner (the only one with the candidate
@@ -25,7 +27,9 @@ from typing import Any
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
 from dflashkit.errors import MissingArtifactError, StageFailed, UsageError
-from dflashkit.rundir import RunDir, write_manifest
+from dflashkit.export.profile import profile_path, read_profile
+from dflashkit.export.profile_ship import record_engine
+from dflashkit.rundir import RunDir, check_replaceable, write_manifest
 from dflashkit.stage_table import stage_hash
 
 
@@ -42,6 +46,14 @@ def _drafter_dir(rd: RunDir, positionals: list[str]) -> Path:
     return p
 
 
+def _is_export(d: Path) -> bool:
+    try:
+        check_replaceable(d, owner="export")
+        return True
+    except UsageError:
+        return False
+
+
 def _table(res: dict[str, Any]) -> str:
     if "tau" not in res:  # a DFlash2 export on a runner without its selector: nothing was measured
         return "\n".join([f"verify-engine ({res['engine']}, DFlash2, B={res['block_size']}): FAILED"]
@@ -56,7 +68,9 @@ def _table(res: dict[str, Any]) -> str:
              + f"   {ok[c['per_position']['ok']]}",
              f"  greedy         engine = ours: {ok[c['greedy_engine_vs_ours']['ok']]}; "
              f"engine+DFlash = engine: {ok[c['greedy_spec_vs_ar']['ok']]}",
-             f"  chat template  {ok[c['template']['ok']]}"]
+             f"  chat template  {ok[c['template']['ok']]}",
+             f"  profile        {ok[c['profile']['ok']]}"
+             + (f" ({c['profile']['reason']})" if c["profile"].get("reason") else "")]
     tm = res["timing"]
     lines.append(f"  engine tok/s (1 stream): AR {tm['engine_ar_tokens_per_s']}, DFlash {tm['engine_dflash_tokens_per_s']}")
     lines += [f"  likely cause: {x}" for x in res["causes"]]
@@ -78,6 +92,11 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
 
     out = rd.stage_dir("verify-engine")
     res = verify_engine(cfg, drafter_dir, prompts, out_dir=out)
+    prof = res.get("speculation_profile") or {}
+    if prof.get("path"):  # the engine's figures go into the profile: the export's own, else a copy here
+        dest = profile_path(drafter_dir) if _is_export(drafter_dir) else rd.verify_engine_profile
+        prof["written"] = str(record_engine(read_profile(profile_path(drafter_dir)) or {}, prof["entry"],
+                                            prof["check"], dest))
     path = write_engine_results(rd, res)
     write_manifest(out, stage="verify-engine", config_hash=stage_hash("verify-engine", cfg), started=t0,
                    inputs={"drafter": str(drafter_dir)}, counts={"prompts": res["prompts"]},

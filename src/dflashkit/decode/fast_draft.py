@@ -1,0 +1,245 @@
+"""The DFlash draft forward for decoding, lean: the same numbers as `DFlashDraftModel.forward`, fewer ops.
+
+Usage:
+    fast = FastDraft.supports(drafter) and FastDraft(drafter, head_w, head_b, mask_emb, max_len=4096)
+    state = fast.new_state()                                   # one per generation (batch size 1)
+    logits = fast.propose(state, feats, anchor_emb, start)     # [B−1, V or V'] draft logits
+    h, logits = fast.forward(state, feats, anchor_emb, start)  # and the final hidden states [B−1, H] before them
+
+One propose step of a decode (batch size 1): the target features of the tokens committed since the last
+step (`feats` [1, t, n_feat·H]) become context keys/values, appended to the state's preallocated per-layer
+buffers; then the block `[anchor, MASK × (B−1)]` at positions start … start+B−1 runs through the draft
+layers and the target head's rows. What it saves against the module forward, which recomputes or
+re-allocates each of these every step:
+  * RoPE: cos/sin for every position are computed once (by the drafter's own rotary module, so the values
+    are the module's) and sliced per step;
+  * context K/V: written into preallocated buffers (no `torch.cat` of the whole context per layer and
+    step); the block's own K/V are written just past the context and attended from the same buffer;
+  * projections: q/k/v of the block, k/v of the context and gate/up are each one matmul over
+    concatenated weights (copied once; a concatenation along the output dim leaves every dot product —
+    and so every output element — as it was);
+  * bf16 on CPU: every projection multiplies a weight prepacked once for oneDNN (`_PackedLinear`); F.linear
+    re-lays the weight out on every call, which doubles a small product's time here (a [4, 576] × [576, 3072]
+    bf16 product: 164 vs 274 µs on one core of an Intel Xeon with AMX). A packed weight is used only where it
+    gives F.linear's result bit for bit (checked once per weight and row count), so nothing changes but time;
+  * no module calls, no dtype round trips, no per-step allocation of the block input.
+The arithmetic is the module's, op for op (RMSNorm in float32 as HF's Qwen3RMSNorm, neox RoPE, SDPA through
+the module's `block_attention`, SwiGLU), so proposals are identical (tests/decode/test_fast_draft.py compares them step by step).
+Causal in-block attention (`drafter.causal`) attends with a bool mask: the context and offsets j ≤ i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflashkit.model.drafter import block_attention
+
+# RoPE types whose frequencies depend on the sequence length (HF `dynamic_rope_update`): no fixed table.
+DYNAMIC_ROPE = ("dynamic", "longrope")
+
+
+@dataclass
+class DraftState:
+    """Per-generation context K/V: `keys` / `values` [layers, kv_heads, capacity, head_dim], `length` used."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    length: int = 0
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Qwen3RMSNorm, op for op (float32 statistics, the weight applied in the input dtype)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [t, heads, d]; cos/sin [t, d] (neox layout, as `model.drafter.apply_rope`)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rot * sin[:, None]
+
+
+class _PackedLinear:
+    """`F.linear(x, w, b)` over a weight prepacked for oneDNN where that gives the same result bit for bit.
+
+    CPU bf16 only (`torch.ops.mkldnn`; where it is missing, or differs from F.linear for any row count up to
+    `rows` on random inputs, every call takes F.linear). Inputs with more than `rows` rows take F.linear."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, rows: int):
+        self.w, self.b, self.rows = w, b, rows
+        self.packed: torch.Tensor | None = None
+        if w.device.type != "cpu" or w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+            return
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+            g = torch.Generator().manual_seed(0)
+            for m in range(1, rows + 1):
+                x = torch.randn(m, w.shape[1], generator=g).to(w.dtype)
+                if not torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], ""),
+                                   F.linear(x, w, b)):
+                    return
+        except (RuntimeError, AttributeError):  # an mkldnn build without these ops
+            return
+        self.packed = packed
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.shape[0] <= self.rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
+        return F.linear(x, self.w, self.b)
+
+
+class _Layer:
+    """One DFlash decoder layer's weights, laid out for the lean forward."""
+
+    def __init__(self, layer: nn.Module, rows: int):
+        a = layer.self_attn
+        self.n_heads, self.n_kv, self.d = a.n_heads, a.n_kv, a.head_dim
+        biases = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
+        self.qkv = _PackedLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().contiguous(),
+                                 None if biases[0] is None else torch.cat([b.detach() for b in biases]), rows)
+        self.kv = _PackedLinear(torch.cat([a.k_proj.weight, a.v_proj.weight]).detach().contiguous(),
+                                None if biases[1] is None else torch.cat([biases[1].detach(), biases[2].detach()]),
+                                rows)
+        self.o = _PackedLinear(a.o_proj.weight.detach(), None if a.o_proj.bias is None else a.o_proj.bias.detach(),
+                               rows)
+        self.q_norm, self.k_norm = a.q_norm.weight.detach(), a.k_norm.weight.detach()
+        self.q_eps, self.k_eps = a.q_norm.variance_epsilon, a.k_norm.variance_epsilon
+        self.in_norm = layer.input_layernorm.weight.detach()
+        self.in_eps = layer.input_layernorm.variance_epsilon
+        self.post_norm = layer.post_attention_layernorm.weight.detach()
+        self.post_eps = layer.post_attention_layernorm.variance_epsilon
+        m = layer.mlp
+        self.inter = m.gate_proj.weight.shape[0]
+        self.gate_up = _PackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach().contiguous(), None,
+                                     rows)
+        self.down = _PackedLinear(m.down_proj.weight.detach(), None, rows)
+
+
+class FastDraft:
+    """The lean DFlash draft forward over a drafter's weights (see the module docstring).
+
+    Args:
+        drafter: a `DFlashDraftModel` (plain DFlash layers; `supports` says whether it qualifies), already in
+            the draft dtype and on the decode device.
+        head_w, head_b: the rows of the target head the drafter drafts over ([V or V', H]), draft dtype.
+        mask_emb: [1, 1, H] the mask token's target embedding, draft dtype.
+        max_len: positions the RoPE table covers (prompt + max new tokens + B); grown on demand.
+        causal: causal in-block attention (query offset i sees the context and offsets j ≤ i).
+    """
+
+    def __init__(self, drafter: nn.Module, head_w: torch.Tensor, head_b: torch.Tensor | None,
+                 mask_emb: torch.Tensor, *, max_len: int = 4096, causal: bool = False):
+        self.drafter = drafter
+        rows = drafter.block_size
+        self.layers = [_Layer(layer, rows) for layer in drafter.layers]
+        self.fc = _PackedLinear(drafter.fc.weight.detach(), None, rows)
+        scale = getattr(drafter, "feature_scale", None)
+        self.feature_scale = None if scale is None else scale.detach()
+        self.hidden_norm, self.hidden_eps = drafter.hidden_norm.weight.detach(), drafter.hidden_norm.variance_epsilon
+        self.norm, self.norm_eps = drafter.norm.weight.detach(), drafter.norm.variance_epsilon
+        self.head = _PackedLinear(head_w, head_b, rows)
+        self.dtype, self.device = head_w.dtype, head_w.device
+        self.block = drafter.block_size
+        self.mask_row = mask_emb.reshape(-1)
+        self.causal = causal
+        self._cos = self._sin = torch.empty(0)
+        self._table(max_len)
+
+    @staticmethod
+    def supports(drafter: nn.Module) -> bool:
+        """Plain DFlash layers (attention + SwiGLU MLP, nothing between them) and a length-free RoPE."""
+        from dflashkit.model.drafter import DFlashDecoderLayer
+
+        rope = getattr(drafter.rotary_emb, "rope_type", "default")
+        return (all(type(layer) is DFlashDecoderLayer for layer in drafter.layers)
+                and rope not in DYNAMIC_ROPE and getattr(drafter, "input_embedding_scale", None) is None)
+
+    def _table(self, n: int) -> None:
+        """cos/sin [n, d] for positions 0 … n−1, computed by the drafter's own rotary module."""
+        probe = self.mask_row.view(1, 1, -1)
+        pos = torch.arange(n, device=self.device)[None]
+        cos, sin = self.drafter.rotary_emb(probe, pos)
+        self._cos, self._sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
+
+    def new_state(self, capacity: int = 1024) -> DraftState:
+        first = self.layers[0]
+        shape = (len(self.layers), first.n_kv, capacity, first.d)
+        z = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return DraftState(z, torch.empty_like(z))
+
+    def _reserve(self, state: DraftState, need: int) -> None:
+        cap = state.keys.shape[2]
+        if need <= cap:
+            return
+        new = max(need, 2 * cap)
+        for name in ("keys", "values"):
+            old = getattr(state, name)
+            buf = old.new_empty(old.shape[0], old.shape[1], new, old.shape[3])
+            buf[:, :, :state.length] = old[:, :, :state.length]
+            setattr(state, name, buf)
+
+    def propose(self, state: DraftState, feats: torch.Tensor, anchor_emb: torch.Tensor, start: int,
+                num_drafts: int | None = None) -> torch.Tensor:
+        """Draft logits [k, V or V'] for block positions 1 … k (k = `num_drafts`, default B − 1); see `forward`."""
+        return self.forward(state, feats, anchor_emb, start, num_drafts)[1]
+
+    @torch.inference_mode()
+    def forward(self, state: DraftState, feats: torch.Tensor, anchor_emb: torch.Tensor, start: int,
+                num_drafts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h [k, H], logits [k, V or V']) of block positions 1 … k (k = `num_drafts`, default B − 1): the
+        drafter's final-norm output (what `DFlashDraftModel.forward` returns there) and the head's logits.
+
+        Args:
+            state: this generation's context K/V (`state.length` = positions already in it).
+            feats: [1, t, n_feat·H] target features of positions start − t … start − 1 (t ≥ 0).
+            anchor_emb: [1, 1, H] target embedding of the token at `start` (the block's slot 0).
+            start: the anchor's position; start − t must equal `state.length`.
+        """
+        k = self.block - 1 if num_drafts is None else num_drafts
+        t = feats.shape[1]
+        q_len = k + 1
+        ctx0 = state.length
+        assert ctx0 + t == start, f"context holds {ctx0} positions, {t} new, anchor at {start}"
+        end = start + q_len
+        if end > self._cos.shape[0]:
+            self._table(max(end, 2 * self._cos.shape[0]))
+        self._reserve(state, end)
+        if t:
+            f = feats[0]
+            if self.feature_scale is not None:
+                f = f * self.feature_scale.to(f.dtype)
+            c = _rms(self.fc(f), self.hidden_norm, self.hidden_eps)      # [t, H]
+            cos, sin = self._cos[ctx0:start], self._sin[ctx0:start]
+            for i, L in enumerate(self.layers):
+                kv = L.kv(c)                                      # [t, 2·kv·d]
+                kk = _rms(kv[:, :L.n_kv * L.d].view(t, L.n_kv, L.d), L.k_norm, L.k_eps)
+                state.keys[i, :, ctx0:start] = _rope(kk, cos, sin).transpose(0, 1)
+                state.values[i, :, ctx0:start] = kv[:, L.n_kv * L.d:].view(t, L.n_kv, L.d).transpose(0, 1)
+            state.length = start
+        x = self.mask_row.expand(q_len, -1).clone()                                # [q, H]
+        x[0] = anchor_emb.reshape(-1)
+        cos, sin = self._cos[start:end], self._sin[start:end]
+        mask = None
+        if self.causal:
+            mask = torch.ones(q_len, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
+        for i, L in enumerate(self.layers):
+            u = _rms(x, L.in_norm, L.in_eps)
+            qkv = L.qkv(u)                                       # [q, (nh + 2·kv)·d]
+            nq, nk = L.n_heads * L.d, L.n_kv * L.d
+            q = _rope(_rms(qkv[:, :nq].view(q_len, L.n_heads, L.d), L.q_norm, L.q_eps), cos, sin)
+            bk = _rope(_rms(qkv[:, nq:nq + nk].view(q_len, L.n_kv, L.d), L.k_norm, L.k_eps), cos, sin)
+            state.keys[i, :, start:end] = bk.transpose(0, 1)                        # scratch past the context
+            state.values[i, :, start:end] = qkv[:, nq + nk:].view(q_len, L.n_kv, L.d).transpose(0, 1)
+            attn = block_attention(q.transpose(0, 1)[None], state.keys[i, :, :end][None],
+                                   state.values[i, :, :end][None], mask)  # [1, nh, q, d]
+            x = x + L.o(attn[0].transpose(0, 1).reshape(q_len, nq))
+            gu = L.gate_up(_rms(x, L.post_norm, L.post_eps))
+            x = x + L.down(F.silu(gu[:, :L.inter]) * gu[:, L.inter:])
+        h = _rms(x[1:], self.norm, self.norm_eps)
+        return h, self.head(h)
