@@ -4,6 +4,8 @@ Usage:
     from dflashkit.family.dflash import DFLASH
     drafter = DFLASH.build(contract, None, None)          # model/drafter.py's DFlashDraftModel
     tokens, law = DFLASH.propose(drafter, h, logits, anchor, DraftSampling(), vocab, vocab_size)
+    DFLASH.make_knobs({"causal": True})                   # DFlashKnobs(causal=True): drafter.causal (JetSpec)
+    read_causal(config_json, config_json["dflash_config"], "x/config.json")   # as vLLM 0.32 resolves it
 
 The base family: a reduced draft vocabulary allowed (`d2t`), the loss is train/loss.py's CE / KL
 alone, vLLM runs it on either model runner, and the z-lab PyPI loop decodes it. Its proposal step is
@@ -23,6 +25,7 @@ its V2 speculator takes the per-layer causality from the same `get_draft_attn_ca
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +35,7 @@ from dflashkit.family.base import Contract, DraftSampling, Family
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger("dflashkit.contract")
 SLIDING = "sliding_attention"
 
 
@@ -73,11 +77,8 @@ def read_causal(cfg: dict[str, Any], dc: dict[str, Any], source: str) -> bool:
         top = _flag(cfg["is_causal"], "is_causal", source)
         inner = dc.get("causal")
         if inner is not None and inner != top:
-            import logging
-
-            logging.getLogger("dflashkit.contract").warning(
-                "%s: is_causal %s and dflash_config.causal %s disagree; the engines (vLLM, SGLang) follow is_causal",
-                source, top, inner)
+            log.warning("%s: is_causal %s and dflash_config.causal %s disagree; the engines (vLLM, SGLang) follow "
+                        "is_causal", source, top, inner)
         return top
     if dc.get("causal") is not None:
         return _flag(dc["causal"], "dflash_config.causal", source)

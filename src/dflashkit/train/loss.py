@@ -303,7 +303,7 @@ class DraftLoss:
         pos = block_position_ids(a, ctx_len=ctx_len, block_size=B)
         make = flex_block_mask if self.attention == "flex" else dense_block_mask
         mask = make(a.anchors, a.keep, x.seq_lens.to(a.anchors.device), ctx_len=ctx_len, block_size=B,
-                    causal=model.causal)
+                    causal=getattr(model, "causal", False))  # the drafter networks say; a test stub need not
         with torch.autocast(device_type=x.input_ids.device.type, dtype=self.amp or torch.bfloat16,
                             enabled=self.amp is not None):
             hidden = drafter(noise.to(x.features.dtype), ctx_feats, pos, attention_mask=mask)   # [b, N·B, H]
