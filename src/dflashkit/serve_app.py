@@ -56,7 +56,8 @@ def build_app(cfg: RunConfig, model_path: str | None = None) -> App:
                              hint="pass a drafter dir with config.json + model.safetensors "
                                   "(e.g. <run_dir>/train/final or <run_dir>/export)")
         drafter = load_drafter(s.drafter)
-        engine: SerialEngine | BatchEngine = SerialEngine(SpecDecoder(target, drafter), target.tokenizer, default_stop_ids(target))
+        engine: SerialEngine | BatchEngine = SerialEngine(SpecDecoder(target, drafter, adaptive=s.adaptive_length), target.tokenizer,
+                                                           default_stop_ids(target))
     else:
         engine = BatchEngine(target, max_batch=s.max_batch, batch_wait_ms=s.batch_wait_ms)
     engine.start()

@@ -166,3 +166,15 @@ def test_stage_option_checks_accept_their_bounds_and_combine():
     with pytest.raises(ConfigError) as ei:
         config_from_dict({}, ["train.optimizer=muon", "train.parallel.mode=fsdp"])
     assert ei.value.problems == ["train.optimizer=muon does not support train.parallel.mode=fsdp (use ddp or none)"]
+
+
+def test_yaml_boolean_spellings_of_a_choice_read_as_the_choice(tmp_path):
+    """YAML 1.1 reads `off` as false: a Literal key with the choice "off" takes it back (generate.preflight)."""
+    p = tmp_path / "r.yaml"
+    p.write_text("generate:\n  preflight: off\n")
+    assert load_config(p, []).generate.preflight == "off"
+    assert load_config(p, ["generate.preflight=off"]).generate.preflight == "off"
+    assert load_config(p, ["generate.preflight=warn"]).generate.preflight == "warn"
+    with pytest.raises(ConfigError) as ei:  # a bool where no choice is spelt like it stays an error
+        load_config(p, ["train.loss=true"])
+    assert any(m.startswith("train.loss") for m in ei.value.problems)

@@ -204,7 +204,7 @@ def test_simulated_acceptance_oracle_and_zeroed_features(target):
             feats = target.features(torch.tensor([seq[:p]]), layer_ids=list(drafter.target_layer_ids))
             positions = torch.arange(len(seq) + 4)[None]
             k = min(3, len(seq) - 1 - p)
-            drafts, _ = dec._draft(seq, p, 3, feats, DraftKVCache(), positions, params, None)
+            drafts, _, _ = dec._draft(seq, p, 3, feats, DraftKVCache(), positions, params, None)
             ok = [d == t for d, t in zip(drafts[:k], seq[p + 1: p + 1 + k])]
             lead = next((i for i, x in enumerate(ok) if not x), len(ok))
             lead_sum += 1 + lead
@@ -245,7 +245,8 @@ def test_eval_reports_prompt_lookup_diagnostics_and_the_best_block_size(tmp_path
     assert _eval(rd, tiny_qwen3) == 0
     res = json.loads((rd / "eval" / "results.json").read_text())
     assert res["dtype"] == "float32" and res["lossless"]["verdict"] == "exact"
-    assert res["lossless"]["compared"] == 2 * 4  # 2 prompts × (2 drafter + 2 lookup block sizes)
+    assert res["lossless"]["compared"] == 2 * 6  # 2 prompts × (2 drafter + 2 adaptive + 2 lookup block sizes)
+    assert set(res["adaptive"]) == {"2", "4"} and 0 <= res["summary"]["adaptive"]["drafts_per_step"] <= 3
     assert set(res["prompt_lookup"]) == {"2", "4"} and res["prompt_lookup_ngram"] == 3
     for bs, r in res["prompt_lookup"].items():
         assert 1 <= r["tau"] <= int(bs) and r["identical_to_baseline"] is True and r["speedup"] > 0
@@ -293,7 +294,7 @@ def test_a_planted_verify_bug_is_not_lossless(tmp_path, target, tiny_qwen3, monk
     assert ll["verdict"] == "not lossless" and ll["divergences"] > ll["ties"]
     wrong = [r for r in ll["first_divergences"] if not r["tie"]]
     assert all(r["gap"] is None or r["gap"] > r["tolerance"] for r in wrong)
-    assert wrong and all(r["proposer"] == "drafter" for r in wrong)
+    assert wrong and all(r["proposer"] in ("drafter", "drafter-adaptive") for r in wrong)
     # honest: the same run in fp32 without the bug is exact
     monkeypatch.setattr(sd, "verify_greedy", real)
     assert _eval(rd, tiny_qwen3, "eval.diagnostics=false", "eval.prompt_lookup=false") == 0

@@ -187,7 +187,8 @@ def test_the_loss_object_equals_the_slow_reference(case):
                    on_path_only=on_path == "mask")
     out = objective(model, Heads(emb, loss_head, vocab), x, a, denom=denom)
     out.loss.backward()
-    assert float(ref) > 0 and math.isclose(float(out.loss), float(ref), rel_tol=1e-6), (float(out.loss), float(ref))
+    ref_loss = float(ref.detach())
+    assert ref_loss > 0 and math.isclose(float(out.loss.detach()), ref_loss, rel_tol=1e-6), (float(out.loss.detach()), ref_loss)
     for k, gr in want.items():  # float32 logits on both sides: near-zero entries differ at ~1e-7 of the largest
         torch.testing.assert_close(model.get_parameter(k).grad, gr, rtol=1e-5, atol=1e-6 * float(gr.abs().max()))
     if kw.get("selector") is None:  # DFlash2 scores the walk (tests/train/test_dflash2_objective.py)

@@ -80,10 +80,15 @@ def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any
     params = params_for(cfg, target)
     drafter = load_drafter(drafter_dir, dtype=target.dtype, device=target.device)
     baseline = SpecDecoder(target, None, 1, max_context=cfg.eval.max_context)
-    decoders: dict[str, Decoder] = {
-        "baseline": baseline,
-        "ours": SpecDecoder(target, drafter, bs, max_context=cfg.eval.max_context,
-                            draft_dtype=draft_dtype_for(cfg, target))}
+    ddt = draft_dtype_for(cfg, target)
+    ours = SpecDecoder(target, drafter, bs, max_context=cfg.eval.max_context, draft_dtype=ddt)
+    decoders: dict[str, Decoder] = {"baseline": baseline, "ours": ours}
+    if ours._fast is not None:  # the module forward beside the lean one: same proposals, the draft's cost before
+        decoders["ours-module"] = SpecDecoder(target, drafter, bs, max_context=cfg.eval.max_context, draft_dtype=ddt,
+                                              lean=False)
+    if cfg.eval.adaptive_length:
+        decoders["ours-adaptive"] = SpecDecoder(target, drafter, bs, max_context=cfg.eval.max_context,
+                                                draft_dtype=ddt, adaptive=True)
     if contract.family.reference_loop:  # the PyPI reference (dflash 0.1.0) decodes this family
         decoders["reference"] = ReferenceDecoder(target, str(drafter_dir), bs)
     runs = run_interleaved(decoders, ids, params, warmup=max(1, cfg.eval.warmup), base_seed=cfg.run.seed)
@@ -112,12 +117,46 @@ def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any
         "t1_ms": round(cmp["t1_s"] * 1e3, 3), "tB_ms": round(cmp["tB_s"] * 1e3, 3),
         "draft_ms": round(ours_t["draft_s_mean"] * 1e3, 3), "step_ms": round(ours_t["step_s_mean"] * 1e3, 3),
         "speedup": cmp["speedup"], "bound": cmp["bound"], "efficiency": cmp["efficiency"],
+        # the draft's cost against a target step at B (the verify of B tokens) and at 1 token
+        "draft_share": round(ours_t["draft_s_mean"] / cmp["tB_s"], 4) if cmp["tB_s"] else None,
+        "draft_share_t1": round(ours_t["draft_s_mean"] / cmp["t1_s"], 4) if cmp["t1_s"] else None,
     }
+    if "ours-module" in runs:  # before / after of the lean forward, in the same run
+        mod_t = summarize_timing(runs["ours-module"])
+        same = all(a.token_ids == b.token_ids and a.acceptance_lengths == b.acceptance_lengths
+                   for a, b in zip(runs["ours"], runs["ours-module"]))
+        assert ours._fast is not None
+        result["module_forward"] = {"draft_ms": round(mod_t["draft_s_mean"] * 1e3, 3),
+                                    "draft_share": round(mod_t["draft_s_mean"] / cmp["tB_s"], 4) if cmp["tB_s"] else None,
+                                    "identical_proposals": same,
+                                    "decode_tokens_per_s": mod_t["decode_tokens_per_s"]}
+        result["draft_profile_ms"] = ours._fast.profile(context=256, new=max(1, round(acc["tau"])))
+    if "ours-adaptive" in runs:
+        ad_t = summarize_timing(runs["ours-adaptive"])
+        ad_acc = summarize_acceptance(runs["ours-adaptive"], bs)
+        ad_cmp = compare(base_t, ad_t, ad_acc["tau"])
+        steps = sum(len(r.acceptance_lengths) for r in runs["ours-adaptive"])
+        result["adaptive"] = {"tau": ad_acc["tau"], "speedup": ad_cmp["speedup"],
+                              "decode_tokens_per_s": ad_t["decode_tokens_per_s"],
+                              "drafts_per_step": round(sum(r.verified_drafts for r in runs["ours-adaptive"])
+                                                       / max(1, steps), 4),
+                              "identical_tokens": all(a.token_ids == b.token_ids for a, b in
+                                                      zip(runs["ours-adaptive"], runs["baseline"]))}
     if not ctx.json:
         print(f"decode bench B={bs}, {len(ids)} prompts × {params.max_new_tokens} tokens, {result['device']}:\n"
               f"  tokens/s e2e: baseline {tps['baseline']:.1f}, ours {tps['ours']:.1f}, reference {tps['reference']:.1f}"
               f" (ours/reference {result['ours_over_reference']:.2f}, identical tokens: {identical})\n"
               f"  tau {acc['tau']:.2f}; t(1) {result['t1_ms']:.1f} ms, t(B) {result['tB_ms']:.1f} ms, draft "
               f"{result['draft_ms']:.1f} ms; speedup {cmp['speedup']:.2f} vs bound {cmp['bound']:.2f} "
-              f"(efficiency {cmp['efficiency']:.2f})", flush=True)
+              f"(efficiency {cmp['efficiency']:.2f}); draft / target step at B {result['draft_share'] or 0:.1%}",
+              flush=True)
+        if "module_forward" in result:
+            m = result["module_forward"]
+            print(f"  draft: lean {result['draft_ms']:.2f} ms vs module forward {m['draft_ms']:.2f} ms "
+                  f"({m['draft_share'] or 0:.1%} of a target step; identical proposals: {m['identical_proposals']}); "
+                  f"lean parts (ms): {result['draft_profile_ms']}", flush=True)
+        if "adaptive" in result:
+            a = result["adaptive"]
+            print(f"  adaptive draft length: tau {a['tau']:.2f}, speedup {a['speedup']:.2f}, "
+                  f"{a['drafts_per_step']:.2f} drafts verified per step", flush=True)
     return result

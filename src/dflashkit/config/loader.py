@@ -69,8 +69,10 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
         choices = get_args(tp)
         if value in choices and not (isinstance(value, bool) and True in choices):
             return value
-        if isinstance(value, bool) and str(value).lower() in choices:  # YAML reads `true` as a bool
-            return str(value).lower()
+        if isinstance(value, bool):  # YAML 1.1 reads `true`/`yes`/`on` and `false`/`no`/`off` as bools
+            spelt = [w for w in (("true", "yes", "on") if value else ("false", "no", "off")) if w in choices]
+            if len(spelt) == 1:
+                return spelt[0]
         hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
         problems.append(f"{key}: {value!r} is not one of {list(choices)}"
                         + (f" (did you mean {hint[0]!r}?)" if hint else ""))

@@ -439,6 +439,10 @@ class EvalSection:
         "top-1 logit exceeds its logit of the speculative token by at most this many logits there; null = "
         "a share of the baseline's largest |logit| there by verify dtype (bfloat16 4%, float16 0.5%, "
         "float32 0.01%; see decode/lossless.py).", hash_default=False)
+    adaptive_length: bool = f(True, "Also decode every block size with the adaptive draft length: each step "
+                              "verifies only the drafts the drafter's own confidence and the measured cost t(n) of a "
+                              "target step over n tokens say pay (decode/draft_length.py; lossless). Reported beside "
+                              "fixed B, which stays the figure that predicts an engine.", hash_default=False)
     prompt_lookup: bool = f(True, "Also decode every block size with the training-free prompt-lookup "
                             "(n-gram) proposer: the floor a drafter must beat.", hash_default=False)
     prompt_lookup_ngram: int = f(3, "Prompt lookup: longest n-gram matched (falls back to shorter, down "
@@ -472,6 +476,8 @@ class ServeSection:
     batch_wait_ms: float = f(5.0, "How long the batcher waits for more requests before decoding.")
     max_new_tokens: int = f(4096, "Upper bound on a request's max_tokens.")
     cpu_threads: int | None = f(None, "torch CPU threads for the server process; null = torch's default.")
+    adaptive_length: bool = f(False, "With a drafter: pick each step's draft length from the drafter's confidence "
+                              "and the measured verify cost (lossless; eval.adaptive_length reports what it buys).")
 
 
 @dataclass(kw_only=True)

@@ -43,6 +43,7 @@ class GenerationResult:
     step_s: list[float] = field(default_factory=list)    # wall time of each decode step
     verify_s: list[float] = field(default_factory=list)  # target forward (+ logits) of each step
     draft_s: list[float] = field(default_factory=list)   # drafter pass of each step (speculative only)
+    verified_drafts: int = 0                  # drafts sent to the verify, summed over steps (B − 1 each at fixed B)
     # greedy decoders built with record_top=k: per emitted token, the target's k best (token id, logit)
     # at the row that emitted it, best first (the lossless check's tie test, `decode/lossless.py`)
     top_logits: list[list[tuple[int, float]]] = field(default_factory=list)

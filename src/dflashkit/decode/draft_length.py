@@ -59,6 +59,12 @@ class DraftLength:
         """The measured cost of a draft forward (an exponential moving average)."""
         self.draft_s = seconds if self.draft_s == 0 else (1 - weight) * self.draft_s + weight * seconds
 
+    def observe_cost(self, n: int, seconds: float, weight: float = 0.1) -> None:
+        """A measured target step over n tokens: t(n) follows it (an exponential moving average), so the table
+        tracks the context's growth."""
+        if n in self.cost:
+            self.cost[n] = (1 - weight) * self.cost[n] + weight * seconds
+
     def factor(self, i: int) -> float:
         """The calibration factor c_i of position i (0-based), with its prior of c = 1."""
         return (self._hits[i] + self.prior_steps) / (self._conf[i] + self.prior_steps)

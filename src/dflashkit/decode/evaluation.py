@@ -111,12 +111,20 @@ def block_sizes_for(requested: list[int] | None, contract: Any) -> list[int]:
     return block_sizes
 
 
+def block_of(key: str) -> int:
+    """The block size of a decoder key: "4", "lookup-4", "adaptive-4"."""
+    return int(key.rpartition("-")[2])
+
+
+GROUPS = (("drafter", "speculative"), ("adaptive", "adaptive"), ("lookup", "prompt_lookup"))
+
+
 def results_table(res: dict[str, Any]) -> str:
     b = res["baseline"]
     rows = [("B", "proposer", "tau", "tok/s", "speedup", "bound", "e2e", "TTFT ms", "identical"),
             ("1", "-", "1.00", f"{b['decode_tokens_per_s']:.1f}", "1.00", "1.00", "1.00", f"{b['ttft_s'] * 1e3:.1f}", "-")]
-    for name, group in (("drafter", res["speculative"]), ("lookup", res.get("prompt_lookup", {}))):
-        for bs, r in group.items():
+    for name, key in GROUPS:
+        for bs, r in res.get(key, {}).items():
             rows.append((bs, name, f"{r['tau']:.2f}", f"{r['decode_tokens_per_s']:.1f}", f"{r['speedup']:.2f}",
                          f"{r['bound']:.2f}", f"{r['speedup_e2e']:.2f}", f"{r['ttft_s'] * 1e3:.1f}",
                          str(r.get("identical_to_baseline", "-"))))
@@ -147,6 +155,10 @@ def diagnostic_lines(res: dict[str, Any]) -> list[str]:
         verdict = "beats" if s.get("beats_prompt_lookup") else "does NOT beat"
         out.append(f"best: drafter B={s['block_size']} tau {s['tau']:.2f} speedup {s['speedup']:.2f}x; prompt lookup "
                    f"B={lk['block_size']} tau {lk['tau']:.2f} speedup {lk['speedup']:.2f}x: the drafter {verdict} it")
+    ad = s.get("adaptive")
+    if ad:
+        out.append(f"adaptive draft length (dflashkit's decoder; engines run fixed B): best B={ad['block_size']} tau "
+                   f"{ad['tau']:.2f} speedup {ad['speedup']:.2f}x, {ad['drafts_per_step']:.2f} drafts verified per step")
     d = res.get("diagnostics") or {}
     if d.get("bigram"):
         out.append(f"position-1: drafter {d['drafter_position1']:.2f} (simulated {d['simulated']['per_position_accuracy'][0]:.2f}), "
@@ -168,7 +180,7 @@ def diagnostic_lines(res: dict[str, Any]) -> list[str]:
 
 
 def decode_all(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_sizes: list[int], *,
-               lookup: bool, warmup: int) -> dict[str, Any]:
+               lookup: bool, warmup: int, adaptive: bool | None = None) -> dict[str, Any]:
     """Baseline + drafter (+ prompt lookup) at every block size, interleaved; results by decoder name."""
     from dflashkit.decode.lossless import TOP_K
     from dflashkit.decode.ngram import PromptLookupProposer
@@ -181,6 +193,10 @@ def decode_all(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_
     for bs in block_sizes:
         decoders[str(bs)] = SpecDecoder(target, drafter, bs, max_context=e.max_context, record_top=TOP_K,
                                         draft_sampling=e.draft_sampling, draft_dtype=ddt)
+    if e.adaptive_length if adaptive is None else adaptive:
+        for bs in block_sizes:
+            decoders[f"adaptive-{bs}"] = SpecDecoder(target, drafter, bs, max_context=e.max_context, record_top=TOP_K,
+                                                     draft_sampling=e.draft_sampling, draft_dtype=ddt, adaptive=True)
     if lookup:
         for bs in block_sizes:
             decoders[f"lookup-{bs}"] = SpecDecoder(target, None, bs, max_context=e.max_context, record_top=TOP_K,
@@ -194,9 +210,12 @@ def entries(runs: dict[str, Any], base_t: dict) -> dict[str, dict]:
 
     out = {}
     for key, results in runs.items():
-        bs = int(key.removeprefix("lookup-"))
+        bs = block_of(key)
         acc, tim = summarize_acceptance(results, bs), summarize_timing(results)
         out[key] = {**acc, **tim, **compare(base_t, tim, acc["tau"])}
+        if key.startswith("adaptive-"):  # what the policy verified: drafts per step (fixed B: B − 1)
+            steps = sum(len(r.acceptance_lengths) for r in results)
+            out[key]["drafts_per_step"] = round(sum(r.verified_drafts for r in results) / max(1, steps), 4)
     return out
 
 
@@ -205,7 +224,8 @@ def best_entry(group: dict[str, dict]) -> dict | None:
     if not group:
         return None
     bs, r = max(group.items(), key=lambda kv: kv[1]["speedup"])
-    return {"block_size": int(bs), "tau": r["tau"], "speedup": r["speedup"], "bound": r["bound"]}
+    return {"block_size": int(bs), "tau": r["tau"], "speedup": r["speedup"], "bound": r["bound"],
+            **({"drafts_per_step": r["drafts_per_step"]} if "drafts_per_step" in r else {})}
 
 
 def choose_dtype(cfg: Any, drafter_dir: Any, ids: list[list[int]], block_sizes: list[int]) -> tuple[Any, dict]:
@@ -219,7 +239,7 @@ def choose_dtype(cfg: Any, drafter_dir: Any, ids: list[list[int]], block_sizes: 
         target = load_target(dataclasses.replace(cfg.target, dtype=name))
         drafter = load_drafter(drafter_dir, dtype=target.dtype, device=target.device)
         runs = decode_all(cfg, target, drafter, ids[:CALIBRATION_PROMPTS], block_sizes, lookup=False,
-                          warmup=cfg.eval.warmup)
+                          warmup=cfg.eval.warmup, adaptive=False)
         base_t = summarize_timing(runs.pop("1"))
         best = best_entry(entries(runs, base_t)) or {"block_size": 1, "speedup": 1.0}
         calib[name] = {"baseline_tokens_per_s": base_t["decode_tokens_per_s"], "t1_s": round(base_t["verify_s_mean"], 6),
@@ -244,8 +264,9 @@ def lossless_check(cfg: Any, target: Any, runs: dict[str, Any], base_results: li
             d = first_divergence(r, b)
             firsts.append(d)
             if d is not None:
-                rows.append(divergence_record(d, rule, decoder=key, block_size=int(key.removeprefix("lookup-")),
-                                              proposer="prompt_lookup" if key.startswith("lookup-") else "drafter",
+                rows.append(divergence_record(d, rule, decoder=key, block_size=block_of(key),
+                                              proposer=("prompt_lookup" if key.startswith("lookup-") else
+                                                        "drafter-adaptive" if key.startswith("adaptive-") else "drafter"),
                                               prompt=i, id=prompts[i][0]))
     v = lossless_verdict(firsts, rule)
     return {**v, "dtype": str(target.dtype).removeprefix("torch."), "first_divergences": rows}
@@ -304,7 +325,9 @@ def evaluate(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list[lis
                            "baseline": base_t, "speculative": {}, "mismatches": []}
     if choice:
         res["dtype_choice"] = choice
-    res["speculative"] = {k: v for k, v in found.items() if not k.startswith("lookup-")}
+    res["speculative"] = {k: v for k, v in found.items() if k.isdigit()}
+    if e.adaptive_length:
+        res["adaptive"] = {k.removeprefix("adaptive-"): v for k, v in found.items() if k.startswith("adaptive-")}
     if e.prompt_lookup:
         res["prompt_lookup"] = {k.removeprefix("lookup-"): v for k, v in found.items() if k.startswith("lookup-")}
         res["prompt_lookup_ngram"] = e.prompt_lookup_ngram
@@ -324,6 +347,9 @@ def evaluate(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list[lis
     res["summary"] = {**best, "rule": "block size with the highest measured speedup",
                       "greedy_identical": (ll["verdict"] == "exact") if ll else None,
                       "lossless": ll["verdict"] if ll else None, "dtype": res["dtype"]}
+    adaptive_best = best_entry(res.get("adaptive", {}))
+    if adaptive_best:  # reported beside fixed B; the fixed-B figure is the one an engine's predicts
+        res["summary"]["adaptive"] = adaptive_best
     if lookup_best:
         res["summary"]["prompt_lookup"] = lookup_best
         res["summary"]["beats_prompt_lookup"] = (best["tau"] > lookup_best["tau"]

@@ -203,25 +203,34 @@ class FastDraft:
         """
         k = self.block - 1 if num_drafts is None else num_drafts
         t = feats.shape[1]
-        q_len = k + 1
-        ctx0 = state.length
-        assert ctx0 + t == start, f"context holds {ctx0} positions, {t} new, anchor at {start}"
-        end = start + q_len
+        assert state.length + t == start, f"context holds {state.length} positions, {t} new, anchor at {start}"
+        end = start + k + 1
         if end > self._cos.shape[0]:
             self._table(max(end, 2 * self._cos.shape[0]))
         self._reserve(state, end)
         if t:
-            f = feats[0]
-            if self.feature_scale is not None:
-                f = f * self.feature_scale.to(f.dtype)
-            c = _rms(self.fc(f), self.hidden_norm, self.hidden_eps)      # [t, H]
-            cos, sin = self._cos[ctx0:start], self._sin[ctx0:start]
-            for i, L in enumerate(self.layers):
-                kv = L.kv(c)                                      # [t, 2·kv·d]
-                kk = _rms(kv[:, :L.n_kv * L.d].view(t, L.n_kv, L.d), L.k_norm, L.k_eps)
-                state.keys[i, :, ctx0:start] = _rope(kk, cos, sin).transpose(0, 1)
-                state.values[i, :, ctx0:start] = kv[:, L.n_kv * L.d:].view(t, L.n_kv, L.d).transpose(0, 1)
-            state.length = start
+            self._context(state, feats[0], start)
+        h = self._block(state, anchor_emb, start, k)
+        return h, self.head(h)
+
+    def _context(self, state: DraftState, f: torch.Tensor, start: int) -> None:
+        """The new context tokens' keys/values ([t, n_feat·H] features of positions state.length … start − 1)."""
+        ctx0, t = state.length, f.shape[0]
+        if self.feature_scale is not None:
+            f = f * self.feature_scale.to(f.dtype)
+        c = _rms(self.fc(f), self.hidden_norm, self.hidden_eps)      # [t, H]
+        cos, sin = self._cos[ctx0:start], self._sin[ctx0:start]
+        for i, L in enumerate(self.layers):
+            kv = L.kv(c)                                      # [t, 2·kv·d]
+            kk = _rms(kv[:, :L.n_kv * L.d].view(t, L.n_kv, L.d), L.k_norm, L.k_eps)
+            state.keys[i, :, ctx0:start] = _rope(kk, cos, sin).transpose(0, 1)
+            state.values[i, :, ctx0:start] = kv[:, L.n_kv * L.d:].view(t, L.n_kv, L.d).transpose(0, 1)
+        state.length = start
+
+    def _block(self, state: DraftState, anchor_emb: torch.Tensor, start: int, k: int) -> torch.Tensor:
+        """The block [anchor, MASK × k] through the layers and the final norm → h [k, H] of positions 1 … k."""
+        q_len = k + 1
+        end = start + q_len
         x = self.mask_row.expand(q_len, -1).clone()                                # [q, H]
         x[0] = anchor_emb.reshape(-1)
         cos, sin = self._cos[start:end], self._sin[start:end]
@@ -241,5 +250,41 @@ class FastDraft:
             x = x + L.o(attn[0].transpose(0, 1).reshape(q_len, nq))
             gu = L.gate_up(_rms(x, L.post_norm, L.post_eps))
             x = x + L.down(F.silu(gu[:, :L.inter]) * gu[:, L.inter:])
-        h = _rms(x[1:], self.norm, self.norm_eps)
-        return h, self.head(h)
+        return _rms(x[1:], self.norm, self.norm_eps)
+
+    @torch.inference_mode()
+    def profile(self, *, context: int = 256, new: int = 2, reps: int = 50) -> dict[str, float]:
+        """Median milliseconds of each part of one propose step at a `context`-token context with `new` newly
+        committed tokens: the context K/V of the new tokens, the block's layers, the head (`bench decode`)."""
+        import statistics
+        import time
+
+        nf = self.fc.w.shape[1]
+        g = torch.Generator(device="cpu").manual_seed(0)
+        feats = torch.randn(context + new * (reps + 8), nf, generator=g).to(self.dtype).to(self.device)
+        state = self.new_state(context + new * (reps + 8) + self.block)
+        self._reserve(state, feats.shape[0] + self.block)
+        if feats.shape[0] + self.block > self._cos.shape[0]:
+            self._table(feats.shape[0] + self.block)
+        self._context(state, feats[:context], context)
+        anchor = self.mask_row.view(1, 1, -1)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        parts: dict[str, list[float]] = {"context_kv": [], "block": [], "head": []}
+        for i in range(reps + 8):
+            start = state.length + new
+            sync()
+            t0 = time.perf_counter()
+            self._context(state, feats[state.length:start], start)
+            sync()
+            t1 = time.perf_counter()
+            h = self._block(state, anchor, start, self.block - 1)
+            sync()
+            t2 = time.perf_counter()
+            self.head(h).argmax(-1).tolist()
+            t3 = time.perf_counter()
+            if i >= 8:  # warm-up excluded
+                for name, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
+                    parts[name].append(dt * 1e3)
+        out = {k: round(statistics.median(v), 4) for k, v in parts.items()}
+        out["total"] = round(sum(out.values()), 4)
+        return out

@@ -59,6 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from dflashkit.decode.api import GenerationResult, SamplingParams
+from dflashkit.decode.draft_length import DraftLength
 from dflashkit.decode.sampling import sample, sampling_probs, verify_greedy, verify_sampled
 from dflashkit.decode.fast_draft import DraftState, FastDraft
 from dflashkit.errors import UsageError
@@ -91,12 +92,17 @@ class SpecDecoder:
             CPUs with AMX/AVX512-BF16, see `fast_draft_dtype`) stays lossless; the verify pass
             always uses the target's own head and dtype.
         record_top: at temperature 0, fill `GenerationResult.top_logits` with this many (0 = off).
+        adaptive: pick each step's draft length from the drafter's own confidence and the measured cost t(n) of a
+            target step over n tokens (`decode/draft_length.py`; a drafter only, not a proposer). Lossless: the
+            verify rule is the same, only the number of drafts verified changes.
+        lean: draft through `decode/fast_draft.py` where the drafter qualifies (the same proposals, less time);
+            False = the module forward (what `bench decode` compares it with).
     """
 
     def __init__(self, target: Target, drafter: DFlashDraftModel | None = None, block_size: int | None = None,
                  *, proposer: Proposer | None = None, draft_sampling: Literal["greedy", "sample"] = "greedy",
                  max_context: int | None = None, draft_dtype: torch.dtype | None = None,
-                 record_top: int = 0):
+                 record_top: int = 0, adaptive: bool = False, lean: bool = True):
         self.target, self.drafter, self.proposer = target, drafter, proposer
         self.record_top = record_top
         if block_size is None:
@@ -136,9 +142,12 @@ class SpecDecoder:
             self._fast = (FastDraft(drafter, self._head_w, self._head_b, self._mask_emb,
                                     max_len=self.max_context if self.max_context < 1 << 20 else 4096,
                                     causal=drafter.causal)
-                          if FastDraft.supports(drafter) else None)  # the lean DFlash forward (decode/fast_draft.py)
+                          if lean and FastDraft.supports(drafter) else None)  # the lean DFlash forward (decode/fast_draft.py)
         self._cuda = target.device.type == "cuda"
         self._cache_kw = cache_kwarg(target.model)  # `cache` or `past_key_values`, by transformers version
+        self.policy: DraftLength | None = None
+        if adaptive and self.layer_ids is not None:
+            self.policy = DraftLength(max_drafts=block_size - 1)
 
     # -- helpers ------------------------------------------------------------------------------
     def _now(self) -> float:
@@ -163,20 +172,56 @@ class SpecDecoder:
 
     def _draft(self, seq: list[int], start: int, k: int, ctx: torch.Tensor, dcache: DraftKVCache | DraftState,
                positions: torch.Tensor, params: SamplingParams, gen):
-        """Propose k tokens after seq[start] → (tokens, draft law [k, V] or None for point mass)."""
+        """Propose k tokens after seq[start] → (tokens, draft law [k, V] or None for point mass, confidences).
+
+        The confidences (only with `adaptive`; else None) are the draft head's softmax probability of each
+        proposed token, what the draft-length policy weighs against t(n)."""
         if self.proposer is not None:
-            return list(self.proposer.propose(seq[: start + 1], k))[:k], None
+            return list(self.proposer.propose(seq[: start + 1], k))[:k], None, None
         assert self.drafter is not None  # no proposer and block_size > 1: __init__ required a drafter
         x = self.target.embed(positions.new_tensor([[seq[start]]])).to(self._draft_dtype)
         if isinstance(dcache, DraftState):  # the lean forward (decode/fast_draft.py): the module's numbers
             assert self._fast is not None
             h, logits = self._fast.forward(dcache, ctx.to(self._draft_dtype), x, start, k)
-            return self._propose(h[None], logits, seq[start], params, gen)
-        block = torch.cat([x, self._mask_emb.expand(1, k, -1)], dim=1)  # [1, k+1, H]
-        t = ctx.shape[1]
-        h = self.drafter(block, ctx.to(self._draft_dtype), positions[:, start - t: start + k + 1], cache=dcache)
-        logits = F.linear(h[0, 1:], self._head_w, self._head_b)  # [k, V] (or [k, V'] over the draft vocab)
-        return self._propose(h[:, 1:], logits, seq[start], params, gen)
+            h = h[None]
+        else:
+            block = torch.cat([x, self._mask_emb.expand(1, k, -1)], dim=1)  # [1, k+1, H]
+            t = ctx.shape[1]
+            h = self.drafter(block, ctx.to(self._draft_dtype), positions[:, start - t: start + k + 1], cache=dcache)
+            h = h[:, 1:]
+            logits = F.linear(h[0], self._head_w, self._head_b)  # [k, V] (or [k, V'] over the draft vocab)
+        tokens, law = self._propose(h, logits, seq[start], params, gen)
+        return tokens, law, (self._confidence(logits, tokens) if self.policy is not None else None)
+
+    def _confidence(self, logits: torch.Tensor, tokens: list[int]) -> list[float]:
+        """softmax(logits)[token] per draft position (over the draft vocab when it is reduced)."""
+        idx = torch.tensor(tokens, device=logits.device)
+        if self._vocab is not None:  # target ids → draft indices (the vocab is sorted)
+            idx = torch.searchsorted(self._vocab, idx).clamp(max=self._vocab.numel() - 1)
+        probs = torch.softmax(logits.float(), dim=-1)
+        return probs.gather(-1, idx[:, None])[:, 0].tolist()
+
+    def _calibrate(self, prompt_ids: list[int], reps: int = 3) -> None:
+        """t(n) for n = 1 … B: target steps over n tokens after a short context, the fastest of `reps` each
+        (a throwaway cache; once per decoder, before any timed work)."""
+        from transformers import DynamicCache
+
+        assert self.policy is not None
+        dev = self.target.device
+        ctx = prompt_ids[: min(len(prompt_ids), 64)]
+        cache = DynamicCache(config=self.target.config)
+        self._forward(torch.tensor([ctx], device=dev), cache, last_only=True)
+        cost = {}
+        for n in range(1, self.block_size + 1):
+            ids = torch.tensor([[ctx[-1]] * n], device=dev)
+            best = float("inf")
+            for _ in range(reps):
+                t0 = self._now()
+                self._forward(ids, cache)
+                best = min(best, self._now() - t0)
+                cache.crop(-n)
+            cost[n] = best
+        self.policy.calibrate(cost)
 
     def _propose(self, h: torch.Tensor, logits: torch.Tensor, anchor: int, params: SamplingParams, gen):
         """The drafter family's proposal step (`Family.propose`): h [1, k, H] and head logits [k, V'] of block
@@ -217,6 +262,8 @@ class SpecDecoder:
             gen.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little"))
         stops = set(params.stop_token_ids)
         max_len = n_prompt + max_new
+        if self.policy is not None and not self.policy.cost:
+            self._calibrate(prompt_ids)
         cache = DynamicCache(config=self.target.config)
         positions = torch.arange(max_len + self.block_size, device=dev)[None]
         dcache: DraftKVCache | DraftState = (self._fast.new_state(max_len + self.block_size) if self._fast is not None
@@ -235,11 +282,16 @@ class SpecDecoder:
         while start + 1 < max_len and not stopped:
             ts = self._now()
             size = min(self.block_size, max_len - start)
-            drafts, dprobs = [], None
+            drafts, dprobs, conf = [], None, None
             if size > 1:
-                drafts, dprobs = self._draft(seq, start, size - 1, feats, dcache, positions, params, gen)
+                drafts, dprobs, conf = self._draft(seq, start, size - 1, feats, dcache, positions, params, gen)
+                if self.policy is not None and conf is not None:  # verify only what is likely accepted
+                    k = self.policy.choose(conf)
+                    drafts, conf = drafts[:k], conf[:k]
+                    dprobs = None if dprobs is None else dprobs[:k]
                 size = 1 + len(drafts)  # a proposer may return fewer than asked
             tv = self._now()
+            res.verified_drafts += len(drafts)
             feats, logits = self._forward(torch.tensor([[seq[start], *drafts]], device=dev), cache)
             if greedy:
                 a, nxt = verify_greedy(drafts, logits.argmax(-1).tolist())
@@ -247,6 +299,10 @@ class SpecDecoder:
                 probs = sampling_probs(logits, params.temperature, params.top_p, params.top_k)
                 a, nxt = verify_sampled(drafts, probs, dprobs, gen)
             te = self._now()
+            if self.policy is not None and conf is not None:
+                self.policy.observe(conf, a)
+                self.policy.observe_draft(tv - ts)
+                self.policy.observe_cost(size, te - tv)
             new = (drafts[:a] + [nxt])[: max_len - start - 1]
             for i, tok in enumerate(new):
                 if tok in stops:
