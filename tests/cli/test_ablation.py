@@ -59,6 +59,28 @@ def test_recipe_dflash2_variant_trains_from_its_own_contract(tmp_path, tiny_qwen
     assert cfg["architectures"] == ["DFlash2DraftModel"] and "draft_vocab_size" not in cfg
 
 
+def test_recipe_causal_variants_train_causal_drafters_from_their_own_contract(tmp_path, tiny_qwen3, capsys):
+    """The JetSpec rows the lead runs: `causal` and `causal + forward KL (uniform weights)` (online features: the KL
+    target is the target's logits)."""
+    rd = make_run(tmp_path / "r", tiny_qwen3)
+    variants = ('{base: [], causal: [drafter.causal=true], causal-kl-uniform: [drafter.causal=true, train.loss=kl, '
+                'train.position_weighting=uniform]}')
+    rc = main(["bench", "recipe", "--json", *overrides(rd, tiny_qwen3), "bench.recipe_steps=2",
+               f"bench.recipe_variants={variants}"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0, out
+    rows = {r["variant"]: r for r in out["variants"]}
+    assert set(rows) == {"base", "causal", "causal-kl-uniform"} and all(r["steps"] == 2 for r in rows.values())
+    for name, causal in (("base", False), ("causal", True), ("causal-kl-uniform", True)):
+        vdir = rd / "bench" / "recipe" / name
+        cfg = json.loads((vdir / "train" / "final" / "config.json").read_text())
+        assert cfg.get("is_causal", False) is causal and cfg["dflash_config"].get("causal", False) is causal, name
+        assert json.loads((vdir / "contract.json").read_text())["causal"] is causal, name
+        assert (vdir / "contract.json").is_symlink() is (not causal), name   # its own contract when causal
+    assert json.loads((rd / "contract.json").read_text()).get("causal", False) is False  # the run's is untouched
+    assert len({round(r["heldout_loss"], 6) for r in rows.values()}) == 3  # three different objectives / masks
+
+
 def test_equal_cpu_minutes_stop_each_variant_on_its_budget_and_a_grid_varies_one_key(tmp_path, tiny_qwen3, capsys):
     rd = make_run(tmp_path / "r", tiny_qwen3)
     budget = 0.05  # CPU-minutes: 3 s of optimizer steps per variant, far fewer than the 1000-step cap

@@ -347,7 +347,8 @@ def test_train_after_import_refuses_to_discard_the_imported_drafter(tmp_path, ti
 # --- finding 9: resuming under another objective -----------------------------------------------------
 
 
-@pytest.mark.parametrize("change", ["train.loss=kl", "train.labels=target"])
+@pytest.mark.parametrize("change", ["train.loss=kl", "train.labels=target", "train.position_weighting=uniform",
+                                    "train.kl_temperature=2"])
 def test_resume_under_another_objective_is_refused(change, tmp_path, tiny_qwen3, drafter_dir, base_run, capsys):
     w = _world(tmp_path, tiny_qwen3, drafter_dir, base_run)
     assert main(w.train()) == 0, capsys.readouterr().err

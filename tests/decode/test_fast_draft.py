@@ -23,10 +23,11 @@ def _contract(layers: int = 2, block: int = 4) -> DrafterContract:
 
 
 def _pair(dtype: torch.dtype, *, steps: int = 24, layers: int = 2, scale: bool = False, vocab_rows: int = 300,
-          short_tail: bool = False):
-    """(reference logits, fast logits) per step over one simulated decode."""
+          short_tail: bool = False, causal: bool = False):
+    """(reference logits, fast logits) per step over one simulated decode (`causal`: a JetSpec drafter, the
+    module forward masking offsets j > i itself)."""
     torch.manual_seed(1)
-    c = _contract(layers)
+    c = with_fields(_contract(layers), causal=causal)
     fs = torch.rand(len(c.target_layer_ids) * c.hidden_size) + 0.5 if scale else None
     m = DFlashDraftModel(c, feature_scale=fs)
     m.reset_parameters(std=0.2)  # a drafter far from init: peaked, distinct logits
@@ -34,7 +35,7 @@ def _pair(dtype: torch.dtype, *, steps: int = 24, layers: int = 2, scale: bool =
     emb = (torch.randn(c.vocab_size, c.hidden_size)).to(dtype)
     head = (torch.randn(vocab_rows, c.hidden_size) * 0.3).to(dtype)
     mask = emb[c.mask_token_id].view(1, 1, -1)
-    fast = FastDraft(m, head, None, mask, max_len=16)            # the RoPE table grows on the way
+    fast = FastDraft(m, head, None, mask, max_len=16, causal=causal)  # the RoPE table grows on the way
     state = fast.new_state(capacity=4)                           # and so do the K/V buffers
     cache = DraftKVCache()
     pos = torch.arange(512)[None]
@@ -76,6 +77,15 @@ def test_fast_draft_proposes_what_the_module_proposes(dtype, atol):
 
 def test_fast_draft_with_a_feature_scale_one_layer_a_reduced_head_and_a_short_last_block():
     _assert_same_proposals(_pair(torch.float32, layers=1, scale=True, vocab_rows=37, short_tail=True), 1e-5)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
+def test_fast_draft_of_a_causal_drafter_proposes_what_the_module_proposes(dtype, atol):
+    pairs = _pair(dtype, causal=True, short_tail=True)
+    _assert_same_proposals(pairs, atol)
+    if dtype == torch.float32:  # the same weights and inputs served bidirectionally: the mask changes the drafts
+        bidirectional = _pair(dtype, short_tail=True)
+        assert any(not torch.allclose(r, b, atol=1e-3) for (r, _), (b, _) in zip(pairs, bidirectional))
 
 
 def test_packed_linear_is_f_linear_or_falls_back():
@@ -120,7 +130,7 @@ def test_forward_gives_the_modules_hidden_states_before_the_head():
     assert torch.equal(logits, F.linear(h, head))
 
 
-@pytest.mark.parametrize("drafter_type", ["dflash", "dflash2", "lilicorr"])
+@pytest.mark.parametrize("drafter_type", ["dflash", "dflash2", "dflash-causal", "lilicorr"])
 def test_the_decoder_drafts_through_the_lean_forward_what_it_drafts_through_the_module(tiny_qwen3, drafter_type):
     """SpecDecoder builds `FastDraft` for plain DFlash layers (a LiLiCorr backbone without convolutions too; a
     DFlash2 one keeps the module path); with it every step drafts what the module forward (with its
@@ -134,11 +144,14 @@ def test_the_decoder_drafts_through_the_lean_forward_what_it_drafts_through_the_
 
     target = load_target(load_config(None, [f"target.path={tiny_qwen3}", "target.device=cpu",
                                             "target.dtype=float32"]).target)
-    extra = {"dflash": {}, "dflash2": dict(conv_group_size=8, selector_top_k=4),
-             "lilicorr": dict(lilicorr_candidate_topk=4, lilicorr_num_heads=4, lilicorr_factor_dim=8)}[drafter_type]
-    drafter = random_drafter(target, block_size=4, layers=2, drafter_type=drafter_type, **extra)
+    extra = {"dflash": {}, "dflash-causal": dict(causal=True),
+             "dflash2": dict(drafter_type="dflash2", conv_group_size=8, selector_top_k=4),
+             "lilicorr": dict(drafter_type="lilicorr", lilicorr_candidate_topk=4, lilicorr_num_heads=4,
+                              lilicorr_factor_dim=8)}[drafter_type]
+    drafter = random_drafter(target, block_size=4, layers=2, **extra)
     lean, module = SpecDecoder(target, drafter, 4), SpecDecoder(target, drafter, 4)
     assert (lean._fast is not None) == (drafter_type != "dflash2")
+    assert lean._fast is None or lean._fast.causal is drafter.causal
     module._fast = None  # the module forward with its DraftKVCache
     drafted: dict[str, list[list[int]]] = {"lean": [], "module": []}
     for name, dec in (("lean", lean), ("module", module)):

@@ -146,6 +146,19 @@ def test_speculative_sampling_matches_the_target_law(small, draft_sampling, voca
     assert abs(z) < 4.0, f"chi-square z = {z:.2f} (|z| < 4 expected for the target's law)"
 
 
+def test_causal_speculative_sampling_matches_the_target_law(small):
+    """A causal (JetSpec) drafter's draft law is its head's law too: sampling from it stays lossless."""
+    from dataclasses import replace
+
+    target, drafter, prompt, law = small
+    causal = DFlashDraftModel(replace(drafter.contract, knobs=replace(drafter.contract.knobs, causal=True))).eval()
+    causal.load_state_dict(drafter.state_dict())
+    assert causal.causal
+    dec = SpecDecoder(target, causal, block_size=4, draft_sampling="sample")
+    z = _chi2_z(_samples(dec, prompt, N_SAMPLES, 1.0), law)
+    assert abs(z) < 4.0, f"chi-square z = {z:.2f} (|z| < 4 expected for the target's law)"
+
+
 def test_the_law_test_detects_a_lossy_rule(small, monkeypatch):
     target, drafter, prompt, law = small
 

@@ -9,12 +9,16 @@ Then, on SmolLM2-135M-Instruct through the real CLI, the commands README "Serve 
   3. eval writes the drafter's speculation profile, export ships it; verify-engine on each: vLLM serves the
      target + the exported drafter (num_speculative_tokens = B − 1); its τ equals ours within the stated
      tolerance, per-position acceptance agrees, greedy outputs match ours and its own non-speculative run
-     (fp32), and the shipped profile agrees with the engine (its `engines` entry passes).
+     (fp32), and the shipped profile agrees with the engine (its `engines` entry passes);
+  4. a causal (JetSpec, `drafter.causal=true`) drafter from the same data, in a run dir of its own: probe,
+     train, export in both formats, verify-engine on each, with the same checks; vLLM's own config reader
+     resolves every layer of these exports causal, and every layer of step 2's exports bidirectional.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -33,6 +37,8 @@ PROMPTS = [
     "Say hello in Spanish.",
 ]
 B = 4
+EVAL = ("eval.dtype=float32", "eval.draft_dtype=target", "eval.warmup=0", "eval.prompt_lookup=false",
+        "eval.diagnostics=false")  # fp32, as the engine runs
 
 
 def _last_json(capsys) -> dict:
@@ -103,14 +109,48 @@ def test_vllm_regenerates_and_judges_the_export(tmp_path, capsys):
     assert last["tau"] >= 0.75 * B, last
     # 3. eval measures its speculation profile (fp32, as the engine runs); the engine judges the export and
     # that profile, in both formats (z-lab: <run>/export; vLLM's speculators format)
-    ev = _ok(capsys, "eval", "-c", c, "--json", "eval.dtype=float32", "eval.draft_dtype=target", "eval.warmup=0",
-             "eval.prompt_lookup=false", "eval.diagnostics=false")
+    ev = _ok(capsys, "eval", "-c", c, "--json", *EVAL)
     assert ev["speculation_profile"]["measured"] is True, ev["speculation_profile"]
     _ok(capsys, "export", "-c", c, "--json")
     spec_dir = run / "export-speculators"
     _ok(capsys, "export", "-c", c, "--json", "export.format=speculators", f"export.out_dir={spec_dir}")
+    _verify_both(capsys, c, run, spec_dir)
+
+    # 4. a causal (JetSpec) drafter on the same data (its own run dir: the data stages' outputs copied)
+    crun = tmp_path / "run-causal"
+    for part in ("prepare", "tokenize", "capture"):
+        shutil.copytree(run / part, crun / part)
+    (crun / "verify-engine").mkdir()  # vLLM's non-speculative outputs are the same target's: reused, one start less
+    shutil.copy(run / "verify-engine" / "engine-ar.json", crun / "verify-engine" / "engine-ar.json")
+    cc = [f"run.run_dir={crun}", "drafter.causal=true"]
+    _ok(capsys, "probe", "-c", c, "--json", *cc)
+    assert json.loads((crun / "contract.json").read_text())["causal"] is True
+    _ok(capsys, "train", "-c", c, "--json", *cc)
+    last = json.loads((crun / "train" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["tau"] >= 0.75 * B, last
+    ev = _ok(capsys, "eval", "-c", c, "--json", *EVAL, *cc)
+    assert ev["speculation_profile"]["measured"] is True, ev["speculation_profile"]
+    assert json.loads((crun / "eval" / "results.json").read_text())["lossless"]["verdict"] == "exact"  # fp32
+    _ok(capsys, "export", "-c", c, "--json", *cc)
+    cspec = crun / "export-speculators"
+    _ok(capsys, "export", "-c", c, "--json", *cc, "export.format=speculators", f"export.out_dir={cspec}")
+    cfg = json.loads((crun / "export" / "config.json").read_text())
+    assert cfg["is_causal"] is True and cfg["dflash_config"]["causal"] is True
+    _verify_both(capsys, c, crun, cspec, *cc)
+
+    # what vLLM itself resolves: the causal exports causal in every layer, the default (step 2) ones in none
+    from tests.helpers import vllm_causality
+
+    dirs = {run / "export": False, spec_dir: False, crun / "export": True, cspec: True}
+    got = vllm_causality(list(dirs), tmp_path / "vllm-causality")
+    for d, causal in dirs.items():
+        assert got[str(d)]["layers"] == [causal] and got[str(d)]["any_non_causal"] is (not causal), (d, got[str(d)])
+
+
+def _verify_both(capsys, c: str, run: Path, spec_dir: Path, *over: str) -> None:
+    """verify-engine on the z-lab export and on the speculators one: every check passes, τ engine ≈ ours."""
     for fmt, argv in (("zlab", []), ("speculators", [str(spec_dir)])):
-        code = main(["verify-engine", *argv, "-c", c, "--json"])
+        code = main(["verify-engine", *argv, "-c", c, "--json", *over])
         out = capsys.readouterr()
         res = json.loads((run / "verify-engine" / "results.json").read_text())
         assert code == 0, f"verify-engine ({fmt}) exited {code}: {res.get('causes')}\n{out.err[-4000:]}"

@@ -27,7 +27,12 @@ def test_each_familys_knobs_are_drafter_keys_with_the_schemas_defaults():
         for name in fam.knob_names:
             assert name in schema, f"{fam.name}: knob {name} is not a drafter.* key (config/schema.py)"
             assert getattr(defaults, name) == schema[name], (fam.name, name)
-    assert len(family.knob_keys()) == len(set(family.knob_keys()))  # one owner per knob
+    # one owner per knob: a knob two families have is declared once, by a knobs class the other's extends
+    for name in family.knob_keys():
+        owners = {next(k for k in fam.knobs.__mro__ if name in getattr(k, "__annotations__", {}))
+                  for fam in family.FAMILIES.values() if name in fam.knob_names}
+        assert len(owners) == 1, (name, owners)
+    assert "causal" in family.get("dflash2").knob_names and family.get("dflash2").knobs.__mro__[1] is family.DEFAULT.knobs
     assert len({f.architecture for f in family.FAMILIES.values()}) == len(family.FAMILIES)
     assert family.DEFAULT.name in family.FAMILIES and DrafterSection().type == family.DEFAULT.name
 
@@ -43,13 +48,22 @@ def test_contract_json_stays_flat_and_round_trips_each_family():
     assert data["selector_top_k"] == 5 and data["output_multiplier"] == 2.0 and "knobs" not in data
     assert DrafterContract.from_dict(json.loads(json.dumps(data))) == d2
     plain = tiny_contract().to_dict()
-    assert not set(plain) & set(family.knob_keys()) and DrafterContract.from_dict(plain) == tiny_contract()
+    assert set(plain) & set(family.knob_keys()) == {"causal"} and plain["causal"] is False  # DFlash's one knob
+    assert DrafterContract.from_dict(plain) == tiny_contract()
+    old = {k: v for k, v in plain.items() if k != "causal"}  # a contract.json written before the knob existed
+    assert DrafterContract.from_dict(old) == tiny_contract()
+    causal = with_fields(tiny_contract(), causal=True)
+    assert causal.to_dict()["causal"] is True and DrafterContract.from_dict(causal.to_dict()) == causal
     with pytest.raises(AttributeError):  # a misspelt (or another family's) field is never silently ignored
         d2.selector_top_k = 3  # type: ignore[attr-defined]
     with pytest.raises(UsageError, match="drafter_type 'dflash3' is not one of"):
         DrafterContract.from_dict({**plain, "drafter_type": "dflash3"}).check()
-    with pytest.raises(UsageError, match="knobs NoKnobs are not the DFlash2 family's"):
+    with pytest.raises(UsageError, match="knobs DFlashKnobs are not the DFlash2 family's"):
         dataclasses.replace(tiny_contract(), drafter_type="dflash2").check()
+    with pytest.raises(UsageError, match="knobs DFlash2Knobs are not the DFlash family's"):  # a subclass is not enough
+        dataclasses.replace(d2, drafter_type="dflash").check()
+    with pytest.raises(UsageError, match="causal must be true or false, got 'yes'"):  # a hand-edited contract.json
+        DrafterContract.from_dict({**plain, "causal": "yes"}).check()
 
 
 def test_family_checks_run_when_a_commands_config_loads(tmp_path, capsys):

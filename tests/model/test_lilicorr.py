@@ -242,3 +242,16 @@ def test_only_a_bit_exact_reload_must_walk_the_same_path():
         for p in copy.parameters():
             p.copy_(p.to(torch.bfloat16).float())
     assert not same_weights(m, copy)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_config_json_round_trips_the_knobs_with_dflashs_causal(causal):
+    from dflashkit.model.drafter_config import DrafterContract
+
+    c = lili_contract(causal=causal, lilicorr_conv_kernel_size=2, lilicorr_conv_group_size=8, lilicorr_logit_scale=6.0)
+    cfg = c.to_hf_config()
+    assert cfg["architectures"] == ["LiLiCorrDraftModel"] and cfg["dflash_config"]["lilicorr_logit_scale"] == 6.0
+    assert (cfg.get("is_causal"), cfg["dflash_config"].get("causal")) == ((True, True) if causal else (None, None))
+    back = DrafterContract.from_hf_config(cfg)
+    assert back.knobs == c.knobs and back.drafter_type == "lilicorr"
+    assert LiLiCorrDraftModel(c).causal is causal

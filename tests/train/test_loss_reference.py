@@ -1,8 +1,9 @@
 """The loss object (train/loss.py) equals a slow, straightforward computation on a fixed seed: CE, KL and CE+KL
-under the fixed decay and D-PACE, a reduced draft vocab, DFlash2's selector term, and the on-path labels
-(`train.on_path`: rollout = the target's greedy path as the labels and DFlash2's gold predecessors; mask = only
-the positions after raw tokens that agree with the target's argmax) — the loss to rtol 1e-6, its gradients, and
-the accuracy / τ counts exactly.
+under the fixed decay, uniform weights and D-PACE, the KL at a temperature (T² scaled), causal in-block drafters
+(JetSpec's row: forward KL, uniform weights), a reduced draft vocab, DFlash2's selector term, and the on-path
+labels (`train.on_path`: rollout = the target's greedy path as the labels and DFlash2's gold predecessors; mask =
+only the positions after raw tokens that agree with the target's argmax) — the loss to rtol 1e-6, its gradients,
+and the accuracy / τ counts exactly.
 
 The reference runs the drafter once over all blocks, then walks every block position in plain Python: the
 head's logits of that one position, its CE / KL / selector CE from their definitions, its weight (the decay,
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 
 from dflashkit.family import new_drafter
 from dflashkit.model.draft_vocab import restricted_head
-from dflashkit.model.masks import dense_block_mask
+from dflashkit.model.masks import loop_block_mask
 from dflashkit.train.loss import Heads, LossInputs
 from dflashkit.train.objective import block_input_ids, block_position_ids, labels_and_weights, weight_sum
 from tests.helpers import random_case, tiny_contract, train_loss, with_fields
@@ -34,14 +35,15 @@ def _dpace(ce: list[float], sup: list[bool], alpha: float) -> list[float]:
 
 
 def _reference(model, emb, head, feats, ids, lm, lens, a, *, loss, gamma, kl_weight=1.0, dpace=None,
-               selector=None, vocab=None, tl=None, path=None, label_ids=None):
+               selector=None, vocab=None, tl=None, path=None, label_ids=None, uniform=False, temperature=1.0,
+               causal=False):
     """(loss, correct [B], total [B], tau_sum) from the definitions, one block position at a time.
 
     `path` [b, S, B−1] (rollout): position k of anchor a learns path[a, k−1], its gold predecessor is
     path[a, k−2] (k ≥ 2). `label_ids` [b, S] (mask): position k learns label_ids[a+k] and weighs only when
     ids[a+m] == label_ids[a+m] for every 1 ≤ m < k."""
     b, n = a.anchors.shape
-    labels, w = labels_and_weights(ids, lm, lens, a, block_size=B, gamma=None if dpace else gamma)
+    labels, w = labels_and_weights(ids, lm, lens, a, block_size=B, gamma=None if dpace or uniform else gamma)
     labels, w = labels.view(b, n, B), w.view(b, n, B).clone()
     if path is not None or label_ids is not None:
         labels = labels.clone()
@@ -58,7 +60,8 @@ def _reference(model, emb, head, feats, ids, lm, lens, a, *, loss, gamma, kl_wei
                         if any(int(ids[i, anc + m]) != int(label_ids[i, anc + m]) for m in range(1, k)):
                             w[i, j, k] = 0.0
     noise = emb(block_input_ids(ids, a, mask_token_id=model.mask_token_id, block_size=B))
-    mask = dense_block_mask(a.anchors, a.keep, lens, ctx_len=ids.shape[1], block_size=B)
+    mask = loop_block_mask(a.anchors.tolist(), a.keep.tolist(), lens.tolist(), ctx_len=ids.shape[1], block_size=B,
+                           causal=causal)
     hid = model(noise, feats, block_position_ids(a, ctx_len=ids.shape[1], block_size=B), attention_mask=mask)
     hid = hid.view(b, n, B, -1)
     vl = None if vocab is None else vocab.tolist()
@@ -85,8 +88,10 @@ def _reference(model, emb, head, feats, ids, lm, lens, a, *, loss, gamma, kl_wei
                         part = (-logq[gold]).double() if loss in ("ce", "ce+kl") else torch.zeros((), dtype=torch.float64)
                         if loss in ("kl", "ce+kl"):
                             t = tl[i, p - 1] if vl is None else tl[i, p - 1][vocab]
-                            logp = F.log_softmax(t.float(), -1)
-                            part = part + (kl_weight if loss == "ce+kl" else 1.0) * (logp.exp() * (logp - logq)).sum().double()
+                            logp = F.log_softmax(t.float() / temperature, -1)      # P_target at T
+                            logq_t = F.log_softmax(scores / temperature, -1)       # Q_draft at T
+                            kl = (logp.exp() * (logp - logq_t)).sum().double() * temperature ** 2
+                            part = part + (kl_weight if loss == "ce+kl" else 1.0) * kl
                         if selector is not None:
                             top = torch.topk(scores.detach(), model.top_k).indices.tolist()
                             cand = top if label in top else top[:-1] + [label]
@@ -97,7 +102,7 @@ def _reference(model, emb, head, feats, ids, lm, lens, a, *, loss, gamma, kl_wei
                                                                       scores[cand][None], hid[i, j, k][None])[0, 0]
                             part = part + selector * F.cross_entropy(sc[None], torch.tensor([cand.index(label)])).double()
                         terms[k] = part
-                        denom += 1.0 if dpace else float(w[i, j, k])
+                        denom += 1.0 if dpace or uniform else float(w[i, j, k])
                     else:
                         ces[k] = math.inf
                 leading = leading and ok
@@ -124,6 +129,15 @@ CASES = {
     "ce-decay-rollout": dict(loss="ce", on_path="rollout"),
     "ce-dpace-mask": dict(loss="ce", dpace=0.5, on_path="mask"),
     "dflash2-ce-rollout": dict(loss="ce", selector=0.7, on_path="rollout"),
+    "ce-uniform": dict(loss="ce", uniform=True),
+    "kl-T2-decay": dict(loss="kl", temperature=2.0),
+    # JetSpec as NeMo Automodel trains it: forward KL, T² scaled, uniform weights over 1 … B−1, causal blocks
+    "jetspec-kl-uniform-causal": dict(loss="kl", uniform=True, causal=True),
+    "jetspec-kl-uniform-T0.5-causal": dict(loss="kl", uniform=True, temperature=0.5, causal=True),
+    "ce+kl-uniform-T3-causal-vocab": dict(loss="ce+kl", kl_weight=0.5, uniform=True, temperature=3.0, causal=True,
+                                          vocab=True),
+    "ce-dpace-causal": dict(loss="ce", dpace=0.5, causal=True),
+    "dflash2-ce-causal": dict(loss="ce", selector=0.7, causal=True),
 }
 
 
@@ -132,7 +146,7 @@ def test_the_loss_object_equals_the_slow_reference(case):
     kw = dict(CASES[case])
     seed, gamma = 3, 2.0
     torch.manual_seed(seed)
-    c = tiny_contract(block_size=B, vocab=V)
+    c = with_fields(tiny_contract(block_size=B, vocab=V), causal=kw.get("causal", False))
     if kw.get("selector") is not None:
         c = with_fields(c, drafter_type="dflash2", conv_group_size=8, selector_rank=6, selector_top_k=5,
                         output_multiplier=1.5)
@@ -162,9 +176,10 @@ def test_the_loss_object_equals_the_slow_reference(case):
     ref.backward()
     want = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
+    weighting = "dpace" if kw.get("dpace") else "uniform" if kw.get("uniform") else "decay"
     train = dict(loss=kw["loss"], kl_weight=kw.get("kl_weight", 1.0), loss_chunk_blocks=2,
-                 position_weighting="dpace" if kw.get("dpace") else "decay", dpace_alpha=kw.get("dpace") or 0.5,
-                 selector_loss_weight=kw.get("selector") or 1.0)
+                 position_weighting=weighting, dpace_alpha=kw.get("dpace") or 0.5,
+                 selector_loss_weight=kw.get("selector") or 1.0, kl_temperature=kw.get("temperature", 1.0))
     objective = train_loss(c, gamma=gamma, **train)
     denom = weight_sum(lm, lens, a, input_ids=ids, block_size=B, gamma=objective.weighting.label_gamma, vocab=vocab,
                        label_ids=label_ids, path_ids=path, on_path_only=on_path == "mask")

@@ -139,6 +139,11 @@ class DrafterSection:
         "scores the same walk follows; checkpoints declare LiLiCorrDraftModel). dflash2 and lilicorr need the full "
         "target vocab (no draft_vocab_size). The keys below marked with a family's name are that family's knobs.",
         hash_default=False)
+    causal: bool = f(False, "dflash, dflash2: causal in-block attention (JetSpec, arXiv 2606.18394): block offset i "
+                     "attends to the context before the anchor and to offsets j <= i only, in training (the mask) and "
+                     "decoding; false = the whole block (DFlash). Exports write is_causal: true and "
+                     "dflash_config.causal: true (vLLM, SGLang); the speculators format sliding_window_non_causal: "
+                     "false.", hash_default=False)
     conv_kernel_size: int = f(2, "dflash2: taps of the block-local convolution (tap j reads the position j "
                               "back in the same block; never across a block boundary).", hash_default=False)
     conv_group_size: int = f(16, "dflash2: channels per convolution group (one dynamic kernel delta per "
@@ -364,6 +369,9 @@ class TrainSection:
                             "B=8, else B/2.")
     loss: Literal["ce", "kl", "ce+kl"] = f("ce", "Hard CE on the data, KL to target logits, or both.")
     kl_weight: float = f(1.0, "Weight of the KL term in ce+kl.")
+    kl_temperature: float = f(
+        1.0, "Temperature T of the KL term (loss kl, ce+kl): forward KL(softmax(target/T) || softmax(draft/T)), "
+        "scaled by T^2 (as NeMo Automodel distils JetSpec drafters; T = 1 is the plain KL).", hash_default=False)
     ablate_features: bool = f(False, "The no-features ablation (does the drafter use the target at all? see "
                               "`dflashkit bench recipe`): the blocks attend to themselves only, with no target "
                               "context, in training and held-out scoring (zeroed features would not do: their "
@@ -383,10 +391,10 @@ class TrainSection:
         "capture.engine=vllm); mask = keep today's labels but give weight 0 to every position past the first "
         "disagreement in its block (free); off = today's labels everywhere. Held-out τ is scored on the "
         "target's path whatever this says (docs/training-data.md).", hash_default=False)
-    position_weighting: Literal["decay", "dpace"] = f(
-        "decay", "Loss weight per block position: the fixed decay exp(-(k-1)/gamma), or D-PACE (weights from "
-        "the drafter's own confidence, arXiv 2605.18810; the loss is then divided by the supervised-position "
-        "count).")
+    position_weighting: Literal["decay", "uniform", "dpace"] = f(
+        "decay", "Loss weight per block position: the fixed decay exp(-(k-1)/gamma); uniform = 1 at every position "
+        "1 … B-1 (train.gamma unused; JetSpec's KL recipe); or D-PACE (weights from the drafter's own confidence, "
+        "arXiv 2605.18810). Under uniform and dpace the loss is divided by the supervised-position count.")
     dpace_alpha: float = f(0.5, "D-PACE confidence smoothing: q~ = (1-alpha)·q + alpha, in (0, 1].")
     selector_loss_weight: float = f(
         1.0, "drafter.type=dflash2: weight of the selector's loss (a K-way cross-entropy over each position's "

@@ -249,6 +249,8 @@ def _stage_option_problems(cfg: RunConfig) -> list[str]:
     t = cfg.train
     if not 0 < t.dpace_alpha <= 1:
         p.append(f"train.dpace_alpha {t.dpace_alpha} is outside (0, 1]")
+    if not t.kl_temperature > 0:
+        p.append(f"train.kl_temperature {t.kl_temperature} must be > 0")
     if t.anchor_coverage is not None and not 0 < t.anchor_coverage <= 1:
         p.append(f"train.anchor_coverage {t.anchor_coverage} is outside (0, 1]")
     if t.optimizer == "muon" and t.parallel.mode == "fsdp":

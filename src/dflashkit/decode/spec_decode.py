@@ -141,7 +141,8 @@ class SpecDecoder:
                 self._head_b = None if b is None else b.detach().to(self._draft_dtype)
             self._step = drafter.contract.family.propose  # the family's proposal step
             self._fast = (FastDraft(drafter, self._head_w, self._head_b, self._mask_emb,
-                                    max_len=self.max_context if self.max_context < 1 << 20 else 4096)
+                                    max_len=self.max_context if self.max_context < 1 << 20 else 4096,
+                                    causal=drafter.causal)
                           if lean and FastDraft.supports(drafter) else None)  # the lean DFlash forward (decode/fast_draft.py)
         self._cuda = target.device.type == "cuda"
         self._cache_kw = cache_kwarg(target.model)  # `cache` or `past_key_values`, by transformers version

@@ -170,7 +170,9 @@ def _causes(checks: dict[str, Any], tau_ours: float, tau_engine: float, per_ours
             k = next((i for i, (a, b) in enumerate(zip(per_engine, per_ours)) if abs(a - b) > pos_tol), None)
             where = f" from draft position {k + 1}" if k is not None else ""
             out.append(f"acceptance differs{where} (engine τ {tau_engine:.2f} vs ours {tau_ours:.2f}) — check "
-                       "num_speculative_tokens = block_size − 1, the block's mask positions, and the draft dtype")
+                       "num_speculative_tokens = block_size − 1, the block's mask positions, the draft dtype, and "
+                       "the in-block causality the engine reads (is_causal, dflash_config.causal; speculators: "
+                       "sliding_window_non_causal) against the drafter's contract (causal)")
     return out
 
 

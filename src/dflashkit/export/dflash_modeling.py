@@ -10,7 +10,9 @@ Inputs: `noise_embedding` [b, q, H] = target embeddings of the block `[x_start, 
 `target_hidden` [b, t, n·H] = concatenated outputs of the target decoder layers
 `dflash_config.target_layer_ids` for the t context tokens not yet in the cache; `position_ids`
 [b, t + q] = their absolute positions followed by the block's. Block queries attend to all cached
-context, the new context and the whole block (no mask). With a cache (`transformers.DynamicCache`)
+context, the new context and the whole block (no mask) — or, for a causal drafter (`is_causal: true`,
+else `dflash_config.causal: true`, read in that order as vLLM and SGLang do), block offset i to the
+context and offsets j <= i. With a cache (`transformers.DynamicCache`)
 only the context keys/values are stored; the block's are transient, so no crop is needed.
 
 Weights use the z-lab names: fc, hidden_norm, layers.{i}.{self_attn,mlp,...}, norm. A DFlash2 export
@@ -36,6 +38,19 @@ def _dflash(config, key, default=None):
     return extra.get(key, getattr(config, key, default))
 
 
+def _causal(config) -> bool:
+    """In-block causality: the top-level `is_causal`, else `dflash_config.causal`, else bidirectional."""
+    top = getattr(config, "is_causal", None)
+    if top is not None:
+        return bool(top)
+    return bool((getattr(config, "dflash_config", None) or {}).get("causal", False))
+
+
+def _block_mask(past: int, q_len: int, device) -> torch.Tensor:
+    """[q, past + q] bool: every context key, and block keys j <= i for query i."""
+    return torch.ones(q_len, past + q_len, dtype=torch.bool, device=device).tril(diagonal=past)
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -48,6 +63,7 @@ class DFlashSelfAttention(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
+        self.causal = _causal(config)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         bias = bool(getattr(config, "attention_bias", False))
@@ -74,6 +90,8 @@ class DFlashSelfAttention(nn.Module):
             ck, cv = cache.update(ck, cv, self.layer_idx)
         bk, bv = self._kv(x, cos[:, t:], sin[:, t:])
         k, v = torch.cat([ck, bk], dim=-2), torch.cat([cv, bv], dim=-2)
+        if attention_mask is None and self.causal:
+            attention_mask = _block_mask(ck.shape[-2], q_len, x.device)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask,
                                              enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
@@ -93,7 +111,7 @@ class DFlashLayer(nn.Module):
 
 
 class DFlashDraftModel(Qwen3PreTrainedModel):
-    """The draft network; `dflash_config` carries block_size, mask_token_id, target_layer_ids."""
+    """The draft network; `dflash_config` carries block_size, mask_token_id, target_layer_ids (and `causal`)."""
 
     _no_split_modules = ["DFlashLayer"]
     # A reduced-vocab export also holds the vLLM draft-vocab tensors; this module drafts with the

@@ -14,10 +14,11 @@ reads it; written here from our contract, no code shared):
   `draft_vocab_size` (V' or the full V), `block_size` B, `aux_hidden_state_layer_ids` = our
   `target_layer_ids` **+ 1** (speculators counts hidden_states indices; vLLM subtracts 1 again),
   `mask_token_id`, `sample_from_anchor false` (the anchor is the bonus token: B - 1 drafts),
-  `sliding_window_non_causal true` (vLLM turns a false or the speculators default into
-  `dflash_config.causal = true` for *every* layer, i.e. causal attention inside the draft block —
-  a silent acceptance collapse for a full-attention DFlash drafter; speculators itself only reads
-  the key for sliding-window layers, which we never have), and `speculators_config`
+  `sliding_window_non_causal` = not the drafter's `causal` knob (vLLM 0.32's `update_dflash` sets
+  `dflash_config.causal = not sliding_window_non_causal`, a missing key reading as true, for *every*
+  layer: a bidirectional drafter must say true, or it is served causally — a silent acceptance
+  collapse; a causal one (JetSpec, family/dflash.py) says false, and its `transformer_layer_config`
+  holds `is_causal: true` as its z-lab config.json does, which vLLM reads first), and `speculators_config`
   {algorithm, proposal_methods [greedy, speculative_tokens B - 1], default_proposal_method,
   verifier {name_or_path, architectures}} — vLLM takes `num_speculative_tokens` and the model to
   serve from there.
@@ -35,7 +36,8 @@ which `update_dflash2` drops) is refused (exit 2; export it in the z-lab format)
 speculators reader does not know (`Family.speculators` False; LiLiCorr in vLLM 0.32) is refused both
 ways, writing and reading (exit 2, naming the format).
 
-The reader refuses what the decoder cannot run (another `speculators_model_type`,
+The reader takes the in-block causality as vLLM resolves it (`transformer_layer_config.is_causal`, else
+not `sliding_window_non_causal`), refuses what the decoder cannot run (another `speculators_model_type`,
 `sample_from_anchor`, sliding-window layers) and every missing or malformed key with a `UsageError`
 (exit 2) naming the file and the key; the stored embedding and head are checked for shape and
 dropped (our decoder drafts with the target's own head rows).
@@ -67,6 +69,9 @@ FORMATS = ("zlab", "speculators")
 _DFLASH_KEYS = ("architectures", "auto_map", "block_size", "num_target_layers", "dflash_config", "draft_vocab_size")
 # tensors the speculators library itself keeps out of, or tolerates in, a checkpoint
 _IGNORED = ("verifier_lm_head.weight", "verifier_norm.weight")
+# dflash_config keys vLLM's `update_dflash` writes itself from the speculators config (`causal` from
+# `sliding_window_non_causal`); a family's other dflash_config keys travel only as its `speculators_keys`
+_CARRIED = ("causal",)
 
 
 def is_speculators(cfg: dict[str, Any]) -> bool:
@@ -87,14 +92,16 @@ def refuse_format(fam: family.Family, *, where: str) -> None:
 def speculators_config(contract: Contract, *, verifier: str, verifier_architectures: list[str],
                        dtype: str = "bfloat16", draft_vocab_size: int | None = None) -> dict[str, Any]:
     """The speculators `config.json` for a drafter contract (a pure function: same inputs, same bytes)."""
-    layer = {k: v for k, v in contract.to_hf_config(dtype=dtype).items() if k not in _DFLASH_KEYS}
+    zlab = contract.to_hf_config(dtype=dtype)
+    layer = {k: v for k, v in zlab.items() if k not in _DFLASH_KEYS}
     b = contract.block_size
     fam = contract.family
     refuse_format(fam, where="export.format=speculators")
     knobs = {k: getattr(contract.knobs, k) for k in fam.knob_names}
-    dropped = [k for k, v in knobs.items() if k not in fam.speculators_keys and v is not None]
+    family_keys = fam.dflash_config(contract)  # what the z-lab format carries in dflash_config
+    dropped = [k for k in family_keys if k not in fam.speculators_keys and k not in _CARRIED]
     if dropped:
-        raise UsageError(f"drafter.{dropped[0]} is set ({', '.join(f'{k}={knobs[k]}' for k in dropped)}); "
+        raise UsageError(f"drafter.{dropped[0]} is set ({', '.join(f'{k}={family_keys[k]}' for k in dropped)}); "
                          f"vLLM 0.32's speculators reader carries only {', '.join(fam.speculators_keys)} of a "
                          f"{fam.architecture} into dflash_config, so vLLM would serve another drafter",
                          hint="export with export.format=zlab (its dflash_config carries them)")
@@ -107,7 +114,7 @@ def speculators_config(contract: Contract, *, verifier: str, verifier_architectu
         "aux_hidden_state_layer_ids": [i + 1 for i in contract.target_layer_ids],
         "mask_token_id": contract.mask_token_id,
         "sample_from_anchor": False,
-        "sliding_window_non_causal": True,
+        "sliding_window_non_causal": not zlab["dflash_config"].get("causal", False),
         "dtype": dtype,
         **{k: knobs[k] for k in fam.speculators_keys},
         "speculators_config": {
@@ -173,9 +180,13 @@ def read_speculators_contract(cfg: dict[str, Any], *, source: str = "config.json
     if types:
         raise UsageError(f"{source}: key `transformer_layer_config.layer_types` has {sorted(set(types))}; "
                          "dflashkit drafters are full attention only")
+    non_causal = cfg.get("sliding_window_non_causal", True)  # vLLM's default: a missing key reads as true
+    if not isinstance(non_causal, bool):
+        raise UsageError(f"{source}: key `sliding_window_non_causal` is {non_causal!r}, expected true or false",
+                         hint="re-export with `dflashkit export export.format=speculators`")
     zlab = {**layer, "block_size": b, "architectures": [fam.architecture],
             "dflash_config": {"block_size": b, "mask_token_id": mask, "target_layer_ids": [i - 1 for i in aux],
-                              **knobs}}
+                              "causal": not non_causal, **knobs}}
     missing = [f"transformer_layer_config.{k}" for k in ("hidden_size", "num_hidden_layers", "num_attention_heads")
                if k not in layer]
     if missing:
@@ -312,7 +323,7 @@ def check_speculators(source: DFlashDraftModel, export_dir: Path, head: torch.Te
     same_vocab = (vocab is None) == (back.draft_vocab is None) and (vocab is None or torch.equal(vocab, back.draft_vocab))
     changed = [k for k in ("block_size", "target_layer_ids", "mask_token_id", "hidden_size", "num_draft_layers",
                            "vocab_size", "drafter_type") if getattr(c, k) != getattr(bc, k)]
-    changed += [k for k in c.family.speculators_keys if getattr(c.knobs, k) != getattr(bc.knobs, k, None)]
+    changed += [k for k in c.family.knob_names if getattr(c.knobs, k) != getattr(bc.knobs, k, None)]
     changed += [] if same_vocab else ["draft vocab"]
     if changed:
         raise DflashkitError(f"export reload check failed in {export_dir}: {changed} differ from the source",

@@ -76,8 +76,9 @@ def by_architecture(architectures: object) -> Family:
 
 
 def knob_keys() -> tuple[str, ...]:
-    """Every family's knob names (the `drafter.*` keys that give a drafter its own contract)."""
-    return tuple(k for f in FAMILIES.values() for k in f.knob_names)
+    """Every family's knob names (the `drafter.*` keys that give a drafter its own contract), each once: a
+    family whose knobs extend another's shares those (DFlash2's `causal` is DFlash's)."""
+    return tuple(dict.fromkeys(k for f in FAMILIES.values() for k in f.knob_names))
 
 
 def config_problems(d: DrafterSection) -> list[str]:

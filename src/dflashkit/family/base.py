@@ -228,6 +228,7 @@ class Family:
         config_problems(d): problems of its `drafter.*` keys (each naming the key).
         contract_problems(c): problems of its contract fields.
         dflash_config(c): its `dflash_config` keys (z-lab config.json).
+        hf_keys(c): its top-level config.json keys beside them (DFlash's causal drafter: `is_causal`).
         read_knobs(cfg, dflash_config, source): its contract fields from a config.json (UsageError).
         scores(model, logits): the head's logits as the loss and metrics score them.
         loss_terms(train): its own loss terms.
@@ -256,6 +257,7 @@ class Family:
     config_problems: Callable[[DrafterSection], list[str]] = _nothing
     contract_problems: Callable[[Contract], list[str]] = _nothing
     dflash_config: Callable[[Contract], dict[str, Any]] = _empty
+    hf_keys: Callable[[Contract], dict[str, Any]] = _empty
     read_knobs: Callable[[dict, dict, str], dict[str, Any]] = _empty
     scores: Callable[[Any, torch.Tensor], torch.Tensor] = _same
     loss_terms: Callable[[TrainSection], list[LossTerm]] = _nothing

@@ -4,21 +4,96 @@ Usage:
     from dflashkit.family.dflash import DFLASH
     drafter = DFLASH.build(contract, None, None)          # model/drafter.py's DFlashDraftModel
     tokens, law = DFLASH.propose(drafter, h, logits, anchor, DraftSampling(), vocab, vocab_size)
+    DFLASH.make_knobs({"causal": True})                   # DFlashKnobs(causal=True): drafter.causal (JetSpec)
+    read_causal(config_json, config_json["dflash_config"], "x/config.json")   # as vLLM 0.32 resolves it
 
-The base family: no contract fields of its own, a reduced draft vocabulary allowed (`d2t`), the
-loss is train/objective.py's CE / KL alone, vLLM runs it on either model runner, and the z-lab
-PyPI loop decodes it. Its proposal step is the head's argmax, or a draw from the head's sampling
-law (then that law, 0 outside a reduced vocab, goes to the rejection rule).
+The base family: a reduced draft vocabulary allowed (`d2t`), the loss is train/loss.py's CE / KL
+alone, vLLM runs it on either model runner, and the z-lab PyPI loop decodes it. Its proposal step is
+the head's argmax, or a draw from the head's sampling law (then that law, 0 outside a reduced vocab,
+goes to the rejection rule).
+
+Its one knob, `causal` (`drafter.causal`; JetSpec, arXiv 2606.18394): in-block attention where query
+offset i sees the context and block offsets j <= i only, instead of the whole block. The inputs stay
+`[anchor, MASK, ...]`. It is written where the engines read it, in their order (vLLM 0.32's
+`qwen3_dflash._dflash_layer_causal`: the top-level `is_causal`, else `dflash_config.causal`, else
+causal exactly on `layer_types[i] == "sliding_attention"`; SGLang reads `is_causal` only), so a causal
+drafter's config.json holds both keys; a bidirectional one holds neither (vLLM's default for
+full-attention layers). DFlash2 takes the knob too (`DFlash2Knobs` extends `DFlashKnobs`): vLLM's
+`DFlash2Qwen3DecoderLayer` resolves its attention through the same `_resolve_layer_attention`, and
+its V2 speculator takes the per-layer causality from the same `get_draft_attn_causal`.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dflashkit.errors import UsageError
 from dflashkit.family.base import Contract, DraftBlock, DraftSampling, Family
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger("dflashkit.contract")
+SLIDING = "sliding_attention"
+
+
+@dataclass(frozen=True)
+class DFlashKnobs:
+    """DFlash's contract field (default = `drafter.causal`'s in config/schema.py); DFlash2's extend it."""
+
+    causal: bool = False
+
+
+def contract_problems(c: Contract) -> list[str]:
+    """`causal` must be a JSON boolean (a hand-edited contract.json could hold "true" or 1)."""
+    v = c.knobs.causal
+    return [] if isinstance(v, bool) else [f"causal must be true or false, got {v!r}"]
+
+
+def dflash_config(c: Contract) -> dict[str, Any]:
+    """`dflash_config.causal: true` for a causal drafter (nothing for a bidirectional one: vLLM's default)."""
+    return {"causal": True} if c.knobs.causal else {}
+
+
+def hf_keys(c: Contract) -> dict[str, Any]:
+    """The top-level `is_causal: true` of a causal drafter: the key vLLM reads first and SGLang reads alone."""
+    return {"is_causal": True} if c.knobs.causal else {}
+
+
+def _flag(value: Any, key: str, source: str) -> bool:
+    if not isinstance(value, bool):
+        raise UsageError(f"{source}: {key} must be true or false, got {value!r}",
+                         hint=f"fix {source}: write the JSON boolean without quotes")
+    return value
+
+
+def read_causal(cfg: dict[str, Any], dc: dict[str, Any], source: str) -> bool:
+    """The in-block causality of a drafter config.json, resolved as vLLM 0.32 does: `is_causal`, else
+    `dflash_config.causal`, else causal where `layer_types[i]` is sliding; UsageError when that leaves the
+    layers mixed (a dflashkit drafter is causal in all its layers or in none)."""
+    if cfg.get("is_causal") is not None:
+        top = _flag(cfg["is_causal"], "is_causal", source)
+        inner = dc.get("causal")
+        if inner is not None and inner != top:
+            log.warning("%s: is_causal %s and dflash_config.causal %s disagree; the engines (vLLM, SGLang) follow "
+                        "is_causal", source, top, inner)
+        return top
+    if dc.get("causal") is not None:
+        return _flag(dc["causal"], "dflash_config.causal", source)
+    types = cfg.get("layer_types") or []
+    sliding = {t == SLIDING for t in types}
+    if len(sliding) > 1:
+        raise UsageError(f"{source}: layer_types {types} make vLLM attend causally in the sliding layers only "
+                         "(no is_causal or dflash_config.causal); a dflashkit drafter is causal in every layer or "
+                         "in none", hint="set is_causal (and dflash_config.causal) to the attention it was trained with")
+    return sliding == {True}
+
+
+def read_knobs(cfg: dict[str, Any], dc: dict[str, Any], source: str) -> dict[str, Any]:
+    """DFlash's knobs from a config.json (`read_causal`)."""
+    return {"causal": read_causal(cfg, dc, source)}
 
 
 def build(contract: Contract, draft_vocab: torch.Tensor | None = None, feature_scale: torch.Tensor | None = None):
@@ -55,12 +130,26 @@ def propose(drafter: Any, h: torch.Tensor, logits: torch.Tensor, anchor: int, sa
     return vocab[tokens].tolist(), full
 
 
+def card_lines(c: Contract) -> list[str]:
+    if not c.knobs.causal:
+        return []
+    return ["Causal in-block attention (JetSpec): block offset i attends to the context and offsets j <= i. "
+            "config.json says so twice, `is_causal: true` (vLLM reads it first, SGLang only it) and "
+            "`dflash_config.causal: true`; serve it with the usual flags, nothing more to pass.", ""]
+
+
 DFLASH = Family(
     name="dflash",
     title="DFlash",
     architecture="DFlashDraftModel",
+    knobs=DFlashKnobs,
     reduced_vocab=True,
     reference_loop=True,
+    contract_problems=contract_problems,
+    dflash_config=dflash_config,
+    hf_keys=hf_keys,
+    read_knobs=read_knobs,
     build=build,
     propose=propose,
+    card_lines=card_lines,
 )

@@ -8,7 +8,8 @@ Usage:
 
 Everything dflashkit knows about DFlash2 beside its network (`model/dflash2.py`, which mirrors vLLM
 0.32's `qwen3_dflash2.py`; read, not copied):
-  * knobs (contract fields = `drafter.*` keys = `dflash_config` keys): `conv_kernel_size`,
+  * knobs (contract fields = `drafter.*` keys = `dflash_config` keys): DFlash's `causal` (family/dflash.py:
+    vLLM resolves a DFlash2 layer's in-block causality exactly as a DFlash layer's), `conv_kernel_size`,
     `conv_group_size`, `selector_rank`, `selector_top_k`, and the optional `input_embedding_scale`,
     `output_multiplier`, `final_logit_softcapping` (written only when set). vLLM's speculators reader
     (`update_dflash2`) carries the first four only, so an optional one that is set cannot travel in
@@ -36,6 +37,12 @@ from typing import TYPE_CHECKING, Any
 from dflashkit.errors import DflashkitError, UsageError
 from dflashkit.family.base import (Contract, DraftBlock, DraftSampling, Family, Rows, Scored, StatField,
                                   refuse_draft_vocab, same_weights)
+from dflashkit.family.dflash import DFlashKnobs
+from dflashkit.family.dflash import card_lines as dflash_card_lines
+from dflashkit.family.dflash import contract_problems as dflash_contract_problems
+from dflashkit.family.dflash import dflash_config as dflash_keys
+from dflashkit.family.dflash import hf_keys as dflash_hf_keys
+from dflashkit.family.dflash import read_knobs as dflash_knobs
 
 if TYPE_CHECKING:
     import torch
@@ -47,8 +54,9 @@ OPTIONAL = ("input_embedding_scale", "output_multiplier", "final_logit_softcappi
 
 
 @dataclass(frozen=True)
-class DFlash2Knobs:
-    """DFlash2's contract fields (defaults = the `drafter.*` defaults of config/schema.py)."""
+class DFlash2Knobs(DFlashKnobs):
+    """DFlash2's contract fields (defaults = the `drafter.*` defaults of config/schema.py), after DFlash's
+    `causal` (vLLM resolves a DFlash2 layer's attention as a DFlash layer's: family/dflash.py)."""
 
     conv_kernel_size: int = 2
     conv_group_size: int = 16
@@ -73,7 +81,7 @@ def config_problems(d: DrafterSection) -> list[str]:
 def contract_problems(c: Contract) -> list[str]:
     """What makes the knobs unusable for this contract's target."""
     k: DFlash2Knobs = c.knobs
-    p = []
+    p = dflash_contract_problems(c)
     if k.conv_kernel_size < 1:
         p.append(f"conv_kernel_size must be >= 1, got {k.conv_kernel_size}")
     if k.conv_group_size < 1 or c.hidden_size % max(1, k.conv_group_size):
@@ -96,12 +104,11 @@ def dflash_config(c: Contract) -> dict[str, Any]:
     for name in OPTIONAL:
         if getattr(k, name) is not None:
             out[name] = float(getattr(k, name))
-    return out
+    return {**out, **dflash_keys(c)}
 
 
 def read_knobs(cfg: dict[str, Any], dc: dict[str, Any], source: str) -> dict[str, Any]:
     """The knobs of a `DFlash2DraftModel` config.json (`dflash_config`); UsageError naming a missing key."""
-    del cfg
     missing = [f"dflash_config.{k}" for k in REQUIRED if dc.get(k) is None]
     if missing:
         raise UsageError(f"{source}: a DFlash2DraftModel config without {missing}",
@@ -110,7 +117,7 @@ def read_knobs(cfg: dict[str, Any], dc: dict[str, Any], source: str) -> dict[str
     for k in OPTIONAL:
         if dc.get(k) is not None:
             out[k] = float(dc[k])
-    return out
+    return {**out, **dflash_knobs(cfg, dc, source)}
 
 
 # -- the network ------------------------------------------------------------------------------------------------
@@ -310,8 +317,7 @@ def walk_check(source: Any, reloaded: Any, head: torch.Tensor | None, *, exact: 
 
 
 def card_lines(c: Contract) -> list[str]:
-    del c
-    return ["DFlash2: vLLM runs the candidate selector on its V2 model runner only (GPU, Triton); its V1 "
+    return dflash_card_lines(c) + ["DFlash2: vLLM runs the candidate selector on its V2 model runner only (GPU, Triton); its V1 "
             "runner (the CPU build) refuses the checkpoint. `dflash.py`'s DFlash2DraftModel computes the "
             "block's hidden states and holds the selector; `dflashkit eval` / `serve --drafter` draft "
             "through the walk.", ""]
@@ -332,6 +338,7 @@ DFLASH2 = Family(
     config_problems=config_problems,
     contract_problems=contract_problems,
     dflash_config=dflash_config,
+    hf_keys=dflash_hf_keys,
     read_knobs=read_knobs,
     build=build,
     scores=scores,

@@ -10,9 +10,9 @@ Usage:
 Everything dflashkit knows about LiLiCorr beside its network (`model/lilicorr.py`, which mirrors vLLM
 0.32's `model_executor/models/lilicorr.py`; the training objective is ModelOpt's `hf_lilicorr.py`, PR
 #2342; read, not copied):
-  * knobs (contract fields = `drafter.*` keys): `lilicorr_candidate_topk` (K: a power of 2, ≤ 16, as vLLM
-    requires), `lilicorr_hidden_size` (0 = the draft width), `lilicorr_num_layers`, `lilicorr_num_heads`,
-    `lilicorr_mlp_ratio`, `lilicorr_factor_dim`, `lilicorr_vector_eps`, `lilicorr_logit_scale` — the
+  * knobs (contract fields = `drafter.*` keys): DFlash's `causal` (family/dflash.py), `lilicorr_candidate_topk`
+    (K: a power of 2, ≤ 16, as vLLM requires), `lilicorr_hidden_size` (0 = the draft width),
+    `lilicorr_num_layers`, `lilicorr_num_heads`, `lilicorr_mlp_ratio`, `lilicorr_factor_dim`, `lilicorr_vector_eps`, `lilicorr_logit_scale` — the
     `dflash_config` keys of the same names, plus `lilicorr_enabled: true` — and `lilicorr_conv_kernel_size`
     / `lilicorr_conv_group_size` (0 = a plain DFlash backbone; both set = DFlash2's grouped convolution
     around every sublayer), written as `dflash_config.conv_kernel_size` / `conv_group_size` when set.
@@ -50,6 +50,12 @@ from typing import TYPE_CHECKING, Any
 from dflashkit.errors import DflashkitError, UsageError
 from dflashkit.family.base import (Contract, DraftBlock, DraftSampling, Family, Rows, Scored, StatField, ratio,
                                    refuse_draft_vocab, same_weights)
+from dflashkit.family.dflash import DFlashKnobs
+from dflashkit.family.dflash import card_lines as dflash_card_lines
+from dflashkit.family.dflash import contract_problems as dflash_contract_problems
+from dflashkit.family.dflash import dflash_config as dflash_keys
+from dflashkit.family.dflash import hf_keys as dflash_hf_keys
+from dflashkit.family.dflash import read_knobs as dflash_knobs
 
 if TYPE_CHECKING:
     import torch
@@ -63,8 +69,9 @@ FLOATS = ("lilicorr_mlp_ratio", "lilicorr_vector_eps", "lilicorr_logit_scale")
 
 
 @dataclass(frozen=True)
-class LiLiCorrKnobs:
-    """LiLiCorr's contract fields (defaults = the `drafter.*` defaults of config/schema.py)."""
+class LiLiCorrKnobs(DFlashKnobs):
+    """LiLiCorr's contract fields (defaults = the `drafter.*` defaults of config/schema.py), after DFlash's
+    `causal` (vLLM's LiLiCorr backbone is `DFlashQwen3Model`: it resolves in-block causality as DFlash's)."""
 
     lilicorr_candidate_topk: int = 8
     lilicorr_hidden_size: int = 0
@@ -109,7 +116,7 @@ def config_problems(d: DrafterSection) -> list[str]:
 def contract_problems(c: Contract) -> list[str]:
     """The knobs' ranges, and what makes them unusable for this contract's target."""
     k: LiLiCorrKnobs = c.knobs
-    p = _knob_problems(lambda name: getattr(k, name), "")
+    p = dflash_contract_problems(c) + _knob_problems(lambda name: getattr(k, name), "")
     width = k.lilicorr_hidden_size or c.hidden_size
     if k.lilicorr_num_heads >= 1 and width % k.lilicorr_num_heads:
         p.append(f"lilicorr_num_heads {k.lilicorr_num_heads} must divide the lattice width {width}")
@@ -129,7 +136,7 @@ def dflash_config(c: Contract) -> dict[str, Any]:
     out.update({name: float(getattr(k, name)) if name in FLOATS else int(getattr(k, name)) for name in HEAD})
     if k.lilicorr_conv_kernel_size:
         out.update(conv_kernel_size=k.lilicorr_conv_kernel_size, conv_group_size=k.lilicorr_conv_group_size)
-    return out
+    return {**out, **dflash_keys(c)}
 
 
 def read_knobs(cfg: dict[str, Any], dc: dict[str, Any], source: str) -> dict[str, Any]:
@@ -152,7 +159,7 @@ def read_knobs(cfg: dict[str, Any], dc: dict[str, Any], source: str) -> dict[str
         raise UsageError(f"{source}: dflash_config sets only one of conv_kernel_size / conv_group_size "
                          f"({out[CONV[0]]} / {out[CONV[1]]}); vLLM's LiLiCorr needs both or neither",
                          hint="re-export the drafter")
-    return out
+    return {**out, **dflash_knobs(cfg, dc, source)}
 
 
 # -- the network ------------------------------------------------------------------------------------------------
@@ -414,8 +421,7 @@ def walk_check(source: Any, reloaded: Any, head: torch.Tensor | None, *, exact: 
 
 
 def card_lines(c: Contract) -> list[str]:
-    del c
-    return ["LiLiCorr: vLLM runs the lattice head's walk on its V2 model runner only (GPU, Triton); its V1 "
+    return dflash_card_lines(c) + ["LiLiCorr: vLLM runs the lattice head's walk on its V2 model runner only (GPU, Triton); its V1 "
             "runner (the CPU build) cannot run it. `dflash.py`'s LiLiCorrDraftModel computes the block's hidden "
             "states and the lattice scores; `dflashkit eval` / `serve --drafter` draft through the walk. Which "
             "SGLang release runs the LiLiCorr head (the line above is DFlash's) was not checked by dflashkit.", ""]
@@ -437,6 +443,7 @@ LILICORR = Family(
     config_problems=config_problems,
     contract_problems=contract_problems,
     dflash_config=dflash_config,
+    hf_keys=dflash_hf_keys,
     read_knobs=read_knobs,
     build=build,
     loss_terms=loss_terms,

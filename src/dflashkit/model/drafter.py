@@ -17,7 +17,9 @@ With a reduced draft vocabulary (`model/draft_vocab.py`) the model also holds th
 `fc.weight` whenever a drafter dir is written.
 
 Attention: pass `attention_mask` as a dense bool tensor `[b|1, 1, q, kv]` (SDPA, any device), a
-flex `BlockMask` (flex_attention, GPU training), or None (everything visible: inference).
+flex `BlockMask` (flex_attention, GPU training), or None (inference: the q tokens are one block and
+see all the context; the whole block, or with the contract's `causal` knob (JetSpec) offsets j <= i:
+`masks.inference_mask`). Training masks are `model/masks.py`'s, built with `model.causal`.
 Inference keeps only *context* K/V in a `DraftKVCache`; block K/V are never stored (§4.3).
 """
 
@@ -73,7 +75,7 @@ class DraftKVCache:
 
 def hf_config(contract: Contract) -> Qwen3Config:
     cfg = contract.to_hf_config(dtype="float32")
-    for k in ("architectures", "auto_map", "dflash_config", "block_size", "num_target_layers", "dtype"):
+    for k in ("architectures", "auto_map", "dflash_config", "block_size", "num_target_layers", "dtype", "is_causal"):
         cfg.pop(k, None)
     if cfg.get("rope_scaling") is None:
         cfg.pop("rope_scaling")
@@ -160,6 +162,7 @@ class DFlashDraftModel(nn.Module):
         self.config = hf_config(contract)
         self.block_size = contract.block_size
         self.mask_token_id = contract.mask_token_id
+        self.causal = bool(contract.knobs.causal)  # in-block attention (family/dflash.py): offsets j <= i only
         self.target_layer_ids = list(contract.target_layer_ids)
         h = contract.hidden_size
         self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
@@ -220,7 +223,8 @@ class DFlashDraftModel(nn.Module):
             noise_embedding: [b, q, H] target embeddings of the block tokens ([x, MASK, ...]).
             target_hidden: [b, t, n_feat·H] features of context tokens not yet in `cache`.
             position_ids: [b, t + q] absolute positions of those context tokens then the block.
-            attention_mask: None, a bool [b|1, 1, q, cache_len + t + q] tensor, or a flex BlockMask.
+            attention_mask: None (one block; a causal drafter masks offsets j > i itself), a bool
+                [b|1, 1, q, cache_len + t + q] tensor, or a flex BlockMask.
             cache: context K/V of earlier tokens; the new context K/V are appended to it.
             block_len: tokens per block in the q queries (0: `block_size` with a mask, else all q are one
                 block); only DFlash2's convolution uses it.
@@ -234,10 +238,15 @@ class DFlashDraftModel(nn.Module):
         cos, sin = cos.to(noise_embedding.dtype), sin.to(noise_embedding.dtype)
         ctx_cos, ctx_sin, q_cos, q_sin = cos[:, :t], sin[:, :t], cos[:, t:], sin[:, t:]
         x = noise_embedding
+        block_len = block_len or (self.block_size if attention_mask is not None else x.shape[1])
+        if attention_mask is None and self.causal:
+            from dflashkit.model.masks import inference_mask
+
+            past = cache.length if cache is not None else 0
+            attention_mask = inference_mask(ctx_len=past + t, q_len=x.shape[1], device=x.device)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.context_kv(c, ctx_cos, ctx_sin)
             if cache is not None:
                 k, v = cache.append(i, k, v)
-            x = layer(x, k, v, q_cos, q_sin, attention_mask, block_len=block_len or
-                      (self.block_size if attention_mask is not None else x.shape[1]))
+            x = layer(x, k, v, q_cos, q_sin, attention_mask, block_len=block_len)
         return self.norm(x)

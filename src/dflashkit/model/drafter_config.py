@@ -133,7 +133,7 @@ class DrafterContract:
             problems.append(f"block_size must be >= 1, got {self.block_size}")
         if self.drafter_type in families.FAMILIES:
             fam = self.family
-            if isinstance(self.knobs, fam.knobs):
+            if type(self.knobs) is fam.knobs:  # exactly: DFlash2's knobs extend DFlash's
                 problems.extend(fam.contract_problems(self))
             else:
                 problems.append(f"knobs {type(self.knobs).__name__} are not the {fam.title} family's "
@@ -177,7 +177,8 @@ class DrafterContract:
                              hint="re-run `dflashkit probe -c run.yaml`") from None
 
     def to_hf_config(self, *, dtype: str = "bfloat16", draft_vocab_size: int | None = None) -> dict[str, Any]:
-        """The z-lab `config.json` (dflash-spec §2.1): a Qwen3 config plus DFlash keys.
+        """The z-lab `config.json` (dflash-spec §2.1): a Qwen3 config plus DFlash keys, and the family's own
+        (`dflash_config` and top-level ones: a causal drafter's `is_causal`).
 
         `draft_vocab_size` (a reduced draft vocabulary) adds the top-level key vLLM reads and the
         same value in `dflash_config`; without it the config is exactly the full-vocab one.
@@ -224,6 +225,7 @@ class DrafterContract:
             cfg = dict(items[:at] + [("draft_vocab_size", int(draft_vocab_size))] + items[at:])
             cfg["dflash_config"]["draft_vocab_size"] = int(draft_vocab_size)
         cfg["dflash_config"].update(fam.dflash_config(self))
+        cfg.update(fam.hf_keys(self))
         return cfg
 
     @classmethod

@@ -3,16 +3,20 @@
 Usage:
     mask = dense_block_mask(anchors, keep, seq_lens, ctx_len=S, block_size=B)   # bool [b,1,N·B,S+N·B]
     bm = flex_block_mask(anchors, keep, seq_lens, ctx_len=S, block_size=B)      # flex BlockMask (GPU)
+    mask = dense_block_mask(anchors, keep, seq_lens, ctx_len=S, block_size=B, causal=True)   # JetSpec
     h = drafter(noise, feats, pos, attention_mask=mask)
+    m = inference_mask(ctx_len=t, q_len=B, device=dev)        # decoding a causal drafter: [q, t + q]
 
 Layout: queries are the N·B block tokens (block j = queries j·B … j·B+B-1); keys/values are the
 S context tokens followed by the N·B block tokens. The rule, stated once:
   * a query of block j sees context key i iff  i < anchors[j]  (STRICT: the anchor's own target
     feature is not known at inference, pitfall §3.7.2) and i < seq_len (padding is never visible)
     and the block is real (keep[j]);
-  * it sees every token of its own block (bidirectional), and never another block.
-Padded / invalid blocks therefore still see their own block, so no softmax row is empty (no NaN,
-pitfall §3.7.5); their loss weight is 0.
+  * it sees every token of its own block (bidirectional), and never another block;
+  * causal (`drafter.causal`, JetSpec): of its own block only the offsets j <= its own offset i.
+Padded / invalid blocks therefore still see their own block (a causal one at least its own token),
+so no softmax row is empty (no NaN, pitfall §3.7.5); their loss weight is 0. Samples are never
+packed, so "before the anchor" is "before the anchor in the same document".
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 
 
 def dense_block_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_lens: torch.Tensor, *,
-                     ctx_len: int, block_size: int) -> torch.Tensor:
+                     ctx_len: int, block_size: int, causal: bool = False) -> torch.Tensor:
     """The dense boolean SDPA mask (True = may attend).
 
     Args:
@@ -30,6 +34,7 @@ def dense_block_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_lens: torch.
         seq_lens: [b] true (unpadded) sequence lengths.
         ctx_len: S, the padded context length.
         block_size: B.
+        causal: block offset i sees offsets j <= i of its block only (else the whole block).
     Returns:
         bool [b, 1, N·B, S + N·B].
     """
@@ -39,13 +44,15 @@ def dense_block_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_lens: torch.
     limit = torch.minimum(anchors, seq_lens[:, None].to(anchors.dtype))          # [b, N]
     ctx = (ctx_idx[None, None, :] < limit[:, :, None]) & keep[:, :, None]       # [b, N, S]
     ctx = ctx.repeat_interleave(block_size, dim=1)                              # [b, N·B, S]
-    blk_id = torch.arange(n * block_size, device=dev) // block_size
-    own = (blk_id[:, None] == blk_id[None, :]).expand(b, -1, -1)                # [b, N·B, N·B]
-    return torch.cat([ctx, own], dim=-1).unsqueeze(1)
+    q_id = torch.arange(n * block_size, device=dev)
+    own = (q_id[:, None] // block_size == q_id[None, :] // block_size)         # [N·B, N·B]
+    if causal:
+        own = own & (q_id[None, :] <= q_id[:, None])                          # same block: offset j <= i
+    return torch.cat([ctx, own.expand(b, -1, -1)], dim=-1).unsqueeze(1)
 
 
 def mask_mod_for(anchors: torch.Tensor, keep: torch.Tensor, seq_lens: torch.Tensor, *,
-                 ctx_len: int, block_size: int):
+                 ctx_len: int, block_size: int, causal: bool = False):
     """A flex-attention `mask_mod(b, h, q_idx, kv_idx)` implementing the same rule as the dense mask."""
     n = anchors.shape[1]
     limit = torch.minimum(anchors, seq_lens[:, None].to(anchors.dtype)) * keep.to(anchors.dtype)
@@ -54,25 +61,33 @@ def mask_mod_for(anchors: torch.Tensor, keep: torch.Tensor, seq_lens: torch.Tens
         j = (q_idx // block_size).clamp(0, n - 1)  # clamp: flex may probe padded q rows (§3.7.5)
         in_ctx = kv_idx < ctx_len
         ctx_ok = kv_idx < limit[b, j]
-        own_ok = (kv_idx - ctx_len) // block_size == j
-        return torch.where(in_ctx, ctx_ok, own_ok & (kv_idx >= ctx_len))
+        own_ok = ((kv_idx - ctx_len) // block_size == j) & (kv_idx >= ctx_len)
+        if causal:  # the block key's offset (kv_idx − S) mod B <= the query's: in one block, kv − S <= q
+            own_ok = own_ok & (kv_idx - ctx_len <= q_idx)
+        return torch.where(in_ctx, ctx_ok, own_ok)
 
     return mask_mod
 
 
 def flex_block_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_lens: torch.Tensor, *,
-                    ctx_len: int, block_size: int):
+                    ctx_len: int, block_size: int, causal: bool = False):
     """The same mask as a flex-attention `BlockMask` (use with `drafter.attention=flex`)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     b, n = anchors.shape
-    mod = mask_mod_for(anchors, keep, seq_lens, ctx_len=ctx_len, block_size=block_size)
+    mod = mask_mod_for(anchors, keep, seq_lens, ctx_len=ctx_len, block_size=block_size, causal=causal)
     return create_block_mask(mod, B=b, H=None, Q_LEN=n * block_size, KV_LEN=ctx_len + n * block_size,
                              device=anchors.device)
 
 
+def inference_mask(*, ctx_len: int, q_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Decoding a causal drafter (one block of q tokens after t = `ctx_len` context tokens): bool [q, t + q],
+    row i sees the whole context and block offsets 0 … i. (A bidirectional drafter decodes without a mask.)"""
+    return torch.ones(q_len, ctx_len + q_len, dtype=torch.bool, device=device).tril(diagonal=ctx_len)
+
+
 def loop_block_mask(anchors: list[list[int]], keep: list[list[bool]], seq_lens: list[int], *,
-                    ctx_len: int, block_size: int) -> torch.Tensor:
+                    ctx_len: int, block_size: int, causal: bool = False) -> torch.Tensor:
     """Slow pure-Python oracle of `dense_block_mask` (tests only; the rule written as loops)."""
     b, n = len(anchors), len(anchors[0])
     q_len, kv_len = n * block_size, ctx_len + n * block_size
@@ -85,5 +100,6 @@ def loop_block_mask(anchors: list[list[int]], keep: list[list[bool]], seq_lens: 
                     if keep[bi][j] and i < anchors[bi][j] and i < seq_lens[bi]:
                         out[bi, 0, q, i] = True
                 for kk in range(block_size):
-                    out[bi, 0, q, ctx_len + j * block_size + kk] = True
+                    if kk <= k or not causal:
+                        out[bi, 0, q, ctx_len + j * block_size + kk] = True
     return out

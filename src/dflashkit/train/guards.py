@@ -35,7 +35,7 @@ IMPORTED = "imported.json"  # written by `dflashkit import` into the drafter dir
 # drafter.* key -> (contract field, how the contract's value reads for that key)
 _SHAPE_KEYS = ("block_size", "num_draft_layers", "target_layer_ids", "mask_token_id", "hidden_size",
                "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps")
-OBJECTIVE_KEYS = ("loss", "labels", "position_weighting", "ablate_features", "selector_loss_weight",
+OBJECTIVE_KEYS = ("loss", "labels", "position_weighting", "ablate_features", "selector_loss_weight", "kl_temperature",
                   "lilicorr_ce_weight", "lilicorr_penalty_weight", "lilicorr_margin_weight", "lilicorr_margin")
 
 

@@ -10,9 +10,12 @@ It is composed of: the drafter pass over every sampled block (train/objective.py
 inputs, positions, labels and weights), the loss rows — only positions with weight > 0 reach the
 vocab projection, `chunk_blocks`·B rows at a time under activation checkpointing, so the
 [blocks·B, vocab] logits of a batch never exist at once (nor for backward) — a position weighting
-(`Decay`: exp(−(k−1)/γ); `DPace`: D-PACE, arXiv 2605.18810, weights from the drafter's own
-confidence), and terms: `CE`, `KL` (the target's next-token distribution at a+k−1 as the soft
-label, weighted the same way), and the family's own (`Family.loss_terms`; DFlash2: its selector).
+(`Decay`: exp(−(k−1)/γ), or 1 everywhere under `uniform`; `DPace`: D-PACE, arXiv 2605.18810, weights
+from the drafter's own confidence), and terms: `CE`, `KL` (the target's next-token distribution at
+a+k−1 as the soft label, weighted the same way, at temperature T and scaled by T²), and the family's
+own (`Family.loss_terms`; DFlash2: its selector). JetSpec's row as NeMo Automodel trains it is
+`train.loss=kl train.position_weighting=uniform` (T = `train.kl_temperature`, 1) on a causal drafter
+(`drafter.causal=true`: the mask is built causal for `model.causal`).
 
 Rules (each pinned by a test):
   * loss = Σ_terms weight · Σ_rows w·row_loss / denom (denom = Σ w over the whole optimizer step, all
@@ -106,9 +109,11 @@ class CE:
 
 @dataclass(frozen=True)
 class KL:
-    """Σ w · KL(target's next-token law at a+k−1 ‖ the drafter's)."""
+    """Σ w · T² · KL(target's next-token law at a+k−1 ‖ the drafter's), both laws softmax(logits / T): the forward
+    KL of distillation (`train.kl_temperature` T; T² keeps the gradient's scale as T changes, Hinton et al.)."""
 
     weight: float = 1.0
+    temperature: float = 1.0
     name: str = "kl"
     base_rows: tuple[str, ...] = ("kl",)
     needs_prev: bool = False
@@ -118,7 +123,7 @@ class KL:
         return None
 
     def total(self, parts: list, row_w: torch.Tensor, base: dict) -> tuple[torch.Tensor, dict]:
-        return self.weight * (row_w * base["kl"]).sum(), {}
+        return self.weight * self.temperature ** 2 * (row_w * base["kl"]).sum(), {}
 
     def rescore(self, s: Scored) -> tuple[None, dict]:
         return None, {}
@@ -231,15 +236,17 @@ class DraftLoss:
     @classmethod
     def from_train(cls, train: TrainSection, contract: Contract, *, gamma: float | None, attention: str = "sdpa",
                    amp: torch.dtype | None = None) -> DraftLoss:
-        """`train.loss` (ce | kl | ce+kl, `kl_weight`), `position_weighting`, `loss_chunk_blocks`,
-        `ablate_features`, and the family's terms (DFlash2: `selector_loss_weight`)."""
+        """`train.loss` (ce | kl | ce+kl, `kl_weight`, `kl_temperature`), `position_weighting` (decay: exp(−(k−1)/γ),
+        uniform: 1 at every position, dpace), `loss_chunk_blocks`, `ablate_features`, and the family's terms
+        (DFlash2: `selector_loss_weight`)."""
         terms: list[LossTerm] = []
         if train.loss in ("ce", "ce+kl"):
             terms.append(CE())
         if train.loss in ("kl", "ce+kl"):
-            terms.append(KL(train.kl_weight if train.loss == "ce+kl" else 1.0))
+            terms.append(KL(train.kl_weight if train.loss == "ce+kl" else 1.0, train.kl_temperature))
         fam = contract.family
-        weighting = DPace(train.dpace_alpha) if train.position_weighting == "dpace" else Decay(gamma)
+        weighting: Decay | DPace = (DPace(train.dpace_alpha) if train.position_weighting == "dpace" else
+                                    Decay(None if train.position_weighting == "uniform" else gamma))
         return cls(fam, contract.mask_token_id, (*terms, *fam.loss_terms(train)), weighting,
                    chunk_blocks=train.loss_chunk_blocks, attention=attention, amp=amp,
                    context=not train.ablate_features)
@@ -254,6 +261,11 @@ class DraftLoss:
         fam = contract.family
         return cls(fam, contract.mask_token_id, (CE(), *fam.loss_terms(TrainSection())), Decay(None), context=context)
 
+    @property
+    def _kl_temperature(self) -> float:
+        """T of the KL rows: the KL term's (1 when the rows serve another term only)."""
+        return next((float(t.temperature) for t in self.terms if isinstance(t, KL)), 1.0)
+
     def _needs(self, rows: str) -> bool:
         return any(rows in t.base_rows for t in self.terms) or (rows == "ce" and self.weighting.needs_ce)
 
@@ -264,8 +276,9 @@ class DraftLoss:
         own = [t.chunk(rows) for t in self.terms]
         ce = F.cross_entropy(scores, labels, reduction="none") if need_ce else scores.new_zeros(labels.shape)
         if need_kl:
-            logp = F.log_softmax(scores, dim=-1)
-            tlogp = F.log_softmax(tgt.float(), dim=-1)
+            temp = self._kl_temperature
+            logp = F.log_softmax(scores / temp, dim=-1)
+            tlogp = F.log_softmax(tgt.float() / temp, dim=-1)
             kl = (tlogp.exp() * (tlogp - logp)).sum(-1)
         else:
             kl = scores.new_zeros(labels.shape)
@@ -306,7 +319,8 @@ class DraftLoss:
         ctx_feats = x.features if self.context else x.features[:, :0]
         pos = block_position_ids(a, ctx_len=ctx_len, block_size=B)
         make = flex_block_mask if self.attention == "flex" else dense_block_mask
-        mask = make(a.anchors, a.keep, x.seq_lens.to(a.anchors.device), ctx_len=ctx_len, block_size=B)
+        mask = make(a.anchors, a.keep, x.seq_lens.to(a.anchors.device), ctx_len=ctx_len, block_size=B,
+                    causal=getattr(model, "causal", False))  # the drafter networks say; a test stub need not
         with torch.autocast(device_type=x.input_ids.device.type, dtype=self.amp or torch.bfloat16,
                             enabled=self.amp is not None):
             hidden = drafter(noise.to(x.features.dtype), ctx_feats, pos, attention_mask=mask)   # [b, N·B, H]
