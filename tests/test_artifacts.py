@@ -77,6 +77,7 @@ LIBRARY_USERS = {
                     # a scratch exchange with a script run in the vLLM venv (no run-dir artifact; the
                     # script cannot import dflashkit): inputs.safetensors / outputs.safetensors
                     "dflashkit.engines.vllm_pieces", "dflashkit.engines.vllm_dflash2_reference",
+                    "dflashkit.engines.vllm_lilicorr_reference",
                     "dflashkit.engines.capture",        # capture/engine-spool/<row>.safetensors (writer + reader)
                     "dflashkit.engines.hidden_states",  # vLLM's extract_hidden_states files (connector + reader)
                     "dflashkit.testing.fake_engine",    # test gear standing in for that connector

@@ -45,8 +45,8 @@ def test_dflash2_greedy_speculative_equals_target_greedy(targets, arch, monkeypa
     walked, argmax = [], []
     real = SpecDecoder._propose
 
-    def spy(self, h, logits, anchor, p, gen):
-        out = real(self, h, logits, anchor, p, gen)
+    def spy(self, h, logits, anchor, p, gen, block=None):
+        out = real(self, h, logits, anchor, p, gen, block)
         walked.append(out[0])
         argmax.append(logits.argmax(-1).tolist())
         return out
@@ -66,7 +66,7 @@ def test_a_drafter_that_drafts_the_target_gets_full_blocks(targets, monkeypatch)
     base = SpecDecoder(target, None, block_size=1).generate(PROMPT, params).token_ids
     seq = list(PROMPT) + base
 
-    def oracle_walk(self, h, logits, anchor, p, gen):
+    def oracle_walk(self, h, logits, anchor, p, gen, block=None):
         n = len(PROMPT) + len(self._seen)
         return seq[n:n + h.shape[1]], None
 

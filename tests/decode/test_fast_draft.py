@@ -130,10 +130,12 @@ def test_forward_gives_the_modules_hidden_states_before_the_head():
     assert torch.equal(logits, F.linear(h, head))
 
 
-@pytest.mark.parametrize("drafter_type", ["dflash", "dflash2", "dflash-causal"])
+@pytest.mark.parametrize("drafter_type", ["dflash", "dflash2", "dflash-causal", "lilicorr"])
 def test_the_decoder_drafts_through_the_lean_forward_what_it_drafts_through_the_module(tiny_qwen3, drafter_type):
-    """SpecDecoder builds `FastDraft` for a plain DFlash drafter (a DFlash2 one keeps the module path); with it
-    every step drafts what the module forward (with its DraftKVCache) drafts, and the decode is the same."""
+    """SpecDecoder builds `FastDraft` for plain DFlash layers (a LiLiCorr backbone without convolutions too; a
+    DFlash2 one keeps the module path); with it every step drafts what the module forward (with its
+    DraftKVCache) drafts, and the decode is the same (LiLiCorr: the lattice reads the same hidden states and
+    anchor row on both paths)."""
     from dflashkit.config import load_config
     from dflashkit.decode.api import SamplingParams
     from dflashkit.decode.spec_decode import SpecDecoder
@@ -143,7 +145,9 @@ def test_the_decoder_drafts_through_the_lean_forward_what_it_drafts_through_the_
     target = load_target(load_config(None, [f"target.path={tiny_qwen3}", "target.device=cpu",
                                             "target.dtype=float32"]).target)
     extra = {"dflash": {}, "dflash-causal": dict(causal=True),
-             "dflash2": dict(drafter_type="dflash2", conv_group_size=8, selector_top_k=4)}[drafter_type]
+             "dflash2": dict(drafter_type="dflash2", conv_group_size=8, selector_top_k=4),
+             "lilicorr": dict(drafter_type="lilicorr", lilicorr_candidate_topk=4, lilicorr_num_heads=4,
+                              lilicorr_factor_dim=8)}[drafter_type]
     drafter = random_drafter(target, block_size=4, layers=2, **extra)
     lean, module = SpecDecoder(target, drafter, 4), SpecDecoder(target, drafter, 4)
     assert (lean._fast is not None) == (drafter_type != "dflash2")

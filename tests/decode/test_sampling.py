@@ -205,12 +205,57 @@ def test_the_law_test_detects_a_wrong_dflash2_draft_law(small, monkeypatch):
     d2 = dflash2_like(drafter)
     real = SpecDecoder._propose
 
-    def wrong_q(self, h, logits, anchor, params, gen):
-        tokens, q = real(self, h, logits, anchor, params, gen)
+    def wrong_q(self, h, logits, anchor, params, gen, block=None):
+        tokens, q = real(self, h, logits, anchor, params, gen, block)
         return tokens, torch.softmax(logits.float() / params.temperature, -1)
 
     monkeypatch.setattr(SpecDecoder, "_propose", wrong_q)
     dec = SpecDecoder(target, d2, block_size=4, draft_sampling="sample")
+    z = _chi2_z(_samples(dec, prompt, 200, 1.0), law)
+    print(f"lossy chi2 z={z:.3f}")
+    assert z > 4.0, f"the wrong draft law went undetected (z = {z:.2f})"
+
+
+def lilicorr_like(drafter, top_k: int = 4):
+    """A LiLiCorr drafter sharing `drafter`'s DFlash weights, with a strong random lattice head over top_k < V."""
+    from dflashkit.model.lilicorr import LiLiCorrDraftModel, init_from_backbone
+
+    c = DrafterContract.from_dict({**drafter.contract.to_dict(), "drafter_type": "lilicorr",
+                                   "lilicorr_candidate_topk": top_k, "lilicorr_num_heads": 4,
+                                   "lilicorr_factor_dim": 8, "lilicorr_logit_scale": 4.0})
+    torch.manual_seed(6)
+    lc = LiLiCorrDraftModel(c).eval()
+    init_from_backbone(lc, drafter.state_dict(), source="DFlash")
+    with torch.no_grad():
+        for name, p in lc.lilicorr.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(std=0.5)
+    return lc
+
+
+@pytest.mark.parametrize("draft_sampling", [pytest.param("greedy", marks=pytest.mark.slow), "sample"])
+def test_lilicorr_walk_sampling_matches_the_target_law(small, draft_sampling):
+    """The Gumbel walk over the lattice proposes from q_t over 4 of 8 tokens, conditioned on the previous draw;
+    the rule stays lossless (greedy: the walk's point mass)."""
+    target, drafter, prompt, law = small
+    dec = SpecDecoder(target, lilicorr_like(drafter), block_size=4, draft_sampling=draft_sampling)
+    z = _chi2_z(_samples(dec, prompt, N_SAMPLES, 1.0), law)
+    print(f"chi2 z={z:.3f}")
+    assert abs(z) < 4.0, f"chi-square z = {z:.2f} (|z| < 4 expected for the target's law)"
+
+
+def test_the_law_test_detects_a_wrong_lilicorr_draft_law(small, monkeypatch):
+    """Handing the rule the head's softmax instead of the lattice walk's q is lossy, and detected."""
+    target, drafter, prompt, law = small
+    lc = lilicorr_like(drafter)
+    real = SpecDecoder._propose
+
+    def wrong_q(self, h, logits, anchor, params, gen, block=None):
+        tokens, q = real(self, h, logits, anchor, params, gen, block)
+        return tokens, torch.softmax(logits.float() / params.temperature, -1)
+
+    monkeypatch.setattr(SpecDecoder, "_propose", wrong_q)
+    dec = SpecDecoder(target, lc, block_size=4, draft_sampling="sample")
     z = _chi2_z(_samples(dec, prompt, 200, 1.0), law)
     print(f"lossy chi2 z={z:.3f}")
     assert z > 4.0, f"the wrong draft law went undetected (z = {z:.2f})"

@@ -39,7 +39,7 @@ The default variants answer the questions a weak drafter raises:
                        only; decode/diagnostics.py says why zeroed features would not do): does the
                        drafter use the target at all? (a drafter that matches this one is a language
                        model, not a DFlash drafter);
-  * one per drafter family beside DFlash (dflashkit/family/; today dflash2) — the same data and
+  * one per drafter family beside DFlash (dflashkit/family/; today dflash2, lilicorr) — the same data and
                        steps with that family's drafter (drafter.type=…, full vocab if the family has
                        no reduced one): DFlash2's held-out τ is the selector walk's, `heldout_unary_tau`
                        the unary argmax's beside it. A variant that changes drafter.type or a family's

@@ -132,10 +132,12 @@ class DrafterSection:
         "the full target vocab. Must be <= the target vocab.", hash_default=False)
     type: str = f(
         "dflash", "Drafter family, one of the registry's (dflashkit/family/, docs/architecture.md \"Drafter "
-        "families\"): dflash (each block position predicted on its own) or dflash2 (DFlash plus a grouped dynamic "
+        "families\"): dflash (each block position predicted on its own), dflash2 (DFlash plus a grouped dynamic "
         "convolution around every attention and MLP sublayer, and a candidate selector that walks one coherent "
-        "path through each position's top-K tokens; checkpoints declare DFlash2DraftModel; needs the full target "
-        "vocab, no draft_vocab_size). The keys below marked with a family's name are that family's knobs.",
+        "path through each position's top-K tokens; checkpoints declare DFlash2DraftModel) or lilicorr (a DFlash "
+        "backbone plus a small transformer over the lattice of every position's top-K candidates whose factor "
+        "scores the same walk follows; checkpoints declare LiLiCorrDraftModel). dflash2 and lilicorr need the full "
+        "target vocab (no draft_vocab_size). The keys below marked with a family's name are that family's knobs.",
         hash_default=False)
     causal: bool = f(False, "dflash, dflash2: causal in-block attention (JetSpec, arXiv 2606.18394): block offset i "
                      "attends to the context before the anchor and to offsets j <= i only, in training (the mask) and "
@@ -157,6 +159,28 @@ class DrafterSection:
         None, "dflash2: multiplies the unary logits; null = 1 (not written).", hash_default=False)
     final_logit_softcapping: float | None = f(
         None, "dflash2: unary logits become cap·tanh(logits / cap); null = none.", hash_default=False)
+    lilicorr_candidate_topk: int = f(8, "lilicorr: candidates K per block position (the head's top-K) in the lattice; "
+                                     "a power of 2, at most 16 (vLLM's limit).", hash_default=False)
+    lilicorr_hidden_size: int = f(0, "lilicorr: width of the lattice transformer; 0 = the draft width.",
+                                  hash_default=False)
+    lilicorr_num_layers: int = f(2, "lilicorr: lattice transformer layers (pre-norm, over all S·K candidates).",
+                                 hash_default=False)
+    lilicorr_num_heads: int = f(8, "lilicorr: attention heads of the lattice transformer (must divide its width).",
+                                hash_default=False)
+    lilicorr_mlp_ratio: float = f(2.0, "lilicorr: MLP width of a lattice layer / its width.", hash_default=False)
+    lilicorr_factor_dim: int = f(256, "lilicorr: width F of the normalised out / in factor vectors whose dot "
+                                 "products score adjacent candidates (ModelOpt's recipe: 1024 at a 1024-wide "
+                                 "head; 256 suits the demo's 576-wide one).", hash_default=False)
+    lilicorr_vector_eps: float = f(1e-4, "lilicorr: eps of the factor vectors' L2 normalisation, in (0, 0.5).",
+                                   hash_default=False)
+    lilicorr_logit_scale: float = f(8.0, "lilicorr: fixed scale of the cosine scores (the walk's logits).",
+                                    hash_default=False)
+    lilicorr_conv_kernel_size: int = f(
+        0, "lilicorr: with lilicorr_conv_group_size, wraps every draft sublayer in DFlash2's block-local grouped "
+        "convolution of this many taps (identity at init); 0 (both) = a plain DFlash backbone. Written as "
+        "dflash_config.conv_kernel_size.", hash_default=False)
+    lilicorr_conv_group_size: int = f(0, "lilicorr: channels per convolution group (see lilicorr_conv_kernel_size; "
+                                      "must divide the hidden size).", hash_default=False)
 
 
 @dataclass(kw_only=True)
@@ -376,6 +400,20 @@ class TrainSection:
         1.0, "drafter.type=dflash2: weight of the selector's loss (a K-way cross-entropy over each position's "
         "top-K candidates, scored after the gold previous token; the gold token replaces the K-th candidate "
         "when it is missing) beside the unary DFlash loss, with the same position weights.", hash_default=False)
+    lilicorr_ce_weight: float = f(
+        0.25, "drafter.type=lilicorr: weight of the lattice's K-way cross-entropy over the node scores along the gold "
+        "path (blocks whose positions are all supervised; positions whose gold token is in their own and every "
+        "earlier top-K), with the DFlash loss's position weights and denominator (ModelOpt's recipe: 0.25).",
+        hash_default=False)
+    lilicorr_penalty_weight: float = f(
+        0.25, "drafter.type=lilicorr: weight of the penalty E_q[relu(target logit of the gold token - of the "
+        "candidate)] over the same positions (q = the lattice's law over the K candidates; the target's logits "
+        "come online from the target, or cached from the shards' last_hidden; ModelOpt's recipe: 0.25).",
+        hash_default=False)
+    lilicorr_margin_weight: float = f(
+        0.0, "drafter.type=lilicorr: weight of the hinge relu(lilicorr_margin - (gold node score - best other)) "
+        "(ModelOpt's `margin` variant: 0.125 with lilicorr_ce_weight 0.125).", hash_default=False)
+    lilicorr_margin: float = f(2.0, "drafter.type=lilicorr: the hinge's margin (> 0).", hash_default=False)
     feature_noise: float = f(0.0, "Uniform noise on the target features in training only, U(-x, x) times the "
                              "RMS of each token's feature vector per target layer (0 = off).")
     forecast_tau: float = f(2.0, "The data-budget forecast's target: `train`, `report`, the run summary and `plan` "

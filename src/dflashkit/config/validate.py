@@ -92,6 +92,11 @@ def problems(cfg: RunConfig) -> list[str]:
                  f"{d.draft_vocab_size}")
     if t.selector_loss_weight < 0:
         p.append(f"train.selector_loss_weight: must be >= 0, got {t.selector_loss_weight}")
+    for name in ("lilicorr_ce_weight", "lilicorr_penalty_weight", "lilicorr_margin_weight"):
+        if getattr(t, name) < 0:
+            p.append(f"train.{name}: must be >= 0, got {getattr(t, name)}")
+    if not t.lilicorr_margin > 0:
+        p.append(f"train.lilicorr_margin: must be > 0, got {t.lilicorr_margin}")
     for name in ("lr", "batch_size", "grad_accum", "num_anchors", "loss_chunk_blocks"):
         if getattr(t, name) <= 0:
             p.append(f"train.{name}: must be > 0, got {getattr(t, name)}")

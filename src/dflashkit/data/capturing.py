@@ -27,6 +27,7 @@ from dflashkit.data.features import (ST_DTYPES, PathCost, PathSpec, local_batche
                                      shard_metadata, shard_metadata_for, shard_path, stored_rows, stored_width,
                                      write_shard)
 from dflashkit.errors import UsageError
+from dflashkit.family import reads_target_law
 from dflashkit.progress import Progress
 from dflashkit.rundir import file_digest
 
@@ -114,7 +115,8 @@ def plan_capture(cfg: Any, contract: Any, data: Any, out_dir: Path, *, heldout: 
     engine = cfg.capture.engine
     autocast = None if engine == "vllm" else target_autocast(cfg.train.target_dtype, dev,
                                                               resolve_dtype(cfg.target.dtype, dev))
-    keep_last = cfg.capture.last_hidden == "true" or (cfg.capture.last_hidden == "auto" and cfg.train.loss != "ce")
+    keep_last = cfg.capture.last_hidden == "true" or (cfg.capture.last_hidden == "auto"
+                                                      and reads_target_law(cfg.train, contract.family))
     depth = path_depth(contract.block_size) if engine == "local" else 0  # an engine gives no greedy paths
     wanted = path_rows_wanted(cfg, data, heldout or []) if depth else {}
     per_token = (width + (contract.hidden_size if keep_last else 0)) * ST_DTYPES[dtype][1] + 4 + \

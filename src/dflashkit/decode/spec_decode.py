@@ -14,10 +14,10 @@ whose target features and KV are not known yet.
    those: its `DraftKVCache` keeps the earlier context K/V; block K/V are never stored) and the
    block `[x_start, MASK × (B−1)]` at positions start..start+B−1; the target lm_head on block
    positions 1..B−1 gives drafts d_1..d_{B−1} (argmax, or sampled from the draft law). A plain
-   DFlash drafter (`FastDraft.supports`) runs through the lean forward of `decode/fast_draft.py`
-   instead (one `DraftState` per generation: preallocated context K/V, a RoPE table, fused
-   projections), which gives the module's hidden states and logits; other drafters (DFlash2) keep
-   the module forward.
+   DFlash drafter (`FastDraft.supports`: plain DFlash layers, so a LiLiCorr backbone without
+   convolutions too) runs through the lean forward of `decode/fast_draft.py` instead (one
+   `DraftState` per generation: preallocated context K/V, a RoPE table, fused projections), which
+   gives the module's hidden states and logits; other drafters (DFlash2) keep the module forward.
 2. Verify: one target forward over `[x_start, d_1..d_{B−1}]` with the target KV cache, capturing
    the features at the drafter's `target_layer_ids` by hooks (never `output_hidden_states`).
 3. Accept (`sampling.verify_greedy` / `verify_sampled`, lossless): a drafts kept, plus the target's
@@ -34,10 +34,11 @@ rejection rule in the full-vocab space, so sampling stays lossless.
 
 How a block is drafted from the drafter's hidden states and head logits is the drafter family's
 proposal step (`Family.propose`, dflashkit/family/; `_propose`): DFlash takes each position's argmax or a draw
-from its head law; DFlash2 walks its selector over the top-K candidates of each position (at
-temperature > 0 with `draft_sampling="sample"` the walk is Gumbel-noised and its law over the K
-candidates is the q of the rejection rule). The decoder hands the step its sampling law
-(`DraftSampling`).
+from its head law; DFlash2 walks its selector over the top-K candidates of each position, LiLiCorr its
+lattice head's scores (at temperature > 0 with `draft_sampling="sample"` the walk is Gumbel-noised and
+its law over the K candidates is the q of the rejection rule). The decoder hands the step its sampling
+law (`DraftSampling`) and what it knows of the block (`DraftBlock`: the target's embedding and the
+features of the token before the anchor, which LiLiCorr's lattice reads).
 
 A `Proposer` replaces the DFlash drafter (prompt lookup in `decode/ngram.py`, test stubs): it gets
 the committed sequence and returns at most B−1 point-mass proposals; a shorter (or empty) proposal
@@ -63,7 +64,7 @@ from dflashkit.decode.draft_length import DraftLength
 from dflashkit.decode.sampling import sample, sampling_probs, verify_greedy, verify_sampled
 from dflashkit.decode.fast_draft import DraftState, FastDraft
 from dflashkit.errors import UsageError
-from dflashkit.family.base import DraftSampling
+from dflashkit.family.base import DraftBlock, DraftSampling
 from dflashkit.model.drafter import DFlashDraftModel, DraftKVCache
 from dflashkit.model.target import Target, cache_kwarg, fast_bf16
 
@@ -190,7 +191,7 @@ class SpecDecoder:
             h = self.drafter(block, ctx.to(self._draft_dtype), positions[:, start - t: start + k + 1], cache=dcache)
             h = h[:, 1:]
             logits = F.linear(h[0], self._head_w, self._head_b)  # [k, V] (or [k, V'] over the draft vocab)
-        tokens, law = self._propose(h, logits, seq[start], params, gen)
+        tokens, law = self._propose(h, logits, seq[start], params, gen, DraftBlock(self.target.embed, ctx[0, -1:]))
         return tokens, law, (self._confidence(logits, tokens) if self.policy is not None else None)
 
     def _confidence(self, logits: torch.Tensor, tokens: list[int]) -> list[float]:
@@ -223,10 +224,13 @@ class SpecDecoder:
             cost[n] = best
         self.policy.calibrate(cost)
 
-    def _propose(self, h: torch.Tensor, logits: torch.Tensor, anchor: int, params: SamplingParams, gen):
+    def _propose(self, h: torch.Tensor, logits: torch.Tensor, anchor: int, params: SamplingParams, gen,
+                 block: DraftBlock | None = None):
         """The drafter family's proposal step (`Family.propose`): h [1, k, H] and head logits [k, V'] of block
-        positions 1 … k → (k tokens, their draft law [k, V] or None for point masses)."""
-        return self._step(self.drafter, h, logits, anchor, self._sampling(params, gen), self._vocab, self._full_vocab)
+        positions 1 … k → (k tokens, their draft law [k, V] or None for point masses). `block`: the target's
+        embedding and the features of the token before the anchor (the last row of the new context)."""
+        return self._step(self.drafter, h, logits, anchor, self._sampling(params, gen), self._vocab, self._full_vocab,
+                          block=block)
 
     def _sampling(self, params: SamplingParams, gen) -> DraftSampling:
         """Point-mass drafts at temperature 0 or with draft_sampling "greedy"; else draws from the draft law."""

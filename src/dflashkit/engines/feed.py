@@ -265,12 +265,13 @@ def open_engine_feed(cfg: Any, contract: Any, data: Any, out_dir: Path, *, rank:
     from contextlib import ExitStack
 
     from dflashkit.engines.capture import engine_source
+    from dflashkit.family import reads_target_law
 
     check_world(cfg, world)
     stack = ExitStack()
     try:
-        src = stack.enter_context(engine_source(cfg, contract, Path(out_dir), last_hidden=cfg.train.loss != "ce",
-                                                what=FEED_KEY))
+        src = stack.enter_context(engine_source(cfg, contract, Path(out_dir),
+                                                last_hidden=reads_target_law(cfg.train, contract.family), what=FEED_KEY))
         root = Path(out_dir) / "engine-queue"
         feed = EngineFeed(src, data, root / f"rank-{rank}" if world > 1 else root,
                           prefetch=cfg.train.engine_prefetch, concurrency=cfg.capture.concurrency, key=key)

@@ -199,9 +199,9 @@ def selector_runner(log_text: str) -> dict[str, Any]:
 def selector_cause(check: dict[str, Any], engine: str, title: str) -> str:
     """Why a drafter of a V2-only family (`title`, e.g. DFlash2) was not verified on `engine`."""
     said = f": {check['evidence'][-240:]!r}" if check.get("evidence") else " (no model-runner line in its log)"
-    return (f"selector: a {title} drafter needs vLLM's V2 model runner, the only one that runs the candidate "
-            f"selector; {engine} did not run it{said}. Its V1 runner refuses {title} or drafts it as DFlash1 "
-            f"without the selector, so no τ measured there would be {title}'s. vLLM's CPU build has no Triton "
+    return (f"selector: a {title} drafter needs vLLM's V2 model runner, the only one that runs its candidate "
+            f"walk; {engine} did not run it{said}. Its V1 runner refuses {title} or drafts it as DFlash1 "
+            f"without the walk, so no τ measured there would be {title}'s. vLLM's CPU build has no Triton "
             f"(no V2 runner): verify {title} in vLLM on a GPU; `make test-engine` checks our {title} pieces "
             "against vLLM's own code on CPU")
 

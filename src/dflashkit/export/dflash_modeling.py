@@ -16,7 +16,8 @@ context and offsets j <= i. With a cache (`transformers.DynamicCache`)
 only the context keys/values are stored; the block's are transient, so no crop is needed.
 
 Weights use the z-lab names: fc, hidden_norm, layers.{i}.{self_attn,mlp,...}, norm. A DFlash2 export
-(`DFlash2DraftModel`, below) adds layers.{i}.{attention_conv,mlp_conv}.* and candidate_selector.*.
+(`DFlash2DraftModel`, below) adds layers.{i}.{attention_conv,mlp_conv}.* and candidate_selector.*; a LiLiCorr
+export (`LiLiCorrDraftModel`, below) adds the lattice head lilicorr.* (and the convolutions when it has them).
 """
 
 from __future__ import annotations
@@ -236,4 +237,123 @@ class DFlash2DraftModel(DFlashDraftModel):
         cache = past_key_values if use_cache else None
         for layer in self.layers:
             x = layer(x, context, cos, sin, attention_mask, cache, block_len=x.shape[1])
+        return self.norm(x)
+
+
+# LiLiCorr (`architectures: ["LiLiCorrDraftModel"]`): the DFlash network (with DFlash2's convolutions when
+# dflash_config sets conv_kernel_size and conv_group_size) plus the lattice head `lilicorr.*` over each block
+# position's top-K candidates.
+
+
+class LiLiCorrMLP(nn.Module):
+    def __init__(self, width: int, inner: int, out: int):
+        super().__init__()
+        self.up_proj, self.down_proj = nn.Linear(width, inner), nn.Linear(inner, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.up_proj(x)))
+
+
+class LiLiCorrAttention(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.in_proj_weight = nn.Parameter(torch.zeros(3 * width, width))
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * width))
+        self.out_proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        b, n, w = x.shape
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2)
+                   for t in F.linear(x, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1))
+        return self.out_proj(F.scaled_dot_product_attention(q, k, v, attn_mask=bias).transpose(1, 2).reshape(b, n, w))
+
+
+class LiLiCorrLayer(nn.Module):
+    def __init__(self, width: int, heads: int, ratio: float, eps: float):
+        super().__init__()
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(width, eps=eps), nn.RMSNorm(width, eps=eps)
+        self.attn, self.mlp = LiLiCorrAttention(width, heads), LiLiCorrMLP(width, int(width * ratio), width)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), bias)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LiLiCorrLattice(nn.Module):
+    """`lilicorr`: scores [b, n, K, K] of the walk from the candidates' target embeddings [b, n, K, H], their
+    draft log-probs [b, n, K], the drafter's outputs at the n positions [b, n, H] and the anchor
+    hidden_norm(fc(features of the token before the block)) [b, H] (`valid` [b]: there is one)."""
+
+    def __init__(self, config):
+        super().__init__()
+        big, block = config.hidden_size, int(_dflash(config, "block_size", 16))
+        w = int(_dflash(config, "lilicorr_hidden_size", 0)) or big
+        heads, k, f = (int(_dflash(config, name)) for name in ("lilicorr_num_heads", "lilicorr_candidate_topk",
+                                                                "lilicorr_factor_dim"))
+        self.block_size, self.k, self.w = block, k, w
+        self.eps, self.scale = float(_dflash(config, "lilicorr_vector_eps")), float(_dflash(config, "lilicorr_logit_scale"))
+        self.token_proj = nn.Identity() if w == big else nn.Linear(big, w)
+        self.pass_hidden_proj, self.context_proj = nn.Linear(big, w), nn.Linear(big, w)
+        self.feature_norm, self.feature_mlp = nn.LayerNorm(5), LiLiCorrMLP(5, w, w)
+        self.slot_embedding = nn.Parameter(torch.zeros(1, 1, block - 1, 1, w))
+        self.rank_embedding = nn.Parameter(torch.zeros(1, 1, 1, k, w))
+        self.relative_slot_bias = nn.Parameter(torch.zeros(heads, 2 * block - 1))
+        self.same_slot_bias = nn.Parameter(torch.zeros(heads))
+        self.layers = nn.ModuleList(LiLiCorrLayer(w, heads, float(_dflash(config, "lilicorr_mlp_ratio")),
+                                                  config.rms_norm_eps)
+                                    for _ in range(int(_dflash(config, "lilicorr_num_layers"))))
+        self.output_norm, self.anchor_norm = nn.RMSNorm(w, eps=config.rms_norm_eps), nn.RMSNorm(w, eps=config.rms_norm_eps)
+        self.factor_input_proj = nn.Linear(3 * w, w)
+        self.out_head, self.in_head, self.anchor_out_head = nn.Linear(w, f), nn.Linear(w, f), nn.Linear(w, f)
+
+    def forward(self, embeds, log_probs, hidden, anchor, valid) -> torch.Tensor:
+        b, n, k = log_probs.shape
+        lp = log_probs.float()
+        rank = torch.arange(k, device=lp.device, dtype=torch.float32) / max(k - 1, 1)
+        feats = torch.stack([lp, lp.exp(), lp - lp.max(-1, keepdim=True).values, rank.expand_as(lp),
+                             (torch.arange(k, device=lp.device) == 0).float().expand_as(lp)], dim=-1)
+        x = self.token_proj(embeds) + self.pass_hidden_proj(hidden).unsqueeze(-2)
+        x = x + self.feature_mlp(self.feature_norm(feats.to(x.dtype))) + self.slot_embedding[:, 0, :n] + self.rank_embedding[:, 0]
+        slot = torch.arange(n, device=x.device).repeat_interleave(k)
+        rel = slot[:, None] - slot[None, :]
+        bias = self.relative_slot_bias[:, rel + self.block_size - 1] + (rel == 0).to(x.dtype) * self.same_slot_bias[:, None, None]
+        x = x.reshape(b, n * k, self.w)
+        for layer in self.layers:
+            x = layer(x, bias[None])
+        x = self.output_norm(x).view(b, n, k, self.w)
+        a = self.anchor_norm(self.context_proj(anchor) * valid[:, None].to(x.dtype))
+        row = a[:, None, None, :].expand_as(x)
+        u = F.silu(self.factor_input_proj(torch.cat([x, row, x * row], dim=-1)))
+        out_v, in_v = (F.normalize(h(u), dim=-1, eps=self.eps) for h in (self.out_head, self.in_head))
+        start = (F.normalize(self.anchor_out_head(a), dim=-1, eps=self.eps)[:, None, :] * in_v[:, 0]).sum(-1)
+        pairs = out_v[:, :-1] @ in_v[:, 1:].transpose(-1, -2)
+        return self.scale * torch.cat([start[:, None, None, :].expand(-1, 1, k, -1), pairs], dim=1).float()
+
+
+class LiLiCorrDraftModel(DFlashDraftModel):
+    """LiLiCorr: `forward` returns the block's hidden states as DFlash's does; `lilicorr` scores the lattice of
+    the top-K candidates (of the target head's log-softmax) that the walk (the engine's, or dflashkit's) follows."""
+
+    _no_split_modules = ["DFlashLayer", "DFlash2Layer"]
+
+    def __init__(self, config):
+        super().__init__(config)
+        if int(_dflash(config, "conv_kernel_size", 0) or 0) and int(_dflash(config, "conv_group_size", 0) or 0):
+            self.layers = nn.ModuleList(DFlash2Layer(config, i) for i in range(config.num_hidden_layers))
+        self.lilicorr = LiLiCorrLattice(config)
+        self.post_init()
+
+    def forward(self, noise_embedding: torch.Tensor, target_hidden: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, past_key_values=None, use_cache: bool = False,
+                **_unused) -> torch.Tensor:
+        """→ [b, q, H] normed block states; the q block tokens are one block."""
+        context = self.hidden_norm(self.fc(target_hidden))
+        cos, sin = self.rotary_emb(noise_embedding, position_ids)
+        cos, sin = cos.to(noise_embedding.dtype), sin.to(noise_embedding.dtype)
+        cache = past_key_values if use_cache else None
+        x = noise_embedding
+        for layer in self.layers:
+            x = layer(x, context, cos, sin, attention_mask, cache, **({"block_len": x.shape[1]}
+                                                                     if isinstance(layer, DFlash2Layer) else {}))
         return self.norm(x)

@@ -32,7 +32,9 @@ Another drafter family (`dflashkit.family`; DFlash2 = vLLM 0.32's `update_dflash
 (`Family.speculators_keys`; DFlash2: `conv_kernel_size`, `conv_group_size`, `selector_rank`,
 `selector_top_k`); the tensors add the family's own under their z-lab names. A knob outside those
 that is set (DFlash2: `input_embedding_scale`, `output_multiplier`, `final_logit_softcapping`,
-which `update_dflash2` drops) is refused (exit 2; export it in the z-lab format).
+which `update_dflash2` drops) is refused (exit 2; export it in the z-lab format). A family vLLM's
+speculators reader does not know (`Family.speculators` False; LiLiCorr in vLLM 0.32) is refused both
+ways, writing and reading (exit 2, naming the format).
 
 The reader takes the in-block causality as vLLM resolves it (`transformer_layer_config.is_causal`, else
 not `sliding_window_non_causal`), refuses what the decoder cannot run (another `speculators_model_type`,
@@ -77,6 +79,16 @@ def is_speculators(cfg: dict[str, Any]) -> bool:
     return "speculators_config" in cfg or "speculators_model_type" in cfg
 
 
+def refuse_format(fam: family.Family, *, where: str) -> None:
+    """UsageError (exit 2) for a family vLLM's speculators reader does not know (`Family.speculators`)."""
+    if not fam.speculators:
+        raise UsageError(f"{where}: vLLM 0.32's speculators reader has no {fam.title} algorithm (its `dflash` "
+                         f"reader would declare the drafter DFlashDraftModel and serve it without its "
+                         f"{fam.title} head), so a {fam.architecture} travels in the z-lab format only",
+                         hint="export with export.format=zlab; serve it with --speculative-config "
+                         "'{\"method\": \"dflash\", \"model\": DIR, ...}'")
+
+
 def speculators_config(contract: Contract, *, verifier: str, verifier_architectures: list[str],
                        dtype: str = "bfloat16", draft_vocab_size: int | None = None) -> dict[str, Any]:
     """The speculators `config.json` for a drafter contract (a pure function: same inputs, same bytes)."""
@@ -84,6 +96,7 @@ def speculators_config(contract: Contract, *, verifier: str, verifier_architectu
     layer = {k: v for k, v in zlab.items() if k not in _DFLASH_KEYS}
     b = contract.block_size
     fam = contract.family
+    refuse_format(fam, where="export.format=speculators")
     knobs = {k: getattr(contract.knobs, k) for k in fam.knob_names}
     family_keys = fam.dflash_config(contract)  # what the z-lab format carries in dflash_config
     dropped = [k for k in family_keys if k not in fam.speculators_keys and k not in _CARRIED]
@@ -140,6 +153,7 @@ def read_speculators_contract(cfg: dict[str, Any], *, source: str = "config.json
         raise UsageError(f"{source}: key `speculators_model_type` is {kind!r}, not one of {family.names()}: "
                          "dflashkit reads its drafter families only", hint="pass a DFlash speculators checkpoint")
     fam = family.get(kind, key="speculators_model_type")
+    refuse_format(fam, where=f"{source}: speculators_model_type {kind}")
     missing = [k for k in fam.speculators_keys if cfg.get(k) is None]
     if missing:
         raise UsageError(f"{source}: a `speculators_model_type` {kind} config without the key(s) {missing} "
@@ -365,6 +379,7 @@ def export_speculators(src_dir: str | Path, out_dir: str | Path, *, target: Any,
 
     t0 = time.time()
     model, fmt = load_any_drafter(src_dir, dtype=torch.float32)
+    refuse_format(model.contract.family, where="export.format=speculators")   # before the target is read
     embed, head, verifier, archs = target_tensors(target)
     outputs = ["config.json", WEIGHTS] + (["README.md"] if readme else [])
     with atomic_dir(out_dir, owner="export") as tmp:

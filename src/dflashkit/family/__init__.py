@@ -5,11 +5,12 @@ Usage:
     fam = family.get("dflash2")                       # UsageError naming drafter.type and the families
     fam = contract.family                             # the same lookup, by contract.drafter_type
     fam = family.by_architecture(cfg["architectures"])   # the family a drafter config.json declares
-    family.names()                                    # ["dflash", "dflash2"]
+    family.names()                                    # ["dflash", "dflash2", "lilicorr"]
     drafter = family.new_drafter(contract)            # a random drafter network of the contract's family
     family.config_problems(cfg.drafter)               # the drafter.* checks the families own
     cfg = load_config(path, overrides, checks=family.checks)   # … listed with the config's own (the CLI)
     family.check_tensors(fam, set(state), set(want), weights=w, config=c)   # UsageError naming tensors
+    family.reads_target_law(cfg.train, contract.family)   # does the loss read the target's logits?
 
 Adding a head is one module in this package (its `Family`: facts and hooks, `base.py` says which)
 plus its tests, and its entry in FAMILIES; its `drafter.*` knobs are also fields of
@@ -27,18 +28,19 @@ from dflashkit.errors import UsageError
 from dflashkit.family.base import Contract, Family, draft_vocab_problem, refuse_draft_vocab
 from dflashkit.family.dflash import DFLASH
 from dflashkit.family.dflash2 import DFLASH2
+from dflashkit.family.lilicorr import LILICORR
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     import torch
 
-    from dflashkit.config import DrafterSection, RunConfig
+    from dflashkit.config import DrafterSection, RunConfig, TrainSection
 
 __all__ = ["DEFAULT", "FAMILIES", "Family", "by_architecture", "check_tensors", "checks", "config_problems",
-           "draft_vocab_problem", "get", "knob_keys", "names", "new_drafter", "refuse_draft_vocab"]
+           "draft_vocab_problem", "get", "knob_keys", "names", "new_drafter", "reads_target_law", "refuse_draft_vocab"]
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (DFLASH, DFLASH2)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (DFLASH, DFLASH2, LILICORR)}
 DEFAULT = DFLASH  # a z-lab config.json that names none of the architectures below is DFlash's (the format's base)
 
 
@@ -87,6 +89,13 @@ def config_problems(d: DrafterSection) -> list[str]:
     p = fam.config_problems(d)
     vocab = draft_vocab_problem(fam, d.draft_vocab_size, where="drafter.draft_vocab_size")
     return p + ([vocab] if vocab else [])
+
+
+def reads_target_law(train: TrainSection, fam: Family) -> bool:
+    """Whether this run's loss reads the target's next-token logits at the block rows: KL (`train.loss` kl |
+    ce+kl), or a term of the family's that asks for them (LiLiCorr's penalty). The trainer then supplies
+    them: online from the target, cached from the shards' `last_hidden` (capture.last_hidden auto keeps it)."""
+    return train.loss != "ce" or any(t.needs_target for t in fam.loss_terms(train))
 
 
 def checks(cfg: RunConfig) -> list[str]:

@@ -5,13 +5,14 @@ Usage:
     fam.build(contract, None, None)               # a new random drafter network of this family
     fam.reduced_vocab, fam.vllm_runner            # capabilities: a draft vocab? which vLLM runner?
     tokens, law = fam.propose(drafter, h, logits, anchor, DraftSampling(), None, vocab_size)   # one draft step
+    tokens, law = fam.propose(..., block=DraftBlock(embed=target.embed, context=feats[:, -1]))  # what heads read
     terms = fam.loss_terms(cfg.train)             # its own loss terms (train/loss.py composes them)
 
 A `Family` is a frozen record of facts and functions, written by one module per family
-(`family/dflash.py`, `family/dflash2.py`) and listed by the registry (`family/__init__.py`): the
+(`family/dflash.py`, `family/dflash2.py`, `family/lilicorr.py`) and listed by the registry (`family/__init__.py`): the
 pattern of torchtitan's `TrainSpec`, composition rather than a class hierarchy. What a hook gets
-from a higher room is handed in (the decoder's sampling law in `DraftSampling`; the loss's chunk of
-rows in `Rows`), so this room ranks beside `model/` and below everything that asks it.
+from a higher room is handed in (the decoder's sampling law in `DraftSampling` and what it knows of the
+block in `DraftBlock`; the loss's chunk of rows in `Rows`, its blocks in `Blocks`), so this room ranks beside `model/` and below everything that asks it.
 
 The contract (`model/drafter_config.py`) asks its family for its checks and its `config.json`
 keys, so the families (and the networks) read a contract through the `Contract` protocol below:
@@ -93,6 +94,28 @@ class DraftSampling:
     generator: Any = None
 
 
+@dataclass(frozen=True)
+class DraftBlock:
+    """What the decoder knows about the block it drafts beside the drafter's outputs, for a head that reads it
+    (LiLiCorr: the target's input embedding of its candidates and the features of the last committed token)."""
+
+    embed: Callable[[torch.Tensor], torch.Tensor] | None = None   # the target's input embedding (ids → [..., H])
+    context: torch.Tensor | None = None   # [1, n_feat·H] target features of the token before the anchor
+
+
+@dataclass
+class Blocks:
+    """The micro-batch's blocks as a loss term that scores whole blocks reads them (`Rows.blocks`; a chunk of
+    rows never splits a block). Flat row index i = (b·N + n)·B + k: block i // B, block position i % B."""
+
+    hidden: torch.Tensor                # [b·N·B, H] drafter outputs of every block position (with grad)
+    score: Callable[[torch.Tensor], torch.Tensor]   # drafter outputs [r, H] → the head's scores [r, V'] (float32)
+    embed: Callable[[torch.Tensor], torch.Tensor]   # the target's input embedding
+    features: torch.Tensor | None       # [b, S, n_feat·H] the context features (None: no context, ablated)
+    anchors: torch.Tensor               # [b, N] anchor positions
+    block_size: int
+
+
 @dataclass
 class Rows:
     """One chunk of supervised rows of the loss, as a loss term's `chunk` sees it (inside the checkpoint)."""
@@ -102,6 +125,9 @@ class Rows:
     scores: torch.Tensor                # [r, V'] float32: the head's logits as the family scores them
     labels: torch.Tensor                # [r] labels (draft-vocab indices with a reduced vocab)
     prev: torch.Tensor | None = None    # [r] the gold token before each row (terms with `needs_prev`)
+    index: torch.Tensor | None = None   # [r] flat row indices (`Blocks`), ascending
+    target: torch.Tensor | None = None  # [r, V'] the target's logits predicting each row's label (KL, `needs_target`)
+    blocks: Blocks | None = None        # the micro-batch's blocks
 
 
 @dataclass
@@ -124,8 +150,9 @@ class Scored:
 class LossTerm(Protocol):
     """One part of the training loss; `train/loss.py` has CE and KL, a family adds its own.
 
-    `base_rows` names the per-row losses the shared chunk computes for it ("ce", "kl"); `chunk`
-    computes its own per-row values inside the checkpointed chunk (None: nothing); `total` returns
+    `base_rows` names the per-row losses the shared chunk computes for it ("ce", "kl"); `needs_prev` asks for
+    the gold predecessors (`Rows.prev`), `needs_target` for the target's logits (`Rows.target`; the trainer then
+    supplies them, `family.reads_target_law`); `chunk` computes its own per-row values inside the checkpointed chunk (None: nothing); `total` returns
     its part of Σ (weighted, before the step denominator) and its statistics (names of the family's
     `stats`); `rescore` may replace the argmax verdicts the metrics count (None: keep them)."""
 
@@ -137,6 +164,9 @@ class LossTerm(Protocol):
 
     @property
     def needs_prev(self) -> bool: ...
+
+    @property
+    def needs_target(self) -> bool: ...
 
     def chunk(self, rows: Rows) -> Any: ...
 
@@ -188,12 +218,13 @@ class Family:
             (`drafter.init`), besides its own; anything else is refused.
         vllm_runner: "any" or "v2" (vLLM runs it on its V2 model runner only).
         reference_loop: the z-lab PyPI loop (dflash 0.1.0) decodes it (`bench decode`'s reference).
+        speculators: vLLM's speculators reader knows it (`export.format=speculators`; else refused, exit 2).
         metric_names: the step / held-out metrics its `metrics` adds.
     Hooks (the others' defaults: nothing to add):
         build(c, draft_vocab, feature_scale): a new random drafter network (refusing a draft vocab when
             `reduced_vocab` is False: `refuse_draft_vocab`).
-        propose(drafter, h, logits, anchor, sampling, vocab, vocab_size): one draft step → (tokens,
-            draft law [k, V] or None for point masses).
+        propose(drafter, h, logits, anchor, sampling, vocab, vocab_size, block=DraftBlock): one draft step →
+            (tokens, draft law [k, V] or None for point masses).
         config_problems(d): problems of its `drafter.*` keys (each naming the key).
         contract_problems(c): problems of its contract fields.
         dflash_config(c): its `dflash_config` keys (z-lab config.json).
@@ -221,6 +252,7 @@ class Family:
     init_from: Mapping[str, Callable[[Any, dict], dict]] = field(default_factory=dict)
     vllm_runner: str = "any"
     reference_loop: bool = False
+    speculators: bool = True
     metric_names: tuple[str, ...] = ()
     config_problems: Callable[[DrafterSection], list[str]] = _nothing
     contract_problems: Callable[[Contract], list[str]] = _nothing
@@ -270,6 +302,19 @@ def refuse_draft_vocab(fam: Family, size: int | None, *, where: str, hint: str =
     problem = draft_vocab_problem(fam, size, where=where)
     if problem:
         raise UsageError(problem, hint=hint)
+
+
+def same_weights(source: Any, reloaded: Any) -> bool:
+    """Whether `reloaded` holds `source`'s weights bit for bit (a float32 export; a reader that upcasts a bf16
+    export to float32 does not make it one): then a family's reload check must find the same drafts."""
+    a, b = source.state_dict(), reloaded.state_dict()
+    return a.keys() == b.keys() and all(torch_equal(a[k], b[k]) for k in a)
+
+
+def torch_equal(x: Any, y: Any) -> bool:
+    import torch
+
+    return x.shape == y.shape and bool(torch.equal(x.detach().cpu().to(y.dtype), y.detach().cpu()))
 
 
 def ratio(a: Any, b: Any) -> float | None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import UsageError
-from dflashkit.family.base import Contract, DraftSampling, Family
+from dflashkit.family.base import Contract, DraftBlock, DraftSampling, Family
 
 if TYPE_CHECKING:
     import torch
@@ -104,7 +104,8 @@ def build(contract: Contract, draft_vocab: torch.Tensor | None = None, feature_s
 
 
 def propose(drafter: Any, h: torch.Tensor, logits: torch.Tensor, anchor: int, sampling: DraftSampling,
-            vocab: torch.Tensor | None, vocab_size: int) -> tuple[list[int], torch.Tensor | None]:
+            vocab: torch.Tensor | None, vocab_size: int, block: DraftBlock | None = None
+            ) -> tuple[list[int], torch.Tensor | None]:
     """One DFlash draft step: the argmax of each position's head logits, or a draw from their sampling law.
 
     Args:
@@ -112,10 +113,11 @@ def propose(drafter: Any, h: torch.Tensor, logits: torch.Tensor, anchor: int, sa
         logits: [k, V'] head logits of block positions 1 … k (V' = the draft vocab, if reduced).
         anchor: unused; sampling: temperature 0 = argmax, else `sampling.law` / `sampling.draw`.
         vocab: sorted target ids [V'] of a reduced draft vocab (None: the full one); vocab_size: V.
+        block: unused (what the decoder knows of the block: `DraftBlock`).
     Returns:
         k target ids, and their draft law [k, V] (None for point masses).
     """
-    del drafter, h, anchor
+    del drafter, h, anchor, block
     if sampling.temperature <= 0:
         idx = logits.argmax(-1)
         return (idx if vocab is None else vocab[idx]).tolist(), None

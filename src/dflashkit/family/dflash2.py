@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import DflashkitError, UsageError
-from dflashkit.family.base import Contract, DraftSampling, Family, Rows, Scored, StatField, refuse_draft_vocab
+from dflashkit.family.base import (Contract, DraftBlock, DraftSampling, Family, Rows, Scored, StatField,
+                                  refuse_draft_vocab, same_weights)
 from dflashkit.family.dflash import DFlashKnobs
 from dflashkit.family.dflash import card_lines as dflash_card_lines
 from dflashkit.family.dflash import contract_problems as dflash_contract_problems
@@ -151,6 +152,7 @@ class SelectorTerm:
     name: str = "selector"
     base_rows: tuple[str, ...] = ()
     needs_prev: bool = True
+    needs_target: bool = False
 
     def chunk(self, rows: Rows):
         return selector_rows(rows.model, rows.scores, rows.hidden, rows.labels, rows.prev)
@@ -242,7 +244,8 @@ def metrics(stats: Any) -> dict[str, Any]:
 
 # -- decoding ---------------------------------------------------------------------------------------------------
 def propose(drafter: Any, h: torch.Tensor, logits: torch.Tensor, anchor: int, sampling: DraftSampling,
-            vocab: torch.Tensor | None, vocab_size: int) -> tuple[list[int], torch.Tensor | None]:
+            vocab: torch.Tensor | None, vocab_size: int, block: DraftBlock | None = None
+            ) -> tuple[list[int], torch.Tensor | None]:
     """The walk over each position's top-K candidates → (tokens, draft law [k, V] or None).
 
     Greedy (temperature 0) walks the best edges: a point mass. Otherwise the walk is Gumbel-noised, i.e.
@@ -250,7 +253,7 @@ def propose(drafter: Any, h: torch.Tensor, logits: torch.Tensor, anchor: int, sa
     after the token drawn at t − 1: q_t (0 outside the candidates) is the law the rejection rule needs."""
     import torch
 
-    del vocab  # the full vocabulary (build refuses a draft vocab)
+    del vocab, block  # the full vocabulary (build refuses a draft vocab); the walk reads h and the logits only
     temp = sampling.temperature
     tokens, ids, rows = drafter.draft(h, logits[None], h.new_tensor([anchor], dtype=torch.long),
                                       temperature=temp, generator=sampling.generator)
@@ -277,11 +280,9 @@ def lookup_params(c: Contract) -> int:
 
 
 def reload_check(source: Any, reloaded: Any, head: torch.Tensor | None) -> dict[str, Any]:
-    """The export reload check's selector part: the same walk (exact when the export is float32)."""
-    import torch
-
-    exact = next(v.dtype for v in reloaded.state_dict().values() if v.is_floating_point()) == torch.float32
-    return walk_check(source, reloaded, head, exact=exact)
+    """The export reload check's selector part: the same walk (exact when the export holds the source's weights
+    bit for bit: float32)."""
+    return walk_check(source, reloaded, head, exact=same_weights(source, reloaded))
 
 
 def walk_check(source: Any, reloaded: Any, head: torch.Tensor | None, *, exact: bool,

@@ -34,6 +34,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dflashkit.family import reads_target_law
+
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
 
@@ -102,7 +104,8 @@ def plan_budget(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, s
     per_layer = q * (4 * h + 2 * c.num_attention_heads * c.head_dim + 3 * c.intermediate_size) \
         + seq * 2 * c.num_key_value_heads * c.head_dim
     act = t.batch_size * (c.num_draft_layers * per_layer + seq * (n_feat + 1) * h + q * h) * 2
-    kl = t.batch_size * seq * v * 2 if t.loss != "ce" else 0
+    law = reads_target_law(t, c.family)  # KL, or a family's term that reads the target's logits (LiLiCorr)
+    kl = t.batch_size * seq * v * 2 if law else 0
     chunk = t.loss_chunk_blocks * b * v * LOGIT_BYTES
     train_fixed = opt + frozen + act + kl
     budget = mem_gib * 2**30 * USABLE
@@ -110,7 +113,7 @@ def plan_budget(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, s
     t_w = target_weight_bytes(facts)
     t_act = t.batch_size * seq * h * 2 * 4
     blocks_total = min(t.num_anchors, seq) * t.batch_size
-    row_bpt = feat_bpt + 4 + (h * DTYPE_BYTES[cfg.capture.dtype] if t.loss != "ce" else 0)  # + next ids, last hidden
+    row_bpt = feat_bpt + 4 + (h * DTYPE_BYTES[cfg.capture.dtype] if law else 0)  # + next ids, last hidden
     queue_bytes = t.engine_prefetch * t.batch_size * seq * row_bpt
 
     def max_chunk(other: float) -> int:

@@ -35,7 +35,8 @@ IMPORTED = "imported.json"  # written by `dflashkit import` into the drafter dir
 # drafter.* key -> (contract field, how the contract's value reads for that key)
 _SHAPE_KEYS = ("block_size", "num_draft_layers", "target_layer_ids", "mask_token_id", "hidden_size",
                "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps")
-OBJECTIVE_KEYS = ("loss", "labels", "position_weighting", "ablate_features", "selector_loss_weight", "kl_temperature")
+OBJECTIVE_KEYS = ("loss", "labels", "position_weighting", "ablate_features", "selector_loss_weight", "kl_temperature",
+                  "lilicorr_ce_weight", "lilicorr_penalty_weight", "lilicorr_margin_weight", "lilicorr_margin")
 
 
 def _given(cfg: RunConfig, key: str, value: Any) -> bool:
@@ -105,6 +106,7 @@ def preflight(cfg: RunConfig, rd: RunDir) -> DrafterContract:
     check_outputs_ours(rd.train_dir, cfg)
     contract = DrafterContract.load(rd.contract_path)
     check_drafter_overrides(cfg, contract, rd.contract_path)
+    check_family_objective(cfg, contract)
     if _init_dir(cfg) is not None:
         from dflashkit.train.warm_start import check_fits, read_warm_start
 
@@ -117,6 +119,19 @@ def preflight(cfg: RunConfig, rd: RunDir) -> DrafterContract:
         check_trajectory(found, state, cfg, rd)
         ckpt.check_contract(found, state.get("contract"), contract)
     return contract
+
+
+def check_family_objective(cfg: RunConfig, contract: DrafterContract) -> None:
+    """Exit 2 when the family's loss terms cannot go with `train.*`: a term that reads the target's logits
+    (LiLiCorr's penalty) under train.on_path=rollout, whose labels are the target's path while those logits
+    follow the raw tokens (the same reason rollout refuses KL)."""
+    fam = contract.family
+    terms = [t.name for t in fam.loss_terms(cfg.train) if t.needs_target]
+    if cfg.train.on_path == "rollout" and terms:
+        raise UsageError(f"train.on_path: rollout gives labels on the target's path, but the {fam.title} loss term "
+                         f"{terms[0]!r} reads the target's logits after the raw tokens",
+                         hint=f"use train.on_path=mask, or give the {fam.title} term that reads them weight 0 "
+                         "(docs/config.md)")
 
 
 def check_cached_features(cfg: RunConfig, rd: RunDir, contract: DrafterContract, shards: list[Path]) -> None:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from dflashkit.errors import UsageError
-from dflashkit.family import new_drafter
+from dflashkit.family import new_drafter, reads_target_law
 from dflashkit.model.drafter_config import REPROBE_HINT, DrafterContract
 from dflashkit.model.path_labels import path_depth
 from dflashkit.train import checkpoint as ckpt
@@ -80,7 +80,7 @@ def engine_feed_key(cfg: RunConfig, rd: RunDir, contract: DrafterContract, dist:
     """What an engine queue's rows depend on (a queue left by a killed run is reused only when it matches)."""
     t = cfg.train
     return {"target_layer_ids": list(contract.target_layer_ids), "dtype": cfg.capture.dtype,
-            "last_hidden": t.loss != "ce", "seed": cfg.run.seed, "batch_size": t.batch_size,
+            "last_hidden": reads_target_law(t, contract.family), "seed": cfg.run.seed, "batch_size": t.batch_size,
             "grad_accum": t.grad_accum, "world": dist.world, "rank": dist.rank,
             "heldout": [t.heldout_samples, list(t.heldout_sources)], "train_samples": t.train_samples,
             "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")}
@@ -92,6 +92,7 @@ def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any],
 
     contract = DrafterContract.load(rd.contract_path)
     guards.check_drafter_overrides(cfg, contract, rd.contract_path)
+    guards.check_family_objective(cfg, contract)
     warm = None
     if cfg.drafter.init not in ("random", "target"):  # a drafter dir: read and checked before any work
         from dflashkit.train.warm_start import check_fits, read_warm_start
@@ -114,7 +115,7 @@ def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any],
         opened.append(feed)
         data.features = feed  # type: ignore[assignment]  # FeatureStore's reading API (has / require / get)
     target: Target | HeadOnlyTarget
-    if loaded is None and head_only(cfg, data.features):  # every output in the shards: embedding + head suffice
+    if loaded is None and head_only(cfg, data.features, contract):  # every output in the shards: embedding + head
         from dflashkit.model.head import load_head_only_target
 
         target = load_head_only_target(cfg.target, device=str(dist.device))
@@ -172,14 +173,15 @@ def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any],
     return tr
 
 
-def head_only(cfg: RunConfig, store: FeatureStore | None) -> bool:
+def head_only(cfg: RunConfig, store: FeatureStore | None, contract: DrafterContract) -> bool:
     """Whether training needs only the target's embedding and head (model/head.py), not its layers: the
     features, and the labels / KL target the recipe asks for, all come from the feature shards, and the
     drafter is not initialised from the target's layers (`drafter.init: target`)."""
     train = cfg.train
     if train.features not in ("cached", "engine") or store is None or cfg.drafter.init == "target":
         return False
-    return (train.labels != "target" or store.has("next_ids")) and (train.loss == "ce" or store.has("last_hidden"))
+    return (train.labels != "target" or store.has("next_ids")) and (
+        not reads_target_law(train, contract.family) or store.has("last_hidden"))
 
 
 def total_steps(cfg: RunConfig, plan: BatchPlan) -> int:

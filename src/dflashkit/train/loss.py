@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dflashkit.family.base import Family, LossTerm, Rows, Scored
+from dflashkit.family.base import Blocks, Family, LossTerm, Rows, Scored
 from dflashkit.model.draft_vocab import draft_labels
 from dflashkit.model.masks import dense_block_mask, flex_block_mask
 from dflashkit.model.path_labels import path_label_ids
@@ -95,6 +95,7 @@ class CE:
     name: str = "ce"
     base_rows: tuple[str, ...] = ("ce",)
     needs_prev: bool = False
+    needs_target: bool = False
 
     def chunk(self, rows: Rows) -> None:
         return None
@@ -116,6 +117,7 @@ class KL:
     name: str = "kl"
     base_rows: tuple[str, ...] = ("kl",)
     needs_prev: bool = False
+    needs_target: bool = False
 
     def chunk(self, rows: Rows) -> None:
         return None
@@ -202,6 +204,21 @@ def predecessors(input_ids: torch.Tensor, label_ids: torch.Tensor | None, a: Anc
     return prev
 
 
+def chunk_bounds(rows: torch.Tensor, step: int, block_size: int) -> list[tuple[int, int]]:
+    """[c0, c1) ranges over the sorted flat row indices `rows`, at most `step` rows each (step ≥ B), never
+    splitting the rows of one block (a term may score whole blocks: `Blocks`)."""
+    n = rows.numel()
+    block = (rows // block_size).tolist()
+    out, c0 = [], 0
+    while c0 < n:
+        c1 = min(c0 + step, n)
+        while c1 < n and c1 > c0 + 1 and block[c1 - 1] == block[c1]:  # back to the block's first row
+            c1 -= 1
+        out.append((c0, c1))
+        c0 = c1
+    return out
+
+
 # -- the loss ----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DraftLoss:
@@ -252,10 +269,10 @@ class DraftLoss:
     def _needs(self, rows: str) -> bool:
         return any(rows in t.base_rows for t in self.terms) or (rows == "ce" and self.weighting.needs_ce)
 
-    def _chunk(self, model, head, h, labels, tgt, prev, need_ce: bool, need_kl: bool):
+    def _chunk(self, model, head, h, labels, tgt, prev, need_ce: bool, need_kl: bool, index=None, blocks=None):
         """Per-row CE and KL (zeros when not needed), the argmax, and each term's own values, of one chunk."""
         scores = self.family.scores(model, head(in_head_dtype(head, h)).float())  # [rows, V']
-        rows = Rows(model, h, scores, labels, prev)
+        rows = Rows(model, h, scores, labels, prev, index=index, target=tgt, blocks=blocks)
         own = [t.chunk(rows) for t in self.terms]
         ce = F.cross_entropy(scores, labels, reduction="none") if need_ce else scores.new_zeros(labels.shape)
         if need_kl:
@@ -313,10 +330,11 @@ class DraftLoss:
         rows = (w.flatten() > 0).nonzero().flatten()
         labels_f, w_f = loss_labels.flatten(), w.flatten()
         need_ce, need_kl = self._needs("ce"), self._needs("kl")
+        have_target = x.target_logits is not None or (x.target_hidden is not None and heads.target_head is not None)
+        if need_kl and not have_target:
+            raise ValueError("loss kl / ce+kl needs target_logits, or target_hidden and target_head")
         tgt_rows = None
-        if need_kl:
-            if x.target_logits is None and (x.target_hidden is None or heads.target_head is None):
-                raise ValueError("loss kl / ce+kl needs target_logits, or target_hidden and target_head")
+        if need_kl or (have_target and any(t.needs_target for t in self.terms)):
             tgt_pos = (a.anchors[:, :, None] + torch.arange(B, device=x.input_ids.device) - 1).clamp(0, s - 1)
             row_batch = torch.arange(bsz, device=x.input_ids.device)[:, None, None].expand(bsz, n, B)
             tgt_rows = (row_batch.flatten(), tgt_pos.flatten())
@@ -327,8 +345,14 @@ class DraftLoss:
         own: list[list[Any]] = [[] for _ in self.terms]
         pred_flat = torch.full_like(labels_f, -1)
         step = max(1, self.chunk_blocks) * B
-        for c0 in range(0, rows.numel(), step):
-            r = rows[c0:c0 + step]
+        fam = self.family
+
+        def score(hr: torch.Tensor) -> torch.Tensor:  # as `_chunk` scores its rows
+            return fam.scores(model, heads.head(in_head_dtype(heads.head, hr)).float())
+
+        blocks = Blocks(hidden, score, heads.embed, ctx_feats if self.context else None, a.anchors, B)
+        for c0, c1 in chunk_bounds(rows, step, B):
+            r = rows[c0:c1]
             tgt = None
             if tgt_rows is not None:
                 if x.target_logits is not None:
@@ -341,8 +365,8 @@ class DraftLoss:
             if tgt is not None and vocab is not None:
                 tgt = tgt.index_select(-1, vocab)
             args = (model, heads.head, hidden[r], labels_f[r], tgt, None if prev_f is None else prev_f[r],
-                    need_ce, need_kl)
-            if step >= rows.numel() or not hidden.requires_grad:
+                    need_ce, need_kl, r, blocks)
+            if c1 - c0 >= rows.numel() or not hidden.requires_grad:
                 ce_r, kl_r, pred, parts = self._chunk(*args)
             else:
                 ce_r, kl_r, pred, parts = checkpoint(self._chunk, *args, use_reentrant=False)

@@ -47,32 +47,34 @@ class TargetOut:
     """The target's side of one micro-batch (see `Trainer.target_outputs`)."""
 
     features: torch.Tensor                  # [b, S, n_feat·H]
-    logits: torch.Tensor | None = None      # [b, S, V] (sharded targets, for KL)
-    last_hidden: torch.Tensor | None = None  # [b, S, H] final-norm output (for KL)
+    logits: torch.Tensor | None = None      # [b, S, V] (sharded targets; for KL or a family's term)
+    last_hidden: torch.Tensor | None = None  # [b, S, H] final-norm output (for KL or a family's term)
     label_ids: torch.Tensor | None = None   # [b, S] labels from the target (train.labels=target)
     path_ids: torch.Tensor | None = None    # [b, S, D] on-path labels (train.on_path=rollout; held-out)
     on_path_only: bool = False              # train.on_path=mask: weight only the positions on the path
 
 
-def cached_covers(train: TrainSection, store: FeatureStore | None) -> bool:
-    """Whether the feature shards hold everything the recipe needs from the target."""
+def cached_covers(train: TrainSection, store: FeatureStore | None, law: bool) -> bool:
+    """Whether the feature shards hold everything the recipe needs from the target (`law`: the loss reads the
+    target's logits, `family.reads_target_law`)."""
     if train.features not in ("cached", "engine") or store is None:
         return False
-    return ((train.labels != "target" or store.has("next_ids")) and (train.loss == "ce" or store.has("last_hidden"))
+    return ((train.labels != "target" or store.has("next_ids")) and (not law or store.has("last_hidden"))
             and (train.on_path != "rollout" or store.has("path_ids")))
 
 
 @dataclass
 class CachedSide:
-    """Features, labels and the KL target from the shards (the batch carries them)."""
+    """Features, labels and the target's law (KL, a family's term) from the shards (the batch carries them)."""
 
     train: Any
+    law: bool = False
 
     def __call__(self, b: Batch, a: Anchors | None = None) -> TargetOut:
         t = self.train
         assert b.features is not None
         labels = target_label_ids(b.input_ids, b.next_ids) if t.labels == "target" else None
-        return TargetOut(b.features, None, b.last_hidden if t.loss != "ce" else None, labels,
+        return TargetOut(b.features, None, b.last_hidden if self.law else None, labels,
                          b.path_ids if t.on_path == "rollout" else None, t.on_path == "mask")
 
 
@@ -87,10 +89,11 @@ class OnlineSide:
     device: torch.device
     amp: torch.dtype | None
     depth: int = 1                          # D of the greedy path (train.on_path=rollout)
+    law: bool = False                       # the loss reads the target's logits (`family.reads_target_law`)
 
     def __call__(self, b: Batch, a: Anchors | None = None) -> TargetOut:
         t = self.train
-        need_kl, need_labels = t.loss != "ce", t.labels == "target"
+        need_kl, need_labels = self.law, t.labels == "target"
         rollout = t.on_path == "rollout" and b.path_ids is None   # cached paths (shards, held-out) win
         logits = hidden = path = None
         cache = path_cache() if rollout else None
@@ -128,10 +131,13 @@ class OnlineSide:
 def target_side(train: Any, contract: Any, target: Any, parts: Any, *, device: torch.device,
                 amp: torch.dtype | None, store: FeatureStore | None) -> Callable[..., TargetOut]:
     """The builder of this run's feature source (see the module doc)."""
-    if cached_covers(train, store):
-        return CachedSide(train)
+    from dflashkit.family import reads_target_law
+
+    law = reads_target_law(train, contract.family)
+    if cached_covers(train, store, law):
+        return CachedSide(train, law)
     return OnlineSide(train, list(contract.target_layer_ids), target, bool(parts.sharded), device, amp,
-                      path_depth(contract.block_size))
+                      path_depth(contract.block_size), law)
 
 
 def scored(out: TargetOut, b: Batch, scoring: str) -> TargetOut:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from dflashkit.family import reads_target_law
 from dflashkit.model.draft_vocab import restricted_head
 from dflashkit.model.drafter_config import DrafterContract
 from dflashkit.train.data import Batch, BatchPlan, FeatureStore, TokenData, collate
@@ -168,7 +169,8 @@ class Trainer:
                                                    and self.heldout_paths is None)
         return collate(self.data, items, run_seed=self.cfg.run.seed, pad_id=pad or 0, with_features=cached,
                        with_next_ids=cached and labels and store is not None and store.has("next_ids"),
-                       with_last_hidden=cached and t.loss != "ce" and store is not None and store.has("last_hidden"),
+                       with_last_hidden=cached and reads_target_law(t, self.contract.family) and store is not None
+                       and store.has("last_hidden"),
                        with_path_ids=cached and stored_paths and isinstance(store, FeatureStore),
                        paths=self.heldout_paths if heldout else None).to(self.dist.device)
 
