@@ -37,6 +37,10 @@ def hang(ctx):
 
 def crash(ctx):
     os._exit(3)
+
+def slow(ctx):
+    time.sleep(1.0)
+    return verdict([part("a", True)])
 '''
 
 
@@ -87,10 +91,11 @@ def test_every_outcome_is_recorded_and_the_rest_still_run(tmp_path, fake_checks)
 
 
 def test_the_deadline_skips_what_no_longer_fits_and_skips_are_not_failures(tmp_path, fake_checks):
-    specs = (fake_checks("ok", 3.0), fake_checks("ok", 3.0))
-    specs = (specs[0], CheckSpec("later", specs[1].target, 3.0, "a second check"))
-    s = run_gpu_check(tmp_path / "out", device="cpu", specs=specs, deadline_s=3.0, min_box_s=2.9)
-    assert s["checks"]["ok"]["status"] == "passed"
+    # the first check takes 1 s of the run's 3: the second no longer fits its minimum box of 2.5 s, however
+    # fast the machine (a fast "ok" left the whole deadline for the second one)
+    specs = (fake_checks("slow", 3.0), CheckSpec("later", fake_checks("ok").target, 3.0, "a second check"))
+    s = run_gpu_check(tmp_path / "out", device="cpu", specs=specs, deadline_s=3.0, min_box_s=2.5)
+    assert s["checks"]["slow"]["status"] == "passed"
     assert s["checks"]["later"]["status"] == "skipped" and "deadline of 3 s" in s["checks"]["later"]["reason"]
     assert s["exit_code"] == 0 and s["failed"] == [] and s["ok"] is True
 
