@@ -46,3 +46,16 @@ def test_bench_serve_two_endpoints_speedup(tmp_path, capsys):
         assert sp["output_tokens_per_s"] == pytest.approx(ratio, abs=1e-3)
         assert sp["output_tokens_per_s"] > 1.5  # the endpoint without latency wins
     assert a.stats["requests"] == b.stats["requests"] == 2 * (12 + 2)
+
+
+def test_bench_serve_whose_requests_fail_is_exit_4_not_a_silent_zero(tmp_path, capsys):
+    """Every request failing (a server that answers 500 to all of them) is a partial failure (exit 4): the
+    rows are written, and the message says how many failed."""
+    with FaultServer(Faults(always_fail=1.0)) as a:
+        rc = main(["bench", "serve", f"run.run_dir={tmp_path}", f"bench.urls=[{a.url}]", "bench.concurrency=[2]",
+                   "bench.requests=4", "bench.warmup=0", "bench.max_tokens=4", "--json"])
+        out = _last_json(capsys)
+    assert rc == 4, out
+    assert "4 of 4 timed requests failed" in out["error"]
+    saved = json.loads((tmp_path / "bench" / "serve.json").read_text())
+    assert saved["endpoints"][0]["sweep"][0]["errors"] == 4

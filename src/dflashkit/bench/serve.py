@@ -105,6 +105,12 @@ def check_bench_serve(cfg: RunConfig) -> None:
         check_vllm_for_target(cfg, ENGINE_KEY)
 
 
+def failed_requests(result: dict[str, Any]) -> tuple[int, int]:
+    """(failed, sent) timed requests over every endpoint / engine method and concurrency of a result."""
+    rows = [r for group in result.get("endpoints", result.get("methods", [])) for r in group["sweep"]]
+    return sum(int(r["errors"]) for r in rows), sum(int(r["requests"]) for r in rows)
+
+
 def bench_serve(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     b = cfg.bench
     check_bench_serve(cfg)

@@ -108,4 +108,14 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
         return {"subject": subject, "dry_run": True, "would_write": str(rd.bench_result(subject))}
     result = SUBJECTS[subject](cfg, rd, ctx)
     write_bench_result(rd, subject, result)
+    if subject == "serve":  # a sweep whose requests failed measured nothing: never a silent 0 tok/s
+        from dflashkit.bench.serve import failed_requests
+        from dflashkit.errors import PartialFailure
+
+        failed, sent = failed_requests(result)
+        if failed:
+            raise PartialFailure(f"bench serve: {failed} of {sent} timed requests failed (their rows in "
+                                 f"{rd.bench_result(subject)} count only the answered ones)",
+                                 result={"subject": subject, **result},
+                                 hint="check the endpoint (bench.urls, server.model) and its log, then re-run")
     return {"subject": subject, **result}
