@@ -259,3 +259,37 @@ def test_the_law_test_detects_a_wrong_lilicorr_draft_law(small, monkeypatch):
     z = _chi2_z(_samples(dec, prompt, 200, 1.0), law)
     print(f"lossy chi2 z={z:.3f}")
     assert z > 4.0, f"the wrong draft law went undetected (z = {z:.2f})"
+
+
+def test_adaptive_length_with_sampled_drafts_matches_the_target_law(small):
+    """The adaptive draft length (decode/draft_length.py) chooses how many sampled drafts to verify from the head's
+    peak probabilities, never from what was drawn (a length that follows the draw keeps likely draws more often
+    than the rule assumes, and the output law drifts from the target's)."""
+    target, drafter, prompt, law = small
+    dec = SpecDecoder(target, drafter, block_size=4, draft_sampling="sample", adaptive=True)
+    z = _chi2_z(_samples(dec, prompt, N_SAMPLES, 1.0), law)
+    assert abs(z) < 4.0, f"chi-square z = {z:.2f} (|z| < 4 expected for the target's law)"
+
+
+def test_adaptive_length_of_sampled_drafts_does_not_depend_on_the_draw(small):
+    """The same step drafted with two generators: other draws, the same confidences (so the same length)."""
+    target, drafter, prompt, _ = small
+    dec = SpecDecoder(target, drafter, block_size=4, draft_sampling="sample", adaptive=True)
+    params = SamplingParams(temperature=1.0, max_new_tokens=3)
+    with torch.inference_mode():
+        feats, _ = dec._forward(torch.tensor([prompt]), spec_decode_cache(target))
+        pos = torch.arange(16)[None]
+        out = []
+        for seed in range(12):
+            g = torch.Generator().manual_seed(seed)
+            dstate = dec._fast.new_state(16) if dec._fast is not None else spec_decode.DraftKVCache()
+            tokens, q, conf = dec._draft(list(prompt), len(prompt) - 1, 3, feats[:, :-1], dstate, pos, params, g)
+            out.append((tuple(tokens), tuple(conf)))
+    assert len({t for t, _ in out}) > 1, "the draws never differed: the check would be vacuous"
+    assert len({c for _, c in out}) == 1, out
+
+
+def spec_decode_cache(target):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=target.config)

@@ -95,7 +95,8 @@ class SpecDecoder:
         record_top: at temperature 0, fill `GenerationResult.top_logits` with this many (0 = off).
         adaptive: pick each step's draft length from the drafter's own confidence and the measured cost t(n) of a
             target step over n tokens (`decode/draft_length.py`; a drafter only, not a proposer). Lossless: the
-            verify rule is the same, only the number of drafts verified changes.
+            verify rule is the same, only the number of drafts verified changes, and that number never depends on
+            a sampled draft's draw (with `draft_sampling="sample"` the confidence is the head's peak probability).
         lean: draft through `decode/fast_draft.py` where the drafter qualifies (the same proposals, less time);
             False = the module forward (what `bench decode` compares it with).
     """
@@ -192,14 +193,21 @@ class SpecDecoder:
             h = h[:, 1:]
             logits = F.linear(h[0], self._head_w, self._head_b)  # [k, V] (or [k, V'] over the draft vocab)
         tokens, law = self._propose(h, logits, seq[start], params, gen, DraftBlock(self.target.embed, ctx[0, -1:]))
-        return tokens, law, (self._confidence(logits, tokens) if self.policy is not None else None)
+        if self.policy is None:
+            return tokens, law, None
+        # sampled drafts (a law): the length must not depend on what was drawn, or the verified drafts lean towards
+        # likely draws and the rule no longer emits the target's law; the head's own peak does not
+        return tokens, law, self._confidence(logits, tokens if law is None else None)
 
-    def _confidence(self, logits: torch.Tensor, tokens: list[int]) -> list[float]:
-        """softmax(logits)[token] per draft position (over the draft vocab when it is reduced)."""
+    def _confidence(self, logits: torch.Tensor, tokens: list[int] | None) -> list[float]:
+        """softmax(logits)[token] per draft position (over the draft vocab when it is reduced); with no tokens
+        (sampled drafts) the head's largest probability per position, which no draw changes."""
+        probs = torch.softmax(logits.float(), dim=-1)
+        if tokens is None:
+            return probs.max(-1).values.tolist()
         idx = torch.tensor(tokens, device=logits.device)
         if self._vocab is not None:  # target ids → draft indices (the vocab is sorted)
             idx = torch.searchsorted(self._vocab, idx).clamp(max=self._vocab.numel() - 1)
-        probs = torch.softmax(logits.float(), dim=-1)
         return probs.gather(-1, idx[:, None])[:, 0].tolist()
 
     def _calibrate(self, prompt_ids: list[int], reps: int = 3) -> None:
