@@ -33,22 +33,26 @@ def _model(seed: int = 0):
     return m
 
 
-def _oracle(m, lm_head, embed, feats, ids, lm, lens, a, tl, *, label_ids, margin=2.0):
-    """Per block, by loops: Σ w·CE, Σ w·penalty, Σ w·hinge over the trained slots; the walk's τ and tokens."""
+def _oracle(m, lm_head, embed, feats, ids, lm, lens, a, tl, *, label_ids, margin=2.0, on_path_only=False):
+    """Per block, by loops: Σ w·CE, Σ w·penalty, Σ w·hinge over the trained slots; the walk's τ and tokens; and
+    the slots trained in blocks the on-path mask cut (`on_path_only`: complete before the mask, then trained up
+    to their first off-path slot)."""
     from dflashkit.model.masks import dense_block_mask
     from dflashkit.train.objective import block_input_ids, block_position_ids
 
     b, n = a.anchors.shape
     S, K = B - 1, m.top_k
-    labels, w = labels_and_weights(ids, lm, lens, a, block_size=B, gamma=2.0, label_ids=label_ids)
+    labels, w = labels_and_weights(ids, lm, lens, a, block_size=B, gamma=2.0, label_ids=label_ids,
+                                   on_path_only=on_path_only)
     labels, w = labels.view(b, n, B), w.view(b, n, B)
+    w_all = labels_and_weights(ids, lm, lens, a, block_size=B, gamma=2.0, label_ids=label_ids)[1].view(b, n, B)
     with torch.no_grad():
         noise = embed(block_input_ids(ids, a, mask_token_id=m.mask_token_id, block_size=B))
         mask = dense_block_mask(a.anchors, a.keep, lens, ctx_len=ids.shape[1], block_size=B)
         hid = m(noise, feats, block_position_ids(a, ctx_len=ids.shape[1], block_size=B), attention_mask=mask)
         hid = hid.view(b, n, B, H)
         sums = {"ce": 0.0, "pen": 0.0, "hinge": 0.0}
-        tau, blocks, trained, walks = 0.0, 0, 0, {}
+        tau, blocks, trained, walks, cut = 0.0, 0, 0, {}, 0
         for bi, j in itertools.product(range(b), range(n)):
             if not a.keep[bi, j]:
                 continue
@@ -67,10 +71,12 @@ def _oracle(m, lm_head, embed, feats, ids, lm, lens, a, tl, *, label_ids, margin
                 lead += int(leading)
                 walks[(bi, anchor + s + 1)] = int(tokens[0, s])
             tau += 1 + lead
-            if not bool((w[bi, j, 1:] > 0).all()):
+            if not bool((w_all[bi, j, 1:] > 0).all()):
                 continue                                                        # only complete blocks train
             prev = None
             for s in range(S):
+                if not bool(w[bi, j, s + 1] > 0):
+                    break                                                       # off the target's path (mask)
                 gold = int(labels[bi, j, s + 1])
                 if gold not in cand[s].tolist():
                     break                                                       # the gold path left the lattice
@@ -84,8 +90,9 @@ def _oracle(m, lm_head, embed, feats, ids, lm, lens, a, tl, *, label_ids, margin
                 q = torch.softmax(node, -1)
                 sums["pen"] += wt * float(sum(q[r] * max(0.0, float(t[gold] - t[cand[s, r]])) for r in range(K)))
                 trained += 1
+                cut += int(not bool((w[bi, j, 1:] > 0).all()))
                 prev = gi
-    return sums, tau, blocks, float(w.sum()), trained, walks
+    return sums, tau, blocks, float(w.sum()), trained, walks, cut
 
 
 def _case(seed: int):
@@ -101,7 +108,7 @@ def _case(seed: int):
     ids = torch.randint(0, V - 1, lm.shape, generator=g)
     feats = torch.randn(3, 13, 2 * H, generator=g)
     tl = torch.randn(3, 13, V, generator=g) * 3
-    walks = _oracle(m, lm_head, embed, feats, ids, lm, lens, a, tl, label_ids=ids)[-1]
+    walks = _oracle(m, lm_head, embed, feats, ids, lm, lens, a, tl, label_ids=ids)[5]
     label_ids = ids.clone()
     for (bi, p), tok in sorted(walks.items()):
         if p < int(lens[bi]):
@@ -112,7 +119,8 @@ def _case(seed: int):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_lattice_terms_and_walk_tau_equal_the_loop_oracle_for_any_chunking(seed):
     m, embed, lm_head, (feats, ids, lm, lens, a, tl, label_ids), g = _case(seed)
-    sums, tau, blocks, wsum, trained, _ = _oracle(m, lm_head, embed, feats, ids, lm, lens, a, tl, label_ids=label_ids)
+    sums, tau, blocks, wsum, trained, _, _ = _oracle(m, lm_head, embed, feats, ids, lm, lens, a, tl,
+                                                     label_ids=label_ids)
     assert trained >= 4 and sums["ce"] > 0 and sums["pen"] > 0 and sums["hinge"] > 0
     x = LossInputs(feats, ids, lm, lens, label_ids=label_ids, target_logits=tl)
     heads = Heads(embed, lm_head)
@@ -136,6 +144,24 @@ def test_lattice_terms_and_walk_tau_equal_the_loop_oracle_for_any_chunking(seed)
     o2 = train_loss(m.contract, gamma=2.0, **kw)(m, heads, x2, a)
     o3 = train_loss(m.contract, gamma=2.0, **kw)(m, Heads(embed, lm_head, None, t_head), x3, a)
     assert abs(o2.extra["lattice_penalty"] - o3.extra["lattice_penalty"]) < 1e-5 and o2.extra["lattice_penalty"] > 0
+
+
+def test_under_the_on_path_mask_a_whole_block_trains_its_on_path_prefix():
+    """train.on_path=mask drops the slots past a block's first raw-vs-argmax disagreement; the block stays whole
+    (ModelOpt's complete blocks count supervision, not the mask), and its gold path trains up to that slot."""
+    m, embed, lm_head, (feats, ids, lm, lens, a, tl, label_ids), _ = _case(1)
+    sums, tau, blocks, wsum, trained, _, cut = _oracle(m, lm_head, embed, feats, ids, lm, lens, a, tl,
+                                                       label_ids=label_ids, on_path_only=True)
+    assert cut >= 1 and sums["ce"] > 0, (cut, trained)  # the case has blocks the mask cut and that still train
+    x = LossInputs(feats, ids, lm, lens, label_ids=label_ids, target_logits=tl, on_path_only=True)
+    heads = Heads(embed, lm_head)
+    kw = dict(lilicorr_ce_weight=0.3, lilicorr_penalty_weight=0.2, lilicorr_margin_weight=0.1)
+    without = train_loss(m.contract, gamma=2.0, lilicorr_ce_weight=0.0, lilicorr_penalty_weight=0.0)(m, heads, x, a)
+    want = (0.3 * sums["ce"] + 0.2 * sums["pen"] + 0.1 * sums["hinge"]) / wsum
+    for chunk in (1, 64):
+        out = train_loss(m.contract, gamma=2.0, loss_chunk_blocks=chunk, **kw)(m, heads, x, a)
+        assert out.extra["lattice_trained"] == trained, chunk
+        assert abs(float((out.loss - without.loss).detach()) - want) < 1e-4 * max(1.0, want), chunk
 
 
 def test_the_lattice_gradient_reaches_the_backbone_through_the_candidates_log_probs():

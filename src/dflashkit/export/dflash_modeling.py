@@ -105,7 +105,8 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, context, cos, sin, attention_mask=None, cache=None):
+    def forward(self, x, context, cos, sin, attention_mask=None, cache=None, block_len: int = 0):
+        """`block_len`: DFlash2's convolutions read it; a DFlash layer does not."""
         x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, attention_mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -135,14 +136,16 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     def forward(self, noise_embedding: torch.Tensor, target_hidden: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, past_key_values=None, use_cache: bool = False,
                 **_unused) -> torch.Tensor:
-        """→ [b, q, H] normed block states (apply the target's lm_head for logits)."""
+        """→ [b, q, H] normed block states (apply the target's lm_head for logits); the q block tokens are one
+        block (DFlash2's convolutions, where a subclass's layers have them, read its length)."""
         context = self.hidden_norm(self.fc(target_hidden))
-        cos, sin = self.rotary_emb(noise_embedding, position_ids)
-        cos, sin = cos.to(noise_embedding.dtype), sin.to(noise_embedding.dtype)
+        scale = getattr(self, "input_embedding_scale", 1.0)
+        x = noise_embedding * scale if scale != 1.0 else noise_embedding
+        cos, sin = self.rotary_emb(x, position_ids)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         cache = past_key_values if use_cache else None
-        x = noise_embedding
         for layer in self.layers:
-            x = layer(x, context, cos, sin, attention_mask, cache)
+            x = layer(x, context, cos, sin, attention_mask, cache, block_len=x.shape[1])
         return self.norm(x)
 
 
@@ -226,19 +229,6 @@ class DFlash2DraftModel(DFlashDraftModel):
         self.input_embedding_scale = float(_dflash(config, "input_embedding_scale", None) or 1.0)
         self.post_init()
 
-    def forward(self, noise_embedding: torch.Tensor, target_hidden: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None = None, past_key_values=None, use_cache: bool = False,
-                **_unused) -> torch.Tensor:
-        """→ [b, q, H] normed block states; the q block tokens are one block."""
-        context = self.hidden_norm(self.fc(target_hidden))
-        x = noise_embedding * self.input_embedding_scale
-        cos, sin = self.rotary_emb(x, position_ids)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        cache = past_key_values if use_cache else None
-        for layer in self.layers:
-            x = layer(x, context, cos, sin, attention_mask, cache, block_len=x.shape[1])
-        return self.norm(x)
-
 
 # LiLiCorr (`architectures: ["LiLiCorrDraftModel"]`): the DFlash network (with DFlash2's convolutions when
 # dflash_config sets conv_kernel_size and conv_group_size) plus the lattice head `lilicorr.*` over each block
@@ -313,6 +303,8 @@ class LiLiCorrLattice(nn.Module):
         rank = torch.arange(k, device=lp.device, dtype=torch.float32) / max(k - 1, 1)
         feats = torch.stack([lp, lp.exp(), lp - lp.max(-1, keepdim=True).values, rank.expand_as(lp),
                              (torch.arange(k, device=lp.device) == 0).float().expand_as(lp)], dim=-1)
+        dt = self.slot_embedding.dtype  # the head's own dtype: the target's embeddings may arrive in another
+        embeds, hidden, anchor = embeds.to(dt), hidden.to(dt), anchor.to(dt)
         x = self.token_proj(embeds) + self.pass_hidden_proj(hidden).unsqueeze(-2)
         x = x + self.feature_mlp(self.feature_norm(feats.to(x.dtype))) + self.slot_embedding[:, 0, :n] + self.rank_embedding[:, 0]
         slot = torch.arange(n, device=x.device).repeat_interleave(k)
@@ -343,17 +335,3 @@ class LiLiCorrDraftModel(DFlashDraftModel):
             self.layers = nn.ModuleList(DFlash2Layer(config, i) for i in range(config.num_hidden_layers))
         self.lilicorr = LiLiCorrLattice(config)
         self.post_init()
-
-    def forward(self, noise_embedding: torch.Tensor, target_hidden: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None = None, past_key_values=None, use_cache: bool = False,
-                **_unused) -> torch.Tensor:
-        """→ [b, q, H] normed block states; the q block tokens are one block."""
-        context = self.hidden_norm(self.fc(target_hidden))
-        cos, sin = self.rotary_emb(noise_embedding, position_ids)
-        cos, sin = cos.to(noise_embedding.dtype), sin.to(noise_embedding.dtype)
-        cache = past_key_values if use_cache else None
-        x = noise_embedding
-        for layer in self.layers:
-            x = layer(x, context, cos, sin, attention_mask, cache, **({"block_len": x.shape[1]}
-                                                                     if isinstance(layer, DFlash2Layer) else {}))
-        return self.norm(x)

@@ -114,6 +114,9 @@ class Blocks:
     features: torch.Tensor | None       # [b, S, n_feat·H] the context features (None: no context, ablated)
     anchors: torch.Tensor               # [b, N] anchor positions
     block_size: int
+    # [b·N·B] bool: positions supervised before `train.on_path=mask` drops the off-path ones (None: the rows are
+    # all of them). A term that needs whole blocks asks this, not the rows, whether a block is complete.
+    supervised: torch.Tensor | None = None
 
 
 @dataclass
@@ -309,6 +312,41 @@ def same_weights(source: Any, reloaded: Any) -> bool:
     export to float32 does not make it one): then a family's reload check must find the same drafts."""
     a, b = source.state_dict(), reloaded.state_dict()
     return a.keys() == b.keys() and all(torch_equal(a[k], b[k]) for k in a)
+
+
+def walk_reload_check(source: Any, reloaded: Any, head: Any, *, title: str, walk: Callable[..., Any],
+                      extra: Callable[[Any], Any] = lambda g: None, blocks: int = 3, context: int = 6) -> dict[str, Any]:
+    """The export reload check of a family that drafts by a walk (DFlash2, LiLiCorr): source vs reloaded drafter
+    on one fixed random input, the tokens of the greedy walk; identical when the export holds the source's
+    weights bit for bit (`same_weights`: a float32 export), else only reported.
+
+    `walk(model, h, logits, ctx, extra)` → tokens is the family's walk over block positions 1 … B−1 (h the
+    drafter's output there, logits `h @ head.T`, ctx the random context features); `extra(generator)` draws
+    what else the walk reads (anchors, an embedding table). `head` [V, H] is the target's head (None: a
+    fixed random one, so the walk is still exercised)."""
+    import torch
+
+    from dflashkit.errors import DflashkitError
+
+    c = source.contract
+    g = torch.Generator().manual_seed(0)
+    q = c.block_size
+    noise = torch.randn(blocks, q, c.hidden_size, generator=g)
+    ctx = torch.randn(blocks, context, c.num_features * c.hidden_size, generator=g)
+    pos = torch.arange(context + q)[None].expand(blocks, -1)
+    proj = (head if head is not None else torch.randn(c.vocab_size, c.hidden_size, generator=g)).float()
+    more = extra(g)
+    with torch.inference_mode():
+        paths = []
+        for model in (source.float(), reloaded.float()):
+            h = model(noise, ctx, pos)[:, 1:]                                  # [blocks, B-1, H]
+            paths.append(walk(model, h, h @ proj.T, ctx, more))
+    same = (paths[0] == paths[1]).float().mean().item()
+    if same_weights(source, reloaded) and same < 1.0:
+        raise DflashkitError(f"export reload check failed: the reloaded {title} drafter walks another path "
+                             f"({same:.0%} of the drafted tokens agree) on the same input",
+                             hint="nothing was replaced; this is a bug, please report it")
+    return {"walk_agreement": same, "walk_tokens": int(paths[0].numel())}
 
 
 def torch_equal(x: Any, y: Any) -> bool:

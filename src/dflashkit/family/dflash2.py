@@ -34,9 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dflashkit.errors import DflashkitError, UsageError
+from dflashkit.errors import UsageError
 from dflashkit.family.base import (Contract, DraftBlock, DraftSampling, Family, Rows, Scored, StatField,
-                                  refuse_draft_vocab, same_weights)
+                                  refuse_draft_vocab, walk_reload_check)
 from dflashkit.family.dflash import DFlashKnobs
 from dflashkit.family.dflash import card_lines as dflash_card_lines
 from dflashkit.family.dflash import contract_problems as dflash_contract_problems
@@ -280,40 +280,13 @@ def lookup_params(c: Contract) -> int:
 
 
 def reload_check(source: Any, reloaded: Any, head: torch.Tensor | None) -> dict[str, Any]:
-    """The export reload check's selector part: the same walk (exact when the export holds the source's weights
-    bit for bit: float32)."""
-    return walk_check(source, reloaded, head, exact=same_weights(source, reloaded))
-
-
-def walk_check(source: Any, reloaded: Any, head: torch.Tensor | None, *, exact: bool,
-               blocks: int = 3, context: int = 6) -> dict[str, Any]:
-    """Source vs reloaded DFlash2 drafter on a fixed input: unary logits and the greedy walk.
-
-    `head` [V, H] is the target head (None: a fixed random one, so the selector is still exercised).
-    With `exact` (a float32 export) the walks must be identical; otherwise their agreement is reported.
-    """
+    """The export reload check's selector part: the same greedy walk over random anchors (exact when the export
+    holds the source's weights bit for bit: float32)."""
     import torch
 
-    c = source.contract
-    g = torch.Generator().manual_seed(0)
-    q = c.block_size
-    noise = torch.randn(blocks, q, c.hidden_size, generator=g)
-    ctx = torch.randn(blocks, context, c.num_features * c.hidden_size, generator=g)
-    pos = torch.arange(context + q)[None].expand(blocks, -1)
-    anchors = torch.randint(0, c.vocab_size, (blocks,), generator=g)
-    proj = (head if head is not None else torch.randn(c.vocab_size, c.hidden_size, generator=g)).float()
-    with torch.inference_mode():
-        paths = []
-        for model in (source.float(), reloaded.float()):
-            h = model(noise, ctx, pos)[:, 1:]                                  # [blocks, B-1, H]
-            tokens, _, _ = model.draft(h, h @ proj.T, anchors)
-            paths.append(tokens)
-    same = (paths[0] == paths[1]).float().mean().item()
-    if exact and same < 1.0:
-        raise DflashkitError(f"export reload check failed: the reloaded DFlash2 drafter walks another path "
-                             f"({same:.0%} of the drafted tokens agree) on the same input",
-                             hint="nothing was replaced; this is a bug, please report it")
-    return {"walk_agreement": same, "walk_tokens": int(paths[0].numel())}
+    return walk_reload_check(source, reloaded, head, title="DFlash2",
+                             walk=lambda model, h, logits, ctx, anchors: model.draft(h, logits, anchors)[0],
+                             extra=lambda g: torch.randint(0, source.contract.vocab_size, (3,), generator=g))
 
 
 def card_lines(c: Contract) -> list[str]:

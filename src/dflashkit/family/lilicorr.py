@@ -47,9 +47,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dflashkit.errors import DflashkitError, UsageError
+from dflashkit.errors import UsageError
 from dflashkit.family.base import (Contract, DraftBlock, DraftSampling, Family, Rows, Scored, StatField, ratio,
-                                   refuse_draft_vocab, same_weights)
+                                   refuse_draft_vocab, walk_reload_check)
 from dflashkit.family.dflash import DFlashKnobs
 from dflashkit.family.dflash import card_lines as dflash_card_lines
 from dflashkit.family.dflash import contract_problems as dflash_contract_problems
@@ -250,8 +250,9 @@ def lattice_rows(rows: Rows, *, margin: float, penalty: bool) -> LatticeRows:
     """The lattice over every block the chunk's rows touch, teacher-forced along the gold path.
 
     A block's positions outside the rows (unsupervised) get their candidates from the drafter's outputs too
-    (detached), so the walk is the decoder's walk for every block; only blocks whose slots are all rows enter
-    the loss."""
+    (detached), so the walk is the decoder's walk for every block; only blocks whose slots are all supervised
+    enter the loss (ModelOpt's complete blocks: under `train.on_path=mask` judged before the mask, whose dropped
+    slots then end the teacher-forced prefix, as a gold token outside the top-K does)."""
     import torch
     import torch.nn.functional as F
 
@@ -267,7 +268,12 @@ def lattice_rows(rows: Rows, *, margin: float, penalty: bool) -> LatticeRows:
     cell = inv * S + slot                                                       # row → [block, slot] cell
     present = torch.zeros(nb * S, dtype=torch.bool, device=dev)
     present[cell] = True
-    complete = present.view(nb, S).all(-1)
+    if blocks.supervised is None:
+        complete = present.view(nb, S).all(-1)
+    else:  # train.on_path=mask: a block is whole by its supervision; the gold path then stops at its first
+        # off-path slot (no label there: not covered), so the on-path prefix still trains
+        slots = (touched[:, None] * B + 1 + torch.arange(S, device=dev)).flatten()
+        complete = blocks.supervised[slots].view(nb, S).all(-1)
     ids_r, logp_r = model.candidates(rows.scores)                              # live log-probs: the gradient path
     cand = torch.zeros(nb * S, K, dtype=torch.long, device=dev)
     logp = logp_r.new_zeros(nb * S, K)
@@ -385,39 +391,16 @@ def extra_params(c: Contract) -> int:
 
 
 def reload_check(source: Any, reloaded: Any, head: torch.Tensor | None) -> dict[str, Any]:
-    """The export reload check's lattice part: the same walk (exact when the export holds the source's weights
-    bit for bit: float32)."""
-    return walk_check(source, reloaded, head, exact=same_weights(source, reloaded))
-
-
-def walk_check(source: Any, reloaded: Any, head: torch.Tensor | None, *, exact: bool, blocks: int = 3,
-               context: int = 6, embed: torch.Tensor | None = None) -> dict[str, Any]:
-    """Source vs reloaded LiLiCorr drafter on a fixed input: the greedy lattice walk.
-
-    `head` [V, H] / `embed` [V, H] are the target's head and embedding (None: fixed random ones, so the
-    lattice is still exercised). With `exact` (a float32 export) the walks must be identical."""
+    """The export reload check's lattice part: the same greedy lattice walk, over a random embedding table (exact
+    when the export holds the source's weights bit for bit: float32)."""
     import torch
 
     c = source.contract
-    g = torch.Generator().manual_seed(0)
-    q = c.block_size
-    noise = torch.randn(blocks, q, c.hidden_size, generator=g)
-    ctx = torch.randn(blocks, context, c.num_features * c.hidden_size, generator=g)
-    pos = torch.arange(context + q)[None].expand(blocks, -1)
-    proj = (head if head is not None else torch.randn(c.vocab_size, c.hidden_size, generator=g)).float()
-    table = (embed if embed is not None else torch.randn(c.vocab_size, c.hidden_size, generator=g)).float()
-    with torch.inference_mode():
-        paths = []
-        for model in (source.float(), reloaded.float()):
-            h = model(noise, ctx, pos)[:, 1:]
-            tokens, _, _ = model.draft(h, h @ proj.T, lambda ids: table[ids], model.anchor_hidden(ctx[:, -1]))
-            paths.append(tokens)
-    same = (paths[0] == paths[1]).float().mean().item()
-    if exact and same < 1.0:
-        raise DflashkitError(f"export reload check failed: the reloaded LiLiCorr drafter walks another path "
-                             f"({same:.0%} of the drafted tokens agree) on the same input",
-                             hint="nothing was replaced; this is a bug, please report it")
-    return {"walk_agreement": same, "walk_tokens": int(paths[0].numel())}
+    return walk_reload_check(
+        source, reloaded, head, title="LiLiCorr",
+        walk=lambda model, h, logits, ctx, table: model.draft(h, logits, lambda ids: table[ids],
+                                                             model.anchor_hidden(ctx[:, -1]))[0],
+        extra=lambda g: torch.randn(c.vocab_size, c.hidden_size, generator=g))
 
 
 def card_lines(c: Contract) -> list[str]:

@@ -257,8 +257,9 @@ class LiLiCorrDraftModel(DFlashDraftModel):
         return ids, values - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
 
     def anchor_hidden(self, features: torch.Tensor) -> torch.Tensor:
-        """[..., n_feat·H] target features of the last committed token → hidden_norm(fc(·)) [..., H]."""
-        return self.fuse(features)
+        """[..., n_feat·H] target features of the last committed token → hidden_norm(fc(·)) [..., H] (in the
+        drafter's dtype: the loss calls it outside the drafter's autocast, on a bf16 target's features)."""
+        return self.fuse(features.to(self.fc.weight.dtype))
 
     @torch.no_grad()
     def draft(self, h: torch.Tensor, logits: torch.Tensor, embed, anchor_hidden: torch.Tensor,

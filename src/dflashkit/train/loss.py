@@ -350,7 +350,11 @@ class DraftLoss:
         def score(hr: torch.Tensor) -> torch.Tensor:  # as `_chunk` scores its rows
             return fam.scores(model, heads.head(in_head_dtype(heads.head, hr)).float())
 
-        blocks = Blocks(hidden, score, heads.embed, ctx_feats if self.context else None, a.anchors, B)
+        supervised = None
+        if x.on_path_only:  # the blocks' supervision before the mask drops positions off the target's path
+            supervised = labels_and_weights(x.input_ids, x.loss_mask, x.seq_lens, a, block_size=B, gamma=None,
+                                            label_ids=x.label_ids)[1].flatten() > 0
+        blocks = Blocks(hidden, score, heads.embed, ctx_feats if self.context else None, a.anchors, B, supervised)
         for c0, c1 in chunk_bounds(rows, step, B):
             r = rows[c0:c1]
             tgt = None
