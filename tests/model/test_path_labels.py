@@ -143,8 +143,29 @@ def test_sliding_window_targets_are_refused_naming_the_fallback(tiny_qwen3):
 
     target = load_target(TargetSection(path=str(tiny_qwen3), device="cpu", dtype="float32"))
     target.model.config.layer_types = ["sliding_attention"] * target.num_layers
+    target.model.config.sliding_window = 8  # the deepest rollout token (position 8 + 2) would see past it
     with pytest.raises(UsageError, match="on_path=mask"):
         greedy_path_ids(target, torch.randint(0, 256, (1, 9)), torch.tensor([9]), 3)
+
+
+@pytest.mark.parametrize("config,length,refused", [
+    ({}, 10_000, None),                                                               # Llama: full attention
+    ({"layer_types": ["full_attention"] * 4, "sliding_window": 64}, 1000, None),      # Qwen3: the types decide
+    ({"sliding_window": 4096}, 5000, "sliding_attention"),                           # Mistral v0.1: no types
+    ({"sliding_window": 4096}, 512, None),                                            # … a window never reached
+    ({"sliding_window": 4096, "use_sliding_window": False}, 9000, None),             # Qwen2: switched off
+    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 512}, 600, "window 512"),  # Gemma 3
+    ({"layer_types": ["chunked_attention"], "attention_chunk_size": 8192}, 600, None),  # Llama 4, short samples
+    ({"layer_types": ["linear_attention", "full_attention"]}, 16, "linear_attention"),  # no window: never
+])
+def test_the_rollout_mask_is_the_targets_attention_only_where_no_window_binds(config, length, refused):
+    from types import SimpleNamespace
+
+    from dflashkit.model.path_labels import attention_limit
+
+    for cfg in (config, SimpleNamespace(**config)):  # config.json's dict and an HF config object
+        why = attention_limit(cfg, length)
+        assert (why is None) if refused is None else (why is not None and refused in why), (cfg, why)
 
 
 def _loop_mask(ids, labels, lens, anchors, B):
@@ -229,3 +250,22 @@ def test_the_rollout_keeps_its_cache_under_the_older_name(planted):
     finally:
         target.model.__class__ = base
     assert want.rolled > 0 and got.rolled == want.rolled and torch.equal(got.path_ids, want.path_ids)
+
+
+def test_the_heldout_yardstick_falls_back_to_argmax_labels_where_a_window_binds(tiny_qwen3):
+    """No rollout where its mask is not the target's attention: held-out blocks are then scored on the target's
+    argmax labels (on the path's positions), not refused — the run may not roll out at all (train.on_path=off)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from dflashkit.train.target_side import heldout_scoring
+
+    target = load_target(TargetSection(path=str(tiny_qwen3), device="cpu", dtype="float32"))
+    data = SimpleNamespace(input_ids=[np.zeros(20), np.zeros(30)])
+    assert heldout_scoring(None, target, data, [0, 1], 3) == "target_path"
+    target.model.config.layer_types = ["sliding_attention"] * target.num_layers
+    target.model.config.sliding_window = 40        # 30 + 2 tokens fit the window: still exact
+    assert heldout_scoring(None, target, data, [0, 1], 3) == "target_path"
+    target.model.config.sliding_window = 16
+    assert heldout_scoring(None, target, data, [0, 1], 3) == "on_path_positions"

@@ -58,3 +58,26 @@ def test_dflash2_gold_predecessor_follows_the_path():
             anc = int(a.anchors[i, j])
             assert int(prev[i, j, 1]) == int(ids[i, anc])                     # the anchor itself
             assert prev[i, j, 2:].tolist() == path[i, anc, :B - 2].tolist()    # the path label before k
+
+
+def test_a_batch_of_samples_whose_shards_hold_paths_of_different_depths_collates():
+    """Shards captured at block size 16 (depth 15) beside shards captured later at block size 4 (depth 3): the
+    batch keeps the depth every shard holds, the rows' own levels unchanged."""
+    import numpy as np
+
+    from dflashkit.data.shards import TokenData
+    from dflashkit.train.data import collate
+
+    deep = torch.arange(5 * 15).view(5, 15)
+    shallow = -torch.arange(7 * 3).view(7, 3) - 1
+
+    class Store:
+        def get(self, where, n, name):
+            assert name == "path_ids"
+            return (deep if where[0] == 0 else shallow)[:n]
+
+    data = TokenData(ids=["a", "b"], input_ids=[np.arange(5), np.arange(7)], loss_mask=[np.ones(5), np.ones(7)],
+                     shards=[], where=[(0, 0), (1, 0)], features=Store())  # type: ignore[arg-type]
+    b = collate(data, [(0, 0), (1, 0)], run_seed=0, with_path_ids=True)
+    assert b.path_ids is not None and tuple(b.path_ids.shape) == (2, 7, 3)
+    assert torch.equal(b.path_ids[0, :5], deep[:, :3]) and torch.equal(b.path_ids[1], shallow)

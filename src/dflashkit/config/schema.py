@@ -390,7 +390,9 @@ class TrainSection:
         "rate per raw token, computed in capture or online; not with train.features=engine or "
         "capture.engine=vllm); mask = keep today's labels but give weight 0 to every position past the first "
         "disagreement in its block (free); off = today's labels everywhere. Held-out τ is scored on the "
-        "target's path whatever this says (docs/training-data.md).", hash_default=False)
+        "target's path whatever this says where that path is known (a local target or capture; else on its argmax "
+        "labels at the positions on the path: engine features, a sliding window the samples outgrow; "
+        "docs/training-data.md).", hash_default=False)
     position_weighting: Literal["decay", "uniform", "dpace"] = f(
         "decay", "Loss weight per block position: the fixed decay exp(-(k-1)/gamma); uniform = 1 at every position "
         "1 … B-1 (train.gamma unused; JetSpec's KL recipe); or D-PACE (weights from the drafter's own confidence, "

@@ -101,6 +101,28 @@ def path_rows_wanted(cfg: Any, data: Any, heldout: list[int]) -> dict[int, Any]:
     return {si: sorted(rows) for si, rows in out.items()}
 
 
+def rollout_reproduces_attention(cfg: Any, data: Any, depth: int) -> bool:
+    """Whether the greedy-path rollout's full-prefix mask is what the target attends to over these samples
+    (`model/path_labels.attention_limit`, read from the target's config.json; a GGUF-only target is taken as
+    full attention). With train.on_path=rollout a target it is not raises UsageError (exit 2) before any work."""
+    from dflashkit.model.files import resolve_target_path
+    from dflashkit.model.path_labels import check_full_attention
+    from dflashkit.model.target import text_config_dict
+
+    model_dir, gguf = resolve_target_path(cfg.target.path, cfg.target.gguf_file)
+    if gguf or not (model_dir / "config.json").is_file():
+        return True
+    tc = text_config_dict(model_dir)
+    length = max((len(x) for x in data.input_ids), default=0) + depth - 1
+    try:
+        check_full_attention(tc, length)
+    except UsageError:
+        if cfg.train.on_path == "rollout":
+            raise
+        return False
+    return True
+
+
 def plan_capture(cfg: Any, contract: Any, data: Any, out_dir: Path, *, heldout: list[int] | None = None) -> CapturePlan:
     """The shards whose features are missing or stale (layer ids, source digest, dtype, autocast, engine),
     and those whose features match but lack greedy paths (`heldout`: the held-out sample indices)."""
@@ -118,6 +140,8 @@ def plan_capture(cfg: Any, contract: Any, data: Any, out_dir: Path, *, heldout: 
     keep_last = cfg.capture.last_hidden == "true" or (cfg.capture.last_hidden == "auto"
                                                       and reads_target_law(cfg.train, contract.family))
     depth = path_depth(contract.block_size) if engine == "local" else 0  # an engine gives no greedy paths
+    if depth > 1 and not rollout_reproduces_attention(cfg, data, depth):
+        depth = 0  # a sliding window the samples outgrow: no held-out paths (train scores argmax labels instead)
     wanted = path_rows_wanted(cfg, data, heldout or []) if depth else {}
     per_token = (width + (contract.hidden_size if keep_last else 0)) * ST_DTYPES[dtype][1] + 4 + \
         (4 * depth if wanted else 0)

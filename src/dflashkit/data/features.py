@@ -11,8 +11,8 @@ Usage:
 A shard holds `offsets` [samples+1] (int64 row offsets, in tokenized-shard order), `features`
 [tokens, n_feat·H] (capture.dtype), `next_ids` [tokens] (int32, the target's greedy next token),
 optionally `last_hidden` [tokens, H] (capture.dtype), optionally `path_ids` [tokens, D] (int32, the
-target's greedy continuation of depth D after each raw prefix, `model/path_labels.py`; −1 where not
-computed: outside the rows block labels read, and in samples not in `path_rows`), and string metadata:
+target's greedy continuation of depth D after each raw prefix, `model/path_labels.py`; level 0 at every
+token of a sample in `path_rows`, levels ≥ 1 where block labels read them, −1 elsewhere), and string metadata:
 `target_layer_ids` (JSON), `source`, `source_digest`, `dtype`, `hidden_size`, `samples`,
 `target_autocast`, `next_ids: "1"`, `last_hidden: "1"|"0"`, and with path_ids `path_depth` (D) and
 `path_rows` ("all", or a JSON list of the samples, by row in the shard, that have theirs: capture

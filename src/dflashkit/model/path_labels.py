@@ -12,8 +12,9 @@ Usage:
     w = on_path_weights(ids, target_labels, seq_lens, anchors, block_size=B)   # the mask mode, [b, N, B]
 
 Definitions (issue #31). With raw text x and the target's greedy argmax:
-  * path_ids[t, 0] = the argmax after x[0..t] (= next_ids[t]); path_ids[t, j] = the argmax after
-    x[0..t], path_ids[t, 0..j−1]: the D tokens the target itself would write after the raw prefix x[0..t].
+  * path_ids[t, 0] = the argmax after x[0..t] (= next_ids[t], filled at every real position); path_ids[t, j]
+    = the argmax after x[0..t], path_ids[t, 0..j−1]: the D tokens the target itself would write after the raw
+    prefix x[0..t] (levels j ≥ 1 only where asked, −1 elsewhere).
   * The on-path label of block position k ≥ 1 of anchor a is path_ids[a, k−1] (D = B − 1 suffices):
     what verification compares a draft with, since the decoder commits x[..a] and the target then
     checks its OWN continuation. `train.labels=target` without it learns next_ids[a+k−1], the argmax
@@ -29,7 +30,9 @@ cached raw tokens 0 … t and to this row's own earlier level tokens only. Rows 
 sequence at a time and the cache is cropped back to the raw sequence after each chunk, so memory is
 bounded. Cost: (D−1) target tokens per rollout row, ≈ (D−1) × the disagreement rate per raw token
 (`rolled`). Full-attention decoders only (Llama, Qwen3, DeepSeek-V3 MLA): a sliding-window or linear-
-attention layer would need its own mask / state, and is refused.
+attention layer would need its own mask / state, and is refused (`attention_limit`; a window at least as
+long as the samples never binds, so such a target is fine for them). The held-out yardstick then scores
+on the target's argmax labels instead (`train/target_side.py`).
 
 `on_path_weights` (the "mask", free): keep block position k ≥ 2 only when every raw token between the
 anchor and it agrees with the target's argmax (x[a+j] == next_ids[a+j−1] for 1 ≤ j < k); there the
@@ -75,13 +78,32 @@ def path_cache() -> Any:
     return DynamicCache()
 
 
-def check_full_attention(config: Any) -> None:
-    """Refuse targets with layers other than full attention (their cache or mask would differ)."""
-    types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if types - {"full_attention"}:
-        raise UsageError(f"train.on_path=rollout: the target has {sorted(types - {'full_attention'})} layers; the "
-                         "greedy-path rollout supports full-attention decoders only",
-                         hint="use train.on_path=mask (free, no target work)")
+def attention_limit(config: Any, length: int) -> str | None:
+    """Why the rollout's mask (every raw token 0 … t) is not what the target attends to over `length` tokens,
+    or None: a layer type other than full attention, or a sliding window / attention chunk shorter than
+    `length` (a window at least as long as the sequence never binds). `config`: the target's HF config or its
+    config.json dict."""
+    def get(key: str) -> Any:
+        return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+    window, chunk = get("sliding_window"), get("attention_chunk_size")
+    types = get("layer_types")
+    if types is None:  # older configs: a sliding window applies to every layer unless switched off
+        types = ["sliding_attention" if window and get("use_sliding_window") is not False else "full_attention"]
+    for kind in sorted(set(types) - {"full_attention"}):
+        span = window if kind == "sliding_attention" else chunk if kind == "chunked_attention" else None
+        if span is None or int(span) < length:
+            return f"{kind} layers" + (f" (window {span} < {length} tokens)" if span is not None else "")
+    return None
+
+
+def check_full_attention(config: Any, length: int) -> None:
+    """Refuse a rollout over `length` tokens whose attention the rollout's mask would not reproduce."""
+    why = attention_limit(config, length)
+    if why:
+        raise UsageError(f"train.on_path=rollout: the target has {why}; the greedy-path rollout reproduces full "
+                         "attention over the whole prefix only",
+                         hint="use train.on_path=mask (free, no target work), or shorter samples (tokenize.max_length)")
 
 
 def label_need(loss_mask: torch.Tensor, seq_lens: torch.Tensor, depth: int,
@@ -116,6 +138,16 @@ def _closure(need: torch.Tensor, agree: torch.Tensor) -> torch.Tensor:
     return need
 
 
+def _prefill_argmax(target: Any, input_ids: torch.Tensor, att: torch.Tensor, cache: Any) -> torch.Tensor:
+    """The target's argmax after every prefix [b, S], filling `cache`: the base model's final-norm states, then the
+    head a chunk of rows at a time, so the [b, S, V] logits never exist at once (a 152k vocab at S = 4096 takes
+    GBs); a sharded target (FSDP: DTensor weights, unsharded by its root's forward) runs its whole forward."""
+    if type(next(target.model.parameters())).__name__ == "DTensor":
+        return target.model(input_ids=input_ids, attention_mask=att, **with_cache(target, cache)).logits.argmax(-1)
+    out = target.model.model(input_ids=input_ids, attention_mask=att, **with_cache(target, cache))
+    return target.next_token_ids(out.last_hidden_state)
+
+
 @torch.no_grad()
 def greedy_path_ids(target: Any, input_ids: torch.Tensor, seq_lens: torch.Tensor, depth: int, *,
                     next_ids: torch.Tensor | None = None, cache: Any = None,
@@ -135,9 +167,9 @@ def greedy_path_ids(target: Any, input_ids: torch.Tensor, seq_lens: torch.Tensor
     Returns:
         GreedyPath; path_ids[t, j] is exact wherever `need[t, j]`, −1 elsewhere.
     """
-    if depth > 1:
-        check_full_attention(target.config)
     b, s = input_ids.shape
+    if depth > 1:  # the deepest rollout token sits at position s − 1 + (D − 1) and attends back to position 0
+        check_full_attention(target.config, s + depth - 1)
     dev = input_ids.device
     lens = seq_lens.to(dev)
     t_idx = torch.arange(s, device=dev)
@@ -148,7 +180,7 @@ def greedy_path_ids(target: Any, input_ids: torch.Tensor, seq_lens: torch.Tensor
     if next_ids is None or cache is None:
         att = attention_mask if attention_mask is not None else valid.long()
         cache = path_cache()
-        next_ids = target.model(input_ids=input_ids, attention_mask=att, **with_cache(target, cache)).logits.argmax(-1)
+        next_ids = _prefill_argmax(target, input_ids, att, cache)
     next_ids = next_ids.to(dev).long()
     agree = torch.zeros(b, s, dtype=torch.bool, device=dev)
     agree[:, :-1] = (input_ids[:, 1:] == next_ids[:, :-1]) & (t_idx[None, 1:] < lens[:, None])

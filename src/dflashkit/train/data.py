@@ -140,6 +140,9 @@ def collate(data: TokenData, items: list[tuple[int, int]], *, run_seed: int, pad
     def stack(name: str, dtype: torch.dtype) -> torch.Tensor:
         assert data.features is not None  # with_features / with_* need the capture shards
         rows = [data.features.get(data.where[i], n, name) for (i, _), n in zip(items, lens)]
+        if name == "path_ids":  # shards captured for a larger block hold deeper paths; each holds the depth asked
+            depth = min(f.shape[1] for f in rows)
+            rows = [f[:, :depth] for f in rows]
         out = torch.zeros(len(items), s, *rows[0].shape[1:], dtype=dtype)
         for r, f in enumerate(rows):
             out[r, :f.shape[0]] = f.to(dtype)

@@ -18,8 +18,9 @@ anchors only); with `train.on_path=mask` the positions off that path get weight 
 The held-out yardstick scores blocks on the target's own path whatever `train.on_path` says
 (`heldout_scoring`): "target_path" (labels = path_ids: from the shards, which `capture` writes for the
 held-out samples, or computed here once at setup when the target is loaded), else "on_path_positions"
-(the target's argmax labels on the positions the mask keeps: engine features, shards without paths),
-else "raw" (the training labels, as before).
+(the target's argmax labels on the positions the mask keeps: engine features, shards without paths, a
+target whose sliding window the samples outgrow — `model/path_labels.attention_limit`), else "raw" (the
+training labels, as before).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from dflashkit.model.path_labels import greedy_path_ids, label_need, path_cache, path_depth, with_cache
+from dflashkit.model.path_labels import (attention_limit, greedy_path_ids, label_need, path_cache, path_depth,
+                                        with_cache)
 from dflashkit.model.target import Target, target_autocast
 from dflashkit.train.data import Batch, FeatureStore, collate
 from dflashkit.train.objective import Anchors, target_label_ids
@@ -161,8 +163,12 @@ def heldout_scoring(store: Any, target: Any, data: Any, heldout: list[int], dept
     """How held-out blocks are scored: "target_path" when the shards hold every held-out sample's greedy
     path or the target is loaded here (`heldout_paths`), "on_path_positions" when only next_ids are had
     (engine features; shards without paths), else "raw"."""
-    if paths_stored(store, data, heldout, depth) or isinstance(target, Target):
+    if paths_stored(store, data, heldout, depth):
         return "target_path"
+    if isinstance(target, Target):  # the rollout computes the paths here, where its mask is the target's attention
+        longest = max(len(data.input_ids[j]) for j in heldout)
+        return "target_path" if depth <= 1 or attention_limit(target.config, longest + depth - 1) is None \
+            else "on_path_positions"
     return "on_path_positions" if store is not None and store.has("next_ids") else "raw"
 
 
