@@ -260,6 +260,17 @@ def test_eval_reports_prompt_lookup_diagnostics_and_the_best_block_size(tmp_path
     assert d["simulated"]["blocks"] == d["no_features"]["blocks"] == 2 * 11 and d["no_features"]["no_features"]
     assert d["other_context"]["blocks"] == 2 * 11 and d["other_context"]["ablation"] == "other"
     assert 0 <= d["drafter_position1"] <= 1 and 0 <= d["prompt_lookup_position1"] <= 1
+    # the two best decoders compared prompt by prompt, from their own results
+    from dflashkit.decode.api import GenerationResult
+    from dflashkit.decode.metrics import paired_speed
+
+    vs = s["versus_prompt_lookup"]
+    assert vs["prompts"] == 2 and vs["interval90"][0] <= vs["ratio"] <= vs["interval90"][1]
+    drafter = [GenerationResult(token_ids=[0] * p["tokens"], finish_reason="length", decode_s=p["decode_s"])
+               for p in res["speculative"][str(s["block_size"])]["per_prompt"]]
+    lookup = [GenerationResult(token_ids=[0] * p["tokens"], finish_reason="length", decode_s=p["decode_s"])
+              for p in res["prompt_lookup"][str(s["prompt_lookup"]["block_size"])]["per_prompt"]]
+    assert paired_speed(drafter, lookup) == vs
 
 
 def test_eval_in_bfloat16_is_exact_or_ties_only(tmp_path, target, tiny_qwen3):
@@ -311,3 +322,43 @@ def test_eval_dtype_auto_measures_both_and_says_which(tmp_path, target, tiny_qwe
     cal = choice["calibration"]
     assert cal[choice["chosen"]]["speedup"] == max(c["speedup"] for c in cal.values())
     assert all(c["baseline_tokens_per_s"] > 0 and c["best_block_size"] in (2, 4) for c in cal.values())
+
+
+def _results(times_tokens):
+    from dflashkit.decode.api import GenerationResult
+
+    return [GenerationResult(token_ids=[0] * n, finish_reason="length", decode_s=t) for t, n in times_tokens]
+
+
+def test_paired_speed_matches_a_loop_oracle_and_tells_noise_from_a_difference():
+    import random
+
+    from dflashkit.decode.metrics import paired_speed
+
+    rng = random.Random(0)
+    a = _results([(rng.uniform(1, 3), rng.randint(20, 40)) for _ in range(8)])
+    b = _results([(rng.uniform(1, 3), rng.randint(20, 40)) for _ in range(8)])
+    p = paired_speed(a, b)
+    # the point ratio by a loop: B's decode seconds per token over A's (first token excluded, as summarize_timing)
+    ta, na = sum(r.decode_s for r in a), sum(len(r.token_ids) - 1 for r in a)
+    tb, nb = sum(r.decode_s for r in b), sum(len(r.token_ids) - 1 for r in b)
+    assert p["ratio"] == pytest.approx((tb / nb) / (ta / na), abs=1e-4)
+    assert p["faster_prompts"] == sum((x.decode_s / (len(x.token_ids) - 1)) < (y.decode_s / (len(y.token_ids) - 1))
+                                      for x, y in zip(a, b))
+    assert p["interval90"][0] <= p["ratio"] <= p["interval90"][1] and p["prompts"] == 8
+    # swapping the decoders inverts the ratio and the verdict
+    q = paired_speed(b, a)
+    assert q["ratio"] == pytest.approx(1 / p["ratio"], rel=1e-3)
+    assert q["clear"] == {"a": "b", "b": "a", None: None}[p["clear"]]
+    # the same decodes: ratio 1, an interval of width 0 that contains 1, not told apart
+    same = paired_speed(a, a)
+    assert same["ratio"] == 1.0 and same["interval90"] == [1.0, 1.0] and same["clear"] is None
+    # twice as fast on every prompt: told apart, whatever the prompts' spread
+    fast = _results([(r.decode_s / 2, len(r.token_ids)) for r in a])
+    twice = paired_speed(fast, a)
+    assert twice["ratio"] == pytest.approx(2.0) and twice["clear"] == "a" and twice["faster_prompts"] == 8
+    # a noisy 1.0 (each prompt ±20% either way) is not told apart
+    noisy = _results([(r.decode_s * (1.2 if i % 2 else 1 / 1.2), len(r.token_ids)) for i, r in enumerate(a)])
+    assert paired_speed(noisy, a)["clear"] is None
+    with pytest.raises(ValueError, match="same prompts"):
+        paired_speed(a, a[:3])

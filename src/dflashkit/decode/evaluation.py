@@ -152,9 +152,13 @@ def diagnostic_lines(res: dict[str, Any]) -> list[str]:
     out, s = [], res["summary"]
     lk = s.get("prompt_lookup")
     if lk:
+        from dflashkit.decode.metrics import paired_phrase
+
         verdict = "beats" if s.get("beats_prompt_lookup") else "does NOT beat"
+        vs = s.get("versus_prompt_lookup")
         out.append(f"best: drafter B={s['block_size']} tau {s['tau']:.2f} speedup {s['speedup']:.2f}x; prompt lookup "
-                   f"B={lk['block_size']} tau {lk['tau']:.2f} speedup {lk['speedup']:.2f}x: the drafter {verdict} it")
+                   f"B={lk['block_size']} tau {lk['tau']:.2f} speedup {lk['speedup']:.2f}x: the drafter {verdict} it"
+                   + (f" (drafter over lookup, paired: {paired_phrase(vs)})" if vs else ""))
     ad = s.get("adaptive")
     if ad:
         out.append(f"adaptive draft length (dflashkit's decoder; engines run fixed B): best B={ad['block_size']} tau "
@@ -212,7 +216,9 @@ def entries(runs: dict[str, Any], base_t: dict) -> dict[str, dict]:
     for key, results in runs.items():
         bs = block_of(key)
         acc, tim = summarize_acceptance(results, bs), summarize_timing(results)
-        out[key] = {**acc, **tim, **compare(base_t, tim, acc["tau"])}
+        out[key] = {**acc, **tim, **compare(base_t, tim, acc["tau"]),
+                    # prompt by prompt (the paired comparison's inputs): tokens emitted, decode seconds
+                    "per_prompt": [{"tokens": len(r.token_ids), "decode_s": r.decode_s} for r in results]}
         if key.startswith("adaptive-"):  # what the policy verified: drafts per step (fixed B: B − 1)
             steps = sum(len(r.acceptance_lengths) for r in results)
             out[key]["drafts_per_step"] = round(sum(r.verified_drafts for r in results) / max(1, steps), 4)
@@ -301,7 +307,7 @@ def evaluate(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list[lis
     """Decode every prompt with the baseline and each decoder; `eval/results.json`'s dict."""
     import torch
 
-    from dflashkit.decode.metrics import summarize_timing
+    from dflashkit.decode.metrics import paired_speed, summarize_timing
     from dflashkit.decode.runner import draft_dtype_for
     from dflashkit.export.hf import load_drafter
 
@@ -354,6 +360,9 @@ def evaluate(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list[lis
         res["summary"]["prompt_lookup"] = lookup_best
         res["summary"]["beats_prompt_lookup"] = (best["tau"] > lookup_best["tau"]
                                                  and best["speedup"] > lookup_best["speedup"])
+        if str(best["block_size"]) in runs:  # the two best decoders, prompt by prompt (timing noise included)
+            res["summary"]["versus_prompt_lookup"] = paired_speed(runs[str(best["block_size"])],
+                                                                  runs[f"lookup-{lookup_best['block_size']}"])
     if e.diagnostics:
         res["diagnostics"] = diagnostics(cfg, rd, target, drafter, ids, base_results, res)
     res["speculation_profile"] = eval_profile(cfg, rd, inputs, target, ids, runs, block_sizes, res)

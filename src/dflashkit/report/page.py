@@ -180,6 +180,8 @@ def engine_section_html(res: dict) -> str:
 
 def eval_diagnostics_html(results: dict) -> str:
     """Drafter vs prompt lookup, the bigram baseline, the no-feature ablation and the lossless verdict."""
+    from dflashkit.decode.metrics import paired_phrase
+
     out = []
     spec, lookup, summ = results.get("speculative", {}), results.get("prompt_lookup") or {}, results.get("summary", {})
     if lookup:
@@ -196,7 +198,9 @@ def eval_diagnostics_html(results: dict) -> str:
                    "followed the latest earlier occurrence of the last n tokens, verified by the same lossless "
                    f"decoder on the same prompts. Best drafter: B={summ.get('block_size')} τ {_fmt(summ.get('tau'))}, "
                    f"{_fmt(summ.get('speedup'))}×; best prompt lookup: B={lk.get('block_size')} τ {_fmt(lk.get('tau'))}, "
-                   f"{_fmt(lk.get('speedup'))}×. The drafter {beats} it.</p>")
+                   f"{_fmt(lk.get('speedup'))}×. The drafter {beats} it"
+                   + (f" (drafter over lookup, paired prompt by prompt: {html.escape(paired_phrase(vs))})"
+                      if (vs := summ.get("versus_prompt_lookup")) else "") + ".</p>")
         out.append(_table(["block size", "drafter τ", "drafter speedup", "drafter position-1", "lookup τ",
                            "lookup speedup", "lookup position-1"], rows))
     diag = results.get("diagnostics") or {}

@@ -46,6 +46,10 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
     if lk:
         lines.append(f"  {'prompt lookup':17s} tau {lk['tau']} speedup {lk['speedup']} at B={lk['block_size']} "
                      f"(the drafter {'beats' if ev.get('beats_prompt_lookup') else 'does not beat'} it)")
+        if ev.get("versus_prompt_lookup"):
+            from dflashkit.decode.metrics import paired_phrase
+
+            lines.append(f"  {'':17s} drafter over lookup, paired: {paired_phrase(ev['versus_prompt_lookup'])}")
     if s.get("forecast"):
         lines.append(f"  {'forecast':17s} {s['forecast']}")
     for key in ("report", "checkpoint", "drafter"):
