@@ -68,7 +68,7 @@ def test_bench_decode_against_reference(tmp_path, smollm2_dir):
     assert res["identical_tokens"] is True and res["block_size"] == 4
     assert res["tokens_per_s_e2e"]["reference"] > 0 and res["t1_ms"] > 0 and res["bound"] > 0
     # the lean draft forward beside the module forward: the same proposals, the parts of its step, the shares
-    assert res["module_forward"]["identical_proposals"] is True
+    assert res["module_forward"]["identical_decodes"] is True
     assert set(res["draft_profile_ms"]) == {"context_kv", "block", "head", "total"}
     assert 0 < res["draft_share"] and res["adaptive"]["identical_tokens"] is True
 

@@ -4,8 +4,9 @@ Usage:
     dflashkit bench decode -c run.yaml                       # drafter: train/final or export
     dflashkit bench decode runs/x/export target.path=smollm2-135m-instruct eval.num_prompts=4
 
-Same target, drafter weights, prompts and block size (eval.block_sizes[0], else the drafter's), in
-one run, prompt by prompt in turn (warm-up excluded): our baseline (block_size 1), our speculative
+Same target (verified in eval's dtype, `eval.dtype`: a bf16 verify where eval runs one, so the draft's
+share of a target step is the share eval pays), drafter weights, prompts and block size (eval.block_sizes[0],
+else the drafter's), in one run, prompt by prompt in turn (warm-up excluded): our baseline (block_size 1), our speculative
 decoder, and the reference loop from PyPI `dflash==0.1.0` (its `DFlashDraftModel` loaded from the
 same dir). Reports end-to-end tokens/s of each call, ours/reference ratio (goal ≥ 1.2), identical
 tokens, τ, our t(1), t(B), and the bound τ·t(1)/t(B) next to the measured speedup.
@@ -67,7 +68,7 @@ def _e2e(results: list[GenerationResult]) -> tuple[int, float]:
 def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     import torch
 
-    from dflashkit.decode.evaluation import decode_inputs, load_checked_target
+    from dflashkit.decode.evaluation import decode_inputs, load_checked_target, verify_target_config
     from dflashkit.decode.metrics import compare, summarize_acceptance, summarize_timing
     from dflashkit.decode.runner import draft_dtype_for, first_difference, params_for, run_interleaved
     from dflashkit.decode.spec_decode import SpecDecoder
@@ -76,7 +77,8 @@ def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any
     inputs = decode_inputs(cfg, rd, ctx.positionals[1:], num_prompts=cfg.eval.num_prompts)
     drafter_dir, contract = inputs.drafter_dir, inputs.contract
     bs = (cfg.eval.block_sizes or [contract.block_size])[0]
-    target, ids = load_checked_target(cfg, inputs, cfg.target)  # the drafter and every prompt fit
+    # verified in eval's dtype (`eval.dtype`), so the draft's share of a target step is the one eval pays
+    target, ids = load_checked_target(cfg, inputs, verify_target_config(cfg))  # the drafter and every prompt fit
     params = params_for(cfg, target)
     drafter = load_drafter(drafter_dir, dtype=target.dtype, device=target.device)
     baseline = SpecDecoder(target, None, 1, max_context=cfg.eval.max_context)
@@ -107,6 +109,7 @@ def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any
         "target": str(cfg.target.path), "drafter": str(drafter_dir), "drafter_type": contract.drafter_type,
         "block_size": bs, "prompts": len(ids),
         "max_new_tokens": params.max_new_tokens, "device": str(target.device), "threads": torch.get_num_threads(),
+        "dtype": str(target.dtype).removeprefix("torch."),
         "draft_dtype": str(next(drafter.parameters()).dtype).removeprefix("torch."),
         "tokens_per_s_e2e": tps,
         "ours_over_reference": round(tps["ours"] / tps["reference"], 4) if tps["reference"] else 0.0,
@@ -128,7 +131,7 @@ def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any
         assert ours._fast is not None
         result["module_forward"] = {"draft_ms": round(mod_t["draft_s_mean"] * 1e3, 3),
                                     "draft_share": round(mod_t["draft_s_mean"] / cmp["tB_s"], 4) if cmp["tB_s"] else None,
-                                    "identical_proposals": same,
+                                    "identical_decodes": same,  # tokens and accepted lengths, step by step
                                     "decode_tokens_per_s": mod_t["decode_tokens_per_s"]}
         result["draft_profile_ms"] = ours._fast.profile(context=256, new=max(1, round(acc["tau"])))
     if "ours-adaptive" in runs:
@@ -140,10 +143,13 @@ def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any
                               "decode_tokens_per_s": ad_t["decode_tokens_per_s"],
                               "drafts_per_step": round(sum(r.verified_drafts for r in runs["ours-adaptive"])
                                                        / max(1, steps), 4),
+                              # greedy only: sampled decodes draw other random streams, lossless or not
                               "identical_tokens": all(a.token_ids == b.token_ids for a, b in
-                                                      zip(runs["ours-adaptive"], runs["baseline"]))}
+                                                      zip(runs["ours-adaptive"], runs["baseline"]))
+                              if params.temperature <= 0 else None}
     if not ctx.json:
-        print(f"decode bench B={bs}, {len(ids)} prompts × {params.max_new_tokens} tokens, {result['device']}:\n"
+        print(f"decode bench B={bs}, {len(ids)} prompts × {params.max_new_tokens} tokens, {result['device']}, "
+              f"{result['dtype']} verify, {result['draft_dtype']} draft:\n"
               f"  tokens/s e2e: baseline {tps['baseline']:.1f}, ours {tps['ours']:.1f}, reference {tps['reference']:.1f}"
               f" (ours/reference {result['ours_over_reference']:.2f}, identical tokens: {identical})\n"
               f"  tau {acc['tau']:.2f}; t(1) {result['t1_ms']:.1f} ms, t(B) {result['tB_ms']:.1f} ms, draft "
@@ -153,7 +159,7 @@ def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any
         if "module_forward" in result:
             m = result["module_forward"]
             print(f"  draft: lean {result['draft_ms']:.2f} ms vs module forward {m['draft_ms']:.2f} ms "
-                  f"({m['draft_share'] or 0:.1%} of a target step; identical proposals: {m['identical_proposals']}); "
+                  f"({m['draft_share'] or 0:.1%} of a target step; identical decodes: {m['identical_decodes']}); "
                   f"lean parts (ms): {result['draft_profile_ms']}", flush=True)
         if "adaptive" in result:
             a = result["adaptive"]

@@ -22,9 +22,12 @@ re-allocates each of these every step:
     re-lays the weight out on every call, which doubles a small product's time here (a [4, 576] × [576, 3072]
     bf16 product: 164 vs 274 µs on one core of an Intel Xeon with AMX). A packed weight is used only where it
     gives F.linear's result bit for bit (checked once per weight and row count), so nothing changes but time;
+  * fewer ops per layer: RMSNorm as one fused `F.rms_norm` in float32, the block's queries and keys normed and
+    rotated together, RoPE as a roll over a sine table with its sign folded in (the same products);
   * no module calls, no dtype round trips, no per-step allocation of the block input.
-The arithmetic is the module's, op for op (RMSNorm in float32 as HF's Qwen3RMSNorm, neox RoPE, SDPA through
-the module's `block_attention`, SwiGLU), so proposals are identical (tests/decode/test_fast_draft.py compares them step by step).
+The arithmetic is the module's (RMSNorm statistics in float32 as HF's Qwen3RMSNorm, neox RoPE, SDPA through
+the module's `block_attention`, SwiGLU), the fused norm's reduction order aside, so proposals are the module's
+(tests/decode/test_fast_draft.py compares logits and proposals step by step).
 Causal in-block attention (`drafter.causal`) attends with a bool mask: the context and offsets j ≤ i.
 """
 
@@ -52,17 +55,15 @@ class DraftState:
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF Qwen3RMSNorm, op for op (float32 statistics, the weight applied in the input dtype)."""
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    """HF Qwen3RMSNorm: float32 statistics (one fused `F.rms_norm` instead of five ops), the weight applied in
+    the input dtype. `weight` may be [heads, d] over x [t, heads, d] (each head its own norm weight)."""
+    return weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [t, heads, d]; cos/sin [t, d] (neox layout, as `model.drafter.apply_rope`)."""
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None] + rot * sin[:, None]
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [t, heads, d]; cos [t, d] and sin_signed [t, d] = sin with its first half negated (neox layout, as
+    `model.drafter.apply_rope`: rotate_half(x)·sin = roll(x, d/2)·sin_signed, the same products)."""
+    return x * cos[:, None] + x.roll(x.shape[-1] // 2, -1) * sin_signed[:, None]
 
 
 class _PackedLinear:
@@ -110,6 +111,9 @@ class _Layer:
                                rows)
         self.q_norm, self.k_norm = a.q_norm.weight.detach(), a.k_norm.weight.detach()
         self.q_eps, self.k_eps = a.q_norm.variance_epsilon, a.k_norm.variance_epsilon
+        # the block's queries and keys normed and rotated as one [q, heads + kv_heads, d] tensor (same eps)
+        self.qk_norm = (torch.cat([self.q_norm.expand(self.n_heads, -1), self.k_norm.expand(self.n_kv, -1)])
+                        if self.q_eps == self.k_eps else None)
         self.in_norm = layer.input_layernorm.weight.detach()
         self.in_eps = layer.input_layernorm.variance_epsilon
         self.post_norm = layer.post_attention_layernorm.weight.detach()
@@ -165,7 +169,9 @@ class FastDraft:
         probe = self.mask_row.view(1, 1, -1)
         pos = torch.arange(n, device=self.device)[None]
         cos, sin = self.drafter.rotary_emb(probe, pos)
-        self._cos, self._sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
+        sin = sin[0].to(self.dtype)
+        half = sin.shape[-1] // 2
+        self._cos, self._sin = cos[0].to(self.dtype), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
     def new_state(self, capacity: int = 1024) -> DraftState:
         first = self.layers[0]
@@ -231,8 +237,7 @@ class FastDraft:
         """The block [anchor, MASK × k] through the layers and the final norm → h [k, H] of positions 1 … k."""
         q_len = k + 1
         end = start + q_len
-        x = self.mask_row.expand(q_len, -1).clone()                                # [q, H]
-        x[0] = anchor_emb.reshape(-1)
+        x = torch.cat((anchor_emb.reshape(1, -1), self.mask_row.expand(k, -1)))        # [q, H]
         cos, sin = self._cos[start:end], self._sin[start:end]
         mask = None
         if self.causal:
@@ -241,8 +246,12 @@ class FastDraft:
             u = _rms(x, L.in_norm, L.in_eps)
             qkv = L.qkv(u)                                       # [q, (nh + 2·kv)·d]
             nq, nk = L.n_heads * L.d, L.n_kv * L.d
-            q = _rope(_rms(qkv[:, :nq].view(q_len, L.n_heads, L.d), L.q_norm, L.q_eps), cos, sin)
-            bk = _rope(_rms(qkv[:, nq:nq + nk].view(q_len, L.n_kv, L.d), L.k_norm, L.k_eps), cos, sin)
+            if L.qk_norm is not None:
+                qk = _rope(_rms(qkv[:, :nq + nk].view(q_len, L.n_heads + L.n_kv, L.d), L.qk_norm, L.q_eps), cos, sin)
+                q, bk = qk[:, :L.n_heads], qk[:, L.n_heads:]
+            else:
+                q = _rope(_rms(qkv[:, :nq].view(q_len, L.n_heads, L.d), L.q_norm, L.q_eps), cos, sin)
+                bk = _rope(_rms(qkv[:, nq:nq + nk].view(q_len, L.n_kv, L.d), L.k_norm, L.k_eps), cos, sin)
             state.keys[i, :, start:end] = bk.transpose(0, 1)                        # scratch past the context
             state.values[i, :, start:end] = qkv[:, nq + nk:].view(q_len, L.n_kv, L.d).transpose(0, 1)
             attn = block_attention(q.transpose(0, 1)[None], state.keys[i, :, :end][None],
