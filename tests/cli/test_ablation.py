@@ -110,6 +110,12 @@ def test_bad_variants_fail_before_any_training_and_dry_run_trains_nothing(tmp_pa
                "bench.recipe_variants={ok: [], bad: [train.lr=-1]}"])
     assert rc == 2 and not (rd / "bench" / "recipe" / "ok").exists()
     capsys.readouterr()
+    # a name YAML reads as a boolean (off) is refused naming it, before anything trains
+    rc = main(["bench", "recipe", "--json", *overrides(rd, tiny_qwen3),
+               "bench.recipe_variants={ok: [], off: [train.on_path=off]}"])
+    err = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
+    assert rc == 2 and "bench.recipe_variants.False" in err and "quote it" in err, err
+    assert not (rd / "bench" / "recipe").exists()
     rc = main(["bench", "recipe", "--json", "--dry-run", *overrides(rd, tiny_qwen3),
                "bench.recipe_grid={drafter.block_size: [2, 8], train.lr: [1e-3]}"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

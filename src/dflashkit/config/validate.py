@@ -277,7 +277,10 @@ def recipe_variant_problems(variants: dict[str, Any]) -> list[str]:
     p = []
     for name, over in variants.items():
         key = f"bench.recipe_variants.{name}"
-        if not re.fullmatch(VARIANT_NAME, str(name)) or ".." in str(name):
+        if not isinstance(name, str):  # YAML reads off/on/yes/no/true as booleans, 1e-3 as a number
+            p.append(f"{key}: YAML read this variant name as {type(name).__name__} {name!r}, not as the name you "
+                     f"wrote (off, on, yes, no and true are booleans there); quote it, e.g. {{'off': [...]}}")
+        elif not re.fullmatch(VARIANT_NAME, name) or ".." in name:
             p.append(f"{key}: the variant name becomes the folder bench/recipe/<name>/ and must be a plain name "
                      f"(letters, digits, . _ = + , -; no '/', no '..'), got {name!r}")
         if isinstance(over, str):
