@@ -11,8 +11,10 @@ Then, on SmolLM2-135M-Instruct through the real CLI, the commands README "Serve 
      tolerance, per-position acceptance agrees, greedy outputs match ours and its own non-speculative run
      (fp32), and the shipped profile agrees with the engine (its `engines` entry passes);
   4. a causal (JetSpec, `drafter.causal=true`) drafter from the same data, in a run dir of its own: probe,
-     train, export in both formats, verify-engine on each, with the same checks; vLLM's own config reader
-     resolves every layer of these exports causal, and every layer of step 2's exports bidirectional.
+     train, export in both formats, verify-engine on the z-lab one, with the same checks; vLLM's own config
+     reader resolves every layer of both causal exports causal, and every layer of step 2's exports
+     bidirectional (the speculators export holds the same weights: its serving is step 3's, its causality
+     that reader's; one vLLM start less keeps `make test-engine` inside its ~15 minutes on a fresh machine).
 """
 
 from __future__ import annotations
@@ -136,7 +138,7 @@ def test_vllm_regenerates_and_judges_the_export(tmp_path, capsys):
     _ok(capsys, "export", "-c", c, "--json", *cc, "export.format=speculators", f"export.out_dir={cspec}")
     cfg = json.loads((crun / "export" / "config.json").read_text())
     assert cfg["is_causal"] is True and cfg["dflash_config"]["causal"] is True
-    _verify_both(capsys, c, crun, cspec, *cc)
+    _verify_both(capsys, c, crun, cspec, *cc, formats=("zlab",))
 
     # what vLLM itself resolves: the causal exports causal in every layer, the default (step 2) ones in none
     from tests.helpers import vllm_causality
@@ -147,9 +149,12 @@ def test_vllm_regenerates_and_judges_the_export(tmp_path, capsys):
         assert got[str(d)]["layers"] == [causal] and got[str(d)]["any_non_causal"] is (not causal), (d, got[str(d)])
 
 
-def _verify_both(capsys, c: str, run: Path, spec_dir: Path, *over: str) -> None:
-    """verify-engine on the z-lab export and on the speculators one: every check passes, τ engine ≈ ours."""
+def _verify_both(capsys, c: str, run: Path, spec_dir: Path, *over: str,
+                 formats: tuple[str, ...] = ("zlab", "speculators")) -> None:
+    """verify-engine on the z-lab export and on the speculators one (`formats`): every check passes, τ engine ≈ ours."""
     for fmt, argv in (("zlab", []), ("speculators", [str(spec_dir)])):
+        if fmt not in formats:
+            continue
         code = main(["verify-engine", *argv, "-c", c, "--json", *over])
         out = capsys.readouterr()
         res = json.loads((run / "verify-engine" / "results.json").read_text())
