@@ -64,3 +64,15 @@ def test_interpolated_cost_table():
     p.calibrate({1: 1.0, 4: 4.0})
     assert [p.cost[n] for n in range(1, 5)] == [1.0, 2.0, 3.0, 4.0]
     assert list(itertools.islice(p.expected([1.0, 1.0, 1.0]), 4)) == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_observed_steps_move_the_whole_table_and_keep_its_ratios():
+    p = DraftLength(max_drafts=3)
+    p.calibrate({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.5})
+    for _ in range(200):  # the context grows: only 1-token steps are run, each twice the calibrated cost
+        p.observe_cost(1, 2.0)
+    assert abs(p.cost[1] - 2.0) < 1e-6
+    for n, t in {2: 1.1, 3: 1.2, 4: 1.5}.items():  # the sizes never run follow the level
+        assert abs(p.cost[n] / p.cost[1] - t) < 1e-9
+    p.observe_cost(7, 9.0)                       # a size outside the table changes nothing
+    assert abs(p.cost[1] - 2.0) < 1e-6

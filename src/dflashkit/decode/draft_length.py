@@ -60,10 +60,15 @@ class DraftLength:
         self.draft_s = seconds if self.draft_s == 0 else (1 - weight) * self.draft_s + weight * seconds
 
     def observe_cost(self, n: int, seconds: float, weight: float = 0.1) -> None:
-        """A measured target step over n tokens: t(n) follows it (an exponential moving average), so the table
-        tracks the context's growth."""
-        if n in self.cost:
-            self.cost[n] = (1 - weight) * self.cost[n] + weight * seconds
+        """A measured target step over n tokens: t(n) follows it (an exponential moving average), and every other
+        size moves by the same factor, so the whole table tracks the context's growth while keeping the ratios
+        t(k)/t(n) the calibration measured (a size the policy stops choosing would otherwise keep its cost from
+        a shorter context, and look ever cheaper or dearer against the sizes it does run)."""
+        if n not in self.cost or self.cost[n] <= 0:
+            return
+        ratio = ((1 - weight) * self.cost[n] + weight * seconds) / self.cost[n]
+        for m in self.cost:
+            self.cost[m] *= ratio
 
     def factor(self, i: int) -> float:
         """The calibration factor c_i of position i (0-based), with its prior of c = 1."""

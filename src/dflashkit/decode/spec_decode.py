@@ -298,6 +298,7 @@ class SpecDecoder:
             if size > 1:
                 drafts, dprobs, conf = self._draft(seq, start, size - 1, feats, dcache, positions, params, gen)
                 if self.policy is not None and conf is not None:  # verify only what is likely accepted
+                    self.policy.observe_draft(self._now() - ts)  # this step's draft counts (the first one too)
                     k = self.policy.choose(conf)
                     drafts, conf = drafts[:k], conf[:k]
                     dprobs = None if dprobs is None else dprobs[:k]
@@ -313,7 +314,6 @@ class SpecDecoder:
             te = self._now()
             if self.policy is not None and conf is not None:
                 self.policy.observe(conf, a)
-                self.policy.observe_draft(tv - ts)
                 self.policy.observe_cost(size, te - tv)
             new = (drafts[:a] + [nxt])[: max_len - start - 1]
             for i, tok in enumerate(new):
