@@ -64,7 +64,7 @@ class DraftLength:
         size moves by the same factor, so the whole table tracks the context's growth while keeping the ratios
         t(k)/t(n) the calibration measured (a size the policy stops choosing would otherwise keep its cost from
         a shorter context, and look ever cheaper or dearer against the sizes it does run)."""
-        if n not in self.cost or self.cost[n] <= 0:
+        if n not in self.cost:  # calibrate keeps positive times only, and the EMA of positive times stays positive
             return
         ratio = ((1 - weight) * self.cost[n] + weight * seconds) / self.cost[n]
         for m in self.cost:
