@@ -17,6 +17,7 @@ by the command writing to the run dir (it names that process), so two writers ne
 
 from __future__ import annotations
 
+import codecs
 import fcntl
 import hashlib
 import json
@@ -251,6 +252,29 @@ def read_json_or_none(path: Path, log: logging.Logger) -> Any:
     except json.JSONDecodeError:
         log.warning("%s is not valid JSON; skipped", path)
         return None
+
+
+def read_utf8(path: str | Path, what: str) -> str:
+    """The text of a user's file, which must be UTF-8 (a leading byte-order mark is dropped). Anything
+    else is exit 2 naming the file, the line, the column and the byte offset of the first bad byte
+    (UTF-16 / UTF-32 by their byte-order mark), with the command that converts it."""
+    from dflashkit.errors import UsageError
+
+    path = Path(path)
+    raw = path.read_bytes()
+    fix = f"save it as UTF-8, e.g. `iconv -f {{enc}} -t UTF-8 {path} > {path.stem}.utf8{path.suffix}`"
+    for bom, enc in ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
+                     (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16")):
+        if raw.startswith(bom):
+            raise UsageError(f"{path}: {what} is {enc} (byte-order mark at byte 0); dflashkit reads UTF-8",
+                             hint=fix.format(enc=enc))
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise UsageError(f"{path}:{line}:{col}: {what} is not UTF-8 (byte 0x{raw[e.start]:02x} at offset "
+                         f"{e.start}: {e.reason})", hint=fix.format(enc="LATIN1")) from None
 
 
 def file_digest(path: str | Path, limit: int | None = 1 << 20) -> str:
@@ -523,6 +547,109 @@ def run_dir_lock(root: str | Path, command: str) -> Iterator[None]:
                 path.unlink()
                 for p in created:  # innermost first; stops at the first non-empty one
                     p.rmdir()
+        except OSError:
+            pass
+        finally:
+            os.close(fd)  # releases the flock
+
+
+def check_writable_dir(path: str | Path, *, label: str, hint: str) -> None:
+    """Raise `UsageError` naming `path` (as `label`, e.g. "run.run_dir") unless it is, or can be made, a
+    directory this process can write into: not a file, not under a file, not a place where it cannot create
+    or write (/proc, a read-only mount, no permission). Leaves no trace: the directories and the probe file it
+    creates to find out are removed again. Call it before any work, in `--dry-run` too."""
+    from dflashkit.errors import UsageError
+
+    path = Path(path)
+    for p in (path, *path.parents):
+        if p.is_dir():
+            break
+        if p.exists() or p.is_symlink():
+            kind = "a file" if p.exists() else "a broken symlink"
+            where = "is" if p == path else f"is under {p}, which is"
+            raise UsageError(f"{label} {path} {where} {kind}, not a directory", hint=hint)
+    created = [p for p in (path, *path.parents) if not p.exists()]  # innermost first
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe.", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:  # /proc/x, a read-only mount, no permission
+        raise UsageError(f"{label} {path}: cannot write there ({e.strerror or e})", hint=hint) from None
+    finally:
+        for p in created:
+            if p.is_dir():
+                try:
+                    p.rmdir()
+                except OSError:
+                    break
+
+
+@contextmanager
+def dir_lock(path: str | Path, command: str, *, label: str) -> Iterator[None]:
+    """Hold an exclusive `flock` on `<parent>/.<name>.lock` while `command` writes the directory `path`
+    (one that may lie outside any run dir, such as `export.out_dir`); a second writer gets `UsageError`
+    (exit 2) naming `label`, `path` and the holder's PID and command.
+
+    The lock dies with its process, and the lock file is removed on release (the parents this call
+    created too, when empty), so nothing stale is left to block a later writer. A process that opened
+    the file just before its holder removed it locks a file no longer at the path: it sees that and
+    locks the new one. On a filesystem without flock it warns and does not guard.
+    """
+    from dflashkit.errors import UsageError
+
+    path = Path(path)
+    lock = path.parent / f".{path.name}.lock"
+    created = [p for p in path.parents if not p.exists()]  # innermost first
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{label} {path}: cannot create {path.parent} ({e.strerror or e})",
+                         hint=f"set {label} to a directory you can write to") from None
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a read-only mount, no permission
+            raise UsageError(f"{label} {path}: cannot write {lock} there ({e.strerror or e})",
+                             hint=f"set {label} to a directory you can write to") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raw = os.pread(fd, 4096, 0).decode(errors="replace")
+            os.close(fd)
+            try:
+                holder = json.loads(raw)
+                pid = int(holder["pid"])
+                who = f"PID {pid} (`dflashkit {holder.get('command')}`, since {holder.get('since')})"
+            except (ValueError, KeyError, TypeError):
+                pid, who = None, "another process"
+            raise UsageError(f"{label} {path} is being written by {who} (lock {lock}): one writer at a time",
+                             hint=(f"wait for PID {pid} to finish (or stop it), " if pid else "wait for it to finish, ")
+                             + f"or set {label} to another directory") from None
+        except OSError as e:  # a filesystem without flock (some network mounts): warn, do not block
+            logging.getLogger("dflashkit").warning("cannot lock %s (%s); not guarding %s against a second writer",
+                                                   lock, e, path)
+            os.close(fd)
+            yield
+            return
+        try:
+            here = os.stat(lock)
+            mine = os.fstat(fd)
+            if (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # its holder removed the file as it finished: lock the one now at the path
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps({"pid": os.getpid(), "command": command,
+                                   "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n").encode(), 0)
+        yield
+    finally:
+        try:
+            lock.unlink()
+            for p in created:  # innermost first; stops at the first non-empty one
+                p.rmdir()
         except OSError:
             pass
         finally:

@@ -83,6 +83,18 @@ class W:
         (dest / "config.json").write_text(json.dumps(cfg))
         return dest
 
+    def int8_drafter(self) -> Path:
+        """A copy of the drafter whose weight tensors are stored as int8 (as a quantized checkpoint)."""
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        dest = self.user / "drafter8"
+        shutil.copytree(self.drafter, dest)
+        state = load_file(str(dest / "model.safetensors"))
+        save_file({k: (v * 64).round().clamp(-128, 127).to(torch.int8) if v.is_floating_point() else v
+                   for k, v in state.items()}, str(dest / "model.safetensors"))
+        return dest
+
 
 @dataclass
 class Case:
@@ -168,6 +180,25 @@ CASES: list[Case] = [
     Case("f17-run-dir-in-proc", lambda w: ["prepare", "run.run_dir=/proc/self/nope/run",
                                            f"data.sources=[{{path: '{w.file('p.jsonl', json.dumps(CONV))}'}}]"], 2,
          ["run.run_dir /proc/self/nope/run", "cannot write"], absent=("FileNotFoundError",)),
+    # issue 38, 4: a drafter whose weights are not floating point is named with its dtype
+    Case("i38-import-int8-drafter", lambda w: ["import", str(w.int8_drafter()), f"run.run_dir={w.user}/fresh",
+                                               f"target.path={w.target}"], 2,
+         lambda w: [f"{w.user}/drafter8/model.safetensors", "not floating point", "(int8)"],
+         absent=("StopIteration",)),
+    Case("i38-warm-start-int8-drafter", lambda w: w.train(f"drafter.init={w.int8_drafter()}"), 2,
+         lambda w: [f"{w.user}/drafter8/model.safetensors", "not floating point", "(int8)"],
+         absent=("StopIteration",)),
+    # issue 38, 5: a config that is not UTF-8 names the file, line and byte
+    Case("i38-latin1-config", lambda w: ["train", "-c", str(w.file("l.yaml", b"run:\n  run_dir: caf\xe9\n"))], 2,
+         lambda w: [f"{w.user}/l.yaml:2:15", "not UTF-8", "0xe9 at offset 19", "iconv"],
+         absent=("UnicodeDecodeError",)),
+    Case("i38-utf16-config", lambda w: ["train", "-c", str(w.file("u.yaml", "run:\n  run_dir: x\n".encode("utf-16")))],
+         2, lambda w: [f"{w.user}/u.yaml", "UTF-16", "iconv -f UTF-16"], absent=("UnicodeDecodeError",)),
+    Case("i38-latin1-chat-template", lambda w: ["tokenize", *w.generated(), "target.chat_template=" + str(
+        w.file("t.jinja", b"{% for m in messages %}\n{{ m.content }} \xbb\n{% endfor %}"))], 2,
+         lambda w: ["target.chat_template", f"{w.user}/t.jinja", "not UTF-8"], absent=("UnicodeDecodeError",)),
+    Case("i38-control-character", lambda w: ["train", "-c", str(w.file("c.yaml", b"train:\n  lr: \x01\n"))], 2,
+         lambda w: [f"{w.user}/c.yaml:2:7", "invalid YAML"]),
     Case("f17-heldout-takes-all", lambda w: ["prepare", f"run.run_dir={w.run}", "data.heldout=32",
                                              f"data.sources=[{{path: '{w.file('p.jsonl', json.dumps(CONV))}'}}]"], 2,
          ["data.heldout: 32", "0 for training"]),

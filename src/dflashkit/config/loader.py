@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import types
@@ -27,6 +28,7 @@ from dflashkit.config.schema import RunConfig
 from dflashkit.config.validate import problems as validation_problems
 from dflashkit.errors import ConfigError, UsageError
 from dflashkit.redact import redact_text, redact_url
+from dflashkit.rundir import read_utf8
 
 # --------------------------------------------------------------------------------------------
 # Strict build
@@ -116,9 +118,14 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
     return None
 
 
+@functools.cache
+def _fields(cls: type) -> tuple[dict[str, Any], list[str]]:
+    """A section's resolved field types and names (resolved once: a list of sections builds many)."""
+    return typing.get_type_hints(cls), [fl.name for fl in dataclasses.fields(cls)]
+
+
 def _build(cls: type, data: dict, prefix: str, problems: list[str]) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = [fl.name for fl in dataclasses.fields(cls)]
+    hints, names = _fields(cls)
     kwargs = {}
     for key, value in data.items():
         dotted = f"{prefix}.{key}" if prefix else str(key)
@@ -194,14 +201,20 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, *,
             raise UsageError(f"-c {p}: is a directory, not a YAML file", hint="pass -c path/to/run.yaml")
         if not p.is_file():
             raise UsageError(f"config file not found: {p}", hint="pass -c path/to/run.yaml")
+        text = read_utf8(p, "config file")
         try:
-            text = p.read_text()
-            _refuse_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), p)
-            data = yaml.safe_load(text) or {}
+            data = _load_yaml(text, p)
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
-            where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark else str(p)
-            raise UsageError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+            if mark is not None:
+                where = f"{p}:{mark.line + 1}:{mark.column + 1}"
+            elif isinstance(e, yaml.reader.ReaderError):  # a character YAML refuses: its offset into the text
+                line = text.count("\n", 0, e.position) + 1
+                where = f"{p}:{line}:{e.position - (text.rfind(chr(10), 0, e.position) + 1) + 1}"
+            else:
+                where = str(p)
+            what = getattr(e, "problem", None) or (e.reason if isinstance(e, yaml.reader.ReaderError) else e)
+            raise UsageError(f"{where}: invalid YAML ({what})") from None
         if not isinstance(data, dict):
             raise UsageError(f"{p}: top level must be a mapping of sections, got {type(data).__name__}")
     cfg = config_from_dict(data, overrides, source=str(path) if path else "the overrides", checks=checks)
@@ -211,6 +224,22 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, *,
         keys |= {key} | set(_leaf_keys(value, key))
     set_given_keys(cfg, keys)
     return cfg
+
+
+def _load_yaml(text: str, path: Path) -> dict:
+    """Parse `text` once (libyaml's parser where PyYAML has it), refuse duplicate keys, then build it."""
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return {}
+        _refuse_duplicate_keys(node, path)
+        return loader.construct_document(node) or {}
+    finally:
+        loader.dispose()
+
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def _refuse_duplicate_keys(node: Any, path: Path) -> None:

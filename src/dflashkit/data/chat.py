@@ -45,6 +45,7 @@ import numpy as np
 from dflashkit.data.drift import add_prompt_check, compare_prompt, is_regenerated, new_checks
 from dflashkit.data.records import Conversation
 from dflashkit.errors import UsageError
+from dflashkit.rundir import read_utf8
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -390,7 +391,7 @@ def load_chat(cfg: RunConfig, kwargs: dict[str, Any] | None = None) -> ChatTempl
         p = Path(t.chat_template).expanduser()
         if not p.is_file():
             raise ConfigError(f"target.chat_template: file not found: {p}")
-        template = p.read_text()
+        template = read_utf8(p, "target.chat_template")
         origin = f"target.chat_template {p}"
     return ChatTemplate(tok, template, cfg.tokenize.chat_template_kwargs if kwargs is None else kwargs,
                         origin=origin)

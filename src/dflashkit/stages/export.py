@@ -29,7 +29,11 @@ but not the vocabulary the drafter was trained for).
 Both formats get `speculation_profile.json` (export/profile.py) beside the weights: the newest of
 `eval/speculation_profile.json` and the source dir's own that was measured on the source's weights
 (sha256), stamped with the export's format, dtype and weights digest. Without one the command says so
-(run `dflashkit eval` first); a profile measured on another drafter is never shipped.
+(run `dflashkit eval` first); one measured on other weights is never shipped (a warning names it); one
+on these weights that describes another drafter (K above B − 1, another block size or family) is refused
+before any work, a dry run too: exit 2 naming the file and both K (profile_ship.py `refuse_other_drafter`).
+One export at a time writes an out dir, inside the run dir or not: `<parent>/.<name>.lock` is flock'ed
+for the whole export (rundir.py `dir_lock`); a second exits 2 naming the first's PID.
 """
 
 from __future__ import annotations
@@ -47,8 +51,8 @@ from dflashkit.errors import MissingArtifactError
 from dflashkit.export.card import model_card
 from dflashkit.export.check import loaded_target_head, reload_check, target_head
 from dflashkit.export.profile import PROFILE_FILE, profile_path
-from dflashkit.export.profile_ship import ship
-from dflashkit.rundir import RunDir, atomic_dir, check_replaceable, write_manifest
+from dflashkit.export.profile_ship import choose, drafter_contract, ship
+from dflashkit.rundir import RunDir, atomic_dir, check_replaceable, dir_lock, write_manifest
 from dflashkit.stage_table import stage_hash
 
 log = logging.getLogger("dflashkit.export")
@@ -72,33 +76,36 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         raise MissingArtifactError("trained drafter", src, run="dflashkit train -c run.yaml")
     out = Path(cfg.export.out_dir) if cfg.export.out_dir else rd.export_dir
     check_replaceable(out, owner="export")  # what atomic_dir refuses, before the drafter loads (a dry run too)
+    choice = choose([rd.eval_profile, profile_path(src)], src, drafter_contract(src))  # refuses another drafter's
     if ctx.dry_run:
         return {"dry_run": True, "source": str(src), "source_kind": which, "out_dir": str(out),
                 "format": cfg.export.format}
-    if cfg.export.format == "speculators":
-        return _run_speculators(cfg, rd, src, which, source, out, t0)
-    model, _ = load_any_drafter(src, dtype=torch.float32)  # a speculators source converts back to z-lab
-    head = target_head(cfg)
-    if head is not None and head.shape[-1] != model.contract.hidden_size:
-        head = None
-    if model.draft_vocab is not None and head is None:
-        head = loaded_target_head(cfg, model.contract.hidden_size)
-    with atomic_dir(out, owner="export") as tmp:
-        save_drafter(model, tmp, dtype=cfg.export.dtype, head=head)
-        shutil.copyfile(Path(__file__).parent.parent / "export" / "dflash_modeling.py", tmp / MODELING_FILE)
-        (tmp / "README.md").write_text(model_card(cfg, model.contract, out.resolve(), rd, model.draft_vocab_size,
-                                                  results=read_eval_results(rd)))
-        check = reload_check(model, tmp, head, cfg.export.check_atol)
-        profile = _ship_profile(cfg, rd, src, tmp, "zlab")
-        write_manifest(tmp, stage="export", config_hash=stage_hash("export", cfg), started=t0,
-                       inputs={"source": str(src), "source_kind": which}, counts={"tensors": len(model.state_dict())},
-                       outputs=["config.json", "model.safetensors", MODELING_FILE, "README.md",
-                                *([PROFILE_FILE] if profile["shipped"] else [])],
-                       extra={"reload_check": check, "speculation_profile": profile})
-    if out.resolve() != rd.stage_dir("export", create=False).resolve():
-        write_manifest(rd.stage_dir("export"), stage="export", config_hash=stage_hash("export", cfg), started=t0,
-                       inputs={"source": str(src)}, outputs=[str(out)],
-                       extra={"reload_check": check, "speculation_profile": profile})
+    with dir_lock(out, "export", label="export.out_dir"):  # one export per out dir, inside the run dir or not
+        if cfg.export.format == "speculators":
+            return _run_speculators(cfg, rd, src, which, source, out, t0, choice)
+        model, _ = load_any_drafter(src, dtype=torch.float32)  # a speculators source converts back to z-lab
+        head = target_head(cfg)
+        if head is not None and head.shape[-1] != model.contract.hidden_size:
+            head = None
+        if model.draft_vocab is not None and head is None:
+            head = loaded_target_head(cfg, model.contract.hidden_size)
+        with atomic_dir(out, owner="export") as tmp:
+            save_drafter(model, tmp, dtype=cfg.export.dtype, head=head)
+            shutil.copyfile(Path(__file__).parent.parent / "export" / "dflash_modeling.py", tmp / MODELING_FILE)
+            (tmp / "README.md").write_text(model_card(cfg, model.contract, out.resolve(), rd, model.draft_vocab_size,
+                                                      results=read_eval_results(rd)))
+            check = reload_check(model, tmp, head, cfg.export.check_atol)
+            profile = _ship_profile(cfg, choice, tmp, "zlab")
+            write_manifest(tmp, stage="export", config_hash=stage_hash("export", cfg), started=t0,
+                           inputs={"source": str(src), "source_kind": which},
+                           counts={"tensors": len(model.state_dict())},
+                           outputs=["config.json", "model.safetensors", MODELING_FILE, "README.md",
+                                    *([PROFILE_FILE] if profile["shipped"] else [])],
+                           extra={"reload_check": check, "speculation_profile": profile})
+        if out.resolve() != rd.stage_dir("export", create=False).resolve():
+            write_manifest(rd.stage_dir("export"), stage="export", config_hash=stage_hash("export", cfg), started=t0,
+                           inputs={"source": str(src)}, outputs=[str(out)],
+                           extra={"reload_check": check, "speculation_profile": profile})
     log.info("exported %s (%s) → %s (reload check: %s max diff %.2g)", src, which, out, check["compared"],
              check["max_diff_vs_source"])
     return {"out_dir": str(out), "source": str(src), "source_info": source, "dtype": cfg.export.dtype, "block_size": model.contract.block_size,
@@ -106,9 +113,9 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
             **({"draft_vocab_size": model.draft_vocab_size} if model.draft_vocab is not None else {})}
 
 
-def _ship_profile(cfg: RunConfig, rd: RunDir, src: Path, tmp: Path, fmt: str) -> dict[str, Any]:
-    """Ship eval's (or the source dir's own) profile measured on these weights into the export, or say why not."""
-    info = ship([rd.eval_profile, profile_path(src)], src, tmp, fmt=fmt, dtype=cfg.export.dtype)
+def _ship_profile(cfg: RunConfig, choice: dict[str, Any], tmp: Path, fmt: str) -> dict[str, Any]:
+    """Ship the profile `choose` picked (eval's or the source dir's own) into the export, or say why not."""
+    info = ship(choice, tmp, fmt=fmt, dtype=cfg.export.dtype)
     if info["shipped"]:
         log.info("%s: measured %s, %s tokens per step at K=%d", PROFILE_FILE, info["measured_at"],
                  info["mean_accept_length"], info["num_speculative_tokens"])
@@ -124,7 +131,7 @@ def outputs_present(rd: RunDir) -> bool:
 
 
 def _run_speculators(cfg: RunConfig, rd: RunDir, src: Path, which: str, source: dict[str, Any], out: Path,
-                     t0: float) -> dict[str, Any]:
+                     t0: float, choice: dict[str, Any]) -> dict[str, Any]:
     """export.format=speculators: vLLM's own format (export/speculators.py), checked the same way."""
     from dflashkit.export.speculators import export_speculators
 
@@ -132,7 +139,7 @@ def _run_speculators(cfg: RunConfig, rd: RunDir, src: Path, which: str, source: 
                              readme=lambda m: model_card(cfg, m.contract, out.resolve(), rd, m.draft_vocab_size,
                                                          fmt="speculators", results=read_eval_results(rd)),
                              config_hash=stage_hash("export", cfg), inputs={"source_kind": which},
-                             profile=lambda tmp: _ship_profile(cfg, rd, src, tmp, "speculators"))
+                             profile=lambda tmp: _ship_profile(cfg, choice, tmp, "speculators"))
     if out.resolve() != rd.stage_dir("export", create=False).resolve():
         write_manifest(rd.stage_dir("export"), stage="export", config_hash=stage_hash("export", cfg), started=t0,
                        inputs={"source": str(src)}, outputs=[str(out)],

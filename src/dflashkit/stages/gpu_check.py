@@ -6,9 +6,12 @@ Inputs:  nothing: the targets are built in place (the tiny target of `model/tiny
          distributed).
 Outputs: OUT_DIR/summary.json (the GPU, torch / CUDA / transformers versions, each check's status, numbers
          and duration) and OUT_DIR/gpu-check.log (the human log, each check's own output after it). Nothing in
-         a run dir; scratch run dirs live in a temp dir removed at the end.
+         a run dir; scratch run dirs live in a temp dir removed at the end. OUT_DIR must be new, empty, or a
+         previous gpu-check's (its summary.json says `"tool": "dflashkit gpu-check"`); anything else (a user's
+         directory, a file, a place it cannot write) is refused before any check runs, `--dry-run` too.
 Exit:    0 when every check passed or was skipped with a reason, or when there is no CUDA device ("no CUDA
-         device: the GPU check did not run"); 1 when a check failed (the JSON's `failed` names it).
+         device: the GPU check did not run"); 1 when a check failed (the JSON's `failed` names it); 2 when
+         OUT_DIR is refused or a check's name is unknown.
 
 Example (on a lent GPU machine, nothing installed: the image's python3 has torch and transformers):
     PYTHONPATH=src python3 -m dflashkit gpu-check "$OUT"
@@ -33,6 +36,8 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
 
     out = Path(ctx.positionals[0]) if ctx.positionals else rd.gpu_check_dir
     chosen = runner.select(ctx.positionals[1:])
+    runner.check_out_dir(out, label="gpu-check OUT_DIR" if ctx.positionals
+                         else "gpu-check's default OUT_DIR (run.run_dir/gpu-check)")
     if ctx.dry_run:
         return {"dry_run": True, "out_dir": str(out), "deadline_s": runner.DEADLINE_S,
                 "checks": [{"name": s.name, "time_box_s": s.box_s, "what": s.what} for s in chosen]}

@@ -11,8 +11,8 @@ Checks, all before anything is written (exit 2 with the key named): the config h
 keys, the weights are readable safetensors whose names and shapes match the config, the drafter fits the target
 (target_layer_ids < target layers, equal hidden size, mask id and vocab inside the target's) and, when the run has a
 contract.json, it is of the run's drafter family with the run's shape and knobs. An existing DEST is never
-overwritten. A `speculation_profile.json` beside the weights is validated (a broken one: exit 2 naming the file and
-field; none is fine) and its headline numbers are reported (export/profile.py `profile_report`).
+overwritten. A `speculation_profile.json` beside the weights is validated (exit 2 naming the file: a broken one, or
+one of another drafter, as export refuses it: profile_ship.py `profile_report`; none is fine) and its headline reported.
 """
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     dest = Path(ctx.positionals[1]) if len(ctx.positionals) > 1 else Path("train") / "final"
     dest = dest if dest.is_absolute() else rd.root / dest
     model, fmt = load_any_drafter(src)  # z-lab or speculators; validates keys, tensor names, shapes, integrity
-    profile = profile_report(src)  # its speculation_profile.json, validated (exit 2 naming the field) or None
     contract = model.contract
+    profile = profile_report(src, contract)  # its speculation_profile.json, validated (exit 2 naming the field) or None
     facts = target_facts(cfg)
     if fmt == "speculators":  # its config does not record the target's depth; its head should be the target's
         contract.num_target_layers = facts["num_layers"]

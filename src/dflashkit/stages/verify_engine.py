@@ -15,6 +15,11 @@ vLLM without, and the engine's τ and per-position acceptance must match our dec
 prompts within the tolerances of `dflashkit.engines.verify` (τ within 15 %, each position within
 0.1 + prompts / verify steps). A failed check exits 1 and names the likely cause. vLLM is installed into the cache on first
 use (`dflashkit engines install vllm`).
+
+A `speculation_profile.json` beside the drafter that describes another drafter (K above its B − 1, another
+block size or family: export/profile_ship.py `refuse_other_drafter`) is refused before anything starts (a dry
+run too): exit 2 naming the file and both K, as `export` and `import` refuse it, rather than comparing the
+engine with it and recording the engine's figures in it. A broken profile fails the profile check (exit 1).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
 from dflashkit.errors import MissingArtifactError, StageFailed, UsageError
 from dflashkit.export.profile import profile_path, read_profile
-from dflashkit.export.profile_ship import record_engine
+from dflashkit.export.profile_ship import drafter_contract, record_engine, refuse_other_drafter
 from dflashkit.rundir import RunDir, check_replaceable, write_manifest
 from dflashkit.stage_table import stage_hash
 
@@ -44,6 +49,17 @@ def _drafter_dir(rd: RunDir, positionals: list[str]) -> Path:
     if not (p / "config.json").is_file():
         raise MissingArtifactError("exported drafter", p, run="dflashkit export -c run.yaml")
     return p
+
+
+def _refuse_other_drafters_profile(drafter_dir: Path) -> None:
+    """Exit 2 when the drafter's profile describes another drafter; a broken one is left to the profile check."""
+    path = profile_path(drafter_dir)
+    try:
+        profile = read_profile(path)
+    except UsageError:
+        return
+    if profile is not None:
+        refuse_other_drafter(profile, path, drafter_contract(drafter_dir), drafter_dir)
 
 
 def _is_export(d: Path) -> bool:
@@ -82,6 +98,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
 
     t0 = time.time()
     drafter_dir = _drafter_dir(rd, ctx.positionals)
+    _refuse_other_drafters_profile(drafter_dir)
     prompts = load_prompt_messages(cfg, rd)[: cfg.eval.num_prompts]
     from dflashkit.engines.launch import check_vllm_for_target
 
