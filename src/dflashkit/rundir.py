@@ -480,6 +480,23 @@ def write_manifest(stage_dir: Path, *, stage: str, config_hash: str, inputs: dic
 LOCK_ENV = "DFLASHKIT_RUN_DIR_LOCK"  # set while held: child processes (torchrun ranks) share the lock
 
 
+def _holder(fd: int) -> tuple[int | None, str]:
+    """The PID and a description of the process holding the lock file `fd` (as written by the lock)."""
+    raw = os.pread(fd, 4096, 0).decode(errors="replace")
+    try:
+        holder = json.loads(raw)
+        pid = int(holder["pid"])
+        return pid, f"PID {pid} (`dflashkit {holder.get('command')}`, since {holder.get('since')})"
+    except (ValueError, KeyError, TypeError):
+        return None, "another process"
+
+
+def _write_holder(fd: int, command: str) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps({"pid": os.getpid(), "command": command,
+                               "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n").encode(), 0)
+
+
 @contextmanager
 def run_dir_lock(root: str | Path, command: str) -> Iterator[None]:
     """Hold an exclusive `flock` on `<root>/.lock` for the body; a second writer gets `RunDirLocked`.
@@ -510,14 +527,8 @@ def run_dir_lock(root: str | Path, command: str) -> Iterator[None]:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raw = os.pread(fd, 4096, 0).decode(errors="replace")
+        pid, who = _holder(fd)
         os.close(fd)
-        try:
-            holder = json.loads(raw)
-            pid = int(holder["pid"])
-            who = f"PID {pid} (`dflashkit {holder.get('command')}`, since {holder.get('since')})"
-        except (ValueError, KeyError, TypeError):
-            pid, who = None, "another process"
         raise RunDirLocked(f"run dir {root} is in use by {who}: one writer per run dir",
                            hint=f"wait for PID {pid} to finish (or stop it), or use another run.run_dir"
                            if pid else "wait for it to finish, or use another run.run_dir") from None
@@ -529,9 +540,7 @@ def run_dir_lock(root: str | Path, command: str) -> Iterator[None]:
         os.close(fd)
         yield
         return
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps({"pid": os.getpid(), "command": command,
-                               "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n").encode(), 0)
+    _write_holder(fd, command)
     previous = os.environ.get(LOCK_ENV)
     os.environ[LOCK_ENV] = key
     try:
@@ -615,14 +624,8 @@ def dir_lock(path: str | Path, command: str, *, label: str) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raw = os.pread(fd, 4096, 0).decode(errors="replace")
+            pid, who = _holder(fd)
             os.close(fd)
-            try:
-                holder = json.loads(raw)
-                pid = int(holder["pid"])
-                who = f"PID {pid} (`dflashkit {holder.get('command')}`, since {holder.get('since')})"
-            except (ValueError, KeyError, TypeError):
-                pid, who = None, "another process"
             raise UsageError(f"{label} {path} is being written by {who} (lock {lock}): one writer at a time",
                              hint=(f"wait for PID {pid} to finish (or stop it), " if pid else "wait for it to finish, ")
                              + f"or set {label} to another directory") from None
@@ -641,9 +644,7 @@ def dir_lock(path: str | Path, command: str, *, label: str) -> Iterator[None]:
             pass
         os.close(fd)  # its holder removed the file as it finished: lock the one now at the path
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps({"pid": os.getpid(), "command": command,
-                                   "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n").encode(), 0)
+        _write_holder(fd, command)
         yield
     finally:
         try:
