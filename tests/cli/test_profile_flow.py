@@ -62,6 +62,10 @@ def test_eval_writes_a_profile_that_agrees_with_its_results(tmp_path, target, ti
     assert PROFILE in json.loads((rd / "eval" / "manifest.json").read_text())["outputs"]
     _eval(rd, tiny_qwen3, "eval.block_sizes=[2]")  # the drafter's B not measured: eval's first is the headline
     assert read_profile(rd / "eval" / PROFILE)["num_speculative_tokens"] == 1
+    _eval(rd, tiny_qwen3, "eval.block_sizes=[8,2]")  # past the drafter's B: measured, left out of the profile
+    p = read_profile(rd / "eval" / PROFILE)
+    assert p["num_speculative_tokens"] == 1 and set(p["accept_length_by_k"]) == {"1"}
+    assert "8" in json.loads((rd / "eval" / "results.json").read_text())["speculative"]
 
 
 def test_export_ships_the_profile_of_its_weights_in_both_formats_and_import_reads_it(tmp_path, target, tiny_qwen3,

@@ -372,7 +372,9 @@ def evaluate(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list[lis
 def eval_profile(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list[list[int]], runs: dict[str, Any],
                  block_sizes: list[int], res: dict[str, Any]) -> dict[str, Any] | None:
     """`speculation_profile.json` (export/profile.py) from the drafter's fixed-B decodes: one entry of
-    `accept_length_by_k` per block size, the vectors of the drafter's own block size (else eval's first)."""
+    `accept_length_by_k` per block size up to the drafter's own B, the vectors of B (else eval's first
+    below it). Block sizes past B describe no drafter that can be served (K ≤ B − 1) and are left out; None when
+    every block size is past B."""
     import torch
 
     from dflashkit.decode.runner import prompt_sources
@@ -380,9 +382,15 @@ def eval_profile(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list
                                           prompts_digest, weights_digest)
     from dflashkit.model.target import cpu_facts
 
+    e, c = cfg.eval, inputs.contract
+    past = [b for b in block_sizes if b > c.block_size]
+    block_sizes = [b for b in block_sizes if b <= c.block_size]
+    if past:
+        log.warning("speculation profile: eval.block_sizes %s exceed the drafter's block size %d (K ≤ %d): %s",
+                    past, c.block_size, c.block_size - 1,
+                    "left out of it" if block_sizes else "no profile written (add the drafter's own block size)")
     if not block_sizes:
         return None
-    e, c = cfg.eval, inputs.contract
     known = prompt_sources(cfg, rd)
     sources = [known.get(pid) for pid, _ in inputs.prompts]
     ms = [Measurement(b, [r.acceptance_lengths for r in runs[str(b)]], [r.acceptance_cut for r in runs[str(b)]],
