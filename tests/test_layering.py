@@ -181,6 +181,7 @@ def test_library_rooms_point_one_way():
 RANKS: dict[str, int] = {
     "dflashkit": 0, "dflashkit.errors": 0, "dflashkit.http1": 0, "dflashkit.config": 0, "dflashkit.stage_table": 0,
     "dflashkit.rundir": 0, "dflashkit.context": 0, "dflashkit.progress": 0, "dflashkit.redact": 0,
+    "dflashkit.textfile": 0,
     "dflashkit.assets": 1,
     "dflashkit.model": 2, "dflashkit.family": 2,
     "dflashkit.inspect": 3,

@@ -17,7 +17,6 @@ by the command writing to the run dir (it names that process), so two writers ne
 
 from __future__ import annotations
 
-import codecs
 import fcntl
 import hashlib
 import json
@@ -252,29 +251,6 @@ def read_json_or_none(path: Path, log: logging.Logger) -> Any:
     except json.JSONDecodeError:
         log.warning("%s is not valid JSON; skipped", path)
         return None
-
-
-def read_utf8(path: str | Path, what: str) -> str:
-    """The text of a user's file, which must be UTF-8 (a leading byte-order mark is dropped). Anything
-    else is exit 2 naming the file, the line, the column and the byte offset of the first bad byte
-    (UTF-16 / UTF-32 by their byte-order mark), with the command that converts it."""
-    from dflashkit.errors import UsageError
-
-    path = Path(path)
-    raw = path.read_bytes()
-    fix = f"save it as UTF-8, e.g. `iconv -f {{enc}} -t UTF-8 {path} > {path.stem}.utf8{path.suffix}`"
-    for bom, enc in ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
-                     (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16")):
-        if raw.startswith(bom):
-            raise UsageError(f"{path}: {what} is {enc} (byte-order mark at byte 0); dflashkit reads UTF-8",
-                             hint=fix.format(enc=enc))
-    try:
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
-        raise UsageError(f"{path}:{line}:{col}: {what} is not UTF-8 (byte 0x{raw[e.start]:02x} at offset "
-                         f"{e.start}: {e.reason})", hint=fix.format(enc="LATIN1")) from None
 
 
 def file_digest(path: str | Path, limit: int | None = 1 << 20) -> str:

@@ -73,10 +73,22 @@ log = logging.getLogger("dflashkit.bench")
 
 def _family_variants() -> dict[str, list[str]]:
     """One variant per drafter family beside the default one: the same data and steps with that family's
-    drafter (full vocab when the family has no reduced vocab)."""
-    from dflashkit import family
+    drafter (full vocab when the family has no reduced vocab), the other families' knobs back at their
+    defaults (a base config of one family may set knobs the variant's family does not read)."""
+    import json
 
-    return {f.name: [f"drafter.type={f.name}", *([] if f.reduced_vocab else ["drafter.draft_vocab_size=null"])]
+    from dflashkit import family
+    from dflashkit.config import DrafterSection, TrainSection
+
+    def resets(f: family.Family) -> list[str]:
+        drafter = [f"drafter.{k}={json.dumps(getattr(DrafterSection(), k))}"
+                   for k in family.knob_keys() if k not in f.knob_names]
+        train_keys = dict.fromkeys(k for g in family.FAMILIES.values() for k in g.train_knobs)
+        return drafter + [f"train.{k}={json.dumps(getattr(TrainSection(), k))}" for k in train_keys
+                          if k not in f.train_knobs]
+
+    return {f.name: [f"drafter.type={f.name}", *([] if f.reduced_vocab else ["drafter.draft_vocab_size=null"]),
+                     *resets(f)]
             for f in family.FAMILIES.values() if f is not family.DEFAULT}
 
 

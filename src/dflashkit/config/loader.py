@@ -28,7 +28,7 @@ from dflashkit.config.schema import RunConfig
 from dflashkit.config.validate import problems as validation_problems
 from dflashkit.errors import ConfigError, UsageError
 from dflashkit.redact import redact_text, redact_url
-from dflashkit.rundir import read_utf8
+from dflashkit.textfile import read_utf8
 
 # --------------------------------------------------------------------------------------------
 # Strict build

@@ -139,9 +139,9 @@ class DrafterSection:
         "scores the same walk follows; checkpoints declare LiLiCorrDraftModel). dflash2 and lilicorr need the full "
         "target vocab (no draft_vocab_size). The keys below marked with a family's name are that family's knobs.",
         hash_default=False)
-    causal: bool = f(False, "dflash, dflash2: causal in-block attention (JetSpec, arXiv 2606.18394): block offset i "
-                     "attends to the context before the anchor and to offsets j <= i only, in training (the mask) and "
-                     "decoding; false = the whole block (DFlash). Exports write is_causal: true and "
+    causal: bool = f(False, "dflash, dflash2, lilicorr: causal in-block attention (JetSpec, arXiv 2606.18394): "
+                     "block offset i attends to the context before the anchor and to offsets j <= i only, in training "
+                     "(the mask) and decoding; false = the whole block (DFlash). Exports write is_causal: true and "
                      "dflash_config.causal: true (vLLM, SGLang); the speculators format sliding_window_non_causal: "
                      "false.", hash_default=False)
     conv_kernel_size: int = f(2, "dflash2: taps of the block-local convolution (tap j reads the position j "

@@ -45,7 +45,7 @@ import numpy as np
 from dflashkit.data.drift import add_prompt_check, compare_prompt, is_regenerated, new_checks
 from dflashkit.data.records import Conversation
 from dflashkit.errors import UsageError
-from dflashkit.rundir import read_utf8
+from dflashkit.textfile import read_utf8
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig

@@ -16,8 +16,20 @@ eval's held-out prompts: `read_jsonl`), exit 3 naming it when it is missing. `pr
 data-size estimate) and `heldout_user_prompts` (`bench serve`'s prompts) are built on them.
 
 Record layout (`prepare/train.jsonl`, `prepare/heldout.jsonl`, `generate/conversations.jsonl`):
-    {"id": "<16 hex>", "source": "<name>", "messages": [{"role": ..., "content": ...}], "meta": {...}}
-`meta` is optional (generate adds finish reasons, flags, server token ids and reasoning).
+    {"id": "<16 hex>", "source": "<name>", "messages": [{"role": ..., "content": ...}], "tools": [...],
+     "meta": {...}}
+`meta` is optional (generate adds finish reasons, flags, server token ids and reasoning); `tools` is
+present only for agent conversations.
+
+Agent conversations (OpenAI's chat shape): `tools` is a list of `{"type": "function", "function":
+{"name", "description"?, "parameters"?}}`; an assistant turn may carry `tool_calls` (a non-empty list of
+`{"id", "type": "function", "function": {"name", "arguments"}}`, `arguments` a JSON object as a string)
+beside its `content` (then possibly ""); a `tool` turn carries the result as `content`, the
+`tool_call_id` of the call it answers and optionally the tool's `name`. Thinking stays inline in the
+assistant's content (`<think>…</think>`), as for chat. The rules (`agent_problem`): every result
+answers an earlier call of the conversation, once; every call is answered before the next user or
+assistant turn, except the calls of the last assistant turn (a conversation may end on a call: the
+call is what is supervised). A plain chat record's id is the same as before agent fields existed.
 """
 
 from __future__ import annotations
@@ -34,14 +46,117 @@ from typing import Any, Iterable, Iterator
 from dflashkit.errors import MissingArtifactError, UsageError
 from dflashkit.rundir import atomic_path
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+AGENT_KEYS = ("tool_calls", "tool_call_id", "name")  # the message keys kept beside role and content
 
 
-def content_id(messages: list[dict[str, str]]) -> str:
-    """Stable id of a conversation: sha256 over its (role, content) pairs, first 16 hex chars."""
-    blob = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False,
-                      separators=(",", ":"))
+def content_id(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    """Stable id of a conversation: sha256 over its (role, content) pairs — with a message's agent keys
+    and the tools when there are any — first 16 hex chars."""
+    rows: list[Any] = [[m["role"], m["content"], *([extra] if (extra := {k: m[k] for k in AGENT_KEYS if k in m})
+                                                    else [])] for m in messages]
+    if tools:
+        rows.append(["tools", tools])
+    blob = json.dumps(rows, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+def _message(m: dict[str, Any]) -> dict[str, Any]:
+    return {"role": m["role"], "content": m["content"], **{k: m[k] for k in AGENT_KEYS if k in m}}
+
+
+def _json_object(text: Any) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (TypeError, ValueError):
+        return False
+
+
+def tools_problem(tools: Any) -> str | None:
+    """Why `tools` is not a list of OpenAI function tools, or None."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        return f"`tools` must be a list of function tools, got {type(tools).__name__}"
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or t.get("type", "function") != "function":
+            return f"tools[{i}] is not {{\"type\": \"function\", \"function\": {{\"name\": …}}}}"
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            return f"tools[{i}].function.name must be a non-empty string"
+        if "parameters" in fn and not isinstance(fn["parameters"], dict):
+            return f"tools[{i}].function.parameters must be a JSON schema object"
+    return None
+
+
+def message_problem(m: Any, j: int) -> str | None:
+    """Why `m` is not a valid message `j` of a record (its own fields only), or None."""
+    if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+        return f"messages[{j}] needs a role in {ROLES} and string content"
+    role = m["role"]
+    if "tool_calls" in m:
+        calls = m["tool_calls"]
+        if role != "assistant":
+            return f"messages[{j}]: a {role} turn has tool_calls (only assistant turns call tools)"
+        if not isinstance(calls, list) or not calls:
+            return f"messages[{j}].tool_calls must be a non-empty list"
+        for i, c in enumerate(calls):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(c.get("id"), str) or not c["id"]:
+                return f"messages[{j}].tool_calls[{i}] needs an `id` and a `function`"
+            if not isinstance(fn.get("name"), str) or not fn["name"]:
+                return f"messages[{j}].tool_calls[{i}].function.name must be a non-empty string"
+            if not isinstance(fn.get("arguments"), str) or not _json_object(fn["arguments"]):
+                return (f"messages[{j}].tool_calls[{i}] ({fn['name']}): arguments are not a JSON object "
+                        f"({str(fn.get('arguments'))[:60]!r})")
+    if role == "tool":
+        if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
+            return f"messages[{j}]: a tool turn needs the `tool_call_id` of the call it answers"
+    elif "tool_call_id" in m:
+        return f"messages[{j}]: a {role} turn has a tool_call_id (only tool turns answer calls)"
+    if "name" in m and not isinstance(m["name"], str):
+        return f"messages[{j}].name must be a string"
+    return None
+
+
+def agent_problem(messages: list[dict[str, Any]]) -> str | None:
+    """Why the calls and results of valid messages do not pair up (module docstring), or None."""
+    open_calls: dict[str, int] = {}  # call id -> the assistant turn that made it
+    answered: set[str] = set()
+    last_assistant = max((j for j, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    for j, m in enumerate(messages):
+        if m["role"] == "tool":
+            cid = m["tool_call_id"]
+            if cid in answered:
+                return f"messages[{j}]: a second result for tool call {cid!r}"
+            if cid not in open_calls:
+                return f"messages[{j}]: a tool result for {cid!r}, which no earlier assistant turn called"
+            open_calls.pop(cid)
+            answered.add(cid)
+            continue
+        if open_calls and m["role"] in ("user", "assistant"):
+            cid, at = next(iter(open_calls.items()))
+            return f"messages[{at}]: tool call {cid!r} has no result before messages[{j}] ({m['role']})"
+        for c in m.get("tool_calls") or []:
+            if c["id"] in open_calls or c["id"] in answered:
+                return f"messages[{j}]: tool call id {c['id']!r} is used twice"
+            open_calls[c["id"]] = j
+    if open_calls and min(open_calls.values()) != last_assistant:
+        cid, at = next(iter(open_calls.items()))
+        return f"messages[{at}]: tool call {cid!r} has no result"
+    return None
+
+
+def record_problem(messages: Any, tools: Any = None) -> str | None:
+    """Why a record's `messages` (and `tools`) are not a conversation, or None: every message valid
+    (`message_problem`), the tools a list of function tools (`tools_problem`), calls and results paired
+    (`agent_problem`)."""
+    if not isinstance(messages, list):
+        return "`messages` must be a list"
+    for j, m in enumerate(messages):
+        if (problem := message_problem(m, j)) is not None:
+            return problem
+    return tools_problem(tools) or agent_problem(messages)
 
 
 @dataclass
@@ -50,31 +165,37 @@ class Conversation:
 
     id: str
     source: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     meta: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
 
     @classmethod
-    def from_messages(cls, source: str, messages: list[dict[str, str]],
-                      meta: dict[str, Any] | None = None) -> "Conversation":
-        msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
-        return cls(id=content_id(msgs), source=source, messages=msgs, meta=dict(meta or {}))
+    def from_messages(cls, source: str, messages: list[dict[str, Any]], meta: dict[str, Any] | None = None,
+                      tools: list[dict[str, Any]] | None = None) -> "Conversation":
+        msgs = [_message(m) for m in messages]
+        tools = tools or None
+        return cls(id=content_id(msgs, tools), source=source, messages=msgs, meta=dict(meta or {}), tools=tools)
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any], where: str = "<record>") -> "Conversation":
-        """Parse a record dict (as written by prepare/generate); UsageError names `where`."""
+        """Parse a record dict (as written by prepare/generate); UsageError names `where` and what is wrong."""
         msgs = obj.get("messages") if isinstance(obj, dict) else None
-        if not isinstance(msgs, list) or not all(
-                isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
-                for m in msgs):
-            raise UsageError(f"{where}: not a conversation record (need `messages`: a list of "
-                             f"{{role: {'|'.join(ROLES)}, content: str}})")
+        tools = obj.get("tools") if isinstance(obj, dict) else None
+        problem = record_problem(msgs, tools)
+        if problem is not None:
+            raise UsageError(f"{where}: not a conversation record: {problem}",
+                             hint="records are {\"messages\": [{\"role\", \"content\", …}], \"tools\"?: [...]} "
+                             "(docs/training-data.md, agent conversations)")
+        assert isinstance(msgs, list)
         meta = obj.get("meta") or {}
-        return cls(id=str(obj.get("id") or content_id(msgs)), source=str(obj.get("source", "")),
-                   messages=[{"role": m["role"], "content": m["content"]} for m in msgs],
-                   meta=meta if isinstance(meta, dict) else {})
+        msgs = [_message(m) for m in msgs]
+        return cls(id=str(obj.get("id") or content_id(msgs, tools)), source=str(obj.get("source", "")),
+                   messages=msgs, meta=meta if isinstance(meta, dict) else {}, tools=tools or None)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "source": self.source, "messages": self.messages}
+        if self.tools:
+            out["tools"] = self.tools
         if self.meta:
             out["meta"] = self.meta
         return out
@@ -231,10 +352,9 @@ def read_prepared(path: Path) -> list[dict[str, Any]]:
             if not isinstance(rec, dict) or not isinstance(rec.get("id"), str) or not isinstance(msgs, list):
                 raise UsageError(f"{where}: expected {{\"id\": str, \"messages\": [...]}}",
                                  hint="re-run `dflashkit prepare -c run.yaml`")
-            for j, m in enumerate(msgs):
-                if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                    raise UsageError(f"{where}: messages[{j}] needs a role in {ROLES} and string content",
-                                     hint="re-run `dflashkit prepare -c run.yaml`")
+            problem = record_problem(msgs, rec.get("tools"))
+            if problem is not None:
+                raise UsageError(f"{where}: {problem}", hint="re-run `dflashkit prepare -c run.yaml`")
             if rec["id"] in seen:
                 raise UsageError(f"{where}: duplicate id {rec['id']!r}", hint="re-run `dflashkit prepare -c run.yaml`")
             seen.add(rec["id"])

@@ -8,7 +8,8 @@ Usage:
     family.names()                                    # ["dflash", "dflash2", "lilicorr"]
     drafter = family.new_drafter(contract)            # a random drafter network of the contract's family
     family.config_problems(cfg.drafter)               # the drafter.* checks the families own
-    cfg = load_config(path, overrides, checks=family.checks)   # … listed with the config's own (the CLI)
+    family.objective_problems(cfg.train, fam)         # train.* the family's loss terms cannot go with
+    cfg = load_config(path, overrides, checks=family.checks)   # all of them, listed with the config's own (the CLI)
     family.check_tensors(fam, set(state), set(want), weights=w, config=c)   # UsageError naming tensors
     family.reads_target_law(cfg.train, contract.family)   # does the loss read the target's logits?
 
@@ -22,7 +23,7 @@ agree). Nothing outside this package and the family's own network tests a drafte
 from __future__ import annotations
 
 import difflib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from dflashkit.errors import UsageError
 from dflashkit.family.base import Contract, Family, draft_vocab_problem, refuse_draft_vocab
@@ -38,7 +39,8 @@ if TYPE_CHECKING:
     from dflashkit.config import DrafterSection, RunConfig, TrainSection
 
 __all__ = ["DEFAULT", "FAMILIES", "Family", "by_architecture", "check_tensors", "checks", "config_problems",
-           "draft_vocab_problem", "get", "knob_keys", "names", "new_drafter", "reads_target_law", "refuse_draft_vocab"]
+           "draft_vocab_problem", "get", "knob_keys", "names", "new_drafter", "objective_problems", "reads_target_law",
+           "refuse_draft_vocab"]
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (DFLASH, DFLASH2, LILICORR)}
 DEFAULT = DFLASH  # a z-lab config.json that names none of the architectures below is DFlash's (the format's base)
@@ -82,13 +84,46 @@ def knob_keys() -> tuple[str, ...]:
 
 
 def config_problems(d: DrafterSection) -> list[str]:
-    """The `drafter.*` problems the families own: the family name, its knobs, a draft vocab it cannot take."""
+    """The `drafter.*` problems the families own: the family name, its knobs, another family's knobs it would
+    not read, a draft vocab it cannot take."""
+    from dflashkit.config import DrafterSection
+
     fam = FAMILIES.get(d.type)
     if fam is None:
         return [_unknown(d.type, "drafter.type")]
     p = fam.config_problems(d)
+    p += _unread(fam, "drafter", d, DrafterSection(), knob_keys(), lambda f: f.knob_names)
     vocab = draft_vocab_problem(fam, d.draft_vocab_size, where="drafter.draft_vocab_size")
     return p + ([vocab] if vocab else [])
+
+
+def _unread(fam: Family, section: str, values: object, defaults: object, keys: tuple[str, ...],
+            reads: Callable[[Family], tuple[str, ...]]) -> list[str]:
+    """A problem for each `<section>.<key>` of `keys` that the family `fam` does not read (`reads`) but the config
+    sets, naming the families that do. "Sets" is a value other than the schema's default: the loader records
+    which keys were written only after its checks have run."""
+    out = []
+    for key in keys:
+        value = getattr(values, key)
+        if key in reads(fam) or value == getattr(defaults, key):
+            continue
+        owners = [f for f in FAMILIES.values() if key in reads(f)]
+        out.append(f"{section}.{key}: {value!r} is a knob of {' and '.join(f.title for f in owners)}, which "
+                   f"drafter.type={fam.name} does not read; set drafter.type={owners[0].name} or remove the key")
+    return out
+
+
+def objective_problems(train: TrainSection, fam: Family) -> list[str]:
+    """What in `train.*` the family's loss terms cannot go with, each naming its key: a term that reads the
+    target's logits (LiLiCorr's penalty) under train.on_path=rollout, whose labels are the target's path while
+    those logits follow the raw tokens (the same reason rollout refuses KL). The config checks (`checks`) and
+    `train`'s own (`train/guards.py`, with the contract's family) both ask this."""
+    terms = [t.name for t in fam.loss_terms(train) if t.needs_target]
+    if train.on_path != "rollout" or not terms:
+        return []
+    return [f"train.on_path: rollout gives labels on the target's path, but with drafter.type={fam.name} the "
+            f"{fam.title} loss term {terms[0]!r} reads the target's logits after the raw tokens; use "
+            f"train.on_path=mask, or give the {fam.title} term that reads them weight 0 (docs/config.md)"]
 
 
 def reads_target_law(train: TrainSection, fam: Family) -> bool:
@@ -99,8 +134,18 @@ def reads_target_law(train: TrainSection, fam: Family) -> bool:
 
 
 def checks(cfg: RunConfig) -> list[str]:
-    """`config_problems` of a whole run config: what the CLI hands the config loader (`load_config(checks=…)`)."""
-    return config_problems(cfg.drafter)
+    """The family-owned checks of a whole run config (`config_problems`, another family's `train.*` knobs,
+    `objective_problems`): what the CLI hands the config loader (`load_config(checks=…)`), so `--dry-run` and
+    the first stage of `dflashkit run` refuse what `train` would."""
+    from dflashkit.config import TrainSection
+
+    fam = FAMILIES.get(cfg.drafter.type)
+    p = config_problems(cfg.drafter)
+    if fam is None:
+        return p
+    train_keys = tuple(dict.fromkeys(k for f in FAMILIES.values() for k in f.train_knobs))
+    p += _unread(fam, "train", cfg.train, TrainSection(), train_keys, lambda f: f.train_knobs)
+    return p + objective_problems(cfg.train, fam)
 
 
 def check_tensors(fam: Family, have: set[str], want: set[str], *, weights: Path, config: Path) -> None:

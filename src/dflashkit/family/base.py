@@ -213,6 +213,7 @@ class Family:
         name: `drafter.type`, `contract.drafter_type`; title: how messages and the docs call it.
         architecture: config.json `architectures[0]` (also the class of the shipped `dflash.py`).
         knobs: frozen dataclass of the contract fields (and `drafter.*` keys, same names) it adds.
+        train_knobs: the `train.*` keys only its loss terms read (DFlash2's `selector_loss_weight`).
         speculators_keys: the knobs vLLM's speculators reader takes from the config's top level; any
             other knob that is set cannot travel in that format.
         tensor_markers: name parts of the tensors only this family's checkpoints hold.
@@ -249,6 +250,7 @@ class Family:
     build: Callable[..., Any]
     propose: Callable[..., tuple[list[int], Any]]
     knobs: type = NoKnobs
+    train_knobs: tuple[str, ...] = ()
     speculators_keys: tuple[str, ...] = ()
     tensor_markers: tuple[str, ...] = ()
     reduced_vocab: bool = True
@@ -286,6 +288,48 @@ class Family:
 
     def owns_tensor(self, name: str) -> bool:
         return any(m in name for m in self.tensor_markers)
+
+
+def knob_type_problems(knobs: Any) -> list[str]:
+    """`name must be …, got v` for each field of a knobs dataclass whose value is not of its declared type (a
+    hand-edited contract.json could hold "4" or 1 where an integer or a boolean belongs); checked before any
+    range check compares them."""
+    out = []
+    for f in fields(knobs):
+        v, kind = getattr(knobs, f.name), str(f.type)
+        if v is None and "None" in kind:
+            continue
+        if kind.startswith("bool"):
+            ok, what = isinstance(v, bool), "true or false"
+        elif kind.startswith("int"):
+            ok, what = isinstance(v, int) and not isinstance(v, bool), "an integer"
+        else:
+            ok, what = isinstance(v, (int, float)) and not isinstance(v, bool), "a number"
+        if not ok:
+            out.append(f"{f.name} must be {what}, got {v!r}")
+    return out
+
+
+def json_int(value: Any, key: str, source: str) -> int:
+    """`value` of `key` in the drafter config.json `source` as an integer: a JSON integer, never "4", 4.0 or
+    true (UsageError naming `key`, exit 2)."""
+    from dflashkit.errors import UsageError
+
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UsageError(f"{source}: {key} must be an integer, got {value!r} ({type(value).__name__})",
+                         hint=f"fix {source}: write the number without quotes")
+    return value
+
+
+def json_float(value: Any, key: str, source: str) -> float:
+    """`value` of `key` in the drafter config.json `source` as a float: a JSON number, never "2.0" or true
+    (UsageError naming `key`, exit 2)."""
+    from dflashkit.errors import UsageError
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UsageError(f"{source}: {key} must be a number, got {value!r} ({type(value).__name__})",
+                         hint=f"fix {source}: write the number without quotes")
+    return float(value)
 
 
 def draft_vocab_problem(fam: Family, size: int | None, *, where: str) -> str | None:

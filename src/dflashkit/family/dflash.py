@@ -18,9 +18,10 @@ offset i sees the context and block offsets j <= i only, instead of the whole bl
 `qwen3_dflash._dflash_layer_causal`: the top-level `is_causal`, else `dflash_config.causal`, else
 causal exactly on `layer_types[i] == "sliding_attention"`; SGLang reads `is_causal` only), so a causal
 drafter's config.json holds both keys; a bidirectional one holds neither (vLLM's default for
-full-attention layers). DFlash2 takes the knob too (`DFlash2Knobs` extends `DFlashKnobs`): vLLM's
-`DFlash2Qwen3DecoderLayer` resolves its attention through the same `_resolve_layer_attention`, and
-its V2 speculator takes the per-layer causality from the same `get_draft_attn_causal`.
+full-attention layers). DFlash2 and LiLiCorr take the knob too (`DFlash2Knobs` and `LiLiCorrKnobs` extend
+`DFlashKnobs`; their networks extend DFlash's, whose masks read it): vLLM's `DFlash2Qwen3DecoderLayer`
+resolves its attention through the same `_resolve_layer_attention`, its V2 speculator takes the per-layer
+causality from the same `get_draft_attn_causal`, and its LiLiCorr backbone is DFlash's.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import UsageError
-from dflashkit.family.base import Contract, DraftBlock, DraftSampling, Family
+from dflashkit.family.base import Contract, DraftBlock, DraftSampling, Family, knob_type_problems
 
 if TYPE_CHECKING:
     import torch
@@ -47,9 +48,9 @@ class DFlashKnobs:
 
 
 def contract_problems(c: Contract) -> list[str]:
-    """`causal` must be a JSON boolean (a hand-edited contract.json could hold "true" or 1)."""
-    v = c.knobs.causal
-    return [] if isinstance(v, bool) else [f"causal must be true or false, got {v!r}"]
+    """Every knob of the declared type (`knob_type_problems`: a hand-edited contract.json could hold "true" or 1
+    for `causal`, "4" for an integer); the families whose knobs extend DFlash's start from these."""
+    return knob_type_problems(c.knobs)
 
 
 def dflash_config(c: Contract) -> dict[str, Any]:

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import UsageError
-from dflashkit.family.base import (Contract, DraftBlock, DraftSampling, Family, Rows, Scored, StatField,
-                                  refuse_draft_vocab, walk_reload_check)
+from dflashkit.family.base import (Contract, DraftBlock, DraftSampling, Family, Rows, Scored, StatField, json_float,
+                                  json_int, refuse_draft_vocab, walk_reload_check)
 from dflashkit.family.dflash import DFlashKnobs
 from dflashkit.family.dflash import card_lines as dflash_card_lines
 from dflashkit.family.dflash import contract_problems as dflash_contract_problems
@@ -82,6 +82,8 @@ def contract_problems(c: Contract) -> list[str]:
     """What makes the knobs unusable for this contract's target."""
     k: DFlash2Knobs = c.knobs
     p = dflash_contract_problems(c)
+    if p:  # a knob of the wrong type: the ranges below cannot be compared
+        return p
     if k.conv_kernel_size < 1:
         p.append(f"conv_kernel_size must be >= 1, got {k.conv_kernel_size}")
     if k.conv_group_size < 1 or c.hidden_size % max(1, k.conv_group_size):
@@ -113,10 +115,10 @@ def read_knobs(cfg: dict[str, Any], dc: dict[str, Any], source: str) -> dict[str
     if missing:
         raise UsageError(f"{source}: a DFlash2DraftModel config without {missing}",
                          hint="re-export the drafter (vLLM reads these keys from dflash_config)")
-    out: dict[str, Any] = {k: int(dc[k]) for k in REQUIRED}
+    out: dict[str, Any] = {k: json_int(dc[k], f"dflash_config.{k}", source) for k in REQUIRED}
     for k in OPTIONAL:
         if dc.get(k) is not None:
-            out[k] = float(dc[k])
+            out[k] = json_float(dc[k], f"dflash_config.{k}", source)
     return {**out, **dflash_knobs(cfg, dc, source)}
 
 
@@ -301,6 +303,7 @@ DFLASH2 = Family(
     title="DFlash2",
     architecture="DFlash2DraftModel",
     knobs=DFlash2Knobs,
+    train_knobs=("selector_loss_weight",),
     speculators_keys=REQUIRED,
     tensor_markers=("attention_conv.", "mlp_conv.", "candidate_selector."),
     reduced_vocab=False,

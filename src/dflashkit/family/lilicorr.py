@@ -48,8 +48,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import UsageError
-from dflashkit.family.base import (Contract, DraftBlock, DraftSampling, Family, Rows, Scored, StatField, ratio,
-                                   refuse_draft_vocab, walk_reload_check)
+from dflashkit.family.base import (Contract, DraftBlock, DraftSampling, Family, Rows, Scored, StatField, json_float,
+                                   json_int, ratio, refuse_draft_vocab, walk_reload_check)
 from dflashkit.family.dflash import DFlashKnobs
 from dflashkit.family.dflash import card_lines as dflash_card_lines
 from dflashkit.family.dflash import contract_problems as dflash_contract_problems
@@ -110,13 +110,22 @@ def _knob_problems(get: Any, key: str) -> list[str]:
 
 
 def config_problems(d: DrafterSection) -> list[str]:
-    return _knob_problems(lambda name: getattr(d, name), "drafter.")
+    """Range checks of the `drafter.*` knobs, and the heads against a lattice width the config gives."""
+    p = _knob_problems(lambda name: getattr(d, name), "drafter.")
+    width, heads = d.lilicorr_hidden_size or d.hidden_size, d.lilicorr_num_heads
+    if width and width > 0 and heads >= 1 and width % heads:
+        p.append(f"drafter.lilicorr_num_heads: {heads} must divide the lattice width {width} "
+                 "(drafter.lilicorr_hidden_size; 0 = the draft width, drafter.hidden_size)")
+    return p
 
 
 def contract_problems(c: Contract) -> list[str]:
     """The knobs' ranges, and what makes them unusable for this contract's target."""
     k: LiLiCorrKnobs = c.knobs
-    p = dflash_contract_problems(c) + _knob_problems(lambda name: getattr(k, name), "")
+    p = dflash_contract_problems(c)
+    if p:  # a knob of the wrong type: the ranges below cannot be compared
+        return p
+    p = _knob_problems(lambda name: getattr(k, name), "")
     width = k.lilicorr_hidden_size or c.hidden_size
     if k.lilicorr_num_heads >= 1 and width % k.lilicorr_num_heads:
         p.append(f"lilicorr_num_heads {k.lilicorr_num_heads} must divide the lattice width {width}")
@@ -152,9 +161,10 @@ def read_knobs(cfg: dict[str, Any], dc: dict[str, Any], source: str) -> dict[str
         raise UsageError(f"{source}: has_own_lm_head is true: the drafter ships its own candidate head, while "
                          "dflashkit drafts LiLiCorr with the target's head (so would vLLM without the key)",
                          hint="export the drafter with the target's head (has_own_lm_head absent or false)")
-    out: dict[str, Any] = {k: float(dc[k]) if k in FLOATS else int(dc[k]) for k in HEAD}
-    out[CONV[0]] = int(dc.get("conv_kernel_size") or 0)
-    out[CONV[1]] = int(dc.get("conv_group_size") or 0)
+    out: dict[str, Any] = {k: (json_float if k in FLOATS else json_int)(dc[k], f"dflash_config.{k}", source)
+                           for k in HEAD}
+    out[CONV[0]] = json_int(dc.get("conv_kernel_size") or 0, "dflash_config.conv_kernel_size", source)
+    out[CONV[1]] = json_int(dc.get("conv_group_size") or 0, "dflash_config.conv_group_size", source)
     if bool(out[CONV[0]]) != bool(out[CONV[1]]):
         raise UsageError(f"{source}: dflash_config sets only one of conv_kernel_size / conv_group_size "
                          f"({out[CONV[0]]} / {out[CONV[1]]}); vLLM's LiLiCorr needs both or neither",
@@ -415,6 +425,7 @@ LILICORR = Family(
     title="LiLiCorr",
     architecture="LiLiCorrDraftModel",
     knobs=LiLiCorrKnobs,
+    train_knobs=("lilicorr_ce_weight", "lilicorr_penalty_weight", "lilicorr_margin_weight", "lilicorr_margin"),
     tensor_markers=("lilicorr.", "attention_conv.", "mlp_conv."),
     reduced_vocab=False,
     init_from={"dflash": _from("DFlash"), "dflash2": _from("DFlash2")},

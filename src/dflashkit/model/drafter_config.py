@@ -27,6 +27,7 @@ from typing import Any
 
 from dflashkit import family as families
 from dflashkit.errors import UsageError
+from dflashkit.family.base import json_int
 
 log = logging.getLogger("dflashkit.contract")
 
@@ -50,6 +51,7 @@ def build_target_layer_ids(num_target_layers: int, num_features: int) -> list[in
 
 
 REPROBE_HINT = "re-run `dflashkit probe -c run.yaml` for this target"
+STORED_DTYPES = ("float32", "bfloat16", "float16", "float64")  # what a drafter config.json's dtype / torch_dtype may say
 
 
 def default_gamma(block_size: int) -> float:
@@ -238,16 +240,17 @@ class DrafterContract:
                              "(vLLM speculators format) — not a DFlash drafter config",
                              hint="export with `dflashkit export`, or add dflash_config "
                              "{mask_token_id, target_layer_ids}")
+        for key in ("dtype", "torch_dtype"):  # `import` copies config.json as it is: a bogus dtype would travel on
+            if cfg.get(key) is not None and cfg[key] not in STORED_DTYPES:
+                raise UsageError(f"{source}: {key} {cfg[key]!r} is not one of {list(STORED_DTYPES)}",
+                                 hint=f"fix {source}: set {key} to the dtype of the drafter's weights")
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads") if k not in cfg]
         if "mask_token_id" not in dc:
             missing.append("dflash_config.mask_token_id")
         if missing:
             raise UsageError(f"{source}: missing keys {missing}")
         def num(value: Any, key: str) -> int:  # a JSON integer: "4" or true is an error naming the key
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise UsageError(f"{source}: {key} must be an integer, got {value!r} ({type(value).__name__})",
-                                 hint=f"fix {source}: write the number without quotes")
-            return value
+            return json_int(value, key, source)
 
         num_layers = num(cfg["num_hidden_layers"], "num_hidden_layers")
         n_target = num(dc.get("num_target_layers", cfg.get("num_target_layers", 0)) or 0, "num_target_layers")

@@ -25,7 +25,7 @@ from torch import nn
 
 from dflashkit.errors import UsageError
 from dflashkit.model.files import check_safetensors, resolve_target_path
-from dflashkit.rundir import read_utf8
+from dflashkit.textfile import read_utf8
 
 if TYPE_CHECKING:
     from dflashkit.config import TargetSection

@@ -97,7 +97,8 @@ def preflight(cfg: RunConfig, rd: RunDir) -> DrafterContract:
     call it, so a dry run refuses what the run would, with the same message. train/final and train/best are
     ours; the contract exists and every drafter.* given agrees with it; a drafter.init dir fits it; the
     tokenized shards exist and, with train.features=cached, the feature shards hold its layers (and next_ids
-    for train.labels=target); the latest checkpoint, if any, is this run's (objective, trajectory, contract).
+    for train.labels=target); an online rollout's target attends as the rollout's mask does (read from its
+    config.json); the latest checkpoint, if any, is this run's (objective, trajectory, contract).
     The engine of train.features=engine is the stage's to check (`engines/feed.py` check_engine_feed)."""
     from dflashkit.data.shards import require_tokenized_shards
     from dflashkit.model.drafter_config import DrafterContract
@@ -112,6 +113,7 @@ def preflight(cfg: RunConfig, rd: RunDir) -> DrafterContract:
 
         check_fits(read_warm_start(cfg.drafter.init), contract)
     check_cached_features(cfg, rd, contract, require_tokenized_shards(rd))
+    check_rollout_attention(cfg, rd, contract)
     found = ckpt.latest_run_checkpoint(rd)
     if found is not None:
         state = ckpt.checkpoint_state(found)
@@ -122,16 +124,14 @@ def preflight(cfg: RunConfig, rd: RunDir) -> DrafterContract:
 
 
 def check_family_objective(cfg: RunConfig, contract: DrafterContract) -> None:
-    """Exit 2 when the family's loss terms cannot go with `train.*`: a term that reads the target's logits
-    (LiLiCorr's penalty) under train.on_path=rollout, whose labels are the target's path while those logits
-    follow the raw tokens (the same reason rollout refuses KL)."""
-    fam = contract.family
-    terms = [t.name for t in fam.loss_terms(cfg.train) if t.needs_target]
-    if cfg.train.on_path == "rollout" and terms:
-        raise UsageError(f"train.on_path: rollout gives labels on the target's path, but the {fam.title} loss term "
-                         f"{terms[0]!r} reads the target's logits after the raw tokens",
-                         hint=f"use train.on_path=mask, or give the {fam.title} term that reads them weight 0 "
-                         "(docs/config.md)")
+    """Exit 2 when the contract's family's loss terms cannot go with `train.*` (`family.objective_problems`,
+    which the config checks ask of `drafter.type`'s family when the config loads; here the contract decides
+    the family, as it does when the config leaves drafter.type unset)."""
+    from dflashkit.family import objective_problems
+
+    problems = objective_problems(cfg.train, contract.family)
+    if problems:
+        raise ConfigError(problems)  # each problem says what to do
 
 
 def check_cached_features(cfg: RunConfig, rd: RunDir, contract: DrafterContract, shards: list[Path]) -> None:
@@ -147,6 +147,27 @@ def check_cached_features(cfg: RunConfig, rd: RunDir, contract: DrafterContract,
             store.require("next_ids", "train.labels=target reads the target's argmax from the shards")
         if cfg.train.on_path == "rollout":
             store.require_paths(path_depth(contract.block_size), "train.on_path=rollout learns it")
+
+
+def check_rollout_attention(cfg: RunConfig, rd: RunDir, contract: DrafterContract) -> None:
+    """train.on_path=rollout with train.features=online: training rolls the target's greedy path out over its
+    samples, which reproduces full attention only; a target whose attention over the longest training sample
+    differs (a sliding window it outgrows: `data.capturing.rollout_reproduces_attention`, read from the
+    target's config.json) is exit 2 naming train.on_path, before the target loads. Cached features carry
+    their paths (`capture` makes the same check); the held-out yardstick falls back by itself."""
+    from types import SimpleNamespace
+
+    from dflashkit.data.capturing import rollout_reproduces_attention
+    from dflashkit.model.path_labels import path_depth
+    from dflashkit.train.data import first_of, load_tokenized
+    from dflashkit.train.levers import split_samples
+
+    depth = path_depth(contract.block_size)
+    if cfg.train.on_path != "rollout" or cfg.train.features != "online" or depth <= 1:
+        return
+    data = load_tokenized(rd)
+    train_idx = first_of(split_samples(cfg, data)[0], cfg.train.train_samples, seed=cfg.run.seed)
+    rollout_reproduces_attention(cfg, SimpleNamespace(input_ids=[data.input_ids[i] for i in train_idx]), depth)
 
 
 def check_outputs_ours(train_dir: Path, cfg: RunConfig) -> None:
