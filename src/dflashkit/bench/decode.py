@@ -5,7 +5,7 @@ Usage:
     dflashkit bench decode runs/x/export target.path=smollm2-135m-instruct eval.num_prompts=4
 
 Same target (verified in eval's dtype, `eval.dtype`: a bf16 verify where eval runs one, so the draft's
-share of a target step is the share eval pays), drafter weights, prompts and block size (eval.block_sizes[0],
+share of a target step is the share eval pays; the JSON's `dtype_reason` says why), drafter weights, prompts and block size (eval.block_sizes[0],
 else the drafter's), in one run, prompt by prompt in turn (warm-up excluded): our baseline (block_size 1), our speculative
 decoder, and the reference loop from PyPI `dflash==0.1.0` (its `DFlashDraftModel` loaded from the
 same dir). Reports end-to-end tokens/s of each call, ours/reference ratio (goal ≥ 1.2), identical
@@ -68,17 +68,20 @@ def _e2e(results: list[GenerationResult]) -> tuple[int, float]:
 def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     import torch
 
-    from dflashkit.decode.evaluation import decode_inputs, load_checked_target, verify_target_config
+    from dflashkit.decode.evaluation import decode_inputs, load_checked_target, verify_dtype, verify_target_config
     from dflashkit.decode.metrics import compare, summarize_acceptance, summarize_timing
     from dflashkit.decode.runner import draft_dtype_for, first_difference, params_for, run_interleaved
     from dflashkit.decode.spec_decode import SpecDecoder
     from dflashkit.export.hf import load_drafter
+    from dflashkit.model.target import announce
 
     inputs = decode_inputs(cfg, rd, ctx.positionals[1:], num_prompts=cfg.eval.num_prompts)
     drafter_dir, contract = inputs.drafter_dir, inputs.contract
     bs = (cfg.eval.block_sizes or [contract.block_size])[0]
-    # verified in eval's dtype (`eval.dtype`), so the draft's share of a target step is the one eval pays
-    target, ids = load_checked_target(cfg, inputs, verify_target_config(cfg))  # the drafter and every prompt fit
+    # verified in eval's dtype (`eval.dtype`; auto: target.dtype's), so the draft's share of a target step is the
+    # one eval pays; the drafter and every prompt fit
+    verify = announce(verify_dtype(cfg))
+    target, ids = load_checked_target(cfg, inputs, verify_target_config(cfg, verify))
     params = params_for(cfg, target)
     drafter = load_drafter(drafter_dir, dtype=target.dtype, device=target.device)
     baseline = SpecDecoder(target, None, 1, max_context=cfg.eval.max_context)
@@ -109,7 +112,7 @@ def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any
         "target": str(cfg.target.path), "drafter": str(drafter_dir), "drafter_type": contract.drafter_type,
         "block_size": bs, "prompts": len(ids),
         "max_new_tokens": params.max_new_tokens, "device": str(target.device), "threads": torch.get_num_threads(),
-        "dtype": str(target.dtype).removeprefix("torch."),
+        "dtype": str(target.dtype).removeprefix("torch."), "dtype_reason": verify.reason,
         "draft_dtype": str(next(drafter.parameters()).dtype).removeprefix("torch."),
         "tokens_per_s_e2e": tps,
         "ours_over_reference": round(tps["ours"] / tps["reference"], 4) if tps["reference"] else 0.0,

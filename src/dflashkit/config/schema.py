@@ -86,8 +86,10 @@ class TargetSection:
     path: str = f("", "Target model: a HF model dir (safetensors), a .gguf file, or an asset name "
                   "such as `smollm2-135m-instruct` (fetched into the cache).")
     gguf_file: str | None = f(None, "GGUF file name inside `path` when `path` is a directory.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = f(
-        "auto", "Target dtype; auto = bfloat16 on CUDA, float32 on CPU.")
+    dtype: Literal["auto", "native", "float32", "bfloat16", "float16"] = f(
+        "auto", "Target dtype (what `serve` computes in, and eval's with eval.dtype: target); auto = bfloat16 on "
+        "CUDA, float32 on CPU; native = bfloat16 where the device computes it natively (CUDA; CPUs with "
+        "AVX512-BF16 or AMX-BF16), else float32. A 16-bit dtype the CPU only emulates is kept, with a warning.")
     device: str = f("auto", "auto | cpu | cuda | cuda:N.")
     trust_remote_code: bool = f(False, "Allow the model dir's own Python code (off unless you ask).")
     tokenizer: str | None = f(None, "Tokenizer dir if it differs from the model dir.")
@@ -424,7 +426,9 @@ class TrainSection:
     keep_best: bool = f(True, "Keep the drafter with the best held-out simulated τ in train/best/ (eval and "
                         "export then use it by default).")
     loss_chunk_blocks: int = f(64, "Blocks per loss chunk (bounds the [blocks·B, vocab] logits).")
-    dtype: Literal["auto", "float32", "bfloat16"] = f("auto", "Autocast dtype; auto = bf16 on CUDA.")
+    dtype: Literal["auto", "native", "float32", "bfloat16"] = f(
+        "auto", "The drafter's autocast dtype; auto = bf16 on CUDA; native = bf16 where the device computes it "
+        "natively (CUDA; CPUs with AVX512-BF16 or AMX-BF16), else float32.")
     target_dtype: Literal["float32", "auto", "bfloat16"] = f(
         "float32", "Autocast dtype of the online target forward (features, target logits) when the target "
         "is loaded in float32: float32 = none; bfloat16; auto = bfloat16 on CUDA and on CPUs with AMX-BF16 or "
@@ -469,11 +473,14 @@ class EvalSection:
     draft_dtype: Literal["auto", "target", "float32", "bfloat16", "float16"] = f(
         "auto", "dtype of the drafter and its lm_head copy (drafts never change the output): auto = "
         "bfloat16 for fp32 targets on CPUs with AMX/AVX512-BF16, else the target's; target = the target's.")
-    dtype: Literal["target", "float32", "bfloat16", "auto"] = f(
-        "target", "Verify dtype: the dtype the target runs in for the baseline and every verify pass. "
-        "target = target.dtype; auto = decode the first prompts in float32 and in bfloat16 and keep the one "
-        "whose best block size has the higher speedup over its own baseline (results.json says which). In "
-        "bfloat16 the lossless check is tie-aware (eval.tie_tolerance).", hash_default=False)
+    dtype: Literal["target", "native", "float32", "bfloat16", "auto"] = f(
+        "target", "Verify dtype: the dtype the target runs in for the baseline and every verify pass (also "
+        "`bench decode`'s). target = target.dtype; native = bfloat16 where the device computes it natively (CUDA; "
+        "CPUs with AVX512-BF16 or AMX-BF16: read from the CPU flags, instantly), else float32; auto = decode the "
+        "first prompts in float32 and in bfloat16 and keep the one whose best block size has the higher speedup "
+        "over its own baseline (costs minutes). results.json's dtype_reason says why. bfloat16 on a CPU that only "
+        "emulates it is kept, with a warning. In bfloat16 the lossless check is tie-aware (eval.tie_tolerance).",
+        hash_default=False)
     tie_tolerance: float | None = f(
         None, "Lossless check: a greedy divergence from the baseline is a numerical tie when the baseline's "
         "top-1 logit exceeds its logit of the speculative token by at most this many logits there; null = "

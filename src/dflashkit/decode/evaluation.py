@@ -80,13 +80,14 @@ def check_target_fits(inputs: DecodeInputs, target_cfg: Any) -> None:
 
 def load_checked_target(cfg: Any, inputs: DecodeInputs, target_cfg: Any) -> tuple[Any, list[list[int]]]:
     """Load the target, check the drafter fits it and that every rendered prompt fits the context
-    (exit 2 before anything is decoded); the target and the prompts' ids."""
+    (exit 2 before anything is decoded); the target and the prompts' ids. `target_cfg` is
+    `verify_target_config`'s: the caller announces its dtype (`verify_dtype`)."""
     from dflashkit.decode.runner import render_prompts
     from dflashkit.decode.spec_decode import SpecDecoder
     from dflashkit.model.target import load_target
 
     check_target_fits(inputs, target_cfg)
-    target = load_target(target_cfg)
+    target = load_target(target_cfg, announce_dtype=False)
     inputs.contract.check(target, where=f"drafter {inputs.drafter_dir}")
     ids = render_prompts(target.tokenizer, inputs.prompts, cfg.tokenize.chat_template_kwargs)
     check = SpecDecoder(target, None, 1, max_context=cfg.eval.max_context)
@@ -95,10 +96,22 @@ def load_checked_target(cfg: Any, inputs: DecodeInputs, target_cfg: Any) -> tupl
     return target, ids
 
 
-def verify_target_config(cfg: Any) -> Any:
-    """The target section eval verifies with: `eval.dtype` target/auto keep `target.dtype`, else that dtype."""
-    dtype = cfg.eval.dtype
-    return cfg.target if dtype in ("target", "auto") else dataclasses.replace(cfg.target, dtype=dtype)
+def verify_dtype(cfg: Any) -> Any:
+    """The verify dtype and why (a `model.target.DtypeChoice`, not yet announced): `eval.dtype` target/auto
+    → `target.dtype`'s choice (auto then measures both dtypes: `choose_dtype` below), native → bfloat16 where
+    the device computes it natively, else float32; float32 / bfloat16 as set (warned where emulated)."""
+    from dflashkit.model.target import compute_dtype, resolve_device
+
+    dev = resolve_device(cfg.target.device)
+    if cfg.eval.dtype in ("target", "auto"):
+        return compute_dtype(cfg.target.dtype, dev, key="target.dtype")
+    return compute_dtype(cfg.eval.dtype, dev, key="eval.dtype")
+
+
+def verify_target_config(cfg: Any, choice: Any = None) -> Any:
+    """The target section eval verifies with: `target.dtype` replaced by the verify dtype's name (`choice`,
+    else `verify_dtype(cfg)`)."""
+    return dataclasses.replace(cfg.target, dtype=(choice or verify_dtype(cfg)).name)
 
 
 def block_sizes_for(requested: list[int] | None, contract: Any) -> list[int]:
@@ -242,7 +255,7 @@ def choose_dtype(cfg: Any, drafter_dir: Any, ids: list[list[int]], block_sizes: 
 
     calib, targets = {}, {}
     for name in ("float32", "bfloat16"):
-        target = load_target(dataclasses.replace(cfg.target, dtype=name))
+        target = load_target(dataclasses.replace(cfg.target, dtype=name), announce_dtype=False)
         drafter = load_drafter(drafter_dir, dtype=target.dtype, device=target.device)
         runs = decode_all(cfg, target, drafter, ids[:CALIBRATION_PROMPTS], block_sizes, lookup=False,
                           warmup=cfg.eval.warmup, adaptive=False)
@@ -255,9 +268,13 @@ def choose_dtype(cfg: Any, drafter_dir: Any, ids: list[list[int]], block_sizes: 
         log.info("eval.dtype=auto: %s baseline %.1f tok/s, best B=%d speedup %.2f", name,
                  base_t["decode_tokens_per_s"], best["block_size"], best["speedup"])
     chosen = max(calib, key=lambda n: calib[n]["speedup"])
+    other = next(n for n in calib if n != chosen)
+    reason = (f"{chosen}: eval.dtype=auto measured the higher best speedup ({calib[chosen]['speedup']:.2f} vs "
+              f"{other}'s {calib[other]['speedup']:.2f})")
+    log.info("eval.dtype=auto → %s", reason)
     return targets[chosen], {"mode": "auto", "chosen": chosen, "prompts": min(len(ids), CALIBRATION_PROMPTS),
                              "rule": "higher best speedup over the same dtype's block_size=1 baseline",
-                             "calibration": calib}
+                             "reason": reason, "calibration": calib}
 
 
 def lossless_check(cfg: Any, target: Any, runs: dict[str, Any], base_results: list, prompts: list) -> dict:
@@ -303,8 +320,9 @@ def diagnostics(cfg: Any, rd: Any, target: Any, drafter: Any, ids: list, base_re
 
 
 def evaluate(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list[list[int]], block_sizes: list[int],
-             choice: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Decode every prompt with the baseline and each decoder; `eval/results.json`'s dict."""
+             choice: dict[str, Any] | None = None, *, dtype_reason: str = "") -> dict[str, Any]:
+    """Decode every prompt with the baseline and each decoder; `eval/results.json`'s dict. `dtype_reason`:
+    why the target runs in its dtype (`verify_dtype`'s reason; eval.dtype=auto's is in `choice`)."""
     import torch
 
     from dflashkit.decode.metrics import paired_speed, summarize_timing
@@ -327,6 +345,7 @@ def evaluate(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list[lis
                            "max_new_tokens": e.max_new_tokens, "temperature": e.temperature,
                            "threads": torch.get_num_threads(), "device": str(target.device),
                            "dtype": str(target.dtype).removeprefix("torch."),
+                           "dtype_reason": (choice or {}).get("reason") or dtype_reason,
                            "draft_dtype": str(ddt or target.dtype).removeprefix("torch."),
                            "baseline": base_t, "speculative": {}, "mismatches": []}
     if choice:

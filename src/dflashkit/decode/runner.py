@@ -157,15 +157,22 @@ def run_interleaved(decoders: dict[str, Decoder], prompts: list[list[int]], para
 
 
 def draft_dtype_for(cfg: RunConfig, target: Any) -> Any:
-    """`eval.draft_dtype` → a torch dtype (None = the target's)."""
-    import torch
-
+    """`eval.draft_dtype` → a torch dtype (None = the target's), announced once per process (an explicit 16-bit
+    one with a warning where the CPU only emulates it)."""
     from dflashkit.decode.spec_decode import fast_draft_dtype
+    from dflashkit.model.target import DtypeChoice, announce, compute_dtype, native_half
 
     choice = cfg.eval.draft_dtype
     if choice == "auto":
-        return fast_draft_dtype(target)
-    return None if choice == "target" else getattr(torch, choice)
+        dt = fast_draft_dtype(target)
+        name = str(dt).removeprefix("torch.")
+        why = (f"{name}: a float32 target on a CPU with native bf16 ({native_half('bfloat16', target.device)[1]})"
+               if dt != target.dtype else f"{name}: the target's")
+        announce(DtypeChoice("eval.draft_dtype", choice, dt, why))
+        return dt
+    if choice == "target":
+        return None
+    return announce(compute_dtype(choice, target.device, key="eval.draft_dtype", suggest="auto")).dtype
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

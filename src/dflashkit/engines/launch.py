@@ -27,8 +27,13 @@ MAX_MODEL_LEN = 8192  # cap on the engine's context (its KV cache must hold one 
 
 
 def engine_dtype(cfg: RunConfig) -> str:
-    """The target's dtype for the engine: `auto` is float32 on CPU (vLLM here runs on CPU), as in load_target."""
-    return "float32" if cfg.target.dtype == "auto" else cfg.target.dtype
+    """The target's dtype for the engine (vLLM here runs on CPU), as load_target resolves `target.dtype` on the
+    CPU: `auto` is float32, `native` bfloat16 only where the CPU computes it natively."""
+    import torch
+
+    from dflashkit.model.target import announce, compute_dtype
+
+    return announce(compute_dtype(cfg.target.dtype, torch.device("cpu"), key="target.dtype")).name
 
 
 def check_vllm_for_target(cfg: RunConfig, what: str = "server.engine=vllm") -> Path:

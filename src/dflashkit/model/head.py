@@ -207,14 +207,14 @@ class HeadOnlyTarget:
 def load_head_only_target(section: TargetSection, *, device: str | None = None) -> HeadOnlyTarget:
     """`load_target`'s light twin for a `TargetSection`: embedding + final norm + head, and the tokenizer."""
     from dflashkit.model.files import resolve_target_path
-    from dflashkit.model.target import load_tokenizer, resolve_device, resolve_dtype
+    from dflashkit.model.target import announce, compute_dtype, load_tokenizer, resolve_device
 
     model_dir, gguf = resolve_target_path(section.path, section.gguf_file)
     if gguf:
         raise UsageError(f"target.path {section.path}: a GGUF target has no safetensors to read the head from",
                          hint="point target.path at a HF model dir")
     dev = resolve_device(device or section.device)
-    dt = resolve_dtype(section.dtype, dev)
+    dt = announce(compute_dtype(section.dtype, dev, key="target.dtype")).dtype
     parts = load_head_parts(model_dir, dtype=dt, device=dev)
     tok = load_tokenizer(model_dir, trust_remote_code=section.trust_remote_code, tokenizer_dir=section.tokenizer)
     return HeadOnlyTarget(parts, tok, dev, dt)

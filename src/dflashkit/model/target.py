@@ -6,6 +6,8 @@ Usage:
     feats, out = target.features(ids, layer_ids=ids_, need_logits=True, past_key_values=cache,
                                  use_cache=True)             # verify pass: logits + features
     emb = target.embed(ids); logits = target.lm_head(h)      # shared, frozen
+    c = announce(compute_dtype("native", dev, key="eval.dtype"))  # a compute dtype and why, logged once
+    c.dtype, c.reason                      # torch.float32, "float32: bf16 is emulated on this CPU (no ...)"
 
 Feature convention (dflash-spec §1.7): the feature of layer id is the output of decoder layer `id`
 (= HF `hidden_states[id + 1]`), captured with forward hooks, so all hidden states are never
@@ -48,20 +50,25 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
+    """`target.dtype` → a torch dtype on `device` (`compute_dtype` decides; nothing is logged)."""
+    return compute_dtype(dtype, device, key="target.dtype").dtype
+
+
+# the CPU flags under which torch computes a 16-bit dtype's matrix products natively (oneDNN); without
+# them it converts every element to float32 and back (emulation, several times slower than float32)
+HALF_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
 
 
 def cpu_facts() -> dict[str, Any]:
-    """The CPU's model name and the bf16 matrix instructions it has (from /proc/cpuinfo; {} elsewhere)."""
+    """The CPU's model name and the bf16 / fp16 matrix instructions it has (from /proc/cpuinfo; {} elsewhere)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return {}
     name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
     flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
-    return {"cpu": name, "bf16": [f for f in ("avx512_bf16", "amx_bf16") if f in flags]}
+    return {"cpu": name, "bf16": [f for f in HALF_FLAGS["bfloat16"] if f in flags],
+            "fp16": [f for f in HALF_FLAGS["float16"] if f in flags]}
 
 
 def fast_bf16(device: torch.device) -> bool:
@@ -75,17 +82,98 @@ def fast_bf16(device: torch.device) -> bool:
     return device.type == "cpu" and bool({"amx_bf16", "avx512_bf16"} & set(cpu_facts().get("bf16", [])))
 
 
+def native_half(name: str, device: torch.device) -> tuple[bool, str]:
+    """Whether `device` computes the 16-bit dtype `name` (bfloat16, float16) natively, and the evidence:
+    ("CUDA"), the CPU flags it has ("avx512_bf16"), or those it lacks ("no avx512_bf16 / amx_bf16")."""
+    if device.type == "cuda":
+        return True, "CUDA"
+    if device.type != "cpu":
+        return False, f"not known to be native on {device.type}"
+    flags = HALF_FLAGS[name]
+    have = (cpu_facts().get("bf16" if name == "bfloat16" else "fp16") or [])
+    native = fast_bf16(device) if name == "bfloat16" else bool(have)  # bf16: the same test as fast_bf16
+    return (True, " / ".join(have)) if native else (False, "no " + " / ".join(flags))
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The dtype a stage computes in for one config key, and a one-line reason ("bfloat16: CUDA").
+
+    `warning` is set for an explicit 16-bit dtype the device only emulates (the choice is kept: explicit
+    settings win); `announce` logs it."""
+
+    key: str
+    setting: str
+    dtype: torch.dtype
+    reason: str
+    warning: str | None = None
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def compute_dtype(setting: str, device: torch.device, *, key: str, auto: str = "cuda",
+                 suggest: str = "native") -> DtypeChoice:
+    """The one owner of a compute dtype: `setting` of config key `key` on `device`, decided instantly.
+
+    native = bfloat16 where the device computes it natively (CUDA; CPUs with AVX512-BF16 or AMX-BF16:
+    `fast_bf16`), else float32. auto = bfloat16 on CUDA, else float32 (`auto="cuda"`: target.dtype,
+    train.dtype) or the same as native (`auto="native"`: train.target_dtype). float32 / bfloat16 / float16
+    are kept as they are; a 16-bit one the CPU only emulates gets a `warning` naming the key, the missing
+    CPU flags and `suggest` (the setting that keeps bf16 only where it is native) or float32.
+    """
+    if setting == "native" or (setting == "auto" and auto == "native"):
+        native, why = native_half("bfloat16", device)
+        if native:
+            return DtypeChoice(key, setting, torch.bfloat16,
+                               "bfloat16: CUDA" if why == "CUDA" else f"bfloat16: native on this CPU ({why})")
+        return DtypeChoice(key, setting, torch.float32, f"float32: bf16 is emulated on this CPU ({why})"
+                           if device.type == "cpu" else f"float32: bf16 is {why}")
+    if setting == "auto":
+        if device.type == "cuda":
+            return DtypeChoice(key, setting, torch.bfloat16, f"bfloat16: {key}=auto on CUDA")
+        return DtypeChoice(key, setting, torch.float32, f"float32: {key}=auto off CUDA")
+    dtype = getattr(torch, setting, None)
+    if not isinstance(dtype, torch.dtype):
+        raise UsageError(f"{key}: unknown dtype {setting!r}", hint=f"use {suggest}, float32 or bfloat16")
+    if setting not in HALF_FLAGS:
+        return DtypeChoice(key, setting, dtype, f"{setting}: set by {key}")
+    native, why = native_half(setting, device)
+    if native or device.type != "cpu":
+        return DtypeChoice(key, setting, dtype, f"{setting}: set by {key}")
+    cpu = cpu_facts().get("cpu") or "this CPU"
+    return DtypeChoice(key, setting, dtype, f"{setting}: set by {key}, emulated on this CPU ({why})",
+                       warning=f"{key}: {setting} is emulated on this CPU ({cpu}: {why}), so its matrix products "
+                               f"run several times slower than in float32; set {key}: {suggest} (bf16 only where "
+                               f"the device computes it natively) or float32")
+
+
+_ANNOUNCED: set[tuple[str, str, str]] = set()
+
+
+def announce(choice: DtypeChoice) -> DtypeChoice:
+    """Log a choice once per process: INFO `key=setting → reason`, and its WARNING when it has one."""
+    seen = (choice.key, choice.setting, choice.reason)
+    if seen not in _ANNOUNCED:
+        _ANNOUNCED.add(seen)
+        log.info("%s=%s → %s", choice.key, choice.setting, choice.reason)
+        if choice.warning:
+            log.warning("%s", choice.warning)
+    return choice
+
+
 def target_autocast(setting: str, device: torch.device, target_dtype: torch.dtype) -> torch.dtype | None:
     """Autocast dtype for the online target forward (`train.target_dtype`), or None for none.
 
-    auto = bfloat16 where bf16 products are fast (`fast_bf16`: CUDA, CPUs with AMX-BF16 or AVX512-BF16),
-    else the target's own dtype. Nothing to do when the target is already loaded in 16 bits.
+    auto = bfloat16 where bf16 products are native (`compute_dtype`'s native: CUDA, CPUs with AMX-BF16 or
+    AVX512-BF16), else the target's own dtype. Nothing to do when the target is already loaded in 16 bits.
+    The choice is announced (once per process).
     """
-    if target_dtype != torch.float32 or setting == "float32":
+    if target_dtype != torch.float32:
         return None
-    if setting == "bfloat16" or fast_bf16(device):
-        return torch.bfloat16
-    return None
+    choice = announce(compute_dtype(setting, device, key="train.target_dtype", auto="native", suggest="auto"))
+    return None if choice.dtype == torch.float32 else choice.dtype
 
 
 def cache_kwarg(model: nn.Module) -> str:
@@ -263,13 +351,20 @@ def load_tokenizer(model_dir: Path, *, gguf_file: str | None = None, trust_remot
 
 
 def load_target(section: TargetSection, *, device: str | None = None, dtype: str | None = None,
-                with_tokenizer: bool = True) -> Target:
-    """Load the target described by a `TargetSection` (frozen, eval mode)."""
+                with_tokenizer: bool = True, announce_dtype: bool = True) -> Target:
+    """Load the target described by a `TargetSection` (frozen, eval mode).
+
+    Its dtype is `section.dtype` as `compute_dtype` resolves it, announced as `target.dtype` (once per process)
+    unless `dtype` overrides it or `announce_dtype` is False: a caller that substitutes its own key's dtype
+    into the section (eval's `eval.dtype`) announces that choice itself."""
     from transformers import AutoModelForCausalLM
 
     model_dir, gguf_file = resolve_target_path(section.path, section.gguf_file)
     dev = resolve_device(device or section.device)
-    dt = resolve_dtype(dtype or section.dtype, dev)
+    choice = compute_dtype(dtype or section.dtype, dev, key="target.dtype")
+    if dtype is None and announce_dtype:
+        announce(choice)
+    dt = choice.dtype
     if gguf_file:
         from dflashkit.assets import convert_gguf, cache_dir
 

@@ -6,7 +6,8 @@ Inputs:  the target (`target.*`), a drafter dir (DIR, `eval.drafter`, `train/bes
 Outputs: `eval/results.json` (+ manifest): the baseline (block_size 1, same loop) and, per block size,
          τ mean and histogram, per-position acceptance, tokens/s, speedup (decode and end-to-end),
          TTFT, and the bound τ·t(1)/t(B) from the same run's step timings (`decode/metrics.py`);
-         the same for the training-free prompt-lookup proposer (`prompt_lookup`); the lossless
+         the same for the training-free prompt-lookup proposer (`prompt_lookup`); the verify dtype and
+         why (`dtype`, `dtype_reason`: `eval.dtype`, see model/target.py `compute_dtype`); the lossless
          verdict (`lossless`); `diagnostics` (bigram baseline, no-feature ablation); `summary` = the
          best block size by measured speedup. `eval/speculation_profile.json` (export/profile.py):
          the drafter's acceptance rates in ModelOpt's schema, which `export` ships beside the weights.
@@ -27,9 +28,10 @@ from typing import Any
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
 from dflashkit.decode.evaluation import (block_sizes_for, check_target_fits, choose_dtype, decode_inputs, evaluate,
-                                         load_checked_target, mismatch_error, results_table, verify_target_config,
-                                         write_eval_results)
+                                         load_checked_target, mismatch_error, results_table, verify_dtype,
+                                         verify_target_config, write_eval_results)
 from dflashkit.export.profile import headline, write_profile
+from dflashkit.model.target import announce
 from dflashkit.rundir import RunDir, write_manifest
 from dflashkit.stage_table import stage_hash
 
@@ -40,16 +42,20 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     inputs = decode_inputs(cfg, rd, ctx.positionals, num_prompts=e.num_prompts)
     drafter_dir = inputs.drafter_dir
     block_sizes = block_sizes_for(e.block_sizes, inputs.contract)
-    check_target_fits(inputs, verify_target_config(cfg))  # what load_checked_target checks first: a dry run too
+    verify = verify_dtype(cfg)
+    target_cfg = verify_target_config(cfg, verify)
+    check_target_fits(inputs, target_cfg)  # what load_checked_target checks first: a dry run too
+    if e.dtype != "auto":  # auto says what it measured once it has
+        announce(verify)
     if ctx.dry_run:
         return {"dry_run": True, "drafter": str(drafter_dir), "prompts": len(inputs.prompts),
                 "block_sizes": block_sizes, "dtype": e.dtype, "prompt_lookup": e.prompt_lookup}
-    target, ids = load_checked_target(cfg, inputs, verify_target_config(cfg))
+    target, ids = load_checked_target(cfg, inputs, target_cfg)
     choice = None
     if e.dtype == "auto":
         del target
         target, choice = choose_dtype(cfg, drafter_dir, ids, block_sizes)
-    res = evaluate(cfg, rd, inputs, target, ids, block_sizes, choice)
+    res = evaluate(cfg, rd, inputs, target, ids, block_sizes, choice, dtype_reason=verify.reason)
     out = rd.stage_dir("eval")
     profile = res.pop("speculation_profile", None)  # the owner writes it; results.json keeps its headline
     if profile is not None:

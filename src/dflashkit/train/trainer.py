@@ -22,6 +22,7 @@ import torch
 from dflashkit.family import reads_target_law
 from dflashkit.model.draft_vocab import restricted_head
 from dflashkit.model.drafter_config import DrafterContract
+from dflashkit.model.target import announce, compute_dtype
 from dflashkit.train.data import Batch, BatchPlan, FeatureStore, TokenData, collate
 from dflashkit.train.loss import DraftLoss, Heads, LossInputs, LossOutput
 from dflashkit.train.objective import Anchors, sample_anchors
@@ -61,9 +62,9 @@ def feature_noise(feats: torch.Tensor, b: Batch, *, scale: float, n_feat: int) -
 
 
 def autocast_dtype(train_dtype: str, device: torch.device) -> torch.dtype | None:
-    if train_dtype == "bfloat16" or (train_dtype == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return None
+    """The drafter's autocast dtype (`train.dtype`, as `compute_dtype` resolves it; announced once), or None."""
+    choice = announce(compute_dtype(train_dtype, device, key="train.dtype"))
+    return None if choice.dtype == torch.float32 else choice.dtype
 
 
 @dataclass
