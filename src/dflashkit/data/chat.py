@@ -9,9 +9,17 @@ Usage:
 How the supervised span of assistant turn j is found, for any template (no per-family table):
     P_j = render(messages[:j], add_generation_prompt=True)     # what the model sees before answering
     F_j = render(messages[:j+1])                              # the same with the answer
-    The answer span is F_j[len(P_j):], cut just after the first special token (the end-of-turn
-    token: `<|im_end|>`, `<|eot_id|>`, …) that follows the answer content. The template's header
-    / generation prompt lies inside P_j, so it is never supervised; the end-of-turn token is.
+    The answer span is F_j[len(P_j):], cut just after the end-of-turn token (`<|im_end|>`,
+    `<|eot_id|>`, …: the first special token after the answer of a probe conversation) that follows
+    the answer content and its tool calls. The template's header / generation prompt lies inside
+    P_j, so it is never supervised; the end-of-turn token is.
+Agent conversations render with their `tools` (and the messages' `tool_calls`, `tool_call_id`,
+`name`), as a server renders them: the tool declarations the template writes (a system turn, a
+`tool_declare` turn) and the tool results (`tool` turns, or Qwen3's `<tool_response>` blocks in a
+user turn) lie in the prompts; the tool-call tokens the template writes for an assistant turn lie
+in its answer and are supervised like its content. `tool_rendering_problem()` says whether a
+template renders tools at all (SmolLM2's renders role + content only), so a stage can refuse
+agent data instead of training on renderings that silently lost their tools.
 Templates that rewrite earlier turns (Qwen3 drops `<think>` from earlier answers) are detected,
 not assumed: a sample is the rendering F_k of the conversation up to its last answer k, and it
 supervises every turn j whose P_j and answer appear verbatim at the same place in F_k. Turns
@@ -32,6 +40,7 @@ end-of-turn token the template appends (the model never emitted it).
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections import Counter
@@ -54,6 +63,17 @@ log = logging.getLogger("dflashkit.tokenize")
 
 THINK_BLOCK = re.compile(r"<think>.*?</think>\s*", re.S)
 THINK_END = re.compile(r"</think>\s*")
+PROBE_ANSWER = "dflashkit-probe-answer"
+PROBE_TOOL, PROBE_VALUE, PROBE_RESULT = "dflashkit_probe_tool", "dflashkit-probe-value", "dflashkit-probe-result"
+PROBE_TOOLS = [{"type": "function", "function": {
+    "name": PROBE_TOOL, "description": "A probe.",
+    "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}]
+PROBE_CALL = {"id": "call_0", "type": "function",
+              "function": {"name": PROBE_TOOL, "arguments": json.dumps({"q": PROBE_VALUE})}}
+PROBE_AGENT: list[dict[str, Any]] = [
+    {"role": "user", "content": "probe"},
+    {"role": "assistant", "content": "", "tool_calls": [PROBE_CALL]},
+    {"role": "tool", "tool_call_id": "call_0", "name": PROBE_TOOL, "content": PROBE_RESULT}]
 
 
 @dataclass
@@ -128,22 +148,59 @@ class ChatTemplate:
             raise UsageError(f"{self.origin}{f':{line}' if line else ''}: the chat template does not compile "
                              f"({type(e).__name__}: {e})",
                              hint="fix the template (or set target.chat_template to a working Jinja file)") from None
+        self.end_token = self._end_token()
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """The template's text for `messages` (and the function `tools` they may call)."""
         if self._compiled is not None:
-            return self._compiled.render(messages=messages, tools=None, documents=None,
+            return self._compiled.render(messages=messages, tools=tools, documents=None,
                                          add_generation_prompt=add_generation_prompt, **self.kwargs)
         return self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.template,
-                                                  add_generation_prompt=add_generation_prompt,
+                                                  add_generation_prompt=add_generation_prompt, tools=tools,
                                                   **self.kwargs)
 
-    def answer_span(self, answer: str, content: str) -> tuple[str, bool]:
-        """Cut the rendered answer just after the end-of-turn token following `content`.
+    def _end_token(self) -> str | None:
+        """The special token the template closes an assistant turn with (the first one after the answer
+        of a probe conversation), or None (no special tokens, or the probe did not render)."""
+        if self.special_re is None:
+            return None
+        try:
+            text = self.render([{"role": "user", "content": "probe"},
+                                {"role": "assistant", "content": PROBE_ANSWER}])
+        except Exception:  # noqa: BLE001 - a template may refuse the probe: cut at the first special token
+            return None
+        at = text.rfind(PROBE_ANSWER)
+        m = self.special_re.search(text, at + len(PROBE_ANSWER)) if at >= 0 else None
+        return m.group() if m else None
+
+    def tool_rendering_problem(self) -> str | None:
+        """What of an agent conversation this template leaves out of its rendering — the tool
+        declarations, the call's arguments, the tool result — or None when it renders all three."""
+        try:
+            declared = self.render(PROBE_AGENT[:1], add_generation_prompt=True, tools=PROBE_TOOLS)
+            called = self.render(PROBE_AGENT[:2], tools=PROBE_TOOLS)
+            answered = self.render(PROBE_AGENT, tools=PROBE_TOOLS)
+        except Exception as e:  # noqa: BLE001 - templates raise their own errors (raise_exception)
+            return f"it raises on a conversation with tools ({type(e).__name__}: {e})"
+        missing = [what for what, ok in (("the tool declarations", PROBE_TOOL in declared),
+                                         ("the tool calls' arguments", PROBE_VALUE in called),
+                                         ("the tool results", PROBE_RESULT in answered)) if not ok]
+        return f"it renders without {' and '.join(missing)}" if missing else None
+
+    def answer_span(self, answer: str, message: dict[str, Any]) -> tuple[str, bool]:
+        """Cut the rendered answer just after the end-of-turn token (`end_token`; else the first special
+        token) following the content of `message`, the assistant turn rendered in `answer`: its tool calls,
+        special tokens and all (Kimi's `<|tool_call_end|>`), lie before it.
 
         Returns (supervised text, whether an end-of-turn special token was found).
         """
-        tail = content.strip()[-32:]
+        tail = message["content"].strip()[-32:]
         start = answer.rfind(tail) + len(tail) if tail and tail in answer else 0
+        eot = self.end_token  # not the first special token: tool-call syntax may have its own
+        end = answer.find(eot, start) if eot else -1
+        if eot and end >= 0:
+            return answer[:end + len(eot)], True
         m = self.special_re.search(answer, start) if self.special_re else None
         if m is None:
             return answer.rstrip(), False
@@ -171,8 +228,8 @@ class ChatTemplate:
         spans: dict[int, tuple[str, str, str, int]] = {}  # msg index -> (P, answer, F, ordinal)
         for ordinal, j in enumerate(answers):
             try:
-                prompt = self.render(msgs[:j], add_generation_prompt=True)
-                full = self.render(msgs[:j + 1])
+                prompt = self.render(msgs[:j], add_generation_prompt=True, tools=conv.tools)
+                full = self.render(msgs[:j + 1], tools=conv.tools)
             except Exception as e:  # noqa: BLE001 - templates raise their own errors (raise_exception)
                 counts["template_errors"] += 1
                 self.first_error = self.first_error or f"{conv.id}: {type(e).__name__}: {e}"
@@ -180,7 +237,7 @@ class ChatTemplate:
             if not full.startswith(prompt):
                 counts["turns_unaligned"] += 1
                 continue
-            answer, found = self.answer_span(full[len(prompt):], msgs[j]["content"])
+            answer, found = self.answer_span(full[len(prompt):], msgs[j])
             counts["turns_without_end_token"] += not found
             spans[j] = (prompt, answer, full, ordinal)
         plans: list[SamplePlan] = []

@@ -4,6 +4,7 @@ stats `tokenize/stats.json` holds (the stage writes it; the shard format is `dat
 
 Usage:
     paths = input_paths(cfg, rd, regenerated_file)   # [(jsonl, sources to keep or None)]
+    refuse_unrendered_tools(chat, paths)             # agent data + a template without tools: exit 2
     tok = tokenize_shards(cfg, chat, paths, min_supervised(cfg, rd), staging_dir)
     refuse_degenerate(tok.totals, ...); agreement = teacher_forced(cfg, rd, tok.pick)
     publish_shards(staging_dir, rd.tokenize_dir, tok.shards)
@@ -66,6 +67,49 @@ def min_supervised(cfg: Any, rd: RunDir) -> int:
 
         return 2 * DrafterContract.load(rd.contract_path).block_size
     return 2 * cfg.drafter.block_size
+
+
+AGENT_KEYS = (b'"tools"', b'"tool_calls"', b'"tool_call_id"')  # in a JSON string its quotes would be escaped
+
+
+def first_agent_record(paths: list[tuple[Path, set[str] | None]]) -> tuple[str, dict[str, Any]] | None:
+    """("file:line", record) of the first kept conversation with tools, tool calls or tool results, or None.
+    Lines are parsed only where one of those keys appears in the raw text."""
+    for path, keep in paths:
+        with open(path, "rb") as fh:
+            for line_no, raw in enumerate(fh, 1):
+                if not any(k in raw for k in AGENT_KEYS):
+                    continue
+                try:
+                    obj = json.loads(raw)
+                except ValueError:
+                    continue  # malformed: the pass itself names it
+                if not isinstance(obj, dict) or (keep is not None and obj.get("source") not in keep):
+                    continue
+                msgs = obj["messages"] if isinstance(obj.get("messages"), list) else []
+                if obj.get("tools") or any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool")
+                                           for m in msgs):
+                    return f"{path}:{line_no}", obj
+    return None
+
+
+def refuse_unrendered_tools(chat: ChatTemplate, paths: list[tuple[Path, set[str] | None]]) -> None:
+    """Refuse (exit 2) agent conversations when the chat template cannot render tools: their renderings
+    would lose the tool declarations, calls or results without a word (`ChatTemplate.tool_rendering_problem`)."""
+    problem = chat.tool_rendering_problem()
+    if problem is None:
+        return
+    first = first_agent_record(paths)
+    if first is None:
+        return
+    where, obj = first
+    source = obj.get("source") or "?"
+    raise UsageError(f"{where}: conversation {obj.get('id')} of source {source!r} has tools or tool calls, but "
+                     f"{chat.origin} does not render them ({problem}); tokenizing it would drop them from the "
+                     "training data",
+                     hint="set target.chat_template to a Jinja template that renders `tools` and `tool_calls` "
+                     f"(the target's own, as its server applies it), or drop source {source!r} from data.sources "
+                     "and re-run `dflashkit prepare`")
 
 
 def _lines(path: Path) -> int:

@@ -16,9 +16,11 @@ agree with the target's argmax less than `tokenize.min_agreement` fails the run 
 
 Masks come from the template itself (see `dflashkit.data.chat`). Samples with fewer than
 `tokenize.min_supervised` supervised tokens (default 2·block_size) are dropped; a dataset whose
-masks are all zero or all one is refused (exit 2). Shards are staged and moved into place only
-after the whole dataset passed, so a failing run leaves the previous shards untouched. The pass itself (worker
-pool, counters, refusals, stats) is `dflashkit.data.tokenizing`.
+masks are all zero or all one is refused (exit 2), and so are agent conversations (tools, tool calls)
+when the chat template does not render tools, before anything is tokenized (`--dry-run` too).
+Shards are staged and moved into place only after the whole dataset passed, so a failing run leaves
+the previous shards untouched. The pass itself (worker pool, counters, refusals, stats) is
+`dflashkit.data.tokenizing`.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ from dflashkit.data.agreement import agreement_lines
 from dflashkit.data.chat import load_chat
 from dflashkit.data.drift import answer_line, prompt_line, refuse_drift
 from dflashkit.data.tokenizing import (generate_manifest, input_paths, log_warnings, min_supervised, publish_shards,
-                                       refuse_degenerate, refuse_empty, teacher_forced, tokenize_shards,
-                                       tokenize_stats)
+                                       refuse_degenerate, refuse_empty, refuse_unrendered_tools, teacher_forced,
+                                       tokenize_shards, tokenize_stats)
 from dflashkit.generate.conversations import regenerated_file
 from dflashkit.rundir import RunDir, atomic_write_json, file_digest, write_manifest
 from dflashkit.stage_table import stage_hash
@@ -51,6 +53,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     paths = input_paths(cfg, rd, regenerated_file)
     src = paths[0][0]
     chat = load_chat(cfg)
+    refuse_unrendered_tools(chat, paths)
     need = min_supervised(cfg, rd)
     if ctx.dry_run:
         return {"dry_run": True, "input": str(src), "inputs": [str(p) for p, _ in paths], "min_supervised": need}
