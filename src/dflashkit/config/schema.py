@@ -188,9 +188,10 @@ class DrafterSection:
 @dataclass(kw_only=True)
 class SourceSection:
     path: str = f("", "File or dir: .json/.jsonl(.gz)/.parquet, a HF datasets dir, or an asset name "
-                  "(`sharegpt`, `humaneval`).")
+                  "(`sharegpt`, `humaneval`, `bfcl`).")
     format: Literal["auto", "sharegpt", "messages", "alpaca", "prompt", "humaneval"] = f(
-        "auto", "Record format; auto detects per record.")
+        "auto", "Record format; auto detects per record. Agent records (tools, tool calls and results) are read "
+        "in the sharegpt and messages formats.")
     weight: float = f(1.0, "Relative weight when mixing sources.")
     max_records: int | None = f(None, "Read at most this many records from this source.")
     name: str | None = f(None, "Name in reports; default = file stem.")
@@ -198,6 +199,12 @@ class SourceSection:
         "regenerate", "regenerate: the target re-answers these prompts (`generate`); original: train on the "
         "source's own answers as they are (raw text, no regeneration, prefill speed) — pair it with "
         "train.labels=target so the drafter still learns the target's own predictions.")
+    bfcl_categories: list[str] = f(
+        [], "path: bfcl only: the BFCL categories to read; [] = simple_python, multiple, parallel, "
+        "parallel_multiple and the live_ ones of those four (the single-turn ones with ground-truth calls). "
+        "Also: simple_java, simple_javascript; prompt-only (no calls): irrelevance, live_irrelevance, "
+        "live_relevance. multi_turn_*, web_search and memory are refused (docs/training-data.md).",
+        hash_default=False)
 
 
 @dataclass(kw_only=True)

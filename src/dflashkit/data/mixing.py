@@ -1,7 +1,8 @@
 """Normalise, filter, dedupe, mix and split conversations (the library half of `prepare`).
 
 Usage:
-    conv = normalise("sharegpt", messages, max_turns=8, max_prompt_chars=16000)  # RecordError(reason)
+    by_source, stats = read_sources(cfg)          # every data.sources[] entry read and normalised
+    conv = normalise("sharegpt", messages, max_turns=8, max_prompt_chars=16000, tools=None)  # RecordError
     picked = mix({"a": convs_a, "b": convs_b}, {"a": 1.0, "b": 3.0}, total=1000, seed=0)
     heldout, train = picked[:32], picked[32:]
 
@@ -9,7 +10,10 @@ Normalisation (documented policy): contents are stripped; consecutive turns of t
 merged with a blank line; a system turn is allowed only first; the first non-system turn must be
 the user's; the conversation is cut before its first empty turn and after its `max_turns`-th user
 turn (with that turn's answer). Drop reasons: `malformed`, `empty`, `first_turn_not_user`,
-`too_long`, `duplicate`.
+`too_long`, `duplicate`. Agent turns (`data.records`): a tool result, and an assistant turn that
+calls tools, keep their content as it is (a blank one becomes ""), are never merged and never cut
+the conversation; the calls of a turn are answered before the next user turn, so a cut keeps them
+paired. A conversation's tools stay with it.
 
 Mixing: each source gets `total · w / Σw` records (rounded by largest remainder); what a source
 cannot supply is redistributed over the others by weight. Each source's records are shuffled
@@ -20,42 +24,55 @@ the same config gives the same files.
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
+from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from dflashkit.data import bfcl
 from dflashkit.data.records import Conversation
-
-from dflashkit.data.sources import RecordError
+from dflashkit.data.sources import RecordError, SourceReport, iter_source, to_record
+from dflashkit.errors import ConfigError, UsageError
+from dflashkit.progress import Progress
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig, SourceSection
 
+log = logging.getLogger("dflashkit.prepare")
 
-def normalise(source: str, messages: list[dict[str, str]], *, max_turns: int,
-              max_prompt_chars: int) -> Conversation:
+REASONS = ("malformed", "empty", "first_turn_not_user", "too_long", "duplicate")
+
+
+def _agent_turn(m: dict[str, Any]) -> bool:
+    return m["role"] == "tool" or "tool_calls" in m
+
+
+def normalise(source: str, messages: list[dict[str, Any]], *, max_turns: int,
+              max_prompt_chars: int, tools: list[dict[str, Any]] | None = None) -> Conversation:
     """Apply the policy above and return the conversation (with its content id).
 
     Raises:
         RecordError: reason "malformed" | "empty" | "first_turn_not_user" | "too_long".
     """
-    merged: list[dict[str, str]] = []
+    merged: list[dict[str, Any]] = []
     for m in messages:
-        content = m["content"].strip()
+        content = (m["content"] if m["content"].strip() else "") if _agent_turn(m) else m["content"].strip()
         try:
             content.encode("utf-8")
         except UnicodeEncodeError:
             raise RecordError("malformed", "content is not valid UTF-8") from None
-        if merged and merged[-1]["role"] == m["role"] and content and merged[-1]["content"]:
+        if merged and merged[-1]["role"] == m["role"] and content and merged[-1]["content"] \
+                and not _agent_turn(m) and not _agent_turn(merged[-1]):
             merged[-1] = {"role": m["role"], "content": merged[-1]["content"] + "\n\n" + content}
         else:
-            merged.append({"role": m["role"], "content": content})
+            merged.append({**m, "content": content})
     if any(m["role"] == "system" for m in merged[1:]):
         raise RecordError("malformed", "a system turn after the first turn")
-    kept: list[dict[str, str]] = []
+    kept: list[dict[str, Any]] = []
     users = 0
     for m in merged:
-        if not m["content"]:
+        if not m["content"] and not _agent_turn(m):
             break
         if m["role"] == "user":
             if users == max_turns:
@@ -69,7 +86,7 @@ def normalise(source: str, messages: list[dict[str, str]], *, max_turns: int,
         raise RecordError("empty", "no non-empty user turn")
     if body[0]["role"] != "user":
         raise RecordError("first_turn_not_user", f"first turn is {body[0]['role']!r}")
-    conv = Conversation.from_messages(source, kept)
+    conv = Conversation.from_messages(source, kept, tools=tools)
     if conv.user_chars > max_prompt_chars:
         raise RecordError("too_long", f"{conv.user_chars} user chars > data.max_prompt_chars")
     return conv
@@ -136,3 +153,84 @@ def needs_regeneration(cfg: RunConfig) -> bool:
     if cfg.tokenize.source == "prepare":
         return False
     return any(s.answers == "regenerate" for s in cfg.data.sources) or not cfg.data.sources
+
+
+def is_agent(conv: Conversation | dict[str, Any]) -> bool:
+    """Whether a conversation (or record dict) has tools, tool calls or tool results."""
+    tools, messages = (conv.tools, conv.messages) if isinstance(conv, Conversation) else \
+        (conv.get("tools"), conv.get("messages") or [])
+    return bool(tools) or any(_agent_turn(m) for m in messages)
+
+
+def check_sources(sources: list[SourceSection]) -> None:
+    """The config checks of `data.sources` that need no data: BFCL categories (ConfigError, exit 2)."""
+    for i, src in enumerate(sources):
+        if src.bfcl_categories:
+            key = f"data.sources[{i}].bfcl_categories"
+            if src.path != "bfcl" and not bfcl.is_bfcl_dir(Path(src.path).expanduser()):
+                raise ConfigError(f"{key}: only a BFCL source reads it (path: bfcl), not {src.path!r}",
+                                  hint=f"remove {key}, or set data.sources[{i}].path=bfcl")
+            bfcl.check_categories(key, src.bfcl_categories)
+
+
+def read_sources(cfg: Any) -> tuple[dict[str, list[Conversation]], dict[str, dict[str, Any]]]:
+    """Read every source; returns (conversations by source, per-source stats). An agent conversation of a
+    source that `generate` would regenerate is refused as soon as it is met: `generate` cannot regenerate agent
+    turns yet (its requests would drop the tools).
+
+    Raises:
+        UsageError: a malformed line/record or a truncated file with data.on_malformed=fail.
+        ConfigError: a bad BFCL category; an agent conversation to regenerate.
+    """
+    d = cfg.data
+    check_sources(d.sources)
+    seen: set[str] = set()
+    by_source: dict[str, list[Conversation]] = {}
+    stats: dict[str, dict[str, Any]] = {}
+    for i, (name, src) in enumerate(zip(source_names(d.sources), d.sources)):
+        report = SourceReport(name=name, path=str(src.path))
+        regenerated = src.answers == "regenerate" and cfg.tokenize.source != "prepare"
+        drops: Counter[str] = Counter()
+        convs: list[Conversation] = []
+        records = iter_source(src, report, on_malformed=d.on_malformed)
+        for where, obj in Progress(f"prepare {name}", total=src.max_records, unit="rec").track(records, close=True):
+            try:
+                messages, tools = to_record(obj, src.format)
+                conv = normalise(name, messages, max_turns=d.max_turns, max_prompt_chars=d.max_prompt_chars,
+                                 tools=tools)
+            except RecordError as e:
+                if e.reason == "malformed" and d.on_malformed == "fail":
+                    raise UsageError(f"{where}: malformed record: {e}",
+                                     hint="fix the record or set data.on_malformed=skip (agent records: "
+                                     "docs/training-data.md, \"Agent conversations\")") from None
+                drops[e.reason] += 1
+                if e.reason == "malformed":
+                    report.malformed_by[e.kind] += 1
+                report.note(f"{where}: {e.reason}: {e}")
+                continue
+            if regenerated and is_agent(conv):
+                raise ConfigError(f"data.sources[{i}]: {where} ({name}) is an agent conversation (tools, tool calls "
+                                  "or tool results), and `generate` cannot regenerate agent turns yet",
+                                  hint=f"set data.sources[{i}].answers=original with train.labels=target (the "
+                                  "demo's recipe: train on the source's own calls), or leave the source out")
+            if d.dedupe and conv.id in seen:
+                drops["duplicate"] += 1
+                continue
+            seen.add(conv.id)
+            convs.append(conv)
+        drops["malformed"] += report.malformed_lines
+        tail = report.truncated_tail
+        if tail and d.on_malformed == "fail":
+            raise UsageError(f"{report.path}: truncated JSON array at byte {tail['byte_offset']} "
+                             f"({tail['bytes_dropped']} bytes after the last complete record)",
+                             hint="set data.on_malformed=skip to keep the complete records")
+        by_source[name] = convs
+        stats[name] = {"path": report.path, "format": src.format, "weight": src.weight,
+                       "read": report.read, "kept": len(convs),
+                       "dropped": {r: drops.get(r, 0) for r in REASONS},
+                       "malformed_by": dict(sorted((+report.malformed_by).items())),
+                       "skipped": dict(sorted(report.skipped.items())),
+                       "truncated_tail": tail, "examples": report.examples}
+        log.info("%s: read %d, kept %d, dropped %s%s", name, report.read, len(convs),
+                 dict(+drops) or "none", " (truncated tail)" if tail else "")
+    return by_source, stats

@@ -61,6 +61,14 @@ def content_id(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | Non
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 
 
+def inline_reasoning(content: str, reasoning: str | None) -> str:
+    """An assistant turn's content with its reasoning inline before it: `<think>\n{reasoning}\n</think>\n\n
+    {content}` (the reasoning stripped), or `content` alone when there is no reasoning (None or "")."""
+    if reasoning:
+        return f"<think>\n{reasoning.strip()}\n</think>\n\n{content}"
+    return content
+
+
 def _message(m: dict[str, Any]) -> dict[str, Any]:
     return {"role": m["role"], "content": m["content"], **{k: m[k] for k in AGENT_KEYS if k in m}}
 

@@ -3,16 +3,35 @@
 Usage:
     report = SourceReport(name="sharegpt", path="...")
     for where, obj in iter_source(SourceSection(path="sharegpt"), report, on_malformed="skip"):
-        messages = to_messages(obj, "auto")      # RecordError(reason) when it cannot be converted
+        messages, tools = to_record(obj, "auto")   # RecordError(reason, kind) when it cannot be converted
+        messages = to_messages(obj)                # the messages alone
 
 Files: `.jsonl`, `.json` (an array, streamed record by record so a truncated file still yields
 every complete record; or JSON Lines under a .json name), `*.gz` of either, `.parquet`, a local
-HF `datasets` dir (`save_to_disk`), or a plain dir of such files. Asset names (`sharegpt`,
-`humaneval`) resolve through `dflashkit.assets.asset_path`.
+HF `datasets` dir (`save_to_disk`), a plain dir of such files, or an unpacked BFCL data dir
+(`dflashkit.data.bfcl`: its records arrive in the OpenAI shape). Asset names (`sharegpt`,
+`humaneval`, `bfcl`) resolve through `dflashkit.assets.asset_path`.
 
 Formats (auto-detected per record): ShareGPT `conversations: [{from, value}]` (human/gpt/system),
 OpenAI `messages: [{role, content}]`, Alpaca `instruction`/`input`/`output`, plain `prompt`
 (optionally with `response`/`completion`), HumanEval `task_id` + `prompt`.
+
+Agent records (docs/training-data.md, "Agent conversations"; the record shape is `data.records`'):
+- OpenAI: `tools` (or legacy `functions`: bare schemas), assistant `tool_calls` (`arguments` a JSON
+  string, or an object: dumped compactly; "" or none: "{}"; a call without `id` gets `call_<n>`, the
+  first n the record does not use) or legacy `function_call` {name, arguments} (one call), `tool` turns
+  answering `tool_call_id`, or without one (older data, and the legacy `function` role) the oldest
+  unanswered call of their `name` (no name: the oldest unanswered call). `reasoning_content` or
+  `reasoning` on an assistant turn goes inline before its content (`<think>\n…\n</think>\n\n`, as
+  `generate` stores answers). A null content is "".
+- ShareGPT (glaive / xLAM / ToolACE as LLaMA-Factory writes them): `function_call` turns (value: a JSON
+  object {name, arguments} or a list of them) become calls of the assistant turn just before, when that
+  turn has no tool result after it (a reply's text and calls are one turn, as servers return them), else
+  of a new assistant turn with content ""; `observation` (or `tool`) turns answer the open calls in
+  order: one result per turn, or, when several calls are open and the value is a JSON list of as many
+  items, one per item. `tools`: a list or a JSON string of one, of OpenAI tools or bare schemas.
+Calls written as text inside an assistant's content are not parsed. Every record is checked with
+`records.record_problem`; a problem is a RecordError("malformed", kind=`problem_kind(problem)`).
 """
 
 from __future__ import annotations
@@ -21,11 +40,13 @@ import gzip
 import json
 import logging
 import zlib
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from dflashkit.data.records import open_text, read_jsonl
+from dflashkit.data import bfcl
+from dflashkit.data.records import inline_reasoning, open_text, read_jsonl, record_problem
 from dflashkit.errors import UsageError
 
 if TYPE_CHECKING:
@@ -37,16 +58,31 @@ CHUNK_CHARS = 1 << 22
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
             "assistant": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
             "system": "system"}
+RESULT_ROLES = ("tool", "function", "observation")  # a tool's result (OpenAI, OpenAI legacy, ShareGPT)
+CALL_ROLE = "function_call"  # ShareGPT: the assistant calls tools
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
 DATA_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet")
 
 
 class RecordError(ValueError):
-    """A record that cannot become a conversation; `reason` is the counted drop reason."""
+    """A record that cannot become a conversation; `reason` is the counted drop reason, `kind` what was
+    wrong with a malformed one (`malformed_by` in prepare's stats)."""
 
-    def __init__(self, reason: str, detail: str):
+    def __init__(self, reason: str, detail: str, kind: str = "bad_record"):
         super().__init__(detail)
-        self.reason = reason
+        self.reason, self.kind = reason, kind
+
+
+# What `records.record_problem` found, by a phrase of its message → the kind counted.
+PROBLEM_KINDS = (("has no result", "call_without_result"), ("no earlier assistant turn called", "result_without_call"),
+                 ("needs the `tool_call_id`", "result_without_call"), ("a second result", "result_twice"),
+                 ("arguments are not a JSON object", "arguments_not_json"), ("is used twice", "call_id_twice"),
+                 ("`tools`", "tools_not_a_list"), ("tools[", "bad_tool"), ("tool_calls", "bad_tool_call"))
+
+
+def problem_kind(problem: str) -> str:
+    """The counted kind of a `records.record_problem` message (`bad_record` when none fits)."""
+    return next((kind for phrase, kind in PROBLEM_KINDS if phrase in problem), "bad_record")
 
 
 @dataclass
@@ -59,10 +95,20 @@ class SourceReport:
     malformed_lines: int = 0
     examples: list[str] = field(default_factory=list)
     truncated_tail: dict[str, Any] | None = None
+    malformed_by: Counter[str] = field(default_factory=Counter)  # kind → malformed lines/records
+    skipped: Counter[str] = field(default_factory=Counter)  # reason → records left out on purpose, unread
 
     def note(self, msg: str) -> None:
         if len(self.examples) < 5:
             self.examples.append(msg)
+
+    def bad(self, msg: str, kind: str, on_malformed: str) -> None:
+        """A malformed line or record the reader drops: UsageError (fail), else named and counted."""
+        if on_malformed == "fail":
+            raise UsageError(msg, hint="fix or remove the record, or set data.on_malformed=skip")
+        self.note(msg)
+        self.malformed_lines += 1
+        self.malformed_by[kind] += 1
 
 
 def resolve_source_path(path: str) -> Path:
@@ -76,7 +122,7 @@ def resolve_source_path(path: str) -> Path:
         return asset_path(path)
     raise UsageError(f"data source {path!r} does not exist",
                      hint="give a .json/.jsonl(.gz)/.parquet file, a HF datasets dir, or an asset "
-                     "name (sharegpt, humaneval) in data.sources[].path")
+                     "name (sharegpt, humaneval, bfcl) in data.sources[].path")
 
 
 def iter_json_array(path: Path, report: SourceReport) -> Iterator[tuple[str, Any]]:
@@ -181,14 +227,17 @@ def _iter_file(path: Path, report: SourceReport, on_malformed: str) -> Iterator[
                              hint="re-create or re-download the file") from None
     bad: list[str] = []
     for line_no, obj in read_jsonl(path, on_malformed=on_malformed, bad=bad):
-        for msg in bad:
-            report.note(msg)
-        report.malformed_lines += len(bad)
-        bad.clear()
+        _count_bad(report, bad)
         yield f"{path}:{line_no}", obj
+    _count_bad(report, bad)
+
+
+def _count_bad(report: SourceReport, bad: list[str]) -> None:
     for msg in bad:
         report.note(msg)
-    report.malformed_lines += len(bad)
+        report.malformed_lines += 1
+        report.malformed_by["bad_line"] += 1
+    bad.clear()
 
 
 def _utf8_ok(obj: Any, where: str, report: SourceReport, on_malformed: str) -> bool:
@@ -203,6 +252,7 @@ def _utf8_ok(obj: Any, where: str, report: SourceReport, on_malformed: str) -> b
             raise UsageError(msg, hint="fix the file's encoding, or set data.on_malformed=skip") from None
         report.note(msg)
         report.malformed_lines += 1
+        report.malformed_by["bad_line"] += 1
         return False
     return True
 
@@ -214,7 +264,9 @@ def iter_source(src: SourceSection, report: SourceReport, *, on_malformed: str =
         UsageError: missing path, unsupported file type, or a malformed line with on_malformed=fail.
     """
     path = resolve_source_path(src.path)
-    if path.is_dir():
+    if bfcl.is_bfcl_dir(path):
+        it = _iter_bfcl(path, src, report, on_malformed)
+    elif path.is_dir():
         it = _iter_dir(path, report, on_malformed)
     elif path.name.lower().endswith(DATA_SUFFIXES):
         it = _iter_file(path, report, on_malformed)
@@ -226,6 +278,25 @@ def iter_source(src: SourceSection, report: SourceReport, *, on_malformed: str =
             break
         report.read += 1
         yield where, obj
+
+
+def _iter_bfcl(root: Path, src: SourceSection, report: SourceReport, on_malformed: str) -> Iterator[tuple[str, Any]]:
+    """The records of a BFCL data dir in the OpenAI shape (`data.bfcl`), category by category. A prompt-only
+    category's records are skipped (counted as `no_ground_truth`) under `answers: original`: there is no
+    answer to train on."""
+    for category in bfcl.categories(src.bfcl_categories):
+        questions, truth_file = bfcl.files(root, category)
+        truths: dict[str, Any] | None = None if truth_file is None else {
+            str(obj.get("id")): obj.get("ground_truth") for _, obj in _iter_file(truth_file, report, on_malformed)
+            if isinstance(obj, dict)}
+        for where, obj in _iter_file(questions, report, on_malformed):
+            if truths is None and src.answers == "original":
+                report.skipped[f"no_ground_truth:{category}"] += 1
+                continue
+            try:
+                yield where, bfcl.to_openai(obj, truths)
+            except ValueError as e:
+                report.bad(f"{where}: not a BFCL record: {e}", "bad_bfcl_record", on_malformed)
 
 
 def _iter_dir(path: Path, report: SourceReport, on_malformed: str) -> Iterator[tuple[str, Any]]:
@@ -279,27 +350,171 @@ def _text(value: Any, what: str) -> str:
     raise RecordError("malformed", f"{what} is not text ({type(value).__name__})")
 
 
+def _compact(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+class _Calls:
+    """The tool calls of one record being read: ids for calls without one, results paired with open calls."""
+
+    def __init__(self, turns: list[Any]):
+        self.used = {c["id"] for t in turns if isinstance(t, dict) and isinstance(t.get("tool_calls"), list)
+                     for c in t["tool_calls"] if isinstance(c, dict) and isinstance(c.get("id"), str)}
+        self.open: list[tuple[str, str]] = []  # (id, name) of the calls not answered yet, oldest first
+
+    def call(self, c: Any, where: str) -> dict[str, Any]:
+        """One call, `{id?, type?, function: {name, arguments}}` or `{name, arguments}`, in the record shape."""
+        fn = c.get("function", c) if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise RecordError("malformed", f"{where} is not a call {{\"name\", \"arguments\"}}", kind="bad_tool_call")
+        cid = c["id"] if isinstance(c.get("id"), str) and c["id"] else self._new_id()
+        args = fn.get("arguments")
+        args = "{}" if args is None or args == "" else args if isinstance(args, str) else _compact(args)
+        self.open.append((cid, fn["name"]))
+        return {"id": cid, "type": "function", "function": {"name": fn["name"], "arguments": args}}
+
+    def _new_id(self) -> str:
+        k = 0
+        while f"call_{k}" in self.used:
+            k += 1
+        self.used.add(f"call_{k}")
+        return f"call_{k}"
+
+    def answer(self, cid: Any = None, name: Any = None) -> dict[str, str]:
+        """The `tool_call_id` and `name` of a result: `cid` when given, else the oldest open call named `name`
+        (no name: the oldest open call); {} when none fits (record_problem then names the result)."""
+        named = isinstance(name, str) and bool(name)
+        hit: tuple[str, str | None] | None
+        if isinstance(cid, str) and cid:
+            hit = next((o for o in self.open if o[0] == cid), (cid, name if named else None))
+        else:
+            hit = next((o for o in self.open if not named or o[1] == name), None)
+        if hit is None:
+            return {"name": name} if named else {}
+        self.open = [o for o in self.open if o[0] != hit[0]]
+        return {"tool_call_id": hit[0], **({"name": hit[1]} if hit[1] else {})}
+
+
+def _result(value: Any, i: int) -> str:
+    """A tool result's text: a string, text parts, or any JSON value dumped compactly; null is ""."""
+    if value is None:
+        return ""
+    if isinstance(value, (dict, int, float, bool)) or (isinstance(value, list) and not all(
+            isinstance(p, dict) and p.get("type", "text") == "text" for p in value)):
+        return _compact(value)
+    return _text(value, f"turn {i} content")
+
+
+def _observations(value: Any, n_open: int, i: int) -> list[str]:
+    """A ShareGPT observation's results: one, or one per item of a JSON list answering `n_open` > 1 calls."""
+    items = value
+    if isinstance(value, str) and n_open > 1:
+        try:
+            items = json.loads(value)
+        except ValueError:
+            items = value
+    if n_open > 1 and isinstance(items, list) and len(items) == n_open:
+        return [x if isinstance(x, str) else _compact(x) for x in items]
+    return [_result(value, i)]
+
+
+def _call_list(value: Any, i: int) -> list[Any]:
+    """The calls of a ShareGPT function_call turn: a JSON object or list of them (or their text)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise RecordError("malformed", f"turn {i}: a function_call value is not JSON ({value[:60]!r})",
+                              kind="arguments_not_json") from None
+    return value if isinstance(value, list) else [value]
+
+
 def _turns(turns: Any, role_key: str, content_key: str, fallback_content: str | None = None) -> list[dict]:
+    """The messages of a turn list (module docstring: chat turns, and the agent ones of both shapes)."""
     if not isinstance(turns, list):
         raise RecordError("malformed", "turns are not a list")
-    out = []
+    calls, sharegpt = _Calls(turns), role_key == "from"
+    out: list[dict[str, Any]] = []
     for i, t in enumerate(turns):
         if not isinstance(t, dict):
             raise RecordError("malformed", f"turn {i} is not an object")
-        role = ROLE_MAP.get(str(t.get(role_key, "")).lower())
+        raw = str(t.get(role_key, "")).lower()
+        value = t.get(content_key if content_key in t or fallback_content is None else fallback_content)
+        if raw == CALL_ROLE:
+            new = [calls.call(c, f"turn {i} call {k}") for k, c in enumerate(_call_list(value, i))]
+            if out and out[-1]["role"] == "assistant":
+                out[-1]["tool_calls"] = out[-1].get("tool_calls", []) + new
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": new})
+            continue
+        if raw in RESULT_ROLES:
+            if sharegpt:
+                out += [{"role": "tool", "content": r, **calls.answer()}
+                        for r in _observations(value, len(calls.open), i)]
+            else:
+                out.append({"role": "tool", "content": _result(value, i),
+                            **calls.answer(t.get("tool_call_id"), t.get("name"))})
+            continue
+        role = ROLE_MAP.get(raw)
         if role is None:
             raise RecordError("malformed", f"turn {i}: unsupported role {t.get(role_key)!r}")
-        key = content_key if content_key in t or fallback_content is None else fallback_content
-        out.append({"role": role, "content": _text(t.get(key), f"turn {i} content")})
+        raw_calls = t.get("tool_calls") or ([t["function_call"]] if t.get("function_call") else [])
+        if role == "assistant" and raw_calls:
+            if not isinstance(raw_calls, list):
+                raise RecordError("malformed", f"turn {i}: tool_calls is not a list", kind="bad_tool_call")
+            msg: dict[str, Any] = {"role": role, "content": "" if value is None else _text(value, f"turn {i} content"),
+                                   "tool_calls": [calls.call(c, f"turn {i} tool_calls[{k}]")
+                                                  for k, c in enumerate(raw_calls)]}
+        else:
+            msg = {"role": role, "content": _text(value, f"turn {i} content")}
+            if t.get("tool_calls"):  # on a turn that is not the assistant's: record_problem names it
+                msg["tool_calls"] = t["tool_calls"]
+        reasoning = t.get("reasoning_content") or t.get("reasoning")
+        if role == "assistant" and isinstance(reasoning, str) and reasoning.strip():
+            msg["content"] = inline_reasoning(msg["content"], reasoning)
+        out.append(msg)
     return out
 
 
-def to_messages(obj: Any, fmt: str = "auto") -> list[dict[str, str]]:
-    """Convert one raw record into [{role, content}] (roles: system/user/assistant).
+def _tools(obj: dict[str, Any]) -> Any:
+    """A record's `tools` (or legacy `functions`) as OpenAI function tools: a JSON string is parsed, bare
+    schemas {name, description, parameters} are wrapped; None when there are none."""
+    raw = obj.get("tools", obj.get("functions"))
+    if isinstance(raw, str):
+        if not raw.strip():
+            return None
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            raise RecordError("malformed", "`tools` is a string that is not JSON", kind="tools_not_a_list") from None
+    if isinstance(raw, list):
+        raw = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+               if isinstance(t, dict) and "function" not in t and "name" in t else t for t in raw]
+    return raw or None
+
+
+def to_messages(obj: Any, fmt: str = "auto") -> list[dict[str, Any]]:
+    """The messages of one raw record (`to_record`, without its tools)."""
+    return to_record(obj, fmt)[0]
+
+
+def to_record(obj: Any, fmt: str = "auto") -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """Convert one raw record into (messages, tools): [{role, content, …agent keys}] in the record shape of
+    `data.records` (roles: system/user/assistant/tool), tools None when it has none.
 
     Raises:
-        RecordError: with reason "malformed" when the record does not fit the format.
+        RecordError: with reason "malformed" when the record does not fit the format or is not a valid
+            conversation (`records.record_problem`; `kind` says what is wrong).
     """
+    messages = _messages(obj, fmt)
+    tools = _tools(obj) if isinstance(obj, dict) else None
+    problem = record_problem(messages, tools)
+    if problem is not None:
+        raise RecordError("malformed", problem, kind=problem_kind(problem))
+    return messages, tools
+
+
+def _messages(obj: Any, fmt: str) -> list[dict[str, Any]]:
     fmt = detect_format(obj) if fmt == "auto" else fmt
     if not isinstance(obj, dict):
         raise RecordError("malformed", f"record is a {type(obj).__name__}, not an object")

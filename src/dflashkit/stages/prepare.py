@@ -2,81 +2,30 @@
 
 Inputs:  `data.sources[]` (files, HF datasets dirs or asset names; see `dflashkit.data.sources`).
 Outputs: `prepare/train.jsonl`, `prepare/heldout.jsonl` (one conversation record per line),
-         `prepare/stats.json` (counts per source and per drop reason, truncated tails), manifest.
+         `prepare/stats.json` (counts per source and per drop reason, malformed records by what was wrong
+         (`malformed_by`), records left out on purpose (`skipped`), truncated tails), manifest.
 Example: dflashkit prepare -c run.yaml data.num_prompts=2000 data.heldout=32
 
 The held-out split is taken first from the shuffled mix, so `data.num_prompts` counts both
 splits. All outputs are written only after every source was read, each atomically: a failing
 run leaves the previous outputs untouched, and the same config always gives identical files.
+Agent conversations (tools, calls, results) of a source `generate` would regenerate are refused (exit 2,
+`data.mixing.read_sources`): generate cannot regenerate agent turns yet.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from collections import Counter
 from typing import Any
 
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
-from dflashkit.data.mixing import mix, normalise, source_names
-from dflashkit.data.records import Conversation, write_prepared
-from dflashkit.data.sources import RecordError, SourceReport, iter_source, resolve_source_path, to_messages
+from dflashkit.data.mixing import REASONS, mix, read_sources
+from dflashkit.data.records import write_prepared
+from dflashkit.data.sources import resolve_source_path
 from dflashkit.errors import ConfigError, UsageError
-from dflashkit.progress import Progress
 from dflashkit.rundir import RunDir, atomic_write_json, file_digest, write_manifest
 from dflashkit.stage_table import stage_hash
-
-log = logging.getLogger("dflashkit.prepare")
-
-REASONS = ("malformed", "empty", "first_turn_not_user", "too_long", "duplicate")
-
-
-def read_sources(cfg: Any) -> tuple[dict[str, list[Conversation]], dict[str, dict[str, Any]]]:
-    """Read every source; returns (conversations by source, per-source stats).
-
-    Raises:
-        UsageError: a malformed line/record or a truncated file with data.on_malformed=fail.
-    """
-    d = cfg.data
-    seen: set[str] = set()
-    by_source: dict[str, list[Conversation]] = {}
-    stats: dict[str, dict[str, Any]] = {}
-    for name, src in zip(source_names(d.sources), d.sources):
-        report = SourceReport(name=name, path=str(src.path))
-        drops: Counter[str] = Counter()
-        convs: list[Conversation] = []
-        records = iter_source(src, report, on_malformed=d.on_malformed)
-        for where, obj in Progress(f"prepare {name}", total=src.max_records, unit="rec").track(records, close=True):
-            try:
-                conv = normalise(name, to_messages(obj, src.format), max_turns=d.max_turns,
-                                 max_prompt_chars=d.max_prompt_chars)
-            except RecordError as e:
-                if e.reason == "malformed" and d.on_malformed == "fail":
-                    raise UsageError(f"{where}: malformed record: {e}",
-                                     hint="fix the record or set data.on_malformed=skip") from None
-                drops[e.reason] += 1
-                report.note(f"{where}: {e.reason}: {e}")
-                continue
-            if d.dedupe and conv.id in seen:
-                drops["duplicate"] += 1
-                continue
-            seen.add(conv.id)
-            convs.append(conv)
-        drops["malformed"] += report.malformed_lines
-        tail = report.truncated_tail
-        if tail and d.on_malformed == "fail":
-            raise UsageError(f"{report.path}: truncated JSON array at byte {tail['byte_offset']} "
-                             f"({tail['bytes_dropped']} bytes after the last complete record)",
-                             hint="set data.on_malformed=skip to keep the complete records")
-        by_source[name] = convs
-        stats[name] = {"path": report.path, "format": src.format, "weight": src.weight,
-                       "read": report.read, "kept": len(convs),
-                       "dropped": {r: drops.get(r, 0) for r in REASONS},
-                       "truncated_tail": tail, "examples": report.examples}
-        log.info("%s: read %d, kept %d, dropped %s%s", name, report.read, len(convs),
-                 dict(+drops) or "none", " (truncated tail)" if tail else "")
-    return by_source, stats
 
 
 def _table(stats: dict[str, dict[str, Any]], result: dict[str, Any]) -> str:
@@ -87,6 +36,9 @@ def _table(stats: dict[str, dict[str, Any]], result: dict[str, Any]) -> str:
     lines = ["  ".join(str(v).rjust(w) if i else str(v).ljust(w) for i, (v, w) in
                        enumerate(zip(r, widths))) for r in rows]
     for n, s in stats.items():
+        for what, counts in (("malformed", s["malformed_by"]), ("skipped", s["skipped"])):
+            if counts:
+                lines.append(f"{n}: {what}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
         if s["truncated_tail"]:
             t = s["truncated_tail"]
             lines.append(f"{n}: truncated file: kept {t['complete_records']} complete records, dropped "
@@ -120,8 +72,8 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     dropped = {r: sum(s["dropped"][r] for s in stats.values()) for r in REASONS}
     result = {"train": len(train), "heldout": len(heldout), "read": sum(s["read"] for s in stats.values()),
               "dropped": dropped,
-              "sources": {n: {k: s[k] for k in ("read", "kept", "train", "heldout", "dropped")}
-                          for n, s in stats.items()},
+              "sources": {n: {k: s[k] for k in ("read", "kept", "train", "heldout", "dropped", "malformed_by",
+                                                "skipped")} for n, s in stats.items()},
               "truncated": {n: s["truncated_tail"] for n, s in stats.items() if s["truncated_tail"]}}
     if ctx.dry_run:
         return {**result, "dry_run": True}
@@ -134,8 +86,10 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     for name, src in zip(stats, d.sources):
         p = resolve_source_path(src.path)
         inputs[name] = {"path": str(p), "digest": file_digest(p) if p.is_file() else None}
+    by_kind = {f"{what}:{k}": sum(s[what].get(k, 0) for s in stats.values())
+               for what in ("malformed_by", "skipped") for k in sorted({k for s in stats.values() for k in s[what]})}
     write_manifest(out, stage="prepare", config_hash=stage_hash("prepare", cfg), inputs=inputs,
-                   counts={"train": len(train), "heldout": len(heldout), **dropped},
+                   counts={"train": len(train), "heldout": len(heldout), **dropped, **by_kind},
                    outputs=["train.jsonl", "heldout.jsonl", "stats.json"], started=t0)
     if not ctx.json:
         print(_table(stats, result))
