@@ -5,6 +5,7 @@ Usage:
         model = await client.model_name()
         reply = await client.chat({"model": model, "messages": [...], "max_tokens": 64})
         reply.content, reply.reasoning, reply.finish_reason, reply.token_ids, reply.attempts
+        reply.tool_calls            # [{"id", "type": "function", "function": {"name", "arguments"}}] or None
         reply.usage["prompt_tokens"], reply.prompt_token_ids       # what the server saw (ids if returned)
         reply = await client.complete({"model": model, "prompt": "<rendered text>", ...})  # same reply type
 
@@ -15,6 +16,9 @@ with the fewest requests in flight. Retryable failures (HTTP 408/409/425/429/5xx
 connection errors, malformed JSON) are retried with exponential backoff and jitter, honouring
 `Retry-After`; anything else (HTTP 400, 401, 404, …) fails at once. After the last retry
 `chat` raises `RequestFailed` whose `reason` is short and countable ("http 500", "timeout", …).
+A reply's `tool_calls` are kept in OpenAI's shape, `arguments` a JSON object as a string (an object
+sent as such is serialised); a call without a function name or with arguments that are not a JSON
+object fails the request at once ("invalid tool call", not retried: a re-run asks again).
 The API key is read once from the environment and only ever placed in the Authorization header.
 """
 
@@ -79,6 +83,7 @@ class ChatReply:
     attempts: int = 1
     retry_reasons: list[str] = field(default_factory=list)
     prompt_token_ids: list[int] | None = None  # vLLM (`return_token_ids`) and `dflashkit serve` return them
+    tool_calls: list[dict[str, Any]] | None = None  # the target's function calls (None: it called none)
 
 
 def parse_retry_after(value: str | None) -> float | None:
@@ -123,6 +128,32 @@ def _token_ids(choice: dict[str, Any], keys=("token_ids", "output_token_ids", "o
         if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
             return ids
     return None
+
+
+def tool_calls(message: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """A reply message's `tool_calls` in OpenAI's shape (the server's ids, "" when it gave none), or None when
+    it has none; raises RequestFailed("invalid tool call") naming the call that is not a function call."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return None
+    out = []
+    for k, c in enumerate(calls if isinstance(calls, list) else [calls]):
+        fn = c.get("function") if isinstance(c, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        args = fn.get("arguments", "{}") if isinstance(fn, dict) else None
+        if isinstance(args, dict):
+            args = json.dumps(args, ensure_ascii=False)
+        try:
+            ok = isinstance(name, str) and bool(name) and isinstance(json.loads(args), dict)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise RequestFailed("invalid tool call", f"tool_calls[{k}] is not a function call with a name and "
+                                f"JSON-object arguments: {json.dumps(c, ensure_ascii=False)[:160]}")
+        cid = c.get("id")
+        out.append({"id": cid if isinstance(cid, str) else "", "type": "function",
+                    "function": {"name": name, "arguments": args}})
+    return out
 
 
 def prompt_ids(choice: dict[str, Any], data: dict[str, Any]) -> list[int] | None:
@@ -262,5 +293,5 @@ class OpenAIClient:
             content=message.get("content") or "", reasoning=reasoning if isinstance(reasoning, str) else None,
             finish_reason=choice.get("finish_reason"), token_ids=_token_ids(choice),
             usage=usage if isinstance(usage, dict) else {}, model=data.get("model"), url=url,
-            prompt_token_ids=prompt_ids(choice, data),
+            prompt_token_ids=prompt_ids(choice, data), tool_calls=tool_calls(message),
         )

@@ -97,14 +97,17 @@ def sampling_settings(cfg: RunConfig, model: str | None) -> dict[str, Any]:
             "endpoint": g.endpoint, "neutral_sampling": g.neutral_sampling}
 
 
-def request_body(settings: dict[str, Any], messages: list[dict[str, str]], *, token_ids: bool,
-                 prompt: str | None = None) -> dict:
-    """The JSON body for one turn: `messages` (chat), or the locally rendered `prompt` (completions)."""
+def request_body(settings: dict[str, Any], messages: list[dict[str, Any]], *, token_ids: bool,
+                 prompt: str | None = None, tools: list[dict[str, Any]] | None = None) -> dict:
+    """The JSON body for one turn: `messages` (chat; with the conversation's function `tools` when it has
+    any, and no `tool_choice`: servers default to "auto"), or the locally rendered `prompt` (completions)."""
     body: dict[str, Any] = {"model": settings["model"], "temperature": settings["temperature"],
                             "top_p": settings["top_p"], "max_tokens": settings["max_tokens"],
                             "seed": settings["seed"]}
     if prompt is None:
         body["messages"] = messages
+        if tools:
+            body["tools"] = tools
         if settings["chat_template_kwargs"]:
             body["chat_template_kwargs"] = settings["chat_template_kwargs"]
     else:

@@ -9,6 +9,15 @@ Usage (what `stages/generate.py` does; `bench generate` times the same call):
 `conversations.py`, their owner). Resuming is exactly-once:
 the (id, turn) pairs the journal holds are skipped, failed turns are retried. `servers` is called
 only when there is a turn to generate (the stage starts a local server there).
+
+Agent conversations (`conversations.py`): each request carries the record's `tools`, and a journal
+record keeps the target's `tool_calls` (ids made unique in the conversation when the record is
+written, so a resumed run prompts and assembles with the same ids). Whether an answer cuts the
+conversation (`tool_mismatch`) is decided from the journal record alone: the run stops that
+conversation there, a resumed run finds it settled (`settled`) and sends nothing for it.
+`tool_mismatch_cut` counts the conversations written cut, `turns_cut` the turns after their cuts,
+never generated (turns_total = turns_skipped_done + turns_ok + turns_failed + turns_not_attempted +
+turns_cut).
 """
 
 from __future__ import annotations
@@ -23,8 +32,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from dflashkit.config import RunConfig, redact_url
 from dflashkit.data.drift import describe, ids_summary
+from dflashkit.data.mixing import is_agent
 from dflashkit.errors import ConfigError, UsageError
-from dflashkit.generate.conversations import (assemble, build_prompt, plan_turns, read_settings, write_conversations,
+from dflashkit.generate.conversations import (answer_message, assemble, build_prompt, own_call_ids, plan_turns,
+                                             read_settings, settled, tool_mismatch, write_conversations,
                                              write_failures, write_settings)
 from dflashkit.generate.journal import Journal, read_records
 from dflashkit.generate.openai_client import OpenAIClient, RequestFailed
@@ -37,7 +48,8 @@ log = logging.getLogger("dflashkit.generate")
 
 SUMMARY_KEYS = ("turns_total", "turns_skipped_done", "turns_ok", "turns_retried", "turns_failed",
                 "turns_not_attempted", "requests_sent", "retries", "torn_lines_dropped", "conversations_written",
-                "conversations_dropped_length", "conversations_failed", "conversations_no_user_turn")
+                "conversations_dropped_length", "conversations_failed", "conversations_no_user_turn",
+                "tool_mismatch_cut", "turns_cut")
 
 
 @dataclass
@@ -78,9 +90,10 @@ async def _preflight(cfg: RunConfig, sender: Sender, settings: dict[str, Any], c
     if conv is None:
         return {"status": "skipped", "detail": "no user turn"}
     messages = build_prompt(conv["messages"], plan_turns(conv["messages"]), [], 0)
-    text = chat.render(messages, add_generation_prompt=True)
+    text = chat.render(messages, add_generation_prompt=True, tools=conv.get("tools"))
     prompt = text if cfg.generate.endpoint == "completions" else None
-    body = request_body(settings, messages, token_ids=cfg.generate.request_token_ids, prompt=prompt)
+    body = request_body(settings, messages, token_ids=cfg.generate.request_token_ids, prompt=prompt,
+                        tools=conv.get("tools"))
     try:
         check = await preflight(sender, body, local_prompt_ids(chat, text=text))
     except RequestFailed as e:
@@ -126,9 +139,9 @@ async def regenerate(cfg: RunConfig, convs: list[dict], journal: Journal, done: 
                      urls: list[str], chat: Chat | None, progress: _Progress, stage_dir: Path) -> Regenerated:
     """Generate every turn of `convs` that `done` lacks, appending each finished one to `journal`.
 
-    A conversation stops at its first failed turn (the later ones are counted not attempted) and,
-    with generate.on_length=drop, at its first turn cut by max_tokens. Writes settings.json once the
-    server named its model."""
+    A conversation stops at its first failed turn (the later ones are counted not attempted), at an
+    answer whose tool calls cut it (`tool_mismatch`) and, with generate.on_length=drop, at its first turn
+    cut by max_tokens. Writes settings.json once the server named its model."""
     g = cfg.generate
     out = Regenerated()
     counts, reasons, failures = out.counts, out.reasons, out.failures
@@ -153,18 +166,19 @@ async def regenerate(cfg: RunConfig, convs: list[dict], journal: Journal, done: 
             queue.put_nowait(conv)
 
         async def run_conversation(conv: dict[str, Any]) -> None:
-            turns = plan_turns(conv["messages"])
+            turns, tools = plan_turns(conv["messages"]), conv.get("tools")
             have = done.get(conv["id"], {})
-            answers: list[str] = []
+            answers: list[dict[str, Any]] = []
+            used_ids: set[str] = set()  # the ids of the target's calls so far
             for t in range(len(turns)):
                 rec = have.get(t)
                 if rec is None:
                     prompt = build_prompt(conv["messages"], turns, answers, t)
-                    text = chat.render(prompt, add_generation_prompt=True) if g.endpoint == "completions" \
-                        and chat is not None else None
+                    text = chat.render(prompt, add_generation_prompt=True, tools=tools) \
+                        if g.endpoint == "completions" and chat is not None else None
                     try:
                         reply = await sender.send(request_body(settings, prompt, token_ids=g.request_token_ids,
-                                                               prompt=text))
+                                                               prompt=text, tools=tools))
                     except RequestFailed as e:
                         counts["turns_failed"] += 1
                         counts["turns_retried"] += e.attempts > 1
@@ -174,6 +188,8 @@ async def regenerate(cfg: RunConfig, convs: list[dict], journal: Journal, done: 
                         counts["turns_not_attempted"] += len(turns) - t - 1
                         return
                     rec = {"id": conv["id"], "turn": t, "content": reply.content, "reasoning": reply.reasoning,
+                           **({"tool_calls": own_call_ids(reply.tool_calls, t, used_ids)} if reply.tool_calls
+                              else {}),
                            "finish_reason": reply.finish_reason, "token_ids": reply.token_ids,
                            "model": reply.model or model, "url": redact_url(reply.url), "attempts": reply.attempts,
                            "completion_tokens": reply.usage.get("completion_tokens"),
@@ -183,7 +199,11 @@ async def regenerate(cfg: RunConfig, convs: list[dict], journal: Journal, done: 
                     counts["turns_ok"] += 1
                     counts["turns_retried"] += reply.attempts > 1
                     progress.update(int(reply.usage.get("completion_tokens") or 0))
-                answers.append(rec["content"])
+                else:
+                    used_ids.update(c["id"] for c in rec.get("tool_calls") or [])
+                answers.append(answer_message(rec, g.reasoning))
+                if tool_mismatch(conv["messages"], turns, t, rec.get("tool_calls")) is not None:
+                    return  # the conversation ends on this answer (`turns_cut` counts the rest)
                 if g.on_length == "drop" and rec.get("finish_reason") == "length":
                     counts["turns_not_attempted"] += len(turns) - t - 1
                     return
@@ -206,16 +226,46 @@ async def regenerate(cfg: RunConfig, convs: list[dict], journal: Journal, done: 
 def check_generate(cfg: RunConfig, convs: list[dict], stage_dir: Path) -> int:
     """Every refusal of generate before its first request, read-only (the stage calls it on a real run and a
     dry run alike): the sampling settings against those of an existing journal, and the local chat template
-    when generate.endpoint=completions renders prompts here. Returns how many conversations still have a
-    turn to generate (none: no server is needed)."""
-    done: dict[str, set[int]] = {}
+    when generate.endpoint=completions renders prompts here (which cannot read tool calls back: agent
+    conversations are refused there), and a local template that does not render the tools of agent
+    conversations. Returns how many conversations still have a turn to generate (none: no server is needed)."""
+    done: dict[str, dict[int, dict]] = {}
     for rec in read_records(stage_dir / "shards"):
-        done.setdefault(rec["id"], set()).add(int(rec["turn"]))
+        done.setdefault(rec["id"], {})[int(rec["turn"])] = rec
     _check_settings(stage_dir, sampling_settings(cfg, cfg.server.model), sum(map(len, done.values())))
-    todo = sum(1 for c in convs if len(done.get(c["id"], ())) < len(plan_turns(c["messages"])))
+    todo = [c for c in convs if not _finished(c, done.get(c["id"], {}))]
+    agent = next((c for c in todo if is_agent(c)), None)
+    if agent is not None and cfg.generate.endpoint == "completions":
+        raise ConfigError(f"generate.endpoint=completions: conversation {agent['id']} (source "
+                          f"{agent.get('source')!r}) is an agent conversation, and a text completion does not "
+                          "give its tool calls back", hint="set generate.endpoint=chat, with a server that parses "
+                          "the target's tool calls (vLLM: --enable-auto-tool-choice --tool-call-parser NAME)")
     if todo and cfg.generate.endpoint == "completions":
         local_chat(cfg)
-    return todo
+    if agent is not None and (cfg.target.path or cfg.target.tokenizer):
+        _check_tool_template(cfg, agent)
+    return len(todo)
+
+
+def _finished(conv: dict[str, Any], have: dict[int, dict]) -> bool:
+    n, cut = settled(conv, have)
+    return cut is not None or n == len(plan_turns(conv["messages"]))
+
+
+def _check_tool_template(cfg: RunConfig, conv: dict[str, Any]) -> None:
+    """Refuse (exit 2) agent conversations when the target's chat template here does not render tools:
+    `tokenize` could not train on them (a template that does not load is left to pre-flight)."""
+    try:
+        chat = local_chat(cfg)
+    except Exception:  # noqa: BLE001 - no local template: pre-flight says so, tokenize refuses later
+        return
+    problem = chat.tool_rendering_problem() if chat is not None else None
+    if chat is not None and problem is not None:
+        raise ConfigError(f"target.chat_template: conversation {conv['id']} (source {conv.get('source')!r}) has "
+                          f"tools, but {chat.origin} does not render them ({problem})",
+                          hint="set target.chat_template to a Jinja template that renders `tools` and "
+                          "`tool_calls` (the target's own, as its server applies it; configs/templates/"
+                          "smollm2-tools.jinja for SmolLM2), or leave the source out")
 
 
 def _check_settings(stage_dir: Path, settings: dict[str, Any], journal_keys: int) -> None:
@@ -231,10 +281,11 @@ def _check_settings(stage_dir: Path, settings: dict[str, Any], journal_keys: int
 
 def write_outputs(stage_dir: Path, convs: list[dict], journal_recs: dict[str, dict[int, dict]], cfg: RunConfig,
                   failures: list[dict]) -> tuple[Counter, list[dict]]:
-    """Write conversations.jsonl (every conversation whose turns are all in the journal) and failures.jsonl.
+    """Write conversations.jsonl (every conversation whose turns are all in the journal, or all up to the one
+    that cuts it: `settled`) and failures.jsonl.
 
-    Returns the conversation counts and the failures written (`failures` plus one "not generated"
-    row per incomplete conversation that had no failed turn this run)."""
+    Returns the conversation counts (`tool_mismatch_cut` and `turns_cut` included) and the failures written
+    (`failures` plus one "not generated" row per incomplete conversation that had no failed turn this run)."""
     counts: Counter = Counter()
     failures = list(failures)
     failed_ids = {f["id"] for f in failures}
@@ -243,10 +294,13 @@ def write_outputs(stage_dir: Path, convs: list[dict], journal_recs: dict[str, di
         for conv in convs:
             turns = plan_turns(conv["messages"])
             have = journal_recs.get(conv["id"], {})
-            recs = [have.get(t) for t in range(len(turns))]
             if not turns:
                 counts["conversations_no_user_turn"] += 1
                 continue
+            n, cut = settled(conv, have)
+            recs = [have.get(t) for t in range(n if cut else len(turns))]
+            if cut is not None:
+                counts["turns_cut"] += len(turns) - n
             if any(r is None for r in recs):
                 if cfg.generate.on_length == "drop" and any(r and r.get("finish_reason") == "length" for r in recs):
                     counts["conversations_dropped_length"] += 1
@@ -255,11 +309,13 @@ def write_outputs(stage_dir: Path, convs: list[dict], journal_recs: dict[str, di
                     if conv["id"] not in failed_ids:
                         failures.append({"id": conv["id"], "turn": recs.index(None), "reason": "not generated"})
                 continue
-            row = assemble(conv, [r for r in recs if r is not None], reasoning=cfg.generate.reasoning, on_length=cfg.generate.on_length)
+            row = assemble(conv, [r for r in recs if r is not None], reasoning=cfg.generate.reasoning,
+                           on_length=cfg.generate.on_length, cut=cut)
             if row is None:
                 counts["conversations_dropped_length"] += 1
                 continue
             counts["conversations_written"] += 1
+            counts["tool_mismatch_cut"] += cut is not None
             yield row
 
     write_conversations(stage_dir, rows())
@@ -305,7 +361,7 @@ def generate_conversations(cfg: RunConfig, convs: list[dict], stage_dir: Path,
     counts: Counter = Counter({"turns_total": total_turns, "turns_skipped_done": skipped, "turns_ok": 0,
                                "turns_failed": 0, "turns_retried": 0, "turns_not_attempted": 0,
                                "torn_lines_dropped": journal.torn_dropped})
-    todo = [c for c in convs if len(done.get(c["id"], {})) < wanted[c["id"]]]
+    todo = [c for c in convs if not _finished(c, done.get(c["id"], {}))]
     settings = sampling_settings(cfg, cfg.server.model)
     try:
         _check_settings(stage_dir, settings, len(prior))

@@ -8,7 +8,9 @@ Usage:
 
 Routes:
     POST /v1/chat/completions   messages, temperature, top_p, top_k, max_tokens, seed, stop, stream,
-                                chat_template_kwargs; the model's own chat template renders the prompt
+                                chat_template_kwargs, tools, tool_choice; the model's own chat template
+                                renders the prompt (with the tools, and the messages' tool_calls,
+                                tool_call_id and name)
     POST /v1/completions        prompt (string or token ids), add_special_tokens, same sampling fields
     GET  /v1/models, /health, /metrics (JSON: requests, tokens, batches, acceptance when speculating)
 Each choice carries `finish_reason` and `token_ids` (the generated ids, a stop token included);
@@ -16,6 +18,13 @@ with `return_token_ids: true` the response also has the top-level `prompt_token_
 `usage` has prompt/completion tokens, plus `acceptance_lengths`/`mean_acceptance` with a drafter.
 Streams are Server-Sent Events ending with `data: [DONE]`; the final chunk has the finish reason,
 the token ids and usage. Bad requests get 400 with an OpenAI-style `{"error": {...}}` body.
+Function tools (`serving.tools`): `tools` are rendered by the chat template, and Hermes-style
+`<tool_call>` blocks of the answer come back as `message.tool_calls` (ids `call_<n>`, n counting on from
+the calls already in `messages`), the content being the text before the first block, with
+`finish_reason: "tool_calls"` when the model stopped by itself. `tool_choice` "auto" (the default) or
+"none" (the tools are rendered, nothing is parsed); "required" and a named function get 400, as do
+`stream` with `tools` (a stream never carries tool calls) and `tools` when the template does not render
+them (a probe renders the same with a tool as without: set `target.chat_template`).
 A client that disconnects (streaming or not) has its request cancelled: the engine frees its
 batch row at the next step, and the log gets one line, not a broken-pipe traceback.
 """
@@ -35,8 +44,10 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterator
 
+from dflashkit.data.records import tools_problem
 from dflashkit.decode.api import SamplingParams
 from dflashkit.serving.engine import RequestCancelled
+from dflashkit.serving.tools import parse_tool_calls, renders_tools
 
 log = logging.getLogger("dflashkit.serve")
 
@@ -61,8 +72,37 @@ class App:
         self._lock = threading.Lock()
         template = getattr(tokenizer, "chat_template", None) or ""
         self.template_sha256 = hashlib.sha256(template.encode()).hexdigest() if template else None
+        self._renders_tools: bool | None = None  # probed at the first request with tools
 
-    def render_chat(self, messages: Any, template_kwargs: dict[str, Any]) -> list[int]:
+    def chat_tools(self, body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, int | None]:
+        """(the request's function tools or None, the id number of its first tool call — None: do not parse
+        tool calls); BadRequest for what this server does not do (module docstring)."""
+        tools, choice = body.get("tools"), body.get("tool_choice")
+        if tools is None or tools == []:
+            return None, None
+        problem = tools_problem(tools)
+        if problem is not None:
+            raise BadRequest(problem)
+        if choice not in (None, "auto", "none"):
+            raise BadRequest(f"`tool_choice` {json.dumps(choice)[:80]} is not supported: this server takes "
+                             "\"auto\" (the default) or \"none\", not \"required\" or a named function")
+        if body.get("stream"):
+            raise BadRequest("`stream` with `tools` is not supported (a stream does not carry tool calls): "
+                             "send the request without `stream`")
+        if self._renders_tools is None:
+            self._renders_tools = renders_tools(self.tok)
+        if not self._renders_tools:
+            raise BadRequest(f"`tools`: the chat template of {self.model_name} does not render tools (a probe "
+                             "renders the same with a tool as without), so the model would never see them; set "
+                             "target.chat_template to a Jinja template that renders `tools` and `tool_calls` "
+                             "(configs/templates/smollm2-tools.jinja for SmolLM2) and restart `dflashkit serve`")
+        messages = body.get("messages")
+        calls = [m.get("tool_calls") for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
+        first = sum(len(c) for c in calls if isinstance(c, list))
+        return tools, None if choice == "none" else first
+
+    def render_chat(self, messages: Any, template_kwargs: dict[str, Any],
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         if not isinstance(messages, list) or not messages:
             raise BadRequest("`messages` must be a non-empty list")
         for i, m in enumerate(messages):
@@ -70,7 +110,7 @@ class App:
                     not isinstance(m.get("content", ""), (str, type(None))):
                 raise BadRequest(f"messages[{i}] needs a string role and string content")
         try:
-            text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+            text = self.tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
                                                 **template_kwargs)
         except Exception as e:  # noqa: BLE001 - template errors are the caller's input
             raise BadRequest(f"chat template failed: {type(e).__name__}: {e}") from None
@@ -166,13 +206,15 @@ class Handler(BaseHTTPRequestHandler):
         except (ValueError, BadRequest) as e:
             return self._error(400, f"bad JSON body: {e}")
         app = self.app
+        first_call: int | None = None  # parse tool calls, numbering them from here
         try:
             params = app.params(body)
             if path in ("/v1/chat/completions", "/chat/completions"):
                 kwargs = body.get("chat_template_kwargs") or {}
                 if not isinstance(kwargs, dict):
                     raise BadRequest("`chat_template_kwargs` must be an object")
-                prompt_ids, chat = app.render_chat(body.get("messages"), kwargs), True
+                tools, first_call = app.chat_tools(body)
+                prompt_ids, chat = app.render_chat(body.get("messages"), kwargs, tools), True
             elif path in ("/v1/completions", "/completions"):
                 prompt = body.get("prompt")
                 if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -204,7 +246,8 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 out = self._wait(req)
                 if out is not None:
-                    self._send_json(200, self._full(out, chat, prompt_ids if body.get("return_token_ids") else None))
+                    self._send_json(200, self._full(out, chat, prompt_ids if body.get("return_token_ids") else None,
+                                                    first_call))
         except (RequestCancelled, *DISCONNECTS, socket.timeout):
             self._gone(req)
         except Exception as e:  # noqa: BLE001 - the engine's error goes back to this client only
@@ -239,9 +282,15 @@ class Handler(BaseHTTPRequestHandler):
                     self._gone(req)
                     return None
 
-    def _full(self, out, chat: bool, prompt_ids: list[int] | None = None) -> dict[str, Any]:
+    def _full(self, out, chat: bool, prompt_ids: list[int] | None = None, first_call: int | None = None,
+              ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason, "token_ids": out.token_ids}
-        if chat:
+        parsed = parse_tool_calls(out.text, first_call) if chat and first_call is not None else None
+        if parsed is not None:
+            choice["message"] = {"role": "assistant", "content": parsed[0], "tool_calls": parsed[1]}
+            if out.finish_reason == "stop":
+                choice["finish_reason"] = "tool_calls"
+        elif chat:
             choice["message"] = {"role": "assistant", "content": out.text}
         else:
             choice["text"] = out.text

@@ -16,6 +16,12 @@ differently (`generate.neutral_sampling`); before the first turn one request com
 prompt with the target's chat template rendered here (`generate.preflight`, needs the target's
 tokenizer); each turn keeps `usage.prompt_tokens` and the prompt ids (if returned) for `tokenize`
 to compare. `generate.endpoint: completions` renders prompts here and sends text.
+
+Agent conversations (tools, tool calls, tool results) are regenerated turn by turn with their tools; the
+tool results come from the data, and a conversation whose target calls other functions than the data
+answers is cut there (`dflashkit.generate.conversations`; docs/training-data.md "Regenerating agent
+turns"). The server must parse the target's tool calls (vLLM: --enable-auto-tool-choice
+--tool-call-parser NAME; `dflashkit serve` reads Hermes-style <tool_call> blocks).
 """
 
 from __future__ import annotations
@@ -87,8 +93,9 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
              summary["conversations_written"])
     if not ctx.json:
         print(f"turns: {summary['turns_ok']} ok, {skipped} done before, {summary['turns_failed']} failed, "
-              f"{summary['turns_not_attempted']} not attempted / {total_turns}; conversations written: "
-              f"{summary['conversations_written']}/{len(convs)}", file=sys.stderr)
+              f"{summary['turns_not_attempted']} not attempted, {summary['turns_cut']} after a tool-call cut / "
+              f"{total_turns}; conversations written: {summary['conversations_written']}/{len(convs)} "
+              f"({summary['tool_mismatch_cut']} cut at a tool-call mismatch)", file=sys.stderr)
     result = {"generate": summary, "conversations": str(rd.conversations_path),
               "preflight": out.preflight}
     if summary["turns_failed"] and reasons and all(permanent_reason(r) for r in reasons):
