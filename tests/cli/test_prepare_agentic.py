@@ -91,21 +91,6 @@ def test_malformed_agent_record_fails_naming_file_and_line_and_keeps_outputs(tmp
     assert {p.name: p.read_bytes() for p in (tmp_path / "run/prepare").iterdir()} == before
 
 
-@pytest.mark.parametrize("dry_run", [False, True])
-def test_agent_conversations_to_regenerate_are_refused_by_prepare(tmp_path, capsys, dry_run):
-    path = agent_file(tmp_path, bad=False)
-    code, out = prepare(tmp_path, capsys, [{"path": str(path)}], *(["--dry-run"] if dry_run else []))
-    assert code == 2 and "data.sources[0]" in out["error"] and f"{path}:1 (agent)" in out["error"]
-    assert "cannot regenerate agent turns" in out["error"] and "answers=original" in out["hint"]
-    assert "train.labels=target" in out["hint"] and not (tmp_path / "run/prepare").exists()
-    # nothing is regenerated when tokenize reads prepare's own answers: no refusal
-    cfg = yaml.safe_load((tmp_path / "run.yaml").read_text())
-    cfg["tokenize"] = {"source": "prepare"}
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    assert main(["prepare", "-c", str(tmp_path / "run.yaml"), *(["--dry-run"] if dry_run else []), "--json"]) == 0
-    capsys.readouterr()
-
-
 def write_bfcl_fixture(root: Path) -> Path:
     """Two categories in bfcl-eval's layout (made-up content)."""
     (root / "possible_answer").mkdir(parents=True)
@@ -168,3 +153,11 @@ def test_bfcl_categories_key_leaves_existing_prepare_hashes_alone():
     chosen = load_config(None, ["data.sources=[{path: bfcl, bfcl_categories: [parallel]}]"])
     default = load_config(None, ["data.sources=[{path: bfcl}]"])
     assert stage_hash("prepare", chosen) != stage_hash("prepare", default)
+
+
+def test_agent_conversations_to_regenerate_are_prepared_for_generate(tmp_path, capsys):
+    """`generate` regenerates agent turns (tools sent, calls kept): prepare passes them on with their tools."""
+    code, out = prepare(tmp_path, capsys, [{"path": str(agent_file(tmp_path, bad=False)), "answers": "regenerate"}])
+    assert code == 0, out
+    kept = rows(tmp_path / "run/prepare/train.jsonl")
+    assert len(kept) == 3 and all(r["tools"] for r in kept)

@@ -174,13 +174,11 @@ def check_sources(sources: list[SourceSection]) -> None:
 
 
 def read_sources(cfg: Any) -> tuple[dict[str, list[Conversation]], dict[str, dict[str, Any]]]:
-    """Read every source; returns (conversations by source, per-source stats). An agent conversation of a
-    source that `generate` would regenerate is refused as soon as it is met: `generate` cannot regenerate agent
-    turns yet (its requests would drop the tools).
+    """Read every source; returns (conversations by source, per-source stats).
 
     Raises:
         UsageError: a malformed line/record or a truncated file with data.on_malformed=fail.
-        ConfigError: a bad BFCL category; an agent conversation to regenerate.
+        ConfigError: a bad BFCL category.
     """
     d = cfg.data
     check_sources(d.sources)
@@ -189,7 +187,6 @@ def read_sources(cfg: Any) -> tuple[dict[str, list[Conversation]], dict[str, dic
     stats: dict[str, dict[str, Any]] = {}
     for i, (name, src) in enumerate(zip(source_names(d.sources), d.sources)):
         report = SourceReport(name=name, path=str(src.path))
-        regenerated = src.answers == "regenerate" and cfg.tokenize.source != "prepare"
         drops: Counter[str] = Counter()
         convs: list[Conversation] = []
         records = iter_source(src, report, on_malformed=d.on_malformed)
@@ -208,11 +205,6 @@ def read_sources(cfg: Any) -> tuple[dict[str, list[Conversation]], dict[str, dic
                     report.malformed_by[e.kind] += 1
                 report.note(f"{where}: {e.reason}: {e}")
                 continue
-            if regenerated and is_agent(conv):
-                raise ConfigError(f"data.sources[{i}]: {where} ({name}) is an agent conversation (tools, tool calls "
-                                  "or tool results), and `generate` cannot regenerate agent turns yet",
-                                  hint=f"set data.sources[{i}].answers=original with train.labels=target (the "
-                                  "demo's recipe: train on the source's own calls), or leave the source out")
             if d.dedupe and conv.id in seen:
                 drops["duplicate"] += 1
                 continue

@@ -9,8 +9,6 @@ Example: dflashkit prepare -c run.yaml data.num_prompts=2000 data.heldout=32
 The held-out split is taken first from the shuffled mix, so `data.num_prompts` counts both
 splits. All outputs are written only after every source was read, each atomically: a failing
 run leaves the previous outputs untouched, and the same config always gives identical files.
-Agent conversations (tools, calls, results) of a source `generate` would regenerate are refused (exit 2,
-`data.mixing.read_sources`): generate cannot regenerate agent turns yet.
 """
 
 from __future__ import annotations
