@@ -205,6 +205,16 @@ class SourceSection:
         "Also: simple_java, simple_javascript; prompt-only (no calls): irrelevance, live_irrelevance, "
         "live_relevance. multi_turn_*, web_search and memory are refused (docs/training-data.md).",
         hash_default=False)
+    tool_choice: Literal["auto", "none", "required"] | None = f(
+        None, "`generate`: the tool_choice sent with this source's agent conversations (null = none sent: the "
+        "server's default, auto). required makes the server call a tool on every turn (vLLM constrains the "
+        "decoding to a call; dflashkit serve refuses it).", hash_default=False)
+    chat_template_kwargs: dict[str, Any] = f(
+        {}, "Chat-template variables for this source's conversations, merged over tokenize.chat_template_kwargs "
+        "wherever they are rendered (tokenize, so held-out scoring; eval's prompts), e.g. {enable_thinking: false}: "
+        "one run mixes thinking modes. Reports label the source's mode from the merged variables: thinking / "
+        "no-thinking (enable_thinking, else thinking), default without either (docs/training-data.md).",
+        hash_default=False)
 
 
 @dataclass(kw_only=True)
@@ -235,6 +245,16 @@ class ServerSection:
         "`dflashkit serve`, or vLLM (the CPU build, installed once into the cache by "
         "`dflashkit engines install vllm`; without it the stage refuses, exit 3, unless "
         "DFLASHKIT_VLLM_AUTO_INSTALL=1 lets it install; logs in <stage dir>/engine.log).",
+        hash_default=False)
+    tool_call_parser: str | None = f(
+        None, "When `urls` is empty and server.engine=vllm: vLLM's tool-call parser, started with "
+        "--enable-auto-tool-choice --tool-call-parser NAME so replies carry `tool_calls` (hermes for templates "
+        "that write <tool_call> JSON blocks: Qwen3, configs/templates/smollm2-tools.jinja; kimi_k2 for Kimi K2.x). "
+        "Needed to regenerate agent conversations through that vLLM (without it they are refused before it "
+        "starts); a server of your own (`urls`) must be started with it.", hash_default=False)
+    reasoning_parser: str | None = f(
+        None, "When `urls` is empty and server.engine=vllm: vLLM's --reasoning-parser NAME (qwen3, kimi_k2, "
+        "deepseek_r1): replies carry the thinking as reasoning_content (generate.reasoning keeps or drops it).",
         hash_default=False)
 
 

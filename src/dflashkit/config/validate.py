@@ -14,6 +14,8 @@ this room ranks below the families).
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 from typing import Any
 
@@ -246,6 +248,10 @@ def _stage_option_problems(cfg: RunConfig) -> list[str]:
     """The recipe, tokenize and data options once checked only when their stage ran (train, tokenize,
     prepare), so a config with mistakes in several of them was reported one stage at a time."""
     p: list[str] = []
+    for key in ("tool_call_parser", "reasoning_parser"):  # a name vLLM knows, never a flag or a path
+        name = getattr(cfg.server, key)
+        if name is not None and not re.fullmatch(r"[A-Za-z0-9_]+", name):
+            p.append(f"server.{key}: {name!r} is not a parser name (letters, digits and _, e.g. hermes, kimi_k2)")
     t = cfg.train
     if not 0 < t.dpace_alpha <= 1:
         p.append(f"train.dpace_alpha {t.dpace_alpha} is outside (0, 1]")

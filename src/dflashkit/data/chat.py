@@ -5,6 +5,17 @@ Usage:
     plans, counts = chat.plan(conv, thinking="keep", system_prompt="keep")
     samples, checks = build_samples(tokenizer, plans, max_length=2048)
     samples[0].input_ids, samples[0].loss_mask            # int32 / int8 arrays
+    chat = load_chat(cfg)                                  # the target's template, per-source variables
+    chat.for_source(conv.source).plan(conv)               # rendered with that source's variables
+    kwargs_for_source(cfg, "chat")                        # {**tokenize.chat_template_kwargs, **the source's}
+    mode_of(kwargs_for_source(cfg, "chat"))               # "thinking" | "no-thinking" | "default"
+
+Per-source variables: `data.sources[].chat_template_kwargs` are merged over the run's
+(`tokenize.chat_template_kwargs`; generate passes `base=generate.chat_template_kwargs`) for the
+conversations of that source, its `data.sources[].name` or path-derived name (`data.mixing.source_names`,
+the `source` prepare writes in every record). A source's *mode*, the label reports group by, is read
+from its merged variables (`mode_of`): `enable_thinking`, else `thinking`, true → "thinking", false →
+"no-thinking"; neither set → "default" (whatever the template does without them).
 
 How the supervised span of assistant turn j is found, for any template (no per-family table):
     P_j = render(messages[:j], add_generation_prompt=True)     # what the model sees before answering
@@ -40,6 +51,7 @@ end-of-turn token the template appends (the model never emitted it).
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import re
@@ -124,8 +136,11 @@ class ChatTemplate:
     """A tokenizer's (or an override) chat template, compiled once and rendered to text."""
 
     def __init__(self, tokenizer: Any, template: str | None = None, kwargs: dict[str, Any] | None = None,
-                 origin: str = "the tokenizer's chat template"):
+                 origin: str = "the tokenizer's chat template",
+                 source_kwargs: dict[str, dict[str, Any]] | None = None):
         self.tokenizer = tokenizer
+        self.source_kwargs = dict(source_kwargs or {})  # source name -> variables merged over `kwargs`
+        self._variants: dict[str, ChatTemplate] = {}
         self.origin = origin  # named in errors: `target.chat_template <file>` or the tokenizer's dir
         self.template = template or getattr(tokenizer, "chat_template", None)
         if not self.template or not isinstance(self.template, str):
@@ -149,6 +164,22 @@ class ChatTemplate:
                              f"({type(e).__name__}: {e})",
                              hint="fix the template (or set target.chat_template to a working Jinja file)") from None
         self.end_token = self._end_token()
+
+    def for_source(self, source: str) -> ChatTemplate:
+        """The template that renders the conversations of data source `source`: this one, or, for a source
+        with its own variables (`source_kwargs`), a copy whose variables are those merged over this one's
+        (made once per source; it shares the compiled template)."""
+        extra = self.source_kwargs.get(source)
+        if not extra:
+            return self
+        variant = self._variants.get(source)
+        if variant is None:
+            variant = copy.copy(self)
+            variant.kwargs, variant.source_kwargs, variant._variants = {**self.kwargs, **extra}, {}, {}
+            variant.first_error = None
+            variant.end_token = variant._end_token()
+            self._variants[source] = variant
+        return variant
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
                tools: list[dict[str, Any]] | None = None) -> str:
@@ -405,7 +436,8 @@ def _apply_server_ids(tokenizer: Any, plan: SamplePlan, ids: list[list[int]], ch
 def tokenize_batch(chat: ChatTemplate, convs: list[Conversation], *, max_length: int, thinking: str = "keep",
                    system_prompt: str = "keep", rewritten_turns: str = "split",
                    ) -> tuple[list[Sample], Counter, dict[str, Any]]:
-    """Plan + build a batch of conversations: (samples, event counts, server-token checks).
+    """Plan + build a batch of conversations: (samples, event counts, server-token checks). Each
+    conversation is rendered by `chat.for_source(conv.source)` (its source's template variables).
 
     Conversations that yield no sample are counted as `no_assistant_turn`, `no_aligned_turn`
     (answers present, none aligned with the template) or `template_error`.
@@ -413,8 +445,10 @@ def tokenize_batch(chat: ChatTemplate, convs: list[Conversation], *, max_length:
     events: Counter[str] = Counter()
     plans: list[SamplePlan] = []
     for conv in convs:
-        conv_plans, counts = chat.plan(conv, thinking=thinking, system_prompt=system_prompt,
-                                       rewritten_turns=rewritten_turns)
+        source_chat = chat.for_source(conv.source)
+        conv_plans, counts = source_chat.plan(conv, thinking=thinking, system_prompt=system_prompt,
+                                              rewritten_turns=rewritten_turns)
+        chat.first_error = chat.first_error or source_chat.first_error
         events.update(counts)
         if not conv_plans:
             has_answer = any(m["role"] == "assistant" for m in conv.messages)
@@ -426,10 +460,46 @@ def tokenize_batch(chat: ChatTemplate, convs: list[Conversation], *, max_length:
     return samples, events, checks
 
 
+THINKING_KEYS = ("enable_thinking", "thinking")  # the template variables a source's mode is read from
+
+
+def source_template_kwargs(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    """`data.sources[].chat_template_kwargs` by source name (`data.mixing.source_names`), for the sources that
+    set any."""
+    from dflashkit.data.mixing import source_names
+
+    return {name: dict(src.chat_template_kwargs) for name, src in zip(source_names(cfg.data.sources), cfg.data.sources)
+            if src.chat_template_kwargs}
+
+
+def kwargs_for_source(cfg: RunConfig, source: str, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The chat-template variables of a conversation of data source `source` (its `data.sources[].name` or
+    path-derived name, the record's `source`): `base` (default `tokenize.chat_template_kwargs`; generate passes
+    `generate.chat_template_kwargs`) with the source's `data.sources[].chat_template_kwargs` merged over it.
+    A source the config does not name gets `base`."""
+    base = cfg.tokenize.chat_template_kwargs if base is None else base
+    return {**base, **source_template_kwargs(cfg).get(source, {})}
+
+
+def mode_of(kwargs: dict[str, Any]) -> str:
+    """The thinking mode reports label a source with, from its merged template variables: `enable_thinking`,
+    else `thinking`, true → "thinking", false → "no-thinking"; neither set → "default"."""
+    for key in THINKING_KEYS:
+        if key in kwargs:
+            return "thinking" if kwargs[key] else "no-thinking"
+    return "default"
+
+
+def source_modes(cfg: RunConfig, sources: Any) -> dict[str, str]:
+    """{source: mode} for each name in `sources` (`mode_of(kwargs_for_source(cfg, source))`), sorted."""
+    return {s: mode_of(kwargs_for_source(cfg, s)) for s in sorted(set(sources))}
+
+
 def load_chat(cfg: RunConfig, kwargs: dict[str, Any] | None = None) -> ChatTemplate:
     """The target tokenizer (no model) and its chat template or the `target.chat_template` file.
 
-    `kwargs` are the template variables (default `tokenize.chat_template_kwargs`).
+    `kwargs` are the template variables (default `tokenize.chat_template_kwargs`); each source's
+    `data.sources[].chat_template_kwargs` are merged over them by `ChatTemplate.for_source`.
     """
     from dflashkit.errors import ConfigError
     from dflashkit.inspect.target import resolve_target_path
@@ -451,4 +521,4 @@ def load_chat(cfg: RunConfig, kwargs: dict[str, Any] | None = None) -> ChatTempl
         template = read_utf8(p, "target.chat_template")
         origin = f"target.chat_template {p}"
     return ChatTemplate(tok, template, cfg.tokenize.chat_template_kwargs if kwargs is None else kwargs,
-                        origin=origin)
+                        origin=origin, source_kwargs=source_template_kwargs(cfg))

@@ -9,6 +9,10 @@ Usage:
     refuse_degenerate(tok.totals, ...); agreement = teacher_forced(cfg, rd, tok.pick)
     publish_shards(staging_dir, rd.tokenize_dir, tok.shards)
     stats = tokenize_stats(cfg, paths, need, tok, agreement, elapsed_s)
+
+Each conversation is rendered with its source's template variables (`ChatTemplate.for_source`); the stats
+count samples, tokens and supervised tokens per source (`by_source`) and per thinking mode (`by_mode`,
+`data.chat.mode_of`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from dflashkit.data.agreement import Reservoir, check_sources
-from dflashkit.data.chat import ChatTemplate, tokenize_batch
+from dflashkit.data.chat import ChatTemplate, source_modes, source_template_kwargs, tokenize_batch
 from dflashkit.data.drift import merge_checks, new_checks
 from dflashkit.data.mixing import needs_regeneration, original_answer_sources
 from dflashkit.data.records import Conversation, iter_conversations, prepared_file
@@ -217,12 +221,23 @@ def log_warnings(tok: Tokenized) -> None:
                     tok.checks["first_mismatch"])
 
 
+def by_mode(cfg: Any, by_source: dict[str, dict[str, int]]) -> dict[str, dict[str, Any]]:
+    """The per-source counts summed per thinking mode (`data.chat.mode_of`), each with its `sources`."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, mode in source_modes(cfg, by_source).items():
+        row = out.setdefault(mode, {"samples": 0, "tokens": 0, "supervised": 0, "sources": []})
+        for k in ("samples", "tokens", "supervised"):
+            row[k] += by_source[name][k]
+        row["sources"].append(name)
+    return dict(sorted(out.items()))
+
+
 def tokenize_stats(cfg: Any, paths: list[tuple[Path, set[str] | None]], need: int, tok: Tokenized,
                    agreement: dict[str, Any], elapsed: float) -> dict[str, Any]:
     """`tokenize/stats.json`'s dict."""
     tc, totals, events = cfg.tokenize, tok.totals, tok.events
     return {"input": str(paths[0][0]), "inputs": [str(p) for p, _ in paths], "conversations": tok.conversations,
-            **totals, "by_source": dict(sorted(tok.by_source.items())),
+            **totals, "by_source": dict(sorted(tok.by_source.items())), "by_mode": by_mode(cfg, tok.by_source),
             "supervised_fraction": round(totals["supervised"] / max(totals["tokens"], 1), 4),
             "dropped": {k: events[k] for k in DROPS},
             "events": {k: v for k, v in sorted(events.items()) if k not in DROPS},
@@ -230,6 +245,7 @@ def tokenize_stats(cfg: Any, paths: list[tuple[Path, set[str] | None]], need: in
             "shards": tok.shards,
             "settings": {"max_length": tc.max_length, "min_supervised": need, "thinking": tc.thinking,
                          "system_prompt": tc.system_prompt, "chat_template_kwargs": tc.chat_template_kwargs,
+                         "source_chat_template_kwargs": source_template_kwargs(cfg),
                          "chat_template": cfg.target.chat_template or "tokenizer"},
             "tokens_per_s": round(totals["tokens"] / max(elapsed, 1e-9), 1)}
 

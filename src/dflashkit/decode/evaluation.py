@@ -8,6 +8,7 @@ Usage:
     inputs = decode_inputs(cfg, rd, ctx.positionals, num_prompts=cfg.eval.num_prompts)
     target, ids = load_checked_target(cfg, inputs, cfg.target)   # every prompt checked to fit
     res = evaluate(cfg, rd, inputs, target, ids, block_sizes=[4, 8])
+    res["by_source"], res["by_mode"]                             # τ and acceptance per data source / thinking mode
     print(results_table(res))
     res["speculation_profile"]                                   # its speculation_profile.json (export/profile.py)
     path = write_eval_results(rd, res)                           # eval/results.json, atomic
@@ -21,10 +22,13 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflashkit.decode.api import Decoder
 from dflashkit.errors import DflashkitError
+
+if TYPE_CHECKING:
+    from dflashkit.decode.runner import EvalPrompt
 
 log = logging.getLogger("dflashkit.eval")
 CALIBRATION_PROMPTS = 2  # eval.dtype=auto: prompts decoded in both dtypes before choosing
@@ -47,20 +51,31 @@ def read_eval_results(rd: Any) -> dict[str, Any] | None:
 
 @dataclass
 class DecodeInputs:
-    """The drafter dir, its contract and the prompts (id, messages) that eval and bench decode read."""
+    """The drafter dir, its contract and the prompts (`decode.runner.EvalPrompt`: id, messages, tools, source)
+    that eval and bench decode read."""
 
     drafter_dir: Path
     contract: Any
-    prompts: list[tuple[str, list[dict[str, str]]]]
+    prompts: list[EvalPrompt]
 
 
 def decode_inputs(cfg: Any, rd: Any, positionals: list[str], *, num_prompts: int) -> DecodeInputs:
     """The drafter (DIR, eval.drafter, train/best|final, export), its contract and the first prompts."""
-    from dflashkit.decode.runner import load_prompt_messages, resolve_drafter_dir
+    from dflashkit.decode.runner import load_prompts, resolve_drafter_dir
     from dflashkit.export.hf import read_contract
 
     drafter_dir = resolve_drafter_dir(cfg, rd, positionals)
-    return DecodeInputs(drafter_dir, read_contract(drafter_dir), load_prompt_messages(cfg, rd)[:num_prompts])
+    return DecodeInputs(drafter_dir, read_contract(drafter_dir), load_prompts(cfg, rd)[:num_prompts])
+
+
+def check_prompts_render(cfg: Any, inputs: DecodeInputs) -> None:
+    """Agent prompts need a chat template that renders tools: checked with the target's tokenizer alone
+    (`data.chat.load_chat`), before the target loads (exit 2 naming the prompt's file and line)."""
+    from dflashkit.data.chat import load_chat
+    from dflashkit.decode.runner import refuse_unrendered_tools
+
+    if any(p.agentic for p in inputs.prompts):
+        refuse_unrendered_tools(load_chat(cfg), inputs.prompts)
 
 
 def check_target_fits(inputs: DecodeInputs, target_cfg: Any) -> None:
@@ -80,16 +95,18 @@ def check_target_fits(inputs: DecodeInputs, target_cfg: Any) -> None:
 
 def load_checked_target(cfg: Any, inputs: DecodeInputs, target_cfg: Any) -> tuple[Any, list[list[int]]]:
     """Load the target, check the drafter fits it and that every rendered prompt fits the context
-    (exit 2 before anything is decoded); the target and the prompts' ids. `target_cfg` is
+    (exit 2 before anything is decoded); the target and the prompts' ids, each rendered as tokenize renders
+    its source (`decode.runner.render_eval_prompts`: tools, per-source template variables). `target_cfg` is
     `verify_target_config`'s: the caller announces its dtype (`verify_dtype`)."""
-    from dflashkit.decode.runner import render_prompts
+    from dflashkit.decode.runner import render_eval_prompts
     from dflashkit.decode.spec_decode import SpecDecoder
     from dflashkit.model.target import load_target
 
     check_target_fits(inputs, target_cfg)
+    check_prompts_render(cfg, inputs)
     target = load_target(target_cfg, announce_dtype=False)
     inputs.contract.check(target, where=f"drafter {inputs.drafter_dir}")
-    ids = render_prompts(target.tokenizer, inputs.prompts, cfg.tokenize.chat_template_kwargs)
+    ids = render_eval_prompts(cfg, target.tokenizer, inputs.prompts)
     check = SpecDecoder(target, None, 1, max_context=cfg.eval.max_context)
     for i, p in enumerate(ids):  # every prompt must fit before anything is decoded
         check.check_prompt(len(p), cfg.eval.max_new_tokens, what=f"prompt {i} ({inputs.prompts[i][0]})")
@@ -145,8 +162,28 @@ def results_table(res: dict[str, Any]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     for bs, r in res["speculative"].items():
         lines.append(f"B={bs} per-position acceptance: " + " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]))
+    lines += breakdown_lines(res)
     lines += diagnostic_lines(res)
     return "\n".join(lines)
+
+
+def breakdown_lines(res: dict[str, Any]) -> list[str]:
+    """τ at the best block size per data source and per thinking mode (drafter, and prompt lookup at its best
+    block size), when there are several."""
+    bs, lk = str(res["summary"]["block_size"]), str((res["summary"].get("prompt_lookup") or {}).get("block_size", "-"))
+    out = []
+    for key, what in (("by_source", "source"), ("by_mode", "mode")):
+        groups = res.get(key) or {}
+        if len(groups) < 2:
+            continue
+        parts = []
+        for name, g in groups.items():
+            d, p = g.get("speculative", {}).get(bs), g.get("prompt_lookup", {}).get(lk)
+            label = f"{name} ({g['mode']})" if "mode" in g else name
+            parts.append(f"{label}: {g['prompts']} prompts" + (f", tau {d['tau']:.2f}" if d else "")
+                         + (f", lookup {p['tau']:.2f}" if p else ""))
+        out.append(f"by {what} (drafter B={bs}, lookup B={lk}): " + "; ".join(parts))
+    return out
 
 
 def drafter_source(drafter_dir: Path, rd: Any) -> dict[str, Any]:
@@ -236,6 +273,40 @@ def entries(runs: dict[str, Any], base_t: dict) -> dict[str, dict]:
             steps = sum(len(r.acceptance_lengths) for r in results)
             out[key]["drafts_per_step"] = round(sum(r.verified_drafts for r in results) / max(1, steps), 4)
     return out
+
+
+def group_of(key: str) -> str:
+    """The results.json group of a decoder key: "4" speculative, "adaptive-4" adaptive, "lookup-4" prompt_lookup."""
+    return "prompt_lookup" if key.startswith("lookup-") else "adaptive" if key.startswith("adaptive-") else "speculative"
+
+
+def breakdown(cfg: Any, prompts: list[EvalPrompt], runs: dict[str, Any]) -> tuple[dict[str, dict], dict[str, dict]]:
+    """(`by_source`, `by_mode`): every decoder's τ, steps, τ histogram and per-position acceptance
+    (`decode/metrics.summarize_acceptance`) over the prompts of each data source and of each thinking mode
+    (`data.chat.mode_of` of the source's template variables), under the groups of results.json
+    (speculative, adaptive, prompt_lookup; block size → numbers), with `prompts` (their count); a source row
+    names its `mode`, a mode row its `sources`. The prompt counts add up to the eval's."""
+    from dflashkit.data.chat import source_modes
+    from dflashkit.decode.metrics import summarize_acceptance
+
+    by_src: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_src.setdefault(p.source, []).append(i)
+    modes = source_modes(cfg, by_src)
+    by_mode: dict[str, list[int]] = {}
+    for name in sorted(by_src):
+        by_mode.setdefault(modes[name], []).extend(by_src[name])
+
+    def numbers(idx: list[int]) -> dict[str, Any]:
+        out: dict[str, Any] = {"prompts": len(idx)}
+        for key, results in runs.items():
+            acc = summarize_acceptance([results[i] for i in sorted(idx)], block_of(key))
+            out.setdefault(group_of(key), {})[str(block_of(key))] = acc
+        return out
+
+    return ({name: {"mode": modes[name], **numbers(idx)} for name, idx in sorted(by_src.items())},
+            {mode: {"sources": sorted(n for n in by_src if modes[n] == mode), **numbers(idx)}
+             for mode, idx in sorted(by_mode.items())})
 
 
 def best_entry(group: dict[str, dict]) -> dict | None:
@@ -382,6 +453,7 @@ def evaluate(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list[lis
         if str(best["block_size"]) in runs:  # the two best decoders, prompt by prompt (timing noise included)
             res["summary"]["versus_prompt_lookup"] = paired_speed(runs[str(best["block_size"])],
                                                                   runs[f"lookup-{lookup_best['block_size']}"])
+    res["by_source"], res["by_mode"] = breakdown(cfg, prompts, runs)
     if e.diagnostics:
         res["diagnostics"] = diagnostics(cfg, rd, target, drafter, ids, base_results, res)
     res["speculation_profile"] = eval_profile(cfg, rd, inputs, target, ids, runs, block_sizes, res)
@@ -411,7 +483,7 @@ def eval_profile(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list
     if not block_sizes:
         return None
     known = prompt_sources(cfg, rd)
-    sources = [known.get(pid) for pid, _ in inputs.prompts]
+    sources = [known.get(p[0]) for p in inputs.prompts]
     ms = [Measurement(b, [r.acceptance_lengths for r in runs[str(b)]], [r.acceptance_cut for r in runs[str(b)]],
                       sources) for b in block_sizes]
     src = res["drafter_source"]

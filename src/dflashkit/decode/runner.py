@@ -2,20 +2,28 @@
 
 Usage:
     drafter_dir = resolve_drafter_dir(cfg, rd, ctx.positionals)
-    prompts = load_prompt_messages(cfg, rd)                     # [(id, messages)]
+    prompts = load_prompts(cfg, rd)                             # [EvalPrompt(id, messages, tools, source, where)]
+    ids = render_eval_prompts(cfg, target.tokenizer, prompts)   # as tokenize renders each one's source
+    load_prompt_messages(cfg, rd)                               # [(id, messages)]
     prompt_sources(cfg, rd)                                     # {id: data source} where the records say
-    ids = render_prompts(target.tokenizer, prompts, cfg.tokenize.chat_template_kwargs)
+    ids = render_prompts(target.tokenizer, prompts, cfg.tokenize.chat_template_kwargs)   # (id, messages) pairs
     results = run_interleaved({"base": base, "spec": spec}, ids, params_for(cfg, target), warmup=1)
 
-Prompt files: JSONL in prepare's record format (`{"id", "messages": [...]}`; the conversation up to
-its first assistant turn is the prompt) or plain `{"prompt": "..."}` lines (one user turn).
+Prompt files: JSONL in prepare's record format (`{"id", "source"?, "messages": [...], "tools"?: [...]}`)
+or plain `{"prompt": "..."}` lines (one user turn). A chat conversation's prompt is its turns up to its
+first assistant turn. An agent conversation's (tools, tool calls or tool results) is its turns up to its
+last assistant turn (all of them when it ends on a user or tool turn), tool calls and results included,
+rendered with its tools: the target answers after what it saw at serving time, earlier calls and results
+and all. A prompt's source is the record's `source` (prepare writes it), else the prompt file's stem;
+its template variables are that source's (`data.chat.kwargs_for_source`), so the eval renders thinking
+and non-thinking sources as tokenize did.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dflashkit.decode.api import Decoder, GenerationResult, SamplingParams, default_stop_ids
 from dflashkit.errors import MissingArtifactError, UsageError
@@ -48,14 +56,33 @@ def resolve_drafter_dir(cfg: RunConfig, rd: RunDir, positionals: list[str]) -> P
     raise MissingArtifactError("trained drafter", rd.final_dir, run="dflashkit train -c run.yaml")
 
 
-def _prompt_of(obj: Any, where: str) -> list[dict[str, str]]:
-    from dflashkit.data.sources import RecordError, detect_format, to_messages
+class EvalPrompt(NamedTuple):
+    """One eval prompt: the record's id, the turns the target answers after (a message keeps its agent keys:
+    tool_calls, tool_call_id, name), the tools it may call, its data source and where it was read (file:line)."""
+
+    id: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    source: str = ""
+    where: str = ""
+
+    @property
+    def agentic(self) -> bool:
+        """Whether it has tools, tool calls or tool results (a template must render them)."""
+        return bool(self.tools) or any(m.get("tool_calls") or m["role"] == "tool" for m in self.messages)
+
+
+def _prompt_of(obj: Any, where: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(prompt messages, tools) of one prompt-file record (see the module docstring)."""
+    from dflashkit.data.records import AGENT_KEYS, record_problem
+    from dflashkit.data.sources import RecordError, detect_format, to_record
 
     if isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and detect_format(obj) == "prompt":
-        return [{"role": "user", "content": obj["prompt"]}]
+        return [{"role": "user", "content": obj["prompt"]}], None
     if isinstance(obj, dict) and not isinstance(obj.get("messages"), list):
         try:  # ShareGPT, alpaca, HumanEval: any format `prepare` reads
-            obj = {"messages": to_messages(obj)}
+            converted, tools = to_record(obj)
+            obj = {"messages": converted, **({"tools": tools} if tools else {})}
         except RecordError as e:
             raise UsageError(f"{where}: {e}",
                              hint="use one record per line in any `prepare` format (messages, ShareGPT, alpaca, "
@@ -64,16 +91,30 @@ def _prompt_of(obj: Any, where: str) -> list[dict[str, str]]:
     if not isinstance(msgs, list) or not msgs:
         raise UsageError(f"{where}: expected {{\"messages\": [...]}} or {{\"prompt\": \"...\"}}",
                          hint="use prepare's heldout.jsonl format or one {\"prompt\": ...} per line")
-    out = []
-    for m in msgs:
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise UsageError(f"{where}: each message needs `role` and `content`")
-        if m["role"] == "assistant":
-            break
-        out.append({"role": m["role"], "content": m["content"]})
+    tools = obj.get("tools") or None
+    if tools or any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool") for m in msgs):
+        problem = record_problem(msgs, tools)
+        if problem is not None:
+            raise UsageError(f"{where}: not an agent conversation: {problem}",
+                             hint="records are {\"messages\": [...], \"tools\"?: [...]} in OpenAI's chat shape "
+                             "(docs/training-data.md, agent conversations)")
+        end = max(i for i, m in enumerate(msgs) if m["role"] == "assistant") if msgs[-1]["role"] == "assistant" \
+            else len(msgs)
+        out = [{"role": m["role"], "content": m["content"], **{k: m[k] for k in AGENT_KEYS if k in m}}
+               for m in msgs[:end]]
+        what = "its last assistant turn"
+    else:
+        out = []
+        for m in msgs:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise UsageError(f"{where}: each message needs `role` and `content`")
+            if m["role"] == "assistant":
+                break
+            out.append({"role": m["role"], "content": m["content"]})
+        what = "the first assistant turn"
     if not any(m["role"] == "user" for m in out):
-        raise UsageError(f"{where}: no user turn before the first assistant turn")
-    return out
+        raise UsageError(f"{where}: no user turn before {what}")
+    return out, tools
 
 
 def _prompt_file(cfg: RunConfig, rd: RunDir) -> Path:
@@ -88,19 +129,29 @@ def _prompt_file(cfg: RunConfig, rd: RunDir) -> Path:
     return prepared_file(rd, "heldout")  # held-out prompts: exit 3 naming prepare when missing
 
 
-def load_prompt_messages(cfg: RunConfig, rd: RunDir) -> list[tuple[str, list[dict[str, str]]]]:
-    """(id, chat messages) for `eval.prompts`, else prepare's held-out split."""
+def load_prompts(cfg: RunConfig, rd: RunDir) -> list[EvalPrompt]:
+    """The eval prompts of `eval.prompts`, else of prepare's held-out split (see the module docstring)."""
     from dflashkit.data.records import read_jsonl
 
     path = _prompt_file(cfg, rd)
+    stem = path.name.split(".")[0]
     bad: list[str] = []  # malformed lines follow data.on_malformed: skipped (and logged) or an error
-    out = [(str(obj.get("id", n)) if isinstance(obj, dict) else str(n), _prompt_of(obj, f"{path}:{n}"))
-           for n, obj in read_jsonl(path, on_malformed=cfg.data.on_malformed, bad=bad)]
+    out = []
+    for n, obj in read_jsonl(path, on_malformed=cfg.data.on_malformed, bad=bad):
+        where = f"{path}:{n}"
+        msgs, tools = _prompt_of(obj, where)
+        rec = obj if isinstance(obj, dict) else {}
+        out.append(EvalPrompt(str(rec.get("id", n)), msgs, tools, str(rec.get("source") or stem), where))
     for msg in bad:
         log.warning("skipped %s", msg)
     if not out:
         raise UsageError(f"{path} holds no prompts", hint="set data.heldout > 0 and re-run `dflashkit prepare`")
     return out
+
+
+def load_prompt_messages(cfg: RunConfig, rd: RunDir) -> list[tuple[str, list[dict[str, Any]]]]:
+    """(id, chat messages) of `load_prompts` (without tools or sources)."""
+    return [(p.id, p.messages) for p in load_prompts(cfg, rd)]
 
 
 def prompt_sources(cfg: RunConfig, rd: RunDir) -> dict[str, str]:
@@ -109,6 +160,43 @@ def prompt_sources(cfg: RunConfig, rd: RunDir) -> dict[str, str]:
 
     rows = read_jsonl(_prompt_file(cfg, rd), on_malformed="skip")
     return {str(obj.get("id", n)): str(obj["source"]) for n, obj in rows if isinstance(obj, dict) and obj.get("source")}
+
+
+def prompt_chat(cfg: RunConfig, tokenizer: Any) -> Any:
+    """The target's chat template as tokenize renders it (`data.chat.ChatTemplate`): `tokenizer`'s template (the
+    target's, or `target.chat_template` applied by `load_target`), `tokenize.chat_template_kwargs`, each
+    source's `data.sources[].chat_template_kwargs` over them."""
+    from dflashkit.data.chat import ChatTemplate, source_template_kwargs
+
+    origin = (f"target.chat_template {cfg.target.chat_template}" if cfg.target.chat_template else
+              f"the chat template of {cfg.target.tokenizer or cfg.target.path}")
+    return ChatTemplate(tokenizer, kwargs=cfg.tokenize.chat_template_kwargs, origin=origin,
+                        source_kwargs=source_template_kwargs(cfg))
+
+
+def refuse_unrendered_tools(chat: Any, prompts: list[EvalPrompt]) -> None:
+    """Refuse (exit 2) agent prompts when the chat template does not render tools (`ChatTemplate.
+    tool_rendering_problem`): the drafter would be measured on prompts that lost their tools."""
+    first = next((p for p in prompts if p.agentic), None)
+    if first is None:
+        return
+    problem = chat.for_source(first.source).tool_rendering_problem()
+    if problem is None:
+        return
+    raise UsageError(f"{first.where}: prompt {first.id} of source {first.source!r} has tools or tool calls, but "
+                     f"{chat.origin} does not render them ({problem}); the target would answer a prompt without them",
+                     hint="set target.chat_template to a Jinja template that renders `tools` and `tool_calls` (the "
+                     "target's own, as its server applies it), or leave agent conversations out of the eval prompts")
+
+
+def render_eval_prompts(cfg: RunConfig, tokenizer: Any, prompts: list[EvalPrompt]) -> list[list[int]]:
+    """Each prompt rendered as tokenize renders a conversation of its source (`prompt_chat`), with its tools and
+    the generation prompt, encoded without extra specials. Agent prompts and a template that cannot render
+    tools: exit 2 naming the prompt's file and line."""
+    chat = prompt_chat(cfg, tokenizer)
+    refuse_unrendered_tools(chat, prompts)
+    return [tokenizer.encode(chat.for_source(p.source).render(p.messages, add_generation_prompt=True, tools=p.tools),
+                             add_special_tokens=False) for p in prompts]
 
 
 def render_prompts(tokenizer: Any, prompts: list[tuple[str, list[dict[str, str]]]],

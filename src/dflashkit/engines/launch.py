@@ -71,6 +71,13 @@ def start_vllm_for_target(cfg: RunConfig, *, log_path: Path, speculative: dict[s
         yield eng
 
 
+def parser_args(cfg: RunConfig) -> list[str]:
+    """vLLM's flags for `server.tool_call_parser` and `server.reasoning_parser` ([] when neither is set)."""
+    s = cfg.server
+    return ([*(["--enable-auto-tool-choice", "--tool-call-parser", s.tool_call_parser] if s.tool_call_parser else []),
+             *(["--reasoning-parser", s.reasoning_parser] if s.reasoning_parser else [])])
+
+
 def check_target_server(cfg: RunConfig) -> None:
     """What `start_target_server` needs, checked before any work: with server.engine=vllm, vLLM for the target."""
     if cfg.server.engine == "vllm":
@@ -82,7 +89,7 @@ def start_target_server(cfg: RunConfig, *, log_dir: Path) -> Iterator[str]:
     """`server.engine`'s server for the target on 127.0.0.1; yields its base URL (…/v1); logs in log_dir."""
     check_target_server(cfg)
     if cfg.server.engine == "vllm":
-        with start_vllm_for_target(cfg, log_path=Path(log_dir) / "engine.log",
+        with start_vllm_for_target(cfg, log_path=Path(log_dir) / "engine.log", extra_args=parser_args(cfg),
                                    what="server.engine=vllm (server.urls is empty)") as eng:
             yield eng.base_url
         return

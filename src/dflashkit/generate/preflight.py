@@ -97,19 +97,34 @@ def sampling_settings(cfg: RunConfig, model: str | None) -> dict[str, Any]:
             "endpoint": g.endpoint, "neutral_sampling": g.neutral_sampling}
 
 
+def source_settings(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    """Per source name (`data.sources[].name`, else the file stem): what its requests add to the run's
+    settings — its `chat_template_kwargs` merged over generate.chat_template_kwargs, and its `tool_choice`."""
+    from dflashkit.data.mixing import source_names
+
+    srcs = cfg.data.sources
+    return {name: {"chat_template_kwargs": {**cfg.generate.chat_template_kwargs, **src.chat_template_kwargs},
+                   "tool_choice": src.tool_choice} for name, src in zip(source_names(srcs), srcs)}
+
+
 def request_body(settings: dict[str, Any], messages: list[dict[str, Any]], *, token_ids: bool,
-                 prompt: str | None = None, tools: list[dict[str, Any]] | None = None) -> dict:
+                 prompt: str | None = None, tools: list[dict[str, Any]] | None = None,
+                 source: dict[str, Any] | None = None) -> dict:
     """The JSON body for one turn: `messages` (chat; with the conversation's function `tools` when it has
-    any, and no `tool_choice`: servers default to "auto"), or the locally rendered `prompt` (completions)."""
+    any, and its source's `tool_choice` when set: servers default to "auto"), or the locally rendered `prompt`
+    (completions). `source`: the conversation's entry of `source_settings` (None: the run's settings)."""
     body: dict[str, Any] = {"model": settings["model"], "temperature": settings["temperature"],
                             "top_p": settings["top_p"], "max_tokens": settings["max_tokens"],
                             "seed": settings["seed"]}
+    kwargs = settings["chat_template_kwargs"] if source is None else source["chat_template_kwargs"]
     if prompt is None:
         body["messages"] = messages
         if tools:
             body["tools"] = tools
-        if settings["chat_template_kwargs"]:
-            body["chat_template_kwargs"] = settings["chat_template_kwargs"]
+            if source is not None and source.get("tool_choice"):
+                body["tool_choice"] = source["tool_choice"]
+        if kwargs:
+            body["chat_template_kwargs"] = kwargs
     else:
         body["prompt"] = prompt
         body["add_special_tokens"] = False  # the rendered template already holds any BOS (vLLM's field)

@@ -39,7 +39,8 @@ from dflashkit.generate.conversations import (answer_message, assemble, build_pr
                                              write_failures, write_settings)
 from dflashkit.generate.journal import Journal, read_records
 from dflashkit.generate.openai_client import OpenAIClient, RequestFailed
-from dflashkit.generate.preflight import Sender, local_chat, local_prompt_ids, preflight, request_body, sampling_settings
+from dflashkit.generate.preflight import (Sender, local_chat, local_prompt_ids, preflight, request_body,
+                                          sampling_settings, source_settings)
 
 if TYPE_CHECKING:
     from dflashkit.data.chat import ChatTemplate as Chat
@@ -161,6 +162,7 @@ async def regenerate(cfg: RunConfig, convs: list[dict], journal: Journal, done: 
         out.chat_template_sha256 = info.get("chat_template_sha256")
         sender = Sender(client, "completions" if g.endpoint == "completions" else "chat")
         out.preflight = await _preflight(cfg, sender, settings, chat, convs)
+        by_source = source_settings(cfg)
         queue: asyncio.Queue = asyncio.Queue()
         for conv in convs:
             queue.put_nowait(conv)
@@ -178,7 +180,8 @@ async def regenerate(cfg: RunConfig, convs: list[dict], journal: Journal, done: 
                         if g.endpoint == "completions" and chat is not None else None
                     try:
                         reply = await sender.send(request_body(settings, prompt, token_ids=g.request_token_ids,
-                                                               prompt=text, tools=tools))
+                                                               prompt=text, tools=tools,
+                                                               source=by_source.get(conv.get("source", ""))))
                     except RequestFailed as e:
                         counts["turns_failed"] += 1
                         counts["turns_retried"] += e.attempts > 1
@@ -240,6 +243,17 @@ def check_generate(cfg: RunConfig, convs: list[dict], stage_dir: Path) -> int:
                           f"{agent.get('source')!r}) is an agent conversation, and a text completion does not "
                           "give its tool calls back", hint="set generate.endpoint=chat, with a server that parses "
                           "the target's tool calls (vLLM: --enable-auto-tool-choice --tool-call-parser NAME)")
+    if agent is not None and not cfg.server.urls and cfg.server.engine == "vllm" and not cfg.server.tool_call_parser:
+        raise ConfigError(f"server.tool_call_parser: conversation {agent['id']} (source {agent.get('source')!r}) is "
+                          "an agent conversation, and the vLLM that generate starts would return the target's tool "
+                          "calls as plain text", hint="set server.tool_call_parser to the parser of the target's "
+                          "template (hermes for <tool_call> JSON blocks, kimi_k2 for Kimi K2.x)")
+    required = sorted({c.get("source", "") for c in todo if is_agent(c)
+                       and source_settings(cfg).get(c.get("source", ""), {}).get("tool_choice") == "required"})
+    if required and not cfg.server.urls and cfg.server.engine == "dflashkit":
+        raise ConfigError(f"data.sources[].tool_choice: required (source {required[0]!r}) needs a server that "
+                          "constrains decoding to a call; the `dflashkit serve` generate starts does not",
+                          hint="set server.engine=vllm with server.tool_call_parser, or tool_choice to auto / null")
     if todo and cfg.generate.endpoint == "completions":
         local_chat(cfg)
     if agent is not None and (cfg.target.path or cfg.target.tokenizer):

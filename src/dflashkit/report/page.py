@@ -4,6 +4,7 @@ Usage:
     metrics, results = read_metrics(rd), read_eval_results(rd)   # their owners: train/logging, decode/evaluation
     specs, curve_html = curve_section(curve, best, target_tau=2.0)
     page = render_html(rd, name, figures, results, bench, metrics, curve_html, engine=engine_results)
+    breakdown_html(results, curve)      # per data source and per thinking mode: held-out τ, eval τ, lookup τ
 """
 
 from __future__ import annotations
@@ -126,6 +127,9 @@ def render_html(rd: RunDir, name: str, figures: list[str], results: dict | None,
                            "identical to baseline"], rows))
     if results:
         out.append(eval_diagnostics_html(results))
+    from dflashkit.train.logging import read_curve
+
+    out.append(breakdown_html(results, read_curve(rd)))
     if engine:
         out.append(engine_section_html(engine))
     if bench:
@@ -157,6 +161,39 @@ def render_html(rd: RunDir, name: str, figures: list[str], results: dict | None,
         out.append("<h2>Config</h2><pre>" + html.escape(rd.resolved_config_path.read_text()) + "</pre>")
     out.append("</body></html>")
     return "\n".join(out)
+
+
+def breakdown_html(results: dict | None, curve: dict | None) -> str:
+    """Per data source and per thinking mode (when there are several): held-out τ at the curve's last point
+    (train/curve.json), the eval prompts, the drafter's τ and position-1 acceptance at the best block size and
+    prompt lookup's at its best (eval/results.json `by_source`, `by_mode`)."""
+    res, last = results or {}, ((curve or {}).get("points") or [{}])[-1]
+    summ = res.get("summary") or {}
+    bs, lk = str(summ.get("block_size", "-")), str((summ.get("prompt_lookup") or {}).get("block_size", "-"))
+    modes = {**((curve or {}).get("modes") or {}), **{n: g["mode"] for n, g in (res.get("by_source") or {}).items()}}
+    out = []
+    for key, what in (("by_source", "source"), ("by_mode", "mode")):
+        held = {n: v for n, v in (last.get(key) or {}).items() if "tau" in v}
+        ev = res.get(key) or {}
+        names = sorted({*held, *ev})
+        if len(names) < 2:
+            continue
+        rows = []
+        for n in names:
+            h, g = held.get(n, {}), ev.get(n, {})
+            d, p = g.get("speculative", {}).get(bs, {}), g.get("prompt_lookup", {}).get(lk, {})
+            rows.append([n, modes.get(n, "-") if key == "by_source" else ", ".join(g.get("sources") or h.get("sources") or []),
+                         _fmt(h.get("tau", "-"), 3), g.get("prompts", "-"), _fmt(d.get("tau", "-")),
+                         _fmt((d.get("per_position_acceptance") or ["-"])[0]), _fmt(p.get("tau", "-")),
+                         _fmt((p.get("per_position_acceptance") or ["-"])[0])])
+        out.append(_table([what, "mode" if key == "by_source" else "sources", "held-out τ", "eval prompts",
+                           f"drafter τ (B={bs})", "drafter position-1", f"lookup τ (B={lk})", "lookup position-1"], rows))
+    if not out:
+        return ""
+    return ("<h2>By data source and thinking mode</h2><p>Held-out simulated τ at the learning curve's last point; "
+            "eval τ of the drafter at the best block size and of prompt lookup at its best, over each source's "
+            "prompts. A source's mode comes from its chat-template variables (data.sources[].chat_template_kwargs "
+            "over tokenize.chat_template_kwargs): thinking, no-thinking or default.</p>" + "\n".join(out))
 
 
 def engine_section_html(res: dict) -> str:

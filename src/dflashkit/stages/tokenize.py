@@ -4,8 +4,9 @@ Inputs:  `generate/conversations.jsonl` (or `prepare/train.jsonl` with tokenize.
          the target tokenizer (`target.path` / `target.tokenizer`; the model is not loaded) and its
          chat template (`target.chat_template` overrides), `contract.json` if present (block size).
 Outputs: `tokenize/shard-XXXXX.parquet` (id, input_ids list<int32>, loss_mask list<int8>),
-         `tokenize/stats.json` (per-shard samples/tokens/supervised, drop reasons, template
-         events, server-token checks, prompt checks, teacher-forced agreement), manifest.
+         `tokenize/stats.json` (per-shard samples/tokens/supervised, the same per source and per
+         thinking mode, drop reasons, template events, server-token checks, prompt checks,
+         teacher-forced agreement), manifest.
 Example: dflashkit tokenize -c run.yaml tokenize.thinking=mask tokenize.max_length=4096
 
 Drift checks (`dflashkit.data.drift`, `dflashkit.data.agreement`): the server's prompt per turn
@@ -14,10 +15,12 @@ above `tokenize.max_prompt_mismatch`; then `tokenize.agreement_samples` samples 
 through the target (`target.path`, loaded here) and a greedily regenerated source whose labels
 agree with the target's argmax less than `tokenize.min_agreement` fails the run (exit 2).
 
-Masks come from the template itself (see `dflashkit.data.chat`). Samples with fewer than
-`tokenize.min_supervised` supervised tokens (default 2·block_size) are dropped; a dataset whose
-masks are all zero or all one is refused (exit 2), and so are agent conversations (tools, tool calls)
-when the chat template does not render tools, before anything is tokenized (`--dry-run` too).
+Each conversation is rendered with `tokenize.chat_template_kwargs` and its source's
+`data.sources[].chat_template_kwargs` over them. Masks come from the template itself (see
+`dflashkit.data.chat`). Samples with fewer than `tokenize.min_supervised` supervised tokens
+(default 2·block_size) are dropped; a dataset whose masks are all zero or all one is refused (exit 2),
+and so are agent conversations (tools, tool calls) when the chat template does not render tools,
+before anything is tokenized (`--dry-run` too).
 Shards are staged and moved into place only after the whole dataset passed, so a failing run leaves
 the previous shards untouched. The pass itself (worker pool, counters, refusals, stats) is
 `dflashkit.data.tokenizing`.
@@ -97,7 +100,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
               f"{totals['tokens']} tokens ({totals['supervised']} supervised, "
               f"{stats['supervised_fraction']:.1%}); dropped {stats['dropped']}\n" + "\n".join(lines))
     return {k: stats[k] for k in ("conversations", "samples", "tokens", "supervised", "dropped",
-                                   "supervised_fraction", "tokens_per_s")} | {
+                                   "supervised_fraction", "tokens_per_s", "by_mode")} | {
         "shards": len(shards), "server_mismatches": checks["server_mismatches"],
         "server_turns": checks["server_turns"], "prompt_mismatches": prompts["mismatches"],
         "prompt_checked": prompts["checked"],

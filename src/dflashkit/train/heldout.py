@@ -1,7 +1,7 @@
 """Held-out evaluation and best keeping: what `fit` measures on the held-out samples and keeps.
 
 Usage:
-    ev = evaluate_heldout(tr, step)          # simulated τ / accuracy / loss, overall and by_source
+    ev = evaluate_heldout(tr, step)          # simulated τ / accuracy / loss, overall, by_source and by_mode
     log_eval(sink, ev)                       # its metrics.jsonl row
     best = BestKeeper(rd.train_dir, tr, enabled=cfg.train.keep_best)
     best.restore(start, state); best.offer(ev)   # train/best/ (+ best.json) when τ beats the record
@@ -37,17 +37,22 @@ def evaluate_heldout(tr: Trainer, step: int) -> dict | None:
     `train/target_side.py`); `tau_raw` / `acc_raw` beside them score the same blocks with the training
     labels, as before on-path scoring, so old and new curves compare. Samples are batched within their data
     source, so the result also holds `by_source` (the same numbers per source; the overall numbers are
-    their pooled sums)."""
+    their pooled sums) and `by_mode` (pooled per thinking mode, `data.chat.mode_of` of the source's template
+    variables, each with its `sources`); `modes` maps every data source of the run to its mode."""
+    from dflashkit.data.chat import source_modes
+
     if not tr.heldout:
         return None
     B = tr.contract.block_size
     src = tr.sources()
+    modes = source_modes(tr.cfg, src)
     groups: dict[str, list[int]] = {}
     for j in tr.heldout:
         groups.setdefault(src[j], []).append(j)
     bs = tr.cfg.train.batch_size
     fam, how = tr.contract.family, tr.heldout_labels
     total, total_raw = StepStats.zeros(B, fam), StepStats.zeros(B, fam)
+    per_mode: dict[str, list] = {}  # mode -> [stats, raw stats, sources]
     by_source = {}
     for name in sorted(groups):
         stats, raw = StepStats.zeros(B, fam), StepStats.zeros(B, fam)
@@ -62,9 +67,15 @@ def evaluate_heldout(tr: Trainer, step: int) -> dict | None:
         raw = raw if how != "raw" else stats
         total += stats
         total_raw += raw
+        pooled = per_mode.setdefault(modes[name], [StepStats.zeros(B, fam), StepStats.zeros(B, fam), []])
+        pooled[0] += stats  # `+=` makes a new StepStats: the list item is rebound
+        pooled[1] += raw
+        pooled[2].append(name)
         by_source[name] = {**stats.heldout_row(step, samples=len(idx)), **_raw(raw, step)}
+    by_mode = {mode: {**m.heldout_row(step, samples=sum(len(groups[n]) for n in names)), **_raw(r, step),
+                      "sources": names} for mode, (m, r, names) in sorted(per_mode.items())}
     return {"split": "heldout", **total.heldout_row(step), "heldout_labels": how, **_raw(total_raw, step),
-            "by_source": by_source}
+            "by_source": by_source, "by_mode": by_mode, "modes": modes}
 
 
 def _raw(stats: StepStats, step: int) -> dict:
@@ -74,11 +85,12 @@ def _raw(stats: StepStats, step: int) -> dict:
 
 
 def log_eval(sink: MetricSink, ev: dict) -> None:
-    """The metrics.jsonl row of a held-out evaluation (per-source numbers only with several sources)."""
-    row = {k: v for k, v in ev.items() if k != "by_source"}
-    if len(ev.get("by_source", {})) > 1:
-        row["by_source"] = {k: {"tau": v["tau"], "acc": v["acc"], "loss": v["loss"], "tau_raw": v.get("tau_raw")}
-                            for k, v in ev["by_source"].items()}
+    """The metrics.jsonl row of a held-out evaluation (per-source and per-mode numbers only with several)."""
+    row = {k: v for k, v in ev.items() if k not in ("by_source", "by_mode", "modes")}
+    for key in ("by_source", "by_mode"):
+        if len(ev.get(key, {})) > 1:
+            row[key] = {k: {"tau": v["tau"], "acc": v["acc"], "loss": v["loss"], "tau_raw": v.get("tau_raw")}
+                        for k, v in ev[key].items()}
     sink.log(row)
 
 

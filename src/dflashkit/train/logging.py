@@ -17,7 +17,9 @@ TensorBoard and W&B are imported only when asked for (`train.tensorboard`, `trai
 
 `train/curve.json` (`LearningCurve`) is the learning curve: one point per held-out evaluation with
 the supervised tokens seen so far (Σ loss_mask of every training sample consumed, all ranks,
-overall and per data source), held-out τ / position-1 accuracy / loss (overall and per source)
+overall, per data source and per thinking mode: `by_source`, `by_mode`, the file's `modes` mapping each
+source to its mode, `data.chat.mode_of`), held-out τ / position-1 accuracy / loss (overall, per source and
+per mode, with its held-out `samples`)
 (`labels`: the held-out scoring, "target_path" | "on_path_positions" | "raw", also the file's
 `heldout_labels`; `tau_raw` / `acc1_raw`: the same blocks scored with the training labels)
 and the train τ / position-1 accuracy pooled over the steps since the previous point, and the
@@ -200,6 +202,15 @@ class LearningCurve:
                                    **({"tau": v["tau"], "acc1": acc1(v), "loss": v["loss"]} if v else {})}
                                for k, v in {**{s: None for s in self.tokens},
                                             **heldout.get("by_source", {})}.items()}}
+        modes = heldout.get("modes") or {}
+        if modes:
+            held = heldout.get("by_mode", {})
+            point["by_mode"] = {
+                m: {"tokens": sum(self.tokens.get(s, 0) for s, sm in modes.items() if sm == m),
+                    "sources": sorted(s for s, sm in modes.items() if sm == m),
+                    **({"tau": held[m]["tau"], "acc1": acc1(held[m]), "loss": held[m]["loss"],
+                        "samples": held[m].get("samples")} if m in held else {})}
+                for m in sorted(set(modes.values()))}
         self.points.append(point)
         self.window = [0.0, 0.0, 0.0, 0.0]
         if self.enabled:
@@ -210,9 +221,11 @@ class LearningCurve:
         from dflashkit.rundir import atomic_write_json
 
         labels = next((p["heldout"]["labels"] for p in reversed(self.points) if "labels" in p["heldout"]), None)
+        by_mode: dict[str, Any] = next((p["by_mode"] for p in reversed(self.points) if "by_mode" in p), {})
         atomic_write_json(self.path, {"x": "supervised tokens seen (loss_mask, all ranks)",
                                       "heldout_labels": labels,
                                       "sources": sorted(self.tokens),
+                                      "modes": dict(sorted((s, m) for m, v in by_mode.items() for s in v["sources"])),
                                       "supervised_per_sample": self.supervised_per_sample,
                                       "tokens_per_sample": self.tokens_per_sample,
                                       "points": self.points})
