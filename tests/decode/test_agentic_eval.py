@@ -122,3 +122,15 @@ def test_eval_refuses_agent_prompts_the_template_cannot_render(tmp_path, capsys,
     assert "does not render" in out["error"] and "tool declarations" in out["error"]
     assert "target.chat_template" in out["hint"]
     assert not (rd / "eval").exists() and heldout.read_bytes() == before
+
+
+def test_eval_takes_its_prompts_from_every_source_in_turn():
+    from dflashkit.decode.runner import EvalPrompt, first_per_source
+
+    prompts = [EvalPrompt(str(i), [{"role": "user", "content": str(i)}], None, s, f"f:{i}")
+               for i, s in enumerate("aaaaabca")]
+    assert [p.id for p in first_per_source(prompts, 4)] == ["0", "1", "5", "6"]  # a, a, b, c in file order
+    assert [p.id for p in first_per_source(prompts, 2)] == ["0", "5"]
+    assert first_per_source(prompts, None) == prompts == first_per_source(prompts, 99)
+    one = [p for p in prompts if p.source == "a"]
+    assert first_per_source(one, 3) == one[:3]  # one source: the file's first n

@@ -65,7 +65,7 @@ def decode_inputs(cfg: Any, rd: Any, positionals: list[str], *, num_prompts: int
     from dflashkit.export.hf import read_contract
 
     drafter_dir = resolve_drafter_dir(cfg, rd, positionals)
-    return DecodeInputs(drafter_dir, read_contract(drafter_dir), load_prompts(cfg, rd)[:num_prompts])
+    return DecodeInputs(drafter_dir, read_contract(drafter_dir), load_prompts(cfg, rd, num_prompts))
 
 
 def check_prompts_render(cfg: Any, inputs: DecodeInputs) -> None:

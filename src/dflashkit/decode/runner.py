@@ -129,8 +129,27 @@ def _prompt_file(cfg: RunConfig, rd: RunDir) -> Path:
     return prepared_file(rd, "heldout")  # held-out prompts: exit 3 naming prepare when missing
 
 
-def load_prompts(cfg: RunConfig, rd: RunDir) -> list[EvalPrompt]:
-    """The eval prompts of `eval.prompts`, else of prepare's held-out split (see the module docstring)."""
+def first_per_source(prompts: list[EvalPrompt], n: int | None) -> list[EvalPrompt]:
+    """The first `n` prompts taken in turn from each source (in the order sources first appear, each source's
+    in file order), so that `eval.num_prompts` covers every source; all of them when `n` is None. With one
+    source this is the file's first `n`."""
+    if n is None or n >= len(prompts):
+        return list(prompts)
+    queues: dict[str, list[EvalPrompt]] = {}
+    for p in prompts:
+        queues.setdefault(p.source, []).append(p)
+    picked: list[EvalPrompt] = []
+    while len(picked) < n:
+        for q in queues.values():
+            if q and len(picked) < n:
+                picked.append(q.pop(0))
+    order = {id(p): i for i, p in enumerate(prompts)}
+    return sorted(picked, key=lambda p: order[id(p)])
+
+
+def load_prompts(cfg: RunConfig, rd: RunDir, limit: int | None = None) -> list[EvalPrompt]:
+    """The eval prompts of `eval.prompts`, else of prepare's held-out split (see the module docstring);
+    `limit`: at most that many, every source's in turn (`first_per_source`)."""
     from dflashkit.data.records import read_jsonl
 
     path = _prompt_file(cfg, rd)
@@ -146,12 +165,12 @@ def load_prompts(cfg: RunConfig, rd: RunDir) -> list[EvalPrompt]:
         log.warning("skipped %s", msg)
     if not out:
         raise UsageError(f"{path} holds no prompts", hint="set data.heldout > 0 and re-run `dflashkit prepare`")
-    return out
+    return first_per_source(out, limit)
 
 
-def load_prompt_messages(cfg: RunConfig, rd: RunDir) -> list[tuple[str, list[dict[str, Any]]]]:
+def load_prompt_messages(cfg: RunConfig, rd: RunDir, limit: int | None = None) -> list[tuple[str, list[dict[str, Any]]]]:
     """(id, chat messages) of `load_prompts` (without tools or sources)."""
-    return [(p.id, p.messages) for p in load_prompts(cfg, rd)]
+    return [(p.id, p.messages) for p in load_prompts(cfg, rd, limit)]
 
 
 def prompt_sources(cfg: RunConfig, rd: RunDir) -> dict[str, str]:

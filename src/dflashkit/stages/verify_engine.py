@@ -99,7 +99,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     t0 = time.time()
     drafter_dir = _drafter_dir(rd, ctx.positionals)
     _refuse_other_drafters_profile(drafter_dir)
-    prompts = load_prompt_messages(cfg, rd)[: cfg.eval.num_prompts]
+    prompts = load_prompt_messages(cfg, rd, cfg.eval.num_prompts)
     from dflashkit.engines.launch import check_vllm_for_target
 
     check_vllm_for_target(cfg, "verify-engine")  # what starting vLLM needs, before any work (a dry run too)
