@@ -126,6 +126,7 @@ def test_report_shows_prompt_lookup_diagnostics_and_the_lossless_verdict(run_dir
         assert f"<td>{r['tau']:.2f}</td>" in page
     assert f"<td>{res['diagnostics']['no_features']['tau']:.2f}</td>" in page
     assert "<h2>Lossless check (float32)</h2><p><b>exact</b>" in page
+    assert res["dtype_reason"] and f"Verify dtype: {res['dtype_reason']}." in page
     # a bf16 run with ties only, and a broken one, read as such
     from dflashkit.report.page import eval_diagnostics_html
 

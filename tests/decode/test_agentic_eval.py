@@ -116,6 +116,8 @@ def test_eval_refuses_agent_prompts_the_template_cannot_render(tmp_path, capsys,
         raise AssertionError("the target loaded before the refusal")
 
     monkeypatch.setattr(target_mod, "load_target", no_load)
+    assert main([*eval_args(rd, tiny_qwen3), "--dry-run"]) == 2  # the dry run refuses what the run refuses
+    assert f"{heldout}:2" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
     assert main(eval_args(rd, tiny_qwen3)) == 2
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert f"{heldout}:2" in out["error"] and "agent-1" in out["error"] and "'agentic'" in out["error"]

@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
+    from dflashkit.decode.runner import EvalPrompt
 
 log = logging.getLogger("dflashkit.engines")
 
@@ -224,13 +225,14 @@ def _v2_runner(cfg: RunConfig, spec: dict[str, Any], log_path: Path) -> dict[str
     return {**selector_runner(text), "engine_started": started, "log": str(log_path)}
 
 
-def verify_engine(cfg: RunConfig, drafter_dir: Path, prompts: list[tuple[str, list[dict[str, str]]]], *,
-                  out_dir: Path) -> dict[str, Any]:
-    """Run the three decodes and the checks (module docstring); the engine logs go to out_dir."""
+def verify_engine(cfg: RunConfig, drafter_dir: Path, prompts: list[EvalPrompt], *, out_dir: Path) -> dict[str, Any]:
+    """Run the three decodes and the checks (module docstring) on eval's prompts (`decode.runner.load_prompts`),
+    rendered as eval renders them (each source's template variables, an agent prompt's tools); the engine logs
+    go to out_dir."""
     import torch
 
     from dflashkit.decode.api import default_stop_ids
-    from dflashkit.decode.runner import render_prompts
+    from dflashkit.decode.runner import render_eval_prompts
     from dflashkit.engines import vllm
     from dflashkit.engines.launch import start_vllm_for_target
     from dflashkit.export.speculators import load_any_drafter
@@ -254,7 +256,7 @@ def verify_engine(cfg: RunConfig, drafter_dir: Path, prompts: list[tuple[str, li
                     "drafter": str(drafter_dir), "format": fmt, "drafter_type": drafter.contract.drafter_type,
                     "block_size": block_size,
                     "num_speculative_tokens": block_size - 1, "prompts": len(prompts), "engine": engine}
-    ids = render_prompts(target.tokenizer, prompts, cfg.tokenize.chat_template_kwargs)
+    ids = render_eval_prompts(cfg, target.tokenizer, prompts)
     stop = default_stop_ids(target)
     max_tokens = cfg.eval.max_new_tokens
     log.info("verify-engine: %d prompts, B=%d, %d new tokens, ours first", len(ids), block_size, max_tokens)
@@ -285,7 +287,7 @@ def verify_engine(cfg: RunConfig, drafter_dir: Path, prompts: list[tuple[str, li
         sp_startup = eng.startup_s
 
     per_prompt = []
-    for i, (pid, _) in enumerate(prompts):
+    for i, pid in enumerate(p.id for p in prompts):
         o, a, s = (_strip(x[i], stop) for x in (ours["ar"], ar, sp))
         per_prompt.append({"id": pid, "tokens": len(a), "engine_vs_ours_first_diff": _first_diff(a, o),
                            "spec_vs_ar_first_diff": _first_diff(s, a)})

@@ -286,6 +286,8 @@ def eval_diagnostics_html(results: dict) -> str:
         if rows:
             out.append(_table(["proposer", "block size", "prompt", "position", "baseline top-1 − top-2",
                                "baseline top-1 − speculative token"], rows))
+    if results.get("dtype_reason"):  # why eval verified in this dtype (eval.dtype, the CPU's flags)
+        out.append(f"<p>Verify dtype: {html.escape(str(results['dtype_reason']))}.</p>")
     choice = results.get("dtype_choice")
     if choice:
         out.append(f"<p>eval.dtype=auto chose <b>{html.escape(choice['chosen'])}</b> ({html.escape(choice['rule'])}):</p>")

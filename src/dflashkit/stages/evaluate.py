@@ -27,7 +27,7 @@ from typing import Any
 
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
-from dflashkit.decode.evaluation import (block_sizes_for, check_target_fits, choose_dtype, decode_inputs, evaluate,
+from dflashkit.decode.evaluation import (block_sizes_for, check_prompts_render, check_target_fits, choose_dtype, decode_inputs, evaluate,
                                          load_checked_target, mismatch_error, results_table, verify_dtype,
                                          verify_target_config, write_eval_results)
 from dflashkit.export.profile import headline, write_profile
@@ -45,6 +45,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     verify = verify_dtype(cfg)
     target_cfg = verify_target_config(cfg, verify)
     check_target_fits(inputs, target_cfg)  # what load_checked_target checks first: a dry run too
+    check_prompts_render(cfg, inputs)
     if e.dtype != "auto":  # auto says what it measured once it has
         announce(verify)
     if ctx.dry_run:

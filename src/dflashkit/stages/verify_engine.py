@@ -94,12 +94,12 @@ def _table(res: dict[str, Any]) -> str:
 
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.decode.runner import load_prompt_messages
+    from dflashkit.decode.runner import load_prompts
 
     t0 = time.time()
     drafter_dir = _drafter_dir(rd, ctx.positionals)
     _refuse_other_drafters_profile(drafter_dir)
-    prompts = load_prompt_messages(cfg, rd, cfg.eval.num_prompts)
+    prompts = load_prompts(cfg, rd, cfg.eval.num_prompts)
     from dflashkit.engines.launch import check_vllm_for_target
 
     check_vllm_for_target(cfg, "verify-engine")  # what starting vLLM needs, before any work (a dry run too)
