@@ -69,7 +69,8 @@ def inline_reasoning(content: str, reasoning: str | None) -> str:
     return content
 
 
-def _message(m: dict[str, Any]) -> dict[str, Any]:
+def message_of(m: dict[str, Any]) -> dict[str, Any]:
+    """A record's message: its role, content and agent keys (`AGENT_KEYS`), nothing else."""
     return {"role": m["role"], "content": m["content"], **{k: m[k] for k in AGENT_KEYS if k in m}}
 
 
@@ -180,7 +181,7 @@ class Conversation:
     @classmethod
     def from_messages(cls, source: str, messages: list[dict[str, Any]], meta: dict[str, Any] | None = None,
                       tools: list[dict[str, Any]] | None = None) -> "Conversation":
-        msgs = [_message(m) for m in messages]
+        msgs = [message_of(m) for m in messages]
         tools = tools or None
         return cls(id=content_id(msgs, tools), source=source, messages=msgs, meta=dict(meta or {}), tools=tools)
 
@@ -196,7 +197,7 @@ class Conversation:
                              "(docs/training-data.md, agent conversations)")
         assert isinstance(msgs, list)
         meta = obj.get("meta") or {}
-        msgs = [_message(m) for m in msgs]
+        msgs = [message_of(m) for m in msgs]
         return cls(id=str(obj.get("id") or content_id(msgs, tools)), source=str(obj.get("source", "")),
                    messages=msgs, meta=meta if isinstance(meta, dict) else {}, tools=tools or None)
 

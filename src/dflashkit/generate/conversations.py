@@ -47,7 +47,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from dflashkit.data.records import AGENT_KEYS, inline_reasoning
+from dflashkit.data.records import inline_reasoning, message_of
 from dflashkit.errors import MissingArtifactError
 from dflashkit.rundir import atomic_path, atomic_write_json, read_json
 
@@ -104,10 +104,6 @@ def plan_turns(messages: list[dict[str, Any]]) -> list[int]:
     return out
 
 
-def _message(m: dict[str, Any]) -> dict[str, Any]:
-    return {"role": m["role"], "content": m["content"], **{k: m[k] for k in AGENT_KEYS if k in m}}
-
-
 def build_prompt(messages: list[dict[str, Any]], turns: list[int], answers: list[Any], t: int,
                  ) -> list[dict[str, Any]]:
     """Messages to send for turn `t`: the originals up to message `turns[t]`, the data's assistant messages
@@ -119,7 +115,7 @@ def build_prompt(messages: list[dict[str, Any]], turns: list[int], answers: list
     for i, m in enumerate(messages[: turns[t] + 1]):
         if m["role"] == "assistant":
             continue
-        msg = _message(m)
+        msg = message_of(m)
         if m["role"] == "tool":
             if j < len(calls):
                 msg["tool_call_id"] = calls[j]["id"]
@@ -221,7 +217,7 @@ def assemble(conv: dict[str, Any], records: list[dict[str, Any]], *, reasoning: 
     elif turns:
         out_msgs = build_prompt(messages, turns + [len(messages)], answers + [""], len(turns))
     else:
-        out_msgs = [_message(m) for m in messages if m["role"] != "assistant"]
+        out_msgs = [message_of(m) for m in messages if m["role"] != "assistant"]
     flags = [f"length:turn{t}" for t, fr in enumerate(finish) if fr == "length"] if on_length == "flag" else []
     ids = [r.get("token_ids") for r in records]
     prompt_tokens = [r.get("prompt_tokens") for r in records]
