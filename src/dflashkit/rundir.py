@@ -473,6 +473,22 @@ def _write_holder(fd: int, command: str) -> None:
                                "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n").encode(), 0)
 
 
+def _release(fd: int, lock: Path, created: list[Path], *, remove: bool) -> None:
+    """Release a lock taken by `run_dir_lock` / `dir_lock`: empty the holder record and, when `remove`, delete
+    the lock file and the directories the lock created (innermost first, stopping at the first non-empty one);
+    closing `fd` releases the flock."""
+    try:
+        os.ftruncate(fd, 0)
+        if remove:
+            lock.unlink()
+            for p in created:
+                p.rmdir()
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def run_dir_lock(root: str | Path, command: str) -> Iterator[None]:
     """Hold an exclusive `flock` on `<root>/.lock` for the body; a second writer gets `RunDirLocked`.
@@ -526,16 +542,7 @@ def run_dir_lock(root: str | Path, command: str) -> Iterator[None]:
             os.environ.pop(LOCK_ENV, None)
         else:
             os.environ[LOCK_ENV] = previous
-        try:
-            os.ftruncate(fd, 0)
-            if created and [p.name for p in root.iterdir()] == [".lock"]:
-                path.unlink()
-                for p in created:  # innermost first; stops at the first non-empty one
-                    p.rmdir()
-        except OSError:
-            pass
-        finally:
-            os.close(fd)  # releases the flock
+        _release(fd, path, created, remove=bool(created) and [p.name for p in root.iterdir()] == [".lock"])
 
 
 def check_writable_dir(path: str | Path, *, label: str, hint: str) -> None:
@@ -623,11 +630,4 @@ def dir_lock(path: str | Path, command: str, *, label: str) -> Iterator[None]:
         _write_holder(fd, command)
         yield
     finally:
-        try:
-            lock.unlink()
-            for p in created:  # innermost first; stops at the first non-empty one
-                p.rmdir()
-        except OSError:
-            pass
-        finally:
-            os.close(fd)  # releases the flock
+        _release(fd, lock, created, remove=True)
