@@ -12,7 +12,9 @@ Usage:
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -231,3 +233,42 @@ def vllm_causality(dirs: list[Path], work: Path) -> dict[str, dict]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     return {str(d): got[str(Path(d).resolve())] for d in dirs}
+
+
+@contextmanager
+def openai_stub(answer: Callable[[dict], tuple[int, dict]], models: tuple[str, ...] = ("target",)) -> Iterator[str]:
+    """A chat server on 127.0.0.1 for tests: GET → /v1/models listing `models`; POST → `answer(body)` as
+    (HTTP status, JSON reply). Yields its base URL (…/v1); stopped on exit."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def reply(self, status: int, obj: Any) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:  # noqa: N802
+            self.reply(200, {"data": [{"id": m} for m in models]})
+
+        def do_POST(self) -> None:  # noqa: N802
+            self.reply(*answer(json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)

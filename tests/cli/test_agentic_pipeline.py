@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterator
+from typing import Any, ContextManager
 
 import pytest
 import yaml
 
 from dflashkit.cli import main
 from tests.data.test_agent_masks import agent_convs, oracle
+from tests.helpers import openai_stub
 
 B = 4
 
@@ -38,55 +36,27 @@ def qwen3_dir():
 THINK = re.compile(r"<think>\n(.*?)\n</think>\n\n", re.S)
 
 
-@contextmanager
-def scripted_target(tokenizer: Any, template: str, data: dict[str, list[dict]]) -> Iterator[str]:
+def scripted_target(tokenizer: Any, template: str, data: dict[str, list[dict]]) -> ContextManager[str]:
     """An OpenAI chat server that renders each request as the target's engine would and answers the turn with
     the data's own (`data`: first user message → the conversation's messages)."""
     calls = iter(range(1 << 30))
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    def answer(body: dict) -> tuple[int, dict]:
+        msgs = body["messages"]
+        ids = tokenizer.apply_chat_template(msgs, tools=body.get("tools"), chat_template=template,
+                                            add_generation_prompt=True, tokenize=True, return_dict=False)
+        convo = data[next(m["content"] for m in msgs if m["role"] == "user")]
+        turn = [m for m in convo if m["role"] == "assistant"][sum(m["role"] == "assistant" for m in msgs)]
+        found = THINK.match(turn["content"])
+        message: dict[str, Any] = {"role": "assistant", "content": turn["content"][found.end() if found else 0:],
+                                   **({"reasoning_content": found.group(1)} if found else {})}
+        if turn.get("tool_calls"):
+            message["tool_calls"] = [{**c, "id": f"srv_{next(calls)}"} for c in turn["tool_calls"]]
+        return 200, {"model": "target", "choices": [{"index": 0, "message": message, "finish_reason":
+                                                     "tool_calls" if turn.get("tool_calls") else "stop"}],
+                     "usage": {"prompt_tokens": len(ids), "completion_tokens": 1}, "prompt_token_ids": ids}
 
-        def log_message(self, *args) -> None:
-            pass
-
-        def reply(self, obj: Any) -> None:
-            raw = json.dumps(obj).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(raw)))
-            self.end_headers()
-            self.wfile.write(raw)
-
-        def do_GET(self) -> None:  # noqa: N802
-            self.reply({"data": [{"id": "target"}]})
-
-        def do_POST(self) -> None:  # noqa: N802
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            msgs = body["messages"]
-            ids = tokenizer.apply_chat_template(msgs, tools=body.get("tools"), chat_template=template,
-                                                add_generation_prompt=True, tokenize=True, return_dict=False)
-            convo = data[next(m["content"] for m in msgs if m["role"] == "user")]
-            turn = [m for m in convo if m["role"] == "assistant"][sum(m["role"] == "assistant" for m in msgs)]
-            found = THINK.match(turn["content"])
-            message: dict[str, Any] = {"role": "assistant", "content": turn["content"][found.end() if found else 0:],
-                                       **({"reasoning_content": found.group(1)} if found else {})}
-            if turn.get("tool_calls"):
-                message["tool_calls"] = [{**c, "id": f"srv_{next(calls)}"} for c in turn["tool_calls"]]
-            self.reply({"model": "target", "choices": [{"index": 0, "message": message, "finish_reason":
-                                                        "tool_calls" if turn.get("tool_calls") else "stop"}],
-                        "usage": {"prompt_tokens": len(ids), "completion_tokens": 1}, "prompt_token_ids": ids})
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    return openai_stub(answer)
 
 
 def test_agent_conversation_from_prepare_to_eval(tmp_path, capsys, tiny_qwen3, qwen3_dir):

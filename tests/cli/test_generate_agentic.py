@@ -4,16 +4,14 @@ tools sent, the target's tool calls kept, the data's results re-paired, cuts at 
 from __future__ import annotations
 
 import json
-import threading
 from collections import Counter
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, ContextManager
 
 from dflashkit.cli import main
 from dflashkit.data.records import iter_conversations
 from dflashkit.generate.journal import read_records
+from tests.helpers import openai_stub
 
 TOOLS = [{"type": "function", "function": {"name": n, "description": d, "parameters": {
     "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}
@@ -100,52 +98,22 @@ class ScriptedServer:
         self.requests: list[dict] = []
         self.fail = fail
 
-    @contextmanager
-    def serve(self) -> Iterator[str]:
-        srv = self
+    def answer(self, body: dict) -> tuple[int, dict]:
+        self.requests.append(body)
+        if self.fail(body):
+            return 400, {"error": {"message": "refused by the test"}}
+        msgs = body["messages"]
+        content, calls = SCRIPT[first_user(body)][sum(m["role"] == "assistant" for m in msgs)]
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call(i, n, q) for i, n, q in calls]
+        n = prompt_tokens(body)
+        return 200, {"model": "scripted", "choices": [{
+            "index": 0, "message": message, "finish_reason": "tool_calls" if calls else "stop"}],
+            "usage": {"prompt_tokens": n, "completion_tokens": 3}, "prompt_token_ids": list(range(n))}
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args) -> None:
-                pass
-
-            def reply(self, status: int, obj: Any) -> None:
-                data = json.dumps(obj).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self) -> None:  # noqa: N802
-                self.reply(200, {"data": [{"id": "scripted"}]})
-
-            def do_POST(self) -> None:  # noqa: N802
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                srv.requests.append(body)
-                if srv.fail(body):
-                    return self.reply(400, {"error": {"message": "refused by the test"}})
-                msgs = body["messages"]
-                content, calls = SCRIPT[first_user(body)][sum(m["role"] == "assistant" for m in msgs)]
-                message: dict[str, Any] = {"role": "assistant", "content": content}
-                if calls:
-                    message["tool_calls"] = [call(i, n, q) for i, n, q in calls]
-                n = prompt_tokens(body)
-                self.reply(200, {"model": "scripted", "choices": [{
-                    "index": 0, "message": message, "finish_reason": "tool_calls" if calls else "stop"}],
-                    "usage": {"prompt_tokens": n, "completion_tokens": 3}, "prompt_token_ids": list(range(n))})
-
-        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        server.daemon_threads = True
-        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        thread.start()
-        try:
-            yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-        finally:
-            server.shutdown()
-            server.server_close()
-            thread.join(5)
+    def serve(self) -> ContextManager[str]:
+        return openai_stub(self.answer, models=("scripted",))
 
 
 def write_prepared(run_dir: Path, convs=CONVS) -> Path:
