@@ -88,3 +88,34 @@ def test_only_gloos_own_refusal_turns_a_failed_run_into_a_skip():
     assert gloo_refusal(err) == "ProcessGroupGloo does not support reduce_scatter_tensor on CUDA tensors"
     assert gloo_refusal("torch.OutOfMemoryError: CUDA out of memory") is None
     assert gloo_refusal("AssertionError: losses differ") is None
+
+
+CRASH = """Fatal Python error: Segmentation fault
+
+Thread 0x00007f319da846c0 (most recent call first):
+  <no Python frame>
+
+Thread 0x00007f35142b6140 (most recent call first):
+  File "/venv/site-packages/torch/_ops.py", line 872 in redispatch
+  File "/venv/site-packages/torch/distributed/_functional_collectives.py", line 138 in wait_tensor
+  File "/venv/site-packages/torch/distributed/tensor/_redistribute.py", line 1658 in redistribute_local_tensor
+  File "/venv/site-packages/torch/distributed/checkpoint/state_dict.py", line 1191 in get_model_state_dict
+  File "/work/main/src/dflashkit/train/checkpoint.py", line 62 in full_model_state
+  File "/work/main/src/dflashkit/train/loop.py", line 353 in _fit
+
+Extension modules: numpy._core._multiarray_umath, torch._C (total: 181)
+E1204 17:54:35.222000 871 torch/distributed/elastic/multiprocessing/api.py:986] failed (exitcode: -11)
+"""
+
+
+def test_a_gloo_crash_in_torchs_collectives_is_named_and_other_crashes_stay_failures():
+    from dflashkit.gpucheck.dist_check import crash_tail, gloo_crash
+
+    said = gloo_crash(CRASH)
+    assert said is not None and "functional collectives" in said
+    assert "dflashkit/train/checkpoint.py:62 (full_model_state)" in said
+    ours = CRASH.replace("torch/distributed/_functional_collectives.py", "dflashkit/train/loss.py")
+    assert gloo_crash(ours) is None  # a crash in our own frames is a failure, not the backend's limit
+    assert gloo_crash("RuntimeError: losses differ\n" + CRASH.split("\n", 1)[1]) is None  # no signal
+    tail = crash_tail(CRASH + "x" * 5000)
+    assert tail.startswith("Fatal Python error") and "full_model_state" in tail and "Extension modules" not in tail

