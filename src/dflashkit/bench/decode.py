@@ -9,7 +9,9 @@ share of a target step is the share eval pays; the JSON's `dtype_reason` says wh
 else the drafter's), in one run, prompt by prompt in turn (warm-up excluded): our baseline (block_size 1), our speculative
 decoder, and the reference loop from PyPI `dflash==0.1.0` (its `DFlashDraftModel` loaded from the
 same dir). Reports end-to-end tokens/s of each call, ours/reference ratio (goal ≥ 1.2), identical
-tokens, τ, our t(1), t(B), and the bound τ·t(1)/t(B) next to the measured speedup.
+tokens, τ, our t(1), t(B), and the bound τ·t(1)/t(B) next to the measured speedup; `decode_step` puts t(1)
+and t(B) against the memory floor (`decode/step_cost.py`) for the packed target every decoder runs
+(`eval.packed_weights`) and `decode_step_unpacked` for the same weights as transformers loads them.
 The reference only reports stats through `torch.cuda.synchronize`, so it runs without stats and is
 timed here around the call. A DFlash2 drafter has no reference (PyPI `dflash` 0.1.0 predates it): the
 bench then times our baseline against our walk-drafting decoder only (reference numbers 0 / null).
@@ -73,7 +75,8 @@ def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any
     from dflashkit.decode.runner import draft_dtype_for, first_difference, params_for, run_interleaved
     from dflashkit.decode.spec_decode import SpecDecoder
     from dflashkit.export.hf import load_drafter
-    from dflashkit.model.target import announce
+    from dflashkit.decode.step_cost import decode_step_report, roofline, step_times
+    from dflashkit.model.target import announce, load_target
 
     inputs = decode_inputs(cfg, rd, ctx.positionals[1:], num_prompts=cfg.eval.num_prompts)
     drafter_dir, contract = inputs.drafter_dir, inputs.contract
@@ -127,6 +130,12 @@ def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any
         "draft_share": round(ours_t["draft_s_mean"] / cmp["tB_s"], 4) if cmp["tB_s"] else None,
         "draft_share_t1": round(ours_t["draft_s_mean"] / cmp["t1_s"], 4) if cmp["t1_s"] else None,
     }
+    # the target step against this machine's memory floor, packed (what every decoder above ran) and as loaded
+    result["decode_step"] = decode_step_report(target, [bs])
+    if cfg.eval.packed_weights != "off":
+        plain = load_target(verify_target_config(cfg, verify), announce_dtype=False)
+        result["decode_step_unpacked"] = roofline(plain, step_times(plain, sorted({1, bs})))
+        del plain
     if "ours-module" in runs:  # before / after of the lean forward, in the same run
         mod_t = summarize_timing(runs["ours-module"])
         same = all(a.token_ids == b.token_ids and a.acceptance_lengths == b.acceptance_lengths

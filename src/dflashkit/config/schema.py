@@ -508,6 +508,10 @@ class EvalSection:
         "over its own baseline (costs minutes). results.json's dtype_reason says why. bfloat16 on a CPU that only "
         "emulates it is kept, with a warning. In bfloat16 the lossless check is tie-aware (eval.tie_tolerance).",
         hash_default=False)
+    packed_weights: Literal["auto", "off"] = f(
+        "auto", "auto = on a CPU (float32, or bfloat16 where native), the target's linear layers multiply weights "
+        "pre-packed once for oneDNN, so a verify step over B tokens costs about one token's (model/packed.py); "
+        "the baseline uses the same layers. off = transformers' layers as loaded.", hash_default=False)
     tie_tolerance: float | None = f(
         None, "Lossless check: a greedy divergence from the baseline is a numerical tie when the baseline's "
         "top-1 logit exceeds its logit of the speculative token by at most this many logits there; null = "

@@ -100,11 +100,13 @@ def load_checked_target(cfg: Any, inputs: DecodeInputs, target_cfg: Any) -> tupl
     `verify_target_config`'s: the caller announces its dtype (`verify_dtype`)."""
     from dflashkit.decode.runner import render_eval_prompts
     from dflashkit.decode.spec_decode import SpecDecoder
+    from dflashkit.model.packed import prepare_for_decode
     from dflashkit.model.target import load_target
 
     check_target_fits(inputs, target_cfg)
     check_prompts_render(cfg, inputs)
     target = load_target(target_cfg, announce_dtype=False)
+    prepare_for_decode(target, cfg.eval.packed_weights)
     inputs.contract.check(target, where=f"drafter {inputs.drafter_dir}")
     ids = render_eval_prompts(cfg, target.tokenizer, inputs.prompts)
     check = SpecDecoder(target, None, 1, max_context=cfg.eval.max_context)
@@ -322,11 +324,13 @@ def choose_dtype(cfg: Any, drafter_dir: Any, ids: list[list[int]], block_sizes: 
     """eval.dtype=auto: decode the first prompts in float32 and bfloat16; keep the better honest speedup."""
     from dflashkit.decode.metrics import summarize_timing
     from dflashkit.export.hf import load_drafter
+    from dflashkit.model.packed import prepare_for_decode
     from dflashkit.model.target import load_target
 
     calib, targets = {}, {}
     for name in ("float32", "bfloat16"):
         target = load_target(dataclasses.replace(cfg.target, dtype=name), announce_dtype=False)
+        prepare_for_decode(target, cfg.eval.packed_weights)
         drafter = load_drafter(drafter_dir, dtype=target.dtype, device=target.device)
         runs = decode_all(cfg, target, drafter, ids[:CALIBRATION_PROMPTS], block_sizes, lookup=False,
                           warmup=cfg.eval.warmup, adaptive=False)

@@ -30,6 +30,7 @@ from dflashkit.context import StageContext
 from dflashkit.decode.evaluation import (block_sizes_for, check_prompts_render, check_target_fits, choose_dtype, decode_inputs, evaluate,
                                          load_checked_target, mismatch_error, results_table, verify_dtype,
                                          verify_target_config, write_eval_results)
+from dflashkit.decode.step_cost import decode_step_report
 from dflashkit.export.profile import headline, write_profile
 from dflashkit.model.target import announce
 from dflashkit.rundir import RunDir, write_manifest
@@ -56,7 +57,9 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     if e.dtype == "auto":
         del target
         target, choice = choose_dtype(cfg, drafter_dir, ids, block_sizes)
+    step = decode_step_report(target, block_sizes)  # t(1), t(B) against this machine's memory floor
     res = evaluate(cfg, rd, inputs, target, ids, block_sizes, choice, dtype_reason=verify.reason)
+    res["decode_step"] = step
     out = rd.stage_dir("eval")
     profile = res.pop("speculation_profile", None)  # the owner writes it; results.json keeps its headline
     if profile is not None:

@@ -1,0 +1,121 @@
+"""What one target decode step costs on this machine, and what it would cost at the memory roofline.
+
+Usage:
+    t = step_times(target, [1, 4])            # {1: 0.041, 4: 0.043}: seconds per target forward of n tokens
+    r = roofline(target, t)                    # {"weight_bytes": …, "bandwidth_gb_s": …, "t1_roofline_s": …,
+                                               #  "t1_share": 0.83, "t_ratio": {4: 1.05}}
+
+A decode step of batch size 1 streams every weight once, whatever n (a few tokens): its floor is the
+weights' bytes over the memory bandwidth, and a step over n ≤ B tokens costs about the same as one token when
+the matrix products run at that floor. `step_times` measures the target's forward over n tokens after a short
+context (a throwaway KV cache, rolled back after each timed forward; the fastest of `reps`); `roofline` gives
+the measured one-token step as a share of that floor (1.0 = at the floor) and t(n)/t(1). The bandwidth is a
+large read-only pass (`memory_bandwidth`), read once per process.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from dflashkit.model.kv_cache import decode_cache
+from dflashkit.decode.rollback import arm, rollback
+from dflashkit.model.target import Target, cache_kwarg
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def step_times(target: Target, ns: list[int], *, context: int = 64, reps: int = 3) -> dict[int, float]:
+    """Seconds of one target forward over n tokens after `context` tokens, for each n (the fastest of `reps`,
+    after one warm-up forward per n)."""
+    dev = target.device
+    kw = cache_kwarg(target.model)
+    vocab = int(target.vocab_size)
+    ids = torch.arange(context, device=dev)[None] % max(vocab, 1)
+    cache = decode_cache(target.config, capacity=context + max(ns, default=1))
+    target.model(input_ids=ids, **{kw: cache}, use_cache=True, logits_to_keep=1)
+    arm(cache, max(ns, default=1))  # exact rollback of recurrent layers too (decode/rollback.py)
+    out: dict[int, float] = {}
+    for n in ns:
+        x = (torch.arange(n, device=dev)[None] + context) % max(vocab, 1)
+        best = float("inf")
+        for i in range(reps + 1):
+            _sync(dev)
+            t0 = time.perf_counter()
+            target.model(input_ids=x, **{kw: cache}, use_cache=True)
+            _sync(dev)
+            if i:  # the first forward of each n is a warm-up
+                best = min(best, time.perf_counter() - t0)
+            rollback(cache, n)
+        out[int(n)] = best
+    return out
+
+
+@lru_cache(maxsize=4)
+def memory_bandwidth(device: str = "cpu", mib: int = 512, reps: int = 3) -> float:
+    """Bytes per second read by a sum over a tensor far larger than the caches on `device` (a decode step
+    reads its weights and writes little), the fastest of `reps`."""
+    dev = torch.device(device)
+    src = torch.ones(mib << 18, dtype=torch.float32, device=dev)  # mib MiB
+    best = float("inf")
+    for _ in range(reps + 1):
+        _sync(dev)
+        t0 = time.perf_counter()
+        src.sum()
+        _sync(dev)
+        best = min(best, time.perf_counter() - t0)
+    return src.numel() * src.element_size() / best
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step streams: every parameter once (a tied embedding/head counted once; a packed layer's
+    blocked weight instead of the unpacked one it may keep, `model.packed`)."""
+    from dflashkit.model.packed import PackedLinear
+
+    seen: set[int] = set()
+    total = 0
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            total += m.packed.numel() * m.packed.element_size()
+            if m.weight is not None:
+                seen.add(m.weight.data_ptr())
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def roofline(target: Target, times: dict[int, float], *, bandwidth: float | None = None) -> dict[str, Any]:
+    """The measured step times against the memory floor: t1_share = floor / t(1) (1.0 = at the floor),
+    t_ratio[n] = t(n) / t(1)."""
+    bw = bandwidth if bandwidth is not None else memory_bandwidth(target.device.type)
+    nbytes = weight_bytes(target.model)
+    floor = nbytes / bw
+    t1 = times.get(1)
+    return {"weight_bytes": nbytes, "bandwidth_gb_s": round(bw / 1e9, 2), "t1_roofline_s": floor,
+            "t_s": {int(n): t for n, t in times.items()},
+            "t1_share": round(floor / t1, 3) if t1 else None,
+            "t_ratio": {int(n): round(t / t1, 3) for n, t in times.items() if t1 and n != 1}}
+
+
+def decode_step_report(target: Target, block_sizes: list[int]) -> dict[str, Any]:
+    """Measure t(1) and t(B) for each block size, log them against the memory floor → `roofline`'s record."""
+    import logging
+
+    ns = sorted({1, *(int(b) for b in block_sizes)})
+    r = roofline(target, step_times(target, ns))
+    t = r["t_s"]
+    ratios = ", ".join(f"t({n})/t(1) {v:.2f}" for n, v in r["t_ratio"].items())
+    logging.getLogger("dflashkit.eval").info(
+        "decode step: t(1) %.1f ms, %.0f%% of the memory floor (%.0f MB of weights at %.1f GB/s = %.1f ms)%s",
+        t[1] * 1e3, 100 * (r["t1_share"] or 0), r["weight_bytes"] / 1e6, r["bandwidth_gb_s"],
+        r["t1_roofline_s"] * 1e3, f"; {ratios}" if ratios else "")
+    return r

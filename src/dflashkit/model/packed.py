@@ -1,0 +1,97 @@
+"""Linear layers with weights pre-packed for oneDNN: a CPU decode step over a few tokens at the memory floor.
+
+Usage:
+    ok, why = packable(target.device, target.dtype)
+    n = pack_linears(target.model)          # every nn.Linear → PackedLinear, in place (inference only)
+    info = prepare_for_decode(target, "auto")  # both, logged: {"packed": 211, "reason": "float32 on the CPU: …"}
+
+A decode step multiplies a handful of rows (1 … B tokens) by every weight matrix. torch's default CPU path
+for `F.linear` with 2–8 rows reads the weights in a layout its small-M kernels stream poorly, so a step over 4
+tokens costs well above a one-token step; oneDNN's linear over a weight reordered once into its blocked
+layout (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's CPU freezing does) reads each weight once
+at about the memory bandwidth for any M up to a few dozen, so t(n) ≈ t(1) for n ≤ B (docs/performance.md has
+the measurements). The products are the same up to float rounding (a different summation order); the
+baseline and the speculative decoder run the same packed layers, so greedy output is compared like for like.
+
+Invariants: inference only (a packed layer has no gradient; `weight` stays readable: the head's is shared with
+a tied embedding, so it is kept, while other layers drop their unpacked copy to keep memory at ~1×); CPU only,
+float32, or bfloat16 where the CPU computes it natively; a layer whose input is on another device or dtype
+falls back to `F.linear` on its kept weight (the lm_head) or raises (others).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger("dflashkit.target")
+
+
+def packable(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether `pack_linears` applies on this device and dtype, and why (or why not)."""
+    if device.type != "cpu":
+        return False, f"{device.type}: packed oneDNN weights are a CPU path"
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False, "this torch has no oneDNN linear (torch.backends.mkldnn)"
+    if dtype == torch.float32:
+        return True, "float32 on the CPU: oneDNN packed weights"
+    if dtype == torch.bfloat16:
+        from dflashkit.model.target import native_half
+
+        native, why = native_half("bfloat16", device)
+        return (True, "bfloat16 on the CPU: oneDNN packed weights") if native else (False, why)
+    return False, f"{dtype}: packed weights cover float32 and native bfloat16"
+
+
+class PackedLinear(nn.Module):
+    """`nn.Linear` for inference with its weight in oneDNN's blocked layout (see the module doc)."""
+
+    def __init__(self, linear: nn.Linear, *, rows: int = 4, keep_weight: bool = False):
+        super().__init__()
+        w = linear.weight.detach()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.weight = linear.weight if keep_weight else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or x.dtype != self.packed.dtype:
+            if self.weight is None:
+                raise RuntimeError(f"a packed {self.packed.dtype} CPU linear got a {x.dtype} {x.device} input")
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed={self.packed.dtype}"
+
+
+def pack_linears(model: nn.Module, *, rows: int = 4) -> int:
+    """Replace every `nn.Linear` of `model` by a `PackedLinear` (in place) → how many were packed.
+
+    The output embedding (`model.get_output_embeddings()`, when there is one) keeps its weight: a tied input
+    embedding shares it, and the decoder's draft head reads it."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    n = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, PackedLinear(child, rows=rows, keep_weight=child is head))
+                n += 1
+    return n
+
+
+def prepare_for_decode(target, setting: str = "auto") -> dict[str, object]:
+    """Pack the target's linear layers for decoding where `packable` says so (`eval.packed_weights`) and log
+    it → {"packed": how many layers, "reason": why (or why not)}."""
+    if setting == "off":
+        return {"packed": 0, "reason": "eval.packed_weights=off"}
+    ok, why = packable(target.device, target.dtype)
+    if not ok:
+        log.info("decode: transformers' linear layers (%s)", why)
+        return {"packed": 0, "reason": why}
+    n = pack_linears(target.model)
+    log.info("decode: %d linear layers use pre-packed weights (%s)", n, why)
+    return {"packed": n, "reason": why}
