@@ -118,3 +118,23 @@ def test_the_roofline_record(tiny_qwen3):
     if packable(t.device, t.dtype)[0]:  # packed: the blocked weights are what a step streams, counted once
         pack_linears(t.model)
         assert weight_bytes(t.model) >= nbytes * 0.99
+
+
+@pytest.mark.parametrize("env", [{"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"ATEN_CPU_CAPABILITY": "avx2"},
+                                 {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}])
+def test_an_isa_cap_that_imitates_an_older_cpu_hides_its_bf16(monkeypatch, env):
+    """`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` imitates an AVX2-only CPU: `native` must then pick
+    float32 even on a CPU whose flags list avx512_bf16 (its bf16 kernels are out of reach)."""
+    from dflashkit.model import target as tm
+
+    monkeypatch.setattr(tm.Path, "read_text", lambda self, *a, **k: "model name : X\nflags : avx2 avx512_bf16\n")
+    for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):
+        monkeypatch.delenv(k, raising=False)
+    assert tm.native_half("bfloat16", torch.device("cpu"))[0]
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    native, why = tm.native_half("bfloat16", torch.device("cpu"))
+    if env.get("ONEDNN_MAX_CPU_ISA") == "AVX512_CORE_BF16":
+        assert native
+    else:
+        assert not native and next(iter(env)) in why

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,16 +60,33 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 HALF_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
 
 
+# oneDNN ISA caps (`ONEDNN_MAX_CPU_ISA`) under which its bf16 / fp16 matrix kernels are still used
+ONEDNN_HALF_ISAS = {"bfloat16": ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512", "AVX512_CORE_AMX",
+                                 "AVX512_CORE_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2", "ALL", "DEFAULT"),
+                    "float16": ("AVX512_CORE_FP16", "AVX10_1_512", "AVX512_CORE_AMX_FP16", "AVX10_2_512",
+                                "AVX10_2_512_AMX_2", "ALL", "DEFAULT")}
+
+
 def cpu_facts() -> dict[str, Any]:
-    """The CPU's model name and the bf16 / fp16 matrix instructions it has (from /proc/cpuinfo; {} elsewhere)."""
+    """The CPU's model name and the bf16 / fp16 matrix instructions torch may use on it (from /proc/cpuinfo;
+    {} elsewhere). An `ONEDNN_MAX_CPU_ISA` below a dtype's kernels (e.g. AVX2, to imitate an older CPU) or
+    `ATEN_CPU_CAPABILITY=avx2/default` hides that dtype's flags, as the kernels then cannot use them."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return {}
     name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
     flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
-    return {"cpu": name, "bf16": [f for f in HALF_FLAGS["bfloat16"] if f in flags],
-            "fp16": [f for f in HALF_FLAGS["float16"] if f in flags]}
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    aten_capped = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower() in ("avx2", "default")
+    out: dict[str, Any] = {"cpu": name}
+    for dtype, key in (("bfloat16", "bf16"), ("float16", "fp16")):
+        capped = aten_capped or (bool(isa) and isa not in ONEDNN_HALF_ISAS[dtype])
+        out[key] = [] if capped else [f for f in HALF_FLAGS[dtype] if f in flags]
+    if isa or aten_capped:
+        out["isa_cap"] = {"ONEDNN_MAX_CPU_ISA": isa or None,
+                          "ATEN_CPU_CAPABILITY": os.environ.get("ATEN_CPU_CAPABILITY") or None}
+    return out
 
 
 def fast_bf16(device: torch.device) -> bool:
@@ -92,7 +110,11 @@ def native_half(name: str, device: torch.device) -> tuple[bool, str]:
     flags = HALF_FLAGS[name]
     have = (cpu_facts().get("bf16" if name == "bfloat16" else "fp16") or [])
     native = fast_bf16(device) if name == "bfloat16" else bool(have)  # bf16: the same test as fast_bf16
-    return (True, " / ".join(have)) if native else (False, "no " + " / ".join(flags))
+    if native:
+        return True, " / ".join(have)
+    cap = cpu_facts().get("isa_cap")
+    capped = f" usable ({', '.join(f'{k}={v}' for k, v in cap.items() if v)})" if cap else ""
+    return False, "no " + " / ".join(flags) + capped
 
 
 @dataclass(frozen=True)
