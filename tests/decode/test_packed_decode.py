@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from dflashkit.config import TargetSection
 from dflashkit.decode.api import SamplingParams
 from dflashkit.decode.spec_decode import SpecDecoder
-from dflashkit.decode.step_cost import roofline, step_times, weight_bytes
+from dflashkit.decode.step_cost import roofline, step_times
+from dflashkit.model.roofline import weight_bytes
 from dflashkit.model.kv_cache import GrowingLayer, decode_cache
 from dflashkit.model.packed import PackedLinear, pack_linears, packable, prepare_for_decode
 from dflashkit.model.target import cache_kwarg, load_target
@@ -138,3 +139,26 @@ def test_an_isa_cap_that_imitates_an_older_cpu_hides_its_bf16(monkeypatch, env):
         assert native
     else:
         assert not native and next(iter(env)) in why
+
+
+def test_capture_logs_its_share_of_the_matmul_ceiling(tiny_qwen3, caplog):
+    """2 x the parameters of the layers run, times tokens/s, over the measured matmul FLOP/s; MoE → no share."""
+    import logging
+    from types import SimpleNamespace
+
+    from dflashkit.data.capturing import log_capture_roofline
+    from dflashkit.model.roofline import forward_flops_per_token, matmul_throughput
+
+    t = _load(tiny_qwen3)
+    layers = t.decoder_layers
+    plan = SimpleNamespace(keep_last=False, layer_ids=[0], autocast=None)
+    with caplog.at_level(logging.INFO, logger="dflashkit"):
+        r = log_capture_roofline(t, plan, tokens=1000, seconds=2.0)
+    assert r is not None and r["tokens_per_s"] == 500
+    one = forward_flops_per_token(layers, 1)
+    assert one == 2 * sum(p.numel() for p in layers[0].parameters())
+    assert r["gflops"] == pytest.approx(one * 500 / 1e9)
+    assert r["share"] == pytest.approx(one * 500 / matmul_throughput(t.dtype, "cpu", k=t.hidden_size,
+                                                                      n=t.config.intermediate_size))
+    assert "of this machine's float32 matmul throughput" in caplog.text
+    assert forward_flops_per_token(layers, len(layers)) == len(layers) * one  # identical layers

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -106,12 +107,20 @@ def rollout_reproduces_attention(cfg: Any, data: Any, depth: int) -> bool:
     (`model/path_labels.attention_limit`, read from the target's config.json; a GGUF-only target is taken as
     full attention). With train.on_path=rollout a target it is not raises UsageError (exit 2) before any work."""
     from dflashkit.model.files import resolve_target_path
+    from dflashkit.model.hybrid import dir_layer_types, recurrent_summary, refuse_recurrent
     from dflashkit.model.path_labels import check_full_attention
     from dflashkit.model.target import text_config_dict
 
     model_dir, gguf = resolve_target_path(cfg.target.path, cfg.target.gguf_file)
     if gguf or not (model_dir / "config.json").is_file():
         return True
+    if recurrent_summary(dir_layer_types(model_dir, cfg.target.trust_remote_code)) is not None:
+        if cfg.train.on_path != "rollout":
+            return False
+        refuse_recurrent("train.on_path=rollout", model_dir, why="the greedy-path rollout reads a tree of paths through "
+                         "one full-attention KV cache, which a recurrent state cannot hold",
+                         instead="use train.on_path=mask (free, no target work)",
+                         trust_remote_code=cfg.target.trust_remote_code)
     tc = text_config_dict(model_dir)
     length = max((len(x) for x in data.input_ids), default=0) + depth - 1
     try:
@@ -180,6 +189,29 @@ def _path_spec(plan: CapturePlan, data: Any, si: int, rows: Any) -> PathSpec:
     return PathSpec(depth=plan.path_depth if rows else 0, rows=rows, loss_masks=masks, cost=plan.path_cost)
 
 
+def log_capture_roofline(target: Any, plan: CapturePlan, tokens: int, seconds: float) -> dict[str, Any] | None:
+    """Log capture's rate against this machine's matrix-product throughput in the forward's dtype → the
+    numbers (None for a mixture of experts, whose FLOPs per token the layer parameters do not give)."""
+    from dflashkit.model.roofline import forward_flops_per_token, matmul_throughput
+
+    layers = target.decoder_layers
+    depth = len(layers) if plan.keep_last else max(plan.layer_ids) + 1
+    flops = forward_flops_per_token(layers, depth)
+    rate = tokens / max(seconds, 1e-9)
+    if flops is None:
+        log.info("capture: %d tokens in %.0f s = %.0f tok/s", tokens, seconds, rate)
+        return None
+    dtype = plan.autocast or target.dtype
+    peak = matmul_throughput(dtype, target.device.type,
+                             k=target.hidden_size, n=int(getattr(target.config, "intermediate_size", 0) or
+                                                         4 * target.hidden_size))
+    share = flops * rate / peak
+    log.info("capture: %d tokens in %.0f s = %.0f tok/s; its matrix products run at %.1f GFLOP/s = %.0f%% of this "
+             "machine's %s matmul throughput (%.1f GFLOP/s)", tokens, seconds, rate, flops * rate / 1e9,
+             100 * share, str(dtype).removeprefix("torch."), peak / 1e9)
+    return {"tokens_per_s": rate, "gflops": flops * rate / 1e9, "peak_gflops": peak / 1e9, "share": share}
+
+
 def capture_local(cfg: Any, contract: Any, data: Any, plan: CapturePlan, *, where: str) -> Iterator[tuple[Path, int, int]]:
     """Load the target here (checked against the contract), write every planned shard; yields
     (shard path, samples, tokens) as each one is in place."""
@@ -193,6 +225,7 @@ def capture_local(cfg: Any, contract: Any, data: Any, plan: CapturePlan, *, wher
         log.info("capture: target forward under %s autocast (train.target_dtype=%s)", plan.autocast,
                  cfg.train.target_dtype)
     bar = Progress("capture", total=plan.need // plan.per_token, unit="tok")
+    t0, captured = time.perf_counter(), 0
     for si, shard, digest, dest in plan.todo:
         rows = shard_rows(data, si)
         meta = shard_metadata_for(layer_ids=plan.layer_ids, source=shard.name, digest=digest, dtype=plan.dtype,
@@ -204,7 +237,10 @@ def capture_local(cfg: Any, contract: Any, data: Any, plan: CapturePlan, *, wher
                             size=lambda batch: sum(len(r[2]) for r in batch))
         n = write_shard(dest, [len(r) for r in rows], batches, dtype=plan.dtype, metadata=meta, width=plan.width,
                         hidden=plan.hidden, last_hidden=plan.keep_last, path_depth=paths.depth)
+        captured += n
         yield dest, len(rows), n
+    if captured:
+        log_capture_roofline(target, plan, captured, time.perf_counter() - t0)
     for si, _shard, dest, missing in plan.patch:  # features kept: the target runs over the missing paths' samples
         rows = shard_rows(data, si)
         masks = _path_spec(plan, data, si, missing).loss_masks or []

@@ -16,12 +16,12 @@ large read-only pass (`memory_bandwidth`), read once per process.
 from __future__ import annotations
 
 import time
-from functools import lru_cache
 from typing import Any
 
 import torch
 
 from dflashkit.model.kv_cache import decode_cache
+from dflashkit.model.roofline import memory_bandwidth, weight_bytes
 from dflashkit.decode.rollback import arm, rollback
 from dflashkit.model.target import Target, cache_kwarg
 
@@ -56,41 +56,6 @@ def step_times(target: Target, ns: list[int], *, context: int = 64, reps: int = 
             rollback(cache, n)
         out[int(n)] = best
     return out
-
-
-@lru_cache(maxsize=4)
-def memory_bandwidth(device: str = "cpu", mib: int = 512, reps: int = 3) -> float:
-    """Bytes per second read by a sum over a tensor far larger than the caches on `device` (a decode step
-    reads its weights and writes little), the fastest of `reps`."""
-    dev = torch.device(device)
-    src = torch.ones(mib << 18, dtype=torch.float32, device=dev)  # mib MiB
-    best = float("inf")
-    for _ in range(reps + 1):
-        _sync(dev)
-        t0 = time.perf_counter()
-        src.sum()
-        _sync(dev)
-        best = min(best, time.perf_counter() - t0)
-    return src.numel() * src.element_size() / best
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a decode step streams: every parameter once (a tied embedding/head counted once; a packed layer's
-    blocked weight instead of the unpacked one it may keep, `model.packed`)."""
-    from dflashkit.model.packed import PackedLinear
-
-    seen: set[int] = set()
-    total = 0
-    for m in model.modules():
-        if isinstance(m, PackedLinear):
-            total += m.packed.numel() * m.packed.element_size()
-            if m.weight is not None:
-                seen.add(m.weight.data_ptr())
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
 
 
 def roofline(target: Target, times: dict[int, float], *, bandwidth: float | None = None) -> dict[str, Any]:
