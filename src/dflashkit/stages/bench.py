@@ -6,7 +6,7 @@ Example: dflashkit bench decode -c run.yaml
 
 Subjects: generate (client req/s vs a local zero-latency server), tokenize (vs raw batched
 tokenizer), train (drafter step vs target forward), decode (speculative vs block_size=1 vs the
-reference dflash_generate), serve (concurrency sweep over one or two OpenAI-compatible endpoints),
+reference dflash_generate), step (the target's decode step as loaded vs packed, against the memory floor), serve (concurrency sweep over one or two OpenAI-compatible endpoints),
 recipe (short training runs of recipe variants on this run's data: held-out τ, acc@1, bigram).
 Every ratio is measured in one run, warm-up excluded.
 """
@@ -55,6 +55,12 @@ def _decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     return bench_decode(cfg, rd, ctx)
 
 
+def _step(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
+    from dflashkit.bench.step import bench_step
+
+    return bench_step(cfg, rd, ctx)
+
+
 def _recipe(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     from dflashkit.bench.recipe import bench_recipe
 
@@ -64,7 +70,7 @@ def _recipe(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
 # subject -> the bench (each imports its module lazily: a bench's heavy imports load only when it runs)
 SUBJECTS: dict[str, Callable[[RunConfig, RunDir, StageContext], dict[str, Any]]] = {
     "generate": _generate, "serve": _serve, "tokenize": _tokenize, "train": _train, "decode": _decode,
-    "recipe": _recipe,
+    "recipe": _recipe, "step": _step,
 }
 
 
