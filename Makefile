@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 DEMO_CONFIG ?= configs/smollm2-135m.yaml
-DEMO_SCALE ?= 1
+DEMO_MINUTES ?= 20
 PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 
@@ -51,8 +51,11 @@ GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	PYTHONPATH=src PYTHONUNBUFFERED=1 $(GPU_PY) -m dflashkit gpu-check $(GPU_CHECK_OUT)
 
+# The demo is a compute budget (run.budget_minutes, docs/budget.md): it calibrates this machine, then sizes the
+# data, training and eval to DEMO_MINUTES. A fixed-size run: dflashkit run -c configs/smollm2-135m.yaml
+# run.budget_minutes=null data.num_prompts=… train.max_steps=… (run.scale then multiplies those).
 demo: assets
-	$(PY) -m dflashkit run -c $(DEMO_CONFIG) run.scale=$(DEMO_SCALE)
+	$(PY) -m dflashkit run -c $(DEMO_CONFIG) run.budget_minutes=$(DEMO_MINUTES)
 
 clean-demo:
 	rm -rf runs/smollm2-135m

@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--to", dest="to_stage", help="last stage to run")
             sp.add_argument("--force", action="append", default=[], metavar="STAGE",
                             help="re-run STAGE even if up to date (repeatable; 'all' for every stage)")
+            sp.add_argument("--budget", metavar="MINUTES",
+                            help="size the run to this many minutes of this machine (run.budget_minutes)")
         if name == "serve":
             sp.add_argument("--drafter", help="exported drafter dir: decode with DFlash (serve.drafter)")
             sp.add_argument("--host", help="bind address (serve.host)")
@@ -136,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("drafter", "host", "port"):
         if getattr(ns, flag, None) is not None:
             overrides.append(f"serve.{flag}={getattr(ns, flag)}")
+    if getattr(ns, "budget", None) is not None:
+        overrides.append(f"run.budget_minutes={ns.budget}")
     if getattr(ns, "format", None) is not None:
         overrides.append(f"export.format={ns.format}")
     ctx = StageContext(

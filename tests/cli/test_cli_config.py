@@ -82,7 +82,7 @@ def test_optional_keys_left_at_default_keep_old_fingerprints():
     cfg = load_config(None)
     later = {"draft_vocab_size", "feature_scale", "type", "conv_kernel_size", "conv_group_size", "selector_rank",
              "selector_top_k", "input_embedding_scale", "output_multiplier",
-             "final_logit_softcapping", "causal", *(f.name for f in dataclasses.fields(cfg.drafter)
+             "final_logit_softcapping", "causal", "sliding_window", "layer_types", *(f.name for f in dataclasses.fields(cfg.drafter)
                                                     if f.name.startswith("lilicorr_"))}  # keys added after run dirs existed
     old = {k: v for k, v in dataclasses.asdict(cfg.drafter).items() if k not in later}
     assert section_hash(cfg.drafter) == section_hash(old)

@@ -77,8 +77,12 @@ class RunSection:
     run_dir: str = f("runs/dflash", "Directory holding every stage's outputs and manifests.")
     seed: int = f(0, "Global seed (sampling, anchors, data order, init).")
     log_level: Literal["debug", "info", "warning", "error"] = f("info", "Logging level (stderr).")
-    scale: float = f(1.0, "Multiplies data.num_prompts, train.max_steps and eval.num_prompts (the "
-                     "`make demo DEMO_SCALE=4` knob).")
+    scale: float = f(1.0, "Multiplies data.num_prompts, train.max_steps and eval.num_prompts (a fixed-size "
+                     "run; not with run.budget_minutes).")
+    budget_minutes: float | None = f(
+        None, "`dflashkit run` sized to this many minutes of this machine (CLI: `run --budget M`): it calibrates "
+        "first, then chooses data.num_prompts, train.max_steps, train.eval_every/save_every, eval.num_prompts and "
+        "eval.max_new_tokens (keys you set are kept); null = no budget. docs/budget.md.", hash_default=False)
 
 
 @dataclass(kw_only=True)
@@ -122,6 +126,15 @@ class DrafterSection:
     init_layer_ids: list[int] | None = f(None, "Target layers to copy when init=target; null = the last "
                                          "num_draft_layers layers.")
     attention: Literal["sdpa", "flex"] = f("sdpa", "sdpa (dense mask; CPU and GPU) or flex (GPU).")
+    sliding_window: int | None = f(
+        None, "Sliding window W (>= 1) of the draft layers that slide: a block query at position p attends to the "
+        "context positions p - W < k only (its own block as always), in training, decoding and the exports "
+        "(config.json `layer_types` + `sliding_window`; speculators: the same inside transformer_layer_config). "
+        "With drafter.layer_types null every draft layer slides; null = full attention.", hash_default=False)
+    layer_types: list[str] | None = f(
+        None, "Per draft layer full_attention or sliding_attention (one per drafter.num_draft_layers; a sliding "
+        "layer needs drafter.sliding_window); null = every layer sliding when drafter.sliding_window is set, "
+        "else every layer full.", hash_default=False)
     feature_scale: Literal["none", "rms"] = f(
         "none", "Per-channel scale of the target features before `fc`: none; or rms = each channel divided by its "
         "RMS over training samples and multiplied by the median RMS of its target layer (tames massive "

@@ -57,6 +57,31 @@ def _on_path_problems(cfg: RunConfig) -> list[str]:
     return p
 
 
+def layer_type_problems(layer_types: Any, sliding_window: Any, num_layers: int, *, key: str = "layer_types",
+                        window_key: str = "sliding_window") -> list[str]:
+    """What is wrong with a per-layer attention declaration (empty: fine), each problem naming its key.
+
+    `layer_types` is None (every layer full, or every layer sliding when a window is given) or one of
+    `full_attention` / `sliding_attention` per draft layer; a sliding layer needs an integer window >= 1."""
+    p = []
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        p.append(f"{window_key}: must be an integer >= 1 (or null), got {sliding_window!r}")
+    if layer_types is None:
+        return p
+    if not isinstance(layer_types, list):
+        return p + [f"{key}: must be a list of 'full_attention' / 'sliding_attention', one per draft layer, "
+                    f"got {layer_types!r}"]
+    if len(layer_types) != num_layers:
+        p.append(f"{key}: {len(layer_types)} entries for {num_layers} draft layers (one per layer)")
+    bad = sorted({str(t) for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if bad:
+        p.append(f"{key}: {bad} are not 'full_attention' or 'sliding_attention'")
+    if "sliding_attention" in layer_types and sliding_window is None:
+        p.append(f"{key} has 'sliding_attention' layers but {window_key} is null (set the window W >= 1)")
+    return p
+
+
 def problems(cfg: RunConfig) -> list[str]:
     """Cross-field checks; each message names its dotted key."""
     p: list[str] = []
@@ -85,6 +110,8 @@ def problems(cfg: RunConfig) -> list[str]:
         if d.num_target_features is not None and len(ids) != d.num_target_features:
             p.append(f"drafter.target_layer_ids: {len(ids)} ids but drafter.num_target_features="
                      f"{d.num_target_features}; give one id per feature (or leave one of them null)")
+    p.extend(layer_type_problems(d.layer_types, d.sliding_window, d.num_draft_layers, key="drafter.layer_types",
+                                 window_key="drafter.sliding_window"))
     if d.init in ("", "none", "null"):
         p.append(f"drafter.init: {d.init!r} is not random, target or a drafter dir")
     if d.mask_token_id is not None and d.mask_token_id < 0:
@@ -136,6 +163,10 @@ def problems(cfg: RunConfig) -> list[str]:
     _at_least(p, "generate", g, 0, "max_retries", "backoff_s")
     if not cfg.run.scale > 0:
         p.append(f"run.scale: must be > 0, got {cfg.run.scale}")
+    if cfg.run.budget_minutes is not None and not 0 < cfg.run.budget_minutes < float("inf"):
+        p.append(f"run.budget_minutes: must be a number of minutes > 0 (or null: no budget), got {cfg.run.budget_minutes}")
+    elif cfg.run.budget_minutes is not None and cfg.run.scale != 1.0:  # the budget sizes the run; scale multiplies sizes
+        p.append(f"run.scale={cfg.run.scale:g} with run.budget_minutes={cfg.run.budget_minutes:g}: choose one")
     for name in ("timeout_s", "startup_timeout_s"):
         if not getattr(cfg.server, name) > 0:
             p.append(f"server.{name}: must be > 0, got {getattr(cfg.server, name)}")

@@ -29,6 +29,11 @@ The arithmetic is the module's (RMSNorm statistics in float32 as HF's Qwen3RMSNo
 the module's `block_attention`, SwiGLU), the fused norm's reduction order aside, so proposals are the module's
 (tests/decode/test_fast_draft.py compares logits and proposals step by step).
 Causal in-block attention (`drafter.causal`) attends with a bool mask: the context and offsets j ≤ i.
+A sliding-window layer (window W, `drafter.layer_windows`) attends over the buffer from position start − W + 1
+on only (what the block's first query can see) and masks, for the later queries, the context keys that
+fell out of their window (`masks.window_mask`): the module's rule p − W < k, at O(W) cost per step however
+long the context. The buffer itself keeps every position (`DraftState` is one tensor for all layers). In-block
+causality may differ per layer (`drafter.layer_causal`, a released drafter's sliding layers).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflashkit.model.drafter import block_attention
+from dflashkit.model.masks import window_mask
 
 # RoPE types whose frequencies depend on the sequence length (HF `dynamic_rope_update`): no fixed table.
 DYNAMIC_ROPE = ("dynamic", "longrope")
@@ -152,6 +158,10 @@ class FastDraft:
         self.block = drafter.block_size
         self.mask_row = mask_emb.reshape(-1)
         self.causal = causal
+        n = len(self.layers)
+        windows = list(getattr(drafter, "layer_windows", None) or [None] * n)
+        causals = [c or causal for c in getattr(drafter, "layer_causal", None) or [causal] * n]
+        self.kinds: list[tuple[int | None, bool]] = list(zip(windows, causals))  # per layer (window, causal)
         self._cos = self._sin = torch.empty(0)
         self._table(max_len)
 
@@ -239,9 +249,7 @@ class FastDraft:
         end = start + q_len
         x = torch.cat((anchor_emb.reshape(1, -1), self.mask_row.expand(k, -1)))        # [q, H]
         cos, sin = self._cos[start:end], self._sin[start:end]
-        mask = None
-        if self.causal:
-            mask = torch.ones(q_len, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
+        masks = {kind: self._mask(start, q_len, *kind) for kind in dict.fromkeys(self.kinds)}
         for i, L in enumerate(self.layers):
             u = _rms(x, L.in_norm, L.in_eps)
             qkv = L.qkv(u)                                       # [q, (nh + 2·kv)·d]
@@ -254,12 +262,31 @@ class FastDraft:
                 bk = _rope(_rms(qkv[:, nq:nq + nk].view(q_len, L.n_kv, L.d), L.k_norm, L.k_eps), cos, sin)
             state.keys[i, :, start:end] = bk.transpose(0, 1)                        # scratch past the context
             state.values[i, :, start:end] = qkv[:, nq + nk:].view(q_len, L.n_kv, L.d).transpose(0, 1)
-            attn = block_attention(q.transpose(0, 1)[None], state.keys[i, :, :end][None],
-                                   state.values[i, :, :end][None], mask)  # [1, nh, q, d]
+            lo, mask = masks[self.kinds[i]]
+            attn = block_attention(q.transpose(0, 1)[None], state.keys[i, :, lo:end][None],
+                                   state.values[i, :, lo:end][None], mask)  # [1, nh, q, d]
             x = x + L.o(attn[0].transpose(0, 1).reshape(q_len, nq))
             gu = L.gate_up(_rms(x, L.post_norm, L.post_eps))
             x = x + L.down(F.silu(gu[:, :L.inter]) * gu[:, L.inter:])
         return _rms(x[1:], self.norm, self.norm_eps)
+
+    def _mask(self, start: int, q_len: int, window: int | None, causal: bool) -> tuple[int, torch.Tensor | None]:
+        """(lo, mask) of a block at positions start … start+q−1 in a layer with `window` (None: full) and in-block
+        `causal`ity: it attends over buffer positions lo … start+q−1 under the bool mask [q, start + q − lo]
+        (None: all of them)."""
+        lo = 0 if window is None else max(0, start - window + 1)
+        ctx = window_mask(torch.arange(start, start + q_len, device=self.device),
+                          torch.arange(lo, start, device=self.device), window)
+        if ctx is not None and bool(ctx.all()):
+            ctx = None
+        if ctx is None and not causal:
+            return lo, None
+        block = torch.ones(q_len, q_len, dtype=torch.bool, device=self.device)
+        if causal:
+            block = block.tril()
+        if ctx is None:
+            ctx = torch.ones(q_len, start - lo, dtype=torch.bool, device=self.device)
+        return lo, torch.cat([ctx, block], dim=-1)
 
     @torch.inference_mode()
     def profile(self, *, context: int = 256, new: int = 2, reps: int = 50) -> dict[str, float]:

@@ -12,7 +12,11 @@ Inputs: `noise_embedding` [b, q, H] = target embeddings of the block `[x_start, 
 [b, t + q] = their absolute positions followed by the block's. Block queries attend to all cached
 context, the new context and the whole block (no mask) — or, for a causal drafter (`is_causal: true`,
 else `dflash_config.causal: true`, read in that order as vLLM and SGLang do), block offset i to the
-context and offsets j <= i. With a cache (`transformers.DynamicCache`)
+context and offsets j <= i (neither key: causal in the sliding layers only, as vLLM reads it). A
+sliding-window layer (`layer_types[i] == "sliding_attention"`, window W = `dflash_config.swa_window_size`,
+else the top-level `sliding_window`, as vLLM reads them) sees, from block query i, only the last W − 1 − i
+context keys (positions p − W < k for a query at p; the block follows the context). With a cache
+(`transformers.DynamicCache`)
 only the context keys/values are stored; the block's are transient, so no crop is needed.
 
 Weights use the z-lab names: fc, hidden_norm, layers.{i}.{self_attn,mlp,...}, norm. A DFlash2 export
@@ -38,17 +42,39 @@ def _dflash(config, key, default=None):
     return extra.get(key, getattr(config, key, default))
 
 
-def _causal(config) -> bool:
-    """In-block causality: the top-level `is_causal`, else `dflash_config.causal`, else bidirectional."""
+def _causal(config, layer_idx: int = 0) -> bool:
+    """In-block causality of a layer: the top-level `is_causal`, else `dflash_config.causal`, else causal exactly
+    in a sliding-window layer (vLLM's reading of a config that states neither)."""
     top = getattr(config, "is_causal", None)
     if top is not None:
         return bool(top)
-    return bool((getattr(config, "dflash_config", None) or {}).get("causal", False))
+    inner = (getattr(config, "dflash_config", None) or {}).get("causal")
+    if inner is not None:
+        return bool(inner)
+    types = getattr(config, "layer_types", None) or []
+    return layer_idx < len(types) and types[layer_idx] == "sliding_attention"
 
 
-def _block_mask(past: int, q_len: int, device) -> torch.Tensor:
-    """[q, past + q] bool: every context key, and block keys j <= i for query i."""
-    return torch.ones(q_len, past + q_len, dtype=torch.bool, device=device).tril(diagonal=past)
+def _window(config, layer_idx: int):
+    """The sliding window W of draft layer `layer_idx`, or None for a full-attention layer."""
+    types = getattr(config, "layer_types", None) or []
+    if layer_idx >= len(types) or types[layer_idx] != "sliding_attention":
+        return None
+    window = _dflash(config, "swa_window_size", None) or getattr(config, "sliding_window", None)
+    if not window:
+        raise ValueError(f"draft layer {layer_idx} is sliding_attention but the config has no sliding_window")
+    return int(window)
+
+
+def _block_mask(past: int, q_len: int, device, causal: bool = True, window=None) -> torch.Tensor:
+    """[q, past + q] bool: the context keys (within the window: key c for query i iff c > past + i − W), and
+    block keys j <= i for query i (causal) or the whole block."""
+    ctx = torch.ones(q_len, past, dtype=torch.bool, device=device)
+    if window is not None:
+        q_pos = torch.arange(past, past + q_len, device=device)
+        ctx = torch.arange(past, device=device)[None, :] > q_pos[:, None] - window
+    block = torch.ones(q_len, q_len, dtype=torch.bool, device=device)
+    return torch.cat([ctx, block.tril() if causal else block], dim=-1)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -63,7 +89,8 @@ class DFlashSelfAttention(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.causal = _causal(config)
+        self.causal = _causal(config, layer_idx)
+        self.window = _window(config, layer_idx)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         bias = bool(getattr(config, "attention_bias", False))
@@ -90,8 +117,8 @@ class DFlashSelfAttention(nn.Module):
             ck, cv = cache.update(ck, cv, self.layer_idx)
         bk, bv = self._kv(x, cos[:, t:], sin[:, t:])
         k, v = torch.cat([ck, bk], dim=-2), torch.cat([cv, bv], dim=-2)
-        if attention_mask is None and self.causal:
-            attention_mask = _block_mask(ck.shape[-2], q_len, x.device)
+        if attention_mask is None and (self.causal or self.window is not None):
+            attention_mask = _block_mask(ck.shape[-2], q_len, x.device, self.causal, self.window)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask,
                                              enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))

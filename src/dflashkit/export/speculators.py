@@ -21,7 +21,10 @@ reads it; written here from our contract, no code shared):
   holds `is_causal: true` as its z-lab config.json does, which vLLM reads first), and `speculators_config`
   {algorithm, proposal_methods [greedy, speculative_tokens B - 1], default_proposal_method,
   verifier {name_or_path, architectures}} — vLLM takes `num_speculative_tokens` and the model to
-  serve from there.
+  serve from there. Sliding-window draft layers (`drafter.layer_types` / `drafter.sliding_window`) travel
+  inside `transformer_layer_config` as the z-lab config has them (`layer_types`, `sliding_window`,
+  `use_sliding_window`, and `is_causal` stated either way), where the speculators library and vLLM read
+  them; the reader takes them back from there (`DrafterContract.from_hf_config`).
 - `model.safetensors`: our draft tensors (z-lab names: layers.*, fc, hidden_norm, norm) plus the
   verifier's `embed_tokens.weight` [V, H] and `lm_head.weight` [V', H] (its head rows; all V rows
   for a full vocabulary), and for V' < V the int64 `d2t` offsets and the bool `t2d` [V].
@@ -38,7 +41,7 @@ ways, writing and reading (exit 2, naming the format).
 
 The reader takes the in-block causality as vLLM resolves it (`transformer_layer_config.is_causal`, else
 not `sliding_window_non_causal`), refuses what the decoder cannot run (another `speculators_model_type`,
-`sample_from_anchor`, sliding-window layers) and every missing or malformed key with a `UsageError`
+`sample_from_anchor`) and every missing or malformed key with a `UsageError`
 (exit 2) naming the file and the key; the stored embedding and head are checked for shape and
 dropped (our decoder drafts with the target's own head rows).
 """
@@ -98,6 +101,12 @@ def speculators_config(contract: Contract, *, verifier: str, verifier_architectu
     fam = contract.family
     refuse_format(fam, where="export.format=speculators")
     knobs = {k: getattr(contract.knobs, k) for k in fam.knob_names}
+    per_layer = getattr(contract, "causal_layers", None)
+    if per_layer is not None:
+        raise UsageError(f"the drafter is causal in its sliding layers only (causal_layers {per_layer}); "
+                         "vLLM 0.32's speculators reader sets one in-block causality for every layer "
+                         "(dflash_config.causal = not sliding_window_non_causal), so it would serve another drafter",
+                         hint="export with export.format=zlab (vLLM reads that per-layer causality from layer_types)")
     family_keys = fam.dflash_config(contract)  # what the z-lab format carries in dflash_config
     dropped = [k for k in family_keys if k not in fam.speculators_keys and k not in _CARRIED]
     if dropped:
@@ -176,10 +185,6 @@ def read_speculators_contract(cfg: dict[str, Any], *, source: str = "config.json
     if isinstance(b, bool) or not isinstance(b, int) or b - 1 != spec:
         raise UsageError(f"{source}: key `block_size` {b!r} does not match "
                          f"`speculators_config.proposal_methods.0.speculative_tokens` {spec} (must be block_size - 1)")
-    types = [t for t in layer.get("layer_types") or [] if t != "full_attention"]
-    if types:
-        raise UsageError(f"{source}: key `transformer_layer_config.layer_types` has {sorted(set(types))}; "
-                         "dflashkit drafters are full attention only")
     non_causal = cfg.get("sliding_window_non_causal", True)  # vLLM's default: a missing key reads as true
     if not isinstance(non_causal, bool):
         raise UsageError(f"{source}: key `sliding_window_non_causal` is {non_causal!r}, expected true or false",

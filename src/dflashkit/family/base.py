@@ -57,6 +57,9 @@ class Contract(Protocol):
     mask_token_reason: str
     bos_token_id: int | list[int] | None
     eos_token_id: int | list[int] | None
+    layer_types: list[str] | None      # per draft layer full_attention / sliding_attention (None: all full)
+    sliding_window: int | None
+    causal_layers: list[bool] | None
     extra: dict[str, Any]
     drafter_type: str
     knobs: Any      # the family's `knobs` dataclass (its own contract fields)

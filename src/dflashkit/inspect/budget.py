@@ -25,8 +25,11 @@ Modes: online-replicate (target copy per GPU), online-shard (P_t / gpus per GPU)
 (features from `capture`; the target runs once, sharded, during capture), engine (features from a
 serving engine as training consumes them; on disk only the queue, per rank
 train.engine_prefetch · batch · S · (n_feat · H + 4 + H if KL) · bytes). Usable memory = 90 %.
-Time: FLOPs = 2 · P_t,active · tokens (target forward) + 6 · P_d · q · sequences (drafter),
-at an assumed 400 TFLOP/s per GPU (≈ 40 % of an H100's dense bf16 peak).
+Time: from this machine's saved calibration when there is one (`sizing/calibration.py`, written by
+`dflashkit run --budget M`): capture = tokens / measured capture tok/s, an epoch of cached training =
+⌈sequences / batch⌉ steps × the measured step, online adds the capture forward; each divided by the GPU count
+(data parallel, assumed linear). Else FLOPs = 2 · P_t,active · tokens (target forward) + 6 · P_d · q · sequences
+(drafter), at an assumed 400 TFLOP/s per GPU (≈ 40 % of an H100's dense bf16 peak); `time.source` says which.
 """
 
 from __future__ import annotations
@@ -78,8 +81,22 @@ def _gib(n: float) -> float:
     return round(n / 2**30, 2)
 
 
+def measured_time(cal: dict[str, Any], cfg: RunConfig, *, tokens: int, sequences: int, gpus: int) -> dict[str, Any]:
+    """Hours from a saved calibration's rates (the module docstring)."""
+    capture_h = tokens / float(cal["capture_tok_s"]) / gpus / 3600
+    steps = -(-sequences // max(1, cfg.train.batch_size))
+    cached_h = steps * float(cal["train_step_s"]) / gpus / 3600
+    m = cal.get("machine") or {}
+    return {"source": f"measured on this machine ({m.get('name') or m.get('kind')}; {cal.get('path', 'calibration')}, "
+                      f"{cal.get('sample_tokens')} tokens per sample)",
+            "capture_tok_s": cal["capture_tok_s"], "train_step_s": cal["train_step_s"],
+            "hours_per_epoch_online": round(cached_h + capture_h, 3), "hours_per_epoch_cached": round(cached_h, 3),
+            "hours_capture": round(capture_h, 3)}
+
+
 def plan_budget(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, sequences: int, gpus: int,
-                mem_gib: float) -> dict[str, Any]:
+                mem_gib: float, calibration: dict[str, Any] | None = None,
+                no_calibration: str = "no calibration saved for this machine") -> dict[str, Any]:
     """Every estimate in the module docstring, plus the mode that fits and a loss-chunk size.
 
     Args:
@@ -88,6 +105,8 @@ def plan_budget(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, s
         cfg: the run config (train.*, capture.dtype).
         tokens: total training tokens; sequences: number of conversations.
         gpus: GPU count; mem_gib: memory per GPU in GiB.
+        calibration: a saved calibration (`sizing.calibration.saved_calibration`): times from its rates;
+            None: from FLOPs at the assumed throughput, `no_calibration` saying why.
     Returns:
         JSON-ready dict: features, drafter, logits, target, modes, recommended, time.
     """
@@ -145,6 +164,12 @@ def plan_budget(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, s
     flops_target = 2 * int(facts.get("params_active") or p_t) * tokens
     flops_draft = 6 * (p_d - codebook_params(c)) * q * sequences
     rate = TFLOPS_PER_GPU * gpus
+    assumed = {"source": f"assumed {TFLOPS_PER_GPU / 1e12:.0f} TFLOP/s per GPU ({no_calibration})",
+               "hours_per_epoch_online": round((flops_target + flops_draft) / rate / 3600, 3),
+               "hours_per_epoch_cached": round(flops_draft / rate / 3600, 3),
+               "hours_capture": round(flops_target / rate / 3600, 3)}
+    timing = measured_time(calibration, cfg, tokens=tokens, sequences=sequences, gpus=gpus) if calibration \
+        else assumed
     return {
         "features": {"dtype": cfg.capture.dtype, "bytes_per_token": cap_bpt,
                      "total_gib": _gib(cap_bpt * tokens)},
@@ -161,9 +186,6 @@ def plan_budget(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, s
         "modes": modes, "recommended": recommended,
         "time": {"assumed_tflops_per_gpu": TFLOPS_PER_GPU / 1e12,
                  "target_forward_pflop": round(flops_target / 1e15, 3),
-                 "drafter_train_pflop": round(flops_draft / 1e15, 3),
-                 "hours_per_epoch_online": round((flops_target + flops_draft) / rate / 3600, 3),
-                 "hours_per_epoch_cached": round(flops_draft / rate / 3600, 3),
-                 "hours_capture": round(flops_target / rate / 3600, 3)},
+                 "drafter_train_pflop": round(flops_draft / 1e15, 3), **timing},
         "mean_tokens": seq, "query_tokens_per_sequence": q,
     }

@@ -32,7 +32,7 @@ from dflashkit import family
 from dflashkit.errors import UsageError
 from dflashkit.inspect.config_facts import ModelFacts
 from dflashkit.inspect.tokenizer_facts import TokenizerFacts
-from dflashkit.model.drafter_config import DrafterContract, build_target_layer_ids
+from dflashkit.model.drafter_config import DrafterContract, build_target_layer_ids, sliding_fields
 
 if TYPE_CHECKING:
     from dflashkit.config import DrafterSection
@@ -170,6 +170,7 @@ def derive_contract(d: DrafterSection, facts: ModelFacts, tok: TokenizerFacts | 
         tie_word_embeddings=facts.tie_word_embeddings,
         target_model_type=facts.model_type, target_architecture=facts.architecture,
         mask_token_reason=mask_reason, bos_token_id=bos, eos_token_id=eos,
+        **sliding_fields(d.layer_types, d.sliding_window, d.num_draft_layers),
         **family.get(d.type).contract_fields(d),
         extra={"layer_convention": LAYER_CONVENTION, "target_layer_ids_reason": ids_reason,
                "attention_reason": attn_reason, "target_attention": facts.attention,

@@ -2,12 +2,14 @@
 
 Usage:
     gpus, mem_gib, source, rest = parse_gpus(["8x80"])        # NxMEM, else the visible GPUs, else 1x80
-    result = estimate(cfg, rd, ["8x80"], prepared_lines=records.prepared_lines)   # the JSON `dflashkit plan` prints
+    result = estimate(cfg, rd, ["8x80"], prepared_lines=records.prepared_lines,
+                      calibration=sizing.calibration.saved_calibration)        # the JSON `dflashkit plan` prints
 
 The data size comes from `tokenize/stats.json`, else `prepare/train.jsonl` lines (or
 `data.num_prompts`, else 10,000) × `data.mean_tokens`; the contract and target facts from the run
 dir's `contract.json` + `probe/probe.json`, else a probe of MODEL / `target.path` (nothing is
-written). Every formula is in `inspect/budget.py`.
+written). Every formula is in `inspect/budget.py`; its times come from this machine's saved calibration
+when there is one (`calibration_for`), else from an assumed throughput.
 """
 
 from __future__ import annotations
@@ -103,10 +105,32 @@ def contract_and_facts(cfg: RunConfig, rd: RunDir, model: str | None) -> tuple[A
     return derive_contract(d, facts, None), facts.to_dict(), str(facts.source)
 
 
+def calibration_for(cfg: RunConfig, rd: RunDir, saved: Callable[[RunConfig, RunDir], dict[str, Any] | None] | None,
+                    *, model: str | None, gpu_source: str) -> tuple[dict[str, Any] | None, str]:
+    """This machine's saved calibration for `cfg` (`saved`: the stage hands in
+    `sizing.calibration.saved_calibration`), or None and why not: none saved, another MODEL than the config's
+    target, or GPUs given as an argument on a CPU calibration."""
+    if model is not None and model != cfg.target.path:
+        return None, f"a calibration measures target.path, not {model}"
+    if saved is None:
+        return None, "no calibration given"
+    try:
+        cal = saved(cfg, rd)
+    except Exception as e:  # noqa: BLE001 - the calibration only refines an estimate
+        log.debug("calibration unavailable: %s", e)
+        cal = None
+    if cal is None:
+        return None, "no calibration saved for this machine and config: `dflashkit run --budget M` measures one"
+    if gpu_source == "argument" and (cal.get("machine") or {}).get("kind") != "cuda":
+        return None, "the GPUs are an argument and this machine's calibration is of its CPU"
+    return cal, ""
+
+
 def estimate(cfg: RunConfig, rd: RunDir, positionals: list[str] | tuple[str, ...] = (), *,
-             prepared_lines: Callable[[RunDir], tuple[int, Path] | None]) -> dict[str, Any]:
+             prepared_lines: Callable[[RunDir], tuple[int, Path] | None],
+             calibration: Callable[[RunConfig, RunDir], dict[str, Any] | None] | None = None) -> dict[str, Any]:
     """The plan for `positionals` ([MODEL] [NxMEM]): target, data size, GPUs and `plan_budget`'s plan
-    (`prepared_lines`: see `data_size`)."""
+    (`prepared_lines`: see `data_size`; `calibration`: see `calibration_for`)."""
     from dflashkit.inspect.budget import plan_budget
 
     gpus, mem, gpu_source, rest = parse_gpus(list(positionals))
@@ -115,6 +139,8 @@ def estimate(cfg: RunConfig, rd: RunDir, positionals: list[str] | tuple[str, ...
                          hint="dflashkit plan [MODEL] [8x80]")
     contract, facts, source = contract_and_facts(cfg, rd, rest[0] if rest else None)
     tokens, seqs, data_source = data_size(cfg, rd, prepared_lines)
-    plan = plan_budget(contract, facts, cfg, tokens=tokens, sequences=seqs, gpus=gpus, mem_gib=mem)
+    cal, why = calibration_for(cfg, rd, calibration, model=rest[0] if rest else None, gpu_source=gpu_source)
+    plan = plan_budget(contract, facts, cfg, tokens=tokens, sequences=seqs, gpus=gpus, mem_gib=mem,
+                       calibration=cal, no_calibration=why)
     return {"source": source, "tokens": tokens, "sequences": seqs, "data_source": data_source,
             "gpus": gpus, "gpu_mem_gib": round(mem, 2), "gpu_source": gpu_source, "plan": plan}

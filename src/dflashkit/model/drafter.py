@@ -21,6 +21,14 @@ flex `BlockMask` (flex_attention, GPU training), or None (inference: the q token
 see all the context; the whole block, or with the contract's `causal` knob (JetSpec) offsets j <= i:
 `masks.inference_mask`). Training masks are `model/masks.py`'s, built with `model.causal`.
 Inference keeps only *context* K/V in a `DraftKVCache`; block K/V are never stored (§4.3).
+
+Sliding-window layers (`contract.layer_types` / `sliding_window`; `model.layer_windows` = per layer W or
+None): a block query at position p sees the context keys at positions p − W < k only (and its block as
+above). In-block causality may differ per layer too (`model.layer_causal`: a released drafter that vLLM runs
+causally in its sliding layers only). In training the caller passes one mask per distinct (window, causal)
+of the layers (`masks.layer_masks`: a dict {(window, causal): mask}; one mask when all layers agree); in
+decoding (mask None) the model masks each layer itself from the positions (`masks.window_mask`; the cached
+context is the positions just before the new ones).
 """
 
 from __future__ import annotations
@@ -48,7 +56,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 @dataclass
 class DraftKVCache:
-    """Per-layer context keys/values ([b, kv_heads, t, d], RoPE applied). Only committed context."""
+    """Per-layer context keys/values ([b, kv_heads, t, d], RoPE applied). Only committed context; a sliding layer's
+    too, in full (the forward masks the keys outside its window)."""
 
     keys: list[torch.Tensor | None] = field(default_factory=list)
     values: list[torch.Tensor | None] = field(default_factory=list)
@@ -163,6 +172,10 @@ class DFlashDraftModel(nn.Module):
         self.block_size = contract.block_size
         self.mask_token_id = contract.mask_token_id
         self.causal = bool(contract.knobs.causal)  # in-block attention (family/dflash.py): offsets j <= i only
+        windows = getattr(contract, "layer_windows", None)  # per layer: a sliding window W, or None (full)
+        self.layer_windows: list[int | None] = list(windows) if windows else [None] * contract.num_draft_layers
+        causal = getattr(contract, "layer_causal", None)  # per layer in-block causality (a released mixed drafter's)
+        self.layer_causal: list[bool] = list(causal) if causal else [self.causal] * contract.num_draft_layers
         self.target_layer_ids = list(contract.target_layer_ids)
         h = contract.hidden_size
         self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
@@ -223,8 +236,9 @@ class DFlashDraftModel(nn.Module):
             noise_embedding: [b, q, H] target embeddings of the block tokens ([x, MASK, ...]).
             target_hidden: [b, t, n_feat·H] features of context tokens not yet in `cache`.
             position_ids: [b, t + q] absolute positions of those context tokens then the block.
-            attention_mask: None (one block; a causal drafter masks offsets j > i itself), a bool
-                [b|1, 1, q, cache_len + t + q] tensor, or a flex BlockMask.
+            attention_mask: None (one block; a causal drafter masks offsets j > i itself, a sliding layer its
+                context outside the window), a bool [b|1, 1, q, cache_len + t + q] tensor or a flex BlockMask
+                (every layer), or a dict {(window, causal): mask} (each layer its own: `masks.layer_masks`).
             cache: context K/V of earlier tokens; the new context K/V are appended to it.
             block_len: tokens per block in the q queries (0: `block_size` with a mask, else all q are one
                 block); only DFlash2's convolution uses it.
@@ -239,14 +253,36 @@ class DFlashDraftModel(nn.Module):
         ctx_cos, ctx_sin, q_cos, q_sin = cos[:, :t], sin[:, :t], cos[:, t:], sin[:, t:]
         x = noise_embedding
         block_len = block_len or (self.block_size if attention_mask is not None else x.shape[1])
-        if attention_mask is None and self.causal:
-            from dflashkit.model.masks import inference_mask
-
-            past = cache.length if cache is not None else 0
-            attention_mask = inference_mask(ctx_len=past + t, q_len=x.shape[1], device=x.device)
+        masks = attention_mask if isinstance(attention_mask, dict) else None
+        if attention_mask is None:
+            masks = self._decode_masks(position_ids, t, cache.length if cache is not None else 0, x.shape[1])
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.context_kv(c, ctx_cos, ctx_sin)
             if cache is not None:
                 k, v = cache.append(i, k, v)
-            x = layer(x, k, v, q_cos, q_sin, attention_mask, block_len=block_len)
+            m = masks[self.layer_windows[i], self.layer_causal[i]] if masks is not None else attention_mask
+            x = layer(x, k, v, q_cos, q_sin, m, block_len=block_len)
         return self.norm(x)
+
+    def _decode_masks(self, position_ids: torch.Tensor, t: int, past: int, q_len: int
+                      ) -> dict[tuple[int | None, bool], torch.Tensor | None]:
+        """{(window, causal): mask} of one block after `past` cached and `t` new context tokens: None (see
+        everything) for a bidirectional full layer, else a bool [b, 1, q, past + t + q] (causal offsets, the
+        window's context)."""
+        from dflashkit.model.masks import inference_mask, window_mask
+
+        dev = position_ids.device
+        q_pos = position_ids[:, t:]                                                    # [b, q]
+        ctx_pos = position_ids[:, :1] - past + torch.arange(past + t, device=dev)     # [b, past + t]
+        out: dict[tuple[int | None, bool], torch.Tensor | None] = {}
+        for w, causal in dict.fromkeys(zip(self.layer_windows, self.layer_causal)):
+            ctx = window_mask(q_pos, ctx_pos, w)
+            if ctx is None and not causal:
+                out[w, causal] = None
+                continue
+            if ctx is None:
+                ctx = torch.ones(q_len, past + t, dtype=torch.bool, device=dev).expand(q_pos.shape[0], -1, -1)
+            block = inference_mask(ctx_len=0, q_len=q_len, device=dev) if causal else \
+                torch.ones(q_len, q_len, dtype=torch.bool, device=dev)
+            out[w, causal] = torch.cat([ctx, block.expand(ctx.shape[0], -1, -1)], dim=-1)[:, None]
+        return out

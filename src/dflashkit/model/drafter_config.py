@@ -6,6 +6,7 @@ Usage:
     hf_config = contract.to_hf_config()          # dict for config.json (z-lab format)
     contract.family                              # its drafter family (dflashkit.family): what consumers ask
     contract.knobs                               # the family's own fields (DFlash2: conv_kernel_size, …)
+    contract.layer_windows, contract.layer_causal  # per draft layer: sliding window W or None; in-block causality
 
 The contract is family-agnostic data plus the family's `knobs`; what they mean (their checks, their
 `dflash_config` keys, how a config.json declares them) is the family's, asked through `family`.
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dflashkit import family as families
+from dflashkit.config.validate import layer_type_problems
 from dflashkit.errors import UsageError
 from dflashkit.family.base import json_int
 
@@ -52,6 +54,24 @@ def build_target_layer_ids(num_target_layers: int, num_features: int) -> list[in
 
 REPROBE_HINT = "re-run `dflashkit probe -c run.yaml` for this target"
 STORED_DTYPES = ("float32", "bfloat16", "float16", "float64")  # what a drafter config.json's dtype / torch_dtype may say
+FULL, SLIDING = "full_attention", "sliding_attention"   # the draft layer types (HF `layer_types` values)
+
+
+def sliding_fields(layer_types: list[str] | None, sliding_window: int | None, num_layers: int) -> dict[str, Any]:
+    """The contract's `layer_types` / `sliding_window` for `drafter.layer_types` / `drafter.sliding_window`: the
+    explicit per-layer list and W when any layer slides, else both None (full attention, as before)."""
+    types = resolve_layer_types(layer_types, sliding_window, num_layers)
+    if SLIDING not in types:
+        return {"layer_types": None, "sliding_window": None}
+    return {"layer_types": types, "sliding_window": sliding_window}
+
+
+def resolve_layer_types(layer_types: list[str] | None, sliding_window: int | None, num_layers: int) -> list[str]:
+    """The explicit per-layer list: `layer_types` as given, else every layer sliding when a window is set
+    (HF's reading of a config with `sliding_window` and no `layer_types`), else every layer full."""
+    if layer_types is not None:
+        return list(layer_types)
+    return [SLIDING if sliding_window is not None else FULL] * num_layers
 
 
 def default_gamma(block_size: int) -> float:
@@ -84,6 +104,12 @@ class DrafterContract:
     mask_token_reason: str = ""
     bos_token_id: int | list[int] | None = None  # as the target config.json has it (like eos)
     eos_token_id: int | list[int] | None = None
+    layer_types: list[str] | None = None  # per draft layer full_attention / sliding_attention; None = all full
+    sliding_window: int | None = None     # W of the sliding layers: a block query at p sees context keys k > p − W
+    # per draft layer in-block causality when it differs between layers: a released z-lab drafter with mixed
+    # layer_types and no is_causal / dflash_config.causal, which vLLM runs causally in its sliding layers only
+    # (`from_hf_config`); None = every layer the family's `causal` knob
+    causal_layers: list[bool] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     drafter_type: str = "dflash"   # the drafter family (`drafter.type`, dflashkit.family)
     knobs: Any = None              # the family's own fields (its `knobs` dataclass); None = its defaults
@@ -100,6 +126,19 @@ class DrafterContract:
     @property
     def num_features(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Per draft layer: its sliding window W, or None for a full-attention layer."""
+        types = resolve_layer_types(self.layer_types, self.sliding_window, self.num_draft_layers)
+        return [self.sliding_window if t == SLIDING else None for t in types]
+
+    @property
+    def layer_causal(self) -> list[bool]:
+        """Per draft layer: causal in-block attention (offsets j <= i) or the whole block."""
+        if self.causal_layers is not None:
+            return list(self.causal_layers)
+        return [bool(getattr(self.knobs, "causal", False))] * self.num_draft_layers
 
     def check(self, target: Any = None, *, where: str = "drafter", hint: str | None = None) -> None:
         """THE contract check: internal consistency and, given a target, whether the drafter fits it.
@@ -133,6 +172,14 @@ class DrafterContract:
                             f"num_key_value_heads {self.num_key_value_heads}")
         if self.block_size < 1:
             problems.append(f"block_size must be >= 1, got {self.block_size}")
+        problems.extend(layer_type_problems(self.layer_types, self.sliding_window, self.num_draft_layers))
+        if self.causal_layers is not None:
+            sliding = [t == SLIDING for t in resolve_layer_types(self.layer_types, self.sliding_window,
+                                                                 self.num_draft_layers)]
+            if self.causal_layers != sliding or getattr(self.knobs, "causal", False):
+                problems.append(f"causal_layers {self.causal_layers} must be causal exactly in the sliding layers "
+                                f"({sliding}) with the causal knob false (the one per-layer causality a config.json "
+                                "can declare: vLLM's reading of mixed layer_types without is_causal)")
         if self.drafter_type in families.FAMILIES:
             fam = self.family
             if type(self.knobs) is fam.knobs:  # exactly: DFlash2's knobs extend DFlash's
@@ -204,7 +251,7 @@ class DrafterContract:
             "vocab_size": self.vocab_size,
             "attention_bias": False,
             "attention_dropout": 0.0,
-            "layer_types": ["full_attention"] * self.num_draft_layers,
+            "layer_types": resolve_layer_types(self.layer_types, self.sliding_window, self.num_draft_layers),
             "sliding_window": None,
             "use_sliding_window": False,
             "tie_word_embeddings": False,
@@ -228,6 +275,14 @@ class DrafterContract:
             cfg["dflash_config"]["draft_vocab_size"] = int(draft_vocab_size)
         cfg["dflash_config"].update(fam.dflash_config(self))
         cfg.update(fam.hf_keys(self))
+        if any(w is not None for w in self.layer_windows):
+            cfg["sliding_window"], cfg["use_sliding_window"] = self.sliding_window, True
+            # vLLM 0.32 makes a sliding layer's in-block attention causal unless is_causal / dflash_config.causal
+            # say otherwise (`_dflash_layer_causal`): state it either way, unless that per-layer reading is the
+            # drafter's own (`causal_layers`)
+            if self.causal_layers is None:
+                causal = bool(getattr(self.knobs, "causal", False))
+                cfg["is_causal"] = cfg["dflash_config"]["causal"] = causal
         return cfg
 
     @classmethod
@@ -262,6 +317,13 @@ class DrafterContract:
         heads = num(cfg["num_attention_heads"], "num_attention_heads")
         hidden = num(cfg["hidden_size"], "hidden_size")
         fam = families.by_architecture(cfg.get("architectures"))
+        types, window = read_layer_types(cfg, dc, num_layers, source)
+        causal_layers = None
+        if (types is not None and FULL in types and cfg.get("is_causal") is None and dc.get("causal") is None
+                and cfg.get("layer_types") == types):
+            # mixed layers, no explicit causality: vLLM attends causally in the sliding layers only
+            causal_layers = [t == SLIDING for t in types]
+            dc = {**dc, "causal": False}  # the family knob: the full layers' (bidirectional)
         return cls(
             block_size=num(dc.get("block_size", cfg.get("block_size", 16)), "block_size"),
             num_draft_layers=num_layers,
@@ -280,6 +342,32 @@ class DrafterContract:
             max_position_embeddings=num(cfg.get("max_position_embeddings", 4096), "max_position_embeddings"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
+            layer_types=types,
+            sliding_window=window,
+            causal_layers=causal_layers,
             drafter_type=fam.name,
             knobs=fam.make_knobs(fam.read_knobs(cfg, dc, source)),
         )
+
+
+def read_layer_types(cfg: dict[str, Any], dc: dict[str, Any], num_layers: int, source: str
+                     ) -> tuple[list[str] | None, int | None]:
+    """(layer_types, sliding_window) of a z-lab drafter config.json, as vLLM 0.32 reads them: `layer_types`
+    with the top-level `sliding_window` (or `dflash_config.swa_window_size`); `dflash_config.use_swa` without
+    sliding layers makes every layer slide. (None, None) for an all-full-attention drafter; UsageError naming
+    the key when the declaration is malformed."""
+    types = cfg.get("layer_types")
+    window = dc.get("swa_window_size", cfg.get("sliding_window"))
+    if dc.get("use_swa") and not (isinstance(types, list) and SLIDING in types):
+        types = [SLIDING] * num_layers
+    if isinstance(types, list) and all(t == FULL for t in types):
+        return None, None  # full attention everywhere: a stray window (HF's default 4096) means nothing
+    problems = layer_type_problems(types, window, num_layers, window_key="dflash_config.swa_window_size"
+                                   if "swa_window_size" in dc else "sliding_window")
+    if problems:
+        raise UsageError(f"{source}: " + "; ".join(problems),
+                         hint="give layer_types one full_attention / sliding_attention per draft layer "
+                         "(num_hidden_layers) and sliding_window W >= 1 when any layer slides")
+    if types is None or SLIDING not in types or window is None:
+        return None, None
+    return list(types), int(window)

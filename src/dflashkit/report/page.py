@@ -153,6 +153,15 @@ def render_html(rd: RunDir, name: str, figures: list[str], results: dict | None,
             versions = m.get("versions") or versions
             prov.append([stage, m.get("finished_at", ""), m.get("wall_time_s", ""),
                          ", ".join(f"{k}={v}" for k, v in (m.get("counts") or {}).items())])
+    from dflashkit.report.summary import run_budget
+
+    budget = run_budget(rd)
+    if budget:
+        from dflashkit.sizing.plan import plan_lines
+
+        out.append("<h2>Budget: plan vs actual</h2><p>run.budget_minutes sized this run (docs/budget.md); the "
+                   "report's own time is recorded after this page.</p><pre>"
+                   + html.escape("\n".join(plan_lines(budget))) + "</pre>")
     if prov:
         out.append("<h2>Provenance</h2>" + _table(["stage", "finished", "wall s", "counts"], prov))
     if versions:

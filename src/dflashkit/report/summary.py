@@ -2,7 +2,7 @@
 data-budget forecast) and where the report, export and drafter are.
 
 Usage:
-    s = run_summary(rd, target_tau=2.0)     # {"eval": results.json's summary, "forecast", "report", ...}
+    s = run_summary(rd, target_tau=2.0)     # {"eval": results.json's summary, "forecast", "budget", "report", ...}
     log.info("\n".join(summary_lines(s)))
 """
 
@@ -28,12 +28,26 @@ def run_summary(rd: RunDir, target_tau: float = 2.0) -> dict[str, Any]:
     if fc is not None:
         out["forecast"] = fc.text()
 
+    budget = run_budget(rd)
+    if budget is not None:
+        out["budget"] = budget
     drafter = trained_drafter_dir(rd.train_dir)[0].relative_to(rd.root)  # train/best if kept, else final
     for name, rel in (("report", "report/index.html"), ("checkpoint", "export"), ("drafter", drafter)):
         p = rd.root / rel
         if p.exists():
             out[name] = str(p)
     return out
+
+
+def run_budget(rd: RunDir) -> dict[str, Any] | None:
+    """`pipeline.json`'s "budget" record (`sizing/session.py`: plan, re-plans, actuals), or None without one."""
+    import json
+
+    try:
+        rec = json.loads((rd.root / "pipeline.json").read_text()).get("budget")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return rec if isinstance(rec, dict) and rec.get("plan") else None
 
 
 def summary_lines(s: dict[str, Any]) -> list[str]:
@@ -52,6 +66,10 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
             lines.append(f"  {'':17s} drafter over lookup, paired: {paired_phrase(ev['versus_prompt_lookup'])}")
     if s.get("forecast"):
         lines.append(f"  {'forecast':17s} {s['forecast']}")
+    if s.get("budget"):
+        from dflashkit.sizing.plan import plan_lines
+
+        lines += ["  budget, planned vs actual:", *(f"    {ln}" for ln in plan_lines(s["budget"]))]
     for key in ("report", "checkpoint", "drafter"):
         if key in s:
             lines.append(f"  {key:17s} {s[key]}")

@@ -57,9 +57,9 @@ def target_facts(cfg: Any) -> dict[str, Any]:
             "model_type": getattr(t.config, "model_type", ""), "architecture": type(t.model).__name__}
 
 
-# the fields of an imported drafter that must equal the run's contract.json (when the run has one)
-MATCH_KEYS = ("block_size", "num_draft_layers", "target_layer_ids", "mask_token_id", "hidden_size",
-              "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size")
+MATCH_KEYS = ("block_size", "num_draft_layers", "target_layer_ids", "mask_token_id", "hidden_size", "layer_types",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size",
+              "sliding_window", "causal_layers")  # an imported drafter's fields that must equal the run's contract
 
 
 def _fields(contract: Any) -> dict[str, Any]:

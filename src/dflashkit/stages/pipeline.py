@@ -14,11 +14,12 @@ prepare invalidates what follows. Each stage is itself resumable (generate keeps
 resumes from its last checkpoint of the same run), so an interrupted `run` continues where it stopped.
 With `server.urls` empty, `generate` starts `dflashkit serve` on 127.0.0.1 for the target and stops it
 afterwards.
+With `run.budget_minutes` (`--budget`) the run is sized to it first (`sizing/session.py`, docs/budget.md),
+with the plan and the actuals in `pipeline.json` under "budget".
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import logging
 import time
@@ -30,25 +31,12 @@ from dflashkit.data.mixing import needs_regeneration
 from dflashkit.errors import UsageError
 from dflashkit.report.summary import run_summary, summary_lines
 from dflashkit.rundir import RunDir, atomic_write_json, atomic_write_text, read_json
+from dflashkit.sizing.session import BudgetSession, apply_scale
 from dflashkit.stage_table import PIPELINE, STAGES, stage_hash
 
 log = logging.getLogger("dflashkit.run")
 
 ORDER = PIPELINE  # from the one stage table (`dflashkit.stage_table`), with each stage's config sections
-
-
-def apply_scale(cfg: RunConfig) -> RunConfig:
-    """`run.scale` multiplies the data size, training steps and eval prompts (the demo knob)."""
-    s = cfg.run.scale
-    if s == 1.0:
-        return cfg
-    cfg = dataclasses.replace(cfg)
-    if cfg.data.num_prompts:
-        cfg.data = dataclasses.replace(cfg.data, num_prompts=max(1, round(cfg.data.num_prompts * s)))
-    if cfg.train.max_steps:
-        cfg.train = dataclasses.replace(cfg.train, max_steps=max(1, round(cfg.train.max_steps * s)))
-    cfg.eval = dataclasses.replace(cfg.eval, num_prompts=max(1, round(cfg.eval.num_prompts * s)))
-    return cfg
 
 
 def active_stages(cfg: RunConfig) -> list[str]:
@@ -91,10 +79,15 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     if unknown:
         raise UsageError(f"--force {sorted(unknown)}: not a stage", hint=f"stages: {', '.join(ORDER)}")
     state_path = rd.root / "pipeline.json"
-    state: dict[str, str] = read_json(state_path) if state_path.is_file() else {}
+    state: dict[str, Any] = read_json(state_path) if state_path.is_file() else {}  # stage → fingerprint, + "budget"
+    budget = BudgetSession.open(cfg, rd, state, active=active_stages(cfg), dry_run=ctx.dry_run) \
+        if cfg.run.budget_minutes is not None else None  # calibrate, plan, print the plan
+    cfg = budget.apply(cfg) if budget else cfg
     if not ctx.dry_run:
         rd.root.mkdir(parents=True, exist_ok=True)
         atomic_write_text(rd.resolved_config_path, dump_config(cfg))
+        if budget:
+            atomic_write_json(state_path, state)  # the plan, before any stage runs
 
     plan: list[dict[str, Any]] = []
     results: dict[str, Any] = {}
@@ -112,6 +105,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
             elif action == "skip":
                 log.info("%-9s up to date — skipped", stage)
             else:
+                cfg = budget.before(stage, cfg, rd) if budget else cfg  # train, eval: re-planned from the time left
                 log.info("%-9s running …", stage)
                 t0 = time.time()
                 sub = StageContext(command=stage, config_path=ctx.config_path, json=True)
@@ -128,9 +122,13 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
                 log.info("%-9s done in %.1f s", stage, time.time() - t0)
                 fp = _fingerprint(cfg, rd, stage, previous, prev_fp)
                 state[stage] = fp
+                if budget:
+                    budget.finished(stage, time.time() - t0, cfg, rd, state)  # plan vs actual into state["budget"]
                 atomic_write_json(state_path, state)
         prev_fp, previous = fp, stage
     out: dict[str, Any] = {"run_dir": str(rd.root), "stages": plan}
+    if budget:
+        out["budget"] = budget.record or {"plan": None, "reason": budget.message}
     if ctx.dry_run:
         out["plan_estimates"] = _plan_estimates(cfg, rd)
         return out
@@ -143,8 +141,9 @@ def _plan_estimates(cfg: RunConfig, rd: RunDir) -> dict[str, Any] | None:
     try:
         from dflashkit.data.records import prepared_lines
         from dflashkit.inspect.estimate import estimate
+        from dflashkit.sizing.calibration import saved_calibration
 
-        return estimate(cfg, rd, prepared_lines=prepared_lines)
+        return estimate(cfg, rd, prepared_lines=prepared_lines, calibration=saved_calibration)
     except Exception as e:  # noqa: BLE001 - estimates are advisory in a dry run
         log.warning("plan estimates unavailable: %s", e)
         return None

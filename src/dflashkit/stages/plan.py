@@ -6,6 +6,8 @@ Inputs:  the drafter contract + target facts (`contract.json`, `probe/probe.json
          × `data.mean_tokens`; the GPUs from a positional `NxMEM` (e.g. `8x80` = 8 GPUs of 80 GiB),
          else the visible CUDA devices, else 1x80. `train.*` (batch, anchors, loss_chunk_blocks,
          loss) and `capture.dtype` shape the estimate.
+         Times: from this machine's saved calibration (`dflashkit run --budget M` measures one) when it
+         matches the config, else FLOPs at an assumed 400 TFLOP/s per GPU; the table says which.
          A positional `CURVE.json` (a `train/curve.json`) adds the data-budget forecast for
          `train.forecast_tau` (`train/forecast.py`), with hours at this plan's training speed.
 Outputs: nothing on disk; a table and the JSON (`inspect/estimate.py` gathers the inputs, `inspect/budget.py`
@@ -54,16 +56,18 @@ def _table(r: dict[str, Any]) -> str:
     rows += [("recommended", str(p["recommended"] or "nothing fits: more GPUs, smaller train.batch_size or "
                                  "train.num_anchors")),
              ("time / epoch", f"online {tm['hours_per_epoch_online']} h, cached {tm['hours_per_epoch_cached']} h "
-                              f"(+ capture {tm['hours_capture']} h) at {tm['assumed_tflops_per_gpu']:.0f} TFLOP/s/GPU")]
+                              f"(+ capture {tm['hours_capture']} h): {tm['source']}")]
     return "\n".join(f"{k.ljust(16)}  {v}" for k, v in rows)
 
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     from dflashkit.data.records import prepared_lines
     from dflashkit.inspect.estimate import estimate
+    from dflashkit.sizing.calibration import saved_calibration
 
     curves = [p for p in ctx.positionals if p.endswith(".json")]  # a train/curve.json: the forecast at scale
-    result = estimate(cfg, rd, [p for p in ctx.positionals if not p.endswith(".json")], prepared_lines=prepared_lines)
+    result = estimate(cfg, rd, [p for p in ctx.positionals if not p.endswith(".json")], prepared_lines=prepared_lines,
+                      calibration=saved_calibration)
     if len(curves) > 1:
         raise UsageError(f"`dflashkit plan` takes one CURVE.json, got {curves}",
                          hint="dflashkit plan [MODEL] [8x80] [runs/x/train/curve.json]")

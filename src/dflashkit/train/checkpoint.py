@@ -148,7 +148,7 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler) -> int:
 CONTRACT_KEYS = ("block_size", "num_draft_layers", "target_layer_ids", "mask_token_id", "num_target_layers",
                  "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                  "vocab_size", "rope_theta", "rope_scaling", "max_position_embeddings", "tie_word_embeddings",
-                 "drafter_type")
+                 "drafter_type", "layer_types", "sliding_window", "causal_layers")
 
 
 def contract_keys(now: dict) -> tuple[str, ...]:

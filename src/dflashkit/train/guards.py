@@ -60,6 +60,14 @@ def check_drafter_overrides(cfg: RunConfig, contract: DrafterContract, where: st
         mine, theirs = getattr(d, key), getattr(contract, key)
         if _given(cfg, key, mine) and (float(mine) != float(theirs) if key == "rms_norm_eps" else mine != theirs):
             problems.append(f"drafter.{key}: {mine!r} in the config, {theirs!r} in {where}")
+    if _given(cfg, "layer_types", d.layer_types) or _given(cfg, "sliding_window", d.sliding_window):
+        from dflashkit.model.drafter_config import sliding_fields
+
+        mine_sw, theirs_sw = sliding_fields(d.layer_types, d.sliding_window, contract.num_draft_layers), \
+            {"layer_types": contract.layer_types, "sliding_window": contract.sliding_window}
+        if mine_sw != theirs_sw:
+            problems.append(f"drafter.layer_types / drafter.sliding_window: {mine_sw} in the config, {theirs_sw} in "
+                            f"{where}")
     if _given(cfg, "type", d.type) and d.type != contract.drafter_type:
         problems.append(f"drafter.type: {d.type!r} in the config, {contract.drafter_type!r} in {where}")
     for key in contract.family.knob_names:  # the contract's family's knobs (another family's mean nothing here)

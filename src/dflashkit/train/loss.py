@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dflashkit.family.base import Blocks, Family, LossTerm, Rows, Scored
 from dflashkit.model.draft_vocab import draft_labels
-from dflashkit.model.masks import dense_block_mask, flex_block_mask
+from dflashkit.model.masks import dense_block_mask, flex_block_mask, layer_masks
 from dflashkit.model.path_labels import path_label_ids
 from dflashkit.train.objective import Anchors, block_input_ids, block_position_ids, dpace_weights, labels_and_weights
 
@@ -319,8 +319,10 @@ class DraftLoss:
         ctx_feats = x.features if self.context else x.features[:, :0]
         pos = block_position_ids(a, ctx_len=ctx_len, block_size=B)
         make = flex_block_mask if self.attention == "flex" else dense_block_mask
-        mask = make(a.anchors, a.keep, x.seq_lens.to(a.anchors.device), ctx_len=ctx_len, block_size=B,
-                    causal=getattr(model, "causal", False))  # the drafter networks say; a test stub need not
+        mask = layer_masks(make, a.anchors, a.keep, x.seq_lens.to(a.anchors.device), ctx_len=ctx_len, block_size=B,
+                           causal=getattr(model, "causal", False),  # the drafter networks say; a test stub need not
+                           windows=getattr(model, "layer_windows", None),  # per layer: a sliding window or None
+                           causals=getattr(model, "layer_causal", None))   # per layer in-block causality
         with torch.autocast(device_type=x.input_ids.device.type, dtype=self.amp or torch.bfloat16,
                             enabled=self.amp is not None):
             hidden = drafter(noise.to(x.features.dtype), ctx_feats, pos, attention_mask=mask)   # [b, N·B, H]

@@ -1,0 +1,1 @@
+"""Runs sized by a compute budget: this machine's calibration (`calibration`) and the arithmetic (`plan`)."""
