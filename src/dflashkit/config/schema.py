@@ -405,8 +405,15 @@ class TrainSection:
     num_anchors: int = f(512, "Max anchors (blocks) per sequence.")
     anchor_coverage: float | None = f(
         None, "Anchors per document in proportion to its length: each sample draws ceil(x · its anchor candidates) "
-        "(capped by num_anchors); null = num_anchors per sample whatever its length. Samples are never packed, "
-        "so a row is a document here (speculators #1071's per-document coverage).", hash_default=False)
+        "(capped by num_anchors); null = num_anchors per sample whatever its length. Per document, also in "
+        "packed rows (train.pack; speculators #1071's per-document coverage).", hash_default=False)
+    pack: bool = f(
+        False, "Document-aware sequence packing: a micro-batch's samples are concatenated into rows of up to "
+        "train.pack_length tokens; a document never attends across its boundary (the drafter's mask and "
+        "positions are per document, anchors and their labels stay inside it; cached features are each "
+        "sample's own, an online target runs per document). train.features cached or online, drafter.type=dflash. docs/recipe.md \"Long samples and packing\".", hash_default=False)
+    pack_length: int | None = f(
+        None, "train.pack: tokens per packed row; null = tokenize.max_length.", hash_default=False)
     gamma: float | None = f(None, "Loss decay over block positions; null = 7 for B=16, 5 for B=10, 4 for "
                             "B=8, else B/2.")
     loss: Literal["ce", "kl", "ce+kl"] = f("ce", "Hard CE on the data, KL to target logits, or both.")

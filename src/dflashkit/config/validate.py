@@ -290,6 +290,13 @@ def _stage_option_problems(cfg: RunConfig) -> list[str]:
         p.append(f"train.kl_temperature {t.kl_temperature} must be > 0")
     if t.anchor_coverage is not None and not 0 < t.anchor_coverage <= 1:
         p.append(f"train.anchor_coverage {t.anchor_coverage} is outside (0, 1]")
+    if t.pack_length is not None and t.pack_length < 2:
+        p.append(f"train.pack_length {t.pack_length} must be >= 2 tokens (or null = tokenize.max_length)")
+    if t.pack and t.features == "engine":
+        p.append("train.pack supports train.features=cached or online (got engine): run `dflashkit capture` and "
+                 "set train.features=cached, or drop train.pack")
+    if t.pack and cfg.drafter.type != "dflash":
+        p.append(f"train.pack supports drafter.type=dflash only (got {cfg.drafter.type}): drop train.pack")
     if t.optimizer == "muon" and t.parallel.mode == "fsdp":
         p.append("train.optimizer=muon does not support train.parallel.mode=fsdp (use ddp or none)")
     if not t.feature_noise >= 0:

@@ -19,9 +19,12 @@ S context tokens followed by the N·B block tokens. The rule, stated once:
   * a sliding-window layer (window W, `drafter.sliding_window`): a query at position p (block j's
     offset k sits at p = anchors[j] + k) sees context key i only if also p − W < i; its own block as above.
     A layer's window and causality are the only differences between the masks of its layers (`layer_masks`).
+  * packed rows (`train.pack`, `starts` [b, N] = the row index where the anchor's document starts): a query
+    of block j also needs starts[j] <= i, so no query sees a key of another document (None: every row
+    is one document, starts 0).
 Padded / invalid blocks therefore still see their own block (a causal one at least its own token),
-so no softmax row is empty (no NaN, pitfall §3.7.5); their loss weight is 0. Samples are never
-packed, so "before the anchor" is "before the anchor in the same document".
+so no softmax row is empty (no NaN, pitfall §3.7.5); their loss weight is 0. Only the q = N·B block
+queries attend, so a mask is [N·B, S + N·B], never [S, S].
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import torch
 
 
 def dense_block_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_lens: torch.Tensor, *,
-                     ctx_len: int, block_size: int, causal: bool = False, window: int | None = None) -> torch.Tensor:
+                     ctx_len: int, block_size: int, causal: bool = False, window: int | None = None,
+                     starts: torch.Tensor | None = None) -> torch.Tensor:
     """The dense boolean SDPA mask (True = may attend).
 
     Args:
@@ -41,6 +45,7 @@ def dense_block_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_lens: torch.
         block_size: B.
         causal: block offset i sees offsets j <= i of its block only (else the whole block).
         window: a sliding layer's W (None: full attention): context keys i > p − W only, p the query's position.
+        starts: [b, N] where each anchor's document starts in its packed row (None: at 0).
     Returns:
         bool [b, 1, N·B, S + N·B].
     """
@@ -49,6 +54,8 @@ def dense_block_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_lens: torch.
     ctx_idx = torch.arange(ctx_len, device=dev)
     limit = torch.minimum(anchors, seq_lens[:, None].to(anchors.dtype))          # [b, N]
     ctx = (ctx_idx[None, None, :] < limit[:, :, None]) & keep[:, :, None]       # [b, N, S]
+    if starts is not None:
+        ctx = ctx & (ctx_idx[None, None, :] >= starts[:, :, None])
     ctx = ctx.repeat_interleave(block_size, dim=1)                              # [b, N·B, S]
     q_id = torch.arange(n * block_size, device=dev)
     if window is not None:
@@ -61,7 +68,8 @@ def dense_block_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_lens: torch.
 
 
 def mask_mod_for(anchors: torch.Tensor, keep: torch.Tensor, seq_lens: torch.Tensor, *,
-                 ctx_len: int, block_size: int, causal: bool = False, window: int | None = None):
+                 ctx_len: int, block_size: int, causal: bool = False, window: int | None = None,
+                 starts: torch.Tensor | None = None):
     """A flex-attention `mask_mod(b, h, q_idx, kv_idx)` implementing the same rule as the dense mask."""
     n = anchors.shape[1]
     limit = torch.minimum(anchors, seq_lens[:, None].to(anchors.dtype)) * keep.to(anchors.dtype)
@@ -70,6 +78,8 @@ def mask_mod_for(anchors: torch.Tensor, keep: torch.Tensor, seq_lens: torch.Tens
         j = (q_idx // block_size).clamp(0, n - 1)  # clamp: flex may probe padded q rows (§3.7.5)
         in_ctx = kv_idx < ctx_len
         ctx_ok = kv_idx < limit[b, j]
+        if starts is not None:  # packed rows: keys of the anchor's own document only
+            ctx_ok = ctx_ok & (kv_idx >= starts[b, j])
         if window is not None:  # the query's position: its block's anchor + its offset
             ctx_ok = ctx_ok & (kv_idx > anchors[b, j] + q_idx % block_size - window)
         own_ok = ((kv_idx - ctx_len) // block_size == j) & (kv_idx >= ctx_len)
@@ -81,28 +91,31 @@ def mask_mod_for(anchors: torch.Tensor, keep: torch.Tensor, seq_lens: torch.Tens
 
 
 def flex_block_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_lens: torch.Tensor, *,
-                    ctx_len: int, block_size: int, causal: bool = False, window: int | None = None):
+                    ctx_len: int, block_size: int, causal: bool = False, window: int | None = None,
+                    starts: torch.Tensor | None = None):
     """The same mask as a flex-attention `BlockMask` (use with `drafter.attention=flex`)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     b, n = anchors.shape
     mod = mask_mod_for(anchors, keep, seq_lens, ctx_len=ctx_len, block_size=block_size, causal=causal,
-                       window=window)
+                       window=window, starts=starts)
     return create_block_mask(mod, B=b, H=None, Q_LEN=n * block_size, KV_LEN=ctx_len + n * block_size,
                              device=anchors.device)
 
 
 def layer_masks(make, anchors: torch.Tensor, keep: torch.Tensor, seq_lens: torch.Tensor, *, ctx_len: int,
                 block_size: int, causal: bool = False, windows: list[int | None] | None = None,
-                causals: list[bool] | None = None):
+                causals: list[bool] | None = None, starts: torch.Tensor | None = None):
     """The training mask(s) of a drafter whose layers have `windows` (per layer W or None; None: all full) and
     in-block causality `causals` (per layer; None: every layer `causal`).
 
-    `make` is `dense_block_mask` or `flex_block_mask`. Returns one mask when every layer attends alike, else a
-    dict {(window, causal): mask} with one entry per distinct pair (the drafter picks its layer's)."""
+    `make` is `dense_block_mask` or `flex_block_mask`; `starts`: packed rows' document starts per anchor.
+    Returns one mask when every layer attends alike, else a dict {(window, causal): mask} with one entry per
+    distinct pair (the drafter picks its layer's)."""
     n = max(len(windows or ()), len(causals or ()), 1)
     kinds = list(dict.fromkeys(zip(windows or [None] * n, causals or [causal] * n)))
-    masks = {(w, c): make(anchors, keep, seq_lens, ctx_len=ctx_len, block_size=block_size, causal=c, window=w)
+    masks = {(w, c): make(anchors, keep, seq_lens, ctx_len=ctx_len, block_size=block_size, causal=c, window=w,
+                         starts=starts)
              for w, c in kinds}
     return masks[kinds[0]] if len(masks) == 1 else masks
 

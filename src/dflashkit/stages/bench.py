@@ -7,7 +7,8 @@ Example: dflashkit bench decode -c run.yaml
 Subjects: generate (client req/s vs a local zero-latency server), tokenize (vs raw batched
 tokenizer), train (drafter step vs target forward), decode (speculative vs block_size=1 vs the
 reference dflash_generate), step (the target's decode step as loaded vs packed, against the memory floor), serve (concurrency sweep over one or two OpenAI-compatible endpoints),
-recipe (short training runs of recipe variants on this run's data: held-out τ, acc@1, bigram).
+recipe (short training runs of recipe variants on this run's data: held-out τ, acc@1, bigram),
+seqlen (train peak memory and step time of one packed row at S = 2k / 8k / 32k).
 Every ratio is measured in one run, warm-up excluded.
 """
 
@@ -67,10 +68,16 @@ def _recipe(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     return bench_recipe(cfg, rd, ctx)
 
 
+def _seqlen(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
+    from dflashkit.bench.seqlen import bench_seqlen
+
+    return bench_seqlen(cfg, rd, ctx)
+
+
 # subject -> the bench (each imports its module lazily: a bench's heavy imports load only when it runs)
 SUBJECTS: dict[str, Callable[[RunConfig, RunDir, StageContext], dict[str, Any]]] = {
     "generate": _generate, "serve": _serve, "tokenize": _tokenize, "train": _train, "decode": _decode,
-    "recipe": _recipe, "step": _step,
+    "recipe": _recipe, "step": _step, "seqlen": _seqlen,
 }
 
 

@@ -6,6 +6,7 @@ Usage:
     plan = BatchPlan(train_idx, batch_size=4, grad_accum=2, world=2, seed=0)
     for micro in plan.micro_batches(step, rank):               # this rank's micro-batches of `step`
         batch = collate(data, micro, epoch_seed)               # padded tensors + per-sample seeds
+        batch = collate(data, micro, epoch_seed, pack=4096)    # train.pack: samples concatenated into rows
 
 Determinism: the order of step s is a function of (run.seed, s) only. The global batch of a step
 (batch_size × grad_accum × world samples) is consecutive in a per-epoch seeded permutation;
@@ -108,6 +109,7 @@ class Batch:
     next_ids: torch.Tensor | None = None  # [b, S] the target's argmax at each position (cached mode)
     last_hidden: torch.Tensor | None = None  # [b, S, H] the target's final-norm output (cached, for KL)
     path_ids: torch.Tensor | None = None  # [b, S, D] the target's greedy path after each prefix (−1: none)
+    docs: list[list[tuple[int, int]]] | None = None  # packed rows: per row its documents' (length, anchor seed)
 
     def to(self, device: torch.device) -> "Batch":
         def mv(t):
@@ -115,7 +117,7 @@ class Batch:
 
         return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.attention_mask.to(device),
                      self.seq_lens.to(device), self.seeds, mv(self.features), mv(self.next_ids),
-                     mv(self.last_hidden), mv(self.path_ids))
+                     mv(self.last_hidden), mv(self.path_ids), self.docs)
 
 
 def sample_seed(run_seed: int, index: int, epoch: int) -> int:
@@ -123,29 +125,62 @@ def sample_seed(run_seed: int, index: int, epoch: int) -> int:
     return zlib.crc32(f"{run_seed}:{epoch}:{index}".encode())
 
 
+def pack_rows(lens: list[int], pack: int) -> list[list[int]]:
+    """`train.pack`: the items (by their lengths `lens`, in order) grouped into rows of at most `pack` tokens,
+    each item joining the first row it fits in (first fit, deterministic); an item longer than `pack` gets a
+    row of its own."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for k, n in enumerate(lens):
+        r = next((r for r, left in enumerate(room) if n <= left), None)
+        if r is None:
+            rows.append([k])
+            room.append(pack - n)
+        else:
+            rows[r].append(k)
+            room[r] -= n
+    return rows
+
+
 def collate(data: TokenData, items: list[tuple[int, int]], *, run_seed: int, pad_id: int = 0,
             with_features: bool = False, with_next_ids: bool = False, with_last_hidden: bool = False,
-            with_path_ids: bool = False, paths: dict[int, torch.Tensor] | None = None) -> Batch:
+            with_path_ids: bool = False, paths: dict[int, torch.Tensor] | None = None,
+            pack: int | None = None) -> Batch:
     """Pad the samples `items` ((index, epoch) pairs) into a Batch (cached tensors from `data.features`;
-    `paths`: greedy paths [n, D] by sample index, computed elsewhere; samples without one get −1)."""
+    `paths`: greedy paths [n, D] by sample index, computed elsewhere; samples without one get −1).
+
+    `pack` (`train.pack`: tokens per row): the samples are concatenated into rows (`pack_rows`), every
+    per-token tensor (cached features too, each sample's from its own capture) placed at the sample's offset;
+    `Batch.docs` then lists each row's documents, `seeds` holds a row's first document's seed."""
     lens = [len(data.input_ids[i]) for i, _ in items]
-    s = max(lens)
-    ids = torch.full((len(items), s), pad_id, dtype=torch.long)
-    lm = torch.zeros((len(items), s), dtype=torch.long)
-    att = torch.zeros((len(items), s), dtype=torch.long)
-    for r, ((i, _), n) in enumerate(zip(items, lens)):
-        ids[r, :n] = torch.from_numpy(data.input_ids[i])
-        lm[r, :n] = torch.from_numpy(data.loss_mask[i])
-        att[r, :n] = 1
+    seeds = [sample_seed(run_seed, i, e) for i, e in items]
+    groups = pack_rows(lens, pack) if pack else [[k] for k in range(len(items))]
+    place: list[tuple[int, int]] = [(0, 0)] * len(items)   # item k → (row, offset)
+    for r, g in enumerate(groups):
+        off = 0
+        for k in g:
+            place[k] = (r, off)
+            off += lens[k]
+    row_lens = [sum(lens[k] for k in g) for g in groups]
+    s = max(row_lens)
+    nrow = len(groups)
+    ids = torch.full((nrow, s), pad_id, dtype=torch.long)
+    lm = torch.zeros((nrow, s), dtype=torch.long)
+    att = torch.zeros((nrow, s), dtype=torch.long)
+    for (i, _), n, (r, o) in zip(items, lens, place):
+        ids[r, o:o + n] = torch.from_numpy(data.input_ids[i])
+        lm[r, o:o + n] = torch.from_numpy(data.loss_mask[i])
+        att[r, o:o + n] = 1
+
     def stack(name: str, dtype: torch.dtype) -> torch.Tensor:
         assert data.features is not None  # with_features / with_* need the capture shards
         rows = [data.features.get(data.where[i], n, name) for (i, _), n in zip(items, lens)]
         if name == "path_ids":  # shards captured for a larger block hold deeper paths; each holds the depth asked
             depth = min(f.shape[1] for f in rows)
             rows = [f[:, :depth] for f in rows]
-        out = torch.zeros(len(items), s, *rows[0].shape[1:], dtype=dtype)
-        for r, f in enumerate(rows):
-            out[r, :f.shape[0]] = f.to(dtype)
+        out = torch.zeros(nrow, s, *rows[0].shape[1:], dtype=dtype)
+        for f, (r, o) in zip(rows, place):
+            out[r, o:o + f.shape[0]] = f.to(dtype)
         return out
 
     feats = stack("features", torch.float32) if with_features else None
@@ -154,9 +189,57 @@ def collate(data: TokenData, items: list[tuple[int, int]], *, run_seed: int, pad
     path_ids = stack("path_ids", torch.long) if with_path_ids else None
     if paths:
         depth = next(iter(paths.values())).shape[1]
-        path_ids = torch.full((len(items), s, depth), -1, dtype=torch.long)
-        for r, ((i, _), n) in enumerate(zip(items, lens)):
+        path_ids = torch.full((nrow, s, depth), -1, dtype=torch.long)
+        for (i, _), n, (r, o) in zip(items, lens, place):
             if i in paths:
-                path_ids[r, :n] = paths[i]
-    return Batch(ids, lm, att, torch.tensor(lens), [sample_seed(run_seed, i, e) for i, e in items], feats,
-                 next_ids, last_hidden, path_ids)
+                path_ids[r, o:o + n] = paths[i]
+    docs = [[(lens[k], seeds[k]) for k in g] for g in groups] if pack else None
+    return Batch(ids, lm, att, torch.tensor(row_lens), [seeds[g[0]] for g in groups], feats,
+                 next_ids, last_hidden, path_ids, docs)
+
+
+def _doc_spans(b: Batch) -> list[tuple[int, int, int]]:
+    """(row, offset, length) of every document of the packed batch `b`, rows in order, documents in order."""
+    assert b.docs is not None
+    out = []
+    for r, docs in enumerate(b.docs):
+        off = 0
+        for n, _ in docs:
+            out.append((r, off, n))
+            off += n
+    return out
+
+
+def unpacked(b: Batch, *, pad_id: int = 0) -> Batch:
+    """The documents of the packed batch `b` (`collate(pack=...)`) as an unpacked batch, one right-padded
+    document per row (`_doc_spans` order): what a target forward runs on, so it never sees across a document
+    boundary (`repacked` puts its outputs back)."""
+    spans = _doc_spans(b)
+    assert b.docs is not None
+    s = max(n for _, _, n in spans)
+    seeds = [seed for docs in b.docs for _, seed in docs]
+
+    def cut(t: torch.Tensor | None, fill: int = 0) -> torch.Tensor | None:
+        if t is None:
+            return None
+        out = torch.full((len(spans), s, *t.shape[2:]), fill, dtype=t.dtype, device=t.device)
+        for d, (r, o, n) in enumerate(spans):
+            out[d, :n] = t[r, o:o + n]
+        return out
+
+    ids, lm, att = cut(b.input_ids, pad_id), cut(b.loss_mask), cut(b.attention_mask)
+    assert ids is not None and lm is not None and att is not None
+    lens = torch.tensor([n for _, _, n in spans], device=b.seq_lens.device)
+    return Batch(ids, lm, att, lens, seeds, cut(b.features), cut(b.next_ids), cut(b.last_hidden),
+                 cut(b.path_ids, -1))
+
+
+def repacked(t: torch.Tensor | None, b: Batch) -> torch.Tensor | None:
+    """Per-document rows [docs, L, ...] of `unpacked(b)` placed back at their offsets in `b`'s rows [rows, S, ...]
+    (padding 0)."""
+    if t is None:
+        return None
+    out = t.new_zeros(b.input_ids.shape[0], b.input_ids.shape[1], *t.shape[2:])
+    for d, (r, o, n) in enumerate(_doc_spans(b)):
+        out[r, o:o + n] = t[d, :n]
+    return out

@@ -322,7 +322,8 @@ class DraftLoss:
         mask = layer_masks(make, a.anchors, a.keep, x.seq_lens.to(a.anchors.device), ctx_len=ctx_len, block_size=B,
                            causal=getattr(model, "causal", False),  # the drafter networks say; a test stub need not
                            windows=getattr(model, "layer_windows", None),  # per layer: a sliding window or None
-                           causals=getattr(model, "layer_causal", None))   # per layer in-block causality
+                           causals=getattr(model, "layer_causal", None),   # per layer in-block causality
+                           starts=a.starts)                                # packed rows: each anchor's document
         with torch.autocast(device_type=x.input_ids.device.type, dtype=self.amp or torch.bfloat16,
                             enabled=self.amp is not None):
             hidden = drafter(noise.to(x.features.dtype), ctx_feats, pos, attention_mask=mask)   # [b, N·B, H]

@@ -15,6 +15,11 @@ Rules (each pinned by a test):
     a sample lands in, nor on the number of ranks) and sorted; rows are padded with anchor 0 and
     keep=False.
   * Block j input = [x[a_j], MASK × (B−1)], positions a_j … a_j+B−1; context positions 0 … S−1.
+  * Packed rows (`train.pack`, `Batch.docs`): each document draws its anchors as it would alone (its own
+    seed and `num_anchors` cap, shifted by its offset in the row), the candidate rule reads "L" as the
+    document's end, positions restart at 0 per document, and `Anchors.starts` / `Anchors.ends` hold each
+    anchor's document span (the mask's `starts`; block positions at or past `ends` get weight 0). What the
+    drafter sees for a block is then the same as unpacked (`tests/train/test_packing.py`).
   * Same-position labels: block j position k is trained to predict x[a_j + k] (pitfall §3.7.1); with
     `train.labels=target` the target's argmax at a_j+k−1, and with `train.on_path` the target's own greedy
     path after x[..a_j] (`path_ids`, rollout) or only the positions where the two agree (`on_path_only`,
@@ -41,14 +46,35 @@ from dflashkit.model.path_labels import on_path_weights, path_label_ids
 
 @dataclass
 class Anchors:
-    """Sampled blocks: `anchors` [b, N] (int64, padded with 0) and `keep` [b, N] (bool)."""
+    """Sampled blocks: `anchors` [b, N] (int64, padded with 0) and `keep` [b, N] (bool); in packed rows also
+    `starts` / `ends` [b, N], the row span [start, end) of each anchor's document, and `positions` [b, S], each
+    token's position in its own document (all None: one document per row)."""
 
     anchors: torch.Tensor
     keep: torch.Tensor
+    starts: torch.Tensor | None = None
+    ends: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+
+def _draw(lm: torch.Tensor, n_i: int, seed: int, num_anchors: int, coverage: float | None) -> torch.Tensor:
+    """The sorted anchors of one document of length `n_i` (`lm` its loss mask, length >= n_i)."""
+    row = lm[:n_i]
+    valid = torch.zeros(n_i, dtype=torch.bool)
+    if n_i >= 2:
+        valid[:-1] = row[:-1].cpu() & row[1:].cpu()
+    cand = valid.nonzero().flatten()
+    g = torch.Generator().manual_seed(int(seed) & 0x7FFFFFFFFFFFFFFF)
+    keys = torch.rand(n_i, generator=g)[cand]
+    take = min(num_anchors, cand.numel())
+    if coverage is not None:
+        take = min(take, math.ceil(coverage * cand.numel()))
+    return torch.sort(cand[torch.argsort(keys)[:take]]).values
 
 
 def sample_anchors(loss_mask: torch.Tensor, seq_lens: torch.Tensor, *, num_anchors: int, block_size: int,
-                   seeds: list[int], coverage: float | None = None) -> Anchors:
+                   seeds: list[int], coverage: float | None = None,
+                   docs: list[list[tuple[int, int]]] | None = None) -> Anchors:
     """Draw up to `num_anchors` sorted distinct anchors per sequence (see the module rules).
 
     Args:
@@ -60,6 +86,8 @@ def sample_anchors(loss_mask: torch.Tensor, seq_lens: torch.Tensor, *, num_ancho
         coverage: anchors per document in proportion to its length (`train.anchor_coverage`): each
             sequence draws ceil(coverage · its candidates), still capped by `num_anchors`; None = the
             cap alone (every long sequence gets `num_anchors`, a short one all its candidates).
+        docs: packed rows (`Batch.docs`): per row its documents' (length, seed) in order; each document
+            draws as a sequence of its own (`seeds` is then unused) and the result carries the spans.
     Returns:
         Anchors with N = min(num_anchors, max candidates in the batch), at least 1.
     """
@@ -67,27 +95,38 @@ def sample_anchors(loss_mask: torch.Tensor, seq_lens: torch.Tensor, *, num_ancho
     b, s = loss_mask.shape
     lm = loss_mask.bool()
     picks: list[torch.Tensor] = []
+    spans: list[tuple[torch.Tensor, torch.Tensor]] = []
+    positions = torch.zeros(b, s, dtype=torch.long)
     for i in range(b):
-        n_i = int(seq_lens[i])
-        row = lm[i, :n_i]
-        valid = torch.zeros(n_i, dtype=torch.bool)
-        if n_i >= 2:
-            valid[:-1] = row[:-1].cpu() & row[1:].cpu()
-        cand = valid.nonzero().flatten()
-        g = torch.Generator().manual_seed(int(seeds[i]) & 0x7FFFFFFFFFFFFFFF)
-        keys = torch.rand(n_i, generator=g)[cand]
-        take = min(num_anchors, cand.numel())
-        if coverage is not None:
-            take = min(take, math.ceil(coverage * cand.numel()))
-        chosen = cand[torch.argsort(keys)[:take]]
-        picks.append(torch.sort(chosen).values)
+        if docs is None:
+            picks.append(_draw(lm[i], int(seq_lens[i]), seeds[i], num_anchors, coverage))
+            continue
+        got, st, en, off = [], [], [], 0
+        for n_d, seed_d in docs[i]:
+            p = _draw(lm[i, off:off + n_d], n_d, seed_d, num_anchors, coverage) + off
+            got.append(p)
+            st.append(torch.full_like(p, off))
+            en.append(torch.full_like(p, off + n_d))
+            positions[i, off:off + n_d] = torch.arange(n_d)
+            off += n_d
+        empty = torch.zeros(0, dtype=torch.long)
+        picks.append(torch.cat(got) if got else empty)
+        spans.append((torch.cat(st) if st else empty, torch.cat(en) if en else empty))
     n = max(1, max(p.numel() for p in picks))
     anchors = torch.zeros(b, n, dtype=torch.long)
     keep = torch.zeros(b, n, dtype=torch.bool)
     for i, p in enumerate(picks):
         anchors[i, :p.numel()] = p
         keep[i, :p.numel()] = True
-    return Anchors(anchors.to(loss_mask.device), keep.to(loss_mask.device))
+    dev = loss_mask.device
+    if docs is None:
+        return Anchors(anchors.to(dev), keep.to(dev))
+    starts = torch.zeros(b, n, dtype=torch.long)
+    ends = torch.zeros(b, n, dtype=torch.long)  # padded blocks: an empty span (no weight; keep=False anyway)
+    for i, (st_i, en_i) in enumerate(spans):
+        starts[i, :st_i.numel()] = st_i
+        ends[i, :en_i.numel()] = en_i
+    return Anchors(anchors.to(dev), keep.to(dev), starts.to(dev), ends.to(dev), positions.to(dev))
 
 
 def block_input_ids(input_ids: torch.Tensor, a: Anchors, *, mask_token_id: int, block_size: int) -> torch.Tensor:
@@ -100,11 +139,13 @@ def block_input_ids(input_ids: torch.Tensor, a: Anchors, *, mask_token_id: int, 
 
 
 def block_position_ids(a: Anchors, *, ctx_len: int, block_size: int) -> torch.Tensor:
-    """[b, S + N·B]: context 0 … S−1, then block j → a_j … a_j+B−1."""
+    """[b, S + N·B]: context 0 … S−1, then block j → a_j … a_j+B−1 (packed rows: in-document positions)."""
     b, n = a.anchors.shape
     dev = a.anchors.device
-    ctx = torch.arange(ctx_len, device=dev).expand(b, ctx_len)
-    blk = (a.anchors[:, :, None] + torch.arange(block_size, device=dev)).view(b, n * block_size)
+    ctx = (torch.arange(ctx_len, device=dev).expand(b, ctx_len) if a.positions is None
+           else a.positions[:, :ctx_len])
+    first = a.anchors if a.starts is None else a.anchors - a.starts
+    blk = (first[:, :, None] + torch.arange(block_size, device=dev)).view(b, n * block_size)
     return torch.cat([ctx, blk], dim=1)
 
 
@@ -125,6 +166,8 @@ def labels_and_weights(input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_len
     k = torch.arange(block_size, device=dev)
     pos = a.anchors[:, :, None] + k                                           # [b, N, B]
     inside = pos < seq_lens.to(dev)[:, None, None]
+    if a.ends is not None:  # packed rows: the block's labels stay inside the anchor's document
+        inside = inside & (pos < a.ends[:, :, None])
     safe = torch.where(inside, pos, torch.zeros_like(pos)).view(b, -1)
     labels = torch.gather(input_ids if label_ids is None else label_ids, 1, safe).view(b, n, block_size)
     if path_ids is not None:

@@ -35,7 +35,7 @@ import torch
 from dflashkit.model.path_labels import (attention_limit, greedy_path_ids, label_need, path_cache, path_depth,
                                         with_cache)
 from dflashkit.model.target import Target, target_autocast
-from dflashkit.train.data import Batch, FeatureStore, collate
+from dflashkit.train.data import Batch, FeatureStore, collate, repacked, unpacked
 from dflashkit.train.objective import Anchors, target_label_ids
 
 if TYPE_CHECKING:
@@ -94,6 +94,11 @@ class OnlineSide:
     law: bool = False                       # the loss reads the target's logits (`family.reads_target_law`)
 
     def __call__(self, b: Batch, a: Anchors | None = None) -> TargetOut:
+        if b.docs is not None:  # packed rows (train.pack): the target runs per document, never across a boundary
+            out = self(unpacked(b), None)
+            back: dict[str, Any] = {k: repacked(getattr(out, k), b)
+                                    for k in ("features", "logits", "last_hidden", "label_ids", "path_ids")}
+            return dataclasses.replace(out, **back)
         t = self.train
         need_kl, need_labels = self.law, t.labels == "target"
         rollout = t.on_path == "rollout" and b.path_ids is None   # cached paths (shards, held-out) win
@@ -179,6 +184,8 @@ def heldout_labels(train: Any, store: Any, target: Any, data: Any, heldout: list
     if not heldout:
         return "raw", None
     how = heldout_scoring(store, target, data, heldout, depth)
+    if how == "on_path_positions" and train.labels != "target" and not (store is not None and store.has("next_ids")):
+        how = "raw"  # no target argmax labels in this run (online features with train.labels=raw)
     log.info("held-out τ scored on %s labels", how)
     if how != "target_path" or paths_stored(store, data, heldout, depth):
         return how, None

@@ -173,9 +173,11 @@ class Trainer:
                        with_last_hidden=cached and reads_target_law(t, self.contract.family) and store is not None
                        and store.has("last_hidden"),
                        with_path_ids=cached and stored_paths and isinstance(store, FeatureStore),
-                       paths=self.heldout_paths if heldout else None).to(self.dist.device)
+                       paths=self.heldout_paths if heldout else None,
+                       pack=(t.pack_length or self.cfg.tokenize.max_length) if t.pack and not heldout else None,
+                       ).to(self.dist.device)
 
     def anchors(self, b: Batch) -> Anchors:
         return sample_anchors(b.loss_mask, b.seq_lens, num_anchors=self.cfg.train.num_anchors,
                               block_size=self.contract.block_size, seeds=b.seeds,
-                              coverage=self.cfg.train.anchor_coverage)
+                              coverage=self.cfg.train.anchor_coverage, docs=b.docs)
