@@ -22,8 +22,10 @@ whose target features and KV are not known yet.
    the features at the drafter's `target_layer_ids` by hooks (never `output_hidden_states`).
 3. Accept (`sampling.verify_greedy` / `verify_sampled`, lossless): a drafts kept, plus the target's
    own token after them, so τ = a + 1 tokens are committed (cut at a stop token or at
-   max_new_tokens). The target cache is cropped to the committed length; the features of the
-   committed block positions become the drafter's next context.
+   max_new_tokens). The target cache is rolled back to the committed length (`decode/rollback.py`: a
+   crop for attention layers; linear-attention / Mamba layers restore their recorded state, and hybrid
+   targets get explicit position ids); the features of the committed block positions become the
+   drafter's next context.
 With `block_size=1` step 1 is skipped and step 2 is an ordinary one-token decode step, so the
 autoregressive baseline runs through exactly the same code and its timings compare honestly.
 
@@ -61,11 +63,13 @@ import torch.nn.functional as F
 
 from dflashkit.decode.api import GenerationResult, SamplingParams
 from dflashkit.decode.draft_length import DraftLength
+from dflashkit.decode.rollback import arm, recurrent_layers, rollback
 from dflashkit.decode.sampling import sample, sampling_probs, verify_greedy, verify_sampled
 from dflashkit.decode.fast_draft import DraftState, FastDraft
 from dflashkit.errors import UsageError
 from dflashkit.family.base import DraftBlock, DraftSampling
 from dflashkit.model.drafter import DFlashDraftModel, DraftKVCache
+from dflashkit.model.kv_cache import decode_cache
 from dflashkit.model.target import Target, cache_kwarg, fast_bf16
 
 
@@ -157,9 +161,14 @@ class SpecDecoder:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def _forward(self, ids: torch.Tensor, cache, last_only: bool = False):
-        """Target forward with KV cache → (features [1, t, nF·H] or None, logits [t', V])."""
+    def _forward(self, ids: torch.Tensor, cache, last_only: bool = False, start: int | None = None):
+        """Target forward with KV cache → (features [1, t, nF·H] or None, logits [t', V]).
+
+        `start`: the position of ids[0], passed as explicit position ids (hybrid targets: some, e.g. Bamba, count
+        positions from 0 at every call without them); None lets the model count from its cache."""
         kw = {self._cache_kw: cache, "use_cache": True}
+        if start is not None:
+            kw["position_ids"] = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
         if last_only:
             kw["logits_to_keep"] = 1
         if self.layer_ids:
@@ -219,16 +228,18 @@ class SpecDecoder:
         dev = self.target.device
         ctx = prompt_ids[: min(len(prompt_ids), 64)]
         cache = DynamicCache(config=self.target.config)
-        self._forward(torch.tensor([ctx], device=dev), cache, last_only=True)
+        at = 0 if recurrent_layers(cache) else None  # explicit positions for hybrid targets (`_forward`)
+        self._forward(torch.tensor([ctx], device=dev), cache, last_only=True, start=at)
+        arm(cache, self.block_size)
         cost = {}
         for n in range(1, self.block_size + 1):
             ids = torch.tensor([[ctx[-1]] * n], device=dev)
             best = float("inf")
             for _ in range(reps):
                 t0 = self._now()
-                self._forward(ids, cache)
+                self._forward(ids, cache, start=None if at is None else len(ctx))
                 best = min(best, self._now() - t0)
-                cache.crop(-n)
+                rollback(cache, n)
             cost[n] = best
         self.policy.calibrate(cost)
 
@@ -261,8 +272,6 @@ class SpecDecoder:
     # -- the loop -----------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
-        from transformers import DynamicCache
-
         n_prompt, max_new = len(prompt_ids), int(params.max_new_tokens)
         self.check_prompt(n_prompt, max_new)
         if max_new <= 0:
@@ -276,13 +285,15 @@ class SpecDecoder:
         max_len = n_prompt + max_new
         if self.policy is not None and not self.policy.cost:
             self._calibrate(prompt_ids)
-        cache = DynamicCache(config=self.target.config)
+        cache = decode_cache(self.target.config, capacity=max_len + self.block_size)
         positions = torch.arange(max_len + self.block_size, device=dev)[None]
         dcache: DraftKVCache | DraftState = (self._fast.new_state(max_len + self.block_size) if self._fast is not None
                                              else DraftKVCache())
 
         t0 = self._now()
-        feats, logits = self._forward(torch.tensor([prompt_ids], device=dev), cache, last_only=True)
+        at = 0 if recurrent_layers(cache) else None  # explicit positions for hybrid targets (`_forward`)
+        feats, logits = self._forward(torch.tensor([prompt_ids], device=dev), cache, last_only=True, start=at)
+        arm(cache, self.block_size)  # exact rollback of recurrent layers too (decode/rollback.py)
         seq = list(prompt_ids)
         seq.append(self._pick(logits[-1], params, gen))
         t_first = self._now()
@@ -305,7 +316,8 @@ class SpecDecoder:
                 size = 1 + len(drafts)  # a proposer may return fewer than asked
             tv = self._now()
             res.verified_drafts += len(drafts)
-            feats, logits = self._forward(torch.tensor([[seq[start], *drafts]], device=dev), cache)
+            feats, logits = self._forward(torch.tensor([[seq[start], *drafts]], device=dev), cache,
+                                          start=None if at is None else start)
             if greedy:
                 a, nxt = verify_greedy(drafts, logits.argmax(-1).tolist())
             else:
@@ -324,9 +336,7 @@ class SpecDecoder:
             if top:
                 self._record_top(res, logits[:produced], top)
             seq.extend(new)
-            drop = size - produced  # verified positions beyond the committed ones
-            if drop:
-                cache.crop(-drop)
+            rollback(cache, size - produced)  # forget the verified positions beyond the committed ones
             if feats is not None:
                 feats = feats[:, :produced]
             start += produced

@@ -48,8 +48,34 @@ def check_vllm_for_target(cfg: RunConfig, what: str = "server.engine=vllm") -> P
         raise UsageError(f"{what}: target.path {cfg.target.path} is a GGUF file",
                          hint="point target.path at a HF model dir (dflashkit converts GGUF assets into one), "
                          "or use server.engine=dflashkit")
+    check_engine_architecture(cfg, model_dir, what)
     vllm.check_available(what)
     return model_dir
+
+
+# what to use instead of vLLM's CPU build for a hybrid (linear-attention / state-space) target, by asking key
+_HYBRID_INSTEAD = {
+    "server.engine": "set server.engine: dflashkit (dflashkit serve decodes such targets)",
+    "verify-engine": "judge the export with `dflashkit eval` (lossless speculative decoding on this target); "
+                     "checking it in vLLM needs a vLLM build that serves the architecture (a GPU one, run by you)",
+    "capture.engine": "set capture.engine: local, or point capture.server_url at a vLLM you run on a GPU",
+    "train.features": "set train.features: online or cached",
+}
+
+
+def check_engine_architecture(cfg: RunConfig, model_dir: Path, what: str) -> None:
+    """Refuse (exit 2) a target with linear-attention / state-space layers for vLLM's CPU build, before any work:
+    vLLM's Gated DeltaNet and Mamba layers rely on GPU kernels, and dflashkit does not run them on its CPU build.
+    The message names the target, its layer types and what to use instead (by the key in `what`)."""
+    from dflashkit.engines import vllm
+    from dflashkit.model.hybrid import refuse_recurrent
+
+    instead = next((v for k, v in _HYBRID_INSTEAD.items() if what.startswith(k)),
+                   "use dflashkit's own paths (server.engine: dflashkit, capture.engine: local, train.features: "
+                   "online) or a vLLM you run on a GPU")
+    refuse_recurrent(what, model_dir, why=f"dflashkit's engine is vLLM's CPU build ({vllm.PACKAGE} {vllm.VERSION}), "
+                     "which it does not run on such targets (vLLM's Gated DeltaNet / Mamba layers rely on GPU kernels)",
+                     instead=instead, trust_remote_code=cfg.target.trust_remote_code)
 
 
 @contextmanager

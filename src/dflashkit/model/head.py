@@ -37,11 +37,13 @@ log = logging.getLogger("dflashkit.target")
 
 PREFIXES = ("", "language_model.", "model.language_model.")  # model.norm / language_model.model.norm / ...
 NORM_NAMES = tuple(p + n for p in ("", "language_model.") for n in ("model.norm.weight",)) + (
-    "model.language_model.norm.weight",)
+    "model.language_model.norm.weight",
+    "model.final_layernorm.weight", "backbone.norm_f.weight")  # Bamba / Falcon-H1, Nemotron-H
 HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
 EMBED_NAMES = ("model.embed_tokens.weight", "language_model.model.embed_tokens.weight",
-               "model.language_model.embed_tokens.weight")
-OFFSET_NORM_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")  # RMSNorm scales by (1 + w)
+               "model.language_model.embed_tokens.weight", "backbone.embeddings.weight")  # the last: Nemotron-H
+OFFSET_NORM_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text",  # RMSNorm scales by (1 + w)
+                     "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
 
 def weight_map(model_dir: Path) -> dict[str, str]:
@@ -155,7 +157,7 @@ def load_head_parts(model_dir: str | Path, *, dtype: torch.dtype = torch.float32
     names = tuple(n for n in (embed, norm, head) if n)
     log.info("target head parts from %s: %s (%.1f MB; the rest of the checkpoint is not read)", d,
              ", ".join(names), sum(t.numel() * t.element_size() for t in {id(x): x for x in (e, h, w)}.values()) / 1e6)
-    return HeadParts(emb.to(device), w.to(device), float(tc.get("rms_norm_eps") or 1e-6), lin.to(device),
+    return HeadParts(emb.to(device), w.to(device), float(tc.get("rms_norm_eps") or tc.get("layer_norm_epsilon") or 1e-6), lin.to(device),
                      offset_norm=str(tc.get("model_type", "")) in OFFSET_NORM_TYPES,
                      num_layers=int(tc.get("num_hidden_layers") or 0), model_dir=d, names=names)
 

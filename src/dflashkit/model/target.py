@@ -207,6 +207,24 @@ def cache_kwarg(model: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+# layer kinds (transformers' names) that keep a recurrent / convolution state instead of per-token keys and values
+RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba"})
+
+
+def layer_types(config: Any) -> list[str]:
+    """Per decoder layer, its kind as transformers names it (`config.layer_types`; full_attention for every layer
+    of a config without the field). `config`: a HF config object or a config.json dict (its text config)."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    if not isinstance(config, dict) and hasattr(config, "get_text_config"):
+        text = config.get_text_config(decoder=True)
+        get = lambda k, d=None: getattr(text, k, d)  # noqa: E731
+    types = get("layer_types", None)
+    if isinstance(types, (list, tuple)) and types:
+        return [str(t) for t in types]
+    n = int(get("num_hidden_layers", 0) or 0)
+    return ["full_attention"] * n
+
+
 def text_config_dict(model_dir: Path) -> dict[str, Any]:
     """config.json with wrappers (text_config, …) resolved: the language model's own config."""
     cfg_path = model_dir / "config.json"
@@ -242,9 +260,13 @@ def remote_code_reason(model_dir: Path) -> str | None:
 
 
 def _hf_config(model_dir: Path, trust_remote_code: bool):
-    from transformers import AutoConfig, CONFIG_MAPPING
+    from transformers import AutoConfig, CONFIG_MAPPING, PreTrainedConfig
 
     inner = dict(text_config_dict(model_dir))
+    # transformers writes inf / nan as {"__float__": "Infinity"} (e.g. a Mamba layer's time_step_limit) and
+    # decodes them in from_pretrained; the raw dict handed to for_model needs the same
+    decode = getattr(PreTrainedConfig, "_decode_special_floats", None)
+    inner = decode(inner) if decode is not None else inner
     mt = inner.get("model_type", "")
     mt = MODEL_TYPE_ALIASES.get(mt, mt)
     if mt in CONFIG_MAPPING:
@@ -294,6 +316,12 @@ class Target:
     def decoder_layers(self) -> nn.ModuleList:
         inner = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
         return inner.layers
+
+    @property
+    def layer_types(self) -> list[str]:
+        """Each decoder layer's kind as transformers names it: full_attention, sliding_attention, linear_attention
+        (Gated DeltaNet, Mamba), hybrid (attention and Mamba in one layer), mlp, … (`model.hybrid`)."""
+        return layer_types(self.config)
 
     @property
     def lm_head(self) -> nn.Module:

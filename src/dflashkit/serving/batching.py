@@ -13,6 +13,13 @@ Finished rows free their slot (`_keep`, which compacts the batch and trims colum
 padding in every row). Position ids are explicit per row (counted from its first real token), so
 padding never shifts RoPE and a request's greedy output does not depend on its batch-mates.
 Greedy rows are picked with one batched argmax; the prefill computes logits for the last position only.
+
+A target with linear-attention / state-space layers (Qwen3-Next, Qwen3.5, Bamba, Nemotron-H, Falcon-H1:
+`model.hybrid`) keeps a recurrent state per row that left padding would disturb (a convolution's bias, a
+state fed padding), and the slot cache holds keys and values only. Its rows keep a cache each
+(`DynamicCache(config=…)`, `_RowCaches`): a request is prefilled alone, and a decode step runs one forward
+per row, so each row computes exactly what one-sequence decoding computes; admission, picking, stops and
+cancellation are the same.
 """
 
 from __future__ import annotations
@@ -51,6 +58,9 @@ class BatchEngine(_EngineBase):
         self._cache_kw = cache_kwarg(target.model)
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.kv_capacity = 256  # initial KV columns; the cache doubles them when a step needs more
+        from dflashkit.model.hybrid import layer_types, recurrent_summary
+
+        self.per_row = recurrent_summary(layer_types(target.config)) is not None  # a cache per row (module doc)
         if target.device.type == "cpu":
             # With a padding mask, transformers' SDPA path copies K/V once per query-head group
             # (repeat_kv) every step, a copy several times the cache's size; torch's CPU kernel takes
@@ -61,7 +71,8 @@ class BatchEngine(_EngineBase):
 
     def _reset(self) -> None:
         self.rows: list[tuple[Request, dict[str, Any]]] = []
-        self.cache = SlotCache(self.max_batch, self.kv_capacity)
+        self.cache: SlotCache | _RowCaches = (_RowCaches() if self.per_row
+                                              else SlotCache(self.max_batch, self.kv_capacity))
         self.next_pos: torch.Tensor | None = None   # [b]
         self.logits: torch.Tensor | None = None     # [b, V] for the next pick
 
@@ -116,6 +127,9 @@ class BatchEngine(_EngineBase):
         with self._lock:
             self.metrics["batches"] += 1
             self.metrics["batched_requests"] += len(new)
+        if isinstance(self.cache, _RowCaches):
+            self._admit_rows(new)
+            return
         lens = [len(r.prompt_ids) for r in new]
         width = max(lens)
         ids = torch.full((len(new), width), self.pad_id, dtype=torch.long)
@@ -133,6 +147,26 @@ class BatchEngine(_EngineBase):
         nxt = pos[:, -1] + 1
         self.next_pos = nxt if self.next_pos is None else torch.cat([self.next_pos, nxt])
         self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
+
+    def _admit_rows(self, new: list[Request]) -> None:
+        """Per-row caches: prefill each new request alone (no padding) into a cache of its own."""
+        from transformers import DynamicCache
+
+        assert isinstance(self.cache, _RowCaches)
+        dev = self.target.device
+        logits, nxt = [], []
+        for r in new:
+            cache = DynamicCache(config=self.target.config)
+            n = len(r.prompt_ids)
+            ids = torch.tensor([r.prompt_ids], dtype=torch.long, device=dev)
+            logits.append(self._forward(ids, torch.ones_like(ids), torch.arange(n, device=dev)[None], cache))
+            self.cache.caches.append(cache)
+            nxt.append(n)
+        self.rows += [(r, self._row_state(r)) for r in new]
+        pos = torch.tensor(nxt, dtype=torch.long, device=dev)
+        out = torch.cat(logits)
+        self.next_pos = pos if self.next_pos is None else torch.cat([self.next_pos, pos])
+        self.logits = out if self.logits is None else torch.cat([self.logits, out])
 
     def _row_state(self, r: Request) -> dict[str, Any]:
         gen = None
@@ -169,7 +203,8 @@ class BatchEngine(_EngineBase):
             return
         assert self.next_pos is not None and self.logits is not None
         self.cache.keep_rows(keep)
-        self.cache.trim()
+        if isinstance(self.cache, SlotCache):
+            self.cache.trim()
         idx = torch.tensor(keep, device=self.next_pos.device)
         self.next_pos, self.logits = self.next_pos[idx], self.logits[idx]
         self.rows = [self.rows[j] for j in keep]
@@ -204,10 +239,15 @@ class BatchEngine(_EngineBase):
         with self._lock:
             self.metrics["decode_steps"] += 1
             self.metrics["decode_rows"] += len(keep)
-        mask = self.cache.open_column()
         step_ids = torch.tensor(tokens, dtype=torch.long, device=self.target.device)[:, None]
-        self.logits = self._forward(step_ids, mask, self.next_pos[:, None], self.cache)
-        self.cache.advance()
+        if isinstance(self.cache, _RowCaches):  # one forward per row, each over its own cache
+            pos = self.next_pos[:, None]
+            self.logits = torch.cat([self._forward(step_ids[j:j + 1], None, pos[j:j + 1], cache)
+                                     for j, cache in enumerate(self.cache.caches)])
+        else:
+            mask = self.cache.open_column()
+            self.logits = self._forward(step_ids, mask, self.next_pos[:, None], self.cache)
+            self.cache.advance()
         self.next_pos = self.next_pos + 1
 
     def _complete(self, r: Request, st: dict[str, Any], reason: Literal["stop", "length"], cut: str | None) -> None:
@@ -219,3 +259,14 @@ class BatchEngine(_EngineBase):
                                prompt_tokens=len(r.prompt_ids))
         self._count(r, out)
         r._finish(out)
+
+
+class _RowCaches:
+    """One transformers cache per running row (targets with recurrent layers; see the module doc)."""
+
+    def __init__(self) -> None:
+        self.caches: list[Any] = []
+
+    def keep_rows(self, keep: list[int]) -> None:
+        """Keep only the rows `keep` (ascending), in that order."""
+        self.caches = [self.caches[j] for j in keep]
