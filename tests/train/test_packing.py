@@ -205,8 +205,13 @@ def test_pack_config_checks():
     cfg.train.features = "engine"
     assert any("train.pack supports train.features=cached or online" in p for p in problems(cfg))
     cfg.train.features = "cached"
-    cfg.drafter.type = "lilicorr"
-    assert any("train.pack supports drafter.type=dflash" in p for p in problems(cfg))
+    from dflashkit.family import FAMILIES, checks
+
+    assert not any("train.pack" in p for p in checks(cfg))
+    for name, fam in FAMILIES.items():  # the family says whether its loss takes packed rows
+        cfg.drafter.type = name
+        assert any(f"drafter.type={name}" in p for p in checks(cfg) if p.startswith("train.pack")) != fam.packs
+    assert FAMILIES["dflash"].packs
     cfg.drafter.type = "dflash"
     cfg.train.pack_length = 1
     assert any("train.pack_length" in p for p in problems(cfg))

@@ -295,8 +295,6 @@ def _stage_option_problems(cfg: RunConfig) -> list[str]:
     if t.pack and t.features == "engine":
         p.append("train.pack supports train.features=cached or online (got engine): run `dflashkit capture` and "
                  "set train.features=cached, or drop train.pack")
-    if t.pack and cfg.drafter.type != "dflash":
-        p.append(f"train.pack supports drafter.type=dflash only (got {cfg.drafter.type}): drop train.pack")
     if t.optimizer == "muon" and t.parallel.mode == "fsdp":
         p.append("train.optimizer=muon does not support train.parallel.mode=fsdp (use ddp or none)")
     if not t.feature_noise >= 0:

@@ -145,6 +145,9 @@ def checks(cfg: RunConfig) -> list[str]:
         return p
     train_keys = tuple(dict.fromkeys(k for f in FAMILIES.values() for k in f.train_knobs))
     p += _unread(fam, "train", cfg.train, TrainSection(), train_keys, lambda f: f.train_knobs)
+    if cfg.train.pack and not fam.packs:
+        p.append(f"train.pack: the {fam.title} loss does not take packed rows (drafter.type={fam.name}); drop "
+                 "train.pack")
     return p + objective_problems(cfg.train, fam)
 
 

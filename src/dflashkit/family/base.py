@@ -225,6 +225,7 @@ class Family:
             (`drafter.init`), besides its own; anything else is refused.
         vllm_runner: "any" or "v2" (vLLM runs it on its V2 model runner only).
         reference_loop: the z-lab PyPI loop (dflash 0.1.0) decodes it (`bench decode`'s reference).
+        packs: its loss takes packed rows (`train.pack`: per-document anchors, positions and masks).
         speculators: vLLM's speculators reader knows it (`export.format=speculators`; else refused, exit 2).
         metric_names: the step / held-out metrics its `metrics` adds.
     Hooks (the others' defaults: nothing to add):
@@ -260,6 +261,7 @@ class Family:
     init_from: Mapping[str, Callable[[Any, dict], dict]] = field(default_factory=dict)
     vllm_runner: str = "any"
     reference_loop: bool = False
+    packs: bool = False
     speculators: bool = True
     metric_names: tuple[str, ...] = ()
     config_problems: Callable[[DrafterSection], list[str]] = _nothing

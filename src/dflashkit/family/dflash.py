@@ -146,6 +146,7 @@ DFLASH = Family(
     knobs=DFlashKnobs,
     reduced_vocab=True,
     reference_loop=True,
+    packs=True,
     contract_problems=contract_problems,
     dflash_config=dflash_config,
     hf_keys=hf_keys,
