@@ -55,7 +55,8 @@ def test_deepseek_v3_mla_moe_mtp():
     assert (m["num_experts"], m["num_shared_experts"], m["experts_per_token"], m["first_k_dense_replace"]) == \
         (256, 1, 8, 3)
     assert f.mtp_layers == 1 and f.params_mtp > 10e9
-    assert f.quantization == {"method": "fp8", "bits": 8, "format": "e4m3"}
+    assert {k: f.quantization[k] for k in ("method", "bits", "format", "local_load")} == \
+        {"method": "fp8", "bits": 8, "format": "e4m3", "local_load": "dequantized"}
     assert close(f.params_total, 671e9, 0.01) and close(f.params_active, 37e9, 0.03)
 
 

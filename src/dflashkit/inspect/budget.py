@@ -19,7 +19,9 @@ Model (all per GPU, bytes; assumptions stated so the numbers can be checked):
                     at a time under activation checkpointing); the full per-sequence logits would be
                     num_anchors · B · V · 4
     KL targets    = batch · S · V · 2 when train.loss uses KL
-    target        = P_t · bytes/param (dtype, or the quantization bits; a GGUF file: its size)
+    target        = P_t · bytes/param (dtype, or the quantization bits; a GGUF file: its size); the local
+                    paths (online modes, capture.engine=local) load FP8 / INT4 checkpoints dequantized, so
+                    there bytes/param is the dtype's (`local_weights_bytes`), the engine's the bits
                     (+ batch · S · H · 2 · 4 forward activations)
 Modes: online-replicate (target copy per GPU), online-shard (P_t / gpus per GPU), cached
 (features from `capture`; the target runs once, sharded, during capture), engine (features from a
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflashkit.family import reads_target_law
+from dflashkit.inspect.paths import target_paths
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -62,19 +65,21 @@ def codebook_params(c: Any) -> int:
     return c.family.lookup_params(c)
 
 
-def target_bytes_per_param(facts: dict[str, Any]) -> float:
+def target_bytes_per_param(facts: dict[str, Any], *, local: bool = False) -> float:
+    """Bytes per target parameter: the quantization bits as an engine serves them, or (`local`: the local
+    paths, which load FP8 / compressed-tensors checkpoints dequantized, `model.quantized`) the dtype's."""
     q = facts.get("quantization") or {}
-    if q.get("bits"):
+    if q.get("bits") and not (local and q.get("local_load") in ("dequantized", "transformers")):
         return float(q["bits"]) / 8
     return float(DTYPE_BYTES.get(str(facts.get("dtype") or "bfloat16"), 2))
 
 
-def target_weight_bytes(facts: dict[str, Any]) -> float:
-    """Target weights in memory: a GGUF file's own size, else params · bytes/param."""
+def target_weight_bytes(facts: dict[str, Any], *, local: bool = False) -> float:
+    """Target weights in memory: a GGUF file's own size, else params · bytes/param (`local` as above)."""
     src = Path(str(facts.get("source") or ""))
     if facts.get("format") == "gguf" and src.is_file():
         return float(src.stat().st_size)
-    return int(facts.get("params_total") or 0) * target_bytes_per_param(facts)
+    return int(facts.get("params_total") or 0) * target_bytes_per_param(facts, local=local)
 
 
 def _gib(n: float) -> float:
@@ -129,7 +134,9 @@ def plan_budget(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, s
     train_fixed = opt + frozen + act + kl
     budget = mem_gib * 2**30 * USABLE
     p_t = int(facts.get("params_total") or 0)
-    t_w = target_weight_bytes(facts)
+    t_w = target_weight_bytes(facts)                 # as an engine serves it (quantized: the bits)
+    t_wl = target_weight_bytes(facts, local=True)    # as the local paths load it (dequantized)
+    t_wc = t_w if cfg.capture.engine == "vllm" else t_wl
     t_act = t.batch_size * seq * h * 2 * 4
     blocks_total = min(t.num_anchors, seq) * t.batch_size
     row_bpt = feat_bpt + 4 + (h * DTYPE_BYTES[cfg.capture.dtype] if law else 0)  # + next ids, last hidden
@@ -141,8 +148,8 @@ def plan_budget(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, s
 
     modes = []
     for name, target_share, conf in (
-            ("online-replicate", t_w + t_act, "train.features=online train.parallel.target=replicate"),
-            ("online-shard", t_w / gpus + t_act, "train.features=online train.parallel.target=shard"),
+            ("online-replicate", t_wl + t_act, "train.features=online train.parallel.target=replicate"),
+            ("online-shard", t_wl / gpus + t_act, "train.features=online train.parallel.target=shard"),
             ("cached", 0.0, "train.features=cached (run `dflashkit capture` first)"),
             ("engine", 0.0, "train.features=engine capture.engine=vllm (a vLLM serves the target's features)")):
         if name == "online-shard" and gpus < 2:
@@ -153,7 +160,7 @@ def plan_budget(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, s
         if name == "cached":
             entry["disk_gib"] = _gib(cap_bpt * tokens)
             entry["disk_bytes"] = int(cap_bpt * tokens)
-            entry["capture_fits"] = (t_w / gpus + t_act) <= budget
+            entry["capture_fits"] = (t_wc / gpus + t_act) <= budget
         if name == "engine":  # the bounded queue, per rank: prefetch micro-batches of rows
             entry["disk_gib"] = _gib(queue_bytes)
             entry["disk_bytes"] = int(queue_bytes)
@@ -182,8 +189,10 @@ def plan_budget(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, s
                                                   if m["mode"] == recommended), 0)},
         "target": {"params_total": p_t, "bytes_per_param": target_bytes_per_param(facts),
                    "weights_bytes": int(t_w), "weights_gib": _gib(t_w),
+                   "local_bytes_per_param": target_bytes_per_param(facts, local=True),
+                   "local_weights_bytes": int(t_wl), "local_weights_gib": _gib(t_wl),
                    "forward_activations_gib": _gib(t_act)},
-        "modes": modes, "recommended": recommended,
+        "modes": modes, "recommended": recommended, "paths": target_paths(facts),
         "time": {"assumed_tflops_per_gpu": TFLOPS_PER_GPU / 1e12,
                  "target_forward_pflop": round(flops_target / 1e15, 3),
                  "drafter_train_pflop": round(flops_draft / 1e15, 3), **timing},

@@ -193,7 +193,15 @@ def _quant(cfg: dict[str, Any]) -> dict[str, Any] | None:
     method = str(q.get("quant_method", "")).lower()
     if bits is None:
         bits = 8 if "fp8" in method else 4 if "fp4" in method else None
-    return {"method": q.get("quant_method"), "bits": bits, "format": q.get("fmt") or q.get("format")}
+    from dflashkit.model.quantized import LOCAL_METHODS, PASS_THROUGH, quant_info
+
+    info = quant_info(cfg)
+    method_ = info.method if info else ""
+    local = ("dequantized" if method_ in LOCAL_METHODS and (method_ != "fp8" or info and info.block)
+             else "transformers" if method_ in PASS_THROUGH else "refused")
+    return {"method": q.get("quant_method"), "bits": bits, "format": q.get("fmt") or q.get("format"),
+            "label": info.label if info else None, "local_load": local,  # what the paths do: inspect/paths.py
+            **({"block": list(info.block)} if info and info.block else {})}
 
 
 def _positive_int(value: Any, what: str, source: str) -> int:

@@ -14,7 +14,10 @@ embedding for the drafter's noise block. For a 1T-parameter target those are ~2 
 checkpoint, so they are read here by name through `model.safetensors.index.json` (or the
 files' headers), with the prefixes wrapped checkpoints use (`language_model.` as in Kimi K2.x,
 `model.language_model.` as in newer transformers) and the config's nested `text_config`. Tied
-targets (or ones without an `lm_head.weight`) use the embedding as the head.
+targets (or ones without an `lm_head.weight`) use the embedding as the head. Quantized checkpoints
+usually leave these tensors unquantized; when one is not, it is dequantized on read (an FP8
+`weight` with its `weight_scale_inv`, or compressed-tensors' `weight_packed` / `weight_scale` /
+`weight_shape`: `model.quantized`), never cast raw.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from torch import nn
 
 from dflashkit.errors import UsageError
+from dflashkit.model.quantized import QuantInfo, dequantize_fp8_blocks, target_quantization, unpack_int4
 
 if TYPE_CHECKING:
     from dflashkit.config import TargetSection
@@ -82,7 +86,35 @@ def _read(model_dir: Path, wmap: dict[str, str], name: str) -> torch.Tensor:
 
 
 def _first(wmap: dict[str, str], names: tuple[str, ...]) -> str | None:
-    return next((n for n in names if n in wmap), None)
+    """The first of `names` in the checkpoint, stored plain or as compressed-tensors' `weight_packed`."""
+    return next((n for n in names if n in wmap or _packed(n) in wmap), None)
+
+
+def _packed(name: str) -> str:
+    return name.removesuffix("weight") + "weight_packed"
+
+
+def _read_weight(model_dir: Path, wmap: dict[str, str], name: str, q: QuantInfo | None) -> torch.Tensor:
+    """A 2-D weight by name, dequantized to float32 when the checkpoint stores it quantized: FP8 with a
+    `weight_scale_inv` beside it, or compressed-tensors `weight_packed` + `weight_scale` + `weight_shape`."""
+    stem = name.removesuffix("weight")
+    if name in wmap:
+        w = _read(model_dir, wmap, name)
+        if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            if stem + "weight_scale_inv" not in wmap:
+                raise UsageError(f"{model_dir}: {name} is stored in {w.dtype} without {stem}weight_scale_inv",
+                                 hint="the FP8 checkpoint is incomplete; re-download it")
+            block = q.block if q is not None else None
+            log.info("%s: FP8 %s, dequantized block-wise", name, list(block) if block else "per-tensor")
+            return dequantize_fp8_blocks(w, _read(model_dir, wmap, stem + "weight_scale_inv"), block)
+        return w
+    parts = [stem + k for k in ("weight_packed", "weight_scale", "weight_shape")]
+    if any(p not in wmap for p in parts) or stem + "weight_zero_point" in wmap:
+        raise UsageError(f"{model_dir}: {name} is stored quantized in a layout dflashkit does not read "
+                         f"(needs {', '.join(parts)}, symmetric)",
+                         hint="take an unquantized copy of the head, or the engine path (docs/kimi-k2.6.md)")
+    log.info("%s: compressed-tensors int4, unpacked", name)
+    return unpack_int4(*(_read(model_dir, wmap, p) for p in parts))
 
 
 @dataclass
@@ -144,8 +176,9 @@ def load_head_parts(model_dir: str | Path, *, dtype: torch.dtype = torch.float32
                          f"(looked for the prefixes {[p for p in PREFIXES if p]} too)",
                          hint="point target.path at the target's HF dir")
     assert norm is not None and embed is not None
-    e = _read(d, wmap, embed).to(dtype)
-    h = _read(d, wmap, head).to(dtype) if head else e
+    q = target_quantization(d)
+    e = _read_weight(d, wmap, embed, q).to(dtype)
+    h = _read_weight(d, wmap, head, q).to(dtype) if head else e
     w = _read(d, wmap, norm).to(dtype)
     if h.shape[-1] != w.shape[0] or e.shape[-1] != w.shape[0]:
         raise UsageError(f"{d}: embedding {tuple(e.shape)}, head {tuple(h.shape)} and final norm {tuple(w.shape)} "

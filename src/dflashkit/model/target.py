@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from dflashkit.errors import UsageError
-from dflashkit.model.files import check_safetensors, resolve_target_path
+from dflashkit.model.files import check_safetensors, config_json, resolve_target_path
 from dflashkit.textfile import read_utf8
 
 if TYPE_CHECKING:
@@ -227,12 +227,7 @@ def layer_types(config: Any) -> list[str]:
 
 def text_config_dict(model_dir: Path) -> dict[str, Any]:
     """config.json with wrappers (text_config, …) resolved: the language model's own config."""
-    cfg_path = model_dir / "config.json"
-    try:
-        raw = json.loads(cfg_path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        where = f"{cfg_path}:{e.lineno}:{e.colno}" if isinstance(e, json.JSONDecodeError) else str(cfg_path)
-        raise UsageError(f"{where}: not a valid JSON config ({e})", hint="restore the model's config.json") from None
+    raw = config_json(model_dir)
     for key in WRAPPER_KEYS:
         inner = raw.get(key)
         if isinstance(inner, dict) and ("num_hidden_layers" in inner or "hidden_size" in inner):
@@ -400,6 +395,19 @@ def load_tokenizer(model_dir: Path, *, gguf_file: str | None = None, trust_remot
     return AutoTokenizer.from_pretrained(src, trust_remote_code=trust_remote_code, **kw)
 
 
+def _quantized_load_kwargs(model_dir: Path) -> dict[str, Any]:
+    """`from_pretrained` keywords that load a quantized checkpoint dequantized into the target's dtype (FP8
+    block-wise, compressed-tensors INT4), {} for an unquantized one; exit 2 naming the quantization and the
+    engine command for one the local paths cannot load (`model.quantized`)."""
+    from dflashkit.model.quantized import local_load_kwargs, target_quantization
+
+    q = target_quantization(model_dir)
+    if q is not None:
+        log.info("target %s: %s weights, loaded dequantized (the engine paths serve them as they are)",
+                 model_dir, q.label)
+    return local_load_kwargs(q, model_dir)
+
+
 def load_target(section: TargetSection, *, device: str | None = None, dtype: str | None = None,
                 with_tokenizer: bool = True, announce_dtype: bool = True) -> Target:
     """Load the target described by a `TargetSection` (frozen, eval mode).
@@ -407,6 +415,8 @@ def load_target(section: TargetSection, *, device: str | None = None, dtype: str
     Its dtype is `section.dtype` as `compute_dtype` resolves it, announced as `target.dtype` (once per process)
     unless `dtype` overrides it or `announce_dtype` is False: a caller that substitutes its own key's dtype
     into the section (eval's `eval.dtype`) announces that choice itself."""
+    import warnings
+
     from transformers import AutoModelForCausalLM
 
     model_dir, gguf_file = resolve_target_path(section.path, section.gguf_file)
@@ -430,10 +440,13 @@ def load_target(section: TargetSection, *, device: str | None = None, dtype: str
                          hint="convert the checkpoint with save_pretrained(safe_serialization=True)")
     for weights in sorted(model_dir.glob("*.safetensors")):  # a corrupt file: exit 2 naming it
         check_safetensors(weights)
+    quant = _quantized_load_kwargs(model_dir)  # before any weight is read: exit 2 when not loadable here
     config = _hf_config(model_dir, section.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, config=config, dtype=dt, trust_remote_code=section.trust_remote_code,
-        use_safetensors=True, key_mapping={r"^language_model\.": ""})
+    with warnings.catch_warnings():  # ours only turns the checkpoint's own quantization_config's `dequantize` on
+        warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, config=config, dtype=dt, trust_remote_code=section.trust_remote_code,
+            use_safetensors=True, key_mapping={r"^language_model\.": ""}, **quant)
     model.to(dev).eval()
     model.requires_grad_(False)
     tok = load_tokenizer(model_dir, trust_remote_code=section.trust_remote_code,

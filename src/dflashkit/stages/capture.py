@@ -57,6 +57,7 @@ def check(cfg: RunConfig, rd: RunDir) -> tuple[Any, Any, Any]:
     contract. Returns (contract, tokenized data, plan)."""
     from dflashkit.engines.capture import check_engine, engine_facts
     from dflashkit.model.drafter_config import REPROBE_HINT, DrafterContract
+    from dflashkit.model.quantized import check_local_target
     from dflashkit.train.data import load_tokenized
     from dflashkit.train.levers import split_samples
 
@@ -69,6 +70,7 @@ def check(cfg: RunConfig, rd: RunDir) -> tuple[Any, Any, Any]:
         check_engine(cfg, contract, rd.capture_dir, what="capture.engine=vllm", layer_ids=plan.layer_ids)
     elif plan.todo or plan.patch:  # the local target computes the features, or the paths they lack
         contract.check(engine_facts(cfg)[1], where=str(rd.contract_path), hint=REPROBE_HINT)
+        check_local_target(cfg.target)  # a quantization the local load cannot read: exit 2, the engine command
     return contract, data, plan
 
 

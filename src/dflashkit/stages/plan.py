@@ -35,8 +35,11 @@ def _codebooks(d: dict[str, Any]) -> str:
 
 def _table(r: dict[str, Any]) -> str:
     p = r["plan"]
-    rows = [("target", f"{r['source']} ({p['target']['params_total'] / 1e9:.2f}B params, "
-                       f"{p['target']['weights_gib']} GiB at {p['target']['bytes_per_param']} B/param)"),
+    t = p["target"]
+    local = (f"; loaded locally {t['local_weights_gib']} GiB at {t['local_bytes_per_param']} B/param"
+             if t.get("local_weights_bytes", t["weights_bytes"]) != t["weights_bytes"] else "")
+    rows = [("target", f"{r['source']} ({t['params_total'] / 1e9:.2f}B params, "
+                       f"{t['weights_gib']} GiB at {t['bytes_per_param']} B/param{local})"),
             ("data", f"{r['sequences']} sequences, {r['tokens']} tokens ({r['data_source']})"),
             ("gpus", f"{r['gpus']} × {r['gpu_mem_gib']:.0f} GiB ({r['gpu_source']})"),
             ("cached features", f"{p['features']['bytes_per_token']} B/token → {p['features']['total_gib']} GiB"),
@@ -53,6 +56,10 @@ def _table(r: dict[str, Any]) -> str:
             extra = f", disk {m['disk_gib']} GiB ({m['disk_bytes']} B: the bounded queue; the engine serves the target)"
         rows.append((m["mode"], f"{m['per_gpu_gib']} GiB/GPU, fits: {m['fits']}{extra}  [{m['config']}]"))
     tm = p["time"]
+    if p.get("paths"):
+        from dflashkit.inspect.paths import paths_text
+
+        rows.append(("paths", paths_text(p["paths"])))
     rows += [("recommended", str(p["recommended"] or "nothing fits: more GPUs, smaller train.batch_size or "
                                  "train.num_anchors")),
              ("time / epoch", f"online {tm['hours_per_epoch_online']} h, cached {tm['hours_per_epoch_cached']} h "

@@ -24,6 +24,7 @@ from typing import Any
 
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
+from dflashkit.inspect.paths import paths_text, target_paths
 from dflashkit.inspect.target import inspect_target
 from dflashkit.rundir import RunDir
 
@@ -54,7 +55,8 @@ def table(facts: Any, tok: Any) -> str:
             ("mtp · dtype", f"{f.mtp_layers} · {f.dtype}"
              + (f" · quant {f.quantization}" if f.quantization else "")),
             ("params", f"total {_fmt_params(f.params_total)}, active {_fmt_params(f.params_active)}"
-             + (f", mtp {_fmt_params(f.params_mtp)}" if f.params_mtp else ""))]
+             + (f", mtp {_fmt_params(f.params_mtp)}" if f.params_mtp else "")),
+            ("paths", paths_text(target_paths(f.to_dict())))]  # what works on this target (inspect/paths.py)
     if tok is not None:
         rows += [("tokenizer", f"{tok.backend} {tok.tokenizer_class or ''} size {tok.size}; template "
                   f"{tok.chat_template_source}; eos {tok.special_tokens.get('eos')}"),
@@ -108,7 +110,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         print(table_contract(contract), flush=True)
     result: dict[str, Any] = {
         "target": str(model_dir / gguf_file) if gguf_file else str(model_dir),
-        "facts": facts.to_dict(), "tokenizer": tok.to_dict() if tok else None,
+        "facts": facts.to_dict(), "paths": target_paths(facts.to_dict()), "tokenizer": tok.to_dict() if tok else None,
         "contract": contract.to_dict(), "layer_convention": LAYER_CONVENTION,
         **({"needs_remote_code": remote} if remote else {}),
     }
