@@ -9,8 +9,8 @@ A decode step multiplies a handful of rows (1 … B tokens) by every weight matr
 for `F.linear` with 2–8 rows reads the weights in a layout its small-M kernels stream poorly, so a step over 4
 tokens costs well above a one-token step; oneDNN's linear over a weight reordered once into its blocked
 layout (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's CPU freezing does) reads each weight once
-at about the memory bandwidth for any M up to a few dozen, so t(n) ≈ t(1) for n ≤ B (docs/performance.md has
-the measurements). The products are the same up to float rounding (a different summation order); the
+at about the memory bandwidth for any M up to a few dozen, so t(n) ≈ t(1) for n ≤ B (docs/architecture.md,
+"The decode step on a CPU", has the measurements). The products are the same up to float rounding (a different summation order); the
 baseline and the speculative decoder run the same packed layers, so greedy output is compared like for like.
 
 Invariants: inference only (a packed layer has no gradient; `weight` stays readable: the head's is shared with
