@@ -138,3 +138,20 @@ def test_each_recipe_row_carries_its_learning_curve(tmp_path, tiny_qwen3, capsys
     assert [p[0] for p in curve] == [2, 4, 5] and curve[-1][3] == row["heldout_tau"]
     assert all(a[1] < b[1] and a[2] < b[2] for a, b in zip(curve, curve[1:]))
     assert all(1.0 <= p[3] <= 4.0 and 0.0 <= p[4] <= 1.0 for p in curve)
+
+
+def test_recipe_sliding_window_variant_trains_from_its_own_contract(tmp_path, tiny_qwen3, capsys):
+    """The sliding-window recipe row: a variant with drafter.sliding_window gets a contract of its own (train
+    refuses a window the linked contract lacks) and its drafter exports the window."""
+    rd = make_run(tmp_path / "r", tiny_qwen3)
+    rc = main(["bench", "recipe", "--json", *overrides(rd, tiny_qwen3), "bench.recipe_steps=2",
+               "bench.recipe_variants={full: [], sliding-4: [drafter.sliding_window=4]}"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0, out
+    rows = {r["variant"]: r for r in out["variants"]}
+    assert set(rows) == {"full", "sliding-4"} and all(r["steps"] == 2 for r in rows.values())
+    own = rd / "bench" / "recipe" / "sliding-4" / "contract.json"
+    assert not own.is_symlink() and json.loads(own.read_text())["sliding_window"] == 4
+    assert json.loads((rd / "bench" / "recipe" / "sliding-4" / "train" / "final" / "config.json").read_text()
+                      )["sliding_window"] == 4
+    assert (rd / "bench" / "recipe" / "full" / "contract.json").is_symlink()

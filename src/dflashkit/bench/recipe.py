@@ -213,18 +213,19 @@ def plan_variants(cfg: RunConfig, rd: RunDir
     return out
 
 
-_CONTRACT_KEYS = ("block_size", "num_draft_layers", "num_target_features", "target_layer_ids")
+_CONTRACT_KEYS = ("block_size", "num_draft_layers", "num_target_features", "target_layer_ids", "sliding_window",
+                  "layer_types")
 
 
 def variant_contract(over: list[str], vcfg: RunConfig, contract: DrafterContract) -> DrafterContract | None:
     """The contract of a variant whose overrides change the drafter's shape (block size, draft layers,
-    target feature layers) or family (drafter.type, a family's knobs): the run's contract with those
+    target feature layers, sliding-window layers) or family (drafter.type, a family's knobs): the run's contract with those
     fields redone as `probe` would (layer ids by the reference formula unless given). None when the
     result is the run's contract (it is linked)."""
     import dataclasses
 
     from dflashkit.config import parse_override
-    from dflashkit.model.drafter_config import build_target_layer_ids
+    from dflashkit.model.drafter_config import build_target_layer_ids, sliding_fields
 
     keys = {parse_override(o)[0] for o in over}
     given = {k for k in _CONTRACT_KEYS if f"drafter.{k}" in keys}
@@ -240,6 +241,8 @@ def variant_contract(over: list[str], vcfg: RunConfig, contract: DrafterContract
         ids = build_target_layer_ids(contract.num_target_layers, d.num_target_features or layers)
     own = dataclasses.replace(contract, block_size=d.block_size if "block_size" in given else contract.block_size,
                               num_draft_layers=layers, target_layer_ids=ids)
+    if given & {"sliding_window", "layer_types"}:  # per-layer attention (full / sliding), as probe writes it
+        own = dataclasses.replace(own, **sliding_fields(d.layer_types, d.sliding_window, layers))
     if refamily:
         from dflashkit.family import get
 

@@ -32,9 +32,10 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def step_times(target: Target, ns: list[int], *, context: int = 64, reps: int = 3) -> dict[int, float]:
+def step_times(target: Target, ns: list[int], *, context: int = 64, reps: int = 3,
+               warmup: int = 2) -> dict[int, float]:
     """Seconds of one target forward over n tokens after `context` tokens, for each n (the fastest of `reps`,
-    after one warm-up forward per n)."""
+    after `warmup` forwards per n)."""
     dev = target.device
     kw = cache_kwarg(target.model)
     vocab = int(target.vocab_size)
@@ -46,12 +47,12 @@ def step_times(target: Target, ns: list[int], *, context: int = 64, reps: int = 
     for n in ns:
         x = (torch.arange(n, device=dev)[None] + context) % max(vocab, 1)
         best = float("inf")
-        for i in range(reps + 1):
+        for i in range(reps + warmup):
             _sync(dev)
             t0 = time.perf_counter()
             target.model(input_ids=x, **{kw: cache}, use_cache=True)
             _sync(dev)
-            if i:  # the first forward of each n is a warm-up
+            if i >= warmup:
                 best = min(best, time.perf_counter() - t0)
             rollback(cache, n)
         out[int(n)] = best
@@ -76,7 +77,7 @@ def decode_step_report(target: Target, block_sizes: list[int]) -> dict[str, Any]
     import logging
 
     ns = sorted({1, *(int(b) for b in block_sizes)})
-    r = roofline(target, step_times(target, ns))
+    r = roofline(target, step_times(target, ns, reps=5))
     t = r["t_s"]
     ratios = ", ".join(f"t({n})/t(1) {v:.2f}" for n, v in r["t_ratio"].items())
     logging.getLogger("dflashkit.eval").info(
