@@ -6,8 +6,8 @@ Usage:
     cache.crop(-drop)                          # as DynamicCache: forget the last `drop` positions
 
 transformers' `DynamicLayer` appends each step's keys and values with `torch.cat`, which copies the whole
-layer's cache every step (and, after a `crop` has left a view, copies it from a strided view): on a CPU the
-copies cost a third of a one-token decode step of a small target. `GrowingLayer` keeps a buffer with spare
+layer's cache every step (and, after a `crop` has left a view, copies it from a strided view): work that grows
+with the context on every step. `GrowingLayer` keeps a buffer with spare
 positions, writes a step's keys and values into it and hands the attention a view of the filled part; the
 buffer doubles when full. `crop` only moves the fill mark. The views hold exactly what `DynamicLayer` would
 hold, so the attention computes the same numbers. Other layer kinds (sliding windows, linear attention,
