@@ -127,11 +127,11 @@ def _lengths(ctx: StageContext) -> tuple[list[int], int]:
 
 def bench_seqlen(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     """Measure each S in a child process (see the module docstring); returns the table's rows."""
-    from dflashkit.bench.train import _contract
+    from dflashkit.inspect.contract import run_contract
     from dflashkit.model.target import cpu_facts
 
     lengths, iters = _lengths(ctx)
-    contract = _contract(cfg, rd)
+    contract = run_contract(cfg, rd)
     spawn = mp.get_context("spawn")
     rows = []
     for s in lengths:

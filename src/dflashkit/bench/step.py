@@ -14,7 +14,6 @@ KV cache) — each against this machine's memory floor (weights' bytes over the 
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,6 +32,7 @@ def _times_as_loaded(target: Any, ns: tuple[int, ...], context: int, reps: int) 
     """t(n) through transformers' DynamicCache (append by concatenation, crop by slicing)."""
     from transformers import DynamicCache
 
+    from dflashkit.model.roofline import fastest
     from dflashkit.model.target import cache_kwarg
 
     kw = cache_kwarg(target.model)
@@ -42,14 +42,8 @@ def _times_as_loaded(target: Any, ns: tuple[int, ...], context: int, reps: int) 
     out = {}
     for n in ns:
         x = (torch.arange(n)[None] + context) % vocab
-        best = float("inf")
-        for i in range(reps + 1):
-            t0 = time.perf_counter()
-            target.model(input_ids=x, **{kw: cache}, use_cache=True)
-            if i:
-                best = min(best, time.perf_counter() - t0)
-            cache.crop(-n)
-        out[n] = best
+        out[n] = fastest(lambda: target.model(input_ids=x, **{kw: cache}, use_cache=True), target.device, reps,
+                         after=lambda: cache.crop(-n))
     return out
 
 

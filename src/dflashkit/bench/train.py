@@ -23,7 +23,6 @@ label tokens, as training would from the whole data), so its saving on the vocab
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import statistics
 import time
@@ -31,29 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dflashkit.family import new_drafter
-from dflashkit.train.loss import CE, Decay, DraftLoss, Heads, LossInputs
-from dflashkit.train.objective import gamma_for, sample_anchors
+from dflashkit.inspect.contract import run_contract
+from dflashkit.train.step_probe import drafter_step
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
     from dflashkit.context import StageContext
-    from dflashkit.model.drafter_config import DrafterContract
     from dflashkit.rundir import RunDir
 
 log = logging.getLogger("dflashkit.bench")
-
-
-def _contract(cfg: RunConfig, rd: RunDir) -> DrafterContract:
-    from dflashkit.model.drafter_config import DrafterContract
-
-    if rd.contract_path.is_file():
-        return DrafterContract.load(rd.contract_path)
-    from dflashkit.inspect.contract import derive_contract
-    from dflashkit.inspect.target import inspect_target
-
-    _, _, facts, tok = inspect_target(cfg, cfg.target.path)
-    return derive_contract(cfg.drafter, facts, tok)
 
 
 def _batch(cfg: RunConfig, rd: RunDir, target: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -89,35 +74,18 @@ def bench_train(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     """Measure one training step (see the module docstring); returns the numbers."""
     from dflashkit.model.target import cpu_facts, load_target, target_autocast
     from dflashkit.model.drafter_config import REPROBE_HINT
-    from dflashkit.train.trainer import autocast_dtype
-    from dflashkit.train.optim import build_optimizer
 
     iters = int(ctx.positionals[1]) if len(ctx.positionals) > 1 else 5
     target = load_target(cfg.target)
-    contract = _contract(cfg, rd)
+    contract = run_contract(cfg, rd)
     contract.check(target, where=str(rd.contract_path), hint=REPROBE_HINT)
     dev = target.device
     ids, lm, lens = (t.to(dev) for t in _batch(cfg, rd, target))
     att = (torch.arange(ids.shape[1], device=dev)[None] < lens[:, None]).long()
-    a = sample_anchors(lm, lens, num_anchors=cfg.train.num_anchors, block_size=contract.block_size,
-                       seeds=list(range(ids.shape[0])))
-    vocab, head = None, target.lm_head
-    if cfg.drafter.draft_vocab_size and cfg.drafter.draft_vocab_size < target.vocab_size:
-        from dflashkit.model.draft_vocab import choose_draft_vocab, restricted_head
-
-        vocab = choose_draft_vocab(list(ids.cpu().numpy()), list(lm.cpu().numpy()), cfg.drafter.draft_vocab_size,
-                                   target.vocab_size).to(dev)
-        head = restricted_head(target.lm_head, vocab)
-    torch.manual_seed(cfg.run.seed)
-    drafter = new_drafter(contract, draft_vocab=vocab).to(dev)
-    opt = build_optimizer(drafter, cfg.train)
-    fam = contract.family  # the CE loss at the reference decay, and the family's own terms
-    loss = DraftLoss(fam, contract.mask_token_id, (CE(), *fam.loss_terms(cfg.train)),
-                     Decay(gamma_for(cfg.train.gamma, contract.block_size)), chunk_blocks=cfg.train.loss_chunk_blocks)
-    heads = Heads(target.model.get_input_embeddings(), head, vocab)
     layer_ids = contract.target_layer_ids
     with torch.no_grad():
         feats = target.features(ids, layer_ids=layer_ids, attention_mask=att).float()
+    step = drafter_step(cfg, contract, target, ids, lm, lens, feats)
 
     def target_forward():
         with torch.no_grad():
@@ -129,26 +97,20 @@ def bench_train(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
         with torch.no_grad(), torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
             target.features(ids, layer_ids=layer_ids, attention_mask=att)
 
-    def drafter_step(amp=None):
-        out = dataclasses.replace(loss, amp=amp)(drafter, heads, LossInputs(feats, ids, lm, lens), a)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    amp = autocast_dtype(cfg.train.dtype, dev)
-    for fn in (target_forward, features, lambda: drafter_step(amp)):
+    amp = step.amp
+    for fn in (target_forward, features, step):
         _timed(fn, 2, dev)  # warm-up
     t_target = _timed(target_forward, iters, dev)
     t_feat = _timed(features, iters, dev)
-    t_draft = _timed(lambda: drafter_step(amp), iters, dev)
-    tokens, blocks = int(lens.sum()), int(a.keep.sum())
+    t_draft = _timed(step, iters, dev)
+    tokens, blocks = int(lens.sum()), int(step.anchors.keep.sum())
     t_step = t_feat + t_draft
     result = {
         "device": str(dev), **(cpu_facts() if dev.type == "cpu" else {}), "threads": torch.get_num_threads(),
         "target": str(target.model_dir), "batch_size": int(ids.shape[0]),
         "seq_len": int(ids.shape[1]), "tokens": tokens, "anchors": blocks, "block_size": contract.block_size,
         "draft_layers": contract.num_draft_layers, "iters": iters, "autocast": str(amp) if amp else None,
-        "target_autocast": str(tamp) if tamp else None, "vocab_projected": int(head.weight.shape[0]),
+        "target_autocast": str(tamp) if tamp else None, "vocab_projected": int(step.head.weight.shape[0]),
         "target_forward_s": round(t_target, 5), "features_s": round(t_feat, 5), "drafter_step_s": round(t_draft, 5),
         "online_step_s": round(t_step, 5),
         "context_tokens_per_s": round(tokens / t_step, 1),
@@ -166,8 +128,8 @@ def bench_train(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
         result.update({"features_float32_s": round(fp32, 5), "features_bf16_autocast_s": round(bf16, 5),
                        "context_tokens_per_s_bf16_target": round(tokens / (bf16 + t_draft), 1)})
     if dev.type == "cpu" and amp is None:
-        _timed(lambda: drafter_step(torch.bfloat16), 1, dev)
-        result["drafter_step_bf16_autocast_s"] = round(_timed(lambda: drafter_step(torch.bfloat16), iters, dev), 5)
+        _timed(lambda: step.run(torch.bfloat16), 1, dev)
+        result["drafter_step_bf16_autocast_s"] = round(_timed(lambda: step.run(torch.bfloat16), iters, dev), 5)
     if not ctx.json:
         for k, v in result.items():
             print(f"{k:>30}  {v}")

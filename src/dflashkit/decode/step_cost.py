@@ -15,20 +15,14 @@ large read-only pass (`memory_bandwidth`), read once per process.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
 from dflashkit.model.kv_cache import decode_cache
-from dflashkit.model.roofline import memory_bandwidth, weight_bytes
+from dflashkit.model.roofline import fastest, memory_bandwidth, weight_bytes
 from dflashkit.decode.rollback import arm, rollback
 from dflashkit.model.target import Target, cache_kwarg
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.inference_mode()
@@ -46,16 +40,8 @@ def step_times(target: Target, ns: list[int], *, context: int = 64, reps: int = 
     out: dict[int, float] = {}
     for n in ns:
         x = (torch.arange(n, device=dev)[None] + context) % max(vocab, 1)
-        best = float("inf")
-        for i in range(reps + warmup):
-            _sync(dev)
-            t0 = time.perf_counter()
-            target.model(input_ids=x, **{kw: cache}, use_cache=True)
-            _sync(dev)
-            if i >= warmup:
-                best = min(best, time.perf_counter() - t0)
-            rollback(cache, n)
-        out[int(n)] = best
+        out[int(n)] = fastest(lambda: target.model(input_ids=x, **{kw: cache}, use_cache=True), dev, reps,
+                              warmup=warmup, after=lambda: rollback(cache, n))
     return out
 
 

@@ -35,7 +35,8 @@ from dflashkit.inspect.tokenizer_facts import TokenizerFacts
 from dflashkit.model.drafter_config import DrafterContract, build_target_layer_ids, sliding_fields
 
 if TYPE_CHECKING:
-    from dflashkit.config import DrafterSection
+    from dflashkit.config import DrafterSection, RunConfig
+    from dflashkit.rundir import RunDir
 
 MASK_NAMES = ("<|mask|>", "<mask>", "[mask]", "<|mask_token|>")
 RESERVED = re.compile(r"reserved|^<unused\d+>$|^\[unused\d+\]$", re.I)
@@ -178,3 +179,13 @@ def derive_contract(d: DrafterSection, facts: ModelFacts, tok: TokenizerFacts | 
     )
     contract.check()
     return contract
+
+
+def run_contract(cfg: RunConfig, rd: RunDir) -> DrafterContract:
+    """The run's contract: `contract.json` when probe wrote one, else derived here as probe would (nothing written)."""
+    if rd.contract_path.is_file():
+        return DrafterContract.load(rd.contract_path)
+    from dflashkit.inspect.target import inspect_target
+
+    _, _, facts, tok = inspect_target(cfg, cfg.target.path)
+    return derive_contract(cfg.drafter, facts, tok)

@@ -7,6 +7,7 @@ Usage:
     nbytes = weight_bytes(model)                       # what one decode step streams
     flops = forward_flops_per_token(model, layers=12)  # 2 x the parameters of the first 12 layers
     share = achieved / peak                            # 1.0 = at the ceiling
+    t = fastest(fn, device, reps=5)                    # the fastest of 5 calls after a warm-up, synchronised
 
 Each measurement is the fastest of a few repetitions after a warm-up, cached per process.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import time
 from functools import lru_cache
+from typing import Callable
 
 import torch
 
@@ -24,20 +26,30 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def fastest(fn: Callable[[], object], device: torch.device, reps: int, *, warmup: int = 1,
+            after: Callable[[], object] | None = None) -> float:
+    """Seconds of the fastest of `reps` calls of `fn` after `warmup` untimed ones, synchronised on CUDA; `after`
+    (untimed) runs after every call (e.g. a cache rollback)."""
+    best = float("inf")
+    for i in range(warmup + reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        if i >= warmup:
+            best = min(best, time.perf_counter() - t0)
+        if after is not None:
+            after()
+    return best
+
+
 @lru_cache(maxsize=4)
 def memory_bandwidth(device: str = "cpu", mib: int = 512, reps: int = 3) -> float:
     """Bytes per second read by a sum over a tensor far larger than the caches on `device` (a decode step
     reads its weights and writes little), the fastest of `reps`."""
     dev = torch.device(device)
     src = torch.ones(mib << 18, dtype=torch.float32, device=dev)  # mib MiB
-    best = float("inf")
-    for _ in range(reps + 1):
-        _sync(dev)
-        t0 = time.perf_counter()
-        src.sum()
-        _sync(dev)
-        best = min(best, time.perf_counter() - t0)
-    return src.numel() * src.element_size() / best
+    return src.numel() * src.element_size() / fastest(src.sum, dev, reps)
 
 
 @lru_cache(maxsize=8)
@@ -48,14 +60,7 @@ def matmul_throughput(dtype: torch.dtype = torch.float32, device: str = "cpu", m
     dev = torch.device(device)
     a = torch.randn(m, k, device=dev).to(dtype)
     b = torch.randn(k, n, device=dev).to(dtype)
-    best = float("inf")
-    for _ in range(reps + 1):
-        _sync(dev)
-        t0 = time.perf_counter()
-        a @ b
-        _sync(dev)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * m * k * n / best
+    return 2 * m * k * n / fastest(lambda: a @ b, dev, reps)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dflashkit.inspect.contract import run_contract
+from dflashkit.model.roofline import fastest
 from dflashkit.rundir import atomic_write_json
 from dflashkit.sizing.plan import Rates, tokens_per_sample
 
@@ -120,35 +122,6 @@ def rates(cal: dict[str, Any]) -> Rates:
                  load_s=float(cal.get("load_s", 5.0)), calibrate_s=float(cal.get("calibrate_s", 0.0)))
 
 
-def _contract(cfg: RunConfig, rd: RunDir) -> Any:
-    from dflashkit.model.drafter_config import DrafterContract
-
-    if rd.contract_path.is_file():
-        return DrafterContract.load(rd.contract_path)
-    from dflashkit.inspect.contract import derive_contract
-    from dflashkit.inspect.target import inspect_target
-
-    _, _, facts, tok = inspect_target(cfg, cfg.target.path)
-    return derive_contract(cfg.drafter, facts, tok)
-
-
-def _timed(fn: Any, device: Any, reps: int) -> float:
-    """The fastest of `reps` calls after one warm-up call."""
-    import torch
-
-    best = float("inf")
-    for i in range(reps + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i:
-            best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def _capture_rate(cfg: RunConfig, target: Any, contract: Any, seq: int) -> tuple[float, str]:
     import torch
 
@@ -168,17 +141,13 @@ def _capture_rate(cfg: RunConfig, target: Any, contract: Any, seq: int) -> tuple
                                last_hidden=False, autocast=amp):
             pass
 
-    return n * seq / _timed(forward, dev, 2), str(amp or target.dtype).removeprefix("torch.")
+    return n * seq / fastest(forward, dev, 2), str(amp or target.dtype).removeprefix("torch.")
 
 
 def _train_step(cfg: RunConfig, target: Any, contract: Any, seq: int) -> float:
     import torch
 
-    from dflashkit.family import new_drafter
-    from dflashkit.train.loss import CE, Decay, DraftLoss, Heads, LossInputs
-    from dflashkit.train.objective import gamma_for, sample_anchors
-    from dflashkit.train.optim import build_optimizer
-    from dflashkit.train.trainer import autocast_dtype
+    from dflashkit.train.step_probe import drafter_step
 
     dev, bs = target.device, cfg.train.batch_size
     gen = torch.Generator().manual_seed(0)
@@ -187,31 +156,7 @@ def _train_step(cfg: RunConfig, target: Any, contract: Any, seq: int) -> float:
     lm[:, seq // 4:] = 1
     lens = torch.full((bs,), seq, device=dev)
     feats = torch.randn(bs, seq, len(contract.target_layer_ids) * contract.hidden_size, generator=gen).to(dev)
-    a = sample_anchors(lm, lens, num_anchors=cfg.train.num_anchors, block_size=contract.block_size,
-                       seeds=list(range(bs)))
-    vocab, head = None, target.lm_head
-    if cfg.drafter.draft_vocab_size and cfg.drafter.draft_vocab_size < target.vocab_size:
-        from dflashkit.model.draft_vocab import choose_draft_vocab, restricted_head
-
-        vocab = choose_draft_vocab(list(ids.cpu().numpy()), list(lm.cpu().numpy()), cfg.drafter.draft_vocab_size,
-                                   target.vocab_size).to(dev)
-        head = restricted_head(target.lm_head, vocab)
-    torch.manual_seed(cfg.run.seed)
-    drafter = new_drafter(contract, draft_vocab=vocab).to(dev)
-    opt = build_optimizer(drafter, cfg.train)
-    fam = contract.family
-    loss = DraftLoss(fam, contract.mask_token_id, (CE(), *fam.loss_terms(cfg.train)),
-                     Decay(gamma_for(cfg.train.gamma, contract.block_size)), chunk_blocks=cfg.train.loss_chunk_blocks)
-    loss = dataclasses.replace(loss, amp=autocast_dtype(cfg.train.dtype, dev))
-    heads = Heads(target.model.get_input_embeddings(), head, vocab)
-
-    def step() -> None:
-        out = loss(drafter, heads, LossInputs(feats, ids, lm, lens), a)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return _timed(step, dev, 2)
+    return fastest(drafter_step(cfg, contract, target, ids, lm, lens, feats), dev, 2)
 
 
 def calibrate(cfg: RunConfig, rd: RunDir, *, save: bool = True) -> dict[str, Any]:
@@ -228,7 +173,7 @@ def calibrate(cfg: RunConfig, rd: RunDir, *, save: bool = True) -> dict[str, Any
     log.info("calibrating this machine (%s) for run.budget_minutes …", m.get("name") or m["kind"])
     target = load_target(cfg.target)
     load_s = time.perf_counter() - t0
-    contract = _contract(cfg, rd)
+    contract = run_contract(cfg, rd)
     seq = max(8, min(cfg.tokenize.max_length, round(tokens_per_sample(cfg, ()))))
     capture_tok_s, capture_dtype = _capture_rate(cfg, target, contract, seq)
     train_step_s = _train_step(cfg, target, contract, seq)
