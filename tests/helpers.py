@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from dflashkit.model.drafter_config import DrafterContract, build_target_layer_ids
+from dflashkit.family.contract import DrafterContract, build_target_layer_ids
 from dflashkit.model.target import text_config_dict
 from dflashkit.train.objective import sample_anchors
 

@@ -1,5 +1,6 @@
 """The library sits strictly below the stages and the CLI, and no two dflashkit modules import each other in a
-circle (issue #12). Imports are read with `ast` (function-level ones included), so nothing is imported here.
+circle (issue #12). Imports are read with `ast` (function-level ones included, type-only ones under `if TYPE_CHECKING:` not),
+so nothing is imported here.
 
 Rooms and the rule (docs/architecture.md "Import map"):
     cli.py, __main__.py           may import anything
@@ -45,11 +46,25 @@ def _resolve(name: str, modules: dict[str, Path]) -> str | None:
     return None
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node of `tree` except the bodies of `if TYPE_CHECKING:` (type-only imports never run: a module may
+    name a higher room's type in an annotation without depending on it)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and isinstance(child.test, ast.Name) and child.test.id == "TYPE_CHECKING":
+                stack.extend(child.orelse)
+                continue
+            stack.append(child)
+
+
 def imports_of(mod: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """Every dflashkit module `mod` imports, at any depth in the file (functions included)."""
     is_pkg = path.name == "__init__.py"
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in _runtime_nodes(ast.parse(path.read_text(), filename=str(path))):
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]

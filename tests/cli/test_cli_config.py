@@ -7,7 +7,7 @@ import pytest
 from dflashkit.cli import COMMANDS, main
 from dflashkit.config import RunConfig, config_from_dict, load_config
 from dflashkit.errors import ConfigError
-from dflashkit.model.drafter_config import build_target_layer_ids
+from dflashkit.family.contract import build_target_layer_ids
 
 
 def last_json(capsys) -> dict:

@@ -22,7 +22,7 @@ from dflashkit.cli import main
 from dflashkit.config import DrafterSection, RunConfig, TargetSection, TrainSection, iter_fields
 from dflashkit.errors import UsageError
 from dflashkit.export.hf import save_drafter
-from dflashkit.model.drafter_config import DrafterContract
+from dflashkit.family.contract import DrafterContract
 from dflashkit.model.target import load_target
 from dflashkit.testing import random_drafter
 from tests.helpers import make_run, overrides, tiny_contract, with_fields

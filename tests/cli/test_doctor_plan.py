@@ -118,7 +118,7 @@ def test_plan_modes_qwen3_and_kimi(tmp_path, capsys):
     assert not (tmp_path / "contract.json").exists()  # plan writes nothing
     assert main(["plan", q, "8x80", *args, "capture.extra_layer_ids=[0, 2, 3]"]) == 0  # + the layers not already there
     wide = last_json(capsys)["plan"]
-    from dflashkit.model.drafter_config import build_target_layer_ids
+    from dflashkit.family.contract import build_target_layer_ids
 
     ids = build_target_layer_ids(36, 5)  # Qwen3-8B: 36 layers, 5 features
     assert wide["features"]["bytes_per_token"] == (5 + len({0, 2, 3} - set(ids))) * 4096 * 2 > 5 * 4096 * 2

@@ -161,7 +161,7 @@ def test_speculators_is_refused_and_import_refuses_broken_dirs_by_key(tmp_path, 
 
 def test_warm_starts_from_dflash_and_dflash2_dirs(tmp_path, tiny_qwen3, capsys):
     from dflashkit.family import new_drafter
-    from dflashkit.model.drafter_config import DrafterContract
+    from dflashkit.family.contract import DrafterContract
     from tests.helpers import with_fields
 
     rd = make_run(tmp_path / "run", tiny_qwen3, **LILI)

@@ -24,7 +24,7 @@ def _losses(rd):
 
 def test_feature_scale_changes_training_and_the_saved_drafter_is_plain_and_equivalent(tmp_path, tiny_qwen3, capsys):
     from dflashkit.model.drafter import DFlashDraftModel
-    from dflashkit.model.drafter_config import DrafterContract
+    from dflashkit.family.contract import DrafterContract
     from dflashkit.train.checkpoint import latest_checkpoint
 
     a, b = tmp_path / "a", tmp_path / "b"

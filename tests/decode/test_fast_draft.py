@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from dflashkit.decode.fast_draft import FastDraft, _PackedLinear
 from dflashkit.model.drafter import DFlashDraftModel, DraftKVCache
-from dflashkit.model.drafter_config import DrafterContract
+from dflashkit.family.contract import DrafterContract
 from tests.helpers import with_fields
 
 

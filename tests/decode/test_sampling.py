@@ -14,7 +14,7 @@ from dflashkit.decode.api import SamplingParams
 from dflashkit.decode.sampling import sampling_probs, verify_greedy, verify_sampled
 from dflashkit.decode.spec_decode import SpecDecoder
 from dflashkit.model.drafter import DFlashDraftModel
-from dflashkit.model.drafter_config import DrafterContract
+from dflashkit.family.contract import DrafterContract
 
 V = 8  # tiny vocab so the exact law of 3-token continuations (512 cells) can be enumerated
 

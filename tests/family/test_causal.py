@@ -12,7 +12,7 @@ from dflashkit import family
 from dflashkit.cli import main
 from dflashkit.errors import UsageError
 from dflashkit.export.speculators import read_speculators_contract, speculators_config
-from dflashkit.model.drafter_config import DrafterContract
+from dflashkit.family.contract import DrafterContract
 from tests.helpers import tiny_contract, with_fields
 
 MISSING = object()

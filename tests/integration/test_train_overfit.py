@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from dflashkit.cli import main
 from dflashkit.config import load_config
 from dflashkit.model.drafter import DFlashDraftModel
-from dflashkit.model.drafter_config import DrafterContract
+from dflashkit.family.contract import DrafterContract
 from dflashkit.model.target import load_target
 from dflashkit.train.data import load_tokenized
 from dflashkit.rundir import RunDir

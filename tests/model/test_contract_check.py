@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from dflashkit.errors import UsageError
-from dflashkit.model.drafter_config import DrafterContract
+from dflashkit.family.contract import DrafterContract
 
 FACTS = {"num_layers": 8, "hidden_size": 64, "vocab_size": 320}
 

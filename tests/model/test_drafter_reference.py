@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dflashkit.model.drafter import DFlashDraftModel, DraftKVCache
-from dflashkit.model.drafter_config import DrafterContract
+from dflashkit.family.contract import DrafterContract
 
 ref = pytest.importorskip("dflash.model", reason="test-only dependency: pip install --no-deps dflash==0.1.0")
 

@@ -246,7 +246,7 @@ def test_only_a_bit_exact_reload_must_walk_the_same_path():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_config_json_round_trips_the_knobs_with_dflashs_causal(causal):
-    from dflashkit.model.drafter_config import DrafterContract
+    from dflashkit.family.contract import DrafterContract
 
     c = lili_contract(causal=causal, lilicorr_conv_kernel_size=2, lilicorr_conv_group_size=8, lilicorr_logit_scale=6.0)
     cfg = c.to_hf_config()

@@ -67,7 +67,7 @@ from dflashkit.rundir import RunDir
 
 if TYPE_CHECKING:
     from dflashkit.context import StageContext
-    from dflashkit.model.drafter_config import DrafterContract
+    from dflashkit.family.contract import DrafterContract
 
 log = logging.getLogger("dflashkit.bench")
 
@@ -188,7 +188,7 @@ def plan_variants(cfg: RunConfig, rd: RunDir
     root = rd.bench_dir / "recipe"
     base = None
     if rd.contract_path.is_file():
-        from dflashkit.model.drafter_config import DrafterContract
+        from dflashkit.family.contract import DrafterContract
 
         base = DrafterContract.load(rd.contract_path)
         check_drafter_overrides(cfg, base, rd.contract_path)
@@ -225,7 +225,7 @@ def variant_contract(over: list[str], vcfg: RunConfig, contract: DrafterContract
     import dataclasses
 
     from dflashkit.config import parse_override
-    from dflashkit.model.drafter_config import build_target_layer_ids, sliding_fields
+    from dflashkit.family.contract import build_target_layer_ids, sliding_fields
 
     keys = {parse_override(o)[0] for o in over}
     given = {k for k in _CONTRACT_KEYS if f"drafter.{k}" in keys}

@@ -33,7 +33,7 @@ from dflashkit.errors import UsageError
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
     from dflashkit.context import StageContext
-    from dflashkit.model.drafter_config import DrafterContract
+    from dflashkit.family.contract import DrafterContract
     from dflashkit.rundir import RunDir
 
 DEFAULT_LENGTHS = (2048, 8192, 32768)

@@ -73,7 +73,7 @@ def _timed(fn, iters: int, device: torch.device) -> float:
 def bench_train(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     """Measure one training step (see the module docstring); returns the numbers."""
     from dflashkit.model.target import cpu_facts, load_target, target_autocast
-    from dflashkit.model.drafter_config import REPROBE_HINT
+    from dflashkit.family.contract import REPROBE_HINT
 
     iters = int(ctx.positionals[1]) if len(ctx.positionals) > 1 else 5
     target = load_target(cfg.target)

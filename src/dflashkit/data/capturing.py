@@ -215,7 +215,7 @@ def log_capture_roofline(target: Any, plan: CapturePlan, tokens: int, seconds: f
 def capture_local(cfg: Any, contract: Any, data: Any, plan: CapturePlan, *, where: str) -> Iterator[tuple[Path, int, int]]:
     """Load the target here (checked against the contract), write every planned shard; yields
     (shard path, samples, tokens) as each one is in place."""
-    from dflashkit.model.drafter_config import REPROBE_HINT
+    from dflashkit.family.contract import REPROBE_HINT
     from dflashkit.model.target import load_target
 
     target = load_target(cfg.target)

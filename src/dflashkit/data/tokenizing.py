@@ -67,7 +67,7 @@ def min_supervised(cfg: Any, rd: RunDir) -> int:
     if cfg.tokenize.min_supervised is not None:
         return cfg.tokenize.min_supervised
     if rd.contract_path.is_file():
-        from dflashkit.model.drafter_config import DrafterContract
+        from dflashkit.family.contract import DrafterContract
 
         return 2 * DrafterContract.load(rd.contract_path).block_size
     return 2 * cfg.drafter.block_size

@@ -40,7 +40,7 @@ from dflashkit.errors import EXIT_MISSING, DflashkitError, UsageError
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
-    from dflashkit.model.drafter_config import DrafterContract
+    from dflashkit.family.contract import DrafterContract
 
 log = logging.getLogger("dflashkit.capture")
 
@@ -231,7 +231,7 @@ def check_engine(cfg: RunConfig, contract: DrafterContract, out_dir: Path, *, wh
     the contract against the target's config.json, then either the vLLM at `capture.server_url` (its served
     model name, returned; `served_model_at`) or what starting one for target.path needs (vLLM installed,
     a HF dir: `launch.check_vllm_for_target`, under `what`, the key that asks for the engine; None)."""
-    from dflashkit.model.drafter_config import REPROBE_HINT
+    from dflashkit.family.contract import REPROBE_HINT
 
     _, facts = engine_facts(cfg)
     contract.check(facts, where="contract.json", hint=REPROBE_HINT)

@@ -29,7 +29,7 @@ import torch
 
 from dflashkit.errors import UsageError
 from dflashkit.model.drafter import DFlashDraftModel
-from dflashkit.model.drafter_config import DrafterContract
+from dflashkit.family.contract import DrafterContract
 from dflashkit.rundir import atomic_path, atomic_write_json
 
 log = logging.getLogger("dflashkit.export")

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from dflashkit.errors import UsageError
 
 if TYPE_CHECKING:
-    from dflashkit.family.base import Contract
+    from dflashkit.family.contract import DrafterContract
 
 SCHEMA_VERSION = "1.0"
 PROFILE_FILE = "speculation_profile.json"
@@ -62,7 +62,7 @@ def profile_path(directory: str | Path) -> Path:
     return Path(directory) / PROFILE_FILE
 
 
-def method_for(contract: Contract) -> str:
+def method_for(contract: DrafterContract) -> str:
     """The profile's `method` for a drafter (dflash, dflash2, …): its family's name (`contract.family`)."""
     return contract.family.name
 

@@ -36,8 +36,7 @@ from dflashkit.export.profile import (PROFILE_FILE, conditional_from, headline, 
                                       prompts_digest, read_profile, round6, utc_now, weights_digest, write_profile)
 
 if TYPE_CHECKING:
-    from dflashkit.family.base import Contract
-    from dflashkit.model.drafter_config import DrafterContract
+    from dflashkit.family.contract import DrafterContract
 
 log = logging.getLogger("dflashkit.export")
 
@@ -62,7 +61,7 @@ def drafter_contract(drafter_dir: str | Path) -> DrafterContract:
     return read_contract(drafter_dir)
 
 
-def other_drafter(profile: dict[str, Any], contract: Contract) -> list[str]:
+def other_drafter(profile: dict[str, Any], contract: DrafterContract) -> list[str]:
     """What in a (validated) profile says it describes another drafter than `contract`'s; [] when it fits.
 
     K may be below B − 1 (measured at a smaller block); `block_size`, `max_supported_k` and `method` are
@@ -79,7 +78,7 @@ def other_drafter(profile: dict[str, Any], contract: Contract) -> list[str]:
     return out
 
 
-def refuse_other_drafter(profile: dict[str, Any], path: str | Path, contract: Contract,
+def refuse_other_drafter(profile: dict[str, Any], path: str | Path, contract: DrafterContract,
                          drafter_dir: str | Path) -> None:
     """UsageError (exit 2) naming `path`, the profile's K and method and the drafter's, when the profile
     describes another drafter than `drafter_dir`'s (`other_drafter`); returns when it fits."""
@@ -95,7 +94,7 @@ def refuse_other_drafter(profile: dict[str, Any], path: str | Path, contract: Co
                      f"`dflashkit export` ships), or remove {path}: the drafter works without it")
 
 
-def choose(candidates: list[Path], source_dir: str | Path, contract: Contract) -> dict[str, Any]:
+def choose(candidates: list[Path], source_dir: str | Path, contract: DrafterContract) -> dict[str, Any]:
     """The profile `ship` copies: the newest among `candidates` measured on `source_dir`'s weights (sha256).
 
     Returns {"path", "profile", "skipped"} (path and profile None, with a "reason", when there is none).
@@ -205,7 +204,7 @@ def record_engine(profile: dict[str, Any], entry: dict[str, Any], check: dict[st
     return write_profile(path, {**profile, "engines": [*others, e]})
 
 
-def profile_report(drafter_dir: str | Path, contract: Contract) -> dict[str, Any] | None:
+def profile_report(drafter_dir: str | Path, contract: DrafterContract) -> dict[str, Any] | None:
     """`import`: the headline of the profile beside a drafter (validated: UsageError naming the field; one that
     describes another drafter than `contract`'s: UsageError, `refuse_other_drafter`), whether it was measured
     on these weights, logged; None when there is none."""

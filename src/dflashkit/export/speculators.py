@@ -59,11 +59,10 @@ import torch
 from dflashkit import family
 from dflashkit.errors import DflashkitError, UsageError
 from dflashkit.export.profile import PROFILE_FILE
-from dflashkit.family.base import Contract
 from dflashkit.export.hf import (DTYPES, WEIGHTS, build_drafter, load_drafter, open_weights, read_config,
                                  read_draft_vocab_size)
 from dflashkit.model.drafter import DFlashDraftModel
-from dflashkit.model.drafter_config import DrafterContract
+from dflashkit.family.contract import DrafterContract
 
 log = logging.getLogger("dflashkit.export")
 
@@ -92,7 +91,7 @@ def refuse_format(fam: family.Family, *, where: str) -> None:
                          "'{\"method\": \"dflash\", \"model\": DIR, ...}'")
 
 
-def speculators_config(contract: Contract, *, verifier: str, verifier_architectures: list[str],
+def speculators_config(contract: DrafterContract, *, verifier: str, verifier_architectures: list[str],
                        dtype: str = "bfloat16", draft_vocab_size: int | None = None) -> dict[str, Any]:
     """The speculators `config.json` for a drafter contract (a pure function: same inputs, same bytes)."""
     zlab = contract.to_hf_config(dtype=dtype)

@@ -26,12 +26,13 @@ import difflib
 from typing import TYPE_CHECKING, Callable
 
 from dflashkit.errors import UsageError
-from dflashkit.family.base import Contract, Family, draft_vocab_problem, refuse_draft_vocab
+from dflashkit.family.base import Family, draft_vocab_problem, refuse_draft_vocab
 from dflashkit.family.dflash import DFLASH
 from dflashkit.family.dflash2 import DFLASH2
 from dflashkit.family.lilicorr import LILICORR
 
 if TYPE_CHECKING:
+    from dflashkit.family.contract import DrafterContract
     from pathlib import Path
 
     import torch
@@ -64,7 +65,7 @@ def get(name: str, *, key: str = "drafter.type") -> Family:
     return fam
 
 
-def new_drafter(contract: Contract, draft_vocab: torch.Tensor | None = None,
+def new_drafter(contract: DrafterContract, draft_vocab: torch.Tensor | None = None,
                 feature_scale: torch.Tensor | None = None):
     """A new random drafter of the contract's family (checks the contract; a family without a reduced
     vocab refuses `draft_vocab`)."""

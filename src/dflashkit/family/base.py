@@ -14,9 +14,8 @@ pattern of torchtitan's `TrainSpec`, composition rather than a class hierarchy. 
 from a higher room is handed in (the decoder's sampling law in `DraftSampling` and what it knows of the
 block in `DraftBlock`; the loss's chunk of rows in `Rows`, its blocks in `Blocks`), so this room ranks beside `model/` and below everything that asks it.
 
-The contract (`model/drafter_config.py`) asks its family for its checks and its `config.json`
-keys, so the families (and the networks) read a contract through the `Contract` protocol below:
-importing the contract module back would be an import cycle.
+The contract (`family/contract.py`) asks this registry for its family; the families type a contract by
+importing it under TYPE_CHECKING only.
 """
 
 from __future__ import annotations
@@ -28,53 +27,7 @@ if TYPE_CHECKING:
     import torch
 
     from dflashkit.config import DrafterSection, TrainSection
-
-
-class Contract(Protocol):
-    """The drafter contract's interface (`model.drafter_config.DrafterContract`: every field, the methods the
-    families and networks use). That module asks this registry for its family, so the families and the
-    drafter networks type a contract by this protocol instead of importing it back (an import cycle);
-    tests/family check that it lists every field of the dataclass."""
-
-    block_size: int
-    num_draft_layers: int
-    target_layer_ids: list[int]
-    mask_token_id: int
-    num_target_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    target_model_type: str
-    target_architecture: str
-    mask_token_reason: str
-    bos_token_id: int | list[int] | None
-    eos_token_id: int | list[int] | None
-    layer_types: list[str] | None      # per draft layer full_attention / sliding_attention (None: all full)
-    sliding_window: int | None
-    causal_layers: list[bool] | None
-    extra: dict[str, Any]
-    drafter_type: str
-    knobs: Any      # the family's `knobs` dataclass (its own contract fields)
-
-    @property
-    def num_features(self) -> int: ...
-
-    @property
-    def family(self) -> Family: ...
-
-    def check(self, target: Any = None, *, where: str = "drafter", hint: str | None = None) -> None: ...
-
-    def to_hf_config(self, *, dtype: str = "bfloat16", draft_vocab_size: int | None = None) -> dict[str, Any]: ...
-
-    def to_dict(self) -> dict[str, Any]: ...
+    from dflashkit.family.contract import DrafterContract
 
 
 @dataclass(frozen=True)
@@ -265,18 +218,18 @@ class Family:
     speculators: bool = True
     metric_names: tuple[str, ...] = ()
     config_problems: Callable[[DrafterSection], list[str]] = _nothing
-    contract_problems: Callable[[Contract], list[str]] = _nothing
-    dflash_config: Callable[[Contract], dict[str, Any]] = _empty
-    hf_keys: Callable[[Contract], dict[str, Any]] = _empty
+    contract_problems: Callable[[DrafterContract], list[str]] = _nothing
+    dflash_config: Callable[[DrafterContract], dict[str, Any]] = _empty
+    hf_keys: Callable[[DrafterContract], dict[str, Any]] = _empty
     read_knobs: Callable[[dict, dict, str], dict[str, Any]] = _empty
     scores: Callable[[Any, torch.Tensor], torch.Tensor] = _same
     loss_terms: Callable[[TrainSection], list[LossTerm]] = _nothing
     stats: tuple[StatField, ...] = ()
     metrics: Callable[..., dict[str, Any]] = _empty
-    extra_params: Callable[[Contract], int] = _zero
-    lookup_params: Callable[[Contract], int] = _zero
+    extra_params: Callable[[DrafterContract], int] = _zero
+    lookup_params: Callable[[DrafterContract], int] = _zero
     reload_check: Callable[[Any, Any, Any], dict[str, Any]] = _empty
-    card_lines: Callable[[Contract], list[str]] = _nothing
+    card_lines: Callable[[DrafterContract], list[str]] = _nothing
 
     @property
     def knob_names(self) -> tuple[str, ...]:

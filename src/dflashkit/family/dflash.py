@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import UsageError
-from dflashkit.family.base import Contract, DraftBlock, DraftSampling, Family, knob_type_problems
+from dflashkit.family.base import DraftBlock, DraftSampling, Family, knob_type_problems
 
 if TYPE_CHECKING:
+    from dflashkit.family.contract import DrafterContract
     import torch
 
 log = logging.getLogger("dflashkit.contract")
@@ -47,18 +48,18 @@ class DFlashKnobs:
     causal: bool = False
 
 
-def contract_problems(c: Contract) -> list[str]:
+def contract_problems(c: DrafterContract) -> list[str]:
     """Every knob of the declared type (`knob_type_problems`: a hand-edited contract.json could hold "true" or 1
     for `causal`, "4" for an integer); the families whose knobs extend DFlash's start from these."""
     return knob_type_problems(c.knobs)
 
 
-def dflash_config(c: Contract) -> dict[str, Any]:
+def dflash_config(c: DrafterContract) -> dict[str, Any]:
     """`dflash_config.causal: true` for a causal drafter (nothing for a bidirectional one: vLLM's default)."""
     return {"causal": True} if c.knobs.causal else {}
 
 
-def hf_keys(c: Contract) -> dict[str, Any]:
+def hf_keys(c: DrafterContract) -> dict[str, Any]:
     """The top-level `is_causal: true` of a causal drafter: the key vLLM reads first and SGLang reads alone."""
     return {"is_causal": True} if c.knobs.causal else {}
 
@@ -97,7 +98,7 @@ def read_knobs(cfg: dict[str, Any], dc: dict[str, Any], source: str) -> dict[str
     return {"causal": read_causal(cfg, dc, source)}
 
 
-def build(contract: Contract, draft_vocab: torch.Tensor | None = None, feature_scale: torch.Tensor | None = None):
+def build(contract: DrafterContract, draft_vocab: torch.Tensor | None = None, feature_scale: torch.Tensor | None = None):
     """A new random DFlash drafter (`model.drafter.DFlashDraftModel`)."""
     from dflashkit.model.drafter import DFlashDraftModel
 
@@ -131,7 +132,7 @@ def propose(drafter: Any, h: torch.Tensor, logits: torch.Tensor, anchor: int, sa
     return vocab[tokens].tolist(), full
 
 
-def card_lines(c: Contract) -> list[str]:
+def card_lines(c: DrafterContract) -> list[str]:
     if not c.knobs.causal:
         return []
     return ["Causal in-block attention (JetSpec): block offset i attends to the context and offsets j <= i. "

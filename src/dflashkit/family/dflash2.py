@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import UsageError
-from dflashkit.family.base import (Contract, DraftBlock, DraftSampling, Family, Rows, Scored, StatField, json_float,
+from dflashkit.family.base import (DraftBlock, DraftSampling, Family, Rows, Scored, StatField, json_float,
                                   json_int, refuse_draft_vocab, walk_reload_check)
 from dflashkit.family.dflash import DFlashKnobs
 from dflashkit.family.dflash import card_lines as dflash_card_lines
@@ -45,6 +45,7 @@ from dflashkit.family.dflash import hf_keys as dflash_hf_keys
 from dflashkit.family.dflash import read_knobs as dflash_knobs
 
 if TYPE_CHECKING:
+    from dflashkit.family.contract import DrafterContract
     import torch
 
     from dflashkit.config import DrafterSection, TrainSection
@@ -78,7 +79,7 @@ def config_problems(d: DrafterSection) -> list[str]:
     return p
 
 
-def contract_problems(c: Contract) -> list[str]:
+def contract_problems(c: DrafterContract) -> list[str]:
     """What makes the knobs unusable for this contract's target."""
     k: DFlash2Knobs = c.knobs
     p = dflash_contract_problems(c)
@@ -99,7 +100,7 @@ def contract_problems(c: Contract) -> list[str]:
     return p
 
 
-def dflash_config(c: Contract) -> dict[str, Any]:
+def dflash_config(c: DrafterContract) -> dict[str, Any]:
     """The `dflash_config` keys vLLM's `qwen3_dflash2.py` reads; the optional ones only when set."""
     k: DFlash2Knobs = c.knobs
     out: dict[str, Any] = {name: getattr(k, name) for name in REQUIRED}
@@ -123,7 +124,7 @@ def read_knobs(cfg: dict[str, Any], dc: dict[str, Any], source: str) -> dict[str
 
 
 # -- the network ------------------------------------------------------------------------------------------------
-def build(contract: Contract, draft_vocab: torch.Tensor | None = None, feature_scale: torch.Tensor | None = None):
+def build(contract: DrafterContract, draft_vocab: torch.Tensor | None = None, feature_scale: torch.Tensor | None = None):
     """A new random DFlash2 drafter (`model.dflash2.DFlash2DraftModel`); a draft vocab is refused."""
     from dflashkit.model.dflash2 import DFlash2DraftModel
 
@@ -267,7 +268,7 @@ def propose(drafter: Any, h: torch.Tensor, logits: torch.Tensor, anchor: int, sa
 
 
 # -- plan, export -----------------------------------------------------------------------------------------------
-def extra_params(c: Contract) -> int:
+def extra_params(c: DrafterContract) -> int:
     """Two convolutions per layer and the selector (its two V × r codebooks included)."""
     k: DFlash2Knobs = c.knobs
     h = c.hidden_size
@@ -275,7 +276,7 @@ def extra_params(c: Contract) -> int:
     return c.num_draft_layers * 2 * (2 * taps * h + 2 * taps * groups * h) + lookup_params(c) + k.selector_rank * h
 
 
-def lookup_params(c: Contract) -> int:
+def lookup_params(c: DrafterContract) -> int:
     """The selector's codebooks (predecessor + successor, V × r each): 2·V·r, looked up, not multiplied
     (2·r·(K+1) FLOPs per drafted position, whatever V is)."""
     return 2 * c.vocab_size * c.knobs.selector_rank
@@ -291,7 +292,7 @@ def reload_check(source: Any, reloaded: Any, head: torch.Tensor | None) -> dict[
                              extra=lambda g: torch.randint(0, source.contract.vocab_size, (3,), generator=g))
 
 
-def card_lines(c: Contract) -> list[str]:
+def card_lines(c: DrafterContract) -> list[str]:
     return dflash_card_lines(c) + ["DFlash2: vLLM runs the candidate selector on its V2 model runner only (GPU, Triton); its V1 "
             "runner (the CPU build) refuses the checkpoint. `dflash.py`'s DFlash2DraftModel computes the "
             "block's hidden states and holds the selector; `dflashkit eval` / `serve --drafter` draft "

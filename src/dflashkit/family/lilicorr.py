@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import UsageError
-from dflashkit.family.base import (Contract, DraftBlock, DraftSampling, Family, Rows, Scored, StatField, json_float,
+from dflashkit.family.base import (DraftBlock, DraftSampling, Family, Rows, Scored, StatField, json_float,
                                    json_int, ratio, refuse_draft_vocab, walk_reload_check)
 from dflashkit.family.dflash import DFlashKnobs
 from dflashkit.family.dflash import card_lines as dflash_card_lines
@@ -58,6 +58,7 @@ from dflashkit.family.dflash import hf_keys as dflash_hf_keys
 from dflashkit.family.dflash import read_knobs as dflash_knobs
 
 if TYPE_CHECKING:
+    from dflashkit.family.contract import DrafterContract
     import torch
 
     from dflashkit.config import DrafterSection, TrainSection
@@ -119,7 +120,7 @@ def config_problems(d: DrafterSection) -> list[str]:
     return p
 
 
-def contract_problems(c: Contract) -> list[str]:
+def contract_problems(c: DrafterContract) -> list[str]:
     """The knobs' ranges, and what makes them unusable for this contract's target."""
     k: LiLiCorrKnobs = c.knobs
     p = dflash_contract_problems(c)
@@ -138,7 +139,7 @@ def contract_problems(c: Contract) -> list[str]:
     return p
 
 
-def dflash_config(c: Contract) -> dict[str, Any]:
+def dflash_config(c: DrafterContract) -> dict[str, Any]:
     """The `dflash_config` keys vLLM's `lilicorr.py` reads (the convolution's only when it is on)."""
     k: LiLiCorrKnobs = c.knobs
     out: dict[str, Any] = {"lilicorr_enabled": True}
@@ -173,7 +174,7 @@ def read_knobs(cfg: dict[str, Any], dc: dict[str, Any], source: str) -> dict[str
 
 
 # -- the network ------------------------------------------------------------------------------------------------
-def build(contract: Contract, draft_vocab: torch.Tensor | None = None, feature_scale: torch.Tensor | None = None):
+def build(contract: DrafterContract, draft_vocab: torch.Tensor | None = None, feature_scale: torch.Tensor | None = None):
     """A new random LiLiCorr drafter (`model.lilicorr.LiLiCorrDraftModel`); a draft vocab is refused."""
     from dflashkit.model.lilicorr import LiLiCorrDraftModel
 
@@ -386,7 +387,7 @@ def propose(drafter: Any, h: torch.Tensor, logits: torch.Tensor, anchor: int, sa
 
 
 # -- plan, export -----------------------------------------------------------------------------------------------
-def extra_params(c: Contract) -> int:
+def extra_params(c: DrafterContract) -> int:
     """The lattice head's parameters, and the convolutions' when they are on."""
     k: LiLiCorrKnobs = c.knobs
     big, w, f = c.hidden_size, k.lilicorr_hidden_size or c.hidden_size, k.lilicorr_factor_dim
@@ -413,7 +414,7 @@ def reload_check(source: Any, reloaded: Any, head: torch.Tensor | None) -> dict[
         extra=lambda g: torch.randn(c.vocab_size, c.hidden_size, generator=g))
 
 
-def card_lines(c: Contract) -> list[str]:
+def card_lines(c: DrafterContract) -> list[str]:
     return dflash_card_lines(c) + ["LiLiCorr: vLLM runs the lattice head's walk on its V2 model runner only (GPU, Triton); its V1 "
             "runner (the CPU build) cannot run it. `dflash.py`'s LiLiCorrDraftModel computes the block's hidden "
             "states and the lattice scores; `dflashkit eval` / `serve --drafter` draft through the walk. Which "

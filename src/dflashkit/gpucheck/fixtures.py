@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from dflashkit.data.shards import shard_name, write_parquet_shard
-from dflashkit.model.drafter_config import DrafterContract
+from dflashkit.family.contract import DrafterContract
 from dflashkit.model.target import Target
 from dflashkit.rundir import RunDir, atomic_write_json
 

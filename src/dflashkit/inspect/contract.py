@@ -32,7 +32,7 @@ from dflashkit import family
 from dflashkit.errors import UsageError
 from dflashkit.inspect.config_facts import ModelFacts
 from dflashkit.inspect.tokenizer_facts import TokenizerFacts
-from dflashkit.model.drafter_config import DrafterContract, build_target_layer_ids, sliding_fields
+from dflashkit.family.contract import DrafterContract, build_target_layer_ids, sliding_fields
 
 if TYPE_CHECKING:
     from dflashkit.config import DrafterSection, RunConfig

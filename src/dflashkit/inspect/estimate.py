@@ -86,7 +86,7 @@ def contract_and_facts(cfg: RunConfig, rd: RunDir, model: str | None) -> tuple[A
     """The contract and target facts: probe the given model, else the run dir, else target.path."""
     from dflashkit.inspect.contract import derive_contract
     from dflashkit.inspect.target import inspect_target
-    from dflashkit.model.drafter_config import DrafterContract
+    from dflashkit.family.contract import DrafterContract
 
     probe_json = rd.probe_json
     if model is None and rd.contract_path.is_file():

@@ -37,6 +37,7 @@ The knobs (`conv_kernel_size`, …) are the contract's `knobs` (`family.dflash2.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 import logging
 
 import torch
@@ -46,8 +47,10 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
 from dflashkit.errors import UsageError
-from dflashkit.family.base import Contract
 from dflashkit.model.drafter import DFlashAttention, DFlashDraftModel
+
+if TYPE_CHECKING:
+    from dflashkit.family.contract import DrafterContract
 
 log = logging.getLogger("dflashkit.model")
 
@@ -211,7 +214,7 @@ def walk_path(selector: CandidateSelector, cand_ids: torch.Tensor, unary: torch.
 class DFlash2DraftModel(DFlashDraftModel):
     """DFlash2 drafter; `state_dict()` keys are vLLM's DFlash2 checkpoint names (module docstring)."""
 
-    def __init__(self, contract: Contract, feature_scale: torch.Tensor | None = None):
+    def __init__(self, contract: DrafterContract, feature_scale: torch.Tensor | None = None):
         super().__init__(contract, feature_scale=feature_scale)
         k = contract.knobs
         self.top_k = k.selector_top_k

@@ -35,13 +35,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from dflashkit.family.base import Contract
+if TYPE_CHECKING:
+    from dflashkit.family.contract import DrafterContract
+
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +85,7 @@ class DraftKVCache:
         self.values = [None if v is None else v[..., :length, :] for v in self.values]
 
 
-def hf_config(contract: Contract) -> Qwen3Config:
+def hf_config(contract: DrafterContract) -> Qwen3Config:
     cfg = contract.to_hf_config(dtype="float32")
     for k in ("architectures", "auto_map", "dflash_config", "block_size", "num_target_layers", "dtype", "is_causal"):
         cfg.pop(k, None)
@@ -163,7 +166,7 @@ class DFlashDecoderLayer(nn.Module):
 class DFlashDraftModel(nn.Module):
     """DFlash drafter; `state_dict()` keys are exactly the z-lab checkpoint's."""
 
-    def __init__(self, contract: Contract, draft_vocab: torch.Tensor | None = None,
+    def __init__(self, contract: DrafterContract, draft_vocab: torch.Tensor | None = None,
                  feature_scale: torch.Tensor | None = None):
         super().__init__()
         contract.check()

@@ -42,6 +42,7 @@ With `lilicorr_conv_kernel_size` and `lilicorr_conv_group_size` both set, every 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 import logging
 
 import torch
@@ -49,9 +50,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflashkit.errors import UsageError
-from dflashkit.family.base import Contract
 from dflashkit.model.dflash2 import DFlash2DecoderLayer, walk
 from dflashkit.model.drafter import DFlashDraftModel
+
+if TYPE_CHECKING:
+    from dflashkit.family.contract import DrafterContract
 
 log = logging.getLogger("dflashkit.model")
 
@@ -109,7 +112,7 @@ class LatticeLayer(nn.Module):
 class LiLiCorrHead(nn.Module):
     """`lilicorr`: the lattice scorer (module docstring); `forward` returns vLLM's [b, n, K, K] scores."""
 
-    def __init__(self, contract: Contract):
+    def __init__(self, contract: DrafterContract):
         super().__init__()
         k = contract.knobs
         big = contract.hidden_size
@@ -225,7 +228,7 @@ class LiLiCorrHead(nn.Module):
 class LiLiCorrDraftModel(DFlashDraftModel):
     """LiLiCorr drafter; `state_dict()` keys are vLLM's LiLiCorr checkpoint names (module docstring)."""
 
-    def __init__(self, contract: Contract, feature_scale: torch.Tensor | None = None):
+    def __init__(self, contract: DrafterContract, feature_scale: torch.Tensor | None = None):
         super().__init__(contract, feature_scale=feature_scale)
         self.top_k = contract.knobs.lilicorr_candidate_topk
         self.lilicorr = LiLiCorrHead(contract)

@@ -56,7 +56,7 @@ def check(cfg: RunConfig, rd: RunDir) -> tuple[Any, Any, Any]:
     capture.server_url answering, or vLLM installed to start one) or the target's config against the
     contract. Returns (contract, tokenized data, plan)."""
     from dflashkit.engines.capture import check_engine, engine_facts
-    from dflashkit.model.drafter_config import REPROBE_HINT, DrafterContract
+    from dflashkit.family.contract import REPROBE_HINT, DrafterContract
     from dflashkit.model.quantized import check_local_target
     from dflashkit.train.data import load_tokenized
     from dflashkit.train.levers import split_samples

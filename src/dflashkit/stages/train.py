@@ -89,7 +89,7 @@ def check_engine(cfg: RunConfig, rd: RunDir) -> None:
     if cfg.train.features != "engine":
         return
     from dflashkit.engines.feed import check_engine_feed
-    from dflashkit.model.drafter_config import DrafterContract
+    from dflashkit.family.contract import DrafterContract
 
     check_engine_feed(cfg, DrafterContract.load(rd.contract_path), rd.stage_dir("train", create=False),
                       world=int(os.environ.get("WORLD_SIZE", "1")))

@@ -15,7 +15,7 @@ def random_drafter(target, block_size: int = 4, layers: int = 1, seed: int = 0, 
     import torch
 
     from dflashkit.family import new_drafter
-    from dflashkit.model.drafter_config import DrafterContract, build_target_layer_ids
+    from dflashkit.family.contract import DrafterContract, build_target_layer_ids
 
     n = target.num_layers
     heads = 4

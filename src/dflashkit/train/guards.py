@@ -27,7 +27,7 @@ from dflashkit.errors import ConfigError, UsageError
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig, TrainSection
-    from dflashkit.model.drafter_config import DrafterContract
+    from dflashkit.family.contract import DrafterContract
     from dflashkit.rundir import RunDir
 
 IMPORTED = "imported.json"  # written by `dflashkit import` into the drafter dir it creates
@@ -61,7 +61,7 @@ def check_drafter_overrides(cfg: RunConfig, contract: DrafterContract, where: st
         if _given(cfg, key, mine) and (float(mine) != float(theirs) if key == "rms_norm_eps" else mine != theirs):
             problems.append(f"drafter.{key}: {mine!r} in the config, {theirs!r} in {where}")
     if _given(cfg, "layer_types", d.layer_types) or _given(cfg, "sliding_window", d.sliding_window):
-        from dflashkit.model.drafter_config import sliding_fields
+        from dflashkit.family.contract import sliding_fields
 
         mine_sw, theirs_sw = sliding_fields(d.layer_types, d.sliding_window, contract.num_draft_layers), \
             {"layer_types": contract.layer_types, "sliding_window": contract.sliding_window}
@@ -109,7 +109,7 @@ def preflight(cfg: RunConfig, rd: RunDir) -> DrafterContract:
     config.json); the latest checkpoint, if any, is this run's (objective, trajectory, contract).
     The engine of train.features=engine is the stage's to check (`engines/feed.py` check_engine_feed)."""
     from dflashkit.data.shards import require_tokenized_shards
-    from dflashkit.model.drafter_config import DrafterContract
+    from dflashkit.family.contract import DrafterContract
     from dflashkit.train import checkpoint as ckpt
 
     check_outputs_ours(rd.train_dir, cfg)

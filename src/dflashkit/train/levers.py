@@ -17,7 +17,7 @@ import logging
 import torch
 
 from dflashkit.errors import UsageError
-from dflashkit.model.drafter_config import DrafterContract
+from dflashkit.family.contract import DrafterContract
 from dflashkit.train.data import collate, hold_out_sources, split_heldout
 
 if TYPE_CHECKING:

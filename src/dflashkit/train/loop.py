@@ -33,7 +33,7 @@ import torch
 
 from dflashkit.errors import UsageError
 from dflashkit.family import new_drafter, reads_target_law
-from dflashkit.model.drafter_config import REPROBE_HINT, DrafterContract
+from dflashkit.family.contract import REPROBE_HINT, DrafterContract
 from dflashkit.model.path_labels import path_depth
 from dflashkit.train import checkpoint as ckpt
 from dflashkit.train import guards

@@ -50,7 +50,7 @@ from dflashkit.train.objective import Anchors, block_input_ids, block_position_i
 
 if TYPE_CHECKING:
     from dflashkit.config import TrainSection
-    from dflashkit.family.base import Contract
+    from dflashkit.family.contract import DrafterContract
 
 
 # -- position weighting ------------------------------------------------------------------------------------------
@@ -234,7 +234,7 @@ class DraftLoss:
     context: bool = True
 
     @classmethod
-    def from_train(cls, train: TrainSection, contract: Contract, *, gamma: float | None, attention: str = "sdpa",
+    def from_train(cls, train: TrainSection, contract: DrafterContract, *, gamma: float | None, attention: str = "sdpa",
                    amp: torch.dtype | None = None) -> DraftLoss:
         """`train.loss` (ce | kl | ce+kl, `kl_weight`, `kl_temperature`), `position_weighting` (decay: exp(−(k−1)/γ),
         uniform: 1 at every position, dpace), `loss_chunk_blocks`, `ablate_features`, and the family's terms
@@ -252,7 +252,7 @@ class DraftLoss:
                    context=not train.ablate_features)
 
     @classmethod
-    def scoring(cls, contract: Contract, *, context: bool = True) -> DraftLoss:
+    def scoring(cls, contract: DrafterContract, *, context: bool = True) -> DraftLoss:
         """The loss whose metrics score a drafter teacher-forced (eval's diagnostics): CE over unweighted
         positions plus the family's terms at their defaults (they may score what the decoder drafts:
         DFlash2's walk)."""

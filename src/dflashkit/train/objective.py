@@ -232,6 +232,6 @@ def target_label_ids(input_ids: torch.Tensor, next_ids: torch.Tensor) -> torch.T
 
 def gamma_for(train_gamma: float | None, block_size: int) -> float:
     """`train.gamma` if set, else the reference default for B."""
-    from dflashkit.model.drafter_config import default_gamma
+    from dflashkit.family.contract import default_gamma
 
     return float(train_gamma) if train_gamma else default_gamma(block_size)

@@ -28,7 +28,7 @@ from dflashkit.train.trainer import autocast_dtype
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
-    from dflashkit.model.drafter_config import DrafterContract
+    from dflashkit.family.contract import DrafterContract
 
 
 @dataclass

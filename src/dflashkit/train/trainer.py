@@ -21,7 +21,7 @@ import torch
 
 from dflashkit.family import reads_target_law
 from dflashkit.model.draft_vocab import restricted_head
-from dflashkit.model.drafter_config import DrafterContract
+from dflashkit.family.contract import DrafterContract
 from dflashkit.model.target import announce, compute_dtype
 from dflashkit.train.data import Batch, BatchPlan, FeatureStore, TokenData, collate
 from dflashkit.train.loss import DraftLoss, Heads, LossInputs, LossOutput

@@ -17,7 +17,7 @@ import torch
 
 from dflashkit.errors import UsageError
 from dflashkit.model.draft_vocab import label_token_counts, vocab_from_counts
-from dflashkit.model.drafter_config import DrafterContract
+from dflashkit.family.contract import DrafterContract
 from dflashkit.train.data import collate
 from dflashkit.train.objective import target_label_ids
 

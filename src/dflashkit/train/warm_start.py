@@ -33,8 +33,7 @@ from pathlib import Path
 import torch
 
 from dflashkit.errors import UsageError
-from dflashkit.family.base import Contract
-from dflashkit.model.drafter_config import DrafterContract
+from dflashkit.family.contract import DrafterContract
 
 log = logging.getLogger("dflashkit.train")
 
@@ -52,7 +51,7 @@ class WarmSource:
 
     path: Path
     state: dict[str, torch.Tensor]
-    contract: Contract
+    contract: DrafterContract
     format: str                      # "zlab" | "speculators"
     vocab: torch.Tensor | None       # sorted target ids of a reduced draft vocab, or None
 
@@ -71,7 +70,7 @@ def read_warm_start(path: str | Path) -> WarmSource:
     return WarmSource(d, state, model.contract, fmt, model.draft_vocab)
 
 
-def contract_mismatch(src: Contract, run: Contract) -> list[str]:
+def contract_mismatch(src: DrafterContract, run: DrafterContract) -> list[str]:
     """Every field of MUST_MATCH that differs, as `name: source X != this run's Y` (empty: it fits)."""
     out = []
     for name, what in MUST_MATCH:
@@ -90,7 +89,7 @@ def keep_source_vocab(src: WarmSource, draft_vocab_size: int | None) -> torch.Te
     return None
 
 
-def family_mismatch(src: Contract, run: Contract) -> str | None:
+def family_mismatch(src: DrafterContract, run: DrafterContract) -> str | None:
     """Why a drafter of `src`'s family cannot start this run's (None: the same family, or a conversion the
     run's family allows)."""
     if src.drafter_type == run.drafter_type or src.drafter_type in run.family.init_from:
