@@ -19,6 +19,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from dflashkit.config_hash import section_hash
+
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
 
@@ -81,6 +83,4 @@ READ_ONLY: frozenset[str] = frozenset(s.name for s in TABLE if not s.writes)
 
 def stage_hash(name: str, cfg: RunConfig, *extra: Any) -> str:
     """The hash of the config stage `name` reads (plus `extra`: inputs that are not config)."""
-    from dflashkit.config import section_hash
-
     return section_hash(*STAGES[name].sections(cfg), *extra)

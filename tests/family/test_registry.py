@@ -79,10 +79,10 @@ def test_step_stats_go_through_one_flat_tensor_and_back(kind):
     st.loss, st.tau_sum, st.blocks, st.tokens = 1.5, 20.0, 9.0, 77.0
     st.correct += torch.tensor([0.0, 3, 2, 1], dtype=torch.float64)
     st.total += torch.tensor([0.0, 5, 5, 4], dtype=torch.float64)
-    for i, f in enumerate(fam.stats):
+    for i, f in enumerate(fam.objective.stats):
         st.extra[f.name] = st.extra[f.name] + (torch.arange(4.0).double() if f.size == "B" else 0.0) + i + 1
     t = st.to_tensor()
-    assert t.dtype == torch.float64 and t.numel() == 4 + 2 * 4 + sum(4 if f.size == "B" else 1 for f in fam.stats)
+    assert t.dtype == torch.float64 and t.numel() == 4 + 2 * 4 + sum(4 if f.size == "B" else 1 for f in fam.objective.stats)
     back = StepStats.from_tensor(t, 4, fam)
     assert torch.equal(back.to_tensor(), t) and back.metrics(3) == st.metrics(3)
     assert set(back.metrics(3)) >= {"tau", "acc", "loss", *fam.metric_names}
@@ -100,3 +100,44 @@ def test_tensors_of_another_family_are_named(tmp_path):
         family.check_tensors(d2, {"fc.weight"}, {"fc.weight", "candidate_selector.successor_codebook"},
                              weights=w, config=c)
     family.check_tensors(d2, have, have, weights=w, config=c)  # its own: fine
+
+
+# family keys named before the rule that a family's keys carry its name (users' configs keep them)
+GRANDFATHERED = {"causal", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                 "input_embedding_scale", "output_multiplier", "final_logit_softcapping", "selector_loss_weight"}
+
+
+def test_family_keys_carry_the_familys_name_or_are_grandfathered():
+    for fam in family.FAMILIES.values():
+        for key in (*fam.knob_names, *fam.weight_names):
+            assert key.startswith(f"{fam.name}_") or key in GRANDFATHERED, (fam.name, key)
+
+
+def test_the_schema_is_built_from_the_declarations():
+    from dflashkit.config import TrainSection
+    from dflashkit.train.guards import OBJECTIVE_KEYS
+
+    for section, part in ((DrafterSection, "knobs"), (TrainSection, "weights")):
+        schema = {f.name: f for f in dataclasses.fields(section)}
+        for fam in family.FAMILIES.values():
+            for f in dataclasses.fields(getattr(fam, part)):
+                assert schema[f.name].metadata["help"] == f.metadata["help"] and schema[f.name].default == f.default
+    assert set(family.weight_keys()) <= set(OBJECTIVE_KEYS)  # a resume under other weights is refused
+    assert "selector_loss_weight" not in family.DEFAULT.weight_names
+
+
+def test_declared_ranges_are_checked_for_the_config_and_the_contract():
+    from dflashkit.config import config_problems
+    from dflashkit.config import RunConfig
+    from dflashkit.family.knobs import range_problems
+
+    knobs = family.get("lilicorr").knobs(lilicorr_vector_eps=0.5, lilicorr_num_heads=0)
+    assert range_problems(knobs) == ["lilicorr_num_heads: must be >= 1, got 0",
+                                     "lilicorr_vector_eps: must be in (0, 0.5), got 0.5"]
+    d2 = family.get("dflash2").knobs(output_multiplier=-1.0)
+    assert range_problems(d2, prefix="drafter.") == ["drafter.output_multiplier: must be > 0 (or null), got -1.0"]
+    cfg = RunConfig()
+    cfg.train.lilicorr_margin = 0.0
+    assert "train.lilicorr_margin: must be > 0, got 0.0" in config_problems(cfg)
+    with pytest.raises(UsageError, match="selector_rank: must be >= 1, got 0"):
+        with_fields(tiny_contract(), drafter_type="dflash2", conv_group_size=8, selector_rank=0).check()

@@ -10,8 +10,7 @@ The scan reads every module of src/dflashkit with `ast` and names file:line for 
   * `candidate_selector` (attribute or string): DFlash2's selector, reached around its family;
   * `isinstance(x, <a family's network class>)`.
 Allowed: the family modules, DFlash2's and LiLiCorr's own network files, and files that are other programs'
-code: the remote-code `dflash.py` dflashkit ships (its text is part of the checkpoint format) and the scripts
-run inside vLLM's venv against vLLM's own DFlash2 and LiLiCorr modules.
+code: the remote-code `dflash.py` dflashkit ships (its text is part of the checkpoint format).
 """
 
 from __future__ import annotations
@@ -27,8 +26,6 @@ ALLOWED = {
     "model/dflash2.py",                    # the DFlash2 network itself
     "model/lilicorr.py",                   # the LiLiCorr network itself
     "export/dflash_modeling.py",           # the shipped remote-code file (`dflash.py` in every export)
-    "engines/vllm_dflash2_reference.py",   # runs in vLLM's venv, on vLLM's own DFlash2 modules
-    "engines/vllm_lilicorr_reference.py",  # runs in vLLM's venv, on vLLM's own LiLiCorr modules
 }
 NETWORKS = {"DFlashDraftModel", "DFlash2DraftModel", "LiLiCorrDraftModel"}
 

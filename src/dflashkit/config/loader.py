@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import hashlib
 import json
 import types
 import typing
@@ -24,7 +23,9 @@ from typing import Any, Callable, Literal, get_args, get_origin
 
 import yaml
 
+from dflashkit import family
 from dflashkit.config.schema import RunConfig
+from dflashkit.config_hash import _hashed, section_hash  # noqa: F401 - re-exported (the config's API)
 from dflashkit.config.validate import problems as validation_problems
 from dflashkit.errors import ConfigError, UsageError
 from dflashkit.redact import redact_text, redact_url
@@ -193,7 +194,10 @@ def config_from_dict(data: dict, overrides: list[str] | None = None, *, source: 
 def load_config(path: str | Path | None, overrides: list[str] | None = None, *,
                 checks: Callable[[RunConfig], list[str]] | None = None) -> RunConfig:
     """Read YAML (or start from defaults when `path` is None) and apply dotted overrides (`checks`: as
-    `config_from_dict`)."""
+    `config_from_dict`). A plugin drafter family that did not load is raised first (its keys would read as
+    unknown ones)."""
+    if family.PLUGIN_ERROR is not None:
+        raise family.PLUGIN_ERROR
     data: dict = {}
     if path is not None:
         p = Path(path)
@@ -316,30 +320,6 @@ def redacted_dict(cfg: Any) -> Any:
 def dump_config(cfg: RunConfig) -> str:
     """Resolved YAML, every URL field redacted (`redacted_dict`)."""
     return yaml.safe_dump(redacted_dict(cfg), sort_keys=False)
-
-
-def _hashed(section: Any) -> Any:
-    """The dict hashed for a dataclass section: fields marked hash_default=False left out at their default,
-    in its nested sections and lists of sections (`data.sources[]`) too."""
-    data = dataclasses.asdict(section)
-    for fl in dataclasses.fields(section):
-        value = getattr(section, fl.name)
-        if dataclasses.is_dataclass(value):
-            data[fl.name] = _hashed(value)
-        elif isinstance(value, list) and value and all(dataclasses.is_dataclass(v) for v in value):
-            data[fl.name] = [_hashed(v) for v in value]
-        if fl.metadata.get("hash_default") is False:
-            default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()  # type: ignore[misc,operator]
-            if data.get(fl.name) == default:
-                data.pop(fl.name)
-    return data
-
-
-def section_hash(*sections: Any) -> str:
-    """Stable hash of config sections (manifests use it to decide whether a stage is up to date)."""
-    blob = json.dumps([_hashed(s) if dataclasses.is_dataclass(s) else s for s in sections],
-                      sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def iter_fields(cls: type = RunConfig, prefix: str = ""):

@@ -7,15 +7,21 @@ Usage:
 
 Only the dataclasses live here; building them strictly from YAML and overrides, the cross-field
 validation, dumping, hashing and the docs/config.md rendering are `loader.py` and `validate.py`.
+`DrafterSection` and `TrainSection` are the common fields plus every registered drafter family's knobs
+and weights (`with_families`: declared once, with help and range, in `dflashkit/family/`), built when
+this module is imported, after the registry has loaded the plugin families.
 Fields left `null` that can be derived (layer ids, mask id, draft dims) are filled by the `probe`
 contract, never here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+from dflashkit import family
 
 
 def f(default: Any, help: str, *, hash_default: bool = True, url: bool = False) -> Any:  # noqa: A002
@@ -101,7 +107,9 @@ class TargetSection:
 
 
 @dataclass(kw_only=True)
-class DrafterSection:
+class DrafterCommon:
+    """The drafter.* keys every family reads (`DrafterSection` adds the families' knobs)."""
+
     block_size: int = f(16, "Block size B (anchor + B-1 masked positions).")
     num_draft_layers: int = f(5, "Number of draft decoder layers.")
     num_target_features: int | None = f(
@@ -154,48 +162,7 @@ class DrafterSection:
         "scores the same walk follows; checkpoints declare LiLiCorrDraftModel). dflash2 and lilicorr need the full "
         "target vocab (no draft_vocab_size). The keys below marked with a family's name are that family's knobs.",
         hash_default=False)
-    causal: bool = f(False, "dflash, dflash2, lilicorr: causal in-block attention (JetSpec, arXiv 2606.18394): "
-                     "block offset i attends to the context before the anchor and to offsets j <= i only, in training "
-                     "(the mask) and decoding; false = the whole block (DFlash). Exports write is_causal: true and "
-                     "dflash_config.causal: true (vLLM, SGLang); the speculators format sliding_window_non_causal: "
-                     "false.", hash_default=False)
-    conv_kernel_size: int = f(2, "dflash2: taps of the block-local convolution (tap j reads the position j "
-                              "back in the same block; never across a block boundary).", hash_default=False)
-    conv_group_size: int = f(16, "dflash2: channels per convolution group (one dynamic kernel delta per "
-                             "group and token); must divide the hidden size.", hash_default=False)
-    selector_rank: int = f(256, "dflash2: rank r of the selector's token codebooks (2 codebooks of V x r "
-                           "parameters: 84M for V = 163,840 and r = 256; `dflashkit plan` shows them).",
-                           hash_default=False)
-    selector_top_k: int = f(16, "dflash2: candidates K per block position (the unary head's top-K) that the "
-                            "selector's walk chooses from.", hash_default=False)
-    input_embedding_scale: float | None = f(
-        None, "dflash2: multiplies the block's input embeddings; null = 1 (not written).", hash_default=False)
-    output_multiplier: float | None = f(
-        None, "dflash2: multiplies the unary logits; null = 1 (not written).", hash_default=False)
-    final_logit_softcapping: float | None = f(
-        None, "dflash2: unary logits become cap·tanh(logits / cap); null = none.", hash_default=False)
-    lilicorr_candidate_topk: int = f(8, "lilicorr: candidates K per block position (the head's top-K) in the lattice; "
-                                     "a power of 2, at most 16 (vLLM's limit).", hash_default=False)
-    lilicorr_hidden_size: int = f(0, "lilicorr: width of the lattice transformer; 0 = the draft width.",
-                                  hash_default=False)
-    lilicorr_num_layers: int = f(2, "lilicorr: lattice transformer layers (pre-norm, over all S·K candidates).",
-                                 hash_default=False)
-    lilicorr_num_heads: int = f(8, "lilicorr: attention heads of the lattice transformer (must divide its width).",
-                                hash_default=False)
-    lilicorr_mlp_ratio: float = f(2.0, "lilicorr: MLP width of a lattice layer / its width.", hash_default=False)
-    lilicorr_factor_dim: int = f(256, "lilicorr: width F of the normalised out / in factor vectors whose dot "
-                                 "products score adjacent candidates (ModelOpt's recipe: 1024 at a 1024-wide "
-                                 "head; 256 suits the demo's 576-wide one).", hash_default=False)
-    lilicorr_vector_eps: float = f(1e-4, "lilicorr: eps of the factor vectors' L2 normalisation, in (0, 0.5).",
-                                   hash_default=False)
-    lilicorr_logit_scale: float = f(8.0, "lilicorr: fixed scale of the cosine scores (the walk's logits).",
-                                    hash_default=False)
-    lilicorr_conv_kernel_size: int = f(
-        0, "lilicorr: with lilicorr_conv_group_size, wraps every draft sublayer in DFlash2's block-local grouped "
-        "convolution of this many taps (identity at init); 0 (both) = a plain DFlash backbone. Written as "
-        "dflash_config.conv_kernel_size.", hash_default=False)
-    lilicorr_conv_group_size: int = f(0, "lilicorr: channels per convolution group (see lilicorr_conv_kernel_size; "
-                                      "must divide the hidden size).", hash_default=False)
+
 
 
 @dataclass(kw_only=True)
@@ -379,7 +346,9 @@ class ParallelSection:
 
 
 @dataclass(kw_only=True)
-class TrainSection:
+class TrainCommon:
+    """The train.* keys every family reads (`TrainSection` adds the families' weights)."""
+
     features: Literal["online", "cached", "engine"] = f(
         "online", "Target features computed in the loop, read from `capture` shards, or engine = requested "
         "from a vLLM (`capture.engine=vllm`: started here, or `capture.server_url`) as training consumes them, "
@@ -447,24 +416,6 @@ class TrainSection:
         "1 … B-1 (train.gamma unused; JetSpec's KL recipe); or D-PACE (weights from the drafter's own confidence, "
         "arXiv 2605.18810). Under uniform and dpace the loss is divided by the supervised-position count.")
     dpace_alpha: float = f(0.5, "D-PACE confidence smoothing: q~ = (1-alpha)·q + alpha, in (0, 1].")
-    selector_loss_weight: float = f(
-        1.0, "drafter.type=dflash2: weight of the selector's loss (a K-way cross-entropy over each position's "
-        "top-K candidates, scored after the gold previous token; the gold token replaces the K-th candidate "
-        "when it is missing) beside the unary DFlash loss, with the same position weights.", hash_default=False)
-    lilicorr_ce_weight: float = f(
-        0.25, "drafter.type=lilicorr: weight of the lattice's K-way cross-entropy over the node scores along the gold "
-        "path (blocks whose positions are all supervised; positions whose gold token is in their own and every "
-        "earlier top-K), with the DFlash loss's position weights and denominator (ModelOpt's recipe: 0.25).",
-        hash_default=False)
-    lilicorr_penalty_weight: float = f(
-        0.25, "drafter.type=lilicorr: weight of the penalty E_q[relu(target logit of the gold token - of the "
-        "candidate)] over the same positions (q = the lattice's law over the K candidates; the target's logits "
-        "come online from the target, or cached from the shards' last_hidden; ModelOpt's recipe: 0.25).",
-        hash_default=False)
-    lilicorr_margin_weight: float = f(
-        0.0, "drafter.type=lilicorr: weight of the hinge relu(lilicorr_margin - (gold node score - best other)) "
-        "(ModelOpt's `margin` variant: 0.125 with lilicorr_ce_weight 0.125).", hash_default=False)
-    lilicorr_margin: float = f(2.0, "drafter.type=lilicorr: the hinge's margin (> 0).", hash_default=False)
     feature_noise: float = f(0.0, "Uniform noise on the target features in training only, U(-x, x) times the "
                              "RMS of each token's feature vector per target layer (0 = off).")
     forecast_tau: float = f(2.0, "The data-budget forecast's target: `train`, `report`, the run summary and `plan` "
@@ -603,6 +554,39 @@ class BenchSection:
                                "to bench.cpu_minutes), so every row carries its learning curve (`curve`: step, "
                                "supervised tokens, optimizer seconds, held-out τ, position-1); 0 = at the end only.",
                                hash_default=False)
+
+
+def with_families(common: type, name: str, part: str) -> type:
+    """`common` plus every registered family's `part` ("knobs": its `drafter.*` keys; "weights": its `train.*`
+    keys) as fields, in registry order, each name once (DFlash2's knobs extend DFlash's: one `causal`); each
+    field keeps the default, help and range its family declares (`family.knobs.knob`)."""
+    import typing
+
+    seen = {fl.name for fl in dataclasses.fields(common)}
+    extra: list[tuple[str, Any, Any]] = []
+    for fam in family.FAMILIES.values():
+        cls = getattr(fam, part)
+        hints = typing.get_type_hints(cls)
+        for fl in dataclasses.fields(cls):
+            if fl.name not in seen:
+                seen.add(fl.name)
+                extra.append((fl.name, hints[fl.name], field(default=fl.default, metadata=fl.metadata)))
+    built = dataclasses.make_dataclass(name, extra, bases=(common,), kw_only=True)
+    built.__module__, built.__doc__ = __name__, f"{common.__doc__} ({name}: with the families' {part}.)"
+    return built
+
+
+if TYPE_CHECKING:  # the families' fields are added when the registry is known; type checkers read any attribute
+    class DrafterSection(DrafterCommon):
+        def __init__(self, **values: Any) -> None: ...
+        def __getattr__(self, name: str) -> Any: ...
+
+    class TrainSection(TrainCommon):
+        def __init__(self, **values: Any) -> None: ...
+        def __getattr__(self, name: str) -> Any: ...
+else:
+    DrafterSection = with_families(DrafterCommon, "DrafterSection", "knobs")
+    TrainSection = with_families(TrainCommon, "TrainSection", "weights")
 
 
 @dataclass(kw_only=True)

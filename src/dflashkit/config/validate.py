@@ -7,9 +7,9 @@ Usage:
 all (exit 2), so a config with several mistakes is reported at once, before any stage runs. Pure
 config checks belong here (ranges, cross-field rules, the recipe, tokenize and data options,
 run.scale); a check that needs an artifact on disk (the probe contract, the tokenizer, a drafter
-dir) stays where the artifact is read. `drafter.type` and the knobs of a drafter family are the
-family's to check (`dflashkit.family.config_problems`: the CLI runs it right after the config loads;
-this room ranks below the families).
+dir) stays where the artifact is read. No family key is named here: the `train.*` weights of every
+registered family are checked by their declared ranges, and `drafter.type` and a family's knobs are the
+family's to check (`dflashkit.family.config_problems`: the CLI runs it right after the config loads).
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from dflashkit import family
 from dflashkit.config.schema import RunConfig, url_fields
+from dflashkit.family.contract import layer_type_problems
+from dflashkit.family.knobs import range_problems
 from dflashkit.redact import redact_url
 
 
@@ -54,31 +57,6 @@ def _on_path_problems(cfg: RunConfig) -> list[str]:
         p.append("train.on_path: rollout online with train.parallel.target=shard is not supported (each rank "
                  "would decode a different number of path tokens through the sharded target); capture the "
                  "path first (train.features=cached) or use train.on_path=mask")
-    return p
-
-
-def layer_type_problems(layer_types: Any, sliding_window: Any, num_layers: int, *, key: str = "layer_types",
-                        window_key: str = "sliding_window") -> list[str]:
-    """What is wrong with a per-layer attention declaration (empty: fine), each problem naming its key.
-
-    `layer_types` is None (every layer full, or every layer sliding when a window is given) or one of
-    `full_attention` / `sliding_attention` per draft layer; a sliding layer needs an integer window >= 1."""
-    p = []
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                       or sliding_window < 1):
-        p.append(f"{window_key}: must be an integer >= 1 (or null), got {sliding_window!r}")
-    if layer_types is None:
-        return p
-    if not isinstance(layer_types, list):
-        return p + [f"{key}: must be a list of 'full_attention' / 'sliding_attention', one per draft layer, "
-                    f"got {layer_types!r}"]
-    if len(layer_types) != num_layers:
-        p.append(f"{key}: {len(layer_types)} entries for {num_layers} draft layers (one per layer)")
-    bad = sorted({str(t) for t in layer_types if t not in ("full_attention", "sliding_attention")})
-    if bad:
-        p.append(f"{key}: {bad} are not 'full_attention' or 'sliding_attention'")
-    if "sliding_attention" in layer_types and sliding_window is None:
-        p.append(f"{key} has 'sliding_attention' layers but {window_key} is null (set the window W >= 1)")
     return p
 
 
@@ -119,13 +97,8 @@ def problems(cfg: RunConfig) -> list[str]:
     if d.draft_vocab_size is not None and d.draft_vocab_size < 0:
         p.append(f"drafter.draft_vocab_size: must be > 0 (null or 0 = the full target vocab), got "
                  f"{d.draft_vocab_size}")
-    if t.selector_loss_weight < 0:
-        p.append(f"train.selector_loss_weight: must be >= 0, got {t.selector_loss_weight}")
-    for name in ("lilicorr_ce_weight", "lilicorr_penalty_weight", "lilicorr_margin_weight"):
-        if getattr(t, name) < 0:
-            p.append(f"train.{name}: must be >= 0, got {getattr(t, name)}")
-    if not t.lilicorr_margin > 0:
-        p.append(f"train.lilicorr_margin: must be > 0, got {t.lilicorr_margin}")
+    for weights in dict.fromkeys(fam.weights for fam in family.FAMILIES.values()):  # every family's, declared
+        p.extend(range_problems(t, weights, prefix="train."))
     for name in ("lr", "batch_size", "grad_accum", "num_anchors", "loss_chunk_blocks"):
         if getattr(t, name) <= 0:
             p.append(f"train.{name}: must be > 0, got {getattr(t, name)}")

@@ -12,23 +12,30 @@ Usage:
     cfg = load_config(path, overrides, checks=family.checks)   # all of them, listed with the config's own (the CLI)
     family.check_tensors(fam, set(state), set(want), weights=w, config=c)   # UsageError naming tensors
     family.reads_target_law(cfg.train, contract.family)   # does the loss read the target's logits?
+    family.register(fam); family.extra_params(contract)   # a plugin family; parameters beyond DFlash's (`plan`)
 
-Adding a head is one module in this package (its `Family`: facts and hooks, `base.py` says which)
-plus its tests, and its entry in FAMILIES; its `drafter.*` knobs are also fields of
-`config/schema.py`'s DrafterSection (the schema is what users read; tests/family check that the two
-agree). Nothing outside this package and the family's own network tests a drafter's type
-(tests/family/test_seam.py scans for it).
+A new head is `family/x.py` (its `Family`: `base.py`, `knobs.py`) + `model/x.py` + one entry in BUILTIN (+ its
+class in the shipped `export/dflash_modeling.py`); the config schema, its checks and docs/config.md come from
+the registry. Plugin families (entry-point group `dflashkit.families`, env DFLASHKIT_FAMILIES="module:ATTR,...")
+are registered when this registry is imported, before the config schema is built from it; their classes reach
+exports through `Formats.modeling_source`. A family module never imports dflashkit.config at run time. Nothing
+outside this package and the family's own network tests a drafter's type (tests/family/test_seam.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
-from typing import TYPE_CHECKING, Callable
+import importlib
+import os
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any, Callable
 
 from dflashkit.errors import UsageError
 from dflashkit.family.base import Family, draft_vocab_problem, refuse_draft_vocab
 from dflashkit.family.dflash import DFLASH
 from dflashkit.family.dflash2 import DFLASH2
+from dflashkit.family.knobs import range_problems
 from dflashkit.family.lilicorr import LILICORR
 
 if TYPE_CHECKING:
@@ -39,12 +46,62 @@ if TYPE_CHECKING:
 
     from dflashkit.config import DrafterSection, RunConfig, TrainSection
 
-__all__ = ["DEFAULT", "FAMILIES", "Family", "by_architecture", "check_tensors", "checks", "config_problems",
-           "draft_vocab_problem", "get", "knob_keys", "names", "new_drafter", "objective_problems", "reads_target_law",
-           "refuse_draft_vocab"]
+__all__ = ["DEFAULT", "ENV", "ENTRY_POINTS", "FAMILIES", "Family", "by_architecture", "check_tensors", "checks",
+           "config_problems", "draft_vocab_problem", "extra_params", "get", "knob_keys", "names", "new_drafter",
+           "objective_problems", "reads_target_law", "refuse_draft_vocab", "register", "weight_keys"]
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (DFLASH, DFLASH2, LILICORR)}
+BUILTIN = (DFLASH, DFLASH2, LILICORR)
+FAMILIES: dict[str, Family] = {}
 DEFAULT = DFLASH  # a z-lab config.json that names none of the architectures below is DFlash's (the format's base)
+ENV = "DFLASHKIT_FAMILIES"           # "module:ATTR,...": families to register (plugins)
+ENTRY_POINTS = "dflashkit.families"  # the entry-point group of installed plugin families
+
+
+def register(fam: Family) -> Family:
+    """Add `fam` to the registry; UsageError (exit 2) when its name or architecture is taken."""
+    for other in FAMILIES.values():
+        if fam.name == other.name or fam.architecture == other.architecture:
+            raise UsageError(f"drafter family {fam.name!r} ({fam.architecture}) clashes with the registered "
+                             f"{other.name!r} ({other.architecture})",
+                             hint="give the family its own name and architecture")
+    FAMILIES[fam.name] = fam
+    return fam
+
+
+def _load(spec: str, where: str) -> Any:
+    """The object `module:ATTR` names; UsageError naming `where` when it cannot be imported."""
+    module, _, attr = spec.strip().partition(":")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in attr.split(".") if attr else ():
+            obj = getattr(obj, part)
+    except Exception as e:  # noqa: BLE001 - any failure of a plugin's import is the user's to fix
+        raise UsageError(f"{where}: cannot load the drafter family {spec!r}: {type(e).__name__}: {e}",
+                         hint=f"fix or remove it ({where}); each entry is module:ATTR naming a Family") from None
+    if not isinstance(obj, Family):
+        raise UsageError(f"{where}: {spec!r} is a {type(obj).__name__}, not a dflashkit.family.Family",
+                         hint=f"point {where} at the module-level Family object (module:ATTR)")
+    return obj
+
+
+def _plugins() -> UsageError | None:
+    """Register the families of the entry-point group and of the environment variable, in that order; the first
+    that fails is returned (the registry is imported before the CLI can report it: `checks` raises it)."""
+    specs = [(ep.value, f"entry point {ep.name!r} of group {ENTRY_POINTS}") for ep in entry_points(group=ENTRY_POINTS)]
+    specs += [(x.strip(), f"{ENV}={os.environ[ENV]}") for x in os.environ.get(ENV, "").split(",") if x.strip()]
+    for spec, where in specs:
+        try:
+            fam = _load(spec, where)
+            if FAMILIES.get(fam.name) is not fam:
+                register(fam)
+        except UsageError as e:
+            return e
+    return None
+
+
+for _fam in BUILTIN:
+    register(_fam)
+PLUGIN_ERROR = _plugins()  # a plugin family that did not load: every config check raises it (exit 2)
 
 
 def names() -> list[str]:
@@ -69,7 +126,22 @@ def new_drafter(contract: DrafterContract, draft_vocab: torch.Tensor | None = No
                 feature_scale: torch.Tensor | None = None):
     """A new random drafter of the contract's family (checks the contract; a family without a reduced
     vocab refuses `draft_vocab`)."""
-    return contract.family.build(contract, draft_vocab, feature_scale)
+    return contract.family.network.build(contract, draft_vocab, feature_scale)
+
+
+def extra_params(contract: DrafterContract) -> int:
+    """The parameters of the contract's drafter beyond a DFlash drafter's of the same contract, counted on
+    networks built on the meta device (no memory, no init)."""
+    import torch
+
+    def count(c: DrafterContract) -> int:
+        with torch.device("meta"):
+            return sum(p.numel() for p in c.family.network.build(c, None, None).parameters())
+
+    if contract.family is DEFAULT:
+        return 0
+    base = dataclasses.replace(contract, drafter_type=DEFAULT.name, knobs=None, causal_layers=None)
+    return count(contract) - count(base)
 
 
 def by_architecture(architectures: object) -> Family:
@@ -84,29 +156,39 @@ def knob_keys() -> tuple[str, ...]:
     return tuple(dict.fromkeys(k for f in FAMILIES.values() for k in f.knob_names))
 
 
+def weight_keys() -> tuple[str, ...]:
+    """Every family's `train.*` weight names, each once."""
+    return tuple(dict.fromkeys(k for f in FAMILIES.values() for k in f.weight_names))
+
+
 def config_problems(d: DrafterSection) -> list[str]:
     """The `drafter.*` problems the families own: the family name, its knobs, another family's knobs it would
     not read, a draft vocab it cannot take."""
-    from dflashkit.config import DrafterSection
-
     fam = FAMILIES.get(d.type)
     if fam is None:
         return [_unknown(d.type, "drafter.type")]
-    p = fam.config_problems(d)
-    p += _unread(fam, "drafter", d, DrafterSection(), knob_keys(), lambda f: f.knob_names)
+    p = range_problems(d, fam.knobs, prefix="drafter.")
+    p += fam.config_problems(d) if not p else []
+    p += _unread(fam, "drafter", d, knob_keys(), lambda f: f.knob_names)
     vocab = draft_vocab_problem(fam, d.draft_vocab_size, where="drafter.draft_vocab_size")
     return p + ([vocab] if vocab else [])
 
 
-def _unread(fam: Family, section: str, values: object, defaults: object, keys: tuple[str, ...],
+def _defaults() -> dict[str, Any]:
+    """The default of every family's knob and weight (the schema's defaults of those keys)."""
+    return {f.name: f.default for fam in FAMILIES.values() for cls in (fam.knobs, fam.weights)
+            for f in dataclasses.fields(cls)}
+
+
+def _unread(fam: Family, section: str, values: object, keys: tuple[str, ...],
             reads: Callable[[Family], tuple[str, ...]]) -> list[str]:
     """A problem for each `<section>.<key>` of `keys` that the family `fam` does not read (`reads`) but the config
     sets, naming the families that do. "Sets" is a value other than the schema's default: the loader records
     which keys were written only after its checks have run."""
-    out = []
+    out, defaults = [], _defaults()
     for key in keys:
         value = getattr(values, key)
-        if key in reads(fam) or value == getattr(defaults, key):
+        if key in reads(fam) or value == defaults[key]:
             continue
         owners = [f for f in FAMILIES.values() if key in reads(f)]
         out.append(f"{section}.{key}: {value!r} is a knob of {' and '.join(f.title for f in owners)}, which "
@@ -119,7 +201,7 @@ def objective_problems(train: TrainSection, fam: Family) -> list[str]:
     target's logits (LiLiCorr's penalty) under train.on_path=rollout, whose labels are the target's path while
     those logits follow the raw tokens (the same reason rollout refuses KL). The config checks (`checks`) and
     `train`'s own (`train/guards.py`, with the contract's family) both ask this."""
-    terms = [t.name for t in fam.loss_terms(train) if t.needs_target]
+    terms = [t.name for t in fam.objective.loss_terms(train) if t.needs_target]
     if train.on_path != "rollout" or not terms:
         return []
     return [f"train.on_path: rollout gives labels on the target's path, but with drafter.type={fam.name} the "
@@ -131,22 +213,22 @@ def reads_target_law(train: TrainSection, fam: Family) -> bool:
     """Whether this run's loss reads the target's next-token logits at the block rows: KL (`train.loss` kl |
     ce+kl), or a term of the family's that asks for them (LiLiCorr's penalty). The trainer then supplies
     them: online from the target, cached from the shards' `last_hidden` (capture.last_hidden auto keeps it)."""
-    return train.loss != "ce" or any(t.needs_target for t in fam.loss_terms(train))
+    return train.loss != "ce" or any(t.needs_target for t in fam.objective.loss_terms(train))
 
 
 def checks(cfg: RunConfig) -> list[str]:
     """The family-owned checks of a whole run config (`config_problems`, another family's `train.*` knobs,
     `objective_problems`): what the CLI hands the config loader (`load_config(checks=…)`), so `--dry-run` and
-    the first stage of `dflashkit run` refuse what `train` would."""
-    from dflashkit.config import TrainSection
-
+    the first stage of `dflashkit run` refuse what `train` would. A plugin family that did not load is raised
+    here (UsageError naming the entry point or DFLASHKIT_FAMILIES)."""
+    if PLUGIN_ERROR is not None:
+        raise PLUGIN_ERROR
     fam = FAMILIES.get(cfg.drafter.type)
     p = config_problems(cfg.drafter)
     if fam is None:
         return p
-    train_keys = tuple(dict.fromkeys(k for f in FAMILIES.values() for k in f.train_knobs))
-    p += _unread(fam, "train", cfg.train, TrainSection(), train_keys, lambda f: f.train_knobs)
-    if cfg.train.pack and not fam.packs:
+    p += _unread(fam, "train", cfg.train, weight_keys(), lambda f: f.weight_names)
+    if cfg.train.pack and not fam.objective.packs:
         p.append(f"train.pack: the {fam.title} loss does not take packed rows (drafter.type={fam.name}); drop "
                  "train.pack")
     return p + objective_problems(cfg.train, fam)
@@ -164,7 +246,7 @@ def check_tensors(fam: Family, have: set[str], want: set[str], *, weights: Path,
     for other in FAMILIES.values():
         extra = sorted(k for k in have - want if other is not fam and other.owns_tensor(k))
         if extra:
-            keys = ", ".join(other.speculators_keys or other.knob_names)
+            keys = ", ".join(other.formats.speculators_keys or other.knob_names)
             raise UsageError(f"{weights} holds {other.title} tensors ({', '.join(extra[:4])}"
                              f"{' …' if len(extra) > 4 else ''}) but {config} declares a {fam.title} drafter",
                              hint=f"set architectures [\"{other.architecture}\"]"

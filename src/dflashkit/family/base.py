@@ -2,17 +2,20 @@
 
 Usage:
     fam = contract.family                         # the `Family` of `contract.drafter_type` (registry: __init__)
-    fam.build(contract, None, None)               # a new random drafter network of this family
-    fam.reduced_vocab, fam.vllm_runner            # capabilities: a draft vocab? which vLLM runner?
-    tokens, law = fam.propose(drafter, h, logits, anchor, DraftSampling(), None, vocab_size)   # one draft step
-    tokens, law = fam.propose(..., block=DraftBlock(embed=target.embed, context=feats[:, -1]))  # what heads read
-    terms = fam.loss_terms(cfg.train)             # its own loss terms (train/loss.py composes them)
+    fam.network.build(contract, None, None)       # a new random drafter network of this family
+    fam.network.reduced_vocab, fam.decoding.vllm_runner   # capabilities: a draft vocab? which vLLM runner?
+    tokens, law = fam.decoding.propose(drafter, h, logits, anchor, DraftSampling(), None, vocab_size)   # a step
+    tokens, law = fam.decoding.propose(..., block=DraftBlock(embed=target.embed, context=feats[:, -1]))
+    terms = fam.objective.loss_terms(cfg.train)   # its own loss terms (train/loss.py composes them)
+    fam.metric_names, fam.knob_names              # derived: from its metrics and its knobs
 
-A `Family` is a frozen record of facts and functions, written by one module per family
-(`family/dflash.py`, `family/dflash2.py`, `family/lilicorr.py`) and listed by the registry (`family/__init__.py`): the
-pattern of torchtitan's `TrainSpec`, composition rather than a class hierarchy. What a hook gets
-from a higher room is handed in (the decoder's sampling law in `DraftSampling` and what it knows of the
-block in `DraftBlock`; the loss's chunk of rows in `Rows`, its blocks in `Blocks`), so this room ranks beside `model/` and below everything that asks it.
+A `Family` is a frozen record of four records (`Network`, `Objective`, `Formats`, `Decoding`) and its
+declared settings (`knobs`, `weights`: `family/knobs.py`), written by one module per family and listed by the
+registry (`family/__init__.py`): the pattern of torchtitan's `TrainSpec`, composition rather than a class
+hierarchy. What a hook gets from a higher room is handed in (the decoder's sampling law in `DraftSampling` and
+what it knows of the block in `DraftBlock`; the loss's chunk of rows in `Rows`, its blocks in `Blocks`), so
+this room ranks above `model/` and below everything that asks it, the config included (it is built from the
+families' declarations: a family never imports dflashkit.config at run time).
 
 The contract (`family/contract.py`) asks this registry for its family; the families type a contract by
 importing it under TYPE_CHECKING only.
@@ -20,19 +23,18 @@ importing it under TYPE_CHECKING only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import functools
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
+
+from dflashkit.family.knobs import NoKnobs, field_names, range_problems, type_problems
 
 if TYPE_CHECKING:
     import torch
 
     from dflashkit.config import DrafterSection, TrainSection
     from dflashkit.family.contract import DrafterContract
-
-
-@dataclass(frozen=True)
-class NoKnobs:
-    """The knobs of a family that adds no contract field."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,13 @@ class Rows:
     target: torch.Tensor | None = None  # [r, V'] the target's logits predicting each row's label (KL, `needs_target`)
     blocks: Blocks | None = None        # the micro-batch's blocks
 
+    @functools.cached_property
+    def ce(self) -> torch.Tensor:
+        """[r] CE(scores, label) per row, computed once per chunk (the CE term and D-PACE weights share it)."""
+        import torch.nn.functional as F
+
+        return F.cross_entropy(self.scores, self.labels, reduction="none")
+
 
 @dataclass
 class Scored:
@@ -107,19 +116,20 @@ class Scored:
 
 
 class LossTerm(Protocol):
-    """One part of the training loss; `train/loss.py` has CE and KL, a family adds its own.
+    """One part of the training loss; `train/terms.py` has CE and KL, a family adds its own.
 
-    `base_rows` names the per-row losses the shared chunk computes for it ("ce", "kl"); `needs_prev` asks for
-    the gold predecessors (`Rows.prev`), `needs_target` for the target's logits (`Rows.target`; the trainer then
-    supplies them, `family.reads_target_law`); `chunk` computes its own per-row values inside the checkpointed chunk (None: nothing); `total` returns
-    its part of Σ (weighted, before the step denominator) and its statistics (names of the family's
-    `stats`); `rescore` may replace the argmax verdicts the metrics count (None: keep them)."""
+    The loss builds the micro-batch's blocks once, runs the drafter once, then asks each term, in order:
+      * `chunk(rows)`: its per-row values of one chunk of supervised rows (`Rows`: the drafter's outputs, the
+        head's scores, the labels, and what it asked for), inside the checkpointed chunk; anything (None: none).
+      * `total(parts, row_w)`: from its `chunk` results (one per chunk, in row order) and the rows' position
+        weights [r], its part of Σ (weighted, before the step denominator) and its statistics (names of
+        the family's `stats`).
+      * `rescore(scored)`: the metrics' verdicts it replaces (None: keep the argmax's) and more statistics.
+    `needs_prev` asks for the gold predecessors (`Rows.prev`), `needs_target` for the target's logits
+    (`Rows.target`; the trainer then supplies them, `family.reads_target_law`)."""
 
     @property
     def name(self) -> str: ...
-
-    @property
-    def base_rows(self) -> tuple[str, ...]: ...
 
     @property
     def needs_prev(self) -> bool: ...
@@ -129,8 +139,7 @@ class LossTerm(Protocol):
 
     def chunk(self, rows: Rows) -> Any: ...
 
-    def total(self, parts: list[Any], row_w: torch.Tensor, base: dict[str, torch.Tensor]
-              ) -> tuple[torch.Tensor, dict[str, Any]]: ...
+    def total(self, parts: list[Any], row_w: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]: ...
 
     def rescore(self, s: Scored) -> tuple[torch.Tensor | None, dict[str, Any]]: ...
 
@@ -162,79 +171,127 @@ def _zero(_c: Any) -> int:
 
 
 @dataclass(frozen=True)
+class Network:
+    """The family's network and its tensors.
+
+    build(c, draft_vocab, feature_scale): a new random drafter (refusing a draft vocab when `reduced_vocab` is
+        False: `refuse_draft_vocab`); its parameters beyond DFlash's are counted from it (`family.extra_params`).
+    init_from: family name → conversion(model, state) of the checkpoints it may start from (`drafter.init`),
+        besides its own; anything else is refused.
+    tensor_markers: name parts of the tensors only this family's checkpoints hold.
+    reduced_vocab: whether it can draft over a reduced draft vocabulary (`drafter.draft_vocab_size`).
+    scores(model, logits): the head's logits as the loss and metrics score them.
+    lookup_params(c): those of its parameters that are looked up rather than multiplied (`dflashkit plan`)."""
+
+    build: Callable[..., Any]
+    init_from: Mapping[str, Callable[[Any, dict], dict]] = field(default_factory=dict)
+    tensor_markers: tuple[str, ...] = ()
+    reduced_vocab: bool = True
+    scores: Callable[[Any, torch.Tensor], torch.Tensor] = _same
+    lookup_params: Callable[[DrafterContract], int] = _zero
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What the family adds to the training loss and its statistics.
+
+    loss_terms(train): its own loss terms (`train/loss.py` composes them with CE / KL).
+    stats: its statistics (`StatField`), filled by its terms; metrics(stats): its metrics from a step's summed
+        statistics (their names: `Family.metric_names`).
+    packs: its loss takes packed rows (`train.pack`: per-document anchors, positions and masks)."""
+
+    loss_terms: Callable[[TrainSection], list[LossTerm]] = _nothing
+    stats: tuple[StatField, ...] = ()
+    metrics: Callable[..., dict[str, Any]] = _empty
+    packs: bool = False
+
+
+@dataclass(frozen=True)
+class Formats:
+    """How the family's checkpoints are written and read.
+
+    architecture: config.json `architectures[0]`, the class of the shipped `dflash.py` that loads it.
+    dflash_config(c) / hf_keys(c): its `dflash_config` keys and its top-level config.json keys beside them.
+    read_knobs(cfg, dflash_config, source): its contract fields from a config.json (UsageError).
+    speculators: vLLM's speculators reader knows it (`export.format=speculators`; else refused, exit 2);
+        speculators_keys: the knobs that reader takes from the config's top level (any other that is set
+        cannot travel in that format).
+    reload_check(source, reloaded, head): the export reload check's family part.
+    card_lines(c): what the model card says about serving it.
+    modeling_source: Python source appended to the shipped `dflash.py` that defines `architecture` (a family
+        whose class is not in `export/dflash_modeling.py`: a plugin); "" for the built-in ones."""
+
+    architecture: str
+    dflash_config: Callable[[DrafterContract], dict[str, Any]] = _empty
+    hf_keys: Callable[[DrafterContract], dict[str, Any]] = _empty
+    read_knobs: Callable[[dict, dict, str], dict[str, Any]] = _empty
+    speculators: bool = True
+    speculators_keys: tuple[str, ...] = ()
+    reload_check: Callable[[Any, Any, Any], dict[str, Any]] = _empty
+    card_lines: Callable[[DrafterContract], list[str]] = _nothing
+    modeling_source: str = ""
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How the family drafts.
+
+    propose(drafter, h, logits, anchor, sampling, vocab, vocab_size, block=DraftBlock): one draft step →
+        (tokens, draft law [k, V] or None for point masses).
+    vllm_runner: "any" or "v2" (vLLM runs it on its V2 model runner only).
+    reference_loop: the z-lab PyPI loop (dflash 0.1.0) decodes it (`bench decode`'s reference)."""
+
+    propose: Callable[..., tuple[list[int], Any]]
+    vllm_runner: str = "any"
+    reference_loop: bool = False
+
+
+@dataclass(frozen=True)
 class Family:
     """A drafter family: everything about it that the trainer, the decoder, the formats and the engines ask.
 
-    Facts (name, title, architecture and the two hooks build and propose are required):
-        name: `drafter.type`, `contract.drafter_type`; title: how messages and the docs call it.
-        architecture: config.json `architectures[0]` (also the class of the shipped `dflash.py`).
-        knobs: frozen dataclass of the contract fields (and `drafter.*` keys, same names) it adds.
-        train_knobs: the `train.*` keys only its loss terms read (DFlash2's `selector_loss_weight`).
-        speculators_keys: the knobs vLLM's speculators reader takes from the config's top level; any
-            other knob that is set cannot travel in that format.
-        tensor_markers: name parts of the tensors only this family's checkpoints hold.
-        reduced_vocab: whether it can draft over a reduced draft vocabulary (`drafter.draft_vocab_size`).
-        init_from: family name → conversion(model, state) of the checkpoints it may start from
-            (`drafter.init`), besides its own; anything else is refused.
-        vllm_runner: "any" or "v2" (vLLM runs it on its V2 model runner only).
-        reference_loop: the z-lab PyPI loop (dflash 0.1.0) decodes it (`bench decode`'s reference).
-        packs: its loss takes packed rows (`train.pack`: per-document anchors, positions and masks).
-        speculators: vLLM's speculators reader knows it (`export.format=speculators`; else refused, exit 2).
-        metric_names: the step / held-out metrics its `metrics` adds.
-    Hooks (the others' defaults: nothing to add):
-        build(c, draft_vocab, feature_scale): a new random drafter network (refusing a draft vocab when
-            `reduced_vocab` is False: `refuse_draft_vocab`).
-        propose(drafter, h, logits, anchor, sampling, vocab, vocab_size, block=DraftBlock): one draft step →
-            (tokens, draft law [k, V] or None for point masses).
-        config_problems(d): problems of its `drafter.*` keys (each naming the key).
-        contract_problems(c): problems of its contract fields.
-        dflash_config(c): its `dflash_config` keys (z-lab config.json).
-        hf_keys(c): its top-level config.json keys beside them (DFlash's causal drafter: `is_causal`).
-        read_knobs(cfg, dflash_config, source): its contract fields from a config.json (UsageError).
-        scores(model, logits): the head's logits as the loss and metrics score them.
-        loss_terms(train): its own loss terms.
-        stats: its statistics (`StatField`), filled by its terms.
-        metrics(stats): its metrics from a step's summed statistics.
-        extra_params(c) / lookup_params(c): parameters beyond DFlash's, and those of them that are
-            looked up rather than multiplied (`dflashkit plan`).
-        reload_check(source, reloaded, head): the export reload check's family part.
-        card_lines(c): what the model card says about serving it.
+    name: `drafter.type`, `contract.drafter_type`; title: how messages and the docs call it.
+    network, objective, formats, decoding: its records (above).
+    knobs: frozen dataclass of the contract fields (and `drafter.*` keys, same names) it adds, each a
+        `knobs.knob` (default, help, range); weights: the same for the `train.*` keys only its loss terms read
+        (DFlash2's `selector_loss_weight`). The config schema is built from both (`config/schema.py`).
+    config_problems(d) / contract_problems(c): its cross-field checks of the `drafter.*` keys (each naming the
+        key) and of a contract; the types and ranges of its knobs are checked from their declarations.
     """
 
     name: str
     title: str
-    architecture: str
-    build: Callable[..., Any]
-    propose: Callable[..., tuple[list[int], Any]]
+    network: Network
+    decoding: Decoding
+    formats: Formats
+    objective: Objective = Objective()
     knobs: type = NoKnobs
-    train_knobs: tuple[str, ...] = ()
-    speculators_keys: tuple[str, ...] = ()
-    tensor_markers: tuple[str, ...] = ()
-    reduced_vocab: bool = True
-    init_from: Mapping[str, Callable[[Any, dict], dict]] = field(default_factory=dict)
-    vllm_runner: str = "any"
-    reference_loop: bool = False
-    packs: bool = False
-    speculators: bool = True
-    metric_names: tuple[str, ...] = ()
+    weights: type = NoKnobs
     config_problems: Callable[[DrafterSection], list[str]] = _nothing
     contract_problems: Callable[[DrafterContract], list[str]] = _nothing
-    dflash_config: Callable[[DrafterContract], dict[str, Any]] = _empty
-    hf_keys: Callable[[DrafterContract], dict[str, Any]] = _empty
-    read_knobs: Callable[[dict, dict, str], dict[str, Any]] = _empty
-    scores: Callable[[Any, torch.Tensor], torch.Tensor] = _same
-    loss_terms: Callable[[TrainSection], list[LossTerm]] = _nothing
-    stats: tuple[StatField, ...] = ()
-    metrics: Callable[..., dict[str, Any]] = _empty
-    extra_params: Callable[[DrafterContract], int] = _zero
-    lookup_params: Callable[[DrafterContract], int] = _zero
-    reload_check: Callable[[Any, Any, Any], dict[str, Any]] = _empty
-    card_lines: Callable[[DrafterContract], list[str]] = _nothing
+
+    @property
+    def architecture(self) -> str:
+        """config.json `architectures[0]` (`formats.architecture`): how messages name its checkpoints."""
+        return self.formats.architecture
 
     @property
     def knob_names(self) -> tuple[str, ...]:
         """Its contract fields, in the order they are written."""
-        return tuple(f.name for f in fields(self.knobs))
+        return field_names(self.knobs)
+
+    @property
+    def weight_names(self) -> tuple[str, ...]:
+        """The `train.*` keys only its loss terms read."""
+        return field_names(self.weights)
+
+    @functools.cached_property
+    def metric_names(self) -> tuple[str, ...]:
+        """The step / held-out metrics its `objective.metrics` adds (asked of zeroed statistics)."""
+        size = 4
+        zero = SimpleNamespace(blocks=0.0, total=[0.0] * size,
+                               extra={f.name: [0.0] * size if f.size == "B" else 0.0 for f in self.objective.stats})
+        return tuple(self.objective.metrics(zero))
 
     def make_knobs(self, values: Mapping[str, Any]) -> Any:
         """Its knobs from a mapping holding (some of) their names; the rest keep their defaults."""
@@ -245,27 +302,13 @@ class Family:
         return {"drafter_type": self.name, "knobs": self.make_knobs({k: getattr(d, k) for k in self.knob_names})}
 
     def owns_tensor(self, name: str) -> bool:
-        return any(m in name for m in self.tensor_markers)
+        return any(m in name for m in self.network.tensor_markers)
 
 
-def knob_type_problems(knobs: Any) -> list[str]:
-    """`name must be …, got v` for each field of a knobs dataclass whose value is not of its declared type (a
-    hand-edited contract.json could hold "4" or 1 where an integer or a boolean belongs); checked before any
-    range check compares them."""
-    out = []
-    for f in fields(knobs):
-        v, kind = getattr(knobs, f.name), str(f.type)
-        if v is None and "None" in kind:
-            continue
-        if kind.startswith("bool"):
-            ok, what = isinstance(v, bool), "true or false"
-        elif kind.startswith("int"):
-            ok, what = isinstance(v, int) and not isinstance(v, bool), "an integer"
-        else:
-            ok, what = isinstance(v, (int, float)) and not isinstance(v, bool), "a number"
-        if not ok:
-            out.append(f"{f.name} must be {what}, got {v!r}")
-    return out
+def knob_problems(c: DrafterContract) -> list[str]:
+    """The types, then (when those are right) the declared ranges of a contract's knobs: the part of every
+    family's contract check that comes from the knobs' declarations."""
+    return type_problems(c.knobs) or range_problems(c.knobs)
 
 
 def json_int(value: Any, key: str, source: str) -> int:
@@ -293,7 +336,7 @@ def json_float(value: Any, key: str, source: str) -> float:
 def draft_vocab_problem(fam: Family, size: int | None, *, where: str) -> str | None:
     """THE refusal of a reduced draft vocabulary (`size` tokens) for a family that drafts over the full vocab:
     the problem naming `where` (a config key, a file), or None when the family takes one (or there is none)."""
-    if fam.reduced_vocab or not size:
+    if fam.network.reduced_vocab or not size:
         return None
     return (f"{where}: {size} with drafter.type={fam.name}; a {fam.architecture} drafts over the full target "
             "vocabulary (vLLM indexes its tensors by target id and has no draft-to-target map for it)")

@@ -27,9 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from dflashkit import family as families
-from dflashkit.config.validate import layer_type_problems
 from dflashkit.errors import UsageError
-from dflashkit.family.base import json_int
+from dflashkit.family.base import json_int, knob_problems
 
 log = logging.getLogger("dflashkit.contract")
 
@@ -72,6 +71,32 @@ def resolve_layer_types(layer_types: list[str] | None, sliding_window: int | Non
     if layer_types is not None:
         return list(layer_types)
     return [SLIDING if sliding_window is not None else FULL] * num_layers
+
+
+def layer_type_problems(layer_types: Any, sliding_window: Any, num_layers: int, *, key: str = "layer_types",
+                        window_key: str = "sliding_window") -> list[str]:
+    """What is wrong with a per-layer attention declaration (empty: fine), each problem naming its key (the
+    config's `drafter.layer_types` and a drafter config.json's `layer_types` alike).
+
+    `layer_types` is None (every layer full, or every layer sliding when a window is given) or one of
+    `full_attention` / `sliding_attention` per draft layer; a sliding layer needs an integer window >= 1."""
+    p = []
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        p.append(f"{window_key}: must be an integer >= 1 (or null), got {sliding_window!r}")
+    if layer_types is None:
+        return p
+    if not isinstance(layer_types, list):
+        return p + [f"{key}: must be a list of 'full_attention' / 'sliding_attention', one per draft layer, "
+                    f"got {layer_types!r}"]
+    if len(layer_types) != num_layers:
+        p.append(f"{key}: {len(layer_types)} entries for {num_layers} draft layers (one per layer)")
+    bad = sorted({str(t) for t in layer_types if t not in (FULL, SLIDING)})
+    if bad:
+        p.append(f"{key}: {bad} are not 'full_attention' or 'sliding_attention'")
+    if SLIDING in layer_types and sliding_window is None:
+        p.append(f"{key} has 'sliding_attention' layers but {window_key} is null (set the window W >= 1)")
+    return p
 
 
 def default_gamma(block_size: int) -> float:
@@ -183,7 +208,8 @@ class DrafterContract:
         if self.drafter_type in families.FAMILIES:
             fam = self.family
             if type(self.knobs) is fam.knobs:  # exactly: DFlash2's knobs extend DFlash's
-                problems.extend(fam.contract_problems(self))
+                # the declared types and ranges first: the family's cross-field rules compare values in range
+                problems.extend(knob_problems(self) or fam.contract_problems(self))
             else:
                 problems.append(f"knobs {type(self.knobs).__name__} are not the {fam.title} family's "
                                 f"{fam.knobs.__name__} (build the contract with DrafterContract.from_dict)")
@@ -273,8 +299,8 @@ class DrafterContract:
             at = [k for k, _ in items].index("vocab_size") + 1  # next to vocab_size, where readers look
             cfg = dict(items[:at] + [("draft_vocab_size", int(draft_vocab_size))] + items[at:])
             cfg["dflash_config"]["draft_vocab_size"] = int(draft_vocab_size)
-        cfg["dflash_config"].update(fam.dflash_config(self))
-        cfg.update(fam.hf_keys(self))
+        cfg["dflash_config"].update(fam.formats.dflash_config(self))
+        cfg.update(fam.formats.hf_keys(self))
         if any(w is not None for w in self.layer_windows):
             cfg["sliding_window"], cfg["use_sliding_window"] = self.sliding_window, True
             # vLLM 0.32 makes a sliding layer's in-block attention causal unless is_causal / dflash_config.causal
@@ -346,7 +372,7 @@ class DrafterContract:
             sliding_window=window,
             causal_layers=causal_layers,
             drafter_type=fam.name,
-            knobs=fam.make_knobs(fam.read_knobs(cfg, dc, source)),
+            knobs=fam.make_knobs(fam.formats.read_knobs(cfg, dc, source)),
         )
 
 

@@ -2,8 +2,8 @@
 
 Usage:
     from dflashkit.family.dflash import DFLASH
-    drafter = DFLASH.build(contract, None, None)          # model/drafter.py's DFlashDraftModel
-    tokens, law = DFLASH.propose(drafter, h, logits, anchor, DraftSampling(), vocab, vocab_size)
+    drafter = DFLASH.network.build(contract, None, None)         # model/drafter.py's DFlashDraftModel
+    tokens, law = DFLASH.decoding.propose(drafter, h, logits, anchor, DraftSampling(), vocab, vocab_size)
     DFLASH.make_knobs({"causal": True})                   # DFlashKnobs(causal=True): drafter.causal (JetSpec)
     read_causal(config_json, config_json["dflash_config"], "x/config.json")   # as vLLM 0.32 resolves it
 
@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import UsageError
-from dflashkit.family.base import DraftBlock, DraftSampling, Family, knob_type_problems
+from dflashkit.family.base import Decoding, DraftBlock, DraftSampling, Family, Formats, Network, Objective
+from dflashkit.family.knobs import knob
 
 if TYPE_CHECKING:
     from dflashkit.family.contract import DrafterContract
@@ -43,15 +44,13 @@ SLIDING = "sliding_attention"
 
 @dataclass(frozen=True)
 class DFlashKnobs:
-    """DFlash's contract field (default = `drafter.causal`'s in config/schema.py); DFlash2's extend it."""
+    """DFlash's contract field, `drafter.causal`; DFlash2's and LiLiCorr's extend it."""
 
-    causal: bool = False
-
-
-def contract_problems(c: DrafterContract) -> list[str]:
-    """Every knob of the declared type (`knob_type_problems`: a hand-edited contract.json could hold "true" or 1
-    for `causal`, "4" for an integer); the families whose knobs extend DFlash's start from these."""
-    return knob_type_problems(c.knobs)
+    causal: bool = knob(False, "dflash, dflash2, lilicorr: causal in-block attention (JetSpec, arXiv 2606.18394): "
+                        "block offset i attends to the context before the anchor and to offsets j <= i only, in "
+                        "training (the mask) and decoding; false = the whole block (DFlash). Exports write "
+                        "is_causal: true and dflash_config.causal: true (vLLM, SGLang); the speculators format "
+                        "sliding_window_non_causal: false.")
 
 
 def dflash_config(c: DrafterContract) -> dict[str, Any]:
@@ -143,16 +142,10 @@ def card_lines(c: DrafterContract) -> list[str]:
 DFLASH = Family(
     name="dflash",
     title="DFlash",
-    architecture="DFlashDraftModel",
+    network=Network(build=build, reduced_vocab=True),
+    objective=Objective(packs=True),
+    formats=Formats(architecture="DFlashDraftModel", dflash_config=dflash_config, hf_keys=hf_keys,
+                    read_knobs=read_knobs, card_lines=card_lines),
+    decoding=Decoding(propose=propose, reference_loop=True),
     knobs=DFlashKnobs,
-    reduced_vocab=True,
-    reference_loop=True,
-    packs=True,
-    contract_problems=contract_problems,
-    dflash_config=dflash_config,
-    hf_keys=hf_keys,
-    read_knobs=read_knobs,
-    build=build,
-    propose=propose,
-    card_lines=card_lines,
 )

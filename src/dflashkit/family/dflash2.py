@@ -2,9 +2,9 @@
 
 Usage:
     from dflashkit.family.dflash2 import DFLASH2
-    drafter = DFLASH2.build(contract, None, None)            # model/dflash2.py's DFlash2DraftModel
-    terms = DFLASH2.loss_terms(cfg.train)                    # [SelectorTerm(train.selector_loss_weight)]
-    tokens, law = DFLASH2.propose(drafter, h, logits, anchor, sampling, None, vocab_size)   # the walk
+    drafter = DFLASH2.network.build(contract, None, None)         # model/dflash2.py's DFlash2DraftModel
+    terms = DFLASH2.objective.loss_terms(cfg.train)          # [SelectorTerm(train.selector_loss_weight)]
+    tokens, law = DFLASH2.decoding.propose(drafter, h, logits, anchor, sampling, None, vocab_size)   # the walk
 
 Everything dflashkit knows about DFlash2 beside its network (`model/dflash2.py`, which mirrors vLLM
 0.32's `qwen3_dflash2.py`; read, not copied):
@@ -35,20 +35,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import UsageError
-from dflashkit.family.base import (DraftBlock, DraftSampling, Family, Rows, Scored, StatField, json_float,
-                                  json_int, refuse_draft_vocab, walk_reload_check)
+from dflashkit.family.base import (Decoding, DraftBlock, DraftSampling, Family, Formats, Network, Objective, Rows,
+                                  Scored, StatField, json_float, json_int, refuse_draft_vocab, walk_reload_check)
 from dflashkit.family.dflash import DFlashKnobs
 from dflashkit.family.dflash import card_lines as dflash_card_lines
-from dflashkit.family.dflash import contract_problems as dflash_contract_problems
 from dflashkit.family.dflash import dflash_config as dflash_keys
 from dflashkit.family.dflash import hf_keys as dflash_hf_keys
 from dflashkit.family.dflash import read_knobs as dflash_knobs
+from dflashkit.family.knobs import knob
 
 if TYPE_CHECKING:
     from dflashkit.family.contract import DrafterContract
     import torch
 
-    from dflashkit.config import DrafterSection, TrainSection
+    from dflashkit.config import TrainSection
 
 REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 OPTIONAL = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
@@ -56,47 +56,44 @@ OPTIONAL = ("input_embedding_scale", "output_multiplier", "final_logit_softcappi
 
 @dataclass(frozen=True)
 class DFlash2Knobs(DFlashKnobs):
-    """DFlash2's contract fields (defaults = the `drafter.*` defaults of config/schema.py), after DFlash's
-    `causal` (vLLM resolves a DFlash2 layer's attention as a DFlash layer's: family/dflash.py)."""
+    """DFlash2's contract fields (`drafter.*` keys), after DFlash's `causal` (vLLM resolves a DFlash2 layer's
+    attention as a DFlash layer's: family/dflash.py)."""
 
-    conv_kernel_size: int = 2
-    conv_group_size: int = 16
-    selector_rank: int = 256
-    selector_top_k: int = 16
-    input_embedding_scale: float | None = None
-    output_multiplier: float | None = None
-    final_logit_softcapping: float | None = None
+    conv_kernel_size: int = knob(2, "dflash2: taps of the block-local convolution (tap j reads the position j "
+                                 "back in the same block; never across a block boundary).", ge=1)
+    conv_group_size: int = knob(16, "dflash2: channels per convolution group (one dynamic kernel delta per "
+                                "group and token); must divide the hidden size.", ge=1)
+    selector_rank: int = knob(256, "dflash2: rank r of the selector's token codebooks (2 codebooks of V x r "
+                              "parameters: 84M for V = 163,840 and r = 256; `dflashkit plan` shows them).", ge=1)
+    selector_top_k: int = knob(16, "dflash2: candidates K per block position (the unary head's top-K) that the "
+                               "selector's walk chooses from.", ge=1)
+    input_embedding_scale: float | None = knob(
+        None, "dflash2: multiplies the block's input embeddings; null = 1 (not written).", gt=0)
+    output_multiplier: float | None = knob(
+        None, "dflash2: multiplies the unary logits; null = 1 (not written).", gt=0)
+    final_logit_softcapping: float | None = knob(
+        None, "dflash2: unary logits become cap·tanh(logits / cap); null = none.", gt=0)
+
+
+@dataclass(frozen=True)
+class DFlash2Weights:
+    """DFlash2's `train.*` key."""
+
+    selector_loss_weight: float = knob(
+        1.0, "drafter.type=dflash2: weight of the selector's loss (a K-way cross-entropy over each position's "
+        "top-K candidates, scored after the gold previous token; the gold token replaces the K-th candidate "
+        "when it is missing) beside the unary DFlash loss, with the same position weights.", ge=0)
 
 
 # -- config, contract, config.json ------------------------------------------------------------------------------
-def config_problems(d: DrafterSection) -> list[str]:
-    """Range checks of the `drafter.*` knobs."""
-    p = [f"drafter.{k}: must be >= 1, got {getattr(d, k)}" for k in REQUIRED if getattr(d, k) < 1]
-    for k in OPTIONAL:
-        v = getattr(d, k)
-        if v is not None and not v > 0:
-            p.append(f"drafter.{k}: must be > 0 (or null), got {v}")
-    return p
-
-
 def contract_problems(c: DrafterContract) -> list[str]:
-    """What makes the knobs unusable for this contract's target."""
+    """What makes the knobs (in their declared ranges) unusable for this contract's target."""
     k: DFlash2Knobs = c.knobs
-    p = dflash_contract_problems(c)
-    if p:  # a knob of the wrong type: the ranges below cannot be compared
-        return p
-    if k.conv_kernel_size < 1:
-        p.append(f"conv_kernel_size must be >= 1, got {k.conv_kernel_size}")
-    if k.conv_group_size < 1 or c.hidden_size % max(1, k.conv_group_size):
+    p = []
+    if c.hidden_size % k.conv_group_size:
         p.append(f"conv_group_size {k.conv_group_size} must divide hidden_size {c.hidden_size}")
-    if k.selector_rank < 1:
-        p.append(f"selector_rank must be >= 1, got {k.selector_rank}")
-    if not 1 <= k.selector_top_k <= max(1, c.vocab_size):
+    if k.selector_top_k > max(1, c.vocab_size):
         p.append(f"selector_top_k {k.selector_top_k} must be in [1, vocab_size {c.vocab_size}]")
-    for name in OPTIONAL:
-        v = getattr(k, name)
-        if v is not None and not float(v) > 0:
-            p.append(f"{name} must be > 0 (or null), got {v}")
     return p
 
 
@@ -153,17 +150,16 @@ class SelectorTerm:
 
     weight: float = 1.0
     name: str = "selector"
-    base_rows: tuple[str, ...] = ()
     needs_prev: bool = True
     needs_target: bool = False
 
     def chunk(self, rows: Rows):
         return selector_rows(rows.model, rows.scores, rows.hidden, rows.labels, rows.prev)
 
-    def total(self, parts: list, row_w: torch.Tensor, base: dict) -> tuple[torch.Tensor, dict[str, Any]]:
+    def total(self, parts: list, row_w: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         import torch
 
-        sel_ce = torch.cat([p[0] for p in parts]) if parts else base["ce"]
+        sel_ce = torch.cat([p[0] for p in parts]) if parts else row_w.new_zeros(0)
         sel_loss = (row_w * sel_ce).sum()
         stats = {"selector_rows": float(row_w.numel()),
                  "selector_covered": float(sum(float(p[3].sum()) for p in parts)),
@@ -268,14 +264,6 @@ def propose(drafter: Any, h: torch.Tensor, logits: torch.Tensor, anchor: int, sa
 
 
 # -- plan, export -----------------------------------------------------------------------------------------------
-def extra_params(c: DrafterContract) -> int:
-    """Two convolutions per layer and the selector (its two V × r codebooks included)."""
-    k: DFlash2Knobs = c.knobs
-    h = c.hidden_size
-    taps, groups = k.conv_kernel_size, h // max(1, k.conv_group_size)
-    return c.num_draft_layers * 2 * (2 * taps * h + 2 * taps * groups * h) + lookup_params(c) + k.selector_rank * h
-
-
 def lookup_params(c: DrafterContract) -> int:
     """The selector's codebooks (predecessor + successor, V × r each): 2·V·r, looked up, not multiplied
     (2·r·(K+1) FLOPs per drafted position, whatever V is)."""
@@ -302,29 +290,15 @@ def card_lines(c: DrafterContract) -> list[str]:
 DFLASH2 = Family(
     name="dflash2",
     title="DFlash2",
-    architecture="DFlash2DraftModel",
+    network=Network(build=build, init_from={"dflash": from_dflash},
+                    tensor_markers=("attention_conv.", "mlp_conv.", "candidate_selector."), reduced_vocab=False,
+                    scores=scores, lookup_params=lookup_params),
+    objective=Objective(loss_terms=loss_terms, stats=STATS, metrics=metrics),
+    formats=Formats(architecture="DFlash2DraftModel", dflash_config=dflash_config, hf_keys=dflash_hf_keys,
+                    read_knobs=read_knobs, speculators_keys=REQUIRED, reload_check=reload_check,
+                    card_lines=card_lines),
+    decoding=Decoding(propose=propose, vllm_runner="v2"),
     knobs=DFlash2Knobs,
-    train_knobs=("selector_loss_weight",),
-    speculators_keys=REQUIRED,
-    tensor_markers=("attention_conv.", "mlp_conv.", "candidate_selector."),
-    reduced_vocab=False,
-    init_from={"dflash": from_dflash},
-    vllm_runner="v2",
-    reference_loop=False,
-    metric_names=("unary_tau", "unary_acc", "selector_acc", "topk_coverage", "selector_loss"),
-    config_problems=config_problems,
+    weights=DFlash2Weights,
     contract_problems=contract_problems,
-    dflash_config=dflash_config,
-    hf_keys=dflash_hf_keys,
-    read_knobs=read_knobs,
-    build=build,
-    scores=scores,
-    loss_terms=loss_terms,
-    stats=STATS,
-    metrics=metrics,
-    propose=propose,
-    extra_params=extra_params,
-    lookup_params=lookup_params,
-    reload_check=reload_check,
-    card_lines=card_lines,
 )

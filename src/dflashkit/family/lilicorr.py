@@ -2,10 +2,10 @@
 
 Usage:
     from dflashkit.family.lilicorr import LILICORR
-    drafter = LILICORR.build(contract, None, None)           # model/lilicorr.py's LiLiCorrDraftModel
-    terms = LILICORR.loss_terms(cfg.train)                   # [LatticeTerm(train.lilicorr_*)]
-    tokens, law = LILICORR.propose(drafter, h, logits, anchor, sampling, None, V,
-                                   block=DraftBlock(embed=target.embed, context=feats[:, -1]))   # the walk
+    drafter = LILICORR.network.build(contract, None, None)         # model/lilicorr.py's LiLiCorrDraftModel
+    terms = LILICORR.objective.loss_terms(cfg.train)         # [LatticeTerm(train.lilicorr_*)]
+    tokens, law = LILICORR.decoding.propose(drafter, h, logits, anchor, sampling, None, V,
+                                            block=DraftBlock(embed=target.embed, context=feats[:, -1]))   # the walk
 
 Everything dflashkit knows about LiLiCorr beside its network (`model/lilicorr.py`, which mirrors vLLM
 0.32's `model_executor/models/lilicorr.py`; the training objective is ModelOpt's `hf_lilicorr.py`, PR
@@ -48,14 +48,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import UsageError
-from dflashkit.family.base import (DraftBlock, DraftSampling, Family, Rows, Scored, StatField, json_float,
-                                   json_int, ratio, refuse_draft_vocab, walk_reload_check)
+from dflashkit.family.base import (Decoding, DraftBlock, DraftSampling, Family, Formats, Network, Objective, Rows,
+                                   Scored, StatField, json_float, json_int, ratio, refuse_draft_vocab,
+                                   walk_reload_check)
 from dflashkit.family.dflash import DFlashKnobs
 from dflashkit.family.dflash import card_lines as dflash_card_lines
-from dflashkit.family.dflash import contract_problems as dflash_contract_problems
 from dflashkit.family.dflash import dflash_config as dflash_keys
 from dflashkit.family.dflash import hf_keys as dflash_hf_keys
 from dflashkit.family.dflash import read_knobs as dflash_knobs
+from dflashkit.family.knobs import knob
 
 if TYPE_CHECKING:
     from dflashkit.family.contract import DrafterContract
@@ -71,47 +72,67 @@ FLOATS = ("lilicorr_mlp_ratio", "lilicorr_vector_eps", "lilicorr_logit_scale")
 
 @dataclass(frozen=True)
 class LiLiCorrKnobs(DFlashKnobs):
-    """LiLiCorr's contract fields (defaults = the `drafter.*` defaults of config/schema.py), after DFlash's
-    `causal` (vLLM's LiLiCorr backbone is `DFlashQwen3Model`: it resolves in-block causality as DFlash's)."""
+    """LiLiCorr's contract fields (`drafter.*` keys), after DFlash's `causal` (vLLM's LiLiCorr backbone is
+    `DFlashQwen3Model`: it resolves in-block causality as DFlash's)."""
 
-    lilicorr_candidate_topk: int = 8
-    lilicorr_hidden_size: int = 0
-    lilicorr_num_layers: int = 2
-    lilicorr_num_heads: int = 8
-    lilicorr_mlp_ratio: float = 2.0
-    lilicorr_factor_dim: int = 256
-    lilicorr_vector_eps: float = 1e-4
-    lilicorr_logit_scale: float = 8.0
-    lilicorr_conv_kernel_size: int = 0
-    lilicorr_conv_group_size: int = 0
+    lilicorr_candidate_topk: int = knob(8, "lilicorr: candidates K per block position (the head's top-K) in the "
+                                        "lattice; a power of 2, at most 16 (vLLM's limit).")
+    lilicorr_hidden_size: int = knob(0, "lilicorr: width of the lattice transformer; 0 = the draft width.", ge=0)
+    lilicorr_num_layers: int = knob(2, "lilicorr: lattice transformer layers (pre-norm, over all S·K candidates).",
+                                    ge=1)
+    lilicorr_num_heads: int = knob(8, "lilicorr: attention heads of the lattice transformer (must divide its "
+                                   "width).", ge=1)
+    lilicorr_mlp_ratio: float = knob(2.0, "lilicorr: MLP width of a lattice layer / its width.", gt=0)
+    lilicorr_factor_dim: int = knob(256, "lilicorr: width F of the normalised out / in factor vectors whose dot "
+                                    "products score adjacent candidates (ModelOpt's recipe: 1024 at a 1024-wide "
+                                    "head; 256 suits the demo's 576-wide one).", ge=1)
+    lilicorr_vector_eps: float = knob(1e-4, "lilicorr: eps of the factor vectors' L2 normalisation, in (0, 0.5).",
+                                      gt=0, lt=0.5)
+    lilicorr_logit_scale: float = knob(8.0, "lilicorr: fixed scale of the cosine scores (the walk's logits).", gt=0)
+    lilicorr_conv_kernel_size: int = knob(
+        0, "lilicorr: with lilicorr_conv_group_size, wraps every draft sublayer in DFlash2's block-local grouped "
+        "convolution of this many taps (identity at init); 0 (both) = a plain DFlash backbone. Written as "
+        "dflash_config.conv_kernel_size.", ge=0)
+    lilicorr_conv_group_size: int = knob(0, "lilicorr: channels per convolution group (see "
+                                         "lilicorr_conv_kernel_size; must divide the hidden size).", ge=0)
+
+
+@dataclass(frozen=True)
+class LiLiCorrWeights:
+    """LiLiCorr's `train.*` keys (the weights of `LatticeTerm`)."""
+
+    lilicorr_ce_weight: float = knob(
+        0.25, "drafter.type=lilicorr: weight of the lattice's K-way cross-entropy over the node scores along the "
+        "gold path (blocks whose positions are all supervised; positions whose gold token is in their own and "
+        "every earlier top-K), with the DFlash loss's position weights and denominator (ModelOpt's recipe: "
+        "0.25).", ge=0)
+    lilicorr_penalty_weight: float = knob(
+        0.25, "drafter.type=lilicorr: weight of the penalty E_q[relu(target logit of the gold token - of the "
+        "candidate)] over the same positions (q = the lattice's law over the K candidates; the target's logits "
+        "come online from the target, or cached from the shards' last_hidden; ModelOpt's recipe: 0.25).", ge=0)
+    lilicorr_margin_weight: float = knob(
+        0.0, "drafter.type=lilicorr: weight of the hinge relu(lilicorr_margin - (gold node score - best other)) "
+        "(ModelOpt's `margin` variant: 0.125 with lilicorr_ce_weight 0.125).", ge=0)
+    lilicorr_margin: float = knob(2.0, "drafter.type=lilicorr: the hinge's margin (> 0).", gt=0)
 
 
 # -- config, contract, config.json ------------------------------------------------------------------------------
 def _knob_problems(get: Any, key: str) -> list[str]:
-    """Range checks of the knobs (`get(name)` their values; `key` the prefix each problem names)."""
+    """The knobs' rules beyond their declared ranges (`get(name)` their values; `key` the prefix each problem
+    names): K a power of 2 up to 16, the two convolution knobs set together."""
     p = []
     k = get("lilicorr_candidate_topk")
     if not (1 <= k <= 16 and k & (k - 1) == 0):
         p.append(f"{key}lilicorr_candidate_topk: must be a power of 2 <= 16 (vLLM's LiLiCorr head), got {k}")
-    for name in ("lilicorr_num_layers", "lilicorr_num_heads", "lilicorr_factor_dim"):
-        if get(name) < 1:
-            p.append(f"{key}{name}: must be >= 1, got {get(name)}")
-    if get("lilicorr_hidden_size") < 0:
-        p.append(f"{key}lilicorr_hidden_size: must be >= 0 (0 = the draft width), got {get('lilicorr_hidden_size')}")
-    if not get("lilicorr_mlp_ratio") > 0 or not get("lilicorr_logit_scale") > 0:
-        p.append(f"{key}lilicorr_mlp_ratio and {key}lilicorr_logit_scale: must be > 0, got "
-                 f"{get('lilicorr_mlp_ratio')} and {get('lilicorr_logit_scale')}")
-    if not 0 < get("lilicorr_vector_eps") < 0.5:
-        p.append(f"{key}lilicorr_vector_eps: must be in (0, 0.5), got {get('lilicorr_vector_eps')}")
     taps, group = get(CONV[0]), get(CONV[1])
-    if taps < 0 or group < 0 or bool(taps) != bool(group):
+    if taps >= 0 and group >= 0 and bool(taps) != bool(group):
         p.append(f"{key}{CONV[0]} / {key}{CONV[1]}: both 0 (a DFlash backbone) or both >= 1 (DFlash2's "
                  f"convolution), got {taps} / {group}")
     return p
 
 
 def config_problems(d: DrafterSection) -> list[str]:
-    """Range checks of the `drafter.*` knobs, and the heads against a lattice width the config gives."""
+    """The knobs' rules beyond their ranges, and the heads against a lattice width the config gives."""
     p = _knob_problems(lambda name: getattr(d, name), "drafter.")
     width, heads = d.lilicorr_hidden_size or d.hidden_size, d.lilicorr_num_heads
     if width and width > 0 and heads >= 1 and width % heads:
@@ -121,11 +142,19 @@ def config_problems(d: DrafterSection) -> list[str]:
 
 
 def contract_problems(c: DrafterContract) -> list[str]:
-    """The knobs' ranges, and what makes them unusable for this contract's target."""
+    """The knobs' rules beyond their ranges, and what makes them unusable for this contract's target."""
     k: LiLiCorrKnobs = c.knobs
-    p = dflash_contract_problems(c)
-    if p:  # a knob of the wrong type: the ranges below cannot be compared
-        return p
+    p = _knob_problems(lambda name: getattr(k, name), "")
+    width = k.lilicorr_hidden_size or c.hidden_size
+    if width % k.lilicorr_num_heads:
+        p.append(f"lilicorr_num_heads {k.lilicorr_num_heads} must divide the lattice width {width}")
+    if k.lilicorr_conv_group_size > 0 and c.hidden_size % k.lilicorr_conv_group_size:
+        p.append(f"lilicorr_conv_group_size {k.lilicorr_conv_group_size} must divide hidden_size {c.hidden_size}")
+    if c.block_size < 2:
+        p.append(f"block_size must be >= 2 for LiLiCorr (one slot at least), got {c.block_size}")
+    if c.vocab_size and k.lilicorr_candidate_topk > c.vocab_size:
+        p.append(f"lilicorr_candidate_topk {k.lilicorr_candidate_topk} exceeds vocab_size {c.vocab_size}")
+    return p
     p = _knob_problems(lambda name: getattr(k, name), "")
     width = k.lilicorr_hidden_size or c.hidden_size
     if k.lilicorr_num_heads >= 1 and width % k.lilicorr_num_heads:
@@ -214,7 +243,6 @@ class LatticeTerm:
     margin_weight: float = 0.0
     margin: float = 2.0
     name: str = "lattice"
-    base_rows: tuple[str, ...] = ()
     needs_prev: bool = False
 
     @property
@@ -226,7 +254,7 @@ class LatticeTerm:
     def chunk(self, rows: Rows) -> LatticeRows:
         return lattice_rows(rows, margin=self.margin, penalty=self.penalty > 0)
 
-    def total(self, parts: list, row_w: torch.Tensor, base: dict) -> tuple[torch.Tensor, dict[str, Any]]:
+    def total(self, parts: list, row_w: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         import torch
 
         def cat(name: str) -> torch.Tensor:
@@ -285,20 +313,7 @@ def lattice_rows(rows: Rows, *, margin: float, penalty: bool) -> LatticeRows:
         # off-path slot (no label there: not covered), so the on-path prefix still trains
         slots = (touched[:, None] * B + 1 + torch.arange(S, device=dev)).flatten()
         complete = blocks.supervised[slots].view(nb, S).all(-1)
-    ids_r, logp_r = model.candidates(rows.scores)                              # live log-probs: the gradient path
-    cand = torch.zeros(nb * S, K, dtype=torch.long, device=dev)
-    logp = logp_r.new_zeros(nb * S, K)
-    hid = rows.hidden.new_zeros(nb * S, rows.hidden.shape[-1])
-    miss = (~present).nonzero().flatten()
-    if miss.numel():
-        with torch.no_grad():
-            at = (touched[:, None] * B + 1 + torch.arange(S, device=dev)).flatten()[miss]
-            h_m = blocks.hidden[at].detach()
-            ids_m, logp_m = model.candidates(blocks.score(h_m))
-        cand, logp, hid = cand.index_copy(0, miss, ids_m), logp.index_copy(0, miss, logp_m), hid.index_copy(0, miss, h_m)
-    cand = cand.index_copy(0, cell, ids_r).view(nb, S, K)
-    logp = logp.index_copy(0, cell, logp_r).view(nb, S, K)
-    hid = hid.index_copy(0, cell, rows.hidden).view(nb, S, -1)
+    ids_r, cand, logp, hid = _slot_candidates(rows, blocks, touched, cell, present)
     n_per = blocks.anchors.shape[1]
     bi, a = touched // n_per, blocks.anchors.flatten()[touched]
     if blocks.features is None:                                                # no context (ablation): no anchor
@@ -338,6 +353,31 @@ def lattice_rows(rows: Rows, *, margin: float, penalty: bool) -> LatticeRows:
         correct = trained & (nodes.argmax(-1) == gidx)
     return LatticeRows(per_row(ce), per_row(hinge), pen, per_row(trained), per_row(covered), per_row(correct),
                        per_row(tokens))
+
+
+def _slot_candidates(rows: Rows, blocks: Any, touched: torch.Tensor, cell: torch.Tensor, present: torch.Tensor):
+    """(the rows' top-K ids [r, K]; candidates [nb, S, K], their log-probs and the drafter outputs [nb, S, H] of
+    every slot of the `touched` blocks): the rows' live (the gradient path), a slot outside them (not
+    `present`) scored from `blocks.hidden`, detached."""
+    import torch
+
+    model, B = rows.model, blocks.block_size
+    nb, S, K, dev = touched.numel(), B - 1, model.top_k, touched.device
+    ids_r, logp_r = model.candidates(rows.scores)                              # live log-probs: the gradient path
+    cand = torch.zeros(nb * S, K, dtype=torch.long, device=dev)
+    logp = logp_r.new_zeros(nb * S, K)
+    hid = rows.hidden.new_zeros(nb * S, rows.hidden.shape[-1])
+    miss = (~present).nonzero().flatten()
+    if miss.numel():
+        with torch.no_grad():
+            at = (touched[:, None] * B + 1 + torch.arange(S, device=dev)).flatten()[miss]
+            h_m = blocks.hidden[at].detach()
+            ids_m, logp_m = model.candidates(blocks.score(h_m))
+        cand, logp, hid = cand.index_copy(0, miss, ids_m), logp.index_copy(0, miss, logp_m), hid.index_copy(0, miss, h_m)
+    cand = cand.index_copy(0, cell, ids_r).view(nb, S, K)
+    logp = logp.index_copy(0, cell, logp_r).view(nb, S, K)
+    hid = hid.index_copy(0, cell, rows.hidden).view(nb, S, -1)
+    return ids_r, cand, logp, hid
 
 
 STATS = (StatField("unary_tau_sum"), StatField("unary_correct", "B"), StatField("lattice_rows"),
@@ -387,20 +427,6 @@ def propose(drafter: Any, h: torch.Tensor, logits: torch.Tensor, anchor: int, sa
 
 
 # -- plan, export -----------------------------------------------------------------------------------------------
-def extra_params(c: DrafterContract) -> int:
-    """The lattice head's parameters, and the convolutions' when they are on."""
-    k: LiLiCorrKnobs = c.knobs
-    big, w, f = c.hidden_size, k.lilicorr_hidden_size or c.hidden_size, k.lilicorr_factor_dim
-    inner, heads, s = int(w * k.lilicorr_mlp_ratio), k.lilicorr_num_heads, c.block_size - 1
-    layer = 2 * w + 3 * w * w + 3 * w + w * w + w + w * inner + inner + inner * w + w
-    head = ((big * w + w) if w != big else 0) + 2 * (big * w + w) + 2 * 5 + (5 * w + w + w * w + w)
-    head += s * w + k.lilicorr_candidate_topk * w + heads * (2 * c.block_size - 1) + heads
-    head += k.lilicorr_num_layers * layer + 2 * w + (3 * w * w + w) + 3 * (w * f + f)
-    taps = k.lilicorr_conv_kernel_size
-    groups = big // k.lilicorr_conv_group_size if taps else 0
-    return head + (c.num_draft_layers * 2 * (2 * taps * big + 2 * taps * groups * big) if taps else 0)
-
-
 def reload_check(source: Any, reloaded: Any, head: torch.Tensor | None) -> dict[str, Any]:
     """The export reload check's lattice part: the same greedy lattice walk, over a random embedding table (exact
     when the export holds the source's weights bit for bit: float32)."""
@@ -424,28 +450,14 @@ def card_lines(c: DrafterContract) -> list[str]:
 LILICORR = Family(
     name="lilicorr",
     title="LiLiCorr",
-    architecture="LiLiCorrDraftModel",
+    network=Network(build=build, init_from={"dflash": _from("DFlash"), "dflash2": _from("DFlash2")},
+                    tensor_markers=("lilicorr.", "attention_conv.", "mlp_conv."), reduced_vocab=False),
+    objective=Objective(loss_terms=loss_terms, stats=STATS, metrics=metrics),
+    formats=Formats(architecture="LiLiCorrDraftModel", dflash_config=dflash_config, hf_keys=dflash_hf_keys,
+                    read_knobs=read_knobs, speculators=False, reload_check=reload_check, card_lines=card_lines),
+    decoding=Decoding(propose=propose, vllm_runner="v2"),
     knobs=LiLiCorrKnobs,
-    train_knobs=("lilicorr_ce_weight", "lilicorr_penalty_weight", "lilicorr_margin_weight", "lilicorr_margin"),
-    tensor_markers=("lilicorr.", "attention_conv.", "mlp_conv."),
-    reduced_vocab=False,
-    init_from={"dflash": _from("DFlash"), "dflash2": _from("DFlash2")},
-    vllm_runner="v2",
-    reference_loop=False,
-    speculators=False,
-    metric_names=("unary_tau", "unary_acc", "topk_coverage", "lattice_acc", "lattice_supervised", "lattice_ce",
-                  "lattice_penalty", "lattice_loss"),
+    weights=LiLiCorrWeights,
     config_problems=config_problems,
     contract_problems=contract_problems,
-    dflash_config=dflash_config,
-    hf_keys=dflash_hf_keys,
-    read_knobs=read_knobs,
-    build=build,
-    loss_terms=loss_terms,
-    stats=STATS,
-    metrics=metrics,
-    propose=propose,
-    extra_params=extra_params,
-    reload_check=reload_check,
-    card_lines=card_lines,
 )
