@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from dflashkit.family import new_drafter, reads_target_law
 from dflashkit.config import TrainSection
 from dflashkit.model.dflash2 import walk
-from dflashkit.train.loss import Heads, LossInputs, chunk_bounds
+from dflashkit.train.loss import Heads, LossInputs
+from dflashkit.train.terms import chunk_bounds
 from dflashkit.train.objective import labels_and_weights
 from tests.helpers import random_case, tiny_contract, train_loss, with_fields
 

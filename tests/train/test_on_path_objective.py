@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflashkit.model.path_labels import on_path_weights
-from dflashkit.train.loss import predecessors
+from dflashkit.train.blocks import predecessors
 from dflashkit.train.objective import labels_and_weights, target_label_ids
 from tests.helpers import random_case
 
