@@ -53,7 +53,7 @@ FORMAT_PATHS = {
                                {"train.jsonl", "heldout.jsonl"}),
     "regenerated conversations": ("dflashkit.generate.conversations", {"conversations_path", "generate_failures"},
                                   {"conversations.jsonl", "failures.jsonl", "settings.json"}),
-    "checkpoints, train/best": ("dflashkit.train.checkpoint", {"checkpoints_dir"}, {"best.json"}),
+    "checkpoints, train/best": ("dflashkit.train.checkpoint", {"checkpoints_dir", "checkpoint_dir"}, {"best.json"}),
     "eval results": ("dflashkit.decode.evaluation", {"eval_results"}, {"results.json"}),
     "engine results": ("dflashkit.engines.verify", {"verify_engine_results"}, {"results.json"}),
     "training metrics and curve": ("dflashkit.train.logging", {"train_metrics", "train_curve"},
@@ -74,13 +74,8 @@ LIBRARY_USERS = {
                     "dflashkit.train.checkpoint",   # checkpoints, train/final, train/best
                     "dflashkit.export.hf",          # export/ (z-lab)
                     "dflashkit.export.speculators",  # export/ (vLLM speculators)
-                    # a scratch exchange with a script run in the vLLM venv (no run-dir artifact; the
-                    # script cannot import dflashkit): inputs.safetensors / outputs.safetensors
-                    "dflashkit.engines.vllm_pieces", "dflashkit.engines.vllm_dflash2_reference",
-                    "dflashkit.engines.vllm_lilicorr_reference",
                     "dflashkit.engines.capture",        # capture/engine-spool/<row>.safetensors (writer + reader)
                     "dflashkit.engines.hidden_states",  # vLLM's extract_hidden_states files (connector + reader)
-                    "dflashkit.testing.fake_engine",    # test gear standing in for that connector
                     "dflashkit.model.head"},            # reads the target's own weights by name (not a run-dir file)
 }
 FEATURE_META_KEYS = {"source_digest"}  # the key that says which tokenized shard a feature shard was made from

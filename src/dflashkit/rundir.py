@@ -9,7 +9,7 @@ Usage:
 
 Layout (one folder per stage):
     config.resolved.yaml  contract.json  probe/  prepare/  generate/  tokenize/  capture/
-    train/ (checkpoints/, metrics.jsonl)  eval/  export/  report/
+    train/ (checkpoints/, final/, best/, metrics.jsonl, curve.json, engine-queue/)  eval/  export/  report/
 Each stage folder holds a `manifest.json`; `dflashkit run` compares it with the current config
 and the inputs' manifests to decide whether the stage is up to date. `<run_dir>/.lock` is flock'ed
 by the command writing to the run dir (it names that process), so two writers never interleave.
@@ -337,6 +337,17 @@ class RunDir:
     def checkpoints_dir(self) -> Path:
         """`train/checkpoints/step-*` (owner: train/checkpoint.py: `save_checkpoint`, `load_checkpoint`)."""
         return self.train_dir / "checkpoints"
+
+    def checkpoint_dir(self, step: int) -> Path:
+        """`train/checkpoints/step-XXXXXXX/`, the checkpoint after optimizer step `step` (owner: train/checkpoint.py
+        `save_checkpoint`)."""
+        return self.checkpoints_dir / f"step-{int(step):07d}"
+
+    @property
+    def engine_queue_dir(self) -> Path:
+        """`train/engine-queue/` (`train.features=engine`): the bounded on-disk queue of feature rows (owner:
+        engines/feed.py `EngineFeed`; `rank-R/` per rank under torchrun)."""
+        return self.train_dir / "engine-queue"
 
     @property
     def final_dir(self) -> Path:

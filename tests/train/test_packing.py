@@ -210,8 +210,8 @@ def test_pack_config_checks():
     assert not any("train.pack" in p for p in checks(cfg))
     for name, fam in FAMILIES.items():  # the family says whether its loss takes packed rows
         cfg.drafter.type = name
-        assert any(f"drafter.type={name}" in p for p in checks(cfg) if p.startswith("train.pack")) != fam.packs
-    assert FAMILIES["dflash"].packs
+        assert any(f"drafter.type={name}" in p for p in checks(cfg) if p.startswith("train.pack")) != fam.objective.packs
+    assert FAMILIES["dflash"].objective.packs
     cfg.drafter.type = "dflash"
     cfg.train.pack_length = 1
     assert any("train.pack_length" in p for p in problems(cfg))

@@ -2,30 +2,25 @@
 
 Usage:
     with engine_source(cfg, contract, rd.train_dir, last_hidden=kl) as src:          # engines/capture.py
-        feed = EngineFeed(src, data, rd.train_dir / "engine-queue", prefetch=2, concurrency=4, key=...)
+        feed = EngineFeed(src, data, rd.engine_queue_dir, prefetch=2, concurrency=4, key=...)
         data.features = feed                       # the reader `collate` and the levers use (FeatureStore's API)
         feed.start(item, count)                    # item(k) = (step, micro, samples): the k-th training micro-batch
         feed.stage(samples)                        # before collating a batch: its rows, then their files go
         feed.stats()                               # {"engine_peak_disk_bytes": ..., "engine_rows_requested": ...}
         feed.close()
 
-The queue: a background thread walks the schedule of training micro-batches and, for each, requests
-its samples from the engine (`EngineSource.sample`, `capture.concurrency` in flight) into
-`<queue>/step-SSSSSSSS-mMM/` through a `Spool` (one safetensors file per row, written atomically). At
-most `prefetch` micro-batches are on disk at a time (a slot is taken before a batch is requested and
-given back once its files are deleted), so the queue never holds more than `prefetch` × the largest
-micro-batch's rows. `stage(samples)` waits for the next scheduled batch when `samples` are its
-samples, reads its rows into memory, deletes its files and frees its slot; any other request (the
-held-out evaluation, `drafter.feature_scale=rms`, draft-vocab labels) is answered from the engine
-directly, in memory, never spooled. Rows are exactly what a `capture.engine=vllm` shard holds for
-the sample (`EngineSource.row`: capture.dtype features, int32 next ids, optional last hidden), so
-engine-fed training reads what cached training would read.
+The queue: a background thread walks the schedule of training micro-batches and requests each one's
+samples from the engine (`capture.concurrency` in flight) into `<queue>/step-SSSSSSSS-mMM/`, one
+safetensors file per row, written atomically. Invariant: at most `prefetch` micro-batches are on
+disk at a time (a slot is taken before a batch is requested and freed once `stage` has read and
+deleted its files). Any other request (held-out evaluation, feature scale, draft-vocab labels) is
+answered from the engine directly, in memory. Rows are exactly what a `capture.engine=vllm` shard
+holds (`EngineSource.row`), so engine-fed training reads what cached training would read.
 
-The bytes on disk are counted as files are renamed into place and deleted; the peak is
-`engine_peak_disk_bytes`. Resume: batch dirs are named by (step, micro-batch) and the schedule
-starts at the resumed step, so a re-run requests only what it still needs: rows of earlier steps
-are dropped, complete row files of the batches ahead are kept (`queue.json` records what the
-queue was built for; a queue built for another batch plan or feature recipe is emptied).
+The bytes on disk are counted as files come and go (`engine_peak_disk_bytes`). Resume: batch dirs
+are named by (step, micro-batch) and the schedule starts at the resumed step, so a re-run requests
+only what it still needs; `queue.json` records what the queue was built for, and a queue built for
+another batch plan or feature recipe is emptied.
 """
 
 from __future__ import annotations
@@ -35,12 +30,13 @@ import logging
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from dflashkit.engines.capture import EngineSource, FeatureRow, Spool
+from dflashkit.engines.capture import EngineSource, FeatureRow, Spool, check_engine, engine_source
 from dflashkit.errors import DflashkitError, UsageError
 from dflashkit.rundir import atomic_write_json
 
@@ -251,28 +247,21 @@ def check_engine_feed(cfg: Any, contract: Any, out_dir: Path, *, world: int) -> 
     """Every check `open_engine_feed` makes before any work (`train --dry-run` calls it): one engine for
     every rank, and `engines/capture.py` `check_engine` (the vLLM at capture.server_url, or what starting
     one needs)."""
-    from dflashkit.engines.capture import check_engine
-
     check_world(cfg, world)
     check_engine(cfg, contract, Path(out_dir), what=FEED_KEY)
 
 
-def open_engine_feed(cfg: Any, contract: Any, data: Any, out_dir: Path, *, rank: int, world: int,
-                     key: dict[str, Any]) -> EngineFeed:
+def open_engine_feed(cfg: Any, contract: Any, data: Any, out_dir: Path, *, queue_dir: Path, last_hidden: bool,
+                     rank: int, world: int, key: dict[str, Any]) -> EngineFeed:
     """The engine (`capture.server_url`, or a vLLM started here: `<out_dir>/engine.log`,
-    `<out_dir>/engine-files`) and this rank's feed over it (`<out_dir>/engine-queue[/rank-R]`);
+    `<out_dir>/engine-files`) and this rank's feed over it (`queue_dir[/rank-R]`, `RunDir.engine_queue_dir`);
+    `last_hidden`: the rows carry the target's final-norm output (the recipe's `needs_target_logits`).
     `feed.close()` stops both."""
-    from contextlib import ExitStack
-
-    from dflashkit.engines.capture import engine_source
-    from dflashkit.family import reads_target_law
-
     check_world(cfg, world)
     stack = ExitStack()
     try:
-        src = stack.enter_context(engine_source(cfg, contract, Path(out_dir),
-                                                last_hidden=reads_target_law(cfg.train, contract.family), what=FEED_KEY))
-        root = Path(out_dir) / "engine-queue"
+        src = stack.enter_context(engine_source(cfg, contract, Path(out_dir), last_hidden=last_hidden, what=FEED_KEY))
+        root = Path(queue_dir)
         feed = EngineFeed(src, data, root / f"rank-{rank}" if world > 1 else root,
                           prefetch=cfg.train.engine_prefetch, concurrency=cfg.capture.concurrency, key=key)
     except BaseException:

@@ -56,8 +56,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
         from dflashkit.engines.feed import open_engine_feed  # passed down: train/ never reaches up to engines/
 
         check_engine(cfg, rd)  # before fit writes anything (the feed checks it again when it opens)
-        result = fit(cfg, rd, show_bar=not ctx.json,
-                     open_feed=open_engine_feed if cfg.train.features == "engine" else None)
+        result = fit(cfg, rd, show_bar=not ctx.json, open_feed=open_engine_feed)  # opened for features=engine only
     except BaseException:
         leave_distributed(ok=False)  # a torchrun rank: leave the group even on an error path (no barrier)
         raise
@@ -118,7 +117,7 @@ def restart_if_changed(cfg: RunConfig, rd: RunDir) -> list[str]:
         logging.getLogger("dflashkit.train").warning(
             "train starts over: the checkpoints in %s belong to another run (%s)", rd.checkpoints_dir,
             "; ".join(changed))
-        guards.check_outputs_ours(rd.train_dir, cfg)
+        guards.check_outputs_ours(rd, cfg)
         for step_dir in sorted(rd.checkpoints_dir.glob("step-*")):
             if step_dir.is_dir() and (step_dir / "state.json").is_file():
                 check_replaceable(step_dir, owner="train", marker="state.json")

@@ -1,33 +1,26 @@
 """Resumable training state and the final z-lab drafter directory.
 
 Usage:
-    save_checkpoint(ck_root, step=100, model=drafter, optimizer=opt, scheduler=sched, is_main=True)
-    found = latest_checkpoint(ck_root)                  # Path | None (complete checkpoints only)
+    save_checkpoint(rd, step=100, model=drafter, optimizer=opt, scheduler=sched, is_main=True)
+    found = latest_run_checkpoint(rd)                   # Path | None (complete checkpoints only)
     step = load_checkpoint(found, model=drafter, optimizer=opt, scheduler=sched)
     save_final(rd.final_dir, drafter, contract)
     save_final(rd.best_dir, drafter, contract, best={"step": 100, "tau": 1.8})
-    src, which = trained_drafter_dir(rd.stage_dir("train"))    # train/best if kept, else train/final
+    src, which = trained_drafter_dir(rd.train_dir)    # train/best if kept, else train/final
 
-A checkpoint `checkpoints/step-XXXXXXX/` holds `model.safetensors` (full drafter state, z-lab
-names), `optimizer.pt` (full AdamW state; read back with `torch.load(weights_only=True)`),
-`rng.pt` (CPU/CUDA RNG states) and `state.json` (step, scheduler state, data cursor = step, the
-drafter contract: a resume under a changed contract is refused, naming what changed). It is
-written into a temp dir and renamed, so a directory named `step-*` is always complete. Works for
-plain, DDP and FSDP2 drafters (full state dicts gathered by torch.distributed.checkpoint). A
-reduced draft vocabulary travels as the drafter's `d2t` buffer in model.safetensors (checkpoint and
-final), so a resumed run continues with the vocabulary it started with.
+A checkpoint `checkpoints/step-XXXXXXX/` holds `model.safetensors` (full drafter state, z-lab names,
+`d2t` included), `optimizer.pt` (read with `weights_only=True`), `rng.pt` and `state.json` (step,
+scheduler, data cursor, the drafter contract, the best-so-far record). It is written into a temp dir
+and renamed, so a `step-*` dir is always complete; a resume under a changed contract is refused,
+naming what changed. Works for plain, DDP and FSDP2 drafters (full state dicts gathered by
+torch.distributed.checkpoint).
 
-`train/best/` (`train.keep_best`) has the layout of `train/final/` plus `best.json` (step, held-out
-τ, accuracy): the drafter of the held-out evaluation with the highest simulated τ so far (the
-earliest on ties); `eval` and `export` use it by default. The best-so-far record also travels in
-every checkpoint's state.json, so a resumed run compares against what the uninterrupted run had.
-
-This module owns these directories (`RunDir.checkpoints_dir`, `final_dir`, `best_dir`): checkpoints
-are written by `save_checkpoint` and read back only by `load_checkpoint` (+ `checkpoint_state`,
-`latest_checkpoint`) on resume; `train/final` and `train/best` are written by `save_final` and
-loaded as drafters by the drafter-dir loader `export/hf.py` `load_drafter` (eval, bench, export,
-serve), found through `trained_drafter_dir`; `best.json` has one writer (`save_final(best=...)`) and
-one reader (`read_best`: eval's drafter source, export, report).
+`train/best/` (`train.keep_best`) is `train/final/`'s layout plus `best.json`: the drafter with the
+highest held-out simulated τ so far (earliest on ties); `eval` and `export` use it by default. This module owns these directories (`RunDir.checkpoints_dir`, `final_dir`, `best_dir`): checkpoints
+are written by `save_checkpoint` and read only by `load_checkpoint` (+ `checkpoint_state`,
+`latest_checkpoint`); `train/final` and `train/best` are written by `save_final` and loaded through
+`export/hf.py` `load_drafter`, found by `trained_drafter_dir`; `best.json` has one writer
+(`save_final(best=...)`) and one reader (`read_best`).
 """
 
 from __future__ import annotations
@@ -63,9 +56,10 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k.removeprefix("module."): v.detach().to("cpu").contiguous() for k, v in sd.items()}
 
 
-def save_checkpoint(root: Path, *, step: int, model, optimizer, scheduler, is_main: bool, keep: int = 3,
+def save_checkpoint(rd: RunDir, *, step: int, model, optimizer, scheduler, is_main: bool, keep: int = 3,
                     extra: dict | None = None) -> Path | None:
-    """Write `root/step-{step:07d}` atomically (gathers on every rank; writes on the main rank)."""
+    """Write `rd.checkpoint_dir(step)` atomically (gathers on every rank; writes on the main rank, which gets
+    its path; the others get None), then drop all but the newest `keep` checkpoints."""
     import torch
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -74,7 +68,7 @@ def save_checkpoint(root: Path, *, step: int, model, optimizer, scheduler, is_ma
     osd = get_optimizer_state_dict(model, optimizer, options=_options())
     if not is_main:
         return None
-    final = root / f"step-{step:07d}"
+    final = rd.checkpoint_dir(step)
     with atomic_dir(final, owner="train", marker="state.json") as tmp:
         save_file(msd, str(tmp / "model.safetensors"))
         torch.save(osd, tmp / "optimizer.pt")
@@ -87,7 +81,7 @@ def save_checkpoint(root: Path, *, step: int, model, optimizer, scheduler, is_ma
                                                "scheduler": scheduler.state_dict(),
                                                "contract": contract.to_dict() if contract is not None else None,
                                                **(extra or {})})
-    for old in sorted(root.glob("step-*"))[:-keep] if keep > 0 else []:
+    for old in sorted(rd.checkpoints_dir.glob("step-*"))[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     log.info("checkpoint %s", final)
     return final

@@ -2,6 +2,7 @@
 
 Usage:
     data = load_tokenized(rd)                                  # all samples of tokenize/shard-*.parquet
+    data.features = cached_store(rd.capture_dir, data.shards, layer_ids, recipe)   # train.features=cached
     train_idx, heldout_idx = split_heldout(len(data), 16, seed=0)
     plan = BatchPlan(train_idx, batch_size=4, grad_accum=2, world=2, seed=0)
     for micro in plan.micro_batches(step, rank):               # this rank's micro-batches of `step`
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +28,20 @@ import torch
 from dflashkit.data.features import FeatureStore  # noqa: F401  (re-exported: the reader lives with the writer)
 from dflashkit.data.shards import TokenData, load_tokenized, tokenized_shards  # noqa: F401  (re-exported)
 from dflashkit.errors import UsageError
+
+if TYPE_CHECKING:
+    from dflashkit.train.recipe import Recipe
+
+
+def cached_store(capture_dir: Path, shards: list[Path], layer_ids: list[int], recipe: Recipe) -> FeatureStore:
+    """`train.features=cached`: the feature shards as training reads them, checked to hold what `recipe` reads
+    (`next_ids` for target labels, every sample's greedy path for rollout; exit 3 / exit 2 naming the shard)."""
+    store = FeatureStore(capture_dir, shards, layer_ids)
+    if recipe.target_labels:
+        store.require("next_ids", "train.labels=target reads the target's argmax from the shards")
+    if recipe.rollout:
+        store.require_paths(recipe.path_depth, "train.on_path=rollout learns it")
+    return store
 
 
 def split_heldout(n: int, heldout: int, *, seed: int) -> tuple[list[int], list[int]]:

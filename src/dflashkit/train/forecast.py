@@ -5,20 +5,16 @@ Usage:
     fc.text()   # "held-out τ 2.0 at ≈ 3.1M supervised tokens (1σ 1.9M–5.0M) ≈ 12,000 samples ≈ 2.3 h ..."
     fc.tokens   # None (with fc.warning saying why) when the curve cannot answer
 
-The law: held-out τ against supervised tokens seen n is fitted with the saturating power law
-    τ(n) = τ∞ − a·n^(−b),   a > 0, b > 0
-(learning curves of this kind level off at τ∞; a log-linear law would never saturate and so
-always promises the target eventually). The fit is least squares: for each exponent b on a fine
-log grid the model is linear in (τ∞, a), solved exactly; the b with the smallest residual wins.
-The parameter covariance is the Gauss-Newton one, s²·(JᵀJ)⁻¹ with s² = SSE / (points − 3), so the
-fit needs at least `MIN_POINTS` = 4 points with distinct n (one residual degree of freedom).
+The law: held-out τ against supervised tokens seen n, τ(n) = τ∞ − a·n^(−b) with a, b > 0 (it
+levels off at τ∞; a log-linear law would always promise the target eventually). Least squares:
+for each b on a log grid the model is linear in (τ∞, a); the b with the smallest residual wins. The
+covariance is Gauss-Newton's, s²·(JᵀJ)⁻¹ with s² = SSE / (points − 3): at least `MIN_POINTS` points.
 
 Inverting the law gives the tokens for a target τ*: n* = (a / (τ∞ − τ*))^(1/b). Its uncertainty is
 the delta method on log n* (1σ band n*·exp(∓σ)). No number is given, only a warning, when the
 curve is too short, the curve does not rise, τ* is at or above the fitted asymptote τ∞, or τ*
 is within one standard error of τ∞ (the band would be unbounded). A number far beyond the
-curve (more than `FAR` × its last point) comes with a warning: extrapolation that far is a
-guess with error bars.
+curve (more than `FAR` × its last point) comes with a warning.
 
 Tokens → samples and hours use the run's own rates, recorded in `curve.json`
 (`supervised_per_sample`, `train_s` per point): samples = n* / supervised tokens per training

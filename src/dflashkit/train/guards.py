@@ -2,7 +2,7 @@
 
 Usage:
     preflight(cfg, rd)                             # every check below that train makes before any work
-    check_outputs_ours(rd.train_dir, cfg)          # train/final, train/best: ours, not imported
+    check_outputs_ours(rd, cfg)                    # train/final, train/best: ours, not imported
     check_drafter_overrides(cfg, contract, rd.contract_path)   # drafter.* given vs contract.json
     state["objective"] = objective(cfg.train)           # recorded in every checkpoint
     check_objective(checkpoint_dir, state, cfg.train)   # a resume under another loss/labels: exit 2
@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dflashkit import family
 from dflashkit.errors import ConfigError, UsageError
 
 if TYPE_CHECKING:
@@ -35,8 +36,8 @@ IMPORTED = "imported.json"  # written by `dflashkit import` into the drafter dir
 # drafter.* key -> (contract field, how the contract's value reads for that key)
 _SHAPE_KEYS = ("block_size", "num_draft_layers", "target_layer_ids", "mask_token_id", "hidden_size",
                "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps")
-OBJECTIVE_KEYS = ("loss", "labels", "position_weighting", "ablate_features", "selector_loss_weight", "kl_temperature",
-                  "lilicorr_ce_weight", "lilicorr_penalty_weight", "lilicorr_margin_weight", "lilicorr_margin")
+# the train.* keys of the loss a checkpoint records: the shared ones, then every family's weights (its `weights`)
+OBJECTIVE_KEYS = ("loss", "labels", "position_weighting", "ablate_features", "kl_temperature", *family.weight_keys())
 
 
 def _given(cfg: RunConfig, key: str, value: Any) -> bool:
@@ -112,7 +113,7 @@ def preflight(cfg: RunConfig, rd: RunDir) -> DrafterContract:
     from dflashkit.family.contract import DrafterContract
     from dflashkit.train import checkpoint as ckpt
 
-    check_outputs_ours(rd.train_dir, cfg)
+    check_outputs_ours(rd, cfg)
     contract = DrafterContract.load(rd.contract_path)
     check_drafter_overrides(cfg, contract, rd.contract_path)
     check_family_objective(cfg, contract)
@@ -146,15 +147,12 @@ def check_cached_features(cfg: RunConfig, rd: RunDir, contract: DrafterContract,
     """train.features=cached: the feature shards of `rd` exist and hold the contract's layers (and next_ids for
     train.labels=target, every sample's greedy path for train.on_path=rollout), as training opens them
     (`FeatureStore`; exit 3 / exit 2 naming the shard)."""
-    from dflashkit.data.features import FeatureStore
-    from dflashkit.model.path_labels import path_depth
+    from dflashkit.train.data import cached_store
+    from dflashkit.train.recipe import resolve_recipe
 
-    if cfg.train.features == "cached":
-        store = FeatureStore(rd.capture_dir, shards, contract.target_layer_ids)
-        if cfg.train.labels == "target":
-            store.require("next_ids", "train.labels=target reads the target's argmax from the shards")
-        if cfg.train.on_path == "rollout":
-            store.require_paths(path_depth(contract.block_size), "train.on_path=rollout learns it")
+    recipe = resolve_recipe(cfg.train, contract)
+    if recipe.features == "cached":
+        cached_store(rd.capture_dir, shards, contract.target_layer_ids, recipe)
 
 
 def check_rollout_attention(cfg: RunConfig, rd: RunDir, contract: DrafterContract) -> None:
@@ -166,25 +164,25 @@ def check_rollout_attention(cfg: RunConfig, rd: RunDir, contract: DrafterContrac
     from types import SimpleNamespace
 
     from dflashkit.data.capturing import rollout_reproduces_attention
-    from dflashkit.model.path_labels import path_depth
     from dflashkit.train.data import first_of, load_tokenized
     from dflashkit.train.levers import split_samples
+    from dflashkit.train.recipe import resolve_recipe
 
-    depth = path_depth(contract.block_size)
-    if cfg.train.on_path != "rollout" or cfg.train.features != "online" or depth <= 1:
+    recipe = resolve_recipe(cfg.train, contract)
+    depth = recipe.path_depth
+    if not recipe.rollout or recipe.features != "online" or depth <= 1:
         return
     data = load_tokenized(rd)
     train_idx = first_of(split_samples(cfg, data)[0], cfg.train.train_samples, seed=cfg.run.seed)
     rollout_reproduces_attention(cfg, SimpleNamespace(input_ids=[data.input_ids[i] for i in train_idx]), depth)
 
 
-def check_outputs_ours(train_dir: Path, cfg: RunConfig) -> None:
+def check_outputs_ours(rd: RunDir, cfg: RunConfig) -> None:
     """Before training: `train/final` and `train/best` are absent or train's own (else exit 2 naming them);
     an imported `train/final` is only replaced when `drafter.init` starts from it."""
     from dflashkit.rundir import check_replaceable
 
-    train_dir = Path(train_dir)
-    final = train_dir / "final"
+    final = rd.final_dir
     rec = imported_record(final) if final.is_dir() else None
     if rec is not None:
         init = _init_dir(cfg)
@@ -195,7 +193,7 @@ def check_outputs_ours(train_dir: Path, cfg: RunConfig) -> None:
                              hint=f"to fine-tune the imported drafter set `drafter.init: {final.resolve()}` (train "
                              f"then starts from it); to train a new drafter move {final} away first")
     check_replaceable(final, owner="train", marker="model.safetensors")
-    check_replaceable(train_dir / "best", owner="train", marker="model.safetensors")
+    check_replaceable(rd.best_dir, owner="train", marker="model.safetensors")
 
 
 def objective(train: TrainSection) -> dict[str, Any]:

@@ -3,16 +3,17 @@
 Usage:
     ev = evaluate_heldout(tr, step)          # simulated τ / accuracy / loss, overall, by_source and by_mode
     log_eval(sink, ev)                       # its metrics.jsonl row
-    best = BestKeeper(rd.train_dir, tr, enabled=cfg.train.keep_best)
+    best = BestKeeper(rd.best_dir, tr, enabled=cfg.train.keep_best)
     best.restore(start, state); best.offer(ev)   # train/best/ (+ best.json) when τ beats the record
 
 An evaluation sums `train/stats.StepStats` over its batches (the loss as loss·Σw, normalised per Σw
-at the end), per data source and pooled; the drafter family adds its own metrics (`Family.stats`).
+at the end), per data source and pooled; the drafter family adds its own metrics (`Objective.stats`).
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -97,8 +98,8 @@ def log_eval(sink: MetricSink, ev: dict) -> None:
 class BestKeeper:
     """`train/best/`: the drafter of the held-out evaluation with the highest τ so far (earliest on ties)."""
 
-    def __init__(self, out_dir, tr: Trainer, enabled: bool):
-        self.dir, self.tr, self.enabled = out_dir / "best", tr, enabled
+    def __init__(self, best_dir: Path, tr: Trainer, enabled: bool):
+        self.dir, self.tr, self.enabled = Path(best_dir), tr, enabled
         self.record: dict | None = None
 
     def restore(self, start: int, state: dict | None) -> None:

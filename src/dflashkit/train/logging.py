@@ -1,32 +1,26 @@
 """Rank-0 metric sinks: `train/metrics.jsonl`, `train/curve.json`, progress (`dflashkit.progress`: a bar on a
-terminal, a line with rate and ETA every ~15 s otherwise), optional TensorBoard / W&B.
+terminal, a periodic line with rate and ETA otherwise), optional TensorBoard / W&B.
 
 Usage:
-    sink = MetricSink(rd.stage_dir("train"), total_steps=1000, start_step=0, train=cfg.train, enabled=is_main)
+    sink = MetricSink(rd, total_steps=1000, start_step=0, train=cfg.train, enabled=is_main)   # rd.train_dir exists
     sink.log({"step": 10, "loss": 2.3, "tau": 1.8, "tok_s": 5e3, "lr": 6e-4})
     sink.close()
+    lc = LearningCurve(rd, sources, enabled=is_main)  # train/curve.json (or a curve file's path)
     rows, curve = read_metrics(rd), read_curve(rd)   # report's inputs ([] / None when absent)
 
 This module owns both files (`RunDir.train_metrics`, `RunDir.train_curve`): `MetricSink` and
 `LearningCurve` are their writers, `read_metrics` and `read_curve` their readers (report, the run
-summary, `train/forecast.py`'s `read_curve_forecast`).
+summary, `train/forecast.py`'s `read_curve_forecast`). TensorBoard and W&B are imported only when
+asked for (`train.tensorboard`, `train.wandb`).
 
-metrics.jsonl is appended line by line (one JSON object per logged step or eval); on resume the
-lines after the resumed step are dropped first so the file matches an uninterrupted run.
-TensorBoard and W&B are imported only when asked for (`train.tensorboard`, `train.wandb`).
-
-`train/curve.json` (`LearningCurve`) is the learning curve: one point per held-out evaluation with
-the supervised tokens seen so far (Σ loss_mask of every training sample consumed, all ranks,
-overall, per data source and per thinking mode: `by_source`, `by_mode`, the file's `modes` mapping each
-source to its mode, `data.chat.mode_of`), held-out τ / position-1 accuracy / loss (overall, per source and
-per mode, with its held-out `samples`)
-(`labels`: the held-out scoring, "target_path" | "on_path_positions" | "raw", also the file's
-`heldout_labels`; `tau_raw` / `acc1_raw`: the same blocks scored with the training labels)
-and the train τ / position-1 accuracy pooled over the steps since the previous point, and the
-seconds spent in optimizer steps so far (`train_s`; with `supervised_per_sample`, the rates the
-data-budget forecast `train/forecast.py` turns tokens into samples and hours with). It is
-rewritten atomically at every point; its counters travel in the checkpoints, and on resume the
-points after the resumed step are dropped, so the curve equals the uninterrupted run's.
+metrics.jsonl gets one JSON object per logged step or eval. `train/curve.json` has one point per
+held-out evaluation: the supervised tokens seen so far (all ranks; overall, `by_source`, `by_mode`),
+held-out τ / position-1 accuracy / loss (overall, per source and per mode, with the held-out
+`labels` scoring and `tau_raw` / `acc1_raw` on the training labels), the train τ and accuracy since
+the previous point, and the optimizer seconds so far (`train_s`, with `supervised_per_sample`: what
+the data-budget forecast turns tokens into samples and hours with). The curve is rewritten
+atomically at every point and its counters travel in checkpoints. Invariant: on resume both files
+drop what lies after the resumed step, so they equal an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -34,11 +28,12 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dflashkit.rundir import RunDir
 
 log = logging.getLogger("dflashkit.train")
-METRICS_FILE = "metrics.jsonl"  # in the train dir (`RunDir.train_metrics`)
-CURVE_FILE = "curve.json"       # in the train dir (`RunDir.train_curve`)
 
 
 def read_metrics(rd: Any) -> list[dict]:
@@ -87,10 +82,11 @@ def truncate_metrics(path: Path, after_step: int) -> None:
 class MetricSink:
     """Writes metrics on the main rank only; every method is a no-op elsewhere."""
 
-    def __init__(self, out_dir: Path, *, total_steps: int, start_step: int, train, enabled: bool = True,
+    def __init__(self, rd: RunDir, *, total_steps: int, start_step: int, train, enabled: bool = True,
                  show_bar: bool = True):
         self.enabled = enabled
-        self.path = Path(out_dir) / METRICS_FILE
+        self.path = rd.train_metrics
+        out_dir = rd.train_dir
         self.bar = self.tb = self.wandb = None
         if not enabled:
             return
@@ -149,9 +145,11 @@ class MetricSink:
 class LearningCurve:
     """Learning-curve points (see the module docstring); writes only when `enabled` (main rank)."""
 
-    def __init__(self, path: Path, sources: list[str], *, enabled: bool = True,
+    def __init__(self, where: RunDir | str | Path, sources: list[str], *, enabled: bool = True,
                  supervised_per_sample: float | None = None, tokens_per_sample: float | None = None):
-        self.path, self.enabled = Path(path), enabled
+        """`where`: a run dir (its `train/curve.json`) or a curve file's path."""
+        self.path = Path(where) if isinstance(where, (str, Path)) else where.train_curve
+        self.enabled = enabled
         self.tokens = {s: 0 for s in sources}       # cumulative supervised tokens per source
         self.window = [0.0, 0.0, 0.0, 0.0]          # train τ-sum, blocks, pos-1 correct, pos-1 total
         self.train_s = 0.0                          # cumulative seconds in optimizer steps (no evals)

@@ -3,11 +3,12 @@
 Usage:
     result = fit(cfg, rd)              # one process, or one rank under torchrun
 
-Flow: contract + tokenized data (+ cached features) → target (frozen; online features, embedding,
-head) → drafter (random or target init) → DDP/FSDP2 → AdamW + cosine → resume from the latest
-complete checkpoint → per step: this rank's micro-batches of the deterministic global batch,
-anchors, the step's global Σw (all-reduced), forward/backward per micro-batch, clip, step →
-metrics, held-out simulated τ, checkpoints → `train/final/` (z-lab drafter dir).
+Flow (`setup` builds one finished `Trainer`, `_Run` drives it): contract and the run's recipe
+(`train/recipe.py`, resolved once) + tokenized data (+ cached features) → target (frozen; online
+features, embedding, head) → drafter (random or target init) → DDP/FSDP2 → AdamW + cosine → resume
+from the latest complete checkpoint → per step: this rank's micro-batches of the deterministic
+global batch, anchors, the step's global Σw (all-reduced), forward/backward per micro-batch, clip,
+step → metrics, held-out simulated τ, checkpoints → `train/final/` (z-lab drafter dir).
 
 Every held-out evaluation (each `train.eval_every` steps and the final one) also appends a point
 to the learning curve `train/curve.json` (held-out τ, position-1 accuracy and loss against the
@@ -26,31 +27,37 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from dflashkit.errors import UsageError
-from dflashkit.family import new_drafter, reads_target_law
+from dflashkit.family import new_drafter
 from dflashkit.family.contract import REPROBE_HINT, DrafterContract
-from dflashkit.model.path_labels import path_depth
+from dflashkit.model.head import load_head_only_target
+from dflashkit.model.init import init_from_target
+from dflashkit.model.target import load_target
 from dflashkit.train import checkpoint as ckpt
 from dflashkit.train import guards
-from dflashkit.train.data import BatchPlan, FeatureStore, first_of, load_tokenized
+from dflashkit.train.data import BatchPlan, FeatureStore, TokenData, cached_store, first_of, load_tokenized
 from dflashkit.train.heldout import BestKeeper, evaluate_heldout, log_eval
 from dflashkit.train.levers import feature_scale_of, split_samples
-from dflashkit.train.logging import CURVE_FILE, LearningCurve, MetricSink
+from dflashkit.train.logging import LearningCurve, MetricSink
 from dflashkit.train.loss import DraftLoss
 from dflashkit.train.objective import gamma_for, weight_sum
 from dflashkit.train.optim import CpuBudget, build_optimizer, build_scheduler
+from dflashkit.train.parallel import (DistInfo, TargetParts, all_reduce_sum, barrier, init_distributed,
+                                      shard_target, wrap_drafter)
+from dflashkit.train.recipe import Recipe, resolve_recipe
 from dflashkit.train.stats import StepStats
 from dflashkit.train.stopping import StopOnSignal
 from dflashkit.train.target_side import heldout_labels, target_side
 from dflashkit.train.trainer import Trainer, autocast_dtype
 from dflashkit.train.vocab import pick_draft_vocab
-from dflashkit.train.parallel import (DistInfo, TargetParts, all_reduce_sum, barrier, init_distributed,
-                                      shard_target, wrap_drafter)
+from dflashkit.train.warm_start import WarmSource, check_fits, keep_source_vocab, read_warm_start, warm_start
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -63,8 +70,8 @@ log = logging.getLogger("dflashkit.train")
 
 def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, *, open_feed: Callable[..., Any] | None = None,
           target: Target | None = None) -> Trainer:
-    """Everything a step needs. train.features=engine: `open_feed` (the train stage passes
-    `engines.feed.open_engine_feed`) opens the engine and its feed, which run until `Trainer.close`.
+    """Everything a step needs, as one finished `Trainer`. train.features=engine: `open_feed` (the train stage
+    passes `engines.feed.open_engine_feed`) opens the engine and its feed, which run until `Trainer.close`.
     `target`: a target already in memory instead of `cfg.target` (the GPU check's random
     Qwen3-8B-shaped target, whose weights exist nowhere on disk)."""
     opened: list[Any] = []
@@ -76,11 +83,12 @@ def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, *, open_feed: Callable[...
         raise
 
 
-def engine_feed_key(cfg: RunConfig, rd: RunDir, contract: DrafterContract, dist: DistInfo) -> dict[str, Any]:
+def engine_feed_key(cfg: RunConfig, rd: RunDir, recipe: Recipe, contract: DrafterContract,
+                    dist: DistInfo) -> dict[str, Any]:
     """What an engine queue's rows depend on (a queue left by a killed run is reused only when it matches)."""
     t = cfg.train
     return {"target_layer_ids": list(contract.target_layer_ids), "dtype": cfg.capture.dtype,
-            "last_hidden": reads_target_law(t, contract.family), "seed": cfg.run.seed, "batch_size": t.batch_size,
+            "last_hidden": recipe.needs_target_logits, "seed": cfg.run.seed, "batch_size": t.batch_size,
             "grad_accum": t.grad_accum, "world": dist.world, "rank": dist.rank,
             "heldout": [t.heldout_samples, list(t.heldout_sources)], "train_samples": t.train_samples,
             "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")}
@@ -88,71 +96,23 @@ def engine_feed_key(cfg: RunConfig, rd: RunDir, contract: DrafterContract, dist:
 
 def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any],
            open_feed: Callable[..., Any] | None, loaded: Target | None = None) -> Trainer:
-    from dflashkit.model.target import load_target
-
+    """`setup`'s body; `opened` receives the engine feed it opens (closed by `setup` when this raises)."""
     contract = DrafterContract.load(rd.contract_path)
     guards.check_drafter_overrides(cfg, contract, rd.contract_path)
     guards.check_family_objective(cfg, contract)
+    recipe = resolve_recipe(cfg.train, contract)  # the one place the recipe's facts are derived
     warm = None
     if cfg.drafter.init not in ("random", "target"):  # a drafter dir: read and checked before any work
-        from dflashkit.train.warm_start import check_fits, read_warm_start
-
         warm = read_warm_start(cfg.drafter.init)
         check_fits(warm, contract)
     data = load_tokenized(rd)
-    if cfg.train.features == "cached":
-        data.features = FeatureStore(rd.capture_dir, data.shards, contract.target_layer_ids)
-        if cfg.train.labels == "target":
-            data.features.require("next_ids", "train.labels=target reads the target's argmax from the shards")
-        if cfg.train.on_path == "rollout":
-            data.features.require_paths(path_depth(contract.block_size), "train.on_path=rollout learns it")
-    elif cfg.train.features == "engine":  # rows from the engine as training consumes them (engines/feed.py)
-        if open_feed is None:
-            raise UsageError("train.features=engine is served by `dflashkit train` (and `dflashkit run`) only",
-                             hint="train with train.features=cached or online here")
-        feed = open_feed(cfg, contract, data, rd.stage_dir("train"), rank=dist.rank, world=dist.world,
-                         key=engine_feed_key(cfg, rd, contract, dist))
-        opened.append(feed)
-        data.features = feed  # type: ignore[assignment]  # FeatureStore's reading API (has / require / get)
-    target: Target | HeadOnlyTarget
-    if loaded is None and head_only(cfg, data.features, contract):  # every output in the shards: embedding + head
-        from dflashkit.model.head import load_head_only_target
-
-        target = load_head_only_target(cfg.target, device=str(dist.device))
-        parts = TargetParts(target.parts.embed, target.lm_head)
-    else:
-        full = loaded if loaded is not None else load_target(cfg.target, device=str(dist.device))
-        target, parts = full, TargetParts(full.model.get_input_embeddings(), full.lm_head)
-        if cfg.train.parallel.target == "shard":
-            parts = shard_target(full, dist)
-    contract.check(target, where=str(rd.contract_path), hint=REPROBE_HINT)
-    train_idx, heldout = split_samples(cfg, data)
-    if cfg.train.train_samples is not None:
-        kept = first_of(train_idx, cfg.train.train_samples, seed=cfg.run.seed)
-        log.info("train.train_samples: training on %d of %d training samples", len(kept), len(train_idx))
-        train_idx = kept
-    vocab = None
-    if warm is not None:
-        from dflashkit.train.warm_start import keep_source_vocab
-
-        vocab = keep_source_vocab(warm, cfg.drafter.draft_vocab_size)
+    feed = _open_features(cfg, rd, dist, recipe, contract, data, opened, open_feed)
+    target, parts = _load_target(cfg, rd, dist, recipe, contract, data.features, loaded)
+    train_idx, heldout = _split(cfg, data)
+    vocab = keep_source_vocab(warm, cfg.drafter.draft_vocab_size) if warm is not None else None
     if vocab is None:
-        vocab = pick_draft_vocab(cfg, contract, target, data, train_idx)
-    torch.manual_seed(cfg.run.seed)
-    scale = feature_scale_of(cfg, contract, target, data, train_idx) if cfg.drafter.feature_scale == "rms" else None
-    drafter = new_drafter(contract, draft_vocab=vocab, feature_scale=scale).to(dist.device)
-    warm_report = None
-    if cfg.drafter.init == "target":
-        from dflashkit.model.init import init_from_target
-
-        init_from_target(drafter, target, cfg.drafter.init_layer_ids)
-    elif warm is not None:
-        from dflashkit.train.warm_start import warm_start
-
-        warm_report = warm_start(drafter, warm, contract)
-    if cfg.train.compile:
-        for layer in drafter.layers:
-            layer.compile()
+        vocab = pick_draft_vocab(cfg, recipe, contract, target, data, train_idx)
+    drafter, warm_report = _new_drafter(cfg, dist, contract, target, data, train_idx, vocab, warm)
     attention = cfg.drafter.attention
     if attention == "flex" and dist.device.type != "cuda":
         log.warning("drafter.attention=flex needs CUDA for training (flex backward); using sdpa on %s", dist.device)
@@ -162,26 +122,82 @@ def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any],
     amp = autocast_dtype(cfg.train.dtype, dist.device)
     loss = DraftLoss.from_train(cfg.train, contract, gamma=gamma_for(cfg.train.gamma, contract.block_size),
                                 attention=attention, amp=amp)
-    tr = Trainer(cfg, contract, dist, drafter, target, parts, data, plan, heldout, loss)
-    tr.use_draft_vocab(vocab)
-    tr.target_side = target_side(cfg.train, contract, target, parts, device=dist.device, amp=amp,
-                                 store=data.features)
-    tr.heldout_labels, tr.heldout_paths = heldout_labels(cfg.train, data.features, target, data, heldout,
-                                                         path_depth(contract.block_size))
-    tr.warm_start = warm_report
-    tr.feed = opened[0] if opened else None
-    return tr
+    side = target_side(recipe, cfg.train, contract, target, parts, device=dist.device, amp=amp, store=data.features)
+    how, paths = heldout_labels(recipe, cfg.train, data.features, target, data, heldout)
+    return Trainer(cfg, recipe, contract, dist, drafter, target, parts, data, plan, heldout, loss, side,
+                   vocab=vocab, warm_start=warm_report, feed=feed, heldout_labels=how, heldout_paths=paths)
 
 
-def head_only(cfg: RunConfig, store: FeatureStore | None, contract: DrafterContract) -> bool:
+def _open_features(cfg: RunConfig, rd: RunDir, dist: DistInfo, recipe: Recipe, contract: DrafterContract,
+                   data: TokenData, opened: list[Any], open_feed: Callable[..., Any] | None) -> Any:
+    """`data.features` for the recipe's feature source: the capture shards (cached, checked to hold what the
+    recipe reads), the engine's feed (engine; returned, and added to `opened`), or none (online)."""
+    if recipe.features == "cached":
+        data.features = cached_store(rd.capture_dir, data.shards, contract.target_layer_ids, recipe)
+    if recipe.features != "engine":
+        return None
+    if open_feed is None:  # rows from the engine as training consumes them (engines/feed.py)
+        raise UsageError("train.features=engine is served by `dflashkit train` (and `dflashkit run`) only",
+                         hint="train with train.features=cached or online here")
+    feed = open_feed(cfg, contract, data, rd.stage_dir("train"), queue_dir=rd.engine_queue_dir,
+                     last_hidden=recipe.needs_target_logits, rank=dist.rank, world=dist.world,
+                     key=engine_feed_key(cfg, rd, recipe, contract, dist))
+    opened.append(feed)
+    data.features = feed  # FeatureStore's reading API (has / require / get)
+    return feed
+
+
+def _load_target(cfg: RunConfig, rd: RunDir, dist: DistInfo, recipe: Recipe, contract: DrafterContract,
+                 store: FeatureStore | None, loaded: Target | None) -> tuple[Target | HeadOnlyTarget, TargetParts]:
+    """The frozen target and the parts the loss uses (embedding, head; sharded with train.parallel.target=shard),
+    checked against the contract: its embedding and head only when the feature rows serve the whole recipe."""
+    target: Target | HeadOnlyTarget
+    if loaded is None and head_only(cfg, recipe, store):
+        target = load_head_only_target(cfg.target, device=str(dist.device))
+        parts = TargetParts(target.parts.embed, target.lm_head)
+    else:
+        full = loaded if loaded is not None else load_target(cfg.target, device=str(dist.device))
+        target, parts = full, TargetParts(full.model.get_input_embeddings(), full.lm_head)
+        if cfg.train.parallel.target == "shard":
+            parts = shard_target(full, dist)
+    contract.check(target, where=str(rd.contract_path), hint=REPROBE_HINT)
+    return target, parts
+
+
+def _split(cfg: RunConfig, data: TokenData) -> tuple[list[int], list[int]]:
+    """(training, held-out) sample indices: `levers.split_samples`, then `train.train_samples` of the rest."""
+    train_idx, heldout = split_samples(cfg, data)
+    if cfg.train.train_samples is not None:
+        kept = first_of(train_idx, cfg.train.train_samples, seed=cfg.run.seed)
+        log.info("train.train_samples: training on %d of %d training samples", len(kept), len(train_idx))
+        train_idx = kept
+    return train_idx, heldout
+
+
+def _new_drafter(cfg: RunConfig, dist: DistInfo, contract: DrafterContract, target: Any, data: TokenData,
+                 train_idx: list[int], vocab: torch.Tensor | None,
+                 warm: WarmSource | None) -> tuple[torch.nn.Module, dict | None]:
+    """The drafter on the device (seeded by run.seed; feature scale, target init or warm start, compiled layers),
+    not yet wrapped for DDP/FSDP, and the warm start's report (None without one)."""
+    torch.manual_seed(cfg.run.seed)
+    scale = feature_scale_of(cfg, contract, target, data, train_idx) if cfg.drafter.feature_scale == "rms" else None
+    drafter = new_drafter(contract, draft_vocab=vocab, feature_scale=scale).to(dist.device)
+    report = None
+    if cfg.drafter.init == "target":
+        init_from_target(drafter, target, cfg.drafter.init_layer_ids)
+    elif warm is not None:
+        report = warm_start(drafter, warm, contract)
+    if cfg.train.compile:
+        for layer in drafter.layers:
+            layer.compile()
+    return drafter, report
+
+
+def head_only(cfg: RunConfig, recipe: Recipe, store: FeatureStore | None) -> bool:
     """Whether training needs only the target's embedding and head (model/head.py), not its layers: the
-    features, and the labels / KL target the recipe asks for, all come from the feature shards, and the
-    drafter is not initialised from the target's layers (`drafter.init: target`)."""
-    train = cfg.train
-    if train.features not in ("cached", "engine") or store is None or cfg.drafter.init == "target":
-        return False
-    return (train.labels != "target" or store.has("next_ids")) and (
-        not reads_target_law(train, contract.family) or store.has("last_hidden"))
+    features, and the labels / KL target the recipe asks for, all come from the feature rows
+    (`Recipe.store_serves`), and the drafter is not initialised from the target's layers (`drafter.init: target`)."""
+    return cfg.drafter.init != "target" and recipe.store_serves(store)
 
 
 def total_steps(cfg: RunConfig, plan: BatchPlan) -> int:
@@ -237,16 +253,20 @@ def fit(cfg: RunConfig, rd: RunDir, *, dist: DistInfo | None = None, show_bar: b
     dist = dist or init_distributed(cfg.train.parallel, cfg.target.device)
     tr = setup(cfg, rd, dist, open_feed=open_feed)
     try:
-        return _fit(cfg, rd, tr, dist, show_bar=show_bar, cpu_budget_s=cpu_budget_s)
+        return _fit(cfg, rd, tr, show_bar=show_bar, cpu_budget_s=cpu_budget_s)
     finally:
         tr.close()
+
+
+def _fit(cfg: RunConfig, rd: RunDir, tr: Trainer, *, show_bar: bool, cpu_budget_s: float | None) -> dict:
+    run = _Run(cfg, rd, tr, show_bar=show_bar, cpu_budget_s=cpu_budget_s)
+    run.train()
+    return run.summary()
 
 
 def engine_schedule(tr: Trainer, start: int, steps: int) -> tuple[Callable[[int], tuple[int, int, list[int]]], int]:
     """The training micro-batches of steps start..steps-1 on this rank, in the order `train_step` builds
     them: k → (step, micro-batch, sample indices), and their count (what the engine feed prefetches)."""
-    import threading
-
     p = tr.plan
     plan = BatchPlan(p.train_idx, p.batch_size, p.grad_accum, p.world, p.seed)  # the feed's own copy
     lock = threading.Lock()  # the feed's producer and the training loop both ask (BatchPlan caches one epoch)
@@ -259,124 +279,163 @@ def engine_schedule(tr: Trainer, start: int, steps: int) -> tuple[Callable[[int]
     return item, max(0, steps - start) * p.grad_accum
 
 
-def _fit(cfg, rd, tr: Trainer, dist: DistInfo, *, show_bar: bool, cpu_budget_s: float | None) -> dict:
-    steps = total_steps(cfg, tr.plan)
-    opt = build_optimizer(tr.drafter, cfg.train)
-    if cpu_budget_s and dist.world > 1:  # each rank would measure its own CPU time, stop and schedule alone
-        raise UsageError("a CPU-time budget (bench.cpu_minutes) needs one process",
-                         hint="run `dflashkit bench recipe` without torchrun")
-    budget = CpuBudget(cpu_budget_s, steps) if cpu_budget_s else None
-    sched = build_scheduler(opt, total_steps=steps, warmup_ratio=cfg.train.warmup_ratio,
-                            min_lr_ratio=cfg.train.min_lr_ratio, budget=budget)
-    out_dir = rd.stage_dir("train")
-    ck_root = out_dir / "checkpoints"
-    start, state = 0, None
-    traj = guards.trajectory(cfg, rd)  # read once: what every checkpoint records and a resume must match
-    found = ckpt.latest_checkpoint(ck_root)
-    if found is not None:  # another run's checkpoint is refused by name before any of it is loaded
+class _Run:
+    """One `fit` over a finished Trainer: the optimizer and lr schedule, what the latest checkpoint restores,
+    the metric sinks, the learning curve and the best keeper. `train()` runs the steps (resuming where the
+    checkpoint left off; SIGTERM: checkpoint at the next step boundary, then exit 143), `summary()` is fit's
+    result."""
+
+    def __init__(self, cfg: RunConfig, rd: RunDir, tr: Trainer, *, show_bar: bool, cpu_budget_s: float | None):
+        self.cfg, self.rd, self.tr, self.dist = cfg, rd, tr, tr.dist
+        self.steps = total_steps(cfg, tr.plan)
+        self.opt = build_optimizer(tr.drafter, cfg.train)
+        if cpu_budget_s and self.dist.world > 1:  # each rank would measure its own CPU time, stop and schedule alone
+            raise UsageError("a CPU-time budget (bench.cpu_minutes) needs one process",
+                             hint="run `dflashkit bench recipe` without torchrun")
+        self.budget = CpuBudget(cpu_budget_s, self.steps) if cpu_budget_s else None
+        self.sched = build_scheduler(self.opt, total_steps=self.steps, warmup_ratio=cfg.train.warmup_ratio,
+                                     min_lr_ratio=cfg.train.min_lr_ratio, budget=self.budget)
+        rd.stage_dir("train")  # the sinks, checkpoints and train/final write into it
+        self.traj = guards.trajectory(cfg, rd)  # read once: what every checkpoint records and a resume must match
+        self.start, state = self._resume()
+        self.sink = MetricSink(rd, total_steps=self.steps, start_step=self.start, train=cfg.train,
+                               enabled=self.dist.is_main, show_bar=show_bar)
+        self.best = BestKeeper(rd.best_dir, tr, cfg.train.keep_best)
+        self.best.restore(self.start, state)
+        self.curve = self._curve(state)
+        self.last: dict = {}
+        self.last_eval: dict | None = None
+        self.done_tokens, self.t0 = 0, time.perf_counter()
+
+    def _resume(self) -> tuple[int, dict | None]:
+        """(the step to start from, the checkpoint's state.json): the latest complete checkpoint, loaded after
+        another run's is refused by name (objective, trajectory), or (0, None)."""
+        found = ckpt.latest_run_checkpoint(self.rd)
+        if found is None:
+            return 0, None
         state = ckpt.checkpoint_state(found)
-        guards.check_objective(found, state, cfg.train)
-        guards.check_trajectory(found, state, cfg, rd)
-        start = ckpt.load_checkpoint(found, model=tr.drafter, optimizer=opt, scheduler=sched)
-        tr.sync_draft_vocab()
-    sink = MetricSink(out_dir, total_steps=steps, start_step=start, train=cfg.train, enabled=dist.is_main,
-                      show_bar=show_bar)
-    best = BestKeeper(out_dir, tr, cfg.train.keep_best)
-    best.restore(start, state)
-    n_train = max(1, len(tr.plan.train_idx))
-    curve = LearningCurve(out_dir / CURVE_FILE, sorted(set(tr.sources())), enabled=dist.is_main,
-                          supervised_per_sample=round(sum(float(tr.data.loss_mask[i].sum())
-                                                          for i in tr.plan.train_idx) / n_train, 2),
-                          tokens_per_sample=round(sum(len(tr.data.input_ids[i]) for i in tr.plan.train_idx)
-                                                  / n_train, 2))
-    curve.restore(start, (state or {}).get("curve"))
-    if tr.feed is not None:
-        tr.feed.start(*engine_schedule(tr, start, steps))
-    log.info("training %d steps from step %d: %d train / %d held-out samples, global batch %d, world %d",
-             steps, start, len(tr.plan.train_idx), len(tr.heldout), tr.plan.global_batch, dist.world)
-    last, last_eval, t0, done_tokens = {}, None, time.perf_counter(), 0
+        guards.check_objective(found, state, self.cfg.train)
+        guards.check_trajectory(found, state, self.cfg, self.rd)
+        start = ckpt.load_checkpoint(found, model=self.tr.drafter, optimizer=self.opt, scheduler=self.sched)
+        self.tr.sync_draft_vocab()
+        return start, state
 
-    def evaluated(n: int) -> None:
-        nonlocal last_eval
-        ev = evaluate_heldout(tr, n)
+    def _curve(self, state: dict | None) -> LearningCurve:
+        """train/curve.json, its counters restored from the checkpoint's `state`."""
+        tr, idx = self.tr, self.tr.plan.train_idx
+        n = max(1, len(idx))
+        curve = LearningCurve(self.rd, sorted(set(tr.sources())), enabled=self.dist.is_main,
+                              supervised_per_sample=round(sum(float(tr.data.loss_mask[i].sum()) for i in idx) / n, 2),
+                              tokens_per_sample=round(sum(len(tr.data.input_ids[i]) for i in idx) / n, 2))
+        curve.restore(self.start, (state or {}).get("curve"))
+        return curve
+
+    def evaluated(self, n: int) -> None:
+        """The held-out evaluation after step `n`: logged, a curve point, offered to the best keeper."""
+        ev = evaluate_heldout(self.tr, n)
         if ev:
-            last_eval = ev
-            log_eval(sink, ev)
-            curve.record(n, ev)
-            best.offer(ev)
+            self.last_eval = ev
+            log_eval(self.sink, ev)
+            self.curve.record(n, ev)
+            self.best.offer(ev)
 
-    def extra_state() -> dict:
-        return {"curve": curve.state_dict(), "objective": guards.objective(cfg.train),
-                "trajectory": traj,
-                **({"best": best.record} if best.record else {})}
+    def save(self, n: int) -> Path | None:
+        """The checkpoint after step `n`, with what a resume restores (curve, objective, trajectory, best)."""
+        extra = {"curve": self.curve.state_dict(), "objective": guards.objective(self.cfg.train),
+                 "trajectory": self.traj, **({"best": self.best.record} if self.best.record else {})}
+        return ckpt.save_checkpoint(self.rd, step=n, model=self.tr.drafter, optimizer=self.opt, scheduler=self.sched,
+                                    is_main=self.dist.is_main, keep=self.cfg.train.keep_checkpoints, extra=extra)
 
-    ok, stop = False, StopOnSignal(dist)  # SIGTERM: checkpoint at the next step boundary, then exit 143
-    try:
-        stop.install()
-        if start == 0 and tr.warm_start is not None:  # where the warm start begins: its held-out loss and τ
-            tr.drafter.eval()
-            evaluated(0)
-        tr.drafter.train()
-        for step in range(start, steps):
-            ts, cs = time.perf_counter(), time.process_time()
-            last = train_step(tr, step, opt, sched)
-            dt = time.perf_counter() - ts
-            if budget is not None:
-                budget.charge(time.process_time() - cs)
-            done_tokens += last["tokens"]
-            curve.add_step(tr.supervised_tokens(step), last.pop("_window"), seconds=dt)
-            last.update(tok_s=round(last["tokens"] / dt, 1), anchors_s=round(last["blocks"] / dt, 1),
-                        step_time_s=round(dt, 4))
-            n = step + 1
-            if n % max(1, cfg.train.log_every) == 0 or n == steps or n == start + 1:
-                sink.log(last)
-            sink.progress(n, loss=last["loss"], tau=last["tau"], tok_s=last["tok_s"])
-            if cfg.train.eval_every and n % cfg.train.eval_every == 0 and n != steps:
-                evaluated(n)
-            if cfg.train.save_every and n % cfg.train.save_every == 0 and n != steps:
-                ckpt.save_checkpoint(ck_root, step=n, model=tr.drafter, optimizer=opt, scheduler=sched,
-                                     is_main=dist.is_main, keep=cfg.train.keep_checkpoints, extra=extra_state())
-                barrier(dist)
-            if budget is not None and budget.spent():
-                log.info("CPU budget of %.1f s spent after %d steps", budget.seconds, n)
-                steps = n
-                break
-            if n < steps and stop.agreed(n):  # every rank stops after the same step, with its checkpoint
-                saved = ck_root / f"step-{n:07d}"
-                if not (cfg.train.save_every and n % cfg.train.save_every == 0):
-                    ckpt.save_checkpoint(ck_root, step=n, model=tr.drafter, optimizer=opt, scheduler=sched,
-                                         is_main=dist.is_main, keep=cfg.train.keep_checkpoints, extra=extra_state())
-                    barrier(dist)
-                stop.exit(n, saved)
+    def train(self) -> None:
+        """Every step from the resumed one, then the final evaluation, checkpoint and train/final."""
+        tr = self.tr
+        if tr.feed is not None:
+            tr.feed.start(*engine_schedule(tr, self.start, self.steps))
+        log.info("training %d steps from step %d: %d train / %d held-out samples, global batch %d, world %d",
+                 self.steps, self.start, len(tr.plan.train_idx), len(tr.heldout), tr.plan.global_batch,
+                 self.dist.world)
+        self.t0 = time.perf_counter()
+        ok, stop = False, StopOnSignal(self.dist)  # SIGTERM: checkpoint at the next step boundary, then exit 143
+        try:
+            stop.install()
+            if self.start == 0 and tr.warm_start is not None:  # where the warm start begins: its held-out loss and τ
+                tr.drafter.eval()
+                self.evaluated(0)
+            tr.drafter.train()
+            for step in range(self.start, self.steps):
+                if not self._step(step, stop):
+                    break
+            self._finish(stop)
+            ok = True
+        finally:
+            stop.restore()
+            self.sink.close(ok=ok)
+
+    def _step(self, step: int, stop: StopOnSignal) -> bool:
+        """Optimizer step `step` with its logging, evaluation and checkpoint; False once the CPU budget is spent
+        (the run then ends at this step). A SIGTERM agreed by the ranks saves this step and exits 143."""
+        t = self.cfg.train
+        ts, cs = time.perf_counter(), time.process_time()
+        last = self.last = train_step(self.tr, step, self.opt, self.sched)
+        dt = time.perf_counter() - ts
+        if self.budget is not None:
+            self.budget.charge(time.process_time() - cs)
+        self.done_tokens += last["tokens"]
+        self.curve.add_step(self.tr.supervised_tokens(step), last.pop("_window"), seconds=dt)
+        last.update(tok_s=round(last["tokens"] / dt, 1), anchors_s=round(last["blocks"] / dt, 1),
+                    step_time_s=round(dt, 4))
+        n = step + 1
+        if n % max(1, t.log_every) == 0 or n == self.steps or n == self.start + 1:
+            self.sink.log(last)
+        self.sink.progress(n, loss=last["loss"], tau=last["tau"], tok_s=last["tok_s"])
+        if t.eval_every and n % t.eval_every == 0 and n != self.steps:
+            self.evaluated(n)
+        saved, periodic = None, bool(t.save_every and n % t.save_every == 0)
+        if periodic and n != self.steps:
+            saved = self.save(n)  # the main rank gets its path, the others None
+            barrier(self.dist)
+        if self.budget is not None and self.budget.spent():
+            log.info("CPU budget of %.1f s spent after %d steps", self.budget.seconds, n)
+            self.steps = n
+            return False
+        if n < self.steps and stop.agreed(n):  # every rank stops after the same step, with its checkpoint
+            if not periodic:
+                saved = self.save(n)
+                barrier(self.dist)
+            stop.exit(n, saved)
+        return True
+
+    def _finish(self, stop: StopOnSignal) -> None:
+        """After the last step: its held-out evaluation and checkpoint (unless done), then train/final."""
+        tr, steps = self.tr, self.steps
         tr.drafter.eval()
-        if start < steps and not (last_eval and last_eval["step"] == steps):
-            evaluated(steps)
-            ckpt.save_checkpoint(ck_root, step=steps, model=tr.drafter, optimizer=opt, scheduler=sched,
-                                 is_main=dist.is_main, keep=cfg.train.keep_checkpoints, extra=extra_state())
-        elif last_eval is None:
-            last_eval = evaluate_heldout(tr, steps)
-        ckpt.save_final(out_dir / "final", tr.drafter, tr.contract, is_main=dist.is_main)
-        barrier(dist)
+        if self.start < steps and not (self.last_eval and self.last_eval["step"] == steps):
+            self.evaluated(steps)
+            self.save(steps)
+        elif self.last_eval is None:
+            self.last_eval = evaluate_heldout(tr, steps)
+        ckpt.save_final(self.rd.final_dir, tr.drafter, tr.contract, is_main=self.dist.is_main)
+        barrier(self.dist)
         if stop.agreed(steps):  # signalled during the last step or the final evaluation: finished, then 143
             stop.exit(steps, None, finished=True)
-        ok = True
-    finally:
-        stop.restore()
-        sink.close(ok=ok)
-    wall = time.perf_counter() - t0
-    return {"steps": steps, "resumed_from": start, "final_dir": str(out_dir / "final"),
-            "best": ({"dir": str(out_dir / "best"), **best.record} if best.record else None),
-            "train": {k: last.get(k) for k in ("loss", "tau", "acc_mean")} if last else None,
-            "heldout": ({k: v for k, v in last_eval.items() if k != "by_source"} if last_eval else None),
-            "tokens_per_s": round(done_tokens / wall, 1) if wall > 0 else None,
-            "world_size": dist.world, "samples": len(tr.plan.train_idx), "heldout_samples": len(tr.heldout),
-            "supervised_tokens": sum(curve.tokens.values()),
-            "heldout_by_source": ({k: {"tau": v["tau"], "acc": v["acc"], "samples": v.get("samples")}
-                                   for k, v in last_eval.get("by_source", {}).items()} if last_eval else {}),
-            **({"cpu_s": round(budget.used, 2), "cpu_budget_s": budget.seconds} if budget is not None else {}),
-            **({"draft_vocab_size": int(tr.vocab.numel())} if tr.vocab is not None else {}),
-            **({"warm_start": tr.warm_start} if tr.warm_start is not None else {}),
-            **(feed_summary(tr.feed) if tr.feed is not None else {})}
+
+    def summary(self) -> dict:
+        """fit's result: steps, where train/final and train/best are, the last train and held-out metrics."""
+        tr, last, ev, budget = self.tr, self.last, self.last_eval, self.budget
+        wall = time.perf_counter() - self.t0
+        return {"steps": self.steps, "resumed_from": self.start, "final_dir": str(self.rd.final_dir),
+                "best": ({"dir": str(self.rd.best_dir), **self.best.record} if self.best.record else None),
+                "train": {k: last.get(k) for k in ("loss", "tau", "acc_mean")} if last else None,
+                "heldout": ({k: v for k, v in ev.items() if k != "by_source"} if ev else None),
+                "tokens_per_s": round(self.done_tokens / wall, 1) if wall > 0 else None,
+                "world_size": self.dist.world, "samples": len(tr.plan.train_idx), "heldout_samples": len(tr.heldout),
+                "supervised_tokens": sum(self.curve.tokens.values()),
+                "heldout_by_source": ({k: {"tau": v["tau"], "acc": v["acc"], "samples": v.get("samples")}
+                                       for k, v in ev.get("by_source", {}).items()} if ev else {}),
+                **({"cpu_s": round(budget.used, 2), "cpu_budget_s": budget.seconds} if budget is not None else {}),
+                **({"draft_vocab_size": int(tr.vocab.numel())} if tr.vocab is not None else {}),
+                **({"warm_start": tr.warm_start} if tr.warm_start is not None else {}),
+                **(feed_summary(tr.feed) if tr.feed is not None else {})}
 
 
 def feed_summary(feed: Any) -> dict:

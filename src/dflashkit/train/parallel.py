@@ -9,30 +9,18 @@ Usage:
     leave_distributed(ok=True)                                       # at the end of a rank's work
     exit_rank(rc)                                                    # `python -m dflashkit`'s last act
 
-The loss of every micro-batch is divided by the Σ w of the whole global step (all ranks), and DDP /
-FSDP average gradients over ranks, so the loop multiplies the loss by the world size: the update
-is then identical to one process holding the whole global batch.
+Invariant: the loss of every micro-batch is divided by the Σ w of the whole global step (all ranks)
+and DDP / FSDP average gradients, so the loop multiplies the loss by the world size: the update is
+identical to one process holding the whole global batch.
 
-Each rank takes the GPU of its local rank. With `train.parallel.backend: gloo` a node may run more ranks
-than it has GPUs (they share them round robin: the GPU check's 1 ≡ 2 processes on one GPU); NCCL refuses
-two ranks on one GPU, so that is a usage error before the rendezvous (`cuda_index`).
+Each rank takes the GPU of its local rank; with gloo, ranks may share GPUs round robin, while NCCL
+with two ranks on one GPU is a usage error before the rendezvous (`cuda_index`). Target sharding
+applies FSDP2 `fully_shard` to every target decoder layer and the root, so each rank stores 1/world
+of the frozen weights; the embedding and LM head the drafter reuses stay replicated frozen copies.
 
-Target sharding (train.parallel.target=shard) applies FSDP2 `fully_shard` to every target decoder
-layer and the root over all ranks, so each rank stores 1/world of the frozen weights; the target
-forward all-gathers one layer at a time. The embedding and LM head the drafter reuses are kept as
-separate replicated frozen copies (they are called outside the target's forward).
-
-How a rank finishes (issue #20: on a slow fresh clone rank 1 died with "terminate called without an
-active exception", SIGABRT, after its last result line): `leave_distributed(ok=True)` meets every
-rank at a barrier (so no collective of any rank is still in flight), destroys the process group and
-collects garbage; on an error path (`ok=False`) it skips the barrier (the peer may never reach it)
-and still destroys the group. torch keeps the gloo process group's C++ object, and with it its native
-threads (`pt_gloo_runloop` ×2, `gloo_tcp_loop`), alive after `destroy_process_group` once FSDP2 /
-DTensor ran (DTensor's sharding caches hold the device mesh), so those threads would outlive the
-interpreter's finalization, where CPython kills any thread that then needs the GIL with
-`pthread_exit` — an abort through C++ `noexcept` frames. So a process that joined a group ends with
-`exit_rank(rc)`: stdout, stderr and logging flushed, then `os._exit(rc)`, without interpreter
-finalization (`python -m dflashkit` does this; in-process `cli.main` calls never join a group).
+A rank finishes with `leave_distributed` (barrier unless `ok=False`, destroy the group, collect
+garbage) and then `exit_rank(rc)`: flush, then `os._exit(rc)` without interpreter finalization,
+which would abort on the gloo threads torch keeps alive (docs/architecture.md, "Reliability rules").
 """
 
 from __future__ import annotations

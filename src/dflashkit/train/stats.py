@@ -10,7 +10,7 @@ Usage:
 
 A step's statistics are sums over micro-batches and ranks: the loss (already divided by the step's
 denominator, so the sum is the step's loss), τ sum, blocks, tokens, and per block position the
-correct and supervised counts; the drafter family adds its own (`Family.stats`, filled by its loss
+correct and supervised counts; the drafter family adds its own (`Objective.stats`, filled by its loss
 terms; DFlash2: the unary argmax's τ and accuracy, the selector's rows, coverage, accuracy, loss).
 `to_tensor` / `from_tensor` are the one flat float64 form the all-reduce sums.
 """
@@ -45,20 +45,20 @@ class StepStats:
     tokens: float = 0.0
     correct: torch.Tensor = field(default_factory=lambda: _zeros(0))   # [B] float64
     total: torch.Tensor = field(default_factory=lambda: _zeros(0))     # [B] float64
-    extra: dict[str, Any] = field(default_factory=dict)                # the family's (`Family.stats`)
+    extra: dict[str, Any] = field(default_factory=dict)                # the family's (`Objective.stats`)
 
     @classmethod
     def zeros(cls, block_size: int, family: Family) -> StepStats:
         return cls(block_size, family, correct=_zeros(block_size), total=_zeros(block_size),
                    extra={f.name: _zeros(cls._size(f.size, block_size)) if f.size != 1 else 0.0
-                          for f in family.stats})
+                          for f in family.objective.stats})
 
     @staticmethod
     def _size(size: int | str, block_size: int) -> int:
         return block_size if size == "B" else int(size)
 
     def _add_extra(self, out: LossOutput, loss_scale: float) -> None:
-        for f in self.family.stats:
+        for f in self.family.objective.stats:
             if f.name not in out.extra:
                 continue
             v = out.extra[f.name]
@@ -94,20 +94,20 @@ class StepStats:
 
     # -- the all-reduce's flat form -------------------------------------------------------------------------
     def to_tensor(self) -> torch.Tensor:
-        """[loss, τ sum, blocks, tokens, correct (B), total (B), the family's in `Family.stats` order] float64."""
-        extra = [torch.as_tensor(self.extra[f.name], dtype=torch.float64).reshape(-1) for f in self.family.stats]
+        """[loss, τ sum, blocks, tokens, correct (B), total (B), the family's in `Objective.stats` order] float64."""
+        extra = [torch.as_tensor(self.extra[f.name], dtype=torch.float64).reshape(-1) for f in self.family.objective.stats]
         head = torch.tensor([self.loss, self.tau_sum, self.blocks, self.tokens], dtype=torch.float64)
         return torch.cat([head, self.correct, self.total, *extra])
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor, block_size: int, family: Family) -> StepStats:
         B = block_size
-        want = 4 + 2 * B + sum(cls._size(f.size, B) for f in family.stats)
+        want = 4 + 2 * B + sum(cls._size(f.size, B) for f in family.objective.stats)
         if t.numel() != want:
             raise ValueError(f"statistics of {t.numel()} values, expected {want} (block size {B}, {family.name})")
         extra: dict[str, Any] = {}
         at = 4 + 2 * B
-        for f in family.stats:
+        for f in family.objective.stats:
             n = cls._size(f.size, B)
             extra[f.name] = t[at:at + n].clone() if f.size != 1 else float(t[at])
             at += n
@@ -123,7 +123,7 @@ class StepStats:
                "acc_mean": float(correct[1:].sum() / max(total[1:].sum(), 1)),
                "blocks": int(self.blocks), "tokens": int(self.tokens),
                "_window": [self.tau_sum, self.blocks, float(correct[1]), float(total[1])], **extra}
-        out.update(self.family.metrics(self))
+        out.update(self.family.objective.metrics(self))
         return out
 
     def heldout_row(self, step: int, **extra: Any) -> dict[str, Any]:
@@ -132,7 +132,7 @@ class StepStats:
         st = StepStats(self.block_size, self.family, self.loss / norm, self.tau_sum, self.blocks, self.tokens,
                        self.correct, self.total,
                        {f.name: (self.extra[f.name] / norm if f.loss else self.extra[f.name])
-                        for f in self.family.stats})
+                        for f in self.family.objective.stats})
         m = st.metrics(step)
         return {"step": step, "loss": m["loss"], "tau": m["tau"], "acc": m["acc"], "acc_mean": m["acc_mean"],
                 "blocks": m["blocks"], **{k: m[k] for k in self.family.metric_names}, **extra}

@@ -17,7 +17,7 @@ arrives during the last step or after it lets training finish (its final evaluat
 and then exits 143.
 
 `STEP_HOOKS` are called after each step, before the ranks agree (`hook(step, stop)`); tests use them
-to deliver a signal at a chosen step (`dflashkit.testing.faults.sigterm_after_step`).
+to deliver a signal at a chosen step (tests/harness/sigterm.py `sigterm_after_step`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,16 @@
 """The target's side of a micro-batch: one builder per feature source.
 
 Usage:
-    side = target_side(cfg.train, contract, target, parts, device=dist.device, amp=amp, store=data.features)
+    side = target_side(recipe, cfg.train, contract, target, parts, device=dist.device, amp=amp, store=data.features)
     out = side(batch, anchors)   # TargetOut: features, and the labels / KL target the recipe asks for
-    how, paths = heldout_labels(cfg.train, data.features, target, data, heldout, depth)  # the yardstick's
+    how, paths = heldout_labels(recipe, cfg.train, data.features, target, data, heldout)  # the yardstick's
     out = scored(out, batch, how)  # the labels a held-out block is scored with (paths: online, computed once)
 
-`CachedSide`: every output the recipe needs is in the feature shards (`train.features=cached` and,
-for `train.labels=target`, their `next_ids`; for KL, their `last_hidden`) or in the engine's rows
-(`train.features=engine`, `engines/feed.py`: the same rows, staged per batch): the target's layers
-never run. `OnlineSide`: the target runs on the batch — a sharded target (`train.parallel.target=shard`)
-gives logits, a whole one its final-norm hidden state; cached features or `next_ids`, where the
-shards have them, replace the target's. With `train.on_path=rollout` the labels are the target's greedy
+`CachedSide`: every output the run's recipe (`train/recipe.Recipe`) needs is in the feature rows,
+cached shards or the engine's (`Recipe.store_covers`): the target's layers never run. `OnlineSide`:
+the target runs on the batch — a sharded target (`train.parallel.target=shard`) gives logits, a whole
+one its final-norm hidden state; cached features or `next_ids`, where the shards have them, replace
+the target's. With `train.on_path=rollout` the labels are the target's greedy
 path (`path_ids`: from the shards, or rolled out here from the same forward's KV cache for the batch's
 anchors only); with `train.on_path=mask` the positions off that path get weight 0 (`on_path_only`).
 
@@ -28,18 +27,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
-from dflashkit.model.path_labels import (attention_limit, greedy_path_ids, label_need, path_cache, path_depth,
+from dflashkit.model.path_labels import (attention_limit, greedy_path_ids, label_need, path_cache,
                                         with_cache)
 from dflashkit.model.target import Target, target_autocast
 from dflashkit.train.data import Batch, FeatureStore, collate, repacked, unpacked
 from dflashkit.train.objective import Anchors, target_label_ids
-
-if TYPE_CHECKING:
-    from dflashkit.config import TrainSection
+from dflashkit.train.recipe import Recipe
 
 log = logging.getLogger("dflashkit.train")
 
@@ -56,42 +53,31 @@ class TargetOut:
     on_path_only: bool = False              # train.on_path=mask: weight only the positions on the path
 
 
-def cached_covers(train: TrainSection, store: FeatureStore | None, law: bool) -> bool:
-    """Whether the feature shards hold everything the recipe needs from the target (`law`: the loss reads the
-    target's logits, `family.reads_target_law`)."""
-    if train.features not in ("cached", "engine") or store is None:
-        return False
-    return ((train.labels != "target" or store.has("next_ids")) and (not law or store.has("last_hidden"))
-            and (train.on_path != "rollout" or store.has("path_ids")))
-
-
 @dataclass
 class CachedSide:
     """Features, labels and the target's law (KL, a family's term) from the shards (the batch carries them)."""
 
-    train: Any
-    law: bool = False
+    recipe: Recipe
 
     def __call__(self, b: Batch, a: Anchors | None = None) -> TargetOut:
-        t = self.train
+        r = self.recipe
         assert b.features is not None
-        labels = target_label_ids(b.input_ids, b.next_ids) if t.labels == "target" else None
-        return TargetOut(b.features, None, b.last_hidden if self.law else None, labels,
-                         b.path_ids if t.on_path == "rollout" else None, t.on_path == "mask")
+        labels = target_label_ids(b.input_ids, b.next_ids) if r.target_labels else None
+        return TargetOut(b.features, None, b.last_hidden if r.needs_target_logits else None, labels,
+                         b.path_ids if r.rollout else None, r.mask_on_path)
 
 
 @dataclass
 class OnlineSide:
     """The target's forward on the batch (sharded: logits; whole: the final-norm hidden state)."""
 
-    train: Any
+    recipe: Recipe
+    target_dtype: str                       # train.target_dtype: the forward's autocast
     layer_ids: list[int]
     target: Any
     sharded: bool
     device: torch.device
     amp: torch.dtype | None
-    depth: int = 1                          # D of the greedy path (train.on_path=rollout)
-    law: bool = False                       # the loss reads the target's logits (`family.reads_target_law`)
 
     def __call__(self, b: Batch, a: Anchors | None = None) -> TargetOut:
         if b.docs is not None:  # packed rows (train.pack): the target runs per document, never across a boundary
@@ -99,13 +85,13 @@ class OnlineSide:
             back: dict[str, Any] = {k: repacked(getattr(out, k), b)
                                     for k in ("features", "logits", "last_hidden", "label_ids", "path_ids")}
             return dataclasses.replace(out, **back)
-        t = self.train
-        need_kl, need_labels = self.law, t.labels == "target"
-        rollout = t.on_path == "rollout" and b.path_ids is None   # cached paths (shards, held-out) win
+        r = self.recipe
+        need_kl, need_labels = r.needs_target_logits, r.target_labels
+        rollout = r.rollout and b.path_ids is None   # cached paths (shards, held-out) win
         logits = hidden = path = None
         cache = path_cache() if rollout else None
         kw = with_cache(self.target, cache) if rollout else {}
-        tamp = target_autocast(t.target_dtype, self.device, self.target.dtype)
+        tamp = target_autocast(self.target_dtype, self.device, self.target.dtype)
         with torch.no_grad(), torch.autocast(self.device.type, dtype=tamp, enabled=tamp is not None):
             if self.sharded:  # a sharded target gives logits, not its final-norm hidden state
                 feats, out = self.target.features(b.input_ids, layer_ids=self.layer_ids, need_logits=True,
@@ -120,31 +106,29 @@ class OnlineSide:
                 feats, nxt = self.target.features(b.input_ids, layer_ids=self.layer_ids,
                                                   attention_mask=b.attention_mask), None
             if rollout:  # the batch's anchors only (all candidates without them), from this forward's cache
-                need = label_need(b.loss_mask, b.seq_lens, self.depth, a.anchors if a else None,
+                need = label_need(b.loss_mask, b.seq_lens, r.path_depth, a.anchors if a else None,
                                   a.keep if a else None)
-                path = greedy_path_ids(self.target, b.input_ids, b.seq_lens, self.depth, next_ids=nxt, cache=cache,
+                path = greedy_path_ids(self.target, b.input_ids, b.seq_lens, r.path_depth, next_ids=nxt, cache=cache,
                                        need=need).path_ids
         if b.next_ids is not None and need_labels:
             nxt = b.next_ids
         feats = b.features if b.features is not None else feats
         feats = feats.float() if self.amp is None else feats
         labels = target_label_ids(b.input_ids, nxt) if need_labels else None
-        if t.on_path == "rollout" and path is None:
+        if r.rollout and path is None:
             path = b.path_ids
         return TargetOut(feats, logits if need_kl else None, hidden if need_kl and logits is None else None, labels,
-                         path, t.on_path == "mask")
+                         path, r.mask_on_path)
 
 
-def target_side(train: Any, contract: Any, target: Any, parts: Any, *, device: torch.device,
+def target_side(recipe: Recipe, train: Any, contract: Any, target: Any, parts: Any, *, device: torch.device,
                 amp: torch.dtype | None, store: FeatureStore | None) -> Callable[..., TargetOut]:
-    """The builder of this run's feature source (see the module doc)."""
-    from dflashkit.family import reads_target_law
-
-    law = reads_target_law(train, contract.family)
-    if cached_covers(train, store, law):
-        return CachedSide(train, law)
-    return OnlineSide(train, list(contract.target_layer_ids), target, bool(parts.sharded), device, amp,
-                      path_depth(contract.block_size), law)
+    """The builder of this run's feature source (see the module doc): the shards' rows when they hold
+    everything the recipe reads (`Recipe.store_covers`), else the target's forward (`train.target_dtype`)."""
+    if recipe.store_covers(store):
+        return CachedSide(recipe)
+    return OnlineSide(recipe, train.target_dtype, list(contract.target_layer_ids), target, bool(parts.sharded),
+                      device, amp)
 
 
 def scored(out: TargetOut, b: Batch, scoring: str) -> TargetOut:
@@ -177,14 +161,15 @@ def heldout_scoring(store: Any, target: Any, data: Any, heldout: list[int], dept
     return "on_path_positions" if store is not None and store.has("next_ids") else "raw"
 
 
-def heldout_labels(train: Any, store: Any, target: Any, data: Any, heldout: list[int],
-                   depth: int) -> tuple[str, dict[int, torch.Tensor] | None]:
+def heldout_labels(recipe: Recipe, train: Any, store: Any, target: Any, data: Any,
+                   heldout: list[int]) -> tuple[str, dict[int, torch.Tensor] | None]:
     """The held-out scoring (`heldout_scoring`) and, when the target loaded here gives the paths, the
     held-out samples' paths (`heldout_paths`; None when the shards hold them)."""
     if not heldout:
         return "raw", None
+    depth = recipe.path_depth
     how = heldout_scoring(store, target, data, heldout, depth)
-    if how == "on_path_positions" and train.labels != "target" and not (store is not None and store.has("next_ids")):
+    if how == "on_path_positions" and not recipe.target_labels and not (store is not None and store.has("next_ids")):
         how = "raw"  # no target argmax labels in this run (online features with train.labels=raw)
     log.info("held-out τ scored on %s labels", how)
     if how != "target_path" or paths_stored(store, data, heldout, depth):

@@ -1,32 +1,34 @@
-"""`Trainer`: everything one training step needs, built once by `train.loop.setup`.
+"""`Trainer`: everything one training step needs, built once and complete by `train.loop.setup`.
 
 Usage:
     tr = setup(cfg, rd, dist)                              # train/loop.py
+    tr.recipe.target_labels                                # the run's resolved recipe (train/recipe.py)
     b = tr.batch(items); a = tr.anchors(b)                 # a collated micro-batch and its anchors
     out = tr.micro_loss(b, a, denom, training=True)        # `tr.loss` (train/loss.py) on the batch
     tr.use_draft_vocab(vocab)                              # the loss's head over a reduced draft vocab
 
 `train/loop.py` (fit, train_step) and `train/heldout.py` (held-out evaluation, best keeping) both
 take a Trainer; it holds the run's one loss object (`DraftLoss.from_train`: `train.*` and the
-drafter family's terms) and the frozen target parts it uses.
+drafter family's terms), the frozen target parts it uses and the run's feature source (`target_side`).
+Every field is given when it is built; only `use_draft_vocab` / `sync_draft_vocab` change the head.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from dflashkit.family import reads_target_law
-from dflashkit.model.draft_vocab import restricted_head
 from dflashkit.family.contract import DrafterContract
+from dflashkit.model.draft_vocab import restricted_head
 from dflashkit.model.target import announce, compute_dtype
 from dflashkit.train.data import Batch, BatchPlan, FeatureStore, TokenData, collate
 from dflashkit.train.loss import DraftLoss, Heads, LossInputs, LossOutput
 from dflashkit.train.objective import Anchors, sample_anchors
 from dflashkit.train.parallel import DistInfo, TargetParts
+from dflashkit.train.recipe import Recipe
 from dflashkit.train.target_side import TargetOut, scored
 
 if TYPE_CHECKING:
@@ -69,9 +71,10 @@ def autocast_dtype(train_dtype: str, device: torch.device) -> torch.dtype | None
 
 @dataclass
 class Trainer:
-    """Everything one step needs (built by `setup`)."""
+    """Everything one step needs (built by `setup`; `vocab` given here becomes the loss's head at once)."""
 
     cfg: RunConfig
+    recipe: Recipe                            # the run's resolved recipe (train/recipe.py)
     contract: DrafterContract
     dist: DistInfo
     drafter: torch.nn.Module
@@ -81,17 +84,16 @@ class Trainer:
     plan: BatchPlan
     heldout: list[int]
     loss: DraftLoss                           # the run's loss (`train.*` + the drafter family's terms)
-    head: torch.nn.Module | None = None       # the loss's head: parts.lm_head, or its rows `vocab`
+    target_side: Callable[..., TargetOut]     # train/target_side.py: this run's feature source
     vocab: torch.Tensor | None = None         # reduced draft vocab (sorted target ids), on the device
-    target_side: Callable[..., TargetOut] | None = None  # train/target_side.py: this run's feature source
     warm_start: dict | None = None            # drafter.init=<dir>: what was copied (train/warm_start.py)
     feed: Any = None                          # train.features=engine: engines/feed.EngineFeed (also data.features)
     heldout_labels: str = "raw"               # the yardstick's labels (train/target_side.py heldout_scoring)
     heldout_paths: dict[int, torch.Tensor] | None = None  # held-out greedy paths computed at setup (online)
+    head: torch.nn.Module = field(init=False)  # the loss's head: parts.lm_head, or its rows `vocab`
 
     def __post_init__(self):
-        if self.head is None:
-            self.head = self.parts.lm_head
+        self.use_draft_vocab(self.vocab)
 
     def close(self) -> None:
         """Stop what `setup` started: the engine feed (and the vLLM it runs), if any."""
@@ -115,12 +117,10 @@ class Trainer:
     def target_outputs(self, b: Batch, a: Anchors | None = None) -> TargetOut:
         """What the loss needs from the target for batch `b` with anchors `a` (`train/target_side.py`: the
         builder of this run's feature source; an online rollout decodes the paths of `a`'s blocks only)."""
-        assert self.target_side is not None  # set by `setup`
         return self.target_side(b, a)
 
     def heads(self) -> Heads:
         """The frozen target parts the loss uses (the loss's head follows `use_draft_vocab`)."""
-        assert self.head is not None  # __post_init__
         return Heads(self.parts.embed, self.head, self.vocab, self.parts.lm_head)
 
     def micro_loss(self, b: Batch, a: Anchors, denom: float | None, tout: TargetOut | None = None, *,
@@ -160,17 +160,16 @@ class Trainer:
     def batch(self, items, *, heldout: bool = False) -> Batch:
         """The micro-batch of `items`; `heldout`: also what the held-out scoring reads (next ids, paths)."""
         pad = self.target.tokenizer.pad_token_id if getattr(self.target, "tokenizer", None) else 0
-        t = self.cfg.train
-        cached = t.features in ("cached", "engine")  # engine: the rows of these samples, staged from the engine
+        t, r = self.cfg.train, self.recipe
+        cached = r.from_store  # engine: the rows of these samples, staged from the engine
         store = self.data.features
         if self.feed is not None:
             self.feed.stage([i for i, _ in items])
-        labels = t.labels == "target" or (heldout and self.heldout_labels == "on_path_positions")
-        stored_paths = t.on_path == "rollout" or (heldout and self.heldout_labels == "target_path"
-                                                   and self.heldout_paths is None)
+        labels = r.target_labels or (heldout and self.heldout_labels == "on_path_positions")
+        stored_paths = r.rollout or (heldout and self.heldout_labels == "target_path" and self.heldout_paths is None)
         return collate(self.data, items, run_seed=self.cfg.run.seed, pad_id=pad or 0, with_features=cached,
                        with_next_ids=cached and labels and store is not None and store.has("next_ids"),
-                       with_last_hidden=cached and reads_target_law(t, self.contract.family) and store is not None
+                       with_last_hidden=cached and r.needs_target_logits and store is not None
                        and store.has("last_hidden"),
                        with_path_ids=cached and stored_paths and isinstance(store, FeatureStore),
                        paths=self.heldout_paths if heldout else None,

@@ -1,7 +1,7 @@
 """Draft-vocab choice for training: which target tokens a reduced draft vocab keeps.
 
 Usage:
-    vocab = pick_draft_vocab(cfg, contract, target, data, train_idx)   # None: the full vocab
+    vocab = pick_draft_vocab(cfg, recipe, contract, target, data, train_idx)   # None: the full vocab
 
 `drafter.draft_vocab_size`: the most frequent supervised label tokens of the training samples (held-out
 ones excluded; with `train.labels=target` the target's own labels, from the shards or one prefill
@@ -20,6 +20,7 @@ from dflashkit.model.draft_vocab import label_token_counts, vocab_from_counts
 from dflashkit.family.contract import DrafterContract
 from dflashkit.train.data import collate
 from dflashkit.train.objective import target_label_ids
+from dflashkit.train.recipe import Recipe
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -27,7 +28,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("dflashkit.train")
 
 
-def pick_draft_vocab(cfg: RunConfig, contract: DrafterContract, target: Any, data: Any, train_idx: list[int]) -> torch.Tensor | None:
+def pick_draft_vocab(cfg: RunConfig, recipe: Recipe, contract: DrafterContract, target: Any, data: Any,
+                     train_idx: list[int]) -> torch.Tensor | None:
     """The reduced draft vocab for `drafter.draft_vocab_size` (None: unset, 0, or the whole vocab).
 
     The most frequent supervised tokens of the training samples (held-out ones excluded) plus the
@@ -48,7 +50,7 @@ def pick_draft_vocab(cfg: RunConfig, contract: DrafterContract, target: Any, dat
     if tok_eos is not None:
         always.add(int(tok_eos))
     labels = [data.input_ids[i] for i in train_idx]
-    if cfg.train.labels == "target":  # the labels trained on are the target's own predictions: count those
+    if recipe.target_labels:  # the labels trained on are the target's own predictions: count those
         labels = target_labels_of(cfg, contract, target, data, train_idx)
     counts = label_token_counts(labels, [data.loss_mask[i] for i in train_idx], vocab_size)
     vocab = vocab_from_counts(counts, n, always=always)

@@ -7,7 +7,7 @@ Usage:
     report = warm_start(drafter, src, contract)               # copies every tensor (checks again)
 
 The drafter family must be the run's, or one the run's family documents a conversion from
-(`Family.init_from`: DFlash2 starts from a DFlash checkpoint's shared tensors, its convolutions the
+(`Network.init_from`: DFlash2 starts from a DFlash checkpoint's shared tensors, its convolutions the
 identity and its selector random); any other pair is exit 2 naming both families — a DFlash2 dir in
 a DFlash run would otherwise lose its convolutions and selector without a word.
 
@@ -92,9 +92,9 @@ def keep_source_vocab(src: WarmSource, draft_vocab_size: int | None) -> torch.Te
 def family_mismatch(src: DrafterContract, run: DrafterContract) -> str | None:
     """Why a drafter of `src`'s family cannot start this run's (None: the same family, or a conversion the
     run's family allows)."""
-    if src.drafter_type == run.drafter_type or src.drafter_type in run.family.init_from:
+    if src.drafter_type == run.drafter_type or src.drafter_type in run.family.network.init_from:
         return None
-    allowed = sorted(run.family.init_from)
+    allowed = sorted(run.family.network.init_from)
     return (f"a {src.family.title} drafter (drafter_type {src.drafter_type}) cannot start this run's "
             f"{run.family.title} drafter (drafter_type {run.drafter_type}): a {run.family.title} drafter starts from "
             f"{' or '.join([run.drafter_type, *allowed])} checkpoints only")
@@ -144,7 +144,7 @@ def warm_start(drafter: torch.nn.Module, src: WarmSource, run: DrafterContract) 
 
 def _converted(drafter: torch.nn.Module, src: WarmSource, run: DrafterContract) -> dict:
     """`drafter.init` from another family's checkpoint, by the run's family's conversion."""
-    report = run.family.init_from[src.contract.drafter_type](getattr(drafter, "module", drafter), src.state)
+    report = run.family.network.init_from[src.contract.drafter_type](getattr(drafter, "module", drafter), src.state)
     log.info("warm start from %s (%s format, a %s drafter converted to %s, block size %d → %d): %d tensors copied, "
              "%d skipped", src.path, src.format, src.contract.family.title, run.family.title, src.contract.block_size,
              run.block_size, len(report["copied"]), len(report["skipped"]))
