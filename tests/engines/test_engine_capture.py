@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from dflashkit.cli import main
 from dflashkit.engines.capture import spool_root
-from dflashkit.testing.fake_engine import FakeHiddenStatesEngine
+from tests.harness.fake_engine import FakeHiddenStatesEngine
 from tests.helpers import make_run, overrides
 
 

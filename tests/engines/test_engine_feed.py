@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dflashkit.cli import main
-from dflashkit.testing.fake_engine import FakeHiddenStatesEngine
+from tests.harness.fake_engine import FakeHiddenStatesEngine
 from tests.helpers import engine_queue_bound, make_run, overrides
 
 

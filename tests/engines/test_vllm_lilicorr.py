@@ -2,7 +2,7 @@
 
 Two z-lab exports (float32) of random LiLiCorr drafters — a plain DFlash backbone with a head narrower than the
 draft (so `token_proj` exists), and one with DFlash2's convolutions and a head as wide as the draft — every head
-tensor made non-trivial, are read by `engines/vllm_lilicorr_reference.py` in the engine venv, which builds
+tensor made non-trivial, are read by `tests/harness/vllm_lilicorr_reference.py` in the engine venv, which builds
 vLLM's `LiLiCorrHead` from the export's `dflash_config` as `LiLiCorr.__init__` does, loads its `lilicorr.*`
 tensors through `AutoWeightsLoader` (what `LiLiCorrForCausalLM.load_weights` does), and computes the anchor row
 (`hidden_norm(fc(·))`, as the speculator), the candidates (`get_top_k_tokens(..., return_log_probs=True)`), the
@@ -96,7 +96,7 @@ def _check(model, theirs: dict, report: dict, inputs: dict) -> None:
 
 def test_our_lilicorr_pieces_match_vllms_code_on_the_exported_weights(tmp_path):
     from dflashkit.engines import vllm
-    from dflashkit.engines.vllm_pieces import vllm_lilicorr_reference
+    from tests.harness.vllm_pieces import vllm_lilicorr_reference
 
     vllm.install()  # a no-op when the cache has it
     plain = _drafter(0, lilicorr_hidden_size=24)                    # token_proj 32 → 24
@@ -134,7 +134,7 @@ def test_verify_engine_reports_a_lilicorr_export_on_vllm_cpu_as_a_failure(tmp_pa
     err = capsys.readouterr().err
     res = json.loads((rd / "verify-engine" / "results.json").read_text())
     assert code == 1 and res["passed"] is False and res["drafter_type"] == "lilicorr", (code, res, err[-3000:])
-    check = res["checks"]["selector_runner"]
+    check = res["checks"]["v2_runner"]
     assert check["ok"] is False and check["runner"] == "v1", check
     log = (rd / "verify-engine" / "engine-dflash.log").read_text()
     assert check["evidence"] and check["evidence"] in [x.strip() for x in log.splitlines()], check

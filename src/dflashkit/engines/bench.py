@@ -27,6 +27,12 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from dflashkit.engines import vllm
+from dflashkit.export.hf import read_config, read_contract
+from dflashkit.export.speculators import drafter_format, read_speculators_contract
+from dflashkit.http1 import get_json
+from dflashkit.serving.local import start_local_server
+
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
     from dflashkit.context import StageContext
@@ -47,9 +53,6 @@ def _speculative(method: str, cfg: RunConfig, rd: RunDir) -> dict[str, Any] | No
     if method == "ngram":
         return dict(NGRAM)
     if method == "dflash":
-        from dflashkit.export.hf import read_config, read_contract
-        from dflashkit.export.speculators import drafter_format, read_speculators_contract
-
         d = _export_dir(cfg, rd)
         if d is None:
             return None
@@ -61,8 +64,6 @@ def _speculative(method: str, cfg: RunConfig, rd: RunDir) -> dict[str, Any] | No
 
 def _sweep(cfg: RunConfig, url: str, model: str, prompts: list[str], counters: bool, sweep_one: Callable
            ) -> list[dict[str, Any]]:
-    from dflashkit.engines import vllm
-
     b = cfg.bench
     rows = []
     for c in b.concurrency:
@@ -83,7 +84,6 @@ def bench_engine_serve(cfg: RunConfig, rd: RunDir, ctx: StageContext, prompts: l
     one-concurrency sweep, passed in by its caller); the result of `bench serve`."""
     from dflashkit.engines.launch import start_vllm_for_target
     from dflashkit.model.target import cpu_facts
-    from dflashkit.serving.local import start_local_server
 
     methods: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="dflashkit-bench-") as tmp:
@@ -102,8 +102,6 @@ def bench_engine_serve(cfg: RunConfig, rd: RunDir, ctx: StageContext, prompts: l
                         what=f"bench.engine_methods {method}"))
                     url, model = eng.base_url, SERVED_NAME
                 if model is None:
-                    from dflashkit.http1 import get_json
-
                     model = get_json(url + "/models", timeout_s=30)["data"][0]["id"]
                 rows = _sweep(cfg, url, model, prompts, counters=spec is not None, sweep_one=sweep_one)
             methods.append({"method": method, "server": "dflashkit serve" if method == "dflashkit" else "vllm",

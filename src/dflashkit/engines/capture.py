@@ -34,9 +34,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
+from safetensors.torch import load_file, save_file
 
-from dflashkit.engines import hidden_states as hs_io
+from dflashkit.engines import hidden_states as hs_io, vllm
+from dflashkit.engines.launch import check_vllm_for_target, engine_dtype
 from dflashkit.errors import EXIT_MISSING, DflashkitError, UsageError
+from dflashkit.family.contract import REPROBE_HINT
+from dflashkit.http1 import HttpError, excerpt, request_sync
+from dflashkit.inspect.target import resolve_target_path
+from dflashkit.model.head import load_head_parts
+from dflashkit.model.target import text_config_dict
+from dflashkit.redact import redact_url
+from dflashkit.rundir import atomic_path
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -114,10 +123,6 @@ class Spool:
         return [i for i in range(n) if self.path(i).is_file()]
 
     def write(self, i: int, row: FeatureRow, n_tokens: int) -> None:
-        from safetensors.torch import save_file
-
-        from dflashkit.rundir import atomic_path
-
         t = {"features": row.features.contiguous(), "next_ids": row.next_ids.to(torch.int32).contiguous()}
         if row.last_hidden is not None:
             t["last_hidden"] = row.last_hidden.contiguous()
@@ -126,8 +131,6 @@ class Spool:
             save_file(t, str(tmp), metadata={"tokens": str(n_tokens)})
 
     def read(self, i: int) -> FeatureRow:
-        from safetensors.torch import load_file
-
         t = load_file(str(self.path(i)))
         return FeatureRow(t["features"], t["next_ids"].long(), t.get("last_hidden"))
 
@@ -170,9 +173,6 @@ def clear_storage(storage: Path) -> int:
 
 def engine_facts(cfg: RunConfig) -> tuple[Path, dict[str, Any]]:
     """The target dir and its facts (layers, hidden, vocab) from config.json alone (no weights)."""
-    from dflashkit.inspect.target import resolve_target_path
-    from dflashkit.model.target import text_config_dict
-
     model_dir, _ = resolve_target_path(cfg.target.path, cfg.target.gguf_file)
     tc = text_config_dict(model_dir)
     return model_dir, {"num_layers": int(tc["num_hidden_layers"]), "hidden_size": int(tc["hidden_size"]),
@@ -181,8 +181,6 @@ def engine_facts(cfg: RunConfig) -> tuple[Path, dict[str, Any]]:
 
 def serve_command_for(cfg: RunConfig, layer_ids: list[int], storage: Path, *, cpu: bool = False) -> list[str]:
     """The `vllm serve` command for `capture.server_url` mode (what `dflashkit capture --dry-run` prints)."""
-    from dflashkit.engines.launch import engine_dtype
-
     model_dir, facts = engine_facts(cfg)
     aux = hs_io.aux_layer_ids(layer_ids, num_layers=facts["num_layers"], with_last=True)
     return ["vllm", "serve", str(model_dir), "--dtype", engine_dtype(cfg),
@@ -201,9 +199,6 @@ def served_model_at(cfg: RunConfig, url: str, start: list[str]) -> str:
     Nothing answering is exit 3 (start it: `start` is the `vllm serve` command), something that is not an
     OpenAI server (an error status, a web page, no model list) exit 2 naming the key, the URL (redacted)
     and what answered. `server.model`, when set, must be one of the served names."""
-    from dflashkit.http1 import HttpError, excerpt, request_sync
-    from dflashkit.redact import redact_url
-
     shown = redact_url(url)
     hint = ("start vLLM there with the flags `dflashkit capture --dry-run` prints:\n    " + shlex.join(start)
             + "\n  or set capture.server_url=null and dflashkit starts one for target.path")
@@ -231,15 +226,12 @@ def check_engine(cfg: RunConfig, contract: DrafterContract, out_dir: Path, *, wh
     the contract against the target's config.json, then either the vLLM at `capture.server_url` (its served
     model name, returned; `served_model_at`) or what starting one for target.path needs (vLLM installed,
     a HF dir: `launch.check_vllm_for_target`, under `what`, the key that asks for the engine; None)."""
-    from dflashkit.family.contract import REPROBE_HINT
-
     _, facts = engine_facts(cfg)
     contract.check(facts, where="contract.json", hint=REPROBE_HINT)
     if cfg.capture.server_url:
         layer_ids = list(contract.target_layer_ids if layer_ids is None else layer_ids)
         url = cfg.capture.server_url.rstrip("/")
         return served_model_at(cfg, url, serve_command_for(cfg, layer_ids, engine_storage(out_dir)))
-    from dflashkit.engines.launch import check_vllm_for_target
 
     check_vllm_for_target(cfg, what)
     return None
@@ -254,8 +246,6 @@ def engine_source(cfg: RunConfig, contract: DrafterContract, out_dir: Path, *, l
     to `<out_dir>/engine.log`. `layer_ids`: the target layers to take (capture's, with
     `capture.extra_layer_ids`); default the contract's. `what`: the key that asks for the engine.
     """
-    from dflashkit.model.head import load_head_parts
-
     model = check_engine(cfg, contract, out_dir, what=what, layer_ids=layer_ids)
     model_dir, facts = engine_facts(cfg)
     head = load_head_parts(model_dir, dtype=torch.float32)
@@ -270,7 +260,6 @@ def engine_source(cfg: RunConfig, contract: DrafterContract, out_dir: Path, *, l
     if model is not None:
         yield EngineSource(str(cfg.capture.server_url).rstrip("/"), model, **kw)
         return
-    from dflashkit.engines import vllm
     from dflashkit.engines.launch import start_vllm_for_target
 
     hs_io.install_connector(vllm.require(what))

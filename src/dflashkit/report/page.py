@@ -9,12 +9,18 @@ Usage:
 
 from __future__ import annotations
 
+import base64
 import html
 import logging
 import time
 from typing import Any
 
+from dflashkit.decode.metrics import paired_phrase
+from dflashkit.report.summary import run_budget
 from dflashkit.rundir import RunDir, STAGES, read_json_or_none
+from dflashkit.sizing.plan import plan_lines
+from dflashkit.train.forecast import forecast_from_curve
+from dflashkit.train.logging import read_curve
 
 log = logging.getLogger("dflashkit.report")
 
@@ -73,7 +79,6 @@ def curve_section(curve: dict | None, best: dict | None, target_tau: float = 2.0
     text = ("<h2>Learning curve</h2><p>Held-out simulated τ at each held-out evaluation against the supervised "
             "tokens seen so far (train/curve.json); train τ is pooled over the steps since the previous point, "
             "so the gap shows over-fitting. A curve still rising at its end says more data pays.</p>")
-    from dflashkit.train.forecast import forecast_from_curve
 
     fc = forecast_from_curve(curve or {}, target_tau)
     text += (f"<p><b>Data-budget forecast</b> (τ∞ − a·n<sup>−b</sup> fitted to the held-out curve; "
@@ -127,7 +132,6 @@ def render_html(rd: RunDir, name: str, figures: list[str], results: dict | None,
                            "identical to baseline"], rows))
     if results:
         out.append(eval_diagnostics_html(results))
-    from dflashkit.train.logging import read_curve
 
     out.append(breakdown_html(results, read_curve(rd)))
     if engine:
@@ -153,12 +157,9 @@ def render_html(rd: RunDir, name: str, figures: list[str], results: dict | None,
             versions = m.get("versions") or versions
             prov.append([stage, m.get("finished_at", ""), m.get("wall_time_s", ""),
                          ", ".join(f"{k}={v}" for k, v in (m.get("counts") or {}).items())])
-    from dflashkit.report.summary import run_budget
 
     budget = run_budget(rd)
     if budget:
-        from dflashkit.sizing.plan import plan_lines
-
         out.append("<h2>Budget: plan vs actual</h2><p>run.budget_minutes sized this run (docs/budget.md); the "
                    "report's own time is recorded after this page.</p><pre>"
                    + html.escape("\n".join(plan_lines(budget))) + "</pre>")
@@ -207,6 +208,10 @@ def breakdown_html(results: dict | None, curve: dict | None) -> str:
 
 def engine_section_html(res: dict) -> str:
     """`verify-engine/results.json`: the exported drafter in vLLM vs our decoder (τ, per position, greedy)."""
+    causes = "".join(f"<p>Likely cause: {html.escape(x)}</p>" for x in res.get("causes", []))
+    if "tau" not in res:  # a V2-only family's export on vLLM's V1 runner: nothing was measured
+        return (f"<h2>Engine ({html.escape(res['engine'])})</h2><p>The exported {html.escape(res['family'])} drafter "
+                f"(B = {res['block_size']}): <b>FAILED</b> before anything was measured.</p>" + causes)
     c, t, pp = res["checks"], res["tau"], res["per_position_acceptance"]
     verdict = {True: "ok", False: "FAILED", None: "not checked"}
     head = (f"<h2>Engine ({html.escape(res['engine'])})</h2><p>The exported drafter served by vLLM with "
@@ -220,14 +225,11 @@ def engine_section_html(res: dict) -> str:
              ["greedy with DFlash = without", "", "", verdict[c["greedy_spec_vs_ar"]["ok"]]],
              ["chat template = target's", "", "", verdict[c["template"]["ok"]]],
              ["speculation_profile.json = engine", "", "", verdict[(c.get("profile") or {}).get("ok")]]]
-    causes = "".join(f"<p>Likely cause: {html.escape(x)}</p>" for x in res.get("causes", []))
     return head + _table(["", "vLLM", "dflashkit", "check"], rows) + causes
 
 
 def eval_diagnostics_html(results: dict) -> str:
     """Drafter vs prompt lookup, the bigram baseline, the no-feature ablation and the lossless verdict."""
-    from dflashkit.decode.metrics import paired_phrase
-
     out = []
     spec, lookup, summ = results.get("speculative", {}), results.get("prompt_lookup") or {}, results.get("summary", {})
     if lookup:
@@ -308,6 +310,4 @@ def eval_diagnostics_html(results: dict) -> str:
 
 def figure_html(title: str, png: bytes) -> str:
     """One plot as an <img> with the PNG inline (a base64 data URI): the page needs no other file."""
-    import base64
-
     return f"<img alt='{html.escape(title)}' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"

@@ -8,21 +8,24 @@ Usage:
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from dflashkit.decode.evaluation import read_eval_results
+from dflashkit.decode.metrics import paired_phrase
 from dflashkit.rundir import RunDir
+from dflashkit.sizing.plan import plan_lines
+from dflashkit.train.checkpoint import trained_drafter_dir
+from dflashkit.train.forecast import read_curve_forecast
 
 
 def run_summary(rd: RunDir, target_tau: float = 2.0) -> dict[str, Any]:
     """The numbers a user wants at the end: τ, speedup, lossless yes/no, where things are."""
     out: dict[str, Any] = {}
-    from dflashkit.decode.evaluation import read_eval_results
 
     res = read_eval_results(rd)
     if res is not None:
         out["eval"] = res.get("summary", res)
-    from dflashkit.train.checkpoint import trained_drafter_dir
-    from dflashkit.train.forecast import read_curve_forecast
 
     fc = read_curve_forecast(rd, target_tau)
     if fc is not None:
@@ -41,8 +44,6 @@ def run_summary(rd: RunDir, target_tau: float = 2.0) -> dict[str, Any]:
 
 def run_budget(rd: RunDir) -> dict[str, Any] | None:
     """`pipeline.json`'s "budget" record (`sizing/session.py`: plan, re-plans, actuals), or None without one."""
-    import json
-
     try:
         rec = json.loads((rd.root / "pipeline.json").read_text()).get("budget")
     except (OSError, ValueError, AttributeError):
@@ -61,14 +62,10 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
         lines.append(f"  {'prompt lookup':17s} tau {lk['tau']} speedup {lk['speedup']} at B={lk['block_size']} "
                      f"(the drafter {'beats' if ev.get('beats_prompt_lookup') else 'does not beat'} it)")
         if ev.get("versus_prompt_lookup"):
-            from dflashkit.decode.metrics import paired_phrase
-
             lines.append(f"  {'':17s} drafter over lookup, paired: {paired_phrase(ev['versus_prompt_lookup'])}")
     if s.get("forecast"):
         lines.append(f"  {'forecast':17s} {s['forecast']}")
     if s.get("budget"):
-        from dflashkit.sizing.plan import plan_lines
-
         lines += ["  budget, planned vs actual:", *(f"    {ln}" for ln in plan_lines(s["budget"]))]
     for key in ("report", "checkpoint", "drafter"):
         if key in s:

@@ -6,7 +6,9 @@ Example: dflashkit bench decode -c run.yaml
 
 Subjects: generate (client req/s vs a local zero-latency server), tokenize (vs raw batched
 tokenizer), train (drafter step vs target forward), decode (speculative vs block_size=1 vs the
-reference dflash_generate), step (the target's decode step as loaded vs packed, against the memory floor), serve (concurrency sweep over one or two OpenAI-compatible endpoints),
+reference dflash_generate), draft (one draft step: the drafter module's forward vs the lean one, fp32
+and bf16), step (the target's decode step as loaded vs packed, against the memory floor), serve
+(concurrency sweep over one or two OpenAI-compatible endpoints),
 recipe (short training runs of recipe variants on this run's data: held-out τ, acc@1, bigram),
 seqlen (train peak memory and step time of one packed row at S = 2k / 8k / 32k).
 Every ratio is measured in one run, warm-up excluded.
@@ -16,89 +18,79 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from dflashkit.bench.decode import bench_decode
+from dflashkit.bench.draft import bench_draft
+from dflashkit.bench.generate import bench_generate
+from dflashkit.bench.recipe import bench_recipe
 from dflashkit.bench.results import write_bench_result
+from dflashkit.bench.seqlen import bench_seqlen
+from dflashkit.bench.serve import bench_serve, check_bench_serve, failed_requests
+from dflashkit.bench.step import bench_step
+from dflashkit.bench.tokenize import bench_tokenize
+from dflashkit.bench.train import bench_train
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
-from dflashkit.errors import UsageError
+from dflashkit.data.chat import load_chat
+from dflashkit.data.tokenizing import input_paths
+from dflashkit.decode.evaluation import check_target_fits, decode_inputs
+from dflashkit.errors import PartialFailure, UsageError
+from dflashkit.generate.conversations import regenerated_file
 from dflashkit.rundir import RunDir
 
 
 def _generate(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.bench.generate import bench_generate
-
     return bench_generate(cfg, rd, ctx)
 
 
 def _serve(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.bench.serve import bench_serve
-
     return bench_serve(cfg, rd, ctx)
 
 
 def _tokenize(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.bench.tokenize import bench_tokenize
-    from dflashkit.data.chat import load_chat
-    from dflashkit.data.tokenizing import input_paths
-    from dflashkit.generate.conversations import regenerated_file
-
     return bench_tokenize(cfg, ctx, input_paths(cfg, rd, regenerated_file)[0][0], lambda: load_chat(cfg))
 
 
 def _train(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.bench.train import bench_train
-
     return bench_train(cfg, rd, ctx)
 
 
 def _decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.bench.decode import bench_decode
-
     return bench_decode(cfg, rd, ctx)
 
 
-def _step(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.bench.step import bench_step
+def _draft(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
+    return bench_draft(cfg, rd, ctx)
 
+
+def _step(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     return bench_step(cfg, rd, ctx)
 
 
 def _recipe(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.bench.recipe import bench_recipe
-
     return bench_recipe(cfg, rd, ctx)
 
 
 def _seqlen(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.bench.seqlen import bench_seqlen
-
     return bench_seqlen(cfg, rd, ctx)
 
 
 # subject -> the bench (each imports its module lazily: a bench's heavy imports load only when it runs)
 SUBJECTS: dict[str, Callable[[RunConfig, RunDir, StageContext], dict[str, Any]]] = {
     "generate": _generate, "serve": _serve, "tokenize": _tokenize, "train": _train, "decode": _decode,
-    "recipe": _recipe, "step": _step, "seqlen": _seqlen,
+    "draft": _draft, "recipe": _recipe, "step": _step, "seqlen": _seqlen,
 }
 
 
 def _check_serve(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> None:
-    from dflashkit.bench.serve import check_bench_serve
-
     check_bench_serve(cfg)
 
 
 def _check_tokenize(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> None:
-    from dflashkit.data.chat import load_chat
-    from dflashkit.data.tokenizing import input_paths
-    from dflashkit.generate.conversations import regenerated_file
-
     input_paths(cfg, rd, regenerated_file)
     load_chat(cfg)
 
 
 def _check_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> None:
-    from dflashkit.decode.evaluation import check_target_fits, decode_inputs
-
     check_target_fits(decode_inputs(cfg, rd, ctx.positionals[1:], num_prompts=cfg.eval.num_prompts), cfg.target)
 
 
@@ -122,8 +114,6 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     result = SUBJECTS[subject](cfg, rd, ctx)
     write_bench_result(rd, subject, result)
     if subject == "serve":  # a sweep whose requests failed measured nothing: never a silent 0 tok/s
-        from dflashkit.bench.serve import failed_requests
-        from dflashkit.errors import PartialFailure
 
         failed, sent = failed_requests(result)
         if failed:

@@ -8,8 +8,9 @@ Outputs: `verify-engine/results.json` (+ manifest), `verify-engine/engine-ar.log
          export of ours, else `verify-engine/speculation_profile.json`).
 Example: dflashkit verify-engine -c run.yaml            # after `dflashkit export`
 
-A DFlash2 export fails unless vLLM ran it on its V2 model runner (the only one with the candidate
-selector; vLLM's CPU build has none: there it always fails, naming the engine's log line).
+An export of a V2-only family (DFlash2, LiLiCorr: `vllm_runner` "v2") fails unless vLLM ran it on its V2 model
+runner (the only one with the candidate walk; vLLM's CPU build has none: there it always fails, naming the
+family and the engine's log line).
 Greedy outputs of vLLM (without speculation) must equal our target's, vLLM with DFlash must equal
 vLLM without, and the engine's τ and per-position acceptance must match our decoder's on the same
 prompts within the tolerances of `dflashkit.engines.verify` (τ within 15 %, each position within
@@ -71,12 +72,13 @@ def _is_export(d: Path) -> bool:
 
 
 def _table(res: dict[str, Any]) -> str:
-    if "tau" not in res:  # a DFlash2 export on a runner without its selector: nothing was measured
-        return "\n".join([f"verify-engine ({res['engine']}, DFlash2, B={res['block_size']}): FAILED"]
+    if "tau" not in res:  # a V2-only family's export on vLLM's V1 runner: nothing was measured
+        return "\n".join([f"verify-engine ({res['engine']}, {res['family']}, B={res['block_size']}): FAILED"]
                          + [f"  likely cause: {x}" for x in res["causes"]])
     t, pp, c = res["tau"], res["per_position_acceptance"], res["checks"]
     ok = {True: "ok", False: "FAIL", None: "not checked"}
-    lines = [f"verify-engine ({res['engine']}, B={res['block_size']}, {res['prompts']} prompts, {res['dtype']}): "
+    lines = [f"verify-engine ({res['engine']}, {res['family']}, B={res['block_size']}, {res['prompts']} prompts, "
+             f"{res['dtype']}): "
              f"{'PASSED' if res['passed'] else 'FAILED'}",
              f"  tau            engine {t['engine']:.3f}  ours {t['ours']:.3f}   {ok[c['tau']['ok']]} ({c['tau']['rule']})",
              "  per position   engine " + " ".join(f"{x:.2f}" for x in pp["engine"])

@@ -1,4 +1,4 @@
-"""A small random drafter that fits a loaded `Target` (arbitrary but real drafts), for tests.
+"""A small random drafter that fits a loaded `Target` (arbitrary but real drafts), for `gpu-check` and tests.
 
 Usage:
     drafter = random_drafter(target, block_size=4, layers=1, seed=0)

@@ -1,11 +1,10 @@
-"""A fast, fault-injecting OpenAI-compatible server (raw asyncio HTTP/1.1) for tests and benches.
+"""A fast, fault-injecting OpenAI-compatible server (raw asyncio HTTP/1.1) for tests and `bench generate`.
 
 Usage:
     with FaultServer(Faults(rates={"429": 0.1, "500": 0.1, "timeout": 0.05, "drop": 0.05,
                                    "malformed": 0.05}, seed=0)) as srv:
         srv.url                    # "http://127.0.0.1:<port>/v1"; srv.stats counts every outcome
     python -m dflashkit.testing.faults '{"latency_s": [0.001, 0.01]}'   # prints its URL, serves forever
-    remove = sigterm_after_step(3)       # training: SIGTERM to this process after step 3 (rank 0), for tests
 
 Answers are canned and deterministic: `canned_answer(messages)` (the test oracle) depends on the
 whole conversation sent, so a client that feeds the wrong history gets a different answer. Faults
@@ -254,29 +253,6 @@ class FaultServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def sigterm_after_step(step: int, *, rank: int = 0, to_parent: bool = False):
-    """A training fault: after step `step`, the process of rank `rank` gets SIGTERM (`train/stopping.py`
-    STEP_HOOKS), delivered before the ranks agree whether to stop, so the stop step is deterministic. With
-    `to_parent` the signal goes to the parent instead (torchrun's agent, which forwards it to every worker)
-    and the hook waits until this process has received its copy. Returns a function that removes the hook."""
-    import os
-    import signal
-    import time
-
-    from dflashkit.train.stopping import STEP_HOOKS
-
-    def hook(n: int, stop: Any) -> None:
-        if n != step or int(os.environ.get("RANK", "0")) != rank:
-            return
-        os.kill(os.getppid() if to_parent else os.getpid(), signal.SIGTERM)
-        deadline = time.monotonic() + 60
-        while stop.signum is None and time.monotonic() < deadline:  # the forwarded copy is asynchronous
-            time.sleep(0.01)
-
-    STEP_HOOKS.append(hook)
-    return lambda: STEP_HOOKS.remove(hook)
 
 
 def main(argv: list[str] | None = None) -> None:

