@@ -1,7 +1,7 @@
 """`python -m dflashkit ...` is the same as the `dflashkit` console script.
 
 A torchrun rank (it joined a process group) ends through `train.parallel.exit_rank`: flushed, then
-`os._exit`, without interpreter finalization while torch's native threads live (issue #20)."""
+`os._exit`, without interpreter finalization while torch's native threads live (docs/architecture.md)."""
 
 import sys
 

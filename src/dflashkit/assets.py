@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import fnmatch
+import importlib.util
 import logging
 import os
 import shutil
@@ -175,8 +176,6 @@ def _fetch(name: str, build: Callable[..., Any] | None = None) -> None:
 
 def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "bfloat16") -> Path:
     """GGUF → plain HF dir (config.json + model.safetensors + tokenizer files), via transformers."""
-    import importlib.util
-
     if importlib.util.find_spec("gguf") is None:
         raise UsageError("loading a .gguf target needs the `gguf` package",
                          hint="pip install 'dflashkit[gguf]'  (or: pip install gguf)")

@@ -21,15 +21,20 @@ import importlib
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
+import threading
 import time
+from contextlib import ExitStack
 from typing import Any
 
-from dflashkit import __version__
+from dflashkit import __version__, family
+from dflashkit.config import load_config
 from dflashkit.context import StageContext, require_positional  # noqa: F401  (re-exported)
 from dflashkit.errors import EXIT_FAILURE, EXIT_USAGE, DflashkitError, NotImplementedStage, StageFailed
 from dflashkit.redact import redact_text
+from dflashkit.rundir import RunDir, run_dir_lock
 from dflashkit.stage_table import READ_ONLY, TABLE  # READ_ONLY: commands that take no run-dir lock
 
 log = logging.getLogger("dflashkit")
@@ -152,17 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     level = ns.log_level or "info"
     previous_term = _on_sigterm()
     try:
-        from contextlib import ExitStack
-
-        from dflashkit import family
-        from dflashkit.config import load_config
-        from dflashkit.rundir import RunDir, run_dir_lock
-
         cfg = load_config(ns.config, overrides, checks=family.checks)
         level = ns.log_level or cfg.run.log_level
         _setup_logging(level)
         module_name, _ = COMMANDS[ns.command]
-        try:
+        try:  # one stage module per command, imported on demand: `--help` and light commands never load torch
             module = importlib.import_module(f"dflashkit.stages.{module_name}")
         except ModuleNotFoundError as e:
             if e.name == f"dflashkit.stages.{module_name}":
@@ -215,8 +214,6 @@ def main(argv: list[str] | None = None) -> int:
 def _with_config(text: str | None, config: str | None, overrides: list[str]) -> str | None:
     """Messages name commands as `dflashkit X -c run.yaml`: say the config this command was given instead
     (`-c PATH`, or the run dir override when there is no YAML)."""
-    import shlex
-
     if not text or "-c run.yaml" not in text:
         return text
     if config:
@@ -239,8 +236,6 @@ def _raise_on_sigterm(signum, _frame) -> None:
 def _on_sigterm():
     """SIGTERM → SystemExit(143) for the command's duration (main thread only), so the command still prints
     its JSON line; returns the previous handler (None when not installed)."""
-    import threading
-
     global _MAIN_PID
     if threading.current_thread() is not threading.main_thread():
         return None

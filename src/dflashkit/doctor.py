@@ -13,6 +13,7 @@ its status.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import importlib.util
 import os
@@ -22,7 +23,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dflashkit.assets import ASSETS, cache_dir, is_fetched
 from dflashkit.config import redact_url
+from dflashkit.data.drift import describe
+from dflashkit.engines import vllm
+from dflashkit.generate.openai_client import OpenAIClient
+from dflashkit.http1 import get_json
 
 # pip name -> import name, for required packages
 REQUIRED = {"torch": "torch", "transformers": "transformers", "tokenizers": "tokenizers",
@@ -94,8 +100,6 @@ def device_checks() -> list[dict[str, Any]]:
 
 
 def tool_checks(run_dir: str) -> list[dict[str, Any]]:
-    from dflashkit.assets import ASSETS, cache_dir, is_fetched
-
     torchrun = shutil.which("torchrun") or (str(Path(sys.executable).with_name("torchrun"))
                                             if Path(sys.executable).with_name("torchrun").exists() else None)
     out = [_check("torchrun", "ok" if torchrun else "missing", torchrun or "multi-process training",
@@ -117,8 +121,6 @@ def tool_checks(run_dir: str) -> list[dict[str, Any]]:
 
 
 def endpoint_checks(server: Any, timeout: float = 3.0) -> list[dict[str, Any]]:
-    from dflashkit.http1 import get_json
-
     out = []
     key = os.environ.get(server.api_key_env)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -144,10 +146,8 @@ def drift_checks(cfg: Any, urls: list[str], timeout: float = 30.0) -> list[dict[
     """generate's pre-flight against each reachable endpoint (needs the target's tokenizer here)."""
     if not urls or not (cfg.target.path or cfg.target.tokenizer):
         return []
-    import asyncio
 
-    from dflashkit.data.drift import describe
-    from dflashkit.generate.preflight import local_chat
+    from dflashkit.generate.preflight import local_chat  # lazy: loads transformers, which doctor otherwise never needs
 
     try:
         chat = local_chat(cfg)
@@ -173,8 +173,7 @@ def drift_checks(cfg: Any, urls: list[str], timeout: float = 30.0) -> list[dict[
 
 
 async def _preflight_one(cfg: Any, url: str, chat: Any, timeout: float):
-    from dflashkit.generate.openai_client import OpenAIClient
-    from dflashkit.generate.preflight import Sender, local_prompt_ids, preflight
+    from dflashkit.generate.preflight import Sender, local_prompt_ids, preflight  # lazy: loads transformers
     from dflashkit.generate.preflight import request_body, sampling_settings
 
     async with OpenAIClient([url], concurrency=1, timeout_s=timeout, max_retries=0,
@@ -191,7 +190,6 @@ async def _preflight_one(cfg: Any, url: str, chat: Any, timeout: float):
 def target_check(cfg: Any) -> list[dict[str, Any]]:
     if not cfg.target.path:
         return []
-    from dflashkit.assets import ASSETS, is_fetched
 
     p = Path(cfg.target.path).expanduser()
     if p.exists():
@@ -208,8 +206,6 @@ def target_check(cfg: Any) -> list[dict[str, Any]]:
 def engine_checks(cfg: Any = None) -> list[dict[str, Any]]:
     """The vLLM engine venv (`server.engine: vllm`, `verify-engine`, `capture.engine`/`train.features`):
     installed or not, and whether it holds what the target's tokenizer needs; nothing is started."""
-    from dflashkit.engines import vllm
-
     s = vllm.status()
     out = [_check("engine vllm", "ok" if s["installed"] else "absent",
                   f"{vllm.PACKAGE} {s['version']} in {s['dir']}" if s["installed"] else "optional",

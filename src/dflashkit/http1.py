@@ -25,7 +25,9 @@ messages show URLs redacted (`dflashkit.redact`). A URL's `user:password@` is se
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import re
 import ssl
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -254,7 +256,6 @@ def _basic_auth(user: str | None, password: str | None, headers: str) -> str:
     """The Authorization header line for a URL's user info (none when there is none, or the client has one)."""
     if user is None or "\nauthorization:" in "\n" + headers.lower():
         return ""
-    import base64
 
     token = base64.b64encode(f"{unquote(user)}:{unquote(password or '')}".encode()).decode("ascii")
     return f"Authorization: Basic {token}\r\n"
@@ -278,8 +279,6 @@ def request_sync(method: str, url: str, body: bytes = b"", *, headers: dict[str,
 
 def excerpt(headers: dict[str, str], body: bytes, limit: int = 120) -> str:
     """What answered, in one short line: the content type and an HTML page's <title> or the body's start."""
-    import re
-
     kind = headers.get("content-type", "").split(";")[0].strip() or "body"
     text = body[:4096].decode("utf-8", "replace")
     title = re.search(r"<title[^>]*>(.*?)</title>", text, re.I | re.S)

@@ -15,11 +15,17 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dflashkit.decode.api import default_stop_ids
+from dflashkit.decode.spec_decode import SpecDecoder
 from dflashkit.errors import UsageError
+from dflashkit.export.hf import load_drafter
+from dflashkit.inspect.target import resolve_target_path
+from dflashkit.serving.batching import BatchEngine
+from dflashkit.serving.engine import SerialEngine
+from dflashkit.serving.server import App
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
-    from dflashkit.serving.server import App
 
 log = logging.getLogger("dflashkit.serve")
 
@@ -30,12 +36,7 @@ def build_app(cfg: RunConfig, model_path: str | None = None) -> App:
     Raises:
         UsageError: bad model path, or a drafter that does not fit the target.
     """
-    from dflashkit.inspect.target import resolve_target_path
     from dflashkit.model.target import load_target
-    from dflashkit.serving.batching import BatchEngine
-    from dflashkit.decode.api import default_stop_ids
-    from dflashkit.serving.engine import SerialEngine
-    from dflashkit.serving.server import App
 
     section = dataclasses.replace(cfg.target, path=model_path) if model_path else cfg.target
     target = load_target(section)
@@ -45,12 +46,6 @@ def build_app(cfg: RunConfig, model_path: str | None = None) -> App:
     name = cfg.serve.model_name or resolve_target_path(section.path, section.gguf_file)[0].name
     s = cfg.serve
     if s.drafter:
-        try:
-            from dflashkit.decode.spec_decode import SpecDecoder
-            from dflashkit.export.hf import load_drafter
-        except ImportError as e:
-            raise UsageError(f"--drafter needs the speculative decoder, which is not available ({e})",
-                             hint="serve without --drafter, or update dflashkit") from None
         if not Path(s.drafter).is_dir():
             raise UsageError(f"serve.drafter {s.drafter!r} is not a directory",
                              hint="pass a drafter dir with config.json + model.safetensors "

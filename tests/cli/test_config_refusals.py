@@ -99,7 +99,7 @@ def test_train_keeps_its_own_check_with_the_contracts_family(tmp_path, tiny_qwen
 def test_another_familys_knob_is_refused_naming_the_key_and_the_family(tmp_path, capsys, kind, key):
     name = key.split("=")[0]
     owner = next(f for f in family.FAMILIES.values()
-                 if name.split(".")[1] in (f.knob_names if name.startswith("drafter.") else f.train_knobs))
+                 if name.split(".")[1] in (f.knob_names if name.startswith("drafter.") else f.weight_names))
     res = _refused(["train", "--dry-run", f"run.run_dir={tmp_path / 'run'}", f"drafter.type={kind}", key], capsys,
                    f"{name}: ", f"drafter.type={kind} does not read", owner.title)
     assert name in res["error"]
@@ -120,11 +120,11 @@ def test_every_knob_set_for_a_family_that_does_not_read_it_is_a_problem():
             d = DrafterSection(type=fam.name, **{key: _other(getattr(DrafterSection(), key))})
             found = [p for p in family.config_problems(d) if p.startswith(f"drafter.{key}: ") and "not read" in p]
             assert bool(found) == (key not in fam.knob_names), (fam.name, key, found)
-        for key in {k for f in family.FAMILIES.values() for k in f.train_knobs}:
+        for key in {k for f in family.FAMILIES.values() for k in f.weight_names}:
             cfg = RunConfig(drafter=DrafterSection(type=fam.name),
                             train=TrainSection(**{key: getattr(TrainSection(), key) + 0.5}))
             found = [p for p in family.checks(cfg) if p.startswith(f"train.{key}: ") and "not read" in p]
-            assert bool(found) == (key not in fam.train_knobs), (fam.name, key, found)
+            assert bool(found) == (key not in fam.weight_names), (fam.name, key, found)
 
 
 def test_a_lattice_width_the_config_gives_is_checked_against_the_heads_when_it_loads():
@@ -144,7 +144,7 @@ def test_the_docs_name_every_family_that_reads_a_knob():
         readers = ", ".join(f.name for f in family.FAMILIES.values() if key in f.knob_names)
         assert helps[f"drafter.{key}"].split(":")[0] == readers, (key, helps[f"drafter.{key}"][:60])
     for fam in family.FAMILIES.values():
-        for key in fam.train_knobs:
+        for key in fam.weight_names:
             assert helps[f"train.{key}"].startswith(f"drafter.type={fam.name}:"), key
 
 

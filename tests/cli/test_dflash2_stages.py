@@ -14,7 +14,7 @@ import torch
 from dflashkit.cli import main
 from dflashkit.config import TargetSection
 from dflashkit.model.target import load_target
-from dflashkit.testing import serving
+from tests.harness.servers import serving
 from tests.helpers import run_dir_with_drafter
 
 DFLASH2 = dict(drafter_type="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=6)

@@ -14,7 +14,8 @@ from dflashkit.cli import main
 from dflashkit.data.drift import answer_line, compare_prompt, prompt_line
 from dflashkit.testing.faults import FaultServer, Faults
 from dflashkit.generate.preflight import NEUTRAL_SAMPLING
-from dflashkit.testing import CHATML_TEMPLATE, penalty_serving, serving
+from dflashkit.model.tiny import CHATML_TEMPLATE
+from tests.harness.servers import penalty_serving, serving
 
 SYSTEM = "You are a helpful AI assistant named Tiny."
 # A generic server-side template that inserts a default system prompt the target's template lacks.

@@ -9,7 +9,7 @@ import pytest
 from dflashkit.cli import main
 from dflashkit.decode.api import SamplingParams
 from dflashkit.generate.conversations import build_prompt, plan_turns
-from dflashkit.testing import serving
+from tests.harness.servers import serving
 
 CONVS = [
     {"id": "a" * 16, "source": "t", "messages": [{"role": "user", "content": "hello"},

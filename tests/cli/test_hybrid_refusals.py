@@ -13,7 +13,7 @@ from tests.helpers import make_run, overrides
 
 @pytest.fixture(scope="module")
 def hybrid_dir(tmp_path_factory):
-    from dflashkit.testing.hybrid import make_tiny_hybrid_target
+    from tests.harness.hybrid import make_tiny_hybrid_target
 
     return make_tiny_hybrid_target(tmp_path_factory.mktemp("hybrid") / "bamba", "bamba")
 

@@ -209,7 +209,7 @@ def _world(tmp_path: Path, tiny_qwen3: Path, **contract) -> Path:
 
 
 def _other_target(tmp_path: Path) -> Path:
-    from dflashkit.testing import make_tiny_target
+    from dflashkit.model.tiny import make_tiny_target
 
     return make_tiny_target(tmp_path / "narrow", "qwen3", hidden=48)
 

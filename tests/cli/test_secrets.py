@@ -2,7 +2,7 @@
 
 One sweep puts a distinctive `user:password@` into every field the schema marks `url=True` (`server.urls`,
 `bench.urls`, `capture.server_url`), runs every command that reads one — on success and on failure — against
-fake servers on 127.0.0.1 (`dflashkit.testing`), at debug log level, and searches stdout, stderr and every
+fake servers on 127.0.0.1 (`dflashkit.testing`, tests/harness), at debug log level, and searches stdout, stderr and every
 file under the test's directory for the password. A field with "url" in its name that the schema does not
 mark fails `test_every_url_field_is_marked`, so a new one cannot skip the rule.
 """
@@ -89,7 +89,7 @@ class Sweep:
 
 
 def test_no_password_from_any_url_field_appears_anywhere(tmp_path, tiny_qwen3, capsys):
-    from dflashkit.testing.fake_engine import FakeHiddenStatesEngine
+    from tests.harness.fake_engine import FakeHiddenStatesEngine
     from dflashkit.testing.faults import FaultServer, Faults
     from tests.helpers import make_run, overrides
 

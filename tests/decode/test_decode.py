@@ -9,10 +9,11 @@ from dflashkit.config import TargetSection
 from dflashkit.decode.api import SamplingParams
 from dflashkit.decode.metrics import compare, summarize_acceptance, summarize_timing
 from dflashkit.decode.spec_decode import SpecDecoder
-from dflashkit.testing.proposers import AdversarialProposer, CopyTargetProposer
+from dflashkit.testing.proposers import CopyTargetProposer
 from dflashkit.errors import UsageError
 from dflashkit.model.target import load_target
 from dflashkit.testing import random_drafter
+from tests.harness.proposers import AdversarialProposer
 
 BLOCKS = (1, 2, 4, 8, 16)
 

@@ -1,7 +1,7 @@
 """Hybrid targets (linear-attention / state-space layers beside full attention): speculative decoding stays
 lossless, because the target's cache rolls back exactly (decode/rollback.py).
 
-Tiny targets are built in code from transformers' own configs (`dflashkit.testing.hybrid`): Qwen3-Next and
+Tiny targets are built in code from transformers' own configs (tests/harness/hybrid.py): Qwen3-Next and
 Qwen3.5 (Gated DeltaNet), Bamba and Nemotron-H (Mamba-2 layers beside attention layers) and Falcon-H1 (Mamba-2
 and attention inside every layer).
 """
@@ -20,8 +20,8 @@ from dflashkit.decode.spec_decode import SpecDecoder
 from dflashkit.model.hybrid import layer_types, recurrent_summary
 from dflashkit.model.target import Target, cache_kwarg, load_target
 from dflashkit.testing import random_drafter
-from dflashkit.testing.hybrid import HYBRID_ARCHS, hybrid_config, make_tiny_hybrid_target
 from dflashkit.testing.proposers import CopyTargetProposer
+from tests.harness.hybrid import HYBRID_ARCHS, hybrid_config, make_tiny_hybrid_target
 
 PROMPT = [1, 60, 61, 62, 63, 64, 10, 65, 66, 67, 68, 2, 10]
 N = 23

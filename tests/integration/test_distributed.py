@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,9 +117,11 @@ def test_ranks_finish_cleanly_when_one_is_slow_to_leave(tmp_path, tiny_qwen3, sl
     """A rank that reaches teardown seconds after its peer (its peer has left and exited) still exits
     0, and no rank aborts in teardown ("terminate called ...", SIGABRT) — the fresh-clone failure."""
     rd = make_run(tmp_path / "r", tiny_qwen3)
-    env = {**ENV, "DFLASHKIT_TEST_SLOW_TEARDOWN": f"{slow_rank}:3"}
+    root = str(Path(__file__).resolve().parents[2])  # the repo root: tests.harness, whatever the cwd
+    env = {**ENV, "DFLASHKIT_TEST_SLOW_TEARDOWN": f"{slow_rank}:3",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "dflashkit.testing.slow_teardown", "train", "--json",
+           "-m", "tests.harness.slow_teardown", "train", "--json",
            *overrides(rd, tiny_qwen3, train__max_steps=2, train__parallel__mode="fsdp",
                       train__parallel__target="shard")]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

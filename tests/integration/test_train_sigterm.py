@@ -1,6 +1,6 @@
 """SIGTERM during `train`: a checkpoint at the next step boundary, exit 143, and the resumed run ends at exactly
 the weights of an uninterrupted one — in one process and under torchrun (2 gloo ranks, which agree on the
-step). The signal is delivered at a chosen step by `dflashkit.testing.faults.sigterm_after_step`."""
+step). The signal is delivered at a chosen step by `tests.harness.sigterm.sigterm_after_step`."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from dflashkit.cli import main
-from dflashkit.testing.faults import sigterm_after_step
+from tests.harness.sigterm import sigterm_after_step
 from tests.helpers import make_run, overrides
 
 STEPS = 6
@@ -86,7 +87,8 @@ def test_a_second_sigterm_exits_at_once(tmp_path, tiny_qwen3, capsys):
 
 SCRIPT = """
 import sys
-from dflashkit.testing.faults import sigterm_after_step
+sys.path.insert(0, {root!r})  # the repo root: tests.harness
+from tests.harness.sigterm import sigterm_after_step
 sigterm_after_step({step}, rank=0, to_parent={to_parent})
 from dflashkit.cli import main
 raise SystemExit(main(sys.argv[1:]))
@@ -111,7 +113,7 @@ def test_sigterm_under_torchrun_stops_every_rank_at_the_same_step_and_resumes_th
     r = _torchrun(tmp_path, whole, tiny_qwen3, None, **ov)
     assert r.returncode == 0, r.stderr[-3000:]
     script = tmp_path / "sigterm_train.py"
-    script.write_text(textwrap.dedent(SCRIPT.format(step=3, to_parent=True)))
+    script.write_text(textwrap.dedent(SCRIPT.format(step=3, to_parent=True, root=str(Path(__file__).resolve().parents[2]))))
     r = _torchrun(tmp_path, cut, tiny_qwen3, str(script), **ov)
     assert r.returncode != 0, r.stderr[-3000:]  # torchrun itself was terminated
     results = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]

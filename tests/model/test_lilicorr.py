@@ -79,7 +79,7 @@ def test_state_dict_names_and_shapes_are_vllms(width, conv):
     assert type(m.lilicorr.layers[0].attn_norm) is torch.nn.RMSNorm and type(m.lilicorr.feature_norm) is torch.nn.LayerNorm
     assert m.lilicorr.feature_norm.eps == 1e-5
     assert sum(p.numel() for p in m.parameters()) - sum(p.numel() for p in DFlashDraftModel(tiny_contract()).parameters()) \
-        == family.get("lilicorr").extra_params(m.contract)
+        == family.extra_params(m.contract)
 
 
 def test_init_follows_modelopt():

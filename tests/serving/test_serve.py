@@ -12,7 +12,7 @@ import torch
 
 from dflashkit.config import config_from_dict
 from dflashkit.stages.serve import build_app
-from dflashkit.testing import serving
+from tests.harness.servers import serving
 
 PROMPTS = ["hi", "Write a haiku about the sea, please.", "x" * 37, "What is 2+2?", "Tell me a story",
            "ok", "Explain speculative decoding in one paragraph."]

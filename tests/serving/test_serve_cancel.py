@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from dflashkit.testing import serving
+from tests.harness.servers import serving
 
 
 @pytest.fixture(scope="module")

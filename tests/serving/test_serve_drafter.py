@@ -8,7 +8,8 @@ import torch
 from dflashkit.config import TargetSection
 from dflashkit.export.hf import save_drafter
 from dflashkit.model.target import load_target
-from dflashkit.testing import random_drafter, serving
+from dflashkit.testing import random_drafter
+from tests.harness.servers import serving
 
 
 def test_serve_with_drafter_is_lossless_and_reports_acceptance(tiny_qwen3, tmp_path):

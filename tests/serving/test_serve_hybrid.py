@@ -12,8 +12,9 @@ import torch
 from dflashkit.config import TargetSection
 from dflashkit.export.hf import save_drafter
 from dflashkit.model.target import load_target
-from dflashkit.testing import random_drafter, serving
-from dflashkit.testing.hybrid import make_tiny_hybrid_target
+from dflashkit.testing import random_drafter
+from tests.harness.hybrid import make_tiny_hybrid_target
+from tests.harness.servers import serving
 
 MESSAGES = ["Hello, hybrid world", "Write a haiku about the sea, please.", "x" * 23, "ok"]
 

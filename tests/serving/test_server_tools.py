@@ -18,7 +18,7 @@ from dflashkit.decode.api import GenerationResult
 from dflashkit.serving.engine import Request
 from dflashkit.serving.server import App, serve_in_thread
 from dflashkit.serving.tools import parse_tool_calls
-from dflashkit.testing import serving
+from tests.harness.servers import serving
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
                                            "parameters": {"type": "object", "properties": {"q": {"type": "string"}},

@@ -23,8 +23,16 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from dflashkit.decode.api import Decoder, GenerationResult, SamplingParams
+from dflashkit.decode.evaluation import decode_inputs, load_checked_target, verify_dtype, verify_target_config
+from dflashkit.decode.metrics import compare, summarize_acceptance, summarize_timing
+from dflashkit.decode.runner import draft_dtype_for, first_difference, params_for, run_interleaved
+from dflashkit.decode.spec_decode import SpecDecoder
+from dflashkit.decode.step_cost import decode_step_report, roofline, step_times
 from dflashkit.errors import UsageError
+from dflashkit.export.hf import load_drafter
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -48,8 +56,6 @@ class ReferenceDecoder:
         self.model = DFlashDraftModel.from_pretrained(str(drafter_dir), dtype=target.dtype).to(target.device).eval()
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
-        import torch
-
         ids = torch.tensor([prompt_ids], device=self.target.device)
         t0 = time.perf_counter()
         out = self._generate(self.model, self.target.model, ids, params.max_new_tokens,
@@ -68,14 +74,6 @@ def _e2e(results: list[GenerationResult]) -> tuple[int, float]:
 
 
 def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    import torch
-
-    from dflashkit.decode.evaluation import decode_inputs, load_checked_target, verify_dtype, verify_target_config
-    from dflashkit.decode.metrics import compare, summarize_acceptance, summarize_timing
-    from dflashkit.decode.runner import draft_dtype_for, first_difference, params_for, run_interleaved
-    from dflashkit.decode.spec_decode import SpecDecoder
-    from dflashkit.export.hf import load_drafter
-    from dflashkit.decode.step_cost import decode_step_report, roofline, step_times
     from dflashkit.model.target import announce, load_target
 
     inputs = decode_inputs(cfg, rd, ctx.positionals[1:], num_prompts=cfg.eval.num_prompts)
@@ -97,7 +95,7 @@ def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any
     if cfg.eval.adaptive_length:
         decoders["ours-adaptive"] = SpecDecoder(target, drafter, bs, max_context=cfg.eval.max_context,
                                                 draft_dtype=ddt, adaptive=True)
-    if contract.family.reference_loop:  # the PyPI reference (dflash 0.1.0) decodes this family
+    if contract.family.decoding.reference_loop:  # the PyPI reference (dflash 0.1.0) decodes this family
         decoders["reference"] = ReferenceDecoder(target, str(drafter_dir), bs)
     runs = run_interleaved(decoders, ids, params, warmup=max(1, cfg.eval.warmup), base_seed=cfg.run.seed)
 

@@ -23,7 +23,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dflashkit.config import config_from_dict
+from dflashkit.data.records import read_prepared
+from dflashkit.errors import ServerError
 from dflashkit.generate.openai_client import OpenAIClient
+from dflashkit.generate.regenerate import generate_conversations
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -41,7 +45,6 @@ def spawn_canned_server(options: dict[str, Any] | None = None) -> tuple[subproce
     url = proc.stdout.readline().decode().strip()
     if not url.startswith("http"):
         proc.kill()
-        from dflashkit.errors import ServerError
 
         raise ServerError("the zero-latency bench server did not start")
     return proc, url
@@ -63,10 +66,6 @@ async def _client_rate(url: str, n: int, concurrency: int, warmup: int) -> dict[
 
 
 def _stage_rate(url: str, n: int, concurrency: int) -> dict[str, float]:
-    from dflashkit.config import config_from_dict
-    from dflashkit.data.records import read_prepared
-    from dflashkit.generate.regenerate import generate_conversations
-
     with tempfile.TemporaryDirectory(prefix="dflashkit-bench-") as tmp:
         src = Path(tmp) / "prompts.jsonl"
         lines = [json.dumps({"id": f"{i:016x}", "source": "bench",

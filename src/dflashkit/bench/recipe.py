@@ -6,68 +6,54 @@ Usage:
     dflashkit bench recipe -c run.yaml bench.recipe_variants='{base: [], wide: [train.lr=1e-3]}'
     dflashkit bench recipe -c run.yaml bench.recipe_grid='{drafter.block_size: [4, 8, 16]}'
 
-Each variant is the run config plus dotted overrides, trained from scratch in
-`<run_dir>/bench/recipe/<name>/` (which links this run's contract.json, tokenize/ and capture/,
-so the data and cached features are shared and never copied; a variant that changes block size,
-draft layers or target feature layers gets its own contract.json instead — with cached features,
-other feature layers must be among those captured: `capture.extra_layer_ids` captures more than the
-contract's, else `train.features=online`), then scored on the same held-out samples. Variants come
-from `bench.recipe_variants` (name → overrides) and `bench.recipe_grid`
-(key → values: one variant `key=value` per value, every other key at the run's setting: one lever
-at a time, as a study varies them); with neither, the defaults below. Every variant's config is
-built and validated before the first one trains.
+Each variant is the run config plus dotted overrides (`bench.recipe_variants`, or one lever at a
+time from `bench.recipe_grid`), trained from scratch in `<run_dir>/bench/recipe/<name>/` and scored
+on the same held-out samples. A variant links the run's contract.json, tokenize/ and capture/ (data
+and cached features are shared, never copied) unless it changes the contract (block size, layers,
+feature layers, drafter type), then it gets its own contract.json. Every variant's config is built
+and validated before the first one trains.
 
-Equal CPU-minutes (`bench.cpu_minutes`): each variant trains until its optimizer steps have used
-that much process CPU time (`time.process_time`: all of this process's threads; held-out
-evaluation not charged), with its lr schedule stretched over the steps the budget affords
-(`train/optim.py` CpuBudget), capped at `bench.recipe_steps`. A variant whose step costs twice as
-much gets half the steps: the comparison a user with a fixed machine cares about. Without it every
-variant runs `bench.recipe_steps` steps.
+With `bench.cpu_minutes` each variant trains until its optimizer steps have used that much process
+CPU time (`train/optim.py` CpuBudget, lr schedule stretched to fit, capped at `bench.recipe_steps`).
+Each row records held-out τ, accuracies, loss, the train-vs-held-out gap, τ per source, CPU-minutes,
+steps, tokens, its learning curve and the load average around the variant (a busy machine makes
+CPU-minutes incomparable).
 
-Each row: held-out simulated τ, position-1 accuracy, per-position accuracy, held-out loss, the
-train-vs-held-out τ gap, τ per held-out data source and on the second source (the first of
-`train.heldout_sources`, a source never trained on, else the second source of the held-out set),
-CPU-minutes used, steps, supervised tokens seen, wall seconds, its learning curve (`curve`: one point
-per `bench.recipe_eval_every` steps and at the end), and the 1-minute load average before and after
-the variant (a number near or above the core count says the machine was not
-quiet and the CPU-minutes of different variants are not comparable).
-
-The default variants answer the questions a weak drafter raises:
-  * base             — the config as it is;
-  * labels=data      — learn the training text's tokens instead of the target's own predictions;
-  * no-features      — no target context in training and scoring (blocks attend to themselves
-                       only; decode/diagnostics.py says why zeroed features would not do): does the
-                       drafter use the target at all? (a drafter that matches this one is a language
-                       model, not a DFlash drafter);
-  * one per drafter family beside DFlash (dflashkit/family/; today dflash2, lilicorr) — the same data and
-                       steps with that family's drafter (drafter.type=…, full vocab if the family has
-                       no reduced one): DFlash2's held-out τ is the selector walk's, `heldout_unary_tau`
-                       the unary argmax's beside it. A variant that changes drafter.type or a family's
-                       knob trains from its own contract.json (the run's, with those fields
-                       replaced); every other variant links the run's;
-  * bigram           — not a drafter: the share of held-out supervised positions whose label is the
-                       most frequent successor of the previous token in the training labels.
+Default variants: base; labels=data; no-features (no target context: does the drafter use the target
+at all?); one per drafter family beside DFlash (dflashkit/family/); and bigram, not a drafter but the
+share of held-out labels the most frequent successor predicts. Method: docs/recipe.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dflashkit.config import BenchSection, RunConfig, config_from_dict, config_to_dict
-from dflashkit.errors import UsageError
-from dflashkit.rundir import RunDir
+from dflashkit import family
+from dflashkit.config import (BenchSection, DrafterSection, RunConfig, TrainSection, config_from_dict, config_to_dict,
+                              given_keys, parse_override, recipe_variant_problems, set_given_keys)
+from dflashkit.data.shards import tokenized_shards
+from dflashkit.decode.diagnostics import BigramTable
+from dflashkit.errors import ConfigError, DflashkitError, MissingArtifactError, UsageError
+from dflashkit.family import get
+from dflashkit.family.contract import DrafterContract, build_target_layer_ids, sliding_fields
+from dflashkit.rundir import RunDir, atomic_write_json, check_replaceable
+from dflashkit.train.data import load_tokenized, split_heldout
+from dflashkit.train.guards import check_cached_features, check_drafter_overrides
+from dflashkit.train.logging import read_curve
+from dflashkit.train.loop import fit
 
 if TYPE_CHECKING:
     from dflashkit.context import StageContext
-    from dflashkit.family.contract import DrafterContract
 
 log = logging.getLogger("dflashkit.bench")
 
@@ -75,19 +61,14 @@ def _family_variants() -> dict[str, list[str]]:
     """One variant per drafter family beside the default one: the same data and steps with that family's
     drafter (full vocab when the family has no reduced vocab), the other families' knobs back at their
     defaults (a base config of one family may set knobs the variant's family does not read)."""
-    import json
-
-    from dflashkit import family
-    from dflashkit.config import DrafterSection, TrainSection
-
     def resets(f: family.Family) -> list[str]:
         drafter = [f"drafter.{k}={json.dumps(getattr(DrafterSection(), k))}"
                    for k in family.knob_keys() if k not in f.knob_names]
-        train_keys = dict.fromkeys(k for g in family.FAMILIES.values() for k in g.train_knobs)
+        train_keys = dict.fromkeys(k for g in family.FAMILIES.values() for k in g.weight_names)
         return drafter + [f"train.{k}={json.dumps(getattr(TrainSection(), k))}" for k in train_keys
-                          if k not in f.train_knobs]
+                          if k not in f.weight_names]
 
-    return {f.name: [f"drafter.type={f.name}", *([] if f.reduced_vocab else ["drafter.draft_vocab_size=null"]),
+    return {f.name: [f"drafter.type={f.name}", *([] if f.network.reduced_vocab else ["drafter.draft_vocab_size=null"]),
                      *resets(f)]
             for f in family.FAMILIES.values() if f is not family.DEFAULT}
 
@@ -103,8 +84,6 @@ DEFAULT_VARIANTS: dict[str, list[str]] = {
 def own_contract_keys() -> set[str]:
     """drafter.* keys a variant may change although the contract holds them (they get a contract of their own):
     the drafter family and every family's knobs."""
-    from dflashkit import family
-
     return {"drafter.type", *(f"drafter.{k}" for k in family.knob_keys())}
 
 
@@ -122,9 +101,6 @@ def grid_name(key: str, value: str) -> str:
 
 def variants_of(bench: BenchSection) -> dict[str, list[str]]:
     """name → overrides from `bench.recipe_variants` and `bench.recipe_grid` (defaults when both are empty)."""
-    from dflashkit.config import recipe_variant_problems
-    from dflashkit.errors import ConfigError
-
     problems = recipe_variant_problems(bench.recipe_variants or {})
     if problems:
         raise ConfigError(problems)
@@ -140,8 +116,6 @@ def variants_of(bench: BenchSection) -> dict[str, list[str]]:
 
 
 def _yaml_scalar(v: Any) -> str:
-    import json
-
     if isinstance(v, bool):
         return "true" if v else "false"
     if v is None:
@@ -151,12 +125,9 @@ def _yaml_scalar(v: Any) -> str:
 
 def variant_config(cfg: RunConfig, name: str, overrides: list[str], root: Path, steps: int) -> RunConfig:
     """The config of one variant: `cfg` + overrides, its own run dir, `steps` steps, one final eval."""
-    from dflashkit.config import given_keys, parse_override, set_given_keys
-
     data = config_to_dict(cfg)
     data["run"]["run_dir"] = str(root)
     data["train"].update(max_steps=steps, eval_every=cfg.bench.recipe_eval_every, save_every=0)
-    from dflashkit import family
 
     vcfg = config_from_dict(data, overrides, source=f"bench.recipe_variants.{name}", checks=family.checks)
     set_given_keys(vcfg, set(given_keys(cfg) or ()) | {parse_override(o)[0] for o in overrides})
@@ -179,17 +150,10 @@ def plan_variants(cfg: RunConfig, rd: RunDir
     (its own, `variant_contract`, when it changes the drafter's shape), and with train.features=cached
     that this run's capture/ holds the variant's feature layers: a bad last variant fails before the first
     one costs minutes, and a user's directory where a variant would go is refused."""
-    from dflashkit.data.shards import tokenized_shards
-    from dflashkit.errors import ConfigError, DflashkitError, MissingArtifactError
-    from dflashkit.rundir import check_replaceable
-    from dflashkit.train.guards import check_cached_features, check_drafter_overrides
-
     steps = int(cfg.bench.recipe_steps)
     root = rd.bench_dir / "recipe"
     base = None
     if rd.contract_path.is_file():
-        from dflashkit.family.contract import DrafterContract
-
         base = DrafterContract.load(rd.contract_path)
         check_drafter_overrides(cfg, base, rd.contract_path)
     out: dict[str, tuple[list[str], RunConfig, DrafterContract | None]] = {}
@@ -222,11 +186,6 @@ def variant_contract(over: list[str], vcfg: RunConfig, contract: DrafterContract
     target feature layers, sliding-window layers) or family (drafter.type, a family's knobs): the run's contract with those
     fields redone as `probe` would (layer ids by the reference formula unless given). None when the
     result is the run's contract (it is linked)."""
-    import dataclasses
-
-    from dflashkit.config import parse_override
-    from dflashkit.family.contract import build_target_layer_ids, sliding_fields
-
     keys = {parse_override(o)[0] for o in over}
     given = {k for k in _CONTRACT_KEYS if f"drafter.{k}" in keys}
     refamily = bool(keys & own_contract_keys())
@@ -244,8 +203,6 @@ def variant_contract(over: list[str], vcfg: RunConfig, contract: DrafterContract
     if given & {"sliding_window", "layer_types"}:  # per-layer attention (full / sliding), as probe writes it
         own = dataclasses.replace(own, **sliding_fields(d.layer_types, d.sliding_window, layers))
     if refamily:
-        from dflashkit.family import get
-
         own = dataclasses.replace(own, **get(d.type).contract_fields(d))
     if own == contract:
         return None
@@ -257,9 +214,6 @@ def bigram_accuracy(rd: RunDir, heldout_samples: int, seed: int) -> float | None
     """Held-out share of supervised labels equal to the most frequent successor of the previous token in
     the training samples' supervised tokens (`decode.diagnostics.BigramTable`; an unseen previous token
     counts as a miss): the baseline any drafter should beat."""
-    from dflashkit.decode.diagnostics import BigramTable
-    from dflashkit.train.data import load_tokenized, split_heldout
-
     data = load_tokenized(rd)
     train_idx, held = split_heldout(len(data), heldout_samples, seed=seed)
     table = BigramTable.fit([data.input_ids[i] for i in train_idx], [data.loss_mask[i] for i in train_idx])
@@ -275,8 +229,6 @@ def bigram_accuracy(rd: RunDir, heldout_samples: int, seed: int) -> float | None
 def curve_of(vdir: RunDir) -> list[list[Any]]:
     """A variant's learning curve (its train/curve.json) as rows [step, supervised tokens, optimizer seconds,
     held-out τ, position-1 accuracy]: one per `bench.recipe_eval_every` and the final one."""
-    from dflashkit.train.logging import read_curve
-
     points = (read_curve(vdir) or {}).get("points") or []
     return [[p["step"], p["tokens"], p["train_s"], p["heldout"]["tau"], p["heldout"]["acc1"]] for p in points]
 
@@ -319,12 +271,6 @@ def row_of(name: str, over: list[str], vcfg: RunConfig, res: dict, *, wall_s: fl
 
 
 def bench_recipe(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.train.loop import fit
-
-    import shutil
-
-    from dflashkit.rundir import atomic_write_json
-
     steps = int(cfg.bench.recipe_steps)
     budget_s = cfg.bench.cpu_minutes * 60 if cfg.bench.cpu_minutes else None
     plan = plan_variants(cfg, rd)

@@ -29,6 +29,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflashkit.errors import UsageError
+from dflashkit.family import new_drafter
+from dflashkit.inspect.contract import run_contract
+from dflashkit.train.loss import CE, Decay, DraftLoss, Heads, LossInputs
+from dflashkit.train.objective import gamma_for, sample_anchors
+from dflashkit.train.optim import build_optimizer
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -60,11 +65,7 @@ def _maxrss_mb() -> float:
 def _measure(cfg: RunConfig, contract: DrafterContract, s: int, iters: int, out: Any) -> None:
     """One S in this (child) process; puts a row dict (or {"error": ...}) on `out`."""
     try:
-        from dflashkit.family import new_drafter
         from dflashkit.model.target import load_target
-        from dflashkit.train.loss import CE, Decay, DraftLoss, Heads, LossInputs
-        from dflashkit.train.objective import gamma_for, sample_anchors
-        from dflashkit.train.optim import build_optimizer
 
         target = load_target(cfg.target)
         dev = target.device
@@ -77,7 +78,7 @@ def _measure(cfg: RunConfig, contract: DrafterContract, s: int, iters: int, out:
         drafter = new_drafter(contract).to(dev)
         opt = build_optimizer(drafter, cfg.train)
         fam = contract.family
-        loss = DraftLoss(fam, contract.mask_token_id, (CE(), *fam.loss_terms(cfg.train)),
+        loss = DraftLoss(fam, contract.mask_token_id, (CE(), *fam.objective.loss_terms(cfg.train)),
                          Decay(gamma_for(cfg.train.gamma, B)), chunk_blocks=cfg.train.loss_chunk_blocks)
         heads = Heads(target.model.get_input_embeddings(), target.lm_head)
         feats = torch.randn(1, s, len(contract.target_layer_ids) * contract.hidden_size, device=dev)
@@ -127,7 +128,6 @@ def _lengths(ctx: StageContext) -> tuple[list[int], int]:
 
 def bench_seqlen(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     """Measure each S in a child process (see the module docstring); returns the table's rows."""
-    from dflashkit.inspect.contract import run_contract
     from dflashkit.model.target import cpu_facts
 
     lengths, iters = _lengths(ctx)

@@ -19,8 +19,13 @@ import time
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
+from dflashkit.data.records import heldout_user_prompts
+from dflashkit.engines.bench import bench_engine_serve
+from dflashkit.engines.launch import check_vllm_for_target
+from dflashkit.errors import ServerError
 from dflashkit.http1 import JSON_HEADERS, Http1Client, HttpError, get_json
 from dflashkit.redact import redact_url
+from dflashkit.serving.local import start_local_server
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -88,8 +93,6 @@ async def _sweep_one(url: str, model: str, prompts: list[str], concurrency: int,
 
 
 def _prompts(rd) -> list[str]:
-    from dflashkit.data.records import heldout_user_prompts
-
     return heldout_user_prompts(rd) or DEFAULT_PROMPTS
 
 
@@ -100,8 +103,6 @@ def check_bench_serve(cfg: RunConfig) -> None:
     """Every refusal of `bench serve` before it starts a server (its --dry-run too): the vLLM its engine
     methods need."""
     if not cfg.bench.urls and cfg.server.engine == "vllm" and set(cfg.bench.engine_methods) - {"dflashkit"}:
-        from dflashkit.engines.launch import check_vllm_for_target
-
         check_vllm_for_target(cfg, ENGINE_KEY)
 
 
@@ -116,14 +117,11 @@ def bench_serve(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]
     check_bench_serve(cfg)
     prompts = _prompts(rd)
     if not b.urls and cfg.server.engine == "vllm":  # AR vs ngram vs DFlash (vs `dflashkit serve`) in vLLM
-        from dflashkit.engines.bench import bench_engine_serve
 
         return bench_engine_serve(cfg, rd, ctx, prompts, _sweep_one)
     with ExitStack() as stack:
         urls = [u.rstrip("/") for u in b.urls]
         if not urls:
-            from dflashkit.serving.local import start_local_server
-
             urls = [stack.enter_context(start_local_server(cfg))]
         endpoints: list[dict[str, Any]] = []
         for url in urls[:2]:
@@ -131,8 +129,6 @@ def bench_serve(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]
             try:
                 model = cfg.server.model or get_json(url + "/models", timeout_s=30)["data"][0]["id"]
             except (HttpError, KeyError, IndexError, ValueError, TypeError) as e:
-                from dflashkit.errors import ServerError
-
                 raise ServerError(f"bench.urls: cannot read {shown}/models ({type(e).__name__}: {e})",
                                   hint="start the server, or fix bench.urls") from None
             rows = [asyncio.run(_sweep_one(url, model, prompts, c, b.requests, b.warmup, b.max_tokens))

@@ -17,6 +17,13 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import DynamicCache
+
+from dflashkit.decode.evaluation import verify_dtype, verify_target_config
+from dflashkit.decode.step_cost import roofline, step_times
+from dflashkit.model.packed import prepare_for_decode
+from dflashkit.model.roofline import fastest
+from dflashkit.model.target import cache_kwarg
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -30,11 +37,6 @@ NS = (1, 2, 4, 8)
 @torch.inference_mode()
 def _times_as_loaded(target: Any, ns: tuple[int, ...], context: int, reps: int) -> dict[int, float]:
     """t(n) through transformers' DynamicCache (append by concatenation, crop by slicing)."""
-    from transformers import DynamicCache
-
-    from dflashkit.model.roofline import fastest
-    from dflashkit.model.target import cache_kwarg
-
     kw = cache_kwarg(target.model)
     vocab = max(int(target.vocab_size), 1)
     cache = DynamicCache(config=target.config)
@@ -48,9 +50,6 @@ def _times_as_loaded(target: Any, ns: tuple[int, ...], context: int, reps: int) 
 
 
 def bench_step(cfg: RunConfig, rd: RunDir, ctx: StageContext, *, context: int = 300, reps: int = 5) -> dict[str, Any]:
-    from dflashkit.decode.evaluation import verify_dtype, verify_target_config
-    from dflashkit.decode.step_cost import roofline, step_times
-    from dflashkit.model.packed import prepare_for_decode
     from dflashkit.model.target import announce, cpu_facts, load_target
 
     verify = announce(verify_dtype(cfg))

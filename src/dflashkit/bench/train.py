@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dflashkit.family.contract import REPROBE_HINT
 from dflashkit.inspect.contract import run_contract
+from dflashkit.train.data import collate, load_tokenized, tokenized_shards
 from dflashkit.train.step_probe import drafter_step
 
 if TYPE_CHECKING:
@@ -42,8 +44,6 @@ log = logging.getLogger("dflashkit.bench")
 
 
 def _batch(cfg: RunConfig, rd: RunDir, target: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from dflashkit.train.data import collate, load_tokenized, tokenized_shards
-
     bs = cfg.train.batch_size
     if tokenized_shards(rd):
         data = load_tokenized(rd)
@@ -73,7 +73,6 @@ def _timed(fn, iters: int, device: torch.device) -> float:
 def bench_train(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     """Measure one training step (see the module docstring); returns the numbers."""
     from dflashkit.model.target import cpu_facts, load_target, target_autocast
-    from dflashkit.family.contract import REPROBE_HINT
 
     iters = int(ctx.positionals[1]) if len(ctx.positionals) > 1 else 5
     target = load_target(cfg.target)

@@ -16,10 +16,8 @@ Conversion (`to_openai`): `tools` are the schemas in OpenAI's shape, their diale
 schema (`TYPES`: dict → object, float → number, tuple → array, …; `any` and unknown types lose their
 `type`), and "." in names becomes "_" (BFCL does the same for OpenAI-style models; calls are renamed
 alike). `messages` are the first turn's messages and, when there is ground truth, one assistant turn
-(content "") whose `tool_calls` are the ground-truth calls in order, ids `call_0`, `call_1`, …, each
-argument its first possible value other than "". An optional argument ("" among its possible values) is
-left out when "" comes first or the tool does not declare it, unless the tool's schema requires it; an
-argument without possible values is left out.
+(content "") whose `tool_calls` are the ground-truth calls in order (ids `call_0`, …), each argument
+its first possible value other than "" (optional arguments and ones without values may be left out).
 
 Categories: `CALLS` have ground-truth calls (`DEFAULT`: the Python and live ones); `PROMPTS` have none (the
 right answer is not to call, or any call): their records are prompts only; `UNREADABLE` need results of

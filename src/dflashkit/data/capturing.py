@@ -24,11 +24,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+import torch
+
 from dflashkit.data.features import (ST_DTYPES, PathCost, PathSpec, local_batches, missing_path_rows, shard_matches,
                                      shard_metadata, shard_metadata_for, shard_path, stored_rows, stored_width,
                                      write_shard)
 from dflashkit.errors import UsageError
 from dflashkit.family import reads_target_law
+from dflashkit.family.contract import REPROBE_HINT
+from dflashkit.model.files import resolve_target_path
+from dflashkit.model.hybrid import dir_layer_types, recurrent_summary, refuse_recurrent
+from dflashkit.model.path_labels import check_full_attention, path_depth
+from dflashkit.model.roofline import forward_flops_per_token, matmul_throughput
+from dflashkit.model.target import resolve_device, resolve_dtype, target_autocast, text_config_dict
 from dflashkit.progress import Progress
 from dflashkit.rundir import file_digest
 
@@ -106,11 +114,6 @@ def rollout_reproduces_attention(cfg: Any, data: Any, depth: int) -> bool:
     """Whether the greedy-path rollout's full-prefix mask is what the target attends to over these samples
     (`model/path_labels.attention_limit`, read from the target's config.json; a GGUF-only target is taken as
     full attention). With train.on_path=rollout a target it is not raises UsageError (exit 2) before any work."""
-    from dflashkit.model.files import resolve_target_path
-    from dflashkit.model.hybrid import dir_layer_types, recurrent_summary, refuse_recurrent
-    from dflashkit.model.path_labels import check_full_attention
-    from dflashkit.model.target import text_config_dict
-
     model_dir, gguf = resolve_target_path(cfg.target.path, cfg.target.gguf_file)
     if gguf or not (model_dir / "config.json").is_file():
         return True
@@ -135,9 +138,6 @@ def rollout_reproduces_attention(cfg: Any, data: Any, depth: int) -> bool:
 def plan_capture(cfg: Any, contract: Any, data: Any, out_dir: Path, *, heldout: list[int] | None = None) -> CapturePlan:
     """The shards whose features are missing or stale (layer ids, source digest, dtype, autocast, engine),
     and those whose features match but lack greedy paths (`heldout`: the held-out sample indices)."""
-    from dflashkit.model.path_labels import path_depth
-    from dflashkit.model.target import resolve_device, resolve_dtype, target_autocast
-
     dtype = cfg.capture.dtype
     layer_ids = capture_layer_ids(cfg, contract)
     width = len(layer_ids) * contract.hidden_size
@@ -179,8 +179,6 @@ def plan_capture(cfg: Any, contract: Any, data: Any, out_dir: Path, *, heldout: 
 
 def shard_rows(data: Any, si: int) -> list[Any]:
     """The input ids of tokenized shard `si`'s samples, in row order (torch tensors)."""
-    import torch
-
     return [torch.from_numpy(data.input_ids[i]) for i, (s, _) in enumerate(data.where) if s == si]
 
 
@@ -192,8 +190,6 @@ def _path_spec(plan: CapturePlan, data: Any, si: int, rows: Any) -> PathSpec:
 def log_capture_roofline(target: Any, plan: CapturePlan, tokens: int, seconds: float) -> dict[str, Any] | None:
     """Log capture's rate against this machine's matrix-product throughput in the forward's dtype → the
     numbers (None for a mixture of experts, whose FLOPs per token the layer parameters do not give)."""
-    from dflashkit.model.roofline import forward_flops_per_token, matmul_throughput
-
     layers = target.decoder_layers
     depth = len(layers) if plan.keep_last else max(plan.layer_ids) + 1
     flops = forward_flops_per_token(layers, depth)
@@ -215,7 +211,6 @@ def log_capture_roofline(target: Any, plan: CapturePlan, tokens: int, seconds: f
 def capture_local(cfg: Any, contract: Any, data: Any, plan: CapturePlan, *, where: str) -> Iterator[tuple[Path, int, int]]:
     """Load the target here (checked against the contract), write every planned shard; yields
     (shard path, samples, tokens) as each one is in place."""
-    from dflashkit.family.contract import REPROBE_HINT
     from dflashkit.model.target import load_target
 
     target = load_target(cfg.target)

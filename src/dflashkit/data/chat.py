@@ -10,43 +10,18 @@ Usage:
     kwargs_for_source(cfg, "chat")                        # {**tokenize.chat_template_kwargs, **the source's}
     mode_of(kwargs_for_source(cfg, "chat"))               # "thinking" | "no-thinking" | "default"
 
-Per-source variables: `data.sources[].chat_template_kwargs` are merged over the run's
-(`tokenize.chat_template_kwargs`; generate passes `base=generate.chat_template_kwargs`) for the
-conversations of that source, its `data.sources[].name` or path-derived name (`data.mixing.source_names`,
-the `source` prepare writes in every record). A source's *mode*, the label reports group by, is read
-from its merged variables (`mode_of`): `enable_thinking`, else `thinking`, true → "thinking", false →
-"no-thinking"; neither set → "default" (whatever the template does without them).
+The answer span of assistant turn j, for any template: with P_j = render(messages[:j],
+add_generation_prompt=True) and F_j = render(messages[:j+1]), it is F_j[len(P_j):] up to and
+including the end-of-turn token; headers and generation prompts lie in P_j and are never supervised.
+Agent conversations render with their tools as a server would; tool-call tokens are supervised like
+content (`tool_rendering_problem()` says when a template drops tools). Templates that rewrite earlier
+turns are detected, not assumed: such turns get their own sample (or none, `rewritten_turns="drop"`).
 
-How the supervised span of assistant turn j is found, for any template (no per-family table):
-    P_j = render(messages[:j], add_generation_prompt=True)     # what the model sees before answering
-    F_j = render(messages[:j+1])                              # the same with the answer
-    The answer span is F_j[len(P_j):], cut just after the end-of-turn token (`<|im_end|>`,
-    `<|eot_id|>`, …: the first special token after the answer of a probe conversation) that follows
-    the answer content and its tool calls. The template's header / generation prompt lies inside
-    P_j, so it is never supervised; the end-of-turn token is.
-Agent conversations render with their `tools` (and the messages' `tool_calls`, `tool_call_id`,
-`name`), as a server renders them: the tool declarations the template writes (a system turn, a
-`tool_declare` turn) and the tool results (`tool` turns, or Qwen3's `<tool_response>` blocks in a
-user turn) lie in the prompts; the tool-call tokens the template writes for an assistant turn lie
-in its answer and are supervised like its content. `tool_rendering_problem()` says whether a
-template renders tools at all (SmolLM2's renders role + content only), so a stage can refuse
-agent data instead of training on renderings that silently lost their tools.
-Templates that rewrite earlier turns (Qwen3 drops `<think>` from earlier answers) are detected,
-not assumed: a sample is the rendering F_k of the conversation up to its last answer k, and it
-supervises every turn j whose P_j and answer appear verbatim at the same place in F_k. Turns
-that do not (rewritten ones) get their own sample F_j, so every supervised token is exactly
-what the model produced after exactly the prompt it saw at inference. Prefix-stable templates
-(ChatML, Llama-3, SmolLM2) give one sample per conversation. Pieces (context, answer) are
-tokenized separately, like prompt and generated tokens at inference, so no token straddles a
-mask boundary.
-
-With `rewritten_turns="drop"` those turns are left unsupervised instead (one sample per
-conversation, fewer tokens).
-
-Policies: `thinking` keep (train on think blocks) | mask (keep them in the input, loss 0) |
-strip (remove them from answers); `system_prompt` keep | drop (the template may add its own
-default); a turn cut by max_tokens (finish reason "length") is supervised without the
-end-of-turn token the template appends (the model never emitted it).
+Invariant: every supervised token is exactly what the model produced after exactly the prompt it
+saw at inference; context and answer are tokenized separately, so no token straddles a mask boundary.
+Policies: `thinking` keep | mask | strip; `system_prompt` keep | drop; a turn cut by max_tokens is
+supervised without the end-of-turn token. Per-source variables (`data.sources[].chat_template_kwargs`)
+merge over the run's; a source's mode (`mode_of`) comes from `enable_thinking`, else `thinking`.
 """
 
 from __future__ import annotations
@@ -64,8 +39,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dflashkit.data.drift import add_prompt_check, compare_prompt, is_regenerated, new_checks
+from dflashkit.data.mixing import source_names
 from dflashkit.data.records import Conversation
-from dflashkit.errors import UsageError
+from dflashkit.errors import ConfigError, UsageError
+from dflashkit.inspect.target import resolve_target_path
+from dflashkit.model.target import load_tokenizer
 from dflashkit.textfile import read_utf8
 
 if TYPE_CHECKING:
@@ -466,8 +444,6 @@ THINKING_KEYS = ("enable_thinking", "thinking")  # the template variables a sour
 def source_template_kwargs(cfg: RunConfig) -> dict[str, dict[str, Any]]:
     """`data.sources[].chat_template_kwargs` by source name (`data.mixing.source_names`), for the sources that
     set any."""
-    from dflashkit.data.mixing import source_names
-
     return {name: dict(src.chat_template_kwargs) for name, src in zip(source_names(cfg.data.sources), cfg.data.sources)
             if src.chat_template_kwargs}
 
@@ -501,10 +477,6 @@ def load_chat(cfg: RunConfig, kwargs: dict[str, Any] | None = None) -> ChatTempl
     `kwargs` are the template variables (default `tokenize.chat_template_kwargs`); each source's
     `data.sources[].chat_template_kwargs` are merged over them by `ChatTemplate.for_source`.
     """
-    from dflashkit.errors import ConfigError
-    from dflashkit.inspect.target import resolve_target_path
-    from dflashkit.model.target import load_tokenizer
-
     t = cfg.target
     if t.tokenizer:
         model_dir, gguf = Path(t.tokenizer), None

@@ -24,6 +24,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from dflashkit.errors import UsageError
+
 HEAD = 48  # leading prompt ids kept per turn, to show where a drifted prompt starts to differ
 
 
@@ -187,8 +189,6 @@ def refuse_drift(prompts: dict[str, Any], agreement: dict[str, Any], *, max_prom
         prompts: prompt-check counters (`new_checks`).
         agreement: `dflashkit.data.agreement.check_sources` output.
     """
-    from dflashkit.errors import UsageError
-
     problems = []
     if prompts["checked"] and prompts["mismatches"] / prompts["checked"] > max_prompt_mismatch:
         fm = prompts["first_mismatch"] or {}

@@ -26,6 +26,7 @@ memory whole (the scratch files — one shard's worth of disk at a time — are 
 from __future__ import annotations
 
 import json
+import mmap
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,8 +34,10 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
 from dflashkit.errors import MissingArtifactError, UsageError
+from dflashkit.model.path_labels import greedy_path_ids, label_need, path_cache, with_cache
 from dflashkit.rundir import atomic_path
 
 # capture.dtype → (safetensors dtype name, bytes per value)
@@ -144,8 +147,6 @@ def local_batches(target: Any, rows: list[torch.Tensor], layer_ids: list[int], *
     """The target in this process: samples in batches of similar length (sorted, so padding costs
     little); yields [(row index, features [n, W], next_ids [n], last_hidden [n, H] | None, path_ids [n, D] |
     None)] per batch. `paths`: the greedy path of its rows, from the same forward (its KV cache)."""
-    from dflashkit.model.path_labels import path_cache, with_cache
-
     lens = [len(r) for r in rows]
     order = sorted(range(len(rows)), key=lambda i: lens[i])
     for k in range(0, len(order), batch_size):
@@ -173,8 +174,6 @@ def local_batches(target: Any, rows: list[torch.Tensor], layer_ids: list[int], *
 def _batch_paths(target: Any, ids: torch.Tensor, att: torch.Tensor, nxt: torch.Tensor, cache: Any,
                  part: list[int], want: list[bool], paths: PathSpec) -> torch.Tensor:
     """The greedy path of the wanted rows of one batch (the rows block labels read), its cost added to `paths`."""
-    from dflashkit.model.path_labels import greedy_path_ids, label_need
-
     dev = target.device
     lens = att.sum(1)
     lm = torch.zeros_like(att)
@@ -196,7 +195,6 @@ def _spool(directory: Path, shape: tuple[int, ...], dtype: torch.dtype, keep: li
     n = int(np.prod(shape)) if shape else 1
     nbytes = n * torch.empty((), dtype=dtype).element_size()
     fh.truncate(max(nbytes, 1))
-    import mmap
 
     buf = mmap.mmap(fh.fileno(), max(nbytes, 1))
     keep.append(buf)
@@ -209,8 +207,6 @@ def write_shard(path: Path, lens: list[int], batches: Iterable[list[Row]], *, dt
     (`local_batches`, `stored_rows`, or a serving engine's rows); returns its token count. Nothing is renamed
     into `path` unless every row arrived. `path_depth` D > 0: a `path_ids` [tokens, D] tensor holds the
     rows that come with one (the others stay −1; `path_rows` records which)."""
-    from safetensors.torch import save_file
-
     tdtype = getattr(torch, dtype)
     offsets = torch.tensor([0] + list(lens), dtype=torch.int64).cumsum(0)
     total = int(offsets[-1])

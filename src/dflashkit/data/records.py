@@ -10,26 +10,18 @@ Usage:
     for conv in iter_conversations(path): ...               # Conversation per record (tokenize)
 
 Prepared conversations: `write_prepared(rd, train, heldout)` is their only writer (the prepare stage);
-`read_prepared(path)` reads the train split for `generate` (strict: ids, roles, no duplicates), and
-`prepared_file(rd, split)` hands the file to the record readers above (tokenize: `iter_conversations`;
-eval's held-out prompts: `read_jsonl`), exit 3 naming it when it is missing. `prepared_lines` (the
-data-size estimate) and `heldout_user_prompts` (`bench serve`'s prompts) are built on them.
+`read_prepared(path)` reads the train split for `generate` (strict), and `prepared_file(rd, split)`
+hands the file to the readers above, exit 3 naming it when it is missing.
 
-Record layout (`prepare/train.jsonl`, `prepare/heldout.jsonl`, `generate/conversations.jsonl`):
+Record layout (`prepare/*.jsonl`, `generate/conversations.jsonl`):
     {"id": "<16 hex>", "source": "<name>", "messages": [{"role": ..., "content": ...}], "tools": [...],
      "meta": {...}}
-`meta` is optional (generate adds finish reasons, flags, server token ids and reasoning); `tools` is
-present only for agent conversations.
-
-Agent conversations (OpenAI's chat shape): `tools` is a list of `{"type": "function", "function":
-{"name", "description"?, "parameters"?}}`; an assistant turn may carry `tool_calls` (a non-empty list of
-`{"id", "type": "function", "function": {"name", "arguments"}}`, `arguments` a JSON object as a string)
-beside its `content` (then possibly ""); a `tool` turn carries the result as `content`, the
-`tool_call_id` of the call it answers and optionally the tool's `name`. Thinking stays inline in the
-assistant's content (`<think>…</think>`), as for chat. The rules (`agent_problem`): every result
-answers an earlier call of the conversation, once; every call is answered before the next user or
-assistant turn, except the calls of the last assistant turn (a conversation may end on a call: the
-call is what is supervised). A plain chat record's id is the same as before agent fields existed.
+`meta` is optional (generate's finish reasons, flags, server token ids, reasoning); `tools` only for
+agent conversations, which use OpenAI's chat shape (`tool_calls` with JSON-string `arguments`, `tool`
+turns with `tool_call_id`; thinking inline as `<think>…</think>`). Invariants (`agent_problem`): every
+result answers an earlier call, once; every call is answered before the next user or assistant turn,
+except those of the last assistant turn. A plain chat record's id does not depend on the agent fields.
+Layout in full: docs/training-data.md, "Agent conversations".
 """
 
 from __future__ import annotations

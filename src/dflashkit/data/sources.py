@@ -6,32 +6,22 @@ Usage:
         messages, tools = to_record(obj, "auto")   # RecordError(reason, kind) when it cannot be converted
         messages = to_messages(obj)                # the messages alone
 
-Files: `.jsonl`, `.json` (an array, streamed record by record so a truncated file still yields
-every complete record; or JSON Lines under a .json name), `*.gz` of either, `.parquet`, a local
-HF `datasets` dir (`save_to_disk`), a plain dir of such files, or an unpacked BFCL data dir
-(`dflashkit.data.bfcl`: its records arrive in the OpenAI shape). Asset names (`sharegpt`,
-`humaneval`, `bfcl`) resolve through `dflashkit.assets.asset_path`.
+Files: `.jsonl`, `.json` (an array, streamed so a truncated file still yields every complete record;
+or JSON Lines), `*.gz` of either, `.parquet`, a local HF `datasets` dir, a plain dir of such files, or
+an unpacked BFCL data dir (`dflashkit.data.bfcl`). Asset names (`sharegpt`, `humaneval`, `bfcl`)
+resolve through `dflashkit.assets.asset_path`.
 
-Formats (auto-detected per record): ShareGPT `conversations: [{from, value}]` (human/gpt/system),
-OpenAI `messages: [{role, content}]`, Alpaca `instruction`/`input`/`output`, plain `prompt`
-(optionally with `response`/`completion`), HumanEval `task_id` + `prompt`.
+Formats (auto-detected per record): ShareGPT `conversations: [{from, value}]`, OpenAI `messages:
+[{role, content}]`, Alpaca `instruction`/`input`/`output`, plain `prompt` (optionally with
+`response`/`completion`), HumanEval `task_id` + `prompt`.
 
-Agent records (docs/training-data.md, "Agent conversations"; the record shape is `data.records`'):
-- OpenAI: `tools` (or legacy `functions`: bare schemas), assistant `tool_calls` (`arguments` a JSON
-  string, or an object: dumped compactly; "" or none: "{}"; a call without `id` gets `call_<n>`, the
-  first n the record does not use) or legacy `function_call` {name, arguments} (one call), `tool` turns
-  answering `tool_call_id`, or without one (older data, and the legacy `function` role) the oldest
-  unanswered call of their `name` (no name: the oldest unanswered call). `reasoning_content` or
-  `reasoning` on an assistant turn goes inline before its content (`<think>\n…\n</think>\n\n`, as
-  `generate` stores answers). A null content is "".
-- ShareGPT (glaive / xLAM / ToolACE as LLaMA-Factory writes them): `function_call` turns (value: a JSON
-  object {name, arguments} or a list of them) become calls of the assistant turn just before, when that
-  turn has no tool result after it (a reply's text and calls are one turn, as servers return them), else
-  of a new assistant turn with content ""; `observation` (or `tool`) turns answer the open calls in
-  order: one result per turn, or, when several calls are open and the value is a JSON list of as many
-  items, one per item. `tools`: a list or a JSON string of one, of OpenAI tools or bare schemas.
-Calls written as text inside an assistant's content are not parsed. Every record is checked with
-`records.record_problem`; a problem is a RecordError("malformed", kind=`problem_kind(problem)`).
+Agent records: OpenAI `tools` / legacy `functions`, assistant `tool_calls` / legacy `function_call`,
+`tool` turns answering `tool_call_id` (or the oldest open call of their name); ShareGPT-style
+`function_call` / `observation` turns (glaive, xLAM, ToolACE as LLaMA-Factory writes them) become the
+same calls and results. Arguments become compact JSON strings, missing call ids `call_<n>`,
+`reasoning_content` goes inline as a `<think>` block, and a null content is "". Calls written as text
+inside content are not parsed. Every record is checked with `records.record_problem`; a problem is a
+RecordError("malformed", kind=`problem_kind(problem)`). Rules: docs/training-data.md.
 """
 
 from __future__ import annotations
@@ -45,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
+from dflashkit.assets import ASSETS, asset_path
 from dflashkit.data import bfcl
 from dflashkit.data.records import inline_reasoning, open_text, read_jsonl, record_problem
 from dflashkit.errors import UsageError
@@ -116,7 +107,6 @@ def resolve_source_path(path: str) -> Path:
     p = Path(path).expanduser()
     if p.exists():
         return p
-    from dflashkit.assets import ASSETS, asset_path
 
     if path in ASSETS:
         return asset_path(path)
@@ -129,7 +119,7 @@ def iter_json_array(path: Path, report: SourceReport) -> Iterator[tuple[str, Any
     """Stream the elements of a top-level JSON array, surviving a truncated file.
 
     Decodes record by record with `JSONDecoder.raw_decode` over a buffer refilled in chunks, so a
-    125 MB file is never held as one string. When the file ends inside a record (or without the
+    large file is never held as one string. When the file ends inside a record (or without the
     closing `]`), every complete record is still yielded and `report.truncated_tail` records the
     byte offset where the incomplete tail starts and how many bytes were dropped.
     """

@@ -36,6 +36,7 @@ from dflashkit.data.mixing import needs_regeneration, original_answer_sources
 from dflashkit.data.records import Conversation, iter_conversations, prepared_file
 from dflashkit.data.shards import SHARD_GLOB, shard_name, write_parquet_shard
 from dflashkit.errors import UsageError
+from dflashkit.family.contract import DrafterContract
 from dflashkit.progress import Progress
 from dflashkit.rundir import RunDir
 
@@ -67,8 +68,6 @@ def min_supervised(cfg: Any, rd: RunDir) -> int:
     if cfg.tokenize.min_supervised is not None:
         return cfg.tokenize.min_supervised
     if rd.contract_path.is_file():
-        from dflashkit.family.contract import DrafterContract
-
         return 2 * DrafterContract.load(rd.contract_path).block_size
     return 2 * cfg.drafter.block_size
 

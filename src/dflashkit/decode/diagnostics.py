@@ -7,39 +7,21 @@ Usage:
     sim0 = simulated_acceptance(target, drafter, prompts, outputs, no_features=True)
     simx = simulated_acceptance(target, drafter, prompts, outputs, no_features=True, ablation="other")
 
-Bigram baseline: a table of next-token counts over the training answers (pairs (x[t−1], x[t]) with
-x[t] supervised), evaluated on the target's greedy outputs: the share of output positions t ≥ 1
-whose token the table's argmax after x[t−1] predicts (an unseen x[t−1] backs off to the most frequent
-supervised token). A drafter's position-1 acceptance below this is a drafter that has not learned
-more than token co-occurrence.
+Bigram baseline: next-token counts over the supervised training answers, scored on the target's
+greedy outputs (an unseen previous token backs off to the most frequent token). A drafter whose
+position-1 acceptance is below it has learned no more than token co-occurrence.
 
-No-feature ablation (teacher-forced, simulated — not a decode): the baseline's greedy outputs are
-re-read by the target once (its features at the drafter's layers), then the drafter drafts a
-block at *every* output position at once (the training block mask), with the real features and
-with the features removed. Simulated τ = mean over blocks of 1 + the number of leading drafts that
-equal the greedy tokens; position-k accuracy = share of blocks whose draft k equals the greedy
-token (in a real decode, accepted drafts come in prefixes, so the real position-1 acceptance and
-this accuracy agree but later positions differ). A drafter whose numbers barely drop without the
-features does not use the target.
+Simulated acceptance (teacher-forced, not a decode): the target re-reads the greedy outputs once,
+then the drafter drafts a block at every output position at once (the training block mask).
+Simulated τ = mean over blocks of 1 + the leading drafts equal to the greedy tokens; position-k
+accuracy = share of blocks whose draft k is right (equal to real acceptance at position 1 only).
 
-"Without the features" means without the target context: each block attends to itself only, as
-a drafter run on an empty context (`DraftLoss(..., context=False)`). Zeroing the features is
-not that ablation. The drafter fuses zeros into a context of zeros, whose keys and values are
-zeros too (no biases; RMSNorm of 0 is 0). Each context position then scores q·0 = 0 and takes
-softmax mass while adding nothing, so with hundreds of context tokens the mask positions hardly
-see their own block's anchor any more. Every mask position then predicts about the same token.
-That is where the "τ 1.00, accuracy 0.000 at every position" of the zeroed ablation came from: a
-broken drafter, not a measure of how much it uses the target (its numbers even depend on the
-context length). `ablation="zeros"` keeps the old reading for comparison.
-
-A drafter trained with a context and run without one is outside anything it was trained on, so
-its collapse there (the demo's drafter: τ 1.00 — real, not a defect) says that it drafts from the context, not how much the context is worth. Two readings say
-more. `ablation="other"` gives each sequence the real target features of *other* sequences (those
-of the next sequences, cyclically, concatenated and cut to its length): a context in the training
-distribution, but about another text. A drafter that reads the target drops there; one that only
-uses the context as a generic language-model prefix does not (the block-4 demo drafter of 8461bfb
-on 12 held-out outputs: τ 1.21 with its own context, 1.03 with another prompt's, 1.00 with none). What the target's context is worth against no
-context is a drafter *trained* without it: `bench recipe`'s `no-features` variant (docs/recipe.md).
+Ablations (`no_features=True`): "context" (default) removes the target context, each block attending
+to itself only (`DraftLoss(..., context=False)`); "other" gives each sequence another sequence's
+real features (cyclically, cut to length): a drafter that reads the target drops there; "zeros"
+zeroes the features, which is not a no-context ablation (zero keys still take softmax mass) and is
+kept only for comparison. What the context is worth is measured by a drafter trained without it
+(`bench recipe`'s `no-features` variant); readings and numbers: docs/recipe.md.
 """
 
 from __future__ import annotations
@@ -49,6 +31,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from dflashkit.model.draft_vocab import restricted_head
+from dflashkit.train.loss import DraftLoss, Heads, LossInputs
+from dflashkit.train.objective import Anchors
 
 
 @dataclass
@@ -109,10 +95,6 @@ def simulated_acceptance(target, drafter, prompts: Sequence[Sequence[int]], outp
     "zeros" feeds zeroed features (kept to show why that reading is wrong).
     Returns {"tau", "blocks", "per_position_accuracy" (positions 1..B−1), "no_features", "ablation"}.
     """
-    from dflashkit.model.draft_vocab import restricted_head
-    from dflashkit.train.loss import DraftLoss, Heads, LossInputs
-    from dflashkit.train.objective import Anchors
-
     if ablation not in ("context", "other", "zeros"):
         raise ValueError(f"ablation must be 'context', 'other' or 'zeros', got {ablation!r}")
     if no_features and ablation == "other" and len(prompts) < 2:

@@ -24,8 +24,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from dflashkit.data.chat import load_chat, source_modes
 from dflashkit.decode.api import Decoder
+from dflashkit.decode.diagnostics import BigramTable, simulated_acceptance
+from dflashkit.decode.lossless import TOP_K, divergence_record, first_divergence, lossless_verdict, tie_rule
+from dflashkit.decode.metrics import compare, paired_phrase, paired_speed, summarize_acceptance, summarize_timing
+from dflashkit.decode.ngram import PromptLookupProposer
+from dflashkit.decode.runner import (draft_dtype_for, load_prompts, params_for, prompt_sources, refuse_unrendered_tools,
+                                     render_eval_prompts, resolve_drafter_dir, run_interleaved)
+from dflashkit.decode.spec_decode import SpecDecoder
 from dflashkit.errors import DflashkitError
+from dflashkit.export.hf import load_drafter, read_contract
+from dflashkit.export.profile import (Measurement, build_profile, checkpoint_id, dflashkit_source, method_for,
+                                      prompts_digest, weights_digest)
+from dflashkit.inspect.target import resolve_target_path
+from dflashkit.model.packed import prepare_for_decode
+from dflashkit.model.target import compute_dtype, resolve_device, text_config_dict
+from dflashkit.rundir import atomic_write_json, read_json_or_none
+from dflashkit.train.checkpoint import read_best
+from dflashkit.train.data import load_tokenized, tokenized_shards
 
 if TYPE_CHECKING:
     from dflashkit.decode.runner import EvalPrompt
@@ -36,16 +55,12 @@ CALIBRATION_PROMPTS = 2  # eval.dtype=auto: prompts decoded in both dtypes befor
 
 def write_eval_results(rd: Any, res: dict[str, Any]) -> Path:
     """Write `eval/results.json` atomically; returns its path."""
-    from dflashkit.rundir import atomic_write_json
-
     atomic_write_json(rd.eval_results, res)
     return rd.eval_results
 
 
 def read_eval_results(rd: Any) -> dict[str, Any] | None:
     """`eval/results.json`, or None when it is absent or not valid JSON (logged, then skipped)."""
-    from dflashkit.rundir import read_json_or_none
-
     return read_json_or_none(rd.eval_results, log)
 
 
@@ -61,9 +76,6 @@ class DecodeInputs:
 
 def decode_inputs(cfg: Any, rd: Any, positionals: list[str], *, num_prompts: int) -> DecodeInputs:
     """The drafter (DIR, eval.drafter, train/best|final, export), its contract and the first prompts."""
-    from dflashkit.decode.runner import load_prompts, resolve_drafter_dir
-    from dflashkit.export.hf import read_contract
-
     drafter_dir = resolve_drafter_dir(cfg, rd, positionals)
     return DecodeInputs(drafter_dir, read_contract(drafter_dir), load_prompts(cfg, rd, num_prompts))
 
@@ -71,9 +83,6 @@ def decode_inputs(cfg: Any, rd: Any, positionals: list[str], *, num_prompts: int
 def check_prompts_render(cfg: Any, inputs: DecodeInputs) -> None:
     """Agent prompts need a chat template that renders tools: checked with the target's tokenizer alone
     (`data.chat.load_chat`), before the target loads (exit 2 naming the prompt's file and line)."""
-    from dflashkit.data.chat import load_chat
-    from dflashkit.decode.runner import refuse_unrendered_tools
-
     if any(p.agentic for p in inputs.prompts):
         refuse_unrendered_tools(load_chat(cfg), inputs.prompts)
 
@@ -81,9 +90,6 @@ def check_prompts_render(cfg: Any, inputs: DecodeInputs) -> None:
 def check_target_fits(inputs: DecodeInputs, target_cfg: Any) -> None:
     """The drafter against the target's config.json, before the target loads (exit 2 naming both; a GGUF
     target is checked once loaded): what `load_checked_target` checks first, and a dry run with it."""
-    from dflashkit.inspect.target import resolve_target_path
-    from dflashkit.model.target import text_config_dict
-
     model_dir, gguf = resolve_target_path(target_cfg.path, target_cfg.gguf_file)
     if gguf or not (model_dir / "config.json").is_file():
         return  # load_target converts or refuses it
@@ -98,9 +104,6 @@ def load_checked_target(cfg: Any, inputs: DecodeInputs, target_cfg: Any) -> tupl
     (exit 2 before anything is decoded); the target and the prompts' ids, each rendered as tokenize renders
     its source (`decode.runner.render_eval_prompts`: tools, per-source template variables). `target_cfg` is
     `verify_target_config`'s: the caller announces its dtype (`verify_dtype`)."""
-    from dflashkit.decode.runner import render_eval_prompts
-    from dflashkit.decode.spec_decode import SpecDecoder
-    from dflashkit.model.packed import prepare_for_decode
     from dflashkit.model.target import load_target
 
     check_target_fits(inputs, target_cfg)
@@ -119,8 +122,6 @@ def verify_dtype(cfg: Any) -> Any:
     """The verify dtype and why (a `model.target.DtypeChoice`, not yet announced): `eval.dtype` target/auto
     → `target.dtype`'s choice (auto then measures both dtypes: `choose_dtype` below), native → bfloat16 where
     the device computes it natively, else float32; float32 / bfloat16 as set (warned where emulated)."""
-    from dflashkit.model.target import compute_dtype, resolve_device
-
     dev = resolve_device(cfg.target.device)
     if cfg.eval.dtype in ("target", "auto"):
         return compute_dtype(cfg.target.dtype, dev, key="target.dtype")
@@ -190,8 +191,6 @@ def breakdown_lines(res: dict[str, Any]) -> list[str]:
 
 def drafter_source(drafter_dir: Path, rd: Any) -> dict[str, Any]:
     """Which drafter eval used: train/best (with its best.json: step, held-out τ), train/final, or other."""
-    from dflashkit.train.checkpoint import read_best
-
     d = Path(drafter_dir).resolve()
     if d == (rd.best_dir).resolve():
         return {"kind": "best", **(read_best(d) or {})}
@@ -204,8 +203,6 @@ def diagnostic_lines(res: dict[str, Any]) -> list[str]:
     out, s = [], res["summary"]
     lk = s.get("prompt_lookup")
     if lk:
-        from dflashkit.decode.metrics import paired_phrase
-
         verdict = "beats" if s.get("beats_prompt_lookup") else "does NOT beat"
         vs = s.get("versus_prompt_lookup")
         out.append(f"best: drafter B={s['block_size']} tau {s['tau']:.2f} speedup {s['speedup']:.2f}x; prompt lookup "
@@ -238,11 +235,6 @@ def diagnostic_lines(res: dict[str, Any]) -> list[str]:
 def decode_all(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_sizes: list[int], *,
                lookup: bool, warmup: int, adaptive: bool | None = None) -> dict[str, Any]:
     """Baseline + drafter (+ prompt lookup) at every block size, interleaved; results by decoder name."""
-    from dflashkit.decode.lossless import TOP_K
-    from dflashkit.decode.ngram import PromptLookupProposer
-    from dflashkit.decode.runner import draft_dtype_for, params_for, run_interleaved
-    from dflashkit.decode.spec_decode import SpecDecoder
-
     e = cfg.eval
     ddt = draft_dtype_for(cfg, target)
     decoders: dict[str, Decoder] = {"1": SpecDecoder(target, None, 1, max_context=e.max_context, record_top=TOP_K)}
@@ -262,8 +254,6 @@ def decode_all(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_
 
 
 def entries(runs: dict[str, Any], base_t: dict) -> dict[str, dict]:
-    from dflashkit.decode.metrics import compare, summarize_acceptance, summarize_timing
-
     out = {}
     for key, results in runs.items():
         bs = block_of(key)
@@ -288,9 +278,6 @@ def breakdown(cfg: Any, prompts: list[EvalPrompt], runs: dict[str, Any]) -> tupl
     (`data.chat.mode_of` of the source's template variables), under the groups of results.json
     (speculative, adaptive, prompt_lookup; block size → numbers), with `prompts` (their count); a source row
     names its `mode`, a mode row its `sources`. The prompt counts add up to the eval's."""
-    from dflashkit.data.chat import source_modes
-    from dflashkit.decode.metrics import summarize_acceptance
-
     by_src: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
         by_src.setdefault(p.source, []).append(i)
@@ -322,9 +309,6 @@ def best_entry(group: dict[str, dict]) -> dict | None:
 
 def choose_dtype(cfg: Any, drafter_dir: Any, ids: list[list[int]], block_sizes: list[int]) -> tuple[Any, dict]:
     """eval.dtype=auto: decode the first prompts in float32 and bfloat16; keep the better honest speedup."""
-    from dflashkit.decode.metrics import summarize_timing
-    from dflashkit.export.hf import load_drafter
-    from dflashkit.model.packed import prepare_for_decode
     from dflashkit.model.target import load_target
 
     calib, targets = {}, {}
@@ -353,8 +337,6 @@ def choose_dtype(cfg: Any, drafter_dir: Any, ids: list[list[int]], block_sizes: 
 
 
 def lossless_check(cfg: Any, target: Any, runs: dict[str, Any], base_results: list, prompts: list) -> dict:
-    from dflashkit.decode.lossless import divergence_record, first_divergence, lossless_verdict, tie_rule
-
     rule = tie_rule(target.dtype, cfg.eval.tie_tolerance)
     firsts, rows = [], []
     for key, results in runs.items():
@@ -371,9 +353,6 @@ def lossless_check(cfg: Any, target: Any, runs: dict[str, Any], base_results: li
 
 
 def diagnostics(cfg: Any, rd: Any, target: Any, drafter: Any, ids: list, base_results: list, res: dict) -> dict:
-    from dflashkit.decode.diagnostics import BigramTable, simulated_acceptance
-    from dflashkit.train.data import load_tokenized, tokenized_shards
-
     outputs = [r.token_ids for r in base_results]
     d: dict[str, Any] = {"outputs": "the baseline's outputs on the eval prompts", "block_size": drafter.block_size}
     best = res["summary"]
@@ -398,12 +377,6 @@ def evaluate(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list[lis
              choice: dict[str, Any] | None = None, *, dtype_reason: str = "") -> dict[str, Any]:
     """Decode every prompt with the baseline and each decoder; `eval/results.json`'s dict. `dtype_reason`:
     why the target runs in its dtype (`verify_dtype`'s reason; eval.dtype=auto's is in `choice`)."""
-    import torch
-
-    from dflashkit.decode.metrics import paired_speed, summarize_timing
-    from dflashkit.decode.runner import draft_dtype_for
-    from dflashkit.export.hf import load_drafter
-
     e = cfg.eval
     drafter_dir, prompts = inputs.drafter_dir, inputs.prompts
     drafter = load_drafter(drafter_dir, dtype=target.dtype, device=target.device)
@@ -470,11 +443,6 @@ def eval_profile(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list
     `accept_length_by_k` per block size up to the drafter's own B, the vectors of B (else eval's first
     below it). Block sizes past B describe no drafter that can be served (K ≤ B − 1) and are left out; None when
     every block size is past B."""
-    import torch
-
-    from dflashkit.decode.runner import prompt_sources
-    from dflashkit.export.profile import (Measurement, build_profile, checkpoint_id, dflashkit_source, method_for,
-                                          prompts_digest, weights_digest)
     from dflashkit.model.target import cpu_facts
 
     e, c = cfg.eval, inputs.contract
@@ -516,8 +484,6 @@ def eval_profile(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list
 
 def mismatch_error(res: dict[str, Any], results_path: Path) -> DflashkitError | None:
     """The error for a greedy divergence beyond a numerical tie (a bug: lossless is violated), or None."""
-    from dflashkit.decode.lossless import TOP_K
-
     if not res["mismatches"]:
         return None
     m = next(r for r in res["mismatches"] if not r["tie"])

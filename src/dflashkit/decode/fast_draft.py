@@ -18,16 +18,16 @@ re-allocates each of these every step:
   * projections: q/k/v of the block, k/v of the context and gate/up are each one matmul over
     concatenated weights (copied once; a concatenation along the output dim leaves every dot product —
     and so every output element — as it was);
-  * bf16 on CPU: every projection multiplies a weight prepacked once for oneDNN (`_PackedLinear`); F.linear
-    re-lays the weight out on every call, which doubles a small product's time here (a [4, 576] × [576, 3072]
-    bf16 product: 164 vs 274 µs on one core of an Intel Xeon with AMX). A packed weight is used only where it
-    gives F.linear's result bit for bit (checked once per weight and row count), so nothing changes but time;
+  * bf16 on CPU: every projection multiplies a weight prepacked once for oneDNN (`model/packed.py`'s
+    `PackedLinear`; F.linear re-lays the weight out on every call), used only where it gives F.linear's
+    result bit for bit (checked once per weight and row count), so nothing changes but time;
   * fewer ops per layer: RMSNorm as one fused `F.rms_norm` in float32, the block's queries and keys normed and
     rotated together, RoPE as a roll over a sine table with its sign folded in (the same products);
   * no module calls, no dtype round trips, no per-step allocation of the block input.
 The arithmetic is the module's (RMSNorm statistics in float32 as HF's Qwen3RMSNorm, neox RoPE, SDPA through
 the module's `block_attention`, SwiGLU), the fused norm's reduction order aside, so proposals are the module's
-(tests/decode/test_fast_draft.py compares logits and proposals step by step).
+(tests/decode/test_fast_draft.py compares logits and proposals step by step); `dflashkit bench draft` times
+one step of each.
 Causal in-block attention (`drafter.causal`) attends with a bool mask: the context and offsets j ≤ i.
 A sliding-window layer (window W, `drafter.layer_windows`) attends over the buffer from position start − W + 1
 on only (what the block's first query can see) and masks, for the later queries, the context keys that
@@ -46,6 +46,7 @@ from torch import nn
 
 from dflashkit.model.drafter import block_attention
 from dflashkit.model.masks import window_mask
+from dflashkit.model.packed import PackedLinear
 
 # RoPE types whose frequencies depend on the sequence length (HF `dynamic_rope_update`): no fixed table.
 DYNAMIC_ROPE = ("dynamic", "longrope")
@@ -73,23 +74,22 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
 
 
 class _PackedLinear:
-    """`F.linear(x, w, b)` over a weight prepacked for oneDNN where that gives the same result bit for bit.
+    """`F.linear(x, w, b)`, through `model.packed.PackedLinear` where that gives the same result bit for bit.
 
     CPU bf16 only (`torch.ops.mkldnn`; where it is missing, or differs from F.linear for any row count up to
     `rows` on random inputs, every call takes F.linear). Inputs with more than `rows` rows take F.linear."""
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, rows: int):
         self.w, self.b, self.rows = w, b, rows
-        self.packed: torch.Tensor | None = None
+        self.packed: PackedLinear | None = None
         if w.device.type != "cpu" or w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
             return
         try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+            packed = PackedLinear(w, b, rows=rows)
             g = torch.Generator().manual_seed(0)
             for m in range(1, rows + 1):
                 x = torch.randn(m, w.shape[1], generator=g).to(w.dtype)
-                if not torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], ""),
-                                   F.linear(x, w, b)):
+                if not torch.equal(packed(x), F.linear(x, w, b)):
                     return
         except (RuntimeError, AttributeError):  # an mkldnn build without these ops
             return
@@ -97,7 +97,7 @@ class _PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.shape[0] <= self.rows:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
+            return self.packed(x)
         return F.linear(x, self.w, self.b)
 
 

@@ -7,29 +7,20 @@ Usage:
     v = lossless_verdict([d, ...], tie_rule(torch.bfloat16, cfg.eval.tie_tolerance))
     v["verdict"]                                  # "exact" | "ties-only" | "not lossless"
 
-Why ties: a greedy speculative decoder must emit exactly the baseline's tokens. In fp32 it does
-(the B-token verify pass and the one-token step agree far below any logit gap). In bf16 (fp16) a
-B-token pass rounds differently from a one-token pass, so where the target's best tokens are
-within rounding noise the argmax can flip, and from there the outputs differ although neither run
-is wrong. In bf16 exact ties are common, too: logits are stored in bf16, whose spacing is 0.125
-at 16–32, so two tokens often hold the very same logit. A real bug (a verify rule accepting a
-wrong token, a stale cache) diverges where the target clearly preferred its token.
+Why ties: a greedy speculative decoder must emit exactly the baseline's tokens. In fp32 it does; in
+bf16 (fp16) a B-token verify pass rounds differently from a one-token pass, so where the target's
+best tokens are within rounding noise (or hold the very same bf16 logit) the argmax can flip
+although neither run is wrong. A real bug (a wrong accept, a stale cache) diverges where the target
+clearly preferred its token.
 
 Rule: at the first position where a speculative output differs from the baseline, take the
-baseline's logits there (its TOP_K best, recorded by the baseline decoder): the margin = top-1 −
-top-2, and the gap = top-1 − the baseline's logit of the token the speculative run emitted (unknown
-when that token is not among the TOP_K). The divergence is a numerical tie iff the gap is known and
-within the tolerance (`TieRule`). A run is "exact" without divergences, "ties-only" when every divergence is a tie,
-else "not lossless". After the first divergence the two outputs continue from different prefixes,
-so only first divergences are judged.
-
-Default tolerance (`eval.tie_tolerance` replaces it by a fixed number of logits): relative to the
-logit scale, because bf16 rounding is relative — a share of the baseline's largest |logit| among its
-recorded top-k at that position: bf16 4%, fp16 0.5%, fp32 0.01%. Measured on SmolLM2-135M-Instruct
-(3 prompts × 48 tokens, B = 4 and 8): a B-token bf16 pass changes the gaps between the one-token
-pass's top-8 logits by 0.125 (median), 0.5 (p99), 0.625 (max), at most 1.85% of the top-1 logit
-(10–43 there); in fp32 the two passes gave bit-identical logits. A wrong token is typically many
-logits behind.
+baseline's recorded TOP_K logits there: margin = top-1 − top-2, gap = top-1 − the baseline's logit of
+the token the speculative run emitted (unknown when it is not among the TOP_K). The divergence is a
+tie iff the gap is known and within the tolerance (`TieRule`). Verdict: "exact" without divergences,
+"ties-only" when every divergence is a tie, else "not lossless". Only first divergences are judged
+(after one the prefixes differ). The default tolerance is a share of the baseline's largest |logit|
+among its top-k, per dtype, since bf16 rounding is relative; `eval.tie_tolerance` sets a fixed one.
+The measurements behind the shares: docs/architecture.md, "Verify dtype and the tie-aware lossless check".
 """
 
 from __future__ import annotations

@@ -21,8 +21,7 @@ Definitions (one place, used everywhere):
   Bound = τ̄·t(1)/t(B): the speedup if drafting and bookkeeping were free. Efficiency = measured speedup / bound.
 - Paired speed ratio of decoder A over decoder B (`paired_speed`) = B's decode time per token / A's, over the
   same prompts (decoded interleaved, prompt by prompt); its 90% interval resamples the prompts (paired
-  bootstrap), so it holds both the prompts' spread and the machine's timing noise. An interval that
-  contains 1 means the two are not told apart by this measurement.
+  bootstrap), so it holds both the prompts' spread and the timing noise; one containing 1 tells nothing apart.
 """
 
 from __future__ import annotations

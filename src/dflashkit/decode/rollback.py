@@ -7,25 +7,20 @@ Usage:
     target.model(input_ids=block, cache=cache, use_cache=True)        # ≤ B tokens
     rollback(cache, drop)                                             # forget the last `drop` of them (0 too)
 
-A full-attention layer forgets positions by cropping its keys and values (`Cache.crop`), exactly what the
-decoder always did; for such a cache `arm` does nothing and `rollback(cache, 0)` touches nothing. A linear-
-attention or state-space layer (Gated DeltaNet in Qwen3-Next / Qwen3.5, Mamba-2 in Bamba / Nemotron-H /
-Falcon-H1 / Jamba) keeps no per-position state: its recurrent state and its causal-convolution window after
-the verified prefix cannot be recovered from the state after the whole block. The method chosen is
-transformers' own past recording (`Cache.activate_past_recording`): while recording, a forward keeps the
-convolution inputs of its tokens and the recurrent state after each of its last `max_tokens` tokens (those
-tokens run through the model's one-token recurrence instead of its chunked scan), and `crop(-drop)` puts back
-the state after the kept prefix and trims the convolution window to the kernel size. The two alternatives cost
-more per step: a snapshot of the states before the block plus a second target forward over the accepted tokens
-whenever a draft is rejected (most steps), or recomputing the block. A sliding-window layer records too (its
-keys beyond the window stay until the crop), so a sliding-window target rolls back past its window.
-
-Recording starts at `arm`, after the prefill, so a long prompt's convolution inputs are never all kept.
+A full-attention layer forgets positions by cropping its keys and values (`Cache.crop`); for such a
+cache `arm` does nothing and `rollback(cache, 0)` touches nothing. A linear-attention or state-space
+layer (Gated DeltaNet, Mamba-2) keeps no per-position state, so after `arm` it uses transformers' own
+past recording (`Cache.activate_past_recording`): a forward keeps its convolution inputs and the
+recurrent state after each of its last `max_tokens` tokens, and `crop(-drop)` restores the state
+after the kept prefix. This costs less than a snapshot plus a second forward on rejection, or
+recomputing the block. A sliding-window layer records too, so it rolls back past its window.
+Recording starts at `arm`, after the prefill, so a long prompt's convolution inputs are never kept.
 
 Invariant: after `arm(cache, max_tokens=k)` every forward through the cache is at most k tokens and is
 followed by `rollback(cache, drop)` (0 ≤ drop ≤ its length) before the next one; the cache then holds exactly
 what a cache fed only the kept tokens holds (recurrent and convolution states, keys and values, the length),
 so the next forward computes what one-token decoding over the same committed tokens computes.
+More: docs/hybrid-targets.md.
 """
 
 from __future__ import annotations
@@ -91,7 +86,7 @@ def rollback(cache: Any, drop: int) -> None:
 
     A recording cache is cropped also when `drop` is 0: that trims the convolution windows and sliding-window
     keys back to their working size and frees the recorded states. A cache that does not record is cropped only
-    when there is something to drop (today's full-attention behaviour, and its speed).
+    when there is something to drop (the plain full-attention crop, at its speed).
 
     Raises:
         RuntimeError: `drop` is negative, or the cache has recurrent layers and `arm` was not called.

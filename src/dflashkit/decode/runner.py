@@ -22,11 +22,18 @@ and non-thinking sources as tokenize did.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from dflashkit.data.chat import ChatTemplate, source_template_kwargs
+from dflashkit.data.records import AGENT_KEYS, prepared_file, read_jsonl, record_problem
+from dflashkit.data.sources import RecordError, detect_format, to_record
 from dflashkit.decode.api import Decoder, GenerationResult, SamplingParams, default_stop_ids
+from dflashkit.decode.spec_decode import fast_draft_dtype
 from dflashkit.errors import MissingArtifactError, UsageError
+from dflashkit.progress import Progress
+from dflashkit.train.checkpoint import trained_drafter_dir
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -48,7 +55,6 @@ def resolve_drafter_dir(cfg: RunConfig, rd: RunDir, positionals: list[str]) -> P
         if not p.is_dir():
             raise UsageError(f"eval.drafter {p} does not exist", hint="fix eval.drafter or pass the dir as DIR")
         return p
-    from dflashkit.train.checkpoint import trained_drafter_dir
 
     for cand in (trained_drafter_dir(rd.train_dir)[0], rd.export_dir):
         if (cand / "config.json").is_file():
@@ -74,9 +80,6 @@ class EvalPrompt(NamedTuple):
 
 def _prompt_of(obj: Any, where: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(prompt messages, tools) of one prompt-file record (see the module docstring)."""
-    from dflashkit.data.records import AGENT_KEYS, record_problem
-    from dflashkit.data.sources import RecordError, detect_format, to_record
-
     if isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and detect_format(obj) == "prompt":
         return [{"role": "user", "content": obj["prompt"]}], None
     if isinstance(obj, dict) and not isinstance(obj.get("messages"), list):
@@ -118,8 +121,6 @@ def _prompt_of(obj: Any, where: str) -> tuple[list[dict[str, Any]], list[dict[st
 
 
 def _prompt_file(cfg: RunConfig, rd: RunDir) -> Path:
-    from dflashkit.data.records import prepared_file
-
     if cfg.eval.prompts:
         path = Path(cfg.eval.prompts)
         if not path.is_file():
@@ -150,8 +151,6 @@ def first_per_source(prompts: list[EvalPrompt], n: int | None) -> list[EvalPromp
 def load_prompts(cfg: RunConfig, rd: RunDir, limit: int | None = None) -> list[EvalPrompt]:
     """The eval prompts of `eval.prompts`, else of prepare's held-out split (see the module docstring);
     `limit`: at most that many, every source's in turn (`first_per_source`)."""
-    from dflashkit.data.records import read_jsonl
-
     path = _prompt_file(cfg, rd)
     stem = path.name.split(".")[0]
     bad: list[str] = []  # malformed lines follow data.on_malformed: skipped (and logged) or an error
@@ -175,8 +174,6 @@ def load_prompt_messages(cfg: RunConfig, rd: RunDir, limit: int | None = None) -
 
 def prompt_sources(cfg: RunConfig, rd: RunDir) -> dict[str, str]:
     """id → data source of the eval prompts whose record names one (prepare's records do)."""
-    from dflashkit.data.records import read_jsonl
-
     rows = read_jsonl(_prompt_file(cfg, rd), on_malformed="skip")
     return {str(obj.get("id", n)): str(obj["source"]) for n, obj in rows if isinstance(obj, dict) and obj.get("source")}
 
@@ -185,8 +182,6 @@ def prompt_chat(cfg: RunConfig, tokenizer: Any) -> Any:
     """The target's chat template as tokenize renders it (`data.chat.ChatTemplate`): `tokenizer`'s template (the
     target's, or `target.chat_template` applied by `load_target`), `tokenize.chat_template_kwargs`, each
     source's `data.sources[].chat_template_kwargs` over them."""
-    from dflashkit.data.chat import ChatTemplate, source_template_kwargs
-
     origin = (f"target.chat_template {cfg.target.chat_template}" if cfg.target.chat_template else
               f"the chat template of {cfg.target.tokenizer or cfg.target.path}")
     return ChatTemplate(tokenizer, kwargs=cfg.tokenize.chat_template_kwargs, origin=origin,
@@ -245,10 +240,6 @@ def run_interleaved(decoders: dict[str, Decoder], prompts: list[list[int]], para
     Progress (`dflashkit.progress`, named `desc`) counts generated tokens against the upper bound
     prompts × decoders × max_new_tokens (an early stop finishes below it).
     """
-    from dataclasses import replace
-
-    from dflashkit.progress import Progress
-
     for dec in decoders.values():
         for i in range(warmup):
             dec.generate(prompts[i % len(prompts)], replace(params, seed=base_seed))
@@ -266,7 +257,6 @@ def run_interleaved(decoders: dict[str, Decoder], prompts: list[list[int]], para
 def draft_dtype_for(cfg: RunConfig, target: Any) -> Any:
     """`eval.draft_dtype` → a torch dtype (None = the target's), announced once per process (an explicit 16-bit
     one with a warning where the CPU only emulates it)."""
-    from dflashkit.decode.spec_decode import fast_draft_dtype
     from dflashkit.model.target import DtypeChoice, announce, compute_dtype, native_half
 
     choice = cfg.eval.draft_dtype

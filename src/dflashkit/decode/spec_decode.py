@@ -8,47 +8,20 @@ Usage:
     params = SamplingParams(max_new_tokens=128, stop_token_ids=(eos,))
     r = spec.generate(prompt_ids, params)                      # r.token_ids, r.acceptance_lengths
 
-One step (batch size 1). The committed sequence ends with x_start, the token at position `start`
-whose target features and KV are not known yet.
-1. Draft: the drafter sees the target features of the committed tokens it has not seen yet (only
-   those: its `DraftKVCache` keeps the earlier context K/V; block K/V are never stored) and the
-   block `[x_start, MASK × (B−1)]` at positions start..start+B−1; the target lm_head on block
-   positions 1..B−1 gives drafts d_1..d_{B−1} (argmax, or sampled from the draft law). A plain
-   DFlash drafter (`FastDraft.supports`: plain DFlash layers, so a LiLiCorr backbone without
-   convolutions too) runs through the lean forward of `decode/fast_draft.py` instead (one
-   `DraftState` per generation: preallocated context K/V, a RoPE table, fused projections), which
-   gives the module's hidden states and logits; other drafters (DFlash2) keep the module forward.
-2. Verify: one target forward over `[x_start, d_1..d_{B−1}]` with the target KV cache, capturing
-   the features at the drafter's `target_layer_ids` by hooks (never `output_hidden_states`).
-3. Accept (`sampling.verify_greedy` / `verify_sampled`, lossless): a drafts kept, plus the target's
-   own token after them, so τ = a + 1 tokens are committed (cut at a stop token or at
-   max_new_tokens). The target cache is rolled back to the committed length (`decode/rollback.py`: a
-   crop for attention layers; linear-attention / Mamba layers restore their recorded state, and hybrid
-   targets get explicit position ids); the features of the committed block positions become the
-   drafter's next context.
-With `block_size=1` step 1 is skipped and step 2 is an ordinary one-token decode step, so the
-autoregressive baseline runs through exactly the same code and its timings compare honestly.
+One step (batch size 1), the committed sequence ending with x_start whose features are not known yet:
+1. Draft: the drafter sees the target features of the committed tokens it has not seen yet (its
+   `DraftKVCache` keeps earlier context K/V) and the block `[x_start, MASK × (B−1)]`; the family's
+   proposal step (`Decoding.propose`) turns its hidden states and head logits into drafts d_1..d_{B−1}.
+   Plain DFlash layers run through `decode/fast_draft.py`; other drafters keep the module forward.
+2. Verify: one target forward over `[x_start, d_1..d_{B−1}]`, features captured by hooks.
+3. Accept (`sampling.verify_greedy` / `verify_sampled`, lossless): a drafts plus the target's own
+   token, τ = a + 1; the target cache is rolled back to the committed length (`decode/rollback.py`).
+With `block_size=1` step 1 is skipped, so the AR baseline runs through exactly the same code.
 
-A drafter with a reduced draft vocabulary (`drafter.draft_vocab`, sorted target ids [V']) drafts
-with the target head's rows of that vocab only: argmax / sampling run over V' and map back to
-target ids. At temperature > 0 the draft law q is zero outside the vocab and is handed to the
-rejection rule in the full-vocab space, so sampling stays lossless.
-
-How a block is drafted from the drafter's hidden states and head logits is the drafter family's
-proposal step (`Family.propose`, dflashkit/family/; `_propose`): DFlash takes each position's argmax or a draw
-from its head law; DFlash2 walks its selector over the top-K candidates of each position, LiLiCorr its
-lattice head's scores (at temperature > 0 with `draft_sampling="sample"` the walk is Gumbel-noised and
-its law over the K candidates is the q of the rejection rule). The decoder hands the step its sampling
-law (`DraftSampling`) and what it knows of the block (`DraftBlock`: the target's embedding and the
-features of the token before the anchor, which LiLiCorr's lattice reads).
-
-A `Proposer` replaces the DFlash drafter (prompt lookup in `decode/ngram.py`, test stubs): it gets
-the committed sequence and returns at most B−1 point-mass proposals; a shorter (or empty) proposal
-is verified as it is, so that step's block is 1 + len(proposal) tokens.
-
-`record_top=k` (greedy only) records, per emitted token, the target's k best (id, logit) at the row
-that chose it: `eval` uses them to tell a numerical tie between a B-token and a one-token pass
-(bf16) from a real divergence (`decode/lossless.py`).
+Invariants: greedy output = the target's greedy output; sampling is lossless, including with a
+reduced draft vocabulary (q is zero outside it). A `Proposer` (`decode/ngram.py`, test stubs) may
+replace the drafter and propose fewer than B−1 tokens. `record_top=k` (greedy) records the target's
+k best logits per emitted token so `decode/lossless.py` can tell a numerical tie from a divergence.
 """
 
 from __future__ import annotations
@@ -60,6 +33,7 @@ from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 
 from dflashkit.decode.api import GenerationResult, SamplingParams
 from dflashkit.decode.draft_length import DraftLength
@@ -68,6 +42,7 @@ from dflashkit.decode.sampling import sample, sampling_probs, verify_greedy, ver
 from dflashkit.decode.fast_draft import DraftState, FastDraft
 from dflashkit.errors import UsageError
 from dflashkit.family.base import DraftBlock, DraftSampling
+from dflashkit.model.draft_vocab import restricted_head
 from dflashkit.model.drafter import DFlashDraftModel, DraftKVCache
 from dflashkit.model.kv_cache import decode_cache
 from dflashkit.model.target import Target, cache_kwarg, fast_bf16
@@ -137,14 +112,13 @@ class SpecDecoder:
                 self._full_vocab = int(head.weight.shape[0])
                 self._vocab = drafter.draft_vocab
                 if self._vocab is not None:  # the V' rows of the reduced draft vocab, copied once
-                    from dflashkit.model.draft_vocab import restricted_head
 
                     self._vocab = self._vocab.to(head.weight.device)
                     head = restricted_head(head, self._vocab)
                 b = getattr(head, "bias", None)
                 self._head_w = head.weight.detach().to(self._draft_dtype)  # [V or V', H]
                 self._head_b = None if b is None else b.detach().to(self._draft_dtype)
-            self._step = drafter.contract.family.propose  # the family's proposal step
+            self._step = drafter.contract.family.decoding.propose  # the family's proposal step
             self._fast = (FastDraft(drafter, self._head_w, self._head_b, self._mask_emb,
                                     max_len=self.max_context if self.max_context < 1 << 20 else 4096,
                                     causal=drafter.causal)
@@ -222,8 +196,6 @@ class SpecDecoder:
     def _calibrate(self, prompt_ids: list[int], reps: int = 3) -> None:
         """t(n) for n = 1 … B: target steps over n tokens after a short context, the fastest of `reps` each
         (a throwaway cache; once per decoder, before any timed work)."""
-        from transformers import DynamicCache
-
         assert self.policy is not None
         dev = self.target.device
         ctx = prompt_ids[: min(len(prompt_ids), 64)]
@@ -245,7 +217,7 @@ class SpecDecoder:
 
     def _propose(self, h: torch.Tensor, logits: torch.Tensor, anchor: int, params: SamplingParams, gen,
                  block: DraftBlock | None = None):
-        """The drafter family's proposal step (`Family.propose`): h [1, k, H] and head logits [k, V'] of block
+        """The drafter family's proposal step (`Decoding.propose`): h [1, k, H] and head logits [k, V'] of block
         positions 1 … k → (k tokens, their draft law [k, V] or None for point masses). `block`: the target's
         embedding and the features of the token before the anchor (the last row of the new context)."""
         return self._step(self.drafter, h, logits, anchor, self._sampling(params, gen), self._vocab, self._full_vocab,

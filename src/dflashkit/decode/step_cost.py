@@ -15,6 +15,7 @@ large read-only pass (`memory_bandwidth`), read once per process.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -60,8 +61,6 @@ def roofline(target: Target, times: dict[int, float], *, bandwidth: float | None
 
 def decode_step_report(target: Target, block_sizes: list[int]) -> dict[str, Any]:
     """Measure t(1) and t(B) for each block size, log them against the memory floor → `roofline`'s record."""
-    import logging
-
     ns = sorted({1, *(int(b) for b in block_sizes)})
     r = roofline(target, step_times(target, ns, reps=5))
     t = r["t_s"]

@@ -67,5 +67,5 @@ def model_card(cfg: Any, contract: Any, out_dir: Path, rd: Any, draft_vocab_size
               "Transformers (this dir ships its own `dflash.py`):", "", "```python",
               "from transformers import AutoModel",
               f"drafter = AutoModel.from_pretrained(\"{out_dir}\", trust_remote_code=True)", "```", ""]
-    lines += contract.family.card_lines(contract)  # what serving this family needs (DFlash2: vLLM's V2 runner)
+    lines += contract.family.formats.card_lines(contract)  # what serving this family needs (DFlash2: vLLM's V2 runner)
     return "\n".join(lines)

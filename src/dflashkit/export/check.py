@@ -12,7 +12,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from dflashkit.errors import DflashkitError
+import torch
+
+from dflashkit.errors import DflashkitError, UsageError
+from dflashkit.export.hf import load_drafter, load_shipped_model, read_target_head
+from dflashkit.inspect.target import resolve_target_path
 
 log = logging.getLogger("dflashkit.export")
 
@@ -23,10 +27,6 @@ def reload_check(source: Any, export_dir: Path, head: Any, atol: float) -> dict[
     `head` [V, H] (or None: hidden states are compared); a reduced-vocab drafter is compared through
     its V' rows, and the reloaded draft vocab must equal the source's.
     """
-    import torch
-
-    from dflashkit.export.hf import load_drafter, load_shipped_model
-
     c = source.contract
     g = torch.Generator().manual_seed(0)
     t, q = 8, c.block_size
@@ -56,15 +56,12 @@ def reload_check(source: Any, export_dir: Path, head: Any, atol: float) -> dict[
             f"shipped dflash.py vs our loader {diff_shipped:.3g} (allowed {atol * scale:.3g} / {1e-4 * scale:.3g})",
             hint="nothing was replaced; try export.dtype=float32 or raise export.check_atol")
     top1 = (la.argmax(-1) == lr.argmax(-1)).float().mean().item()
-    walk = c.family.reload_check(source, ours, head)  # the family's own part (DFlash2: the selector's walk)
+    walk = c.family.formats.reload_check(source, ours, head)  # the family's own part (DFlash2: the selector's walk)
     return {"max_diff_vs_source": diff_export, "max_diff_shipped_vs_ours": diff_shipped, "logit_scale": scale,
             "top1_agreement": top1, "compared": "logits" if head is not None else "hidden states", **walk}
 
 
 def target_head(cfg: Any):
-    from dflashkit.export.hf import read_target_head
-    from dflashkit.inspect.target import resolve_target_path
-
     if not cfg.target.path:
         return None
     try:
@@ -77,7 +74,6 @@ def target_head(cfg: Any):
 
 def loaded_target_head(cfg: Any, hidden_size: int):
     """The target head through the full loader (GGUF targets too); a reduced-vocab export needs its rows."""
-    from dflashkit.errors import UsageError
     from dflashkit.model.target import load_target
 
     if not cfg.target.path:

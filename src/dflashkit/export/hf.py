@@ -21,14 +21,20 @@ drafts with the target's own head rows, so a stored `lm_head.weight` is checked,
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
+from dflashkit import family
 from dflashkit.errors import UsageError
+from dflashkit.model.draft_vocab import check_draft_vocab, from_offsets, t2d_mask, to_offsets
 from dflashkit.model.drafter import DFlashDraftModel
+from dflashkit.family import Family, by_architecture
 from dflashkit.family.contract import DrafterContract
 from dflashkit.rundir import atomic_path, atomic_write_json
 
@@ -39,6 +45,17 @@ MODELING_FILE = "dflash.py"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def write_modeling_file(out_dir: str | Path, fam: Family) -> Path:
+    """The shipped remote-code `dflash.py` in `out_dir`: `export/dflash_modeling.py`, plus the family's own
+    class when it is not in that file (`Formats.modeling_source`: a plugin family)."""
+    text = (Path(__file__).parent / "dflash_modeling.py").read_text()
+    if fam.formats.modeling_source:
+        text = text.rstrip("\n") + "\n\n\n" + fam.formats.modeling_source.strip("\n") + "\n"
+    path = Path(out_dir) / MODELING_FILE
+    path.write_text(text)
+    return path
+
+
 def save_drafter(model: DFlashDraftModel, out_dir: str | Path, dtype: str = "bfloat16",
                  head: torch.Tensor | None = None) -> Path:
     """Write `config.json` + `model.safetensors` (z-lab names, `dtype`) into `out_dir`, atomically per file.
@@ -47,8 +64,6 @@ def save_drafter(model: DFlashDraftModel, out_dir: str | Path, dtype: str = "bfl
         head: the target's output head [V, H]; with a reduced draft vocab it adds `lm_head.weight`
             (its rows d2t, in `dtype`) and `t2d`, which vLLM needs. Ignored for a full-vocab drafter.
     """
-    from safetensors.torch import save_file
-
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r}", hint=f"one of {sorted(DTYPES)}")
     out = Path(out_dir)
@@ -57,8 +72,6 @@ def save_drafter(model: DFlashDraftModel, out_dir: str | Path, dtype: str = "bfl
              for k, v in model.state_dict().items()}
     vocab = model.draft_vocab
     if vocab is not None and head is not None:
-        from dflashkit.model.draft_vocab import t2d_mask
-
         if head.shape[-1] != model.contract.hidden_size:
             raise UsageError(f"target head {tuple(head.shape)} does not match the drafter's hidden size "
                              f"{model.contract.hidden_size}", hint="set target.path to the drafter's target")
@@ -117,9 +130,6 @@ def _contract(path: Path, cfg: dict) -> DrafterContract:
 
 
 def open_weights(drafter_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     files = [drafter_dir / WEIGHTS]
     index = drafter_dir / f"{WEIGHTS}.index.json"
     if not files[0].is_file() and index.is_file():
@@ -143,8 +153,6 @@ def _draft_vocab(state: dict[str, torch.Tensor], size: int | None, contract: Dra
 
     Leaves a normalised int64 `d2t` in `state` and removes `t2d` / `lm_head.weight` (checked, not loaded).
     """
-    from dflashkit.model.draft_vocab import check_draft_vocab, from_offsets, to_offsets
-
     hint = "config.json and model.safetensors come from different drafters; re-export"
     d2t = state.get("d2t")
     if size is None:
@@ -199,7 +207,6 @@ def build_drafter(contract: DrafterContract, size: int | None, state: dict[str, 
     `size` is the draft vocab size (None: full vocab); the other reader (export/speculators.py) uses this.
     """
     config_path = d / "config.json"
-    from dflashkit import family
 
     fam = contract.family
     vocab = _draft_vocab(state, size, contract, d / WEIGHTS, config_path)
@@ -258,14 +265,11 @@ def read_target_head(target_dir: str | Path) -> torch.Tensor | None:
 
 def load_shipped_model(export_dir: str | Path):
     """Load an export through its own `dflash.py` (as trust_remote_code would), without caching code."""
-    import importlib.util
-
     path = Path(export_dir) / MODELING_FILE
     spec = importlib.util.spec_from_file_location(f"dflash_export_{abs(hash(str(path)))}", path)
     assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    from dflashkit.family import by_architecture
 
     arch = by_architecture(read_config(export_dir)[1].get("architectures")).architecture  # its family's class
     return getattr(module, arch).from_pretrained(str(export_dir), dtype=torch.float32).eval()

@@ -8,27 +8,19 @@ Usage:
     read_profile(profile_path(export_dir))             # None when absent; UsageError naming file and field
     conditional, marginal = accept_rates({1: 40, 2: 30, 3: 30}, k=3)   # [0.6, 0.5, 0.0], [0.6, 0.3, 0.0]
 
-This module owns the file: its writer (`write_profile`), reader (`read_profile`), path (`profile_path`,
-`RunDir.eval_profile`, `RunDir.verify_engine_profile`) and the self-checks; what the stages do with a
-profile (ship it at export, compare it with an engine, report it at import) is `export/profile_ship.py`. The same schema as NVIDIA Model-Optimizer's specdec_bench
-producer (PR #2247): written from our own reading of it, compatible field by field, so a consumer of
-theirs (dynamo's simulator, vLLM's synthetic acceptance) reads ours. `measured` is the schema's bool
-(false: a placeholder without steps); the UTC time of the measurement is `measured_at`. The file's
-other additions are `per_category`, `measurement_conditions.steps` and the `engines` section.
+This module owns the file: writer, reader, path (`profile_path`, `RunDir.eval_profile`,
+`RunDir.verify_engine_profile`) and self-checks; what stages do with a profile is
+`export/profile_ship.py`. The schema is NVIDIA Model-Optimizer's specdec_bench one, written from our
+own reading and compatible field by field; our additions are `measured_at`, `per_category`,
+`measurement_conditions.steps` and the `engines` section (docs/architecture.md).
 
-Definitions (len = tokens one verify step commits, the bonus/correction token included: τ's unit,
-`decode/metrics.py`; K = num_speculative_tokens = B − 1):
-- `marginal_accept_rates[i]` = P(len ≥ i + 2): drafts 1 … i + 1 all accepted;
-- `conditional_accept_rates[i]` = P(len ≥ i + 2) / P(len ≥ i + 1) (0 where the denominator is 0);
-- `mean_accept_length` = mean len per step = 1 + Σ marginals exactly, for lengths in [1, K + 1].
-
-Which steps count. A step whose length is not a free outcome of K drafts is *cut* (`Measurement.cut`,
-the decoder's `GenerationResult.acceptance_cut`): it had fewer than K drafts (a block shortened by
-max_new_tokens) or its committed tokens were cut at a stop token or max_new_tokens — its length is a
-lower bound, not an acceptance outcome. The rates, the histogram and both means count uncut steps
-only, so every self-check holds on what is recorded; the cut steps and the mean over all steps (the
-τ `eval` prints) are in `measurement_conditions.steps`. A measurement without an uncut step writes
-`measured: false` with zero rates and no mean (ModelOpt's placeholder shape).
+Definitions (len = tokens one verify step commits, bonus included; K = B − 1):
+`marginal_accept_rates[i]` = P(len ≥ i + 2); `conditional_accept_rates[i]` = P(len ≥ i + 2) /
+P(len ≥ i + 1) (0 where the denominator is 0); `mean_accept_length` = 1 + Σ marginals exactly.
+Invariant: rates, histogram and means count only uncut steps (`Measurement.cut`: fewer than K drafts,
+or cut at a stop token or max_new_tokens: a lower bound, not an acceptance outcome), so every
+self-check holds; the cut steps and the all-steps τ are in `measurement_conditions.steps`. A
+measurement without an uncut step writes `measured: false` with zero rates and no mean.
 """
 
 from __future__ import annotations
@@ -36,13 +28,16 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import subprocess
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dflashkit import __version__
 from dflashkit.errors import UsageError
+from dflashkit.rundir import atomic_write_json
 
 if TYPE_CHECKING:
     from dflashkit.family.contract import DrafterContract
@@ -79,10 +74,6 @@ def utc_now() -> str:
 
 def dflashkit_source() -> dict[str, str | None]:
     """dflashkit's version and, in a git checkout of it, its commit (`+dirty` with uncommitted changes)."""
-    import subprocess
-
-    from dflashkit import __version__
-
     here = Path(__file__).resolve().parents[1]
 
     def git(*args: str) -> str:
@@ -347,8 +338,6 @@ def read_profile(path: str | Path) -> dict[str, Any] | None:
 
 def write_profile(path: str | Path, profile: dict[str, Any]) -> Path:
     """Write a profile atomically after `validate` (a profile that contradicts itself is never written)."""
-    from dflashkit.rundir import atomic_write_json
-
     validate(profile, str(path))
     atomic_write_json(path, profile)
     return Path(path)

@@ -18,11 +18,10 @@ is shipped, compared or trusted only for weights whose digest is one of the two.
 
 Which drafter a profile describes: `num_speculative_tokens` (K, its headline), `block_size`,
 `max_supported_k` and `method` (the family). A drafter of block size B drafts at most K = B − 1 tokens; a
-profile measured at a smaller K (eval.block_sizes without the drafter's B) still describes it, and
-`accept_length_by_k` may hold several K. A profile whose K exceeds B − 1, whose `block_size` or
+profile measured at a smaller K still describes it (`accept_length_by_k` may hold several K). A profile whose K exceeds B − 1, whose `block_size` or
 `max_supported_k` (when recorded) is not the drafter's B and B − 1, or whose `method` is another family
-describes another drafter: export, import and verify-engine refuse it (`refuse_other_drafter`, exit 2)
-before they write anything, rather than shipping it, reporting it or comparing an engine with it.
+describes another drafter: export, import and verify-engine refuse it before they write anything
+(`refuse_other_drafter`, exit 2).
 """
 
 from __future__ import annotations
@@ -32,8 +31,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import UsageError
+from dflashkit.export.hf import read_config, read_contract
 from dflashkit.export.profile import (PROFILE_FILE, conditional_from, headline, method_for, profile_path,
                                       prompts_digest, read_profile, round6, utc_now, weights_digest, write_profile)
+from dflashkit.export.speculators import drafter_format, read_speculators_contract
 
 if TYPE_CHECKING:
     from dflashkit.family.contract import DrafterContract
@@ -52,9 +53,6 @@ def _digests(profile: dict[str, Any]) -> set[str]:
 
 def drafter_contract(drafter_dir: str | Path) -> DrafterContract:
     """The contract of a z-lab or speculators drafter dir, from its config.json alone (no weights read)."""
-    from dflashkit.export.hf import read_config, read_contract
-    from dflashkit.export.speculators import drafter_format, read_speculators_contract
-
     if drafter_format(drafter_dir) == "speculators":
         path, cfg = read_config(drafter_dir)
         return read_speculators_contract(cfg, source=str(path))[0]

@@ -6,44 +6,21 @@ Usage:
     model, fmt = load_any_drafter("some/drafter")                    # fmt: "zlab" | "speculators"
     `vllm serve runs/x/export-spec`                                  # the verifier comes from config.json
 
-The format (vllm-project/speculators `DFlashSpeculatorConfig`, as vLLM 0.32's speculators adapter
-reads it; written here from our contract, no code shared):
+The format (vllm-project/speculators `DFlashSpeculatorConfig`, as vLLM's speculators adapter reads
+it; written here from our contract, no code shared): `config.json` holds the draft's Qwen3 config as
+`transformer_layer_config` (sliding-window layers and `is_causal` included), `block_size`,
+`draft_vocab_size`, `mask_token_id`, `aux_hidden_state_layer_ids` = our `target_layer_ids` + 1,
+`sample_from_anchor false`, `sliding_window_non_causal` = not `drafter.causal` (vLLM applies it to
+every layer: a wrong value silently serves the wrong attention) and `speculators_config` (greedy,
+B − 1 speculative tokens, the verifier). `model.safetensors` holds our draft tensors plus the
+verifier's embedding and head rows (and `d2t` / `t2d` for V' < V).
 
-- `config.json`: `architectures ["DFlashDraftModel"]`, `speculators_model_type "dflash"`,
-  `transformer_layer_config` (the draft's Qwen3 config: our z-lab config without its DFlash keys),
-  `draft_vocab_size` (V' or the full V), `block_size` B, `aux_hidden_state_layer_ids` = our
-  `target_layer_ids` **+ 1** (speculators counts hidden_states indices; vLLM subtracts 1 again),
-  `mask_token_id`, `sample_from_anchor false` (the anchor is the bonus token: B - 1 drafts),
-  `sliding_window_non_causal` = not the drafter's `causal` knob (vLLM 0.32's `update_dflash` sets
-  `dflash_config.causal = not sliding_window_non_causal`, a missing key reading as true, for *every*
-  layer: a bidirectional drafter must say true, or it is served causally — a silent acceptance
-  collapse; a causal one (JetSpec, family/dflash.py) says false, and its `transformer_layer_config`
-  holds `is_causal: true` as its z-lab config.json does, which vLLM reads first), and `speculators_config`
-  {algorithm, proposal_methods [greedy, speculative_tokens B - 1], default_proposal_method,
-  verifier {name_or_path, architectures}} — vLLM takes `num_speculative_tokens` and the model to
-  serve from there. Sliding-window draft layers (`drafter.layer_types` / `drafter.sliding_window`) travel
-  inside `transformer_layer_config` as the z-lab config has them (`layer_types`, `sliding_window`,
-  `use_sliding_window`, and `is_causal` stated either way), where the speculators library and vLLM read
-  them; the reader takes them back from there (`DrafterContract.from_hf_config`).
-- `model.safetensors`: our draft tensors (z-lab names: layers.*, fc, hidden_norm, norm) plus the
-  verifier's `embed_tokens.weight` [V, H] and `lm_head.weight` [V', H] (its head rows; all V rows
-  for a full vocabulary), and for V' < V the int64 `d2t` offsets and the bool `t2d` [V].
-
-Another drafter family (`dflashkit.family`; DFlash2 = vLLM 0.32's `update_dflash2`): its
-`architectures`, `speculators_model_type` and `speculators_config.algorithm` = the family's name
-(vLLM maps the method back to "dflash"), and the knobs vLLM reads from the top level
-(`Family.speculators_keys`; DFlash2: `conv_kernel_size`, `conv_group_size`, `selector_rank`,
-`selector_top_k`); the tensors add the family's own under their z-lab names. A knob outside those
-that is set (DFlash2: `input_embedding_scale`, `output_multiplier`, `final_logit_softcapping`,
-which `update_dflash2` drops) is refused (exit 2; export it in the z-lab format). A family vLLM's
-speculators reader does not know (`Family.speculators` False; LiLiCorr in vLLM 0.32) is refused both
-ways, writing and reading (exit 2, naming the format).
-
-The reader takes the in-block causality as vLLM resolves it (`transformer_layer_config.is_causal`, else
-not `sliding_window_non_causal`), refuses what the decoder cannot run (another `speculators_model_type`,
-`sample_from_anchor`) and every missing or malformed key with a `UsageError`
-(exit 2) naming the file and the key; the stored embedding and head are checked for shape and
-dropped (our decoder drafts with the target's own head rows).
+Another drafter family writes its own `architectures`, `speculators_model_type` and algorithm name
+and the knobs vLLM reads at the top level (`Formats.speculators_keys`); a set knob vLLM would drop, or
+a family its reader does not know (`Formats.speculators` False), is refused (exit 2). The reader takes in-block causality as vLLM resolves it, refuses what the decoder cannot run and any
+missing or malformed key with a `UsageError` (exit 2) naming the file and key, and checks the stored
+embedding and head for shape before dropping them (we draft with the target's head rows).
+The keys that are easy to get wrong: docs/architecture.md, "Export formats".
 """
 
 from __future__ import annotations
@@ -55,14 +32,18 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from safetensors.torch import save_file
 
 from dflashkit import family
 from dflashkit.errors import DflashkitError, UsageError
 from dflashkit.export.profile import PROFILE_FILE
 from dflashkit.export.hf import (DTYPES, WEIGHTS, build_drafter, load_drafter, open_weights, read_config,
-                                 read_draft_vocab_size)
+                                 read_draft_vocab_size, read_target_head)
+from dflashkit.model.draft_vocab import t2d_mask
 from dflashkit.model.drafter import DFlashDraftModel
 from dflashkit.family.contract import DrafterContract
+from dflashkit.model.target import resolve_target_path
+from dflashkit.rundir import atomic_dir, atomic_path, atomic_write_json, write_manifest
 
 log = logging.getLogger("dflashkit.export")
 
@@ -82,8 +63,8 @@ def is_speculators(cfg: dict[str, Any]) -> bool:
 
 
 def refuse_format(fam: family.Family, *, where: str) -> None:
-    """UsageError (exit 2) for a family vLLM's speculators reader does not know (`Family.speculators`)."""
-    if not fam.speculators:
+    """UsageError (exit 2) for a family vLLM's speculators reader does not know (`Formats.speculators`)."""
+    if not fam.formats.speculators:
         raise UsageError(f"{where}: vLLM 0.32's speculators reader has no {fam.title} algorithm (its `dflash` "
                          f"reader would declare the drafter DFlashDraftModel and serve it without its "
                          f"{fam.title} head), so a {fam.architecture} travels in the z-lab format only",
@@ -106,11 +87,11 @@ def speculators_config(contract: DrafterContract, *, verifier: str, verifier_arc
                          "vLLM 0.32's speculators reader sets one in-block causality for every layer "
                          "(dflash_config.causal = not sliding_window_non_causal), so it would serve another drafter",
                          hint="export with export.format=zlab (vLLM reads that per-layer causality from layer_types)")
-    family_keys = fam.dflash_config(contract)  # what the z-lab format carries in dflash_config
-    dropped = [k for k in family_keys if k not in fam.speculators_keys and k not in _CARRIED]
+    family_keys = fam.formats.dflash_config(contract)  # what the z-lab format carries in dflash_config
+    dropped = [k for k in family_keys if k not in fam.formats.speculators_keys and k not in _CARRIED]
     if dropped:
         raise UsageError(f"drafter.{dropped[0]} is set ({', '.join(f'{k}={family_keys[k]}' for k in dropped)}); "
-                         f"vLLM 0.32's speculators reader carries only {', '.join(fam.speculators_keys)} of a "
+                         f"vLLM 0.32's speculators reader carries only {', '.join(fam.formats.speculators_keys)} of a "
                          f"{fam.architecture} into dflash_config, so vLLM would serve another drafter",
                          hint="export with export.format=zlab (its dflash_config carries them)")
     return {
@@ -124,7 +105,7 @@ def speculators_config(contract: DrafterContract, *, verifier: str, verifier_arc
         "sample_from_anchor": False,
         "sliding_window_non_causal": not zlab["dflash_config"].get("causal", False),
         "dtype": dtype,
-        **{k: knobs[k] for k in fam.speculators_keys},
+        **{k: knobs[k] for k in fam.formats.speculators_keys},
         "speculators_config": {
             "algorithm": fam.name,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": b - 1,
@@ -162,13 +143,13 @@ def read_speculators_contract(cfg: dict[str, Any], *, source: str = "config.json
                          "dflashkit reads its drafter families only", hint="pass a DFlash speculators checkpoint")
     fam = family.get(kind, key="speculators_model_type")
     refuse_format(fam, where=f"{source}: speculators_model_type {kind}")
-    missing = [k for k in fam.speculators_keys if cfg.get(k) is None]
+    missing = [k for k in fam.formats.speculators_keys if cfg.get(k) is None]
     if missing:
         raise UsageError(f"{source}: a `speculators_model_type` {kind} config without the key(s) {missing} "
                          "(vLLM's reader takes them from the top level)",
                          hint="re-export with `dflashkit export export.format=speculators`")
     defaults = fam.knobs()
-    knobs = {k: _need(cfg, k, source, type(getattr(defaults, k))) for k in fam.speculators_keys}
+    knobs = {k: _need(cfg, k, source, type(getattr(defaults, k))) for k in fam.formats.speculators_keys}
     layer = _need(cfg, "transformer_layer_config", source, dict)
     aux = _need(cfg, "aux_hidden_state_layer_ids", source, list)
     if not aux or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in aux):
@@ -236,9 +217,6 @@ def head_mismatch(drafter_dir: str | Path, target: Any) -> float | None:
     """
     from safetensors import safe_open
 
-    from dflashkit.export.hf import read_target_head
-    from dflashkit.model.target import resolve_target_path
-
     d = Path(drafter_dir)
     try:
         model_dir, gguf = resolve_target_path(target.path, target.gguf_file)
@@ -284,11 +262,6 @@ def write_speculators(model: DFlashDraftModel, out_dir: str | Path, *, verifier:
         verifier: what vLLM serves as the target (`speculators_config.verifier.name_or_path`).
         embed, head: the target's input embedding and output head, both [V, H].
     """
-    from safetensors.torch import save_file
-
-    from dflashkit.model.draft_vocab import t2d_mask
-    from dflashkit.rundir import atomic_path, atomic_write_json
-
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r}", hint=f"one of {sorted(DTYPES)}")
     c = model.contract
@@ -348,7 +321,7 @@ def check_speculators(source: DFlashDraftModel, export_dir: Path, head: torch.Te
                              f"{diff:.3g} (allowed {atol * scale:.3g})",
                              hint="nothing was replaced; try export.dtype=float32 or raise export.check_atol")
     top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    walk = c.family.reload_check(source, back, head)  # the family's own part (DFlash2: the selector's walk)
+    walk = c.family.formats.reload_check(source, back, head)  # the family's own part (DFlash2: the selector's walk)
     return {"max_diff_vs_source": diff, "logit_scale": scale, "top1_agreement": top1, "compared": "logits", **walk}
 
 
@@ -379,8 +352,6 @@ def export_speculators(src_dir: str | Path, out_dir: str | Path, *, target: Any,
     into place (`out_dir` may only replace an earlier export). `target` is a `TargetSection`. `profile`
     writes the speculation profile into the temp dir (the export stage's) and says what it did.
     """
-    from dflashkit.rundir import atomic_dir, write_manifest
-
     t0 = time.time()
     model, fmt = load_any_drafter(src_dir, dtype=torch.float32)
     refuse_format(model.contract.family, where="export.format=speculators")   # before the target is read

@@ -9,36 +9,19 @@ Usage:
     cut = tool_mismatch(conv["messages"], turns, t, calls)       # does the conversation end at answer t?
     n, cut = settled(conv, journal_records_by_turn)              # turns the journal settles, in order
     rec = assemble(conv, [journal records by turn], reasoning="keep", on_length="flag", cut=cut)
+    write_conversations(stage_dir, rows) / write_failures(stage_dir, failures)   # atomic JSONL
+    write_settings(stage_dir, settings) / read_settings(stage_dir)   # the journal's sampling settings
+    path = regenerated_file(rd)            # conversations.jsonl, exit 3 when missing
 
 Rules: every original assistant message is replaced by the target's own answer. A turn is a user
-message — or the last tool result of a group — followed by an assistant message or ending the
-conversation; the data's assistant messages between two turns are replaced by one answer. Turns
-are generated in order and each prompt carries the target's previous answers as they are stored
-(`answer_message`), so the server renders the very messages `tokenize` renders; templates that drop
-earlier thinking (Qwen3's, before the last user turn) drop it on both sides. With `reasoning: keep`
-the stored answer is `<think>\\n{reasoning}\\n</think>\\n\\n{content}` and `meta.reasoning[t]` holds the
-raw text; with `drop` both are left out. `meta.prompt_tokens[t]` (the server's usage.prompt_tokens) and
-`meta.prompt_ids[t]` (a summary of the prompt ids it returned, `dflashkit.data.drift.ids_summary`) let
-`tokenize` check that the server saw the prompt it renders; every `meta` list has one entry per
-assistant message of the record, agent turns included.
-
-Agent turns (docs/training-data.md, "Regenerating agent turns"): each request carries the record's
-`tools`; an answer keeps the target's `tool_calls` (the server's ids, made unique in the conversation
-by `own_call_ids`), and the tool results come from the data. When the target's calls are those the
-data's following tool results answer (the same function names, in order) the results are kept, their
-`tool_call_id`s re-paired to the target's calls. When they differ (another function, another number of
-calls, an answer without a call where the data called, or a call where the data went on without one)
-the conversation is cut after that answer: it is written ending on the target's answer (possibly a
-call), with `meta.cut_at_tool_mismatch` = {"turn", "expected", "called"} and a `tool_mismatch:turn<t>`
-flag; the turns after it are never generated. An answer that nothing follows in the data is never cut.
-
-Files (in the generate stage dir; `regenerate.py` calls the writers, `tokenize` the reader):
-    write_conversations(stage_dir, rows)   # conversations.jsonl, atomic: one assembled record per line
-    write_failures(stage_dir, failures)    # failures.jsonl, atomic: one failed turn per line
-    write_settings(stage_dir, settings) / read_settings(stage_dir)   # the sampling settings of the journal
-    path = regenerated_file(rd)            # conversations.jsonl, exit 3 when missing; its records are
-                                           # read with `data.records.iter_conversations` (same layout)
-The journal `shards/` is `journal.py`'s.
+message (or the last tool result of a group) followed by an assistant message or the end; turns are
+generated in order, each prompt carrying the target's previous answers exactly as stored
+(`answer_message`), so the server renders the very messages `tokenize` renders. `reasoning: keep`
+stores `<think>…</think>` before the content; `meta` lists (prompt tokens, prompt id summaries,
+reasoning) have one entry per assistant message. Agent turns keep the target's `tool_calls` and the
+data's tool results while the calls match the data's; on a mismatch the conversation is cut after
+that answer (`meta.cut_at_tool_mismatch`, a `tool_mismatch:turn<t>` flag). Details:
+docs/training-data.md, "Regenerating agent turns". The journal `shards/` is `journal.py`'s.
 """
 
 from __future__ import annotations

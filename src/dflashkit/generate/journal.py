@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from dflashkit.errors import UsageError
+
 log = logging.getLogger("dflashkit.generate")
 
 Key = tuple[str, int]
@@ -59,7 +61,6 @@ def _scan_shard(path: Path, *, last: bool) -> tuple[list[dict[str, Any]], int, i
             if last and end == len(data):
                 torn += 1
                 break
-            from dflashkit.errors import UsageError
 
             lineno = data.count(b"\n", 0, pos) + 1
             raise UsageError(f"{path}:{lineno}: corrupt journal line in the middle of a shard",

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflashkit.config import redact_url
+from dflashkit.errors import ServerError
 from dflashkit.http1 import Http1Client, HttpConnectError, HttpDropped, HttpError, HttpTimeout
 
 log = logging.getLogger("dflashkit.generate")
@@ -218,8 +219,6 @@ class OpenAIClient:
             str(entry["id"])
             return entry
         except (HttpError, KeyError, IndexError, TypeError, ValueError) as e:
-            from dflashkit.errors import ServerError
-
             raise ServerError(f"could not read the model name from {redact_url(url)}: {type(e).__name__}: {e}",
                               hint="set server.model, or check that the server is up") from None
 

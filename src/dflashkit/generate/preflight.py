@@ -20,7 +20,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from dflashkit.data.chat import encode_pieces, load_chat
 from dflashkit.data.drift import PromptCheck, compare_prompt
+from dflashkit.data.mixing import source_names
 from dflashkit.errors import ConfigError
 from dflashkit.generate.openai_client import ChatReply, OpenAIClient, RequestFailed
 
@@ -75,8 +77,6 @@ class Sender:
 def local_prompt_ids(chat: Any, messages: list[dict[str, str]] | None = None, text: str | None = None,
                      ) -> list[int]:
     """The prompt as this machine renders (the target's chat template) and tokenizes it."""
-    from dflashkit.data.chat import encode_pieces
-
     if text is None:
         text = chat.render(messages, add_generation_prompt=True)
     return list(encode_pieces(chat.tokenizer, [text])[0])
@@ -100,8 +100,6 @@ def sampling_settings(cfg: RunConfig, model: str | None) -> dict[str, Any]:
 def source_settings(cfg: RunConfig) -> dict[str, dict[str, Any]]:
     """Per source name (`data.sources[].name`, else the file stem): what its requests add to the run's
     settings — its `chat_template_kwargs` merged over generate.chat_template_kwargs, and its `tool_choice`."""
-    from dflashkit.data.mixing import source_names
-
     srcs = cfg.data.sources
     return {name: {"chat_template_kwargs": {**cfg.generate.chat_template_kwargs, **src.chat_template_kwargs},
                    "tool_choice": src.tool_choice} for name, src in zip(source_names(srcs), srcs)}
@@ -145,6 +143,5 @@ def local_chat(cfg: RunConfig) -> ChatTemplate | None:
             raise ConfigError("generate.endpoint=completions renders prompts locally: set target.path or "
                               "target.tokenizer")
         return None
-    from dflashkit.data.chat import load_chat
 
     return load_chat(cfg, kwargs=cfg.generate.chat_template_kwargs)

@@ -41,6 +41,7 @@ from dflashkit.generate.journal import Journal, read_records
 from dflashkit.generate.openai_client import OpenAIClient, RequestFailed
 from dflashkit.generate.preflight import (Sender, local_chat, local_prompt_ids, preflight, request_body,
                                           sampling_settings, source_settings)
+from dflashkit.progress import Progress
 
 if TYPE_CHECKING:
     from dflashkit.data.chat import ChatTemplate as Chat
@@ -123,8 +124,6 @@ class _Progress:
     """`dflashkit.progress` for generate: turns done/total, turns/s, ETA, generated tokens/s beside."""
 
     def __init__(self, total: int, initial: int, enabled: bool):
-        from dflashkit.progress import Progress
-
         self.tokens = 0
         self.t0 = time.monotonic()
         self.bar = Progress("generate", total=total, initial=initial, unit="turn", enabled=enabled)

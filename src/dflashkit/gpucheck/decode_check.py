@@ -23,8 +23,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from dflashkit.config import load_config
+from dflashkit.decode.api import SamplingParams
+from dflashkit.decode.lossless import TOP_K, first_divergence, lossless_verdict, tie_rule
+from dflashkit.decode.metrics import summarize_acceptance, summarize_timing
+from dflashkit.decode.spec_decode import SpecDecoder
 from dflashkit.gpucheck.fixtures import QWEN3_8B, SMALL, random_target, tiny_target_dir
 from dflashkit.gpucheck.runner import CheckContext, guarded, part, verdict
+from dflashkit.testing import CopyTargetProposer, random_drafter
 
 log = logging.getLogger("dflashkit.gpucheck")
 BLOCK = 4
@@ -37,8 +43,6 @@ def _prompts(n: int, lo: int, hi: int, top: int, seed: int = 0) -> list[list[int
 
 def _drafter(target):
     """A random 1-layer drafter with the target's attention and MLP widths (2 target features)."""
-    from dflashkit.testing import random_drafter
-
     c = target.config
     heads = int(c.num_attention_heads)
     return random_drafter(target, block_size=BLOCK, layers=1, num_attention_heads=heads,
@@ -49,12 +53,6 @@ def _drafter(target):
 
 def decode_parts(name: str, target, *, prompts: list[list[int]], new_tokens: int) -> list[dict[str, Any]]:
     """Baseline, drafter and copy-target decoders on `prompts`: one row each (verdict, τ, step times)."""
-    from dflashkit.decode.api import SamplingParams
-    from dflashkit.decode.lossless import TOP_K, first_divergence, lossless_verdict, tie_rule
-    from dflashkit.decode.metrics import summarize_acceptance, summarize_timing
-    from dflashkit.decode.spec_decode import SpecDecoder
-    from dflashkit.testing import CopyTargetProposer
-
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, stop_token_ids=())
     warm = SamplingParams(temperature=0.0, max_new_tokens=4, stop_token_ids=())
     base = SpecDecoder(target, None, 1, record_top=TOP_K)
@@ -95,7 +93,6 @@ def decoder_equals_baseline(ctx: CheckContext) -> dict[str, Any]:
 
 
 def _tiny(ctx: CheckContext, n: int, new: int) -> list[dict[str, Any]]:
-    from dflashkit.config import load_config
     from dflashkit.model.target import load_target
 
     tiny = load_config(None, [f"target.path={tiny_target_dir(ctx.shared)}", f"target.device={ctx.device}",

@@ -32,10 +32,16 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import torch
+
+from dflashkit.export.hf import load_drafter
 from dflashkit.gpucheck.compare import RANKS, close_losses, close_weights
 from dflashkit.gpucheck.fixtures import check_overrides, contract_for, tiny_target_dir, train_config, write_run
 from dflashkit.gpucheck.runner import CheckContext, child_env, guarded, part, verdict
+from dflashkit.model.target import text_config_dict
 from dflashkit.rundir import RunDir
+from dflashkit.train.logging import read_metrics
+from dflashkit.train.loop import fit
 
 log = logging.getLogger("dflashkit.gpucheck")
 TINY_TOKENS = 259
@@ -105,8 +111,6 @@ def gloo_crash(stderr: str) -> str | None:
 
 
 def _run_dir(ctx: CheckContext, tag: str):
-    from dflashkit.model.target import text_config_dict
-
     tiny = tiny_target_dir(ctx.shared)
     contract = contract_for(text_config_dict(tiny), block_size=4, num_draft_layers=1)
     return tiny, write_run(ctx.work_dir / tag, contract, samples=16, seq_len=(48, 96), token_range=TINY_TOKENS)
@@ -121,18 +125,11 @@ def _keys(run: RankRun | None, batch: int) -> dict[str, Any]:
 
 
 def _result(rd) -> tuple[list[float], dict]:
-    from dflashkit.export.hf import load_drafter
-    from dflashkit.train.logging import read_metrics
-
     run = RunDir(rd)
     return [float(r["loss"]) for r in read_metrics(run) if "loss" in r], load_drafter(run.final_dir).state_dict()
 
 
 def one_equals_two_processes(ctx: CheckContext) -> dict[str, Any]:
-    import torch
-
-    from dflashkit.train.loop import fit
-
     device_type = "cuda" if ctx.device.startswith("cuda") and torch.cuda.is_available() else "cpu"
     runs, skipped = distributed_plan(device_type, torch.cuda.device_count() if device_type == "cuda" else 0)
     parts = [part(name, None, reason) for name, reason in skipped]

@@ -23,10 +23,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from dflashkit.config import load_config
 from dflashkit.data.shards import shard_name, write_parquet_shard
 from dflashkit.family.contract import DrafterContract
+from dflashkit.inspect.config_facts import facts_from_config
+from dflashkit.inspect.contract import derive_contract
 from dflashkit.model.target import Target
+from dflashkit.model.tiny import make_tiny_target
 from dflashkit.rundir import RunDir, atomic_write_json
 
 # Qwen3-8B's config.json (the fields a model needs; the weights are random)
@@ -55,16 +60,12 @@ def torch_device(name: str) -> torch.device:
 
 def hf_config(shape: dict[str, Any]):
     """The transformers config of a shape dict."""
-    from transformers import AutoConfig
-
     return AutoConfig.for_model(shape["model_type"], **{k: v for k, v in shape.items()
                                                         if k not in ("name", "model_type")})
 
 
 def random_target(shape: dict[str, Any], *, device: str, dtype: torch.dtype, seed: int = 0) -> Target:
     """A frozen random target of `shape`, allocated and initialised on `device` in `dtype` (no tokenizer)."""
-    from transformers import AutoModelForCausalLM
-
     dev = torch_device(device)
     torch.manual_seed(seed)
     with torch.device(dev):
@@ -76,8 +77,6 @@ def random_target(shape: dict[str, Any], *, device: str, dtype: torch.dtype, see
 
 def tiny_target_dir(work: Path) -> Path:
     """model/tiny.py's qwen3 target (6 layers, hidden 64, byte tokenizer) saved under `work` (once)."""
-    from dflashkit.model.tiny import make_tiny_target
-
     out = Path(work) / "tiny-target"
     if not (out / "model.safetensors").is_file():
         make_tiny_target(out, arch="qwen3")
@@ -88,10 +87,6 @@ def contract_for(config: dict[str, Any], *, block_size: int, num_draft_layers: i
                  mask_token_id: int | None = None) -> DrafterContract:
     """The contract `probe` derives for a target config (a shape, or a config.json's dict): the target's
     attention and MLP widths, the reference layer ids, the mask token the last embedding row unless given."""
-    from dflashkit.config import load_config
-    from dflashkit.inspect.config_facts import facts_from_config
-    from dflashkit.inspect.contract import derive_contract
-
     facts = facts_from_config({k: v for k, v in config.items() if k != "name"}, source=str(config.get("name")))
     mask = facts.vocab_size - 1 if mask_token_id is None else mask_token_id
     drafter = load_config(None, [f"drafter.block_size={block_size}", f"drafter.num_draft_layers={num_draft_layers}",
@@ -138,6 +133,4 @@ def check_overrides(run_dir: Path, *, device: str, target_path: str | Path = "",
 
 def train_config(run_dir: Path, *, device: str, target_path: str | Path = "", **overrides: Any):
     """The RunConfig of `check_overrides(...)`."""
-    from dflashkit.config import load_config
-
     return load_config(None, check_overrides(run_dir, device=device, target_path=target_path, **overrides))

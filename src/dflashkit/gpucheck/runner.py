@@ -20,9 +20,11 @@ Exit status: 0 when every check passed or was skipped with a reason, 1 when one 
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -30,9 +32,11 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
+from dflashkit import __version__
 from dflashkit.errors import UsageError
 from dflashkit.rundir import atomic_write_text, check_writable_dir
 
@@ -133,20 +137,13 @@ def guarded(name: str, fn: Callable[[], list[dict[str, Any]]]) -> list[dict[str,
 
 
 def resolve(target: str) -> Callable[[CheckContext], dict]:
-    import importlib
-
     module, _, fn = target.partition(":")
     return getattr(importlib.import_module(module), fn)
 
 
 def environment(device: str) -> dict[str, Any]:
     """The GPU (name, count, memory, capability) and the versions that matter, for the summary's head."""
-    import platform
-    from importlib import metadata
-
     import torch
-
-    from dflashkit import __version__
 
     versions: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                                 "cuda": torch.version.cuda, "dflashkit": __version__}

@@ -27,22 +27,27 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from dflashkit.export.hf import load_drafter
 from dflashkit.gpucheck.compare import (CPU_GPU, CPU_GPU_LR, FLEX_BF16, FLEX_FP32, close_losses, close_tensors,
                                         close_weights)
 from dflashkit.gpucheck.fixtures import (MEDIUM, QWEN3_8B, SMALL, contract_for, random_target, tiny_target_dir,
                                          torch_device, train_config, write_run)
 from dflashkit.gpucheck.runner import CheckContext, guarded, part, verdict
+from dflashkit.model.target import text_config_dict
 from dflashkit.rundir import RunDir
+from dflashkit.train.logging import read_metrics
+from dflashkit.train.loop import fit, setup, train_step
+from dflashkit.train.optim import build_optimizer, build_scheduler
+from dflashkit.train.parallel import DistInfo
 
 log = logging.getLogger("dflashkit.gpucheck")
 TINY_TOKENS = 259  # the tiny target's byte tokenizer: 256 bytes + 3 specials (rows above are unused)
 
 
 def _trainer(cfg, run_dir, device: str, target=None):
-    from dflashkit.train.loop import setup
-    from dflashkit.train.parallel import DistInfo
-
     return setup(cfg, RunDir(run_dir), DistInfo(device=torch_device(device)), target=target)
 
 
@@ -88,8 +93,6 @@ def _free() -> None:
 # -- 1. flex attention ≡ SDPA -----------------------------------------------------------------------------------
 def _flex_cases(ctx: CheckContext) -> list[dict[str, Any]]:
     """The tiny target from disk (1-layer drafter, B = 4) and a random medium one (2 layers, B = 16, 1k tokens)."""
-    from dflashkit.model.target import text_config_dict
-
     tiny = tiny_target_dir(ctx.shared)
     cases = [{"name": "tiny", "target_path": tiny, "need_s": 15,
               "contract": contract_for(text_config_dict(tiny), block_size=4, num_draft_layers=1),
@@ -218,9 +221,6 @@ def bf16_steps(ctx: CheckContext) -> dict[str, Any]:
 def _bf16_part(ctx: CheckContext, name: str, shape: dict[str, Any], target, layers: int,
                sizes: dict[str, int]) -> list[dict[str, Any]]:
     """Warm-up steps, then timed `train_step`s (synchronised), peak memory, the online features' share."""
-    from dflashkit.train.loop import train_step
-    from dflashkit.train.optim import build_optimizer, build_scheduler
-
     cuda = ctx.device.startswith("cuda")
     warm, timed, batch = sizes["warm"], sizes["timed"], sizes["batch"]
     contract = contract_for(shape, block_size=sizes["block"], num_draft_layers=layers)
@@ -271,9 +271,6 @@ def _bf16_part(ctx: CheckContext, name: str, shape: dict[str, Any], target, laye
 def sdpa_kernels(shape: dict[str, Any]) -> dict[str, str]:
     """Which fused CUDA SDPA kernels take the drafter's masked attention (bf16, the shape's heads), with grouped
     K/V (`enable_gqa`) and with K/V repeated per head (what `model.drafter.block_attention` does on CUDA)."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     heads, kv, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, heads, 256, d, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -298,11 +295,6 @@ def sdpa_kernels(shape: dict[str, Any]) -> dict[str, str]:
 def _fit_run(ctx: CheckContext, where: str, tag: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """`fit` on the tiny target on `where` (float32, 4 steps; 2 in the CPU halves) → the metrics rows' losses, the
     final weights."""
-    from dflashkit.export.hf import load_drafter
-    from dflashkit.model.target import text_config_dict
-    from dflashkit.train.logging import read_metrics
-    from dflashkit.train.loop import fit
-
     tiny = tiny_target_dir(ctx.shared)
     contract = contract_for(text_config_dict(tiny), block_size=4, num_draft_layers=1)
     rd = write_run(ctx.work_dir / f"fit-{tag}", contract, samples=12, seq_len=(48, 96), token_range=TINY_TOKENS)

@@ -4,34 +4,14 @@ Usage:
     p = plan_budget(contract, target_facts, cfg, tokens=T, sequences=N, gpus=8, mem_gib=80)
     p["modes"], p["recommended"], p["logits"]["max_loss_chunk_blocks"]
 
-Model (all per GPU, bytes; assumptions stated so the numbers can be checked):
-    features      = n_feat · H · bytes(capture.dtype) per token (cached mode: on disk, × tokens; n_feat counts
-                    capture.extra_layer_ids too)
-    drafter       = P_d params; weights + grads + AdamW m, v in fp32 = 16 · P_d (+ the drafter family's own:
-                    DFlash2's convolutions and selector, whose two V × r codebooks are 2·V·r parameters —
-                    84M for Kimi's V = 163,840 at r = 256 — looked up, so left out of the FLOPs)
-    frozen        = target embedding + LM head in bf16 = V · H · 2 (· 2 when untied)
-    activations   = batch · [L_d · (q · (4H + 2·nh·d + 3I) + S · 2·nkv·d)
-                             + S · (n_feat + 1) · H + q · H] · 2
-                    with S = mean tokens, q = min(num_anchors, S) · B query tokens (flex attention:
-                    scores are not materialised)
-    logits chunk  = loss_chunk_blocks · B · V · 12 (fp32 logits, log-probs and their grad; one chunk
-                    at a time under activation checkpointing); the full per-sequence logits would be
-                    num_anchors · B · V · 4
-    KL targets    = batch · S · V · 2 when train.loss uses KL
-    target        = P_t · bytes/param (dtype, or the quantization bits; a GGUF file: its size); the local
-                    paths (online modes, capture.engine=local) load FP8 / INT4 checkpoints dequantized, so
-                    there bytes/param is the dtype's (`local_weights_bytes`), the engine's the bits
-                    (+ batch · S · H · 2 · 4 forward activations)
-Modes: online-replicate (target copy per GPU), online-shard (P_t / gpus per GPU), cached
-(features from `capture`; the target runs once, sharded, during capture), engine (features from a
-serving engine as training consumes them; on disk only the queue, per rank
-train.engine_prefetch · batch · S · (n_feat · H + 4 + H if KL) · bytes). Usable memory = 90 %.
-Time: from this machine's saved calibration when there is one (`sizing/calibration.py`, written by
-`dflashkit run --budget M`): capture = tokens / measured capture tok/s, an epoch of cached training =
-⌈sequences / batch⌉ steps × the measured step, online adds the capture forward; each divided by the GPU count
-(data parallel, assumed linear). Else FLOPs = 2 · P_t,active · tokens (target forward) + 6 · P_d · q · sequences
-(drafter), at an assumed 400 TFLOP/s per GPU (≈ 40 % of an H100's dense bf16 peak); `time.source` says which.
+Pure arithmetic over the contract, the target's facts and the config, per GPU, in bytes: cached
+features, the drafter with fp32 grads and AdamW state (plus its family's own parameters), the frozen
+embedding and LM head, activations, one logits chunk, KL targets, and the target's weights (at the
+dtype the local path loads them in, or the engine's bits). Modes: online-replicate, online-shard,
+cached and engine, in that order; the recommended one is the first that fits the usable memory.
+Time comes from this machine's saved calibration when there is one (`sizing/calibration.py`), else
+from FLOPs at an assumed per-GPU throughput; `time.source` says which. Every formula and assumption:
+docs/budget.md, "`dflashkit plan`'s disk and memory model".
 """
 
 from __future__ import annotations
@@ -39,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dflashkit.family import reads_target_law
+from dflashkit.family import extra_params, reads_target_law
 from dflashkit.inspect.paths import target_paths
 
 if TYPE_CHECKING:
@@ -56,13 +36,13 @@ def drafter_params(c: Any) -> int:
     h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
     attn = h * c.num_attention_heads * d * 2 + 2 * h * c.num_key_value_heads * d + 2 * d
     layer = attn + 3 * h * i + 2 * h
-    return c.num_draft_layers * layer + len(c.target_layer_ids) * h * h + 2 * h + c.family.extra_params(c)
+    return c.num_draft_layers * layer + len(c.target_layer_ids) * h * h + 2 * h + extra_params(c)
 
 
 def codebook_params(c: Any) -> int:
     """The drafter's looked-up parameters (DFlash2's selector codebooks, 2·V·r; 0 for DFlash): they cost
     2·r·(K+1) FLOPs per drafted position whatever V is, so the FLOPs leave them out."""
-    return c.family.lookup_params(c)
+    return c.family.network.lookup_params(c)
 
 
 def target_bytes_per_param(facts: dict[str, Any], *, local: bool = False) -> float:

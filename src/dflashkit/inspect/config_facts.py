@@ -26,11 +26,13 @@ MoE layers: L − first_k_dense_replace (DeepSeek/Kimi), every `decoder_sparse_s
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dflashkit.errors import UsageError
+from dflashkit.model.quantized import LOCAL_METHODS, PASS_THROUGH, quant_info
 
 WRAPPER_KEYS = ("text_config", "language_config", "llm_config", "thinker_config", "language_model_config",
                 "lm_config", "decoder")
@@ -193,7 +195,6 @@ def _quant(cfg: dict[str, Any]) -> dict[str, Any] | None:
     method = str(q.get("quant_method", "")).lower()
     if bits is None:
         bits = 8 if "fp8" in method else 4 if "fp4" in method else None
-    from dflashkit.model.quantized import LOCAL_METHODS, PASS_THROUGH, quant_info
 
     info = quant_info(cfg)
     method_ = info.method if info else ""
@@ -206,8 +207,6 @@ def _quant(cfg: dict[str, Any]) -> dict[str, Any] | None:
 
 def _positive_int(value: Any, what: str, source: str) -> int:
     """A count from config.json: a JSON integer >= 1 (a string, bool or fraction is an error naming the file)."""
-    import numbers
-
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or (not isinstance(value, numbers.Integral)
                                                                           and not float(value).is_integer()):
         raise UsageError(f"{source}: {what} must be an integer, got {value!r} ({type(value).__name__})",

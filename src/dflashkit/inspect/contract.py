@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from dflashkit import family
 from dflashkit.errors import UsageError
 from dflashkit.inspect.config_facts import ModelFacts
+from dflashkit.inspect.target import inspect_target
 from dflashkit.inspect.tokenizer_facts import TokenizerFacts
 from dflashkit.family.contract import DrafterContract, build_target_layer_ids, sliding_fields
 
@@ -185,7 +186,6 @@ def run_contract(cfg: RunConfig, rd: RunDir) -> DrafterContract:
     """The run's contract: `contract.json` when probe wrote one, else derived here as probe would (nothing written)."""
     if rd.contract_path.is_file():
         return DrafterContract.load(rd.contract_path)
-    from dflashkit.inspect.target import inspect_target
 
     _, _, facts, tok = inspect_target(cfg, cfg.target.path)
     return derive_contract(cfg.drafter, facts, tok)

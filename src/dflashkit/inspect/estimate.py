@@ -22,6 +22,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from dflashkit.errors import MissingArtifactError, UsageError
+from dflashkit.family.contract import DrafterContract
+from dflashkit.inspect.budget import plan_budget
+from dflashkit.inspect.contract import derive_contract
+from dflashkit.inspect.target import inspect_target
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -84,10 +88,6 @@ def data_size(cfg: RunConfig, rd: RunDir, prepared_lines: Callable[[RunDir], tup
 
 def contract_and_facts(cfg: RunConfig, rd: RunDir, model: str | None) -> tuple[Any, dict[str, Any], str]:
     """The contract and target facts: probe the given model, else the run dir, else target.path."""
-    from dflashkit.inspect.contract import derive_contract
-    from dflashkit.inspect.target import inspect_target
-    from dflashkit.family.contract import DrafterContract
-
     probe_json = rd.probe_json
     if model is None and rd.contract_path.is_file():
         contract = DrafterContract.load(rd.contract_path)
@@ -131,8 +131,6 @@ def estimate(cfg: RunConfig, rd: RunDir, positionals: list[str] | tuple[str, ...
              calibration: Callable[[RunConfig, RunDir], dict[str, Any] | None] | None = None) -> dict[str, Any]:
     """The plan for `positionals` ([MODEL] [NxMEM]): target, data size, GPUs and `plan_budget`'s plan
     (`prepared_lines`: see `data_size`; `calibration`: see `calibration_for`)."""
-    from dflashkit.inspect.budget import plan_budget
-
     gpus, mem, gpu_source, rest = parse_gpus(list(positionals))
     if len(rest) > 1:
         raise UsageError(f"`dflashkit plan` takes one MODEL and one NxMEM, got {rest}",

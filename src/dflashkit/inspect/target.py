@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflashkit.errors import UsageError
+from dflashkit.inspect.config_facts import read_model_facts
+from dflashkit.inspect.gguf_facts import read_gguf_facts
+from dflashkit.inspect.tokenizer_facts import read_tokenizer_facts, tokenizer_facts_from_gguf
 from dflashkit.model.files import resolve_target_path  # noqa: F401  (re-exported: the one resolver lives in model/)
 
 if TYPE_CHECKING:
@@ -28,10 +31,6 @@ log = logging.getLogger("dflashkit.probe")
 def inspect_target(cfg: RunConfig, path: str, *, load_tokenizer: bool = True
                    ) -> tuple[Path, str | None, ModelFacts, TokenizerFacts | None]:
     """(model dir, gguf file, ModelFacts, TokenizerFacts | None) — reads files, writes nothing."""
-    from dflashkit.inspect.config_facts import read_model_facts
-    from dflashkit.inspect.gguf_facts import read_gguf_facts
-    from dflashkit.inspect.tokenizer_facts import read_tokenizer_facts, tokenizer_facts_from_gguf
-
     model_dir, gguf_file = resolve_target_path(path, cfg.target.gguf_file)
     tok_dir = Path(cfg.target.tokenizer).expanduser() if cfg.target.tokenizer else model_dir
     if gguf_file:

@@ -10,29 +10,18 @@ Usage:
     tokens, rows = walk_path(model.candidate_selector, ids, unary, h[:, 1:], anchor_ids)  # the same, lazily
     report = init_from_dflash(model, dflash_state_dict)       # shared parts from a DFlash checkpoint
 
-What differs from DFlash (`model/drafter.py`; every other tensor and name is the same). Names
-mirror vLLM 0.32's `qwen3_dflash2.py` (its `load_weights` adds `model.`), so the z-lab-format
-export is a plain state-dict write:
-  * `layers.{i}.attention_conv` / `layers.{i}.mlp_conv` (`GroupedDynamicConv`): `base_kernel`
-    [2, taps, H] and `kernel_projection` [2·taps·G, H] (G = H / conv_group_size groups). From the
-    sublayer's normed input u_t (block position t) the projection gives a per-token, per-group
-    delta δ_t [2, taps, G]; side 0 convolves the sublayer's input and side 1 its output:
-        y_t[c] = Σ_{j < taps, j ≤ pos(t)} (base[s, j, c] + δ_t[s, j, g(c)]) · x_{t−j}[c]
-    where pos(t) is t's index inside its block: a tap never reaches across a block boundary (nor
-    into the context). At init base = [1, 0, …] and the projection is 0: the identity, so a
-    DFlash2 initialised from a DFlash checkpoint computes exactly the DFlash hidden states.
-  * `candidate_selector` (`CandidateSelector`): `predecessor_codebook` P and `successor_codebook`
-    S [V, r], `hidden_projection` W [r, H]. At draft position t (block positions 1 … B−1) the K
-    candidates are the top-K of the unary logits U_t (the target head's logits, times
-    `output_multiplier`, soft-capped by `final_logit_softcapping`); the edge score of candidate b
-    after token a is  U_t(b) + ⟨P[a] ⊙ W·h_t, S[b]⟩,  a = the previous position's chosen candidate
-    (the anchor token at t = 1). `walk` goes left to right taking the best edge (ties: the lower
-    candidate index, as vLLM), or at T > 0 the argmax of score/T + Gumbel noise, i.e. a sample of
-    q_t = softmax(row/T) over the K candidates: the draft law handed to the rejection rule.
-  * `input_embedding_scale` multiplies the block's input embeddings.
-DFlash2 drafts over the full target vocabulary (vLLM's selector indexes the codebooks by target id
-and has no draft-to-target map), so its family (family/dflash2.py) refuses a reduced draft vocab.
-The knobs (`conv_kernel_size`, …) are the contract's `knobs` (`family.dflash2.DFlash2Knobs`).
+What differs from DFlash (`model/drafter.py`; names mirror vLLM's `qwen3_dflash2.py`):
+  * `layers.{i}.attention_conv` / `mlp_conv` (`GroupedDynamicConv`): a per-token, per-group kernel
+    base + δ_t (δ projected from the sublayer's normed input) convolves the sublayer's input (side 0)
+    and output (side 1) over earlier positions of the same block only, never across a block boundary
+    or into the context. At init it is the identity, so a DFlash2 initialised from a DFlash
+    checkpoint computes exactly the DFlash hidden states.
+  * `candidate_selector`: the edge score of candidate b after token a at draft position t is
+    U_t(b) + ⟨P[a] ⊙ W·h_t, S[b]⟩ over the top-K of the unary logits U_t. `walk` goes left to right
+    taking the best edge (ties: the lower index), or at T > 0 samples q_t = softmax(row/T) by Gumbel
+    noise: the draft law handed to the rejection rule.
+  * `input_embedding_scale` multiplies the block's input embeddings. Full target vocabulary only
+    (the codebooks are indexed by target id). Knobs: `family.dflash2.DFlash2Knobs`.
 """
 
 from __future__ import annotations

@@ -8,16 +8,13 @@ Usage:
     d2t = to_offsets(vocab); vocab = from_offsets(d2t)     # the checkpoint's `d2t` (vLLM convention)
     check_draft_vocab(vocab, vocab_size=V, source="model.safetensors")
 
-`vocab` (a.k.a. the draft→target map) is a sorted, duplicate-free int64 tensor of target token ids
-[V']: draft index i stands for target id vocab[i]. The drafter still uses the *target's* head, only
-its rows vocab (logits over V' instead of V), so drafting and training skip most of the vocab
-projection.
+`vocab` (the draft→target map) is a sorted, duplicate-free int64 tensor of target ids [V']: draft
+index i stands for target id vocab[i]. The drafter uses only those rows of the *target's* head.
 
 The choice (`choose_draft_vocab`) is a pure function of the tokenized data, so every torchrun rank
 computes the same vocab: the tokenizer's eos id(s) always, then the most frequent supervised label
 tokens (loss_mask == 1) of the given samples, ties broken by the lower id. When the data hold fewer
-distinct label tokens than requested, the rest is filled with the lowest unused ids, so the vocab
-always has exactly the configured size (a predictable `draft_vocab_size` in the checkpoint).
+distinct label tokens than requested, the lowest unused ids fill it to exactly the configured size.
 
 Checkpoint convention (vLLM's EAGLE-3 / DFlash loaders, `llama_eagle3.py`, `qwen3_dflash.py`):
 `d2t` [V'] int64 holds *offsets*, target id = i + d2t[i]; `t2d` [V] bool marks the target ids in

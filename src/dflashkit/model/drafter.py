@@ -7,28 +7,19 @@ Usage:
     small = DFlashDraftModel(contract, draft_vocab=vocab)     # reduced draft vocab (sorted target ids)
     logits = restricted_head(lm_head, small.draft_vocab)(h)  # [b, q, V']; target id = vocab[argmax]
 
-Structure (parameter names = the z-lab checkpoint, §2.2): `fc` (n_feat·H → H) + `hidden_norm`
-fuse the target features once per forward into a context `c`; each of `layers.{i}` is a Qwen3
-decoder layer whose keys/values are `[k_proj(c); k_proj(x)]` / `[v_proj(c); v_proj(x)]` while the
-queries come from the block `x` only; final `norm`. No embedding and no LM head of its own.
-With a reduced draft vocabulary (`model/draft_vocab.py`) the model also holds the int64 buffer
-`d2t` (vLLM's offsets: target id of draft index i = i + d2t[i]), so checkpoints carry it. With
-`drafter.feature_scale: rms` it holds `feature_scale` (`model/feature_scale.py`), folded into
-`fc.weight` whenever a drafter dir is written.
+Structure (parameter names = the z-lab checkpoint, §2.2): `fc` + `hidden_norm` fuse the target
+features once per forward into a context `c`; each of `layers.{i}` is a Qwen3 decoder layer whose
+keys/values are `[k_proj(c); k_proj(x)]` / `[v_proj(c); v_proj(x)]` while the queries come from the
+block `x` only; final `norm`. No embedding and no LM head of its own. A reduced draft vocabulary adds
+the int64 buffer `d2t` (`model/draft_vocab.py`), `drafter.feature_scale: rms` the `feature_scale`
+folded into `fc.weight` on save (`model/feature_scale.py`); both travel in checkpoints.
 
-Attention: pass `attention_mask` as a dense bool tensor `[b|1, 1, q, kv]` (SDPA, any device), a
-flex `BlockMask` (flex_attention, GPU training), or None (inference: the q tokens are one block and
-see all the context; the whole block, or with the contract's `causal` knob (JetSpec) offsets j <= i:
-`masks.inference_mask`). Training masks are `model/masks.py`'s, built with `model.causal`.
-Inference keeps only *context* K/V in a `DraftKVCache`; block K/V are never stored (§4.3).
-
-Sliding-window layers (`contract.layer_types` / `sliding_window`; `model.layer_windows` = per layer W or
-None): a block query at position p sees the context keys at positions p − W < k only (and its block as
-above). In-block causality may differ per layer too (`model.layer_causal`: a released drafter that vLLM runs
-causally in its sliding layers only). In training the caller passes one mask per distinct (window, causal)
-of the layers (`masks.layer_masks`: a dict {(window, causal): mask}; one mask when all layers agree); in
-decoding (mask None) the model masks each layer itself from the positions (`masks.window_mask`; the cached
-context is the positions just before the new ones).
+Attention: `attention_mask` is a dense bool `[b|1, 1, q, kv]` (SDPA), a flex `BlockMask` (GPU
+training), a dict {(window, causal): mask} when layers differ (`masks.layer_masks`), or None
+(inference: one block seeing all the context, in-block causal with the `causal` knob; sliding
+layers masked from the positions, `masks.window_mask`). Training masks are `model/masks.py`'s.
+Per-layer windows and causality: `model.layer_windows`, `model.layer_causal`. Inference keeps only
+*context* K/V in a `DraftKVCache`; block K/V are never stored (§4.3).
 """
 
 from __future__ import annotations
@@ -39,8 +30,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import flex_attention
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+from dflashkit.model.draft_vocab import check_draft_vocab, from_offsets, to_offsets
+from dflashkit.model.masks import inference_mask, window_mask
 
 if TYPE_CHECKING:
     from dflashkit.family.contract import DrafterContract
@@ -141,8 +136,6 @@ class DFlashAttention(nn.Module):
         k = torch.cat([ctx_k, bk], dim=-2)
         v = torch.cat([ctx_v, bv], dim=-2)
         if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
-            from torch.nn.attention.flex_attention import flex_attention
-
             out = flex_attention(q, k, v, block_mask=attention_mask, enable_gqa=self.n_heads != self.n_kv)
         else:
             out = block_attention(q, k, v, attention_mask)
@@ -187,8 +180,6 @@ class DFlashDraftModel(nn.Module):
         self.norm = Qwen3RMSNorm(h, eps=contract.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(self.config)
         if draft_vocab is not None:
-            from dflashkit.model.draft_vocab import check_draft_vocab, to_offsets
-
             vocab = torch.as_tensor(draft_vocab).cpu()
             check_draft_vocab(vocab, vocab_size=contract.vocab_size, source="draft vocabulary")
             self.register_buffer("d2t", to_offsets(vocab.long()))
@@ -206,7 +197,6 @@ class DFlashDraftModel(nn.Module):
         d2t = getattr(self, "d2t", None)
         if d2t is None:
             return None
-        from dflashkit.model.draft_vocab import from_offsets
 
         return from_offsets(d2t)
 
@@ -272,8 +262,6 @@ class DFlashDraftModel(nn.Module):
         """{(window, causal): mask} of one block after `past` cached and `t` new context tokens: None (see
         everything) for a bidirectional full layer, else a bool [b, 1, q, past + t + q] (causal offsets, the
         window's context)."""
-        from dflashkit.model.masks import inference_mask, window_mask
-
         dev = position_ids.device
         q_pos = position_ids[:, t:]                                                    # [b, q]
         ctx_pos = position_ids[:, :1] - past + torch.arange(past + t, device=dev)     # [b, past + t]

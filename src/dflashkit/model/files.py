@@ -21,7 +21,9 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from dflashkit.assets import ASSETS, asset_path
 from dflashkit.errors import UsageError
+from dflashkit.model.tiny import make_tiny_target
 
 
 def config_json(model_dir: Path) -> dict[str, Any]:
@@ -91,9 +93,6 @@ def resolve_target_path(path: str, gguf_file: str | None = None) -> tuple[Path, 
                          "or `smollm2-135m-instruct`")
     p = Path(path).expanduser()
     if not p.exists():
-        from dflashkit.assets import ASSETS, asset_path
-        from dflashkit.model.tiny import make_tiny_target
-
         if path in ASSETS:
             return asset_path(path, build=make_tiny_target), None
         raise UsageError(f"{path}: no such file or directory",

@@ -10,7 +10,7 @@ When the features come from a serving engine (`capture.engine: vllm`, `train.fea
 the labels (`train.labels: target`) and the KL target (`train.loss: kl`) need only the target's
 final norm and LM head, applied to the engine's last-layer output (vLLM's aux id
 `num_hidden_layers` is that layer's output *before* the norm), and training needs the input
-embedding for the drafter's noise block. For a 1T-parameter target those are ~2 GB of a ~550 GB
+embedding for the drafter's noise block. Those are a small share of a large target's
 checkpoint, so they are read here by name through `model.safetensors.index.json` (or the
 files' headers), with the prefixes wrapped checkpoints use (`language_model.` as in Kimi K2.x,
 `model.language_model.` as in newer transformers) and the config's nested `text_config`. Tied
@@ -32,7 +32,9 @@ import torch
 from torch import nn
 
 from dflashkit.errors import UsageError
+from dflashkit.model.files import resolve_target_path
 from dflashkit.model.quantized import QuantInfo, dequantize_fp8_blocks, target_quantization, unpack_int4
+from dflashkit.model.target import announce, compute_dtype, load_tokenizer, resolve_device, text_config_dict
 
 if TYPE_CHECKING:
     from dflashkit.config import TargetSection
@@ -162,8 +164,6 @@ def load_head_parts(model_dir: str | Path, *, dtype: torch.dtype = torch.float32
     Raises:
         UsageError: config.json or a tensor is missing or unreadable (the message names the file).
     """
-    from dflashkit.model.target import text_config_dict
-
     d = Path(model_dir)
     tc = text_config_dict(d)
     wmap = weight_map(d)
@@ -241,9 +241,6 @@ class HeadOnlyTarget:
 
 def load_head_only_target(section: TargetSection, *, device: str | None = None) -> HeadOnlyTarget:
     """`load_target`'s light twin for a `TargetSection`: embedding + final norm + head, and the tokenizer."""
-    from dflashkit.model.files import resolve_target_path
-    from dflashkit.model.target import announce, compute_dtype, load_tokenizer, resolve_device
-
     model_dir, gguf = resolve_target_path(section.path, section.gguf_file)
     if gguf:
         raise UsageError(f"target.path {section.path}: a GGUF target has no safetensors to read the head from",

@@ -19,6 +19,7 @@ so they are read from it, not from config.json's keys. `layer_types` and `RECURR
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -55,8 +56,6 @@ def recurrent_summary(types: list[str]) -> str | None:
 
 def architecture_of(model_dir: Path) -> str:
     """The architecture config.json names (its `architectures[0]`, else its model_type), for messages."""
-    import json
-
     try:
         raw = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):

@@ -10,34 +10,18 @@ Usage:
     tokens, ids, rows = model.draft(h[:, 1:], logits, embed, anchor)     # the same, in one call
     report = init_from_backbone(model, state_dict)             # shared parts from a DFlash / DFlash2 checkpoint
 
-Names and arithmetic mirror vLLM 0.32's `model_executor/models/lilicorr.py` (read, not copied); the
-checkpoint tensors of the head are `lilicorr.*` (vLLM's loader strips the prefix and loads them into
-its `LiLiCorrHead`), so the z-lab export is a plain state-dict write. With S = B − 1 slots, K
-candidates per slot (`lilicorr_candidate_topk`), head width h (`lilicorr_hidden_size`, 0 = the draft
-width H), factor width F:
-  * per candidate (slot s, rank r): x = token_proj(E[c]) + pass_hidden_proj(h_s)
-        + feature_mlp(feature_norm([log p, p, log p − max_r log p, r/(K−1), r == 0]))
-        + slot_embedding[s] + rank_embedding[r]
-    where E is the TARGET's input embedding, log p the candidate's full-vocab log-probability under
-    the draft head and h_s the drafter's final (normed) hidden state at the slot. `token_proj` exists
-    only when h ≠ H. `feature_norm` is a LayerNorm(5); `feature_mlp` = down(silu(up(·))) with biases.
-  * `layers.{i}`: pre-norm transformer layers (nn.RMSNorm, eps = the draft's) over the flattened S·K
-    lattice, self-attention with `in_proj_weight` [3h, h] / `in_proj_bias` / `out_proj` (heads =
-    `lilicorr_num_heads`) and an additive per-head bias relative_slot_bias[slot(q) − slot(k) + B − 1]
-    + same_slot_bias·[slot(q) = slot(k)] (a preference, not a mask); MLP down(silu(up(·))), width
-    h·`lilicorr_mlp_ratio`, with biases.
-  * the anchor a = anchor_norm(context_proj(hidden_norm(fc(f))) · valid), f = the target features of the
-    last committed token (the row before the block; invalid, a = 0, when there is none).
-  * factors: u = silu(factor_input_proj([x̂, a, x̂ ⊙ a])), x̂ = output_norm(x); out = normalize(out_head(u)),
-    in = normalize(in_head(u)), anchor_out = normalize(anchor_out_head(a)) (eps `lilicorr_vector_eps`);
-    start[k] = scale·⟨anchor_out, in[0, k]⟩, pair[s, i, j] = scale·⟨out[s, i], in[s+1, j]⟩
-    (scale = `lilicorr_logit_scale`). The head's unary log-probs enter only as features.
-  * the scores in vLLM's layout [b, S, K, K]: row p of slot 0 is `start` for every p (the walk starts at
-    index 0), slot s ≥ 1 holds pair[s−1]; the walk is DFlash2's (`model.dflash2.walk`: greedy left to right,
-    ties to the lower index; Gumbel-noised at T > 0, its law softmax(row/T) over the K candidates).
-A draft of n < S slots uses the first n slot embeddings and the top-left corner of the bias (vLLM does).
-With `lilicorr_conv_kernel_size` and `lilicorr_conv_group_size` both set, every backbone layer is DFlash2's
-(`model.dflash2.DFlash2DecoderLayer`, identity at init). Full target vocabulary only (family/lilicorr.py).
+Names and arithmetic mirror vLLM's `model_executor/models/lilicorr.py` (read, not copied); the head's
+tensors are `lilicorr.*`, so the z-lab export is a plain state-dict write. With S = B − 1 slots and
+K candidates per slot: each candidate's vector sums the TARGET's embedding of its token, the slot's
+drafter hidden state, an MLP over 5 features of its log-probability and rank, and slot and rank
+embeddings; pre-norm transformer layers run over the S·K lattice with an additive per-head bias by
+slot distance and same slot (a preference, not a mask). The anchor a = anchor_norm(context_proj(
+hidden_norm(fc(f)))) from the last committed row's features (0 when there is none). Normalised
+out / in / anchor-out factors give start[k] = scale·⟨anchor_out, in[0, k]⟩ and pair[s, i, j] =
+scale·⟨out[s, i], in[s+1, j]⟩; the scores [b, S, K, K] put `start` in every row of slot 0 and
+pair[s−1] in slot s ≥ 1, and DFlash2's walk reads them. The unary log-probs enter only as features.
+A draft of n < S slots uses the first n slot embeddings and the bias's top-left corner. With both
+`lilicorr_conv_*` knobs set every backbone layer is DFlash2's. Full target vocabulary only (docs/architecture.md).
 """
 
 from __future__ import annotations

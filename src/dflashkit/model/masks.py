@@ -17,19 +17,16 @@ S context tokens followed by the N·B block tokens. The rule, stated once:
   * it sees every token of its own block (bidirectional), and never another block;
   * causal (`drafter.causal`, JetSpec): of its own block only the offsets j <= its own offset i;
   * a sliding-window layer (window W, `drafter.sliding_window`): a query at position p (block j's
-    offset k sits at p = anchors[j] + k) sees context key i only if also p − W < i; its own block as above.
-    A layer's window and causality are the only differences between the masks of its layers (`layer_masks`).
-  * packed rows (`train.pack`, `starts` [b, N] = the row index where the anchor's document starts): a query
-    of block j also needs starts[j] <= i, so no query sees a key of another document (None: every row
-    is one document, starts 0).
-Padded / invalid blocks therefore still see their own block (a causal one at least its own token),
-so no softmax row is empty (no NaN, pitfall §3.7.5); their loss weight is 0. Only the q = N·B block
-queries attend, so a mask is [N·B, S + N·B], never [S, S].
+    offset k sits at p = anchors[j] + k) sees context key i only if also p − W < i (`layer_masks`);
+  * packed rows (`train.pack`, `starts` [b, N]: where the anchor's document starts): also starts[j] <= i.
+Padded / invalid blocks still see their own block, so no softmax row is empty (no NaN, pitfall
+§3.7.5); their loss weight is 0. A mask is [N·B, S + N·B], never [S, S].
 """
 
 from __future__ import annotations
 
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
 
 
 def dense_block_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_lens: torch.Tensor, *,
@@ -94,8 +91,6 @@ def flex_block_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_lens: torch.T
                     ctx_len: int, block_size: int, causal: bool = False, window: int | None = None,
                     starts: torch.Tensor | None = None):
     """The same mask as a flex-attention `BlockMask` (use with `drafter.attention=flex`)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     b, n = anchors.shape
     mod = mask_mod_for(anchors, keep, seq_lens, ctx_len=ctx_len, block_size=block_size, causal=causal,
                        window=window, starts=starts)

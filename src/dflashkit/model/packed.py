@@ -47,15 +47,20 @@ def packable(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear` for inference with its weight in oneDNN's blocked layout (see the module doc)."""
+    """`nn.Linear` for inference with its weight in oneDNN's blocked layout (see the module doc).
 
-    def __init__(self, linear: nn.Linear, *, rows: int = 4, keep_weight: bool = False):
+    `linear`: the layer, or a bare weight [out, in] with its `bias` (`decode/fast_draft.py` packs concatenated
+    projections)."""
+
+    def __init__(self, linear: nn.Linear | torch.Tensor, bias: torch.Tensor | None = None, *, rows: int = 4,
+                 keep_weight: bool = False):
         super().__init__()
-        w = linear.weight.detach()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight, bias = (linear.weight, linear.bias) if isinstance(linear, nn.Linear) else (linear, bias)
+        w = weight.detach()
+        self.out_features, self.in_features = w.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
-        self.bias = None if linear.bias is None else linear.bias.detach()
-        self.weight = linear.weight if keep_weight else None
+        self.bias = None if bias is None else bias.detach()
+        self.weight = weight if keep_weight else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or x.dtype != self.packed.dtype:

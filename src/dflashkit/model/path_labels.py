@@ -11,32 +11,17 @@ Usage:
     path.rolled                                             # target tokens fed beyond the prefill
     w = on_path_weights(ids, target_labels, seq_lens, anchors, block_size=B)   # the mask mode, [b, N, B]
 
-Definitions (issue #31). With raw text x and the target's greedy argmax:
-  * path_ids[t, 0] = the argmax after x[0..t] (= next_ids[t], filled at every real position); path_ids[t, j]
-    = the argmax after x[0..t], path_ids[t, 0..j−1]: the D tokens the target itself would write after the raw
-    prefix x[0..t] (levels j ≥ 1 only where asked, −1 elsewhere).
-  * The on-path label of block position k ≥ 1 of anchor a is path_ids[a, k−1] (D = B − 1 suffices):
-    what verification compares a draft with, since the decoder commits x[..a] and the target then
-    checks its OWN continuation. `train.labels=target` without it learns next_ids[a+k−1], the argmax
-    after the RAW x[..a+k−1]; whenever a raw token between a and a+k differs from the target's argmax,
-    that label belongs to a continuation the target never writes.
-  * Shortcut: if x[t+1] == path_ids[t, 0] then path_ids[t, j] = path_ids[t+1, j−1]. Only rows where the
-    raw next token disagrees with the argmax ("rollout rows") cost target work.
+Definitions: path_ids[t, j] = the target's greedy argmax after x[0..t], path_ids[t, 0..j−1]. The on-path label of block position k ≥ 1 of
+anchor a is path_ids[a, k−1]: what verification compares a draft with. Shortcut: if x[t+1] ==
+path_ids[t, 0] then path_ids[t, j] = path_ids[t+1, j−1], so only rows where the raw next token
+disagrees with the argmax ("rollout rows") cost target work.
 
-`greedy_path_ids` (the "rollout", exact): the prefill over the raw sequence (the same forward that
-gives the features; its KV cache is reused) gives level 0; level j = 1 … D−1 feeds, for every
-rollout row t, the token path_ids[t, j−1] at position t + j, attending (a custom 4-D mask) to the
-cached raw tokens 0 … t and to this row's own earlier level tokens only. Rows go `chunk_rows` per
-sequence at a time and the cache is cropped back to the raw sequence after each chunk, so memory is
-bounded. Cost: (D−1) target tokens per rollout row, ≈ (D−1) × the disagreement rate per raw token
-(`rolled`). Full-attention decoders only (Llama, Qwen3, DeepSeek-V3 MLA): a sliding-window or linear-
-attention layer would need its own mask / state, and is refused (`attention_limit`; a window at least as
-long as the samples never binds, so such a target is fine for them). The held-out yardstick then scores
-on the target's argmax labels instead (`train/target_side.py`).
-
-`on_path_weights` (the "mask", free): keep block position k ≥ 2 only when every raw token between the
-anchor and it agrees with the target's argmax (x[a+j] == next_ids[a+j−1] for 1 ≤ j < k); there the
-label next_ids[a+k−1] IS the on-path label. Position 1 is always on the path.
+`greedy_path_ids` (the "rollout", exact) reuses the prefill's KV cache and feeds level j at position
+t + j of every rollout row under a custom 4-D mask (cached raw tokens 0..t plus the row's own earlier
+levels), `chunk_rows` at a time, cropping the cache back after each chunk. Full-attention targets only;
+a sliding-window or linear-attention layer is refused (`attention_limit`). `on_path_weights` (the
+"mask", free) keeps block position k ≥ 2 only where every raw token since the anchor agrees with the
+target's argmax, where next_ids[a+k−1] is the on-path label (docs/training-data.md).
 """
 
 from __future__ import annotations
@@ -45,8 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from dflashkit.errors import UsageError
+from dflashkit.model.target import cache_kwarg
 
 
 @dataclass
@@ -66,15 +53,11 @@ def path_depth(block_size: int) -> int:
 
 def with_cache(target: Any, cache: Any) -> dict[str, Any]:
     """The forward keywords that fill `cache` (its name by transformers version: `model.target.cache_kwarg`)."""
-    from dflashkit.model.target import cache_kwarg
-
     return {cache_kwarg(target.model): cache, "use_cache": True}
 
 
 def path_cache() -> Any:
     """A KV cache for the prefill whose layers all keep every position (the rollout indexes it by position)."""
-    from transformers import DynamicCache
-
     return DynamicCache()
 
 

@@ -18,12 +18,10 @@ Two formats are supported, as the field ships them:
   unquantized (usually `lm_head`). transformers loads it through the `compressed-tensors` package
   (`pip install 'dflashkit[quantized]'`).
 
-The local paths (capture.engine=local, online training, the sharded target, eval, serve) load the
-weights dequantized into `target.dtype` (`dequantize=True`): the numerics are the checkpoint's
-quantized values, the memory is params · bytes(target.dtype). The engine paths (capture.engine=vllm,
-train.features=engine, verify-engine) run the served numerics and memory instead. Any other
-`quant_method` but MXFP4 (gpt-oss, which transformers dequantizes by itself off GPU, as before) is
-refused before loading (exit 2) with the engine command to use instead.
+The local paths (local capture, online training, eval, serve) load the weights dequantized into
+`target.dtype`: the checkpoint's quantized values, at params · bytes(target.dtype) of memory; the
+engine paths run the served numerics instead. Any other `quant_method` but MXFP4 (which transformers
+dequantizes itself) is refused before loading (exit 2) with the engine command to use instead.
 """
 
 from __future__ import annotations
@@ -33,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import UsageError
+from dflashkit.model.files import config_json, resolve_target_path, tensor_shapes
 
 if TYPE_CHECKING:
     import torch
@@ -139,8 +138,6 @@ def _partial_fp8_block(model_dir: Path, block: tuple[int, int] | None) -> str | 
     """The first FP8 weight whose shape is not a whole number of blocks (its last block row or column is
     partial, as DeepSeek-V3's kv_a_proj_with_mqa [576, 7168] in 128-blocks), read from the safetensors
     headers only; None when every one divides evenly."""
-    from dflashkit.model.files import tensor_shapes
-
     if block is None:
         return None
     shapes = tensor_shapes(model_dir)
@@ -154,8 +151,6 @@ def _partial_fp8_block(model_dir: Path, block: tuple[int, int] | None) -> str | 
 
 def target_quantization(model_dir: Path) -> QuantInfo | None:
     """The quantization of the HF target in `model_dir` (config.json's outer or text config), or None."""
-    from dflashkit.model.files import config_json
-
     raw = config_json(model_dir)
     nested = (v for v in raw.values() if isinstance(v, dict) and "quantization_config" in v)  # text_config, …
     return quant_info(raw) or next((quant_info(v) for v in nested), None)
@@ -165,8 +160,6 @@ def check_local_target(section: Any) -> None:
     """Exit 2 (naming the target, its quantization and the engine command) when the local paths cannot load
     the target of a `TargetSection`; what a stage calls before any work. A GGUF or a dir without config.json
     is left to `load_target`'s own checks."""
-    from dflashkit.model.files import resolve_target_path
-
     model_dir, gguf = resolve_target_path(section.path, section.gguf_file)
     if gguf or not (model_dir / "config.json").is_file():
         return

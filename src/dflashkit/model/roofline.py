@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from dflashkit.model.packed import PackedLinear
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -66,8 +68,6 @@ def matmul_throughput(dtype: torch.dtype = torch.float32, device: str = "cpu", m
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step streams: every parameter once (a tied embedding/head counted once; a packed layer's
     blocked weight instead of the unpacked one it may keep, `model.packed`)."""
-    from dflashkit.model.packed import PackedLinear
-
     seen: set[int] = set()
     total = 0
     for mod in model.modules():

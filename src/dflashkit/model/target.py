@@ -16,18 +16,24 @@ materialised. When logits are not needed the forward stops right after the deepe
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import transformers
 from torch import nn
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig
 
+from dflashkit.assets import cache_dir, convert_gguf
 from dflashkit.errors import UsageError
 from dflashkit.model.files import check_safetensors, config_json, resolve_target_path
+from dflashkit.model.quantized import local_load_kwargs, target_quantization
 from dflashkit.textfile import read_utf8
 
 if TYPE_CHECKING:
@@ -92,9 +98,7 @@ def cpu_facts() -> dict[str, Any]:
 def fast_bf16(device: torch.device) -> bool:
     """Whether bf16 matrix products beat float32 here: CUDA, or a CPU with AMX-BF16 or AVX512-BF16.
 
-    Measured on 2 cores: a 2-core AMD EPYC with AVX512-BF16 (Zen 4) ran a 576×1536 product chain 2.9×
-    and SmolLM2-135M's prefill 2.1× faster under bf16 autocast than in float32; an AMD EPYC without
-    either emulates bf16, and the same prefill ran 5× slower (docs/recipe.md)."""
+    Without either a CPU emulates bf16, which is slower than float32 (docs/architecture.md, "Verify dtype")."""
     if device.type == "cuda":
         return True
     return device.type == "cpu" and bool({"amx_bf16", "avx512_bf16"} & set(cpu_facts().get("bf16", [])))
@@ -202,8 +206,6 @@ def cache_kwarg(model: nn.Module) -> str:
     """The keyword a model's forward takes its KV cache by: `cache` (transformers 5.2x) or `past_key_values`
     (earlier 5.x, e.g. 5.17). An unknown keyword is swallowed by transformers' `**kwargs` without an error, so
     passing the wrong one silently decodes without the cache."""
-    import inspect
-
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
@@ -238,9 +240,6 @@ def text_config_dict(model_dir: Path) -> dict[str, Any]:
 def remote_code_reason(model_dir: Path) -> str | None:
     """Why the model in `model_dir` can only load with its own Python code (its model_type is not built into
     the installed transformers), or None when transformers has it."""
-    import transformers
-    from transformers import CONFIG_MAPPING
-
     inner = dict(text_config_dict(model_dir))
     mt = inner.get("model_type", "")
     if MODEL_TYPE_ALIASES.get(mt, mt) in CONFIG_MAPPING:
@@ -255,8 +254,6 @@ def remote_code_reason(model_dir: Path) -> str | None:
 
 
 def _hf_config(model_dir: Path, trust_remote_code: bool):
-    from transformers import AutoConfig, CONFIG_MAPPING, PreTrainedConfig
-
     inner = dict(text_config_dict(model_dir))
     # transformers writes inf / nan as {"__float__": "Infinity"} (e.g. a Mamba layer's time_step_limit) and
     # decodes them in from_pretrained; the raw dict handed to for_model needs the same
@@ -388,8 +385,6 @@ class Target:
 
 def load_tokenizer(model_dir: Path, *, gguf_file: str | None = None, trust_remote_code: bool = False,
                    tokenizer_dir: str | None = None):
-    from transformers import AutoTokenizer
-
     src = Path(tokenizer_dir) if tokenizer_dir else model_dir
     kw = {"gguf_file": gguf_file} if gguf_file and not tokenizer_dir else {}
     return AutoTokenizer.from_pretrained(src, trust_remote_code=trust_remote_code, **kw)
@@ -399,8 +394,6 @@ def _quantized_load_kwargs(model_dir: Path) -> dict[str, Any]:
     """`from_pretrained` keywords that load a quantized checkpoint dequantized into the target's dtype (FP8
     block-wise, compressed-tensors INT4), {} for an unquantized one; exit 2 naming the quantization and the
     engine command for one the local paths cannot load (`model.quantized`)."""
-    from dflashkit.model.quantized import local_load_kwargs, target_quantization
-
     q = target_quantization(model_dir)
     if q is not None:
         log.info("target %s: %s weights, loaded dequantized (the engine paths serve them as they are)",
@@ -415,10 +408,6 @@ def load_target(section: TargetSection, *, device: str | None = None, dtype: str
     Its dtype is `section.dtype` as `compute_dtype` resolves it, announced as `target.dtype` (once per process)
     unless `dtype` overrides it or `announce_dtype` is False: a caller that substitutes its own key's dtype
     into the section (eval's `eval.dtype`) announces that choice itself."""
-    import warnings
-
-    from transformers import AutoModelForCausalLM
-
     model_dir, gguf_file = resolve_target_path(section.path, section.gguf_file)
     dev = resolve_device(device or section.device)
     choice = compute_dtype(dtype or section.dtype, dev, key="target.dtype")
@@ -426,8 +415,6 @@ def load_target(section: TargetSection, *, device: str | None = None, dtype: str
         announce(choice)
     dt = choice.dtype
     if gguf_file:
-        from dflashkit.assets import convert_gguf, cache_dir
-
         converted = cache_dir() / "converted" / (model_dir.name + "-" + Path(gguf_file).stem)
         if not (converted / "model.safetensors").is_file():
             log.info("converting %s to safetensors in %s (once)", gguf_file, converted)

@@ -32,8 +32,11 @@ import time
 from typing import Any, Literal
 
 import torch
+from transformers import DynamicCache
 
 from dflashkit.decode.api import GenerationResult, default_stop_ids
+from dflashkit.decode.sampling import sample, sampling_probs
+from dflashkit.model.hybrid import layer_types, recurrent_summary
 from dflashkit.model.target import cache_kwarg
 from dflashkit.serving.engine import Request, _EngineBase, _TextTracker
 from dflashkit.serving.kvcache import SlotCache
@@ -58,7 +61,6 @@ class BatchEngine(_EngineBase):
         self._cache_kw = cache_kwarg(target.model)
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.kv_capacity = 256  # initial KV columns; the cache doubles them when a step needs more
-        from dflashkit.model.hybrid import layer_types, recurrent_summary
 
         self.per_row = recurrent_summary(layer_types(target.config)) is not None  # a cache per row (module doc)
         if target.device.type == "cpu":
@@ -121,8 +123,6 @@ class BatchEngine(_EngineBase):
                                  **self._last_only, **{self._cache_kw: cache}).logits[:, -1]
 
     def _admit(self, new: list[Request]) -> None:
-        from transformers import DynamicCache
-
         dev = self.target.device
         with self._lock:
             self.metrics["batches"] += 1
@@ -150,8 +150,6 @@ class BatchEngine(_EngineBase):
 
     def _admit_rows(self, new: list[Request]) -> None:
         """Per-row caches: prefill each new request alone (no padding) into a cache of its own."""
-        from transformers import DynamicCache
-
         assert isinstance(self.cache, _RowCaches)
         dev = self.target.device
         logits, nxt = [], []
@@ -184,8 +182,6 @@ class BatchEngine(_EngineBase):
         for j, (r, st) in enumerate(self.rows):
             p = r.params
             if p.temperature > 0 and st["limit"] > 0:
-                from dflashkit.decode.sampling import sample, sampling_probs
-
                 probs = sampling_probs(self.logits[j].float()[None], p.temperature, p.top_p, p.top_k)
                 out[j] = int(sample(probs, st["gen"]).reshape(-1)[0])
         return out

@@ -37,6 +37,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
+from dflashkit.config import dump_config
 from dflashkit.errors import ServerError
 from dflashkit.http1 import HttpError, get_json, request_sync
 
@@ -187,8 +188,6 @@ def start_local_server(cfg: RunConfig, *, host: str = "127.0.0.1", port: int | N
     Raises:
         ServerError: the child died or did not answer /health within server.startup_timeout_s.
     """
-    from dflashkit.config import dump_config
-
     port = port or free_port(host)
     tmpdir = tempfile.mkdtemp(prefix="dflashkit-serve-")
     cfg_path = Path(tmpdir) / "run.yaml"

@@ -8,25 +8,18 @@ Usage:
 
 Routes:
     POST /v1/chat/completions   messages, temperature, top_p, top_k, max_tokens, seed, stop, stream,
-                                chat_template_kwargs, tools, tool_choice; the model's own chat template
-                                renders the prompt (with the tools, and the messages' tool_calls,
-                                tool_call_id and name)
+                                chat_template_kwargs, tools, tool_choice (the model's chat template renders)
     POST /v1/completions        prompt (string or token ids), add_special_tokens, same sampling fields
     GET  /v1/models, /health, /metrics (JSON: requests, tokens, batches, acceptance when speculating)
-Each choice carries `finish_reason` and `token_ids` (the generated ids, a stop token included);
-with `return_token_ids: true` the response also has the top-level `prompt_token_ids` (as vLLM);
-`usage` has prompt/completion tokens, plus `acceptance_lengths`/`mean_acceptance` with a drafter.
-Streams are Server-Sent Events ending with `data: [DONE]`; the final chunk has the finish reason,
-the token ids and usage. Bad requests get 400 with an OpenAI-style `{"error": {...}}` body.
-Function tools (`serving.tools`): `tools` are rendered by the chat template, and Hermes-style
-`<tool_call>` blocks of the answer come back as `message.tool_calls` (ids `call_<n>`, n counting on from
-the calls already in `messages`), the content being the text before the first block, with
-`finish_reason: "tool_calls"` when the model stopped by itself. `tool_choice` "auto" (the default) or
-"none" (the tools are rendered, nothing is parsed); "required" and a named function get 400, as do
-`stream` with `tools` (a stream never carries tool calls) and `tools` when the template does not render
-them (a probe renders the same with a tool as without: set `target.chat_template`).
-A client that disconnects (streaming or not) has its request cancelled: the engine frees its
-batch row at the next step, and the log gets one line, not a broken-pipe traceback.
+Each choice carries `finish_reason` and `token_ids`; `return_token_ids: true` adds `prompt_token_ids`
+(as vLLM); `usage` adds `acceptance_lengths` / `mean_acceptance` with a drafter. Streams are
+Server-Sent Events ending with `data: [DONE]`. Bad requests get 400 with an OpenAI-style error body.
+Function tools (`serving.tools`): Hermes-style `<tool_call>` blocks of the answer come back as
+`message.tool_calls` (ids `call_<n>`), with `finish_reason: "tool_calls"` when the model stopped by
+itself. `tool_choice` "auto" or "none"; "required", a named function, `stream` with `tools`, and
+`tools` with a template that does not render them get 400.
+A client that disconnects has its request cancelled: the engine frees its batch row at the next
+step, and the log gets one line, not a broken-pipe traceback.
 """
 
 from __future__ import annotations
@@ -37,6 +30,7 @@ import logging
 import queue
 import select
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -346,8 +340,6 @@ class Handler(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     def handle_error(self, request, client_address) -> None:
-        import sys
-
         if isinstance(sys.exc_info()[1], DISCONNECTS):  # a client that went away is not our error
             log.debug("client %s disconnected", client_address)
             return

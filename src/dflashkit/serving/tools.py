@@ -26,6 +26,8 @@ import json
 import re
 from typing import Any
 
+from dflashkit.data.chat import PROBE_TOOLS
+
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -58,8 +60,6 @@ def parse_tool_calls(text: str, first: int = 0) -> tuple[str, list[dict[str, Any
 def renders_tools(tokenizer: Any) -> bool:
     """Whether the tokenizer's chat template writes function tools: a probe rendered with a tool differs from
     the same probe without (False too when the template fails on it, or there is none)."""
-    from dflashkit.data.chat import PROBE_TOOLS
-
     probe = [{"role": "user", "content": "probe"}]
     try:
         bare = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)

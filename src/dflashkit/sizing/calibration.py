@@ -26,11 +26,17 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from dflashkit.assets import cache_dir
+from dflashkit.config import section_hash
 from dflashkit.inspect.contract import run_contract
+from dflashkit.model.packed import prepare_for_decode
 from dflashkit.model.roofline import fastest
 from dflashkit.rundir import atomic_write_json
 from dflashkit.sizing.plan import Rates, tokens_per_sample
@@ -48,9 +54,7 @@ ENV_KEYS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 
 def machine(device: str = "auto") -> dict[str, Any]:
     """What a calibration is valid for: the GPU(s), else the CPU model, its flags (hashed) and torch's threads."""
-    import torch
-
-    from dflashkit.model.target import resolve_device
+    from dflashkit.model.target import resolve_device  # lazy: loads transformers; `plan` reads calibrations without
 
     dev = resolve_device(device)
     if dev.type == "cuda":
@@ -61,8 +65,6 @@ def machine(device: str = "auto") -> dict[str, Any]:
         name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
         flags = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("flags")), "")
     except OSError:
-        import platform
-
         name = platform.processor() or platform.machine()
     return {"kind": "cpu", "name": name, "flags": hashlib.sha256(flags.encode()).hexdigest()[:12],
             "threads": torch.get_num_threads(), **{k.lower(): os.environ[k] for k in ENV_KEYS if os.environ.get(k)}}
@@ -77,16 +79,12 @@ def machine_key(m: dict[str, Any]) -> str:
 
 def shape_key(cfg: RunConfig) -> str:
     """The hash of the config a calibration measured (not the sizes a budget chooses)."""
-    from dflashkit.config import section_hash
-
     train = dataclasses.replace(cfg.train, max_steps=None, eval_every=0, save_every=0)
     return section_hash(cfg.target, cfg.drafter, cfg.capture, train, cfg.tokenize.max_length, cfg.eval.dtype,
                         cfg.eval.block_sizes, VERSION)[:12]
 
 
 def cache_path(key: str, shape: str) -> Path:
-    from dflashkit.assets import cache_dir
-
     return cache_dir() / "calibration" / f"{key}-{shape}.json"
 
 
@@ -123,9 +121,7 @@ def rates(cal: dict[str, Any]) -> Rates:
 
 
 def _capture_rate(cfg: RunConfig, target: Any, contract: Any, seq: int) -> tuple[float, str]:
-    import torch
-
-    from dflashkit.data.capturing import capture_layer_ids
+    from dflashkit.data.capturing import capture_layer_ids  # lazy (this and below): measuring loads transformers
     from dflashkit.data.features import local_batches
     from dflashkit.model.target import target_autocast
 
@@ -145,9 +141,7 @@ def _capture_rate(cfg: RunConfig, target: Any, contract: Any, seq: int) -> tuple
 
 
 def _train_step(cfg: RunConfig, target: Any, contract: Any, seq: int) -> float:
-    import torch
-
-    from dflashkit.train.step_probe import drafter_step
+    from dflashkit.train.step_probe import drafter_step  # lazy: measuring loads transformers, `plan` does not
 
     dev, bs = target.device, cfg.train.batch_size
     gen = torch.Generator().manual_seed(0)
@@ -161,11 +155,8 @@ def _train_step(cfg: RunConfig, target: Any, contract: Any, seq: int) -> float:
 
 def calibrate(cfg: RunConfig, rd: RunDir, *, save: bool = True) -> dict[str, Any]:
     """Measure this machine for `cfg` (the module docstring) and save it (`save_calibration`); the dict saved."""
-    import torch
-
-    from dflashkit.decode.evaluation import block_sizes_for, verify_dtype, verify_target_config
+    from dflashkit.decode.evaluation import block_sizes_for, verify_dtype, verify_target_config  # lazy: transformers
     from dflashkit.decode.step_cost import step_times
-    from dflashkit.model.packed import prepare_for_decode
     from dflashkit.model.target import load_target
 
     t0 = time.perf_counter()

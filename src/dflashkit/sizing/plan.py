@@ -9,32 +9,18 @@ Usage:
     e = replan_eval(p, rates, cfg, fixed, elapsed_s=1010.0)                      # before eval: from time left
     print("\n".join(plan_lines(record)))      # pipeline.json's "budget" record as a table (plan vs actual)
 
-Pure arithmetic (no torch, no files). The model, every constant named below:
-  * The plan spends `SAFETY` (90 %) of the budget; the rest is margin for what the model misses.
-  * Fixed seconds per stage (`FIXED_S`: start-up, reading sources, writing the export, the report) plus
-    one target load (`Rates.load_s`, measured) for each stage that loads the target (`LOADS`), plus
-    per-prompt seconds for prepare and tokenize (`PER_PROMPT_S`), plus tokenize's agreement check
-    (tokenize.agreement_samples per source through the target at the capture rate).
-  * Data: a prompt gives `SAMPLES_PER_PROMPT` tokenized samples of `TOKENS_PER_SAMPLE` tokens (the prior: the
-    demo's data at tokenize.max_length `PRIOR_MAX_LENGTH`, docs/budget.md; a shorter max_length scales the tokens
-    down; `data.mean_tokens`, when set, replaces it). `data.heldout` prompts go to eval and
-    `train.heldout_samples` samples are captured but not trained on.
-  * Capture: tokens / `Rates.capture_tok_s` (cached features only; × `ROLLOUT_CAPTURE` for on_path=rollout).
-    Train: steps × `Rates.train_step_s` (online features add the batch's target forward at the capture rate),
-    plus the held-out curve
-    (`CURVE_POINTS` + 1 evaluations of ~⌈heldout_samples / batch⌉ + 1 forward-only batches, each
-    `HELDOUT_STEP_SHARE` of a step).
-  * Epochs: at most `EPOCHS` (≈ 10: where docs/recipe.md's curves stopped paying, a sample more is worth
-    more than a step more). With both free, the plan buys samples and trains them `EPOCHS` times.
-  * Eval: `EVAL_SHARE` of the budget at plan time, at most `EVAL_MAX_SHARE` when re-planned from the time
-    left. A prompt costs max_new_tokens × (t(1) + Σ_B passes · t(B) / `EVAL_TAU`) plus its prefills, where
-    passes = 1 + adaptive + prompt lookup per block size; warm-up prompts count; eval.dtype=auto adds two.
-    Prompts are added (at max_new_tokens ≤ `EVAL_NEW_TOKENS` unless set) before max_new_tokens is cut (down to
-    `MIN_NEW_TOKENS`).
-  * A key the user set (`fixed`) keeps its value and the others are sized around it.
-Invariants (tests/sizing/test_sizing_plan.py): planned seconds ≤ the usable budget unless the minimum run does not
-fit (then `warnings` says so); more budget never gives fewer prompts, steps or eval prompts; epochs ≤ EPOCHS;
-fixed keys untouched; re-plans use only the time left.
+Pure arithmetic (no torch, no files). The plan spends `SAFETY` of the budget: fixed seconds per stage
+(`FIXED_S`) plus a target load per stage in `LOADS` and per-prompt prepare/tokenize time; data from
+the prior `SAMPLES_PER_PROMPT` × `TOKENS_PER_SAMPLE` (scaled by tokenize.max_length, replaced by
+`data.mean_tokens`); capture at `Rates.capture_tok_s` (× `ROLLOUT_CAPTURE` for on-path rollout);
+train at `Rates.train_step_s` plus `CURVE_POINTS` + 1 held-out evaluations; at most `EPOCHS` epochs,
+so with both free it buys samples rather than steps; eval an `EVAL_SHARE` of the budget
+(`EVAL_MAX_SHARE` when re-planned), a prompt costing max_new_tokens × (t(1) + Σ_B passes · t(B) /
+`EVAL_TAU`) plus prefills. A key the user set (`fixed`) keeps its value; the others are sized around it.
+
+Invariants (tests/sizing/test_sizing_plan.py): planned seconds ≤ the usable budget unless the minimum
+run does not fit (then `warnings` says so); more budget never gives fewer prompts, steps or eval
+prompts; epochs ≤ EPOCHS; fixed keys untouched; re-plans use only the time left. Constants: docs/budget.md.
 """
 
 from __future__ import annotations

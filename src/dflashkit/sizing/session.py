@@ -22,6 +22,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from dflashkit.config import dump_config, given_keys, set_given_keys
+from dflashkit.data.records import prepared_lines
+from dflashkit.rundir import atomic_write_text
 from dflashkit.sizing import calibration as calib
 from dflashkit.sizing.plan import (ROLLOUT_CAPTURE, SIZED, overhead_s, plan_lines, plan_run, replan_eval,
                                    replan_train)
@@ -50,8 +53,6 @@ def apply_scale(cfg: RunConfig) -> RunConfig:
 
 def with_sizes(cfg: RunConfig, sizes: dict[str, Any]) -> RunConfig:
     """`cfg` with the dotted `sizes` set (sections replaced, the given keys kept)."""
-    from dflashkit.config import given_keys, set_given_keys
-
     given = given_keys(cfg)
     out = dataclasses.replace(cfg)
     for key, value in sizes.items():
@@ -90,8 +91,6 @@ class BudgetSession:
              dry_run: bool) -> BudgetSession:
         """`state["budget"]` (pipeline.json's) when its key matches, else a new plan (calibrating first unless one is
         saved for this machine and config; a dry run never calibrates). Logs the plan."""
-        from dflashkit.config import dump_config, given_keys
-
         started = time.time()
         saved = state.get("budget")
         fixed = frozenset(given_keys(cfg) or ()) - {"run.budget_minutes"}
@@ -163,8 +162,6 @@ class BudgetSession:
         log.info("budget: %s re-planned from %.1f min left: %s", stage, new["time_left_s"] / 60,
                  ", ".join(f"{k}={v}" for k, v in new["sizes"].items()) + (" (fixed: kept)" if any(
                      k in self.fixed for k in new["sizes"]) else ""))
-        from dflashkit.config import dump_config
-        from dflashkit.rundir import atomic_write_text
 
         cfg = self.apply(cfg)
         atomic_write_text(rd.resolved_config_path, dump_config(cfg))
@@ -192,8 +189,6 @@ class BudgetSession:
         act = r.setdefault("actual", {"stages": {}})
         act["stages"][stage] = round(seconds, 1)
         if stage == "prepare":
-            from dflashkit.data.records import prepared_lines
-
             n = prepared_lines(rd)
             act["prompts"] = n[0] if n else None
         if stage == "tokenize" and (got := _tokenized(rd)):

@@ -4,33 +4,22 @@ Inputs:  contract.json (probe), tokenize/shard-*.parquet (tokenize), the target 
 Outputs: capture/shard-XXXXX.safetensors (one per tokenized shard), capture/manifest.json.
 Example: dflashkit capture -c run.yaml capture.dtype=bfloat16
 
-Each feature shard holds `features` [tokens, n_feat·H] (capture.dtype; the concatenated outputs
-of target decoder layers `target_layer_ids`, rows of all samples back to back), `next_ids`
-[tokens] (int32: the target's greedy next token at every position, argmax lm_head; what
-`train.labels=target` learns, 4 B/token), optionally `last_hidden` [tokens, H] (capture.dtype: the
-target's final-norm output, from which training recomputes the target's distribution for
-`train.loss=kl|ce+kl`; `capture.last_hidden`), `offsets` [samples+1] (int64 row offsets, in
-tokenized-shard order) and metadata: the target_layer_ids, the source shard's digest, the dtype.
-The target runs as online training would run it (`train.target_dtype`: float32, or under bf16
-autocast), so cached and online training see the same features. The total size is logged BEFORE
-any work, and the stage refuses (exit 2) when it exceeds capture.max_disk_fraction of the free disk.
-The format, its writer and its reader are `data/features.py` (the `safetensors` library writes
-it). Shards are written through a temp file + rename and streamed (never held in memory whole); a
-complete shard whose layer ids and source digest still match is skipped, so a killed run resumes.
-`dflashkit train train.features=cached` refuses shards captured at other layer ids.
+Each feature shard holds `features` [tokens, n_feat·H] (the target layers `target_layer_ids`,
+concatenated), `next_ids` [tokens] (the target's greedy next token, what `train.labels=target`
+learns), optionally `last_hidden` [tokens, H] (for `train.loss=kl|ce+kl`), `offsets` [samples+1] and
+metadata (layer ids, source shard digest, dtype). The format, writer and reader are
+`data/features.py`; the plan and the local capture are `data/capturing.py`.
 
-With the local target, capture also writes the target's greedy path after each raw prefix (`path_ids`
-[tokens, B−1] int32, `model/path_labels.py`) for the held-out samples (train's own split, so the
-yardstick scores held-out blocks on the target's path), and for every sample with
-`train.on_path=rollout`. The log line and the manifest (`counts.path_ids`) say what it cost: the target
-tokens decoded beyond the prefill per raw token.
+Invariants: the target runs as online training runs it (`train.target_dtype`), so cached and online
+training see the same features. The total size is logged before any work and the stage refuses
+(exit 2) above capture.max_disk_fraction of the free disk. Shards are streamed and written atomically;
+a complete shard whose layer ids and source digest match is skipped, so a killed run resumes.
 
-`capture.engine: vllm` (`engines/capture.py`): the features come from vLLM's `extract_hidden_states`
-(started here with dflashkit's CPU-safe connector, or `capture.server_url`; `--dry-run` prints the
-`vllm serve` flags), one request per sample, its ids checked; labels and `last_hidden` from the
-target's final norm + LM head only. Rows are spooled per sample (`capture/engine-spool/`, atomic), so
-a killed run re-requests only what it lost, and the shard is written by the same `write_shard`. The plan
-and the local capture are `data/capturing.py`.
+With the local target, capture also writes the target's greedy path (`path_ids`, `model/path_labels.py`)
+for the held-out samples, and for every sample with `train.on_path=rollout`; the manifest's
+`counts.path_ids` records the extra target tokens decoded. `capture.engine: vllm` (`engines/capture.py`)
+takes the features from vLLM's `extract_hidden_states` instead, one request per sample with its ids
+checked, spooled per sample (`capture/engine-spool/`) so a killed run re-requests only what it lost.
 """
 
 from __future__ import annotations
@@ -44,8 +33,14 @@ from dflashkit.config import RunConfig, redact_url, section_hash
 from dflashkit.context import StageContext
 from dflashkit.data.capturing import capture_local, plan_capture, shard_rows
 from dflashkit.data.features import shard_metadata_for, write_shard
+from dflashkit.engines.capture import (capture_shards, check_engine, drop_finished_spools, engine_facts, engine_source,
+                                       engine_storage, serve_command_for)
+from dflashkit.family.contract import REPROBE_HINT, DrafterContract
+from dflashkit.model.quantized import check_local_target
 from dflashkit.rundir import RunDir, read_json, remove_stale_temps, write_manifest
 from dflashkit.stage_table import stage_hash
+from dflashkit.train.data import load_tokenized
+from dflashkit.train.levers import split_samples
 
 log = logging.getLogger("dflashkit.capture")
 
@@ -55,12 +50,6 @@ def check(cfg: RunConfig, rd: RunDir) -> tuple[Any, Any, Any]:
     the contract and tokenized shards, the plan (layer ids, disk space), and the engine (the vLLM at
     capture.server_url answering, or vLLM installed to start one) or the target's config against the
     contract. Returns (contract, tokenized data, plan)."""
-    from dflashkit.engines.capture import check_engine, engine_facts
-    from dflashkit.family.contract import REPROBE_HINT, DrafterContract
-    from dflashkit.model.quantized import check_local_target
-    from dflashkit.train.data import load_tokenized
-    from dflashkit.train.levers import split_samples
-
     contract = DrafterContract.load(rd.contract_path)
     data = load_tokenized(rd)
     _, heldout = split_samples(cfg, data)  # train's split: the held-out samples' greedy paths are captured
@@ -94,8 +83,6 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
                               "target_layer_ids": layer_ids, "bytes_per_token": plan.per_token,
                               "last_hidden": keep_last}
     if plan.engine == "vllm":
-        from dflashkit.engines.capture import engine_storage, serve_command_for
-
         cmd = serve_command_for(cfg, layer_ids, engine_storage(out_dir))
         result["engine"] = {"server_url": cfg.capture.server_url and redact_url(cfg.capture.server_url),
                             "vllm_serve": shlex.join(cmd)}
@@ -105,8 +92,6 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     if ctx.dry_run:
         return {"dry_run": True, **result}
     if todo and plan.engine == "vllm":
-        from dflashkit.engines.capture import capture_shards, engine_source
-
         jobs = []
         for si, shard, digest, dest in todo:
             rows = shard_rows(data, si)
@@ -134,7 +119,6 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
             (before.get("depth"), before.get("rows")) == (paths["depth"], paths["rows"]):
         paths = before  # nothing computed now: the cost of the capture that computed them
     result["path_ids"] = paths
-    from dflashkit.engines.capture import drop_finished_spools
 
     if drop_finished_spools(out_dir):
         log.info("removed the engine spools of shards an interrupted run had already written")

@@ -14,6 +14,7 @@ from typing import Any
 
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
+from dflashkit.engines import vllm
 from dflashkit.errors import UsageError
 from dflashkit.rundir import RunDir
 
@@ -28,12 +29,9 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         raise UsageError(f"usage: dflashkit engines install {' | '.join(ENGINES)}  |  dflashkit engines status",
                          hint="e.g. dflashkit engines install vllm")
     if action == "install":
-        from dflashkit.engines import vllm
-
         if ctx.dry_run:
             return {"dry_run": True, "dir": str(vllm.engine_dir()), "installed": vllm.installed() is not None}
         vllm.install()
-    from dflashkit.engines import vllm
 
     result = {"vllm": vllm.status()}
     if not ctx.json:

@@ -2,47 +2,34 @@
 
 Inputs:  `train/best/` (the best held-out simulated τ, `train.keep_best`), else `train/final/` (or a
          positional DIR), `eval/results.json` and manifests if present.
-Outputs: `export.out_dir` (default `<run_dir>/export/`): config.json (architectures, auto_map →
-         dflash.py, dflash_config, top-level block_size/num_target_layers), model.safetensors
-         (z-lab tensor names, `export.dtype`), dflash.py (our modeling file:
-         `AutoModel.from_pretrained(dir, trust_remote_code=True)`), README.md (model card with the
-         SGLang and vLLM launch lines), manifest.json.
+Outputs: `export.out_dir` (default `<run_dir>/export/`): config.json, model.safetensors (z-lab
+         tensor names, `export.dtype`), dflash.py (our modeling file for `trust_remote_code`),
+         README.md (model card with the SGLang and vLLM launch lines), manifest.json, and
+         `speculation_profile.json` when one was measured on these weights (export/profile.py).
 Example: dflashkit export -c run.yaml export.dtype=bfloat16
-         dflashkit export -c run.yaml --format speculators   (export.format: vLLM's own format,
-         export/speculators.py: config.json + model.safetensors + README.md + manifest.json, reloaded
-         through our speculators reader and compared the same way; no dflash.py)
+         dflashkit export -c run.yaml --format speculators   (vLLM's own format, export/speculators.py)
 
-A drafter of another family (`drafter.type: dflash2`) exports with its family's architecture, keys and
-tensors (dflashkit/family/; dflash.py has its class too), and the reload check adds the family's part
-(DFlash2: the same walk through the candidates).
+Invariants: the dir is built in a temp dir beside the destination, reloaded (our loader and the
+shipped dflash.py) and compared with the source drafter on a fixed input — logits through the
+target's head when its weights can be read, plus the family's own part (DFlash2: the walk) — and
+only then renamed into place (`export/check.py`; the card is `export/card.py`). One export at a
+time writes an out dir: `<parent>/.<name>.lock` is flock'ed (rundir.py `dir_lock`); a second exits 2.
 
-The dir is built in a temp dir beside the destination, reloaded twice (our loader and the shipped
-dflash.py) and compared with the source drafter on a fixed input — the logits through the target's
-own head when its weights can be read — and only then renamed into place (`export/check.py`; the model card is `export/card.py`).
-
-A drafter with a reduced draft vocabulary (`drafter.draft_vocab_size`) also gets what vLLM needs:
-`lm_head.weight` (the target head's rows d2t, `export.dtype`) and `t2d` beside `d2t`, and the
-top-level `draft_vocab_size`; this needs the target head (target.path). SGLang, the z-lab reference
-and the shipped dflash.py ignore those tensors and draft with the target's full head (lossless,
-but not the vocabulary the drafter was trained for).
-
-Both formats get `speculation_profile.json` (export/profile.py) beside the weights: the newest of
-`eval/speculation_profile.json` and the source dir's own that was measured on the source's weights
-(sha256), stamped with the export's format, dtype and weights digest. Without one the command says so
-(run `dflashkit eval` first); one measured on other weights is never shipped (a warning names it); one
-on these weights that describes another drafter (K above B − 1, another block size or family) is refused
-before any work, a dry run too: exit 2 naming the file and both K (profile_ship.py `refuse_other_drafter`).
-One export at a time writes an out dir, inside the run dir or not: `<parent>/.<name>.lock` is flock'ed
-for the whole export (rundir.py `dir_lock`); a second exits 2 naming the first's PID.
+Another family exports with its own architecture, keys and tensors (dflashkit/family/). A reduced
+draft vocabulary also writes what vLLM needs (`lm_head.weight` rows, `t2d`, `draft_vocab_size`;
+needs target.path). A speculation profile measured on other weights is never shipped (a warning);
+one describing another drafter (K above B − 1, another block size or family) is refused before any
+work, exit 2 (`profile_ship.refuse_other_drafter`). Formats in full: docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
@@ -50,22 +37,19 @@ from dflashkit.decode.evaluation import read_eval_results
 from dflashkit.errors import MissingArtifactError
 from dflashkit.export.card import model_card
 from dflashkit.export.check import loaded_target_head, reload_check, target_head
+from dflashkit.export.hf import MODELING_FILE, save_drafter, write_modeling_file
 from dflashkit.export.profile import PROFILE_FILE, profile_path
 from dflashkit.export.profile_ship import choose, drafter_contract, ship
+from dflashkit.export.speculators import export_speculators, load_any_drafter
 from dflashkit.rundir import RunDir, atomic_dir, check_replaceable, dir_lock, write_manifest
 from dflashkit.stage_table import stage_hash
+from dflashkit.train.checkpoint import read_best, trained_drafter_dir
 
 log = logging.getLogger("dflashkit.export")
 
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    import torch
-
-    from dflashkit.export.hf import MODELING_FILE, save_drafter
-    from dflashkit.export.speculators import load_any_drafter
-
     t0 = time.time()
-    from dflashkit.train.checkpoint import read_best, trained_drafter_dir
 
     if ctx.positionals:
         src, which = Path(ctx.positionals[0]), "dir"
@@ -91,7 +75,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
             head = loaded_target_head(cfg, model.contract.hidden_size)
         with atomic_dir(out, owner="export") as tmp:
             save_drafter(model, tmp, dtype=cfg.export.dtype, head=head)
-            shutil.copyfile(Path(__file__).parent.parent / "export" / "dflash_modeling.py", tmp / MODELING_FILE)
+            write_modeling_file(tmp, model.contract.family)  # + a plugin family's class (modeling_source)
             (tmp / "README.md").write_text(model_card(cfg, model.contract, out.resolve(), rd, model.draft_vocab_size,
                                                       results=read_eval_results(rd)))
             check = reload_check(model, tmp, head, cfg.export.check_atol)
@@ -133,8 +117,6 @@ def outputs_present(rd: RunDir) -> bool:
 def _run_speculators(cfg: RunConfig, rd: RunDir, src: Path, which: str, source: dict[str, Any], out: Path,
                      t0: float, choice: dict[str, Any]) -> dict[str, Any]:
     """export.format=speculators: vLLM's own format (export/speculators.py), checked the same way."""
-    from dflashkit.export.speculators import export_speculators
-
     res = export_speculators(src, out, target=cfg.target, dtype=cfg.export.dtype, atol=cfg.export.check_atol,
                              readme=lambda m: model_card(cfg, m.contract, out.resolve(), rd, m.draft_vocab_size,
                                                          fmt="speculators", results=read_eval_results(rd)),

@@ -35,6 +35,7 @@ from dflashkit.config import RunConfig, redact_url
 from dflashkit.context import StageContext
 from dflashkit.data.mixing import original_answer_sources
 from dflashkit.data.records import read_prepared
+from dflashkit.engines.launch import check_target_server, start_target_server
 from dflashkit.errors import PartialFailure, PermanentFailure
 from dflashkit.generate.openai_client import permanent_reason
 from dflashkit.generate.conversations import plan_turns
@@ -59,8 +60,6 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     total_turns = sum(len(plan_turns(c["messages"])) for c in convs)
     todo = check_generate(cfg, convs, stage_dir)  # every refusal before a request: the dry run's too
     if todo and not cfg.server.urls:
-        from dflashkit.engines.launch import check_target_server
-
         check_target_server(cfg)
     if ctx.dry_run:
         return {"dry_run": True, "conversations": len(convs), "turns": total_turns,
@@ -70,7 +69,6 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
         def servers() -> list[str]:
             if cfg.server.urls:
                 return list(cfg.server.urls)
-            from dflashkit.engines.launch import start_target_server
 
             return [stack.enter_context(start_target_server(cfg, log_dir=stage_dir))]
 

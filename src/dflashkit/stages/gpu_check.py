@@ -28,12 +28,11 @@ from typing import Any
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
 from dflashkit.errors import StageFailed
+from dflashkit.gpucheck import runner
 from dflashkit.rundir import RunDir
 
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.gpucheck import runner
-
     out = Path(ctx.positionals[0]) if ctx.positionals else rd.gpu_check_dir
     chosen = runner.select(ctx.positionals[1:])
     runner.check_out_dir(out, label="gpu-check OUT_DIR" if ctx.positionals

@@ -17,6 +17,7 @@ one of another drafter, as export refuses it: profile_ship.py `profile_report`; 
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
@@ -27,7 +28,10 @@ from dflashkit import family
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
 from dflashkit.errors import UsageError
+from dflashkit.export.hf import MODELING_FILE, WEIGHTS, save_drafter
 from dflashkit.export.profile_ship import profile_report
+from dflashkit.export.speculators import head_mismatch, load_any_drafter
+from dflashkit.inspect.target import resolve_target_path
 from dflashkit.rundir import RunDir, atomic_dir, atomic_write_json, write_manifest
 from dflashkit.stage_table import stage_hash
 from dflashkit.train.guards import IMPORTED
@@ -37,7 +41,6 @@ log = logging.getLogger("dflashkit.import")
 
 def target_facts(cfg: Any) -> dict[str, Any]:
     """num layers, hidden size, vocab, context of the target, from its config (no weights loaded)."""
-    from dflashkit.inspect.target import resolve_target_path
     from dflashkit.model.target import load_target, text_config_dict
 
     if not cfg.target.path:
@@ -69,8 +72,6 @@ def _fields(contract: Any) -> dict[str, Any]:
 
 def check_against_run_contract(contract: Any, contract_path: Path, src: Path) -> None:
     """Exit 2 naming both drafter families, or each field where the drafter differs from the run's contract.json."""
-    import json
-
     if not contract_path.is_file():
         return
     try:
@@ -92,9 +93,6 @@ def check_against_run_contract(contract: Any, contract_path: Path, src: Path) ->
 
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.export.hf import MODELING_FILE, WEIGHTS
-    from dflashkit.export.speculators import head_mismatch, load_any_drafter
-
     t0 = time.time()
     if not ctx.positionals:
         raise UsageError("`dflashkit import` needs a drafter DIR", hint="dflashkit import DIR [DEST] -c run.yaml")
@@ -123,7 +121,6 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
             if (src / name).is_file():
                 shutil.copyfile(src / name, tmp / name)
         if not (tmp / WEIGHTS).is_file():  # sharded or speculators source: write one file in our format
-            from dflashkit.export.hf import save_drafter
 
             save_drafter(model, tmp, dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
         # marks the dir as imported: `train` will not replace it unless drafter.init starts from it

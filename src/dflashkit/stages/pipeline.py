@@ -28,9 +28,12 @@ from typing import Any
 from dflashkit.config import RunConfig, dump_config
 from dflashkit.context import StageContext
 from dflashkit.data.mixing import needs_regeneration
+from dflashkit.data.records import prepared_lines
 from dflashkit.errors import UsageError
+from dflashkit.inspect.estimate import estimate
 from dflashkit.report.summary import run_summary, summary_lines
 from dflashkit.rundir import RunDir, atomic_write_json, atomic_write_text, read_json
+from dflashkit.sizing.calibration import saved_calibration
 from dflashkit.sizing.session import BudgetSession, apply_scale
 from dflashkit.stage_table import PIPELINE, STAGES, stage_hash
 
@@ -139,10 +142,6 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
 
 def _plan_estimates(cfg: RunConfig, rd: RunDir) -> dict[str, Any] | None:
     try:
-        from dflashkit.data.records import prepared_lines
-        from dflashkit.inspect.estimate import estimate
-        from dflashkit.sizing.calibration import saved_calibration
-
         return estimate(cfg, rd, prepared_lines=prepared_lines, calibration=saved_calibration)
     except Exception as e:  # noqa: BLE001 - estimates are advisory in a dry run
         log.warning("plan estimates unavailable: %s", e)

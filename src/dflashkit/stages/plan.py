@@ -24,8 +24,13 @@ from typing import Any
 
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
+from dflashkit.data.records import prepared_lines
 from dflashkit.errors import UsageError
+from dflashkit.inspect.estimate import estimate
+from dflashkit.inspect.paths import paths_text
 from dflashkit.rundir import RunDir
+from dflashkit.sizing.calibration import saved_calibration
+from dflashkit.train.forecast import curve_file_forecast
 
 
 def _codebooks(d: dict[str, Any]) -> str:
@@ -57,8 +62,6 @@ def _table(r: dict[str, Any]) -> str:
         rows.append((m["mode"], f"{m['per_gpu_gib']} GiB/GPU, fits: {m['fits']}{extra}  [{m['config']}]"))
     tm = p["time"]
     if p.get("paths"):
-        from dflashkit.inspect.paths import paths_text
-
         rows.append(("paths", paths_text(p["paths"])))
     rows += [("recommended", str(p["recommended"] or "nothing fits: more GPUs, smaller train.batch_size or "
                                  "train.num_anchors")),
@@ -68,10 +71,6 @@ def _table(r: dict[str, Any]) -> str:
 
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.data.records import prepared_lines
-    from dflashkit.inspect.estimate import estimate
-    from dflashkit.sizing.calibration import saved_calibration
-
     curves = [p for p in ctx.positionals if p.endswith(".json")]  # a train/curve.json: the forecast at scale
     result = estimate(cfg, rd, [p for p in ctx.positionals if not p.endswith(".json")], prepared_lines=prepared_lines,
                       calibration=saved_calibration)
@@ -79,8 +78,6 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         raise UsageError(f"`dflashkit plan` takes one CURVE.json, got {curves}",
                          hint="dflashkit plan [MODEL] [8x80] [runs/x/train/curve.json]")
     if curves:
-        from dflashkit.train.forecast import curve_file_forecast
-
         result["forecast"] = curve_file_forecast(curves[0], cfg.train.forecast_tau,
                                                  hours_per_epoch=result["plan"]["time"]["hours_per_epoch_online"],
                                                  epoch_tokens=result["tokens"])

@@ -23,10 +23,12 @@ import time
 from typing import Any
 
 from dflashkit.config import RunConfig
-from dflashkit.context import StageContext
+from dflashkit.context import StageContext, require_positional
+from dflashkit.inspect.contract import LAYER_CONVENTION, derive_contract
 from dflashkit.inspect.paths import paths_text, target_paths
 from dflashkit.inspect.target import inspect_target
-from dflashkit.rundir import RunDir
+from dflashkit.rundir import RunDir, atomic_write_json, file_digest, write_manifest
+from dflashkit.stage_table import stage_hash
 
 log = logging.getLogger("dflashkit.probe")
 
@@ -91,11 +93,6 @@ def _remote_code(model_dir: Any, gguf_file: str | None) -> str | None:
 
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.context import require_positional
-    from dflashkit.inspect.contract import LAYER_CONVENTION, derive_contract
-    from dflashkit.rundir import atomic_write_json, file_digest, write_manifest
-    from dflashkit.stage_table import stage_hash
-
     t0 = time.time()
     path = require_positional(ctx, "model dir", cfg.target.path)
     model_dir, gguf_file, facts, tok = inspect_target(cfg, path)

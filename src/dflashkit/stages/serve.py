@@ -18,11 +18,15 @@ import signal
 import socket
 import threading
 
+import torch
+
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
 from dflashkit.errors import UsageError
 from dflashkit.rundir import RunDir
 from dflashkit.serve_app import build_app
+from dflashkit.serving.local import _raise_on_sigterm, cleanup_on_exit_of_child
+from dflashkit.serving.server import make_server
 
 log = logging.getLogger("dflashkit.serve")
 
@@ -40,8 +44,6 @@ def check_port(cfg: RunConfig) -> None:
 
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
-    from dflashkit.serving.server import make_server
-
     model_path = ctx.positionals[0] if ctx.positionals else cfg.target.path
     if not model_path:
         raise UsageError("`dflashkit serve` needs a model", hint="dflashkit serve MODEL_DIR, or set target.path")
@@ -49,14 +51,11 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     if ctx.dry_run:
         return {"dry_run": True, "model": model_path, "host": cfg.serve.host, "port": cfg.serve.port,
                 "drafter": cfg.serve.drafter}
-    from dflashkit.serving.local import _raise_on_sigterm, cleanup_on_exit_of_child
 
     cleanup_on_exit_of_child()
     if threading.current_thread() is threading.main_thread():  # SIGTERM while loading: exit cleanly
         signal.signal(signal.SIGTERM, _raise_on_sigterm)
     if cfg.serve.cpu_threads:
-        import torch
-
         torch.set_num_threads(cfg.serve.cpu_threads)  # this process is the server: its own setting
     app = build_app(cfg, model_path)
     try:

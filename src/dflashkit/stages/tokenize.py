@@ -15,15 +15,12 @@ above `tokenize.max_prompt_mismatch`; then `tokenize.agreement_samples` samples 
 through the target (`target.path`, loaded here) and a greedily regenerated source whose labels
 agree with the target's argmax less than `tokenize.min_agreement` fails the run (exit 2).
 
-Each conversation is rendered with `tokenize.chat_template_kwargs` and its source's
-`data.sources[].chat_template_kwargs` over them. Masks come from the template itself (see
-`dflashkit.data.chat`). Samples with fewer than `tokenize.min_supervised` supervised tokens
+Masks come from the template itself with the source's variables (`dflashkit.data.chat`). Samples with fewer than `tokenize.min_supervised` supervised tokens
 (default 2·block_size) are dropped; a dataset whose masks are all zero or all one is refused (exit 2),
 and so are agent conversations (tools, tool calls) when the chat template does not render tools,
 before anything is tokenized (`--dry-run` too).
 Shards are staged and moved into place only after the whole dataset passed, so a failing run leaves
-the previous shards untouched. The pass itself (worker pool, counters, refusals, stats) is
-`dflashkit.data.tokenizing`.
+the previous shards untouched. The pass itself is `dflashkit.data.tokenizing`.
 """
 
 from __future__ import annotations
