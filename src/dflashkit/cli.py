@@ -30,7 +30,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from dflashkit import __version__, family
-from dflashkit.config import load_config
+from dflashkit.config import RunConfig, load_config
 from dflashkit.context import StageContext, require_positional  # noqa: F401  (re-exported)
 from dflashkit.errors import EXIT_FAILURE, EXIT_USAGE, DflashkitError, NotImplementedStage, StageFailed
 from dflashkit.redact import redact_text
@@ -119,24 +119,24 @@ def _emit(result: dict[str, Any]) -> None:
     print(redact_text(json.dumps(result, default=str)), flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace | int:
+    """The parsed command line, or the exit code argparse chose (0 for --help, 2 for bad usage). Positionals and
+    key=value overrides may come after flags (`--json train.lr=1e-3`)."""
     try:
-        # Positionals and key=value overrides may come after flags (`--json train.lr=1e-3`).
         ns, extra = parser.parse_known_args(argv)
         unknown = [a for a in extra if a.startswith("-")]
         if unknown:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         if extra:
             ns.args = list(getattr(ns, "args", [])) + extra
-    except SystemExit as e:  # argparse: --help is 0, bad usage is 2
+    except SystemExit as e:
         return int(e.code or 0)
-    if ns.command is None:
-        parser.print_help(sys.stderr)
-        _emit({"ok": False, "exit_code": EXIT_USAGE, "error": "no command given"})
-        return EXIT_USAGE
+    return ns
 
-    positionals = [a for a in ns.args if "=" not in a]
+
+def _overrides(ns: argparse.Namespace) -> list[str]:
+    """The key=value config overrides of the command line, the flags that are shortcuts for one (--run-dir,
+    --drafter, --host, --port, --budget, --format) after those written out."""
     overrides = [a for a in ns.args if "=" in a]
     if ns.run_dir:
         overrides.append(f"run.run_dir={ns.run_dir}")
@@ -147,9 +147,63 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"run.budget_minutes={ns.budget}")
     if getattr(ns, "format", None) is not None:
         overrides.append(f"export.format={ns.format}")
+    return overrides
+
+
+def _run_stage(cfg: RunConfig, ns: argparse.Namespace, ctx: StageContext) -> dict[str, Any]:
+    """Import the command's stage module and run it, holding the run-dir lock unless the command is read-only
+    or a dry run."""
+    module_name, _ = COMMANDS[ns.command]
+    try:  # one stage module per command, imported on demand: `--help` and light commands never load torch
+        module = importlib.import_module(f"dflashkit.stages.{module_name}")
+    except ModuleNotFoundError as e:
+        if e.name == f"dflashkit.stages.{module_name}":
+            raise NotImplementedStage(f"`dflashkit {ns.command}` is not implemented yet") from None
+        raise
+    with ExitStack() as stack:
+        if ns.command not in READ_ONLY and not ns.dry_run:
+            stack.enter_context(run_dir_lock(cfg.run.run_dir, ns.command))
+        return module.run(cfg, RunDir(cfg.run.run_dir), ctx) or {}
+
+
+def _failed(command: str, e: DflashkitError, config: str | None, overrides: list[str]) -> int:
+    """Log and emit a dflashkit error (its message and hint naming the config this command was given);
+    returns its exit code."""
+    e.message = _with_config(e.message, config, overrides) or e.message
+    e.hint = _with_config(e.hint, config, overrides)
+    e.args = (e.message,)
+    log.error("%s", e)
+    log.debug("traceback", exc_info=True)
+    partial = e.result if isinstance(e, StageFailed) else {}
+    _emit({"command": command, "ok": False, **partial, "exit_code": e.exit_code, "error": e.message, "hint": e.hint})
+    return e.exit_code
+
+
+def _crashed(command: str, e: Exception) -> int:
+    """Log and emit an unexpected exception: one line, the traceback at debug level; returns EXIT_FAILURE."""
+    log.error("%s failed: %s: %s", command, type(e).__name__, e)
+    log.debug("traceback", exc_info=True)
+    if log.isEnabledFor(logging.DEBUG) is False:
+        log.error("re-run with --log-level debug for the traceback")
+    _emit({"command": command, "ok": False, "exit_code": EXIT_FAILURE, "error": f"{type(e).__name__}: {e}"})
+    return EXIT_FAILURE
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command (module docstring) and return its exit code; the last stdout line is its result as JSON."""
+    parser = build_parser()
+    ns = _parse(parser, argv)
+    if isinstance(ns, int):
+        return ns
+    if ns.command is None:
+        parser.print_help(sys.stderr)
+        _emit({"ok": False, "exit_code": EXIT_USAGE, "error": "no command given"})
+        return EXIT_USAGE
+
+    overrides = _overrides(ns)
     ctx = StageContext(
-        command=ns.command, positionals=positionals, config_path=ns.config, overrides=overrides,
-        dry_run=ns.dry_run, json=ns.json, from_stage=getattr(ns, "from_stage", None),
+        command=ns.command, positionals=[a for a in ns.args if "=" not in a], config_path=ns.config,
+        overrides=overrides, dry_run=ns.dry_run, json=ns.json, from_stage=getattr(ns, "from_stage", None),
         to_stage=getattr(ns, "to_stage", None), force=getattr(ns, "force", []) or [],
         nproc_per_node=getattr(ns, "nproc_per_node", None),
     )
@@ -160,31 +214,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(ns.config, overrides, checks=family.checks)
         level = ns.log_level or cfg.run.log_level
         _setup_logging(level)
-        module_name, _ = COMMANDS[ns.command]
-        try:  # one stage module per command, imported on demand: `--help` and light commands never load torch
-            module = importlib.import_module(f"dflashkit.stages.{module_name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"dflashkit.stages.{module_name}":
-                raise NotImplementedStage(f"`dflashkit {ns.command}` is not implemented yet") from None
-            raise
-        with ExitStack() as stack:
-            if ns.command not in READ_ONLY and not ns.dry_run:
-                stack.enter_context(run_dir_lock(cfg.run.run_dir, ns.command))
-            result = module.run(cfg, RunDir(cfg.run.run_dir), ctx) or {}
-        out = {"command": ns.command, "ok": True, **result, "wall_time_s": round(time.time() - started, 3)}
-        _emit(out)
+        result = _run_stage(cfg, ns, ctx)
+        _emit({"command": ns.command, "ok": True, **result, "wall_time_s": round(time.time() - started, 3)})
         return 0
     except DflashkitError as e:
         _setup_logging(level)
-        e.message = _with_config(e.message, ns.config, overrides) or e.message
-        e.hint = _with_config(e.hint, ns.config, overrides)
-        e.args = (e.message,)
-        log.error("%s", e)
-        log.debug("traceback", exc_info=True)
-        partial = e.result if isinstance(e, StageFailed) else {}
-        _emit({"command": ns.command, "ok": False, **partial, "exit_code": e.exit_code, "error": e.message,
-               "hint": e.hint})
-        return e.exit_code
+        return _failed(ns.command, e, ns.config, overrides)
     except KeyboardInterrupt:
         log.error("interrupted; completed work is kept, re-run the same command to resume")
         _emit({"command": ns.command, "ok": False, "exit_code": 130, "error": "interrupted"})
@@ -199,13 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except Exception as e:  # noqa: BLE001 - last resort: a one-line error plus the traceback at debug
         _setup_logging(level)
-        log.error("%s failed: %s: %s", ns.command, type(e).__name__, e)
-        log.debug("traceback", exc_info=True)
-        if log.isEnabledFor(logging.DEBUG) is False:
-            log.error("re-run with --log-level debug for the traceback")
-        _emit({"command": ns.command, "ok": False, "exit_code": EXIT_FAILURE,
-               "error": f"{type(e).__name__}: {e}"})
-        return EXIT_FAILURE
+        return _crashed(ns.command, e)
     finally:
         if previous_term is not None:
             signal.signal(signal.SIGTERM, previous_term)

@@ -127,8 +127,9 @@ def test_best_keeps_the_early_peak_and_survives_resume(tmp_path, tiny_qwen3, mon
     assert all(torch.equal(best[k], at2[k]) for k in best)
     assert not all(torch.equal(best[k], final[k]) for k in best)
     assert _json(full, "best/best.json")["step"] == 2
+    from dflashkit.rundir import RunDir
     from dflashkit.train.checkpoint import trained_drafter_dir
-    assert trained_drafter_dir(full / "train") == (full / "train" / "best", "best")
+    assert trained_drafter_dir(RunDir(full)) == (full / "train" / "best", "best")
     # killed after the step-5 checkpoint (best.json at step 2 ≤ the checkpoint): resume keeps it
     real_log = tlog.MetricSink.log
 

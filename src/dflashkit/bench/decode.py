@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -33,6 +33,7 @@ from dflashkit.decode.spec_decode import SpecDecoder
 from dflashkit.decode.step_cost import decode_step_report, roofline, step_times
 from dflashkit.errors import UsageError
 from dflashkit.export.hf import load_drafter
+from dflashkit.model.target import announce, load_target
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -73,18 +74,10 @@ def _e2e(results: list[GenerationResult]) -> tuple[int, float]:
     return sum(len(r.token_ids) for r in results), sum(r.prefill_s + r.decode_s for r in results)
 
 
-def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.model.target import announce, load_target
-
-    inputs = decode_inputs(cfg, rd, ctx.positionals[1:], num_prompts=cfg.eval.num_prompts)
-    drafter_dir, contract = inputs.drafter_dir, inputs.contract
-    bs = (cfg.eval.block_sizes or [contract.block_size])[0]
-    # verified in eval's dtype (`eval.dtype`; auto: target.dtype's), so the draft's share of a target step is the
-    # one eval pays; the drafter and every prompt fit
-    verify = announce(verify_dtype(cfg))
-    target, ids = load_checked_target(cfg, inputs, verify_target_config(cfg, verify))
-    params = params_for(cfg, target)
-    drafter = load_drafter(drafter_dir, dtype=target.dtype, device=target.device)
+def _decoders(cfg: RunConfig, target: Any, drafter: Any, drafter_dir: Any, contract: Any,
+              bs: int) -> dict[str, Decoder]:
+    """The decoders the bench runs in turn: our baseline (block size 1) and speculative decoder, the module forward
+    beside the lean one, the adaptive draft length (eval.adaptive_length) and the PyPI reference, where they apply."""
     baseline = SpecDecoder(target, None, 1, max_context=cfg.eval.max_context)
     ddt = draft_dtype_for(cfg, target)
     ours = SpecDecoder(target, drafter, bs, max_context=cfg.eval.max_context, draft_dtype=ddt)
@@ -97,11 +90,13 @@ def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any
                                                 draft_dtype=ddt, adaptive=True)
     if contract.family.decoding.reference_loop:  # the PyPI reference (dflash 0.1.0) decodes this family
         decoders["reference"] = ReferenceDecoder(target, str(drafter_dir), bs)
-    runs = run_interleaved(decoders, ids, params, warmup=max(1, cfg.eval.warmup), base_seed=cfg.run.seed)
+    return decoders
 
-    base_t, ours_t = summarize_timing(runs["baseline"]), summarize_timing(runs["ours"])
-    acc = summarize_acceptance(runs["ours"], bs)
-    cmp = compare(base_t, ours_t, acc["tau"])
+
+def _headline(runs: dict[str, list[GenerationResult]], base_t: dict[str, Any], ours_t: dict[str, Any],
+              acc: dict[str, Any], cmp: dict[str, Any]) -> dict[str, Any]:
+    """End-to-end tokens/s of each decoder, whether our tokens are the reference's, our τ and step times against
+    the baseline's (`base_t`, `ours_t`, `acc`, `cmp`: decode.metrics' summaries of the runs): every bench's keys."""
     n_ours, s_ours = _e2e(runs["ours"])
     n_ref, s_ref = _e2e(runs.get("reference", []))
     n_base, s_base = _e2e(runs["baseline"])
@@ -109,12 +104,7 @@ def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any
     identical = all(d is None for d in diffs)
     tps = {k: round(n / s, 3) if s > 0 else 0.0 for k, n, s in
            (("baseline", n_base, s_base), ("ours", n_ours, s_ours), ("reference", n_ref, s_ref))}
-    result = {
-        "target": str(cfg.target.path), "drafter": str(drafter_dir), "drafter_type": contract.drafter_type,
-        "block_size": bs, "prompts": len(ids),
-        "max_new_tokens": params.max_new_tokens, "device": str(target.device), "threads": torch.get_num_threads(),
-        "dtype": str(target.dtype).removeprefix("torch."), "dtype_reason": verify.reason,
-        "draft_dtype": str(next(drafter.parameters()).dtype).removeprefix("torch."),
+    return {
         "tokens_per_s_e2e": tps,
         "ours_over_reference": round(tps["ours"] / tps["reference"], 4) if tps["reference"] else 0.0,
         "identical_tokens": identical if "reference" in runs else None,
@@ -128,6 +118,85 @@ def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any
         "draft_share": round(ours_t["draft_s_mean"] / cmp["tB_s"], 4) if cmp["tB_s"] else None,
         "draft_share_t1": round(ours_t["draft_s_mean"] / cmp["t1_s"], 4) if cmp["t1_s"] else None,
     }
+
+
+def _module_forward(runs: dict[str, list[GenerationResult]], ours: SpecDecoder, tB_s: float,
+                    tau: float) -> dict[str, Any]:
+    """The lean draft forward against the module forward, decoded in the same run (`module_forward`), and the lean
+    forward's parts timed (`draft_profile_ms`)."""
+    mod_t = summarize_timing(runs["ours-module"])
+    same = all(a.token_ids == b.token_ids and a.acceptance_lengths == b.acceptance_lengths
+               for a, b in zip(runs["ours"], runs["ours-module"]))
+    assert ours._fast is not None
+    return {"module_forward": {"draft_ms": round(mod_t["draft_s_mean"] * 1e3, 3),
+                               "draft_share": round(mod_t["draft_s_mean"] / tB_s, 4) if tB_s else None,
+                               "identical_decodes": same,  # tokens and accepted lengths, step by step
+                               "decode_tokens_per_s": mod_t["decode_tokens_per_s"]},
+            "draft_profile_ms": ours._fast.profile(context=256, new=max(1, round(tau)))}
+
+
+def _adaptive(runs: dict[str, list[GenerationResult]], base_t: dict[str, Any], bs: int,
+              params: SamplingParams) -> dict[str, Any]:
+    """The adaptive draft length (eval.adaptive_length) against the baseline (`base_t`: its timing summary)."""
+    ad_t = summarize_timing(runs["ours-adaptive"])
+    ad_acc = summarize_acceptance(runs["ours-adaptive"], bs)
+    ad_cmp = compare(base_t, ad_t, ad_acc["tau"])
+    steps = sum(len(r.acceptance_lengths) for r in runs["ours-adaptive"])
+    return {"tau": ad_acc["tau"], "speedup": ad_cmp["speedup"], "decode_tokens_per_s": ad_t["decode_tokens_per_s"],
+            "drafts_per_step": round(sum(r.verified_drafts for r in runs["ours-adaptive"]) / max(1, steps), 4),
+            # greedy only: sampled decodes draw other random streams, lossless or not
+            "identical_tokens": all(a.token_ids == b.token_ids for a, b in
+                                    zip(runs["ours-adaptive"], runs["baseline"]))
+            if params.temperature <= 0 else None}
+
+
+def _print_summary(result: dict[str, Any]) -> None:
+    """The human-readable lines of a bench result (not printed with --json)."""
+    tps = result["tokens_per_s_e2e"]
+    identical = result["identical_tokens"] is not False  # without a reference nothing differs
+    print(f"decode bench B={result['block_size']}, {result['prompts']} prompts × {result['max_new_tokens']} tokens, "
+          f"{result['device']}, {result['dtype']} verify, {result['draft_dtype']} draft:\n"
+          f"  tokens/s e2e: baseline {tps['baseline']:.1f}, ours {tps['ours']:.1f}, reference {tps['reference']:.1f}"
+          f" (ours/reference {result['ours_over_reference']:.2f}, identical tokens: {identical})\n"
+          f"  tau {result['tau']:.2f}; t(1) {result['t1_ms']:.1f} ms, t(B) {result['tB_ms']:.1f} ms, draft "
+          f"{result['draft_ms']:.1f} ms; speedup {result['speedup']:.2f} vs bound {result['bound']:.2f} "
+          f"(efficiency {result['efficiency']:.2f}); draft / target step at B {result['draft_share'] or 0:.1%}",
+          flush=True)
+    if "module_forward" in result:
+        m = result["module_forward"]
+        print(f"  draft: lean {result['draft_ms']:.2f} ms vs module forward {m['draft_ms']:.2f} ms "
+              f"({m['draft_share'] or 0:.1%} of a target step; identical decodes: {m['identical_decodes']}); "
+              f"lean parts (ms): {result['draft_profile_ms']}", flush=True)
+    if "adaptive" in result:
+        a = result["adaptive"]
+        print(f"  adaptive draft length: tau {a['tau']:.2f}, speedup {a['speedup']:.2f}, "
+              f"{a['drafts_per_step']:.2f} drafts verified per step", flush=True)
+
+
+def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
+    """The decode bench (module docstring): its result, with a summary printed on stdout unless --json."""
+    inputs = decode_inputs(cfg, rd, ctx.positionals[1:], num_prompts=cfg.eval.num_prompts)
+    drafter_dir, contract = inputs.drafter_dir, inputs.contract
+    bs = (cfg.eval.block_sizes or [contract.block_size])[0]
+    # verified in eval's dtype (`eval.dtype`; auto: target.dtype's), so the draft's share of a target step is the
+    # one eval pays; the drafter and every prompt fit
+    verify = announce(verify_dtype(cfg))
+    target, ids = load_checked_target(cfg, inputs, verify_target_config(cfg, verify))
+    params = params_for(cfg, target)
+    drafter = load_drafter(drafter_dir, dtype=target.dtype, device=target.device)
+    decoders = _decoders(cfg, target, drafter, drafter_dir, contract, bs)
+    runs = run_interleaved(decoders, ids, params, warmup=max(1, cfg.eval.warmup), base_seed=cfg.run.seed)
+    base_t, ours_t = summarize_timing(runs["baseline"]), summarize_timing(runs["ours"])
+    acc = summarize_acceptance(runs["ours"], bs)
+    cmp = compare(base_t, ours_t, acc["tau"])
+    result = {
+        "target": str(cfg.target.path), "drafter": str(drafter_dir), "drafter_type": contract.drafter_type,
+        "block_size": bs, "prompts": len(ids),
+        "max_new_tokens": params.max_new_tokens, "device": str(target.device), "threads": torch.get_num_threads(),
+        "dtype": str(target.dtype).removeprefix("torch."), "dtype_reason": verify.reason,
+        "draft_dtype": str(next(drafter.parameters()).dtype).removeprefix("torch."),
+        **_headline(runs, base_t, ours_t, acc, cmp),
+    }
     # the target step against this machine's memory floor, packed (what every decoder above ran) and as loaded
     result["decode_step"] = decode_step_report(target, [bs])
     if cfg.eval.packed_weights != "off":
@@ -135,44 +204,9 @@ def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any
         result["decode_step_unpacked"] = roofline(plain, step_times(plain, sorted({1, bs})))
         del plain
     if "ours-module" in runs:  # before / after of the lean forward, in the same run
-        mod_t = summarize_timing(runs["ours-module"])
-        same = all(a.token_ids == b.token_ids and a.acceptance_lengths == b.acceptance_lengths
-                   for a, b in zip(runs["ours"], runs["ours-module"]))
-        assert ours._fast is not None
-        result["module_forward"] = {"draft_ms": round(mod_t["draft_s_mean"] * 1e3, 3),
-                                    "draft_share": round(mod_t["draft_s_mean"] / cmp["tB_s"], 4) if cmp["tB_s"] else None,
-                                    "identical_decodes": same,  # tokens and accepted lengths, step by step
-                                    "decode_tokens_per_s": mod_t["decode_tokens_per_s"]}
-        result["draft_profile_ms"] = ours._fast.profile(context=256, new=max(1, round(acc["tau"])))
+        result.update(_module_forward(runs, cast(SpecDecoder, decoders["ours"]), cmp["tB_s"], acc["tau"]))
     if "ours-adaptive" in runs:
-        ad_t = summarize_timing(runs["ours-adaptive"])
-        ad_acc = summarize_acceptance(runs["ours-adaptive"], bs)
-        ad_cmp = compare(base_t, ad_t, ad_acc["tau"])
-        steps = sum(len(r.acceptance_lengths) for r in runs["ours-adaptive"])
-        result["adaptive"] = {"tau": ad_acc["tau"], "speedup": ad_cmp["speedup"],
-                              "decode_tokens_per_s": ad_t["decode_tokens_per_s"],
-                              "drafts_per_step": round(sum(r.verified_drafts for r in runs["ours-adaptive"])
-                                                       / max(1, steps), 4),
-                              # greedy only: sampled decodes draw other random streams, lossless or not
-                              "identical_tokens": all(a.token_ids == b.token_ids for a, b in
-                                                      zip(runs["ours-adaptive"], runs["baseline"]))
-                              if params.temperature <= 0 else None}
+        result["adaptive"] = _adaptive(runs, base_t, bs, params)
     if not ctx.json:
-        print(f"decode bench B={bs}, {len(ids)} prompts × {params.max_new_tokens} tokens, {result['device']}, "
-              f"{result['dtype']} verify, {result['draft_dtype']} draft:\n"
-              f"  tokens/s e2e: baseline {tps['baseline']:.1f}, ours {tps['ours']:.1f}, reference {tps['reference']:.1f}"
-              f" (ours/reference {result['ours_over_reference']:.2f}, identical tokens: {identical})\n"
-              f"  tau {acc['tau']:.2f}; t(1) {result['t1_ms']:.1f} ms, t(B) {result['tB_ms']:.1f} ms, draft "
-              f"{result['draft_ms']:.1f} ms; speedup {cmp['speedup']:.2f} vs bound {cmp['bound']:.2f} "
-              f"(efficiency {cmp['efficiency']:.2f}); draft / target step at B {result['draft_share'] or 0:.1%}",
-              flush=True)
-        if "module_forward" in result:
-            m = result["module_forward"]
-            print(f"  draft: lean {result['draft_ms']:.2f} ms vs module forward {m['draft_ms']:.2f} ms "
-                  f"({m['draft_share'] or 0:.1%} of a target step; identical decodes: {m['identical_decodes']}); "
-                  f"lean parts (ms): {result['draft_profile_ms']}", flush=True)
-        if "adaptive" in result:
-            a = result["adaptive"]
-            print(f"  adaptive draft length: tau {a['tau']:.2f}, speedup {a['speedup']:.2f}, "
-                  f"{a['drafts_per_step']:.2f} drafts verified per step", flush=True)
+        _print_summary(result)
     return result

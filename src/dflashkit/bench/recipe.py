@@ -46,6 +46,7 @@ from dflashkit.decode.diagnostics import BigramTable
 from dflashkit.errors import ConfigError, DflashkitError, MissingArtifactError, UsageError
 from dflashkit.family import get
 from dflashkit.family.contract import DrafterContract, build_target_layer_ids, sliding_fields
+from dflashkit.family.recipe import config_recipe, resolve_recipe
 from dflashkit.rundir import RunDir, atomic_write_json, check_replaceable
 from dflashkit.train.data import load_tokenized, split_heldout
 from dflashkit.train.guards import check_cached_features, check_drafter_overrides
@@ -164,7 +165,7 @@ def plan_variants(cfg: RunConfig, rd: RunDir
             if base is not None:
                 check_drafter_overrides(vcfg, own or base, rd.contract_path if own is None else "its own contract")
                 # the variant trains on this run's capture/ (linked): its feature layers must be in it
-                check_cached_features(vcfg, rd, own or base, tokenized_shards(rd))
+                check_cached_features(rd, own or base, tokenized_shards(rd), resolve_recipe(vcfg.train, own or base))
         except ConfigError as e:
             raise ConfigError([f"bench.recipe_variants.{name}: {p}" for p in e.problems], hint=e.hint) from None
         except MissingArtifactError:  # exit 3: the stage that makes it is named
@@ -255,7 +256,7 @@ def row_of(name: str, over: list[str], vcfg: RunConfig, res: dict, *, wall_s: fl
     by = res.get("heldout_by_source") or {}
     second = second_source(vcfg, by)
     # the gap compares train τ with the held-out τ under the labels training scored itself with
-    held_train = held.get("tau") if vcfg.train.on_path == "rollout" else held.get("tau_raw", held.get("tau"))
+    held_train = held.get("tau") if config_recipe(vcfg).rollout else held.get("tau_raw", held.get("tau"))
     return {"variant": name, "overrides": list(over), "steps": res.get("steps"), "drafter_type": vcfg.drafter.type,
             "cpu_minutes": round(res["cpu_s"] / 60, 3) if res.get("cpu_s") is not None else None,
             "supervised_tokens": res.get("supervised_tokens"),

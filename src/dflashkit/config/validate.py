@@ -62,8 +62,15 @@ def _on_path_problems(cfg: RunConfig) -> list[str]:
 
 def problems(cfg: RunConfig) -> list[str]:
     """Cross-field checks; each message names its dotted key."""
+    return (_drafter_problems(cfg) + _train_problems(cfg) + _capture_generate_problems(cfg)
+            + _run_server_problems(cfg) + _eval_serve_bench_problems(cfg) + _tokenize_target_data_problems(cfg)
+            + _stage_option_problems(cfg) + _range_problems(cfg))
+
+
+def _drafter_problems(cfg: RunConfig) -> list[str]:
+    """The `drafter.*` checks the families do not own."""
     p: list[str] = []
-    d, t = cfg.drafter, cfg.train
+    d = cfg.drafter
     if d.block_size < 2:
         p.append(f"drafter.block_size: must be >= 2 (an anchor plus at least one drafted position), "
                  f"got {d.block_size}")
@@ -97,6 +104,13 @@ def problems(cfg: RunConfig) -> list[str]:
     if d.draft_vocab_size is not None and d.draft_vocab_size < 0:
         p.append(f"drafter.draft_vocab_size: must be > 0 (null or 0 = the full target vocab), got "
                  f"{d.draft_vocab_size}")
+    return p
+
+
+def _train_problems(cfg: RunConfig) -> list[str]:
+    """The `train.*` checks (the families' weights by their declared ranges)."""
+    p: list[str] = []
+    t = cfg.train
     for weights in dict.fromkeys(fam.weights for fam in family.FAMILIES.values()):  # every family's, declared
         p.extend(range_problems(t, weights, prefix="train."))
     for name in ("lr", "batch_size", "grad_accum", "num_anchors", "loss_chunk_blocks"):
@@ -113,6 +127,13 @@ def problems(cfg: RunConfig) -> list[str]:
     _at_least(p, "train", t, 0, "keep_checkpoints")
     _at_least(p, "train", t, 1, "engine_prefetch")
     p.extend(_on_path_problems(cfg))
+    return p
+
+
+def _capture_generate_problems(cfg: RunConfig) -> list[str]:
+    """The `capture.*` and `generate.*` checks."""
+    p: list[str] = []
+    t = cfg.train
     if t.features == "engine" and cfg.capture.engine != "vllm":
         p.append("train.features: engine needs capture.engine=vllm (train starts vLLM for target.path) or "
                  "capture.server_url (a vLLM you run; set capture.engine=vllm too)")
@@ -134,6 +155,12 @@ def problems(cfg: RunConfig) -> list[str]:
         p.append(f"generate.top_p: must be in (0, 1], got {g.top_p}")
     _at_least(p, "generate", g, 1, "max_tokens", "shard_size")
     _at_least(p, "generate", g, 0, "max_retries", "backoff_s")
+    return p
+
+
+def _run_server_problems(cfg: RunConfig) -> list[str]:
+    """The `run.*`, `server.*` and URL checks."""
+    p: list[str] = []
     if not cfg.run.scale > 0:
         p.append(f"run.scale: must be > 0, got {cfg.run.scale}")
     if cfg.run.budget_minutes is not None and not 0 < cfg.run.budget_minutes < float("inf"):
@@ -147,6 +174,12 @@ def problems(cfg: RunConfig) -> list[str]:
         problem = url_problem(url)
         if problem:
             p.append(f"{key}: {problem}")
+    return p
+
+
+def _eval_serve_bench_problems(cfg: RunConfig) -> list[str]:
+    """The `eval.*`, `serve.*` and `bench.*` checks."""
+    p: list[str] = []
     if cfg.eval.top_k < 0:
         p.append(f"eval.top_k: must be >= 0 (0 = off), got {cfg.eval.top_k}")
     _at_least(p, "eval", cfg.eval, 1, "num_prompts", "max_new_tokens")
@@ -177,6 +210,12 @@ def problems(cfg: RunConfig) -> list[str]:
     for i, size in enumerate(cfg.eval.block_sizes):
         if size < 1:
             p.append(f"eval.block_sizes[{i}]: must be >= 1, got {size}")
+    return p
+
+
+def _tokenize_target_data_problems(cfg: RunConfig) -> list[str]:
+    """The `tokenize.*`, `target.*` and `data.*` checks."""
+    p: list[str] = []
     _at_least(p, "tokenize", cfg.tokenize, 0, "agreement_samples")
     for name in ("min_agreement", "max_prompt_mismatch"):
         if not 0 <= getattr(cfg.tokenize, name) <= 1:
@@ -191,8 +230,6 @@ def problems(cfg: RunConfig) -> list[str]:
             p.append(f"data.sources[{i}].path: required")
         if s.weight <= 0:
             p.append(f"data.sources[{i}].weight: must be > 0, got {s.weight}")
-    p += _stage_option_problems(cfg)
-    p += _range_problems(cfg)
     return p
 
 

@@ -30,11 +30,11 @@ from dflashkit.data.features import (ST_DTYPES, PathCost, PathSpec, local_batche
                                      shard_metadata, shard_metadata_for, shard_path, stored_rows, stored_width,
                                      write_shard)
 from dflashkit.errors import UsageError
-from dflashkit.family import reads_target_law
 from dflashkit.family.contract import REPROBE_HINT
+from dflashkit.family.recipe import Recipe, resolve_recipe
 from dflashkit.model.files import resolve_target_path
 from dflashkit.model.hybrid import dir_layer_types, recurrent_summary, refuse_recurrent
-from dflashkit.model.path_labels import check_full_attention, path_depth
+from dflashkit.model.path_labels import check_full_attention
 from dflashkit.model.roofline import forward_flops_per_token, matmul_throughput
 from dflashkit.model.target import resolve_device, resolve_dtype, target_autocast, text_config_dict
 from dflashkit.progress import Progress
@@ -60,6 +60,7 @@ class CapturePlan:
     need: int
     free: int
     what: str
+    recipe: Recipe                                               # the run's (`family/recipe.py`)
     path_depth: int = 0                                          # D of the greedy paths (0: none, engine capture)
     path_rows: dict[int, Any] = field(default_factory=dict)      # shard index → PathRows it must hold
     patch: list[tuple[int, Path, Path, list[int]]] = field(default_factory=list)  # (shard, src, dest, rows)
@@ -98,10 +99,10 @@ def capture_layer_ids(cfg: Any, contract: Any) -> list[int]:
     return ids + extra
 
 
-def path_rows_wanted(cfg: Any, data: Any, heldout: list[int]) -> dict[int, Any]:
-    """Per tokenized shard, the rows (PathRows) whose greedy path capture writes: all with
-    `train.on_path=rollout`, else the held-out samples'."""
-    if cfg.train.on_path == "rollout":
+def path_rows_wanted(recipe: Recipe, data: Any, heldout: list[int]) -> dict[int, Any]:
+    """Per tokenized shard, the rows (PathRows) whose greedy path capture writes: all when the recipe learns
+    the paths (`train.on_path=rollout`), else the held-out samples'."""
+    if recipe.rollout:
         return {si: "all" for si in range(len(data.shards))}
     out: dict[int, Any] = {}
     for i in heldout:
@@ -110,26 +111,27 @@ def path_rows_wanted(cfg: Any, data: Any, heldout: list[int]) -> dict[int, Any]:
     return {si: sorted(rows) for si, rows in out.items()}
 
 
-def rollout_reproduces_attention(cfg: Any, data: Any, depth: int) -> bool:
-    """Whether the greedy-path rollout's full-prefix mask is what the target attends to over these samples
-    (`model/path_labels.attention_limit`, read from the target's config.json; a GGUF-only target is taken as
-    full attention). With train.on_path=rollout a target it is not raises UsageError (exit 2) before any work."""
+def rollout_reproduces_attention(cfg: Any, data: Any, recipe: Recipe) -> bool:
+    """Whether the greedy-path rollout's full-prefix mask (of depth `recipe.path_depth`) is what the target
+    attends to over these samples (`model/path_labels.attention_limit`, read from the target's config.json; a
+    GGUF-only target is taken as full attention). When the recipe learns the paths (train.on_path=rollout) a
+    target it is not raises UsageError (exit 2) before any work."""
     model_dir, gguf = resolve_target_path(cfg.target.path, cfg.target.gguf_file)
     if gguf or not (model_dir / "config.json").is_file():
         return True
     if recurrent_summary(dir_layer_types(model_dir, cfg.target.trust_remote_code)) is not None:
-        if cfg.train.on_path != "rollout":
+        if not recipe.rollout:
             return False
         refuse_recurrent("train.on_path=rollout", model_dir, why="the greedy-path rollout reads a tree of paths through "
                          "one full-attention KV cache, which a recurrent state cannot hold",
                          instead="use train.on_path=mask (free, no target work)",
                          trust_remote_code=cfg.target.trust_remote_code)
     tc = text_config_dict(model_dir)
-    length = max((len(x) for x in data.input_ids), default=0) + depth - 1
+    length = max((len(x) for x in data.input_ids), default=0) + recipe.path_depth - 1
     try:
         check_full_attention(tc, length)
     except UsageError:
-        if cfg.train.on_path == "rollout":
+        if recipe.rollout:
             raise
         return False
     return True
@@ -146,12 +148,12 @@ def plan_capture(cfg: Any, contract: Any, data: Any, out_dir: Path, *, heldout: 
     engine = cfg.capture.engine
     autocast = None if engine == "vllm" else target_autocast(cfg.train.target_dtype, dev,
                                                               resolve_dtype(cfg.target.dtype, dev))
-    keep_last = cfg.capture.last_hidden == "true" or (cfg.capture.last_hidden == "auto"
-                                                      and reads_target_law(cfg.train, contract.family))
-    depth = path_depth(contract.block_size) if engine == "local" else 0  # an engine gives no greedy paths
-    if depth > 1 and not rollout_reproduces_attention(cfg, data, depth):
+    recipe = resolve_recipe(cfg.train, contract)
+    keep_last = cfg.capture.last_hidden == "true" or (cfg.capture.last_hidden == "auto" and recipe.needs_target_logits)
+    depth = recipe.path_depth if engine == "local" else 0  # an engine gives no greedy paths
+    if depth > 1 and not rollout_reproduces_attention(cfg, data, recipe):
         depth = 0  # a sliding window the samples outgrow: no held-out paths (train scores argmax labels instead)
-    wanted = path_rows_wanted(cfg, data, heldout or []) if depth else {}
+    wanted = path_rows_wanted(recipe, data, heldout or []) if depth else {}
     per_token = (width + (contract.hidden_size if keep_last else 0)) * ST_DTYPES[dtype][1] + 4 + \
         (4 * depth if wanted else 0)
     tokens = sum(len(x) for x in data.input_ids)
@@ -174,7 +176,7 @@ def plan_capture(cfg: Any, contract: Any, data: Any, out_dir: Path, *, heldout: 
            f"{ST_DTYPES[dtype][1]} B + 4 B (next ids){f' + {depth} x 4 B (greedy path)' if wanted else ''}"
     return CapturePlan(layer_ids=layer_ids, dtype=dtype, engine=engine, autocast=autocast, keep_last=keep_last,
                        width=width, hidden=contract.hidden_size, per_token=per_token, tokens=tokens, todo=todo,
-                       need=need, free=free, what=what, path_depth=depth, path_rows=wanted, patch=patch)
+                       need=need, free=free, what=what, recipe=recipe, path_depth=depth, path_rows=wanted, patch=patch)
 
 
 def shard_rows(data: Any, si: int) -> list[Any]:

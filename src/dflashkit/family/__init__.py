@@ -13,6 +13,7 @@ Usage:
     family.check_tensors(fam, set(state), set(want), weights=w, config=c)   # UsageError naming tensors
     family.reads_target_law(cfg.train, contract.family)   # does the loss read the target's logits?
     family.register(fam); family.extra_params(contract)   # a plugin family; parameters beyond DFlash's (`plan`)
+    resolve_recipe(cfg.train, contract)               # the run's recipe facts, once (`family/recipe.py`)
 
 A new head is `family/x.py` (its `Family`: `base.py`, `knobs.py`) + `model/x.py` + one entry in BUILTIN (+ its
 class in the shipped `export/dflash_modeling.py`); the config schema, its checks and docs/config.md come from

@@ -7,39 +7,16 @@ Usage:
     tokens, law = LILICORR.decoding.propose(drafter, h, logits, anchor, sampling, None, V,
                                             block=DraftBlock(embed=target.embed, context=feats[:, -1]))   # the walk
 
-Everything dflashkit knows about LiLiCorr beside its network (`model/lilicorr.py`, which mirrors vLLM
-0.32's `model_executor/models/lilicorr.py`; the training objective is ModelOpt's `hf_lilicorr.py`, PR
-#2342; read, not copied):
-  * knobs (contract fields = `drafter.*` keys): DFlash's `causal` (family/dflash.py), `lilicorr_candidate_topk`
-    (K: a power of 2, ≤ 16, as vLLM requires), `lilicorr_hidden_size` (0 = the draft width),
-    `lilicorr_num_layers`, `lilicorr_num_heads`, `lilicorr_mlp_ratio`, `lilicorr_factor_dim`, `lilicorr_vector_eps`, `lilicorr_logit_scale` — the
-    `dflash_config` keys of the same names, plus `lilicorr_enabled: true` — and `lilicorr_conv_kernel_size`
-    / `lilicorr_conv_group_size` (0 = a plain DFlash backbone; both set = DFlash2's grouped convolution
-    around every sublayer), written as `dflash_config.conv_kernel_size` / `conv_group_size` when set.
-  * checkpoints: `architectures ["LiLiCorrDraftModel"]`; beside DFlash's tensors `lilicorr.*` (and the
-    convolutions' `layers.{i}.{attention_conv,mlp_conv}.*`). vLLM 0.32's speculators reader has no
-    LiLiCorr, so `export.format=speculators` is refused; `has_own_lm_head: true` is refused on import
-    (this drafter drafts with the target's head).
-  * full target vocabulary only (the lattice reads the target's embedding and head rows by target id).
-  * `drafter.init` may start from a DFlash or a DFlash2 checkpoint (`model.lilicorr.init_from_backbone`:
-    the backbone copied, the lattice head random).
-  * the loss (`LatticeTerm`, beside DFlash's CE/KL): teacher-forced along the gold path of each block
-    whose slots are all supervised, over the slots where the gold token is in its own and every earlier
-    slot's top-K, the node scores (start, then the pair row after the gold candidate) get
-    `train.lilicorr_ce_weight` · CE + `train.lilicorr_penalty_weight` · E_q[relu(t(gold) − t(c))] (t = the
-    target's logits predicting the slot, detached; q = softmax of the node scores) + optionally
-    `train.lilicorr_margin_weight` · relu(`train.lilicorr_margin` − (gold − best other)). Each slot has
-    the unary term's position weight and the step's denominator (as DFlash2's selector; ModelOpt divides
-    the lattice terms by their own count of such slots instead). Candidates are the live top-K of the
-    head's logits, their log-probs carry the gradient into the backbone.
-  * metrics: `tau` / `acc` are the walk's (what the decoder drafts), `unary_tau` / `unary_acc` the argmax's,
-    `topk_coverage`, `lattice_acc` (teacher-forced: the best node is the gold one, on the trained slots),
-    `lattice_supervised` (share of supervised slots the lattice terms train), `lattice_ce`,
-    `lattice_penalty`, `lattice_loss`.
-  * decoding: the walk (`propose`; needs the target's embedding and the features of the last committed
-    token, `DraftBlock`); at T > 0 it is Gumbel-noised and its law over the K candidates is the q of the
-    rejection rule, exactly as DFlash2's.
-  * vLLM runs the lattice walk on its V2 model runner only (Triton); the z-lab PyPI loop has no LiLiCorr.
+What dflashkit knows about LiLiCorr beside its network (`model/lilicorr.py`, which mirrors vLLM's
+`lilicorr.py`; the objective follows ModelOpt's `hf_lilicorr.py`; read, not copied), each part declared below:
+its knobs (`LiLiCorrKnobs`: the `dflash_config` keys of the same names, K a power of 2 ≤ 16; the optional
+backbone convolution is DFlash2's), its `train.lilicorr_*` weights, its tensors (`lilicorr.*`), the full
+target vocabulary only, `drafter.init` from a DFlash or DFlash2 backbone, the lattice loss (`LatticeTerm`:
+teacher-forced node CE + the target-logit penalty + an optional margin, each slot weighted like the unary
+term), its metrics (the walk's τ / acc, the argmax's `unary_*`, `topk_coverage`, `lattice_*`), and its
+decoding (the walk, which reads the target's embedding and the last committed features: `DraftBlock`;
+Gumbel-noised at T > 0, its law over the K candidates the rejection rule's q). docs/architecture.md
+("LiLiCorr drafters") gives the formulas, docs/engines.md which engines run it (vLLM's V2 runner only).
 """
 
 from __future__ import annotations

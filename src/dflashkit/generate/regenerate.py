@@ -135,6 +135,88 @@ class _Progress:
     def close(self) -> None:
         self.bar.close()
 
+
+@dataclass
+class _Conversations:
+    """What `regenerate`'s workers share: sends each conversation's missing turns, appends each answer to the
+    journal and counts it in `out`."""
+
+    cfg: RunConfig
+    sender: Sender
+    settings: dict[str, Any]  # the sampling settings sent
+    model: str  # the model a reply that names none is recorded with
+    chat: Chat | None
+    journal: Journal
+    progress: _Progress
+    out: Regenerated
+    by_source: dict[str, dict[str, Any]]  # source → what its requests add (`source_settings`)
+
+    async def run(self, conv: dict[str, Any], have: dict[int, dict]) -> None:
+        """Every turn of `conv` that `have` (its journal records by turn) lacks, in order, up to the first failed
+        turn, an answer whose tool calls cut the conversation, or (generate.on_length=drop) a cut answer."""
+        g = self.cfg.generate
+        turns = plan_turns(conv["messages"])
+        answers: list[dict[str, Any]] = []
+        used_ids: set[str] = set()  # the ids of the target's calls so far
+        for t in range(len(turns)):
+            rec = have.get(t)
+            if rec is None:
+                rec = await self._turn(conv, turns, answers, t, used_ids)
+                if rec is None:
+                    self.out.counts["turns_not_attempted"] += len(turns) - t - 1
+                    return
+            else:
+                used_ids.update(c["id"] for c in rec.get("tool_calls") or [])
+            answers.append(answer_message(rec, g.reasoning))
+            if tool_mismatch(conv["messages"], turns, t, rec.get("tool_calls")) is not None:
+                return  # the conversation ends on this answer (`turns_cut` counts the rest)
+            if g.on_length == "drop" and rec.get("finish_reason") == "length":
+                self.out.counts["turns_not_attempted"] += len(turns) - t - 1
+                return
+
+    async def _turn(self, conv: dict[str, Any], turns: list[int], answers: list[dict[str, Any]], t: int,
+                    used_ids: set[str]) -> dict[str, Any] | None:
+        """Send turn `t` and append its journal record (returned); None when the request failed (counted, and
+        a row for failures.jsonl)."""
+        g, counts, tools = self.cfg.generate, self.out.counts, conv.get("tools")
+        prompt = build_prompt(conv["messages"], turns, answers, t)
+        text = self.chat.render(prompt, add_generation_prompt=True, tools=tools) \
+            if g.endpoint == "completions" and self.chat is not None else None
+        try:
+            reply = await self.sender.send(request_body(self.settings, prompt, token_ids=g.request_token_ids,
+                                                        prompt=text, tools=tools,
+                                                        source=self.by_source.get(conv.get("source", ""))))
+        except RequestFailed as e:
+            counts["turns_failed"] += 1
+            counts["turns_retried"] += e.attempts > 1
+            self.out.reasons[e.reason] += 1
+            self.out.failures.append({"id": conv["id"], "turn": t, "reason": e.reason, "detail": e.detail,
+                                      "attempts": e.attempts})
+            return None
+        rec = {"id": conv["id"], "turn": t, "content": reply.content, "reasoning": reply.reasoning,
+               **({"tool_calls": own_call_ids(reply.tool_calls, t, used_ids)} if reply.tool_calls else {}),
+               "finish_reason": reply.finish_reason, "token_ids": reply.token_ids,
+               "model": reply.model or self.model, "url": redact_url(reply.url), "attempts": reply.attempts,
+               "completion_tokens": reply.usage.get("completion_tokens"),
+               "prompt_tokens": reply.usage.get("prompt_tokens"),
+               "prompt_ids": ids_summary(reply.prompt_token_ids)}
+        self.journal.append(rec)
+        counts["turns_ok"] += 1
+        counts["turns_retried"] += reply.attempts > 1
+        self.progress.update(int(reply.usage.get("completion_tokens") or 0))
+        return rec
+
+
+async def _model_info(cfg: RunConfig, client: OpenAIClient) -> dict[str, Any]:
+    """The server's /v1/models entry; {} when it has none to give and server.model names the model."""
+    try:
+        return await client.model_info()
+    except Exception:  # noqa: BLE001 - /v1/models is optional when server.model is set
+        if not cfg.server.model:
+            raise
+        return {}
+
+
 async def regenerate(cfg: RunConfig, convs: list[dict], journal: Journal, done: dict[str, dict[int, dict]],
                      urls: list[str], chat: Chat | None, progress: _Progress, stage_dir: Path) -> Regenerated:
     """Generate every turn of `convs` that `done` lacks, appending each finished one to `journal`.
@@ -144,71 +226,22 @@ async def regenerate(cfg: RunConfig, convs: list[dict], journal: Journal, done: 
     cut by max_tokens. Writes settings.json once the server named its model."""
     g = cfg.generate
     out = Regenerated()
-    counts, reasons, failures = out.counts, out.reasons, out.failures
     client = OpenAIClient(urls, concurrency=g.concurrency, timeout_s=cfg.server.timeout_s,
                           max_retries=g.max_retries, backoff_s=g.backoff_s,
                           api_key_env=cfg.server.api_key_env, seed=cfg.run.seed)
     async with client:
-        try:
-            info = await client.model_info()
-        except Exception:  # noqa: BLE001 - /v1/models is optional when server.model is set
-            if not cfg.server.model:
-                raise
-            info = {}
+        info = await _model_info(cfg, client)
         model = cfg.server.model or str(info["id"])
         settings = out.settings = sampling_settings(cfg, model)
         write_settings(stage_dir, settings)
         out.chat_template_sha256 = info.get("chat_template_sha256")
         sender = Sender(client, "completions" if g.endpoint == "completions" else "chat")
         out.preflight = await _preflight(cfg, sender, settings, chat, convs)
-        by_source = source_settings(cfg)
+        conversations = _Conversations(cfg, sender, settings, model, chat, journal, progress, out,
+                                       source_settings(cfg))
         queue: asyncio.Queue = asyncio.Queue()
         for conv in convs:
             queue.put_nowait(conv)
-
-        async def run_conversation(conv: dict[str, Any]) -> None:
-            turns, tools = plan_turns(conv["messages"]), conv.get("tools")
-            have = done.get(conv["id"], {})
-            answers: list[dict[str, Any]] = []
-            used_ids: set[str] = set()  # the ids of the target's calls so far
-            for t in range(len(turns)):
-                rec = have.get(t)
-                if rec is None:
-                    prompt = build_prompt(conv["messages"], turns, answers, t)
-                    text = chat.render(prompt, add_generation_prompt=True, tools=tools) \
-                        if g.endpoint == "completions" and chat is not None else None
-                    try:
-                        reply = await sender.send(request_body(settings, prompt, token_ids=g.request_token_ids,
-                                                               prompt=text, tools=tools,
-                                                               source=by_source.get(conv.get("source", ""))))
-                    except RequestFailed as e:
-                        counts["turns_failed"] += 1
-                        counts["turns_retried"] += e.attempts > 1
-                        reasons[e.reason] += 1
-                        failures.append({"id": conv["id"], "turn": t, "reason": e.reason, "detail": e.detail,
-                                         "attempts": e.attempts})
-                        counts["turns_not_attempted"] += len(turns) - t - 1
-                        return
-                    rec = {"id": conv["id"], "turn": t, "content": reply.content, "reasoning": reply.reasoning,
-                           **({"tool_calls": own_call_ids(reply.tool_calls, t, used_ids)} if reply.tool_calls
-                              else {}),
-                           "finish_reason": reply.finish_reason, "token_ids": reply.token_ids,
-                           "model": reply.model or model, "url": redact_url(reply.url), "attempts": reply.attempts,
-                           "completion_tokens": reply.usage.get("completion_tokens"),
-                           "prompt_tokens": reply.usage.get("prompt_tokens"),
-                           "prompt_ids": ids_summary(reply.prompt_token_ids)}
-                    journal.append(rec)
-                    counts["turns_ok"] += 1
-                    counts["turns_retried"] += reply.attempts > 1
-                    progress.update(int(reply.usage.get("completion_tokens") or 0))
-                else:
-                    used_ids.update(c["id"] for c in rec.get("tool_calls") or [])
-                answers.append(answer_message(rec, g.reasoning))
-                if tool_mismatch(conv["messages"], turns, t, rec.get("tool_calls")) is not None:
-                    return  # the conversation ends on this answer (`turns_cut` counts the rest)
-                if g.on_length == "drop" and rec.get("finish_reason") == "length":
-                    counts["turns_not_attempted"] += len(turns) - t - 1
-                    return
 
         async def worker() -> None:
             while True:
@@ -216,11 +249,11 @@ async def regenerate(cfg: RunConfig, convs: list[dict], journal: Journal, done: 
                     conv = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                await run_conversation(conv)
+                await conversations.run(conv, done.get(conv["id"], {}))
 
         await asyncio.gather(*(worker() for _ in range(min(g.concurrency, max(1, len(convs))))))
-        counts["requests_sent"] = client.stats["requests"]
-        counts["retries"] = client.stats["retries"]
+        out.counts["requests_sent"] = client.stats["requests"]
+        out.counts["retries"] = client.stats["retries"]
         out.fields_refused = sorted(sender.dropped)
     return out
 

@@ -16,10 +16,12 @@ docs/budget.md, "`dflashkit plan`'s disk and memory model".
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dflashkit.family import extra_params, reads_target_law
+from dflashkit.family import extra_params
+from dflashkit.family.recipe import resolve_recipe
 from dflashkit.inspect.paths import target_paths
 
 if TYPE_CHECKING:
@@ -79,6 +81,102 @@ def measured_time(cal: dict[str, Any], cfg: RunConfig, *, tokens: int, sequences
             "hours_capture": round(capture_h, 3)}
 
 
+@dataclass(frozen=True)
+class _Sizes:
+    """The per-GPU byte counts one estimate is built from (`_sizes`; names as in docs/budget.md)."""
+
+    seq: int          # mean tokens per sequence
+    q: int            # query tokens per sequence: anchors × B
+    cap_bpt: int      # bytes per token capture writes (the contract's layers + capture.extra_layer_ids)
+    row_bpt: int      # bytes per token of an engine row (features + next ids + last hidden when the law is read)
+    p_d: int          # drafter parameters
+    opt: int          # drafter weights + fp32 grads + AdamW state
+    frozen: int       # the frozen embedding and LM head
+    act: int          # activations
+    kl: int           # KL targets (0 when the loss reads no target law)
+    chunk: int        # one logits chunk of train.loss_chunk_blocks
+    t_w: float        # target weights as an engine serves them (quantized: the bits)
+    t_wl: float       # target weights as the local paths load them (dequantized)
+    t_act: int        # the target forward's activations
+
+    @property
+    def train_fixed(self) -> int:
+        return self.opt + self.frozen + self.act + self.kl
+
+
+def _sizes(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, sequences: int) -> _Sizes:
+    """The byte counts of `plan_budget` for the contract `c`, the target's facts and the config."""
+    t, h, v = cfg.train, c.hidden_size, c.vocab_size
+    recipe = resolve_recipe(t, c)  # the loss reads the target's law: KL, or a family's term (LiLiCorr)
+    n_feat = len(c.target_layer_ids)
+    seq = max(1, tokens // max(1, sequences))
+    q = min(t.num_anchors, seq) * c.block_size
+    dtype_bytes = DTYPE_BYTES[cfg.capture.dtype]
+    captured = len(set(c.target_layer_ids) | set(cfg.capture.extra_layer_ids))  # what capture writes per token
+    p_d = drafter_params(c)
+    per_layer = q * (4 * h + 2 * c.num_attention_heads * c.head_dim + 3 * c.intermediate_size) \
+        + seq * 2 * c.num_key_value_heads * c.head_dim
+    return _Sizes(seq=seq, q=q, cap_bpt=captured * h * dtype_bytes,
+                  row_bpt=n_feat * h * dtype_bytes + 4 + (h * dtype_bytes if recipe.needs_target_logits else 0),
+                  p_d=p_d, opt=16 * p_d, frozen=v * h * 2 * (1 if c.tie_word_embeddings else 2),
+                  act=t.batch_size * (c.num_draft_layers * per_layer + seq * (n_feat + 1) * h + q * h) * 2,
+                  kl=t.batch_size * seq * v * 2 if recipe.needs_target_logits else 0,
+                  chunk=t.loss_chunk_blocks * c.block_size * v * LOGIT_BYTES,
+                  t_w=target_weight_bytes(facts), t_wl=target_weight_bytes(facts, local=True),
+                  t_act=t.batch_size * seq * h * 2 * 4)
+
+
+def _modes(c: Any, cfg: RunConfig, s: _Sizes, *, tokens: int, gpus: int, budget: float) -> list[dict[str, Any]]:
+    """One entry per training mode (the module docstring's order): per-GPU GiB, whether it fits `budget`
+    bytes, its config, the largest loss chunk that fits, and for cached / engine the disk and the capture."""
+    t, b, v = cfg.train, c.block_size, c.vocab_size
+    blocks_total = min(t.num_anchors, s.seq) * t.batch_size
+    t_wc = s.t_w if cfg.capture.engine == "vllm" else s.t_wl
+    queue_bytes = t.engine_prefetch * t.batch_size * s.seq * s.row_bpt
+
+    def max_chunk(other: float) -> int:
+        free = budget - other
+        return int(max(0, min(blocks_total, free // (b * v * LOGIT_BYTES))))
+
+    modes = []
+    for name, target_share, conf in (
+            ("online-replicate", s.t_wl + s.t_act, "train.features=online train.parallel.target=replicate"),
+            ("online-shard", s.t_wl / gpus + s.t_act, "train.features=online train.parallel.target=shard"),
+            ("cached", 0.0, "train.features=cached (run `dflashkit capture` first)"),
+            ("engine", 0.0, "train.features=engine capture.engine=vllm (a vLLM serves the target's features)")):
+        if name == "online-shard" and gpus < 2:
+            continue
+        need = target_share + s.train_fixed + s.chunk
+        entry = {"mode": name, "per_gpu_gib": _gib(need), "fits": need <= budget, "config": conf,
+                 "max_loss_chunk_blocks": max_chunk(target_share + s.train_fixed)}
+        if name == "cached":
+            entry["disk_gib"] = _gib(s.cap_bpt * tokens)
+            entry["disk_bytes"] = int(s.cap_bpt * tokens)
+            entry["capture_fits"] = (t_wc / gpus + s.t_act) <= budget
+        if name == "engine":  # the bounded queue, per rank: prefetch micro-batches of rows
+            entry["disk_gib"] = _gib(queue_bytes)
+            entry["disk_bytes"] = int(queue_bytes)
+            entry["capture_fits"] = (s.t_w / gpus + s.t_act) <= budget
+        modes.append(entry)
+    return modes
+
+
+def _time(c: Any, facts: dict[str, Any], cfg: RunConfig, s: _Sizes, *, tokens: int, sequences: int, gpus: int,
+          calibration: dict[str, Any] | None, no_calibration: str) -> dict[str, Any]:
+    """The time estimate: FLOPs, and hours from `calibration`'s rates or from FLOPs at the assumed throughput."""
+    flops_target = 2 * int(facts.get("params_active") or facts.get("params_total") or 0) * tokens
+    flops_draft = 6 * (s.p_d - codebook_params(c)) * s.q * sequences
+    rate = TFLOPS_PER_GPU * gpus
+    assumed = {"source": f"assumed {TFLOPS_PER_GPU / 1e12:.0f} TFLOP/s per GPU ({no_calibration})",
+               "hours_per_epoch_online": round((flops_target + flops_draft) / rate / 3600, 3),
+               "hours_per_epoch_cached": round(flops_draft / rate / 3600, 3),
+               "hours_capture": round(flops_target / rate / 3600, 3)}
+    timing = measured_time(calibration, cfg, tokens=tokens, sequences=sequences, gpus=gpus) if calibration \
+        else assumed
+    return {"assumed_tflops_per_gpu": TFLOPS_PER_GPU / 1e12, "target_forward_pflop": round(flops_target / 1e15, 3),
+            "drafter_train_pflop": round(flops_draft / 1e15, 3), **timing}
+
+
 def plan_budget(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, sequences: int, gpus: int,
                 mem_gib: float, calibration: dict[str, Any] | None = None,
                 no_calibration: str = "no calibration saved for this machine") -> dict[str, Any]:
@@ -95,86 +193,30 @@ def plan_budget(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, s
     Returns:
         JSON-ready dict: features, drafter, logits, target, modes, recommended, time.
     """
-    t, h, v, b = cfg.train, c.hidden_size, c.vocab_size, c.block_size
-    n_feat = len(c.target_layer_ids)
-    seq = max(1, tokens // max(1, sequences))
-    q = min(t.num_anchors, seq) * b
-    feat_bpt = n_feat * h * DTYPE_BYTES[cfg.capture.dtype]
-    captured = len(set(c.target_layer_ids) | set(cfg.capture.extra_layer_ids))  # what capture writes per token
-    cap_bpt = captured * h * DTYPE_BYTES[cfg.capture.dtype]
-    p_d = drafter_params(c)
-    opt = 16 * p_d
-    frozen = v * h * 2 * (1 if c.tie_word_embeddings else 2)
-    per_layer = q * (4 * h + 2 * c.num_attention_heads * c.head_dim + 3 * c.intermediate_size) \
-        + seq * 2 * c.num_key_value_heads * c.head_dim
-    act = t.batch_size * (c.num_draft_layers * per_layer + seq * (n_feat + 1) * h + q * h) * 2
-    law = reads_target_law(t, c.family)  # KL, or a family's term that reads the target's logits (LiLiCorr)
-    kl = t.batch_size * seq * v * 2 if law else 0
-    chunk = t.loss_chunk_blocks * b * v * LOGIT_BYTES
-    train_fixed = opt + frozen + act + kl
-    budget = mem_gib * 2**30 * USABLE
-    p_t = int(facts.get("params_total") or 0)
-    t_w = target_weight_bytes(facts)                 # as an engine serves it (quantized: the bits)
-    t_wl = target_weight_bytes(facts, local=True)    # as the local paths load it (dequantized)
-    t_wc = t_w if cfg.capture.engine == "vllm" else t_wl
-    t_act = t.batch_size * seq * h * 2 * 4
-    blocks_total = min(t.num_anchors, seq) * t.batch_size
-    row_bpt = feat_bpt + 4 + (h * DTYPE_BYTES[cfg.capture.dtype] if law else 0)  # + next ids, last hidden
-    queue_bytes = t.engine_prefetch * t.batch_size * seq * row_bpt
-
-    def max_chunk(other: float) -> int:
-        free = budget - other
-        return int(max(0, min(blocks_total, free // (b * v * LOGIT_BYTES))))
-
-    modes = []
-    for name, target_share, conf in (
-            ("online-replicate", t_wl + t_act, "train.features=online train.parallel.target=replicate"),
-            ("online-shard", t_wl / gpus + t_act, "train.features=online train.parallel.target=shard"),
-            ("cached", 0.0, "train.features=cached (run `dflashkit capture` first)"),
-            ("engine", 0.0, "train.features=engine capture.engine=vllm (a vLLM serves the target's features)")):
-        if name == "online-shard" and gpus < 2:
-            continue
-        need = target_share + train_fixed + chunk
-        entry = {"mode": name, "per_gpu_gib": _gib(need), "fits": need <= budget, "config": conf,
-                 "max_loss_chunk_blocks": max_chunk(target_share + train_fixed)}
-        if name == "cached":
-            entry["disk_gib"] = _gib(cap_bpt * tokens)
-            entry["disk_bytes"] = int(cap_bpt * tokens)
-            entry["capture_fits"] = (t_wc / gpus + t_act) <= budget
-        if name == "engine":  # the bounded queue, per rank: prefetch micro-batches of rows
-            entry["disk_gib"] = _gib(queue_bytes)
-            entry["disk_bytes"] = int(queue_bytes)
-            entry["capture_fits"] = (t_w / gpus + t_act) <= budget
-        modes.append(entry)
+    t, b, v = cfg.train, c.block_size, c.vocab_size
+    s = _sizes(c, facts, cfg, tokens=tokens, sequences=sequences)
+    modes = _modes(c, cfg, s, tokens=tokens, gpus=gpus, budget=mem_gib * 2**30 * USABLE)
     fitting = [m for m in modes if m["fits"] and (m["mode"] not in ("cached", "engine") or m["capture_fits"])]
     recommended = fitting[0]["mode"] if fitting else None
-    flops_target = 2 * int(facts.get("params_active") or p_t) * tokens
-    flops_draft = 6 * (p_d - codebook_params(c)) * q * sequences
-    rate = TFLOPS_PER_GPU * gpus
-    assumed = {"source": f"assumed {TFLOPS_PER_GPU / 1e12:.0f} TFLOP/s per GPU ({no_calibration})",
-               "hours_per_epoch_online": round((flops_target + flops_draft) / rate / 3600, 3),
-               "hours_per_epoch_cached": round(flops_draft / rate / 3600, 3),
-               "hours_capture": round(flops_target / rate / 3600, 3)}
-    timing = measured_time(calibration, cfg, tokens=tokens, sequences=sequences, gpus=gpus) if calibration \
-        else assumed
     return {
-        "features": {"dtype": cfg.capture.dtype, "bytes_per_token": cap_bpt,
-                     "total_gib": _gib(cap_bpt * tokens)},
-        "drafter": {"params": p_d, "type": c.drafter_type,
-                    "selector_codebook_params": codebook_params(c), "weights_grads_adam_gib": _gib(opt), "frozen_embed_head_gib": _gib(frozen),
-                    "activations_gib": _gib(act), "kl_targets_gib": _gib(kl)},
-        "logits": {"per_sequence_gib": _gib(t.num_anchors * b * v * 4), "chunk_gib": _gib(chunk),
+        "features": {"dtype": cfg.capture.dtype, "bytes_per_token": s.cap_bpt,
+                     "total_gib": _gib(s.cap_bpt * tokens)},
+        "drafter": {"params": s.p_d, "type": c.drafter_type,
+                    "selector_codebook_params": codebook_params(c), "weights_grads_adam_gib": _gib(s.opt),
+                    "frozen_embed_head_gib": _gib(s.frozen), "activations_gib": _gib(s.act),
+                    "kl_targets_gib": _gib(s.kl)},
+        "logits": {"per_sequence_gib": _gib(t.num_anchors * b * v * 4), "chunk_gib": _gib(s.chunk),
                    "loss_chunk_blocks": t.loss_chunk_blocks,
                    "max_loss_chunk_blocks": next((m["max_loss_chunk_blocks"] for m in modes
                                                   if m["mode"] == recommended), 0)},
-        "target": {"params_total": p_t, "bytes_per_param": target_bytes_per_param(facts),
-                   "weights_bytes": int(t_w), "weights_gib": _gib(t_w),
+        "target": {"params_total": int(facts.get("params_total") or 0),
+                   "bytes_per_param": target_bytes_per_param(facts),
+                   "weights_bytes": int(s.t_w), "weights_gib": _gib(s.t_w),
                    "local_bytes_per_param": target_bytes_per_param(facts, local=True),
-                   "local_weights_bytes": int(t_wl), "local_weights_gib": _gib(t_wl),
-                   "forward_activations_gib": _gib(t_act)},
+                   "local_weights_bytes": int(s.t_wl), "local_weights_gib": _gib(s.t_wl),
+                   "forward_activations_gib": _gib(s.t_act)},
         "modes": modes, "recommended": recommended, "paths": target_paths(facts),
-        "time": {"assumed_tflops_per_gpu": TFLOPS_PER_GPU / 1e12,
-                 "target_forward_pflop": round(flops_target / 1e15, 3),
-                 "drafter_train_pflop": round(flops_draft / 1e15, 3), **timing},
-        "mean_tokens": seq, "query_tokens_per_sequence": q,
+        "time": _time(c, facts, cfg, s, tokens=tokens, sequences=sequences, gpus=gpus, calibration=calibration,
+                      no_calibration=no_calibration),
+        "mean_tokens": s.seq, "query_tokens_per_sequence": s.q,
     }

@@ -216,6 +216,60 @@ def _positive_int(value: Any, what: str, source: str) -> int:
     return int(float(value))
 
 
+def _shape(cfg: dict[str, Any], source: str, wrapper: str | None) -> tuple[int, int, int, int]:
+    """(layers, hidden size, attention heads, key/value heads), each a count >= 1; UsageError naming `source` when
+    one is missing or not a count."""
+    n_layers = _first(cfg, LAYER_KEYS)
+    if n_layers is None:
+        raise UsageError(f"{source}: no layer count (looked for {', '.join(LAYER_KEYS)}"
+                         + (f" under `{wrapper}`" if wrapper else "") + ")",
+                         hint="is this a causal LM config.json? multimodal wrappers must nest the language "
+                         "model under text_config/language_config/llm_config")
+    hidden = _first(cfg, HIDDEN_KEYS)
+    heads = _first(cfg, HEAD_KEYS)
+    if hidden is None or heads is None:
+        missing = [n for n, v in (("hidden size (" + "/".join(HIDDEN_KEYS) + ")", hidden),
+                                  ("attention heads (" + "/".join(HEAD_KEYS) + ")", heads)) if v is None]
+        raise UsageError(f"{source}: no {' and no '.join(missing)}")
+    n_layers = _positive_int(n_layers, "layer count (" + "/".join(LAYER_KEYS) + ")", source)
+    hidden = _positive_int(hidden, "hidden size (" + "/".join(HIDDEN_KEYS) + ")", source)
+    heads = _positive_int(heads, "attention heads (" + "/".join(HEAD_KEYS) + ")", source)
+    kv = _first(cfg, KV_KEYS)
+    if kv is None:
+        kv = 1 if cfg.get("multi_query") else heads
+    kv = _positive_int(kv, "key/value heads (" + "/".join(KV_KEYS) + ")", source)
+    return n_layers, hidden, heads, kv
+
+
+def _mla(cfg: dict[str, Any]) -> dict[str, int | None] | None:
+    """Multi-head latent attention's ranks and head dims (DeepSeek V2/V3, Kimi K2), or None without kv_lora_rank."""
+    if not cfg.get("kv_lora_rank"):
+        return None
+    return {k: (int(cfg[k]) if cfg.get(k) is not None else None) for k in
+            ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+
+
+def _moe(cfg: dict[str, Any], n_layers: int, hidden: int, ffn: Any, model_type: str) -> dict[str, Any] | None:
+    """The experts, their sizes and which layers are MoE layers (module docstring), or None for a dense model."""
+    n_exp = _first(cfg, EXPERT_KEYS)
+    if not (n_exp and int(n_exp) > 1):
+        return None
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    mlp_only = set(cfg.get("mlp_only_layers") or [])
+    moe_layers = [i for i in range(n_layers) if i >= first_dense and (i + 1) % step == 0 and i not in mlp_only]
+    exp_ffn = int(cfg.get("moe_intermediate_size") or cfg.get("expert_intermediate_size") or ffn or 4 * hidden)
+    shared = int(cfg.get("n_shared_experts") or cfg.get("num_shared_experts") or 0)
+    shared_ffn = cfg.get("shared_expert_intermediate_size")
+    if shared_ffn and not shared:
+        shared = 1  # Qwen2-MoE: one shared expert with its own size
+    return {"num_experts": int(n_exp), "num_shared_experts": shared,
+            "experts_per_token": int(_first(cfg, TOPK_KEYS, 1)), "first_k_dense_replace": first_dense,
+            "moe_intermediate_size": exp_ffn, "shared_intermediate_size": int(shared_ffn or exp_ffn),
+            "num_moe_layers": len(moe_layers),
+            "router_bias": cfg.get("topk_method") == "noaux_tc" or model_type in ("deepseek_v3", "kimi_k2")}
+
+
 def facts_from_config(raw: dict[str, Any], *, source: str, fmt: str = "hf") -> ModelFacts:
     """Facts from a parsed config.json (or a GGUF metadata dict shaped like one).
 
@@ -237,52 +291,15 @@ def facts_from_config(raw: dict[str, Any], *, source: str, fmt: str = "hf") -> M
         v = _first(cfg, keys)
         return v if v is not None else _first(raw, keys, default)
 
-    n_layers = _first(cfg, LAYER_KEYS)
-    if n_layers is None:
-        raise UsageError(f"{source}: no layer count (looked for {', '.join(LAYER_KEYS)}"
-                         + (f" under `{wrapper}`" if wrapper else "") + ")",
-                         hint="is this a causal LM config.json? multimodal wrappers must nest the language "
-                         "model under text_config/language_config/llm_config")
-    hidden = _first(cfg, HIDDEN_KEYS)
-    heads = _first(cfg, HEAD_KEYS)
-    if hidden is None or heads is None:
-        missing = [n for n, v in (("hidden size (" + "/".join(HIDDEN_KEYS) + ")", hidden),
-                                  ("attention heads (" + "/".join(HEAD_KEYS) + ")", heads)) if v is None]
-        raise UsageError(f"{source}: no {' and no '.join(missing)}")
-    n_layers = _positive_int(n_layers, "layer count (" + "/".join(LAYER_KEYS) + ")", source)
-    hidden = _positive_int(hidden, "hidden size (" + "/".join(HIDDEN_KEYS) + ")", source)
-    heads = _positive_int(heads, "attention heads (" + "/".join(HEAD_KEYS) + ")", source)
-    kv = _first(cfg, KV_KEYS)
-    if kv is None:
-        kv = 1 if cfg.get("multi_query") else heads
-    kv = _positive_int(kv, "key/value heads (" + "/".join(KV_KEYS) + ")", source)
+    n_layers, hidden, heads, kv = _shape(cfg, source, wrapper)
     head_dim = int(cfg.get("head_dim") or cfg.get("kv_channels") or hidden // heads)
     model_type = str(cfg.get("model_type") or raw.get("model_type") or "")
     archs = cfg.get("architectures") or raw.get("architectures") or [""]
     act = cfg.get("hidden_act") or cfg.get("hidden_activation") or cfg.get("activation_function")
-    mla = None
-    if cfg.get("kv_lora_rank"):
-        mla = {k: (int(cfg[k]) if cfg.get(k) is not None else None) for k in
-               ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+    mla = _mla(cfg)
     attention = "MLA" if mla else ("MHA" if kv == heads else "MQA" if kv == 1 else "GQA")
     ffn = get(FFN_KEYS)
-    n_exp = _first(cfg, EXPERT_KEYS)
-    moe = None
-    if n_exp and int(n_exp) > 1:
-        first_dense = int(cfg.get("first_k_dense_replace") or 0)
-        step = int(cfg.get("decoder_sparse_step") or 1)
-        mlp_only = set(cfg.get("mlp_only_layers") or [])
-        moe_layers = [i for i in range(n_layers) if i >= first_dense and (i + 1) % step == 0 and i not in mlp_only]
-        exp_ffn = int(cfg.get("moe_intermediate_size") or cfg.get("expert_intermediate_size") or ffn or 4 * hidden)
-        shared = int(cfg.get("n_shared_experts") or cfg.get("num_shared_experts") or 0)
-        shared_ffn = cfg.get("shared_expert_intermediate_size")
-        if shared_ffn and not shared:
-            shared = 1  # Qwen2-MoE: one shared expert with its own size
-        moe = {"num_experts": int(n_exp), "num_shared_experts": shared,
-               "experts_per_token": int(_first(cfg, TOPK_KEYS, 1)), "first_k_dense_replace": first_dense,
-               "moe_intermediate_size": exp_ffn, "shared_intermediate_size": int(shared_ffn or exp_ffn),
-               "num_moe_layers": len(moe_layers),
-               "router_bias": cfg.get("topk_method") == "noaux_tc" or model_type in ("deepseek_v3", "kimi_k2")}
+    moe = _moe(cfg, n_layers, hidden, ffn, model_type)
     layer_types, window = _layer_types(cfg, n_layers)
     vocab = get(VOCAB_KEYS)
     if vocab is None:

@@ -34,7 +34,7 @@ def run_summary(rd: RunDir, target_tau: float = 2.0) -> dict[str, Any]:
     budget = run_budget(rd)
     if budget is not None:
         out["budget"] = budget
-    drafter = trained_drafter_dir(rd.train_dir)[0].relative_to(rd.root)  # train/best if kept, else final
+    drafter = trained_drafter_dir(rd)[0].relative_to(rd.root)  # train/best if kept, else final
     for name, rel in (("report", "report/index.html"), ("checkpoint", "export"), ("drafter", drafter)):
         p = rd.root / rel
         if p.exists():

@@ -29,6 +29,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from dflashkit.family.recipe import config_recipe
+
 SAFETY = 0.9
 EPOCHS = 10.0
 CURVE_POINTS = 6
@@ -100,9 +102,9 @@ def overhead_s(stage: str, rates: Rates, cfg: Any = None) -> float:
 
 
 def step_s(cfg: Any, rates: Rates, fixed: Iterable[str]) -> float:
-    """Seconds per optimizer step (online features: plus the batch's target forward)."""
+    """Seconds per optimizer step (features not cached: plus the batch's target forward, here or in the engine)."""
     s = rates.train_step_s
-    if cfg.train.features != "cached":
+    if not config_recipe(cfg).cached:
         s += cfg.train.batch_size * tokens_per_sample(cfg, fixed) / rates.capture_tok_s
     return s
 
@@ -178,9 +180,10 @@ class _Data:
         return max(1, int(epochs * self.train_samples(prompts) / self.cfg.train.batch_size))
 
     def capture_s(self, prompts: int) -> float:
-        if self.cfg.train.features != "cached":
+        recipe = config_recipe(self.cfg)
+        if not recipe.cached:
             return 0.0
-        paths = ROLLOUT_CAPTURE if self.cfg.train.on_path == "rollout" else 1.0  # greedy paths decoded too
+        paths = ROLLOUT_CAPTURE if recipe.rollout else 1.0  # greedy paths decoded too
         return paths * self.samples(prompts) * tokens_per_sample(self.cfg, self.fixed) / self.rates.capture_tok_s
 
     def prep_s(self, prompts: int) -> float:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflashkit.config import dump_config, given_keys, set_given_keys
 from dflashkit.data.records import prepared_lines
+from dflashkit.family.recipe import config_recipe
 from dflashkit.rundir import atomic_write_text
 from dflashkit.sizing import calibration as calib
 from dflashkit.sizing.plan import (ROLLOUT_CAPTURE, SIZED, overhead_s, plan_lines, plan_run, replan_eval,
@@ -176,7 +177,7 @@ class BudgetSession:
         rates = self._rates()
         if not took or tokens <= 0:
             return 1.0
-        paths = ROLLOUT_CAPTURE if cfg.train.on_path == "rollout" else 1.0
+        paths = ROLLOUT_CAPTURE if config_recipe(cfg).rollout else 1.0
         predicted = overhead_s("capture", rates) + paths * tokens / rates.capture_tok_s
         return min(2.0, max(0.75, took / predicted))
 

@@ -112,7 +112,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
             log.info("%s", plan.path_message())
             if not ctx.json:
                 print(plan.path_message(), flush=True)
-    paths = {"depth": plan.path_depth, "rows": "all" if cfg.train.on_path == "rollout" else "heldout",
+    paths = {"depth": plan.path_depth, "rows": "all" if plan.recipe.rollout else "heldout",
              **plan.path_cost.as_dict()} if plan.path_depth else None
     before = ((rd.manifest("capture") or {}).get("counts") or {}).get("path_ids")
     if paths and not plan.path_cost.tokens and isinstance(before, dict) and \

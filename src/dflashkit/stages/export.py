@@ -54,7 +54,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     if ctx.positionals:
         src, which = Path(ctx.positionals[0]), "dir"
     else:
-        src, which = trained_drafter_dir(rd.train_dir)
+        src, which = trained_drafter_dir(rd)
     source = {"kind": which, **((read_best(src) or {}) if which == "best" else {})}
     if not (src / "config.json").is_file():
         raise MissingArtifactError("trained drafter", src, run="dflashkit train -c run.yaml")

@@ -30,6 +30,7 @@ from dflashkit.context import StageContext
 from dflashkit.data.mixing import needs_regeneration
 from dflashkit.data.records import prepared_lines
 from dflashkit.errors import UsageError
+from dflashkit.family.recipe import config_recipe
 from dflashkit.inspect.estimate import estimate
 from dflashkit.report.summary import run_summary, summary_lines
 from dflashkit.rundir import RunDir, atomic_write_json, atomic_write_text, read_json
@@ -46,7 +47,7 @@ def active_stages(cfg: RunConfig) -> list[str]:
     """The stages this config needs: capture only for cached features; generate only when some source
     is regenerated (not for tokenize.source=prepare, nor when every source is `answers: original`)."""
     skip = set()
-    if cfg.train.features != "cached":
+    if not config_recipe(cfg).cached:
         skip.add("capture")
     if not needs_regeneration(cfg):  # tokenize reads prepare's answers, or every source is answers=original
         skip.add("generate")

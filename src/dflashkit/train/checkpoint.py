@@ -6,7 +6,7 @@ Usage:
     step = load_checkpoint(found, model=drafter, optimizer=opt, scheduler=sched)
     save_final(rd.final_dir, drafter, contract)
     save_final(rd.best_dir, drafter, contract, best={"step": 100, "tau": 1.8})
-    src, which = trained_drafter_dir(rd.train_dir)    # train/best if kept, else train/final
+    src, which = trained_drafter_dir(rd)              # train/best if kept, else train/final
 
 A checkpoint `checkpoints/step-XXXXXXX/` holds `model.safetensors` (full drafter state, z-lab names,
 `d2t` included), `optimizer.pt` (read with `weights_only=True`), `rng.pt` and `state.json` (step,
@@ -252,13 +252,11 @@ def read_best(best_dir: Path, *, complete: bool = True) -> dict | None:
     return rec if isinstance(rec, dict) and "step" in rec and "tau" in rec else None
 
 
-def trained_drafter_dir(train_dir: Path) -> tuple[Path, str]:
-    """(`train/best`, "best") when a complete best drafter exists, else (`train/final`, "final")."""
-    train_dir = Path(train_dir)
-    best = train_dir / "best"
-    if (best / "config.json").is_file() and read_best(best) is not None:
-        return best, "best"
-    return train_dir / "final", "final"
+def trained_drafter_dir(rd: RunDir) -> tuple[Path, str]:
+    """(`rd.best_dir`, "best") when a complete best drafter exists, else (`rd.final_dir`, "final")."""
+    if (rd.best_dir / "config.json").is_file() and read_best(rd.best_dir) is not None:
+        return rd.best_dir, "best"
+    return rd.final_dir, "final"
 
 
 def checkpoint_state(path: Path) -> dict:

@@ -30,7 +30,7 @@ from dflashkit.data.shards import TokenData, load_tokenized, tokenized_shards  #
 from dflashkit.errors import UsageError
 
 if TYPE_CHECKING:
-    from dflashkit.train.recipe import Recipe
+    from dflashkit.family.recipe import Recipe
 
 
 def cached_store(capture_dir: Path, shards: list[Path], layer_ids: list[int], recipe: Recipe) -> FeatureStore:

@@ -4,6 +4,7 @@ Usage:
     preflight(cfg, rd)                             # every check below that train makes before any work
     check_outputs_ours(rd, cfg)                    # train/final, train/best: ours, not imported
     check_drafter_overrides(cfg, contract, rd.contract_path)   # drafter.* given vs contract.json
+    check_cached_features(rd, contract, shards, recipe)   # recipe: resolve_recipe(cfg.train, contract), once
     state["objective"] = objective(cfg.train)           # recorded in every checkpoint
     check_objective(checkpoint_dir, state, cfg.train)   # a resume under another loss/labels: exit 2
     state["trajectory"] = trajectory(cfg, rd)           # the data and the other train.* a step depends on
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflashkit import family
 from dflashkit.errors import ConfigError, UsageError
+from dflashkit.family.recipe import Recipe, resolve_recipe
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig, TrainSection
@@ -121,8 +123,9 @@ def preflight(cfg: RunConfig, rd: RunDir) -> DrafterContract:
         from dflashkit.train.warm_start import check_fits, read_warm_start
 
         check_fits(read_warm_start(cfg.drafter.init), contract)
-    check_cached_features(cfg, rd, contract, require_tokenized_shards(rd))
-    check_rollout_attention(cfg, rd, contract)
+    recipe = resolve_recipe(cfg.train, contract)
+    check_cached_features(rd, contract, require_tokenized_shards(rd), recipe)
+    check_rollout_attention(cfg, rd, recipe)
     found = ckpt.latest_run_checkpoint(rd)
     if found is not None:
         state = ckpt.checkpoint_state(found)
@@ -143,19 +146,17 @@ def check_family_objective(cfg: RunConfig, contract: DrafterContract) -> None:
         raise ConfigError(problems)  # each problem says what to do
 
 
-def check_cached_features(cfg: RunConfig, rd: RunDir, contract: DrafterContract, shards: list[Path]) -> None:
+def check_cached_features(rd: RunDir, contract: DrafterContract, shards: list[Path], recipe: Recipe) -> None:
     """train.features=cached: the feature shards of `rd` exist and hold the contract's layers (and next_ids for
     train.labels=target, every sample's greedy path for train.on_path=rollout), as training opens them
-    (`FeatureStore`; exit 3 / exit 2 naming the shard)."""
+    (`FeatureStore`; exit 3 / exit 2 naming the shard). `recipe`: `resolve_recipe(cfg.train, contract)`."""
     from dflashkit.train.data import cached_store
-    from dflashkit.train.recipe import resolve_recipe
 
-    recipe = resolve_recipe(cfg.train, contract)
-    if recipe.features == "cached":
+    if recipe.cached:
         cached_store(rd.capture_dir, shards, contract.target_layer_ids, recipe)
 
 
-def check_rollout_attention(cfg: RunConfig, rd: RunDir, contract: DrafterContract) -> None:
+def check_rollout_attention(cfg: RunConfig, rd: RunDir, recipe: Recipe) -> None:
     """train.on_path=rollout with train.features=online: training rolls the target's greedy path out over its
     samples, which reproduces full attention only; a target whose attention over the longest training sample
     differs (a sliding window it outgrows: `data.capturing.rollout_reproduces_attention`, read from the
@@ -166,15 +167,12 @@ def check_rollout_attention(cfg: RunConfig, rd: RunDir, contract: DrafterContrac
     from dflashkit.data.capturing import rollout_reproduces_attention
     from dflashkit.train.data import first_of, load_tokenized
     from dflashkit.train.levers import split_samples
-    from dflashkit.train.recipe import resolve_recipe
 
-    recipe = resolve_recipe(cfg.train, contract)
-    depth = recipe.path_depth
-    if not recipe.rollout or recipe.features != "online" or depth <= 1:
+    if not recipe.rollout or not recipe.online or recipe.path_depth <= 1:
         return
     data = load_tokenized(rd)
     train_idx = first_of(split_samples(cfg, data)[0], cfg.train.train_samples, seed=cfg.run.seed)
-    rollout_reproduces_attention(cfg, SimpleNamespace(input_ids=[data.input_ids[i] for i in train_idx]), depth)
+    rollout_reproduces_attention(cfg, SimpleNamespace(input_ids=[data.input_ids[i] for i in train_idx]), recipe)
 
 
 def check_outputs_ours(rd: RunDir, cfg: RunConfig) -> None:

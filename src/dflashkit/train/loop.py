@@ -4,7 +4,7 @@ Usage:
     result = fit(cfg, rd)              # one process, or one rank under torchrun
 
 Flow (`setup` builds one finished `Trainer`, `_Run` drives it): contract and the run's recipe
-(`train/recipe.py`, resolved once) + tokenized data (+ cached features) → target (frozen; online
+(`family/recipe.py`, resolved once) + tokenized data (+ cached features) → target (frozen; online
 features, embedding, head) → drafter (random or target init) → DDP/FSDP2 → AdamW + cosine → resume
 from the latest complete checkpoint → per step: this rank's micro-batches of the deterministic
 global batch, anchors, the step's global Σw (all-reduced), forward/backward per micro-batch, clip,
@@ -37,6 +37,7 @@ import torch
 from dflashkit.errors import UsageError
 from dflashkit.family import new_drafter
 from dflashkit.family.contract import REPROBE_HINT, DrafterContract
+from dflashkit.family.recipe import Recipe, resolve_recipe
 from dflashkit.model.head import load_head_only_target
 from dflashkit.model.init import init_from_target
 from dflashkit.model.target import load_target
@@ -51,7 +52,6 @@ from dflashkit.train.objective import gamma_for, weight_sum
 from dflashkit.train.optim import CpuBudget, build_optimizer, build_scheduler
 from dflashkit.train.parallel import (DistInfo, TargetParts, all_reduce_sum, barrier, init_distributed,
                                       shard_target, wrap_drafter)
-from dflashkit.train.recipe import Recipe, resolve_recipe
 from dflashkit.train.stats import StepStats
 from dflashkit.train.stopping import StopOnSignal
 from dflashkit.train.target_side import heldout_labels, target_side
@@ -132,9 +132,9 @@ def _open_features(cfg: RunConfig, rd: RunDir, dist: DistInfo, recipe: Recipe, c
                    data: TokenData, opened: list[Any], open_feed: Callable[..., Any] | None) -> Any:
     """`data.features` for the recipe's feature source: the capture shards (cached, checked to hold what the
     recipe reads), the engine's feed (engine; returned, and added to `opened`), or none (online)."""
-    if recipe.features == "cached":
+    if recipe.cached:
         data.features = cached_store(rd.capture_dir, data.shards, contract.target_layer_ids, recipe)
-    if recipe.features != "engine":
+    if not recipe.engine_fed:
         return None
     if open_feed is None:  # rows from the engine as training consumes them (engines/feed.py)
         raise UsageError("train.features=engine is served by `dflashkit train` (and `dflashkit run`) only",

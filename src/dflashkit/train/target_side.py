@@ -6,7 +6,7 @@ Usage:
     how, paths = heldout_labels(recipe, cfg.train, data.features, target, data, heldout)  # the yardstick's
     out = scored(out, batch, how)  # the labels a held-out block is scored with (paths: online, computed once)
 
-`CachedSide`: every output the run's recipe (`train/recipe.Recipe`) needs is in the feature rows,
+`CachedSide`: every output the run's recipe (`family/recipe.Recipe`) needs is in the feature rows,
 cached shards or the engine's (`Recipe.store_covers`): the target's layers never run. `OnlineSide`:
 the target runs on the batch — a sharded target (`train.parallel.target=shard`) gives logits, a whole
 one its final-norm hidden state; cached features or `next_ids`, where the shards have them, replace
@@ -31,12 +31,12 @@ from typing import Any, Callable
 
 import torch
 
+from dflashkit.family.recipe import Recipe
 from dflashkit.model.path_labels import (attention_limit, greedy_path_ids, label_need, path_cache,
                                         with_cache)
 from dflashkit.model.target import Target, target_autocast
 from dflashkit.train.data import Batch, FeatureStore, collate, repacked, unpacked
 from dflashkit.train.objective import Anchors, target_label_ids
-from dflashkit.train.recipe import Recipe
 
 log = logging.getLogger("dflashkit.train")
 

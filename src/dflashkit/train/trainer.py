@@ -2,7 +2,7 @@
 
 Usage:
     tr = setup(cfg, rd, dist)                              # train/loop.py
-    tr.recipe.target_labels                                # the run's resolved recipe (train/recipe.py)
+    tr.recipe.target_labels                                # the run's resolved recipe (family/recipe.py)
     b = tr.batch(items); a = tr.anchors(b)                 # a collated micro-batch and its anchors
     out = tr.micro_loss(b, a, denom, training=True)        # `tr.loss` (train/loss.py) on the batch
     tr.use_draft_vocab(vocab)                              # the loss's head over a reduced draft vocab
@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from dflashkit.family.contract import DrafterContract
+from dflashkit.family.recipe import Recipe
 from dflashkit.model.draft_vocab import restricted_head
 from dflashkit.model.target import announce, compute_dtype
 from dflashkit.train.data import Batch, BatchPlan, FeatureStore, TokenData, collate
 from dflashkit.train.loss import DraftLoss, Heads, LossInputs, LossOutput
 from dflashkit.train.objective import Anchors, sample_anchors
 from dflashkit.train.parallel import DistInfo, TargetParts
-from dflashkit.train.recipe import Recipe
 from dflashkit.train.target_side import TargetOut, scored
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class Trainer:
     """Everything one step needs (built by `setup`; `vocab` given here becomes the loss's head at once)."""
 
     cfg: RunConfig
-    recipe: Recipe                            # the run's resolved recipe (train/recipe.py)
+    recipe: Recipe                            # the run's resolved recipe (family/recipe.py)
     contract: DrafterContract
     dist: DistInfo
     drafter: torch.nn.Module

@@ -18,9 +18,9 @@ import torch
 from dflashkit.errors import UsageError
 from dflashkit.model.draft_vocab import label_token_counts, vocab_from_counts
 from dflashkit.family.contract import DrafterContract
+from dflashkit.family.recipe import Recipe
 from dflashkit.train.data import collate
 from dflashkit.train.objective import target_label_ids
-from dflashkit.train.recipe import Recipe
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
