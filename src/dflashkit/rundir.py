@@ -17,12 +17,14 @@ by the command writing to the run dir (it names that process), so two writers ne
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import logging
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from dflashkit import __version__
+from dflashkit.errors import DiskFull, RunDirLocked, UsageError
 from dflashkit.stage_table import PIPELINE
 
 STAGES = PIPELINE  # the stage folders, in `dflashkit run` order (from the one stage table)
@@ -60,8 +63,6 @@ def is_disk_full(exc: BaseException, where: Path) -> bool:
     """Whether `exc`, raised while writing under `where`, means the filesystem is full: ENOSPC/EDQUOT, or
     a writer that wraps it (safetensors' `StorageFull`, torch's `inline_container.cc … file write failed`,
     which names no errno: then the free space under `where` decides)."""
-    import errno
-
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     text = str(exc)
@@ -77,8 +78,6 @@ def is_disk_full(exc: BaseException, where: Path) -> bool:
 
 
 def _disk_full_error(path: Path, exc: BaseException) -> Exception:
-    from dflashkit.errors import DiskFull
-
     detail = getattr(exc, "detail", None) or f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
     err = DiskFull(f"the disk is full: writing {path} failed ({detail})",
                    hint=f"free space on the filesystem of {path.parent} (`df -h {path.parent}`) and re-run the same "
@@ -139,8 +138,6 @@ def check_replaceable(path: str | Path, *, owner: str | None, marker: str = "man
     """Raise `UsageError` naming `path` unless `atomic_dir(path, owner=..., marker=...)` may replace
     (or a stage may remove) it: absent, an empty directory, or a directory holding our `marker`.
     Call it before long work so the refusal comes first, not after hours of training."""
-    from dflashkit.errors import UsageError
-
     path = Path(path)
     if _owned_by(path, owner, marker):
         return
@@ -182,8 +179,6 @@ def atomic_dir(path: str | Path, *, owner: str | None = None, marker: str = "man
     such as `export.out_dir=.` can never delete a user's files. The new directory gets the
     permissions of a normal `mkdir` (mkdtemp's 0700 would hide an export from a serving user).
     """
-    import shutil
-
     path = Path(path)
     check_replaceable(path, owner=owner, marker=marker)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -211,8 +206,6 @@ def atomic_dir(path: str | Path, *, owner: str | None = None, marker: str = "man
 
 
 def _disk_full_type() -> type:
-    from dflashkit.errors import DiskFull
-
     return DiskFull
 
 
@@ -509,8 +502,6 @@ def run_dir_lock(root: str | Path, command: str) -> Iterator[None]:
     `LOCK_ENV` (train re-launched under torchrun); under a user's torchrun only RANK 0 locks. A run
     dir that this call created and that is still empty afterwards is removed again.
     """
-    from dflashkit.errors import RunDirLocked, UsageError
-
     root = Path(root)
     key = str(root.resolve())
     if os.environ.get(LOCK_ENV) == key or (int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
@@ -536,7 +527,6 @@ def run_dir_lock(root: str | Path, command: str) -> Iterator[None]:
                            hint=f"wait for PID {pid} to finish (or stop it), or use another run.run_dir"
                            if pid else "wait for it to finish, or use another run.run_dir") from None
     except OSError as e:  # a filesystem without flock (some network mounts): warn, do not block
-        import logging
 
         logging.getLogger("dflashkit").warning("cannot lock %s (%s); not guarding against a second writer",
                                                path, e)
@@ -561,8 +551,6 @@ def check_writable_dir(path: str | Path, *, label: str, hint: str) -> None:
     directory this process can write into: not a file, not under a file, not a place where it cannot create
     or write (/proc, a read-only mount, no permission). Leaves no trace: the directories and the probe file it
     creates to find out are removed again. Call it before any work, in `--dry-run` too."""
-    from dflashkit.errors import UsageError
-
     path = Path(path)
     for p in (path, *path.parents):
         if p.is_dir():
@@ -599,8 +587,6 @@ def dir_lock(path: str | Path, command: str, *, label: str) -> Iterator[None]:
     the file just before its holder removed it locks a file no longer at the path: it sees that and
     locks the new one. On a filesystem without flock it warns and does not guard.
     """
-    from dflashkit.errors import UsageError
-
     path = Path(path)
     lock = path.parent / f".{path.name}.lock"
     created = [p for p in path.parents if not p.exists()]  # innermost first

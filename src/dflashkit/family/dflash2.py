@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import UsageError
 from dflashkit.family.base import (Decoding, DraftBlock, DraftSampling, Family, Formats, Network, Objective, Rows,
-                                  Scored, StatField, json_float, json_int, refuse_draft_vocab, walk_reload_check)
+                                   Scored, StatField, json_float, json_int, ratio, refuse_draft_vocab,
+                                   walk_reload_check)
 from dflashkit.family.dflash import DFlashKnobs
 from dflashkit.family.dflash import card_lines as dflash_card_lines
 from dflashkit.family.dflash import dflash_config as dflash_keys
@@ -231,8 +232,6 @@ STATS = (StatField("unary_tau_sum"), StatField("unary_correct", "B"), StatField(
 
 def metrics(stats: Any) -> dict[str, Any]:
     """unary τ / accuracy (the argmax's) and the selector's coverage, accuracy and loss."""
-    from dflashkit.family.base import ratio
-
     x = stats.extra
     return {"unary_tau": float(x["unary_tau_sum"] / max(stats.blocks, 1)),
             "unary_acc": [ratio(c, t) for c, t in zip(x["unary_correct"][1:], stats.total[1:])],

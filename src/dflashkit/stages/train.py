@@ -19,38 +19,40 @@ inputs changed, starts it over instead (`restart_if_changed`).
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import time
 
 from dflashkit.config import RunConfig, section_hash
 from dflashkit.context import StageContext
-from dflashkit.rundir import RunDir, read_json, write_manifest
+from dflashkit.engines.feed import check_engine_feed
+from dflashkit.family.contract import DrafterContract
+from dflashkit.rundir import RunDir, check_replaceable, read_json, write_manifest
 from dflashkit.stage_table import stage_hash
+from dflashkit.train import checkpoint as ckpt, guards
+from dflashkit.train.checkpoint import latest_checkpoint
+from dflashkit.train.data import tokenized_shards
+from dflashkit.train.forecast import read_curve_forecast
+from dflashkit.train.loop import fit
+from dflashkit.train.parallel import leave_distributed, relaunch_under_torchrun
 
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
-    from dflashkit.train.data import tokenized_shards
-
     if ctx.nproc_per_node and "WORLD_SIZE" not in os.environ:
-        from dflashkit.train.parallel import relaunch_under_torchrun
-
         argv = ["train"] + (["-c", ctx.config_path] if ctx.config_path else []) + list(ctx.overrides) + ["--json"]
         relaunch_under_torchrun(ctx.nproc_per_node, argv)
         manifest = rd.manifest("train") or {}
         return {"relaunched_nproc": ctx.nproc_per_node, **manifest.get("result", {})}
     if ctx.dry_run:
-        from dflashkit.train import guards
-
         check_engine(cfg, rd)
         guards.preflight(cfg, rd)  # what `fit` checks first
         shards = tokenized_shards(rd)
         return {"dry_run": True, "contract": str(rd.contract_path), "contract_exists": rd.contract_path.is_file(),
                 "tokenized_shards": len(shards), "features": cfg.train.features,
                 "resume_from": _latest(rd)}
-    from dflashkit.train.loop import fit
 
     t0 = time.time()
-    from dflashkit.train.parallel import leave_distributed
 
     try:
         from dflashkit.engines.feed import open_engine_feed  # passed down: train/ never reaches up to engines/
@@ -66,7 +68,6 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
                   "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")}
         if cfg.train.features == "cached":
             inputs["capture"] = (rd.manifest("capture") or {}).get("config_hash")
-        from dflashkit.train.forecast import read_curve_forecast
 
         fc = read_curve_forecast(rd.train_curve, cfg.train.forecast_tau)
         if fc is not None:
@@ -87,8 +88,6 @@ def check_engine(cfg: RunConfig, rd: RunDir) -> None:
     before `fit` and by `--dry-run` (which then makes `fit`'s own checks, `guards.preflight`)."""
     if cfg.train.features != "engine":
         return
-    from dflashkit.engines.feed import check_engine_feed
-    from dflashkit.family.contract import DrafterContract
 
     check_engine_feed(cfg, DrafterContract.load(rd.contract_path), rd.stage_dir("train", create=False),
                       world=int(os.environ.get("WORLD_SIZE", "1")))
@@ -100,13 +99,6 @@ def restart_if_changed(cfg: RunConfig, rd: RunDir) -> list[str]:
     train/checkpoints so that train starts over (a fresh start also replaces train/best; train/final is replaced when it finishes) instead of
     continuing that run's drafter. Returns what changed (empty: nothing to remove, an interrupted run of
     this config resumes)."""
-    import logging
-    import shutil
-
-    from dflashkit.rundir import check_replaceable
-    from dflashkit.train import checkpoint as ckpt
-    from dflashkit.train import guards
-
     latest = ckpt.latest_checkpoint(rd.checkpoints_dir)
     if latest is None:
         return []
@@ -126,8 +118,6 @@ def restart_if_changed(cfg: RunConfig, rd: RunDir) -> list[str]:
 
 
 def _latest(rd) -> str | None:
-    from dflashkit.train.checkpoint import latest_checkpoint
-
     found = latest_checkpoint(rd.checkpoints_dir)
     return str(found) if found else None
 

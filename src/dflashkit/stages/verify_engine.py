@@ -32,6 +32,9 @@ from typing import Any
 
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
+from dflashkit.decode.runner import load_prompts
+from dflashkit.engines.launch import check_vllm_for_target
+from dflashkit.engines.verify import verify_engine, write_engine_results
 from dflashkit.errors import MissingArtifactError, StageFailed, UsageError
 from dflashkit.export.profile import profile_path, read_profile
 from dflashkit.export.profile_ship import drafter_contract, record_engine, refuse_other_drafter
@@ -96,18 +99,14 @@ def _table(res: dict[str, Any]) -> str:
 
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
-    from dflashkit.decode.runner import load_prompts
-
     t0 = time.time()
     drafter_dir = _drafter_dir(rd, ctx.positionals)
     _refuse_other_drafters_profile(drafter_dir)
     prompts = load_prompts(cfg, rd, cfg.eval.num_prompts)
-    from dflashkit.engines.launch import check_vllm_for_target
 
     check_vllm_for_target(cfg, "verify-engine")  # what starting vLLM needs, before any work (a dry run too)
     if ctx.dry_run:
         return {"dry_run": True, "drafter": str(drafter_dir), "prompts": len(prompts)}
-    from dflashkit.engines.verify import verify_engine, write_engine_results
 
     out = rd.stage_dir("verify-engine")
     res = verify_engine(cfg, drafter_dir, prompts, out_dir=out)

@@ -31,7 +31,9 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dflashkit import family
 from dflashkit.errors import UsageError
+from dflashkit.model.feature_scale import fold_feature_scale
 from dflashkit.rundir import atomic_dir, atomic_write_json
 
 if TYPE_CHECKING:
@@ -148,8 +150,6 @@ CONTRACT_KEYS = ("block_size", "num_draft_layers", "target_layer_ids", "mask_tok
 def contract_keys(now: dict) -> tuple[str, ...]:
     """CONTRACT_KEYS and the knobs of the family of `now` (a contract dict); another family's knobs, which an
     earlier contract.json may hold, mean nothing to this drafter (a changed family is `drafter_type`)."""
-    from dflashkit import family
-
     fam = family.FAMILIES.get(now.get("drafter_type", family.DEFAULT.name))
     return CONTRACT_KEYS + (fam.knob_names if fam is not None else ())
 
@@ -221,8 +221,6 @@ def save_final(out_dir: Path, model, contract, *, is_main: bool = True, best: di
     With `best` (a small JSON-able record), the dir also gets `best.json`, written inside the same
     atomic replacement (`train/best/`)."""
     from safetensors.torch import save_file
-
-    from dflashkit.model.feature_scale import fold_feature_scale
 
     sd = fold_feature_scale(full_model_state(model))  # a plain z-lab drafter: the scale lives in fc.weight
     if not is_main:

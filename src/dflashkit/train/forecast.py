@@ -24,11 +24,16 @@ cost on this machine (capture, evaluation and any new data not included).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
+
+from dflashkit.errors import MissingArtifactError, UsageError
+from dflashkit.train.logging import read_curve
 
 MIN_POINTS = 4
 FAR = 20.0
@@ -230,8 +235,6 @@ def forecast_from_curve(curve: dict, target_tau: float, *, source: str | None = 
 def read_curve_forecast(path, target_tau: float, *, seconds_per_token: float | None = None) -> Forecast | None:
     """`forecast_from_curve` on the curve file at `path`, or a run dir's (`train/logging.read_curve`); None
     when the file is missing or unreadable."""
-    from dflashkit.train.logging import read_curve
-
     curve = read_curve(path)
     if curve is None:
         return None
@@ -258,11 +261,6 @@ def curve_file_forecast(path, target_tau: float, *, hours_per_epoch: float | Non
 
     Raises MissingArtifactError (exit 3) when the file is missing, UsageError (exit 2) when it is not a
     learning curve."""
-    import json
-    from pathlib import Path
-
-    from dflashkit.errors import MissingArtifactError, UsageError
-
     p = Path(path)
     if not p.is_file():
         raise MissingArtifactError("learning curve", p, run="dflashkit train -c run.yaml (it writes train/curve.json)")

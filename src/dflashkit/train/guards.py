@@ -22,11 +22,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from dflashkit import family
+from dflashkit.config import DrafterSection, given_keys
+from dflashkit.data.capturing import rollout_reproduces_attention
+from dflashkit.data.shards import require_tokenized_shards
 from dflashkit.errors import ConfigError, UsageError
+from dflashkit.family import objective_problems
+from dflashkit.family.contract import DrafterContract, sliding_fields
 from dflashkit.family.recipe import Recipe, resolve_recipe
+from dflashkit.rundir import check_replaceable
+from dflashkit.train import checkpoint as ckpt
+from dflashkit.train.data import cached_store, first_of, load_tokenized
+from dflashkit.train.levers import split_samples
+from dflashkit.train.warm_start import check_fits, read_warm_start
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig, TrainSection
@@ -45,8 +56,6 @@ OBJECTIVE_KEYS = ("loss", "labels", "position_weighting", "ablate_features", "kl
 def _given(cfg: RunConfig, key: str, value: Any) -> bool:
     """Whether the user gave `drafter.<key>`: named in the YAML/overrides, or (configs built in code)
     a value other than the schema default (null is never given)."""
-    from dflashkit.config import DrafterSection, given_keys
-
     if value is None:
         return False
     given = given_keys(cfg)
@@ -64,8 +73,6 @@ def check_drafter_overrides(cfg: RunConfig, contract: DrafterContract, where: st
         if _given(cfg, key, mine) and (float(mine) != float(theirs) if key == "rms_norm_eps" else mine != theirs):
             problems.append(f"drafter.{key}: {mine!r} in the config, {theirs!r} in {where}")
     if _given(cfg, "layer_types", d.layer_types) or _given(cfg, "sliding_window", d.sliding_window):
-        from dflashkit.family.contract import sliding_fields
-
         mine_sw, theirs_sw = sliding_fields(d.layer_types, d.sliding_window, contract.num_draft_layers), \
             {"layer_types": contract.layer_types, "sliding_window": contract.sliding_window}
         if mine_sw != theirs_sw:
@@ -111,17 +118,11 @@ def preflight(cfg: RunConfig, rd: RunDir) -> DrafterContract:
     for train.labels=target); an online rollout's target attends as the rollout's mask does (read from its
     config.json); the latest checkpoint, if any, is this run's (objective, trajectory, contract).
     The engine of train.features=engine is the stage's to check (`engines/feed.py` check_engine_feed)."""
-    from dflashkit.data.shards import require_tokenized_shards
-    from dflashkit.family.contract import DrafterContract
-    from dflashkit.train import checkpoint as ckpt
-
     check_outputs_ours(rd, cfg)
     contract = DrafterContract.load(rd.contract_path)
     check_drafter_overrides(cfg, contract, rd.contract_path)
     check_family_objective(cfg, contract)
     if _init_dir(cfg) is not None:
-        from dflashkit.train.warm_start import check_fits, read_warm_start
-
         check_fits(read_warm_start(cfg.drafter.init), contract)
     recipe = resolve_recipe(cfg.train, contract)
     check_cached_features(rd, contract, require_tokenized_shards(rd), recipe)
@@ -139,8 +140,6 @@ def check_family_objective(cfg: RunConfig, contract: DrafterContract) -> None:
     """Exit 2 when the contract's family's loss terms cannot go with `train.*` (`family.objective_problems`,
     which the config checks ask of `drafter.type`'s family when the config loads; here the contract decides
     the family, as it does when the config leaves drafter.type unset)."""
-    from dflashkit.family import objective_problems
-
     problems = objective_problems(cfg.train, contract.family)
     if problems:
         raise ConfigError(problems)  # each problem says what to do
@@ -150,8 +149,6 @@ def check_cached_features(rd: RunDir, contract: DrafterContract, shards: list[Pa
     """train.features=cached: the feature shards of `rd` exist and hold the contract's layers (and next_ids for
     train.labels=target, every sample's greedy path for train.on_path=rollout), as training opens them
     (`FeatureStore`; exit 3 / exit 2 naming the shard). `recipe`: `resolve_recipe(cfg.train, contract)`."""
-    from dflashkit.train.data import cached_store
-
     if recipe.cached:
         cached_store(rd.capture_dir, shards, contract.target_layer_ids, recipe)
 
@@ -162,12 +159,6 @@ def check_rollout_attention(cfg: RunConfig, rd: RunDir, recipe: Recipe) -> None:
     differs (a sliding window it outgrows: `data.capturing.rollout_reproduces_attention`, read from the
     target's config.json) is exit 2 naming train.on_path, before the target loads. Cached features carry
     their paths (`capture` makes the same check); the held-out yardstick falls back by itself."""
-    from types import SimpleNamespace
-
-    from dflashkit.data.capturing import rollout_reproduces_attention
-    from dflashkit.train.data import first_of, load_tokenized
-    from dflashkit.train.levers import split_samples
-
     if not recipe.rollout or not recipe.online or recipe.path_depth <= 1:
         return
     data = load_tokenized(rd)
@@ -178,8 +169,6 @@ def check_rollout_attention(cfg: RunConfig, rd: RunDir, recipe: Recipe) -> None:
 def check_outputs_ours(rd: RunDir, cfg: RunConfig) -> None:
     """Before training: `train/final` and `train/best` are absent or train's own (else exit 2 naming them);
     an imported `train/final` is only replaced when `drafter.init` starts from it."""
-    from dflashkit.rundir import check_replaceable
-
     final = rd.final_dir
     rec = imported_record(final) if final.is_dir() else None
     if rec is not None:

@@ -13,11 +13,14 @@ at the end), per data source and pooled; the drafter family adds its own metrics
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from dflashkit.data.chat import source_modes
+from dflashkit.rundir import check_replaceable
 from dflashkit.train import checkpoint as ckpt
 from dflashkit.train.parallel import all_reduce_sum, barrier
 from dflashkit.train.stats import StepStats
@@ -40,8 +43,6 @@ def evaluate_heldout(tr: Trainer, step: int) -> dict | None:
     source, so the result also holds `by_source` (the same numbers per source; the overall numbers are
     their pooled sums) and `by_mode` (pooled per thinking mode, `data.chat.mode_of` of the source's template
     variables, each with its `sources`); `modes` maps every data source of the run to its mode."""
-    from dflashkit.data.chat import source_modes
-
     if not tr.heldout:
         return None
     B = tr.contract.block_size
@@ -107,10 +108,6 @@ class BestKeeper:
         (else best.json, if it is not newer than the checkpoint) is the best so far."""
         if start == 0 or not self.enabled:
             if self.tr.dist.is_main and self.dir.exists():
-                import shutil
-
-                from dflashkit.rundir import check_replaceable
-
                 check_replaceable(self.dir, owner="train", marker="model.safetensors")  # never a user's dir
                 log.info("removing %s from an earlier run", self.dir)
                 shutil.rmtree(self.dir)

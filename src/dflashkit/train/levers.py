@@ -18,6 +18,7 @@ import torch
 
 from dflashkit.errors import UsageError
 from dflashkit.family.contract import DrafterContract
+from dflashkit.model.feature_scale import channel_scale
 from dflashkit.train.data import collate, hold_out_sources, split_heldout
 
 if TYPE_CHECKING:
@@ -54,8 +55,6 @@ def held_out_sources(cfg: RunConfig, data, train_idx: list[int], heldout: list[i
 def feature_scale_of(cfg: RunConfig, contract: DrafterContract, target, data, train_idx: list[int], samples: int = 32):
     """`drafter.feature_scale=rms`: the per-channel scale (`model/feature_scale.py`) from the target features of
     the first `samples` training samples (cached shards, or one online prefill of them); the same on every rank."""
-    from dflashkit.model.feature_scale import channel_scale
-
     idx, n_feat = train_idx[:samples], len(contract.target_layer_ids)
     if data.features is not None:
         feats = (data.features.get(data.where[i], len(data.input_ids[i])).float() for i in idx)

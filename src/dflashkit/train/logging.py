@@ -30,6 +30,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dflashkit.progress import Progress
+from dflashkit.rundir import atomic_write_json, atomic_write_text
+
 if TYPE_CHECKING:
     from dflashkit.rundir import RunDir
 
@@ -74,7 +77,6 @@ def truncate_metrics(path: Path, after_step: int) -> None:
                 keep.append(line)
         except json.JSONDecodeError:
             continue  # a torn last line from a killed run
-    from dflashkit.rundir import atomic_write_text
 
     atomic_write_text(path, "".join(x + "\n" for x in keep))
 
@@ -92,7 +94,6 @@ class MetricSink:
             return
         truncate_metrics(self.path, start_step)
         self.fh = open(self.path, "a")
-        from dflashkit.progress import Progress
 
         # a bar on a terminal (unless show_bar=False), else a line with rate and ETA every ~15 s
         self.bar = Progress("train", total=total_steps, initial=start_step, unit="step", tty=None if show_bar else False)
@@ -216,8 +217,6 @@ class LearningCurve:
         return point
 
     def _write(self) -> None:
-        from dflashkit.rundir import atomic_write_json
-
         labels = next((p["heldout"]["labels"] for p in reversed(self.points) if "labels" in p["heldout"]), None)
         by_mode: dict[str, Any] = next((p["by_mode"] for p in reversed(self.points) if "by_mode" in p), {})
         atomic_write_json(self.path, {"x": "supervised tokens seen (loss_mask, all ranks)",

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dflashkit.config import TrainSection
 from dflashkit.family.base import Blocks, Family, LossTerm, Rows, Scored
 from dflashkit.train.blocks import Heads, LossBlocks, LossInputs, build_blocks, in_head_dtype
 from dflashkit.train.objective import Anchors
@@ -100,8 +101,6 @@ class DraftLoss:
         """The loss whose metrics score a drafter teacher-forced (eval's diagnostics): CE over unweighted
         positions plus the family's terms at their defaults (they may score what the decoder drafts:
         DFlash2's walk)."""
-        from dflashkit.config import TrainSection
-
         fam = contract.family
         return cls(fam, contract.mask_token_id, (CE(), *fam.objective.loss_terms(TrainSection())), Decay(None), context=context)
 

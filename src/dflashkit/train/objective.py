@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflashkit.family.contract import default_gamma
 from dflashkit.model.draft_vocab import draft_labels
 from dflashkit.model.path_labels import on_path_weights, path_label_ids
 
@@ -232,6 +233,4 @@ def target_label_ids(input_ids: torch.Tensor, next_ids: torch.Tensor) -> torch.T
 
 def gamma_for(train_gamma: float | None, block_size: int) -> float:
     """`train.gamma` if set, else the reference default for B."""
-    from dflashkit.family.contract import default_gamma
-
     return float(train_gamma) if train_gamma else default_gamma(block_size)

@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from dflashkit.model.target import fast_bf16
+
 
 def build_optimizer(model: torch.nn.Module, train) -> torch.optim.Optimizer:
     """`train.optimizer` over trainable parameters only (the target's embedding/head stay frozen):
@@ -26,7 +28,6 @@ def build_optimizer(model: torch.nn.Module, train) -> torch.optim.Optimizer:
                                  eps=1e-8, foreach=False)
     matrices, rest = muon_split(model)
     dev = matrices[0].device if matrices else torch.device("cpu")
-    from dflashkit.model.target import fast_bf16
 
     muon_cls = torch.optim.Muon if fast_bf16(dev) else Fp32Muon
     muon = muon_cls(matrices, lr=train.lr, weight_decay=train.weight_decay, momentum=train.muon_momentum,

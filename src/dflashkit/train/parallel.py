@@ -33,6 +33,9 @@ import sys
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 from dflashkit.errors import DflashkitError, UsageError
 
@@ -90,8 +93,6 @@ def init_distributed(parallel, device: str = "auto") -> DistInfo:
 
 
 def _mesh(dist: DistInfo):
-    from torch.distributed.device_mesh import init_device_mesh
-
     return init_device_mesh(dist.device.type, (dist.world,))
 
 
@@ -100,10 +101,7 @@ def wrap_drafter(model: torch.nn.Module, mode: str, dist: DistInfo) -> torch.nn.
     if not dist.distributed or mode == "none":
         return model
     if mode in ("auto", "ddp"):
-        from torch.nn.parallel import DistributedDataParallel
-
         return DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
-    from torch.distributed.fsdp import fully_shard
 
     # One FSDP unit for the whole drafter: its forward computes every layer's context K/V from the
     # root (outside the layers' own forward), so per-layer units would not be gathered in time.
@@ -131,7 +129,6 @@ def shard_target(target, dist: DistInfo) -> TargetParts:
     lm_head.weight = torch.nn.Parameter(head_w, requires_grad=False)
     if not dist.distributed:
         return TargetParts(embed, lm_head, sharded=False)
-    from torch.distributed.fsdp import fully_shard
 
     mesh = _mesh(dist)
     for layer in target.decoder_layers:

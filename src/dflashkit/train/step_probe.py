@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflashkit.family import new_drafter
+from dflashkit.model.draft_vocab import choose_draft_vocab, restricted_head
 from dflashkit.train.loss import CE, Decay, DraftLoss, Heads, LossInputs
 from dflashkit.train.objective import Anchors, gamma_for, sample_anchors
 from dflashkit.train.optim import build_optimizer
@@ -64,8 +65,6 @@ def drafter_step(cfg: RunConfig, contract: DrafterContract, target: Any, ids: to
                        seeds=list(range(ids.shape[0])))
     vocab, head = None, target.lm_head
     if cfg.drafter.draft_vocab_size and cfg.drafter.draft_vocab_size < target.vocab_size:
-        from dflashkit.model.draft_vocab import choose_draft_vocab, restricted_head
-
         vocab = choose_draft_vocab(list(ids.cpu().numpy()), list(loss_mask.cpu().numpy()),
                                    cfg.drafter.draft_vocab_size, target.vocab_size).to(dev)
         head = restricted_head(target.lm_head, vocab)

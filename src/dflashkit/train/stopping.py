@@ -28,6 +28,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from dflashkit.train.parallel import all_reduce_sum
+
 if TYPE_CHECKING:
     from dflashkit.train.parallel import DistInfo
 
@@ -76,8 +78,6 @@ class StopOnSignal:
         flag = 1.0 if self.signum is not None else 0.0
         if self.dist.world > 1:
             import torch
-
-            from dflashkit.train.parallel import all_reduce_sum
 
             flag = float(all_reduce_sum(torch.tensor([flag], dtype=torch.float64), self.dist)[0])
         return flag > 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from dflashkit.errors import UsageError
@@ -62,8 +63,6 @@ def pick_draft_vocab(cfg: RunConfig, recipe: Recipe, contract: DrafterContract, 
 def target_labels_of(cfg: RunConfig, contract: DrafterContract, target, data, idx: list[int]) -> list:
     """`train.labels=target` labels of samples `idx` (np.int64 arrays): from the cached `next_ids`, or
     (online) from one batched prefill pass of the target over those samples."""
-    import numpy as np
-
     out = []
     if data.features is not None and data.features.has("next_ids"):
         for i in idx:

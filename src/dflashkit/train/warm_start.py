@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from dflashkit.errors import UsageError
+from dflashkit.export.speculators import load_any_drafter
 from dflashkit.family.contract import DrafterContract
 
 log = logging.getLogger("dflashkit.train")
@@ -58,8 +59,6 @@ class WarmSource:
 
 def read_warm_start(path: str | Path) -> WarmSource:
     """Read a drafter dir of either format (checked by the export readers; UsageError naming the file)."""
-    from dflashkit.export.speculators import load_any_drafter
-
     d = Path(path).expanduser()
     if not d.is_dir():
         raise UsageError(f"drafter.init: {d} is not a directory (nor `random` / `target`)",
