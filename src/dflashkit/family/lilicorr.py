@@ -132,17 +132,6 @@ def contract_problems(c: DrafterContract) -> list[str]:
     if c.vocab_size and k.lilicorr_candidate_topk > c.vocab_size:
         p.append(f"lilicorr_candidate_topk {k.lilicorr_candidate_topk} exceeds vocab_size {c.vocab_size}")
     return p
-    p = _knob_problems(lambda name: getattr(k, name), "")
-    width = k.lilicorr_hidden_size or c.hidden_size
-    if k.lilicorr_num_heads >= 1 and width % k.lilicorr_num_heads:
-        p.append(f"lilicorr_num_heads {k.lilicorr_num_heads} must divide the lattice width {width}")
-    if k.lilicorr_conv_group_size > 0 and c.hidden_size % k.lilicorr_conv_group_size:
-        p.append(f"lilicorr_conv_group_size {k.lilicorr_conv_group_size} must divide hidden_size {c.hidden_size}")
-    if c.block_size < 2:
-        p.append(f"block_size must be >= 2 for LiLiCorr (one slot at least), got {c.block_size}")
-    if c.vocab_size and k.lilicorr_candidate_topk > c.vocab_size:
-        p.append(f"lilicorr_candidate_topk {k.lilicorr_candidate_topk} exceeds vocab_size {c.vocab_size}")
-    return p
 
 
 def dflash_config(c: DrafterContract) -> dict[str, Any]:
