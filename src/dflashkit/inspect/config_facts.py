@@ -92,6 +92,7 @@ class ModelFacts:
     params_active: int = 0
     params_mtp: int = 0
     defaults_filled: list[str] = field(default_factory=list)  # keys taken from transformers' defaults
+    checkpoint: str | None = None  # why the safetensors cannot be what config.json says (`check_checkpoint`)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -185,9 +186,10 @@ def _layer_types(cfg: dict[str, Any], n: int) -> tuple[dict[str, int] | None, in
     return counts, window
 
 
-def _quant(cfg: dict[str, Any]) -> dict[str, Any] | None:
+def _quant(cfg: dict[str, Any], source: str, key: str = "quantization_config") -> dict[str, Any] | None:
+    info = quant_info(cfg, source=source, key=key)  # ConfigError naming `source` and the key when malformed
     q = cfg.get("quantization_config")
-    if not isinstance(q, dict):
+    if info is None or not isinstance(q, dict):
         return None
     bits = q.get("bits") or q.get("num_bits")
     for group in (q.get("config_groups") or {}).values():  # compressed-tensors
@@ -196,13 +198,12 @@ def _quant(cfg: dict[str, Any]) -> dict[str, Any] | None:
     if bits is None:
         bits = 8 if "fp8" in method else 4 if "fp4" in method else None
 
-    info = quant_info(cfg)
-    method_ = info.method if info else ""
-    local = ("dequantized" if method_ in LOCAL_METHODS and (method_ != "fp8" or info and info.block)
+    method_ = info.method
+    local = ("dequantized" if method_ in LOCAL_METHODS and (method_ != "fp8" or info.block)
              else "transformers" if method_ in PASS_THROUGH else "refused")
     return {"method": q.get("quant_method"), "bits": bits, "format": q.get("fmt") or q.get("format"),
-            "label": info.label if info else None, "local_load": local,  # what the paths do: inspect/paths.py
-            **({"block": list(info.block)} if info and info.block else {})}
+            "label": info.label, "local_load": local,  # what the paths do: inspect/paths.py
+            **({"block": list(info.block)} if info.block else {})}
 
 
 def _positive_int(value: Any, what: str, source: str) -> int:
@@ -320,7 +321,8 @@ def facts_from_config(raw: dict[str, Any], *, source: str, fmt: str = "hf") -> M
         sliding_window=int(window) if window else None, layer_types=layer_types,
         hybrid_attention=bool(layer_types and len(layer_types) > 1),
         dtype=str(get(("dtype", "torch_dtype")) or "") or None,
-        quantization=_quant(cfg) or _quant(raw), rms_norm_eps=get(("rms_norm_eps", "layer_norm_epsilon",
+        quantization=_quant(cfg, source, f"{wrapper}.quantization_config" if wrapper else "quantization_config")
+        or _quant(raw, source), rms_norm_eps=get(("rms_norm_eps", "layer_norm_epsilon",
                                                                     "layer_norm_eps", "norm_eps")),
         hidden_act=str(act) if act else None, bos_token_id=get(("bos_token_id",)),
         eos_token_id=get(("eos_token_id",)), pad_token_id=get(("pad_token_id",)),

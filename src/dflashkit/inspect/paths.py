@@ -7,8 +7,10 @@ Two properties of a target decide it: its quantization (`facts["quantization"]`,
 FP8 block-wise and compressed-tensors INT4 load dequantized on the local paths, MXFP4 as transformers
 loads it, anything else is refused there) and recurrent layers (`facts["layer_types"]`: Gated DeltaNet /
 Mamba layers, docs/hybrid-targets.md: lossless rollback in the local decoder, `train.on_path=rollout`
-refused, vLLM's CPU build refused). The verdicts are what the stages do; each refusal is exit 2 before
-any work, naming the target and what to use instead.
+refused, vLLM's CPU build refused). A checkpoint whose tensors cannot be what its config says
+(`facts["checkpoint"]`, `model/quantized.check_checkpoint`) is refused on the local paths first. The
+verdicts are what the stages do; each refusal is exit 2 before any work, naming the target and what to
+use instead.
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ def target_paths(facts: dict[str, Any]) -> list[dict[str, str]]:
     rec = _recurrent(facts)
     local_load = q.get("local_load")
     partial = _partial_fp8(facts)
-    if partial:
+    if facts.get("checkpoint"):  # tensors that cannot be what config.json says: every load refuses them
+        local = f"refused (exit 2): {facts['checkpoint']}"
+    elif partial:
         local = (f"refused (exit 2): {label}, and {partial} is not a whole number of blocks (transformers'"
                  " dequantize mishandles it); use the engine paths")
     elif q and local_load == "refused":
@@ -75,6 +79,9 @@ def target_paths(facts: dict[str, Any]) -> list[dict[str, str]]:
         engine = (f"GPU vLLM only ({rec}): refused (exit 2) on vLLM's CPU build, the one dflashkit installs; "
                   "point capture.server_url at a GPU vLLM")
     head = "yes, read by name" + (" (a quantized head or embedding is dequantized on read)" if q else "")
+    if facts.get("checkpoint"):  # the head reader and a server read the same files
+        head = "refused (exit 2): the checkpoint's tensors are not what its config.json says (local, above)"
+        engine += "; but a server reads the same files: fix the checkpoint first (local, above)"
     rollout = (f"refused (exit 2): {rec} cannot hold the rollout's tree of paths; use train.on_path=mask"
                if rec else "yes")
     return [{"path": LOCAL, "verdict": local}, {"path": ENGINE, "verdict": engine},

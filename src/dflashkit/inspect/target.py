@@ -14,11 +14,12 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflashkit.errors import UsageError
+from dflashkit.errors import ConfigError, UsageError
 from dflashkit.inspect.config_facts import read_model_facts
 from dflashkit.inspect.gguf_facts import read_gguf_facts
 from dflashkit.inspect.tokenizer_facts import read_tokenizer_facts, tokenizer_facts_from_gguf
 from dflashkit.model.files import resolve_target_path  # noqa: F401  (re-exported: the one resolver lives in model/)
+from dflashkit.model.quantized import check_checkpoint
 
 if TYPE_CHECKING:
     from dflashkit.inspect.config_facts import ModelFacts
@@ -39,6 +40,7 @@ def inspect_target(cfg: RunConfig, path: str, *, load_tokenizer: bool = True
             tokenizer_facts_from_gguf(model_dir / gguf_file, meta)
     else:
         facts = read_model_facts(model_dir)
+        facts.checkpoint = checkpoint_problem(model_dir)
         if cfg.target.tokenizer and not tok_dir.is_dir():
             raise UsageError(f"target.tokenizer {tok_dir} is not a directory")
         tok_facts = read_tokenizer_facts(tok_dir)
@@ -59,3 +61,15 @@ def inspect_target(cfg: RunConfig, path: str, *, load_tokenizer: bool = True
         if not tok.loaded["ok"]:
             log.warning("%s — fix: %s", tok.loaded["diagnosis"], tok.loaded["fix"])
     return model_dir, gguf_file, facts, tok
+
+
+def checkpoint_problem(model_dir: Path) -> str | None:
+    """Why the safetensors in `model_dir` cannot be what its config.json says (`check_checkpoint`'s refusal,
+    which every loading stage raises with exit 2), or None; from the headers and file sizes only."""
+    try:
+        check_checkpoint(model_dir)
+    except ConfigError:
+        raise  # a malformed config.json is probe's own error too
+    except UsageError as e:
+        return e.message + (f"; fix: {e.hint}" if e.hint else "")
+    return None

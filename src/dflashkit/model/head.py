@@ -33,7 +33,7 @@ from torch import nn
 
 from dflashkit.errors import UsageError
 from dflashkit.model.files import resolve_target_path
-from dflashkit.model.quantized import QuantInfo, dequantize_fp8_blocks, target_quantization, unpack_int4
+from dflashkit.model.quantized import QuantInfo, check_checkpoint, dequantize_fp8_blocks, unpack_int4
 from dflashkit.model.target import announce, compute_dtype, load_tokenizer, resolve_device, text_config_dict
 
 if TYPE_CHECKING:
@@ -165,6 +165,7 @@ def load_head_parts(model_dir: str | Path, *, dtype: torch.dtype = torch.float32
         UsageError: config.json or a tensor is missing or unreadable (the message names the file).
     """
     d = Path(model_dir)
+    q = check_checkpoint(d)  # tensors that cannot be what config.json says: exit 2 before any is read
     tc = text_config_dict(d)
     wmap = weight_map(d)
     norm, embed = _first(wmap, NORM_NAMES), _first(wmap, EMBED_NAMES)
@@ -176,7 +177,6 @@ def load_head_parts(model_dir: str | Path, *, dtype: torch.dtype = torch.float32
                          f"(looked for the prefixes {[p for p in PREFIXES if p]} too)",
                          hint="point target.path at the target's HF dir")
     assert norm is not None and embed is not None
-    q = target_quantization(d)
     e = _read_weight(d, wmap, embed, q).to(dtype)
     h = _read_weight(d, wmap, head, q).to(dtype) if head else e
     w = _read(d, wmap, norm).to(dtype)

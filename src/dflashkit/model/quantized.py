@@ -4,6 +4,7 @@ Usage:
     q = target_quantization(model_dir)              # QuantInfo | None (None: an unquantized checkpoint)
     kwargs = local_load_kwargs(q, model_dir)        # {"quantization_config": …} for from_pretrained, or exit 2
     check_local_target(cfg.target)                  # the same refusal, for a stage before any work
+    q = check_checkpoint(model_dir)                 # exit 2: tensors that cannot be what config.json says
     w = dequantize_fp8_blocks(w_fp8, scale_inv, (128, 128))           # [out, in] float32
     w = unpack_int4(weight_packed, weight_scale, weight_shape)        # [out, in] float32
 
@@ -30,8 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dflashkit.errors import UsageError
-from dflashkit.model.files import config_json, resolve_target_path, tensor_shapes
+from dflashkit.errors import ConfigError, UsageError
+from dflashkit.model.files import (FLOAT_DTYPES, LOW_FLOAT_DTYPES, check_safetensors, config_json,
+                                   resolve_target_path, tensor_entries, tensor_shapes)
 
 if TYPE_CHECKING:
     import torch
@@ -56,33 +58,91 @@ class QuantInfo:
     ignore: tuple[str, ...] = field(default_factory=tuple)
 
 
-def quant_info(config: dict[str, Any]) -> QuantInfo | None:
-    """The `quantization_config` of a config.json dict (outer or text config), or None when there is none."""
+def quant_info(config: dict[str, Any], *, source: str = "config.json",
+               key: str = "quantization_config") -> QuantInfo | None:
+    """The `quantization_config` of a config.json dict (outer or text config), or None when there is none.
+
+    ConfigError (exit 2) naming `source` and the dotted key when the section is not what a quantized checkpoint
+    ships: not an object, a non-string `quant_method`, a `weight_block_size` that is not two sizes >= 1,
+    `config_groups` that are not objects, a bit width or group size that is not an integer >= 1."""
     q = config.get("quantization_config")
-    if not isinstance(q, dict):
+    if q is None:
         return None
-    method = str(q.get("quant_method") or "").lower()
+    bad = _Bad(source, key)
+    if not isinstance(q, dict):
+        raise bad("", q, 'an object such as {"quant_method": "fp8", "weight_block_size": [128, 128]}')
+    method = q.get("quant_method")
+    if method is not None and not isinstance(method, str):
+        raise bad("quant_method", method, 'a string ("fp8", "compressed-tensors", …)')
+    method = (method or "").lower()
     if method == "fp8":
         block = q.get("weight_block_size")
-        blk = (int(block[0]), int(block[1])) if isinstance(block, (list, tuple)) and len(block) == 2 else None
-        fmt = q.get("fmt") or "e4m3"
+        if block is not None and not (isinstance(block, list) and len(block) == 2 and all(_size(b) for b in block)):
+            raise bad("weight_block_size", block, "two block sizes >= 1, such as [128, 128]")
+        blk = (block[0], block[1]) if block else None
+        fmt = _text(q, "fmt", bad) or "e4m3"
         label = f"FP8 {fmt} " + (f"block-wise {list(blk)}" if blk else "per-tensor")
-        return QuantInfo("fp8", label, 8, block=blk,
-                         ignore=tuple(q.get("modules_to_not_convert") or q.get("ignored_layers") or ()))
+        return QuantInfo("fp8", label, 8, block=blk, ignore=_names(q, ("modules_to_not_convert", "ignored_layers"),
+                                                                    bad))
     if method == "compressed-tensors":
+        groups = q.get("config_groups")
+        if groups is not None and not (isinstance(groups, dict) and all(isinstance(g, dict) for g in groups.values())):
+            raise bad("config_groups", groups, 'an object of named groups, such as {"group_0": {"weights": '
+                      '{"num_bits": 4, …}, "targets": ["Linear"]}}')
         weights: dict[str, Any] = {}
-        for group in (q.get("config_groups") or {}).values():
-            weights = (group or {}).get("weights") or {}
-            break
+        for name, group in (groups or {}).items():
+            weights = group.get("weights") or {}
+            if not isinstance(weights, dict):
+                raise bad(f"config_groups.{name}.weights", weights, "an object (num_bits, group_size, …)")
+            for k in ("num_bits", "group_size"):
+                if weights.get(k) is not None and not _size(weights[k]):
+                    raise bad(f"config_groups.{name}.weights.{k}", weights[k], "an integer >= 1")
         bits, gsize = weights.get("num_bits"), weights.get("group_size")
-        fmt = q.get("format") or "?"
+        fmt = _text(q, "format", bad) or "?"
         label = (f"compressed-tensors {fmt} int{bits}" + (f" (W{bits}A16, group {gsize})" if gsize else "")
                  if bits else f"compressed-tensors {fmt}")
-        return QuantInfo("compressed-tensors", label, int(bits) if bits else None,
-                         group=int(gsize) if gsize else None, ignore=tuple(q.get("ignore") or ()))
+        return QuantInfo("compressed-tensors", label, bits, group=gsize, ignore=_names(q, ("ignore",), bad))
+    for k in ("bits", "num_bits"):
+        if q.get(k) is not None and not _size(q[k]):
+            raise bad(k, q[k], "an integer >= 1")
     bits = q.get("bits") or q.get("num_bits")
     return QuantInfo(method or "unknown", f"{method or 'unknown'} quantization" + (f" ({bits}-bit)" if bits else ""),
-                     int(bits) if bits else None)
+                     bits)
+
+
+class _Bad:
+    """Builds the ConfigError for one malformed `quantization_config` key of `source`."""
+
+    def __init__(self, source: str, key: str):
+        self.source, self.key = source, key
+
+    def __call__(self, sub: str, value: Any, want: str) -> ConfigError:
+        key = f"{self.key}.{sub}" if sub else self.key
+        return ConfigError(f"{self.source}: {key} is {value!r} ({type(value).__name__}); expected {want}",
+                           hint=f"restore {key} in {self.source} from the checkpoint's source (the quantizer "
+                                "writes it), or point target.path at an unquantized copy")
+
+
+def _size(x: Any) -> bool:
+    """A JSON integer >= 1 (not a bool, not a string)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+def _text(q: dict[str, Any], k: str, bad: _Bad) -> str | None:
+    v = q.get(k)
+    if v is not None and not isinstance(v, str):
+        raise bad(k, v, "a string")
+    return v
+
+
+def _names(q: dict[str, Any], keys: tuple[str, ...], bad: _Bad) -> tuple[str, ...]:
+    for k in keys:
+        v = q.get(k)
+        if v is not None and not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
+            raise bad(k, v, "a list of module names")
+        if v:
+            return tuple(v)
+    return ()
 
 
 def local_load_kwargs(q: QuantInfo | None, model_dir: Path) -> dict[str, Any]:
@@ -150,20 +210,98 @@ def _partial_fp8_block(model_dir: Path, block: tuple[int, int] | None) -> str | 
 
 
 def target_quantization(model_dir: Path) -> QuantInfo | None:
-    """The quantization of the HF target in `model_dir` (config.json's outer or text config), or None."""
+    """The quantization of the HF target in `model_dir` (config.json's outer or text config), or None;
+    ConfigError naming config.json and the key when the section is malformed (`quant_info`)."""
     raw = config_json(model_dir)
-    nested = (v for v in raw.values() if isinstance(v, dict) and "quantization_config" in v)  # text_config, …
-    return quant_info(raw) or next((quant_info(v) for v in nested), None)
+    source = str(Path(model_dir) / "config.json")
+    found = quant_info(raw, source=source)
+    for k, v in raw.items():  # text_config, …
+        if isinstance(v, dict) and "quantization_config" in v:
+            inner = quant_info(v, source=source, key=f"{k}.quantization_config")
+            found = found or inner
+    return found
+
+
+def check_checkpoint(model_dir: Path) -> QuantInfo | None:
+    """Refuse (exit 2) a HF checkpoint whose tensors cannot be what its config says, before any weight is read;
+    returns its quantization (None: unquantized).
+
+    From config.json and the safetensors headers and sizes only:
+    - every safetensors file is whole and self-consistent (`files.check_safetensors`);
+    - `quantization_config` is well formed (`quant_info`);
+    - without one, no tensor is FP8/FP4/FP6 (raw values without their scales) and no weight is stored as
+      integers or bools (a header that lies about its bytes; integer buffers such as position ids pass);
+    - with FP8 block-wise: float8 tensors exist, each float8 `weight` has its `weight_scale_inv`, whose shape
+      is the weight's block grid, and no weight is stored as integers.
+    Other quantizations store integers and scales by their own rules; the local paths refuse them anyway."""
+    model_dir = Path(model_dir)
+    source = model_dir / "config.json"
+    for weights in sorted(model_dir.glob("*.safetensors")):
+        check_safetensors(weights)
+    q = target_quantization(model_dir)
+    entries = tensor_entries(model_dir)
+    if not entries or (q is not None and q.method != "fp8"):  # no weights here (a config-only dir): nothing to hold
+        return q
+    raw = config_json(model_dir)
+    declared = raw.get("torch_dtype") or raw.get("dtype") or "float"
+    for name, e in sorted(entries.items()):
+        if q is None and e.dtype in LOW_FLOAT_DTYPES:
+            raise UsageError(f"{e.file}: tensor {name} is {e.dtype}, but {source} has no quantization_config: "
+                             "its raw 8-bit values would load without their scales",
+                             hint="restore the checkpoint's quantization_config (quant_method, fmt, weight_block_size) "
+                                  "in config.json from where the checkpoint came from, or point target.path at an "
+                                  "unquantized copy")
+        if e.dtype not in FLOAT_DTYPES + LOW_FLOAT_DTYPES and not _integer_buffer(name):
+            why = f"{q.label} stores its weights as float8" if q else "there is no quantization_config"
+            raise UsageError(f"{e.file}: tensor {name} is stored as {e.dtype}, but {source} declares {declared} "
+                             f"weights and {why}: the integers would load as weights",
+                             hint=f"the header of {e.file.name} does not describe its data (or the file belongs "
+                                  "to another model): re-download or re-convert it")
+    if q is not None and q.block:  # per-tensor FP8 is refused by local_load_kwargs
+        _check_fp8_scales(q, entries, source)
+    return q
+
+
+def _integer_buffer(name: str) -> bool:
+    """A tensor that is integers in any checkpoint: ids, indices, counters (not a weight)."""
+    last = name.rsplit(".", 1)[-1]
+    return last.endswith(("_ids", "_index", "_indices")) or last == "num_batches_tracked"
+
+
+def _check_fp8_scales(q: QuantInfo, entries: dict[str, Any], source: Path) -> None:
+    """FP8 block-wise: float8 weights exist, each with a `weight_scale_inv` of the weight's block grid."""
+    fp8 = sorted(n for n, e in entries.items() if e.dtype in ("F8_E4M3", "F8_E5M2"))
+    if not fp8:
+        raise UsageError(f"{source}: quantization_config says {q.label}, but no tensor of the safetensors is "
+                         "float8", hint="the config belongs to another copy of the model: remove its "
+                                        "quantization_config if these are the unquantized weights")
+    for name in fp8:
+        if not name.endswith("weight"):
+            continue
+        scale = entries.get(name + "_scale_inv")
+        e = entries[name]
+        if scale is None:
+            raise UsageError(f"{e.file}: tensor {name} is {e.dtype} with no {name}_scale_inv in the checkpoint: "
+                             "its scales are missing", hint="re-download the checkpoint's safetensors files")
+        if q.block and len(e.shape) == 2:
+            grid = [-(-e.shape[0] // q.block[0]), -(-e.shape[1] // q.block[1])]
+            if list(scale.shape) != grid:
+                raise UsageError(f"{scale.file}: tensor {name}_scale_inv has shape {list(scale.shape)}; {name} "
+                                 f"{list(e.shape)} in the [{q.block[0]}, {q.block[1]}] blocks of {source}'s "
+                                 f"quantization_config.weight_block_size needs {grid}",
+                                 hint="the block size in config.json does not match the checkpoint: restore it "
+                                      "from the checkpoint's source")
 
 
 def check_local_target(section: Any) -> None:
     """Exit 2 (naming the target, its quantization and the engine command) when the local paths cannot load
-    the target of a `TargetSection`; what a stage calls before any work. A GGUF or a dir without config.json
+    the target of a `TargetSection`, or its tensors disagree with its config (`check_checkpoint`); what a
+    stage calls before any work. A GGUF or a dir without config.json
     is left to `load_target`'s own checks."""
     model_dir, gguf = resolve_target_path(section.path, section.gguf_file)
     if gguf or not (model_dir / "config.json").is_file():
         return
-    local_load_kwargs(target_quantization(model_dir), model_dir)
+    local_load_kwargs(check_checkpoint(model_dir), model_dir)
 
 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor,

@@ -32,8 +32,8 @@ from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoT
 
 from dflashkit.assets import cache_dir, convert_gguf
 from dflashkit.errors import UsageError
-from dflashkit.model.files import check_safetensors, config_json, resolve_target_path
-from dflashkit.model.quantized import local_load_kwargs, target_quantization
+from dflashkit.model.files import config_json, resolve_target_path, tensor_entries
+from dflashkit.model.quantized import check_checkpoint, local_load_kwargs
 from dflashkit.textfile import read_utf8
 
 if TYPE_CHECKING:
@@ -394,11 +394,27 @@ def _quantized_load_kwargs(model_dir: Path) -> dict[str, Any]:
     """`from_pretrained` keywords that load a quantized checkpoint dequantized into the target's dtype (FP8
     block-wise, compressed-tensors INT4), {} for an unquantized one; exit 2 naming the quantization and the
     engine command for one the local paths cannot load (`model.quantized`)."""
-    q = target_quantization(model_dir)
+    q = check_checkpoint(model_dir)  # a corrupt file or tensors its config cannot describe: exit 2 naming them
     if q is not None:
         log.info("target %s: %s weights, loaded dequantized (the engine paths serve them as they are)",
                  model_dir, q.label)
     return local_load_kwargs(q, model_dir)
+
+
+def _shape_mismatch(model_dir: Path, config: Any, trust_remote_code: bool) -> str:
+    """The first tensor whose safetensors shape differs from the model `config` builds (on the meta device,
+    no memory), as `file: tensor NAME has shape [..], config.json's model needs [..]`."""
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - only the message's detail is lost
+        model = None
+    want = {k: list(v.shape) for k, v in model.state_dict().items()} if model is not None else {}
+    for name, e in sorted(tensor_entries(model_dir).items()):
+        key = name.removeprefix("language_model.")
+        if key in want and list(e.shape) != want[key]:
+            return f"{e.file.name}: tensor {name} has shape {list(e.shape)}; config.json's model needs {want[key]}"
+    return "a tensor's shape in the safetensors is not what config.json's model needs (transformers' report above)"
 
 
 def load_target(section: TargetSection, *, device: str | None = None, dtype: str | None = None,
@@ -425,15 +441,20 @@ def load_target(section: TargetSection, *, device: str | None = None, dtype: str
     if not list(model_dir.glob("*.safetensors")):
         raise UsageError(f"{model_dir}: no *.safetensors weights (dflashkit loads safetensors only)",
                          hint="convert the checkpoint with save_pretrained(safe_serialization=True)")
-    for weights in sorted(model_dir.glob("*.safetensors")):  # a corrupt file: exit 2 naming it
-        check_safetensors(weights)
     quant = _quantized_load_kwargs(model_dir)  # before any weight is read: exit 2 when not loadable here
     config = _hf_config(model_dir, section.trust_remote_code)
     with warnings.catch_warnings():  # ours only turns the checkpoint's own quantization_config's `dequantize` on
         warnings.filterwarnings("ignore", message="You passed `quantization_config`")
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, config=config, dtype=dt, trust_remote_code=section.trust_remote_code,
-            use_safetensors=True, key_mapping={r"^language_model\.": ""}, **quant)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                model_dir, config=config, dtype=dt, trust_remote_code=section.trust_remote_code,
+                use_safetensors=True, key_mapping={r"^language_model\.": ""}, **quant)
+        except RuntimeError as e:  # transformers refuses a tensor whose shape is not its config's
+            if "mismatched" not in str(e):
+                raise
+            raise UsageError(f"{model_dir}: {_shape_mismatch(model_dir, config, section.trust_remote_code)}",
+                             hint="the safetensors do not belong to this config.json: re-download the "
+                                  "checkpoint, or restore the config it was saved with") from None
     model.to(dev).eval()
     model.requires_grad_(False)
     tok = load_tokenizer(model_dir, trust_remote_code=section.trust_remote_code,
