@@ -416,6 +416,20 @@ class TrainCommon:
         "1 … B-1 (train.gamma unused; JetSpec's KL recipe); or D-PACE (weights from the drafter's own confidence, "
         "arXiv 2605.18810). Under uniform and dpace the loss is divided by the supervised-position count.")
     dpace_alpha: float = f(0.5, "D-PACE confidence smoothing: q~ = (1-alpha)·q + alpha, in (0, 1].")
+    suffix_complement: Literal["off", "drop", "downweight"] = f(
+        "off", "Train the drafter to complement the suffix proposer (the hybrid, `decode/suffix.py`): the block "
+        "positions the suffix proposer already gets right in context (its proposal from the sample's own tokens up "
+        "to the anchor, a match of at least train.suffix_complement_min_match tokens, compared with the loss's "
+        "labels: the leading run of correct tokens) weigh train.suffix_complement_weight (downweight) or 0 (drop) "
+        "in the training loss; held-out scoring is unchanged. The metric suffix_covered is their share of the "
+        "supervised positions. docs/recipe.md \"Training to complement the suffix proposer\".", hash_default=False)
+    suffix_complement_weight: float = f(
+        0.25, "train.suffix_complement=downweight: the weight a position the suffix proposer already gets right "
+        "keeps (a factor on its usual weight), in [0, 1).", hash_default=False)
+    suffix_complement_min_match: int = f(
+        4, "train.suffix_complement: the shortest in-context match whose proposal counts (the hybrid's default "
+        "gate, so positions the hybrid would still draft with the drafter keep their weight; 1 = any match).",
+        hash_default=False)
     feature_noise: float = f(0.0, "Uniform noise on the target features in training only, U(-x, x) times the "
                              "RMS of each token's feature vector per target layer (0 = off).")
     forecast_tau: float = f(2.0, "The data-budget forecast's target: `train`, `report`, the run summary and `plan` "

@@ -261,6 +261,9 @@ def _range_problems(cfg: RunConfig) -> list[str]:
             p.append(f"{key}: must be a finite number, got {v}")
         elif isinstance(v, str) and "\x00" in v:
             p.append(f"{key}: contains a NUL byte (\\x00), which no path or name can hold: {v!r}")
+        elif isinstance(v, dict):  # chat_template_kwargs, extra_body, ...: every key is a name
+            p += [f"{key}: the key {k!r} is a {type(k).__name__}, not a name (YAML reads an unquoted {k!r} as "
+                  f"one); quote it, or write the variable's name" for k in v if not isinstance(k, str)]
     if p:
         return p
     t = cfg.train
@@ -309,6 +312,11 @@ def _stage_option_problems(cfg: RunConfig) -> list[str]:
         p.append("train.optimizer=muon does not support train.parallel.mode=fsdp (use ddp or none)")
     if not t.feature_noise >= 0:
         p.append(f"train.feature_noise {t.feature_noise} is negative")
+    if not 0 <= t.suffix_complement_weight < 1:
+        p.append(f"train.suffix_complement_weight {t.suffix_complement_weight} is outside [0, 1) "
+                 "(1 would change nothing: set train.suffix_complement=off)")
+    if t.suffix_complement_min_match < 1:
+        p.append(f"train.suffix_complement_min_match {t.suffix_complement_min_match} must be >= 1")
     _at_least(p, "tokenize", cfg.tokenize, 1, "shard_size", "batch_size")
     d = cfg.data
     if d.num_prompts is not None and d.num_prompts <= 0:

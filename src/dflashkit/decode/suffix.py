@@ -1,45 +1,408 @@
-"""Brute-force stand-in for dflashkit.decode.suffix (helper S's module), per the shared design."""
+"""Suffix matching: the longest-suffix, most-frequent-continuation proposer, with a per-tenant pool.
+
+Usage:
+    pool = SuffixPool(max_tokens=1 << 20, max_age_s=3600)           # shared by a server's requests
+    proposer = SuffixProposer(max_depth=32, pool=pool)
+    proposer.begin(prompt_ids, tenant="alice")                         # a request starts
+    draft = proposer.propose_scored(prompt_and_output, 7)              # SuffixDraft: tokens, match_len, scores, origin
+    proposer.propose(prompt_and_output, 7)                             # the `Proposer` protocol: draft.tokens
+    proposer.finish()                                                  # the request ended: it joins alice's pool
+
+Rule (the oracle in tests/decode/test_suffix.py implements the same words). The *texts* of a request are
+its own sequence S (prompt + committed output) and, with a pool, the finished requests of its tenant. An
+*occurrence of x followed by t* is a place in one text where x is immediately followed by t (in S both lie
+inside S, so the suffix of S itself is followed by nothing); N(x, t) counts them.
+1. Match: for the request's own text, L_req is the largest l ≤ max_depth such that the last l tokens of S
+   are followed by some token somewhere in S; L_pool is the same over the pool's texts. The request wins
+   when L_req ≥ L_pool (own context takes precedence at equal length), else the pool. The winner's texts
+   alone give every count below; match_len is its l. A match shorter than max(min_match, 1) proposes
+   nothing (origin "none").
+2. Continue: c starts as the matched suffix. Each proposed token is the t maximising N(x, t) with x the last
+   min(|c|, max_depth) tokens of c; ties go to the t whose latest occurrence after x is the most recent
+   (position in S; for the pool, later requests beat earlier ones). Its score is N(x, t) / Σ_u N(x, u), the
+   empirical probability of t after x. It stops at num_tokens tokens, when x is never followed, or before a
+   token whose score is below min_score; then t is appended to c.
+
+Structure: a depth-bounded suffix trie (every substring of length ≤ max_depth + 1 is a node with its
+occurrence count, the stamp of its latest occurrence and a suffix link), one per request and one per
+tenant in the pool, as SuffixDecoding's. Appending a token touches one node per depth: O(max_depth) per
+token, independent of the context length; the pool removes an evicted request the same way.
+Prompt lookup (`decode/ngram.py`, n ≤ 3, the latest match) stays the training-free floor.
+"""
+
 from __future__ import annotations
-from collections import Counter
-from dataclasses import dataclass
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+ROOT = 0
 
 
 @dataclass(frozen=True)
 class SuffixDraft:
+    """One suffix proposal.
+
+    tokens: the proposed continuation (empty: no match, or the match is shorter than min_match).
+    match_len: length of the matched suffix (0 = none), reported even when nothing is proposed.
+    scores: per proposed token, its empirical probability N(x, t) / Σ_u N(x, u) given the path so far.
+    origin: "request" (the request's own prompt and output), "pool" (earlier requests of its tenant),
+        or "none" (no match of at least min_match tokens).
+    """
+
     tokens: list[int]
     match_len: int
     scores: list[float]
-    origin: str = "request"
+    origin: str
+
+
+class _Trie:
+    """Depth-bounded suffix trie with counts, latest-occurrence stamps and suffix links (node 0 = root)."""
+
+    def __init__(self, height: int):
+        self.height = height                        # longest string stored
+        self.kids: list[dict[int, int]] = [{}]
+        self.count: list[int] = [0]
+        self.last: list[int] = [-1]
+        self.link: list[int] = [ROOT]
+        self.depth: list[int] = [0]
+        self.free: list[int] = []
+        self.live = 1
+
+    def _new(self, parent: int, tok: int, link: int) -> int:
+        d = self.depth[parent] + 1
+        if self.free:
+            i = self.free.pop()
+            self.kids[i], self.count[i], self.last[i], self.link[i], self.depth[i] = {}, 0, -1, link, d
+        else:
+            i = len(self.count)
+            self.kids.append({})
+            self.count.append(0)
+            self.last.append(-1)
+            self.link.append(link)
+            self.depth.append(d)
+        self.kids[parent][tok] = i
+        self.live += 1
+        return i
+
+    def extend(self, active: list[int], tok: int, stamp: int) -> list[int]:
+        """`active` holds the nodes of the text's suffixes of depth 0, 1, … (≤ height − 1); append `tok`
+        (one occurrence, stamped `stamp`) and return the new text's active list."""
+        new = [ROOT]
+        prev = ROOT                                  # the node of the previous (one shorter) extension
+        kids, count, last, height = self.kids, self.count, self.last, self.height
+        for node in active:
+            ch = kids[node].get(tok)
+            if ch is None:
+                ch = self._new(node, tok, prev)
+            count[ch] += 1
+            last[ch] = stamp
+            prev = ch
+            if self.depth[ch] < height:
+                new.append(ch)
+        return new
+
+    def remove(self, tokens: Sequence[int]) -> None:
+        """Forget one earlier-indexed text (the oldest one: the latest stamps of what remains stay right)."""
+        kids, count = self.kids, self.count
+        n = len(tokens)
+        for s in range(n):
+            node = ROOT
+            for j in range(s, min(s + self.height, n)):
+                tok = tokens[j]
+                ch = kids[node][tok]
+                count[ch] -= 1
+                if count[ch] == 0:
+                    del kids[node][tok]
+                    self.free.append(ch)
+                    self.live -= 1
+                node = ch
+
+    def match(self, tail: Sequence[int], max_len: int) -> int:
+        """The node of the longest suffix of `tail` (≤ max_len) that is followed by a token (ROOT: none)."""
+        kids, link, depth = self.kids, self.link, self.depth
+        state = ROOT
+        for tok in tail:
+            if depth[state] >= max_len:
+                state = link[state]
+            while True:
+                ch = kids[state].get(tok)
+                if ch is not None:
+                    state = ch
+                    break
+                if state == ROOT:
+                    break
+                state = link[state]
+        while state != ROOT and not kids[state]:
+            state = link[state]
+        return state
+
+    def continuation(self, node: int, num_tokens: int, max_len: int, min_score: float) -> tuple[list[int], list[float]]:
+        """Greedy most-frequent walk from `node` (rule 2 of the module docstring)."""
+        kids, count, last, depth, link = self.kids, self.count, self.last, self.depth, self.link
+        tokens: list[int] = []
+        scores: list[float] = []
+        while len(tokens) < num_tokens:
+            children = kids[node]
+            if not children:
+                break
+            total = 0
+            best_tok, best, best_key = -1, ROOT, (-1, -1)
+            for tok, ch in children.items():
+                c = count[ch]
+                total += c
+                key = (c, last[ch])
+                if key > best_key:
+                    best_tok, best, best_key = tok, ch, key
+            score = best_key[0] / total
+            if score < min_score:
+                break
+            tokens.append(best_tok)
+            scores.append(score)
+            node = best
+            if depth[node] > max_len:
+                node = link[node]
+        return tokens, scores
+
+
+@dataclass
+class _PoolEntry:
+    tenant: str | None
+    tokens: list[int]
+    added: float
+
+
+@dataclass
+class _TenantIndex:
+    trie: _Trie
+    stamp: int = 0
+    entries: deque[_PoolEntry] = field(default_factory=deque)
+
+
+class SuffixPool:
+    """Recent finished requests, per tenant, for `SuffixProposer` (TensorRT-LLM's "global pool").
+
+    Args:
+        max_tokens: memory cap in indexed tokens over all tenants; the oldest requests are evicted first
+            until a new one fits (a request longer than the cap keeps its last max_tokens tokens).
+        max_age_s: requests older than this are evicted (None: no age limit).
+        share_tenants: one pool for every tenant; by default a tenant only ever matches its own requests
+            (requests without a tenant form one tenant of their own, `None`).
+        max_depth: longest matched suffix (the proposers using the pool cap theirs at this).
+        clock: seconds, monotonic (tests pass a fake one).
+    """
+
+    def __init__(self, max_tokens: int = 1 << 20, max_age_s: float | None = None, share_tenants: bool = False,
+                 max_depth: int = 32, clock: Callable[[], float] = time.monotonic):
+        if max_tokens < 1:
+            raise ValueError(f"SuffixPool: max_tokens must be >= 1, got {max_tokens}")
+        if max_age_s is not None and max_age_s <= 0:
+            raise ValueError(f"SuffixPool: max_age_s must be > 0 or None, got {max_age_s}")
+        if max_depth < 1:
+            raise ValueError(f"SuffixPool: max_depth must be >= 1, got {max_depth}")
+        self.max_tokens, self.max_age_s, self.share_tenants = max_tokens, max_age_s, share_tenants
+        self.max_depth = max_depth
+        self.clock = clock
+        self.lock = threading.RLock()
+        self._order: deque[_PoolEntry] = deque()     # every tenant's entries, oldest first
+        self._index: dict[str | None, _TenantIndex] = {}
+        self.tokens = 0                              # indexed tokens, all tenants
+
+    def _key(self, tenant: str | None) -> str | None:
+        return None if self.share_tenants else tenant
+
+    def _evict_oldest(self) -> None:
+        entry = self._order.popleft()
+        idx = self._index[self._key(entry.tenant)]
+        idx.entries.popleft()
+        idx.trie.remove(entry.tokens)
+        self.tokens -= len(entry.tokens)
+        if not idx.entries:
+            del self._index[self._key(entry.tenant)]
+
+    def _expire(self) -> None:
+        if self.max_age_s is None:
+            return
+        now = self.clock()
+        while self._order and now - self._order[0].added > self.max_age_s:
+            self._evict_oldest()
+
+    def add(self, tokens: Sequence[int], tenant: str | None = None) -> None:
+        """Index one finished request (prompt + output) for its tenant, evicting by age and memory."""
+        toks = [int(t) for t in tokens[-self.max_tokens:]]
+        if not toks:
+            return
+        with self.lock:
+            self._expire()
+            while self._order and self.tokens + len(toks) > self.max_tokens:
+                self._evict_oldest()
+            key = self._key(tenant)
+            idx = self._index.get(key)
+            if idx is None:
+                idx = self._index[key] = _TenantIndex(_Trie(self.max_depth + 1))
+            active = [ROOT]
+            for tok in toks:
+                active = idx.trie.extend(active, tok, idx.stamp)
+                idx.stamp += 1
+            entry = _PoolEntry(tenant, toks, self.clock())
+            idx.entries.append(entry)
+            self._order.append(entry)
+            self.tokens += len(toks)
+
+    def requests(self, tenant: str | None = None) -> list[list[int]]:
+        """The texts a request of `tenant` matches against, oldest first."""
+        with self.lock:
+            self._expire()
+            idx = self._index.get(self._key(tenant))
+            return [list(e.tokens) for e in idx.entries] if idx else []
+
+    @property
+    def nodes(self) -> int:
+        """Trie nodes held, all tenants (memory grows with these: at most max_depth + 1 per token)."""
+        with self.lock:
+            return sum(idx.trie.live for idx in self._index.values())
+
+    def draft(self, sequence: Sequence[int], tenant: str | None, num_tokens: int, max_depth: int,
+              min_score: float = 0.0, longer_than: int = 0) -> SuffixDraft | None:
+        """`tenant`'s pool draft for `sequence` when its match is longer than `longer_than` (else None)."""
+        with self.lock:
+            self._expire()
+            idx = self._index.get(self._key(tenant))
+            if idx is None:
+                return None
+            depth = min(max_depth, self.max_depth)
+            node = idx.trie.match(sequence[-depth:], depth)
+            length = idx.trie.depth[node]
+            if length <= longer_than:
+                return None
+            tokens, scores = idx.trie.continuation(node, num_tokens, depth, min_score)
+            return SuffixDraft(tokens, length, scores, "pool")
 
 
 class SuffixProposer:
-    def __init__(self, max_depth: int = 32, min_match: int = 1, min_score: float = 0.0, pool=None, tenant=None):
-        self.max_depth = max_depth
+    """Longest-suffix, most-frequent-continuation proposer (implements `decode.spec_decode.Proposer`).
 
-    def begin(self, prompt_ids, tenant=None):
-        pass
+    Args:
+        max_depth: longest suffix matched (and longest context a continuation is conditioned on).
+        min_match: propose nothing when the match is shorter (match_len is still reported).
+        min_score: stop the continuation before a token whose empirical probability is lower.
+        pool: recent requests to match as well (shared between proposers; None: the request only).
+        tenant: the pool tenant when `begin` names none.
 
-    def finish(self):
-        pass
+    One instance follows one request at a time: `begin` / `finish` mark a request's ends (the decoder
+    calls them when present); without them a sequence that does not extend the indexed one starts a new
+    request (its predecessor is not added to the pool: only `finish` does that).
+    """
 
-    def propose(self, sequence, num_tokens):
+    def __init__(self, max_depth: int = 32, min_match: int = 1, min_score: float = 0.0,
+                 pool: SuffixPool | None = None, tenant: str | None = None):
+        if max_depth < 1:
+            raise ValueError(f"SuffixProposer: max_depth must be >= 1, got {max_depth}")
+        if min_match < 0:
+            raise ValueError(f"SuffixProposer: min_match must be >= 0, got {min_match}")
+        if not 0.0 <= min_score <= 1.0:
+            raise ValueError(f"SuffixProposer: min_score must be in [0, 1], got {min_score}")
+        self.max_depth, self.min_match, self.min_score = max_depth, min_match, min_score
+        self.pool, self.default_tenant = pool, tenant
+        self.tenant = tenant
+        self._reset()
+
+    def _reset(self) -> None:
+        self._trie = _Trie(self.max_depth + 1)
+        self._text: list[int] = []
+        self._active = [ROOT]
+        self._begun = False
+
+    def _index(self, tokens: Sequence[int]) -> None:
+        trie, text = self._trie, self._text
+        active = self._active
+        for tok in tokens:
+            tok = int(tok)
+            active = trie.extend(active, tok, len(text))
+            text.append(tok)
+        self._active = active
+
+    def begin(self, prompt_ids: Sequence[int], tenant: str | None = None) -> None:
+        """A new request starts: index its prompt; the pool it matches is `tenant`'s (default: the constructor's)."""
+        self._reset()
+        self.tenant = tenant if tenant is not None else self.default_tenant
+        self._index(prompt_ids)
+        self._begun = True
+
+    def finish(self) -> None:
+        """The request ended: its prompt + output join its tenant's pool; the proposer is free for the next."""
+        if self.pool is not None and self._text:
+            self.pool.add(self._text, self.tenant)
+        self._reset()
+        self.tenant = self.default_tenant
+
+    def _sync(self, sequence: Sequence[int]) -> None:
+        n = len(self._text)
+        if len(sequence) < n:
+            extends = False
+        elif self._begun:                           # the hooks mark request ends: a cheap check suffices
+            extends = n == 0 or sequence[n - 1] == self._text[-1]
+        else:
+            extends = list(sequence[:n]) == self._text
+        if not extends:
+            begun = self._begun
+            self._reset()
+            self._begun = begun
+            n = 0
+        self._index(sequence[n:])
+
+    def propose_scored(self, sequence: Sequence[int], num_tokens: int) -> SuffixDraft:
+        """The draft for `sequence` (prompt + committed tokens), at most `num_tokens` tokens."""
+        self._sync(sequence)
+        trie = self._trie
+        node = ROOT
+        for cand in reversed(self._active):          # deepest suffix first; depth ≤ max_depth
+            if trie.kids[cand]:
+                node = cand
+                break
+        own_len = trie.depth[node]
+        need = max(self.min_match, 1)
+        if self.pool is not None:
+            pooled = self.pool.draft(sequence, self.tenant, max(num_tokens, 0), self.max_depth,
+                                     self.min_score, own_len)
+            if pooled is not None:
+                if pooled.match_len < need:
+                    return SuffixDraft([], pooled.match_len, [], "none")
+                return pooled
+        if own_len < need:
+            return SuffixDraft([], own_len, [], "none")
+        tokens, scores = trie.continuation(node, num_tokens, self.max_depth, self.min_score)
+        return SuffixDraft(tokens, own_len, scores, "request")
+
+    def propose(self, sequence: list[int], num_tokens: int) -> list[int]:
+        """Up to `num_tokens` tokens (the `Proposer` protocol)."""
         return self.propose_scored(sequence, num_tokens).tokens
 
-    def propose_scored(self, sequence, num_tokens):
-        s = list(sequence)
-        n = len(s)
-        for L in range(min(self.max_depth, n - 1), 0, -1):
-            suf = s[n - L:]
-            if any(s[i:i + L] == suf for i in range(0, n - L)):
-                path, toks, scores = list(suf), [], []
-                while len(toks) < num_tokens:
-                    m = len(path)
-                    occ = [i for i in range(0, n - m) if s[i:i + m] == path]
-                    if not occ:
-                        break
-                    c = Counter(s[i + m] for i in occ)
-                    best = max(c.values())
-                    tok = next(s[i + m] for i in reversed(occ) if c[s[i + m]] == best)
-                    toks.append(tok); scores.append(best / len(occ)); path.append(tok)
-                return SuffixDraft(toks, L, scores)
-        return SuffixDraft([], 0, [])
+
+def suffix_run_lengths(tokens: Sequence[int], anchors: Sequence[int], labels: Sequence[int] | None = None,
+                       block_size: int = 16, max_depth: int = 32, min_match: int = 1) -> list[int]:
+    """Per anchor a, how many of the B − 1 tokens after it the in-context suffix proposer gets right.
+
+    The proposer sees `tokens[: a + 1]` (the anchor is the block's first token, as x_start in decoding) and
+    proposes B − 1 tokens; the run is the length of the prefix of that proposal equal to
+    `labels[a + 1 : a + B]` (labels default to `tokens`). Anchors in any order; one incremental pass.
+    """
+    ref = tokens if labels is None else labels
+    proposer = SuffixProposer(max_depth=max_depth, min_match=min_match)
+    proposer.begin([])
+    order = sorted(range(len(anchors)), key=lambda i: anchors[i])
+    runs = [0] * len(anchors)
+    seq = list(tokens)
+    for i in order:
+        a = int(anchors[i])
+        draft = proposer.propose(seq[: a + 1], block_size - 1)
+        run = 0
+        for k, tok in enumerate(draft):
+            p = a + 1 + k
+            if p >= len(ref) or ref[p] != tok:
+                break
+            run += 1
+        runs[i] = run
+    return runs

@@ -4,6 +4,7 @@ Usage:
     blk = build_blocks(x, a, heads, model=drafter, mask_token_id=m, gamma=7.0, prev=True, target=True)
     blk.block_ids, blk.positions, blk.mask           # the drafter's inputs (its features: blk.features)
     blk.rows, blk.loss_labels, blk.weights           # the supervised flat rows, their labels and weights
+    blk.complement, blk.covered                      # train.suffix_complement: the rows' factors, covered count
     blk.target_rows(r, x, heads)                     # the target's logits predicting rows r (KL, a family term)
 
 Invariants (`train/objective.py` states the rules these functions follow):
@@ -13,6 +14,12 @@ Invariants (`train/objective.py` states the rules these functions follow):
     an out-of-vocab label gets weight 0 (and adds nothing to `weight_sum`) but still counts as wrong.
   * `context=False` (`train.ablate_features`): no context at all (positions and mask of 0 context
     tokens, `features` [b, 0, ·]), not a context of zeros.
+  * `train.suffix_complement` (`LossInputs.complement`, `train/suffix_complement.py`): `complement` [b·N·B] is
+    each row's factor on its loss weight (the complement's weight where the suffix proposer already gets the
+    label right in context, 1 elsewhere), applied after the position weighting (decay or D-PACE). `weights`,
+    `rows`, `weight_sum` (the denominator) and the metrics stay the labels' own: a dropped row still reaches
+    the vocab projection (its τ and accuracy are scored) with factor 0. Off: `complement` None, nothing else
+    changes.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from dflashkit.model.draft_vocab import draft_labels
 from dflashkit.model.masks import dense_block_mask, flex_block_mask, layer_masks
 from dflashkit.model.path_labels import path_label_ids
 from dflashkit.train.objective import Anchors, block_input_ids, block_position_ids, labels_and_weights
+from dflashkit.train.suffix_complement import SuffixComplement
 
 
 @dataclass
@@ -45,7 +53,8 @@ class LossInputs:
     lengths [b]; `label_ids` [b, S] the label of each position (default the ids; `labels_and_weights`);
     for KL the target's logits [b, S, V], or its final-norm output [b, S, H] through `Heads.target_head`;
     `train.on_path`: `path_ids` [b, S, D] the target's greedy path after each raw prefix (the labels instead,
-    rollout) or `on_path_only` (only the positions on that path weigh, mask; `labels_and_weights`)."""
+    rollout) or `on_path_only` (only the positions on that path weigh, mask; `labels_and_weights`);
+    `complement`: the suffix-complement factors of the training loss (module docstring)."""
 
     features: torch.Tensor
     input_ids: torch.Tensor
@@ -56,6 +65,7 @@ class LossInputs:
     target_hidden: torch.Tensor | None = None
     path_ids: torch.Tensor | None = None
     on_path_only: bool = False
+    complement: SuffixComplement | None = None   # train.suffix_complement (training only; None: off)
 
 
 @dataclass
@@ -77,6 +87,8 @@ class LossBlocks:
     target_at: tuple[torch.Tensor, torch.Tensor] | None   # (batch, position) [b·N·B] of each row's target logits
     supervised: torch.Tensor | None     # [b·N·B] bool: supervised before `train.on_path=mask` (None: not on)
     weight_sum: float                   # Σ weights (the batch's own loss denominator)
+    complement: torch.Tensor | None = None  # [b·N·B] train.suffix_complement's factor per row (None: off)
+    covered: int = 0                    # supervised positions the suffix proposer covers (complement on)
 
     def target_rows(self, r: torch.Tensor, x: LossInputs, heads: Heads) -> torch.Tensor | None:
         """[r, V'] the target's logits predicting rows `r` (its next-token law at a+k−1; the `vocab` columns
@@ -113,6 +125,10 @@ def build_blocks(x: LossInputs, a: Anchors, heads: Heads, *, model, mask_token_i
         supervised = labels_and_weights(x.input_ids, x.loss_mask, x.seq_lens, a, block_size=B, gamma=None,
                                         label_ids=x.label_ids)[1].flatten() > 0
     ctx_len = s if context else 0
+    factor, covered = None, 0
+    if x.complement is not None:
+        f, cov = x.complement.factors(x.input_ids, a, labels, sup)
+        factor, covered = f.flatten(), int(cov.sum())
     return LossBlocks(
         block_size=B,
         block_ids=block_input_ids(x.input_ids, a, mask_token_id=mask_token_id, block_size=B),
@@ -124,7 +140,7 @@ def build_blocks(x: LossInputs, a: Anchors, heads: Heads, *, model, mask_token_i
         prev=(predecessors(x.input_ids, x.label_ids, a, block_size=B, path_ids=x.path_ids).flatten()
               if prev else None),
         target_at=_target_at(a, s, B) if target and have else None,
-        supervised=supervised, weight_sum=float(w.sum()))
+        supervised=supervised, weight_sum=float(w.sum()), complement=factor, covered=covered)
 
 
 def _labels(x: LossInputs, a: Anchors, heads: Heads, *, block_size: int, gamma: float | None):

@@ -50,7 +50,8 @@ IMPORTED = "imported.json"  # written by `dflashkit import` into the drafter dir
 _SHAPE_KEYS = ("block_size", "num_draft_layers", "target_layer_ids", "mask_token_id", "hidden_size",
                "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps")
 # the train.* keys of the loss a checkpoint records: the shared ones, then every family's weights (its `weights`)
-OBJECTIVE_KEYS = ("loss", "labels", "position_weighting", "ablate_features", "kl_temperature", *family.weight_keys())
+OBJECTIVE_KEYS = ("loss", "labels", "position_weighting", "ablate_features", "kl_temperature", "suffix_complement",
+                  *family.weight_keys())
 
 
 def _given(cfg: RunConfig, key: str, value: Any) -> bool:
@@ -195,7 +196,7 @@ def objective(train: TrainSection) -> dict[str, Any]:
 TRAJECTORY_KEYS = ("batch_size", "grad_accum", "lr", "optimizer", "muon_momentum", "min_lr_ratio", "warmup_ratio",
                    "weight_decay", "betas", "grad_clip", "num_anchors", "anchor_coverage", "gamma", "kl_weight",
                    "dpace_alpha", "feature_noise", "dtype", "heldout_samples", "train_samples", "heldout_sources",
-                   "on_path")
+                   "on_path", "suffix_complement_weight", "suffix_complement_min_match")
 
 
 def trajectory(cfg: RunConfig, rd: RunDir) -> dict[str, Any]:

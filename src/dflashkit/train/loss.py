@@ -23,6 +23,9 @@ Rules (each pinned by a test):
     indices; an out-of-vocab label has no loss (nor weight in Σ w) but counts as wrong; KL compares against
     the target's logits at the `vocab` columns (renormalised).
   * `context=False` (`train.ablate_features`): the blocks attend to themselves only, no target context.
+  * `train.suffix_complement` (`LossInputs.complement`): each row's weight times its factor (0 or the
+    complement's weight where the suffix proposer already gets the label right), after the weighting; the
+    denominator and the metrics are unchanged (`covered` counts those positions).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class LossOutput:
     tau_sum: float            # Σ over real blocks of (1 + leading correct)
     blocks: int               # number of real blocks
     extra: dict[str, Any] = field(default_factory=dict)
+    covered: float | None = None  # train.suffix_complement: supervised positions it covers (None: off)
 
 
 def tau_sum(ok: torch.Tensor, keep: torch.Tensor) -> float:
@@ -123,6 +127,8 @@ class DraftLoss:
         hidden = self.forward(drafter, heads, blk)
         parts, pred = self.row_values(model, heads, x, a, blk, hidden)
         row_w = self.weighting.row_weights(blk.weights, blk.rows, blk.sup, parts[-1])
+        if blk.complement is not None:  # train.suffix_complement: after the weighting, decay or D-PACE
+            row_w = row_w * blk.complement[blk.rows]
         total = hidden.new_zeros((), dtype=torch.float32)
         extra: dict[str, Any] = {}
         for term, term_parts in zip(self.terms, parts):
@@ -133,7 +139,8 @@ class DraftLoss:
         ok = self.verdicts(model, heads, x, a, blk, hidden, parts, pred, extra)
         return LossOutput(loss=scaled, weight_sum=blk.weight_sum, correct=ok.sum(dim=(0, 1)).float().cpu(),
                           total=blk.sup.sum(dim=(0, 1)).float().cpu(), tau_sum=tau_sum(ok, a.keep),
-                          blocks=int(a.keep.sum()), extra=extra)
+                          blocks=int(a.keep.sum()), extra=extra,
+                          covered=None if blk.complement is None else float(blk.covered))
 
     def forward(self, drafter, heads: Heads, blk: LossBlocks) -> torch.Tensor:
         """The drafter over every block (under `amp` autocast when set): outputs [b·N·B, H], flat rows."""

@@ -10,7 +10,9 @@ Usage:
 
 A step's statistics are sums over micro-batches and ranks: the loss (already divided by the step's
 denominator, so the sum is the step's loss), τ sum, blocks, tokens, and per block position the
-correct and supervised counts; the drafter family adds its own (`Objective.stats`, filled by its loss
+correct and supervised counts; under `train.suffix_complement` the supervised positions the suffix
+proposer covers (metric `suffix_covered`: their share of the supervised positions 1 … B−1, and
+`complemented`, the micro-batches that counted them); the drafter family adds its own (`Objective.stats`, filled by its loss
 terms; DFlash2: the unary argmax's τ and accuracy, the selector's rows, coverage, accuracy, loss).
 `to_tensor` / `from_tensor` are the one flat float64 form the all-reduce sums.
 """
@@ -26,6 +28,9 @@ from dflashkit.family.base import Family, ratio
 
 if TYPE_CHECKING:
     from dflashkit.train.loss import LossOutput
+
+
+_HEAD = 6  # the scalars before the per-position counts in the flat form (`to_tensor`)
 
 
 def _zeros(n: int) -> torch.Tensor:
@@ -46,6 +51,8 @@ class StepStats:
     correct: torch.Tensor = field(default_factory=lambda: _zeros(0))   # [B] float64
     total: torch.Tensor = field(default_factory=lambda: _zeros(0))     # [B] float64
     extra: dict[str, Any] = field(default_factory=dict)                # the family's (`Objective.stats`)
+    covered: float = 0.0        # train.suffix_complement: supervised positions the suffix proposer covers
+    complemented: float = 0.0   # micro-batches that counted them (0: the option is off)
 
     @classmethod
     def zeros(cls, block_size: int, family: Family) -> StepStats:
@@ -76,6 +83,9 @@ class StepStats:
         self.tokens += tokens
         self.correct += out.correct.double()
         self.total += out.total.double()
+        if out.covered is not None:
+            self.covered += out.covered
+            self.complemented += 1
         self._add_extra(out, loss_scale)
 
     def add_heldout(self, out: LossOutput) -> None:
@@ -94,25 +104,27 @@ class StepStats:
 
     # -- the all-reduce's flat form -------------------------------------------------------------------------
     def to_tensor(self) -> torch.Tensor:
-        """[loss, τ sum, blocks, tokens, correct (B), total (B), the family's in `Objective.stats` order] float64."""
+        """[loss, τ sum, blocks, tokens, covered, complemented, correct (B), total (B), the family's in
+        `Objective.stats` order] float64."""
         extra = [torch.as_tensor(self.extra[f.name], dtype=torch.float64).reshape(-1) for f in self.family.objective.stats]
-        head = torch.tensor([self.loss, self.tau_sum, self.blocks, self.tokens], dtype=torch.float64)
+        head = torch.tensor([self.loss, self.tau_sum, self.blocks, self.tokens, self.covered, self.complemented],
+                            dtype=torch.float64)
         return torch.cat([head, self.correct, self.total, *extra])
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor, block_size: int, family: Family) -> StepStats:
         B = block_size
-        want = 4 + 2 * B + sum(cls._size(f.size, B) for f in family.objective.stats)
+        want = _HEAD + 2 * B + sum(cls._size(f.size, B) for f in family.objective.stats)
         if t.numel() != want:
             raise ValueError(f"statistics of {t.numel()} values, expected {want} (block size {B}, {family.name})")
         extra: dict[str, Any] = {}
-        at = 4 + 2 * B
+        at = _HEAD + 2 * B
         for f in family.objective.stats:
             n = cls._size(f.size, B)
             extra[f.name] = t[at:at + n].clone() if f.size != 1 else float(t[at])
             at += n
-        return cls(B, family, float(t[0]), float(t[1]), float(t[2]), float(t[3]), t[4:4 + B].clone(),
-                   t[4 + B:4 + 2 * B].clone(), extra)
+        return cls(B, family, float(t[0]), float(t[1]), float(t[2]), float(t[3]), t[_HEAD:_HEAD + B].clone(),
+                   t[_HEAD + B:_HEAD + 2 * B].clone(), extra, covered=float(t[4]), complemented=float(t[5]))
 
     # -- metrics ----------------------------------------------------------------------------------------------
     def metrics(self, step: int, **extra: Any) -> dict[str, Any]:
@@ -123,6 +135,8 @@ class StepStats:
                "acc_mean": float(correct[1:].sum() / max(total[1:].sum(), 1)),
                "blocks": int(self.blocks), "tokens": int(self.tokens),
                "_window": [self.tau_sum, self.blocks, float(correct[1]), float(total[1])], **extra}
+        if self.complemented:
+            out["suffix_covered"] = float(self.covered / max(float(total[1:].sum()), 1.0))
         out.update(self.family.objective.metrics(self))
         return out
 

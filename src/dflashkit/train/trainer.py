@@ -29,6 +29,7 @@ from dflashkit.train.data import Batch, BatchPlan, FeatureStore, TokenData, coll
 from dflashkit.train.loss import DraftLoss, Heads, LossInputs, LossOutput
 from dflashkit.train.objective import Anchors, sample_anchors
 from dflashkit.train.parallel import DistInfo, TargetParts
+from dflashkit.train.suffix_complement import SuffixComplement
 from dflashkit.train.target_side import TargetOut, scored
 
 if TYPE_CHECKING:
@@ -136,7 +137,8 @@ class Trainer:
             feats = feature_noise(feats, b, scale=t.feature_noise, n_feat=len(self.contract.target_layer_ids))
         x = LossInputs(feats, b.input_ids, b.loss_mask, b.seq_lens, label_ids=tout.label_ids,
                        target_logits=tout.logits, target_hidden=tout.last_hidden, path_ids=tout.path_ids,
-                       on_path_only=tout.on_path_only)
+                       on_path_only=tout.on_path_only,
+                       complement=SuffixComplement.from_train(t) if training else None)
         return self.loss(self.drafter, self.heads(), x, a, denom=denom)
 
     def denom_gamma(self) -> float | None:
