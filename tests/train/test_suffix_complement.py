@@ -24,10 +24,38 @@ from dflashkit.family import new_drafter
 from dflashkit.train import guards
 from dflashkit.train.blocks import Heads, LossInputs, build_blocks
 from dflashkit.train.objective import sample_anchors
-from dflashkit.train.suffix_complement import SuffixComplement, new_proposer
+from dflashkit.train.suffix_complement import SuffixComplement
 from tests.helpers import tiny_contract, train_loss
 
 V, B = 50, 4
+DEPTH = 32  # the proposer's default max_depth
+
+
+def _followers(seq: list[int], ctx: list[int]) -> list[tuple[int, int]]:
+    """(following token, start) of every occurrence of `ctx` in `seq` with a token after it."""
+    m = len(ctx)
+    return [(seq[i + m], i) for i in range(len(seq) - m) if seq[i:i + m] == ctx]
+
+
+def _brute_proposal(seq: list[int], k: int) -> tuple[list[int], int]:
+    """(proposal, match length), by brute force: the longest suffix (≤ DEPTH) of `seq` followed by a token
+    somewhere in it, then the most frequent follower of the last ≤ DEPTH tokens, token by token (ties: the
+    most recent occurrence), while that context is followed at all."""
+    match = next((m for m in range(min(DEPTH, len(seq) - 1), 0, -1) if _followers(seq, seq[len(seq) - m:])), 0)
+    out: list[int] = []
+    ctx = seq[len(seq) - match:] if match else []
+    while match and len(out) < k:
+        foll = _followers(seq, ctx)
+        if not foll:
+            break
+        counts: dict[int, int] = {}
+        for t, _ in foll:
+            counts[t] = counts.get(t, 0) + 1
+        best = max(counts.values())
+        tok = max((i, t) for t, i in foll if counts[t] == best)[1]
+        out.append(tok)
+        ctx = (ctx + [tok])[-DEPTH:]
+    return out, match
 
 
 def _sample(g: torch.Generator, n: int, repetitive: bool) -> torch.Tensor:
@@ -75,7 +103,7 @@ def _blocks(model, heads, ids, lm, lens, a, comp, label_ids=None):
 
 
 def _oracle(ids, lm, lens, a, label_ids, weight: float, min_match: int, starts=None, ends=None) -> torch.Tensor:
-    """[b, N, B] expected factors, plain Python: each anchor's own document context, a fresh proposer."""
+    """[b, N, B] expected factors, plain Python: each anchor's own document context, a brute-force proposal."""
     b, n = a.anchors.shape
     out = torch.ones(b, n, B)
     for i in range(b):
@@ -86,11 +114,11 @@ def _oracle(ids, lm, lens, a, label_ids, weight: float, min_match: int, starts=N
             p = int(a.anchors[i, j])
             s = 0 if starts is None else int(starts[i, j])
             e = int(lens[i]) if ends is None else int(ends[i, j])
-            d = new_proposer().propose_scored(row[s:p + 1], B - 1)
-            if d.match_len < min_match:
+            tokens, match = _brute_proposal(row[s:p + 1], B - 1)
+            if match < min_match:
                 continue
             for k in range(1, B):
-                if k > len(d.tokens) or p + k >= e or not mask[p + k] or d.tokens[k - 1] != lab[p + k]:
+                if k > len(tokens) or p + k >= e or not mask[p + k] or tokens[k - 1] != lab[p + k]:
                     break
                 out[i, j, k] = weight
     return out

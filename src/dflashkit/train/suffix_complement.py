@@ -22,66 +22,23 @@ factor 1. Rules:
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+from dflashkit.decode.suffix import SuffixProposer
 
 if TYPE_CHECKING:
     from dflashkit.config import TrainSection
     from dflashkit.train.objective import Anchors
 
-try:  # helper S's proposer (decode/suffix.py); the brute-force one below has the same semantics
-    from dflashkit.decode.suffix import SuffixProposer as _Proposer
-except ImportError:  # pragma: no cover - until decode/suffix.py lands
-    _Proposer = None
 
-
-@dataclass(frozen=True)
-class LongestMatch:
-    """A brute-force in-context suffix proposer: the longest suffix (≤ `max_depth`) of the sequence that occurs
-    earlier in it with a token after it, then the most frequent continuation, token by token (ties: the most
-    recent occurrence), while the extended context still occurs with a follower. O(n · depth) per call."""
-
-    max_depth: int = 32
-
-    def propose_scored(self, sequence: list[int], num_tokens: int) -> Any:
-        n = len(sequence)
-        match = 0
-        for m in range(min(self.max_depth, n - 1), 0, -1):
-            if _followers(sequence, sequence[n - m:], n):
-                match = m
-                break
-        out: list[int] = []
-        ctx = sequence[n - match:] if match else []
-        while match and len(out) < num_tokens:
-            foll = _followers(sequence, ctx, n)
-            if not foll:
-                break
-            counts = Counter(tok for tok, _ in foll)
-            best = max(counts.values())
-            tok = max((i, t) for t, i in foll if counts[t] == best)[1]  # ties: the most recent occurrence
-            out.append(tok)
-            ctx = (ctx + [tok])[-self.max_depth:]
-        return _Draft(out, match)
-
-
-@dataclass(frozen=True)
-class _Draft:
-    tokens: list[int]
-    match_len: int
-
-
-def _followers(seq: list[int], ctx: list[int], n: int) -> list[tuple[int, int]]:
-    """(following token, start) of every occurrence of `ctx` in seq[:n] that has a token after it."""
-    m = len(ctx)
-    return [(seq[i + m], i) for i in range(n - m) if seq[i:i + m] == ctx]
-
-
-def new_proposer() -> Any:
-    """An in-context suffix proposer for one document (`propose_scored(sequence, k)` → tokens, match_len)."""
-    return _Proposer() if _Proposer is not None else LongestMatch()
+def new_proposer() -> SuffixProposer:
+    """An in-context suffix proposer for one document (no pool; the match length is gated here, not by it)."""
+    prop = SuffixProposer()
+    prop.begin([])  # one document's growing prefixes: a request the proposer follows incrementally
+    return prop
 
 
 @dataclass(frozen=True)
@@ -90,7 +47,7 @@ class SuffixComplement:
 
     weight: float
     min_match: int = 4
-    proposer: Callable[[], Any] = new_proposer
+    proposer: Callable[[], SuffixProposer] = new_proposer
 
     @classmethod
     def from_train(cls, train: TrainSection) -> SuffixComplement | None:
