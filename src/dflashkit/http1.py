@@ -20,6 +20,11 @@ host. Not supported: HTTP proxies and HTTP/2.
 Errors: `HttpTimeout`, `HttpConnectError`, `HttpDropped` (connection closed mid-response); their
 messages show URLs redacted (`dflashkit.redact`). A URL's `user:password@` is sent as HTTP Basic auth
 (unless the client has its own Authorization header), never in the Host header.
+Secrets: the client registers every credential it sends (`redact.remember_header` for its headers,
+a URL's user info), and every response it returns comes with them masked: a 2xx body where a whole
+secret appears, an error's body and header values also where 8 or more of a secret's first or last
+characters do (`redact.mask_bytes`), and every `HttpError` message. So a server that echoes the API
+key in a 401 cannot put it into a failure record, a manifest or a log line.
 """
 
 from __future__ import annotations
@@ -32,11 +37,14 @@ import ssl
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from dflashkit.redact import redact_url
+from dflashkit.redact import mask_bytes, mask_secrets, redact_text, redact_url, remember_header, remember_secret
 
 
 class HttpError(Exception):
-    pass
+    """Every HTTP failure; its message has the URLs redacted and the credentials sent masked (`redact_text`)."""
+
+    def __init__(self, message: str = ""):
+        super().__init__(redact_text(message))
 
 
 class HttpTimeout(HttpError):
@@ -175,6 +183,8 @@ class Http1Client:
 
     def __init__(self, *, timeout_s: float = 600.0, headers: dict[str, str] | None = None):
         self.timeout_s = timeout_s
+        for k, v in (headers or {}).items():
+            remember_header(k, v)
         self.headers = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self._idle: dict[tuple[str, str, int], list[_Conn]] = {}
         self._ssl: ssl.SSLContext | None = None
@@ -205,6 +215,7 @@ class Http1Client:
         netloc, headers = parts.netloc, self.headers
         if "@" in netloc:  # user info: Basic auth, and never in the Host header
             netloc = netloc.rpartition("@")[2]
+            _remember_userinfo(parts.username, parts.password)
             headers += _basic_auth(parts.username, parts.password, headers)
         head = (f"{method} {target} HTTP/1.1\r\nHost: {netloc}\r\nAccept: */*\r\n{headers}"
                 f"Content-Length: {len(body)}\r\n\r\n") if method != "GET" else \
@@ -240,7 +251,10 @@ class Http1Client:
             idle.append(conn)
         else:
             conn.close()
-        return status, headers, body
+        ok = 200 <= status < 300
+        if not ok:
+            headers = {k: mask_secrets(v) for k, v in headers.items()}
+        return status, headers, mask_bytes(body, partial=not ok)
 
     async def aclose(self) -> None:
         for conns in self._idle.values():
@@ -250,6 +264,17 @@ class Http1Client:
 
 
 JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def _remember_userinfo(user: str | None, password: str | None) -> None:
+    """Register a URL's credentials as sent: the password (as written and decoded), `user:password` and its
+    Basic token."""
+    if user is None:
+        return
+    remember_secret(password)
+    remember_secret(unquote(password or ""))
+    remember_header("Authorization", "Basic " + base64.b64encode(
+        f"{unquote(user)}:{unquote(password or '')}".encode()).decode("ascii"))
 
 
 def _basic_auth(user: str | None, password: str | None, headers: str) -> str:

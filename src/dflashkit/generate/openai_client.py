@@ -19,7 +19,9 @@ connection errors, malformed JSON) are retried with exponential backoff and jitt
 A reply's `tool_calls` are kept in OpenAI's shape, `arguments` a JSON object as a string (an object
 sent as such is serialised); a call without a function name or with arguments that are not a JSON
 object fails the request at once ("invalid tool call", not retried: a re-run asks again).
-The API key is read once from the environment and only ever placed in the Authorization header.
+The API key is read once from the environment and only ever placed in the Authorization header;
+the HTTP client registers it, so a server that echoes it (a 401 quoting the key) has it masked in every
+reply body, `RequestFailed.detail` and log line (`dflashkit.redact`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflashkit.config import redact_url
+from dflashkit.config import redact_text, redact_url
 from dflashkit.errors import ServerError
 from dflashkit.http1 import Http1Client, HttpConnectError, HttpDropped, HttpError, HttpTimeout
 
@@ -56,6 +58,7 @@ class RequestFailed(Exception):
     """A request that did not succeed after its retries; `reason` is a short countable label."""
 
     def __init__(self, reason: str, detail: str = "", attempts: int = 1):
+        detail = redact_text(detail)  # the server's words: never the credentials it was sent
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
         self.detail = detail
@@ -66,7 +69,7 @@ class _Retryable(Exception):
     def __init__(self, reason: str, detail: str = "", retry_after: float | None = None):
         super().__init__(reason)
         self.reason = reason
-        self.detail = detail
+        self.detail = redact_text(detail)
         self.retry_after = retry_after
 
 
