@@ -4,6 +4,7 @@ Usage:
     by_source, stats = read_sources(cfg)          # every data.sources[] entry read and normalised
     conv = normalise("sharegpt", messages, max_turns=8, max_prompt_chars=16000, tools=None)  # RecordError
     picked = mix({"a": convs_a, "b": convs_b}, {"a": 1.0, "b": 3.0}, total=1000, seed=0)
+    if not any(by_source.values()): raise UsageError(none_survived(stats))   # counts and the first file:line
     heldout, train = picked[:32], picked[32:]
 
 Normalisation (documented policy): contents are stripped; consecutive turns of the same role are
@@ -171,6 +172,22 @@ def check_sources(sources: list[SourceSection]) -> None:
                 raise ConfigError(f"{key}: only a BFCL source reads it (path: bfcl), not {src.path!r}",
                                   hint=f"remove {key}, or set data.sources[{i}].path=bfcl")
             bfcl.check_categories(key, src.bfcl_categories)
+
+
+def none_survived(stats: dict[str, dict[str, Any]], shown: int = 3) -> str:
+    """The error for a `read_sources` that kept no conversation: how many records each source gave, how many were
+    dropped and why, and the first `shown` named reasons (`file:line: what was wrong`)."""
+    read = sum(s["read"] for s in stats.values())
+    drops = Counter({r: sum(s["dropped"][r] for s in stats.values()) for r in REASONS})
+    examples = [e for s in stats.values() for e in s["examples"]]
+    empty = [f"{n} ({s['path']})" for n, s in stats.items() if not s["read"] and not s["dropped"]["malformed"]]
+    msg = f"no conversation survived reading and filtering: {read} records read, dropped {dict(+drops) or 'none'}"
+    if empty:
+        msg += f"; no record at all in {', '.join(empty)}"
+    if examples:
+        more = sum(drops.values()) - min(shown, len(examples))
+        msg += "; the first: " + "; ".join(examples[:shown]) + (f" (and {more} more)" if more > 0 else "")
+    return msg
 
 
 def read_sources(cfg: Any) -> tuple[dict[str, list[Conversation]], dict[str, dict[str, Any]]]:

@@ -18,7 +18,7 @@ from typing import Any
 
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
-from dflashkit.data.mixing import REASONS, mix, read_sources
+from dflashkit.data.mixing import REASONS, mix, none_survived, read_sources
 from dflashkit.data.records import write_prepared
 from dflashkit.data.sources import resolve_source_path
 from dflashkit.errors import ConfigError, UsageError
@@ -54,8 +54,8 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     by_source, stats = read_sources(cfg)
     total = sum(len(v) for v in by_source.values())
     if total == 0:
-        raise UsageError("no conversation survived reading and filtering",
-                         hint="check data.sources paths/formats; prepare/stats.json is not written")
+        raise UsageError(none_survived(stats), hint="fix the records named, or data.sources[].format if it does "
+                         "not match the files; prepare/stats.json is not written")
     picked = mix(by_source, {n: s["weight"] for n, s in stats.items()}, total=d.num_prompts,
                  seed=cfg.run.seed)
     heldout, train = picked[:d.heldout], picked[d.heldout:]
