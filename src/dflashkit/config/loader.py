@@ -27,6 +27,7 @@ from dflashkit import family
 from dflashkit.config.schema import RunConfig
 from dflashkit.config_hash import _hashed, section_hash  # noqa: F401 - re-exported (the config's API)
 from dflashkit.config.validate import problems as validation_problems
+from dflashkit.config.validate import raw_template_kwargs_problems
 from dflashkit.errors import ConfigError, UsageError
 from dflashkit.redact import redact_text, redact_url
 from dflashkit.textfile import read_utf8
@@ -177,11 +178,11 @@ def config_from_dict(data: dict, overrides: list[str] | None = None, *, source: 
 
     `checks`: more checks from the rooms above this one, listed with the config's own (the CLI hands the
     drafter families' `drafter.*` checks, `dflashkit.family.config_problems`)."""
+    problems: list[str] = raw_template_kwargs_problems(data)  # before JSON turns a key 1 into "1"
     data = json.loads(json.dumps(data or {}, default=str))
     for ov in overrides or []:
         key, value = parse_override(ov)
         _set_dotted(data, key, value)
-    problems: list[str] = []
     cfg = _build(RunConfig, data, "", problems)
     if not problems:
         problems = validation_problems(cfg) + (checks(cfg) if checks is not None else [])

@@ -250,6 +250,32 @@ def _values(cfg: Any, prefix: str = "") -> list[tuple[str, Any]]:
     return out
 
 
+def template_kwargs_problems(key: str, kwargs: dict) -> list[str]:
+    """A `chat_template_kwargs` mapping's keys that are not strings (YAML reads an unquoted `1`, `true` or
+    `null` key as a number, bool or null): template variables are names, and a key turned into one by the
+    config's JSON round trip ("1", "true") names no variable the template reads."""
+    return [f"{key}: the key {k!r} is {type(k).__name__}, not a template variable's name (YAML reads the "
+            f"unquoted key that way); write the variable's name, quoted if it must be {str(k)!r}"
+            for k in kwargs if not isinstance(k, str)]
+
+
+def raw_template_kwargs_problems(data: Any, prefix: str = "") -> list[str]:
+    """`template_kwargs_problems` of every `chat_template_kwargs` in a config's raw YAML data (sections, lists
+    and `data.sources[i]` walked), before anything turns its keys into strings."""
+    out: list[str] = []
+    if isinstance(data, dict):
+        for k, v in data.items():
+            key = f"{prefix}.{k}" if prefix else str(k)
+            if k == "chat_template_kwargs" and isinstance(v, dict):
+                out += template_kwargs_problems(key, v)
+            else:
+                out += raw_template_kwargs_problems(v, key)
+    elif isinstance(data, list):
+        for i, v in enumerate(data):
+            out += raw_template_kwargs_problems(v, f"{prefix}[{i}]")
+    return out
+
+
 def _range_problems(cfg: RunConfig) -> list[str]:
     """The rules every field obeys (no number is nan or inf, no string holds a NUL byte: no path or name
     can), then the ranges the other checks do not cover."""
@@ -261,9 +287,8 @@ def _range_problems(cfg: RunConfig) -> list[str]:
             p.append(f"{key}: must be a finite number, got {v}")
         elif isinstance(v, str) and "\x00" in v:
             p.append(f"{key}: contains a NUL byte (\\x00), which no path or name can hold: {v!r}")
-        elif isinstance(v, dict):  # chat_template_kwargs, extra_body, ...: every key is a name
-            p += [f"{key}: the key {k!r} is a {type(k).__name__}, not a name (YAML reads an unquoted {k!r} as "
-                  f"one); quote it, or write the variable's name" for k in v if not isinstance(k, str)]
+        elif key.endswith("chat_template_kwargs") and isinstance(v, dict):  # an override's, kept as parsed
+            p += template_kwargs_problems(key, v)
     if p:
         return p
     t = cfg.train
