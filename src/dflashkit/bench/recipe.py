@@ -20,8 +20,10 @@ steps, tokens, its learning curve and the load average around the variant (a bus
 CPU-minutes incomparable).
 
 Default variants: base; labels=data; no-features (no target context: does the drafter use the target
-at all?); one per drafter family beside DFlash (dflashkit/family/); and bigram, not a drafter but the
-share of held-out labels the most frequent successor predicts. Method: docs/recipe.md.
+at all?); suffix_complement (the drafter trained to complement the hybrid's suffix proposer:
+train.suffix_complement=downweight); one per drafter family beside DFlash (dflashkit/family/); and
+bigram, not a drafter but the share of held-out labels the most frequent successor predicts. Method:
+docs/recipe.md.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ DEFAULT_VARIANTS: dict[str, list[str]] = {
     "base": [],
     "labels=data": ["train.labels=data"],
     "no-features": ["train.ablate_features=true"],
+    "suffix_complement": ["train.suffix_complement=downweight"],
     **_family_variants(),
 }
 
