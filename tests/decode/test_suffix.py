@@ -174,7 +174,7 @@ def test_pool_never_exceeds_its_cap_and_evicts_oldest_first():
     pool = SuffixPool(max_tokens=50, max_depth=4)
     added: list[tuple[str, list[int]]] = []
     for _ in range(40):
-        doc = random_seq(rng, rng.randint(1, 70), 4)
+        doc = (random_seq if rng.random() < 0.5 else repetitive_seq)(rng, rng.randint(1, 70), 4)
         tenant = rng.choice(["x", "y"])
         pool.add(doc, tenant=tenant)
         added.append((tenant, doc[-50:]))
@@ -190,11 +190,13 @@ def test_pool_never_exceeds_its_cap_and_evicts_oldest_first():
             tail.append((t, d))
             total += len(d)
         assert sorted(map(tuple, kept)) == sorted(tuple(d) for _, d in tail)
-    # after evictions the trie still answers as a fresh one built from what is kept
-    seq = random_seq(rng, 12, 4)
-    p = SuffixProposer(max_depth=4, pool=pool)
-    p.begin([], tenant="x")
-    assert_same(p.propose_scored(seq, 4), oracle(seq, pool.requests("x"), 4, 4), "after eviction")
+        # after evictions the trie still answers as one built from what is kept
+        for tenant in ("x", "y"):
+            seq = repetitive_seq(rng, 14, 4)
+            p = SuffixProposer(max_depth=4, pool=pool)
+            p.begin([99], tenant=tenant)
+            assert_same(p.propose_scored([99] + seq, 6), oracle([99] + seq, pool.requests(tenant), 6, 4),
+                        f"after eviction, tenant {tenant}")
 
 
 def test_pool_evicts_by_age():

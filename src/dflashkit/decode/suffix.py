@@ -39,6 +39,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 ROOT = 0
+SENT = -1                                         # separates texts in a trie's buffer
+Cursor = tuple[int, int, int]                     # (explicit node, end stamp, depth): see _Trie
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,15 @@ class SuffixDraft:
 
 
 class _Trie:
-    """Depth-bounded suffix trie with counts, latest-occurrence stamps and suffix links (node 0 = root)."""
+    """Depth-bounded suffix trie over one growing token buffer (`text`, SENT between texts).
+
+    Every substring of length ≤ height that occurs at least twice is an explicit node (node 0 = root) with
+    its occurrence count, the stamp of its latest occurrence and a suffix link; a substring that occurs
+    once is a reference from its parent to where that occurrence ends (a negative kid, -(stamp + 1)), and
+    its own continuation is read from `text`. A stamp is a position in the buffer, so later texts have later
+    stamps. A cursor (node, end, depth) names a string: explicit when depth == depth[node], else the
+    unique occurrence ending at stamp `end` whose longest explicit prefix is `node`.
+    """
 
     def __init__(self, height: int):
         self.height = height                        # longest string stored
@@ -70,8 +80,15 @@ class _Trie:
         self.depth: list[int] = [0]
         self.free: list[int] = []
         self.live = 1
+        self.text: list[int] = []
+        self.base = 0                               # stamp of text[0]
+        self.dead = 0                               # leading buffer tokens of removed texts
 
-    def _new(self, parent: int, tok: int, link: int) -> int:
+    def at(self, stamp: int) -> int:
+        i = stamp - self.base
+        return self.text[i] if 0 <= i < len(self.text) else SENT
+
+    def _node(self, parent: int, tok: int, link: int) -> int:
         d = self.depth[parent] + 1
         if self.free:
             i = self.free.pop()
@@ -87,25 +104,38 @@ class _Trie:
         self.live += 1
         return i
 
-    def extend(self, active: list[int], tok: int, stamp: int) -> list[int]:
-        """`active` holds the nodes of the text's suffixes of depth 0, 1, … (≤ height − 1); append `tok`
-        (one occurrence, stamped `stamp`) and return the new text's active list."""
+    def append(self, active: list[int], tok: int) -> list[int]:
+        """Append `tok` to the buffer. `active` lists the explicit suffixes of the text so far, depth 0, 1, …
+        (≤ height − 1); returns the new text's list. Work: one node per explicit suffix."""
+        stamp = self.base + len(self.text)
+        self.text.append(tok)
+        kids, count, last, depth, height = self.kids, self.count, self.last, self.depth, self.height
         new = [ROOT]
-        prev = ROOT                                  # the node of the previous (one shorter) extension
-        kids, count, last, height = self.kids, self.count, self.last, self.height
-        for node in active:
+        prev = ROOT                                  # explicit node of the previous (one shorter) suffix
+        for k, node in enumerate(active):
             ch = kids[node].get(tok)
-            if ch is None:
-                ch = self._new(node, tok, prev)
+            if ch is None:                           # first occurrence: so is every longer suffix's
+                for longer in active[k:]:
+                    kids[longer][tok] = -(stamp + 1)
+                break
+            if ch < 0:                               # second occurrence: the reference becomes a node
+                e = -ch - 1
+                ch = self._node(node, tok, prev)
+                count[ch] = 1
+                if depth[ch] < height and (nxt := self.at(e + 1)) != SENT:
+                    kids[ch][nxt] = -(e + 2)
             count[ch] += 1
             last[ch] = stamp
             prev = ch
-            if self.depth[ch] < height:
+            if depth[ch] < height:
                 new.append(ch)
         return new
 
+    def end_text(self) -> None:
+        self.text.append(SENT)
+
     def remove(self, tokens: Sequence[int]) -> None:
-        """Forget one earlier-indexed text (the oldest one: the latest stamps of what remains stay right)."""
+        """Forget the oldest indexed text (the latest stamps of what remains stay right); its buffer is dropped."""
         kids, count = self.kids, self.count
         n = len(tokens)
         for s in range(n):
@@ -113,57 +143,100 @@ class _Trie:
             for j in range(s, min(s + self.height, n)):
                 tok = tokens[j]
                 ch = kids[node][tok]
+                if ch < 0:                           # this text held the only occurrence (and all below it)
+                    del kids[node][tok]
+                    break
                 count[ch] -= 1
                 if count[ch] == 0:
                     del kids[node][tok]
                     self.free.append(ch)
                     self.live -= 1
                 node = ch
+        self.dead += n + 1                           # the text and its separator lead the buffer
+        if self.dead * 2 >= len(self.text):          # drop dead stamps in bulk: amortised O(1) per token
+            del self.text[:self.dead]
+            self.base += self.dead
+            self.dead = 0
 
-    def match(self, tail: Sequence[int], max_len: int) -> int:
-        """The node of the longest suffix of `tail` (≤ max_len) that is followed by a token (ROOT: none)."""
-        kids, link, depth = self.kids, self.link, self.depth
-        state = ROOT
-        for tok in tail:
-            if depth[state] >= max_len:
-                state = link[state]
-            while True:
-                ch = kids[state].get(tok)
-                if ch is not None:
-                    state = ch
-                    break
-                if state == ROOT:
-                    break
-                state = link[state]
-        while state != ROOT and not kids[state]:
-            state = link[state]
-        return state
+    def locate(self, tokens: Sequence[int]) -> Cursor | None:
+        """The cursor of `tokens` (None: they never occur)."""
+        node, end, d = ROOT, -1, 0
+        kids, depth = self.kids, self.depth
+        for tok in tokens:
+            if d == depth[node]:
+                ch = kids[node].get(tok)
+                if ch is None:
+                    return None
+                if ch >= 0:
+                    node = ch
+                else:
+                    end = -ch - 1
+            else:
+                if d >= self.height or self.at(end + 1) != tok:
+                    return None
+                end += 1
+            d += 1
+        return node, end, d
 
-    def continuation(self, node: int, num_tokens: int, max_len: int, min_score: float) -> tuple[list[int], list[float]]:
-        """Greedy most-frequent walk from `node` (rule 2 of the module docstring)."""
-        kids, count, last, depth, link = self.kids, self.count, self.last, self.depth, self.link
+    def followers(self, cur: Cursor) -> list[tuple[int, int, int, Cursor]]:
+        """(token, N, stamp of the latest occurrence, cursor) for each token that follows the cursor's string."""
+        node, end, d = cur
+        if d == self.depth[node]:
+            out = []
+            for tok, ch in self.kids[node].items():
+                if ch >= 0:
+                    out.append((tok, self.count[ch], self.last[ch], (ch, -1, d + 1)))
+                else:
+                    out.append((tok, 1, -ch - 1, (node, -ch - 1, d + 1)))
+            return out
+        if d < self.height and (nxt := self.at(end + 1)) != SENT:
+            return [(nxt, 1, end + 1, (node, end + 1, d + 1))]
+        return []
+
+    def shorten(self, cur: Cursor) -> Cursor:
+        """The cursor of the string without its first token."""
+        node, end, d = cur
+        if d == self.depth[node]:
+            return self.link[node], -1, d - 1
+        z = self.link[node] if node != ROOT else ROOT
+        first = end - d + 2                          # stamp of the shortened string's first token
+        for k in range(self.depth[z], d - 1):
+            ch = self.kids[z][self.at(first + k)]
+            if ch < 0:
+                return z, end, d - 1
+            z = ch
+        return z, -1, d - 1
+
+    def match(self, sequence: Sequence[int], max_len: int) -> tuple[int, Cursor]:
+        """The longest suffix of `sequence` (≤ max_len tokens) that is followed by some token, and its cursor.
+        Being followed is monotone in the length, so a binary search over lengths finds it."""
+        lo, hi = 0, min(max_len, len(sequence))
+        best: Cursor = (ROOT, -1, 0)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            cur = self.locate(sequence[len(sequence) - mid:])
+            if cur is not None and self.followers(cur):
+                lo, best = mid, cur
+            else:
+                hi = mid - 1
+        return lo, best
+
+    def continuation(self, cur: Cursor, num_tokens: int, max_len: int,
+                     min_score: float) -> tuple[list[int], list[float]]:
+        """Greedy most-frequent walk from the cursor (rule 2 of the module docstring)."""
         tokens: list[int] = []
         scores: list[float] = []
         while len(tokens) < num_tokens:
-            children = kids[node]
-            if not children:
+            fol = self.followers(cur)
+            if not fol:
                 break
-            total = 0
-            best_tok, best, best_key = -1, ROOT, (-1, -1)
-            for tok, ch in children.items():
-                c = count[ch]
-                total += c
-                key = (c, last[ch])
-                if key > best_key:
-                    best_tok, best, best_key = tok, ch, key
-            score = best_key[0] / total
+            tok, c, _, nxt = max(fol, key=lambda f: (f[1], f[2]))
+            score = c / sum(f[1] for f in fol)
             if score < min_score:
                 break
-            tokens.append(best_tok)
+            tokens.append(tok)
             scores.append(score)
-            node = best
-            if depth[node] > max_len:
-                node = link[node]
+            cur = nxt if nxt[2] <= max_len else self.shorten(nxt)
         return tokens, scores
 
 
@@ -177,7 +250,6 @@ class _PoolEntry:
 @dataclass
 class _TenantIndex:
     trie: _Trie
-    stamp: int = 0
     entries: deque[_PoolEntry] = field(default_factory=deque)
 
 
@@ -244,8 +316,8 @@ class SuffixPool:
                 idx = self._index[key] = _TenantIndex(_Trie(self.max_depth + 1))
             active = [ROOT]
             for tok in toks:
-                active = idx.trie.extend(active, tok, idx.stamp)
-                idx.stamp += 1
+                active = idx.trie.append(active, tok)
+            idx.trie.end_text()
             entry = _PoolEntry(tenant, toks, self.clock())
             idx.entries.append(entry)
             self._order.append(entry)
@@ -273,11 +345,10 @@ class SuffixPool:
             if idx is None:
                 return None
             depth = min(max_depth, self.max_depth)
-            node = idx.trie.match(sequence[-depth:], depth)
-            length = idx.trie.depth[node]
+            length, cur = idx.trie.match(sequence, depth)
             if length <= longer_than:
                 return None
-            tokens, scores = idx.trie.continuation(node, num_tokens, depth, min_score)
+            tokens, scores = idx.trie.continuation(cur, num_tokens, depth, min_score)
             return SuffixDraft(tokens, length, scores, "pool")
 
 
@@ -311,17 +382,18 @@ class SuffixProposer:
 
     def _reset(self) -> None:
         self._trie = _Trie(self.max_depth + 1)
-        self._text: list[int] = []
         self._active = [ROOT]
         self._begun = False
 
+    @property
+    def _text(self) -> list[int]:
+        return self._trie.text                       # the request's own buffer: no separators, base 0
+
     def _index(self, tokens: Sequence[int]) -> None:
-        trie, text = self._trie, self._text
+        trie = self._trie
         active = self._active
         for tok in tokens:
-            tok = int(tok)
-            active = trie.extend(active, tok, len(text))
-            text.append(tok)
+            active = trie.append(active, int(tok))
         self._active = active
 
     def begin(self, prompt_ids: Sequence[int], tenant: str | None = None) -> None:
@@ -357,11 +429,7 @@ class SuffixProposer:
         """The draft for `sequence` (prompt + committed tokens), at most `num_tokens` tokens."""
         self._sync(sequence)
         trie = self._trie
-        node = ROOT
-        for cand in reversed(self._active):          # deepest suffix first; depth ≤ max_depth
-            if trie.kids[cand]:
-                node = cand
-                break
+        node = self._active[-1]                      # deepest suffix seen twice (≤ max_depth): so followed
         own_len = trie.depth[node]
         need = max(self.min_match, 1)
         if self.pool is not None:
@@ -373,7 +441,7 @@ class SuffixProposer:
                 return pooled
         if own_len < need:
             return SuffixDraft([], own_len, [], "none")
-        tokens, scores = trie.continuation(node, num_tokens, self.max_depth, self.min_score)
+        tokens, scores = trie.continuation((node, -1, own_len), num_tokens, self.max_depth, self.min_score)
         return SuffixDraft(tokens, own_len, scores, "request")
 
     def propose(self, sequence: list[int], num_tokens: int) -> list[int]:
