@@ -23,10 +23,12 @@ inside S, so the suffix of S itself is followed by nothing); N(x, t) counts them
    empirical probability of t after x. It stops at num_tokens tokens, when x is never followed, or before a
    token whose score is below min_score; then t is appended to c.
 
-Structure: a depth-bounded suffix trie (every substring of length ≤ max_depth + 1 is a node with its
-occurrence count, the stamp of its latest occurrence and a suffix link), one per request and one per
-tenant in the pool, as SuffixDecoding's. Appending a token touches one node per depth: O(max_depth) per
-token, independent of the context length; the pool removes an evicted request the same way.
+Structure: a depth-bounded suffix trie (substrings of length ≤ max_depth + 1, with occurrence counts), one
+per request and one per tenant in the pool, as SuffixDecoding's. A substring seen twice is a node (count,
+latest occurrence, suffix link); one seen once is a reference to where it ends in the text, so nodes grow
+with the repeated substrings, not with max_depth × tokens. Appending a token touches one node per repeated
+suffix: at most max_depth, independent of the context length. Matching the pool binary-searches the match
+length (O(max_depth · log max_depth) per step); the pool removes an evicted request the way it added it.
 Prompt lookup (`decode/ngram.py`, n ≤ 3, the latest match) stays the training-free floor.
 """
 
