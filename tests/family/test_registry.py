@@ -77,15 +77,17 @@ def test_step_stats_go_through_one_flat_tensor_and_back(kind):
     fam = family.get(kind)
     st = StepStats.zeros(4, fam)
     st.loss, st.tau_sum, st.blocks, st.tokens = 1.5, 20.0, 9.0, 77.0
+    st.covered, st.complemented = 4.0, 2.0  # train.suffix_complement's count and its micro-batches
     st.correct += torch.tensor([0.0, 3, 2, 1], dtype=torch.float64)
     st.total += torch.tensor([0.0, 5, 5, 4], dtype=torch.float64)
     for i, f in enumerate(fam.objective.stats):
         st.extra[f.name] = st.extra[f.name] + (torch.arange(4.0).double() if f.size == "B" else 0.0) + i + 1
     t = st.to_tensor()
-    assert t.dtype == torch.float64 and t.numel() == 4 + 2 * 4 + sum(4 if f.size == "B" else 1 for f in fam.objective.stats)
+    assert t.dtype == torch.float64 and t.numel() == 6 + 2 * 4 + sum(4 if f.size == "B" else 1 for f in fam.objective.stats)
     back = StepStats.from_tensor(t, 4, fam)
     assert torch.equal(back.to_tensor(), t) and back.metrics(3) == st.metrics(3)
-    assert set(back.metrics(3)) >= {"tau", "acc", "loss", *fam.metric_names}
+    assert set(back.metrics(3)) >= {"tau", "acc", "loss", "suffix_covered", *fam.metric_names}
+    assert back.metrics(3)["suffix_covered"] == 4.0 / 14  # of the supervised positions 1 … B−1
     with pytest.raises(ValueError, match="statistics of"):
         StepStats.from_tensor(t[:-1], 4, fam)
 
