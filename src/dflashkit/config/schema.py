@@ -576,6 +576,7 @@ def with_families(common: type, name: str, part: str) -> type:
     field keeps the default, help and range its family declares (`family.knobs.knob`)."""
     import typing
 
+    family.reserve(part, common)  # a plugin family reusing a common key is dropped (and refused: exit 2)
     seen = {fl.name for fl in dataclasses.fields(common)}
     extra: list[tuple[str, Any, Any]] = []
     for fam in family.FAMILIES.values():

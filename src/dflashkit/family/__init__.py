@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT", "ENV", "ENTRY_POINTS", "FAMILIES", "Family", "by_architecture", "check_tensors", "checks",
            "config_problems", "draft_vocab_problem", "extra_params", "get", "knob_keys", "names", "new_drafter",
-           "objective_problems", "reads_target_law", "refuse_draft_vocab", "register", "weight_keys"]
+           "objective_problems", "reads_target_law", "refuse_draft_vocab", "register", "reserve", "weight_keys"]
 
 BUILTIN = (DFLASH, DFLASH2, LILICORR)
 FAMILIES: dict[str, Family] = {}
@@ -58,15 +58,62 @@ ENV = "DFLASHKIT_FAMILIES"           # "module:ATTR,...": families to register (
 ENTRY_POINTS = "dflashkit.families"  # the entry-point group of installed plugin families
 
 
+SECTIONS = {"knobs": "drafter", "weights": "train"}  # a family's part → the config section its fields join
+RESERVED: dict[str, tuple[str, ...]] = {"knobs": (), "weights": ()}  # the common sections' keys (`reserve`)
+PLUGINS: dict[str, str] = {}  # a plugin family's name → where it came from (its entry point or ENV entry)
+
+
 def register(fam: Family) -> Family:
-    """Add `fam` to the registry; UsageError (exit 2) when its name or architecture is taken."""
+    """Add `fam` to the registry; UsageError (exit 2) when its name or architecture is taken, or when one of its
+    knobs or weights would take over a key it does not share: a common `drafter.*` / `train.*` key (`reserve`)
+    or another family's field of the same name. Families share a field only by extending the class that
+    declares it (DFlash2's `causal` is DFlash's)."""
     for other in FAMILIES.values():
         if fam.name == other.name or fam.architecture == other.architecture:
             raise UsageError(f"drafter family {fam.name!r} ({fam.architecture}) clashes with the registered "
                              f"{other.name!r} ({other.architecture})",
                              hint="give the family its own name and architecture")
+    clash = _collision(fam)
+    if clash:
+        raise clash
     FAMILIES[fam.name] = fam
     return fam
+
+
+def _collision(fam: Family) -> UsageError | None:
+    """The first knob or weight of `fam` whose key is a common section key or another registered family's
+    field that `fam` does not inherit, as the UsageError naming the family, the key and what it collides with."""
+    for part, section in SECTIONS.items():
+        mine = {f.name: f for f in dataclasses.fields(getattr(fam, part))}
+        for key, fl in mine.items():
+            if key in RESERVED[part]:
+                what = f"the built-in {section}.{key} that every family reads"
+            else:
+                owner = next((o for o in FAMILIES.values() if o is not fam and any(
+                    g.name == key and g is not fl for g in dataclasses.fields(getattr(o, part)))), None)
+                if owner is None:
+                    continue
+                what = f"the {owner.name!r} family's {part[:-1]} {section}.{key}"
+            source = f" (from {PLUGINS[fam.name]})" if fam.name in PLUGINS else ""
+            return UsageError(f"drafter family {fam.name!r}{source}: its {part[:-1]} {section}.{key} "
+                              f"({getattr(fam, part).__name__}) collides with {what}; the family is not registered",
+                              hint=f"rename the {part[:-1]} (e.g. {fam.name}_{key}), or extend the class that "
+                              "declares the shared one")
+    return None
+
+
+def reserve(part: str, common: type) -> None:
+    """Record the common section's keys (`config/schema.py`, before it adds the families' `part` fields): a
+    family whose `part` reuses one is dropped from the registry and its UsageError kept as PLUGIN_ERROR (the
+    config checks raise it, exit 2), since plugins register when this package is imported, before the schema
+    exists; `register` refuses such a family from now on."""
+    global PLUGIN_ERROR
+    RESERVED[part] = tuple(f.name for f in dataclasses.fields(common))
+    for fam in list(FAMILIES.values()):
+        clash = _collision(fam)
+        if clash:
+            del FAMILIES[fam.name]
+            PLUGIN_ERROR = PLUGIN_ERROR or clash
 
 
 def _load(spec: str, where: str) -> Any:
@@ -76,8 +123,10 @@ def _load(spec: str, where: str) -> Any:
         obj: Any = importlib.import_module(module)
         for part in attr.split(".") if attr else ():
             obj = getattr(obj, part)
-    except Exception as e:  # noqa: BLE001 - any failure of a plugin's import is the user's to fix
-        raise UsageError(f"{where}: cannot load the drafter family {spec!r}: {type(e).__name__}: {e}",
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - any failure of a plugin's import is the user's to fix
+        # sys.exit() at import too: it would end every command with no word (Ctrl-C still propagates)
+        why = f"it called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
+        raise UsageError(f"{where}: cannot load the drafter family {spec!r}: {why}",
                          hint=f"fix or remove it ({where}); each entry is module:ATTR naming a Family") from None
     if not isinstance(obj, Family):
         raise UsageError(f"{where}: {spec!r} is a {type(obj).__name__}, not a dflashkit.family.Family",
@@ -94,6 +143,8 @@ def _plugins() -> UsageError | None:
         try:
             fam = _load(spec, where)
             if FAMILIES.get(fam.name) is not fam:
+                if fam.name not in FAMILIES:
+                    PLUGINS[fam.name] = f"{spec!r} of {where}"
                 register(fam)
         except UsageError as e:
             return e
