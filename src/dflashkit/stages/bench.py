@@ -10,7 +10,8 @@ reference dflash_generate), draft (one draft step: the drafter module's forward 
 and bf16), step (the target's decode step as loaded vs packed, against the memory floor), serve
 (concurrency sweep over one or two OpenAI-compatible endpoints),
 recipe (short training runs of recipe variants on this run's data: held-out τ, acc@1, bigram),
-seqlen (train peak memory and step time of one packed row at S = 2k / 8k / 32k).
+seqlen (train peak memory and step time of one packed row at S = 2k / 8k / 32k),
+suffix (the suffix proposer's index and per-step cost at 1k / 8k / 32k-token contexts, prompt lookup beside it).
 Every ratio is measured in one run, warm-up excluded.
 """
 
@@ -26,6 +27,7 @@ from dflashkit.bench.results import write_bench_result
 from dflashkit.bench.seqlen import bench_seqlen
 from dflashkit.bench.serve import bench_serve, check_bench_serve, failed_requests
 from dflashkit.bench.step import bench_step
+from dflashkit.bench.suffix import bench_suffix, contexts_from
 from dflashkit.bench.tokenize import bench_tokenize
 from dflashkit.bench.train import bench_train
 from dflashkit.config import RunConfig
@@ -74,10 +76,14 @@ def _seqlen(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     return bench_seqlen(cfg, rd, ctx)
 
 
+def _suffix(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
+    return bench_suffix(cfg, rd, ctx)
+
+
 # subject -> the bench (each imports its module lazily: a bench's heavy imports load only when it runs)
 SUBJECTS: dict[str, Callable[[RunConfig, RunDir, StageContext], dict[str, Any]]] = {
     "generate": _generate, "serve": _serve, "tokenize": _tokenize, "train": _train, "decode": _decode,
-    "draft": _draft, "recipe": _recipe, "step": _step, "seqlen": _seqlen,
+    "draft": _draft, "recipe": _recipe, "step": _step, "seqlen": _seqlen, "suffix": _suffix,
 }
 
 
@@ -94,9 +100,14 @@ def _check_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> None:
     check_target_fits(decode_inputs(cfg, rd, ctx.positionals[1:], num_prompts=cfg.eval.num_prompts), cfg.target)
 
 
+def _check_suffix(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> None:
+    contexts_from(list(ctx.positionals[1:]))
+
+
 # subject -> what the bench checks before it runs (recipe checks every variant itself: `plan_variants`)
 CHECKS: dict[str, Callable[[RunConfig, RunDir, StageContext], None]] = {
     "serve": _check_serve, "tokenize": _check_tokenize, "decode": _check_decode,
+    "suffix": _check_suffix,
 }
 
 
