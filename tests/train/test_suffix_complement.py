@@ -20,6 +20,7 @@ import torch
 
 from dflashkit.config import RunConfig, TrainSection
 from dflashkit.config.validate import problems
+from dflashkit.decode.suffix import SuffixProposer
 from dflashkit.family import new_drafter
 from dflashkit.train import guards
 from dflashkit.train.blocks import Heads, LossInputs, build_blocks
@@ -135,7 +136,7 @@ def test_factors_equal_a_slow_oracle(repetitive, labels, min_match):
         label_ids = ids.clone() if labels == "data" else torch.where(
             torch.rand(ids.shape, generator=torch.Generator().manual_seed(seed)) < 0.2, (ids + 1) % (V - 1), ids)
         a = sample_anchors(lm, lens, num_anchors=30, block_size=B, seeds=[seed * 10 + i for i in range(3)])
-        comp = SuffixComplement(0.25, min_match)
+        comp = SuffixComplement(SuffixProposer, 0.25, min_match)
         blk, _ = _blocks(model, heads, ids, lm, lens, a, comp, label_ids=label_ids)
         want = _oracle(ids, lm, lens, a, label_ids, 0.25, min_match)
         assert blk.complement is not None
@@ -154,7 +155,7 @@ def test_packed_rows_never_match_across_a_document_boundary():
     docs = [first, first.clone(), _sample(g, 25, True)]
     lms = [(torch.rand(d.numel(), generator=g) < 0.9).long() for d in docs]
     seeds = [101, 102, 103]
-    comp = SuffixComplement(0.0, 2)
+    comp = SuffixComplement(SuffixProposer, 0.0, 2)
     c, model, heads = _model()
 
     s = max(d.numel() for d in docs)
@@ -186,7 +187,7 @@ def test_packed_rows_never_match_across_a_document_boundary():
 def _loss_parts(train: dict, ids, lm, lens, a):
     c, model, heads = _model()
     loss = train_loss(c, gamma=4.0, **train)
-    comp = SuffixComplement.from_train(TrainSection(**train))
+    comp = SuffixComplement.from_train(TrainSection(**train), SuffixProposer)
     feats = torch.randn(*ids.shape, 64, generator=torch.Generator().manual_seed(7)).double()
     x = LossInputs(feats, ids, lm, lens, complement=comp)
     model.zero_grad()
@@ -251,6 +252,9 @@ def test_the_option_is_part_of_the_resume_fingerprint_and_checked():
     changed = guards.objective_changes(state, TrainSection(suffix_complement="drop"))
     assert changed and "train.suffix_complement" in changed[0]
     assert "suffix_complement_weight" in guards.TRAJECTORY_KEYS
+    assert SuffixComplement.from_train(t, None) is None  # off needs no proposer
+    with pytest.raises(ValueError, match="suffix proposer"):
+        SuffixComplement.from_train(TrainSection(suffix_complement="drop"), None)
     cfg = RunConfig()
     cfg.train.suffix_complement_weight = 1.0
     assert any("train.suffix_complement_weight" in p for p in problems(cfg))

@@ -45,6 +45,7 @@ from dflashkit.config import (BenchSection, DrafterSection, RunConfig, TrainSect
                               given_keys, parse_override, recipe_variant_problems, set_given_keys)
 from dflashkit.data.shards import tokenized_shards
 from dflashkit.decode.diagnostics import BigramTable
+from dflashkit.decode.suffix import SuffixProposer
 from dflashkit.errors import ConfigError, DflashkitError, MissingArtifactError, UsageError
 from dflashkit.family import get
 from dflashkit.family.contract import DrafterContract, build_target_layer_ids, sliding_fields
@@ -294,7 +295,7 @@ def bench_recipe(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any
         for part in ("tokenize", "capture") if own is not None else ("contract.json", "tokenize", "capture"):
             _link(rd.root / part, vdir.root / part)
         load0, t0 = _load(), time.perf_counter()
-        res = fit(vcfg, vdir, show_bar=False, cpu_budget_s=budget_s)
+        res = fit(vcfg, vdir, show_bar=False, cpu_budget_s=budget_s, suffix_proposer=SuffixProposer)
         rows.append(row_of(name, over, vcfg, res, wall_s=time.perf_counter() - t0, load=(load0, _load()),
                            curve=curve_of(vdir)))
         r = rows[-1]

@@ -26,6 +26,7 @@ import time
 
 from dflashkit.config import RunConfig, section_hash
 from dflashkit.context import StageContext
+from dflashkit.decode.suffix import SuffixProposer
 from dflashkit.engines.feed import check_engine_feed
 from dflashkit.family.contract import DrafterContract
 from dflashkit.rundir import RunDir, check_replaceable, read_json, write_manifest
@@ -58,7 +59,8 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
         from dflashkit.engines.feed import open_engine_feed  # passed down: train/ never reaches up to engines/
 
         check_engine(cfg, rd)  # before fit writes anything (the feed checks it again when it opens)
-        result = fit(cfg, rd, show_bar=not ctx.json, open_feed=open_engine_feed)  # opened for features=engine only
+        result = fit(cfg, rd, show_bar=not ctx.json, open_feed=open_engine_feed,  # opened for features=engine only
+                     suffix_proposer=SuffixProposer)  # train.suffix_complement's, passed down like the feed
     except BaseException:
         leave_distributed(ok=False)  # a torchrun rank: leave the group even on an error path (no barrier)
         raise

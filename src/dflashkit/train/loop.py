@@ -54,6 +54,7 @@ from dflashkit.train.parallel import (DistInfo, TargetParts, all_reduce_sum, bar
                                       shard_target, wrap_drafter)
 from dflashkit.train.stats import StepStats
 from dflashkit.train.stopping import StopOnSignal
+from dflashkit.train.suffix_complement import SuffixComplement
 from dflashkit.train.target_side import heldout_labels, target_side
 from dflashkit.train.trainer import Trainer, autocast_dtype
 from dflashkit.train.vocab import pick_draft_vocab
@@ -69,14 +70,18 @@ log = logging.getLogger("dflashkit.train")
 
 
 def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, *, open_feed: Callable[..., Any] | None = None,
-          target: Target | None = None) -> Trainer:
+          target: Target | None = None, suffix_proposer: Callable[[], Any] | None = None) -> Trainer:
     """Everything a step needs, as one finished `Trainer`. train.features=engine: `open_feed` (the train stage
     passes `engines.feed.open_engine_feed`) opens the engine and its feed, which run until `Trainer.close`.
     `target`: a target already in memory instead of `cfg.target` (the GPU check's random
-    Qwen3-8B-shaped target, whose weights exist nowhere on disk)."""
+    Qwen3-8B-shaped target, whose weights exist nowhere on disk). `suffix_proposer` (train.suffix_complement; the
+    train stage and `bench recipe` pass `decode.suffix.SuffixProposer`) makes the in-context suffix proposer."""
+    complement = SuffixComplement.from_train(cfg.train, suffix_proposer)  # before any work
     opened: list[Any] = []
     try:
-        return _setup(cfg, rd, dist, opened, open_feed, target)
+        tr = _setup(cfg, rd, dist, opened, open_feed, target)
+        tr.complement = complement
+        return tr
     except BaseException:
         for feed in opened:
             feed.close()
@@ -243,7 +248,8 @@ def train_step(tr: Trainer, step: int, opt, sched) -> dict:
 
 
 def fit(cfg: RunConfig, rd: RunDir, *, dist: DistInfo | None = None, show_bar: bool = True,
-        cpu_budget_s: float | None = None, open_feed: Callable[..., Any] | None = None) -> dict:
+        cpu_budget_s: float | None = None, open_feed: Callable[..., Any] | None = None,
+        suffix_proposer: Callable[[], Any] | None = None) -> dict:
     """Train (or resume) until the configured number of steps; returns the final metrics.
 
     `cpu_budget_s` (`bench recipe` at equal CPU-minutes): stop once the optimizer steps have used this
@@ -251,7 +257,7 @@ def fit(cfg: RunConfig, rd: RunDir, *, dist: DistInfo | None = None, show_bar: b
     over the steps the budget affords (`optim.CpuBudget`)."""
     guards.preflight(cfg, rd)  # every refusal before any work (`train --dry-run` makes the same ones)
     dist = dist or init_distributed(cfg.train.parallel, cfg.target.device)
-    tr = setup(cfg, rd, dist, open_feed=open_feed)
+    tr = setup(cfg, rd, dist, open_feed=open_feed, suffix_proposer=suffix_proposer)
     try:
         return _fit(cfg, rd, tr, show_bar=show_bar, cpu_budget_s=cpu_budget_s)
     finally:

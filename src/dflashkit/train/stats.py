@@ -12,8 +12,9 @@ A step's statistics are sums over micro-batches and ranks: the loss (already div
 denominator, so the sum is the step's loss), τ sum, blocks, tokens, and per block position the
 correct and supervised counts; under `train.suffix_complement` the supervised positions the suffix
 proposer covers (metric `suffix_covered`: their share of the supervised positions 1 … B−1, and
-`complemented`, the micro-batches that counted them); the drafter family adds its own (`Objective.stats`, filled by its loss
-terms; DFlash2: the unary argmax's τ and accuracy, the selector's rows, coverage, accuracy, loss).
+`complemented`, the micro-batches that counted them); the drafter family adds its own (`Objective.stats`,
+filled by its loss terms; DFlash2: the unary argmax's τ and accuracy, the selector's rows, coverage, accuracy,
+loss).
 `to_tensor` / `from_tensor` are the one flat float64 form the all-reduce sums.
 """
 

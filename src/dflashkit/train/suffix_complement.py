@@ -1,14 +1,15 @@
 """`train.suffix_complement`: the drafter trained to complement the suffix proposer of the hybrid.
 
 Usage:
-    comp = SuffixComplement.from_train(cfg.train)           # None under train.suffix_complement=off
+    comp = SuffixComplement.from_train(cfg.train, SuffixProposer)     # None under train.suffix_complement=off
     factor, covered = comp.factors(input_ids, anchors, labels, sup)   # [b, N, B] each
 
 A block anchored at position a of a document predicts the labels of a+1 … a+B−1. The suffix proposer
-(`decode/suffix.py`, in context only: no pool) proposes B−1 tokens from the document's own tokens up to and
-including a; when its match is at least `min_match` tokens long, the block offsets 1 … r of the proposal's
-leading run of correct, supervised labels are *covered*: the hybrid would draft them by copying, so their loss
-weight is multiplied by `weight` (drop: 0, downweight: `train.suffix_complement_weight`). Everything else keeps
+(`decode.suffix.SuffixProposer`: train/ ranks below decode/, so the train stage and `bench recipe` pass it
+in; in context only: no pool) proposes B−1 tokens from the document's own tokens up to and including a.
+When its match is at least `min_match` tokens long, the block offsets 1 … r of the proposal's leading run
+of correct, supervised labels are *covered*: the hybrid would draft them by copying, so their loss weight is
+multiplied by `weight` (drop: 0, downweight: `train.suffix_complement_weight`). Everything else keeps
 factor 1. Rules:
   * the context is the anchor's document only (`Anchors.starts` in packed rows): a packed row's documents
     never match across a boundary, so packed ≡ unpacked;
@@ -23,38 +24,43 @@ factor 1. Rules:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
-
-from dflashkit.decode.suffix import SuffixProposer
 
 if TYPE_CHECKING:
     from dflashkit.config import TrainSection
     from dflashkit.train.objective import Anchors
 
 
-def new_proposer() -> SuffixProposer:
-    """An in-context suffix proposer for one document (no pool; the match length is gated here, not by it)."""
-    prop = SuffixProposer()
-    prop.begin([])  # one document's growing prefixes: a request the proposer follows incrementally
-    return prop
+class InContextProposer(Protocol):
+    """What the complement asks of a suffix proposer (`decode.suffix.SuffixProposer`): `begin` a request,
+    then drafts for growing prefixes of it (`.tokens`, `.match_len`)."""
+
+    def begin(self, prompt_ids: Sequence[int]) -> None: ...
+
+    def propose_scored(self, sequence: Sequence[int], num_tokens: int) -> Any: ...
 
 
 @dataclass(frozen=True)
 class SuffixComplement:
     """`train.suffix_complement` (module docstring): `weight` is the factor of a covered position (0 = drop)."""
 
+    proposer: Callable[[], InContextProposer]
     weight: float
     min_match: int = 4
-    proposer: Callable[[], SuffixProposer] = new_proposer
 
     @classmethod
-    def from_train(cls, train: TrainSection) -> SuffixComplement | None:
+    def from_train(cls, train: TrainSection, proposer: Callable[[], InContextProposer] | None
+                   ) -> SuffixComplement | None:
+        """The complement `train.suffix_complement` asks for (None: off). `proposer` makes one in-context suffix
+        proposer (`decode.suffix.SuffixProposer`: train/ ranks below decode/, so the caller passes it in)."""
         mode = train.suffix_complement
         if mode == "off":
             return None
-        return cls(0.0 if mode == "drop" else float(train.suffix_complement_weight),
+        if proposer is None:
+            raise ValueError("train.suffix_complement needs the suffix proposer (pass decode.suffix.SuffixProposer)")
+        return cls(proposer, 0.0 if mode == "drop" else float(train.suffix_complement_weight),
                    int(train.suffix_complement_min_match))
 
     def proposals(self, input_ids: torch.Tensor, a: Anchors, num_tokens: int) -> torch.Tensor:
@@ -71,8 +77,9 @@ class SuffixComplement:
                 if not keep[i][j]:
                     continue
                 s = starts[i][j] if starts is not None else 0
-                if s != doc:  # a new document: a proposer of its own
+                if s != doc:  # a new document: a proposer of its own, following its growing prefixes
                     doc, prop = s, self.proposer()
+                    prop.begin([])
                 assert prop is not None
                 d = prop.propose_scored(ids[i][s:anchors[i][j] + 1], num_tokens)
                 if d.match_len >= self.min_match and d.tokens:

@@ -29,13 +29,13 @@ from dflashkit.train.data import Batch, BatchPlan, FeatureStore, TokenData, coll
 from dflashkit.train.loss import DraftLoss, Heads, LossInputs, LossOutput
 from dflashkit.train.objective import Anchors, sample_anchors
 from dflashkit.train.parallel import DistInfo, TargetParts
-from dflashkit.train.suffix_complement import SuffixComplement
 from dflashkit.train.target_side import TargetOut, scored
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
     from dflashkit.model.head import HeadOnlyTarget
     from dflashkit.model.target import Target
+    from dflashkit.train.suffix_complement import SuffixComplement
 
 log = logging.getLogger("dflashkit.train")
 
@@ -91,6 +91,7 @@ class Trainer:
     feed: Any = None                          # train.features=engine: engines/feed.EngineFeed (also data.features)
     heldout_labels: str = "raw"               # the yardstick's labels (train/target_side.py heldout_scoring)
     heldout_paths: dict[int, torch.Tensor] | None = None  # held-out greedy paths computed at setup (online)
+    complement: SuffixComplement | None = None  # train.suffix_complement (training micro-batches only)
     head: torch.nn.Module = field(init=False)  # the loss's head: parts.lm_head, or its rows `vocab`
 
     def __post_init__(self):
@@ -138,7 +139,7 @@ class Trainer:
         x = LossInputs(feats, b.input_ids, b.loss_mask, b.seq_lens, label_ids=tout.label_ids,
                        target_logits=tout.logits, target_hidden=tout.last_hidden, path_ids=tout.path_ids,
                        on_path_only=tout.on_path_only,
-                       complement=SuffixComplement.from_train(t) if training else None)
+                       complement=self.complement if training else None)
         return self.loss(self.drafter, self.heads(), x, a, denom=denom)
 
     def denom_gamma(self) -> float | None:
