@@ -33,11 +33,13 @@ def longest(seq: list[int], docs: list[list[int]], max_depth: int, own: bool) ->
 
 
 def oracle(seq: list[int], pool_docs: list[list[int]], num_tokens: int, max_depth: int = 32, min_match: int = 1,
-           min_score: float = 0.0) -> SuffixDraft:
-    l_req = longest(seq, [seq], max_depth, True)
+           min_score: float = 0.0, pending: list[int] | None = None) -> SuffixDraft:
+    own = seq
+    seq = seq + (pending or [])                      # matched as a suffix, never counted as a text
+    l_req = longest(seq, [own], max_depth, True)
     l_pool = longest(seq, pool_docs, max_depth, False) if pool_docs else 0
     if l_req >= l_pool:
-        docs, length, origin = [seq], l_req, "request"
+        docs, length, origin = [own], l_req, "request"
     else:
         docs, length, origin = pool_docs, l_pool, "pool"
     if length < max(min_match, 1):
@@ -106,6 +108,24 @@ def test_incremental_equals_fresh_step_by_step():
             got = inc.propose_scored(seq[:n], 6)
             assert_same(got, oracle(seq[:n], [], 6, depth), f"trial {trial} at {n}")
             n += rng.randint(1, 4)                   # a verify step commits several tokens
+
+
+def test_pending_tokens_are_matched_but_never_indexed():
+    rng = random.Random(6)
+    for trial in range(80):
+        depth = rng.choice([2, 3, 32])
+        pool = SuffixPool(max_depth=depth)
+        docs = [repetitive_seq(rng, rng.randint(1, 30), 3) for _ in range(rng.randint(0, 2))]
+        for d in docs:
+            pool.add(d, tenant="a")
+        seq = repetitive_seq(rng, rng.randint(1, 30), 3)
+        p = SuffixProposer(max_depth=depth, pool=pool)
+        p.begin(seq[:3], tenant="a")
+        before = p.propose_scored(seq, 4)
+        pending = random_seq(rng, rng.randint(1, 5), 3)
+        got = p.propose_scored(seq, 4, pending=pending)
+        assert_same(got, oracle(seq, docs, 4, depth, pending=pending), f"trial {trial}: {seq} + {pending}")
+        assert p.propose_scored(seq, 4) == before    # nothing of pending stayed
 
 
 def test_new_request_without_hooks_resets():

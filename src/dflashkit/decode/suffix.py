@@ -427,15 +427,26 @@ class SuffixProposer:
             n = 0
         self._index(sequence[n:])
 
-    def propose_scored(self, sequence: Sequence[int], num_tokens: int) -> SuffixDraft:
-        """The draft for `sequence` (prompt + committed tokens), at most `num_tokens` tokens."""
+    def propose_scored(self, sequence: Sequence[int], num_tokens: int, pending: Sequence[int] = ()) -> SuffixDraft:
+        """The draft for `sequence` (prompt + committed tokens), at most `num_tokens` tokens.
+
+        `pending`: speculative tokens after `sequence` (a drafter's kept prefix, for a graft). The suffix matched
+        is that of sequence + pending; the texts it is matched against stay the committed ones (S and the
+        pool), and pending is never indexed.
+        """
         self._sync(sequence)
         trie = self._trie
-        node = self._active[-1]                      # deepest suffix seen twice (≤ max_depth): so followed
-        own_len = trie.depth[node]
+        if pending:
+            tail = list(sequence[max(len(sequence) - self.max_depth, 0):]) + [int(t) for t in pending]
+            own_len, cur = trie.match(tail, self.max_depth)
+        else:
+            tail = sequence
+            node = self._active[-1]                  # deepest suffix seen twice (≤ max_depth): so followed
+            own_len = trie.depth[node]
+            cur = (node, -1, own_len)
         need = max(self.min_match, 1)
         if self.pool is not None:
-            pooled = self.pool.draft(sequence, self.tenant, max(num_tokens, 0), self.max_depth,
+            pooled = self.pool.draft(tail, self.tenant, max(num_tokens, 0), self.max_depth,
                                      self.min_score, own_len)
             if pooled is not None:
                 if pooled.match_len < need:
@@ -443,7 +454,7 @@ class SuffixProposer:
                 return pooled
         if own_len < need:
             return SuffixDraft([], own_len, [], "none")
-        tokens, scores = trie.continuation((node, -1, own_len), num_tokens, self.max_depth, self.min_score)
+        tokens, scores = trie.continuation(cur, num_tokens, self.max_depth, self.min_score)
         return SuffixDraft(tokens, own_len, scores, "request")
 
     def propose(self, sequence: list[int], num_tokens: int) -> list[int]:
