@@ -437,7 +437,7 @@ class SuffixProposer:
         self._sync(sequence)
         trie = self._trie
         if pending:
-            tail = list(sequence[max(len(sequence) - self.max_depth, 0):]) + [int(t) for t in pending]
+            tail: Sequence[int] = list(sequence[max(len(sequence) - self.max_depth, 0):]) + [int(t) for t in pending]
             own_len, cur = trie.match(tail, self.max_depth)
         else:
             tail = sequence
