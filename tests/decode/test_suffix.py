@@ -174,13 +174,14 @@ def test_finish_feeds_the_pool_and_tenants_stay_apart():
         a = SuffixProposer(pool=pool)
         a.begin([10, 11, 12, 13, 14], tenant="A")
         a.propose([10, 11, 12, 13, 14, 15], 3)
-        a.finish()
-        assert pool.requests("A") == [[10, 11, 12, 13, 14, 15]]
+        a.finish([10, 11, 12, 13, 14, 15, 16])          # the last step's tokens come with the hook
+        assert pool.requests("A") == [[10, 11, 12, 13, 14, 15, 16]]
         b = SuffixProposer(pool=pool)
         b.begin([1, 10, 11], tenant="B")
         got = b.propose_scored([1, 10, 11], 3)
         if share:
             assert got == SuffixDraft([12, 13, 14], 2, [1.0, 1.0, 1.0], "pool")
+            assert b.propose([1, 10, 11, 12, 13, 14, 15], 3) == [16]
         else:
             assert got.origin != "pool" and got.tokens == []
             assert pool.requests("B") == []

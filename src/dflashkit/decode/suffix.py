@@ -405,8 +405,14 @@ class SuffixProposer:
         self._index(prompt_ids)
         self._begun = True
 
-    def finish(self) -> None:
-        """The request ended: its prompt + output join its tenant's pool; the proposer is free for the next."""
+    def finish(self, sequence: Sequence[int] | None = None) -> None:
+        """The request ended: its prompt + output join its tenant's pool; the proposer is free for the next.
+
+        `sequence`: the request's final prompt + output (the tokens of its last step were never proposed after,
+        so only this call indexes them); None = what the proposer has seen.
+        """
+        if sequence is not None:
+            self._sync(sequence)
         if self.pool is not None and self._text:
             self.pool.add(self._text, self.tenant)
         self._reset()
