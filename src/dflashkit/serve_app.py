@@ -1,8 +1,14 @@
 """Build the `dflashkit serve` app (target, optional drafter, engine) from a config; the library half of `serve`.
 
 Usage:
+    check_serve_proposer(cfg)                                    # refusals before anything loads
     app = build_app(load_config("run.yaml"), "path/to/model")   # a started `serving.server.App`
     with serve_in_thread(app) as url: ...                        # or `stages/serve.py` binds a port
+
+`serve.proposer` picks what drafts (default: the drafter when `serve.drafter` is set, else nothing:
+batched plain decoding). lookup, suffix and hybrid decode one request at a time, as the drafter does;
+suffix and hybrid share one `SuffixPool` across the server's requests, a pool per tenant (the request's
+OpenAI `user` field or its X-Tenant header) unless `serve.suffix_share_tenants`.
 
 Kept outside `serving/` so that `serving` stays the server alone and `testing.serving` can build an
 app without importing a stage.
@@ -16,7 +22,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflashkit.decode.api import default_stop_ids
+from dflashkit.decode.hybrid import HybridGate, HybridProposer
+from dflashkit.decode.ngram import PromptLookupProposer
 from dflashkit.decode.spec_decode import SpecDecoder
+from dflashkit.decode.suffix import SuffixPool, SuffixProposer
 from dflashkit.errors import UsageError
 from dflashkit.export.hf import load_drafter
 from dflashkit.inspect.target import resolve_target_path
@@ -26,8 +35,56 @@ from dflashkit.serving.server import App
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
+    from dflashkit.config.schema import ServeSection
+    from dflashkit.model.target import Target
 
 log = logging.getLogger("dflashkit.serve")
+DEFAULT_BLOCK = 8  # lookup / suffix: the block size B they draft for (B − 1 = 7 tokens a step at most)
+
+
+def serve_proposer(cfg: RunConfig) -> str | None:
+    """The proposer `serve` runs: serve.proposer, else "drafter" when serve.drafter is set, else None (no
+    speculation)."""
+    return cfg.serve.proposer or ("drafter" if cfg.serve.drafter else None)
+
+
+def check_serve_proposer(cfg: RunConfig) -> None:
+    """Refuse a proposer the config cannot run (before the model loads).
+
+    Raises:
+        UsageError: drafter / hybrid without serve.drafter, a drafter dir that is not a directory, a negative
+            pool cap or gate.
+    """
+    s, proposer = cfg.serve, serve_proposer(cfg)
+    if proposer in ("drafter", "hybrid") and not s.drafter:
+        raise UsageError(f"serve.proposer={proposer} needs a drafter, and serve.drafter is not set",
+                         hint="pass --drafter DIR (a trained or exported drafter), or serve.proposer=suffix / lookup "
+                              "(no training needed)")
+    if s.drafter and not Path(s.drafter).is_dir():
+        raise UsageError(f"serve.drafter {s.drafter!r} is not a directory",
+                         hint="pass a drafter dir with config.json + model.safetensors "
+                              "(e.g. <run_dir>/train/final or <run_dir>/export)")
+    if s.drafter and proposer in ("lookup", "suffix"):
+        log.warning("serve.drafter is set but serve.proposer=%s does not use it", proposer)
+    if s.suffix_pool_tokens < 0:
+        raise UsageError(f"serve.suffix_pool_tokens must be >= 0 (0 = no pool), got {s.suffix_pool_tokens}")
+    if s.hybrid_min_match < 0:
+        raise UsageError(f"serve.hybrid_min_match must be >= 0, got {s.hybrid_min_match}",
+                         hint="it counts matched tokens; 0 = the suffix branch drafts whenever it matches")
+
+
+def _speculative_decoder(target: Target, s: ServeSection, proposer: str) -> SpecDecoder:
+    """The one-request-at-a-time decoder for `proposer` (the pool, if any, lives as long as the server)."""
+    drafter = load_drafter(s.drafter) if s.drafter and proposer in ("drafter", "hybrid") else None
+    if proposer == "drafter":
+        return SpecDecoder(target, drafter, adaptive=s.adaptive_length)
+    pool = SuffixPool(max_tokens=s.suffix_pool_tokens, share_tenants=s.suffix_share_tenants) \
+        if s.suffix_pool_tokens > 0 else None
+    if proposer == "hybrid":
+        hybrid = HybridProposer(SuffixProposer(pool=pool), gate=HybridGate(min_match=s.hybrid_min_match))
+        return SpecDecoder(target, drafter, hybrid=hybrid, adaptive=s.adaptive_length)
+    chosen = PromptLookupProposer() if proposer == "lookup" else SuffixProposer(pool=pool)
+    return SpecDecoder(target, None, block_size=DEFAULT_BLOCK, proposer=chosen)
 
 
 def build_app(cfg: RunConfig, model_path: str | None = None) -> App:
@@ -38,23 +95,19 @@ def build_app(cfg: RunConfig, model_path: str | None = None) -> App:
     """
     from dflashkit.model.target import load_target
 
+    check_serve_proposer(cfg)
     section = dataclasses.replace(cfg.target, path=model_path) if model_path else cfg.target
     target = load_target(section)
     if target.tokenizer is None or not getattr(target.tokenizer, "chat_template", None):
         log.warning("%s has no chat template; /v1/chat/completions will fail (use /v1/completions "
                     "or set target.chat_template)", section.path)
     name = cfg.serve.model_name or resolve_target_path(section.path, section.gguf_file)[0].name
-    s = cfg.serve
-    if s.drafter:
-        if not Path(s.drafter).is_dir():
-            raise UsageError(f"serve.drafter {s.drafter!r} is not a directory",
-                             hint="pass a drafter dir with config.json + model.safetensors "
-                                  "(e.g. <run_dir>/train/final or <run_dir>/export)")
-        drafter = load_drafter(s.drafter)
-        engine: SerialEngine | BatchEngine = SerialEngine(SpecDecoder(target, drafter, adaptive=s.adaptive_length), target.tokenizer,
-                                                           default_stop_ids(target))
+    s, proposer = cfg.serve, serve_proposer(cfg)
+    if proposer is not None:
+        engine: SerialEngine | BatchEngine = SerialEngine(_speculative_decoder(target, s, proposer),
+                                                           target.tokenizer, default_stop_ids(target))
     else:
         engine = BatchEngine(target, max_batch=s.max_batch, batch_wait_ms=s.batch_wait_ms)
     engine.start()
     return App(engine, target.tokenizer, model_name=name, max_new_tokens=s.max_new_tokens,
-               speculative=bool(s.drafter))
+               speculative=proposer is not None)

@@ -541,6 +541,14 @@ class ServeSection:
     cpu_threads: int | None = f(None, "torch CPU threads for the server process; null = torch's default.")
     adaptive_length: bool = f(False, "With a drafter: pick each step's draft length from the drafter's confidence "
                               "and the measured verify cost (lossless; eval.adaptive_length reports what it buys).")
+    proposer: Literal["drafter", "lookup", "suffix", "hybrid"] | None = f(
+        None, "What drafts for the speculative decoder: drafter (serve.drafter), lookup (prompt lookup), suffix (the "
+              "suffix proposer with the tenant pool), hybrid (suffix where its match clears serve.hybrid_min_match, "
+              "else the drafter); null = drafter when serve.drafter is set, else none (batched plain decoding).",
+        hash_default=False)
+    suffix_pool_tokens: int = f(1 << 20, "suffix / hybrid: memory cap of the pool of recent requests, in tokens over "
+                                "all tenants (oldest evicted first); 0 = no pool (each request matches only itself).",
+                                hash_default=False)
 
 
 @dataclass(kw_only=True)

@@ -11,6 +11,8 @@ Routes:
                                 chat_template_kwargs, tools, tool_choice (the model's chat template renders)
     POST /v1/completions        prompt (string or token ids), add_special_tokens, same sampling fields
     GET  /v1/models, /health, /metrics (JSON: requests, tokens, batches, acceptance when speculating)
+A request's tenant (whose suffix pool a suffix / hybrid server matches and feeds: `serve.proposer`) is its
+X-Tenant header, else its OpenAI `user` field; none = the one default tenant.
 Each choice carries `finish_reason` and `token_ids`; `return_token_ids: true` adds `prompt_token_ids`
 (as vLLM); `usage` adds `acceptance_lengths` / `mean_acceptance` with a drafter. Streams are
 Server-Sent Events ending with `data: [DONE]`. Bad requests get 400 with an OpenAI-style error body.
@@ -135,6 +137,16 @@ class App:
             raise BadRequest("need temperature >= 0, 0 < top_p <= 1, max_tokens >= 0")
         return p
 
+    @staticmethod
+    def tenant(body: dict[str, Any], headers: Any) -> str | None:
+        """The request's tenant: the X-Tenant header (a gateway's), else the OpenAI `user` field; None when neither."""
+        value = headers.get("X-Tenant") or body.get("user")
+        if value is None or value == "":
+            return None
+        if not isinstance(value, str) or len(value) > 256:
+            raise BadRequest("`user` (or the X-Tenant header) must be a string of at most 256 characters")
+        return value
+
     def usage(self, out) -> dict[str, Any]:
         u: dict[str, Any] = {"prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.token_ids),
                              "total_tokens": out.prompt_tokens + len(out.token_ids)}
@@ -203,6 +215,7 @@ class Handler(BaseHTTPRequestHandler):
         first_call: int | None = None  # parse tool calls, numbering them from here
         try:
             params = app.params(body)
+            params.tenant = app.tenant(body, self.headers)
             if path in ("/v1/chat/completions", "/chat/completions"):
                 kwargs = body.get("chat_template_kwargs") or {}
                 if not isinstance(kwargs, dict):

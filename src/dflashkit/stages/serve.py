@@ -4,10 +4,11 @@ Inputs:  MODEL_DIR (else `target.path`), optionally `--drafter DIR` (an exported
 Outputs: nothing on disk; serves until SIGTERM/Ctrl-C, then prints a JSON summary (requests, tokens).
 Example: dflashkit serve runs/x/export/target --port 8000 --drafter runs/x/export
 
-Without a drafter, concurrent requests are decoded with continuous padded batching of up to
-`serve.max_batch` rows (greedy output is the same batched or alone). With a drafter, requests are
-decoded one at a time by the speculative decoder and `usage` gains `acceptance_lengths` and
-`mean_acceptance`.
+Without a proposer, concurrent requests are decoded with continuous padded batching of up to
+`serve.max_batch` rows (greedy output is the same batched or alone). With one (`serve.proposer`: the
+drafter, prompt lookup, the suffix proposer or the hybrid of drafter and suffix), requests are decoded one
+at a time by the speculative decoder and `usage` gains `acceptance_lengths` and `mean_acceptance`; suffix
+and hybrid match each request against its tenant's earlier ones (OpenAI `user` or header X-Tenant).
 See `dflashkit.serving.server` for the routes.
 """
 
@@ -24,7 +25,7 @@ from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
 from dflashkit.errors import UsageError
 from dflashkit.rundir import RunDir
-from dflashkit.serve_app import build_app
+from dflashkit.serve_app import build_app, check_serve_proposer, serve_proposer
 from dflashkit.serving.local import _raise_on_sigterm, cleanup_on_exit_of_child
 from dflashkit.serving.server import make_server
 
@@ -48,9 +49,10 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     if not model_path:
         raise UsageError("`dflashkit serve` needs a model", hint="dflashkit serve MODEL_DIR, or set target.path")
     check_port(cfg)
+    check_serve_proposer(cfg)
     if ctx.dry_run:
         return {"dry_run": True, "model": model_path, "host": cfg.serve.host, "port": cfg.serve.port,
-                "drafter": cfg.serve.drafter}
+                "drafter": cfg.serve.drafter, "proposer": serve_proposer(cfg)}
 
     cleanup_on_exit_of_child()
     if threading.current_thread() is threading.main_thread():  # SIGTERM while loading: exit cleanly
@@ -66,8 +68,9 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
                          hint="pick another --port (0 = any free port)") from None
     host, port = server.server_address[:2]
     url = f"http://{host}:{port}/v1"  # type: ignore[str-bytes-safe]  # AF_INET: host is a str
-    log.info("serving %s on %s (max_batch %d%s)", app.model_name, url, cfg.serve.max_batch,
-             f", drafter {cfg.serve.drafter}" if cfg.serve.drafter else "")
+    proposer = serve_proposer(cfg)
+    log.info("serving %s on %s (%s)", app.model_name, url, f"max_batch {cfg.serve.max_batch}" if proposer is None
+             else f"proposer {proposer}" + (f", drafter {cfg.serve.drafter}" if cfg.serve.drafter else ""))
 
     def on_term(_sig, _frame) -> None:
         threading.Thread(target=server.shutdown, daemon=True).start()
