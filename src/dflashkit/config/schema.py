@@ -549,6 +549,12 @@ class ServeSection:
     suffix_pool_tokens: int = f(1 << 20, "suffix / hybrid: memory cap of the pool of recent requests, in tokens over "
                                 "all tenants (oldest evicted first); 0 = no pool (each request matches only itself).",
                                 hash_default=False)
+    suffix_share_tenants: bool = f(False, "suffix / hybrid: one pool for all tenants; by default a request only "
+                                   "matches its own tenant's earlier requests (OpenAI `user`, or header X-Tenant).",
+                                   hash_default=False)
+    hybrid_min_match: int = f(4, "hybrid: the suffix branch drafts alone when its match is at least this many tokens "
+                              "(eval measures the gate per source; TensorRT-LLM's sa_config threshold plays this role).",
+                              hash_default=False)
 
 
 @dataclass(kw_only=True)
