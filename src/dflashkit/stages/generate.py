@@ -40,6 +40,7 @@ from dflashkit.errors import PartialFailure, PermanentFailure
 from dflashkit.generate.openai_client import permanent_reason
 from dflashkit.generate.conversations import plan_turns
 from dflashkit.generate.regenerate import check_generate, generate_conversations
+from dflashkit.model.quantized import check_local_target
 from dflashkit.rundir import RunDir, file_digest, write_manifest
 from dflashkit.stage_table import stage_hash
 
@@ -61,6 +62,8 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     todo = check_generate(cfg, convs, stage_dir)  # every refusal before a request: the dry run's too
     if todo and not cfg.server.urls:
         check_target_server(cfg)
+        if cfg.server.engine == "dflashkit":  # its `dflashkit serve` loads the target as the local paths do
+            check_local_target(cfg.target)  # an unsupported quantization: exit 2 here, not in the child's log
     if ctx.dry_run:
         return {"dry_run": True, "conversations": len(convs), "turns": total_turns,
                 "urls": [redact_url(u) for u in cfg.server.urls] or [f"<local {cfg.server.engine}>"]}

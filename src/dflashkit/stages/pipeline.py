@@ -13,7 +13,7 @@ scratch: checkpoints of another run are not resumed) and everything after it, an
 prepare invalidates what follows. Each stage is itself resumable (generate keeps finished rows, train
 resumes from its last checkpoint of the same run), so an interrupted `run` continues where it stopped.
 With `server.urls` empty, `generate` starts `dflashkit serve` on 127.0.0.1 for the target and stops it
-afterwards.
+afterwards. What a stage refuses of the target itself comes before any stage works (`check_target`).
 With `run.budget_minutes` (`--budget`) the run is sized to it first (`sizing/session.py`, docs/budget.md),
 with the plan and the actuals in `pipeline.json` under "budget".
 """
@@ -29,6 +29,7 @@ from dflashkit.config import RunConfig, dump_config
 from dflashkit.context import StageContext
 from dflashkit.data.mixing import needs_regeneration
 from dflashkit.data.records import prepared_lines
+from dflashkit.engines.target_checks import check_target
 from dflashkit.errors import UsageError
 from dflashkit.family.recipe import config_recipe
 from dflashkit.inspect.estimate import estimate
@@ -79,9 +80,9 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     cfg = apply_scale(cfg)
     stages = selected_stages(cfg, ctx.from_stage, ctx.to_stage)
     force = set(ORDER) if "all" in ctx.force else set(ctx.force)
-    unknown = force - set(ORDER)
-    if unknown:
-        raise UsageError(f"--force {sorted(unknown)}: not a stage", hint=f"stages: {', '.join(ORDER)}")
+    if force - set(ORDER):
+        raise UsageError(f"--force {sorted(force - set(ORDER))}: not a stage", hint=f"stages: {', '.join(ORDER)}")
+    check_target(cfg, stages)  # what a stage would refuse of the target, before any stage (or the budget) works
     state_path = rd.root / "pipeline.json"
     state: dict[str, Any] = read_json(state_path) if state_path.is_file() else {}  # stage → fingerprint, + "budget"
     budget = BudgetSession.open(cfg, rd, state, active=active_stages(cfg), dry_run=ctx.dry_run) \
