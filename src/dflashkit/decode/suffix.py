@@ -6,7 +6,7 @@ Usage:
     proposer.begin(prompt_ids, tenant="alice")                         # a request starts
     draft = proposer.propose_scored(prompt_and_output, 7)              # SuffixDraft: tokens, match_len, scores, origin
     proposer.propose(prompt_and_output, 7)                             # the `Proposer` protocol: draft.tokens
-    proposer.finish()                                                  # the request ended: it joins alice's pool
+    proposer.finish(prompt_and_output)                                 # the request ended: it joins alice's pool
 
 Rule (the oracle in tests/decode/test_suffix.py implements the same words). The *texts* of a request are
 its own sequence S (prompt + committed output) and, with a pool, the finished requests of its tenant. An
@@ -20,8 +20,8 @@ inside S, so the suffix of S itself is followed by nothing); N(x, t) counts them
 2. Continue: c starts as the matched suffix. Each proposed token is the t maximising N(x, t) with x the last
    min(|c|, max_depth) tokens of c; ties go to the t whose latest occurrence after x is the most recent
    (position in S; for the pool, later requests beat earlier ones). Its score is N(x, t) / Σ_u N(x, u), the
-   empirical probability of t after x. It stops at num_tokens tokens, when x is never followed, or before a
-   token whose score is below min_score; then t is appended to c.
+   empirical probability of t after x, and t is appended to c. It stops at num_tokens tokens, when x is
+   never followed, or before a token whose score is below min_score.
 
 Structure: a depth-bounded suffix trie (substrings of length ≤ max_depth + 1, with occurrence counts), one
 per request and one per tenant in the pool, as SuffixDecoding's. A substring seen twice is a node (count,
