@@ -26,6 +26,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()  # the serve engines use their default stop ids when empty
     stop: list[str] = field(default_factory=list)  # stop strings (serve: the text is cut before one)
+    tenant: str | None = None  # whose suffix pool a hybrid / suffix proposer reads and feeds (None: the default one)
 
 
 @dataclass
@@ -47,6 +48,11 @@ class GenerationResult:
     # greedy decoders built with record_top=k: per emitted token, the target's k best (token id, logit)
     # at the row that emitted it, best first (the lossless check's tie test, `decode/lossless.py`)
     top_logits: list[list[tuple[int, float]]] = field(default_factory=list)
+    # hybrid decoders (`decode/hybrid.py`) only, else empty: per verify step the branch that drafted it ("suffix",
+    # "drafter", "graft", or "none" when nothing was verified), and per verified draft token its origin
+    # ("drafter", "suffix", or "both" where the other branch proposed the same token there)
+    branch: list[str] = field(default_factory=list)
+    draft_origin: list[list[str]] = field(default_factory=list)
 
 
 def default_stop_ids(target: Any) -> tuple[int, ...]:

@@ -20,7 +20,9 @@ With `block_size=1` step 1 is skipped, so the AR baseline runs through exactly t
 
 Invariants: greedy output = the target's greedy output; sampling is lossless, including with a
 reduced draft vocabulary (q is zero outside it). A `Proposer` (`decode/ngram.py`, test stubs) may
-replace the drafter and propose fewer than B−1 tokens. `record_top=k` (greedy) records the target's
+replace the drafter and propose fewer than B−1 tokens. A `HybridProposer` (`decode/hybrid.py`) sits beside
+the drafter: on the steps its gate gives to the suffix match the drafter does not run, and the target features
+of the tokens those steps commit reach it at its next call. `record_top=k` (greedy) records the target's
 k best logits per emitted token so `decode/lossless.py` can tell a numerical tie from a divergence.
 """
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal, Protocol
 
@@ -37,6 +40,7 @@ from transformers import DynamicCache
 
 from dflashkit.decode.api import GenerationResult, SamplingParams
 from dflashkit.decode.draft_length import DraftLength
+from dflashkit.decode.hybrid import HybridProposer, label
 from dflashkit.decode.rollback import arm, recurrent_layers, rollback
 from dflashkit.decode.sampling import sample, sampling_probs, verify_greedy, verify_sampled
 from dflashkit.decode.fast_draft import DraftState, FastDraft
@@ -52,6 +56,33 @@ class Proposer(Protocol):
     def propose(self, sequence: list[int], num_tokens: int) -> list[int]:
         """Given prompt + committed tokens (ending with x_start), propose up to `num_tokens` next ones."""
         ...
+
+
+@dataclass
+class _Draft:
+    """One step's draft: tokens, their draft law (None: point masses), confidences (None: no length policy reads
+    them), the branch and the policy that chose its length, each token's origin, and whether the drafter ran (and
+    so read the pending target features)."""
+
+    tokens: list[int] = field(default_factory=list)
+    law: torch.Tensor | None = None
+    conf: list[float] | None = None
+    branch: str = "none"
+    policy: DraftLength | None = None
+    origin: list[str] = field(default_factory=list)
+    fed: bool = True
+
+    def cut(self, k: int) -> None:
+        self.tokens = self.tokens[:k]
+        self.origin = self.origin[:k]
+        self.conf = None if self.conf is None else self.conf[:k]
+        self.law = None if self.law is None else self.law[:k]
+
+    def _named(self) -> _Draft:
+        """The branch is "none" where nothing is left to verify."""
+        if not self.tokens:
+            self.branch = "none"
+        return self
 
 
 class SpecDecoder:
@@ -78,13 +109,21 @@ class SpecDecoder:
             a sampled draft's draw (with `draft_sampling="sample"` the confidence is the head's peak probability).
         lean: draft through `decode/fast_draft.py` where the drafter qualifies (the same proposals, less time);
             False = the module forward (what `bench decode` compares it with).
+        hybrid: a `HybridProposer` beside the drafter (`decode/hybrid.py`); `GenerationResult.branch` and
+            `draft_origin` say which branch drafted each step and token. With `adaptive`, each branch ("drafter",
+            "suffix", "graft") has its own draft-length policy: the suffix branch's confidences are its scores
+            and its draft cost its own measured time.
     """
 
     def __init__(self, target: Target, drafter: DFlashDraftModel | None = None, block_size: int | None = None,
                  *, proposer: Proposer | None = None, draft_sampling: Literal["greedy", "sample"] = "greedy",
                  max_context: int | None = None, draft_dtype: torch.dtype | None = None,
-                 record_top: int = 0, adaptive: bool = False, lean: bool = True):
-        self.target, self.drafter, self.proposer = target, drafter, proposer
+                 record_top: int = 0, adaptive: bool = False, lean: bool = True,
+                 hybrid: HybridProposer | None = None):
+        self.target, self.drafter, self.proposer, self.hybrid = target, drafter, proposer, hybrid
+        if hybrid is not None and (drafter is None or proposer is not None):
+            raise UsageError("a hybrid proposer needs a drafter beside it, and no other proposer",
+                             hint="pass the drafter, or use the suffix proposer alone as `proposer`")
         self.record_top = record_top
         if block_size is None:
             block_size = drafter.block_size if drafter is not None else 1
@@ -128,6 +167,11 @@ class SpecDecoder:
         self.policy: DraftLength | None = None
         if adaptive and self.layer_ids is not None:
             self.policy = DraftLength(max_drafts=block_size - 1)
+        # the hybrid's per-branch draft-length policies ("drafter" is `policy`; the others share its cost table)
+        self.policies: dict[str, DraftLength] = {}
+        if self.policy is not None and hybrid is not None:
+            self.policies = {"drafter": self.policy, "suffix": DraftLength(max_drafts=block_size - 1),
+                             "graft": DraftLength(max_drafts=block_size - 1)}
 
     # -- helpers ------------------------------------------------------------------------------
     def _now(self) -> float:
@@ -156,11 +200,13 @@ class SpecDecoder:
         return int(sample(sampling_probs(logits, params.temperature, params.top_p, params.top_k), gen))
 
     def _draft(self, seq: list[int], start: int, k: int, ctx: torch.Tensor, dcache: DraftKVCache | DraftState,
-               positions: torch.Tensor, params: SamplingParams, gen):
+               positions: torch.Tensor, params: SamplingParams, gen, confidence: bool = False):
         """Propose k tokens after seq[start] → (tokens, draft law [k, V] or None for point mass, confidences).
 
-        The confidences (only with `adaptive`; else None) are the draft head's softmax probability of each
-        proposed token, what the draft-length policy weighs against t(n)."""
+        `ctx`: the target features of the committed tokens the drafter has not read yet (positions start − t …
+        start − 1; more than one step's worth after steps the hybrid's suffix branch drafted). The confidences
+        (with `adaptive` or `confidence`; else None) are the draft head's softmax probability of each proposed
+        token, what the draft-length policy weighs against t(n) and a graft keeps a prefix by."""
         if self.proposer is not None:
             return list(self.proposer.propose(seq[: start + 1], k))[:k], None, None
         assert self.drafter is not None  # no proposer and block_size > 1: __init__ required a drafter
@@ -176,11 +222,67 @@ class SpecDecoder:
             h = h[:, 1:]
             logits = F.linear(h[0], self._head_w, self._head_b)  # [k, V] (or [k, V'] over the draft vocab)
         tokens, law = self._propose(h, logits, seq[start], params, gen, DraftBlock(self.target.embed, ctx[0, -1:]))
-        if self.policy is None:
+        if self.policy is None and not confidence:
             return tokens, law, None
         # sampled drafts (a law): the length must not depend on what was drawn, or the verified drafts lean towards
         # likely draws and the rule no longer emits the target's law; the head's own peak does not
         return tokens, law, self._confidence(logits, tokens if law is None else None)
+
+    def _next_draft(self, seq: list[int], start: int, k: int, ctx: torch.Tensor, dcache: DraftKVCache | DraftState,
+                    positions: torch.Tensor, params: SamplingParams, gen, t0: float) -> _Draft:
+        """This step's draft of up to k tokens after seq[start] (`t0`: when the step began, for the draft cost)."""
+        if self.hybrid is not None:
+            return self._hybrid_draft(seq, start, k, ctx, dcache, positions, params, gen, t0)
+        tokens, law, conf = self._draft(seq, start, k, ctx, dcache, positions, params, gen)
+        d = _Draft(tokens, law, conf, policy=self.policy)
+        if self.policy is not None and conf is not None:  # verify only what is likely accepted
+            self.policy.observe_draft(self._now() - t0)  # this step's draft counts (the first one too)
+            d.cut(self.policy.choose(conf))
+        return d
+
+    def _hybrid_draft(self, seq: list[int], start: int, k: int, ctx: torch.Tensor,
+                      dcache: DraftKVCache | DraftState, positions: torch.Tensor, params: SamplingParams, gen,
+                      t0: float) -> _Draft:
+        """The hybrid's step (`decode/hybrid.py`): the suffix draft where the gate opens (the drafter does not run,
+        its pending features wait), else the drafter's block, grafted where the gate says so.
+
+        Lengths under `adaptive`: a block whose drafter tokens are draws from its law has its length chosen before
+        the graft, from the head's peak probabilities, so no draw decides whether a drawn token is verified (the
+        graft itself only depends on the kept prefix, which is committed whenever a grafted row is verified)."""
+        assert self.hybrid is not None
+        hyb, committed = self.hybrid, seq if len(seq) == start + 1 else seq[: start + 1]  # no O(context) copy
+        sd = hyb.suffix_draft(committed, k)
+        if hyb.opens(sd):
+            n = min(k, len(sd.tokens))
+            d = _Draft(list(sd.tokens[:n]), None, list(sd.scores[:n]), "suffix", self.policies.get("suffix"),
+                       ["suffix"] * n, fed=False)
+            if d.policy is not None:
+                d.policy.observe_draft(self._now() - t0)
+                d.cut(d.policy.choose(d.conf or []))
+            return d._named()
+        tokens, law, conf = self._draft(seq, start, k, ctx, dcache, positions, params, gen,
+                                        confidence=hyb.gate.graft)
+        d = _Draft(tokens, law, conf, "drafter", self.policies.get("drafter"), label(tokens, sd.tokens, "drafter"))
+        chosen = law is not None and d.policy is not None and conf is not None
+        if chosen:
+            assert d.policy is not None and conf is not None
+            d.policy.observe_draft(self._now() - t0)
+            d.cut(d.policy.choose(conf))
+        if hyb.gate.graft and d.tokens and d.conf is not None:
+            g = hyb.graft(committed, d.tokens, d.conf, list(sd.tokens))
+            if g is not None:
+                d.tokens, d.conf, d.origin, d.branch = g.tokens, g.conf, g.origin, "graft"
+                if d.law is not None:  # suffix rows are point masses: one-hot draft law
+                    d.law = d.law.clone()
+                    rows = torch.tensor(g.suffix_rows, device=d.law.device)
+                    d.law[rows] = 0.0
+                    d.law[rows, torch.tensor(g.tokens, device=d.law.device)[rows]] = 1.0
+                if not chosen and self.policies:
+                    d.policy = self.policies["graft"]
+        if not chosen and d.policy is not None and d.conf is not None:
+            d.policy.observe_draft(self._now() - t0)
+            d.cut(d.policy.choose(d.conf))
+        return d._named()
 
     def _confidence(self, logits: torch.Tensor, tokens: list[int] | None) -> list[float]:
         """softmax(logits)[token] per draft position (over the draft vocab when it is reduced); with no tokens
@@ -257,6 +359,13 @@ class SpecDecoder:
         max_len = n_prompt + max_new
         if self.policy is not None and not self.policy.cost:
             self._calibrate(prompt_ids)
+        for policy in self.policies.values():  # the hybrid's branches: the same target, the same t(n)
+            if not policy.cost and self.policy is not None and self.policy.cost:
+                policy.calibrate(dict(self.policy.cost))
+        hooks = self.hybrid if self.hybrid is not None else self.proposer
+        begin = getattr(hooks, "begin", None)
+        if begin is not None:  # a new request (suffix proposers index its prompt, read its tenant's pool)
+            begin(list(prompt_ids), params.tenant)
         cache = decode_cache(self.target.config, capacity=max_len + self.block_size)
         positions = torch.arange(max_len + self.block_size, device=dev)[None]
         dcache: DraftKVCache | DraftState = (self._fast.new_state(max_len + self.block_size) if self._fast is not None
@@ -277,18 +386,14 @@ class SpecDecoder:
         while start + 1 < max_len and not stopped:
             ts = self._now()
             size = min(self.block_size, max_len - start)
-            drafts, dprobs, conf = [], None, None
+            d = _Draft()
             if size > 1:
-                drafts, dprobs, conf = self._draft(seq, start, size - 1, feats, dcache, positions, params, gen)
-                if self.policy is not None and conf is not None:  # verify only what is likely accepted
-                    self.policy.observe_draft(self._now() - ts)  # this step's draft counts (the first one too)
-                    k = self.policy.choose(conf)
-                    drafts, conf = drafts[:k], conf[:k]
-                    dprobs = None if dprobs is None else dprobs[:k]
-                size = 1 + len(drafts)  # a proposer may return fewer than asked
+                d = self._next_draft(seq, start, size - 1, feats, dcache, positions, params, gen, ts)
+                size = 1 + len(d.tokens)  # a proposer may return fewer than asked
+            drafts, dprobs, conf = d.tokens, d.law, d.conf
             tv = self._now()
             res.verified_drafts += len(drafts)
-            feats, logits = self._forward(torch.tensor([[seq[start], *drafts]], device=dev), cache,
+            fresh, logits = self._forward(torch.tensor([[seq[start], *drafts]], device=dev), cache,
                                           start=None if at is None else start)
             if greedy:
                 a, nxt = verify_greedy(drafts, logits.argmax(-1).tolist())
@@ -296,9 +401,10 @@ class SpecDecoder:
                 probs = sampling_probs(logits, params.temperature, params.top_p, params.top_k)
                 a, nxt = verify_sampled(drafts, probs, dprobs, gen)
             te = self._now()
-            if self.policy is not None and conf is not None:
-                self.policy.observe(conf, a)
-                self.policy.observe_cost(size, te - tv)
+            if d.policy is not None and conf is not None:
+                d.policy.observe(conf, a)
+                for policy in self.policies.values() or [d.policy]:
+                    policy.observe_cost(size, te - tv)
             new = (drafts[:a] + [nxt])[: max_len - start - 1]
             for i, tok in enumerate(new):
                 if tok in stops:
@@ -309,8 +415,12 @@ class SpecDecoder:
                 self._record_top(res, logits[:produced], top)
             seq.extend(new)
             rollback(cache, size - produced)  # forget the verified positions beyond the committed ones
-            if feats is not None:
-                feats = feats[:, :produced]
+            if fresh is not None:  # the committed tokens' features: the drafter's next context
+                fresh = fresh[:, :produced]
+                feats = fresh if d.fed or feats is None else torch.cat([feats, fresh], dim=1)
+            if self.hybrid is not None:
+                res.branch.append(d.branch)
+                res.draft_origin.append(list(d.origin))
             start += produced
             res.acceptance_lengths.append(produced)
             res.acceptance_cut.append(size < self.block_size or produced < a + 1)
@@ -320,6 +430,9 @@ class SpecDecoder:
         res.decode_s = self._now() - t_first
         res.token_ids = seq[n_prompt:]
         res.finish_reason = "stop" if stopped else "length"
+        finish = getattr(hooks, "finish", None)
+        if finish is not None:  # the request ended: its prompt + output (a suffix pool keeps them)
+            finish(seq)
         return res
 
 
