@@ -245,7 +245,8 @@ def test_eval_reports_prompt_lookup_diagnostics_and_the_best_block_size(tmp_path
     assert _eval(rd, tiny_qwen3) == 0
     res = json.loads((rd / "eval" / "results.json").read_text())
     assert res["dtype"] == "float32" and res["lossless"]["verdict"] == "exact"
-    assert res["lossless"]["compared"] == 2 * 6  # 2 prompts × (2 drafter + 2 adaptive + 2 lookup block sizes)
+    # 2 prompts × 2 block sizes × (drafter, adaptive, lookup, suffix, hybrid@2, hybrid@4, graft@4)
+    assert res["lossless"]["compared"] == 2 * 14
     assert set(res["adaptive"]) == {"2", "4"} and 0 <= res["summary"]["adaptive"]["drafts_per_step"] <= 3
     assert set(res["prompt_lookup"]) == {"2", "4"} and res["prompt_lookup_ngram"] == 3
     for bs, r in res["prompt_lookup"].items():
@@ -271,6 +272,24 @@ def test_eval_reports_prompt_lookup_diagnostics_and_the_best_block_size(tmp_path
     lookup = [GenerationResult(token_ids=[0] * p["tokens"], finish_reason="length", decode_s=p["decode_s"])
               for p in res["prompt_lookup"][str(s["prompt_lookup"]["block_size"])]["per_prompt"]]
     assert paired_speed(drafter, lookup) == vs
+    # the suffix proposer alone and the hybrid grid (eval.hybrid_gates [2, 4], the graft at 4), lossless
+    assert set(res["suffix"]) == {"2", "4"} and set(res["hybrid"]) == {"2@2", "2@4", "2@4+graft", "4@2", "4@4",
+                                                                      "4@4+graft"}
+    for key, r in [*res["suffix"].items(), *res["hybrid"].items()]:
+        assert 1 <= r["tau"] <= int(key.partition("@")[0]) and r["identical_to_baseline"] is True
+    assert res["hybrid"]["4@4+graft"]["gate"] == {"min_match": 4, "graft": True}
+    assert abs(sum(res["hybrid"]["4@2"]["branches"].values()) - 1) < 1e-3
+    comp, hy = res["hybrid_composite"], s["hybrid"]
+    assert len(comp["chosen"]) == 2 and {c["decoder"] for c in comp["chosen"]} <= set(comp["candidates"])
+    assert comp["identical_to_baseline"] is True and hy["tau"] == comp["tau"]
+    assert set(hy["gates_by_source"]) == set(res["by_source"]) and set(hy["gates_by_mode"]) == set(res["by_mode"])
+    assert hy["versus_drafter"]["prompts"] == hy["versus_prompt_lookup"]["prompts"] == 2
+    src = next(iter(res["by_source"].values()))
+    assert set(src["hybrid"]) == set(res["hybrid"]) and "hybrid_composite" in src and "suffix" in src
+    assert all(r.get("unreliable") is None or r["unreliable"] for r in res["speculative"].values())
+    profile = json.loads((rd / "eval" / "speculation_profile.json").read_text())
+    assert set(profile["proposers"]["by_source"]) == set(res["by_source"])
+    assert profile["proposers"]["by_source"]["t"]["proposer"] in ("drafter", "suffix", "hybrid", "graft")
 
 
 def test_eval_in_bfloat16_is_exact_or_ties_only(tmp_path, target, tiny_qwen3):
@@ -305,7 +324,9 @@ def test_a_planted_verify_bug_is_not_lossless(tmp_path, target, tiny_qwen3, monk
     assert ll["verdict"] == "not lossless" and ll["divergences"] > ll["ties"]
     wrong = [r for r in ll["first_divergences"] if not r["tie"]]
     assert all(r["gap"] is None or r["gap"] > r["tolerance"] for r in wrong)
-    assert wrong and all(r["proposer"] in ("drafter", "drafter-adaptive") for r in wrong)
+    assert wrong and all(r["proposer"] in ("drafter", "drafter-adaptive", "suffix", "hybrid", "graft") for r in wrong)
+    # the lossless check covers the suffix proposer and the hybrid too
+    assert {"hybrid", "graft"} <= {r["proposer"] for r in wrong}
     # honest: the same run in fp32 without the bug is exact
     monkeypatch.setattr(sd, "verify_greedy", real)
     assert _eval(rd, tiny_qwen3, "eval.diagnostics=false", "eval.prompt_lookup=false") == 0

@@ -210,6 +210,9 @@ def _eval_serve_bench_problems(cfg: RunConfig) -> list[str]:
     for i, size in enumerate(cfg.eval.block_sizes):
         if size < 1:
             p.append(f"eval.block_sizes[{i}]: must be >= 1, got {size}")
+    for i, gate in enumerate(cfg.eval.hybrid_gates):
+        if gate < 0:
+            p.append(f"eval.hybrid_gates[{i}]: must be >= 0 (a match length in tokens; 0 = any match), got {gate}")
     return p
 
 

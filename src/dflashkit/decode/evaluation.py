@@ -1,6 +1,7 @@
 """What `eval` (and the decoder part of `bench decode`) computes: decode held-out prompts with the
-baseline, the drafter and the prompt-lookup proposer, and summarise τ, speedup, the lossless verdict
-and the diagnostics into `eval/results.json`'s dict. This module owns that file: `write_eval_results`
+baseline, the drafter, the prompt-lookup proposer, the suffix proposer and the hybrid of the drafter and the
+suffix proposer, and summarise τ, speedup, the lossless verdict and the diagnostics into `eval/results.json`'s
+dict. This module owns that file: `write_eval_results`
 (the eval stage) and `read_eval_results` (report, the run summary, the model card) are its only writer and
 reader; its path is `RunDir.eval_results`.
 
@@ -14,6 +15,17 @@ Usage:
     path = write_eval_results(rd, res)                           # eval/results.json, atomic
     err = mismatch_error(res, path)                             # a DflashkitError to raise, or None
     read_eval_results(rd)                                       # (report, run summary) that dict, or None
+
+Decoder keys (`decode_all`) and their results.json groups: "1" the baseline; "4" the drafter at B=4
+(`speculative`); "adaptive-4" (`adaptive`); "lookup-4" (`prompt_lookup`); "suffix-4" the suffix proposer alone
+(`suffix`); "hybrid-4@2" the hybrid at B=4 whose suffix branch drafts when its match is ≥ 2 tokens and "graft-4@4"
+the same at gate 4 with grafting (`hybrid`, keyed "4@2", "4@4+graft").
+
+The `hybrid` row (`hybrid_composite`, `summary.hybrid`) is measured, not chosen after the fact: each prompt is
+scored with the decoder (drafter alone, suffix alone, or a hybrid grid point, at any block size) that had the
+highest tokens/s over the *other* prompts of its data source (`loo_composite`), so no prompt picks its own gate.
+An entry whose timing cannot be true (`timing_flags`: speedup above its τ, or t(B) below t(1) beyond noise)
+carries `unreliable` and never makes a "faster" verdict.
 """
 
 from __future__ import annotations
@@ -27,18 +39,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflashkit.data.chat import load_chat, source_modes
-from dflashkit.decode.api import Decoder
+from dflashkit.decode.api import Decoder, GenerationResult
 from dflashkit.decode.diagnostics import BigramTable, simulated_acceptance
+from dflashkit.decode.hybrid import NEVER, HybridGate, HybridProposer
 from dflashkit.decode.lossless import TOP_K, divergence_record, first_divergence, lossless_verdict, tie_rule
 from dflashkit.decode.metrics import compare, paired_phrase, paired_speed, summarize_acceptance, summarize_timing
 from dflashkit.decode.ngram import PromptLookupProposer
 from dflashkit.decode.runner import (draft_dtype_for, load_prompts, params_for, prompt_sources, refuse_unrendered_tools,
                                      render_eval_prompts, resolve_drafter_dir, run_interleaved)
 from dflashkit.decode.spec_decode import SpecDecoder
+from dflashkit.decode.suffix import SuffixProposer
 from dflashkit.errors import DflashkitError
 from dflashkit.export.hf import load_drafter, read_contract
 from dflashkit.export.profile import (Measurement, build_profile, checkpoint_id, dflashkit_source, method_for,
-                                      prompts_digest, weights_digest)
+                                      prompts_digest, proposers_block, weights_digest)
 from dflashkit.inspect.target import resolve_target_path
 from dflashkit.model.packed import prepare_for_decode
 from dflashkit.model.target import compute_dtype, resolve_device, text_config_dict
@@ -145,24 +159,86 @@ def block_sizes_for(requested: list[int] | None, contract: Any) -> list[int]:
 
 
 def block_of(key: str) -> int:
-    """The block size of a decoder key: "4", "lookup-4", "adaptive-4"."""
-    return int(key.rpartition("-")[2])
+    """The block size of a decoder key: "4", "lookup-4", "adaptive-4", "suffix-4", "hybrid-4@2", "graft-4@4"."""
+    return int(key.rpartition("-")[2].partition("@")[0])
 
 
-GROUPS = (("drafter", "speculative"), ("adaptive", "adaptive"), ("lookup", "prompt_lookup"))
+GROUPS = (("drafter", "speculative"), ("adaptive", "adaptive"), ("lookup", "prompt_lookup"), ("suffix", "suffix"),
+          ("hybrid", "hybrid"))
+# the lossless check's proposer name of a decoder key's prefix (no prefix: the drafter)
+PROPOSERS = {"lookup": "prompt_lookup", "adaptive": "drafter-adaptive", "suffix": "suffix", "hybrid": "hybrid",
+             "graft": "graft"}
+SPEEDUP_TOLERANCE = 0.05  # a speedup this far above its τ (or its bound τ·t(1)/t(B)) cannot be true
+TIME_NOISE = 0.10         # t(B) this far below t(1) is not noise: one of them was timed under other conditions
+
+
+def proposer_of(key: str) -> str:
+    """The proposer of a decoder key: drafter, drafter-adaptive, prompt_lookup, suffix, hybrid or graft."""
+    prefix, dash, _ = key.rpartition("-")
+    return PROPOSERS.get(prefix, "drafter") if dash else "drafter"
+
+
+def group_key(key: str) -> tuple[str, str]:
+    """(results.json group, key in it) of a decoder key: "4" → (speculative, "4"), "lookup-4" → (prompt_lookup,
+    "4"), "suffix-4" → (suffix, "4"), "hybrid-4@2" → (hybrid, "4@2"), "graft-4@4" → (hybrid, "4@4+graft")."""
+    prefix, _, rest = key.rpartition("-")
+    group = {"lookup": "prompt_lookup", "adaptive": "adaptive", "suffix": "suffix", "hybrid": "hybrid",
+             "graft": "hybrid"}.get(prefix, "speculative")
+    return group, (f"{rest}+graft" if prefix == "graft" else rest)
+
+
+def timing_flags(entry: dict[str, Any]) -> list[str]:
+    """Why an entry's timing cannot be true (empty: nothing found). A decoder commits at most τ tokens per target
+    step and a target step over B tokens costs at least one over a single token, so its speedup is at most τ
+    (and at most its bound τ·t(1)/t(B)); t(B) below t(1) beyond `TIME_NOISE` means the baseline and this decoder
+    were timed under different conditions (a cold start, another job's burst)."""
+    out = []
+    sp, tau, bound = entry.get("speedup", 0.0), entry.get("tau", 0.0), entry.get("bound", 0.0)
+    t1, tb = entry.get("t1_s", 0.0), entry.get("tB_s", 0.0)
+    if tau > 0 and sp > tau * (1 + SPEEDUP_TOLERANCE):
+        out.append(f"speedup {sp:.2f} above its tau {tau:.2f}")
+    if bound > 0 and sp > bound * (1 + SPEEDUP_TOLERANCE):
+        out.append(f"speedup {sp:.2f} above its bound {bound:.2f}")
+    if t1 > 0 and 0 < tb < t1 * (1 - TIME_NOISE):
+        out.append(f"t(B) {tb * 1e3:.1f} ms below t(1) {t1 * 1e3:.1f} ms")
+    return out
+
+
+def flag_phrase(reasons: list[str]) -> str:
+    return "unreliable measurement (" + "; ".join(reasons) + ")"
+
+
+def verdict_of(wins: bool, *entries: dict[str, Any] | None) -> str:
+    """"beats" / "does not beat", or "unreliable measurement" when an entry compared is flagged."""
+    if any(e and e.get("unreliable") for e in entries):
+        return "unreliable measurement"
+    return "beats" if wins else "does not beat"
+
+
+def paired_text(p: dict[str, Any], *entries: dict[str, Any] | None) -> str:
+    """`paired_phrase`, with its verdict replaced when an entry it compares is flagged."""
+    text = paired_phrase(p)
+    if any(e and e.get("unreliable") for e in entries):
+        text = text.rpartition(":")[0] + ": unreliable measurement, not a verdict"
+    return text
 
 
 def results_table(res: dict[str, Any]) -> str:
     b = res["baseline"]
     rows = [("B", "proposer", "tau", "tok/s", "speedup", "bound", "e2e", "TTFT ms", "identical"),
             ("1", "-", "1.00", f"{b['decode_tokens_per_s']:.1f}", "1.00", "1.00", "1.00", f"{b['ttft_s'] * 1e3:.1f}", "-")]
-    for name, key in GROUPS:
-        for bs, r in res.get(key, {}).items():
-            rows.append((bs, name, f"{r['tau']:.2f}", f"{r['decode_tokens_per_s']:.1f}", f"{r['speedup']:.2f}",
-                         f"{r['bound']:.2f}", f"{r['speedup_e2e']:.2f}", f"{r['ttft_s'] * 1e3:.1f}",
-                         str(r.get("identical_to_baseline", "-"))))
+    named = [(name, bs, r) for name, key in GROUPS for bs, r in res.get(key, {}).items()]
+    if res.get("hybrid_composite"):
+        named.append(("hybrid (per-source gate)", "-", res["hybrid_composite"]))
+    for name, bs, r in named:
+        rows.append((bs, name, f"{r['tau']:.2f}", f"{r['decode_tokens_per_s']:.1f}",
+                     f"{r['speedup']:.2f}" + ("!" if r.get("unreliable") else ""), f"{r['bound']:.2f}",
+                     f"{r['speedup_e2e']:.2f}", f"{r['ttft_s'] * 1e3:.1f}", str(r.get("identical_to_baseline", "-"))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    if any(r.get("unreliable") for _, _, r in named):
+        lines.append("! unreliable measurement: the timing cannot be true (see `unreliable` in results.json); "
+                     "no verdict is drawn from it")
     for bs, r in res["speculative"].items():
         lines.append(f"B={bs} per-position acceptance: " + " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]))
     lines += breakdown_lines(res)
@@ -171,20 +247,24 @@ def results_table(res: dict[str, Any]) -> str:
 
 
 def breakdown_lines(res: dict[str, Any]) -> list[str]:
-    """τ at the best block size per data source and per thinking mode (drafter, and prompt lookup at its best
-    block size), when there are several."""
+    """τ at the best block size per data source and per thinking mode (drafter, prompt lookup at its best block
+    size, the hybrid composite with the decoder each source chose), when there are several."""
     bs, lk = str(res["summary"]["block_size"]), str((res["summary"].get("prompt_lookup") or {}).get("block_size", "-"))
+    hy = res["summary"].get("hybrid") or {}
     out = []
     for key, what in (("by_source", "source"), ("by_mode", "mode")):
         groups = res.get(key) or {}
         if len(groups) < 2:
             continue
         parts = []
+        gates = hy.get("gates_by_source" if key == "by_source" else "gates_by_mode") or {}
         for name, g in groups.items():
             d, p = g.get("speculative", {}).get(bs), g.get("prompt_lookup", {}).get(lk)
+            h, gate = g.get("hybrid_composite"), gates.get(name)
             label = f"{name} ({g['mode']})" if "mode" in g else name
             parts.append(f"{label}: {g['prompts']} prompts" + (f", tau {d['tau']:.2f}" if d else "")
-                         + (f", lookup {p['tau']:.2f}" if p else ""))
+                         + (f", lookup {p['tau']:.2f}" if p else "")
+                         + (f", hybrid {h['tau']:.2f}" if h else "") + (f" (gate {gate['decoder']})" if gate else ""))
         out.append(f"by {what} (drafter B={bs}, lookup B={lk}): " + "; ".join(parts))
     return out
 
@@ -203,11 +283,17 @@ def diagnostic_lines(res: dict[str, Any]) -> list[str]:
     out, s = [], res["summary"]
     lk = s.get("prompt_lookup")
     if lk:
-        verdict = "beats" if s.get("beats_prompt_lookup") else "does NOT beat"
+        verdict = s.get("verdict_prompt_lookup") or verdict_of(bool(s.get("beats_prompt_lookup")), s, lk)
+        verdict = "does NOT beat" if verdict == "does not beat" else verdict
         vs = s.get("versus_prompt_lookup")
         out.append(f"best: drafter B={s['block_size']} tau {s['tau']:.2f} speedup {s['speedup']:.2f}x; prompt lookup "
-                   f"B={lk['block_size']} tau {lk['tau']:.2f} speedup {lk['speedup']:.2f}x: the drafter {verdict} it"
-                   + (f" (drafter over lookup, paired: {paired_phrase(vs)})" if vs else ""))
+                   f"B={lk['block_size']} tau {lk['tau']:.2f} speedup {lk['speedup']:.2f}x: "
+                   + ("unreliable measurement, no verdict" if verdict == "unreliable measurement" else
+                      f"the drafter {verdict} it")
+                   + (f" (drafter over lookup, paired: {paired_text(vs, s, lk)})" if vs else ""))
+    out += hybrid_lines(s)
+    for where, reasons in unreliable_entries(res):
+        out.append(f"{where}: {flag_phrase(reasons)}")
     ad = s.get("adaptive")
     if ad:
         out.append(f"adaptive draft length (dflashkit's decoder; engines run fixed B): best B={ad['block_size']} tau "
@@ -232,9 +318,37 @@ def diagnostic_lines(res: dict[str, Any]) -> list[str]:
     return out
 
 
+def hybrid_lines(s: dict[str, Any]) -> list[str]:
+    """The hybrid composite against the drafter's best and prompt lookup's best (`summary.hybrid`), with the
+    decoder each source chose."""
+    hy = s.get("hybrid")
+    if not hy:
+        return []
+    gates = ", ".join(f"{src}: {g['decoder']}" for src, g in (hy.get("gates_by_source") or {}).items())
+    out = [f"hybrid (decoder chosen per source by leave-one-out; {gates}): tau {hy['tau']:.2f} speedup "
+           f"{hy['speedup']:.2f}x" + (f"; {flag_phrase(hy['unreliable'])}" if hy.get("unreliable") else "")]
+    for key, other in (("versus_drafter", "drafter"), ("versus_prompt_lookup", "prompt lookup")):
+        if hy.get(key):
+            out.append(f"  hybrid over {other}'s best, paired: {hy[key]['phrase']}")
+    return out
+
+
+def unreliable_entries(res: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """(where, reasons) of every flagged entry of results.json's groups."""
+    out = []
+    for name, key in GROUPS:
+        for bs, r in (res.get(key) or {}).items():
+            if r.get("unreliable"):
+                out.append((f"{name} B={bs}", r["unreliable"]))
+    if (res.get("hybrid_composite") or {}).get("unreliable"):
+        out.append(("hybrid (per-source gate)", res["hybrid_composite"]["unreliable"]))
+    return out
+
+
 def decode_all(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_sizes: list[int], *,
-               lookup: bool, warmup: int, adaptive: bool | None = None) -> dict[str, Any]:
-    """Baseline + drafter (+ prompt lookup) at every block size, interleaved; results by decoder name."""
+               lookup: bool, warmup: int, adaptive: bool | None = None, hybrid: bool | None = None) -> dict[str, Any]:
+    """Baseline + drafter (+ adaptive, prompt lookup, suffix alone and the hybrid grid: `hybrid_decoders`) at every
+    block size, interleaved; results by decoder key (module docstring)."""
     e = cfg.eval
     ddt = draft_dtype_for(cfg, target)
     decoders: dict[str, Decoder] = {"1": SpecDecoder(target, None, 1, max_context=e.max_context, record_top=TOP_K)}
@@ -249,35 +363,92 @@ def decode_all(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_
         for bs in block_sizes:
             decoders[f"lookup-{bs}"] = SpecDecoder(target, None, bs, max_context=e.max_context, record_top=TOP_K,
                                                    proposer=PromptLookupProposer(e.prompt_lookup_ngram, 1))
+    if e.hybrid if hybrid is None else hybrid:
+        for bs in block_sizes:
+            decoders.update(hybrid_decoders(cfg, target, drafter, bs, ddt))
     return run_interleaved(decoders, ids, params_for(cfg, target), warmup=warmup, base_seed=cfg.run.seed,
                            desc=f"eval ({str(target.dtype).removeprefix('torch.')})")
 
 
-def entries(runs: dict[str, Any], base_t: dict) -> dict[str, dict]:
-    out = {}
-    for key, results in runs.items():
-        bs = block_of(key)
-        acc, tim = summarize_acceptance(results, bs), summarize_timing(results)
-        out[key] = {**acc, **tim, **compare(base_t, tim, acc["tau"]),
-                    # prompt by prompt (the paired comparison's inputs): tokens emitted, decode seconds
-                    "per_prompt": [{"tokens": len(r.token_ids), "decode_s": r.decode_s} for r in results]}
-        if key.startswith("adaptive-"):  # what the policy verified: drafts per step (fixed B: B − 1)
-            steps = sum(len(r.acceptance_lengths) for r in results)
-            out[key]["drafts_per_step"] = round(sum(r.verified_drafts for r in results) / max(1, steps), 4)
+def hybrid_gate(key: str) -> HybridGate | None:
+    """The gate of a hybrid decoder key ("hybrid-4@2": suffix branch at matches of ≥ 2 tokens; "graft-4@4": the
+    same, grafting), None for any other key."""
+    prefix, _, rest = key.rpartition("-")
+    if prefix not in ("hybrid", "graft"):
+        return None
+    return HybridGate(min_match=int(rest.partition("@")[2]), graft=prefix == "graft")
+
+
+def hybrid_keys(cfg: Any, bs: int) -> list[str]:
+    """The decoder keys of the suffix proposer and the hybrid grid at block size `bs` (eval.hybrid_gates, and the
+    graft at the largest gate with eval.hybrid_graft; no gate: never the suffix branch alone)."""
+    e = cfg.eval
+    gates = list(dict.fromkeys(e.hybrid_gates))
+    keys = [f"suffix-{bs}", *(f"hybrid-{bs}@{g}" for g in gates)]
+    if e.hybrid_graft:
+        keys.append(f"graft-{bs}@{max(gates) if gates else NEVER}")
+    return keys
+
+
+def hybrid_decoders(cfg: Any, target: Any, drafter: Any, bs: int, ddt: Any = None) -> dict[str, Decoder]:
+    """`hybrid_keys`' decoders: each its own suffix proposer (no pool: eval prompts are separate requests, and a
+    pool would make a prompt's result depend on the order they are decoded in)."""
+    e = cfg.eval
+    out: dict[str, Decoder] = {}
+    for key in hybrid_keys(cfg, bs):
+        gate = hybrid_gate(key)
+        if gate is None:
+            out[key] = SpecDecoder(target, None, bs, max_context=e.max_context, record_top=TOP_K,
+                                   proposer=SuffixProposer())
+        else:
+            out[key] = SpecDecoder(target, drafter, bs, max_context=e.max_context, record_top=TOP_K,
+                                   draft_sampling=e.draft_sampling, draft_dtype=ddt,
+                                   hybrid=HybridProposer(SuffixProposer(), gate))
     return out
 
 
+def branch_shares(results: list[GenerationResult]) -> dict[str, float]:
+    """Share of a hybrid decoder's verify steps each branch drafted (suffix, drafter, graft, none)."""
+    steps = [b for r in results for b in getattr(r, "branch", [])]
+    return {b: round(steps.count(b) / len(steps), 4) for b in sorted(set(steps))} if steps else {}
+
+
+def entries(runs: dict[str, Any], base_t: dict) -> dict[str, dict]:
+    """Per decoder key: τ and acceptance, timing, speedup and bound over the baseline's timing `base_t`,
+    per-prompt tokens and seconds, and `unreliable` (`timing_flags`) where the timing cannot be true."""
+    out = {}
+    for key, results in runs.items():
+        out[key] = entry_of(results, block_of(key), base_t)
+        if key.startswith("adaptive-"):  # what the policy verified: drafts per step (fixed B: B − 1)
+            steps = sum(len(r.acceptance_lengths) for r in results)
+            out[key]["drafts_per_step"] = round(sum(r.verified_drafts for r in results) / max(1, steps), 4)
+        gate = hybrid_gate(key)
+        if gate is not None:
+            out[key]["gate"] = {"min_match": gate.min_match, "graft": gate.graft}
+            out[key]["branches"] = branch_shares(results)
+    return out
+
+
+def entry_of(results: list[GenerationResult], bs: int, base_t: dict) -> dict[str, Any]:
+    """One decoder's numbers over `results` (block size `bs`) against the baseline's timing `base_t`."""
+    acc, tim = summarize_acceptance(results, bs), summarize_timing(results)
+    e = {**acc, **tim, **compare(base_t, tim, acc["tau"]),
+         # prompt by prompt (the paired comparison's inputs): tokens emitted, decode seconds
+         "per_prompt": [{"tokens": len(r.token_ids), "decode_s": r.decode_s} for r in results]}
+    flags = timing_flags(e)
+    if flags:
+        e["unreliable"] = flags
+    return e
+
+
 def group_of(key: str) -> str:
-    """The results.json group of a decoder key: "4" speculative, "adaptive-4" adaptive, "lookup-4" prompt_lookup."""
-    return "prompt_lookup" if key.startswith("lookup-") else "adaptive" if key.startswith("adaptive-") else "speculative"
+    """The results.json group of a decoder key (`group_key`)."""
+    return group_key(key)[0]
 
 
-def breakdown(cfg: Any, prompts: list[EvalPrompt], runs: dict[str, Any]) -> tuple[dict[str, dict], dict[str, dict]]:
-    """(`by_source`, `by_mode`): every decoder's τ, steps, τ histogram and per-position acceptance
-    (`decode/metrics.summarize_acceptance`) over the prompts of each data source and of each thinking mode
-    (`data.chat.mode_of` of the source's template variables), under the groups of results.json
-    (speculative, adaptive, prompt_lookup; block size → numbers), with `prompts` (their count); a source row
-    names its `mode`, a mode row its `sources`. The prompt counts add up to the eval's."""
+def prompt_groups(cfg: Any, prompts: list[EvalPrompt]) -> tuple[dict[str, list[int]], dict[str, str],
+                                                                  dict[str, list[int]]]:
+    """(prompt indices per data source, each source's thinking mode, prompt indices per mode)."""
     by_src: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
         by_src.setdefault(p.source, []).append(i)
@@ -285,12 +456,131 @@ def breakdown(cfg: Any, prompts: list[EvalPrompt], runs: dict[str, Any]) -> tupl
     by_mode: dict[str, list[int]] = {}
     for name in sorted(by_src):
         by_mode.setdefault(modes[name], []).extend(by_src[name])
+    return by_src, modes, by_mode
+
+
+# -- the hybrid row: a decoder per source, chosen on the other prompts --------------------------------------------
+def composite_candidates(keys: list[str]) -> list[str]:
+    """What the hybrid row chooses among, in order (ties go to the first): the drafter alone at fixed B, the
+    suffix proposer alone and every hybrid grid point, at every block size."""
+    return [k for k in keys if group_of(k) in ("speculative", "suffix", "hybrid")]
+
+
+def pooled_tokens_per_s(results: list[GenerationResult], idx: list[int]) -> float:
+    """Decode tokens per second over the prompts `idx` (tokens after the first, summed, over decode seconds)."""
+    n = sum(max(0, len(results[i].token_ids) - 1) for i in idx)
+    t = sum(results[i].decode_s for i in idx)
+    return n / t if t > 0 else 0.0
+
+
+def pick(runs: dict[str, list[GenerationResult]], candidates: list[str], idx: list[int]) -> str:
+    """The candidate with the highest pooled tokens/s over the prompts `idx` (the first on a tie)."""
+    return max(candidates, key=lambda k: pooled_tokens_per_s(runs[k], idx))
+
+
+def loo_composite(runs: dict[str, list[GenerationResult]], candidates: list[str],
+                  groups: dict[str, list[int]]) -> tuple[list[str], list[GenerationResult]]:
+    """Leave-one-out choice per prompt: prompt i of group g is scored with the candidate that is fastest over the
+    *other* prompts of g (a group of one prompt: over every other prompt; a single prompt in all: the first
+    candidate, the drafter alone). Returns (the decoder key chosen for each prompt, its result there): no
+    prompt's own result takes part in choosing what it is scored with."""
+    n = len(runs[candidates[0]])
+    choice = [candidates[0]] * n
+    for idx in groups.values():
+        for i in idx:
+            others = [j for j in idx if j != i] or [j for j in range(n) if j != i]
+            choice[i] = pick(runs, candidates, others) if others else candidates[0]
+    return choice, [runs[k][i] for i, k in enumerate(choice)]
+
+
+def gate_record(key: str, runs: dict[str, list[GenerationResult]], idx: list[int]) -> dict[str, Any]:
+    """What a choice of decoder means: its proposer, block size and gate, and its tokens/s over `idx`."""
+    gate = hybrid_gate(key)
+    return {"decoder": key, "proposer": proposer_of(key), "block_size": block_of(key),
+            "gate": {"min_match": gate.min_match, "graft": gate.graft} if gate else None,
+            "tokens_per_s": round(pooled_tokens_per_s(runs[key], idx), 3)}
+
+
+def versus(a: list[GenerationResult], b: list[GenerationResult], ea: dict | None, eb: dict | None,
+           idx: list[int] | None = None) -> dict[str, Any]:
+    """`paired_speed` of A over B (over the prompts `idx`, else all), with its phrase (`paired_text`: no verdict
+    where an entry compared is flagged) and `faster` (the interval above 1, neither entry flagged)."""
+    if idx is not None:
+        a, b = [a[i] for i in idx], [b[i] for i in idx]
+    p = paired_speed(a, b)
+    flagged = any(e and e.get("unreliable") for e in (ea, eb))
+    return {**p, "faster": p["clear"] == "a" and not flagged, "phrase": paired_text(p, ea, eb)}
+
+
+def hybrid_composite(cfg: Any, prompts: list[EvalPrompt], runs: dict[str, list[GenerationResult]], base: list,
+                     found: dict[str, dict], res: dict[str, Any]) -> None:
+    """The hybrid row (module docstring): `res["hybrid_composite"]` (its numbers over every prompt, the decoder
+    each prompt was scored with), `hybrid_composite` in each `by_source` / `by_mode` row, and `summary.hybrid`:
+    τ, speedup, paired intervals against the drafter's best and prompt lookup's best (overall, and per source
+    in `by_source`), the decoder each source would run (chosen on all its prompts: `gates_by_source`, with the
+    leave-one-out choices) and each mode (`gates_by_mode`)."""
+    candidates = composite_candidates(list(runs))
+    by_src, modes, by_mode = prompt_groups(cfg, prompts)
+    choice, results = loo_composite(runs, candidates, by_src)
+    base_t = summarize_timing(base)
+    comp = entry_of(results, max(block_of(k) for k in choice), base_t)
+    comp["identical_to_baseline"] = all(found[k].get("identical_to_baseline", True) for k in set(choice))
+    comp["chosen"] = [{"prompt": i, "id": prompts[i].id, "source": prompts[i].source, "decoder": k}
+                      for i, k in enumerate(choice)]
+    comp["candidates"] = candidates
+    comp["rule"] = ("each prompt decoded by the candidate with the highest tokens/s over the other prompts of its "
+                    "data source (leave-one-out; a source of one prompt: over all other prompts)")
+    res["hybrid_composite"] = comp
+    s = res["summary"]
+    drafter_key = str(s["block_size"]) if str(s["block_size"]) in runs else None
+    lk = s.get("prompt_lookup")
+    lookup_key = f"lookup-{lk['block_size']}" if lk and f"lookup-{lk['block_size']}" in runs else None
+    others = [(name, k) for name, k in (("drafter", drafter_key), ("prompt_lookup", lookup_key)) if k]
+
+    def compared(idx: list[int] | None) -> dict[str, Any]:
+        return {f"versus_{name}": versus(results, runs[k], comp, found[k], idx) for name, k in others}
+
+    hy: dict[str, Any] = {k: comp[k] for k in ("tau", "speedup", "bound", "decode_tokens_per_s")}
+    if comp.get("unreliable"):
+        hy["unreliable"] = comp["unreliable"]
+    hy.update(compared(None))
+    for name, _ in others:
+        hy[f"beats_{name}"] = hy[f"versus_{name}"]["faster"]
+    hy["gates_by_source"] = {name: {**gate_record(pick(runs, candidates, idx), runs, idx),
+                                    "leave_one_out": [choice[i] for i in idx]} for name, idx in by_src.items()}
+    hy["gates_by_mode"] = {mode: gate_record(pick(runs, candidates, idx), runs, idx) for mode, idx in by_mode.items()}
+    hy["rule"] = comp["rule"]
+    s["hybrid"] = hy
+    for key, groups in (("by_source", by_src), ("by_mode", by_mode)):
+        for name, idx in groups.items():
+            row = res.get(key, {}).get(name)
+            if row is None:
+                continue
+            sub = entry_of([results[i] for i in idx], max(block_of(choice[i]) for i in idx),
+                           summarize_timing([base[i] for i in idx]))
+            row["hybrid_composite"] = {
+                **{k: sub[k] for k in ("tau", "decode_tokens_per_s", "speedup", "bound")},
+                **({"unreliable": sub["unreliable"]} if sub.get("unreliable") else {}),
+                "decoders": [choice[i] for i in idx], **compared(idx)}
+
+
+def breakdown(cfg: Any, prompts: list[EvalPrompt], runs: dict[str, Any]) -> tuple[dict[str, dict], dict[str, dict]]:
+    """(`by_source`, `by_mode`): every decoder's τ, steps, τ histogram and per-position acceptance
+    (`decode/metrics.summarize_acceptance`) over the prompts of each data source and of each thinking mode
+    (`data.chat.mode_of` of the source's template variables), under the groups of results.json
+    (speculative, adaptive, prompt_lookup, suffix: block size → numbers; hybrid: grid key → numbers), with
+    `prompts` (their count); a source row names its `mode`, a mode row its `sources`. The prompt counts add up
+    to the eval's. Each entry also holds the decoder's tokens/s over those prompts; `evaluate` adds
+    `hybrid_composite`."""
+    by_src, modes, by_mode = prompt_groups(cfg, prompts)
 
     def numbers(idx: list[int]) -> dict[str, Any]:
         out: dict[str, Any] = {"prompts": len(idx)}
         for key, results in runs.items():
-            acc = summarize_acceptance([results[i] for i in sorted(idx)], block_of(key))
-            out.setdefault(group_of(key), {})[str(block_of(key))] = acc
+            sub = [results[i] for i in sorted(idx)]
+            acc = summarize_acceptance(sub, block_of(key))
+            group, k = group_key(key)
+            out.setdefault(group, {})[k] = {**acc, "decode_tokens_per_s": summarize_timing(sub)["decode_tokens_per_s"]}
         return out
 
     return ({name: {"mode": modes[name], **numbers(idx)} for name, idx in sorted(by_src.items())},
@@ -304,7 +594,8 @@ def best_entry(group: dict[str, dict]) -> dict | None:
         return None
     bs, r = max(group.items(), key=lambda kv: kv[1]["speedup"])
     return {"block_size": int(bs), "tau": r["tau"], "speedup": r["speedup"], "bound": r["bound"],
-            **({"drafts_per_step": r["drafts_per_step"]} if "drafts_per_step" in r else {})}
+            **({"drafts_per_step": r["drafts_per_step"]} if "drafts_per_step" in r else {}),
+            **({"unreliable": r["unreliable"]} if r.get("unreliable") else {})}
 
 
 def choose_dtype(cfg: Any, drafter_dir: Any, ids: list[list[int]], block_sizes: list[int]) -> tuple[Any, dict]:
@@ -317,7 +608,7 @@ def choose_dtype(cfg: Any, drafter_dir: Any, ids: list[list[int]], block_sizes: 
         prepare_for_decode(target, cfg.eval.packed_weights)
         drafter = load_drafter(drafter_dir, dtype=target.dtype, device=target.device)
         runs = decode_all(cfg, target, drafter, ids[:CALIBRATION_PROMPTS], block_sizes, lookup=False,
-                          warmup=cfg.eval.warmup, adaptive=False)
+                          warmup=cfg.eval.warmup, adaptive=False, hybrid=False)
         base_t = summarize_timing(runs.pop("1"))
         best = best_entry(entries(runs, base_t)) or {"block_size": 1, "speedup": 1.0}
         calib[name] = {"baseline_tokens_per_s": base_t["decode_tokens_per_s"], "t1_s": round(base_t["verify_s_mean"], 6),
@@ -345,9 +636,7 @@ def lossless_check(cfg: Any, target: Any, runs: dict[str, Any], base_results: li
             firsts.append(d)
             if d is not None:
                 rows.append(divergence_record(d, rule, decoder=key, block_size=block_of(key),
-                                              proposer=("prompt_lookup" if key.startswith("lookup-") else
-                                                        "drafter-adaptive" if key.startswith("adaptive-") else "drafter"),
-                                              prompt=i, id=prompts[i][0]))
+                                              proposer=proposer_of(key), prompt=i, id=prompts[i][0]))
     v = lossless_verdict(firsts, rule)
     return {**v, "dtype": str(target.dtype).removeprefix("torch."), "first_divergences": rows}
 
@@ -404,6 +693,9 @@ def evaluate(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list[lis
     if e.prompt_lookup:
         res["prompt_lookup"] = {k.removeprefix("lookup-"): v for k, v in found.items() if k.startswith("lookup-")}
         res["prompt_lookup_ngram"] = e.prompt_lookup_ngram
+    if e.hybrid:
+        for group in ("suffix", "hybrid"):
+            res[group] = {group_key(k)[1]: v for k, v in found.items() if group_of(k) == group}
     if e.temperature <= 0:
         res["lossless"] = lossless_check(cfg, target, runs, base_results, prompts)
         diverged = {(row["decoder"], row["prompt"]) for row in res["lossless"]["first_divergences"]}
@@ -420,17 +712,24 @@ def evaluate(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list[lis
     res["summary"] = {**best, "rule": "block size with the highest measured speedup",
                       "greedy_identical": (ll["verdict"] == "exact") if ll else None,
                       "lossless": ll["verdict"] if ll else None, "dtype": res["dtype"]}
+    flagged = unreliable_entries(res)
+    if flagged:  # no "faster" verdict is drawn from these (`timing_flags`)
+        res["summary"]["unreliable_entries"] = [f"{where}: {'; '.join(reasons)}" for where, reasons in flagged]
     adaptive_best = best_entry(res.get("adaptive", {}))
     if adaptive_best:  # reported beside fixed B; the fixed-B figure is the one an engine's predicts
         res["summary"]["adaptive"] = adaptive_best
     if lookup_best:
         res["summary"]["prompt_lookup"] = lookup_best
-        res["summary"]["beats_prompt_lookup"] = (best["tau"] > lookup_best["tau"]
-                                                 and best["speedup"] > lookup_best["speedup"])
+        verdict = verdict_of(best["tau"] > lookup_best["tau"] and best["speedup"] > lookup_best["speedup"],
+                             best, lookup_best)
+        res["summary"]["beats_prompt_lookup"] = verdict == "beats"  # never from a flagged entry
+        res["summary"]["verdict_prompt_lookup"] = verdict
         if str(best["block_size"]) in runs:  # the two best decoders, prompt by prompt (timing noise included)
             res["summary"]["versus_prompt_lookup"] = paired_speed(runs[str(best["block_size"])],
                                                                   runs[f"lookup-{lookup_best['block_size']}"])
     res["by_source"], res["by_mode"] = breakdown(cfg, prompts, runs)
+    if e.hybrid and composite_candidates(list(runs)):
+        hybrid_composite(cfg, prompts, runs, base_results, found, res)
     if e.diagnostics:
         res["diagnostics"] = diagnostics(cfg, rd, target, drafter, ids, base_results, res)
     res["speculation_profile"] = eval_profile(cfg, rd, inputs, target, ids, runs, block_sizes, res)
@@ -442,7 +741,8 @@ def eval_profile(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list
     """`speculation_profile.json` (export/profile.py) from the drafter's fixed-B decodes: one entry of
     `accept_length_by_k` per block size up to the drafter's own B, the vectors of B (else eval's first
     below it). Block sizes past B describe no drafter that can be served (K ≤ B − 1) and are left out; None when
-    every block size is past B."""
+    every block size is past B. With the hybrid measured, `proposers` says per source which proposer pays and at
+    which gate."""
     from dflashkit.model.target import cpu_facts
 
     e, c = cfg.eval, inputs.contract
@@ -475,7 +775,8 @@ def eval_profile(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list
         draft_checkpoint={"name": cfg.run.name, "kind": src["kind"], **({"step": src["step"]} if "step" in src else {}),
                           "weights_sha256": weights_digest(inputs.drafter_dir)},
         target_model={"id": checkpoint_id(cfg.target.path), "architecture": archs[0]},
-        block_size=c.block_size, max_supported_k=c.block_size - 1, conditions=conditions)
+        block_size=c.block_size, max_supported_k=c.block_size - 1, conditions=conditions,
+        proposers=proposers_block(res["summary"]["hybrid"]) if res["summary"].get("hybrid") else None)
     if not profile["measured"]:
         log.warning("speculation profile: no verify step at B=%d was a full uncut block, so it holds no rates "
                     "(raise eval.max_new_tokens)", profile["num_speculative_tokens"] + 1)

@@ -232,17 +232,26 @@ def params_for(cfg: RunConfig, target: Any, seed: int | None = None) -> Sampling
                           seed=seed, stop_token_ids=default_stop_ids(target))
 
 
+WARM_AGAIN_TOKENS = 16  # run_interleaved's second, short warm-up pass
+
+
 def run_interleaved(decoders: dict[str, Decoder], prompts: list[list[int]], params: SamplingParams, *,
                     warmup: int = 0, base_seed: int = 0, desc: str = "decode") -> dict[str, list[GenerationResult]]:
     """Decode every prompt with every decoder, prompt by prompt, so load noise hits all alike.
 
-    Each decoder first decodes `warmup` prompts untimed (discarded). Prompt i uses seed base_seed + i.
-    Progress (`dflashkit.progress`, named `desc`) counts generated tokens against the upper bound
-    prompts × decoders × max_new_tokens (an early stop finishes below it).
+    Each decoder first decodes `warmup` prompts untimed (discarded), round-robin (prompt by prompt, every decoder
+    in turn), then once more the first of them cut to `WARM_AGAIN_TOKENS` tokens, again round-robin, so the first
+    decoder timed is as warm as the last (no decoder's shapes went cold while the others warmed up). Prompt i
+    uses seed base_seed + i. Progress (`dflashkit.progress`, named `desc`) counts generated tokens against the
+    upper bound prompts × decoders × max_new_tokens (an early stop finishes below it).
     """
-    for dec in decoders.values():
-        for i in range(warmup):
+    for i in range(warmup):
+        for dec in decoders.values():
             dec.generate(prompts[i % len(prompts)], replace(params, seed=base_seed))
+    if warmup:
+        short = replace(params, seed=base_seed, max_new_tokens=min(params.max_new_tokens, WARM_AGAIN_TOKENS))
+        for dec in decoders.values():
+            dec.generate(prompts[0], short)
     out: dict[str, list[GenerationResult]] = {name: [] for name in decoders}
     bound = len(prompts) * len(decoders) * int(getattr(params, "max_new_tokens", 0) or 0)
     with Progress(desc, total=bound or None, unit="tok") as bar:

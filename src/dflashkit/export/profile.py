@@ -12,7 +12,10 @@ This module owns the file: writer, reader, path (`profile_path`, `RunDir.eval_pr
 `RunDir.verify_engine_profile`) and self-checks; what stages do with a profile is
 `export/profile_ship.py`. The schema is NVIDIA Model-Optimizer's specdec_bench one, written from our
 own reading and compatible field by field; our additions are `measured_at`, `per_category`,
-`measurement_conditions.steps` and the `engines` section (docs/architecture.md).
+`measurement_conditions.steps`, the `engines` section (docs/architecture.md) and `proposers`: for each data
+source (and thinking mode), which proposer pays (the drafter alone, the suffix proposer alone, or their hybrid)
+and at which gate, as eval measured it (`decode/evaluation.py`'s hybrid row). The ModelOpt fields always describe
+the drafter alone.
 
 Definitions (len = tokens one verify step commits, bonus included; K = B − 1):
 `marginal_accept_rates[i]` = P(len ≥ i + 2); `conditional_accept_rates[i]` = P(len ≥ i + 2) /
@@ -176,8 +179,9 @@ def _summary(requests: list[list[int]], k: int) -> dict[str, Any]:
 
 def build_profile(measurements: list[Measurement], *, headline: int, method: str, draft_checkpoint: dict[str, Any],
                   target_model: dict[str, Any], block_size: int, max_supported_k: int,
-                  conditions: dict[str, Any]) -> dict[str, Any]:
-    """The profile of `measurements` (one per block size); its vectors are those of block size `headline`."""
+                  conditions: dict[str, Any], proposers: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The profile of `measurements` (one per block size); its vectors are those of block size `headline`.
+    `proposers` (`proposers_block`): which proposer pays per source, kept as given."""
     by_b = {m.block_size: m for m in measurements}
     m = by_b[headline]
     k = headline - 1
@@ -205,7 +209,24 @@ def build_profile(measurements: list[Measurement], *, headline: int, method: str
             "mean_accept_length_all_steps": round6(sum(all_steps) / len(all_steps)) if all_steps else None,
             "rule": STEP_RULE}},
         "validation": self_checks(s["mean_accept_length"], s["marginal_accept_rates"]) if measured else None,
+        **({"proposers": proposers} if proposers is not None else {}),
     }
+
+
+def proposers_block(hybrid: dict[str, Any]) -> dict[str, Any]:
+    """`proposers`: from eval's `summary.hybrid`, the decoder each data source and each thinking mode runs fastest
+    on its prompts (`proposer`: drafter, suffix, hybrid or graft; `block_size`; `gate`: the suffix branch's
+    minimum match length and whether it grafts, null for a single proposer; tokens/s), the same overall, and
+    whether the measurement was flagged unreliable."""
+    keep = ("proposer", "block_size", "gate", "tokens_per_s")
+    return {"rule": "per source and mode, the proposer and gate with the highest measured tokens/s over their "
+                    "prompts (eval's hybrid row scores each prompt with the choice made on the other prompts)",
+            "by_source": {n: {k: g.get(k) for k in keep} for n, g in (hybrid.get("gates_by_source") or {}).items()},
+            "by_mode": {n: {k: g.get(k) for k in keep} for n, g in (hybrid.get("gates_by_mode") or {}).items()},
+            "hybrid": {k: hybrid.get(k) for k in ("tau", "speedup")},
+            "versus_drafter": (hybrid.get("versus_drafter") or {}).get("ratio"),
+            "versus_prompt_lookup": (hybrid.get("versus_prompt_lookup") or {}).get("ratio"),
+            "unreliable": bool(hybrid.get("unreliable"))}
 
 
 def _per_category(m: Measurement, k: int) -> dict[str, Any] | None:
@@ -281,6 +302,9 @@ def validate(p: Any, source: str) -> None:
     conditional, marginal = ck.rates(p, "conditional_accept_rates", k), ck.rates(p, "marginal_accept_rates", k)
     ck.int_keyed(p, "accept_length_by_k")
     hist = ck.int_keyed(p, "acceptance_length_histogram")
+    props = p.get("proposers")
+    if props is not None and (not isinstance(props, dict) or not isinstance(props.get("by_source", {}), dict)):
+        raise ck.fail("proposers", "must be an object whose `by_source` maps a source to its proposer")
     engines = p.get("engines", [])
     if not isinstance(engines, list) or not all(isinstance(e, dict) and isinstance(e.get("engine"), str)
                                                 for e in engines):

@@ -4,7 +4,10 @@ Usage:
     metrics, results = read_metrics(rd), read_eval_results(rd)   # their owners: train/logging, decode/evaluation
     specs, curve_html = curve_section(curve, best, target_tau=2.0)
     page = render_html(rd, name, figures, results, bench, metrics, curve_html, engine=engine_results)
-    breakdown_html(results, curve)      # per data source and per thinking mode: held-out τ, eval τ, lookup τ
+    breakdown_html(results, curve)      # per data source and per thinking mode: held-out τ, eval τ, lookup τ, hybrid
+    hybrid_html(results)                # the hybrid row: the decoder each source chose, each grid point, paired
+
+An entry eval flagged (`unreliable`: a timing that cannot be true) is marked and never called faster.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import logging
 import time
 from typing import Any
 
-from dflashkit.decode.metrics import paired_phrase
+from dflashkit.decode.evaluation import flag_phrase, paired_text, verdict_of
 from dflashkit.report.summary import run_budget
 from dflashkit.rundir import RunDir, STAGES, read_json_or_none
 from dflashkit.sizing.plan import plan_lines
@@ -99,6 +102,11 @@ def _fmt(x: Any, nd: int = 2) -> str:
     return f"{x:.{nd}f}" if isinstance(x, (int, float)) else str(x)
 
 
+def _speedup(r: dict[str, Any]) -> str:
+    """A speedup cell: "unreliable" beside a figure eval flagged (its timing cannot be true)."""
+    return _fmt(r.get("speedup", "-")) + (" (unreliable)" if r.get("unreliable") else "")
+
+
 def render_html(rd: RunDir, name: str, figures: list[str], results: dict | None, bench: dict | None,
                 metrics: list[dict], curve_html: str = "", engine: dict | None = None) -> str:
     out = [f"<!doctype html><html><head><meta charset='utf-8'><title>dflashkit report: {html.escape(name)}</title>",
@@ -122,7 +130,7 @@ def render_html(rd: RunDir, name: str, figures: list[str], results: dict | None,
         b0 = results["baseline"]
         rows = [["1 (baseline)", "1.00", _fmt(b0["decode_tokens_per_s"], 1), "1.00", "1.00", "1.00",
                  _fmt(b0["ttft_s"] * 1e3, 1), "-"]]
-        rows += [[b, _fmt(r["tau"]), _fmt(r["decode_tokens_per_s"], 1), _fmt(r["speedup"]), _fmt(r["bound"]),
+        rows += [[b, _fmt(r["tau"]), _fmt(r["decode_tokens_per_s"], 1), _speedup(r), _fmt(r["bound"]),
                   _fmt(r["speedup_e2e"]), _fmt(r["ttft_s"] * 1e3, 1), r.get("identical_to_baseline", "-")]
                  for b, r in spec_res.items()]
         out.append(f"<h2>Evaluation</h2><p>{results['prompts']} prompts, max_new_tokens {results['max_new_tokens']}, "
@@ -132,6 +140,7 @@ def render_html(rd: RunDir, name: str, figures: list[str], results: dict | None,
                            "identical to baseline"], rows))
     if results:
         out.append(eval_diagnostics_html(results))
+        out.append(hybrid_html(results))
 
     out.append(breakdown_html(results, read_curve(rd)))
     if engine:
@@ -180,6 +189,7 @@ def breakdown_html(results: dict | None, curve: dict | None) -> str:
     res, last = results or {}, ((curve or {}).get("points") or [{}])[-1]
     summ = res.get("summary") or {}
     bs, lk = str(summ.get("block_size", "-")), str((summ.get("prompt_lookup") or {}).get("block_size", "-"))
+    hy = summ.get("hybrid") or {}
     modes = {**((curve or {}).get("modes") or {}), **{n: g["mode"] for n, g in (res.get("by_source") or {}).items()}}
     out = []
     for key, what in (("by_source", "source"), ("by_mode", "mode")):
@@ -192,18 +202,66 @@ def breakdown_html(results: dict | None, curve: dict | None) -> str:
         for n in names:
             h, g = held.get(n, {}), ev.get(n, {})
             d, p = g.get("speculative", {}).get(bs, {}), g.get("prompt_lookup", {}).get(lk, {})
+            c = g.get("hybrid_composite") or {}
+            gate = (hy.get("gates_by_source" if key == "by_source" else "gates_by_mode") or {}).get(n) or {}
             rows.append([n, modes.get(n, "-") if key == "by_source" else ", ".join(g.get("sources") or h.get("sources") or []),
                          _fmt(h.get("tau", "-"), 3), g.get("prompts", "-"), _fmt(d.get("tau", "-")),
                          _fmt((d.get("per_position_acceptance") or ["-"])[0]), _fmt(p.get("tau", "-")),
-                         _fmt((p.get("per_position_acceptance") or ["-"])[0])])
+                         _fmt((p.get("per_position_acceptance") or ["-"])[0])]
+                        + ([_fmt(c.get("tau", "-")), _speedup(c) if c else "-", gate.get("decoder", "-")] if hy else []))
         out.append(_table([what, "mode" if key == "by_source" else "sources", "held-out τ", "eval prompts",
-                           f"drafter τ (B={bs})", "drafter position-1", f"lookup τ (B={lk})", "lookup position-1"], rows))
+                           f"drafter τ (B={bs})", "drafter position-1", f"lookup τ (B={lk})", "lookup position-1"]
+                          + (["hybrid τ", "hybrid speedup", "decoder chosen"] if hy else []), rows))
     if not out:
         return ""
     return ("<h2>By data source and thinking mode</h2><p>Held-out simulated τ at the learning curve's last point; "
             "eval τ of the drafter at the best block size and of prompt lookup at its best, over each source's "
             "prompts. A source's mode comes from its chat-template variables (data.sources[].chat_template_kwargs "
             "over tokenize.chat_template_kwargs): thinking, no-thinking or default.</p>" + "\n".join(out))
+
+
+def hybrid_html(results: dict) -> str:
+    """The hybrid row beside the drafter and prompt lookup (`summary.hybrid`, `hybrid_composite`): each source's
+    chosen decoder and gate, the paired intervals overall and per source, and τ / speedup of every grid point
+    (the suffix proposer alone and the hybrid at each gate)."""
+    hy = (results.get("summary") or {}).get("hybrid")
+    if not hy:
+        return ""
+    out = ["<h2>Hybrid: drafter + suffix matching</h2><p>The suffix proposer matches the longest suffix of the "
+           "output against the prompt and the output so far; the hybrid verifies its draft where the match is at "
+           "least the gate's length and the drafter's block elsewhere (graft: the drafter's confident prefix "
+           "continued by the match). Each prompt is decoded by the decoder fastest on the <i>other</i> prompts of "
+           f"its source (leave-one-out). Hybrid τ {_fmt(hy['tau'])}, speedup {_fmt(hy['speedup'])}×"
+           + (f" — {html.escape(flag_phrase(hy['unreliable']))}" if hy.get("unreliable") else "") + ".</p>"]
+    said = [f"over the drafter's best: {html.escape(hy['versus_drafter']['phrase'])}" if hy.get("versus_drafter") else "",
+            f"over prompt lookup's best: {html.escape(hy['versus_prompt_lookup']['phrase'])}"
+            if hy.get("versus_prompt_lookup") else ""]
+    if any(said):
+        out.append("<p>Hybrid, paired prompt by prompt " + "; ".join(x for x in said if x) + ".</p>")
+    rows = []
+    for src, g in (hy.get("gates_by_source") or {}).items():
+        c = ((results.get("by_source") or {}).get(src) or {}).get("hybrid_composite") or {}
+        rows.append([src, g["decoder"], g["proposer"], _gate(g.get("gate")), _fmt(g.get("tokens_per_s"), 1),
+                     ", ".join(g.get("leave_one_out") or []),
+                     html.escape((c.get("versus_drafter") or {}).get("phrase", "-")),
+                     html.escape((c.get("versus_prompt_lookup") or {}).get("phrase", "-"))])
+    if rows:
+        out.append(_table(["source", "decoder chosen", "proposer", "gate", "tok/s", "leave-one-out choices",
+                           "over drafter", "over lookup"], rows))
+    grid = [[f"suffix B={b}", _fmt(r["tau"]), _fmt(r["decode_tokens_per_s"], 1), _speedup(r), "-"]
+            for b, r in (results.get("suffix") or {}).items()]
+    grid += [[f"hybrid {k}", _fmt(r["tau"]), _fmt(r["decode_tokens_per_s"], 1), _speedup(r),
+              ", ".join(f"{b} {_fmt(x)}" for b, x in (r.get("branches") or {}).items())]
+             for k, r in (results.get("hybrid") or {}).items()]
+    if grid:
+        out.append(_table(["grid point (B@gate)", "τ", "tokens/s", "speedup", "share of steps by branch"], grid))
+    return "\n".join(out)
+
+
+def _gate(g: dict | None) -> str:
+    if not g:
+        return "-"
+    return f"match ≥ {g['min_match']}" + (", graft" if g.get("graft") else "")
 
 
 def engine_section_html(res: dict) -> str:
@@ -236,18 +294,21 @@ def eval_diagnostics_html(results: dict) -> str:
         rows = []
         for b in sorted({*spec, *lookup}, key=int):
             d, p = spec.get(b, {}), lookup.get(b, {})
-            rows.append([b, _fmt(d.get("tau", "-")), _fmt(d.get("speedup", "-")),
+            rows.append([b, _fmt(d.get("tau", "-")), _speedup(d),
                          _fmt((d.get("per_position_acceptance") or ["-"])[0]), _fmt(p.get("tau", "-")),
-                         _fmt(p.get("speedup", "-")), _fmt((p.get("per_position_acceptance") or ["-"])[0])])
+                         _speedup(p), _fmt((p.get("per_position_acceptance") or ["-"])[0])])
         lk = summ.get("prompt_lookup") or {}
-        beats = "beats" if summ.get("beats_prompt_lookup") else "does <b>not</b> beat"
+        verdict = summ.get("verdict_prompt_lookup") or verdict_of(bool(summ.get("beats_prompt_lookup")), summ, lk)
+        beats = {"beats": "The drafter beats it", "does not beat": "The drafter does <b>not</b> beat it"}.get(
+            verdict, "<b>Unreliable measurement</b>: no verdict (" + html.escape(
+                "; ".join(summ.get("unreliable") or lk.get("unreliable") or [])) + ")")
         out.append("<h2>Drafter vs prompt lookup</h2><p>Prompt lookup (n-gram, n = "
                    f"{results.get('prompt_lookup_ngram', 3)}…1) needs no training: it proposes the tokens that "
                    "followed the latest earlier occurrence of the last n tokens, verified by the same lossless "
                    f"decoder on the same prompts. Best drafter: B={summ.get('block_size')} τ {_fmt(summ.get('tau'))}, "
                    f"{_fmt(summ.get('speedup'))}×; best prompt lookup: B={lk.get('block_size')} τ {_fmt(lk.get('tau'))}, "
-                   f"{_fmt(lk.get('speedup'))}×. The drafter {beats} it"
-                   + (f" (drafter over lookup, paired prompt by prompt: {html.escape(paired_phrase(vs))})"
+                   f"{_fmt(lk.get('speedup'))}×. {beats}"
+                   + (f" (drafter over lookup, paired prompt by prompt: {html.escape(paired_text(vs, summ, lk))})"
                       if (vs := summ.get("versus_prompt_lookup")) else "") + ".</p>")
         out.append(_table(["block size", "drafter τ", "drafter speedup", "drafter position-1", "lookup τ",
                            "lookup speedup", "lookup position-1"], rows))

@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dflashkit.decode.evaluation import read_eval_results
-from dflashkit.decode.metrics import paired_phrase
+from dflashkit.decode.evaluation import flag_phrase, paired_text, read_eval_results, verdict_of
 from dflashkit.rundir import RunDir
 from dflashkit.sizing.plan import plan_lines
 from dflashkit.train.checkpoint import trained_drafter_dir
@@ -51,18 +50,38 @@ def run_budget(rd: RunDir) -> dict[str, Any] | None:
     return rec if isinstance(rec, dict) and rec.get("plan") else None
 
 
+def hybrid_summary_lines(hy: dict[str, Any] | None) -> list[str]:
+    """The hybrid row beside the drafter and prompt lookup: τ, speedup, the decoder each source chose and the
+    paired intervals (`summary.hybrid` of eval/results.json)."""
+    if not hy:
+        return []
+    lines = [f"  {'hybrid':17s} tau {hy['tau']} speedup {hy['speedup']} (decoder per source, chosen on its other "
+             "prompts)" + (f"; {flag_phrase(hy['unreliable'])}" if hy.get("unreliable") else "")]
+    for src, g in (hy.get("gates_by_source") or {}).items():
+        lines.append(f"  {'':17s} {src}: {g['decoder']} ({g['tokens_per_s']} tok/s)")
+    for key, other in (("versus_drafter", "drafter"), ("versus_prompt_lookup", "lookup")):
+        if hy.get(key):
+            lines.append(f"  {'':17s} hybrid over {other}, paired: {hy[key]['phrase']}")
+    return lines
+
+
 def summary_lines(s: dict[str, Any]) -> list[str]:
     ev = s.get("eval") or {}
     lines = ["", "== dflashkit run summary =="]
     for key in ("tau", "speedup", "bound", "greedy_identical", "block_size", "lossless", "dtype"):
         if key in ev:
             lines.append(f"  {key:17s} {ev[key]}")
+    if ev.get("unreliable"):
+        lines.append(f"  {'':17s} {flag_phrase(ev['unreliable'])}")
     lk = ev.get("prompt_lookup")
     if lk:
+        verdict = ev.get("verdict_prompt_lookup") or verdict_of(bool(ev.get("beats_prompt_lookup")), ev, lk)
         lines.append(f"  {'prompt lookup':17s} tau {lk['tau']} speedup {lk['speedup']} at B={lk['block_size']} "
-                     f"(the drafter {'beats' if ev.get('beats_prompt_lookup') else 'does not beat'} it)")
+                     + ("(unreliable measurement: no verdict)" if verdict == "unreliable measurement" else
+                        f"(the drafter {verdict} it)"))
         if ev.get("versus_prompt_lookup"):
-            lines.append(f"  {'':17s} drafter over lookup, paired: {paired_phrase(ev['versus_prompt_lookup'])}")
+            lines.append(f"  {'':17s} drafter over lookup, paired: {paired_text(ev['versus_prompt_lookup'], ev, lk)}")
+    lines += hybrid_summary_lines(ev.get("hybrid"))
     if s.get("forecast"):
         lines.append(f"  {'forecast':17s} {s['forecast']}")
     if s.get("budget"):

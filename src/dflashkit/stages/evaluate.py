@@ -6,7 +6,12 @@ Inputs:  the target (`target.*`), a drafter dir (DIR, `eval.drafter`, `train/bes
 Outputs: `eval/results.json` (+ manifest): the baseline (block_size 1, same loop) and, per block size,
          τ mean and histogram, per-position acceptance, tokens/s, speedup (decode and end-to-end),
          TTFT, and the bound τ·t(1)/t(B) from the same run's step timings (`decode/metrics.py`);
-         the same for the training-free prompt-lookup proposer (`prompt_lookup`); the verify dtype and
+         the same for the training-free prompt-lookup proposer (`prompt_lookup`), the suffix proposer alone
+         (`suffix`) and the hybrid of the drafter and the suffix proposer at each gate of `eval.hybrid_gates`
+         (`hybrid`), whose `hybrid` row (`hybrid_composite`, `summary.hybrid`) decodes each prompt with the
+         decoder fastest on the other prompts of its data source, with paired intervals against the drafter's
+         and prompt lookup's best; every entry whose timing cannot be true carries `unreliable` (then no
+         "faster" verdict is drawn from it); the verify dtype and
          why (`dtype`, `dtype_reason`: `eval.dtype`, see model/target.py `compute_dtype`); the lossless
          verdict (`lossless`); `diagnostics` (bigram baseline, no-feature ablation); `summary` = the
          best block size by measured speedup. `eval/speculation_profile.json` (export/profile.py):
@@ -51,7 +56,8 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         announce(verify)
     if ctx.dry_run:
         return {"dry_run": True, "drafter": str(drafter_dir), "prompts": len(inputs.prompts),
-                "block_sizes": block_sizes, "dtype": e.dtype, "prompt_lookup": e.prompt_lookup}
+                "block_sizes": block_sizes, "dtype": e.dtype, "prompt_lookup": e.prompt_lookup,
+                "hybrid": {"gates": e.hybrid_gates, "graft": e.hybrid_graft} if e.hybrid else None}
     target, ids = load_checked_target(cfg, inputs, target_cfg)
     choice = None
     if e.dtype == "auto":
