@@ -168,6 +168,20 @@ def test_adaptive_hybrid_is_lossless_and_keeps_a_policy_per_branch(targets, arch
     assert dec.policies["suffix"].draft_s > 0
 
 
+def test_the_suffix_policy_weighs_the_suffix_scores(targets):
+    """With `adaptive`, a suffix step's length is chosen by the suffix branch's policy from the draft's scores."""
+    target = targets["qwen3"]
+    dec = SpecDecoder(target, random_drafter(target, block_size=4), 4, hybrid=_hybrid(), adaptive=True)
+    assert dec.hybrid is not None
+    drafts, seen = [], []
+    suffix_draft, choose = dec.hybrid.suffix_draft, dec.policies["suffix"].choose
+    dec.hybrid.suffix_draft = lambda seq, k: drafts.append(suffix_draft(seq, k)) or drafts[-1]  # type: ignore
+    dec.policies["suffix"].choose = lambda conf: seen.append((drafts[-1], list(conf))) or choose(conf)  # type: ignore
+    r = dec.generate(PROMPT, SamplingParams(max_new_tokens=N))
+    assert len(seen) >= r.branch.count("suffix") > 0  # (a suffix step cut to no drafts counts as "none")
+    assert all(conf == d.scores[:3] and d.match_len >= 2 for d, conf in seen)
+
+
 def _teacher_forced(dec: SpecDecoder, seq: list[int], start: int, k: int):
     """The drafter's proposal after seq[start] from a fresh cache fed the features of seq[:start] at once."""
     feats, _ = dec.target.features(torch.tensor([seq[:start]]), layer_ids=dec.layer_ids, need_logits=True)
@@ -261,9 +275,12 @@ def test_bad_gates_and_a_hybrid_without_drafter(targets):
         SpecDecoder(targets["qwen3"], None, 4, hybrid=_hybrid())
 
 
-@pytest.mark.parametrize("gate", [dict(min_match=1), dict(min_match=NEVER, graft=True, graft_min_match=1,
-                                                            graft_conf=1.0)], ids=["suffix", "graft"])
-def test_hybrid_sampling_matches_the_target_law(gate):
+GRAFT = dict(min_match=NEVER, graft=True, graft_min_match=1, graft_conf=1.0)
+
+
+@pytest.mark.parametrize("gate,adaptive", [(dict(min_match=1), False), (GRAFT, False), (GRAFT, True)],
+                         ids=["suffix", "graft", "graft-adaptive"])
+def test_hybrid_sampling_matches_the_target_law(gate, adaptive):
     """χ² of 3-token continuations against the exact law (tests/decode/test_sampling.py): suffix drafts are point
     masses beside the drafter's sampled law; grafted rows carry one-hot laws."""
     from tests.decode.test_sampling import _chi2_z, _exact_law, _samples, _tiny_small_vocab_target
@@ -271,7 +288,8 @@ def test_hybrid_sampling_matches_the_target_law(gate):
     target, drafter = _tiny_small_vocab_target()
     prompt = [1, 2, 3, 4, 1, 2]
     law = _exact_law(target.model, prompt, 1.0)
-    dec = SpecDecoder(target, drafter, block_size=4, draft_sampling="sample", hybrid=_hybrid(**gate))
+    dec = SpecDecoder(target, drafter, block_size=4, draft_sampling="sample", hybrid=_hybrid(**gate),
+                      adaptive=adaptive)
     branches: set[str] = set()
     orig = dec.generate
 
