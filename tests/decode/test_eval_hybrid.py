@@ -213,3 +213,16 @@ def test_run_interleaved_warms_every_decoder_alike_before_timing():
     assert [t for _, t in warm[-3:]] == [16] * 3 and all(t == 64 for _, t in warm[:6])
     assert [n for n, _ in timed] == ["1", "4", "lookup-4"] * 3
     assert pooled_tokens_per_s([_r(2.0, tokens=5)], [0]) == 2.0
+
+
+def test_the_budget_counts_the_hybrid_decoders():
+    from dflashkit.config import load_config
+    from dflashkit.sizing.plan import Rates, eval_prompt_s
+
+    rates = Rates(capture_tok_s=500, train_step_s=0.5, decode_s={1: 0.05, 4: 0.07})
+    base = ["eval.block_sizes=[4]", "eval.adaptive_length=false", "eval.prompt_lookup=false"]
+    off = eval_prompt_s(load_config(None, [*base, "eval.hybrid=false"]), rates, 64)
+    on = eval_prompt_s(load_config(None, [*base, "eval.hybrid_gates=[2,4]"]), rates, 64)
+    one = eval_prompt_s(load_config(None, [*base, "eval.hybrid_gates=[4]", "eval.hybrid_graft=false"]), rates, 64)
+    # per block size: the drafter alone, then suffix + 2 gates + graft (4 more passes), or suffix + 1 gate (2 more)
+    assert on - off == pytest.approx(2 * (one - off)) and one > off

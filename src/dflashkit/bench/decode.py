@@ -12,6 +12,9 @@ same dir). Reports end-to-end tokens/s of each call, ours/reference ratio (goal 
 tokens, τ, our t(1), t(B), and the bound τ·t(1)/t(B) next to the measured speedup; `decode_step` puts t(1)
 and t(B) against the memory floor (`decode/step_cost.py`) for the packed target every decoder runs
 (`eval.packed_weights`) and `decode_step_unpacked` for the same weights as transformers loads them.
+With `eval.hybrid` the suffix proposer alone (`suffix`) and the hybrid at each gate of `eval.hybrid_gates`
+(`hybrid`, keyed "B@gate", the graft "B@gate+graft") run in the same turns, each with its τ, speedup and share
+of steps per branch, and `unreliable` where its timing cannot be true (printed as an unreliable measurement).
 The reference only reports stats through `torch.cuda.synchronize`, so it runs without stats and is
 timed here around the call. A DFlash2 drafter has no reference (PyPI `dflash` 0.1.0 predates it): the
 bench then times our baseline against our walk-drafting decoder only (reference numbers 0 / null).
@@ -26,7 +29,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from dflashkit.decode.api import Decoder, GenerationResult, SamplingParams
-from dflashkit.decode.evaluation import decode_inputs, load_checked_target, verify_dtype, verify_target_config
+from dflashkit.decode.evaluation import (decode_inputs, entries, flag_phrase, group_key, hybrid_decoders,
+                                         load_checked_target, verify_dtype, verify_target_config)
 from dflashkit.decode.metrics import compare, summarize_acceptance, summarize_timing
 from dflashkit.decode.runner import draft_dtype_for, first_difference, params_for, run_interleaved
 from dflashkit.decode.spec_decode import SpecDecoder
@@ -88,9 +92,27 @@ def _decoders(cfg: RunConfig, target: Any, drafter: Any, drafter_dir: Any, contr
     if cfg.eval.adaptive_length:
         decoders["ours-adaptive"] = SpecDecoder(target, drafter, bs, max_context=cfg.eval.max_context,
                                                 draft_dtype=ddt, adaptive=True)
+    if cfg.eval.hybrid:  # the suffix proposer alone and the hybrid grid (keys "suffix-4", "hybrid-4@2", "graft-4@4")
+        decoders.update(hybrid_decoders(cfg, target, drafter, bs, ddt))
     if contract.family.decoding.reference_loop:  # the PyPI reference (dflash 0.1.0) decodes this family
         decoders["reference"] = ReferenceDecoder(target, str(drafter_dir), bs)
     return decoders
+
+
+def _proposer_rows(runs: dict[str, list[GenerationResult]], base_t: dict[str, Any],
+                   params: SamplingParams) -> dict[str, dict[str, Any]]:
+    """`suffix` and `hybrid` rows (eval.hybrid): τ, speedup, tokens/s, identical tokens (greedy), gate and branch
+    shares, `unreliable` where flagged."""
+    keys = {k: v for k, v in runs.items() if group_key(k)[0] in ("suffix", "hybrid")}
+    out: dict[str, dict[str, Any]] = {}
+    for key, e in entries(keys, base_t).items():
+        group, sub = group_key(key)
+        row = {k: e[k] for k in ("tau", "speedup", "bound", "decode_tokens_per_s") if k in e}
+        row.update({k: e[k] for k in ("gate", "branches", "unreliable") if k in e})
+        row["identical_tokens"] = (all(a.token_ids == b.token_ids for a, b in zip(runs[key], runs["baseline"]))
+                                   if params.temperature <= 0 else None)
+        out.setdefault(group, {})[sub] = row
+    return out
 
 
 def _headline(runs: dict[str, list[GenerationResult]], base_t: dict[str, Any], ours_t: dict[str, Any],
@@ -171,6 +193,11 @@ def _print_summary(result: dict[str, Any]) -> None:
         a = result["adaptive"]
         print(f"  adaptive draft length: tau {a['tau']:.2f}, speedup {a['speedup']:.2f}, "
               f"{a['drafts_per_step']:.2f} drafts verified per step", flush=True)
+    rows = [(f"suffix B={k}", r) for k, r in (result.get("suffix") or {}).items()]
+    rows += [(f"hybrid {k}", r) for k, r in (result.get("hybrid") or {}).items()]
+    for name, r in rows:
+        print(f"  {name}: tau {r['tau']:.2f}, speedup {r['speedup']:.2f}, {r['decode_tokens_per_s']:.1f} tok/s"
+              + (f"; {flag_phrase(r['unreliable'])}" if r.get("unreliable") else ""), flush=True)
 
 
 def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
@@ -207,6 +234,7 @@ def bench_decode(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any
         result.update(_module_forward(runs, cast(SpecDecoder, decoders["ours"]), cmp["tB_s"], acc["tau"]))
     if "ours-adaptive" in runs:
         result["adaptive"] = _adaptive(runs, base_t, bs, params)
+    result.update(_proposer_rows(runs, base_t, params))
     if not ctx.json:
         _print_summary(result)
     return result

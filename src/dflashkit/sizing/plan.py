@@ -7,6 +7,7 @@ Usage:
     p["stages"]       # planned seconds per stage ("calibrate", "probe", …, "report")
     t = replan_train(p, rates, cfg, fixed, train_samples=712, elapsed_s=610.0)   # before train: from actuals
     e = replan_eval(p, rates, cfg, fixed, elapsed_s=1010.0)                      # before eval: from time left
+    check_plan(p)                             # PlanError unless every number is finite and in range (plan_run does)
     print("\n".join(plan_lines(record)))      # pipeline.json's "budget" record as a table (plan vs actual)
 
 Pure arithmetic (no torch, no files). The plan spends `SAFETY` of the budget: fixed seconds per stage
@@ -20,7 +21,11 @@ so with both free it buys samples rather than steps; eval an `EVAL_SHARE` of the
 
 Invariants (tests/sizing/test_sizing_plan.py): planned seconds ≤ the usable budget unless the minimum
 run does not fit (then `warnings` says so); more budget never gives fewer prompts, steps or eval
-prompts; epochs ≤ EPOCHS; fixed keys untouched; re-plans use only the time left. Constants: docs/budget.md.
+prompts; epochs ≤ EPOCHS; fixed keys untouched; re-plans use only the time left; data.num_prompts ≤ the
+prompts there are when the caller knows them (`available_prompts`). `Rates` refuses a rate or time that is not
+finite and positive, and `check_plan` (run on every plan and re-plan) refuses a plan with a size < 1, a
+non-finite or negative number, or stage seconds that do not add up to its total: no plan can buy more than its
+own time estimate. Constants: docs/budget.md.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from dflashkit.errors import UsageError
 from dflashkit.family.recipe import config_recipe
 
 SAFETY = 0.9
@@ -56,6 +62,10 @@ SIZED = ("data.num_prompts", "train.max_steps", "train.eval_every", "train.save_
          "eval.max_new_tokens")
 
 
+class PlanError(UsageError):
+    """A plan (or the rates it is made from) with a number that cannot be: what `Rates` and `check_plan` refuse."""
+
+
 @dataclass(frozen=True)
 class Rates:
     """This machine's measured speeds (`sizing/calibration.py` measures them).
@@ -70,6 +80,20 @@ class Rates:
     decode_s: dict[int, float] = field(default_factory=dict)
     load_s: float = 5.0
     calibrate_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        def bad(v: Any, low: float) -> bool:
+            return not (isinstance(v, (int, float)) and math.isfinite(v) and (v > low if low == 0 else v >= 0))
+
+        for name in ("capture_tok_s", "train_step_s"):
+            if bad(getattr(self, name), 0):
+                raise PlanError(f"Rates.{name} = {getattr(self, name)!r}: must be a finite number > 0")
+        for name in ("load_s", "calibrate_s"):
+            if bad(getattr(self, name), -1):
+                raise PlanError(f"Rates.{name} = {getattr(self, name)!r}: must be a finite number >= 0")
+        for n, t in self.decode_s.items():
+            if int(n) < 1 or bad(t, 0):
+                raise PlanError(f"Rates.decode_s t({n}) = {t!r}: must be a finite number > 0 for n >= 1")
 
     def t(self, n: int) -> float:
         """t(n): measured, else interpolated linearly between the nearest measured n (flat beyond them)."""
@@ -129,9 +153,12 @@ def _block_sizes(cfg: Any) -> list[int]:
 
 
 def eval_prompt_s(cfg: Any, rates: Rates, max_new: int) -> float:
-    """Seconds to decode one eval prompt: the baseline and every proposer at every block size, with prefills."""
+    """Seconds to decode one eval prompt: the baseline and every proposer at every block size (the drafter, the
+    adaptive length, prompt lookup, and with eval.hybrid the suffix proposer and each hybrid gate and graft:
+    `decode.evaluation.hybrid_keys`), with prefills."""
     e = cfg.eval
-    passes = 1 + int(bool(e.adaptive_length)) + int(bool(e.prompt_lookup))
+    hybrid = (1 + len(set(e.hybrid_gates)) + int(bool(e.hybrid_graft))) if e.hybrid else 0
+    passes = 1 + int(bool(e.adaptive_length)) + int(bool(e.prompt_lookup)) + hybrid
     per_token = rates.t(1) + sum(passes * rates.t(b) / EVAL_TAU for b in _block_sizes(cfg))
     prefills = 1 + passes * len(_block_sizes(cfg))
     return max_new * per_token + prefills * EVAL_PROMPT_TOKENS / rates.capture_tok_s
