@@ -90,7 +90,8 @@ def _composite(runs, base, sources):
     found = entries(runs, summarize_timing(base))
     for v in found.values():
         v["identical_to_baseline"] = True
-    res = {"summary": {"block_size": 4, "tau": 2.0, "speedup": 1.0, "prompt_lookup": {"block_size": 4}},
+    res = {"summary": {"block_size": 4, "tau": 2.0, "speedup": 1.0,
+                       "prompt_lookup": {"block_size": 4, "tau": 2.0, "speedup": 1.1, "bound": 2.0}},
            "by_source": {s: {"mode": "default"} for s in set(sources)}, "by_mode": {"default": {}}}
     hybrid_composite(RunConfig(), _prompts(sources), runs, base, found, res)
     return res
@@ -226,3 +227,48 @@ def test_the_budget_counts_the_hybrid_decoders():
     one = eval_prompt_s(load_config(None, [*base, "eval.hybrid_gates=[4]", "eval.hybrid_graft=false"]), rates, 64)
     # per block size: the drafter alone, then suffix + 2 gates + graft (4 more passes), or suffix + 1 gate (2 more)
     assert on - off == pytest.approx(2 * (one - off)) and one > off
+
+
+def _two_source_results():
+    runs = {"4": [_r(1.0)] * 3 + [_r(0.6)] * 3, "lookup-4": [_r(0.9)] * 6, "suffix-4": [_r(2.0)] * 6,
+            "hybrid-4@2": [_r(0.55)] * 3 + [_r(2.0)] * 3}
+    res = _composite(runs, [_r(1.0, tau=1)] * 6, ["a", "a", "a", "b", "b", "b"])
+    found = entries(runs, summarize_timing([_r(1.0, tau=1)] * 6))
+    res["suffix"] = {"4": found["suffix-4"]}
+    res["hybrid"] = {"4@2": {**found["hybrid-4@2"], "branches": {"drafter": 0.5, "suffix": 0.5}}}
+    return res
+
+
+def test_the_report_and_run_summary_show_the_hybrid_per_source():
+    from dflashkit.report.page import breakdown_html, hybrid_html
+    from dflashkit.report.summary import summary_lines
+
+    res = _two_source_results()
+    page = hybrid_html(res)
+    assert "hybrid-4@2" in page and "match ≥ 2" in page and "suffix B=4" in page and "hybrid 4@2" in page
+    assert page.count("<tr>") == 1 + 2 + 1 + 2  # header + 2 sources, header + suffix and one hybrid grid point
+    table = breakdown_html(res, None)
+    assert "decoder chosen" in table and "hybrid-4@2" in table
+    lines = summary_lines({"eval": res["summary"]})
+    assert any("a: hybrid-4@2" in ln for ln in lines) and any("b: 4 " in ln for ln in lines)
+    assert any("hybrid over lookup, paired" in ln for ln in lines)
+
+
+def test_the_speculation_profile_says_which_proposer_pays_per_source(tmp_path):
+    from dflashkit.errors import UsageError
+    from dflashkit.export.profile import Measurement, build_profile, proposers_block, read_profile, write_profile
+
+    hy = _two_source_results()["summary"]["hybrid"]
+    block = proposers_block(hy)
+    assert block["by_source"]["a"] == {"proposer": "hybrid", "block_size": 4, "gate": {"min_match": 2, "graft": False},
+                                       "tokens_per_s": hy["gates_by_source"]["a"]["tokens_per_s"]}
+    assert block["by_source"]["b"]["proposer"] == "drafter" and block["by_source"]["b"]["gate"] is None
+    p = build_profile([Measurement(4, [[4, 2, 1]], [[False, False, False]])], headline=4, method="dflash",
+                      draft_checkpoint={}, target_model={}, block_size=4, max_supported_k=3, conditions={},
+                      proposers=block)
+    write_profile(tmp_path / "p.json", p)
+    back = read_profile(tmp_path / "p.json")
+    assert back["proposers"] == block and back["mean_accept_length"] == pytest.approx(7 / 3, abs=1e-5)
+    (tmp_path / "bad.json").write_text(__import__("json").dumps({**p, "proposers": ["hybrid"]}))
+    with pytest.raises(UsageError, match="proposers"):
+        read_profile(tmp_path / "bad.json")
