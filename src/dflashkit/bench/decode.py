@@ -9,7 +9,8 @@ share of a target step is the share eval pays; the JSON's `dtype_reason` says wh
 else the drafter's), in one run, prompt by prompt in turn (warm-up excluded): our baseline (block_size 1), our speculative
 decoder, and the reference loop from PyPI `dflash==0.1.0` (its `DFlashDraftModel` loaded from the
 same dir). Reports end-to-end tokens/s of each call, ours/reference ratio (goal ≥ 1.2), identical
-tokens, τ, our t(1), t(B), and the bound τ·t(1)/t(B) next to the measured speedup; `decode_step` puts t(1)
+tokens, τ, our t(1), t(B), and the bound τ·t(1)/t(B) next to the measured speedup (`unreliable`: why that speedup
+cannot be true, `decode.metrics.timing_flags`; [] when nothing is found); `decode_step` puts t(1)
 and t(B) against the memory floor (`decode/step_cost.py`) for the packed target every decoder runs
 (`eval.packed_weights`) and `decode_step_unpacked` for the same weights as transformers loads them.
 With `eval.hybrid` the suffix proposer alone (`suffix`) and the hybrid at each gate of `eval.hybrid_gates`
@@ -31,7 +32,7 @@ import torch
 from dflashkit.decode.api import Decoder, GenerationResult, SamplingParams
 from dflashkit.decode.evaluation import (decode_inputs, entries, flag_phrase, group_key, hybrid_decoders,
                                          load_checked_target, verify_dtype, verify_target_config)
-from dflashkit.decode.metrics import compare, summarize_acceptance, summarize_timing
+from dflashkit.decode.metrics import compare, compare_flags, summarize_acceptance, summarize_timing
 from dflashkit.decode.runner import draft_dtype_for, first_difference, params_for, run_interleaved
 from dflashkit.decode.spec_decode import SpecDecoder
 from dflashkit.decode.step_cost import decode_step_report, roofline, step_times
@@ -136,6 +137,7 @@ def _headline(runs: dict[str, list[GenerationResult]], base_t: dict[str, Any], o
         "t1_ms": round(cmp["t1_s"] * 1e3, 3), "tB_ms": round(cmp["tB_s"] * 1e3, 3),
         "draft_ms": round(ours_t["draft_s_mean"] * 1e3, 3), "step_ms": round(ours_t["step_s_mean"] * 1e3, 3),
         "speedup": cmp["speedup"], "bound": cmp["bound"], "efficiency": cmp["efficiency"],
+        "unreliable": compare_flags(cmp, acc["tau"]),  # why the speedup cannot be true ([]: nothing found)
         # the draft's cost against a target step at B (the verify of B tokens) and at 1 token
         "draft_share": round(ours_t["draft_s_mean"] / cmp["tB_s"], 4) if cmp["tB_s"] else None,
         "draft_share_t1": round(ours_t["draft_s_mean"] / cmp["t1_s"], 4) if cmp["t1_s"] else None,
@@ -184,6 +186,10 @@ def _print_summary(result: dict[str, Any]) -> None:
           f"{result['draft_ms']:.1f} ms; speedup {result['speedup']:.2f} vs bound {result['bound']:.2f} "
           f"(efficiency {result['efficiency']:.2f}); draft / target step at B {result['draft_share'] or 0:.1%}",
           flush=True)
+    flags = result["unreliable"] + (result.get("decode_step") or {}).get("unreliable", [])
+    if flags:
+        print(f"  unreliable measurement ({'; '.join(flags)}): the machine was busy or a decoder was timed cold; "
+              "this speedup is not a result, rerun on a quiet machine", flush=True)
     if "module_forward" in result:
         m = result["module_forward"]
         print(f"  draft: lean {result['draft_ms']:.2f} ms vs module forward {m['draft_ms']:.2f} ms "

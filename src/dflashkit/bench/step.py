@@ -4,8 +4,9 @@ Usage:
     dflashkit bench step -c run.yaml                     # eval's verify dtype, n = 1, 2, 4, 8
     dflashkit bench step -c run.yaml eval.dtype=float32
 
-Needs only the target (no drafter, no run dir). In one process, warm-up excluded, each number the fastest of a
-few: t(n) for each n after a 300-token context, with transformers' layers and DynamicCache ("as loaded"), then
+Needs only the target (no drafter, no run dir). In one process, every n warmed up and then timed in turns (the
+first n is not timed cold), each number the fastest of a few: t(n) for each n after a 300-token context, with
+transformers' layers and DynamicCache ("as loaded"), then
 with the decoder's own path (weights pre-packed for oneDNN where `eval.packed_weights` allows, the in-place
 KV cache) — each against this machine's memory floor (weights' bytes over the measured read bandwidth:
 `decode/step_cost.py`, `model/roofline.py`). The CPU, its bf16 flags, threads and any ISA cap are printed.
@@ -14,6 +15,7 @@ KV cache) — each against this machine's memory floor (weights' bytes over the 
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,7 +24,7 @@ from transformers import DynamicCache
 from dflashkit.decode.evaluation import verify_dtype, verify_target_config
 from dflashkit.decode.step_cost import roofline, step_times
 from dflashkit.model.packed import prepare_for_decode
-from dflashkit.model.roofline import fastest
+from dflashkit.model.roofline import fastest_each
 from dflashkit.model.target import cache_kwarg
 
 if TYPE_CHECKING:
@@ -36,17 +38,15 @@ NS = (1, 2, 4, 8)
 
 @torch.inference_mode()
 def _times_as_loaded(target: Any, ns: tuple[int, ...], context: int, reps: int) -> dict[int, float]:
-    """t(n) through transformers' DynamicCache (append by concatenation, crop by slicing)."""
+    """t(n) through transformers' DynamicCache (append by concatenation, crop by slicing), the sizes timed in turns
+    after a warm-up of each (`fastest_each`)."""
     kw = cache_kwarg(target.model)
     vocab = max(int(target.vocab_size), 1)
     cache = DynamicCache(config=target.config)
     target.model(input_ids=torch.arange(context)[None] % vocab, **{kw: cache}, use_cache=True, logits_to_keep=1)
-    out = {}
-    for n in ns:
-        x = (torch.arange(n)[None] + context) % vocab
-        out[n] = fastest(lambda: target.model(input_ids=x, **{kw: cache}, use_cache=True), target.device, reps,
-                         after=lambda: cache.crop(-n))
-    return out
+    steps = {n: partial(target.model, input_ids=(torch.arange(n)[None] + context) % vocab, **{kw: cache},
+                        use_cache=True) for n in ns}
+    return fastest_each(steps, target.device, reps, after={n: partial(cache.crop, -n) for n in ns})
 
 
 def bench_step(cfg: RunConfig, rd: RunDir, ctx: StageContext, *, context: int = 300, reps: int = 5) -> dict[str, Any]:

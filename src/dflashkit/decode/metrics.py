@@ -5,6 +5,7 @@ Usage:
     t = summarize_timing(results)                      # tokens/s, per-step and per-token times
     bound = speedup_bound(tau, t1, tB)                 # τ·t(1)/t(B)
     p = paired_speed(drafter_results, lookup_results)  # ratio, 90% interval over prompts, prompts won
+    flags = timing_flags(tau=1.34, speedup=2.14, bound=1.5, t1=0.04, tb=0.03)   # why it cannot be true ([] = none)
 
 Definitions (one place, used everywhere):
 - τ (acceptance length) of one verify step = tokens committed by that step: the accepted drafts
@@ -22,15 +23,24 @@ Definitions (one place, used everywhere):
 - Paired speed ratio of decoder A over decoder B (`paired_speed`) = B's decode time per token / A's, over the
   same prompts (decoded interleaved, prompt by prompt); its 90% interval resamples the prompts (paired
   bootstrap), so it holds both the prompts' spread and the timing noise; one containing 1 tells nothing apart.
+- An unreliable measurement (`timing_flags`): a decoder commits at most τ̄ tokens per target step and a step over
+  B tokens costs at least one over a single token, so a speedup above τ̄ (or above its bound) by more than
+  `SPEEDUP_TOLERANCE`, or t(B) below t(1) by more than `TIME_NOISE`, means the decoders compared were timed
+  under different conditions (a cold start, another job's burst): such a number is flagged, never a win.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from statistics import mean
 from typing import Iterable
 
 from dflashkit.decode.api import GenerationResult
+
+
+SPEEDUP_TOLERANCE = 0.05  # a speedup this far above its τ̄ (or its bound τ̄·t(1)/t(B)) cannot be true
+TIME_NOISE = 0.10         # t(B) this far below t(1) is not noise: the two were timed under other conditions
 
 
 def tau_mean(lengths: Iterable[int]) -> float:
@@ -75,6 +85,30 @@ def summarize_timing(results: list[GenerationResult]) -> dict:
 def speedup_bound(tau: float, t1: float, tb: float) -> float:
     """τ̄·t(1)/t(B) (see module docstring); 0 when a time is missing."""
     return tau * t1 / tb if t1 > 0 and tb > 0 else 0.0
+
+
+def timing_flags(*, tau: float = 0.0, speedup: float = 0.0, bound: float = 0.0, t1: float = 0.0, tb: float = 0.0,
+                 tolerance: float = SPEEDUP_TOLERANCE, noise: float = TIME_NOISE) -> list[str]:
+    """Why a measurement cannot be true, in words (empty: nothing found; see the module docstring): a speedup
+    above τ̄ or above its bound τ̄·t(1)/t(B) by more than `tolerance`, t(B) below t(1) by more than `noise`, or a
+    time, speedup or τ̄ that is not a finite number ≥ 0. A zero (missing) number is not checked."""
+    vals = {"tau": tau, "speedup": speedup, "bound": bound, "t(1)": t1, "t(B)": tb}
+    out = [f"{k} {v} is not a finite number >= 0" for k, v in vals.items() if not (math.isfinite(v) and v >= 0)]
+    if out:
+        return out
+    if tau > 0 and speedup > tau * (1 + tolerance):
+        out.append(f"speedup {speedup:.2f} above its tau {tau:.2f}")
+    if bound > 0 and speedup > bound * (1 + tolerance):
+        out.append(f"speedup {speedup:.2f} above its bound {bound:.2f}")
+    if t1 > 0 and 0 < tb < t1 * (1 - noise):
+        out.append(f"t(B) {tb * 1e3:.1f} ms below t(1) {t1 * 1e3:.1f} ms")
+    return out
+
+
+def compare_flags(cmp: dict, tau: float) -> list[str]:
+    """`timing_flags` of a `compare` result (its speedup, bound, t(1) and t(B)) at τ̄ `tau`."""
+    return timing_flags(tau=tau, speedup=cmp.get("speedup", 0.0), bound=cmp.get("bound", 0.0),
+                        t1=cmp.get("t1_s", 0.0), tb=cmp.get("tB_s", 0.0))
 
 
 def compare(baseline: dict, spec: dict, tau: float) -> dict:

@@ -8,7 +8,8 @@ Usage:
 A decode step of batch size 1 streams every weight once, whatever n (a few tokens): its floor is the
 weights' bytes over the memory bandwidth, and a step over n ≤ B tokens costs about the same as one token when
 the matrix products run at that floor. `step_times` measures the target's forward over n tokens after a short
-context (a throwaway KV cache, rolled back after each timed forward; the fastest of `reps`); `roofline` gives
+context (a throwaway KV cache, rolled back after each timed forward; every n warmed up, then timed in turns, the
+fastest of `reps`: `model/roofline.py` `fastest_each`); `roofline` gives
 the measured one-token step as a share of that floor (1.0 = at the floor) and t(n)/t(1). The bandwidth is a
 large read-only pass (`memory_bandwidth`), read once per process.
 """
@@ -16,12 +17,14 @@ large read-only pass (`memory_bandwidth`), read once per process.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 import torch
 
 from dflashkit.model.kv_cache import decode_cache
-from dflashkit.model.roofline import fastest, memory_bandwidth, weight_bytes
+from dflashkit.model.roofline import fastest_each, memory_bandwidth, weight_bytes
+from dflashkit.decode.metrics import timing_flags
 from dflashkit.decode.rollback import arm, rollback
 from dflashkit.model.target import Target, cache_kwarg
 
@@ -29,8 +32,8 @@ from dflashkit.model.target import Target, cache_kwarg
 @torch.inference_mode()
 def step_times(target: Target, ns: list[int], *, context: int = 64, reps: int = 3,
                warmup: int = 2) -> dict[int, float]:
-    """Seconds of one target forward over n tokens after `context` tokens, for each n (the fastest of `reps`,
-    after `warmup` forwards per n)."""
+    """Seconds of one target forward over n tokens after `context` tokens, for each n: the fastest of `reps`, the
+    sizes timed in turns after `warmup` forwards of each (`fastest_each`), so none is timed cold."""
     dev = target.device
     kw = cache_kwarg(target.model)
     vocab = int(target.vocab_size)
@@ -38,12 +41,10 @@ def step_times(target: Target, ns: list[int], *, context: int = 64, reps: int = 
     cache = decode_cache(target.config, capacity=context + max(ns, default=1))
     target.model(input_ids=ids, **{kw: cache}, use_cache=True, logits_to_keep=1)
     arm(cache, max(ns, default=1))  # exact rollback of recurrent layers too (decode/rollback.py)
-    out: dict[int, float] = {}
-    for n in ns:
-        x = (torch.arange(n, device=dev)[None] + context) % max(vocab, 1)
-        out[int(n)] = fastest(lambda: target.model(input_ids=x, **{kw: cache}, use_cache=True), dev, reps,
-                              warmup=warmup, after=lambda: rollback(cache, n))
-    return out
+    sizes = sorted({int(n) for n in ns})
+    xs = {n: (torch.arange(n, device=dev)[None] + context) % max(vocab, 1) for n in sizes}
+    steps = {n: partial(target.model, input_ids=xs[n], **{kw: cache}, use_cache=True) for n in sizes}
+    return fastest_each(steps, dev, reps, warmup=warmup, after={n: partial(rollback, cache, n) for n in sizes})
 
 
 def roofline(target: Target, times: dict[int, float], *, bandwidth: float | None = None) -> dict[str, Any]:
@@ -60,13 +61,19 @@ def roofline(target: Target, times: dict[int, float], *, bandwidth: float | None
 
 
 def decode_step_report(target: Target, block_sizes: list[int]) -> dict[str, Any]:
-    """Measure t(1) and t(B) for each block size, log them against the memory floor → `roofline`'s record."""
+    """Measure t(1) and t(B) for each block size, log them against the memory floor → `roofline`'s record, with
+    `unreliable` (`decode.metrics.timing_flags`) when a t(B) is below t(1) beyond noise."""
     ns = sorted({1, *(int(b) for b in block_sizes)})
     r = roofline(target, step_times(target, ns, reps=5))
     t = r["t_s"]
     ratios = ", ".join(f"t({n})/t(1) {v:.2f}" for n, v in r["t_ratio"].items())
-    logging.getLogger("dflashkit.eval").info(
-        "decode step: t(1) %.1f ms, %.0f%% of the memory floor (%.0f MB of weights at %.1f GB/s = %.1f ms)%s",
-        t[1] * 1e3, 100 * (r["t1_share"] or 0), r["weight_bytes"] / 1e6, r["bandwidth_gb_s"],
-        r["t1_roofline_s"] * 1e3, f"; {ratios}" if ratios else "")
+    log = logging.getLogger("dflashkit.eval")
+    log.info("decode step: t(1) %.1f ms, %.0f%% of the memory floor (%.0f MB of weights at %.1f GB/s = %.1f ms)%s",
+             t[1] * 1e3, 100 * (r["t1_share"] or 0), r["weight_bytes"] / 1e6, r["bandwidth_gb_s"],
+             r["t1_roofline_s"] * 1e3, f"; {ratios}" if ratios else "")
+    flags = [f for n in ns if n != 1 for f in timing_flags(t1=t[1], tb=t[n])]
+    if flags:
+        r["unreliable"] = flags
+        log.warning("decode step: unreliable measurement (%s): the machine was busy while it was timed",
+                    "; ".join(flags))
     return r

@@ -8,15 +8,18 @@ Usage:
     flops = forward_flops_per_token(model, layers=12)  # 2 x the parameters of the first 12 layers
     share = achieved / peak                            # 1.0 = at the ceiling
     t = fastest(fn, device, reps=5)                    # the fastest of 5 calls after a warm-up, synchronised
+    ts = fastest_each({1: step1, 4: step4}, device, reps=5)   # several sizes timed interleaved: {1: …, 4: …}
 
-Each measurement is the fastest of a few repetitions after a warm-up, cached per process.
+Each measurement is the fastest of a few repetitions after a warm-up, cached per process. Sizes compared with
+each other (t(1) against t(B)) are timed by `fastest_each`: every one warmed up, then in turns, so a cold start,
+a clock ramp or another job's burst falls on all of them alike instead of on the first one timed.
 """
 
 from __future__ import annotations
 
 import time
 from functools import lru_cache
-from typing import Callable
+from typing import Callable, Hashable, Mapping, TypeVar
 
 import torch
 
@@ -42,6 +45,39 @@ def fastest(fn: Callable[[], object], device: torch.device, reps: int, *, warmup
             best = min(best, time.perf_counter() - t0)
         if after is not None:
             after()
+    return best
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+def fastest_each(fns: Mapping[K, Callable[[], object]], device: torch.device, reps: int, *, warmup: int = 1,
+                 after: Mapping[K, Callable[[], object]] | None = None,
+                 clock: Callable[[], float] | None = None) -> dict[K, float]:
+    """Seconds of the fastest of `reps` calls of each fn in `fns`, timed interleaved: `warmup` untimed rounds over
+    every fn first, then `reps` rounds that call every fn once each, the order rotated by one per round (so no fn
+    is always first after another). `after[k]` (untimed) runs after every call of `fns[k]`; `clock` (default:
+    perf_counter after a CUDA synchronise on `device`) reads the time before and after each call."""
+    keys = list(fns)
+    if not keys:
+        return {}
+
+    def now() -> float:
+        _sync(device)
+        return time.perf_counter()
+
+    tick = clock or now
+    best = {k: float("inf") for k in keys}
+    for r in range(warmup + max(1, reps)):
+        shift = r % len(keys)
+        for k in keys[shift:] + keys[:shift]:
+            t0 = tick()
+            fns[k]()
+            dt = tick() - t0
+            if r >= warmup:
+                best[k] = min(best[k], dt)
+            if after is not None and k in after:
+                after[k]()
     return best
 
 

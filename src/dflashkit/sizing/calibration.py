@@ -4,19 +4,30 @@ Usage:
     cal = saved_calibration(cfg, rd)           # <run_dir>/calibration.json, else the cache's; None if neither
     cal = cal or calibrate(cfg, rd)            # measure (a few forwards and steps), then save
     rates(cal)                                 # the `sizing.plan.Rates` a plan takes
+    cal, ignored = find_calibration(cfg, rd)   # the same, and ["<file>: <why it was ignored>", …] (`plan`)
 
 What it measures, each in the dtype its stage will use:
   * capture_tok_s — capture's forward (`data.features.local_batches`: features, last hidden state and the
     next ids) over a few random rows of the prior's sample length, under `train.target_dtype`'s autocast;
   * train_step_s — one drafter step (forward, chunked loss, backward, optimizer) on a batch of the configured
     shape (train.batch_size × that length, train.num_anchors anchors), random features given;
-  * decode_s — t(n) for n = 1 and eval's block sizes (`decode.step_cost.step_times`) in eval's verify dtype;
+  * decode_s — t(n) for n = 1 and eval's block sizes (`decode.step_cost.step_times`: every n warmed up, then
+    timed in turns) in eval's verify dtype; a t(n) below a smaller n's cannot be a step's cost (a step over more
+    tokens streams the same weights and does more work): it is logged as an unreliable measurement
+    (`decode.metrics.timing_flags`) and raised to that smaller n's, so eval is never under-planned;
   * load_s — loading the target once.
 A calibration is keyed by the machine (`machine`: CPU model, a hash of its flags, torch threads and the
 ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA settings; or the GPU's name and count) and by the config it measured
 (`shape_key`: target, drafter, capture, the train keys of a step's cost, eval's dtype and block sizes). It is saved
 to `<run_dir>/calibration.json` and to `<cache>/calibration/<machine>-<shape>.json` (`assets.cache_dir`), so
 a second run on this machine, in any run dir, does not measure again.
+
+A saved file is used only when it is valid (`calibration_problem`): a JSON object of this `VERSION`, this
+machine's key and this config's shape, with capture_tok_s, train_step_s and every decode_s t(n) (n ≥ 1, t(1)
+included) finite numbers > 0, and load_s / calibrate_s (when present) finite and ≥ 0. Any other file — corrupt,
+cut short, edited, another machine's or config's — is named in a warning with the reason and skipped, so the run
+measures again and overwrites it (one bad cache entry never breaks a run); `plan`, which only reads, says it
+ignored the file and estimates without it.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -35,6 +47,8 @@ import torch
 
 from dflashkit.assets import cache_dir
 from dflashkit.config import section_hash
+from dflashkit.decode.metrics import timing_flags
+from dflashkit.errors import UsageError
 from dflashkit.inspect.contract import run_contract
 from dflashkit.model.packed import prepare_for_decode
 from dflashkit.model.roofline import fastest
@@ -88,18 +102,89 @@ def cache_path(key: str, shape: str) -> Path:
     return cache_dir() / "calibration" / f"{key}-{shape}.json"
 
 
-def saved_calibration(cfg: RunConfig, rd: RunDir) -> dict[str, Any] | None:
-    """The run dir's calibration, else the cache's, for this machine and config; None when neither has one."""
-    key, shape = machine_key(machine(cfg.target.device)), shape_key(cfg)
-    for path in (rd.root / "calibration.json", cache_path(key, shape)):
-        try:
-            cal = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if isinstance(cal, dict) and cal.get("machine_key") == key and cal.get("shape") == shape \
-                and cal.get("version") == VERSION:
-            return {**cal, "path": str(path)}
+class CalibrationError(UsageError):
+    """A calibration that cannot size a run (`calibration_problem` says why)."""
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def rates_problem(cal: dict[str, Any]) -> str | None:
+    """Why `cal`'s rates cannot size a run, or None: capture_tok_s, train_step_s and each decode_s t(n) must be
+    finite numbers > 0 (n a whole number ≥ 1, t(1) among them); load_s and calibrate_s, when present, ≥ 0."""
+    for k in ("capture_tok_s", "train_step_s"):
+        if k not in cal:
+            return f"{k} is missing"
+        if not (_number(cal[k]) and cal[k] > 0):
+            return f"{k} is {cal[k]!r}, not a finite number > 0"
+    for k in ("load_s", "calibrate_s"):
+        if k in cal and not (_number(cal[k]) and cal[k] >= 0):
+            return f"{k} is {cal[k]!r}, not a finite number >= 0"
+    dec = cal.get("decode_s")
+    if not isinstance(dec, dict) or not dec:
+        return f"decode_s is {dec!r}, not {{n: seconds}} with n = 1 and eval's block sizes"
+    for n, t in dec.items():
+        if not str(n).isdigit() or int(n) < 1:
+            return f"decode_s has the key {n!r}, not a number of tokens >= 1"
+        if not (_number(t) and t > 0):
+            return f"decode_s t({n}) is {t!r}, not a finite number > 0"
+    if 1 not in {int(n) for n in dec}:
+        return "decode_s has no t(1)"
     return None
+
+
+def calibration_problem(cal: Any, *, key: str, shape: str) -> str | None:
+    """Why a calibration file's JSON `cal` is not this machine's (`key`: `machine_key`) calibration for this config
+    (`shape`: `shape_key`), or None when it is (see the module docstring)."""
+    if not isinstance(cal, dict):
+        return f"not a calibration (a JSON {type(cal).__name__}, not an object)"
+    if cal.get("version") != VERSION:
+        return f"version {cal.get('version')!r}, this dflashkit reads version {VERSION}"
+    if cal.get("machine_key") != key:
+        return f"measured on another machine ({cal.get('machine_key')!r}; this one is {key!r})"
+    if cal.get("shape") != shape:
+        return f"measured for another config (shape {cal.get('shape')!r}; this config's is {shape!r})"
+    return rates_problem(cal)
+
+
+def _read(path: Path) -> tuple[Any, str | None]:
+    """(the JSON of `path`, None), or (None, why it cannot be read); (None, None) when there is no such file."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8")), None
+    except FileNotFoundError:
+        return None, None
+    except UnicodeDecodeError:
+        return None, "not UTF-8 text"
+    except json.JSONDecodeError as e:
+        return None, f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno}: cut short or edited?)"
+    except OSError as e:
+        return None, f"unreadable ({e.strerror or e})"
+
+
+def find_calibration(cfg: RunConfig, rd: RunDir) -> tuple[dict[str, Any] | None, list[str]]:
+    """(the run dir's calibration, else the cache's, for this machine and config, with its "path"; None when
+    neither holds a valid one) and each file ignored on the way as "<file>: <why>"."""
+    key, shape = machine_key(machine(cfg.target.device)), shape_key(cfg)
+    ignored: list[str] = []
+    for path in (rd.root / "calibration.json", cache_path(key, shape)):
+        cal, why = _read(path)
+        if cal is None and why is None:
+            continue
+        why = why or calibration_problem(cal, key=key, shape=shape)
+        if why is None:
+            return {**cal, "path": str(path)}, ignored
+        ignored.append(f"{path}: {why}")
+    return None, ignored
+
+
+def saved_calibration(cfg: RunConfig, rd: RunDir) -> dict[str, Any] | None:
+    """The run dir's calibration, else the cache's, for this machine and config; None when neither has a valid one
+    (each file ignored is logged as a warning naming it and why: `find_calibration`)."""
+    cal, ignored = find_calibration(cfg, rd)
+    for note in ignored:
+        log.warning("calibration: ignored %s%s", note, "" if cal else " (a run measures this machine again)")
+    return cal
 
 
 def save_calibration(cal: dict[str, Any], rd: RunDir | None) -> None:
@@ -115,9 +200,36 @@ def save_calibration(cal: dict[str, Any], rd: RunDir | None) -> None:
 
 
 def rates(cal: dict[str, Any]) -> Rates:
+    """The `Rates` of a calibration; CalibrationError when `rates_problem` finds one."""
+    why = rates_problem(cal) if isinstance(cal, dict) else f"a {type(cal).__name__}, not a calibration"
+    if why:
+        where = f" {cal['path']}" if isinstance(cal, dict) and cal.get("path") else ""
+        raise CalibrationError(f"calibration{where}: {why}",
+                               hint="delete it: `dflashkit run --budget M` measures this machine again")
     return Rates(capture_tok_s=float(cal["capture_tok_s"]), train_step_s=float(cal["train_step_s"]),
                  decode_s={int(k): float(v) for k, v in (cal.get("decode_s") or {}).items()},
                  load_s=float(cal.get("load_s", 5.0)), calibrate_s=float(cal.get("calibrate_s", 0.0)))
+
+
+def _sig(x: float) -> float:
+    """`x` to 5 significant digits (a rate or a time of any size keeps its precision, never rounds to 0)."""
+    return float(f"{x:.5g}")
+
+
+def monotone_steps(times: dict[int, float]) -> dict[int, float]:
+    """`times` ({n: t(n)}) with each t(n) raised to the largest t(m) of a smaller m: a step over more tokens costs
+    at least one over fewer, so a smaller one was timed under other conditions (another job's burst). Each t(n)
+    below t(1) beyond noise is logged as an unreliable measurement (`decode.metrics.timing_flags`)."""
+    out: dict[int, float] = {}
+    floor = 0.0
+    for n in sorted(times):
+        t = float(times[n])
+        if 1 in times and n != 1 and (flags := timing_flags(t1=times[1], tb=t)):
+            log.warning("calibration: unreliable decode step timing (%s): t(%d) taken as %.4f s", "; ".join(flags),
+                        n, max(floor, t))
+        floor = max(floor, t)
+        out[n] = floor
+    return out
 
 
 def _capture_rate(cfg: RunConfig, target: Any, contract: Any, seq: int) -> tuple[float, str]:
@@ -174,17 +286,19 @@ def calibrate(cfg: RunConfig, rd: RunDir, *, save: bool = True) -> dict[str, Any
     prepare_for_decode(vt, cfg.eval.packed_weights)  # as eval will run it (capture and train are measured already)
     ns = [1, *block_sizes_for(cfg.eval.block_sizes, contract)]
     with torch.inference_mode():
-        decode = step_times(vt, ns, context=64, reps=2)
+        decode = monotone_steps(step_times(vt, ns, context=64, reps=2))
     cal = {"version": VERSION, "machine": m, "machine_key": machine_key(m), "shape": shape_key(cfg),
            "target": str(target.model_dir), "device": str(target.device), "capture_dtype": capture_dtype,
            "verify_dtype": verify.name, "sample_tokens": seq, "batch_size": cfg.train.batch_size,
-           "capture_tok_s": round(capture_tok_s, 2), "train_step_s": round(train_step_s, 5),
-           "decode_s": {str(n): round(t, 6) for n, t in decode.items()}, "load_s": round(load_s, 3),
+           "capture_tok_s": _sig(capture_tok_s), "train_step_s": _sig(train_step_s),
+           "decode_s": {str(n): _sig(t) for n, t in decode.items()}, "load_s": round(load_s, 3),
            "calibrate_s": round(time.perf_counter() - t0, 2),
            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     log.info("calibrated in %.1f s: capture %.0f tok/s (%s), a train step %.3f s, decode t(1) %.4f s%s",
              cal["calibrate_s"], capture_tok_s, capture_dtype, train_step_s, decode.get(1, 0.0),
              "".join(f", t({n}) {t:.4f} s" for n, t in decode.items() if n != 1))
+    if why := rates_problem(cal):  # a timer that failed (an infinite or zero time) is not saved for later runs
+        raise CalibrationError(f"calibration: measured {why}", hint="run again; `dflashkit doctor` checks the device")
     if save:
         save_calibration(cal, rd)
     return cal

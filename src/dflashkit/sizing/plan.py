@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, TypeGuard
 
 from dflashkit.errors import UsageError
 from dflashkit.family.recipe import config_recipe
@@ -57,9 +57,14 @@ FIXED_S = {"probe": 5.0, "prepare": 15.0, "generate": 0.0, "tokenize": 10.0, "ca
            "eval": 10.0, "export": 10.0, "report": 10.0}
 LOADS = {"capture": 1, "train": 1, "eval": 1, "export": 1}
 PER_PROMPT_S = {"prepare": 0.005, "tokenize": 0.01}
+MAX_PROMPTS = 10_000_000            # the search's upper end (a prompt costs prepare + tokenize time: never reached)
 STAGES = ("calibrate", "probe", "prepare", "generate", "tokenize", "capture", "train", "eval", "export", "report")
 SIZED = ("data.num_prompts", "train.max_steps", "train.eval_every", "train.save_every", "eval.num_prompts",
          "eval.max_new_tokens")
+
+
+def _finite(v: Any) -> TypeGuard[float]:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 class PlanError(UsageError):
@@ -82,17 +87,14 @@ class Rates:
     calibrate_s: float = 0.0
 
     def __post_init__(self) -> None:
-        def bad(v: Any, low: float) -> bool:
-            return not (isinstance(v, (int, float)) and math.isfinite(v) and (v > low if low == 0 else v >= 0))
-
         for name in ("capture_tok_s", "train_step_s"):
-            if bad(getattr(self, name), 0):
-                raise PlanError(f"Rates.{name} = {getattr(self, name)!r}: must be a finite number > 0")
+            if not (_finite(v := getattr(self, name)) and v > 0):
+                raise PlanError(f"Rates.{name} = {v!r}: must be a finite number > 0")
         for name in ("load_s", "calibrate_s"):
-            if bad(getattr(self, name), -1):
-                raise PlanError(f"Rates.{name} = {getattr(self, name)!r}: must be a finite number >= 0")
+            if not (_finite(v := getattr(self, name)) and v >= 0):
+                raise PlanError(f"Rates.{name} = {v!r}: must be a finite number >= 0")
         for n, t in self.decode_s.items():
-            if int(n) < 1 or bad(t, 0):
+            if int(n) < 1 or not (_finite(t) and t > 0):
                 raise PlanError(f"Rates.decode_s t({n}) = {t!r}: must be a finite number > 0 for n >= 1")
 
     def t(self, n: int) -> float:
@@ -152,22 +154,26 @@ def _block_sizes(cfg: Any) -> list[int]:
     return [b for b in dict.fromkeys(cfg.eval.block_sizes or [cfg.drafter.block_size]) if b != 1]
 
 
-def eval_prompt_s(cfg: Any, rates: Rates, max_new: int) -> float:
+def eval_prompt_s(cfg: Any, rates: Rates, max_new: int, *, hybrid_grid: bool = True) -> float:
     """Seconds to decode one eval prompt: the baseline and every proposer at every block size (the drafter, the
-    adaptive length, prompt lookup, and with eval.hybrid the suffix proposer and each hybrid gate and graft:
-    `decode.evaluation.hybrid_keys`), with prefills."""
+    adaptive length, prompt lookup), and with eval.hybrid (`hybrid_grid`: eval has the prompts it needs) the suffix
+    proposer and each hybrid gate and graft at the largest (`decode.evaluation.hybrid_keys`), with prefills."""
     e = cfg.eval
-    hybrid = (1 + len(set(e.hybrid_gates)) + int(bool(e.hybrid_graft))) if e.hybrid else 0
-    passes = 1 + int(bool(e.adaptive_length)) + int(bool(e.prompt_lookup)) + hybrid
-    per_token = rates.t(1) + sum(passes * rates.t(b) / EVAL_TAU for b in _block_sizes(cfg))
-    prefills = 1 + passes * len(_block_sizes(cfg))
+    passes = 1 + int(bool(e.adaptive_length)) + int(bool(e.prompt_lookup))
+    hybrid = (1 + len(set(e.hybrid_gates)) + int(bool(e.hybrid_graft))) if (
+        e.hybrid and hybrid_grid and _block_sizes(cfg)) else 0
+    per_token = (rates.t(1) + sum(passes * rates.t(b) / EVAL_TAU for b in _block_sizes(cfg))
+                 + (hybrid * rates.t(max(_block_sizes(cfg))) / EVAL_TAU if hybrid else 0.0))
+    prefills = 1 + passes * len(_block_sizes(cfg)) + hybrid
     return max_new * per_token + prefills * EVAL_PROMPT_TOKENS / rates.capture_tok_s
 
 
 def eval_s(cfg: Any, rates: Rates, prompts: int, max_new: int) -> float:
     """Eval's seconds for `prompts` prompts of `max_new` tokens (warm-up and eval.dtype=auto's probes included)."""
     extra = cfg.eval.warmup + (2 if cfg.eval.dtype == "auto" else 0)
-    return overhead_s("eval", rates) + (prompts + extra) * eval_prompt_s(cfg, rates, max_new)
+    # the hybrid grid needs 2 prompts (one chooses the gate the other is scored with: decode.evaluation)
+    return overhead_s("eval", rates) + (prompts + extra) * eval_prompt_s(cfg, rates, max_new,
+                                                                         hybrid_grid=prompts >= 2)
 
 
 def size_eval(cfg: Any, rates: Rates, fixed: Iterable[str], seconds: float) -> tuple[int, int, float]:
@@ -235,9 +241,12 @@ def _largest(fits, lo: int, hi: int) -> int:
 
 
 def plan_run(cfg: Any, rates: Rates, *, budget_minutes: float, fixed: Iterable[str] = (),
-             active: Iterable[str] | None = None) -> dict[str, Any]:
+             active: Iterable[str] | None = None, available_prompts: int | None = None) -> dict[str, Any]:
     """The plan for a budget: sizes (`SIZED`, the fixed ones as given), planned seconds per stage, epochs,
-    the prior it assumed and warnings. `active`: the pipeline's stages (default: all but generate)."""
+    the prior it assumed and warnings. `active`: the pipeline's stages (default: all but generate);
+    `available_prompts`: the prompts the sources hold, when known (data.num_prompts is never planned above it)."""
+    if not (_finite(budget_minutes) and budget_minutes > 0):
+        raise PlanError(f"budget_minutes = {budget_minutes!r}: must be a finite number > 0")
     fx = frozenset(fixed)
     stages = [s for s in STAGES if s == "calibrate" or s in set(active or (x for x in STAGES if x != "generate"))]
     total = budget_minutes * 60.0
@@ -256,12 +265,18 @@ def plan_run(cfg: Any, rates: Rates, *, budget_minutes: float, fixed: Iterable[s
     def cost(prompts: int, steps: int) -> float:
         return d.prep_s(prompts) + d.capture_s(prompts) + d.train_s(steps)
 
-    lo, hi = d.min_prompts(), 10_000_000
+    lo, hi = d.min_prompts(), MAX_PROMPTS
+    if available_prompts is not None and available_prompts >= 1:
+        if available_prompts < lo and "data.num_prompts" not in fx:
+            warnings.append(f"the sources hold {available_prompts} prompts, fewer than the smallest run's {lo} "
+                            "(data.heldout, train.heldout_samples and one batch): add data or lower those")
+        lo = min(lo, available_prompts)
+        hi = max(lo, min(hi, available_prompts))
     if "data.num_prompts" in fx and cfg.data.num_prompts:
         prompts = int(cfg.data.num_prompts)
     elif "train.max_steps" in fx and cfg.train.max_steps:  # more data than one epoch of the steps buys nothing
         steps_f = int(cfg.train.max_steps)
-        hi = max(lo, d.min_prompts() + math.ceil(steps_f * cfg.train.batch_size / SAMPLES_PER_PROMPT))
+        hi = max(lo, min(hi, d.min_prompts() + math.ceil(steps_f * cfg.train.batch_size / SAMPLES_PER_PROMPT)))
         prompts = _largest(lambda n: cost(n, steps_f) <= avail, lo, hi)
     else:
         prompts = _largest(lambda n: cost(n, d.epoch_steps(n)) <= avail, lo, hi)
@@ -287,14 +302,46 @@ def plan_run(cfg: Any, rates: Rates, *, budget_minutes: float, fixed: Iterable[s
         warnings.append(f"the smallest run ({planned / 60:.1f} min planned) does not fit {SAFETY:.0%} of "
                         f"{budget_minutes:g} min: a larger run.budget_minutes, or fewer fixed sizes")
     ts = d.train_samples(prompts)
-    return {"budget_minutes": budget_minutes, "budget_s": round(total, 1), "usable_s": round(usable, 1),
+    return check_plan({"budget_minutes": budget_minutes, "budget_s": round(total, 1), "usable_s": round(usable, 1),
             "safety": SAFETY, "prior": PRIOR if "data.mean_tokens" not in fx else
             f"{SAMPLES_PER_PROMPT:.2f} samples per prompt of data.mean_tokens = {cfg.data.mean_tokens} tokens",
             "samples": round(d.samples(prompts)), "tokens": round(d.samples(prompts) * tokens_per_sample(cfg, fx)),
             "epochs": round(steps * cfg.train.batch_size / ts, 2) if ts else None,
             "sizes": sizes, "fixed": [k for k in SIZED if k in fx],
             "stages": {s: round(v, 1) for s, v in per.items()}, "planned_s": round(planned, 1),
-            "warnings": warnings}
+            "warnings": warnings})
+
+
+def check_plan(plan: dict[str, Any]) -> dict[str, Any]:
+    """`plan` (a `plan_run` record) when every number in it can be: sizes whole numbers ≥ 1, stage seconds,
+    samples and tokens finite and ≥ 0, the budget and planned total finite and > 0, the stages adding up to the
+    total, and the total within the usable budget unless a warning says the smallest run does not fit.
+    PlanError naming the first number that cannot be."""
+    def fail(what: str) -> PlanError:
+        return PlanError(f"budget plan: {what}", hint="the calibration it was made from cannot be right: delete "
+                         "<run_dir>/calibration.json and the cache's calibration/ entry, then run again")
+
+    for key in ("budget_s", "usable_s", "planned_s"):
+        if not (_finite(v := plan.get(key)) and v > 0):
+            raise fail(f"{key} is {v!r}, not a finite number > 0")
+    for key, v in (plan.get("sizes") or {}).items():
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            raise fail(f"{key} is {v!r}, not a whole number >= 1")
+    for key in ("samples", "tokens"):
+        if not (_finite(v := plan.get(key)) and v >= 0):
+            raise fail(f"{key} is {v!r}, not a finite number >= 0")
+    if (e := plan.get("epochs")) is not None and not (_finite(e) and e > 0):
+        raise fail(f"epochs is {e!r}, not a finite number > 0")
+    stages = plan.get("stages") or {}
+    for stage, v in stages.items():
+        if not (_finite(v) and v >= 0):
+            raise fail(f"the {stage} stage's planned seconds are {v!r}, not a finite number >= 0")
+    if abs(sum(stages.values()) - plan["planned_s"]) > 0.1 * len(stages) + 1e-6:
+        raise fail(f"the stages' planned seconds add up to {sum(stages.values()):.1f}, not planned_s "
+                   f"{plan['planned_s']}")
+    if plan["planned_s"] > plan["usable_s"] + 0.1 and not any("does not fit" in w for w in plan.get("warnings", ())):
+        raise fail(f"planned {plan['planned_s']} s over the usable {plan['usable_s']} s with no warning")
+    return plan
 
 
 def replan_train(plan: dict[str, Any], rates: Rates, cfg: Any, fixed: Iterable[str], *, train_samples: int,
@@ -314,8 +361,9 @@ def replan_train(plan: dict[str, Any], rates: Rates, cfg: Any, fixed: Iterable[s
     sizes = {"train.max_steps": steps,
              "train.eval_every": cfg.train.eval_every if "train.eval_every" in fx else cadence(steps),
              "train.save_every": cfg.train.save_every if "train.save_every" in fx else cadence(steps)}
-    return {"sizes": sizes, "time_left_s": round(left, 1),
-            "planned_s": round(overhead_s("train", rates) + (steps * step + heldout_s(cfg, rates, fx) * slowdown), 1)}
+    return check_replan({"sizes": sizes, "time_left_s": round(left, 1),
+                         "planned_s": round(overhead_s("train", rates) + (steps * step + heldout_s(cfg, rates, fx)
+                                                                          * slowdown), 1)})
 
 
 def replan_eval(plan: dict[str, Any], rates: Rates, cfg: Any, fixed: Iterable[str], *,
@@ -326,8 +374,19 @@ def replan_eval(plan: dict[str, Any], rates: Rates, cfg: Any, fixed: Iterable[st
     left = plan["usable_s"] - elapsed_s - after
     seconds = min(max(0.0, left), EVAL_MAX_SHARE * plan["budget_s"])
     k, max_new, ev = size_eval(cfg, rates, fixed, seconds)
-    return {"sizes": {"eval.num_prompts": k, "eval.max_new_tokens": max_new}, "time_left_s": round(left, 1),
-            "planned_s": round(ev, 1)}
+    return check_replan({"sizes": {"eval.num_prompts": k, "eval.max_new_tokens": max_new},
+                         "time_left_s": round(left, 1), "planned_s": round(ev, 1)})
+
+
+def check_replan(r: dict[str, Any]) -> dict[str, Any]:
+    """`r` (a re-plan) when its sizes are whole numbers ≥ 1 and its planned seconds finite and > 0 (its time left
+    may be below 0: the run is late); PlanError otherwise."""
+    for key, v in r["sizes"].items():
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            raise PlanError(f"budget re-plan: {key} is {v!r}, not a whole number >= 1")
+    if not (_finite(r["planned_s"]) and r["planned_s"] > 0) or not _finite(r["time_left_s"]):
+        raise PlanError(f"budget re-plan: planned {r['planned_s']!r} s with {r['time_left_s']!r} s left")
+    return r
 
 
 def _min(s: float | None) -> str:

@@ -6,6 +6,11 @@ Usage (what `stages/pipeline.py` does):
     cfg = b.before("train", cfg, rd)       # re-plans train (then eval) from the time left, once per plan
     b.finished("train", seconds, cfg, rd, state)   # the actual seconds and sizes → state["budget"]
 
+A calibration file that is not valid for this machine and config is named in a warning and measured again
+(`sizing/calibration.py`); a saved record whose plan or rates cannot be (`sizing.plan.check_plan`,
+`calibration.rates_problem`) is planned again. The plan never asks for more prompts than prepare found in the
+sources when this run dir's `prepare/stats.json` read the same sources.
+
 The record (`pipeline.json` → "budget"): `key` (hash of the config as given, the budget and the machine),
 `calibration` (the rates and where they came from), `plan` (`sizing.plan.plan_run`'s), `sizes` (what the run
 uses now: the plan's, then each re-plan's), `replanned` (train / eval: the re-plan and the time left it saw)
@@ -23,12 +28,14 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from dflashkit.config import dump_config, given_keys, set_given_keys
+from dflashkit.data.mixing import source_names
 from dflashkit.data.records import prepared_lines
 from dflashkit.family.recipe import config_recipe
 from dflashkit.rundir import atomic_write_text
 from dflashkit.sizing import calibration as calib
-from dflashkit.sizing.plan import (ROLLOUT_CAPTURE, SIZED, overhead_s, plan_lines, plan_run, replan_eval,
-                                   replan_train)
+from dflashkit.errors import UsageError
+from dflashkit.sizing.plan import (ROLLOUT_CAPTURE, SIZED, check_plan, overhead_s, plan_lines, plan_run,
+                                   replan_eval, replan_train)
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -74,6 +81,30 @@ def _tokenized(rd: RunDir) -> tuple[int, int] | None:
         return None
 
 
+def available_prompts(cfg: RunConfig, rd: RunDir) -> int | None:
+    """The prompts the sources hold (the records prepare kept, `prepare/stats.json`), when that file read the
+    sources `cfg` names (same names and paths); else None."""
+    try:
+        srcs = json.loads((rd.root / "prepare" / "stats.json").read_text())["sources"]
+        names = source_names(cfg.data.sources)
+        if list(srcs) != names or any(srcs[n]["path"] != str(s.path) for n, s in zip(names, cfg.data.sources)):
+            return None
+        n = sum(int(srcs[name]["kept"]) for name in names)
+        return n if n > 0 else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _record_problem(record: dict[str, Any]) -> str | None:
+    """Why a saved budget record cannot be reused (a plan or rates that cannot be), or None."""
+    try:
+        check_plan(record["plan"])
+        calib.rates(record["calibration"])
+    except (UsageError, KeyError, TypeError, AttributeError) as e:  # PlanError, calibration.CalibrationError
+        return str(e).splitlines()[0]
+    return None
+
+
 class BudgetSession:
     """The budget's state for one `run` (see the module docstring); `record` is what pipeline.json keeps."""
 
@@ -97,7 +128,11 @@ class BudgetSession:
         fixed = frozenset(given_keys(cfg) or ()) - {"run.budget_minutes"}
         m = calib.machine(cfg.target.device)
         key = hashlib.sha256((dump_config(cfg) + calib.machine_key(m)).encode()).hexdigest()[:16]
-        if isinstance(saved, dict) and saved.get("key") == key and saved.get("plan"):
+        same = isinstance(saved, dict) and saved.get("key") == key and bool(saved.get("plan"))
+        why = _record_problem(saved) if same and isinstance(saved, dict) else None
+        if why:
+            log.warning("budget: the plan saved in pipeline.json is not reused (%s): planning again", why)
+        elif same and isinstance(saved, dict):
             s = cls(saved, fixed=fixed, started=started, reused=True)
             log.info("%s", "\n".join(["budget: the plan saved in pipeline.json (same budget, config and machine)",
                                       *plan_lines(saved)]))
@@ -116,7 +151,7 @@ class BudgetSession:
             calib.save_calibration(cal, rd)
         spent = time.time() - started
         plan = plan_run(cfg, calib.rates(cal), budget_minutes=float(cfg.run.budget_minutes or 0), fixed=fixed,
-                        active=active)
+                        active=active, available_prompts=available_prompts(cfg, rd))
         record = {"key": key, "budget_minutes": cfg.run.budget_minutes, "machine_key": calib.machine_key(m),
                   "calibration": {**{k: cal.get(k) for k in ("machine", "device", "capture_dtype", "verify_dtype",
                                                              "capture_tok_s", "train_step_s", "decode_s", "load_s",

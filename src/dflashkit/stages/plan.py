@@ -7,7 +7,10 @@ Inputs:  the drafter contract + target facts (`contract.json`, `probe/probe.json
          else the visible CUDA devices, else 1x80. `train.*` (batch, anchors, loss_chunk_blocks,
          loss) and `capture.dtype` shape the estimate.
          Times: from this machine's saved calibration (`dflashkit run --budget M` measures one) when it
-         matches the config, else FLOPs at an assumed 400 TFLOP/s per GPU; the table says which.
+         matches the config, else FLOPs at an assumed 400 TFLOP/s per GPU; the table says which. A calibration
+         file that is not valid (corrupt, cut short, another machine's or config's, a rate that is not a finite
+         number > 0: `sizing.calibration.find_calibration`) is not used: a warning and the table's
+         "calibration" row (the JSON's `calibration_ignored`) say "ignored <file>: <why>", exit 0.
          A positional `CURVE.json` (a `train/curve.json`) adds the data-budget forecast for
          `train.forecast_tau` (`train/forecast.py`), with hours at this plan's training speed.
 Outputs: nothing on disk; a table and the JSON (`inspect/estimate.py` gathers the inputs, `inspect/budget.py`
@@ -20,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from dflashkit.config import RunConfig
@@ -29,8 +33,10 @@ from dflashkit.errors import UsageError
 from dflashkit.inspect.estimate import estimate
 from dflashkit.inspect.paths import paths_text
 from dflashkit.rundir import RunDir
-from dflashkit.sizing.calibration import saved_calibration
+from dflashkit.sizing.calibration import find_calibration
 from dflashkit.train.forecast import curve_file_forecast
+
+log = logging.getLogger("dflashkit.plan")
 
 
 def _codebooks(d: dict[str, Any]) -> str:
@@ -72,8 +78,19 @@ def _table(r: dict[str, Any]) -> str:
 
 def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     curves = [p for p in ctx.positionals if p.endswith(".json")]  # a train/curve.json: the forecast at scale
+    ignored: list[str] = []
+
+    def calibration(c: RunConfig, r: RunDir) -> dict[str, Any] | None:
+        cal, notes = find_calibration(c, r)
+        ignored.extend(f"ignored {n}" for n in notes)
+        return cal
+
     result = estimate(cfg, rd, [p for p in ctx.positionals if not p.endswith(".json")], prepared_lines=prepared_lines,
-                      calibration=saved_calibration)
+                      calibration=calibration)
+    for note in ignored:
+        log.warning("calibration: %s", note)
+    if ignored:
+        result["calibration_ignored"] = ignored
     if len(curves) > 1:
         raise UsageError(f"`dflashkit plan` takes one CURVE.json, got {curves}",
                          hint="dflashkit plan [MODEL] [8x80] [runs/x/train/curve.json]")
@@ -83,6 +100,8 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
                                                  epoch_tokens=result["tokens"])
     if not ctx.json:
         print(_table(result), flush=True)
+        for note in ignored:
+            print(f"{'calibration'.ljust(16)}  {note}", flush=True)
         if curves:
             print(f"{'forecast'.ljust(16)}  {result['forecast']['text']}", flush=True)
     return result
