@@ -227,6 +227,12 @@ def test_the_budget_counts_the_hybrid_decoders():
     one = eval_prompt_s(load_config(None, [*base, "eval.hybrid_gates=[4]", "eval.hybrid_graft=false"]), rates, 64)
     # per block size: the drafter alone, then suffix + 2 gates + graft (4 more passes), or suffix + 1 gate (2 more)
     assert on - off == pytest.approx(2 * (one - off)) and one > off
+    # the grid runs from 2 prompts on (one chooses the gate the other is scored with)
+    from dflashkit.sizing.plan import eval_s
+
+    cfg = load_config(None, [*base, "eval.warmup=0"])
+    assert eval_s(cfg, rates, 1, 64) - eval_s(cfg, rates, 0, 64) == pytest.approx(off)
+    assert eval_s(cfg, rates, 2, 64) - eval_s(cfg, rates, 0, 64) == pytest.approx(2 * on)
 
 
 def _two_source_results():
@@ -272,3 +278,20 @@ def test_the_speculation_profile_says_which_proposer_pays_per_source(tmp_path):
     (tmp_path / "bad.json").write_text(__import__("json").dumps({**p, "proposers": ["hybrid"]}))
     with pytest.raises(UsageError, match="proposers"):
         read_profile(tmp_path / "bad.json")
+
+
+def test_the_hybrid_grid_runs_at_the_largest_block_size_and_needs_two_prompts(tiny_qwen3, monkeypatch):
+    import dflashkit.decode.evaluation as ev
+    from dflashkit.config import TargetSection
+    from dflashkit.model.target import load_target
+    from dflashkit.testing import random_drafter
+
+    target = load_target(TargetSection(path=str(tiny_qwen3), device="cpu", dtype="float32"))
+    drafter = random_drafter(target, block_size=4)
+    monkeypatch.setattr(ev, "run_interleaved", lambda decoders, *a, **k: sorted(decoders))
+    cfg = RunConfig()
+    two = ev.decode_all(cfg, target, drafter, [[1, 2], [3, 4]], [2, 4], lookup=True, warmup=0)
+    assert two == sorted(["1", "2", "4", "adaptive-2", "adaptive-4", "lookup-2", "lookup-4", "suffix-4", "hybrid-4@2",
+                          "hybrid-4@4", "graft-4@4"])
+    one = ev.decode_all(cfg, target, drafter, [[1, 2]], [2, 4], lookup=True, warmup=0)
+    assert not [k for k in one if ev.group_of(k) in ("suffix", "hybrid")] and "lookup-4" in one

@@ -43,7 +43,8 @@ from dflashkit.decode.api import Decoder, GenerationResult
 from dflashkit.decode.diagnostics import BigramTable, simulated_acceptance
 from dflashkit.decode.hybrid import NEVER, HybridGate, HybridProposer
 from dflashkit.decode.lossless import TOP_K, divergence_record, first_divergence, lossless_verdict, tie_rule
-from dflashkit.decode.metrics import compare, paired_phrase, paired_speed, summarize_acceptance, summarize_timing
+from dflashkit.decode.metrics import (compare, compare_flags, paired_phrase, paired_speed, summarize_acceptance,
+                                     summarize_timing)
 from dflashkit.decode.ngram import PromptLookupProposer
 from dflashkit.decode.runner import (draft_dtype_for, load_prompts, params_for, prompt_sources, refuse_unrendered_tools,
                                      render_eval_prompts, resolve_drafter_dir, run_interleaved)
@@ -168,8 +169,7 @@ GROUPS = (("drafter", "speculative"), ("adaptive", "adaptive"), ("lookup", "prom
 # the lossless check's proposer name of a decoder key's prefix (no prefix: the drafter)
 PROPOSERS = {"lookup": "prompt_lookup", "adaptive": "drafter-adaptive", "suffix": "suffix", "hybrid": "hybrid",
              "graft": "graft"}
-SPEEDUP_TOLERANCE = 0.05  # a speedup this far above its τ (or its bound τ·t(1)/t(B)) cannot be true
-TIME_NOISE = 0.10         # t(B) this far below t(1) is not noise: one of them was timed under other conditions
+MIN_HYBRID_PROMPTS = 2  # the hybrid row chooses each prompt's decoder on the other prompts (sizing/plan.py knows)
 
 
 def proposer_of(key: str) -> str:
@@ -188,20 +188,9 @@ def group_key(key: str) -> tuple[str, str]:
 
 
 def timing_flags(entry: dict[str, Any]) -> list[str]:
-    """Why an entry's timing cannot be true (empty: nothing found). A decoder commits at most τ tokens per target
-    step and a target step over B tokens costs at least one over a single token, so its speedup is at most τ
-    (and at most its bound τ·t(1)/t(B)); t(B) below t(1) beyond `TIME_NOISE` means the baseline and this decoder
-    were timed under different conditions (a cold start, another job's burst)."""
-    out = []
-    sp, tau, bound = entry.get("speedup", 0.0), entry.get("tau", 0.0), entry.get("bound", 0.0)
-    t1, tb = entry.get("t1_s", 0.0), entry.get("tB_s", 0.0)
-    if tau > 0 and sp > tau * (1 + SPEEDUP_TOLERANCE):
-        out.append(f"speedup {sp:.2f} above its tau {tau:.2f}")
-    if bound > 0 and sp > bound * (1 + SPEEDUP_TOLERANCE):
-        out.append(f"speedup {sp:.2f} above its bound {bound:.2f}")
-    if t1 > 0 and 0 < tb < t1 * (1 - TIME_NOISE):
-        out.append(f"t(B) {tb * 1e3:.1f} ms below t(1) {t1 * 1e3:.1f} ms")
-    return out
+    """Why an entry's timing cannot be true (`decode.metrics.compare_flags` of its speedup, bound, t(1), t(B) at its
+    τ; empty: nothing found): such a figure is flagged `unreliable` and never makes a "faster" verdict."""
+    return compare_flags(entry, entry.get("tau", 0.0))
 
 
 def flag_phrase(reasons: list[str]) -> str:
@@ -347,8 +336,8 @@ def unreliable_entries(res: dict[str, Any]) -> list[tuple[str, list[str]]]:
 
 def decode_all(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_sizes: list[int], *,
                lookup: bool, warmup: int, adaptive: bool | None = None, hybrid: bool | None = None) -> dict[str, Any]:
-    """Baseline + drafter (+ adaptive, prompt lookup, suffix alone and the hybrid grid: `hybrid_decoders`) at every
-    block size, interleaved; results by decoder key (module docstring)."""
+    """Baseline + drafter (+ adaptive, prompt lookup) at every block size, the suffix proposer alone and the hybrid
+    grid (`hybrid_decoders`) at the largest, interleaved; results by decoder key (module docstring)."""
     e = cfg.eval
     ddt = draft_dtype_for(cfg, target)
     decoders: dict[str, Decoder] = {"1": SpecDecoder(target, None, 1, max_context=e.max_context, record_top=TOP_K)}
@@ -363,9 +352,12 @@ def decode_all(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_
         for bs in block_sizes:
             decoders[f"lookup-{bs}"] = SpecDecoder(target, None, bs, max_context=e.max_context, record_top=TOP_K,
                                                    proposer=PromptLookupProposer(e.prompt_lookup_ngram, 1))
-    if e.hybrid if hybrid is None else hybrid:
-        for bs in block_sizes:
-            decoders.update(hybrid_decoders(cfg, target, drafter, bs, ddt))
+    if (e.hybrid if hybrid is None else hybrid) and block_sizes:
+        if len(ids) >= MIN_HYBRID_PROMPTS:
+            decoders.update(hybrid_decoders(cfg, target, drafter, hybrid_block_size(block_sizes), ddt))
+        else:
+            log.info("eval.hybrid: %d prompt(s), the hybrid row needs %d (a gate is chosen on other prompts than "
+                     "the one it is scored on): suffix and hybrid decoders skipped", len(ids), MIN_HYBRID_PROMPTS)
     return run_interleaved(decoders, ids, params_for(cfg, target), warmup=warmup, base_seed=cfg.run.seed,
                            desc=f"eval ({str(target.dtype).removeprefix('torch.')})")
 
@@ -377,6 +369,12 @@ def hybrid_gate(key: str) -> HybridGate | None:
     if prefix not in ("hybrid", "graft"):
         return None
     return HybridGate(min_match=int(rest.partition("@")[2]), graft=prefix == "graft")
+
+
+def hybrid_block_size(block_sizes: list[int]) -> int:
+    """The block size the suffix proposer and the hybrid grid are measured at: eval's largest (a suffix match pays
+    in long copies; every grid point at every block size would double eval's time)."""
+    return max(block_sizes)
 
 
 def hybrid_keys(cfg: Any, bs: int) -> list[str]:

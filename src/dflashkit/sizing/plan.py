@@ -168,12 +168,13 @@ def eval_prompt_s(cfg: Any, rates: Rates, max_new: int, *, hybrid_grid: bool = T
     return max_new * per_token + prefills * EVAL_PROMPT_TOKENS / rates.capture_tok_s
 
 
-def eval_s(cfg: Any, rates: Rates, prompts: int, max_new: int) -> float:
-    """Eval's seconds for `prompts` prompts of `max_new` tokens (warm-up and eval.dtype=auto's probes included)."""
+def eval_s(cfg: Any, rates: Rates, prompts: int, max_new: int, *, hybrid_grid: bool | None = None) -> float:
+    """Eval's seconds for `prompts` prompts of `max_new` tokens (warm-up and eval.dtype=auto's probes included).
+    The hybrid grid runs from 2 prompts on (`hybrid_grid` None; one chooses the gate the other is scored with:
+    decode.evaluation.MIN_HYBRID_PROMPTS)."""
     extra = cfg.eval.warmup + (2 if cfg.eval.dtype == "auto" else 0)
-    # the hybrid grid needs 2 prompts (one chooses the gate the other is scored with: decode.evaluation)
-    return overhead_s("eval", rates) + (prompts + extra) * eval_prompt_s(cfg, rates, max_new,
-                                                                         hybrid_grid=prompts >= 2)
+    grid = prompts >= 2 if hybrid_grid is None else hybrid_grid
+    return overhead_s("eval", rates) + (prompts + extra) * eval_prompt_s(cfg, rates, max_new, hybrid_grid=grid)
 
 
 def size_eval(cfg: Any, rates: Rates, fixed: Iterable[str], seconds: float) -> tuple[int, int, float]:
@@ -187,7 +188,7 @@ def size_eval(cfg: Any, rates: Rates, fixed: Iterable[str], seconds: float) -> t
         k = cfg.eval.num_prompts
     else:
         per = eval_prompt_s(cfg, rates, max_new)
-        left = seconds - eval_s(cfg, rates, 0, max_new)
+        left = seconds - eval_s(cfg, rates, 0, max_new, hybrid_grid=True)
         k = max(1, min(max(1, cap), int(left // per) if per > 0 else cap))
     if "eval.max_new_tokens" not in fx:
         while max_new > MIN_NEW_TOKENS and eval_s(cfg, rates, k, max_new) > seconds:
