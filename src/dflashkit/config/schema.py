@@ -510,10 +510,10 @@ class EvalSection:
                             "(n-gram) proposer: the floor a drafter must beat.", hash_default=False)
     prompt_lookup_ngram: int = f(3, "Prompt lookup: longest n-gram matched (falls back to shorter, down "
                                  "to 1).", hash_default=False)
-    hybrid: bool = f(True, "Also decode every block size with the suffix proposer alone (decode/suffix.py) and the "
-                     "hybrid of it and the drafter (decode/hybrid.py) at each gate of eval.hybrid_gates; the "
-                     "`hybrid` row picks a gate per data source by leave-one-out over the other prompts of that "
-                     "source (lossless).", hash_default=False)
+    hybrid: bool = f(True, "Also decode the largest block size with the suffix proposer alone (decode/suffix.py) "
+                     "and the hybrid of it and the drafter (decode/hybrid.py) at each gate of eval.hybrid_gates "
+                     "(from 2 prompts on); the `hybrid` row decodes each prompt with the decoder fastest on the other "
+                     "prompts of its data source (lossless).", hash_default=False)
     hybrid_gates: list[int] = f([2, 4], "Hybrid gates measured: the suffix draft replaces the drafter's block when "
                                 "its match is at least this many tokens long.", hash_default=False)
     hybrid_graft: bool = f(True, "Also measure the graft (the drafter's confident prefix continued by the suffix "
