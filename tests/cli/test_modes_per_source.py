@@ -179,6 +179,10 @@ def test_held_out_curve_eval_and_report_break_tau_down_per_source_and_mode(tmp_p
                               ("by_mode", "no-thinking", "chat"), ("by_mode", "thinking", "reason")):
         g = res[key][name]
         d, lookup = g["speculative"][bs], g["prompt_lookup"][lk]
+        # the hybrid row beside them: its τ and speedup over these prompts, the decoder this source / mode runs
+        h, gate = g["hybrid_composite"], res["summary"]["hybrid"]["gates_" + key][name]
         assert cells(name, second, f"{last[key][name]['tau']:.3f}", g["prompts"], f"{d['tau']:.2f}",
                      f"{d['per_position_acceptance'][0]:.2f}", f"{lookup['tau']:.2f}",
-                     f"{lookup['per_position_acceptance'][0]:.2f}") in page, (key, name)
+                     f"{lookup['per_position_acceptance'][0]:.2f}", f"{h['tau']:.2f}",
+                     f"{h['speedup']:.2f}" + (" (unreliable)" if h.get("unreliable") else ""),
+                     gate["decoder"]) in page, (key, name)
