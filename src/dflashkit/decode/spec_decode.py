@@ -49,6 +49,7 @@ from dflashkit.family.base import DraftBlock, DraftSampling
 from dflashkit.model.draft_vocab import restricted_head
 from dflashkit.model.drafter import DFlashDraftModel, DraftKVCache
 from dflashkit.model.kv_cache import decode_cache
+from dflashkit.model.roofline import fastest_each
 from dflashkit.model.target import Target, cache_kwarg, fast_bf16
 
 
@@ -296,8 +297,9 @@ class SpecDecoder:
         return probs.gather(-1, idx[:, None])[:, 0].tolist()
 
     def _calibrate(self, prompt_ids: list[int], reps: int = 3) -> None:
-        """t(n) for n = 1 … B: target steps over n tokens after a short context, the fastest of `reps` each
-        (a throwaway cache; once per decoder, before any timed work)."""
+        """t(n) for n = 1 … B: target steps over n tokens after a short context (a throwaway cache; once per
+        decoder, before any timed work), every n warmed up once and then timed in turns, the fastest of `reps`
+        each (`model.roofline.fastest_each`: the first n is not timed cold)."""
         assert self.policy is not None
         dev = self.target.device
         ctx = prompt_ids[: min(len(prompt_ids), 64)]
@@ -305,17 +307,12 @@ class SpecDecoder:
         at = 0 if recurrent_layers(cache) else None  # explicit positions for hybrid targets (`_forward`)
         self._forward(torch.tensor([ctx], device=dev), cache, last_only=True, start=at)
         arm(cache, self.block_size)
-        cost = {}
-        for n in range(1, self.block_size + 1):
-            ids = torch.tensor([[ctx[-1]] * n], device=dev)
-            best = float("inf")
-            for _ in range(reps):
-                t0 = self._now()
-                self._forward(ids, cache, start=None if at is None else len(ctx))
-                best = min(best, self._now() - t0)
-                rollback(cache, n)
-            cost[n] = best
-        self.policy.calibrate(cost)
+        start = None if at is None else len(ctx)
+        sizes = range(1, self.block_size + 1)
+        steps = {n: partial(self._forward, torch.tensor([[ctx[-1]] * n], device=dev), cache, start=start)
+                 for n in sizes}
+        self.policy.calibrate(fastest_each(steps, dev, reps, after={n: partial(rollback, cache, n) for n in sizes},
+                                           clock=self._now))
 
     def _propose(self, h: torch.Tensor, logits: torch.Tensor, anchor: int, params: SamplingParams, gen,
                  block: DraftBlock | None = None):
