@@ -60,7 +60,7 @@ def write_config(tmp_path: Path, target: Path, **run) -> Path:
            "train": {"features": "cached", "labels": "target", "batch_size": 4, "num_anchors": 8,
                      "heldout_samples": 2, "log_every": 5},
            "eval": {"max_new_tokens": 12, "block_sizes": [4], "warmup": 0, "diagnostics": False,
-                    "adaptive_length": False, "prompt_lookup": False},
+                    "adaptive_length": False, "prompt_lookup": False, "hybrid": False},
            "export": {"dtype": "float32"}}
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))

@@ -40,7 +40,7 @@ PROMPTS = [
 ]
 B = 4
 EVAL = ("eval.dtype=float32", "eval.draft_dtype=target", "eval.warmup=0", "eval.prompt_lookup=false",
-        "eval.diagnostics=false")  # fp32, as the engine runs
+        "eval.hybrid=false", "eval.diagnostics=false")  # fp32, as the engine runs
 
 
 def _last_json(capsys) -> dict:
