@@ -102,6 +102,14 @@ def _fmt(x: Any, nd: int = 2) -> str:
     return f"{x:.{nd}f}" if isinstance(x, (int, float)) else str(x)
 
 
+def _lookup_verdict(summ: dict[str, Any], lk: dict[str, Any]) -> str:
+    """The drafter against prompt lookup in words: no verdict where either best entry was flagged unreliable."""
+    verdict = summ.get("verdict_prompt_lookup") or verdict_of(bool(summ.get("beats_prompt_lookup")), summ, lk)
+    return {"beats": "The drafter beats it", "does not beat": "The drafter does <b>not</b> beat it"}.get(
+        verdict, "<b>Unreliable measurement</b>: no verdict ("
+        + html.escape("; ".join(summ.get("unreliable") or lk.get("unreliable") or [])) + ")")
+
+
 def _speedup(r: dict[str, Any]) -> str:
     """A speedup cell: "unreliable" beside a figure eval flagged (its timing cannot be true)."""
     return _fmt(r.get("speedup", "-")) + (" (unreliable)" if r.get("unreliable") else "")
@@ -298,10 +306,7 @@ def eval_diagnostics_html(results: dict) -> str:
                          _fmt((d.get("per_position_acceptance") or ["-"])[0]), _fmt(p.get("tau", "-")),
                          _speedup(p), _fmt((p.get("per_position_acceptance") or ["-"])[0])])
         lk = summ.get("prompt_lookup") or {}
-        verdict = summ.get("verdict_prompt_lookup") or verdict_of(bool(summ.get("beats_prompt_lookup")), summ, lk)
-        beats = {"beats": "The drafter beats it", "does not beat": "The drafter does <b>not</b> beat it"}.get(
-            verdict, "<b>Unreliable measurement</b>: no verdict (" + html.escape(
-                "; ".join(summ.get("unreliable") or lk.get("unreliable") or [])) + ")")
+        beats = _lookup_verdict(summ, lk)
         out.append("<h2>Drafter vs prompt lookup</h2><p>Prompt lookup (n-gram, n = "
                    f"{results.get('prompt_lookup_ngram', 3)}…1) needs no training: it proposes the tokens that "
                    "followed the latest earlier occurrence of the last n tokens, verified by the same lossless "
