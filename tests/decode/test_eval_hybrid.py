@@ -178,7 +178,9 @@ def test_a_flagged_entry_never_makes_a_win():
     html_text = eval_diagnostics_html(res)
     assert "unreliable measurement" in html_text and "drafter beats" not in html_text
     assert "clearly faster" not in html_text
+    s["unreliable_entries"] = ["drafter B=4: " + "; ".join(res["speculative"]["4"]["unreliable"])]
     lines = "\n".join(summary_lines({"eval": s}))
+    assert "drafter B=4: speedup 2.14 above its tau 1.34" in lines
     assert "unreliable measurement" in lines and "(the drafter beats it)" not in lines
     assert "clearly faster" not in lines
 

@@ -73,6 +73,8 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
             lines.append(f"  {key:17s} {ev[key]}")
     if ev.get("unreliable"):
         lines.append(f"  {'':17s} {flag_phrase(ev['unreliable'])}")
+    if ev.get("unreliable_entries"):  # any entry eval flagged: no verdict is drawn from it
+        lines.append(f"  {'unreliable':17s} {'; '.join(ev['unreliable_entries'])}")
     lk = ev.get("prompt_lookup")
     if lk:
         verdict = ev.get("verdict_prompt_lookup") or verdict_of(bool(ev.get("beats_prompt_lookup")), ev, lk)
