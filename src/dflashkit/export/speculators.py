@@ -53,8 +53,10 @@ _DFLASH_KEYS = ("architectures", "auto_map", "block_size", "num_target_layers", 
 # tensors the speculators library itself keeps out of, or tolerates in, a checkpoint
 _IGNORED = ("verifier_lm_head.weight", "verifier_norm.weight")
 # dflash_config keys vLLM's `update_dflash` writes itself from the speculators config (`causal` from
-# `sliding_window_non_causal`); a family's other dflash_config keys travel only as its `speculators_keys`
-_CARRIED = ("causal",)
+# `sliding_window_non_causal`), or that the transformer_layer_config carries (`attention: mla`: its DeepSeek MLA
+# keys, read back by `family.dflash.read_attention`); a family's other dflash_config keys travel only as its
+# `speculators_keys`
+_CARRIED = ("causal", "attention")
 
 
 def is_speculators(cfg: dict[str, Any]) -> bool:

@@ -29,6 +29,7 @@ from typing import Any
 from dflashkit import family as families
 from dflashkit.errors import MissingArtifactError, UsageError
 from dflashkit.family.base import json_int, knob_problems
+from dflashkit.family.dflash import mla_problems
 
 log = logging.getLogger("dflashkit.contract")
 
@@ -209,7 +210,7 @@ class DrafterContract:
             fam = self.family
             if type(self.knobs) is fam.knobs:  # exactly: DFlash2's knobs extend DFlash's
                 # the declared types and ranges first: the family's cross-field rules compare values in range
-                problems.extend(knob_problems(self) or fam.contract_problems(self))
+                problems.extend(knob_problems(self) or fam.contract_problems(self) + mla_problems(self))
             else:
                 problems.append(f"knobs {type(self.knobs).__name__} are not the {fam.title} family's "
                                 f"{fam.knobs.__name__} (build the contract with DrafterContract.from_dict)")

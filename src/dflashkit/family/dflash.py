@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from dflashkit.errors import UsageError
-from dflashkit.family.base import Decoding, DraftBlock, DraftSampling, Family, Formats, Network, Objective
+from dflashkit.family.base import (Decoding, DraftBlock, DraftSampling, Family, Formats, Network, Objective,
+                                   json_int)
 from dflashkit.family.knobs import knob
 
 if TYPE_CHECKING:
@@ -51,16 +52,55 @@ class DFlashKnobs:
                         "training (the mask) and decoding; false = the whole block (DFlash). Exports write "
                         "is_causal: true and dflash_config.causal: true (vLLM, SGLang); the speculators format "
                         "sliding_window_non_causal: false.")
+    attention_type: Literal["gqa", "mla"] = knob(
+        "gqa", "dflash, dflash2, lilicorr: the draft layers' attention: gqa (q/k/v projections with q/k norms, "
+        "num_key_value_heads groups; the z-lab layer) or mla (multi-head latent attention as DeepSeek-V3 and Kimi "
+        "K2/K3 define it: low-rank q and compressed kv, RoPE on drafter.mla_qk_rope_head_dim dims of each head; "
+        "num_attention_heads heads, head_dim unused). Exports write dflash_config.attention: mla and the "
+        "DeepSeek config keys q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim.")
+    mla_q_lora_rank: int = knob(1536, "dflash, dflash2, lilicorr (attention_type mla): rank of the query's "
+                                "low-rank projection (q_a_proj → q_a_layernorm → q_b_proj); 0 = one q_proj.", ge=0)
+    mla_kv_lora_rank: int = knob(512, "dflash, dflash2, lilicorr (attention_type mla): width of the compressed "
+                                 "key/value latent (kv_a_proj_with_mqa → kv_a_layernorm → kv_b_proj).", ge=1)
+    mla_qk_nope_head_dim: int = knob(128, "dflash, dflash2, lilicorr (attention_type mla): per-head query/key "
+                                     "dims without RoPE.", ge=1)
+    mla_qk_rope_head_dim: int = knob(64, "dflash, dflash2, lilicorr (attention_type mla): per-head query/key "
+                                     "dims with RoPE (the key's are shared by all heads); even.", ge=2)
+    mla_v_head_dim: int = knob(128, "dflash, dflash2, lilicorr (attention_type mla): per-head value dims.", ge=1)
+
+
+MLA_KEYS = {"mla_q_lora_rank": "q_lora_rank", "mla_kv_lora_rank": "kv_lora_rank",
+            "mla_qk_nope_head_dim": "qk_nope_head_dim", "mla_qk_rope_head_dim": "qk_rope_head_dim",
+            "mla_v_head_dim": "v_head_dim"}  # knob → the DeepSeek / Kimi config.json key (top level)
+
+
+def mla_problems(c: DrafterContract) -> list[str]:
+    """What makes an MLA drafter's knobs unusable (nothing for a GQA one): an odd rope width."""
+    k = c.knobs
+    if getattr(k, "attention_type", "gqa") != "mla":
+        return []
+    return [f"mla_qk_rope_head_dim {k.mla_qk_rope_head_dim} must be even (RoPE turns pairs of dims)"] \
+        if k.mla_qk_rope_head_dim % 2 else []
 
 
 def dflash_config(c: DrafterContract) -> dict[str, Any]:
-    """`dflash_config.causal: true` for a causal drafter (nothing for a bidirectional one: vLLM's default)."""
-    return {"causal": True} if c.knobs.causal else {}
+    """`dflash_config.causal: true` for a causal drafter (nothing for a bidirectional one: vLLM's default);
+    `attention: mla` for an MLA drafter (nothing for GQA)."""
+    out: dict[str, Any] = {"causal": True} if c.knobs.causal else {}
+    if getattr(c.knobs, "attention_type", "gqa") == "mla":
+        out["attention"] = "mla"
+    return out
 
 
 def hf_keys(c: DrafterContract) -> dict[str, Any]:
-    """The top-level `is_causal: true` of a causal drafter: the key vLLM reads first and SGLang reads alone."""
-    return {"is_causal": True} if c.knobs.causal else {}
+    """The top-level `is_causal: true` of a causal drafter: the key vLLM reads first and SGLang reads alone; an
+    MLA drafter's ranks under the DeepSeek-V3 / Kimi names (`q_lora_rank` null without q-LoRA, as DeepSeek-V2-Lite
+    writes it)."""
+    out: dict[str, Any] = {"is_causal": True} if c.knobs.causal else {}
+    if getattr(c.knobs, "attention_type", "gqa") == "mla":
+        out.update({key: getattr(c.knobs, name) for name, key in MLA_KEYS.items()})
+        out["q_lora_rank"] = out["q_lora_rank"] or None
+    return out
 
 
 def _flag(value: Any, key: str, source: str) -> bool:
@@ -92,9 +132,30 @@ def read_causal(cfg: dict[str, Any], dc: dict[str, Any], source: str) -> bool:
     return sliding == {True}
 
 
+def read_attention(cfg: dict[str, Any], dc: dict[str, Any], source: str) -> dict[str, Any]:
+    """The attention knobs of a drafter config.json: MLA when `dflash_config.attention` is mla or the config has
+    the DeepSeek `kv_lora_rank` (a Kimi K3-style drafter), its ranks from the top-level DeepSeek keys (a null or
+    absent `q_lora_rank`: no q-LoRA); {} for GQA. UsageError naming a missing or malformed key."""
+    kind = dc.get("attention", "mla" if cfg.get("kv_lora_rank") is not None else "gqa")
+    if kind not in ("gqa", "mla"):
+        raise UsageError(f"{source}: dflash_config.attention {kind!r} is not gqa or mla",
+                         hint=f"fix {source}: dflash_config.attention must be gqa or mla")
+    if kind == "gqa":
+        return {}
+    missing = [key for name, key in MLA_KEYS.items() if name != "mla_q_lora_rank" and cfg.get(key) is None]
+    if missing:
+        raise UsageError(f"{source}: an MLA drafter config without {missing}",
+                         hint=f"add the DeepSeek-V3 MLA keys {list(MLA_KEYS.values())} to {source}")
+    out: dict[str, Any] = {"attention_type": "mla"}
+    for name, key in MLA_KEYS.items():
+        value = cfg.get(key)
+        out[name] = 0 if value is None else json_int(value, key, source)
+    return out
+
+
 def read_knobs(cfg: dict[str, Any], dc: dict[str, Any], source: str) -> dict[str, Any]:
-    """DFlash's knobs from a config.json (`read_causal`)."""
-    return {"causal": read_causal(cfg, dc, source)}
+    """DFlash's knobs from a config.json (`read_causal`, `read_attention`)."""
+    return {"causal": read_causal(cfg, dc, source), **read_attention(cfg, dc, source)}
 
 
 def build(contract: DrafterContract, draft_vocab: torch.Tensor | None = None, feature_scale: torch.Tensor | None = None):

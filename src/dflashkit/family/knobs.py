@@ -81,7 +81,10 @@ def type_problems(values: Any, cls: type | None = None, *, prefix: str = "") -> 
         v, kind = getattr(values, f.name), str(f.type)
         if v is None and "None" in kind:
             continue
-        if kind.startswith("bool"):
+        if kind.startswith("Literal"):  # a choice of names: one of them
+            choices = typing.get_args(type_of(cls or type(values), f.name))
+            ok, what = v in choices, "one of " + " | ".join(map(str, choices))
+        elif kind.startswith("bool"):
             ok, what = isinstance(v, bool), "true or false"
         elif kind.startswith("int"):
             ok, what = isinstance(v, int) and not isinstance(v, bool), "an integer"

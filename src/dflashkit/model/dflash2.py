@@ -36,7 +36,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
 from dflashkit.errors import UsageError
-from dflashkit.model.drafter import DFlashAttention, DFlashDraftModel
+from dflashkit.model.drafter import DFlashDraftModel, draft_attention
 
 if TYPE_CHECKING:
     from dflashkit.family.contract import DrafterContract
@@ -95,7 +95,7 @@ class DFlash2DecoderLayer(nn.Module):
 
     def __init__(self, config: Qwen3Config, taps: int, group_size: int):
         super().__init__()
-        self.self_attn = DFlashAttention(config)
+        self.self_attn = draft_attention(config)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)

@@ -86,7 +86,15 @@ def hf_config(contract: DrafterContract) -> Qwen3Config:
         cfg.pop(k, None)
     if cfg.get("rope_scaling") is None:
         cfg.pop("rope_scaling")
-    return Qwen3Config(**cfg)
+    config = Qwen3Config(**cfg)
+    knobs = contract.knobs
+    config.draft_attention = getattr(knobs, "attention_type", "gqa")
+    if config.draft_attention == "mla":  # the rotary tables cover the rope part of each head only
+        config.head_dim = knobs.mla_qk_rope_head_dim
+        config.q_lora_rank, config.kv_lora_rank = knobs.mla_q_lora_rank, knobs.mla_kv_lora_rank
+        config.qk_nope_head_dim, config.qk_rope_head_dim = knobs.mla_qk_nope_head_dim, knobs.mla_qk_rope_head_dim
+        config.v_head_dim = knobs.mla_v_head_dim
+    return config
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
@@ -142,10 +150,83 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on interleaved pairs (x0, x1), (x2, x3), … each turned by one frequency (DeepSeek's layout; vLLM's
+    `is_neox_style=False`): x [b, heads, t, d], cos/sin [b, t, d] as `apply_rope` takes them. The result holds
+    the turned pairs de-interleaved (evens then odds); queries and keys leave alike, so their products are
+    those of the interleaved rotation."""
+    return apply_rope(torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1), cos, sin)
+
+
+class MLAAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2/K3) in DFlash's context/block structure.
+
+    Queries: `q_a_proj` → `q_a_layernorm` → `q_b_proj` (or one `q_proj` when `q_lora_rank` is 0), per head
+    [qk_nope | qk_rope]. Keys/values of any rows (context features or the block): `kv_a_proj_with_mqa` → split
+    into the compressed kv [kv_lora_rank] and one shared k_rope [qk_rope] → `kv_a_layernorm` on the compressed
+    part → `kv_b_proj` → per head (k_nope [qk_nope], v [v_head_dim]); the key is [k_nope | k_rope]. RoPE turns
+    only the rope dims (interleaved pairs), the softmax scale is 1/sqrt(qk_nope + qk_rope) (SDPA's default at that
+    width), `o_proj` maps heads × v_head_dim back. Tensor names are the DeepSeek checkpoints' (what vLLM's
+    `DeepseekV2MLAAttention` loads). The cache holds expanded per-head context keys/values, as for GQA."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        h = config.hidden_size
+        self.n_heads = self.n_kv = config.num_attention_heads
+        self.q_lora_rank, self.kv_lora_rank = int(config.q_lora_rank), int(config.kv_lora_rank)
+        self.nope, self.rope, self.v_dim = (int(config.qk_nope_head_dim), int(config.qk_rope_head_dim),
+                                            int(config.v_head_dim))
+        self.head_dim = self.nope + self.rope
+        bias = bool(config.attention_bias)
+        if self.q_lora_rank:
+            self.q_a_proj = nn.Linear(h, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = Qwen3RMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.rope, bias=bias)
+        self.kv_a_layernorm = Qwen3RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.v_dim, h, bias=bias)
+
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Block rows x [b, q, H] → queries [b, heads, q, qk_nope + qk_rope] (rope dims turned)."""
+        b, n, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
+        q_nope, q_rope = q.view(b, n, self.n_heads, self.head_dim).transpose(1, 2).split([self.nope, self.rope], -1)
+        return torch.cat([q_nope, apply_rope_interleaved(q_rope, cos, sin)], dim=-1)
+
+    def context_kv(self, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of rows c [b, t, H] → keys [b, heads, t, qk_nope + qk_rope], values [b, heads, t, v_head_dim]."""
+        b, t, _ = c.shape
+        latent, k_rope = self.kv_a_proj_with_mqa(c).split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, t, self.n_heads, self.nope + self.v_dim)
+        k_nope, v = kv.transpose(1, 2).split([self.nope, self.v_dim], dim=-1)
+        k_rope = apply_rope_interleaved(k_rope.view(b, 1, t, self.rope), cos, sin)
+        return torch.cat([k_nope, k_rope.expand(-1, self.n_heads, -1, -1)], dim=-1), v
+
+    def forward(self, x: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, attention_mask) -> torch.Tensor:
+        b, q_len, _ = x.shape
+        q = self.queries(x, cos, sin)
+        bk, bv = self.context_kv(x, cos, sin)  # the block's own keys/values, same projections
+        k, v = torch.cat([ctx_k, bk], dim=-2), torch.cat([ctx_v, bv], dim=-2)
+        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+            out = flex_attention(q, k, v, block_mask=attention_mask)
+        else:
+            out = block_attention(q, k, v, attention_mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+def draft_attention(config: Qwen3Config) -> nn.Module:
+    """A draft layer's attention: MLA when the contract's `attention_type` is mla (`hf_config`), else GQA."""
+    return MLAAttention(config) if getattr(config, "draft_attention", "gqa") == "mla" else DFlashAttention(config)
+
+
 class DFlashDecoderLayer(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
-        self.self_attn = DFlashAttention(config)
+        self.self_attn = draft_attention(config)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
