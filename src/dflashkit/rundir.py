@@ -291,6 +291,12 @@ class RunDir:
         return self.root / "prepare" / "heldout.jsonl"
 
     @property
+    def prepare_stats(self) -> Path:
+        """`prepare/stats.json` counts per source and drop reason (owner: stages/prepare.py; read by
+        sizing/session.py: the prompts the sources hold)."""
+        return self.root / "prepare" / "stats.json"
+
+    @property
     def generate_dir(self) -> Path:
         """`generate/`: the append-only journal shards and engine logs (owner: generate/journal.py)."""
         return self.root / "generate"

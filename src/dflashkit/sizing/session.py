@@ -85,7 +85,7 @@ def available_prompts(cfg: RunConfig, rd: RunDir) -> int | None:
     """The prompts the sources hold (the records prepare kept, `prepare/stats.json`), when that file read the
     sources `cfg` names (same names and paths); else None."""
     try:
-        srcs = json.loads((rd.root / "prepare" / "stats.json").read_text())["sources"]
+        srcs = json.loads(rd.prepare_stats.read_text())["sources"]
         names = source_names(cfg.data.sources)
         if list(srcs) != names or any(srcs[n]["path"] != str(s.path) for n, s in zip(names, cfg.data.sources)):
             return None

@@ -77,7 +77,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         return {**result, "dry_run": True}
     out = rd.stage_dir("prepare")
     written = write_prepared(rd, (c.to_dict() for c in train), (c.to_dict() for c in heldout))
-    atomic_write_json(out / "stats.json", {"seed": cfg.run.seed, "num_prompts": d.num_prompts,
+    atomic_write_json(rd.prepare_stats, {"seed": cfg.run.seed, "num_prompts": d.num_prompts,
                                            **{k: result[k] for k in ("train", "heldout", "read", "dropped")},
                                            "sources": stats})
     inputs = {}
