@@ -148,11 +148,13 @@ class FastDraft:
 
     @staticmethod
     def supports(drafter: nn.Module) -> bool:
-        """Plain DFlash layers (attention + SwiGLU MLP, nothing between them) and a length-free RoPE."""
-        from dflashkit.model.drafter import DFlashDecoderLayer
+        """Plain DFlash layers (GQA attention + SwiGLU MLP, nothing between them) and a length-free RoPE; MLA
+        layers decode through the module path."""
+        from dflashkit.model.drafter import DFlashAttention, DFlashDecoderLayer
 
         rope = getattr(drafter.rotary_emb, "rope_type", "default")
-        return (all(type(layer) is DFlashDecoderLayer for layer in drafter.layers)
+        return (all(type(layer) is DFlashDecoderLayer and type(layer.self_attn) is DFlashAttention
+                    for layer in drafter.layers)
                 and rope not in DYNAMIC_ROPE and getattr(drafter, "input_embedding_scale", None) is None)
 
     def _table(self, n: int) -> None:

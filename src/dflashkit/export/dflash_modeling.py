@@ -19,12 +19,19 @@ context keys (positions p − W < k for a query at p; the block follows the cont
 (`transformers.DynamicCache`)
 only the context keys/values are stored; the block's are transient, so no crop is needed.
 
+An MLA drafter (`dflash_config.attention: "mla"`, or a config with DeepSeek's `kv_lora_rank`) builds its
+attention from the DeepSeek-V3 keys q_lora_rank (null: one q_proj), kv_lora_rank, qk_nope_head_dim,
+qk_rope_head_dim, v_head_dim, under DeepSeek's tensor names (q_a_proj, q_a_layernorm, q_b_proj,
+kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj); RoPE turns interleaved pairs of the rope dims.
+
 Weights use the z-lab names: fc, hidden_norm, layers.{i}.{self_attn,mlp,...}, norm. A DFlash2 export
 (`DFlash2DraftModel`, below) adds layers.{i}.{attention_conv,mlp_conv}.* and candidate_selector.*; a LiLiCorr
 export (`LiLiCorrDraftModel`, below) adds the lattice head lilicorr.* (and the convolutions when it has them).
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -101,6 +108,11 @@ class DFlashSelfAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
+    def _q(self, x, cos, sin):
+        b, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, n, self.heads, self.head_dim)).transpose(1, 2)
+        return _rope(q, cos, sin)
+
     def _kv(self, x, cos, sin):
         b, n, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(b, n, self.kv_heads, self.head_dim)).transpose(1, 2)
@@ -110,8 +122,7 @@ class DFlashSelfAttention(nn.Module):
     def forward(self, x, context, cos, sin, attention_mask=None, cache=None):
         b, q_len, _ = x.shape
         t = context.shape[1]
-        q = self.q_norm(self.q_proj(x).view(b, q_len, self.heads, self.head_dim)).transpose(1, 2)
-        q = _rope(q, cos[:, t:], sin[:, t:])
+        q = self._q(x, cos[:, t:], sin[:, t:])
         ck, cv = self._kv(context, cos[:, :t], sin[:, :t])
         if cache is not None:
             ck, cv = cache.update(ck, cv, self.layer_idx)
@@ -124,10 +135,61 @@ class DFlashSelfAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
+def _rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on interleaved pairs (x0, x1), (x2, x3), … (DeepSeek's MLA layout), written de-interleaved."""
+    return _rope(torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1), cos, sin)
+
+
+def _is_mla(config) -> bool:
+    return _dflash(config, "attention", "mla" if getattr(config, "kv_lora_rank", None) else "gqa") == "mla"
+
+
+class DFlashMLASelfAttention(DFlashSelfAttention):
+    """Multi-head latent attention (DeepSeek-V3 / Kimi names: q_a_proj, q_a_layernorm, q_b_proj or q_proj,
+    kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj) in the same context/block structure: RoPE on the
+    `qk_rope_head_dim` dims of each head (the key's shared by all heads), scale 1/sqrt(qk_nope + qk_rope)."""
+
+    def __init__(self, config, layer_idx: int):
+        nn.Module.__init__(self)
+        self.layer_idx = layer_idx
+        self.causal = _causal(config, layer_idx)
+        self.window = _window(config, layer_idx)
+        h, self.heads = config.hidden_size, config.num_attention_heads
+        self.kv_heads = self.heads
+        self.q_rank, self.kv_rank = int(config.q_lora_rank or 0), int(config.kv_lora_rank)
+        self.nope, self.rope, self.v_dim = (int(config.qk_nope_head_dim), int(config.qk_rope_head_dim),
+                                            int(config.v_head_dim))
+        bias = bool(getattr(config, "attention_bias", False))
+        if self.q_rank:
+            self.q_a_proj = nn.Linear(h, self.q_rank, bias=bias)
+            self.q_a_layernorm = Qwen3RMSNorm(self.q_rank, eps=config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(self.q_rank, self.heads * (self.nope + self.rope), bias=False)
+        else:
+            self.q_proj = nn.Linear(h, self.heads * (self.nope + self.rope), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_rank + self.rope, bias=bias)
+        self.kv_a_layernorm = Qwen3RMSNorm(self.kv_rank, eps=config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_rank, self.heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.heads * self.v_dim, h, bias=bias)
+
+    def _q(self, x, cos, sin):
+        b, n, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_rank else self.q_proj(x)
+        q_nope, q_rope = q.view(b, n, self.heads, -1).transpose(1, 2).split([self.nope, self.rope], dim=-1)
+        return torch.cat([q_nope, _rope_pairs(q_rope, cos, sin)], dim=-1)
+
+    def _kv(self, x, cos, sin):
+        b, n, _ = x.shape
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, n, self.heads, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k_rope = _rope_pairs(k_rope.view(b, 1, n, self.rope), cos, sin).expand(-1, self.heads, -1, -1)
+        return torch.cat([k_nope, k_rope], dim=-1), v
+
+
 class DFlashLayer(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
-        self.self_attn = DFlashSelfAttention(config, layer_idx)
+        self.self_attn = (DFlashMLASelfAttention if _is_mla(config) else DFlashSelfAttention)(config, layer_idx)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -157,7 +219,11 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         self.hidden_norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        rope_config = config
+        if _is_mla(config):  # MLA turns the qk_rope_head_dim dims of each head only
+            rope_config = copy.copy(config)
+            rope_config.head_dim = int(config.qk_rope_head_dim)
+        self.rotary_emb = Qwen3RotaryEmbedding(rope_config)
         self.post_init()
 
     def forward(self, noise_embedding: torch.Tensor, target_hidden: torch.Tensor, position_ids: torch.Tensor,

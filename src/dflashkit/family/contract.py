@@ -29,7 +29,7 @@ from typing import Any
 from dflashkit import family as families
 from dflashkit.errors import MissingArtifactError, UsageError
 from dflashkit.family.base import json_int, knob_problems
-from dflashkit.family.dflash import mla_problems
+from dflashkit.family.dflash import attention_fields, mla_problems
 
 log = logging.getLogger("dflashkit.contract")
 
@@ -152,6 +152,11 @@ class DrafterContract:
     @property
     def num_features(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def attention(self) -> dict[str, Any]:
+        """What shapes the draft layers' attention tensors: {"attention_type": gqa | mla} plus MLA's ranks."""
+        return attention_fields(self)
 
     @property
     def layer_windows(self) -> list[int | None]:

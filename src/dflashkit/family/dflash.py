@@ -74,6 +74,13 @@ MLA_KEYS = {"mla_q_lora_rank": "q_lora_rank", "mla_kv_lora_rank": "kv_lora_rank"
             "mla_v_head_dim": "v_head_dim"}  # knob → the DeepSeek / Kimi config.json key (top level)
 
 
+def attention_fields(c: DrafterContract) -> dict[str, Any]:
+    """What of a contract shapes its attention tensors: `attention_type`, and an MLA drafter's ranks (a warm start
+    or an import must match them all)."""
+    kind = getattr(c.knobs, "attention_type", "gqa")
+    return {"attention_type": kind, **({name: getattr(c.knobs, name) for name in MLA_KEYS} if kind == "mla" else {})}
+
+
 def mla_problems(c: DrafterContract) -> list[str]:
     """What makes an MLA drafter's knobs unusable (nothing for a GQA one): an odd rope width."""
     k = c.knobs

@@ -33,11 +33,42 @@ TFLOPS_PER_GPU = 400e12
 LOGIT_BYTES = 12
 
 
+def attention_params(c: Any) -> int:
+    """Parameters of one draft layer's attention: GQA's q/k/v/o projections and q/k norms, or MLA's (q-LoRA
+    down + norm + up, or one q_proj; kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj; o_proj)."""
+    h, n, a = c.hidden_size, c.num_attention_heads, c.attention
+    if a["attention_type"] != "mla":
+        d = c.head_dim
+        return h * n * d * 2 + 2 * h * c.num_key_value_heads * d + 2 * d
+    qr, kvr, rope, v = a["mla_q_lora_rank"], a["mla_kv_lora_rank"], a["mla_qk_rope_head_dim"], a["mla_v_head_dim"]
+    qk = a["mla_qk_nope_head_dim"] + rope
+    q = h * qr + qr + qr * n * qk if qr else h * n * qk
+    return q + h * (kvr + rope) + kvr + kvr * n * (a["mla_qk_nope_head_dim"] + v) + n * v * h
+
+
+def attention_kv_width(c: Any) -> int:
+    """Key + value numbers per token per draft layer (what the context rows' K/V cost): 2·kv_heads·head_dim for
+    GQA, heads·(qk_nope + qk_rope + v_head_dim) for MLA (expanded per head, as the drafter computes them)."""
+    a = c.attention
+    if a["attention_type"] != "mla":
+        return 2 * c.num_key_value_heads * c.head_dim
+    return c.num_attention_heads * (a["mla_qk_nope_head_dim"] + a["mla_qk_rope_head_dim"] + a["mla_v_head_dim"])
+
+
+def attention_text(c: Any) -> str:
+    """How `plan` names the draft attention: `gqa 32/8×128` or `mla q-LoRA 1536, kv-LoRA 512, qk 128+64, v 128`."""
+    a = c.attention
+    if a["attention_type"] != "mla":
+        return f"gqa {c.num_attention_heads}/{c.num_key_value_heads}×{c.head_dim}"
+    q = f"q-LoRA {a['mla_q_lora_rank']}" if a["mla_q_lora_rank"] else "no q-LoRA"
+    return (f"mla {c.num_attention_heads} heads, {q}, kv-LoRA {a['mla_kv_lora_rank']}, "
+            f"qk {a['mla_qk_nope_head_dim']}+{a['mla_qk_rope_head_dim']}, v {a['mla_v_head_dim']}")
+
+
 def drafter_params(c: Any) -> int:
     """Parameters of the contract's drafter (no embedding / LM head of its own): DFlash's, plus its family's."""
-    h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
-    attn = h * c.num_attention_heads * d * 2 + 2 * h * c.num_key_value_heads * d + 2 * d
-    layer = attn + 3 * h * i + 2 * h
+    h, i = c.hidden_size, c.intermediate_size
+    layer = attention_params(c) + 3 * h * i + 2 * h
     return c.num_draft_layers * layer + len(c.target_layer_ids) * h * h + 2 * h + extra_params(c)
 
 
@@ -115,7 +146,7 @@ def _sizes(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, sequen
     captured = len(set(c.target_layer_ids) | set(cfg.capture.extra_layer_ids))  # what capture writes per token
     p_d = drafter_params(c)
     per_layer = q * (4 * h + 2 * c.num_attention_heads * c.head_dim + 3 * c.intermediate_size) \
-        + seq * 2 * c.num_key_value_heads * c.head_dim
+        + seq * attention_kv_width(c)
     return _Sizes(seq=seq, q=q, cap_bpt=captured * h * dtype_bytes,
                   row_bpt=n_feat * h * dtype_bytes + 4 + (h * dtype_bytes if recipe.needs_target_logits else 0),
                   p_d=p_d, opt=16 * p_d, frozen=v * h * 2 * (1 if c.tie_word_embeddings else 2),
@@ -201,7 +232,8 @@ def plan_budget(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, s
     return {
         "features": {"dtype": cfg.capture.dtype, "bytes_per_token": s.cap_bpt,
                      "total_gib": _gib(s.cap_bpt * tokens)},
-        "drafter": {"params": s.p_d, "type": c.drafter_type,
+        "drafter": {"params": s.p_d, "type": c.drafter_type, "attention": attention_text(c),
+                    "attention_params_per_layer": attention_params(c),
                     "selector_codebook_params": codebook_params(c), "weights_grads_adam_gib": _gib(s.opt),
                     "frozen_embed_head_gib": _gib(s.frozen), "activations_gib": _gib(s.act),
                     "kl_targets_gib": _gib(s.kl)},

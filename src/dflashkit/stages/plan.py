@@ -54,7 +54,9 @@ def _table(r: dict[str, Any]) -> str:
             ("data", f"{r['sequences']} sequences, {r['tokens']} tokens ({r['data_source']})"),
             ("gpus", f"{r['gpus']} × {r['gpu_mem_gib']:.0f} GiB ({r['gpu_source']})"),
             ("cached features", f"{p['features']['bytes_per_token']} B/token → {p['features']['total_gib']} GiB"),
-            ("drafter", f"{p['drafter']['type']}, {p['drafter']['params'] / 1e6:.1f}M params"
+            ("drafter", f"{p['drafter']['type']}, {p['drafter']['params'] / 1e6:.1f}M params "
+                        f"({p['drafter']['params']}; attention {p['drafter']['attention']}, "
+                        f"{p['drafter']['attention_params_per_layer'] / 1e6:.1f}M per layer)"
                         f"{_codebooks(p['drafter'])}; weights+grads+Adam "
                         f"{p['drafter']['weights_grads_adam_gib']} GiB, "
                         f"activations {p['drafter']['activations_gib']} GiB"),

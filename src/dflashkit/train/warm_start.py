@@ -78,6 +78,9 @@ def contract_mismatch(src: DrafterContract, run: DrafterContract) -> list[str]:
             continue
         if (list(a) if isinstance(a, (list, tuple)) else a) != (list(b) if isinstance(b, (list, tuple)) else b):
             out.append(f"{name} ({what}): the drafter's {a} != this run's {b}")
+    mine, theirs = src.attention, run.attention  # MLA vs GQA and MLA's ranks shape the tensors
+    if mine != theirs:
+        out.append(f"drafter attention: the drafter's {mine} != this run's {theirs}")
     return out
 
 
