@@ -41,9 +41,12 @@ def test_contract_json_stays_flat_and_round_trips_each_family():
     assert data["selector_top_k"] == 5 and data["output_multiplier"] == 2.0 and "knobs" not in data
     assert DrafterContract.from_dict(json.loads(json.dumps(data))) == d2
     plain = tiny_contract().to_dict()
-    assert set(plain) & set(family.knob_keys()) == {"causal"} and plain["causal"] is False  # DFlash's one knob
+    mla = {"attention_type", "mla_q_lora_rank", "mla_kv_lora_rank", "mla_qk_nope_head_dim", "mla_qk_rope_head_dim",
+           "mla_v_head_dim"}
+    assert set(plain) & set(family.knob_keys()) == {"causal", *mla} and plain["causal"] is False  # DFlash's knobs
+    assert plain["attention_type"] == "gqa"
     assert DrafterContract.from_dict(plain) == tiny_contract()
-    old = {k: v for k, v in plain.items() if k != "causal"}  # a contract.json written before the knob existed
+    old = {k: v for k, v in plain.items() if k != "causal" and k not in mla}  # written before the knobs existed
     assert DrafterContract.from_dict(old) == tiny_contract()
     causal = with_fields(tiny_contract(), causal=True)
     assert causal.to_dict()["causal"] is True and DrafterContract.from_dict(causal.to_dict()) == causal
@@ -107,12 +110,15 @@ def test_tensors_of_another_family_are_named(tmp_path):
 # family keys named before the rule that a family's keys carry its name (users' configs keep them)
 GRANDFATHERED = {"causal", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
                  "input_embedding_scale", "output_multiplier", "final_logit_softcapping", "selector_loss_weight"}
+# the draft attention's keys: DFlash's knobs that every family built on DFlash's attention layers inherits (#50)
+ATTENTION = {"attention_type", "mla_q_lora_rank", "mla_kv_lora_rank", "mla_qk_nope_head_dim", "mla_qk_rope_head_dim",
+             "mla_v_head_dim"}
 
 
 def test_family_keys_carry_the_familys_name_or_are_grandfathered():
     for fam in family.FAMILIES.values():
         for key in (*fam.knob_names, *fam.weight_names):
-            assert key.startswith(f"{fam.name}_") or key in GRANDFATHERED, (fam.name, key)
+            assert key.startswith(f"{fam.name}_") or key in GRANDFATHERED or key in ATTENTION, (fam.name, key)
 
 
 def test_the_schema_is_built_from_the_declarations():
