@@ -207,7 +207,7 @@ RANKS: dict[str, float] = {
     "dflashkit.data": 4,
     "dflashkit.train": 5, "dflashkit.export": 5, "dflashkit.generate": 5,
     "dflashkit.decode": 6, "dflashkit.report": 6, "dflashkit.sizing": 6,
-    "dflashkit.serving": 7,
+    "dflashkit.serving": 7, "dflashkit.flywheel": 7,
     "dflashkit.engines": 8, "dflashkit.serve_app": 8, "dflashkit.doctor": 8,
     "dflashkit.bench": 9, "dflashkit.testing": 9, "dflashkit.gpucheck": 9,
 }

@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--drafter", help="exported drafter dir: decode with DFlash (serve.drafter)")
             sp.add_argument("--host", help="bind address (serve.host)")
             sp.add_argument("--port", type=int, help="port (serve.port)")
+        if name == "learn":
+            sp.add_argument("--records", help="record dir to learn from (learn.records)")
+            sp.add_argument("--budget", metavar="MINUTES", help="minutes a round may take (run.budget_minutes)")
+            sp.add_argument("--rounds", type=int, help="rounds to run (learn.rounds)")
+            sp.add_argument("--every", metavar="MINUTES", help="start a round every MINUTES (learn.every_minutes)")
         if name == "export":
             sp.add_argument("--format", help="checkpoint format: zlab or speculators (export.format)")
         if name == "train":
@@ -145,6 +150,9 @@ def _overrides(ns: argparse.Namespace) -> list[str]:
             overrides.append(f"serve.{flag}={getattr(ns, flag)}")
     if getattr(ns, "budget", None) is not None:
         overrides.append(f"run.budget_minutes={ns.budget}")
+    for flag, key in (("records", "learn.records"), ("rounds", "learn.rounds"), ("every", "learn.every_minutes")):
+        if getattr(ns, flag, None) is not None:
+            overrides.append(f"{key}={getattr(ns, flag)}")
     if getattr(ns, "format", None) is not None:
         overrides.append(f"export.format={ns.format}")
     return overrides

@@ -70,6 +70,8 @@ TABLE: tuple[Stage, ...] = (
           lambda c: [c.target]),
     Stage("engines", "engines", "Serving engines dflashkit starts for you: `engines install vllm`, `engines status`.",
           writes=False),
+    Stage("learn", "learn", "Fine-tune the serving drafter on recorded traffic; promote it when a paired "
+          "held-out score says it is better (rounds: --rounds, --every).", lambda c: [c.learn, c.train]),
     Stage("bench", "bench", "Benchmarks: generate | tokenize | train | decode | serve endpoints | recipe ablations."),
     Stage("gpu-check", "gpu_check", "Check the CUDA paths (flex attention, bf16 on an 8B-shaped target, CPU = GPU, "
           "the GPU decoder, 1 = 2 ranks) in time-boxed checks; write OUT_DIR/summary.json.", writes=False),

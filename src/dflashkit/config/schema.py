@@ -592,6 +592,35 @@ class BenchSection:
                                hash_default=False)
 
 
+@dataclass(kw_only=True)
+class LearnSection:
+    records: str | None = f(None, "`dflashkit learn`: the record dir to learn from (--records overrides).",
+                            hash_default=False)
+    rounds: int = f(1, "`dflashkit learn`: rounds to run (--rounds).", hash_default=False)
+    every_minutes: float | None = f(None, "Start a round every this many minutes (--every); an empty window then "
+                                    "waits for the next one instead of failing. null = back to back.",
+                                    hash_default=False)
+    drafter: str | None = f(None, "The drafter the first round fine-tunes (what serves before any promotion); "
+                            "null = the run's train/best, else train/final.", hash_default=False)
+    heldout_fraction: float = f(0.2, "Share of a round's records held out for scoring: the newest by time, never "
+                                "trained on.", hash_default=False)
+    heldout_min: int = f(2, "At least this many held-out records a round (one record always trains).",
+                         hash_default=False)
+    heldout_max: int = f(64, "At most this many held-out records a round.", hash_default=False)
+    max_steps: int = f(50, "A round's optimizer steps at most (all of them without --budget or a saved "
+                       "calibration).", hash_default=False)
+    train_fraction: float = f(0.6, "With --budget: the share of the round's minutes given to training steps (the "
+                              "saved calibration's step time sets the count).", hash_default=False)
+    min_gain: float = f(0.0, "Promote only when the 5th percentile of the paired held-out τ gain (new − serving) "
+                        "exceeds this.", hash_default=False)
+    on_corrupt: Literal["skip", "fail"] = f("skip", "A corrupt record line: skip it (named file:line in the log "
+                                            "and counted in round.json) or refuse the round (exit 2).",
+                                            hash_default=False)
+    profile_prompts: int = f(4, "Held-out prompts decoded for the promoted drafter's speculation profile.",
+                             hash_default=False)
+    profile_max_new_tokens: int = f(32, "Tokens a profile prompt decodes.", hash_default=False)
+
+
 def with_families(common: type, name: str, part: str) -> type:
     """`common` plus every registered family's `part` ("knobs": its `drafter.*` keys; "weights": its `train.*`
     keys) as fields, in registry order, each name once (DFlash2's knobs extend DFlash's: one `causal`); each
@@ -641,3 +670,4 @@ class RunConfig:
     export: ExportSection = sub(ExportSection, "Export of the trained drafter (z-lab or vLLM speculators format).")
     serve: ServeSection = sub(ServeSection, "`dflashkit serve`.")
     bench: BenchSection = sub(BenchSection, "`dflashkit bench`.")
+    learn: LearnSection = sub(LearnSection, "`dflashkit learn`: rounds of fine-tuning on recorded traffic.")

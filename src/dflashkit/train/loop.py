@@ -70,16 +70,18 @@ log = logging.getLogger("dflashkit.train")
 
 
 def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, *, open_feed: Callable[..., Any] | None = None,
-          target: Target | None = None, suffix_proposer: Callable[[], Any] | None = None) -> Trainer:
+          target: Target | None = None, suffix_proposer: Callable[[], Any] | None = None,
+          split: Callable[[TokenData], tuple[list[int], list[int]]] | None = None) -> Trainer:
     """Everything a step needs, as one finished `Trainer`. train.features=engine: `open_feed` (the train stage
     passes `engines.feed.open_engine_feed`) opens the engine and its feed, which run until `Trainer.close`.
     `target`: a target already in memory instead of `cfg.target` (the GPU check's random
     Qwen3-8B-shaped target, whose weights exist nowhere on disk). `suffix_proposer` (train.suffix_complement; the
-    train stage and `bench recipe` pass `decode.suffix.SuffixProposer`) makes the in-context suffix proposer."""
+    train stage and `bench recipe` pass `decode.suffix.SuffixProposer`) makes the in-context suffix proposer.
+    `split` (data → (training, held-out) indices) replaces train.heldout_* (`learn`: the newest traffic is held out)."""
     complement = SuffixComplement.from_train(cfg.train, suffix_proposer)  # before any work
     opened: list[Any] = []
     try:
-        tr = _setup(cfg, rd, dist, opened, open_feed, target)
+        tr = _setup(cfg, rd, dist, opened, open_feed, target, split)
         tr.complement = complement
         return tr
     except BaseException:
@@ -100,7 +102,8 @@ def engine_feed_key(cfg: RunConfig, rd: RunDir, recipe: Recipe, contract: Drafte
 
 
 def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any],
-           open_feed: Callable[..., Any] | None, loaded: Target | None = None) -> Trainer:
+           open_feed: Callable[..., Any] | None, loaded: Target | None = None,
+           split: Callable[[TokenData], tuple[list[int], list[int]]] | None = None) -> Trainer:
     """`setup`'s body; `opened` receives the engine feed it opens (closed by `setup` when this raises)."""
     contract = DrafterContract.load(rd.contract_path)
     guards.check_drafter_overrides(cfg, contract, rd.contract_path)
@@ -113,7 +116,7 @@ def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any],
     data = load_tokenized(rd)
     feed = _open_features(cfg, rd, dist, recipe, contract, data, opened, open_feed)
     target, parts = _load_target(cfg, rd, dist, recipe, contract, data.features, loaded)
-    train_idx, heldout = _split(cfg, data)
+    train_idx, heldout = split(data) if split is not None else _split(cfg, data)
     vocab = keep_source_vocab(warm, cfg.drafter.draft_vocab_size) if warm is not None else None
     if vocab is None:
         vocab = pick_draft_vocab(cfg, recipe, contract, target, data, train_idx)

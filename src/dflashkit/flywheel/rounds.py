@@ -1,0 +1,287 @@
+"""One `learn` round: the traffic since the cursor → fine-tune the serving drafter → paired score → promote or keep.
+
+Usage:
+    res = learn_round(cfg, rd, record_dir, budget_minutes=10, calibration=saved_calibration(cfg, rd))
+
+Layout (`<run_dir>/learn/`): cursor.json (complete lines consumed per segment; written last, atomically, so a
+round that fails leaves it where it was and the next round reads the same records again), promoted.json (the
+pointer `serve` watches, `flywheel/pointer.py`), rounds/NNN/ (a run dir of its own: contract.json,
+conversations.jsonl, tokenize/, train/, export/ when promoted, and round.json: cursor range, sample ids, steps,
+both drafters' scores, the paired interval, the decision and the paths).
+
+The held-out slice is the newest traffic by time (`traffic.split_newest`); its samples never train (the
+trainer's split is handed in: `train.loop.setup(split=...)`). Both drafters are scored on it the way the
+held-out curve scores (teacher-forced simulated τ on the target's own tokens, `Trainer.micro_loss` with the
+run's held-out labels), one sample at a time, and compared by a paired bootstrap over the samples of the
+pooled τ gain (new − serving). The rule: promote only when the 5th percentile of that gain exceeds
+`learn.min_gain` (default 0); otherwise keep the serving drafter. The promoted drafter is exported (float32,
+z-lab layout) with a speculation profile measured by real speculative decoding of the slice's prompts.
+The round's training length: `--budget` minutes × `learn.train_fraction` over the saved calibration's step
+time (`sizing/calibration.py`), capped by `learn.max_steps`; without a calibration, `learn.max_steps`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflashkit.data.chat import load_chat
+from dflashkit.data.records import write_jsonl
+from dflashkit.data.tokenizing import min_supervised, publish_shards, tokenize_shards
+from dflashkit.decode.api import SamplingParams, default_stop_ids
+from dflashkit.decode.spec_decode import SpecDecoder
+from dflashkit.errors import MissingArtifactError, UsageError
+from dflashkit.export.hf import load_drafter, save_drafter, write_modeling_file
+from dflashkit.export.profile import Measurement, build_profile, method_for, profile_path, weights_digest, write_profile
+from dflashkit.flywheel.pointer import pointer_path, read_promoted, write_promoted
+from dflashkit.flywheel.traffic import read_window, run_fingerprint, split_newest, to_conversation
+from dflashkit.rundir import RunDir, atomic_dir, atomic_write_json, read_json
+from dflashkit.train import guards
+from dflashkit.train.checkpoint import trained_drafter_dir
+from dflashkit.train.loop import _fit, setup
+from dflashkit.train.parallel import init_distributed
+
+log = logging.getLogger("dflashkit.learn")
+
+
+class EmptyWindow(UsageError):
+    """No new record since the last round's cursor (exit 2; a loop waits for the next round instead)."""
+
+
+def learn_dir(rd: RunDir) -> Path:
+    return rd.root / "learn"
+
+
+def read_cursor(rd: RunDir) -> dict[str, int]:
+    p = learn_dir(rd) / "cursor.json"
+    return dict(read_json(p).get("segments", {})) if p.is_file() else {}
+
+
+def serving_drafter(cfg: Any, rd: RunDir) -> tuple[Path, str]:
+    """(the drafter now serving, its id): the last promoted one (`promoted.json`), else `learn.drafter`, else
+    the run's trained drafter (train/best, train/final)."""
+    p = read_promoted(pointer_path(rd.root))
+    if p is not None:
+        return Path(p.get("warm_start") or p["drafter"]), p["id"]
+    if cfg.learn.drafter:
+        return Path(cfg.learn.drafter), "initial"
+    try:
+        src, _ = trained_drafter_dir(rd)
+    except MissingArtifactError:
+        raise MissingArtifactError("a drafter to start from", rd.final_dir, run="dflashkit train -c run.yaml "
+                                   "(or set learn.drafter to a drafter dir)") from None
+    return src, "initial"
+
+
+def plan_steps(cfg: Any, budget_minutes: float | None, calibration: dict[str, Any] | None) -> tuple[int, str]:
+    """(optimizer steps of this round, how they were chosen)."""
+    cap = int(cfg.learn.max_steps)
+    if budget_minutes is None:
+        return cap, f"learn.max_steps={cap}"
+    step_s = (calibration or {}).get("train_step_s")
+    if not step_s:
+        log.warning("--budget %s: no saved calibration for this machine and config (run `dflashkit plan` or a "
+                    "`run --budget` once); training learn.max_steps=%d steps", budget_minutes, cap)
+        return cap, f"learn.max_steps={cap} (no calibration)"
+    steps = max(1, min(cap, int(budget_minutes * 60 * cfg.learn.train_fraction / float(step_s))))
+    return steps, f"{budget_minutes} min × {cfg.learn.train_fraction} / {float(step_s):.3g} s a step (cap {cap})"
+
+
+def _base_id(sid: str, ids: set[str]) -> str | None:
+    if sid in ids:
+        return sid
+    head = sid.rsplit("-t", 1)[0]
+    return head if head in ids else None
+
+
+def paired_gain(new: list[tuple[float, int]], old: list[tuple[float, int]], *, reps: int = 2000,
+                seed: int = 0) -> dict[str, Any]:
+    """Pooled τ of each (Σ τ·blocks / Σ blocks over the samples), the gain new − old and its 90% paired-bootstrap
+    interval (the same resampled samples for both)."""
+    a = np.array([t for t, _ in new], dtype=np.float64)
+    b = np.array([t for t, _ in old], dtype=np.float64)
+    w = np.array([n for _, n in new], dtype=np.float64)
+    n = len(a)
+    if n == 0 or w.sum() <= 0:
+        return {"samples": n, "tau_new": None, "tau_serving": None, "gain": None, "interval90": None}
+
+    def pooled(x: np.ndarray, i: np.ndarray) -> np.ndarray:
+        return (x[i] * w[i]).sum(-1) / np.maximum(w[i].sum(-1), 1e-9)
+
+    all_i = np.arange(n)
+    draws = np.random.default_rng(seed).integers(0, n, size=(reps, n))
+    diff = pooled(a, draws) - pooled(b, draws)
+    lo, hi = (float(x) for x in np.percentile(diff, [5, 95]))
+    return {"samples": n, "tau_new": round(float(pooled(a, all_i)), 4), "tau_serving": round(float(pooled(b, all_i)), 4),
+            "gain": round(float(pooled(a, all_i) - pooled(b, all_i)), 4), "interval90": [round(lo, 4), round(hi, 4)],
+            "better_samples": int((a > b).sum()), "worse_samples": int((a < b).sum())}
+
+
+@torch.no_grad()
+def sample_scores(tr: Any) -> list[tuple[float, int]]:
+    """(simulated τ, blocks) of each held-out sample of `tr`, in `tr.heldout` order, for `tr.drafter`."""
+    tr.drafter.eval()
+    out = []
+    for j in tr.heldout:
+        b = tr.batch([(j, -1)], heldout=True)
+        a = tr.anchors(b)
+        o = tr.micro_loss(b, a, None, tr.target_outputs(b, a), scoring=tr.heldout_labels)
+        out.append((o.tau_sum / o.blocks if o.blocks else 1.0, int(o.blocks)))
+    return out
+
+
+def _tokenize(cfg: Any, rrd: RunDir, conv_path: Path) -> dict[str, Any]:
+    chat = load_chat(cfg)
+    out = rrd.stage_dir("tokenize")
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
+    try:
+        tok = tokenize_shards(cfg, chat, [(conv_path, None)], min_supervised(cfg, rrd), staging)
+        publish_shards(staging, out, tok.shards)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {"conversations": tok.conversations, **tok.totals, "dropped": dict(tok.events)}
+
+
+def _profile(cfg: Any, target: Any, drafter: torch.nn.Module, export_dir: Path, held: list[dict[str, Any]]) -> dict:
+    """Measure the promoted drafter by speculative decoding of the slice's prompts; write its profile."""
+    tok = target.tokenizer
+    B = int(drafter.contract.block_size)
+    dec = SpecDecoder(target, drafter)
+    lengths, cuts, n = [], [], 0
+    for rec in held[: cfg.learn.profile_prompts]:
+        text = tok.apply_chat_template(rec["messages"][:-1], tools=rec.get("tools") or None, tokenize=False,
+                                       add_generation_prompt=True, **(rec.get("chat_template_kwargs") or {}))
+        ids = tok.encode(text, add_special_tokens=False)
+        res = dec.generate(list(ids), SamplingParams(max_new_tokens=cfg.learn.profile_max_new_tokens,
+                                                     stop_token_ids=default_stop_ids(target)))
+        acc = list(res.acceptance_lengths)
+        lengths.append(acc)
+        cuts.append([False] * (len(acc) - 1) + [True] if acc else [])
+        n += 1
+    profile = build_profile([Measurement(B, lengths, cuts)], headline=B, method=method_for(drafter.contract),
+                            draft_checkpoint={"path": str(export_dir), "sha256": weights_digest(export_dir)},
+                            target_model={"path": str(cfg.target.path)}, block_size=B, max_supported_k=B - 1,
+                            conditions={"prompts": n, "max_new_tokens": cfg.learn.profile_max_new_tokens,
+                                        "temperature": 0.0, "source": "learn: the round's held-out traffic"})
+    write_profile(profile_path(export_dir), profile)
+    return {"path": str(profile_path(export_dir)), "mean_accept_length": profile["mean_accept_length"]}
+
+
+def _round_no(rd: RunDir) -> int:
+    root = learn_dir(rd) / "rounds"
+    done = [int(p.parent.name) for p in root.glob("*/round.json") if p.parent.name.isdigit()]
+    return max(done, default=0) + 1
+
+
+def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes: float | None = None,
+                calibration: dict[str, Any] | None = None, show_bar: bool = False) -> dict[str, Any]:
+    """One round (module docstring); returns its record (also `rounds/NNN/round.json`)."""
+    t0 = time.time()
+    if not rd.contract_path.is_file():
+        raise MissingArtifactError("the drafter contract", rd.contract_path, run="dflashkit probe -c run.yaml")
+    cursor = read_cursor(rd)
+    win = read_window(record_dir, cursor, expected=run_fingerprint(cfg), on_corrupt=cfg.learn.on_corrupt)
+    if not win.records:
+        raise EmptyWindow(f"--records {record_dir}: no new record since the last round"
+                          + (f" ({len(win.corrupt)} corrupt lines skipped)" if win.corrupt else ""),
+                          hint="serve traffic with recording on (serve.record_dir) and run `dflashkit learn` again")
+    train_recs, held_recs = split_newest(win.records, fraction=cfg.learn.heldout_fraction,
+                                         minimum=cfg.learn.heldout_min, maximum=cfg.learn.heldout_max)
+    serving, serving_id = serving_drafter(cfg, rd)
+    n = _round_no(rd)
+    rdir = learn_dir(rd) / "rounds" / f"{n:03d}"
+    if rdir.exists():  # a round that failed before its round.json: its work is redone
+        shutil.rmtree(rdir)
+    rdir.mkdir(parents=True)
+    rrd = RunDir(rdir)
+    shutil.copyfile(rd.contract_path, rrd.contract_path)
+    convs = [to_conversation(r) for r in train_recs + held_recs]
+    held_ids = {str(r["id"]) for r in held_recs}
+    write_jsonl(rdir / "conversations.jsonl", convs)
+    steps, how = plan_steps(cfg, budget_minutes, calibration)
+    rcfg = dataclasses.replace(
+        cfg, run=dataclasses.replace(cfg.run, run_dir=str(rdir)),
+        drafter=dataclasses.replace(cfg.drafter, init=str(serving)),
+        train=dataclasses.replace(cfg.train, max_steps=steps, keep_best=False, eval_every=0, save_every=0,
+                                  train_samples=None, heldout_sources=[]))
+    tok = _tokenize(rcfg, rrd, rdir / "conversations.jsonl")
+
+    def split(data: Any) -> tuple[list[int], list[int]]:
+        held = [i for i, sid in enumerate(data.ids) if _base_id(sid, held_ids) is not None]
+        train = [i for i, sid in enumerate(data.ids) if _base_id(sid, held_ids) is None]
+        if not train:
+            raise UsageError(f"round {n}: no training sample left after tokenizing {len(train_recs)} records "
+                             f"({tok['dropped']})", hint="serve more traffic, or lower tokenize.min_supervised")
+        return train, held
+
+    guards.preflight(rcfg, rrd)
+    dist = init_distributed(rcfg.train.parallel, rcfg.target.device)
+    tr = setup(rcfg, rrd, dist, split=split)
+    try:
+        trained_ids = [tr.data.ids[i] for i in tr.plan.train_idx]
+        heldout_ids = [tr.data.ids[j] for j in tr.heldout]
+        summary = _fit(rcfg, rrd, tr, show_bar=show_bar, cpu_budget_s=None)
+        new_scores = sample_scores(tr)
+        trained = tr.drafter
+        old = load_drafter(serving, dtype=torch.float32).to(dist.device)
+        tr.drafter = old
+        old_scores = sample_scores(tr)
+        tr.drafter = trained
+        cmp = paired_gain(new_scores, old_scores)
+        lo = (cmp["interval90"] or [None])[0]
+        promote = lo is not None and lo > cfg.learn.min_gain
+        reason = ("no held-out sample to score" if lo is None else
+                  f"the paired interval's lower end {lo:+.4f} {'>' if promote else '<='} learn.min_gain "
+                  f"{cfg.learn.min_gain}")
+        export = profile = pointer = None
+        if promote:
+            export_dir = rdir / "export"
+            model = getattr(trained, "module", trained)
+            with atomic_dir(export_dir) as tmp:
+                save_drafter(model, tmp, dtype="float32")
+                write_modeling_file(tmp, model.contract.family)
+            export = str(export_dir)
+            profile = _profile(rcfg, tr.target, model, export_dir, held_recs)
+            drafter_id = f"r{n:03d}-{weights_digest(export_dir)[:8]}"
+            pointer = write_promoted(rd.root, drafter_dir=export_dir, round_no=n, drafter_id=drafter_id)
+    finally:
+        tr.close()
+    record = {"round": n, "records_dir": str(record_dir), "cursor_before": cursor, "cursor_after": win.cursor,
+              "lines": win.span, "corrupt": win.corrupt,
+              "samples": {"records": len(win.records), "train_records": len(train_recs),
+                          "heldout_records": len(held_recs), "trained": len(trained_ids),
+                          "heldout": len(heldout_ids)},
+              "ids": {"train": trained_ids, "heldout": heldout_ids}, "tokenize": tok,
+              "steps": steps, "steps_rule": how, "budget_minutes": budget_minutes,
+              "serving": {"dir": str(serving), "id": serving_id},
+              "scores": {"new": new_scores, "serving": old_scores}, "comparison": cmp,
+              "decision": "promote" if promote else "keep", "reason": reason,
+              "train": {k: summary.get(k) for k in ("steps", "train", "heldout", "warm_start")},
+              "export": export, "profile": profile, "promoted": pointer,
+              "wall_s": round(time.time() - t0, 2)}
+    atomic_write_json(rdir / "round.json", record)
+    atomic_write_json(learn_dir(rd) / "cursor.json", {"records_dir": str(record_dir), "segments": win.cursor,
+                                                      "round": n})
+    log.info("round %d: %d records (%d held out), τ new %s vs serving %s, gain %s, 90%% %s → %s", n,
+             len(win.records), len(held_recs), cmp["tau_new"], cmp["tau_serving"], cmp["gain"], cmp["interval90"],
+             record["decision"])
+    return record
+
+
+def rounds_table(rd: RunDir) -> list[dict[str, Any]]:
+    """Every round's headline, oldest first (the flywheel's curve: `learn/rounds/*/round.json`)."""
+    rows = []
+    for p in sorted((learn_dir(rd) / "rounds").glob("*/round.json")):
+        r = json.loads(p.read_text())
+        rows.append({"round": r["round"], "records": r["samples"]["records"], **r["comparison"],
+                     "decision": r["decision"], "serving": r["serving"]["id"]})
+    return rows

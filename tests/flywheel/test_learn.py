@@ -1,0 +1,108 @@
+"""`dflashkit learn`: refusals that name the file and line and leave the records untouched; rounds on a tiny
+target whose held-out slice is the newest traffic, never trained on, and whose decision follows the rule."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from dflashkit.cli import main
+from dflashkit.config import load_config
+from dflashkit.flywheel.traffic import run_fingerprint
+from tests.helpers import TEXTS, make_run, overrides
+
+
+def _records(tiny, run_dir, n, start=0, fp=None):
+    """Chat records as `serving/record.py` writes them (the reply is the last message)."""
+    cfg = load_config(None, [f"target.path={tiny}", f"run.run_dir={run_dir}"])
+    fp = fp or run_fingerprint(cfg)
+    return [{"id": f"req{i:04d}", "v": 1, "time": 1000.0 + i, "endpoint": "chat",
+             "messages": [{"role": "user", "content": TEXTS[i % len(TEXTS)][0]},
+                          {"role": "assistant", "content": TEXTS[i % len(TEXTS)][1]}],
+             "target": {"fingerprint": fp, "how": "files"}} for i in range(start, start + n)]
+
+
+def _write(path: Path, rows, tail=""):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fh.write("".join(json.dumps(r) + "\n" for r in rows) + tail)
+
+
+def _digest(d: Path):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+
+def _learn(run_dir, tiny, records, capsys, *extra):
+    rc = main(["learn", "--json", "--records", str(records), *overrides(run_dir, tiny, train__lr=3e-3),
+               "learn.max_steps=3", "learn.profile_max_new_tokens=6", "learn.profile_prompts=1", *extra])
+    out = capsys.readouterr()
+    return rc, json.loads(out.out.strip().splitlines()[-1]), out.err
+
+
+@pytest.fixture()
+def run_dir(tmp_path, tiny_qwen3):
+    return make_run(tmp_path / "run", tiny_qwen3)
+
+
+def test_learn_refuses_foreign_traffic_naming_the_file(run_dir, tiny_qwen3, tmp_path, capsys):
+    rec = tmp_path / "rec"
+    _write(rec / "records-00000001.jsonl", _records(tiny_qwen3, run_dir, 3))
+    _write(rec / "records-00000002.jsonl", _records(tiny_qwen3, run_dir, 1, 3, fp="0" * 64))
+    before = _digest(rec)
+    rc, out, _ = _learn(run_dir, tiny_qwen3, rec, capsys)
+    assert rc == 2 and "records-00000002.jsonl:1" in out["error"] and "another target or tokenizer" in out["error"], out
+    assert _digest(rec) == before and not (run_dir / "learn" / "cursor.json").exists()
+
+
+def test_learn_refuses_an_empty_window_and_a_corrupt_record(run_dir, tiny_qwen3, tmp_path, capsys):
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    rc, out, _ = _learn(run_dir, tiny_qwen3, rec, capsys)
+    assert rc == 2 and "no new record" in out["error"], out
+    _write(rec / "records-00000001.jsonl", _records(tiny_qwen3, run_dir, 2))
+    with open(rec / "records-00000001.jsonl", "a") as fh:
+        fh.write('{"id": "broken", "messages": \n')
+    _write(rec / "records-00000001.jsonl", [], tail='{"partial": ')  # a line still being written: not read at all
+    before = _digest(rec)
+    rc, out, _ = _learn(run_dir, tiny_qwen3, rec, capsys, "learn.on_corrupt=fail")
+    assert rc == 2 and "records-00000001.jsonl:3: corrupt record" in out["error"], out
+    assert _digest(rec) == before
+
+
+def test_two_rounds_hold_out_the_newest_and_follow_the_rule(run_dir, tiny_qwen3, tmp_path, capsys):
+    assert main(["train", "--json", *overrides(run_dir, tiny_qwen3, train__max_steps=2)]) == 0
+    capsys.readouterr()
+    rec = tmp_path / "rec"
+    rows = _records(tiny_qwen3, run_dir, 10)
+    _write(rec / "records-00000001.jsonl", rows[:6])
+    _write(rec / "records-00000002.jsonl", rows[6:])
+    with open(rec / "records-00000002.jsonl", "a") as fh:
+        fh.write("not json\n")  # skipped and counted (learn.on_corrupt=skip)
+    before = _digest(rec)
+    rc, out, err = _learn(run_dir, tiny_qwen3, rec, capsys, "learn.min_gain=-1")  # any gain promotes
+    assert rc == 0, err[-3000:]
+    r1 = json.loads((run_dir / "learn" / "rounds" / "001" / "round.json").read_text())
+    assert r1["ids"]["heldout"] == ["req0008", "req0009"]  # the newest two (fraction 0.2 of 10)
+    assert not set(r1["ids"]["train"]) & set(r1["ids"]["heldout"]) and len(r1["ids"]["train"]) == 8
+    assert r1["corrupt"] and "records-00000002.jsonl:5" in r1["corrupt"][0]
+    lo = r1["comparison"]["interval90"][0]
+    assert lo > -1 and r1["decision"] == "promote", r1["comparison"]
+    pointer = run_dir / "learn" / "promoted.json"
+    p = json.loads(pointer.read_text())
+    assert Path(p["drafter"], "speculation_profile.json").is_file() and p["round"] == 1
+    assert p["drafter"] == str((run_dir / "learn" / "rounds" / "001" / "export").resolve())
+    # round 2 reads only what came after the cursor; min_gain out of reach keeps the serving drafter
+    _write(rec / "records-00000002.jsonl", _records(tiny_qwen3, run_dir, 5, 10))
+    rc, out, err = _learn(run_dir, tiny_qwen3, rec, capsys, "learn.min_gain=100")
+    assert rc == 0, err[-3000:]
+    r2 = json.loads((run_dir / "learn" / "rounds" / "002" / "round.json").read_text())
+    assert r2["samples"]["records"] == 5 and r2["ids"]["heldout"] == ["req0013", "req0014"]
+    assert r2["ids"]["train"] == ["req0010", "req0011", "req0012"]
+    assert r2["decision"] == "keep" and r2["serving"]["id"] == p["id"]  # round 2 fine-tuned round 1's drafter
+    assert json.loads(pointer.read_text()) == p
+    assert all(before[k] == v for k, v in _digest(rec).items() if k == "records-00000001.jsonl")
+    rc, out, _ = _learn(run_dir, tiny_qwen3, rec, capsys)
+    assert rc == 2 and "no new record" in out["error"]
