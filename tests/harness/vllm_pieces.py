@@ -5,6 +5,8 @@ Usage:
     outputs["scores"]                       # [blocks, B-1, K, K] from vLLM's CandidateSelector
     [(outputs, report)] = vllm_lilicorr_reference([export_dir], inputs, work_dir=tmp)
     outputs["scores"]                       # [blocks, n, K, K] from vLLM's LiLiCorrHead
+    [(outputs, report)] = vllm_mla_reference([export_dir], inputs, work_dir=tmp)
+    outputs["layers.0.out"]                 # [T, H] from vLLM's DeepseekV2MLAAttention
 
 `inputs` (tensors, written to safetensors in `work_dir`) and the outputs are described in
 `vllm_dflash2_reference.py` and `vllm_lilicorr_reference.py` (beside this file), the scripts these run with
@@ -26,6 +28,7 @@ from dflashkit.errors import DflashkitError
 
 SCRIPT = Path(__file__).with_name("vllm_dflash2_reference.py")
 LILICORR_SCRIPT = Path(__file__).with_name("vllm_lilicorr_reference.py")
+MLA_SCRIPT = Path(__file__).with_name("vllm_mla_reference.py")
 
 
 def vllm_dflash2_reference(export_dirs: list[Path], inputs: dict[str, Any], *, work_dir: str | Path,
@@ -47,6 +50,13 @@ def vllm_lilicorr_reference(export_dirs: list[Path], inputs: dict[str, Any], *, 
         DflashkitError: the engine venv is missing or the script failed (the message holds its stderr).
     """
     return _run(LILICORR_SCRIPT, "LiLiCorr", export_dirs, inputs, work_dir=work_dir, timeout_s=timeout_s)
+
+
+def vllm_mla_reference(export_dirs: list[Path], inputs: dict[str, Any], *, work_dir: str | Path,
+                       timeout_s: float = 300.0) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Run vLLM's MLA attention module (`DeepseekV2MLAAttention`) on each MLA export's weights and `inputs`
+    (`vllm_mla_reference.py`); (outputs, report) per export."""
+    return _run(MLA_SCRIPT, "MLA", export_dirs, inputs, work_dir=work_dir, timeout_s=timeout_s)
 
 
 def _run(script: Path, title: str, export_dirs: list[Path], inputs: dict[str, Any], *, work_dir: str | Path,
