@@ -200,11 +200,19 @@ def propose(drafter: Any, h: torch.Tensor, logits: torch.Tensor, anchor: int, sa
 
 
 def card_lines(c: DrafterContract) -> list[str]:
-    if not c.knobs.causal:
-        return []
-    return ["Causal in-block attention (JetSpec): block offset i attends to the context and offsets j <= i. "
-            "config.json says so twice, `is_causal: true` (vLLM reads it first, SGLang only it) and "
-            "`dflash_config.causal: true`; serve it with the usual flags, nothing more to pass.", ""]
+    out = []
+    if c.knobs.causal:
+        out += ["Causal in-block attention (JetSpec): block offset i attends to the context and offsets j <= i. "
+                "config.json says so twice, `is_causal: true` (vLLM reads it first, SGLang only it) and "
+                "`dflash_config.causal: true`; serve it with the usual flags, nothing more to pass.", ""]
+    if getattr(c.knobs, "attention_type", "gqa") == "mla":
+        k = c.knobs
+        out += [f"MLA draft layers (DeepSeek-V3 / Kimi names and config keys): q-LoRA {k.mla_q_lora_rank or 'none'}, "
+                f"kv-LoRA {k.mla_kv_lora_rank}, qk {k.mla_qk_nope_head_dim} + {k.mla_qk_rope_head_dim} rope, "
+                f"v {k.mla_v_head_dim}; `dflash_config.attention: mla`. The shipped `dflash.py` and `dflashkit "
+                "eval` / `serve --drafter` run them; vLLM 0.32's DFlash draft models build GQA layers only, so it "
+                "cannot load this checkpoint.", ""]
+    return out
 
 
 DFLASH = Family(

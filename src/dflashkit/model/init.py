@@ -9,7 +9,9 @@ Draft layer i takes target layer `layer_ids[i]`'s attention (q/k/v/o projections
 targets whose drafter geometry was copied from the target, the default). `q_norm` / `k_norm` are
 copied from Qwen3-style targets; targets without QK-norm (Llama) leave them at ones, which makes
 the copied attention start as the target's attention up to the per-head RMS normalisation.
-Anything whose shape differs (MLA, MoE experts, custom dims) is skipped and left randomly
+An MLA drafter (`drafter.attention_type: mla`) takes an MLA target's (DeepSeek-V3, Kimi K2) q_a_proj,
+q_a_layernorm, q_b_proj / q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj and o_proj the same way.
+Anything whose shape differs (MLA into GQA, MoE experts, custom dims) is skipped and left randomly
 initialised. The drafter's final `norm` (applied before the shared target head) takes the target's
 final norm (`model.norm`), when its shape matches; `fc` and `hidden_norm` are never copied.
 """
@@ -28,6 +30,8 @@ LAYER_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_att
                  "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
                  "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
                  "input_layernorm.weight", "post_attention_layernorm.weight")
+MLA_TENSORS = ("self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight",
+               "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight", "self_attn.kv_b_proj.weight")
 
 
 @torch.no_grad()
@@ -47,7 +51,9 @@ def init_from_target(drafter: torch.nn.Module, target, layer_ids: list[int] | No
     for di, ti in enumerate(ids):
         src = dict(layers[ti].named_parameters())
         dst = dict(drafter.layers[di].named_parameters())
-        for name in LAYER_TENSORS:
+        for name in LAYER_TENSORS + MLA_TENSORS:
+            if name not in dst:  # the other attention's tensor (a GQA drafter has no kv_b_proj, an MLA one no k_proj)
+                continue
             t = src.get(name)
             if t is None:
                 skipped.append(f"layers.{di}.{name}: target layer {ti} has none")
