@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--drafter", help="exported drafter dir: decode with DFlash (serve.drafter)")
             sp.add_argument("--host", help="bind address (serve.host)")
             sp.add_argument("--port", type=int, help="port (serve.port)")
+        if name == "flywheel":
+            sp.add_argument("--budget", metavar="MINUTES", help="minutes for all the rounds (run.budget_minutes)")
+            sp.add_argument("--rounds", type=int, help="rounds to run (learn.rounds)")
         if name == "learn":
             sp.add_argument("--records", help="record dir to learn from (learn.records)")
             sp.add_argument("--budget", metavar="MINUTES", help="minutes a round may take (run.budget_minutes)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -109,5 +110,71 @@ def build_app(cfg: RunConfig, model_path: str | None = None) -> App:
     else:
         engine = BatchEngine(target, max_batch=s.max_batch, batch_wait_ms=s.batch_wait_ms)
     engine.start()
-    return App(engine, target.tokenizer, model_name=name, max_new_tokens=s.max_new_tokens,
-               speculative=proposer is not None)
+    app = App(engine, target.tokenizer, model_name=name, max_new_tokens=s.max_new_tokens,
+              speculative=proposer is not None)
+    if isinstance(engine, SerialEngine) and proposer in ("drafter", "hybrid"):
+        swap = DrafterSwap(app, engine, target, s, proposer)
+        app.drafter_id, app.swap_drafter = f"serve.drafter:{Path(s.drafter or '').name}", swap.load
+        if s.promoted:
+            swap.watch(s.promoted, s.promoted_poll_s)
+    elif s.promoted:
+        log.warning("serve.promoted is set but this server decodes without a drafter: nothing will be swapped")
+    return app
+
+
+class DrafterSwap:
+    """Hot swap of the serving drafter: the new decoder is built here, off the request path, then handed to the
+    engine, which starts the next request on it (`SerialEngine.swap_decoder`); a request in flight finishes on
+    the old one. The id in /v1/models and /health changes only once the swap is done, and a drafter that fails
+    to load is logged and not served (the old one keeps serving)."""
+
+    def __init__(self, app: App, engine: SerialEngine, target: Target, s: ServeSection, proposer: str):
+        self.app, self.engine, self.target, self.s, self.proposer = app, engine, target, s, proposer
+        self._lock = threading.Lock()  # one swap at a time
+
+    def load(self, drafter_dir: str, drafter_id: str | None = None) -> str:
+        """Swap `drafter_dir` in; returns the id now serving (UsageError for a dir that is not a drafter or does
+        not fit the target: nothing changes)."""
+        if not Path(drafter_dir).is_dir():
+            raise UsageError(f"{drafter_dir} is not a drafter dir")
+        with self._lock:
+            old = self.app.drafter_id
+            decoder = _speculative_decoder(self.target, dataclasses.replace(self.s, drafter=drafter_dir), self.proposer)
+            self.engine.swap_decoder(decoder)
+            self.app.drafter_id = drafter_id or f"dir:{Path(drafter_dir).resolve()}"
+        log.info("hot swap: serving drafter %s (was %s) from %s", self.app.drafter_id, old, drafter_dir)
+        return self.app.drafter_id
+
+    def watch(self, promoted: str, poll_s: float) -> threading.Thread:
+        """Poll the promotion pointer (`flywheel/pointer.py`; a path not ending in .json is a run dir: its
+        learn/promoted.json) and swap in
+        each newly promoted drafter, until the engine stops."""
+        from dflashkit.flywheel.pointer import pointer_path, read_promoted
+
+        path = Path(promoted) if promoted.endswith(".json") else pointer_path(promoted)
+        seen: list[str | None] = [None]
+        said: list[str | None] = [None]  # the last error logged (each one once)
+
+        def check() -> None:
+            try:
+                p = read_promoted(path)
+                if p is not None and p["id"] != seen[0]:
+                    seen[0] = p["id"]
+                    if p["id"] != self.app.drafter_id:
+                        self.load(p["drafter"], p["id"])
+            except Exception as e:  # noqa: BLE001 - a bad pointer or drafter never stops the server
+                if str(e) != said[0]:
+                    said[0] = str(e)
+                    log.error("hot swap skipped (%s: %s); still serving drafter %s", type(e).__name__, e,
+                              self.app.drafter_id)
+
+        check()  # a pointer already there at start: serve the promoted drafter from the first request
+
+        def loop() -> None:
+            while not self.engine._stop.wait(poll_s):
+                check()
+
+        thread = threading.Thread(target=loop, name="dflashkit-drafter-watch", daemon=True)
+        thread.start()
+        log.info("watching %s for promoted drafters (every %.1f s)", path, poll_s)
+        return thread

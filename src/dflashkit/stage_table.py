@@ -72,6 +72,8 @@ TABLE: tuple[Stage, ...] = (
           writes=False),
     Stage("learn", "learn", "Fine-tune the serving drafter on recorded traffic; promote it when a paired "
           "held-out score says it is better (rounds: --rounds, --every).", lambda c: [c.learn, c.train]),
+    Stage("flywheel", "flywheel", "The flywheel demo: serve with recording, replay traffic, learn and hot-swap, "
+          "round after round; print the curve.", lambda c: [c.learn, c.train, c.serve]),
     Stage("bench", "bench", "Benchmarks: generate | tokenize | train | decode | serve endpoints | recipe ablations."),
     Stage("gpu-check", "gpu_check", "Check the CUDA paths (flex attention, bf16 on an 8B-shaped target, CPU = GPU, "
           "the GPU decoder, 1 = 2 ranks) in time-boxed checks; write OUT_DIR/summary.json.", writes=False),

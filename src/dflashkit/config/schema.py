@@ -560,6 +560,10 @@ class ServeSection:
     suffix_share_tenants: bool = f(False, "suffix / hybrid: one pool for all tenants; by default a request only "
                                    "matches its own tenant's earlier requests (OpenAI `user`, or header X-Tenant).",
                                    hash_default=False)
+    promoted: str | None = f(None, "With a drafter: a promotion pointer to watch (`<run_dir>/learn/promoted.json`, "
+                             "or that run dir: a path not ending in .json): each drafter `dflashkit learn` promotes is loaded and swapped in "
+                             "between requests.", hash_default=False)
+    promoted_poll_s: float = f(2.0, "How often serve.promoted is checked, in seconds.", hash_default=False)
     hybrid_min_match: int = f(4, "hybrid: the suffix branch drafts alone when its match is at least this many tokens "
                               "(eval measures the gate per source; TensorRT-LLM's sa_config threshold plays this role).",
                               hash_default=False)
@@ -619,6 +623,11 @@ class LearnSection:
     profile_prompts: int = f(4, "Held-out prompts decoded for the promoted drafter's speculation profile.",
                              hash_default=False)
     profile_max_new_tokens: int = f(32, "Tokens a profile prompt decodes.", hash_default=False)
+    traffic: list[str] = f([], "`dflashkit flywheel`: prepared conversation files (prepare's JSONL) replayed as "
+                           "traffic, interleaved file by file, learn.round_requests a round.", hash_default=False)
+    round_requests: int = f(64, "`dflashkit flywheel`: requests replayed before each round.", hash_default=False)
+    replay_max_tokens: int = f(96, "`dflashkit flywheel`: max_tokens of a replayed request.", hash_default=False)
+    replay_concurrency: int = f(4, "`dflashkit flywheel`: replayed requests in flight.", hash_default=False)
 
 
 def with_families(common: type, name: str, part: str) -> type:

@@ -15,8 +15,13 @@ held-out curve scores (teacher-forced simulated τ on the target's own tokens, `
 run's held-out labels), one sample at a time, and compared by a paired bootstrap over the samples of the
 pooled τ gain (new − serving). The rule: promote only when the 5th percentile of that gain exceeds
 `learn.min_gain` (default 0); otherwise keep the serving drafter. The promoted drafter is exported (float32,
-z-lab layout) with a speculation profile measured by real speculative decoding of the slice's prompts.
-The round's training length: `--budget` minutes × `learn.train_fraction` over the saved calibration's step
+z-lab layout) with a speculation profile measured by real speculative decoding of the slice's prompts; `dflashkit
+serve` watching the pointer swaps it in, and the vLLM restart line is logged and kept in round.json (vLLM 0.32's
+draft-weight transfer API needs a weight-transfer engine we do not drive: a restart is the honest route). Once a
+round's drafter serves, later rounds also score the static drafter (the one before any promotion) on their slice:
+`serving_vs_static` is the flywheel's curve, τ on traffic the serving drafter never trained on.
+Features come from the target online (a round has no capture pass: train.features=cached
+becomes online). The round's training length: `--budget` minutes × `learn.train_fraction` over the saved calibration's step
 time (`sizing/calibration.py`), capped by `learn.max_steps`; without a calibration, `learn.max_steps`.
 """
 
@@ -67,11 +72,15 @@ def read_cursor(rd: RunDir) -> dict[str, int]:
 
 
 def serving_drafter(cfg: Any, rd: RunDir) -> tuple[Path, str]:
-    """(the drafter now serving, its id): the last promoted one (`promoted.json`), else `learn.drafter`, else
-    the run's trained drafter (train/best, train/final)."""
+    """(the drafter now serving, its id): the last promoted one (`promoted.json`), else the static one."""
     p = read_promoted(pointer_path(rd.root))
     if p is not None:
         return Path(p.get("warm_start") or p["drafter"]), p["id"]
+    return static_drafter(cfg, rd)
+
+
+def static_drafter(cfg: Any, rd: RunDir) -> tuple[Path, str]:
+    """(the drafter before any promotion, "initial"): `learn.drafter`, else the run's train/best or train/final."""
     if cfg.learn.drafter:
         return Path(cfg.learn.drafter), "initial"
     try:
@@ -212,7 +221,8 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
         cfg, run=dataclasses.replace(cfg.run, run_dir=str(rdir)),
         drafter=dataclasses.replace(cfg.drafter, init=str(serving)),
         train=dataclasses.replace(cfg.train, max_steps=steps, keep_best=False, eval_every=0, save_every=0,
-                                  train_samples=None, heldout_sources=[]))
+                                  train_samples=None, heldout_sources=[],
+                                  features="online" if cfg.train.features == "cached" else cfg.train.features))
     tok = _tokenize(rcfg, rrd, rdir / "conversations.jsonl")
 
     def split(data: Any) -> tuple[list[int], list[int]]:
@@ -235,14 +245,19 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
         old = load_drafter(serving, dtype=torch.float32).to(dist.device)
         tr.drafter = old
         old_scores = sample_scores(tr)
+        static_scores = None
+        if serving_id != "initial":  # the flywheel's baseline: the drafter that never learned from traffic
+            tr.drafter = load_drafter(static_drafter(cfg, rd)[0], dtype=torch.float32).to(dist.device)
+            static_scores = sample_scores(tr)
         tr.drafter = trained
         cmp = paired_gain(new_scores, old_scores)
+        vs_static = paired_gain(old_scores, static_scores) if static_scores is not None else None
         lo = (cmp["interval90"] or [None])[0]
         promote = lo is not None and lo > cfg.learn.min_gain
         reason = ("no held-out sample to score" if lo is None else
                   f"the paired interval's lower end {lo:+.4f} {'>' if promote else '<='} learn.min_gain "
                   f"{cfg.learn.min_gain}")
-        export = profile = pointer = None
+        export = profile = pointer = restart = None
         if promote:
             export_dir = rdir / "export"
             model = getattr(trained, "module", trained)
@@ -253,8 +268,13 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
             profile = _profile(rcfg, tr.target, model, export_dir, held_recs)
             drafter_id = f"r{n:03d}-{weights_digest(export_dir)[:8]}"
             pointer = write_promoted(rd.root, drafter_dir=export_dir, round_no=n, drafter_id=drafter_id)
+            restart = (f"vllm serve {cfg.target.path} --speculative-config '{{\"method\":\"dflash\",\"model\":"
+                       f"\"{export_dir.resolve()}\",\"num_speculative_tokens\":{model.contract.block_size - 1}}}'")
+            log.info("promoted %s → %s: `dflashkit serve` with serve.promoted=%s swaps it in between requests; a vLLM "
+                     "server needs a restart: %s", drafter_id, export_dir, rd.root, restart)
     finally:
         tr.close()
+    shutil.rmtree(rrd.checkpoints_dir, ignore_errors=True)  # resumable state of a finished round: train/final stays
     record = {"round": n, "records_dir": str(record_dir), "cursor_before": cursor, "cursor_after": win.cursor,
               "lines": win.span, "corrupt": win.corrupt,
               "samples": {"records": len(win.records), "train_records": len(train_recs),
@@ -263,10 +283,11 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
               "ids": {"train": trained_ids, "heldout": heldout_ids}, "tokenize": tok,
               "steps": steps, "steps_rule": how, "budget_minutes": budget_minutes,
               "serving": {"dir": str(serving), "id": serving_id},
-              "scores": {"new": new_scores, "serving": old_scores}, "comparison": cmp,
+              "scores": {"new": new_scores, "serving": old_scores, "static": static_scores}, "comparison": cmp,
+              "serving_vs_static": vs_static,
               "decision": "promote" if promote else "keep", "reason": reason,
               "train": {k: summary.get(k) for k in ("steps", "train", "heldout", "warm_start")},
-              "export": export, "profile": profile, "promoted": pointer,
+              "export": export, "profile": profile, "promoted": pointer, "vllm_restart": restart,
               "wall_s": round(time.time() - t0, 2)}
     atomic_write_json(rdir / "round.json", record)
     atomic_write_json(learn_dir(rd) / "cursor.json", {"records_dir": str(record_dir), "segments": win.cursor,
@@ -282,6 +303,9 @@ def rounds_table(rd: RunDir) -> list[dict[str, Any]]:
     rows = []
     for p in sorted((learn_dir(rd) / "rounds").glob("*/round.json")):
         r = json.loads(p.read_text())
+        vs = r.get("serving_vs_static") or {}
         rows.append({"round": r["round"], "records": r["samples"]["records"], **r["comparison"],
-                     "decision": r["decision"], "serving": r["serving"]["id"]})
+                     "decision": r["decision"], "serving": r["serving"]["id"],
+                     "tau_static": vs.get("tau_serving", r["comparison"]["tau_serving"]),
+                     "serving_vs_static": vs.get("gain", 0.0), "serving_vs_static_interval90": vs.get("interval90")})
     return rows

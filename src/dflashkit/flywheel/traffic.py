@@ -30,17 +30,15 @@ from typing import Any
 
 from dflashkit.data.records import inline_reasoning, record_problem
 from dflashkit.errors import UsageError
-from dflashkit.inspect.target import resolve_target_path
-from dflashkit.serving.record import SEGMENT_RE, target_fingerprint
+from dflashkit.serving.record import SEGMENT_RE, section_fingerprint
 
 log = logging.getLogger("dflashkit.learn")
 
 def run_fingerprint(cfg: Any) -> str:
-    """The fingerprint of the run's target as the recorder computes it (`serving.record.target_fingerprint`:
-    target.path's config.json, the tokenizer files of target.tokenizer or target.path, target.chat_template)."""
-    model_dir, _ = resolve_target_path(cfg.target.path, cfg.target.gguf_file)
-    template = Path(cfg.target.chat_template).read_text() if cfg.target.chat_template else None
-    return target_fingerprint(model_dir, cfg.target.tokenizer, template)
+    """The fingerprint the recorder writes for the run's target (`serving.record.section_fingerprint`:
+    record.target_fingerprint when set, else the digest of target.path's config.json, the tokenizer files and
+    target.chat_template)."""
+    return section_fingerprint(cfg.target, cfg.record.target_fingerprint)[0]
 
 
 @dataclass

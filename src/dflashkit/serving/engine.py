@@ -158,11 +158,19 @@ class _EngineBase:
 
 
 class SerialEngine(_EngineBase):
-    """Any `Decoder` (e.g. the speculative `SpecDecoder`), one request at a time."""
+    """Any `Decoder` (e.g. the speculative `SpecDecoder`), one request at a time.
+
+    `swap_decoder` replaces the decoder between requests: the worker takes the decoder once per request, so
+    a request in flight finishes on the decoder it started with and the next one starts on the new one."""
 
     def __init__(self, decoder, tokenizer, stop_token_ids: tuple[int, ...]):
         super().__init__(tokenizer, stop_token_ids)
         self.decoder = decoder
+
+    def swap_decoder(self, decoder) -> None:
+        """Serve the following requests with `decoder` (built by the caller, off the request path)."""
+        with self._lock:
+            self.decoder = decoder
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -173,8 +181,10 @@ class SerialEngine(_EngineBase):
             if self._drop_if_cancelled(r):
                 continue
             p = r.params
+            with self._lock:
+                decoder = self.decoder  # the whole request on this one (a swap lands between requests)
             try:
-                res = self.decoder.generate(r.prompt_ids, replace(p, stop_token_ids=self.stop_ids(r)))
+                res = decoder.generate(r.prompt_ids, replace(p, stop_token_ids=self.stop_ids(r)))
                 tracker = _TextTracker(self.tokenizer, p.stop, False)
                 ids, reason, text = list(res.token_ids), res.finish_reason, None
                 if tracker.stop and tracker.check(ids)[0] is not None:

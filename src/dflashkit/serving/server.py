@@ -11,6 +11,8 @@ Routes:
                                 chat_template_kwargs, tools, tool_choice (the model's chat template renders)
     POST /v1/completions        prompt (string or token ids), add_special_tokens, same sampling fields
     GET  /v1/models, /health, /metrics (JSON: requests, tokens, batches, acceptance when speculating)
+    POST /admin/drafter         {"drafter": DIR, "id"?}: hot swap of the drafter (loopback clients only); the
+                                serving drafter's id is in /v1/models and /health
 A request's tenant (whose suffix pool a suffix / hybrid server matches and feeds: `serve.proposer`) is its
 X-Tenant header, else its OpenAI `user` field; none = the one default tenant.
 Each choice carries `finish_reason` and `token_ids`; `return_token_ids: true` adds `prompt_token_ids`
@@ -69,6 +71,8 @@ class App:
         template = getattr(tokenizer, "chat_template", None) or ""
         self.template_sha256 = hashlib.sha256(template.encode()).hexdigest() if template else None
         self._renders_tools: bool | None = None  # probed at the first request with tools
+        self.drafter_id: str | None = None  # the drafter serving now (/v1/models, /health); set by serve_app
+        self.swap_drafter: Any = None  # serve_app's `DrafterSwap.load(dir, id)`: POST /admin/drafter (loopback only)
 
     def chat_tools(self, body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, int | None]:
         """(the request's function tools or None, the id number of its first tool call — None: do not parse
@@ -159,7 +163,8 @@ class App:
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": int(self.started), "owned_by": "dflashkit",
-            "chat_template_sha256": self.template_sha256, "speculative": self.speculative}]}
+            "chat_template_sha256": self.template_sha256, "speculative": self.speculative,
+            **({"drafter": self.drafter_id} if self.drafter_id else {})}]}
 
     def metrics(self) -> dict[str, Any]:
         m = dict(self.engine.metrics)
@@ -196,7 +201,7 @@ class Handler(BaseHTTPRequestHandler):
         if path in ("/v1/models", "/models"):
             self._send_json(200, self.app.models())
         elif path in ("/health", "/v1/health"):
-            self._send_json(200, {"status": "ok"})
+            self._send_json(200, {"status": "ok", **({"drafter": self.app.drafter_id} if self.app.drafter_id else {})})
         elif path in ("/metrics", "/v1/metrics"):
             self._send_json(200, self.app.metrics())
         else:
@@ -212,6 +217,8 @@ class Handler(BaseHTTPRequestHandler):
         except (ValueError, BadRequest) as e:
             return self._error(400, f"bad JSON body: {e}")
         app = self.app
+        if path == "/admin/drafter":
+            return self._admin_drafter(body)
         first_call: int | None = None  # parse tool calls, numbering them from here
         try:
             params = app.params(body)
@@ -263,6 +270,23 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             with app._lock:
                 app.in_flight -= 1
+
+    def _admin_drafter(self, body: dict[str, Any]) -> None:
+        """POST /admin/drafter {"drafter": DIR, "id"?: str}: load that drafter and serve the next requests with it
+        (from 127.0.0.1 / ::1 only; 404 when this server has no drafter to swap)."""
+        if self.client_address[0] not in ("127.0.0.1", "::1", "::ffff:127.0.0.1"):
+            return self._error(403, "/admin/drafter is served on the loopback interface only", "forbidden")
+        if self.app.swap_drafter is None:
+            return self._error(404, "this server decodes without a drafter: nothing to swap", "not_found")
+        drafter = body.get("drafter")
+        if not isinstance(drafter, str) or not drafter:
+            return self._error(400, "`drafter` must be a drafter dir")
+        try:
+            served = self.app.swap_drafter(drafter, body.get("id") or None)
+        except Exception as e:  # noqa: BLE001 - the old drafter keeps serving; say why
+            return self._error(400, f"drafter not swapped ({type(e).__name__}: {e}); still serving "
+                               f"{self.app.drafter_id}")
+        self._send_json(200, {"drafter": served})
 
     def _client_gone(self) -> bool:
         """True when the client closed its connection (readable with nothing to read = EOF)."""

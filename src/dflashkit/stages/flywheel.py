@@ -1,0 +1,100 @@
+"""`dflashkit flywheel`: the flywheel demo — serve, record, learn, swap, round after round, and the curve it makes.
+
+Inputs:  a trained run (contract.json, the drafter to start from: learn.drafter, else train/best or train/final),
+         learn.traffic (prepared JSONL files replayed as traffic, interleaved), the target.
+Outputs: `<run_dir>/learn/records/` (what `serve` recorded), every round of `dflashkit learn`
+         (`learn/rounds/NNN/`), `learn/flywheel.json`: per round, τ on that round's traffic as the server
+         measured it while serving (the drafter then serving), and the held-out scores of the serving and static
+         drafters on the round's newest traffic, with paired intervals.
+Example: dflashkit flywheel -c configs/flywheel-smollm2.yaml --budget 60      (docs/flywheel.md)
+
+One process serves the target on 127.0.0.1 (`serve_app.build_app`, recording on, watching the promotion
+pointer), replays learn.round_requests conversations with learn.replay_concurrency clients, runs a learn round on
+what was recorded (`flywheel.rounds.learn_round`, its budget `--budget` / learn.rounds minutes), waits until the
+server reports the promoted drafter, and goes on with the next requests. A replayed request that fails fails the
+command (exit 4) after the rounds, with the count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from dflashkit.config import RunConfig
+from dflashkit.context import StageContext
+from dflashkit.errors import PartialFailure, UsageError
+from dflashkit.flywheel.pointer import pointer_path, read_promoted
+from dflashkit.flywheel.replay import interleaved, live_tau, read_conversations, replay
+from dflashkit.flywheel.rounds import EmptyWindow, learn_round, rounds_table, static_drafter
+from dflashkit.rundir import RunDir, atomic_write_json
+from dflashkit.serve_app import build_app
+from dflashkit.serving.server import serve_in_thread
+from dflashkit.sizing.calibration import saved_calibration
+
+log = logging.getLogger("dflashkit.learn")
+
+
+def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
+    lc = cfg.learn
+    if not lc.traffic:
+        raise UsageError("`dflashkit flywheel` needs traffic to replay", hint="set learn.traffic to prepared JSONL "
+                         "files (docs/flywheel.md: `dflashkit prepare` of the traffic config)")
+    convs = interleaved([read_conversations(p) for p in lc.traffic])
+    static, _ = static_drafter(cfg, rd)
+    records = cfg.serve.record_dir or str(rd.root / "learn" / "records")
+    if ctx.dry_run:
+        return {"dry_run": True, "traffic": len(convs), "rounds": lc.rounds, "static_drafter": str(static),
+                "records": records}
+    scfg = dataclasses.replace(cfg, serve=dataclasses.replace(
+        cfg.serve, drafter=str(static), proposer="drafter", record_dir=records, promoted=str(rd.root), port=0,
+        host="127.0.0.1"))
+    budget = cfg.run.budget_minutes / lc.rounds if cfg.run.budget_minutes else None
+    cal = saved_calibration(cfg, rd) if budget is not None else None
+    rows: list[dict[str, Any]] = []
+    app = build_app(scfg)
+    try:
+        with serve_in_thread(app) as url:
+            for r in range(lc.rounds):
+                chunk = convs[r * lc.round_requests:(r + 1) * lc.round_requests]
+                if not chunk:
+                    log.info("the traffic is used up after %d rounds", r)
+                    break
+                serving = app.drafter_id
+                t0 = time.time()
+                live = live_tau(replay(url, chunk, max_tokens=lc.replay_max_tokens, concurrency=lc.replay_concurrency))
+                row: dict[str, Any] = {"round": r + 1, "served_by": serving, "live": live,
+                                       "replay_s": round(time.time() - t0, 1)}
+                log.info("round %d: %d requests served by %s, live τ %s (%s)", r + 1, len(chunk), serving,
+                         live["tau"], live["by_source"])
+                try:
+                    rec = learn_round(cfg, rd, records, budget_minutes=budget, calibration=cal)
+                    row.update(decision=rec["decision"], comparison=rec["comparison"],
+                               serving_vs_static=rec["serving_vs_static"])
+                except EmptyWindow as e:
+                    row["learn"] = e.message
+                rows.append(row)
+                atomic_write_json(rd.root / "learn" / "flywheel.json", {"rounds": rows})
+                promoted = read_promoted(pointer_path(rd.root))
+                deadline = time.time() + 120
+                while promoted is not None and app.drafter_id != promoted["id"] and time.time() < deadline:
+                    time.sleep(0.2)  # the server's watcher swaps it in between requests
+    finally:
+        app.engine.stop()
+        if app.recording is not None:
+            app.recording.recorder.close()
+    table = rounds_table(rd)
+    if not ctx.json:
+        print("round  served by            live τ   held-out τ serving vs static (gain, 90%)   decision")
+        for row in rows:
+            vs = row.get("serving_vs_static") or {}
+            print(f"{row['round']:>5}  {str(row['served_by'])[:20]:<20} {row['live']['tau']!s:>7}   "
+                  f"{vs.get('tau_new', (row.get('comparison') or {}).get('tau_serving'))!s:>7} vs "
+                  f"{vs.get('tau_serving', (row.get('comparison') or {}).get('tau_serving'))!s:>7} "
+                  f"({vs.get('gain', 0.0)}, {vs.get('interval90')})   {row.get('decision', row.get('learn'))}")
+    failed = sum(row["live"]["failed"] for row in rows)
+    result = {"rounds": rows, "history": table, "records": records}
+    if failed:
+        raise PartialFailure(f"{failed} replayed requests failed", result=result)
+    return result

@@ -1,0 +1,36 @@
+"""`dflashkit flywheel` on a tiny target: two rounds of serve (recording) → replay → learn → hot swap run end to
+end; round 2's traffic is served by round 1's promoted drafter and scored against the static one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflashkit.cli import main
+from tests.helpers import TEXTS, make_run, overrides
+
+pytestmark = pytest.mark.serial  # a server, its 2 replay clients and a training round in one process
+
+
+def test_two_flywheel_rounds_promote_and_swap(tmp_path, tiny_qwen3, capsys):
+    run_dir = make_run(tmp_path / "run", tiny_qwen3)
+    assert main(["train", "--json", *overrides(run_dir, tiny_qwen3, train__max_steps=2)]) == 0
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text("".join(json.dumps({"id": f"c{i}", "source": "chat", "messages": [
+        {"role": "user", "content": f"{TEXTS[i % len(TEXTS)][0]} ({i})"}]}) + "\n" for i in range(12)))
+    capsys.readouterr()
+    rc = main(["flywheel", "--json", *overrides(run_dir, tiny_qwen3), "learn.rounds=2", "learn.round_requests=6",
+               "learn.replay_max_tokens=6", "learn.replay_concurrency=2", "learn.max_steps=2", "learn.min_gain=-1",
+               f"learn.traffic=[\"{traffic}\"]", "learn.profile_prompts=1", "learn.profile_max_new_tokens=4",
+               "serve.promoted_poll_s=0.05"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-3000:]
+    rows = json.loads((run_dir / "learn" / "flywheel.json").read_text())["rounds"]
+    assert [r["round"] for r in rows] == [1, 2]
+    assert all(r["live"]["requests"] == 6 and r["live"]["failed"] == 0 and r["live"]["tau"] >= 1 for r in rows)
+    assert rows[0]["decision"] == "promote" and rows[0]["served_by"].startswith("serve.drafter:")
+    assert rows[1]["served_by"].startswith("r001-")  # swapped in between the rounds
+    assert rows[1]["serving_vs_static"]["samples"] == rows[1]["comparison"]["samples"] == 2
+    r2 = json.loads((run_dir / "learn" / "rounds" / "002" / "round.json").read_text())
+    assert r2["samples"]["records"] == 6  # only round 2's traffic: round 1's was behind the cursor
