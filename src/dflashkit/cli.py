@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--budget", metavar="MINUTES", help="minutes a round may take (run.budget_minutes)")
             sp.add_argument("--rounds", type=int, help="rounds to run (learn.rounds)")
             sp.add_argument("--every", metavar="MINUTES", help="start a round every MINUTES (learn.every_minutes)")
+        if name == "record":
+            sp.add_argument("--upstream", help="base URL (…/v1) of the server to record (record.upstream)")
+            sp.add_argument("--host", help="bind address (record.host)")
+            sp.add_argument("--port", type=int, help="port (record.port)")
         if name == "export":
             sp.add_argument("--format", help="checkpoint format: zlab or speculators (export.format)")
         if name == "train":
@@ -148,9 +152,10 @@ def _overrides(ns: argparse.Namespace) -> list[str]:
     overrides = [a for a in ns.args if "=" in a]
     if ns.run_dir:
         overrides.append(f"run.run_dir={ns.run_dir}")
-    for flag in ("drafter", "host", "port"):
+    section = "record" if ns.command == "record" else "serve"  # `record` binds its own host and port
+    for flag in ("drafter", "host", "port", "upstream"):
         if getattr(ns, flag, None) is not None:
-            overrides.append(f"serve.{flag}={getattr(ns, flag)}")
+            overrides.append(f"{section}.{flag}={getattr(ns, flag)}")
     if getattr(ns, "budget", None) is not None:
         overrides.append(f"run.budget_minutes={ns.budget}")
     for flag, key in (("records", "learn.records"), ("rounds", "learn.rounds"), ("every", "learn.every_minutes")):

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from dflashkit.config import RunConfig
     from dflashkit.config.schema import ServeSection
     from dflashkit.model.target import Target
+    from dflashkit.serving.record import ServeRecording
 
 log = logging.getLogger("dflashkit.serve")
 DEFAULT_BLOCK = 8  # lookup / suffix: the block size B they draft for (B − 1 = 7 tokens a step at most)
@@ -69,21 +70,36 @@ def check_serve_proposer(cfg: RunConfig) -> None:
         log.warning("serve.drafter is set but serve.proposer=%s does not use it", proposer)
     if s.suffix_pool_tokens < 0:
         raise UsageError(f"serve.suffix_pool_tokens must be >= 0 (0 = no pool), got {s.suffix_pool_tokens}")
+    if s.record_features and not s.record_dir:
+        raise UsageError("serve.record_features needs serve.record_dir", hint="set serve.record_dir=DIR")
+    if s.record_features and proposer not in ("drafter", "hybrid"):
+        raise UsageError(f"serve.record_features needs the drafter's target layers, and serve.proposer is {proposer}",
+                         hint="serve with --drafter DIR (proposer drafter or hybrid), or set serve.record_features=false")
+    if s.record_dir:
+        from dflashkit.serving.record import RecordPolicy
+
+        RecordPolicy.from_config(cfg).check()
     if s.hybrid_min_match < 0:
         raise UsageError(f"serve.hybrid_min_match must be >= 0, got {s.hybrid_min_match}",
                          hint="it counts matched tokens; 0 = the suffix branch drafts whenever it matches")
 
 
 def _speculative_decoder(target: Target, s: ServeSection, proposer: str) -> SpecDecoder:
-    """The one-request-at-a-time decoder for `proposer` (the pool, if any, lives as long as the server)."""
+    """The one-request-at-a-time decoder for `proposer` (the pool, if any, lives as long as the server); with
+    serve.record_features, one that keeps the committed tokens' features (`serving.feature_tap`)."""
     drafter = load_drafter(s.drafter) if s.drafter and proposer in ("drafter", "hybrid") else None
+    spec: type[SpecDecoder] = SpecDecoder
+    if s.record_dir and s.record_features and drafter is not None:
+        from dflashkit.serving.feature_tap import TappedSpecDecoder
+
+        spec = TappedSpecDecoder
     if proposer == "drafter":
-        return SpecDecoder(target, drafter, adaptive=s.adaptive_length)
+        return spec(target, drafter, adaptive=s.adaptive_length)
     pool = SuffixPool(max_tokens=s.suffix_pool_tokens, share_tenants=s.suffix_share_tenants) \
         if s.suffix_pool_tokens > 0 else None
     if proposer == "hybrid":
         hybrid = HybridProposer(SuffixProposer(pool=pool), gate=HybridGate(min_match=s.hybrid_min_match))
-        return SpecDecoder(target, drafter, hybrid=hybrid, adaptive=s.adaptive_length)
+        return spec(target, drafter, hybrid=hybrid, adaptive=s.adaptive_length)
     chosen = PromptLookupProposer() if proposer == "lookup" else SuffixProposer(pool=pool)
     return SpecDecoder(target, None, block_size=DEFAULT_BLOCK, proposer=chosen)
 
@@ -112,6 +128,8 @@ def build_app(cfg: RunConfig, model_path: str | None = None) -> App:
     engine.start()
     app = App(engine, target.tokenizer, model_name=name, max_new_tokens=s.max_new_tokens,
               speculative=proposer is not None)
+    if s.record_dir:
+        app.recording = _recording(cfg, section, name, engine)
     if isinstance(engine, SerialEngine) and proposer in ("drafter", "hybrid"):
         swap = DrafterSwap(app, engine, target, s, proposer)
         app.drafter_id, app.swap_drafter = f"serve.drafter:{Path(s.drafter or '').name}", swap.load
@@ -178,3 +196,19 @@ class DrafterSwap:
         thread.start()
         log.info("watching %s for promoted drafters (every %.1f s)", path, poll_s)
         return thread
+
+
+def _recording(cfg: RunConfig, section, name: str, engine) -> ServeRecording:
+    """The open recorder of serve.record_dir (its fingerprint: the target's config.json + tokenizer files, or
+    record.target_fingerprint), with the decoder's feature tap when serve.record_features."""
+    from dflashkit.serving.feature_tap import TappedSpecDecoder
+    from dflashkit.serving.record import Recorder, RecordPolicy, ServeRecording, section_fingerprint
+
+    fp, how = section_fingerprint(section, cfg.record.target_fingerprint)
+    tap = getattr(engine, "decoder", None)
+    tap = tap if isinstance(tap, TappedSpecDecoder) else None
+    meta = {"hidden_size": str(tap.target.hidden_size)} if tap is not None else {}
+    rec = Recorder(cfg.serve.record_dir or "", fingerprint=fp, how=how,
+                   policy=RecordPolicy.from_config(cfg), features_meta=meta).open()
+    log.info("recording served requests into %s%s", cfg.serve.record_dir, " (with features)" if tap else "")
+    return ServeRecording(rec, name, engine, cfg.capture.dtype if tap is not None else None)

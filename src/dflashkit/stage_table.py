@@ -52,6 +52,8 @@ TABLE: tuple[Stage, ...] = (
           lambda c: [c.generate, c.server.model, c.target.path, c.target.chat_template], pipeline=True),
     Stage("serve", "serve", "OpenAI-compatible HTTP server over a local HF model (optionally with a drafter).",
           writes=False),
+    Stage("record", "record", "Recording proxy in front of an OpenAI-compatible server: every answered request "
+          "becomes a training record.", writes=False),
     Stage("tokenize", "tokenize", "Render with the target's chat template; build input_ids + loss masks.",
           lambda c: [c.tokenize, c.target.tokenizer, c.target.chat_template], pipeline=True),
     Stage("capture", "capture", "Cache target features at target_layer_ids into safetensors shards.",

@@ -105,11 +105,11 @@ def test_one_stage_table_keeps_commands_order_and_fingerprints():
     from dflashkit.stage_table import stage_hash
     from dflashkit.stages.pipeline import ORDER
 
-    assert list(COMMANDS) == ["probe", "doctor", "plan", "prepare", "generate", "serve", "tokenize", "capture",
+    assert list(COMMANDS) == ["probe", "doctor", "plan", "prepare", "generate", "serve", "record", "tokenize", "capture",
                               "train", "eval", "export", "verify-engine", "import", "engines", "bench", "gpu-check", "run",
                               "report"]
     assert COMMANDS["eval"][0] == "evaluate" and COMMANDS["import"][0] == "import_" and COMMANDS["run"][0] == "pipeline"
-    assert READ_ONLY == {"doctor", "plan", "serve", "engines", "gpu-check"}
+    assert READ_ONLY == {"doctor", "plan", "serve", "record", "engines", "gpu-check"}
     assert ORDER == STAGES == ("probe", "prepare", "generate", "tokenize", "capture", "train", "eval", "export",
                                "report")
     before = {

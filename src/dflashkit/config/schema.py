@@ -567,6 +567,38 @@ class ServeSection:
     hybrid_min_match: int = f(4, "hybrid: the suffix branch drafts alone when its match is at least this many tokens "
                               "(eval measures the gate per source; TensorRT-LLM's sa_config threshold plays this role).",
                               hash_default=False)
+    record_dir: str | None = f(None, "Record every served request into this dir (`serving.record`: one JSONL record per "
+                               "request, rotation and redaction by the record.* keys); null = no recording.",
+                               hash_default=False)
+    record_features: bool = f(False, "With serve.record_dir and a drafter: also store the target's features at the "
+                              "drafter's layers for the committed tokens (computed by prefill and verify anyway), a "
+                              "safetensors file per segment, so training on the traffic needs no capture pass.",
+                              hash_default=False)
+
+
+@dataclass(kw_only=True)
+class RecordSection:
+    dir: str | None = f(None, "`dflashkit record`: where the proxy writes its records (serve uses serve.record_dir).",
+                        hash_default=False)
+    upstream: str | None = f(None, "`dflashkit record`: base URL (…/v1) of the OpenAI-compatible server to record "
+                             "(--upstream).", hash_default=False, url=True)
+    host: str = f("127.0.0.1", "`dflashkit record`: bind address of the proxy.", hash_default=False)
+    port: int = f(8001, "`dflashkit record`: port of the proxy (0 = any free port; --port).", hash_default=False)
+    api_key_env: str | None = f(None, "`dflashkit record`: env var holding a key sent upstream as a Bearer token "
+                                "when the client sends no Authorization (never recorded).", hash_default=False)
+    target_fingerprint: str | None = f(
+        None, "The fingerprint written into every record (what `learn` matches): null = sha256 of target.path's "
+              "config.json + tokenizer files when target.path is set, else `upstream:<served model id>`.",
+        hash_default=False)
+    max_bytes: int = f(4 << 30, "Disk cap of a record dir: the oldest closed segments are deleted past it.",
+                       hash_default=False)
+    max_age_days: float = f(30.0, "Closed segments older than this are deleted.", hash_default=False)
+    segment_bytes: int = f(64 << 20, "A segment is closed and a new one started past this size (at most "
+                           "record.max_bytes / 4).", hash_default=False)
+    segment_minutes: float = f(60.0, "… or past this age.", hash_default=False)
+    redact: list[str] = f([], "Regexes whose matches in recorded text become *** (API keys and URL credentials "
+                          "are masked always).", hash_default=False)
+    timeout_s: float = f(600.0, "`dflashkit record`: upstream read timeout.", hash_default=False)
 
 
 @dataclass(kw_only=True)
@@ -678,5 +710,6 @@ class RunConfig:
     eval: EvalSection = sub(EvalSection, "Speculative-decoding evaluation.")
     export: ExportSection = sub(ExportSection, "Export of the trained drafter (z-lab or vLLM speculators format).")
     serve: ServeSection = sub(ServeSection, "`dflashkit serve`.")
+    record: RecordSection = sub(RecordSection, "Recording served traffic (`serve.record_dir`, `dflashkit record`).")
     bench: BenchSection = sub(BenchSection, "`dflashkit bench`.")
     learn: LearnSection = sub(LearnSection, "`dflashkit learn`: rounds of fine-tuning on recorded traffic.")

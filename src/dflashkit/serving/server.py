@@ -24,6 +24,9 @@ itself. `tool_choice` "auto" or "none"; "required", a named function, `stream` w
 `tools` with a template that does not render them get 400.
 A client that disconnects has its request cancelled: the engine frees its batch row at the next
 step, and the log gets one line, not a broken-pipe traceback.
+With `serve.record_dir` (`App.recording`) every answered request is recorded (`serving.record`) before its last
+bytes go out (a non-streamed body, a stream's final chunk and `[DONE]`); one that cannot be recorded gets 503
+(a stream ends without `[DONE]`).
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class App:
         template = getattr(tokenizer, "chat_template", None) or ""
         self.template_sha256 = hashlib.sha256(template.encode()).hexdigest() if template else None
         self._renders_tools: bool | None = None  # probed at the first request with tools
+        self.recording: Any = None  # a `serving.record.ServeRecording` when serve.record_dir is set
         self.drafter_id: str | None = None  # the drafter serving now (/v1/models, /health); set by serve_app
         self.swap_drafter: Any = None  # serve_app's `DrafterSwap.load(dir, id)`: POST /admin/drafter (loopback only)
 
@@ -209,6 +213,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         path = self.path.split("?")[0].rstrip("/")
+        t0 = time.time()
         try:
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length) or b"{}")
@@ -255,13 +260,18 @@ class Handler(BaseHTTPRequestHandler):
         req = None
         try:
             req = app.engine.submit(prompt_ids, params, stream=bool(body.get("stream")))
+            rec = app.recording
             if body.get("stream"):
-                self._stream(req, chat)
+                self._stream(req, chat, None if rec is None else (
+                    lambda out: rec.record(body, chat, prompt_ids, out, {"content": out.text}, t0, req)))
             else:
                 out = self._wait(req)
                 if out is not None:
-                    self._send_json(200, self._full(out, chat, prompt_ids if body.get("return_token_ids") else None,
-                                                    first_call))
+                    resp = self._full(out, chat, prompt_ids if body.get("return_token_ids") else None, first_call)
+                    if rec is not None and not rec.record(body, chat, prompt_ids, out, _reply(resp), t0, req):
+                        return self._error(503, "the request could not be recorded (serve.record_dir)",
+                                           "server_error")
+                    self._send_json(200, resp)
         except (RequestCancelled, *DISCONNECTS, socket.timeout):
             self._gone(req)
         except Exception as e:  # noqa: BLE001 - the engine's error goes back to this client only
@@ -332,7 +342,9 @@ class Handler(BaseHTTPRequestHandler):
             resp["prompt_token_ids"] = list(prompt_ids)
         return resp
 
-    def _stream(self, req, chat: bool) -> None:
+    def _stream(self, req, chat: bool, on_done=None) -> None:
+        """Stream the request's deltas as Server-Sent Events; `on_done(result)` (recording) runs before the last
+        chunk, and a False from it ends the stream without `[DONE]` (not acknowledged)."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -367,12 +379,21 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(chunk(delta))
             self.wfile.flush()
         out = req.wait()
+        if on_done is not None and not on_done(out):
+            return
         final = chunk(None, {"finish_reason": out.finish_reason, "token_ids": out.token_ids})
         obj = json.loads(final[6:])
         obj["usage"] = self.app.usage(out)
         self.wfile.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
+
+
+def _reply(resp: dict[str, Any]) -> dict[str, Any]:
+    """The recorded reply of a response this server built (`serving.record.reply_of`)."""
+    from dflashkit.serving.record import reply_of
+
+    return reply_of(resp)
 
 
 class _Server(ThreadingHTTPServer):

@@ -11,7 +11,8 @@ and bf16), step (the target's decode step as loaded vs packed, against the memor
 (concurrency sweep over one or two OpenAI-compatible endpoints),
 recipe (short training runs of recipe variants on this run's data: held-out τ, acc@1, bigram),
 seqlen (train peak memory and step time of one packed row at S = 2k / 8k / 32k),
-suffix (the suffix proposer's index and per-step cost at 1k / 8k / 32k-token contexts, prompt lookup beside it).
+suffix (the suffix proposer's index and per-step cost at 1k / 8k / 32k-token contexts, prompt lookup beside it),
+record (time to first byte and total through the recording proxy vs direct, against a local stub upstream).
 Every ratio is measured in one run, warm-up excluded.
 """
 
@@ -80,10 +81,17 @@ def _suffix(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     return bench_suffix(cfg, rd, ctx)
 
 
+def _record(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
+    from dflashkit.bench.record import bench_record
+
+    return bench_record(cfg, rd, ctx)
+
+
 # subject -> the bench (each imports its module lazily: a bench's heavy imports load only when it runs)
 SUBJECTS: dict[str, Callable[[RunConfig, RunDir, StageContext], dict[str, Any]]] = {
     "generate": _generate, "serve": _serve, "tokenize": _tokenize, "train": _train, "decode": _decode,
     "draft": _draft, "recipe": _recipe, "step": _step, "seqlen": _seqlen, "suffix": _suffix,
+    "record": _record,
 }
 
 

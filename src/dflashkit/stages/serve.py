@@ -1,7 +1,8 @@
 """`dflashkit serve [MODEL_DIR]`: an OpenAI-compatible HTTP server over a local HF model.
 
 Inputs:  MODEL_DIR (else `target.path`), optionally `--drafter DIR` (an exported/trained drafter dir).
-Outputs: nothing on disk; serves until SIGTERM/Ctrl-C, then prints a JSON summary (requests, tokens).
+Outputs: nothing on disk unless serve.record_dir is set (then every answered request is recorded there:
+         `serving.record`); serves until SIGTERM/Ctrl-C, then prints a JSON summary (requests, tokens).
 Example: dflashkit serve runs/x/export/target --port 8000 --drafter runs/x/export
 
 Without a proposer, concurrent requests are decoded with continuous padded batching of up to
@@ -84,5 +85,10 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     finally:
         server.server_close()
         app.engine.stop()
+        if app.recording is not None:
+            app.recording.recorder.close()
     log.info("server stopped")
-    return {"url": url, "model": app.model_name, "metrics": app.metrics()}
+    out = {"url": url, "model": app.model_name, "metrics": app.metrics()}
+    if app.recording is not None:
+        out["recorded"] = {"dir": cfg.serve.record_dir, "records": app.recording.recorder.written}
+    return out
