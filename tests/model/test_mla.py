@@ -289,6 +289,7 @@ def test_a_k3_style_mla_dflash2_imports_warm_starts_and_fine_tunes(tmp_path, tin
     with pytest.raises(UsageError, match="'mla_kv_lora_rank': 16.*'mla_kv_lora_rank': 32"):
         check_fits(src, with_fields(src.contract, mla_kv_lora_rank=32))
     check_fits(src, src.contract)
+    check_fits(src, with_fields(src.contract, head_dim=64, num_key_value_heads=1))  # unused by MLA layers
 
 
 def test_import_refuses_an_mla_drafter_into_a_gqa_run_naming_both(tmp_path, tiny_qwen3, target, capsys):
@@ -348,3 +349,41 @@ def test_plan_counts_the_parameters_of_an_mla_drafter(tmp_path, capsys, extra):
     assert ("q-LoRA 1536" in line) == (extra[1:] == ["drafter.num_draft_layers=5"])
     assert isinstance(model.layers[0].self_attn, MLAAttention) == bool(extra)
     assert hf_config(contract).head_dim == (64 if extra else contract.head_dim)
+
+
+# -- an MLA target (DeepSeek-V3 architecture, as Kimi K2): init from its layers, decode lossless --------------------------
+def test_an_mla_drafter_starts_from_an_mla_targets_layers_and_decodes_lossless(tiny_targets):
+    """`drafter.init: target` copies a DeepSeek-V3 target's MLA tensors (same names, same shapes) into an MLA drafter,
+    whose attention then computes the target layer's on the same rows; a GQA drafter takes none of them (skipped by
+    shape, never a crash); the MLA drafter decodes the target losslessly."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+    from dflashkit.model.init import init_from_target
+
+    target = load_target(TargetSection(path=str(tiny_targets["deepseek_v3"]), device="cpu", dtype="float32"))
+    mla = dict(attention_type="mla", mla_q_lora_rank=48, mla_kv_lora_rank=32, mla_qk_nope_head_dim=16,
+               mla_qk_rope_head_dim=8, mla_v_head_dim=16)
+    drafter = random_drafter(target, block_size=4, layers=2, seed=2, rope_theta=50000.0, **mla)
+    report = init_from_target(drafter, target, layer_ids=[1, 2])
+    names = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+    assert {f"layers.{i}.self_attn.{n}.weight" for i in (0, 1) for n in names} <= set(report["copied"])
+    theirs = target.decoder_layers[1].self_attn
+    mine = drafter.layers[0].self_attn
+    g = torch.Generator().manual_seed(3)
+    rows, pos = torch.randn(1, 6, 64, generator=g), torch.arange(6)[None]
+    cos, sin = drafter.rotary_emb(rows, pos)
+    with torch.no_grad():
+        k, v = mine.context_kv(rows[:, :2], cos[:, :2], sin[:, :2])
+        got = mine(rows[:, 2:], k, v, cos[:, 2:], sin[:, 2:], None)
+        rows_mask = torch.zeros(6, 6).masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf"))
+        rows_mask[2:] = 0.0  # the block rows see the context and their whole block
+        want, _ = theirs(rows, DeepseekV3RotaryEmbedding(target.config)(rows, pos), rows_mask[None, None])
+    torch.testing.assert_close(got, want[:, 2:], rtol=0, atol=1e-5)
+    gqa = random_drafter(target, block_size=4, layers=2, seed=2)
+    plain = init_from_target(gqa, target, layer_ids=[1, 2])
+    assert not any("q_a_proj" in n or "kv_b_proj" in n for n in plain["copied"])
+    params = SamplingParams(max_new_tokens=16)
+    for prompt in ([1, 60, 61, 62, 63, 64, 10, 65], [1, 5, 9, 14, 3, 77, 120, 4]):
+        base = SpecDecoder(target, None, block_size=1).generate(prompt, params)
+        r = SpecDecoder(target, drafter, block_size=4).generate(prompt, params)
+        assert r.token_ids == base.token_ids, prompt
