@@ -82,8 +82,9 @@ def test_optional_keys_left_at_default_keep_old_fingerprints():
     cfg = load_config(None)
     later = {"draft_vocab_size", "feature_scale", "type", "conv_kernel_size", "conv_group_size", "selector_rank",
              "selector_top_k", "input_embedding_scale", "output_multiplier",
-             "final_logit_softcapping", "causal", "sliding_window", "layer_types", *(f.name for f in dataclasses.fields(cfg.drafter)
-                                                    if f.name.startswith("lilicorr_"))}  # keys added after run dirs existed
+             "final_logit_softcapping", "causal", "sliding_window", "layer_types", "attention_type",
+             *(f.name for f in dataclasses.fields(cfg.drafter)
+               if f.name.startswith(("lilicorr_", "mla_")))}  # keys added after run dirs existed
     old = {k: v for k, v in dataclasses.asdict(cfg.drafter).items() if k not in later}
     assert section_hash(cfg.drafter) == section_hash(old)
     d2 = load_config(None, ["drafter.type=dflash2"])  # the contract carries the drafter type: probe re-runs
@@ -106,7 +107,8 @@ def test_one_stage_table_keeps_commands_order_and_fingerprints():
     from dflashkit.stages.pipeline import ORDER
 
     assert list(COMMANDS) == ["probe", "doctor", "plan", "prepare", "generate", "serve", "record", "tokenize", "capture",
-                              "train", "eval", "export", "verify-engine", "import", "engines", "bench", "gpu-check", "run",
+                              "train", "eval", "export", "verify-engine", "import", "engines", "learn", "flywheel", "bench",
+                              "gpu-check", "run",
                               "report"]
     assert COMMANDS["eval"][0] == "evaluate" and COMMANDS["import"][0] == "import_" and COMMANDS["run"][0] == "pipeline"
     assert READ_ONLY == {"doctor", "plan", "serve", "record", "engines", "gpu-check"}
