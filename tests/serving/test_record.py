@@ -183,14 +183,15 @@ def start_cli(args: list[str], port: int, log: Path) -> subprocess.Popen:
 
 
 def flood(url: str, clients: int, *, stop: threading.Event, acked: list[str], stream_every: int = 2,
-          max_tokens: int = 6) -> list[threading.Thread]:
-    """`clients` threads sending chat requests (each with a unique nonce) until `stop`; the nonces of the
-    requests acknowledged (a whole body, or a stream through `data: [DONE]`) go into `acked`."""
+          max_tokens: int = 6, tag: str = "") -> list[threading.Thread]:
+    """`clients` threads sending chat requests (each with a nonce unique among floods of distinct `tag`s) until
+    `stop`; the nonces of the requests acknowledged (a whole body, or a stream through `data: [DONE]`) go into
+    `acked`."""
 
     def client(k: int) -> None:
         n = 0
         while not stop.is_set() and n < 200:
-            nonce = f"nonce-{k}-{n}"
+            nonce = f"nonce{tag}-{k}-{n}"
             n += 1
             body = {"messages": [{"role": "user", "content": f"Say {nonce}"}], "max_tokens": max_tokens,
                     "stream": n % stream_every == 0}
@@ -237,7 +238,7 @@ def kill_under_load(args: list[str], port: int, root: Path, log: Path, *, min_ac
     for round_ in range(2):
         child = start_cli(args, port, log)
         stop = threading.Event()
-        threads = flood(url, 4, stop=stop, acked=acked)
+        threads = flood(url, 4, stop=stop, acked=acked, tag=str(round_))
         deadline = time.time() + 90
         want = len(acked) + min_acked
         while len(acked) < want and time.time() < deadline:
