@@ -20,10 +20,12 @@ def test_two_flywheel_rounds_promote_and_swap(tmp_path, tiny_qwen3, capsys):
     traffic.write_text("".join(json.dumps({"id": f"c{i}", "source": "chat", "messages": [
         {"role": "user", "content": f"{TEXTS[i % len(TEXTS)][0]} ({i})"}]}) + "\n" for i in range(12)))
     capsys.readouterr()
+    # min_gain -4 is below any paired τ gain (τ in [1, 4]): the rule promotes whenever a held-out sample is scored;
+    # min_supervised 1 keeps the tiny target's short, lossy-decoded answers (else the held-out slice may be empty)
     rc = main(["flywheel", "--json", *overrides(run_dir, tiny_qwen3), "learn.rounds=2", "learn.round_requests=6",
-               "learn.replay_max_tokens=6", "learn.replay_concurrency=2", "learn.max_steps=2", "learn.min_gain=-1",
+               "learn.replay_max_tokens=6", "learn.replay_concurrency=2", "learn.max_steps=2", "learn.min_gain=-4",
                f"learn.traffic=[\"{traffic}\"]", "learn.profile_prompts=1", "learn.profile_max_new_tokens=4",
-               "serve.promoted_poll_s=0.05"])
+               "serve.promoted_poll_s=0.05", "tokenize.min_supervised=1"])
     out = capsys.readouterr()
     assert rc == 0, out.err[-3000:]
     rows = json.loads((run_dir / "learn" / "flywheel.json").read_text())["rounds"]
