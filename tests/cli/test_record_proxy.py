@@ -98,6 +98,8 @@ def test_record_refusals_name_the_key(tmp_path, capsys):
                  "record.api_key_env=DFLASHKIT_NO_SUCH_VAR"]) == 2
     assert "DFLASHKIT_NO_SUCH_VAR" in said()
     assert not (tmp_path / "r").exists()
+    assert main(["record", "--upstream", "http://127.0.0.1:9/v1", f"record.dir={tmp_path / 'r'}"]) == 3
+    assert "record.upstream" in said()  # nothing answers there to name the target's fingerprint
 
 
 @pytest.mark.serial  # the proxy process, the upstream and the 4 clients that flood it

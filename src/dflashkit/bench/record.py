@@ -38,7 +38,7 @@ def _one(base: str, stream: bool) -> tuple[float, float]:
     u = urlsplit(base)
     body = json.dumps({"messages": [{"role": "user", "content": "Say something."}], "stream": stream}).encode()
     t0 = time.perf_counter()
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=60)
     try:
         conn.request("POST", u.path + "/chat/completions", body=body, headers={"Content-Type": "application/json"})
         resp = conn.getresponse()

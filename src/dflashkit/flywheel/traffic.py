@@ -142,6 +142,7 @@ def read_window(record_dir: str | Path, cursor: dict[str, int], *, expected: str
             raw = lines[n].strip()
             if not raw:
                 continue
+            why: str | None
             try:
                 obj = json.loads(raw)
             except ValueError as e:

@@ -215,7 +215,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
             if not data:
                 break
             held += data
-            out, start = [], 0
+            out: list[bytes] = []
+            start = 0
             for m in EVENT_END.finditer(held):
                 event = held[start:m.end()]
                 start = m.end()

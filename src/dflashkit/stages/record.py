@@ -64,8 +64,10 @@ def _fingerprint(cfg: RunConfig, upstream: str, key: str | None) -> tuple[str, s
     try:
         ids = [str(m["id"]) for m in get_json(url, headers=headers, timeout_s=30)["data"]]
     except HttpError as e:
-        raise MissingArtifactError(f"record.upstream: nothing answers at {redact_url(upstream)} ({e})",
-                                   hint="start the server first, or set record.target_fingerprint") from None
+        err = MissingArtifactError(f"a server answering at record.upstream ({e})", redact_url(upstream),
+                                   run="vllm serve <model>")
+        err.hint = "start the server first, or set record.target_fingerprint"
+        raise err from None
     except (KeyError, TypeError, ValueError):
         ids = []
     if not ids:

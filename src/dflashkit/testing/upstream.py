@@ -73,7 +73,7 @@ def _handler(chunks: int, delay_s: float, echo_auth: bool) -> type[BaseHTTPReque
                 self.wfile.flush()
                 if delay_s:
                     time.sleep(delay_s)
-            end = {"index": 0, "finish_reason": "stop", **({"delta": {}} if chat else {"text": ""})}
+            end: dict[str, Any] = {"index": 0, "finish_reason": "stop", **({"delta": {}} if chat else {"text": ""})}
             self.wfile.write(b"data: " + json.dumps({"model": "stub", "choices": [end]}).encode() + b"\n\n")
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
