@@ -50,13 +50,18 @@ def test_hot_swap_under_four_clients_loses_no_request_and_stays_lossless(tiny_qw
             with httpx.Client(timeout=120) as c:
                 k = w
                 while not stop.is_set():
-                    seen = c.get(url + "/models").json()["data"][0]["drafter"]
-                    r = c.post(url + "/completions", json={"prompt": prompts[k % len(prompts)], "max_tokens": MAX_NEW})
-                    results.append((seen, k % len(prompts), r.json()["choices"][0]["token_ids"]
-                                    if r.status_code == 200 else None))
+                    seen = None
+                    try:
+                        seen = c.get(url + "/models").json()["data"][0]["drafter"]
+                        r = c.post(url + "/completions", json={"prompt": prompts[k % len(prompts)],
+                                                                "max_tokens": MAX_NEW})
+                        ids = r.json()["choices"][0]["token_ids"] if r.status_code == 200 else None
+                    except httpx.HTTPError:
+                        ids = None  # counted as a failed request
+                    results.append((seen, k % len(prompts), ids))
                     k += 4
 
-        threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+        threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(4)]
         for t in threads:
             t.start()
 
@@ -66,20 +71,22 @@ def test_hot_swap_under_four_clients_loses_no_request_and_stays_lossless(tiny_qw
                 assert time.time() < deadline, what
                 time.sleep(0.05)
 
-        wait_for(lambda: len(results) >= 4, "requests before the swap")
-        p = write_promoted(run_dir, drafter_dir=tmp_path / "d1", round_no=1, drafter_id="r001-test")
-        wait_for(lambda: drafter() == "r001-test", "the watched pointer's drafter serving")
-        n = len(results)
-        wait_for(lambda: len(results) >= n + 4, "requests after the watched swap")
-        r = client.post(url.removesuffix("/v1") + "/admin/drafter", json={"drafter": str(tmp_path / "d2"), "id": "manual"})
-        assert r.status_code == 200 and r.json()["drafter"] == "manual" == drafter()
-        bad = client.post(url.removesuffix("/v1") + "/admin/drafter", json={"drafter": str(tmp_path / "none")})
-        assert bad.status_code == 400 and drafter() == "manual"  # never claims a swap that did not happen
-        n = len(results)
-        wait_for(lambda: len(results) >= n + 4, "requests after the admin swap")
-        stop.set()
-        for t in threads:
-            t.join(120)
+        try:  # the workers stop whatever fails here
+            wait_for(lambda: len(results) >= 4, "requests before the swap")
+            p = write_promoted(run_dir, drafter_dir=tmp_path / "d1", round_no=1, drafter_id="r001-test")
+            wait_for(lambda: drafter() == "r001-test", "the watched pointer's drafter serving")
+            n = len(results)  # a worker may have read /v1/models before the swap: wait for one that read it after
+            wait_for(lambda: any(seen == "r001-test" for seen, _, _ in results[n:]), "requests after the watched swap")
+            r = client.post(url.removesuffix("/v1") + "/admin/drafter", json={"drafter": str(tmp_path / "d2"), "id": "manual"})
+            assert r.status_code == 200 and r.json()["drafter"] == "manual" == drafter()
+            bad = client.post(url.removesuffix("/v1") + "/admin/drafter", json={"drafter": str(tmp_path / "none")})
+            assert bad.status_code == 400 and drafter() == "manual"  # never claims a swap that did not happen
+            n = len(results)
+            wait_for(lambda: any(seen == "manual" for seen, _, _ in results[n:]), "requests after the admin swap")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(120)
         health = client.get(url.removesuffix("/v1") + "/health").json()
         client.close()
     assert p["drafter"].endswith("d1") and health["drafter"] == "manual"
