@@ -165,8 +165,7 @@ class DrafterSwap:
 
     def watch(self, promoted: str, poll_s: float) -> threading.Thread:
         """Poll the promotion pointer (`flywheel/pointer.py`; a path not ending in .json is a run dir: its
-        learn/promoted.json) and swap in
-        each newly promoted drafter, until the engine stops."""
+        learn/promoted.json) and swap in each newly promoted drafter, until the engine stops."""
         from dflashkit.flywheel.pointer import pointer_path, read_promoted
 
         path = Path(promoted) if promoted.endswith(".json") else pointer_path(promoted)
