@@ -268,6 +268,14 @@ DRY_RUN_CASES = {
     "report": (lambda t, q, c, m: ["report", f"run.run_dir={t / 'run'}"], 3, "dflashkit train"),
     "gpu-check": (lambda t, q, c, m: ["gpu-check", str(t / "gpu-out"), "flex", "no-such-check"], 2,
                   "unknown GPU check no-such-check"),
+    "learn": (lambda t, q, c, m: (t / "records").mkdir() or
+              ["learn", "--records", str(t / "records"), f"run.run_dir={t / 'run'}", f"target.path={q}"],
+              3, "dflashkit probe"),  # a run dir without contract.json
+    "flywheel": (lambda t, q, c, m: ["flywheel", f"run.run_dir={_world(t, q)}", f"target.path={q}"], 2,
+                 "learn.traffic"),  # nothing to replay
+    "record": (lambda t, q, c, m: ["record", "--upstream", f"http://127.0.0.1:{_closed_port()}/v1",
+                                   f"record.dir={t / 'records'}", "--port", str(_port_in_use())],
+               2, "record.port: cannot bind"),
 }
 # read-only commands whose dry run is their run (they change nothing either way)
 DRY_RUN_IS_THE_RUN = {"doctor", "plan", "engines"}

@@ -1,7 +1,7 @@
 """No password from any URL field appears in any output, log, manifest, resolved config or result file.
 
 One sweep puts a distinctive `user:password@` into every field the schema marks `url=True` (`server.urls`,
-`bench.urls`, `capture.server_url`), runs every command that reads one — on success and on failure — against
+`bench.urls`, `capture.server_url`, `record.upstream`), runs every command that reads one — on success and on failure — against
 fake servers on 127.0.0.1 (`dflashkit.testing`, tests/harness), at debug log level, and searches stdout, stderr and every
 file under the test's directory for the password. A field with "url" in its name that the schema does not
 mark fails `test_every_url_field_is_marked`, so a new one cannot skip the rule.
@@ -12,17 +12,20 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import signal
 import socket
 import typing
 from pathlib import Path
 
+import httpx
 import pytest
 
 from dflashkit.cli import main
+from tests.serving.test_record import _free_port, start_cli
 
 PASSWORD = "Pw-sekr1t-Q7x"
 USER = "alice"
-SWEPT = {"server.urls", "bench.urls", "capture.server_url"}  # every url=True field: the sweep sets each
+SWEPT = {"server.urls", "bench.urls", "capture.server_url", "record.upstream"}  # every url=True field: the sweep sets each
 
 
 def _with_password(url: str) -> str:
@@ -58,11 +61,12 @@ def test_dump_config_redacts_every_marked_field():
 
     cfg = config_from_dict({"server": {"urls": [_with_password("http://h:1/v1")] * 2},
                             "bench": {"urls": [_with_password("http://h:2/v1")]},
-                            "capture": {"engine": "vllm", "server_url": _with_password("http://h:3/v1")}})
+                            "capture": {"engine": "vllm", "server_url": _with_password("http://h:3/v1")},
+                            "record": {"upstream": _with_password("http://h:4/v1")}})
     assert {k.split("[")[0] for k, _ in url_fields(cfg)} == SWEPT
     text = dump_config(cfg)
     assert PASSWORD not in text and USER not in text
-    assert text.count("http://***@h:") == 4, text
+    assert text.count("http://***@h:") == 5, text
 
 
 def _closed_port() -> int:
@@ -117,6 +121,18 @@ def test_no_password_from_any_url_field_appears_anywhere(tmp_path, tiny_qwen3, c
         run("capture", *base, *urls)
         run("train", *base, *urls, "train.features=engine", "train.labels=target")
         run("report", *base)
+        rec_port = _free_port()  # the proxy serves until SIGTERM: its own process, its log under tmp_path
+        proxy = start_cli(["record", "--upstream", server, "--port", str(rec_port), f"record.dir={tmp_path / 'rec'}",
+                           f"target.path={tiny_qwen3}", "--log-level", "debug"], rec_port, tmp_path / "record.log")
+        try:
+            answer = httpx.post(f"http://127.0.0.1:{rec_port}/v1/chat/completions", timeout=60,
+                                json={"model": "fault-model", "messages": [{"role": "user", "content": "hi"}]})
+            assert answer.status_code == 200, answer.text
+        finally:
+            proxy.send_signal(signal.SIGTERM)
+            assert proxy.wait(60) == 0, (tmp_path / "record.log").read_text()[-2000:]
+        assert any((tmp_path / "rec").rglob("*.jsonl"))
+        run("record", "--upstream", server, f"record.dir={tmp_path / 'rec'}", "--dry-run")
         assert f"Basic {base64.b64encode(f'{USER}:{PASSWORD}'.encode()).decode()}" in srv.auth_seen
         # failures: a closed port in each URL field, a URL the config refuses, a value the loader cannot read
         run("bench", "serve", *base, f"bench.urls=['{dead}']", code=1)
@@ -133,6 +149,8 @@ def test_no_password_from_any_url_field_appears_anywhere(tmp_path, tiny_qwen3, c
         run("generate", *base, f"server.urls=['ftp://{USER}:{PASSWORD}@h/v1']", code=2)
         run("bench", "serve", *base, f"bench.urls=[{server}?api_key={PASSWORD}]", code=2)
         run("capture", *base, "capture.engine=vllm", f"capture.server_url={engine}?token={PASSWORD}", code=2)
+        run("record", "--upstream", dead, f"record.dir={tmp_path / 'rec2'}", code=3)  # no /models to fingerprint
+        run("record", "--upstream", f"{server}?api_key={PASSWORD}", f"record.dir={tmp_path / 'rec2'}", code=2)
     for name, text in run.printed:
         assert PASSWORD not in text, f"`{name}` printed the password:\n" + "\n".join(
             line for line in text.splitlines() if PASSWORD in line)

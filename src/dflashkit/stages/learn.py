@@ -26,10 +26,10 @@ from typing import Any
 
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
-from dflashkit.errors import UsageError
+from dflashkit.errors import MissingArtifactError, UsageError
 from dflashkit.flywheel.rounds import EmptyWindow, learn_round, rounds_table
 from dflashkit.flywheel.traffic import read_window, run_fingerprint
-from dflashkit.flywheel.rounds import read_cursor
+from dflashkit.flywheel.rounds import read_cursor, serving_drafter
 from dflashkit.rundir import RunDir
 from dflashkit.sizing.calibration import saved_calibration
 
@@ -43,9 +43,13 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         raise UsageError("`dflashkit learn` needs a record dir", hint="pass --records DIR (or set learn.records)")
     if lc.rounds < 1:
         raise UsageError(f"learn.rounds must be >= 1, got {lc.rounds}")
-    if ctx.dry_run:
+    if ctx.dry_run:  # the checks of a round (`learn_round`), in its order, without its work
+        if not rd.contract_path.is_file():
+            raise MissingArtifactError("the drafter contract", rd.contract_path, run="dflashkit probe -c run.yaml")
         win = read_window(records, read_cursor(rd), expected=run_fingerprint(cfg), on_corrupt=lc.on_corrupt)
-        return {"dry_run": True, "records": records, "new_records": len(win.records), "corrupt": len(win.corrupt)}
+        serving, serving_id = serving_drafter(cfg, rd)
+        return {"dry_run": True, "records": records, "new_records": len(win.records), "corrupt": len(win.corrupt),
+                "serving_drafter": str(serving), "serving_id": serving_id}
     budget = cfg.run.budget_minutes
     cal = saved_calibration(cfg, rd) if budget is not None else None
     done: list[dict[str, Any]] = []
