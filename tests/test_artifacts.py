@@ -44,6 +44,7 @@ OWNERS = {
                                                                "read_curve"}),
     "bench results": ("dflashkit.bench.results", {"write_bench_result", "read_bench_result"}),
     "speculation profile": ("dflashkit.export.profile", {"write_profile", "read_profile"}),
+    "recorded traffic": ("dflashkit.serving.record", {"Recorder", "read_recorded", "read_features"}),
 }
 # format → (its owner module, its `RunDir` properties, its file names); only rundir.py, the owner and the stages
 # may name them, and a stage only to pass them to the owner or print them. (train/final and train/best are
@@ -76,7 +77,8 @@ LIBRARY_USERS = {
                     "dflashkit.export.speculators",  # export/ (vLLM speculators)
                     "dflashkit.engines.capture",        # capture/engine-spool/<row>.safetensors (writer + reader)
                     "dflashkit.engines.hidden_states",  # vLLM's extract_hidden_states files (connector + reader)
-                    "dflashkit.model.head"},            # reads the target's own weights by name (not a run-dir file)
+                    "dflashkit.model.head",             # reads the target's own weights by name (not a run-dir file)
+                    "dflashkit.serving.record"},        # recorded traffic's features (writer + reader)
 }
 FEATURE_META_KEYS = {"source_digest"}  # the key that says which tokenized shard a feature shard was made from
 

@@ -408,6 +408,23 @@ class RunDir:
         return self.verify_engine_dir / "speculation_profile.json"
 
     @property
+    def learn_dir(self) -> Path:
+        """`learn/`: the flywheel's cursor, rounds and promotion pointer (owner: flywheel/rounds.py,
+        flywheel/pointer.py)."""
+        return self.root / "learn"
+
+    @property
+    def learn_records(self) -> Path:
+        """`learn/records/`: where `dflashkit flywheel` records its own traffic when serve.record_dir is unset
+        (format owner: serving/record.py)."""
+        return self.learn_dir / "records"
+
+    @property
+    def flywheel_results(self) -> Path:
+        """`learn/flywheel.json`: one row per flywheel round (owner: stages/flywheel.py)."""
+        return self.learn_dir / "flywheel.json"
+
+    @property
     def report_dir(self) -> Path:
         return self.root / "report"
 

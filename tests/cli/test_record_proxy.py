@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from dflashkit.cli import main
-from dflashkit.serving.record import RecordReport, read_records
+from dflashkit.serving.record import RecordReport, read_recorded
 from dflashkit.testing.upstream import stub_upstream
 from tests.serving.test_record import _free_port, kill_under_load, start_cli
 
@@ -42,7 +42,7 @@ def test_proxy_streams_through_and_records_each_kind(tmp_path):
         finally:
             _stop(child, log)
     report = RecordReport()
-    recs = list(read_records(root, report))
+    recs = list(read_recorded(root, report))
     assert [r["endpoint"] for r in recs] == ["chat", "chat", "completions"] and report.partial == 0
     stream, whole, comp = recs
     assert stream["messages"][-1] == {"role": "assistant", "content": "w0 w1 w2 w3 w4 "}
@@ -73,7 +73,7 @@ def test_keys_in_a_header_an_env_var_or_the_url_are_never_written(tmp_path, monk
             assert "auth=Basic " in r.text  # no client key: the URL's credentials went upstream
         finally:
             _stop(child, log)
-    assert len(list(read_records(root))) == 2
+    assert len(list(read_recorded(root))) == 2
     written = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert any(p.suffix == ".jsonl" for p in written) and log in written
     for p in written:

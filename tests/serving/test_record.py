@@ -21,7 +21,7 @@ from dflashkit.data.sources import SourceReport, iter_source, to_record
 from dflashkit.export.hf import save_drafter
 from dflashkit.model.target import load_target
 from dflashkit.redact import remember_secret
-from dflashkit.serving.record import (RecordPolicy, Recorder, RecordReport, dir_bytes, read_features, read_records,
+from dflashkit.serving.record import (RecordPolicy, Recorder, RecordReport, dir_bytes, read_features, read_recorded,
                                       target_fingerprint)
 from dflashkit.testing import random_drafter
 from tests.harness.servers import serving
@@ -42,7 +42,7 @@ def test_torn_last_line_is_skipped_then_cut_at_restart_and_nothing_is_duplicated
     with open(seg, "ab") as fh:  # what a kill in the middle of a write leaves
         fh.write(b'{"id": "torn", "messages": [{"role": "us')
     report = RecordReport()
-    assert [r["id"] for r in read_records(tmp_path / "r", report)] == ids
+    assert [r["id"] for r in read_recorded(tmp_path / "r", report)] == ids
     assert report.partial == 1 and report.records == 3
 
     rec = Recorder(tmp_path / "r", fingerprint="fp").open()  # the restart repairs the torn segment
@@ -50,7 +50,7 @@ def test_torn_last_line_is_skipped_then_cut_at_restart_and_nothing_is_duplicated
     ids.append(rec.write(dict(CHAT)))
     rec.close()
     report = RecordReport()
-    got = [r["id"] for r in read_records(tmp_path / "r", report)]
+    got = [r["id"] for r in read_recorded(tmp_path / "r", report)]
     assert got == ids and len(set(got)) == 4 and report.partial == 0 and report.bad == 0
     assert seg.read_bytes().endswith(b"\n")
 
@@ -73,7 +73,7 @@ def test_rotation_keeps_the_dir_under_its_cap_and_drops_old_segments(tmp_path):
     big = {**CHAT, "messages": [{"role": "user", "content": "x" * 900}, {"role": "assistant", "content": "y"}]}
     written = [rec.write(dict(big)) for _ in range(150)]  # ~150 kB through a 40 kB cap
     assert dir_bytes(tmp_path / "r") <= cap
-    left = [r["id"] for r in read_records(tmp_path / "r")]
+    left = [r["id"] for r in read_recorded(tmp_path / "r")]
     assert 0 < len(left) < len(written) and left == written[-len(left):]  # the newest kept, in order
     rec.close()
     segs = sorted((tmp_path / "r").glob("records-*.jsonl"))
@@ -139,7 +139,7 @@ def test_serve_records_features_that_equal_captures(tiny_qwen3, tmp_path):
             assert r.status_code == 200
             answers.append(r.text if stream else r.json()["choices"][0]["token_ids"])
     app.recording.recorder.close()
-    recs = list(read_records(rdir))
+    recs = list(read_recorded(rdir))
     assert len(recs) == 2 and recs[0]["completion_token_ids"] == answers[0]
     assert recs[0]["target"] == {"fingerprint": target_fingerprint(tiny_qwen3), "how": "files"}
     assert recs[1]["thinking"] is False and recs[1]["messages"][-1]["role"] == "assistant"
@@ -219,7 +219,7 @@ def flood(url: str, clients: int, *, stop: threading.Event, acked: list[str], st
 def assert_exactly_once(root: Path, acked: list[str]) -> None:
     """Every acknowledged nonce is in exactly one record; no record id twice; nothing torn is read."""
     report = RecordReport()
-    recs = list(read_records(root, report))
+    recs = list(read_recorded(root, report))
     ids = [r["id"] for r in recs]
     assert len(ids) == len(set(ids))
     users = [r["messages"][0]["content"] for r in recs]

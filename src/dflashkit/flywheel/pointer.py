@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from dflashkit.errors import UsageError
-from dflashkit.rundir import atomic_write_json
+from dflashkit.rundir import RunDir, atomic_write_json
 
 POINTER = "promoted.json"
 
 
 def pointer_path(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "learn" / POINTER
+    return RunDir(run_dir).learn_dir / POINTER
 
 
 def write_promoted(run_dir: str | Path, *, drafter_dir: str | Path, round_no: int, drafter_id: str,

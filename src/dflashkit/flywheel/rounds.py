@@ -40,7 +40,6 @@ import numpy as np
 import torch
 
 from dflashkit.data.chat import load_chat
-from dflashkit.data.records import write_jsonl
 from dflashkit.data.tokenizing import min_supervised, publish_shards, tokenize_shards
 from dflashkit.decode.api import SamplingParams, default_stop_ids
 from dflashkit.decode.spec_decode import SpecDecoder
@@ -49,9 +48,10 @@ from dflashkit.export.hf import load_drafter, save_drafter, write_modeling_file
 from dflashkit.export.profile import Measurement, build_profile, method_for, profile_path, weights_digest, write_profile
 from dflashkit.flywheel.pointer import pointer_path, read_promoted, write_promoted
 from dflashkit.flywheel.traffic import read_window, run_fingerprint, split_newest, to_conversation
+from dflashkit.generate.conversations import regenerated_file, write_conversations
 from dflashkit.rundir import RunDir, atomic_dir, atomic_write_json, read_json
 from dflashkit.train import guards
-from dflashkit.train.checkpoint import trained_drafter_dir
+from dflashkit.train.checkpoint import drop_checkpoints, trained_drafter_dir
 from dflashkit.train.loop import _fit, setup
 from dflashkit.train.parallel import init_distributed
 
@@ -62,12 +62,8 @@ class EmptyWindow(UsageError):
     """No new record since the last round's cursor (exit 2; a loop waits for the next round instead)."""
 
 
-def learn_dir(rd: RunDir) -> Path:
-    return rd.root / "learn"
-
-
 def read_cursor(rd: RunDir) -> dict[str, int]:
-    p = learn_dir(rd) / "cursor.json"
+    p = rd.learn_dir / "cursor.json"
     return dict(read_json(p).get("segments", {})) if p.is_file() else {}
 
 
@@ -186,7 +182,7 @@ def _profile(cfg: Any, target: Any, drafter: torch.nn.Module, export_dir: Path, 
 
 
 def _round_no(rd: RunDir) -> int:
-    root = learn_dir(rd) / "rounds"
+    root = rd.learn_dir / "rounds"
     done = [int(p.parent.name) for p in root.glob("*/round.json") if p.parent.name.isdigit()]
     return max(done, default=0) + 1
 
@@ -207,7 +203,7 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
                                          minimum=cfg.learn.heldout_min, maximum=cfg.learn.heldout_max)
     serving, serving_id = serving_drafter(cfg, rd)
     n = _round_no(rd)
-    rdir = learn_dir(rd) / "rounds" / f"{n:03d}"
+    rdir = rd.learn_dir / "rounds" / f"{n:03d}"
     if rdir.exists():  # a round that failed before its round.json: its work is redone
         shutil.rmtree(rdir)
     rdir.mkdir(parents=True)
@@ -215,7 +211,7 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
     shutil.copyfile(rd.contract_path, rrd.contract_path)
     convs = [to_conversation(r) for r in train_recs + held_recs]
     held_ids = {str(r["id"]) for r in held_recs}
-    write_jsonl(rdir / "conversations.jsonl", convs)
+    write_conversations(rrd.generate_dir, convs)
     steps, how = plan_steps(cfg, budget_minutes, calibration)
     rcfg = dataclasses.replace(
         cfg, run=dataclasses.replace(cfg.run, run_dir=str(rdir)),
@@ -223,7 +219,7 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
         train=dataclasses.replace(cfg.train, max_steps=steps, keep_best=False, eval_every=0, save_every=0,
                                   train_samples=None, heldout_sources=[],
                                   features="online" if cfg.train.features == "cached" else cfg.train.features))
-    tok = _tokenize(rcfg, rrd, rdir / "conversations.jsonl")
+    tok = _tokenize(rcfg, rrd, regenerated_file(rrd))
 
     def split(data: Any) -> tuple[list[int], list[int]]:
         held = [i for i, sid in enumerate(data.ids) if _base_id(sid, held_ids) is not None]
@@ -274,7 +270,7 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
                      "server needs a restart: %s", drafter_id, export_dir, rd.root, restart)
     finally:
         tr.close()
-    shutil.rmtree(rrd.checkpoints_dir, ignore_errors=True)  # resumable state of a finished round: train/final stays
+    drop_checkpoints(rrd)  # resumable state of a finished round: train/final stays
     record = {"round": n, "records_dir": str(record_dir), "cursor_before": cursor, "cursor_after": win.cursor,
               "lines": win.span, "corrupt": win.corrupt,
               "samples": {"records": len(win.records), "train_records": len(train_recs),
@@ -290,7 +286,7 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
               "export": export, "profile": profile, "promoted": pointer, "vllm_restart": restart,
               "wall_s": round(time.time() - t0, 2)}
     atomic_write_json(rdir / "round.json", record)
-    atomic_write_json(learn_dir(rd) / "cursor.json", {"records_dir": str(record_dir), "segments": win.cursor,
+    atomic_write_json(rd.learn_dir / "cursor.json", {"records_dir": str(record_dir), "segments": win.cursor,
                                                       "round": n})
     log.info("round %d: %d records (%d held out), τ new %s vs serving %s, gain %s, 90%% %s → %s", n,
              len(win.records), len(held_recs), cmp["tau_new"], cmp["tau_serving"], cmp["gain"], cmp["interval90"],
@@ -301,7 +297,7 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
 def rounds_table(rd: RunDir) -> list[dict[str, Any]]:
     """Every round's headline, oldest first (the flywheel's curve: `learn/rounds/*/round.json`)."""
     rows = []
-    for p in sorted((learn_dir(rd) / "rounds").glob("*/round.json")):
+    for p in sorted((rd.learn_dir / "rounds").glob("*/round.json")):
         r = json.loads(p.read_text())
         vs = r.get("serving_vs_static") or {}
         rows.append({"round": r["round"], "records": r["samples"]["records"], **r["comparison"],

@@ -1,11 +1,11 @@
-"""Recorded traffic: the one writer (`Recorder`) and the one reader (`read_records`) of a record dir.
+"""Recorded traffic: the one writer (`Recorder`) and the one reader (`read_recorded`) of a record dir.
 
 Usage:
     rec = Recorder(root, fingerprint=target_fingerprint(model_dir), policy=RecordPolicy.from_config(cfg))
     rec.open()                                   # lock, repair what a kill left, start a new segment
     rid = rec.write(chat_record(body, reply, ...), features=None)   # on disk (fsync'd) when it returns
     rec.close()
-    for rec in read_records(root, report=(r := RecordReport())): ...   # r.partial: torn lines skipped
+    for rec in read_recorded(root, report=(r := RecordReport())): ...   # r.partial: torn lines skipped
     feats = read_features(root, rec)             # [rows, len(layer_ids)·H] or None
 
 Layout of a record dir (mode 0700; every file 0600):
@@ -570,7 +570,7 @@ def dir_bytes(root: Path) -> int:
 
 @dataclass
 class RecordReport:
-    """What `read_records` skipped: torn lines (a kill mid-write), lines that are not a record."""
+    """What `read_recorded` skipped: torn lines (a kill mid-write), lines that are not a record."""
 
     records: int = 0
     partial: int = 0
@@ -578,7 +578,7 @@ class RecordReport:
     notes: list[str] = field(default_factory=list)
 
 
-def read_records(root: str | Path, report: RecordReport | None = None) -> Iterator[dict[str, Any]]:
+def read_recorded(root: str | Path, report: RecordReport | None = None) -> Iterator[dict[str, Any]]:
     """Every complete record of a record dir, segment by segment in write order. A last line without its
     newline (torn) is never yielded, nor is a line that is not a JSON record with an id; both are counted."""
     root = Path(root)

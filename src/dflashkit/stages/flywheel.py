@@ -43,7 +43,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
                          "files (docs/flywheel.md: `dflashkit prepare` of the traffic config)")
     convs = interleaved([read_conversations(p) for p in lc.traffic])
     static, _ = static_drafter(cfg, rd)
-    records = cfg.serve.record_dir or str(rd.root / "learn" / "records")
+    records = cfg.serve.record_dir or str(rd.learn_records)
     if ctx.dry_run:
         return {"dry_run": True, "traffic": len(convs), "rounds": lc.rounds, "static_drafter": str(static),
                 "records": records}
@@ -75,7 +75,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
                 except EmptyWindow as e:
                     row["learn"] = e.message
                 rows.append(row)
-                atomic_write_json(rd.root / "learn" / "flywheel.json", {"rounds": rows})
+                atomic_write_json(rd.flywheel_results, {"rounds": rows})
                 promoted = read_promoted(pointer_path(rd.root))
                 deadline = time.time() + 120
                 while promoted is not None and app.drafter_id != promoted["id"] and time.time() < deadline:

@@ -257,6 +257,11 @@ def trained_drafter_dir(rd: RunDir) -> tuple[Path, str]:
     return rd.final_dir, "final"
 
 
+def drop_checkpoints(rd: RunDir) -> None:
+    """Remove a run's resumable checkpoints (`train/checkpoints/`); `train/final` and `train/best` stay."""
+    shutil.rmtree(rd.checkpoints_dir, ignore_errors=True)
+
+
 def checkpoint_state(path: Path) -> dict:
     """state.json of a complete checkpoint (the resume checks read it before `load_checkpoint` loads anything)."""
     file = Path(path) / "state.json"
