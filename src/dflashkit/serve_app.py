@@ -82,6 +82,9 @@ def check_serve_proposer(cfg: RunConfig) -> None:
     if s.hybrid_min_match < 0:
         raise UsageError(f"serve.hybrid_min_match must be >= 0, got {s.hybrid_min_match}",
                          hint="it counts matched tokens; 0 = the suffix branch drafts whenever it matches")
+    if s.hybrid_drafter_block != 0 and s.hybrid_drafter_block < 2:
+        raise UsageError(f"serve.hybrid_drafter_block must be 0 (the server's block size) or >= 2, got "
+                         f"{s.hybrid_drafter_block}", hint="use the D of the hybrid-B@G/D decoder eval chose")
 
 
 def _speculative_decoder(target: Target, s: ServeSection, proposer: str) -> SpecDecoder:
@@ -98,7 +101,8 @@ def _speculative_decoder(target: Target, s: ServeSection, proposer: str) -> Spec
     pool = SuffixPool(max_tokens=s.suffix_pool_tokens, share_tenants=s.suffix_share_tenants) \
         if s.suffix_pool_tokens > 0 else None
     if proposer == "hybrid":
-        hybrid = HybridProposer(SuffixProposer(pool=pool), gate=HybridGate(min_match=s.hybrid_min_match))
+        gate = HybridGate(min_match=s.hybrid_min_match, drafter_block=s.hybrid_drafter_block)
+        hybrid = HybridProposer(SuffixProposer(pool=pool), gate=gate)
         return spec(target, drafter, hybrid=hybrid, adaptive=s.adaptive_length)
     chosen = PromptLookupProposer() if proposer == "lookup" else SuffixProposer(pool=pool)
     return SpecDecoder(target, None, block_size=DEFAULT_BLOCK, proposer=chosen)

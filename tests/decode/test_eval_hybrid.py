@@ -77,9 +77,26 @@ def test_leave_one_out_matches_the_loop_oracle_on_random_runs():
 
 
 def test_group_keys_of_every_decoder():
-    assert [group_key(k) for k in ("4", "adaptive-4", "lookup-2", "suffix-8", "hybrid-4@2", "graft-4@4")] == [
+    assert [group_key(k) for k in ("4", "adaptive-4", "lookup-2", "suffix-8", "hybrid-4@2", "graft-4@4",
+                                   "hybrid-4@2/2")] == [
         ("speculative", "4"), ("adaptive", "4"), ("prompt_lookup", "2"), ("suffix", "8"), ("hybrid", "4@2"),
-        ("hybrid", "4@4+graft")]
+        ("hybrid", "4@4+graft"), ("hybrid", "4@2/2")]
+
+
+def test_hybrid_keys_and_gates_with_a_short_drafter_block():
+    from dflashkit.config import load_config
+    from dflashkit.decode.evaluation import block_of, hybrid_gate, hybrid_keys
+
+    cfg = load_config(None, ["eval.hybrid_gates=[2,4]", "eval.hybrid_drafter_blocks=[0,2,8]"])
+    keys = hybrid_keys(cfg, 4)  # 8 >= the grid's block: the grid's own (0), listed once
+    assert keys == ["suffix-4", "hybrid-4@2", "hybrid-4@4", "graft-4@4", "hybrid-4@2/2", "hybrid-4@4/2",
+                    "graft-4@4/2"]
+    g = hybrid_gate("graft-4@4/2")
+    assert g is not None and (g.min_match, g.graft, g.drafter_block) == (4, True, 2) and block_of("graft-4@4/2") == 4
+    g = hybrid_gate("hybrid-4@2")
+    assert g is not None and g.drafter_block == 0
+    assert hybrid_keys(load_config(None, ["eval.hybrid_drafter_blocks=[2]"]), 4)[1:] == [
+        "hybrid-4@2/2", "hybrid-4@4/2", "graft-4@4/2"]
 
 
 def _prompts(sources):
@@ -229,6 +246,9 @@ def test_the_budget_counts_the_hybrid_decoders():
     one = eval_prompt_s(load_config(None, [*base, "eval.hybrid_gates=[4]", "eval.hybrid_graft=false"]), rates, 64)
     # per block size: the drafter alone, then suffix + 2 gates + graft (4 more passes), or suffix + 1 gate (2 more)
     assert on - off == pytest.approx(2 * (one - off)) and one > off
+    two = eval_prompt_s(load_config(None, [*base, "eval.hybrid_gates=[2,4]", "eval.hybrid_drafter_blocks=[0,2]"]),
+                        rates, 64)
+    assert two - off == pytest.approx(7 * (one - off) / 2)  # suffix + 2 × (2 gates + graft)
     # the grid runs from 2 prompts on (one chooses the gate the other is scored with)
     from dflashkit.sizing.plan import eval_s
 

@@ -70,6 +70,7 @@ def test_hybrid_greedy_equals_target_greedy(targets, arch):
             assert {"suffix", "drafter"} <= set(r.branch), (b, r.branch)  # both branches drafted
 
 
+
 class _Stub(SpecDecoder):
     """The drafter runs (and is fed) as usual, but its block is replaced by the target's greedy continuation with
     its first token right and the others wrong, confidences 1, 0, 0, …: every block is grafted where the suffix
@@ -82,8 +83,8 @@ class _Stub(SpecDecoder):
         assert self.hybrid is not None
         graft = self.hybrid.graft
 
-        def recording(sequence, tokens, conf, suffix_tokens):
-            g = graft(sequence, tokens, conf, suffix_tokens)
+        def recording(sequence, tokens, conf, suffix_tokens, size=None):
+            g = graft(sequence, tokens, conf, suffix_tokens, size=size)
             self.blocks.append((list(tokens), g, list(suffix_tokens)))
             return g
         self.hybrid.graft = recording  # type: ignore[method-assign]
@@ -127,6 +128,27 @@ def test_graft_is_lossless_and_labels_each_token_with_its_branch(targets, arch):
         assert all(any(o == m[: len(o)] for m in made) for o in graft_steps)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_next"])
+def test_a_short_drafter_block_beside_long_suffix_drafts_is_lossless(targets, arch):
+    """drafter_block=2: the drafter branch verifies one draft, the suffix branch and grafts up to B − 1."""
+    target = targets[arch]
+    ref = _greedy(target, PROMPT, N)
+    longest = {False: 0, True: 0}
+    for b in (4, 8):
+        for graft in (False, True):
+            hyb = _hybrid(min_match=2 if not graft else NEVER, drafter_block=2, graft=graft, graft_min_match=1,
+                          graft_conf=1.0)
+            cls = _Stub if graft else SpecDecoder  # the stub's first token is the target's: the graft matches on
+            r = cls(target, random_drafter(target, block_size=b), b, hybrid=hyb).generate(
+                PROMPT, SamplingParams(max_new_tokens=N))
+            assert r.token_ids == ref, f"B={b} graft={graft}"
+            _check_shape(r, b)
+            by = {br: [len(o) for x, o in zip(r.branch, r.draft_origin) if x == br] for br in set(r.branch)}
+            assert max(by.get("drafter", [0])) <= 1, by  # the drafter's block is 2
+            longest[graft] = max(longest[graft], *by.get("graft" if graft else "suffix", [0]))
+    assert longest[False] > 0 and longest[True] > 1, longest  # the other branches draft past the drafter's block
+
+
 def test_graft_labels_disagreements_by_branch():
     """A unit check of `HybridProposer.graft` with a suffix proposer whose answer is known."""
     from dflashkit.decode.suffix import SuffixDraft
@@ -149,6 +171,12 @@ def test_graft_labels_disagreements_by_branch():
     g = hyb.graft([1], [5, 8], [0.1, 0.9], [])  # an unconfident first token is kept all the same
     assert g is not None and g.tokens == [5, 7] and g.origin == ["drafter", "suffix"] and calls[-1][1] == [5]
     assert hyb.graft([1], [5, 6], [0.9, 0.9], []) is None  # a confident whole block is not grafted
+    g = hyb.graft([1], [5], [0.9], [5, 7], size=3)  # a short drafter block continued up to `size`
+    assert g is not None and g.tokens == [5, 7, 8] and g.origin == ["both", "suffix", "suffix"]
+    assert g.suffix_rows == [1, 2] and g.conf == [0.9, 0.9, 0.8] and calls[-1] == ([1], [5], 2)
+    assert hyb.graft([1], [5, 6], [0.9, 0.9], [], size=2) is None  # size = the block: nothing to continue
+    assert hyb.drafter_drafts(7) == 7
+    assert HybridProposer(Fixed(), HybridGate(drafter_block=2)).drafter_drafts(7) == 1  # type: ignore[arg-type]
     strict = HybridProposer(Fixed(), HybridGate(graft=True, graft_min_match=4))  # type: ignore[arg-type]
     assert strict.graft([1], [5, 6], [0.9, 0.1], []) is None  # the match (3) is too short
     assert label([1, 2, 3], [1, 5], "drafter") == ["both", "drafter", "drafter"]
@@ -271,6 +299,8 @@ def test_bad_gates_and_a_hybrid_without_drafter(targets):
         HybridGate(min_match=-1)
     with pytest.raises(UsageError, match="graft_conf"):
         HybridGate(graft_conf=1.5)
+    with pytest.raises(UsageError, match="drafter_block"):
+        HybridGate(drafter_block=1)
     with pytest.raises(UsageError, match="needs a drafter"):
         SpecDecoder(targets["qwen3"], None, 4, hybrid=_hybrid())
 
@@ -278,8 +308,9 @@ def test_bad_gates_and_a_hybrid_without_drafter(targets):
 GRAFT = dict(min_match=NEVER, graft=True, graft_min_match=1, graft_conf=1.0)
 
 
-@pytest.mark.parametrize("gate,adaptive", [(dict(min_match=1), False), (GRAFT, False), (GRAFT, True)],
-                         ids=["suffix", "graft", "graft-adaptive"])
+@pytest.mark.parametrize("gate,adaptive", [(dict(min_match=1), False), (GRAFT, False), (GRAFT, True),
+                                          ({**GRAFT, "drafter_block": 2}, False)],
+                         ids=["suffix", "graft", "graft-adaptive", "graft-short-drafter"])
 def test_hybrid_sampling_matches_the_target_law(gate, adaptive):
     """χ² of 3-token continuations against the exact law (tests/decode/test_sampling.py): suffix drafts are point
     masses beside the drafter's sampled law; grafted rows carry one-hot laws."""

@@ -518,6 +518,10 @@ class EvalSection:
                                 "its match is at least this many tokens long.", hash_default=False)
     hybrid_graft: bool = f(True, "Also measure the graft (the drafter's confident prefix continued by the suffix "
                            "match) at the largest gate.", hash_default=False)
+    hybrid_drafter_blocks: list[int] = f([0], "The drafter branch's block sizes in the hybrid grid, each measured at "
+                                         "every gate (key hybrid-B@G/D): D < B drafts D - 1 tokens with the drafter "
+                                         "beside suffix drafts up to B - 1; 0 = the grid's block size B.",
+                                         hash_default=False)
     diagnostics: bool = f(True, "Bigram baseline (fit on the tokenized training answers) and the "
                           "target-context ablations (teacher-forced τ with no target context and with another "
                           "prompt's: decode/diagnostics.py).",
@@ -567,6 +571,8 @@ class ServeSection:
     hybrid_min_match: int = f(4, "hybrid: the suffix branch drafts alone when its match is at least this many tokens "
                               "(eval measures the gate per source; TensorRT-LLM's sa_config threshold plays this role).",
                               hash_default=False)
+    hybrid_drafter_block: int = f(0, "hybrid: the drafter branch's block size (0 = the server's): the D of the "
+                                  "gate eval chose (hybrid-B@G/D).", hash_default=False)
     record_dir: str | None = f(None, "Record every served request into this dir (`serving.record`: one JSONL record per "
                                "request, rotation and redaction by the record.* keys); null = no recording.",
                                hash_default=False)

@@ -213,6 +213,9 @@ def _eval_serve_bench_problems(cfg: RunConfig) -> list[str]:
     for i, gate in enumerate(cfg.eval.hybrid_gates):
         if gate < 0:
             p.append(f"eval.hybrid_gates[{i}]: must be >= 0 (a match length in tokens; 0 = any match), got {gate}")
+    for i, block in enumerate(cfg.eval.hybrid_drafter_blocks):
+        if block != 0 and block < 2:
+            p.append(f"eval.hybrid_drafter_blocks[{i}]: must be 0 (the grid's block size) or >= 2, got {block}")
     return p
 
 

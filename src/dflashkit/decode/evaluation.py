@@ -364,11 +364,13 @@ def decode_all(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_
 
 def hybrid_gate(key: str) -> HybridGate | None:
     """The gate of a hybrid decoder key ("hybrid-4@2": suffix branch at matches of ≥ 2 tokens; "graft-4@4": the
-    same, grafting), None for any other key."""
+    same, grafting; "hybrid-4@2/2": the drafter branch at block size 2 beside suffix drafts up to 4), None for any
+    other key."""
     prefix, _, rest = key.rpartition("-")
     if prefix not in ("hybrid", "graft"):
         return None
-    return HybridGate(min_match=int(rest.partition("@")[2]), graft=prefix == "graft")
+    gate, _, block = rest.partition("@")[2].partition("/")
+    return HybridGate(min_match=int(gate), graft=prefix == "graft", drafter_block=int(block or 0))
 
 
 def hybrid_block_size(block_sizes: list[int]) -> int:
@@ -382,10 +384,18 @@ def hybrid_keys(cfg: Any, bs: int) -> list[str]:
     graft at the largest gate with eval.hybrid_graft; no gate: never the suffix branch alone)."""
     e = cfg.eval
     gates = list(dict.fromkeys(e.hybrid_gates))
-    keys = [f"suffix-{bs}", *(f"hybrid-{bs}@{g}" for g in gates)]
-    if e.hybrid_graft:
-        keys.append(f"graft-{bs}@{max(gates) if gates else NEVER}")
+    keys = [f"suffix-{bs}"]
+    for d in hybrid_drafter_blocks(cfg, bs):
+        tail = f"/{d}" if d else ""
+        keys += [f"hybrid-{bs}@{g}{tail}" for g in gates]
+        if e.hybrid_graft:
+            keys.append(f"graft-{bs}@{max(gates) if gates else NEVER}{tail}")
     return keys
+
+
+def hybrid_drafter_blocks(cfg: Any, bs: int) -> list[int]:
+    """eval.hybrid_drafter_blocks at grid block size `bs`: 0 (the grid's own) for entries of 0 or ≥ `bs`."""
+    return list(dict.fromkeys(0 if d == 0 or d >= bs else d for d in cfg.eval.hybrid_drafter_blocks)) or [0]
 
 
 def hybrid_decoders(cfg: Any, target: Any, drafter: Any, bs: int, ddt: Any = None) -> dict[str, Decoder]:
@@ -495,7 +505,8 @@ def gate_record(key: str, runs: dict[str, list[GenerationResult]], idx: list[int
     """What a choice of decoder means: its proposer, block size and gate, and its tokens/s over `idx`."""
     gate = hybrid_gate(key)
     return {"decoder": key, "proposer": proposer_of(key), "block_size": block_of(key),
-            "gate": {"min_match": gate.min_match, "graft": gate.graft} if gate else None,
+            "gate": {"min_match": gate.min_match, "graft": gate.graft,
+                     **({"drafter_block": gate.drafter_block} if gate.drafter_block else {})} if gate else None,
             "tokens_per_s": round(pooled_tokens_per_s(runs[key], idx), 3)}
 
 

@@ -54,6 +54,11 @@ class HybridGate:
         graft_min_match: the shortest match a graft continues from.
         graft_conf: the drafter's tokens are kept while their confidence (the draft head's probability) is at
             least this; the first one always.
+        drafter_block: the drafter branch drafts at this block size (at most `drafter_block` − 1 tokens) while the
+            suffix branch drafts up to the decoder's; 0 = the decoder's block size. Where a draft step's cost grows
+            with its length (float32 drafting on a CPU without native bf16) and the drafter's deep positions are
+            rarely accepted, a short drafter block beside long suffix drafts is the cheaper mix; a graft may
+            continue a short drafter block up to the decoder's block size.
     """
 
     min_match: int = 4
@@ -61,6 +66,7 @@ class HybridGate:
     graft: bool = False
     graft_min_match: int = 2
     graft_conf: float = 0.5
+    drafter_block: int = 0
 
     def __post_init__(self) -> None:
         problems = []
@@ -68,6 +74,8 @@ class HybridGate:
             problems.append(f"min_match must be >= 0, got {self.min_match}")
         if self.graft_min_match < 1:
             problems.append(f"graft_min_match must be >= 1, got {self.graft_min_match}")
+        if self.drafter_block != 0 and self.drafter_block < 2:
+            problems.append(f"drafter_block must be 0 (the decoder's block) or >= 2, got {self.drafter_block}")
         for name in ("min_score", "graft_conf"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
@@ -125,14 +133,21 @@ class HybridProposer:
         g = self.gate
         return bool(draft.tokens) and draft.match_len >= g.min_match and draft.scores[0] >= g.min_score
 
-    def graft(self, sequence: list[int], tokens: list[int], conf: list[float], suffix_tokens: list[int]
-              ) -> Graft | None:
-        """The drafter's block `tokens` (confidences `conf`) after `sequence`, continued by a suffix match, or
-        None where nothing is grafted (the whole block is confident, or no match of `graft_min_match` follows
-        the kept prefix). `suffix_tokens`: what the suffix branch proposed after `sequence` (labels "both")."""
-        k, g = len(tokens), self.gate
+    def drafter_drafts(self, k: int) -> int:
+        """How many tokens the drafter branch drafts when the decoder's step drafts up to `k`."""
+        b = self.gate.drafter_block
+        return k if b == 0 else min(k, b - 1)
+
+    def graft(self, sequence: list[int], tokens: list[int], conf: list[float], suffix_tokens: list[int],
+              size: int | None = None) -> Graft | None:
+        """The drafter's block `tokens` (confidences `conf`) after `sequence`, continued by a suffix match up to
+        `size` tokens in all (default: the block's length), or None where nothing is grafted (the whole block is
+        confident and fills `size`, or no match of `graft_min_match` follows the kept prefix). `suffix_tokens`:
+        what the suffix branch proposed after `sequence` (labels "both")."""
+        n, g = len(tokens), self.gate
+        k = max(n, size or n)
         keep = 1
-        while keep < k and conf[keep - 1] >= g.graft_conf and conf[keep] >= g.graft_conf:
+        while keep < n and conf[keep - 1] >= g.graft_conf and conf[keep] >= g.graft_conf:
             keep += 1
         if keep >= k:
             return None

@@ -261,7 +261,7 @@ class SpecDecoder:
                 d.policy.observe_draft(self._now() - t0)
                 d.cut(d.policy.choose(d.conf or []))
             return d._named()
-        tokens, law, conf = self._draft(seq, start, k, ctx, dcache, positions, params, gen,
+        tokens, law, conf = self._draft(seq, start, hyb.drafter_drafts(k), ctx, dcache, positions, params, gen,
                                         confidence=hyb.gate.graft)
         d = _Draft(tokens, law, conf, "drafter", self.policies.get("drafter"), label(tokens, sd.tokens, "drafter"))
         chosen = law is not None and d.policy is not None and conf is not None
@@ -270,11 +270,12 @@ class SpecDecoder:
             d.policy.observe_draft(self._now() - t0)
             d.cut(d.policy.choose(conf))
         if hyb.gate.graft and d.tokens and d.conf is not None:
-            g = hyb.graft(committed, d.tokens, d.conf, list(sd.tokens))
+            g = hyb.graft(committed, d.tokens, d.conf, list(sd.tokens), size=None if chosen else k)
             if g is not None:
                 d.tokens, d.conf, d.origin, d.branch = g.tokens, g.conf, g.origin, "graft"
                 if d.law is not None:  # suffix rows are point masses: one-hot draft law
-                    d.law = d.law.clone()
+                    extra = len(g.tokens) - d.law.shape[0]  # rows the graft added past a short drafter block
+                    d.law = torch.cat([d.law, d.law.new_zeros(extra, d.law.shape[1])]) if extra > 0 else d.law.clone()
                     rows = torch.tensor(g.suffix_rows, device=d.law.device)
                     d.law[rows] = 0.0
                     d.law[rows, torch.tensor(g.tokens, device=d.law.device)[rows]] = 1.0

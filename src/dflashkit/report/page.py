@@ -269,7 +269,8 @@ def hybrid_html(results: dict) -> str:
 def _gate(g: dict | None) -> str:
     if not g:
         return "-"
-    return f"match ≥ {g['min_match']}" + (", graft" if g.get("graft") else "")
+    return (f"match ≥ {g['min_match']}" + (", graft" if g.get("graft") else "")
+            + (f", drafter block {g['drafter_block']}" if g.get("drafter_block") else ""))
 
 
 def engine_section_html(res: dict) -> str:
