@@ -106,3 +106,16 @@ def test_two_rounds_hold_out_the_newest_and_follow_the_rule(run_dir, tiny_qwen3,
     assert all(before[k] == v for k, v in _digest(rec).items() if k == "records-00000001.jsonl")
     rc, out, _ = _learn(run_dir, tiny_qwen3, rec, capsys)
     assert rc == 2 and "no new record" in out["error"]
+
+
+def test_a_budget_without_calibration_still_bounds_the_round(run_dir, tiny_qwen3, tmp_path, capsys):
+    """No saved calibration: the round plans learn.max_steps, and the budget's CPU time stops it early."""
+    assert main(["train", "--json", *overrides(run_dir, tiny_qwen3, train__max_steps=2)]) == 0
+    capsys.readouterr()
+    rec = tmp_path / "rec"
+    _write(rec / "records-00000001.jsonl", _records(tiny_qwen3, run_dir, 10))
+    rc, out, err = _learn(run_dir, tiny_qwen3, rec, capsys, "learn.max_steps=400", "run.budget_minutes=0.002")
+    assert rc == 0, err[-3000:]
+    r1 = json.loads((run_dir / "learn" / "rounds" / "001" / "round.json").read_text())
+    assert r1["steps"] == 400 and "CPU-time budget" in r1["steps_rule"]
+    assert 1 <= r1["train"]["steps"] < 400, r1["train"]  # 0.072 CPU-s at most (0.002 min × 0.6 × threads)

@@ -95,10 +95,19 @@ def plan_steps(cfg: Any, budget_minutes: float | None, calibration: dict[str, An
     step_s = (calibration or {}).get("train_step_s")
     if not step_s:
         log.warning("--budget %s: no saved calibration for this machine and config (run `dflashkit plan` or a "
-                    "`run --budget` once); training learn.max_steps=%d steps", budget_minutes, cap)
-        return cap, f"learn.max_steps={cap} (no calibration)"
+                    "`run --budget` once); training up to learn.max_steps=%d steps, stopped by the budget's CPU time",
+                    budget_minutes, cap)
+        return cap, f"learn.max_steps={cap} (no calibration), stopped by the CPU-time budget"
     steps = max(1, min(cap, int(budget_minutes * 60 * cfg.learn.train_fraction / float(step_s))))
     return steps, f"{budget_minutes} min × {cfg.learn.train_fraction} / {float(step_s):.3g} s a step (cap {cap})"
+
+
+def cpu_budget_s(cfg: Any, budget_minutes: float | None) -> float | None:
+    """The CPU seconds a round's training may use: --budget minutes × learn.train_fraction on every thread torch
+    uses (the hard stop behind `plan_steps`, whose step time may come from another feature mode)."""
+    if budget_minutes is None:
+        return None
+    return budget_minutes * 60 * float(cfg.learn.train_fraction) * torch.get_num_threads()
 
 
 def _base_id(sid: str, ids: set[str]) -> str | None:
@@ -235,7 +244,7 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
     try:
         trained_ids = [tr.data.ids[i] for i in tr.plan.train_idx]
         heldout_ids = [tr.data.ids[j] for j in tr.heldout]
-        summary = _fit(rcfg, rrd, tr, show_bar=show_bar, cpu_budget_s=None)
+        summary = _fit(rcfg, rrd, tr, show_bar=show_bar, cpu_budget_s=cpu_budget_s(cfg, budget_minutes))
         new_scores = sample_scores(tr)
         trained = tr.drafter
         old = load_drafter(serving, dtype=torch.float32).to(dist.device)
