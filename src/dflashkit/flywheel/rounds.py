@@ -238,13 +238,14 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
                              f"({tok['dropped']})", hint="serve more traffic, or lower tokenize.min_supervised")
         return train, held
 
-    guards.preflight(rcfg, rrd)
+    inputs = guards.preflight(rcfg, rrd)
     dist = init_distributed(rcfg.train.parallel, rcfg.target.device)
-    tr = setup(rcfg, rrd, dist, split=split)
+    tr = setup(rcfg, rrd, dist, inputs, split=split)
     try:
         trained_ids = [tr.data.ids[i] for i in tr.plan.train_idx]
         heldout_ids = [tr.data.ids[j] for j in tr.heldout]
-        summary = _fit(rcfg, rrd, tr, show_bar=show_bar, cpu_budget_s=cpu_budget_s(cfg, budget_minutes))
+        summary = _fit(rcfg, rrd, tr, show_bar=show_bar, cpu_budget_s=cpu_budget_s(cfg, budget_minutes),
+                       inputs=inputs)
         new_scores = sample_scores(tr)
         trained = tr.drafter
         old = load_drafter(serving, dtype=torch.float32).to(dist.device)

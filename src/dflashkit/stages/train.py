@@ -33,7 +33,6 @@ from dflashkit.rundir import RunDir, check_replaceable, read_json, write_manifes
 from dflashkit.stage_table import stage_hash
 from dflashkit.train import checkpoint as ckpt, guards
 from dflashkit.train.checkpoint import latest_checkpoint
-from dflashkit.train.data import tokenized_shards
 from dflashkit.train.forecast import read_curve_forecast
 from dflashkit.train.loop import fit
 from dflashkit.train.parallel import leave_distributed, relaunch_under_torchrun
@@ -47,10 +46,9 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
         return {"relaunched_nproc": ctx.nproc_per_node, **manifest.get("result", {})}
     if ctx.dry_run:
         check_engine(cfg, rd)
-        guards.preflight(cfg, rd)  # what `fit` checks first
-        shards = tokenized_shards(rd)
+        checked = guards.preflight(cfg, rd)  # what `fit` checks first
         return {"dry_run": True, "contract": str(rd.contract_path), "contract_exists": rd.contract_path.is_file(),
-                "tokenized_shards": len(shards), "features": cfg.train.features,
+                "tokenized_shards": len(checked.shards), "features": cfg.train.features,
                 "resume_from": _latest(rd)}
 
     t0 = time.time()

@@ -1,7 +1,8 @@
 """Pre-flight checks of `train`: refuse, before a weight is touched, what would be silently ignored or lost.
 
 Usage:
-    preflight(cfg, rd)                             # every check below that train makes before any work
+    inputs = preflight(cfg, rd)                    # every check below that train makes before any work;
+                                                   # TrainInputs: what `train.loop.setup` builds from
     check_outputs_ours(rd, cfg)                    # train/final, train/best: ours, not imported
     check_drafter_overrides(cfg, contract, rd.contract_path)   # drafter.* given vs contract.json
     check_cached_features(rd, contract, shards, recipe)   # recipe: resolve_recipe(cfg.train, contract), once
@@ -21,6 +22,7 @@ would replace it with a drafter trained from other weights, so `train` refuses u
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -37,7 +39,7 @@ from dflashkit.rundir import check_replaceable
 from dflashkit.train import checkpoint as ckpt
 from dflashkit.train.data import cached_store, first_of, load_tokenized
 from dflashkit.train.levers import split_samples
-from dflashkit.train.warm_start import check_fits, read_warm_start
+from dflashkit.train.warm_start import WarmSource, check_fits, read_warm_start
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig, TrainSection
@@ -111,30 +113,49 @@ def _init_dir(cfg: RunConfig) -> Path | None:
     return Path(init).expanduser()
 
 
-def preflight(cfg: RunConfig, rd: RunDir) -> DrafterContract:
+@dataclass(frozen=True)
+class TrainInputs:
+    """What `preflight` read and checked, and `train.loop.setup` builds from (nothing read or checked twice):
+    the contract, the run's recipe (`resolve_recipe`, resolved once), the warm start of a drafter.init dir
+    (None for random / target), the tokenized shards and the latest checkpoint of this run (None: from scratch)
+    with its state.json, already checked to belong to this run (objective, trajectory, contract)."""
+    contract: DrafterContract
+    recipe: Recipe
+    warm: WarmSource | None
+    shards: tuple[Path, ...]
+    resume: Path | None = None
+    resume_state: dict | None = None
+
+
+def preflight(cfg: RunConfig, rd: RunDir) -> TrainInputs:
     """Every refusal `train` makes before it loads the target or a weight: `fit` and `train --dry-run` both
     call it, so a dry run refuses what the run would, with the same message. train/final and train/best are
     ours; the contract exists and every drafter.* given agrees with it; a drafter.init dir fits it; the
     tokenized shards exist and, with train.features=cached, the feature shards hold its layers (and next_ids
     for train.labels=target); an online rollout's target attends as the rollout's mask does (read from its
     config.json); the latest checkpoint, if any, is this run's (objective, trajectory, contract).
-    The engine of train.features=engine is the stage's to check (`engines/feed.py` check_engine_feed)."""
+    The engine of train.features=engine is the stage's to check (`engines/feed.py` check_engine_feed).
+    Returns what it read, for `train.loop.setup`."""
     check_outputs_ours(rd, cfg)
     contract = DrafterContract.load(rd.contract_path)
     check_drafter_overrides(cfg, contract, rd.contract_path)
     check_family_objective(cfg, contract)
-    if _init_dir(cfg) is not None:
-        check_fits(read_warm_start(cfg.drafter.init), contract)
-    recipe = resolve_recipe(cfg.train, contract)
-    check_cached_features(rd, contract, require_tokenized_shards(rd), recipe)
+    warm = None
+    if _init_dir(cfg) is not None:  # a drafter dir: read and checked before any work
+        warm = read_warm_start(cfg.drafter.init)
+        check_fits(warm, contract)
+    recipe = resolve_recipe(cfg.train, contract)  # the one place the recipe's facts are derived
+    shards = require_tokenized_shards(rd)
+    check_cached_features(rd, contract, shards, recipe)
     check_rollout_attention(cfg, rd, recipe)
     found = ckpt.latest_run_checkpoint(rd)
+    state = None
     if found is not None:
         state = ckpt.checkpoint_state(found)
         check_objective(found, state, cfg.train)
         check_trajectory(found, state, cfg, rd)
         ckpt.check_contract(found, state.get("contract"), contract)
-    return contract
+    return TrainInputs(contract, recipe, warm, tuple(shards), found, state)
 
 
 def check_family_objective(cfg: RunConfig, contract: DrafterContract) -> None:

@@ -3,8 +3,9 @@
 Usage:
     result = fit(cfg, rd)              # one process, or one rank under torchrun
 
-Flow (`setup` builds one finished `Trainer`, `_Run` drives it): contract and the run's recipe
-(`family/recipe.py`, resolved once) + tokenized data (+ cached features) → target (frozen; online
+Flow (`guards.preflight` reads and checks the inputs once, `setup` builds one finished `Trainer` from them,
+`_Run` drives it): contract and the run's recipe (`family/recipe.py`, resolved once), warm start, resume
+point + tokenized data (+ cached features) → target (frozen; online
 features, embedding, head) → drafter (random or target init) → DDP/FSDP2 → AdamW + cosine → resume
 from the latest complete checkpoint → per step: this rank's micro-batches of the deterministic
 global batch, anchors, the step's global Σw (all-reduced), forward/backward per micro-batch, clip,
@@ -37,12 +38,13 @@ import torch
 from dflashkit.errors import UsageError
 from dflashkit.family import new_drafter
 from dflashkit.family.contract import REPROBE_HINT, DrafterContract
-from dflashkit.family.recipe import Recipe, resolve_recipe
+from dflashkit.family.recipe import Recipe
 from dflashkit.model.head import load_head_only_target
 from dflashkit.model.init import init_from_target
 from dflashkit.model.target import load_target
 from dflashkit.train import checkpoint as ckpt
 from dflashkit.train import guards
+from dflashkit.train.guards import TrainInputs
 from dflashkit.train.data import BatchPlan, FeatureStore, TokenData, cached_store, first_of, load_tokenized
 from dflashkit.train.heldout import BestKeeper, evaluate_heldout, log_eval
 from dflashkit.train.levers import feature_scale_of, split_samples
@@ -58,7 +60,7 @@ from dflashkit.train.suffix_complement import SuffixComplement
 from dflashkit.train.target_side import heldout_labels, target_side
 from dflashkit.train.trainer import Trainer, autocast_dtype
 from dflashkit.train.vocab import pick_draft_vocab
-from dflashkit.train.warm_start import WarmSource, check_fits, keep_source_vocab, read_warm_start, warm_start
+from dflashkit.train.warm_start import WarmSource, keep_source_vocab, warm_start
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -69,19 +71,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("dflashkit.train")
 
 
-def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, *, open_feed: Callable[..., Any] | None = None,
-          target: Target | None = None, suffix_proposer: Callable[[], Any] | None = None,
+def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, inputs: TrainInputs | None = None, *,
+          open_feed: Callable[..., Any] | None = None, target: Target | None = None,
+          suffix_proposer: Callable[[], Any] | None = None,
           split: Callable[[TokenData], tuple[list[int], list[int]]] | None = None) -> Trainer:
-    """Everything a step needs, as one finished `Trainer`. train.features=engine: `open_feed` (the train stage
+    """Everything a step needs, as one finished `Trainer`, built from `inputs` (`guards.preflight`'s: the
+    contract, recipe and warm start it read and checked; None: preflight runs here). train.features=engine: `open_feed` (the train stage
     passes `engines.feed.open_engine_feed`) opens the engine and its feed, which run until `Trainer.close`.
     `target`: a target already in memory instead of `cfg.target` (the GPU check's random
     Qwen3-8B-shaped target, whose weights exist nowhere on disk). `suffix_proposer` (train.suffix_complement; the
     train stage and `bench recipe` pass `decode.suffix.SuffixProposer`) makes the in-context suffix proposer.
     `split` (data → (training, held-out) indices) replaces train.heldout_* (`learn`: the newest traffic is held out)."""
+    inputs = inputs if inputs is not None else guards.preflight(cfg, rd)
     complement = SuffixComplement.from_train(cfg.train, suffix_proposer)  # before any work
     opened: list[Any] = []
     try:
-        tr = _setup(cfg, rd, dist, opened, open_feed, target, split)
+        tr = _setup(cfg, rd, dist, inputs, opened, open_feed, target, split)
         tr.complement = complement
         return tr
     except BaseException:
@@ -101,18 +106,11 @@ def engine_feed_key(cfg: RunConfig, rd: RunDir, recipe: Recipe, contract: Drafte
             "tokenize": (rd.manifest("tokenize") or {}).get("config_hash")}
 
 
-def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, opened: list[Any],
+def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, inputs: TrainInputs, opened: list[Any],
            open_feed: Callable[..., Any] | None, loaded: Target | None = None,
            split: Callable[[TokenData], tuple[list[int], list[int]]] | None = None) -> Trainer:
     """`setup`'s body; `opened` receives the engine feed it opens (closed by `setup` when this raises)."""
-    contract = DrafterContract.load(rd.contract_path)
-    guards.check_drafter_overrides(cfg, contract, rd.contract_path)
-    guards.check_family_objective(cfg, contract)
-    recipe = resolve_recipe(cfg.train, contract)  # the one place the recipe's facts are derived
-    warm = None
-    if cfg.drafter.init not in ("random", "target"):  # a drafter dir: read and checked before any work
-        warm = read_warm_start(cfg.drafter.init)
-        check_fits(warm, contract)
+    contract, recipe, warm = inputs.contract, inputs.recipe, inputs.warm
     data = load_tokenized(rd)
     feed = _open_features(cfg, rd, dist, recipe, contract, data, opened, open_feed)
     target, parts = _load_target(cfg, rd, dist, recipe, contract, data.features, loaded)
@@ -258,17 +256,19 @@ def fit(cfg: RunConfig, rd: RunDir, *, dist: DistInfo | None = None, show_bar: b
     `cpu_budget_s` (`bench recipe` at equal CPU-minutes): stop once the optimizer steps have used this
     much process CPU time (or at the configured steps, whichever comes first); the lr schedule runs
     over the steps the budget affords (`optim.CpuBudget`)."""
-    guards.preflight(cfg, rd)  # every refusal before any work (`train --dry-run` makes the same ones)
+    inputs = guards.preflight(cfg, rd)  # every refusal before any work (`train --dry-run` makes the same ones)
     dist = dist or init_distributed(cfg.train.parallel, cfg.target.device)
-    tr = setup(cfg, rd, dist, open_feed=open_feed, suffix_proposer=suffix_proposer)
+    tr = setup(cfg, rd, dist, inputs, open_feed=open_feed, suffix_proposer=suffix_proposer)
     try:
-        return _fit(cfg, rd, tr, show_bar=show_bar, cpu_budget_s=cpu_budget_s)
+        return _fit(cfg, rd, tr, show_bar=show_bar, cpu_budget_s=cpu_budget_s, inputs=inputs)
     finally:
         tr.close()
 
 
-def _fit(cfg: RunConfig, rd: RunDir, tr: Trainer, *, show_bar: bool, cpu_budget_s: float | None) -> dict:
-    run = _Run(cfg, rd, tr, show_bar=show_bar, cpu_budget_s=cpu_budget_s)
+def _fit(cfg: RunConfig, rd: RunDir, tr: Trainer, *, show_bar: bool, cpu_budget_s: float | None,
+         inputs: TrainInputs | None = None) -> dict:
+    """`inputs`: `guards.preflight`'s, whose checked checkpoint the run resumes from (None: found and checked here)."""
+    run = _Run(cfg, rd, tr, show_bar=show_bar, cpu_budget_s=cpu_budget_s, inputs=inputs)
     run.train()
     return run.summary()
 
@@ -294,8 +294,10 @@ class _Run:
     checkpoint left off; SIGTERM: checkpoint at the next step boundary, then exit 143), `summary()` is fit's
     result."""
 
-    def __init__(self, cfg: RunConfig, rd: RunDir, tr: Trainer, *, show_bar: bool, cpu_budget_s: float | None):
+    def __init__(self, cfg: RunConfig, rd: RunDir, tr: Trainer, *, show_bar: bool, cpu_budget_s: float | None,
+                 inputs: TrainInputs | None = None):
         self.cfg, self.rd, self.tr, self.dist = cfg, rd, tr, tr.dist
+        self.inputs = inputs
         self.steps = total_steps(cfg, tr.plan)
         self.opt = build_optimizer(tr.drafter, cfg.train)
         if cpu_budget_s and self.dist.world > 1:  # each rank would measure its own CPU time, stop and schedule alone
@@ -318,13 +320,19 @@ class _Run:
 
     def _resume(self) -> tuple[int, dict | None]:
         """(the step to start from, the checkpoint's state.json): the latest complete checkpoint, loaded after
-        another run's is refused by name (objective, trajectory), or (0, None)."""
-        found = ckpt.latest_run_checkpoint(self.rd)
-        if found is None:
-            return 0, None
-        state = ckpt.checkpoint_state(found)
-        guards.check_objective(found, state, self.cfg.train)
-        guards.check_trajectory(found, state, self.cfg, self.rd)
+        another run's is refused by name (objective, trajectory; already by `guards.preflight` when `inputs`
+        are its), or (0, None)."""
+        if self.inputs is not None:
+            found, state = self.inputs.resume, self.inputs.resume_state
+            if found is None or state is None:
+                return 0, None
+        else:
+            found = ckpt.latest_run_checkpoint(self.rd)
+            if found is None:
+                return 0, None
+            state = ckpt.checkpoint_state(found)
+            guards.check_objective(found, state, self.cfg.train)
+            guards.check_trajectory(found, state, self.cfg, self.rd)
         start = ckpt.load_checkpoint(found, model=self.tr.drafter, optimizer=self.opt, scheduler=self.sched)
         self.tr.sync_draft_vocab()
         return start, state
