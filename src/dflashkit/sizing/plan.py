@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, TypeGuard
 
+from dflashkit.decode.evaluation import hybrid_keys
 from dflashkit.errors import UsageError
 from dflashkit.family.recipe import config_recipe
 
@@ -160,9 +161,7 @@ def eval_prompt_s(cfg: Any, rates: Rates, max_new: int, *, hybrid_grid: bool = T
     proposer and each hybrid gate and graft at the largest (`decode.evaluation.hybrid_keys`), with prefills."""
     e = cfg.eval
     passes = 1 + int(bool(e.adaptive_length)) + int(bool(e.prompt_lookup))
-    blocks = len({0 if d == 0 or d >= max(_block_sizes(cfg) or [0]) else d for d in e.hybrid_drafter_blocks} or {0})
-    hybrid = (1 + blocks * (len(set(e.hybrid_gates)) + int(bool(e.hybrid_graft)))) if (
-        e.hybrid and hybrid_grid and _block_sizes(cfg)) else 0
+    hybrid = len(hybrid_keys(cfg, max(_block_sizes(cfg)))) if e.hybrid and hybrid_grid and _block_sizes(cfg) else 0
     per_token = (rates.t(1) + sum(passes * rates.t(b) / EVAL_TAU for b in _block_sizes(cfg))
                  + (hybrid * rates.t(max(_block_sizes(cfg))) / EVAL_TAU if hybrid else 0.0))
     prefills = 1 + passes * len(_block_sizes(cfg)) + hybrid
