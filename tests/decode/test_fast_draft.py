@@ -101,13 +101,32 @@ def test_packed_linear_is_f_linear_or_falls_back():
                 assert torch.equal(lin(x), F.linear(x, w, b)), (dtype, m)
 
 
-def test_supports_plain_dflash_only():
+def test_supports_what_the_family_declares(monkeypatch):
+    """The family's `Decoding.fast_path` decides, not the layers' classes: DFlash and a LiLiCorr backbone without
+    convolutions with GQA layers; not MLA, DFlash2, a convolved LiLiCorr, nor a family that declares nothing (here
+    DFlash's very network, whose layers are plain DFlash layers)."""
+    from dataclasses import replace
+
+    from dflashkit import family
+    from dflashkit.family import new_drafter
+    from dflashkit.family.base import Decoding
+    from dflashkit.family.dflash import DFLASH, propose
+
     c = _contract(1)
     assert FastDraft.supports(DFlashDraftModel(c))
-    from dflashkit.family import new_drafter
-
-    d2 = with_fields(c, drafter_type="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=4)
-    assert not FastDraft.supports(new_drafter(d2))
+    lili = dict(drafter_type="lilicorr", lilicorr_candidate_topk=4, lilicorr_num_heads=4, lilicorr_factor_dim=8)
+    assert FastDraft.supports(new_drafter(with_fields(c, **lili)))
+    refused = {"dflash2": with_fields(c, drafter_type="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=4),
+               "mla": with_fields(c, attention_type="mla", mla_q_lora_rank=0, mla_kv_lora_rank=16,
+                                  mla_qk_nope_head_dim=8, mla_qk_rope_head_dim=8, mla_v_head_dim=8),
+               "lilicorr+conv": with_fields(c, **lili, lilicorr_conv_kernel_size=2, lilicorr_conv_group_size=8)}
+    for name, contract in refused.items():
+        assert not FastDraft.supports(new_drafter(contract)), name
+    plain = replace(DFLASH, name="plain", formats=replace(DFLASH.formats, architecture="PlainDraftModel"),
+                    decoding=Decoding(propose=propose))
+    monkeypatch.setitem(family.FAMILIES, "plain", plain)
+    drafter = new_drafter(with_fields(c, drafter_type="plain"))
+    assert type(drafter) is DFlashDraftModel and not FastDraft.supports(drafter)
 
 
 def test_forward_gives_the_modules_hidden_states_before_the_head():

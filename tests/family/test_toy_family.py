@@ -24,7 +24,7 @@ from torch import nn
 from dflashkit.family.base import Decoding, Family, Formats, Network, Objective, StatField
 from dflashkit.family.dflash import DFLASH, DFlashKnobs, propose
 from dflashkit.family.knobs import knob
-from dflashkit.model.drafter import DFlashDecoderLayer, DFlashDraftModel
+from dflashkit.model.drafter import DFlashDraftModel
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {"DFLASHKIT_FAMILIES": "tests.family.test_toy_family:TOY"}  # this module, as the subprocesses import it
@@ -40,17 +40,10 @@ class ToyWeights:
     toy_loss_weight: float = knob(0.1, "drafter.type=toy: weight of the mean square of the drafter's outputs.", ge=0)
 
 
-class ToyLayer(DFlashDecoderLayer):
-    """DFlash's layer under its own type: the lean DFlash decode path serves plain DFlash layers only."""
-
-
 class ToyDraftModel(DFlashDraftModel):
     def __init__(self, contract: Any, draft_vocab: Any = None, feature_scale: Any = None):
         super().__init__(contract, draft_vocab=draft_vocab, feature_scale=feature_scale)
         self.toy_gain = nn.Parameter(torch.full((contract.hidden_size,), float(contract.knobs.toy_scale)))
-
-    def make_layer(self) -> nn.Module:
-        return ToyLayer(self.config)
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return super().forward(*args, **kwargs) * self.toy_gain

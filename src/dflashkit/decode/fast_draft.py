@@ -148,14 +148,11 @@ class FastDraft:
 
     @staticmethod
     def supports(drafter: nn.Module) -> bool:
-        """Plain DFlash layers (GQA attention + SwiGLU MLP, nothing between them) and a length-free RoPE; MLA
-        layers decode through the module path."""
-        from dflashkit.model.drafter import DFlashAttention, DFlashDecoderLayer
-
+        """Whether this forward computes the drafter's module forward: its family says so of its contract
+        (`Decoding.fast_path`: plain DFlash layers, nothing added around them) and its RoPE is length-free."""
         rope = getattr(drafter.rotary_emb, "rope_type", "default")
-        return (all(type(layer) is DFlashDecoderLayer and type(layer.self_attn) is DFlashAttention
-                    for layer in drafter.layers)
-                and rope not in DYNAMIC_ROPE and getattr(drafter, "input_embedding_scale", None) is None)
+        c = drafter.contract
+        return bool(c.family.decoding.fast_path(c)) and rope not in DYNAMIC_ROPE
 
     def _table(self, n: int) -> None:
         """cos/sin [n, d] for positions 0 … n−1, computed by the drafter's own rotary module."""

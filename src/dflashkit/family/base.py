@@ -171,6 +171,10 @@ def _zero(_c: Any) -> int:
     return 0
 
 
+def _never(_c: Any) -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class Network:
     """The family's network and its tensors.
@@ -240,11 +244,15 @@ class Decoding:
     propose(drafter, h, logits, anchor, sampling, vocab, vocab_size, block=DraftBlock): one draft step →
         (tokens, draft law [k, V] or None for point masses).
     vllm_runner: "any" or "v2" (vLLM runs it on its V2 model runner only).
-    reference_loop: the z-lab PyPI loop (dflash 0.1.0) decodes it (`bench decode`'s reference)."""
+    reference_loop: the z-lab PyPI loop (dflash 0.1.0) decodes it (`bench decode`'s reference).
+    fast_path(c): whether `decode/fast_draft.py`'s lean forward computes the module forward of a drafter of
+        contract c: plain DFlash layers (GQA attention and the SwiGLU MLP, nothing between them) and nothing
+        added to the network's inputs or outputs. False (the default) keeps the module's forward."""
 
     propose: Callable[..., tuple[list[int], Any]]
     vllm_runner: str = "any"
     reference_loop: bool = False
+    fast_path: Callable[[DrafterContract], bool] = _never
 
 
 @dataclass(frozen=True)

@@ -165,6 +165,12 @@ def read_knobs(cfg: dict[str, Any], dc: dict[str, Any], source: str) -> dict[str
     return {"causal": read_causal(cfg, dc, source), **read_attention(cfg, dc, source)}
 
 
+def fast_path(c: DrafterContract) -> bool:
+    """A GQA drafter's layers are the plain DFlash layers `decode/fast_draft.py` computes; an MLA one decodes
+    through the module."""
+    return getattr(c.knobs, "attention_type", "gqa") == "gqa"
+
+
 def build(contract: DrafterContract, draft_vocab: torch.Tensor | None = None, feature_scale: torch.Tensor | None = None):
     """A new random DFlash drafter (`model.drafter.DFlashDraftModel`)."""
     from dflashkit.model.drafter import DFlashDraftModel
@@ -222,6 +228,6 @@ DFLASH = Family(
     objective=Objective(packs=True),
     formats=Formats(architecture="DFlashDraftModel", dflash_config=dflash_config, hf_keys=hf_keys,
                     read_knobs=read_knobs, card_lines=card_lines),
-    decoding=Decoding(propose=propose, reference_loop=True),
+    decoding=Decoding(propose=propose, reference_loop=True, fast_path=fast_path),
     knobs=DFlashKnobs,
 )

@@ -31,6 +31,7 @@ from dflashkit.family.base import (Decoding, DraftBlock, DraftSampling, Family, 
 from dflashkit.family.dflash import DFlashKnobs
 from dflashkit.family.dflash import card_lines as dflash_card_lines
 from dflashkit.family.dflash import dflash_config as dflash_keys
+from dflashkit.family.dflash import fast_path as dflash_fast_path
 from dflashkit.family.dflash import hf_keys as dflash_hf_keys
 from dflashkit.family.dflash import read_knobs as dflash_knobs
 from dflashkit.family.knobs import knob
@@ -413,6 +414,12 @@ def card_lines(c: DrafterContract) -> list[str]:
             "SGLang release runs the LiLiCorr head (the line above is DFlash's) was not checked by dflashkit.", ""]
 
 
+def fast_path(c: DrafterContract) -> bool:
+    """A backbone without convolutions is DFlash's (GQA: the lean forward's; the lattice head reads its outputs)."""
+    k = c.knobs
+    return dflash_fast_path(c) and not (k.lilicorr_conv_kernel_size and k.lilicorr_conv_group_size)
+
+
 LILICORR = Family(
     name="lilicorr",
     title="LiLiCorr",
@@ -421,7 +428,7 @@ LILICORR = Family(
     objective=Objective(loss_terms=loss_terms, stats=STATS, metrics=metrics),
     formats=Formats(architecture="LiLiCorrDraftModel", dflash_config=dflash_config, hf_keys=dflash_hf_keys,
                     read_knobs=read_knobs, speculators=False, reload_check=reload_check, card_lines=card_lines),
-    decoding=Decoding(propose=propose, vllm_runner="v2"),
+    decoding=Decoding(propose=propose, vllm_runner="v2", fast_path=fast_path),
     knobs=LiLiCorrKnobs,
     weights=LiLiCorrWeights,
     config_problems=config_problems,
