@@ -110,3 +110,41 @@ def test_kl_without_the_targets_logits_is_refused_before_the_drafter_runs():
 
     with pytest.raises(ValueError, match="needs target_logits"):
         train_loss(c, gamma=2.0, loss="kl")(Refuses(), heads, x, a)
+
+
+@pytest.mark.parametrize("chunk", [2, 64])
+def test_the_terms_order_does_not_change_a_bit_of_the_loss_or_its_gradients(chunk):
+    """However the terms are listed, the loss runs them in its one canonical order: the same loss and gradients
+    bit for bit; two terms of one name are refused."""
+    import itertools
+
+    from dflashkit.train.loss import KL, canonical
+
+    c, model, heads, x, a = _case(2)
+    x = dataclasses.replace(x, target_logits=torch.randn(*x.input_ids.shape, V))
+    base = train_loss(c, gamma=2.0, loss_chunk_blocks=chunk)
+    terms = (CE(), KL(0.5, 2.0), ScaledCE(0.7), ScaledCE(1.3, name="aux"))
+    got = []
+    for order in itertools.permutations(terms):
+        model.zero_grad()
+        out = dataclasses.replace(base, terms=order)(model, heads, x, a)
+        out.loss.backward()
+        got.append((out.loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    for loss, grads in got[1:]:
+        assert torch.equal(loss, got[0][0])
+        assert all(torch.equal(g, w) for g, w in zip(grads, got[0][1]))
+    assert [t.name for t in canonical(terms[::-1])] == ["ce", "kl", "aux", "scaled_ce"]
+    with pytest.raises(ValueError, match="its own name"):
+        dataclasses.replace(base, terms=(CE(), ScaledCE(), ScaledCE(3.0)))
+
+
+def test_the_recipes_build_their_terms_in_the_canonical_order():
+    """Canonical = the order every built-in family's recipe lists its terms in (CE, KL, the family's), so the
+    loss sums what it summed before the order was fixed (the demo's curve)."""
+    from dflashkit.config import TrainSection
+    from dflashkit.family import BUILTIN
+    from dflashkit.train.loss import KL, canonical
+
+    for fam in BUILTIN:
+        listed = (CE(), KL(0.5, 1.0), *fam.objective.loss_terms(TrainSection()))
+        assert canonical(listed) == listed, fam.name

@@ -22,6 +22,9 @@ Rules (each pinned by a test):
   * Reduced draft vocabulary (`Heads.vocab` sorted target ids, `Heads.head` its rows): labels become draft
     indices; an out-of-vocab label has no loss (nor weight in Σ w) but counts as wrong; KL compares against
     the target's logits at the `vocab` columns (renormalised).
+  * The terms' order is immaterial: the loss puts them in one canonical order (`canonical`: CE, KL, then the
+    others by name) and runs them in it, so their sum and the gradients they add up are the same bits whatever
+    order they were listed in.
   * `context=False` (`train.ablate_features`): the blocks attend to themselves only, no target context.
   * `train.suffix_complement` (`LossInputs.complement`): each row's weight times its factor (0 or the
     complement's weight where the suffix proposer already gets the label right), after the weighting; the
@@ -69,9 +72,25 @@ def tau_sum(ok: torch.Tensor, keep: torch.Tensor) -> float:
     return float(((1 + lead).float() * keep.float()).sum())
 
 
+COMMON_TERMS = ("ce", "kl")  # the terms every family may take, first in the canonical order (`canonical`)
+
+
+def canonical(terms: tuple[LossTerm, ...] | list[LossTerm]) -> tuple[LossTerm, ...]:
+    """`terms` in the order the loss runs them: CE, KL, then the others by name (the order the recipes build
+    them in, so the default recipe's sums are those it always had). Float addition is not associative: this one
+    order makes the loss and its gradients independent of how the terms were listed. ValueError when two terms
+    share a name (their statistics would too)."""
+    names = [t.name for t in terms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"loss terms {names}: each term needs its own name")
+    return tuple(sorted(terms, key=lambda t: (COMMON_TERMS.index(t.name) if t.name in COMMON_TERMS
+                                              else len(COMMON_TERMS), t.name)))
+
+
 @dataclass(frozen=True)
 class DraftLoss:
-    """The loss of a run (module docstring): terms in the order they are summed, a position weighting."""
+    """The loss of a run (module docstring): its terms (in any order: kept in the `canonical` one), a position
+    weighting."""
 
     family: Family
     mask_token_id: int
@@ -81,6 +100,9 @@ class DraftLoss:
     attention: str = "sdpa"                  # "sdpa" (dense bool mask) or "flex" (BlockMask; GPU training)
     amp: torch.dtype | None = None           # autocast dtype of the drafter pass (None: off)
     context: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "terms", canonical(self.terms))
 
     @classmethod
     def from_train(cls, train: TrainSection, contract: DrafterContract, *, gamma: float | None, attention: str = "sdpa",
@@ -155,8 +177,8 @@ class DraftLoss:
                    ) -> tuple[list[list[Any]], torch.Tensor]:
         """Each term's `chunk` values, then the weighting's ([term][chunk]), and the argmax of every flat row
         (−1 where a row has no logits). Only the supervised rows reach the vocab projection, chunk by chunk.
-        A chunk runs its terms last to first (the family's, then KL, CE): the terms share the scores, and the
-        order they are built in fixes the order their gradients sum in (float addition is not associative)."""
+        A chunk runs its terms last to first in the `canonical` order: the terms share the scores, and the order
+        they are built in fixes the order their gradients sum in (float addition is not associative)."""
         fam, head = self.family, heads.head
         users = (*self.terms, self.weighting)
         order = [*range(len(self.terms) - 1, -1, -1), len(self.terms)]
