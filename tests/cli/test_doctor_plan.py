@@ -81,8 +81,8 @@ def test_drafter_params_formula_is_exact(tiny_qwen3):
     assert drafter_params(c) == sum(p.numel() for p in model.parameters())
 
 
-def test_dflash2_params_formula_is_exact_and_plan_shows_the_codebooks(tiny_qwen3, tmp_path, capsys):
-    from dflashkit.inspect.budget import codebook_params, drafter_params
+def test_dflash2_params_formula_is_exact_and_plan_shows_the_looked_up_params(tiny_qwen3, tmp_path, capsys):
+    from dflashkit.inspect.budget import drafter_params, lookup_params
     from dflashkit.inspect.config_facts import read_model_facts
     from dflashkit.inspect.contract import derive_contract
     from dflashkit.inspect.tokenizer_facts import read_tokenizer_facts
@@ -93,16 +93,16 @@ def test_dflash2_params_formula_is_exact_and_plan_shows_the_codebooks(tiny_qwen3
     c = derive_contract(d, read_model_facts(tiny_qwen3), read_tokenizer_facts(tiny_qwen3))
     model = DFlash2DraftModel(c)
     assert drafter_params(c) == sum(p.numel() for p in model.parameters())
-    assert codebook_params(c) == model.candidate_selector.predecessor_codebook.numel() * 2
+    assert lookup_params(c) == model.candidate_selector.predecessor_codebook.numel() * 2
     args = ["8x141", "data.num_prompts=1000", "data.mean_tokens=2000", "--run-dir", str(tmp_path)]
     assert main(["plan", str(FIXTURES / "kimi-k2.6"), *args, "--json"]) == 0
     dflash = last_json(capsys)["plan"]["drafter"]
     assert main(["plan", str(FIXTURES / "kimi-k2.6"), *args, "--json", "drafter.type=dflash2"]) == 0
     d2 = last_json(capsys)["plan"]["drafter"]
-    assert d2["selector_codebook_params"] == 2 * 163_840 * 256 and dflash["selector_codebook_params"] == 0
+    assert d2["lookup_params"] == 2 * 163_840 * 256 and dflash["lookup_params"] == 0
     assert d2["params"] - dflash["params"] > 2 * 163_840 * 256
     assert main(["plan", str(FIXTURES / "kimi-k2.6"), *args, "drafter.type=dflash2"]) == 0
-    assert "selector's codebooks 2·V·r = 83.9M" in capsys.readouterr().out
+    assert "(of which 83.9M looked up, not multiplied)" in capsys.readouterr().out
 
 
 def test_plan_modes_qwen3_and_kimi(tmp_path, capsys):

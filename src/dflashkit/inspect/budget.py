@@ -72,9 +72,9 @@ def drafter_params(c: Any) -> int:
     return c.num_draft_layers * layer + len(c.target_layer_ids) * h * h + 2 * h + extra_params(c)
 
 
-def codebook_params(c: Any) -> int:
-    """The drafter's looked-up parameters (DFlash2's selector codebooks, 2·V·r; 0 for DFlash): they cost
-    2·r·(K+1) FLOPs per drafted position whatever V is, so the FLOPs leave them out."""
+def lookup_params(c: Any) -> int:
+    """The drafter's looked-up parameters, as its family counts them (`Network.lookup_params`; DFlash2's selector
+    codebooks, 2·V·r; 0 for DFlash): a lookup costs no FLOPs per parameter, so the FLOPs leave them out."""
     return c.family.network.lookup_params(c)
 
 
@@ -196,7 +196,7 @@ def _time(c: Any, facts: dict[str, Any], cfg: RunConfig, s: _Sizes, *, tokens: i
           calibration: dict[str, Any] | None, no_calibration: str) -> dict[str, Any]:
     """The time estimate: FLOPs, and hours from `calibration`'s rates or from FLOPs at the assumed throughput."""
     flops_target = 2 * int(facts.get("params_active") or facts.get("params_total") or 0) * tokens
-    flops_draft = 6 * (s.p_d - codebook_params(c)) * s.q * sequences
+    flops_draft = 6 * (s.p_d - lookup_params(c)) * s.q * sequences
     rate = TFLOPS_PER_GPU * gpus
     assumed = {"source": f"assumed {TFLOPS_PER_GPU / 1e12:.0f} TFLOP/s per GPU ({no_calibration})",
                "hours_per_epoch_online": round((flops_target + flops_draft) / rate / 3600, 3),
@@ -234,7 +234,7 @@ def plan_budget(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, s
                      "total_gib": _gib(s.cap_bpt * tokens)},
         "drafter": {"params": s.p_d, "type": c.drafter_type, "attention": attention_text(c),
                     "attention_params_per_layer": attention_params(c),
-                    "selector_codebook_params": codebook_params(c), "weights_grads_adam_gib": _gib(s.opt),
+                    "lookup_params": lookup_params(c), "weights_grads_adam_gib": _gib(s.opt),
                     "frozen_embed_head_gib": _gib(s.frozen), "activations_gib": _gib(s.act),
                     "kl_targets_gib": _gib(s.kl)},
         "logits": {"per_sequence_gib": _gib(t.num_anchors * b * v * 4), "chunk_gib": _gib(s.chunk),

@@ -39,9 +39,9 @@ from dflashkit.train.forecast import curve_file_forecast
 log = logging.getLogger("dflashkit.plan")
 
 
-def _codebooks(d: dict[str, Any]) -> str:
-    n = d.get("selector_codebook_params") or 0
-    return f" (of which the selector's codebooks 2·V·r = {n / 1e6:.1f}M)" if n else ""
+def _lookups(d: dict[str, Any]) -> str:
+    n = d.get("lookup_params") or 0
+    return f" (of which {n / 1e6:.1f}M looked up, not multiplied)" if n else ""
 
 
 def _table(r: dict[str, Any]) -> str:
@@ -57,7 +57,7 @@ def _table(r: dict[str, Any]) -> str:
             ("drafter", f"{p['drafter']['type']}, {p['drafter']['params'] / 1e6:.1f}M params "
                         f"({p['drafter']['params']}; attention {p['drafter']['attention']}, "
                         f"{p['drafter']['attention_params_per_layer'] / 1e6:.1f}M per layer)"
-                        f"{_codebooks(p['drafter'])}; weights+grads+Adam "
+                        f"{_lookups(p['drafter'])}; weights+grads+Adam "
                         f"{p['drafter']['weights_grads_adam_gib']} GiB, "
                         f"activations {p['drafter']['activations_gib']} GiB"),
             ("logits", f"{p['logits']['per_sequence_gib']} GiB/sequence unchunked; chunk "
