@@ -91,7 +91,7 @@ TOY = Family(
     title="Toy",
     network=Network(build=ToyDraftModel, tensor_markers=("toy_gain",), reduced_vocab=False),
     objective=Objective(loss_terms=lambda train: [ToyTerm(train.toy_loss_weight)], stats=(StatField("toy_loss", loss=True),),
-                        metrics=lambda st: {"toy_loss": float(st.extra["toy_loss"])}),
+                        metrics=lambda st: {"toy_loss": float(st.extra["toy_loss"])}, metric_names=("toy_loss",)),
     formats=Formats(architecture="ToyDraftModel", dflash_config=_dflash_config, hf_keys=DFLASH.formats.hf_keys,
                     read_knobs=_read_knobs, speculators=False, modeling_source=MODELING),
     decoding=Decoding(propose=propose),

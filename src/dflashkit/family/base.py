@@ -7,7 +7,7 @@ Usage:
     tokens, law = fam.decoding.propose(drafter, h, logits, anchor, DraftSampling(), None, vocab_size)   # a step
     tokens, law = fam.decoding.propose(..., block=DraftBlock(embed=target.embed, context=feats[:, -1]))
     terms = fam.objective.loss_terms(cfg.train)   # its own loss terms (train/loss.py composes them)
-    fam.metric_names, fam.knob_names              # derived: from its metrics and its knobs
+    fam.metric_names, fam.knob_names              # declared: by its objective and its knobs
 
 A `Family` is a frozen record of four records (`Network`, `Objective`, `Formats`, `Decoding`) and its
 declared settings (`knobs`, `weights`: `family/knobs.py`), written by one module per family and listed by the
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 from dflashkit.errors import DflashkitError, UsageError
@@ -202,12 +201,13 @@ class Objective:
 
     loss_terms(train): its own loss terms (`train/loss.py` composes them with CE / KL).
     stats: its statistics (`StatField`), filled by its terms; metrics(stats): its metrics from a step's summed
-        statistics (their names: `Family.metric_names`).
+        statistics, named `metric_names` (exactly those: the step's record checks, `train/stats.py`).
     packs: its loss takes packed rows (`train.pack`: per-document anchors, positions and masks)."""
 
     loss_terms: Callable[[TrainSection], list[LossTerm]] = _nothing
     stats: tuple[StatField, ...] = ()
     metrics: Callable[..., dict[str, Any]] = _empty
+    metric_names: tuple[str, ...] = ()
     packs: bool = False
 
 
@@ -294,13 +294,10 @@ class Family:
         """The `train.*` keys only its loss terms read."""
         return field_names(self.weights)
 
-    @functools.cached_property
+    @property
     def metric_names(self) -> tuple[str, ...]:
-        """The step / held-out metrics its `objective.metrics` adds (asked of zeroed statistics)."""
-        size = 4
-        zero = SimpleNamespace(blocks=0.0, total=[0.0] * size,
-                               extra={f.name: [0.0] * size if f.size == "B" else 0.0 for f in self.objective.stats})
-        return tuple(self.objective.metrics(zero))
+        """The step / held-out metrics its `objective.metrics` adds (`Objective.metric_names`)."""
+        return self.objective.metric_names
 
     def make_knobs(self, values: Mapping[str, Any]) -> Any:
         """Its knobs from a mapping holding (some of) their names; the rest keep their defaults."""

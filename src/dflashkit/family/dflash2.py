@@ -230,8 +230,11 @@ STATS = (StatField("unary_tau_sum"), StatField("unary_correct", "B"), StatField(
          StatField("selector_covered"), StatField("selector_correct"), StatField("selector_loss", loss=True))
 
 
+METRICS = ("unary_tau", "unary_acc", "selector_acc", "topk_coverage", "selector_loss")
+
+
 def metrics(stats: Any) -> dict[str, Any]:
-    """unary τ / accuracy (the argmax's) and the selector's coverage, accuracy and loss."""
+    """`METRICS`: unary τ / accuracy (the argmax's) and the selector's coverage, accuracy and loss."""
     x = stats.extra
     return {"unary_tau": float(x["unary_tau_sum"] / max(stats.blocks, 1)),
             "unary_acc": [ratio(c, t) for c, t in zip(x["unary_correct"][1:], stats.total[1:])],
@@ -292,7 +295,7 @@ DFLASH2 = Family(
     network=Network(build=build, init_from={"dflash": from_dflash},
                     tensor_markers=("attention_conv.", "mlp_conv.", "candidate_selector."), reduced_vocab=False,
                     scores=scores, lookup_params=lookup_params),
-    objective=Objective(loss_terms=loss_terms, stats=STATS, metrics=metrics),
+    objective=Objective(loss_terms=loss_terms, stats=STATS, metrics=metrics, metric_names=METRICS),
     formats=Formats(architecture="DFlash2DraftModel", dflash_config=dflash_config, hf_keys=dflash_hf_keys,
                     read_knobs=read_knobs, speculators_keys=REQUIRED, reload_check=reload_check,
                     card_lines=card_lines),

@@ -353,8 +353,13 @@ STATS = (StatField("unary_tau_sum"), StatField("unary_correct", "B"), StatField(
          StatField("lattice_loss", loss=True))
 
 
+METRICS = ("unary_tau", "unary_acc", "topk_coverage", "lattice_acc", "lattice_supervised", "lattice_ce",
+           "lattice_penalty", "lattice_loss")
+
+
 def metrics(stats: Any) -> dict[str, Any]:
-    """unary τ / accuracy (the argmax's), top-K coverage, the lattice's teacher-forced accuracy and its losses."""
+    """`METRICS`: unary τ / accuracy (the argmax's), top-K coverage, the lattice's teacher-forced accuracy and its
+    losses."""
     x = stats.extra
     return {"unary_tau": float(x["unary_tau_sum"] / max(stats.blocks, 1)),
             "unary_acc": [ratio(c, t) for c, t in zip(x["unary_correct"][1:], stats.total[1:])],
@@ -425,7 +430,7 @@ LILICORR = Family(
     title="LiLiCorr",
     network=Network(build=build, init_from={"dflash": _from("DFlash"), "dflash2": _from("DFlash2")},
                     tensor_markers=("lilicorr.", "attention_conv.", "mlp_conv."), reduced_vocab=False),
-    objective=Objective(loss_terms=loss_terms, stats=STATS, metrics=metrics),
+    objective=Objective(loss_terms=loss_terms, stats=STATS, metrics=metrics, metric_names=METRICS),
     formats=Formats(architecture="LiLiCorrDraftModel", dflash_config=dflash_config, hf_keys=dflash_hf_keys,
                     read_knobs=read_knobs, speculators=False, reload_check=reload_check, card_lines=card_lines),
     decoding=Decoding(propose=propose, vllm_runner="v2", fast_path=fast_path),

@@ -138,7 +138,11 @@ class StepStats:
                "_window": [self.tau_sum, self.blocks, float(correct[1]), float(total[1])], **extra}
         if self.complemented:
             out["suffix_covered"] = float(self.covered / max(float(total[1:].sum()), 1.0))
-        out.update(self.family.objective.metrics(self))
+        mine = self.family.objective.metrics(self)
+        if tuple(mine) != self.family.metric_names:
+            raise ValueError(f"{self.family.title}'s metrics returned {list(mine)}, its Objective declares "
+                             f"metric_names {list(self.family.metric_names)}: declare what metrics returns, in order")
+        out.update(mine)
         return out
 
     def heldout_row(self, step: int, **extra: Any) -> dict[str, Any]:
