@@ -22,6 +22,9 @@ saw at inference; context and answer are tokenized separately, so no token strad
 Policies: `thinking` keep | mask | strip; `system_prompt` keep | drop; a turn cut by max_tokens is
 supervised without the end-of-turn token. Per-source variables (`data.sources[].chat_template_kwargs`)
 merge over the run's; a source's mode (`mode_of`) comes from `enable_thinking`, else `thinking`.
+The target's own answer ids replace the re-tokenized text: `meta.token_ids` (generate's, one list per answer) as
+they are; `meta.completion_ids` (recorded traffic's last reply) only where they spell the rendered answer
+(`ChatTemplate.ids_spell`), else the text is tokenized and the reply counted (`recorded_ids_disagree`).
 """
 
 from __future__ import annotations
@@ -223,6 +226,7 @@ class ChatTemplate:
         meta = conv.meta or {}
         reasons = list(meta.get("finish_reasons") or [])
         server = list(meta.get("token_ids") or [])
+        recorded = list(meta.get("completion_ids") or [])  # recorded traffic: the last reply's committed ids
         regenerated = is_regenerated(meta)
         # prompts rendered here differ from what was sent by design when turns are dropped/rewritten
         check_prompts = regenerated and thinking != "strip" and system_prompt != "drop"
@@ -231,9 +235,9 @@ class ChatTemplate:
         if thinking == "strip":
             for i in answers:
                 msgs[i]["content"] = strip_thinking(msgs[i]["content"])
-            if any(server):
+            if any(server) or recorded:
                 counts["server_ids_ignored_strip"] += 1
-            server = []
+            server, recorded = [], []
         spans: dict[int, tuple[str, str, str, int]] = {}  # msg index -> (P, answer, F, ordinal)
         for ordinal, j in enumerate(answers):
             try:
@@ -249,6 +253,12 @@ class ChatTemplate:
             answer, found = self.answer_span(full[len(prompt):], msgs[j])
             counts["turns_without_end_token"] += not found
             spans[j] = (prompt, answer, full, ordinal)
+            if recorded and j == answers[-1]:
+                if self.ids_spell(recorded, answer):
+                    server = (server + [None] * len(answers))[:len(answers)]
+                    server[ordinal] = recorded
+                else:
+                    counts["recorded_ids_disagree"] += 1
         plans: list[SamplePlan] = []
         remaining = sorted(spans)
         while remaining:
@@ -281,6 +291,22 @@ class ChatTemplate:
         plans.reverse()
         counts["samples"] += len(plans)
         return plans, counts
+
+    def ids_spell(self, ids: list[int], answer: str) -> bool:
+        """Do token ids decode to the rendered answer span `answer`, trailing whitespace and end/special tokens
+        aside? Recorded completion ids (`meta.completion_ids`) are trained on only then: ids that spell another
+        text (another chat template or tool-call serialisation than this rendering's) would not follow its prompt."""
+        said = self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return self._bare(said) == self._bare(answer)
+
+    def _bare(self, text: str) -> str:
+        """`text` without its trailing whitespace and special tokens."""
+        while True:
+            text = text.rstrip()
+            m = re.search(f"(?:{self.special_re.pattern})$", text) if self.special_re is not None else None
+            if m is None or m.start() == len(text):
+                return text
+            text = text[:m.start()]
 
     def _add_answer(self, plan: SamplePlan, answer: str, ordinal: int, thinking: str, cut: bool) -> None:
         end = ""

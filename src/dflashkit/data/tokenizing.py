@@ -218,6 +218,10 @@ def log_warnings(tok: Tokenized) -> None:
         log.warning("%d of %d answers differ from the server's token ids (first: %s); the server's "
                     "ids were used", tok.checks["server_mismatches"], tok.checks["server_turns"],
                     tok.checks["first_mismatch"])
+    if tok.events["recorded_ids_disagree"]:
+        log.warning("%d recorded replies' completion_token_ids do not spell the reply as the chat template renders "
+                    "it (another template or tool-call serialisation?); their text was tokenized instead",
+                    tok.events["recorded_ids_disagree"])
 
 
 def by_mode(cfg: Any, by_source: dict[str, dict[str, int]]) -> dict[str, dict[str, Any]]:

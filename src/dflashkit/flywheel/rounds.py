@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from dflashkit.data.chat import load_chat
-from dflashkit.data.tokenizing import min_supervised, publish_shards, tokenize_shards
+from dflashkit.data.tokenizing import log_warnings, min_supervised, publish_shards, tokenize_shards
 from dflashkit.decode.api import SamplingParams, default_stop_ids
 from dflashkit.decode.spec_decode import SpecDecoder
 from dflashkit.errors import MissingArtifactError, UsageError
@@ -154,6 +154,11 @@ def sample_scores(tr: Any) -> list[tuple[float, int]]:
 
 
 def _tokenize(cfg: Any, rrd: RunDir, conv_path: Path) -> dict[str, Any]:
+    """Tokenize the round's conversations into `rrd`'s tokenize/ shards; tokenize's counts.
+
+    A reply recorded with its `completion_token_ids` (`meta.completion_ids`) is trained on those ids, the target's
+    own tokens, wherever they spell the reply as the chat template renders it (`ChatTemplate.ids_spell`); where
+    they do not, its text is tokenized and the reply counted (`recorded_ids.disagree_text_used`, warned)."""
     chat = load_chat(cfg)
     out = rrd.stage_dir("tokenize")
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
@@ -162,7 +167,10 @@ def _tokenize(cfg: Any, rrd: RunDir, conv_path: Path) -> dict[str, Any]:
         publish_shards(staging, out, tok.shards)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return {"conversations": tok.conversations, **tok.totals, "dropped": dict(tok.events)}
+    log_warnings(tok)
+    return {"conversations": tok.conversations, **tok.totals, "dropped": dict(tok.events),
+            "recorded_ids": {"used": tok.checks["server_turns"], "unlike_text_tokens": tok.checks["server_mismatches"],
+                             "disagree_text_used": tok.events["recorded_ids_disagree"]}}
 
 
 def _profile(cfg: Any, target: Any, drafter: torch.nn.Module, export_dir: Path, held: list[dict[str, Any]]) -> dict:
