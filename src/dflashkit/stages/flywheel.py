@@ -20,11 +20,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
-from dflashkit.errors import PartialFailure, UsageError
+from dflashkit.errors import MissingArtifactError, PartialFailure, UsageError
 from dflashkit.flywheel.pointer import pointer_path, read_promoted
 from dflashkit.flywheel.replay import interleaved, live_tau, read_conversations, replay
 from dflashkit.flywheel.rounds import EmptyWindow, learn_round, rounds_table, static_drafter
@@ -41,6 +42,12 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     if not lc.traffic:
         raise UsageError("`dflashkit flywheel` needs traffic to replay", hint="set learn.traffic to prepared JSONL "
                          "files (docs/flywheel.md: `dflashkit prepare` of the traffic config)")
+    for i, path in enumerate(lc.traffic):
+        if not Path(path).is_file():
+            raise MissingArtifactError(f"learn.traffic[{i}], a prepared conversations file (JSONL) replayed as traffic",
+                                       path, run="dflashkit prepare -c <the traffic's config> (the demo's: "
+                                       "configs/flywheel-smollm2.yaml, docs/flywheel.md) and point learn.traffic at "
+                                       "its prepare/train.jsonl")
     convs = interleaved([read_conversations(p) for p in lc.traffic])
     static, _ = static_drafter(cfg, rd)
     records = cfg.serve.record_dir or str(rd.learn_records)
