@@ -171,7 +171,7 @@ def _run_server_problems(cfg: RunConfig) -> list[str]:
         if not getattr(cfg.server, name) > 0:
             p.append(f"server.{name}: must be > 0, got {getattr(cfg.server, name)}")
     for key, url in url_fields(cfg):  # every field marked url=True in the schema, by one rule
-        problem = url_problem(url)
+        problem = url_problem(url, key_env=API_KEY_ENVS.get(key.split("[")[0]))
         if problem:
             p.append(f"{key}: {problem}")
     return p
@@ -416,9 +416,14 @@ def chat_template_problem(path: str) -> str | None:
     return None
 
 
-def url_problem(url: str) -> str | None:
+API_KEY_ENVS = {"server.urls": "server.api_key_env", "record.upstream": "record.api_key_env"}
+"""The key naming the variable whose API key goes to the servers of a URL key (the others send none)."""
+
+
+def url_problem(url: str, *, key_env: str | None = "server.api_key_env") -> str | None:
     """Why `url` cannot be an OpenAI-compatible base URL, or None (scheme http/https, a host, a valid port, no
-    query or fragment); the URL is shown redacted."""
+    query or fragment); the URL is shown redacted. `key_env`: the key naming the API key's variable for this URL
+    (None: its requests carry no API key), named when the URL carries a query."""
     from urllib.parse import urlsplit
 
     if "://" not in url:
@@ -438,6 +443,8 @@ def url_problem(url: str) -> str | None:
         return f"{redact_url(url)!r}: port 0 is not a server port"
     if parts.query or parts.fragment:  # `?api_key=…`: the API paths would land after it
         return (f"{redact_url(url)!r}: a base URL cannot carry a query or fragment (dflashkit appends /models, "
-                "/chat/completions … to it); give the API key through the variable server.api_key_env names "
-                "(sent as a Bearer token), or user:password@ for HTTP Basic auth")
+                "/chat/completions … to it); "
+                + (f"give the API key through the variable {key_env} names (sent as a Bearer token), or "
+                   if key_env else "these requests send no API key; give ")
+                + "user:password@ for HTTP Basic auth")
     return None
