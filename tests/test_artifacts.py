@@ -44,7 +44,8 @@ OWNERS = {
                                                                "read_curve"}),
     "bench results": ("dflashkit.bench.results", {"write_bench_result", "read_bench_result"}),
     "speculation profile": ("dflashkit.export.profile", {"write_profile", "read_profile"}),
-    "recorded traffic": ("dflashkit.serving.record", {"Recorder", "read_recorded", "read_features"}),
+    "recorded traffic": ("dflashkit.serving.record", {"Recorder", "read_recorded", "read_features", "segments",
+                                                      "complete_lines"}),
 }
 # format → (its owner module, its `RunDir` properties, its file names); only rundir.py, the owner and the stages
 # may name them, and a stage only to pass them to the owner or print them. (train/final and train/best are

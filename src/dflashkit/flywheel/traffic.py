@@ -30,7 +30,7 @@ from typing import Any
 
 from dflashkit.data.records import inline_reasoning, record_problem
 from dflashkit.errors import UsageError
-from dflashkit.serving.record import SEGMENT_RE, section_fingerprint
+from dflashkit.serving.record import complete_lines, section_fingerprint, segments
 
 log = logging.getLogger("dflashkit.learn")
 
@@ -106,21 +106,6 @@ def to_conversation(rec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def segments(record_dir: str | Path) -> list[Path]:
-    """The record dir's segments in name order; UsageError (exit 2) when the dir does not exist."""
-    d = Path(record_dir)
-    if not d.is_dir():
-        raise UsageError(f"--records {d}: not a directory", hint="pass the record dir `serve.record_dir` or "
-                         "`dflashkit record` writes into")
-    return sorted(p for p in d.iterdir() if SEGMENT_RE.match(p.name) and p.is_file())
-
-
-def _complete_lines(path: Path) -> list[bytes]:
-    data = path.read_bytes()
-    lines = data.split(b"\n")
-    return lines[:-1]  # the part after the last newline is a line still being written (or nothing)
-
-
 def read_window(record_dir: str | Path, cursor: dict[str, int], *, expected: str | None,
                 on_corrupt: str = "skip") -> Window:
     """The records after `cursor` (see the module docstring), oldest first by `time` (then file, line)."""
@@ -129,9 +114,9 @@ def read_window(record_dir: str | Path, cursor: dict[str, int], *, expected: str
     corrupt: list[str] = []
     span: dict[str, list[int]] = {}
     skipped = 0
-    for path in segments(record_dir):
+    for path in segments(record_dir, named="--records"):
         name = path.name
-        lines = _complete_lines(path)
+        lines = complete_lines(path)
         done = int(cursor.get(name, 0))
         if len(lines) < done:
             raise UsageError(f"{path}: {len(lines)} complete lines, but earlier rounds consumed {done}: the segment "

@@ -1,4 +1,5 @@
-"""Recorded traffic: the one writer (`Recorder`) and the one reader (`read_recorded`) of a record dir.
+"""Recorded traffic: the one writer (`Recorder`) and the readers (`read_recorded`; `segments` and `complete_lines`
+for a reader that keeps its own cursor, `learn`'s) of a record dir.
 
 Usage:
     rec = Recorder(root, fingerprint=target_fingerprint(model_dir), policy=RecordPolicy.from_config(cfg))
@@ -6,6 +7,7 @@ Usage:
     rid = rec.write(chat_record(body, reply, ...), features=None)   # on disk (fsync'd) when it returns
     rec.close()
     for rec in read_recorded(root, report=(r := RecordReport())): ...   # r.partial: torn lines skipped
+    for seg in segments(root): lines = complete_lines(seg)   # write order; a torn or open last line left out
     feats = read_features(root, rec)             # [rows, len(layer_ids)·H] or None
 
 Layout of a record dir (mode 0700; every file 0600):
@@ -576,6 +578,22 @@ class RecordReport:
     partial: int = 0
     bad: int = 0
     notes: list[str] = field(default_factory=list)
+
+
+def segments(root: str | Path, *, named: str = "record dir") -> list[Path]:
+    """A record dir's segment files in write order. UsageError (exit 2) when the dir does not exist, naming it as
+    `named` (how the caller's user gave it, e.g. `--records`)."""
+    d = Path(root)
+    if not d.is_dir():
+        raise UsageError(f"{named} {d}: not a directory", hint="pass the record dir `serve.record_dir` or "
+                         "`dflashkit record` (record.dir) writes into")
+    return [p for _, p in _segments(d) if p.is_file()]
+
+
+def complete_lines(segment: Path) -> list[bytes]:
+    """The lines of a segment that end in a newline (without it), in order: the bytes after the last newline, a
+    line still being written or one a kill tore, are left out (a later read sees it once it is complete)."""
+    return segment.read_bytes().split(b"\n")[:-1]
 
 
 def read_recorded(root: str | Path, report: RecordReport | None = None) -> Iterator[dict[str, Any]]:
