@@ -36,3 +36,6 @@ def test_two_flywheel_rounds_promote_and_swap(tmp_path, tiny_qwen3, capsys):
     assert rows[1]["serving_vs_static"]["samples"] == rows[1]["comparison"]["samples"] == 2
     r2 = json.loads((run_dir / "learn" / "rounds" / "002" / "round.json").read_text())
     assert r2["samples"]["records"] == 6  # only round 2's traffic: round 1's was behind the cursor
+    # the server recorded each reply's token ids, and the round trained on them (they spell the rendered replies)
+    assert r2["tokenize"]["recorded_ids"]["used"] == r2["tokenize"]["conversations"] == 6, r2["tokenize"]
+    assert r2["tokenize"]["recorded_ids"]["disagree_text_used"] == 0
