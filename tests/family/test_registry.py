@@ -68,14 +68,14 @@ def test_family_checks_run_when_a_commands_config_loads(tmp_path, capsys):
         return capsys.readouterr().err
 
     e = err("drafter.type=dflash3")
-    assert "drafter.type: 'dflash3' is not a drafter family, one of ['dflash', 'dflash2', 'lilicorr'] (did you mean" in e
+    assert "drafter.type: 'dflash3' is not a drafter family, one of ['dflash', 'dflash2', 'lilicorr', 'dspark'] (did you mean" in e
     e = err("drafter.type=dflash2", "drafter.selector_top_k=0", "drafter.draft_vocab_size=24", "train.lr=0")
     assert "drafter.selector_top_k: must be >= 1, got 0" in e and "train.lr: must be > 0" in e  # listed together
     assert "drafter.draft_vocab_size: 24 with drafter.type=dflash2" in e and "full target vocabulary" in e
     assert family.config_problems(DrafterSection(draft_vocab_size=24)) == []  # DFlash takes a draft vocab
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dflash2", "lilicorr"])
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "lilicorr", "dspark"])
 def test_step_stats_go_through_one_flat_tensor_and_back(kind):
     fam = family.get(kind)
     st = StepStats.zeros(4, fam)

@@ -5,7 +5,7 @@ Usage:
     fam = family.get("dflash2")                       # UsageError naming drafter.type and the families
     fam = contract.family                             # the same lookup, by contract.drafter_type
     fam = family.by_architecture(cfg["architectures"])   # the family a drafter config.json declares
-    family.names()                                    # ["dflash", "dflash2", "lilicorr"]
+    family.names()                                    # ["dflash", "dflash2", "lilicorr", "dspark"]
     drafter = family.new_drafter(contract)            # a random drafter network of the contract's family
     family.config_problems(cfg.drafter)               # the drafter.* checks the families own
     family.objective_problems(cfg.train, fam)         # train.* the family's loss terms cannot go with
@@ -36,6 +36,7 @@ from dflashkit.errors import UsageError
 from dflashkit.family.base import Family, draft_vocab_problem, refuse_draft_vocab
 from dflashkit.family.dflash import DFLASH
 from dflashkit.family.dflash2 import DFLASH2
+from dflashkit.family.dspark import DSPARK
 from dflashkit.family.knobs import range_problems
 from dflashkit.family.lilicorr import LILICORR
 
@@ -51,7 +52,7 @@ __all__ = ["DEFAULT", "ENV", "ENTRY_POINTS", "FAMILIES", "Family", "by_architect
            "config_problems", "draft_vocab_problem", "extra_params", "get", "knob_keys", "names", "new_drafter",
            "objective_problems", "reads_target_law", "refuse_draft_vocab", "register", "reserve", "weight_keys"]
 
-BUILTIN = (DFLASH, DFLASH2, LILICORR)
+BUILTIN = (DFLASH, DFLASH2, LILICORR, DSPARK)
 FAMILIES: dict[str, Family] = {}
 DEFAULT = DFLASH  # a z-lab config.json that names none of the architectures below is DFlash's (the format's base)
 ENV = "DFLASHKIT_FAMILIES"           # "module:ATTR,...": families to register (plugins)
