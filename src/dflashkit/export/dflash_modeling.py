@@ -26,7 +26,8 @@ kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj); RoPE turns interleaved p
 
 Weights use the z-lab names: fc, hidden_norm, layers.{i}.{self_attn,mlp,...}, norm. A DFlash2 export
 (`DFlash2DraftModel`, below) adds layers.{i}.{attention_conv,mlp_conv}.* and candidate_selector.*; a LiLiCorr
-export (`LiLiCorrDraftModel`, below) adds the lattice head lilicorr.* (and the convolutions when it has them).
+export (`LiLiCorrDraftModel`, below) adds the lattice head lilicorr.* (and the convolutions when it has them); a
+DSpark export (`Qwen3DSparkModel`, below) adds markov_head.* and confidence_head.*.
 """
 
 from __future__ import annotations
@@ -428,3 +429,55 @@ class LiLiCorrDraftModel(DFlashDraftModel):
             self.layers = nn.ModuleList(DFlash2Layer(config, i) for i in range(config.num_hidden_layers))
         self.lilicorr = LiLiCorrLattice(config)
         self.post_init()
+
+
+# DSpark (`architectures: ["Qwen3DSparkModel"]`, vLLM's name): the DFlash network plus a Markov head (the previous
+# token's rank-r embedding `markov_head.markov_w1` [V, r], projected by `markov_head.markov_w2` [V', r] to a bias on
+# the head's logits) and, with `enable_confidence_head`, `confidence_head.proj` (the acceptance estimate).
+
+
+class DSparkMarkovHead(nn.Module):
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
+
+
+class DSparkConfidenceHead(nn.Module):
+    def __init__(self, input_dim: int, with_markov: bool):
+        super().__init__()
+        self.with_markov = with_markov
+        self.proj = nn.Linear(input_dim, 1, bias=True)
+
+
+class Qwen3DSparkModel(DFlashDraftModel):
+    """DSpark: `forward` returns the block's hidden states as DFlash's does (block position j predicts the token at
+    j: `sample_from_anchor: false`). Drafting walks the positions left to right: position t's logits are the head's
+    plus `markov_logits`' bias of the token before it (the anchor for t = 1, then the drafted tokens)."""
+
+    _no_split_modules = ["DFlashLayer"]
+
+    def __init__(self, config):
+        super().__init__(config)
+        rank = int(config.markov_rank)
+        self.markov_head = DSparkMarkovHead(config.vocab_size, int(getattr(config, "draft_vocab_size", None)
+                                                                   or config.vocab_size), rank)
+        self.confidence_head = None
+        if getattr(config, "enable_confidence_head", False):
+            with_markov = bool(getattr(config, "confidence_head_with_markov", False))
+            self.confidence_head = DSparkConfidenceHead(config.hidden_size + (rank if with_markov else 0), with_markov)
+        self.post_init()
+
+    def markov_logits(self, base_logits: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
+        """base_logits [..., V'] + the Markov bias of prev_ids [...] (the token before each position)."""
+        return base_logits + self.markov_head.markov_w2(self.markov_head.markov_w1(prev_ids)).to(base_logits.dtype)
+
+    def confidence(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
+        """[..., H], [...] → [...] the estimated probability that each drafted position is accepted."""
+        head = self.confidence_head
+        if head is None:
+            raise ValueError("this DSpark checkpoint has no confidence head (enable_confidence_head is false)")
+        x = hidden
+        if head.with_markov:
+            x = torch.cat([hidden, self.markov_head.markov_w1(prev_ids).to(hidden.dtype)], dim=-1)
+        return torch.sigmoid(head.proj(x.to(head.proj.weight.dtype)).float()).squeeze(-1)
