@@ -168,13 +168,13 @@ def test_greedy_speculative_equals_target_greedy(target, monkeypatch):
     assert walked and any(w != u for w, u in zip(walked, argmax))  # the Markov head changed some drafts
 
 
-def dspark_like(drafter):
+def dspark_like(drafter, std: float = 3.0):
     """A DSpark drafter with `drafter`'s DFlash weights and a strong random Markov head."""
     c = DrafterContract.from_dict({**drafter.contract.to_dict(), "drafter_type": "dspark", "dspark_markov_rank": 4})
     torch.manual_seed(6)
     d = Qwen3DSparkModel(c).eval()
     d.load_state_dict(init_from_dflash(d, drafter.state_dict()))
-    return strong_markov(d, std=1.5)
+    return strong_markov(d, std=std)
 
 
 def test_markov_walk_sampling_matches_the_target_law(small):  # noqa: F811 - the imported fixture
@@ -184,6 +184,21 @@ def test_markov_walk_sampling_matches_the_target_law(small):  # noqa: F811 - the
     dec = SpecDecoder(target, dspark_like(drafter), block_size=4, draft_sampling="sample")
     z = _chi2_z(_samples(dec, prompt, N_SAMPLES, 1.0), law)
     assert abs(z) < 4.0, f"chi-square z = {z:.2f} (|z| < 4 expected for the target's law)"
+
+
+def test_the_law_test_detects_a_draft_law_without_the_markov_bias(small, monkeypatch):  # noqa: F811
+    """Handing the rule the head's softmax instead of the walk's q (the Markov bias ignored) is lossy."""
+    target, drafter, prompt, law = small
+    real = SpecDecoder._propose
+
+    def wrong_q(self, h, logits, anchor, params, gen, block=None):
+        tokens, _ = real(self, h, logits, anchor, params, gen, block)
+        return tokens, torch.softmax(logits.float() / params.temperature, -1)
+
+    monkeypatch.setattr(SpecDecoder, "_propose", wrong_q)
+    dec = SpecDecoder(target, dspark_like(drafter), block_size=4, draft_sampling="sample")
+    z = _chi2_z(_samples(dec, prompt, 200, 1.0), law)
+    assert z > 4.0, f"the wrong draft law went undetected (z = {z:.2f})"
 
 
 def test_the_sampled_law_is_the_drawn_rows():
