@@ -245,3 +245,54 @@ def test_export_reload_gives_the_same_logits_and_confidences(tmp_path):
         assert torch.allclose(logits, outs[0][0], atol=1e-5) and torch.allclose(conf, outs[0][1], atol=1e-6)
     check = reload_check(src, tmp_path, head, atol=1e-4)
     assert check["walk_agreement"] == 1.0 and check["walk_tokens"] == 3 * 3
+
+
+@pytest.mark.slow  # probe, train (3 steps), eval and export of a tiny target, in-process
+def test_the_cli_trains_evaluates_and_exports_a_dspark_drafter(tmp_path, tiny_qwen3):
+    import json
+
+    from safetensors.torch import load_file
+
+    from dflashkit.cli import main
+    from tests.helpers import tokenize_texts, write_shards
+
+    rd = tmp_path / "run"
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text(json.dumps({
+        "run": {"run_dir": str(rd)}, "target": {"path": str(tiny_qwen3), "dtype": "float32"},
+        "drafter": {"type": "dspark", "dspark_markov_rank": 8, "dspark_confidence_with_markov": True,
+                    "block_size": 4, "num_draft_layers": 1, "num_target_features": 2},
+        "train": {"dspark_confidence_loss_weight": 0.5, "batch_size": 2, "max_steps": 3, "heldout_samples": 2,
+                  "lr": 3e-3, "warmup_ratio": 0.0, "log_every": 1, "eval_every": 0, "save_every": 0,
+                  "num_anchors": 8},
+        "eval": {"num_prompts": 1, "max_new_tokens": 8, "warmup": 0, "block_sizes": [4], "diagnostics": False,
+                 "prompt_lookup": False, "adaptive_length": False},
+        "export": {"dtype": "float32"}}))
+    assert main(["train", "--dry-run", "-c", str(yaml), "drafter.type=dflash"]) == 2  # its knobs are DSpark's
+    assert main(["probe", "-c", str(yaml)]) == 0
+    contract = json.loads((rd / "contract.json").read_text())
+    assert contract["drafter_type"] == "dspark" and contract["dspark_markov_rank"] == 8
+    write_shards(rd, tokenize_texts(tiny_qwen3))
+    rows = [{"id": f"p{i}", "source": "t", "messages": [{"role": "user", "content": f"tell me {i} things"},
+                                                        {"role": "assistant", "content": "ok"}]} for i in range(2)]
+    (rd / "prepare").mkdir()
+    (rd / "prepare" / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["train", "-c", str(yaml)]) == 0
+    steps = [json.loads(x) for x in (rd / "train" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "split" not in r]
+    assert steps and all(r["markov_loss"] > 0 and r["confidence_loss"] > 0 for r in steps)
+    assert all(0 <= r["confidence_mean"] <= 1 and 1 <= r["base_tau"] <= 4 for r in steps)
+    assert main(["eval", "-c", str(yaml)]) == 0
+    res = json.loads((rd / "eval" / "results.json").read_text())
+    assert res["lossless"]["verdict"] == "exact"
+    assert main(["export", "-c", str(yaml)]) == 0
+    out = rd / "export"
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["markov_rank"] == 8
+    assert cfg["enable_confidence_head"] is True and cfg["sample_from_anchor"] is False
+    assert "class Qwen3DSparkModel(DFlashDraftModel)" in (out / "dflash.py").read_text()
+    check = json.loads((out / "manifest.json").read_text())["reload_check"]
+    assert check["max_diff_vs_source"] == 0 and check["walk_agreement"] == 1.0
+    final = load_file(rd / "train" / "final" / "model.safetensors")
+    assert torch.equal(load_file(out / "model.safetensors")["markov_head.markov_w2.weight"],
+                       final["markov_head.markov_w2.weight"])
