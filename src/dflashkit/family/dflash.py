@@ -47,26 +47,26 @@ SLIDING = "sliding_attention"
 class DFlashKnobs:
     """DFlash's contract field, `drafter.causal`; DFlash2's and LiLiCorr's extend it."""
 
-    causal: bool = knob(False, "dflash, dflash2, lilicorr: causal in-block attention (JetSpec, arXiv 2606.18394): "
+    causal: bool = knob(False, "dflash, dflash2, lilicorr, dspark: causal in-block attention (JetSpec, arXiv 2606.18394): "
                         "block offset i attends to the context before the anchor and to offsets j <= i only, in "
                         "training (the mask) and decoding; false = the whole block (DFlash). Exports write "
                         "is_causal: true and dflash_config.causal: true (vLLM, SGLang); the speculators format "
                         "sliding_window_non_causal: false.")
     attention_type: Literal["gqa", "mla"] = knob(
-        "gqa", "dflash, dflash2, lilicorr: the draft layers' attention: gqa (q/k/v projections with q/k norms, "
+        "gqa", "dflash, dflash2, lilicorr, dspark: the draft layers' attention: gqa (q/k/v projections with q/k norms, "
         "num_key_value_heads groups; the z-lab layer) or mla (multi-head latent attention as DeepSeek-V3 and Kimi "
         "K2/K3 define it: low-rank q and compressed kv, RoPE on drafter.mla_qk_rope_head_dim dims of each head; "
         "num_attention_heads heads, head_dim unused). Exports write dflash_config.attention: mla and the "
         "DeepSeek config keys q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim.")
-    mla_q_lora_rank: int = knob(1536, "dflash, dflash2, lilicorr (attention_type mla): rank of the query's "
+    mla_q_lora_rank: int = knob(1536, "dflash, dflash2, lilicorr, dspark (attention_type mla): rank of the query's "
                                 "low-rank projection (q_a_proj → q_a_layernorm → q_b_proj); 0 = one q_proj.", ge=0)
-    mla_kv_lora_rank: int = knob(512, "dflash, dflash2, lilicorr (attention_type mla): width of the compressed "
+    mla_kv_lora_rank: int = knob(512, "dflash, dflash2, lilicorr, dspark (attention_type mla): width of the compressed "
                                  "key/value latent (kv_a_proj_with_mqa → kv_a_layernorm → kv_b_proj).", ge=1)
-    mla_qk_nope_head_dim: int = knob(128, "dflash, dflash2, lilicorr (attention_type mla): per-head query/key "
+    mla_qk_nope_head_dim: int = knob(128, "dflash, dflash2, lilicorr, dspark (attention_type mla): per-head query/key "
                                      "dims without RoPE.", ge=1)
-    mla_qk_rope_head_dim: int = knob(64, "dflash, dflash2, lilicorr (attention_type mla): per-head query/key "
+    mla_qk_rope_head_dim: int = knob(64, "dflash, dflash2, lilicorr, dspark (attention_type mla): per-head query/key "
                                      "dims with RoPE (the key's are shared by all heads); even.", ge=2)
-    mla_v_head_dim: int = knob(128, "dflash, dflash2, lilicorr (attention_type mla): per-head value dims.", ge=1)
+    mla_v_head_dim: int = knob(128, "dflash, dflash2, lilicorr, dspark (attention_type mla): per-head value dims.", ge=1)
 
 
 MLA_KEYS = {"mla_q_lora_rank": "q_lora_rank", "mla_kv_lora_rank": "kv_lora_rank",
