@@ -3,7 +3,7 @@
 Usage:
     from dflashkit.family.dspark import DSPARK
     drafter = DSPARK.network.build(contract, None, None)   # model/dspark.py's Qwen3DSparkModel
-    terms = DSPARK.objective.loss_terms(cfg.train)         # [MarkovTerm, ConfidenceTerm]
+    terms = DSPARK.objective.loss_terms(cfg.train)         # [ConfidenceTerm, MarkovTerm]
     tokens, law = DSPARK.decoding.propose(drafter, h, logits, anchor, sampling, vocab, vocab_size)   # the walk
 
 Everything dflashkit knows about DSpark beside its network (`model/dspark.py`, whose tensors are vLLM 0.32's
@@ -218,8 +218,9 @@ class ConfidenceTerm:
 
 
 def loss_terms(train: TrainSection) -> list:
-    return [MarkovTerm(weight=train.dspark_markov_loss_weight),
-            ConfidenceTerm(weight=train.dspark_confidence_loss_weight)]
+    """The two terms, in the loss's canonical order (by name)."""
+    return [ConfidenceTerm(weight=train.dspark_confidence_loss_weight),
+            MarkovTerm(weight=train.dspark_markov_loss_weight)]
 
 
 STATS = (StatField("base_tau_sum"), StatField("markov_loss", loss=True), StatField("confidence_loss", loss=True),
