@@ -216,6 +216,28 @@ def test_the_sampled_law_is_the_drawn_rows():
     assert q is not None and torch.allclose(q, want, atol=1e-5)
 
 
+def test_a_reduced_draft_vocab_drafts_target_ids_and_its_law_is_zero_outside():
+    from dflashkit.decode.sampling import sample, sampling_probs
+
+    vocab = torch.tensor([1, 3, 4, 9, 20, 21, 30, 49])
+    torch.manual_seed(0)
+    m = strong_markov(new_drafter(dspark_contract(), draft_vocab=vocab)).eval()
+    base = torch.randn(3, 8)
+    tokens, law = get("dspark").decoding.propose(m, None, base, 7, DraftSampling(), vocab, V)
+    want, prev = [], torch.tensor([7])
+    for t in range(3):  # the oracle loop: the bias reads the previous target id, the argmax is a draft index
+        prev = vocab[(base[t] + m.markov_head.markov_w2.weight @ m.markov_head.markov_w1.weight[prev[0]]).argmax()][None]
+        want.append(int(prev))
+    assert law is None and tokens == want and set(tokens) <= set(vocab.tolist())
+    s = DraftSampling(temperature=1.0, law=lambda x: sampling_probs(x, 1.0), draw=sample,
+                      generator=torch.Generator().manual_seed(3))
+    tokens, q = get("dspark").decoding.propose(m, None, base, 7, s, vocab, V)
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[vocab] = False
+    assert q is not None and q.shape == (3, V) and bool((q[:, outside] == 0).all())
+    assert torch.allclose(q.sum(-1), torch.ones(3)) and set(tokens) <= set(vocab.tolist())
+
+
 def test_export_reload_gives_the_same_logits_and_confidences(tmp_path):
     from dflashkit.export.check import reload_check
     from dflashkit.export.hf import load_drafter, load_shipped_model, save_drafter, write_modeling_file

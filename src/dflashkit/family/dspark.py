@@ -271,7 +271,8 @@ def reload_check(source: Any, reloaded: Any, head: torch.Tensor | None) -> dict[
     import torch
 
     def walk(model: Any, h: torch.Tensor, logits: torch.Tensor, ctx: torch.Tensor, anchors: torch.Tensor):
-        return torch.tensor([model.draft(logits[i], int(anchors[i]))[0] for i in range(logits.shape[0])])
+        return torch.tensor([model.draft(logits[i], int(anchors[i]), vocab=model.draft_vocab)[0]
+                             for i in range(logits.shape[0])])
 
     if source.draft_vocab is not None and head is None:
         return {}  # a random head of V rows cannot score a V'-row Markov bias
