@@ -99,10 +99,25 @@ def test_the_markov_bias_is_the_previous_tokens_and_zero_w2_is_dflash():
         dflash_propose(m, h[:1], row, 5, DraftSampling(), None, V)[0]
 
 
-def test_confidence_needs_the_head():
+def test_a_proposals_confidence_reads_the_anchor_then_the_proposed_tokens():
+    torch.manual_seed(0)
+    m = strong_markov(new_drafter(dspark_contract(dspark_confidence_with_markov=True))).eval()
+    h = torch.randn(1, 3, H)
+    p = m.proposal_confidence(h, 5, [8, 2, 11])
+    assert torch.allclose(p, m.confidence(h[0], torch.tensor([5, 8, 2])))
+    assert not torch.allclose(p, m.confidence(h[0], torch.tensor([8, 2, 11])))  # the embedding is read
+
+
+def test_confidence_needs_the_head_and_its_term_is_empty_without_it():
+    torch.manual_seed(0)
     m = new_drafter(dspark_contract(dspark_confidence_head=False))
     with pytest.raises(UsageError, match="dspark_confidence_head"):
         m.confidence(torch.randn(1, 2, H), torch.tensor([[1, 2]]))
+    heads, x, a = _case()
+    out = train_loss(m.contract, gamma=2.0)(m, heads, x, a)
+    no_conf = train_loss(m.contract, gamma=2.0, dspark_confidence_loss_weight=0.0)(m, heads, x, a)
+    assert out.extra["confidence_rows"] == 0 and out.extra["markov_loss"] > 0
+    assert torch.equal(out.loss.detach(), no_conf.loss.detach())
 
 
 def _case(seed: int = 0):

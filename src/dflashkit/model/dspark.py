@@ -5,6 +5,7 @@ Usage:
     h = d(noise, ctx, pos)[:, 1:]                       # [b, k, H] block positions 1 … k, as DFlash's
     logits, conf = d.heads(h, base_logits, prev)        # base [b, k, V'] + Markov bias of prev [b, k] (target ids)
     p = d.confidence(h, prev)                           # [b, k] acceptance probabilities (confidence head)
+    p = d.proposal_confidence(h, anchor, tokens)        # [k] the same for a proposed block (propose's h)
     tokens, rows = d.draft(base_logits[0], anchor)      # the sequential walk of one block (greedy)
 
 The block is DFlash's (`[anchor, MASK, ...]`, block position j predicts the token at j), so the body runs once
@@ -121,6 +122,13 @@ class Qwen3DSparkModel(DFlashDraftModel):
         states of block positions 1 … k, `prev` [..., k] the token before each (anchor, then the proposed
         tokens 1 … k−1; target ids). UsageError without a confidence head."""
         return torch.sigmoid(self.confidence_logits(hidden, prev))
+
+    def proposal_confidence(self, hidden: torch.Tensor, anchor: int, tokens: list[int]) -> torch.Tensor:
+        """[k] acceptance probabilities of a proposed block: `hidden` [1, k, H] or [k, H] (the `h` a family's
+        `propose` gets), `anchor` the target id before position 1, `tokens` the k proposed target ids."""
+        h = hidden.reshape(-1, hidden.shape[-1])[:len(tokens)]
+        prev = torch.tensor([anchor, *tokens[:-1]], dtype=torch.long, device=h.device)
+        return self.confidence(h, prev)
 
     def draft(self, base_logits: torch.Tensor, anchor: int, *, vocab: torch.Tensor | None = None,
               law: Callable[[torch.Tensor], torch.Tensor] | None = None,
