@@ -7,6 +7,8 @@ Usage:
     outputs["scores"]                       # [blocks, n, K, K] from vLLM's LiLiCorrHead
     [(outputs, report)] = vllm_mla_reference([export_dir], inputs, work_dir=tmp)
     outputs["layers.0.out"]                 # [T, H] from vLLM's DeepseekV2MLAAttention
+    [(outputs, report)] = vllm_dspark_reference([export_dir], inputs, work_dir=tmp)
+    outputs["greedy"]                       # [blocks, k] vLLM's sequential Markov walk (Qwen3DSparkForCausalLM)
 
 `inputs` (tensors, written to safetensors in `work_dir`) and the outputs are described in
 `vllm_dflash2_reference.py` and `vllm_lilicorr_reference.py` (beside this file), the scripts these run with
@@ -29,6 +31,7 @@ from dflashkit.errors import DflashkitError
 SCRIPT = Path(__file__).with_name("vllm_dflash2_reference.py")
 LILICORR_SCRIPT = Path(__file__).with_name("vllm_lilicorr_reference.py")
 MLA_SCRIPT = Path(__file__).with_name("vllm_mla_reference.py")
+DSPARK_SCRIPT = Path(__file__).with_name("vllm_dspark_reference.py")
 
 
 def vllm_dflash2_reference(export_dirs: list[Path], inputs: dict[str, Any], *, work_dir: str | Path,
@@ -57,6 +60,13 @@ def vllm_mla_reference(export_dirs: list[Path], inputs: dict[str, Any], *, work_
     """Run vLLM's MLA attention module (`DeepseekV2MLAAttention`) on each MLA export's weights and `inputs`
     (`vllm_mla_reference.py`); (outputs, report) per export."""
     return _run(MLA_SCRIPT, "MLA", export_dirs, inputs, work_dir=work_dir, timeout_s=timeout_s)
+
+
+def vllm_dspark_reference(export_dirs: list[Path], inputs: dict[str, Any], *, work_dir: str | Path,
+                          timeout_s: float = 300.0) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Run vLLM's DSpark heads (Markov bias, draft logits, sequential walk, confidence) on each DSpark export's
+    weights and `inputs` (`vllm_dspark_reference.py`); (outputs, report) per export."""
+    return _run(DSPARK_SCRIPT, "DSpark", export_dirs, inputs, work_dir=work_dir, timeout_s=timeout_s)
 
 
 def _run(script: Path, title: str, export_dirs: list[Path], inputs: dict[str, Any], *, work_dir: str | Path,
