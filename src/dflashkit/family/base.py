@@ -244,6 +244,8 @@ class Decoding:
     propose(drafter, h, logits, anchor, sampling, vocab, vocab_size, block=DraftBlock): one draft step →
         (tokens, draft law [k, V] or None for point masses).
     vllm_runner: "any" or "v2" (vLLM runs it on its V2 model runner only).
+    vllm_method: the `method` of vLLM's --speculative-config that serves it ("dflash"; DSpark's "dspark": with
+        "dflash" vLLM reads the export as `DFlash<architecture>`, which it does not know).
     reference_loop: the z-lab PyPI loop (dflash 0.1.0) decodes it (`bench decode`'s reference).
     fast_path(c): whether `decode/fast_draft.py`'s lean forward computes the module forward of a drafter of
         contract c: plain DFlash layers (GQA attention and the SwiGLU MLP, nothing between them) and nothing
@@ -251,6 +253,7 @@ class Decoding:
 
     propose: Callable[..., tuple[list[int], Any]]
     vllm_runner: str = "any"
+    vllm_method: str = "dflash"
     reference_loop: bool = False
     fast_path: Callable[[DrafterContract], bool] = _never
 

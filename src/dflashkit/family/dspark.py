@@ -299,7 +299,7 @@ DSPARK = Family(
     objective=Objective(loss_terms=loss_terms, stats=STATS, metrics=metrics, metric_names=METRICS),
     formats=Formats(architecture="Qwen3DSparkModel", dflash_config=dflash_keys, hf_keys=hf_keys,
                     read_knobs=read_knobs, speculators=False, reload_check=reload_check, card_lines=card_lines),
-    decoding=Decoding(propose=propose, vllm_runner="v2"),
+    decoding=Decoding(propose=propose, vllm_runner="v2", vllm_method="dspark"),
     knobs=DSparkKnobs,
     weights=DSparkWeights,
 )
