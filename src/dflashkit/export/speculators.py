@@ -108,6 +108,7 @@ def speculators_config(contract: DrafterContract, *, verifier: str, verifier_arc
         "sliding_window_non_causal": not zlab["dflash_config"].get("causal", False),
         "dtype": dtype,
         **{k: knobs[k] for k in fam.formats.speculators_keys},
+        **{k: zlab[k] for k in fam.formats.speculators_top_keys},
         "speculators_config": {
             "algorithm": fam.name,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": b - 1,
@@ -171,7 +172,8 @@ def read_speculators_contract(cfg: dict[str, Any], *, source: str = "config.json
     if not isinstance(non_causal, bool):
         raise UsageError(f"{source}: key `sliding_window_non_causal` is {non_causal!r}, expected true or false",
                          hint="re-export with `dflashkit export export.format=speculators`")
-    zlab = {**layer, "block_size": b, "architectures": [fam.architecture],
+    zlab = {**layer, **{k: cfg[k] for k in fam.formats.speculators_top_keys if k in cfg},
+            "sample_from_anchor": False, "block_size": b, "architectures": [fam.architecture],
             "dflash_config": {"block_size": b, "mask_token_id": mask, "target_layer_ids": [i - 1 for i in aux],
                               "causal": not non_causal, **knobs}}
     missing = [f"transformer_layer_config.{k}" for k in ("hidden_size", "num_hidden_layers", "num_attention_heads")

@@ -220,7 +220,9 @@ class Formats:
     read_knobs(cfg, dflash_config, source): its contract fields from a config.json (UsageError).
     speculators: vLLM's speculators reader knows it (`export.format=speculators`; else refused, exit 2);
         speculators_keys: the knobs that reader takes from the config's top level (any other that is set
-        cannot travel in that format).
+        cannot travel in that format); speculators_top_keys: the top-level config.json keys (`hf_keys`) that
+        format carries as they are (DSpark's `markov_rank`, `enable_confidence_head`, ...: vLLM's `dspark`
+        reader copies them).
     reload_check(source, reloaded, head): the export reload check's family part.
     card_lines(c): what the model card says about serving it.
     modeling_source: Python source appended to the shipped `dflash.py` that defines `architecture` (a family
@@ -232,6 +234,7 @@ class Formats:
     read_knobs: Callable[[dict, dict, str], dict[str, Any]] = _empty
     speculators: bool = True
     speculators_keys: tuple[str, ...] = ()
+    speculators_top_keys: tuple[str, ...] = ()
     reload_check: Callable[[Any, Any, Any], dict[str, Any]] = _empty
     card_lines: Callable[[DrafterContract], list[str]] = _nothing
     modeling_source: str = ""

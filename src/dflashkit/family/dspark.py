@@ -16,7 +16,9 @@ Everything dflashkit knows about DSpark beside its network (`model/dspark.py`, w
     itself predicts the first draft token), and a config.json without it is refused on import.
   * checkpoints: `architectures ["Qwen3DSparkModel"]`; beside DFlash's tensors `markov_head.markov_w1.weight`
     [V, r], `markov_head.markov_w2.weight` [V', r] and, with the head, `confidence_head.proj.{weight,bias}`
-    [1, H (+ r)], [1].
+    [1, H (+ r)], [1]. The speculators format (`speculators_model_type: dspark`, vLLM's `dspark` reader) carries
+    `markov_rank`, `markov_head_type` and the confidence flags at its top level (`speculators_top_keys`); a
+    released checkpoint in it (pruned vocab with `d2t` / `t2d`, its own taps and block size) imports as it is.
   * a reduced draft vocabulary is allowed (`d2t`): markov_w1 reads target ids, markov_w2 writes the V' rows.
   * `drafter.init` may start from a DFlash checkpoint (the DSpark heads start fresh).
   * the loss (beside CE / KL on the head's logits): `MarkovTerm`, the CE of the logits with the Markov bias
@@ -298,7 +300,9 @@ DSPARK = Family(
                     lookup_params=lookup_params),
     objective=Objective(loss_terms=loss_terms, stats=STATS, metrics=metrics, metric_names=METRICS),
     formats=Formats(architecture="Qwen3DSparkModel", dflash_config=dflash_keys, hf_keys=hf_keys,
-                    read_knobs=read_knobs, speculators=False, reload_check=reload_check, card_lines=card_lines),
+                    read_knobs=read_knobs, reload_check=reload_check, card_lines=card_lines,
+                    speculators_top_keys=("markov_rank", "markov_head_type", "enable_confidence_head",
+                                          "confidence_head_with_markov")),
     decoding=Decoding(propose=propose, vllm_runner="v2", vllm_method="dspark"),
     knobs=DSparkKnobs,
     weights=DSparkWeights,
