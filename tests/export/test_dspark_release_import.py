@@ -4,7 +4,7 @@ naming both sides) a run whose contract it does not fit.
 
 The fixture has the SHAPE of novita's Kimi-K2.6 DSpark scaled down: 3 GQA draft layers, a hidden size the
 target's (7168 → 32), block size 8, taps `aux_hidden_state_layer_ids` [1, 29, 57] of a 61-layer target, and a
-pruned draft vocabulary (32k of 160k → 24 of 96) shipped as `lm_head.weight` [V', H] with vLLM's `d2t` offsets
+pruned draft vocabulary (32k of 160k → 24 of 320) shipped as `lm_head.weight` [V', H] with vLLM's `d2t` offsets
 and the `t2d` mask, beside the verifier's `embed_tokens.weight` copy; the config is written key by key as
 vLLM's `dspark` speculators reader takes it (`transformers_utils/configs/speculators/algos.py`).
 """
@@ -26,10 +26,10 @@ from dflashkit.model.draft_vocab import t2d_mask, to_offsets
 from dflashkit.train.warm_start import check_fits, read_warm_start, warm_start
 from tests.helpers import train_loss, with_fields
 
-H, LAYERS, BLOCK, V, R = 32, 3, 8, 96, 6
+H, LAYERS, BLOCK, V, R = 32, 3, 8, 320, 6   # V: the tiny targets' vocab (model/tiny.py)
 AUX = [1, 29, 57]                     # K2.6's taps: hidden_states indices (target_layer_ids + 1)
 VOCAB = torch.tensor(sorted({0, 1, 2, 5, 8, 13, 21, 34, 40, 41, 47, 50, 55, 60, 63, 66, 70, 72, 77, 80, 84, 89, 91, 95}))
-MASK = 95
+MASK = 300
 
 
 def _layer_config() -> dict:
@@ -118,7 +118,7 @@ def test_drafter_init_warm_starts_from_it_and_fine_tuning_steps_run(tmp_path):
     g = torch.Generator().manual_seed(1)
     embed, head = torch.nn.Embedding(V, H), torch.nn.Linear(H, V, bias=False)
     lm, lens, a = random_case(0, b=2, s=20, block=BLOCK, num_anchors=2)
-    x = LossInputs(torch.randn(2, 20, len(AUX) * H, generator=g), torch.randint(0, V - 1, lm.shape, generator=g),
+    x = LossInputs(torch.randn(2, 20, len(AUX) * H, generator=g), VOCAB[torch.randint(0, len(VOCAB), lm.shape, generator=g)],
                    lm, lens)
     loss = train_loss(run, gamma=4.0)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-3)
@@ -135,7 +135,7 @@ def test_drafter_init_warm_starts_from_it_and_fine_tuning_steps_run(tmp_path):
 @pytest.mark.parametrize(("field", "value", "said"), [
     ("target_layer_ids", [0, 29, 56], "target_layer_ids"),
     ("hidden_size", 48, "hidden_size"),
-    ("vocab_size", 128, "vocab_size"),
+    ("vocab_size", 384, "vocab_size"),
     ("num_draft_layers", 2, "num_draft_layers"),
 ])
 def test_a_run_it_does_not_fit_is_refused_naming_both_sides(tmp_path, field, value, said):
@@ -179,3 +179,19 @@ def test_our_speculators_export_of_a_dspark_drafter_reads_back_with_its_heads(tm
 def _k26(tmp_path: Path) -> Path:
     write_k26_like_dspark(tmp_path / "k26")
     return tmp_path / "k26"
+
+
+def test_dflashkit_import_adopts_it_keeping_its_vocab_taps_and_block(tmp_path):
+    from dflashkit.cli import main
+    from dflashkit.export.hf import load_drafter
+    from dflashkit.model.tiny import make_tiny_target
+
+    target = make_tiny_target(tmp_path / "target", "qwen3", num_layers=58, hidden=H)  # taps up to layer 56
+    rd = tmp_path / "run"
+    assert main(["import", str(_k26(tmp_path)), f"target.path={target}", "--run-dir", str(rd), "--json"]) == 0
+    got = load_drafter(rd / "train" / "final", dtype=torch.float32)
+    c = got.contract
+    assert c.drafter_type == "dspark" and c.block_size == BLOCK and list(c.target_layer_ids) == [i - 1 for i in AUX]
+    assert got.draft_vocab is not None and torch.equal(got.draft_vocab.cpu(), VOCAB)
+    contract = json.loads((rd / "contract.json").read_text())
+    assert contract["block_size"] == BLOCK and contract["num_target_layers"] == 58
