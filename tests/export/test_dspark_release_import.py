@@ -195,3 +195,13 @@ def test_dflashkit_import_adopts_it_keeping_its_vocab_taps_and_block(tmp_path):
     assert got.draft_vocab is not None and torch.equal(got.draft_vocab.cpu(), VOCAB)
     contract = json.loads((rd / "contract.json").read_text())
     assert contract["block_size"] == BLOCK and contract["num_target_layers"] == 58
+
+
+def test_a_run_with_another_block_size_warm_starts_from_it(tmp_path):
+    """The recipe's block size (here 16) may differ from the checkpoint's 8: no draft weight depends on it."""
+    src = read_warm_start(_k26(tmp_path))
+    run = with_fields(src.contract, block_size=16)
+    drafter = new_drafter(run, draft_vocab=src.vocab)
+    report = warm_start(drafter, src, run)
+    assert report["block_size"] == {"source": BLOCK, "run": 16}
+    assert torch.equal(drafter.markov_head.markov_w2.weight, src.state["markov_head.markov_w2.weight"])
