@@ -333,3 +333,47 @@ def test_the_cli_trains_evaluates_and_exports_a_dspark_drafter(tmp_path, tiny_qw
     final = load_file(rd / "train" / "final" / "model.safetensors")
     assert torch.equal(load_file(out / "model.safetensors")["markov_head.markov_w2.weight"],
                        final["markov_head.markov_w2.weight"])
+
+
+@pytest.mark.parametrize("head", [True, False])
+def test_the_draft_length_policy_reads_dsparks_own_confidence(target, monkeypatch, head):
+    """Adaptive decoding weighs the confidence head's estimate (with a head) or the softmax of the Markov-biased
+    logits (without one) — not the unbiased head logits' softmax — and stays the target's greedy output."""
+    from dflashkit.decode.draft_length import DraftLength
+
+    drafter = random_drafter(target, drafter_type="dspark", dspark_markov_rank=8, dspark_confidence_head=head)
+    strong_markov(drafter, std=2.0)
+    if head:
+        with torch.no_grad():
+            drafter.confidence_head.proj.weight.normal_(0, 1.0)
+    params = SamplingParams(max_new_tokens=23)
+    base = SpecDecoder(target, None, block_size=1).generate(PROMPT, params).token_ids
+    proposed, chosen = [], []
+    real_propose, real_choose = SpecDecoder._propose, DraftLength.choose
+
+    def spy(self, h, logits, anchor, p, gen, block=None):
+        out = real_propose(self, h, logits, anchor, p, gen, block)
+        proposed.append((h, logits, anchor, out[0]))
+        return out
+
+    def choose(self, conf):
+        chosen.append(list(conf))
+        return real_choose(self, conf)
+
+    monkeypatch.setattr(SpecDecoder, "_propose", spy)
+    monkeypatch.setattr(DraftLength, "choose", choose)
+    r = SpecDecoder(target, drafter, block_size=4, adaptive=True).generate(PROMPT, params)
+    assert r.token_ids == base
+    assert chosen and len(chosen) == len(proposed)
+    unbiased_differs = False
+    with torch.no_grad():
+        for (h, logits, anchor, tokens), conf in zip(proposed, chosen):
+            prev = torch.tensor([anchor, *tokens[:-1]])
+            hid = h.reshape(-1, h.shape[-1])[:len(tokens)]
+            biased, est = drafter.heads(hid, logits[:len(tokens)], prev)
+            idx = torch.tensor(tokens)[:, None]
+            want = est if head else torch.softmax(biased.float(), -1).gather(-1, idx)[:, 0]
+            assert conf == pytest.approx(want.tolist(), abs=1e-6)
+            plain = torch.softmax(logits[:len(tokens)].float(), -1).gather(-1, idx)[:, 0]
+            unbiased_differs |= not torch.allclose(plain, want, atol=1e-3)
+    assert unbiased_differs  # the test tells the family's confidence from the decoder's default

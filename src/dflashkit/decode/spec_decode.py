@@ -159,6 +159,7 @@ class SpecDecoder:
                 self._head_w = head.weight.detach().to(self._draft_dtype)  # [V or V', H]
                 self._head_b = None if b is None else b.detach().to(self._draft_dtype)
             self._step = drafter.contract.family.decoding.propose  # the family's proposal step
+            self._family_conf = drafter.contract.family.decoding.confidence  # None: the head's softmax
             self._fast = (FastDraft(drafter, self._head_w, self._head_b, self._mask_emb,
                                     max_len=self.max_context if self.max_context < 1 << 20 else 4096,
                                     causal=drafter.causal)
@@ -227,6 +228,8 @@ class SpecDecoder:
             return tokens, law, None
         # sampled drafts (a law): the length must not depend on what was drawn, or the verified drafts lean towards
         # likely draws and the rule no longer emits the target's law; the head's own peak does not
+        if law is None and self._family_conf is not None:
+            return tokens, law, self._family_conf(self.drafter, h, logits, seq[start], tokens)
         return tokens, law, self._confidence(logits, tokens if law is None else None)
 
     def _next_draft(self, seq: list[int], start: int, k: int, ctx: torch.Tensor, dcache: DraftKVCache | DraftState,

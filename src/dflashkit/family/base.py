@@ -252,13 +252,18 @@ class Decoding:
     reference_loop: the z-lab PyPI loop (dflash 0.1.0) decodes it (`bench decode`'s reference).
     fast_path(c): whether `decode/fast_draft.py`'s lean forward computes the module forward of a drafter of
         contract c: plain DFlash layers (GQA attention and the SwiGLU MLP, nothing between them) and nothing
-        added to the network's inputs or outputs. False (the default) keeps the module's forward."""
+        added to the network's inputs or outputs. False (the default) keeps the module's forward.
+    confidence(drafter, h, logits, anchor, tokens): each proposed token's probability of acceptance, what the
+        draft-length policy (`decode/draft_length.py`) weighs against t(n) and a graft keeps a prefix by, for a
+        point-mass block (`propose`'s h and head logits, its anchor and its k tokens) → k floats; None (the
+        default): the softmax of the head's logits at the tokens."""
 
     propose: Callable[..., tuple[list[int], Any]]
     vllm_runner: str = "any"
     vllm_method: str = "dflash"
     reference_loop: bool = False
     fast_path: Callable[[DrafterContract], bool] = _never
+    confidence: Callable[..., list[float]] | None = None
 
 
 @dataclass(frozen=True)

@@ -266,6 +266,25 @@ def propose(drafter: Any, h: torch.Tensor, logits: torch.Tensor, anchor: int, sa
     return tokens, q.new_zeros(q.shape[0], vocab_size).index_copy_(1, vocab, q)
 
 
+def confidence(drafter: Any, h: torch.Tensor, logits: torch.Tensor, anchor: int, tokens: list[int]) -> list[float]:
+    """Each proposed token's acceptance probability for the draft-length policy: the confidence head's estimate
+    when the drafter has one (trained on whether the draft was accepted), else the softmax of the Markov-biased
+    logits at the token (the bias of the token before it, as `propose` drafted it)."""
+    import torch
+
+    if drafter.confidence_head is not None:
+        return [float(x) for x in drafter.proposal_confidence(h, anchor, tokens).float().tolist()]
+    prev = torch.tensor([anchor, *tokens[:-1]], dtype=torch.long, device=logits.device)
+    biased, _ = drafter.heads(h.reshape(-1, h.shape[-1])[:len(tokens)], logits[:len(tokens)], prev)
+    idx = torch.tensor(tokens, device=logits.device)
+    vocab = drafter.draft_vocab
+    if vocab is not None:  # target ids → draft indices (the vocab is sorted)
+        vocab = vocab.to(logits.device)
+        idx = torch.searchsorted(vocab, idx).clamp(max=vocab.numel() - 1)
+    probs = torch.softmax(biased.float(), dim=-1)
+    return probs.gather(-1, idx[:, None])[:, 0].tolist()
+
+
 # -- export -----------------------------------------------------------------------------------------------------
 def reload_check(source: Any, reloaded: Any, head: torch.Tensor | None) -> dict[str, Any]:
     """The export reload check's DSpark part: the same greedy Markov walk over random anchors (exact when the
@@ -303,7 +322,7 @@ DSPARK = Family(
                     read_knobs=read_knobs, reload_check=reload_check, card_lines=card_lines,
                     speculators_top_keys=("markov_rank", "markov_head_type", "enable_confidence_head",
                                           "confidence_head_with_markov")),
-    decoding=Decoding(propose=propose, vllm_runner="v2", vllm_method="dspark"),
+    decoding=Decoding(propose=propose, vllm_runner="v2", vllm_method="dspark", confidence=confidence),
     knobs=DSparkKnobs,
     weights=DSparkWeights,
 )
