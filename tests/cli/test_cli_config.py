@@ -84,7 +84,7 @@ def test_optional_keys_left_at_default_keep_old_fingerprints():
              "selector_top_k", "input_embedding_scale", "output_multiplier",
              "final_logit_softcapping", "causal", "sliding_window", "layer_types", "attention_type",
              *(f.name for f in dataclasses.fields(cfg.drafter)
-               if f.name.startswith(("lilicorr_", "mla_")))}  # keys added after run dirs existed
+               if f.name.startswith(("lilicorr_", "mla_", "dspark_")))}  # keys added after run dirs existed
     old = {k: v for k, v in dataclasses.asdict(cfg.drafter).items() if k not in later}
     assert section_hash(cfg.drafter) == section_hash(old)
     d2 = load_config(None, ["drafter.type=dflash2"])  # the contract carries the drafter type: probe re-runs
