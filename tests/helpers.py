@@ -272,3 +272,21 @@ def openai_stub(answer: Callable[[dict], tuple[int, dict]], models: tuple[str, .
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+def record_proposals(monkeypatch: Any) -> list[tuple[torch.Tensor, torch.Tensor, int, list[int]]]:
+    """Patch `SpecDecoder._propose` (the family's proposal step) to record each call's (h, head logits, anchor,
+    proposed tokens) while still proposing; returns the list it fills."""
+    from dflashkit.decode.spec_decode import SpecDecoder
+
+    calls: list[tuple[torch.Tensor, torch.Tensor, int, list[int]]] = []
+    real = SpecDecoder._propose
+
+    def spy(self: Any, h: torch.Tensor, logits: torch.Tensor, anchor: int, params: Any, gen: Any,
+            block: Any = None) -> Any:
+        out = real(self, h, logits, anchor, params, gen, block)
+        calls.append((h, logits, anchor, out[0]))
+        return out
+
+    monkeypatch.setattr(SpecDecoder, "_propose", spy)
+    return calls

@@ -11,6 +11,7 @@ from dflashkit.decode.spec_decode import SpecDecoder
 from dflashkit.model.dflash2 import DFlash2DraftModel
 from dflashkit.model.target import load_target
 from dflashkit.testing import random_drafter
+from tests.helpers import record_proposals
 
 PROMPT = [1, 60, 61, 62, 63, 64, 10, 65, 66, 67, 68, 2, 10]
 
@@ -42,21 +43,12 @@ def test_dflash2_greedy_speculative_equals_target_greedy(targets, arch, monkeypa
     drafter = _dflash2(target)
     params = SamplingParams(max_new_tokens=23)
     base = SpecDecoder(target, None, block_size=1).generate(PROMPT, params).token_ids
-    walked, argmax = [], []
-    real = SpecDecoder._propose
-
-    def spy(self, h, logits, anchor, p, gen, block=None):
-        out = real(self, h, logits, anchor, p, gen, block)
-        walked.append(out[0])
-        argmax.append(logits.argmax(-1).tolist())
-        return out
-
-    monkeypatch.setattr(SpecDecoder, "_propose", spy)
+    calls = record_proposals(monkeypatch)
     for b in (2, 4, 8):
         r = SpecDecoder(target, drafter, block_size=b).generate(PROMPT, params)
         assert r.token_ids == base, f"B={b}"
         assert sum(r.acceptance_lengths) == 22 and all(1 <= a <= b for a in r.acceptance_lengths)
-    assert walked and any(w != u for w, u in zip(walked, argmax))  # the selector changed some drafts
+    assert calls and any(tokens != logits.argmax(-1).tolist() for _, logits, _, tokens in calls)  # the selector changed some drafts
 
 
 def test_a_drafter_that_drafts_the_target_gets_full_blocks(targets, monkeypatch):

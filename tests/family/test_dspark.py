@@ -20,7 +20,7 @@ from dflashkit.model.target import load_target
 from dflashkit.testing import random_drafter
 from dflashkit.train.loss import Heads, LossInputs
 from tests.decode.test_sampling import N_SAMPLES, _chi2_z, _samples, small  # noqa: F401 - `small` is a fixture
-from tests.helpers import random_case, tiny_contract, train_loss, with_fields
+from tests.helpers import random_case, record_proposals, tiny_contract, train_loss, with_fields
 
 V, H, R = 50, 32, 6
 PROMPT = [1, 60, 61, 62, 63, 64, 10, 65, 66, 67, 68, 2, 10]
@@ -166,21 +166,12 @@ def test_greedy_speculative_equals_target_greedy(target, monkeypatch):
     strong_markov(drafter, std=2.0)
     params = SamplingParams(max_new_tokens=23)
     base = SpecDecoder(target, None, block_size=1).generate(PROMPT, params).token_ids
-    walked, argmax = [], []
-    real = SpecDecoder._propose
-
-    def spy(self, h, logits, anchor, p, gen, block=None):
-        out = real(self, h, logits, anchor, p, gen, block)
-        walked.append(out[0])
-        argmax.append(logits.argmax(-1).tolist())
-        return out
-
-    monkeypatch.setattr(SpecDecoder, "_propose", spy)
+    calls = record_proposals(monkeypatch)
     for b in (2, 4):
         r = SpecDecoder(target, drafter, block_size=b).generate(PROMPT, params)
         assert r.token_ids == base, f"B={b}"
         assert sum(r.acceptance_lengths) == 22 and all(1 <= a <= b for a in r.acceptance_lengths)
-    assert walked and any(w != u for w, u in zip(walked, argmax))  # the Markov head changed some drafts
+    assert calls and any(tokens != logits.argmax(-1).tolist() for _, logits, _, tokens in calls)  # the Markov head changed some drafts
 
 
 def dspark_like(drafter, std: float = 3.0):
@@ -348,19 +339,13 @@ def test_the_draft_length_policy_reads_dsparks_own_confidence(target, monkeypatc
             drafter.confidence_head.proj.weight.normal_(0, 1.0)
     params = SamplingParams(max_new_tokens=23)
     base = SpecDecoder(target, None, block_size=1).generate(PROMPT, params).token_ids
-    proposed, chosen = [], []
-    real_propose, real_choose = SpecDecoder._propose, DraftLength.choose
-
-    def spy(self, h, logits, anchor, p, gen, block=None):
-        out = real_propose(self, h, logits, anchor, p, gen, block)
-        proposed.append((h, logits, anchor, out[0]))
-        return out
+    proposed, chosen = record_proposals(monkeypatch), []
+    real_choose = DraftLength.choose
 
     def choose(self, conf):
         chosen.append(list(conf))
         return real_choose(self, conf)
 
-    monkeypatch.setattr(SpecDecoder, "_propose", spy)
     monkeypatch.setattr(DraftLength, "choose", choose)
     r = SpecDecoder(target, drafter, block_size=4, adaptive=True).generate(PROMPT, params)
     assert r.token_ids == base
