@@ -5,14 +5,18 @@ Usage (a test's torchrun):
         -m tests.harness.slow_teardown train --json ...      # the repo root on PYTHONPATH
 
 `RANK:SECONDS` makes that rank sleep SECONDS before it leaves the process group
-(`train.parallel.leave_distributed`), so the other rank reaches teardown, and exits, first. Only
-this test gear reads the variable; the library never does.
+(`train.parallel.leave_distributed`), so the other rank reaches teardown, and exits, first.
+`DFLASHKIT_TEST_STALLED_DESTROY=RANK` makes `destroy_process_group` never return on that rank (the
+stall gloo shows once in a few hundred runs), with `parallel.TEARDOWN_S` cut to 3 s. Only this test
+gear reads the variables; the library never does.
 """
 
 from __future__ import annotations
 
 import os
 import time
+
+import torch
 
 from dflashkit.train import parallel
 
@@ -29,8 +33,21 @@ def _slowed(leave):
     return leave_late
 
 
+def _stall_destroy() -> None:
+    stalled = os.environ.get("DFLASHKIT_TEST_STALLED_DESTROY", "")
+    if stalled and int(os.environ.get("RANK", "0")) == int(stalled):
+        parallel.TEARDOWN_S = 3.0
+
+        def destroy_forever(*args, **kwargs):
+            while True:
+                time.sleep(60)
+
+        torch.distributed.destroy_process_group = destroy_forever
+
+
 if __name__ == "__main__":
     parallel.leave_distributed = _slowed(parallel.leave_distributed)
+    _stall_destroy()
     from dflashkit.__main__ import run_as_main
 
     run_as_main()

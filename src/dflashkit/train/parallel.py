@@ -21,15 +21,22 @@ of the frozen weights; the embedding and LM head the drafter reuses stay replica
 A rank finishes with `leave_distributed` (barrier unless `ok=False`, destroy the group, collect
 garbage) and then `exit_rank(rc)`: flush, then `os._exit(rc)` without interpreter finalization,
 which would abort on the gloo threads torch keeps alive (docs/architecture.md, "Reliability rules").
+Leaving is bounded: a barrier or `destroy_process_group` that has not returned after `TEARDOWN_S`
+seconds (gloo has been seen to stall there once every few hundred runs, after every rank's work was
+done and saved) is abandoned with a warning and the Python stacks of every thread, and the rank goes
+on to report and exit. If the stalled call holds the interpreter, a C-level timer dumps the stacks
+and ends the process with status 1 instead: a failure that names where, never a hang.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import logging
 import os
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +48,8 @@ from dflashkit.errors import DflashkitError, UsageError
 
 log = logging.getLogger("dflashkit.train")
 _joined = False  # this process joined a torch process group (init_distributed): end it with exit_rank
+_left = False  # leave_distributed ran (it runs once)
+TEARDOWN_S = 60.0  # the longest a rank waits to leave its process group (see the module doc)
 
 
 @dataclass
@@ -85,9 +94,9 @@ def init_distributed(parallel, device: str = "auto") -> DistInfo:
     if world > 1 and not torch.distributed.is_initialized():
         if cuda:
             torch.cuda.set_device(dev)
-        global _joined
+        global _joined, _left
         torch.distributed.init_process_group(backend=backend)
-        _joined = True
+        _joined, _left = True, False
         log.info("rank %d/%d on %s (%s)", rank, world, dev, backend)
     return DistInfo(rank=rank, world=world, local_rank=local, device=dev)
 
@@ -156,14 +165,39 @@ def leave_distributed(*, ok: bool = True) -> None:
 
     ok=True (the rank's work succeeded): a barrier first, so every rank's collectives have completed
     before any rank tears down. ok=False (an error path): no barrier, the group is still destroyed."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    global _left
+    if _left or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
+    _left = True  # once: a group abandoned below still reads as initialized
+    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    failed: list[BaseException] = []
+
+    def leave() -> None:
+        if device is not None:
+            torch.cuda.set_device(device)  # the CUDA device is per thread: NCCL's barrier must use this rank's
+        try:
+            if ok:
+                torch.distributed.barrier()
+        except BaseException as e:  # raised in the caller's thread below
+            failed.append(e)
+        finally:
+            torch.distributed.destroy_process_group()
+
+    faulthandler.dump_traceback_later(2 * TEARDOWN_S + 10, exit=True)  # the last resort, needs no interpreter
     try:
-        if ok:
-            torch.distributed.barrier()
+        worker = threading.Thread(target=leave, name="dflashkit-leave-group", daemon=True)
+        worker.start()
+        worker.join(TEARDOWN_S)
     finally:
-        torch.distributed.destroy_process_group()
-        gc.collect()
+        faulthandler.cancel_dump_traceback_later()
+    if worker.is_alive():
+        log.warning("rank %s: leaving the process group did not finish in %.0f s; going on without it (this rank's "
+                    "work is done and saved). Where it stalled:", os.environ.get("RANK", "0"), TEARDOWN_S)
+        faulthandler.dump_traceback(all_threads=True)
+        return
+    gc.collect()
+    if failed:
+        raise failed[0]
 
 
 def exit_rank(rc: int) -> None:
@@ -172,7 +206,11 @@ def exit_rank(rc: int) -> None:
     if not _joined:
         return
     leave_distributed(ok=rc == 0)  # a no-op when the stage already left
-    logging.shutdown()
+    for handler in logging.getLogger().handlers + logging.getLogger("dflashkit").handlers:
+        try:  # the stream itself, without the handler's lock (logging.shutdown takes every handler's)
+            getattr(handler, "stream", handler).flush()
+        except (OSError, ValueError, AttributeError):
+            pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
