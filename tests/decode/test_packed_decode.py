@@ -162,3 +162,37 @@ def test_capture_logs_its_share_of_the_matmul_ceiling(tiny_qwen3, caplog):
                                                                       n=t.config.intermediate_size))
     assert "of this machine's float32 matmul throughput" in caplog.text
     assert forward_flops_per_token(layers, len(layers)) == len(layers) * one  # identical layers
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_grouped_attention_verifies_like_transformers_sdpa_without_copying_the_cache(tiny_targets, arch, monkeypatch):
+    """A verify step over 2–5 tokens against a cache, through `grouped_sdpa` (K/V heads grouped, the mask given to
+    SDPA) == transformers' SDPA (which repeats the cached K/V per query head), on a GQA target; a target whose heads
+    are not grouped is left as loaded. The grouped path is the one that ran: no `repeat_kv` copy on masked steps."""
+    import transformers.integrations.sdpa_attention as hf_sdpa
+
+    from dflashkit.model import packed as packed_mod
+
+    plain, grouped = _load(tiny_targets[arch]), _load(tiny_targets[arch])
+    gqa = plain.config.num_key_value_heads < plain.config.num_attention_heads
+    got = packed_mod.use_grouped_attention(grouped.model)
+    assert (got == "grouped-KV sdpa") == gqa, got
+    if not gqa:
+        assert grouped.model.config._attn_implementation == "sdpa"
+        return
+    copies = []
+    real_repeat = hf_sdpa.repeat_kv
+    monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda h, n: copies.append(n) or real_repeat(h, n))
+    kw = cache_kwarg(plain.model)
+    with torch.inference_mode():
+        caches = [decode_cache(t.config, capacity=64) for t in (plain, grouped)]
+        for t, c in zip((plain, grouped), caches):
+            t.model(input_ids=torch.tensor([PROMPT]), **{kw: c}, use_cache=True)
+        for n in (2, 3, 5, 1):
+            step = torch.tensor([[40 + i for i in range(n)]])
+            ref = plain.model(input_ids=step, **{kw: caches[0]}, use_cache=True).logits
+            before = len(copies)
+            out = grouped.model(input_ids=step, **{kw: caches[1]}, use_cache=True).logits
+            assert len(copies) == before, f"the grouped path repeated K/V at n={n}"
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert copies, "transformers' own SDPA path repeats K/V on a masked step (what this test guards against)"
