@@ -119,3 +119,39 @@ def test_eval_decodes_fixed_adaptive_and_truncated_rows_all_lossless(target):
     assert "confident over fixed" in lines[0]
     cfg.eval.confidence_truncation = False
     assert not confident(cfg, drafter)
+
+
+@pytest.mark.slow  # one `dflashkit eval` of a tiny target, in-process
+def test_dflashkit_eval_reports_the_three_rows_per_source_on_a_dspark_drafter(tmp_path, tiny_qwen3, target, capsys):
+    import json
+
+    from dflashkit.cli import main
+    from dflashkit.export.hf import save_drafter
+
+    rd = tmp_path / "run"
+    save_drafter(dspark(target), rd / "train" / "final", dtype="float32")
+    rows = [{"id": f"p{i}", "source": "ab"[i % 2], "messages": [{"role": "user", "content": f"count to {i + 3}"},
+                                                                 {"role": "assistant", "content": "ok"}]}
+            for i in range(4)]
+    (rd / "prepare").mkdir()
+    (rd / "prepare" / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["eval", f"target.path={tiny_qwen3}", "target.dtype=float32", "eval.num_prompts=4",
+            "eval.max_new_tokens=10", "eval.warmup=0", "eval.block_sizes=[4]", "eval.diagnostics=false",
+            "eval.prompt_lookup=false", "eval.hybrid=false", "--run-dir", str(rd)]
+    assert main(args) == 0
+    assert "draft length B=4 a: fixed tau" in capsys.readouterr().out
+    res = json.loads((rd / "eval" / "results.json").read_text())
+    assert res["lossless"]["verdict"] == "exact"
+    for group in ("speculative", "adaptive", "confident"):
+        assert res[group]["4"]["identical_to_baseline"] is True, group
+    assert res["summary"]["confident"]["block_size"] == 4 and res["confidence_threshold"] == 0.5
+    row = res["draft_length"]["4"]
+    assert set(row["by_source"]) == {"a", "b"}
+    for g in (row, *row["by_source"].values()):
+        assert set(g["policies"]) == {"fixed", "adaptive", "confident"}
+        assert {"adaptive_vs_fixed", "confident_vs_fixed", "confident_vs_adaptive"} <= set(g)
+    for src in ("a", "b"):
+        assert set(res["by_source"][src]["confident"]) == {"4"}
+    assert main([*args, "eval.confidence_truncation=false"]) == 0
+    res = json.loads((rd / "eval" / "results.json").read_text())
+    assert "confident" not in res and set(res["draft_length"]["4"]["policies"]) == {"fixed", "adaptive"}
