@@ -28,7 +28,7 @@ def numel(model: torch.nn.Module, *prefixes: str) -> int:
 @pytest.mark.parametrize("draft_vocab", [None, 40])
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_part_is_the_built_networks_count(tiny_qwen3, case, draft_vocab):
-    from dflashkit.family import new_drafter
+    from dflashkit.family import extra_params, new_drafter
     from dflashkit.inspect.budget import drafter_parts, drafter_params
     from dflashkit.inspect.config_facts import read_model_facts
     from dflashkit.inspect.contract import derive_contract
@@ -45,6 +45,8 @@ def test_each_part_is_the_built_networks_count(tiny_qwen3, case, draft_vocab):
     assert parts["norms"] == numel(model, "hidden_norm.", "norm.")
     assert {k: numel(model, k + ".") for k in parts["family"]} == parts["family"]
     assert parts["params"] == drafter_params(c, draft_vocab) == sum(p.numel() for p in model.parameters())
+    if draft_vocab is None:  # the family seam's own count agrees (MLA kept in the DFlash it is compared with)
+        assert extra_params(c) == sum(parts["family"].values())
     if case.startswith("dspark"):  # Markov head V·r + V'·r, confidence head H (+ r) + 1, in closed form
         r, v, h = 8, c.vocab_size, c.hidden_size
         assert parts["family"] == {"markov_head": v * r + (draft_vocab or v) * r,
