@@ -506,6 +506,15 @@ class EvalSection:
                               "verifies only the drafts the drafter's own confidence and the measured cost t(n) of a "
                               "target step over n tokens say pay (decode/draft_length.py; lossless). Reported beside "
                               "fixed B, which stays the figure that predicts an engine.", hash_default=False)
+    confidence_truncation: bool = f(
+        True, "With a drafter whose family estimates each draft's acceptance (Decoding.confidence: DSpark's "
+        "confidence head), also decode every block size with verification truncated by that confidence (the "
+        "engines' rule: the leading drafts whose product of confidences is >= eval.confidence_threshold; "
+        "decode/draft_length.py ConfidenceCut; lossless), reported as `confident` beside fixed B and the adaptive "
+        "length, with paired speed ratios per source (`draft_length` in results.json).", hash_default=False)
+    confidence_threshold: float = f(
+        0.5, "eval.confidence_truncation: the threshold on the product of the leading drafts' confidences "
+        "(0 verifies every draft: fixed B; in [0, 1]).", hash_default=False)
     prompt_lookup: bool = f(True, "Also decode every block size with the training-free prompt-lookup "
                             "(n-gram) proposer: the floor a drafter must beat.", hash_default=False)
     prompt_lookup_ngram: int = f(3, "Prompt lookup: longest n-gram matched (falls back to shorter, down "

@@ -18,6 +18,11 @@ the block's length changes, and with it the cost of the step.
 
 `fixed` lengths (every step k = B − 1) are what an engine runs; this policy is dflashkit's decoder's own
 option (`eval.adaptive_length`, `serve.adaptive_length`, `bench decode`), reported beside fixed B.
+
+`ConfidenceCut(max_drafts, threshold)` is the engines' rule (verification truncated by the drafter's confidence,
+as DSpark's confidence head is served): verify the leading drafts while the product of their confidences, the
+estimated chance that all of them are accepted, stays ≥ `threshold`; no cost table, no calibration
+(`eval.confidence_truncation`). Both are lossless for the same reason.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from dataclasses import dataclass, field
 @dataclass
 class DraftLength:
     """The draft-length policy of one decoder (state: the cost table and the calibration)."""
+
+    needs_cost = True  # the decoder measures t(n) before its first step (`SpecDecoder._calibrate`)
 
     max_drafts: int
     prior_steps: float = 8.0
@@ -106,3 +113,26 @@ class DraftLength:
                 break
             self._conf[i] += c
             self._hits[i] += 1.0 if i < accepted else 0.0
+
+
+@dataclass
+class ConfidenceCut(DraftLength):
+    """Verify the leading k drafts whose running product of confidences is ≥ `threshold` (module docstring):
+    the raw confidences (DSpark's confidence head where the drafter has one), no cost table, no calibration."""
+
+    threshold: float = 0.5
+    needs_cost = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"confidence threshold {self.threshold!r} must be in [0, 1]")
+
+    def choose(self, conf: list[float]) -> int:
+        run, k = 1.0, 0
+        for c in conf[: self.max_drafts]:
+            run *= min(1.0, max(0.0, c))
+            if run < self.threshold:
+                break
+            k += 1
+        return k

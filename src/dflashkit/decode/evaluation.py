@@ -17,13 +17,17 @@ Usage:
     read_eval_results(rd)                                       # (report, run summary) that dict, or None
 
 Decoder keys (`decode_all`) and their results.json groups: "1" the baseline; "4" the drafter at B=4
-(`speculative`); "adaptive-4" (`adaptive`); "lookup-4" (`prompt_lookup`); "suffix-4" the suffix proposer alone
+(`speculative`); "adaptive-4" (`adaptive`); "confident-4" the drafter with verification truncated by its confidence
+(`confident`, with a drafter whose family has `Decoding.confidence`: DSpark); "lookup-4" (`prompt_lookup`); "suffix-4" the suffix proposer alone
 (`suffix`); "hybrid-4@2" the hybrid at B=4 whose suffix branch drafts when its match is ≥ 2 tokens and "graft-4@4"
 the same at gate 4 with grafting (`hybrid`, keyed "4@2", "4@4+graft").
 
 The `hybrid` row (`hybrid_composite`, `summary.hybrid`) is measured, not chosen after the fact: each prompt is
 scored with the decoder (drafter alone, suffix alone, or a hybrid grid point, at any block size) that had the
 highest tokens/s over the *other* prompts of its data source (`loo_composite`), so no prompt picks its own gate.
+The draft-length policies (`draft_length`, `length_policies`): per block size, the adaptive length and the
+confidence truncation against fixed B (and the truncation against the adaptive length), paired prompt by prompt,
+over all prompts and per data source.
 An entry whose timing cannot be true (`timing_flags`: speedup above its τ, or t(B) below t(1) beyond noise)
 carries `unreliable` and never makes a "faster" verdict.
 """
@@ -164,16 +168,17 @@ def block_of(key: str) -> int:
     return int(key.rpartition("-")[2].partition("@")[0])
 
 
-GROUPS = (("drafter", "speculative"), ("adaptive", "adaptive"), ("lookup", "prompt_lookup"), ("suffix", "suffix"),
-          ("hybrid", "hybrid"))
+GROUPS = (("drafter", "speculative"), ("adaptive", "adaptive"), ("confident", "confident"), ("lookup", "prompt_lookup"),
+          ("suffix", "suffix"), ("hybrid", "hybrid"))
 # the lossless check's proposer name of a decoder key's prefix (no prefix: the drafter)
-PROPOSERS = {"lookup": "prompt_lookup", "adaptive": "drafter-adaptive", "suffix": "suffix", "hybrid": "hybrid",
-             "graft": "graft"}
+PROPOSERS = {"lookup": "prompt_lookup", "adaptive": "drafter-adaptive", "confident": "drafter-confident",
+             "suffix": "suffix", "hybrid": "hybrid", "graft": "graft"}
 MIN_HYBRID_PROMPTS = 2  # the hybrid row chooses each prompt's decoder on the other prompts (sizing/plan.py knows)
 
 
 def proposer_of(key: str) -> str:
-    """The proposer of a decoder key: drafter, drafter-adaptive, prompt_lookup, suffix, hybrid or graft."""
+    """The proposer of a decoder key: drafter, drafter-adaptive, drafter-confident, prompt_lookup, suffix, hybrid or
+    graft."""
     prefix, dash, _ = key.rpartition("-")
     return PROPOSERS.get(prefix, "drafter") if dash else "drafter"
 
@@ -182,8 +187,8 @@ def group_key(key: str) -> tuple[str, str]:
     """(results.json group, key in it) of a decoder key: "4" → (speculative, "4"), "lookup-4" → (prompt_lookup,
     "4"), "suffix-4" → (suffix, "4"), "hybrid-4@2" → (hybrid, "4@2"), "graft-4@4" → (hybrid, "4@4+graft")."""
     prefix, _, rest = key.rpartition("-")
-    group = {"lookup": "prompt_lookup", "adaptive": "adaptive", "suffix": "suffix", "hybrid": "hybrid",
-             "graft": "hybrid"}.get(prefix, "speculative")
+    group = {"lookup": "prompt_lookup", "adaptive": "adaptive", "confident": "confident", "suffix": "suffix",
+             "hybrid": "hybrid", "graft": "hybrid"}.get(prefix, "speculative")
     return group, (f"{rest}+graft" if prefix == "graft" else rest)
 
 
@@ -231,6 +236,7 @@ def results_table(res: dict[str, Any]) -> str:
     for bs, r in res["speculative"].items():
         lines.append(f"B={bs} per-position acceptance: " + " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]))
     lines += breakdown_lines(res)
+    lines += length_policy_lines(res)
     lines += diagnostic_lines(res)
     return "\n".join(lines)
 
@@ -334,10 +340,18 @@ def unreliable_entries(res: dict[str, Any]) -> list[tuple[str, list[str]]]:
     return out
 
 
+def confident(cfg: Any, drafter: Any) -> bool:
+    """Whether eval decodes the confidence-truncated rows: eval.confidence_truncation and a drafter whose family
+    estimates each draft's acceptance (`Decoding.confidence`)."""
+    return bool(cfg.eval.confidence_truncation) and drafter.contract.family.decoding.confidence is not None
+
+
 def decode_all(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_sizes: list[int], *,
-               lookup: bool, warmup: int, adaptive: bool | None = None, hybrid: bool | None = None) -> dict[str, Any]:
-    """Baseline + drafter (+ adaptive, prompt lookup) at every block size, the suffix proposer alone and the hybrid
-    grid (`hybrid_decoders`) at the largest, interleaved; results by decoder key (module docstring)."""
+               lookup: bool, warmup: int, adaptive: bool | None = None, hybrid: bool | None = None,
+               truncated: bool | None = None) -> dict[str, Any]:
+    """Baseline + drafter (+ adaptive, confidence-truncated (`confident`), prompt lookup) at every block size, the
+    suffix proposer alone and the hybrid grid (`hybrid_decoders`) at the largest, interleaved; results by decoder
+    key (module docstring)."""
     e = cfg.eval
     ddt = draft_dtype_for(cfg, target)
     decoders: dict[str, Decoder] = {"1": SpecDecoder(target, None, 1, max_context=e.max_context, record_top=TOP_K)}
@@ -348,6 +362,11 @@ def decode_all(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_
         for bs in block_sizes:
             decoders[f"adaptive-{bs}"] = SpecDecoder(target, drafter, bs, max_context=e.max_context, record_top=TOP_K,
                                                      draft_sampling=e.draft_sampling, draft_dtype=ddt, adaptive=True)
+    if confident(cfg, drafter) if truncated is None else truncated:
+        for bs in block_sizes:
+            decoders[f"confident-{bs}"] = SpecDecoder(target, drafter, bs, max_context=e.max_context,
+                                                      record_top=TOP_K, draft_sampling=e.draft_sampling,
+                                                      draft_dtype=ddt, confidence_cut=e.confidence_threshold)
     if lookup:
         for bs in block_sizes:
             decoders[f"lookup-{bs}"] = SpecDecoder(target, None, bs, max_context=e.max_context, record_top=TOP_K,
@@ -427,7 +446,7 @@ def entries(runs: dict[str, Any], base_t: dict) -> dict[str, dict]:
     out = {}
     for key, results in runs.items():
         out[key] = entry_of(results, block_of(key), base_t)
-        if key.startswith("adaptive-"):  # what the policy verified: drafts per step (fixed B: B − 1)
+        if key.startswith(("adaptive-", "confident-")):  # what the policy verified: drafts per step (fixed B: B − 1)
             steps = sum(len(r.acceptance_lengths) for r in results)
             out[key]["drafts_per_step"] = round(sum(r.verified_drafts for r in results) / max(1, steps), 4)
         gate = hybrid_gate(key)
@@ -597,6 +616,56 @@ def breakdown(cfg: Any, prompts: list[EvalPrompt], runs: dict[str, Any]) -> tupl
              for mode, idx in sorted(by_mode.items())})
 
 
+LENGTH_POLICIES = (("adaptive", "fixed"), ("confident", "fixed"), ("confident", "adaptive"))
+
+
+def length_policies(cfg: Any, prompts: list[EvalPrompt], runs: dict[str, list[GenerationResult]],
+                    found: dict[str, dict]) -> dict[str, dict]:
+    """The draft-length policies against each other, per block size B ("4" → …): each policy's τ, tokens/s and
+    drafts verified per step, overall and per data source, and the paired speed ratio (`versus`) of the adaptive
+    length and of the confidence truncation over fixed B, and of the truncation over the adaptive length, each
+    overall (`A_vs_B`) and per source (`by_source`). Empty without an adaptive or a confident decoder."""
+    by_src, _, _ = prompt_groups(cfg, prompts)
+    out: dict[str, dict] = {}
+    for bs in sorted({block_of(k) for k in runs if k.startswith(("adaptive-", "confident-"))}):
+        keys = {"fixed": str(bs), "adaptive": f"adaptive-{bs}", "confident": f"confident-{bs}"}
+        keys = {name: k for name, k in keys.items() if k in runs}
+        if "fixed" not in keys:
+            continue
+
+        def numbers(name: str, idx: list[int]) -> dict[str, Any]:
+            sub = [runs[keys[name]][i] for i in idx]
+            steps = sum(len(r.acceptance_lengths) for r in sub)
+            return {"tau": summarize_acceptance(sub, bs)["tau"],
+                    "decode_tokens_per_s": summarize_timing(sub)["decode_tokens_per_s"],
+                    "drafts_per_step": round(sum(r.verified_drafts for r in sub) / max(1, steps), 4)}
+
+        pairs = [(a, b) for a, b in LENGTH_POLICIES if a in keys and b in keys]
+        row: dict[str, Any] = {"decoders": keys, "policies": {n: numbers(n, list(range(len(prompts)))) for n in keys}}
+        for a, b in pairs:
+            row[f"{a}_vs_{b}"] = versus(runs[keys[a]], runs[keys[b]], found.get(keys[a]), found.get(keys[b]))
+        row["by_source"] = {src: {"prompts": len(idx), "policies": {n: numbers(n, idx) for n in keys},
+                                  **{f"{a}_vs_{b}": versus(runs[keys[a]], runs[keys[b]], found.get(keys[a]),
+                                                           found.get(keys[b]), idx) for a, b in pairs}}
+                            for src, idx in sorted(by_src.items())}
+        out[str(bs)] = row
+    return out
+
+
+def length_policy_lines(res: dict[str, Any]) -> list[str]:
+    """`draft_length` as text: per block size and source, each policy's τ and tokens/s and the paired ratios."""
+    out = []
+    for bs, row in (res.get("draft_length") or {}).items():
+        for src, g in [("all", row), *row["by_source"].items()]:
+            pol = ", ".join(f"{n} tau {p['tau']:.2f} {p['decode_tokens_per_s']:.1f} tok/s"
+                            for n, p in g["policies"].items())
+            ratios = "; ".join(f"{k.replace('_vs_', ' over ')} {g[k]['ratio']:.2f}x "
+                               f"({g[k]['interval90'][0]:.2f}-{g[k]['interval90'][1]:.2f})"
+                               for k in g if "_vs_" in k)
+            out.append(f"draft length B={bs} {src}: {pol}" + (f"; {ratios}" if ratios else ""))
+    return out
+
+
 def best_entry(group: dict[str, dict]) -> dict | None:
     """The entry with the highest measured speedup (its key as block_size)."""
     if not group:
@@ -617,7 +686,7 @@ def choose_dtype(cfg: Any, drafter_dir: Any, ids: list[list[int]], block_sizes: 
         prepare_for_decode(target, cfg.eval.packed_weights)
         drafter = load_drafter(drafter_dir, dtype=target.dtype, device=target.device)
         runs = decode_all(cfg, target, drafter, ids[:CALIBRATION_PROMPTS], block_sizes, lookup=False,
-                          warmup=cfg.eval.warmup, adaptive=False, hybrid=False)
+                          warmup=cfg.eval.warmup, adaptive=False, hybrid=False, truncated=False)
         base_t = summarize_timing(runs.pop("1"))
         best = best_entry(entries(runs, base_t)) or {"block_size": 1, "speedup": 1.0}
         calib[name] = {"baseline_tokens_per_s": base_t["decode_tokens_per_s"], "t1_s": round(base_t["verify_s_mean"], 6),
@@ -699,6 +768,9 @@ def evaluate(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list[lis
     res["speculative"] = {k: v for k, v in found.items() if k.isdigit()}
     if e.adaptive_length:
         res["adaptive"] = {k.removeprefix("adaptive-"): v for k, v in found.items() if k.startswith("adaptive-")}
+    if any(k.startswith("confident-") for k in found):
+        res["confident"] = {k.removeprefix("confident-"): v for k, v in found.items() if k.startswith("confident-")}
+        res["confidence_threshold"] = e.confidence_threshold
     if e.prompt_lookup:
         res["prompt_lookup"] = {k.removeprefix("lookup-"): v for k, v in found.items() if k.startswith("lookup-")}
         res["prompt_lookup_ngram"] = e.prompt_lookup_ngram
@@ -727,6 +799,9 @@ def evaluate(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list[lis
     adaptive_best = best_entry(res.get("adaptive", {}))
     if adaptive_best:  # reported beside fixed B; the fixed-B figure is the one an engine's predicts
         res["summary"]["adaptive"] = adaptive_best
+    confident_best = best_entry(res.get("confident", {}))
+    if confident_best:
+        res["summary"]["confident"] = confident_best
     if lookup_best:
         res["summary"]["prompt_lookup"] = lookup_best
         verdict = verdict_of(best["tau"] > lookup_best["tau"] and best["speedup"] > lookup_best["speedup"],
@@ -737,6 +812,8 @@ def evaluate(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list[lis
             res["summary"]["versus_prompt_lookup"] = paired_speed(runs[str(best["block_size"])],
                                                                   runs[f"lookup-{lookup_best['block_size']}"])
     res["by_source"], res["by_mode"] = breakdown(cfg, prompts, runs)
+    if policies := length_policies(cfg, prompts, runs, found):
+        res["draft_length"] = policies
     if e.hybrid and composite_candidates(list(runs)):
         hybrid_composite(cfg, prompts, runs, base_results, found, res)
     if e.diagnostics:

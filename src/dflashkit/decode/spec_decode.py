@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from dflashkit.decode.api import GenerationResult, SamplingParams
-from dflashkit.decode.draft_length import DraftLength
+from dflashkit.decode.draft_length import ConfidenceCut, DraftLength
 from dflashkit.decode.hybrid import HybridProposer, label
 from dflashkit.decode.rollback import arm, recurrent_layers, rollback
 from dflashkit.decode.sampling import sample, sampling_probs, verify_greedy, verify_sampled
@@ -114,13 +114,17 @@ class SpecDecoder:
             `draft_origin` say which branch drafted each step and token. With `adaptive`, each branch ("drafter",
             "suffix", "graft") has its own draft-length policy: the suffix branch's confidences are its scores
             and its draft cost its own measured time.
+        confidence_cut: instead of `adaptive`, verify the leading drafts while the product of their confidences
+            (the family's `Decoding.confidence`: DSpark's confidence head; else the head's softmax) stays ≥ this
+            threshold (`decode/draft_length.ConfidenceCut`, the engines' truncation; no t(n) is measured). Lossless
+            as `adaptive` is.
     """
 
     def __init__(self, target: Target, drafter: DFlashDraftModel | None = None, block_size: int | None = None,
                  *, proposer: Proposer | None = None, draft_sampling: Literal["greedy", "sample"] = "greedy",
                  max_context: int | None = None, draft_dtype: torch.dtype | None = None,
                  record_top: int = 0, adaptive: bool = False, lean: bool = True,
-                 hybrid: HybridProposer | None = None):
+                 hybrid: HybridProposer | None = None, confidence_cut: float | None = None):
         self.target, self.drafter, self.proposer, self.hybrid = target, drafter, proposer, hybrid
         if hybrid is not None and (drafter is None or proposer is not None):
             raise UsageError("a hybrid proposer needs a drafter beside it, and no other proposer",
@@ -167,8 +171,13 @@ class SpecDecoder:
         self._cuda = target.device.type == "cuda"
         self._cache_kw = cache_kwarg(target.model)  # `cache` or `past_key_values`, by transformers version
         self.policy: DraftLength | None = None
+        if adaptive and confidence_cut is not None:
+            raise UsageError("adaptive and confidence_cut are two draft-length policies: pass one",
+                             hint="decode once with each")
         if adaptive and self.layer_ids is not None:
             self.policy = DraftLength(max_drafts=block_size - 1)
+        elif confidence_cut is not None and self.layer_ids is not None:
+            self.policy = ConfidenceCut(max_drafts=block_size - 1, threshold=float(confidence_cut))
         # the hybrid's per-branch draft-length policies ("drafter" is `policy`; the others share its cost table)
         self.policies: dict[str, DraftLength] = {}
         if self.policy is not None and hybrid is not None:
@@ -358,7 +367,7 @@ class SpecDecoder:
             gen.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little"))
         stops = set(params.stop_token_ids)
         max_len = n_prompt + max_new
-        if self.policy is not None and not self.policy.cost:
+        if self.policy is not None and self.policy.needs_cost and not self.policy.cost:
             self._calibrate(prompt_ids)
         for policy in self.policies.values():  # the hybrid's branches: the same target, the same t(n)
             if not policy.cost and self.policy is not None and self.policy.cost:

@@ -193,7 +193,9 @@ def extra_params(contract: DrafterContract) -> int:
 
     if contract.family is DEFAULT:
         return 0
-    base = dataclasses.replace(contract, drafter_type=DEFAULT.name, knobs=None, causal_layers=None)
+    kept = {f.name: getattr(contract.knobs, f.name) for f in dataclasses.fields(DEFAULT.knobs)
+            if hasattr(contract.knobs, f.name)}  # DFlash's knobs as the family sets them: the same attention (MLA)
+    base = dataclasses.replace(contract, drafter_type=DEFAULT.name, knobs=DEFAULT.knobs(**kept), causal_layers=None)
     return count(contract) - count(base)
 
 

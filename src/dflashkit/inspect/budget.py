@@ -16,11 +16,12 @@ docs/budget.md, "`dflashkit plan`'s disk and memory model".
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dflashkit.family import extra_params
+from dflashkit.family import DEFAULT as DEFAULT_FAMILY
 from dflashkit.family.recipe import resolve_recipe
 from dflashkit.inspect.paths import target_paths
 
@@ -46,6 +47,16 @@ def attention_params(c: Any) -> int:
     return q + h * (kvr + rope) + kvr + kvr * n * (a["mla_qk_nope_head_dim"] + v) + n * v * h
 
 
+def attention_act_width(c: Any) -> int:
+    """Numbers per query token one draft layer's attention keeps for backward besides its input: the queries and
+    the attention output, 2·heads·head_dim for GQA; MLA's q-LoRA latent, queries (qk_nope + qk_rope per head) and
+    output (v_head_dim per head)."""
+    a, n = c.attention, c.num_attention_heads
+    if a["attention_type"] != "mla":
+        return 2 * n * c.head_dim
+    return a["mla_q_lora_rank"] + n * (a["mla_qk_nope_head_dim"] + a["mla_qk_rope_head_dim"] + a["mla_v_head_dim"])
+
+
 def attention_kv_width(c: Any) -> int:
     """Key + value numbers per token per draft layer (what the context rows' K/V cost): 2·kv_heads·head_dim for
     GQA, heads·(qk_nope + qk_rope + v_head_dim) for MLA (expanded per head, as the drafter computes them)."""
@@ -65,11 +76,64 @@ def attention_text(c: Any) -> str:
             f"qk {a['mla_qk_nope_head_dim']}+{a['mla_qk_rope_head_dim']}, v {a['mla_v_head_dim']}")
 
 
-def drafter_params(c: Any) -> int:
-    """Parameters of the contract's drafter (no embedding / LM head of its own): DFlash's, plus its family's."""
+def draft_vocab_size(c: Any, cfg: Any) -> int | None:
+    """The reduced draft vocabulary V' the run trains (`drafter.draft_vocab_size` below the target's, for a family
+    that allows one), else None (the full vocab)."""
+    v = getattr(getattr(cfg, "drafter", None), "draft_vocab_size", None)
+    return int(v) if v and int(v) < c.vocab_size and c.family.network.reduced_vocab else None
+
+
+def _module_params(c: Any, vocab: int | None) -> dict[str, int]:
+    """Parameters per top-level module of the contract's network, built on the meta device (no memory) with a
+    draft vocabulary of `vocab` ids when given."""
+    import torch
+
+    from dflashkit.family import new_drafter
+
+    ids = None if vocab is None else torch.arange(vocab, device="cpu")
+    with torch.device("meta"):
+        net = new_drafter(c, ids)
+    out: dict[str, int] = {}
+    for name, p in net.named_parameters():
+        top = name.split(".")[0]
+        out[top] = out.get(top, 0) + p.numel()
+    return out
+
+
+def family_params(c: Any, vocab: int | None = None) -> dict[str, int]:
+    """The family's parameters beyond a DFlash drafter's of the same contract, per top-level module of its network
+    (a module of its own, e.g. DSpark's `markov_head` [V·r + V'·r] and `confidence_head`, or the growth of a DFlash
+    module, e.g. DFlash2's convolutions inside `layers`, keyed "layers (dflash2's own)"), at draft vocabulary `vocab` (None: the full vocab); {} for
+    DFlash. Counted on networks built on the meta device, so exact for any family."""
+    if c.family is DEFAULT_FAMILY:
+        return {}
+    kept = {f.name: getattr(c.knobs, f.name) for f in dataclasses.fields(DEFAULT_FAMILY.knobs)
+            if hasattr(c.knobs, f.name)}  # DFlash's own knobs as the family sets them (its attention: MLA too)
+    base = dataclasses.replace(c, drafter_type=DEFAULT_FAMILY.name, knobs=DEFAULT_FAMILY.knobs(**kept),
+                               causal_layers=None)
+    own, dflash = _module_params(c, vocab), _module_params(base, None)
+    return {(f"{k} ({c.drafter_type}'s own)" if k in dflash else k): n - dflash.get(k, 0)
+            for k, n in own.items() if n != dflash.get(k, 0)}
+
+
+def drafter_parts(c: Any, vocab: int | None = None) -> dict[str, Any]:
+    """The drafter's parameters part by part: `layer` (one draft layer's attention, MLP and its two norms, in
+    closed form), `layers` (all of them), `fc` (the target features' projection), `norms` (hidden_norm and the
+    final norm), `family` (`family_params`) and `params`, their sum. The drafter holds no embedding or LM head:
+    the target's are frozen beside it (`plan`'s memory), a reduced vocab's V' head rows copied once."""
     h, i = c.hidden_size, c.intermediate_size
-    layer = attention_params(c) + 3 * h * i + 2 * h
-    return c.num_draft_layers * layer + len(c.target_layer_ids) * h * h + 2 * h + extra_params(c)
+    layer = {"attention": attention_params(c), "mlp": 3 * h * i, "norms": 2 * h}
+    fam = family_params(c, vocab)
+    parts = {"layer": layer, "layers": c.num_draft_layers * sum(layer.values()), "fc": len(c.target_layer_ids) * h * h,
+             "norms": 2 * h, "family": fam}
+    parts["params"] = parts["layers"] + parts["fc"] + parts["norms"] + sum(fam.values())
+    return parts
+
+
+def drafter_params(c: Any, vocab: int | None = None) -> int:
+    """Parameters of the contract's drafter (no embedding / LM head of its own): DFlash's, plus its family's, at
+    draft vocabulary `vocab` (None: the full vocab)."""
+    return int(drafter_parts(c, vocab)["params"])
 
 
 def lookup_params(c: Any) -> int:
@@ -121,8 +185,9 @@ class _Sizes:
     cap_bpt: int      # bytes per token capture writes (the contract's layers + capture.extra_layer_ids)
     row_bpt: int      # bytes per token of an engine row (features + next ids + last hidden when the law is read)
     p_d: int          # drafter parameters
+    vocab: int        # the logits' width: the draft vocabulary V' when reduced, else V
     opt: int          # drafter weights + fp32 grads + AdamW state
-    frozen: int       # the frozen embedding and LM head
+    frozen: int       # the frozen embedding and LM head (+ a reduced vocab's V' head rows, copied once)
     act: int          # activations
     kl: int           # KL targets (0 when the loss reads no target law)
     chunk: int        # one logits chunk of train.loss_chunk_blocks
@@ -144,15 +209,16 @@ def _sizes(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, sequen
     q = min(t.num_anchors, seq) * c.block_size
     dtype_bytes = DTYPE_BYTES[cfg.capture.dtype]
     captured = len(set(c.target_layer_ids) | set(cfg.capture.extra_layer_ids))  # what capture writes per token
-    p_d = drafter_params(c)
-    per_layer = q * (4 * h + 2 * c.num_attention_heads * c.head_dim + 3 * c.intermediate_size) \
-        + seq * attention_kv_width(c)
+    vp = draft_vocab_size(c, cfg)
+    p_d = drafter_params(c, vp)
+    per_layer = q * (4 * h + attention_act_width(c) + 3 * c.intermediate_size) + seq * attention_kv_width(c)
     return _Sizes(seq=seq, q=q, cap_bpt=captured * h * dtype_bytes,
                   row_bpt=n_feat * h * dtype_bytes + 4 + (h * dtype_bytes if recipe.needs_target_logits else 0),
-                  p_d=p_d, opt=16 * p_d, frozen=v * h * 2 * (1 if c.tie_word_embeddings else 2),
+                  p_d=p_d, vocab=vp or v, opt=16 * p_d,
+                  frozen=v * h * 2 * (1 if c.tie_word_embeddings else 2) + (vp or 0) * h * 2,
                   act=t.batch_size * (c.num_draft_layers * per_layer + seq * (n_feat + 1) * h + q * h) * 2,
                   kl=t.batch_size * seq * v * 2 if recipe.needs_target_logits else 0,
-                  chunk=t.loss_chunk_blocks * c.block_size * v * LOGIT_BYTES,
+                  chunk=t.loss_chunk_blocks * c.block_size * (vp or v) * LOGIT_BYTES,
                   t_w=target_weight_bytes(facts), t_wl=target_weight_bytes(facts, local=True),
                   t_act=t.batch_size * seq * h * 2 * 4)
 
@@ -160,7 +226,7 @@ def _sizes(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, sequen
 def _modes(c: Any, cfg: RunConfig, s: _Sizes, *, tokens: int, gpus: int, budget: float) -> list[dict[str, Any]]:
     """One entry per training mode (the module docstring's order): per-GPU GiB, whether it fits `budget`
     bytes, its config, the largest loss chunk that fits, and for cached / engine the disk and the capture."""
-    t, b, v = cfg.train, c.block_size, c.vocab_size
+    t, b, v = cfg.train, c.block_size, s.vocab
     blocks_total = min(t.num_anchors, s.seq) * t.batch_size
     t_wc = s.t_w if cfg.capture.engine == "vllm" else s.t_wl
     queue_bytes = t.engine_prefetch * t.batch_size * s.seq * s.row_bpt
@@ -224,8 +290,10 @@ def plan_budget(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, s
     Returns:
         JSON-ready dict: features, drafter, logits, target, modes, recommended, time.
     """
-    t, b, v = cfg.train, c.block_size, c.vocab_size
+    t, b = cfg.train, c.block_size
     s = _sizes(c, facts, cfg, tokens=tokens, sequences=sequences)
+    vp = draft_vocab_size(c, cfg)
+    parts = drafter_parts(c, vp)
     modes = _modes(c, cfg, s, tokens=tokens, gpus=gpus, budget=mem_gib * 2**30 * USABLE)
     fitting = [m for m in modes if m["fits"] and (m["mode"] not in ("cached", "engine") or m["capture_fits"])]
     recommended = fitting[0]["mode"] if fitting else None
@@ -233,11 +301,15 @@ def plan_budget(c: Any, facts: dict[str, Any], cfg: RunConfig, *, tokens: int, s
         "features": {"dtype": cfg.capture.dtype, "bytes_per_token": s.cap_bpt,
                      "total_gib": _gib(s.cap_bpt * tokens)},
         "drafter": {"params": s.p_d, "type": c.drafter_type, "attention": attention_text(c),
-                    "attention_params_per_layer": attention_params(c),
-                    "lookup_params": lookup_params(c), "weights_grads_adam_gib": _gib(s.opt),
+                    "attention_params_per_layer": attention_params(c), "draft_vocab_size": vp,
+                    "parts": {k: parts[k] for k in ("layer", "layers", "fc", "norms", "family")},
+                    "num_draft_layers": c.num_draft_layers,
+                    "lookup_params": lookup_params(c), "weights_gib": _gib(s.p_d * DTYPE_BYTES[cfg.export.dtype]),
+                    "weights_dtype": cfg.export.dtype, "weights_grads_adam_gib": _gib(s.opt),
                     "frozen_embed_head_gib": _gib(s.frozen), "activations_gib": _gib(s.act),
                     "kl_targets_gib": _gib(s.kl)},
-        "logits": {"per_sequence_gib": _gib(t.num_anchors * b * v * 4), "chunk_gib": _gib(s.chunk),
+        "logits": {"per_sequence_gib": _gib(t.num_anchors * b * s.vocab * 4), "chunk_gib": _gib(s.chunk),
+                   "vocab": s.vocab,
                    "loss_chunk_blocks": t.loss_chunk_blocks,
                    "max_loss_chunk_blocks": next((m["max_loss_chunk_blocks"] for m in modes
                                                   if m["mode"] == recommended), 0)},

@@ -261,7 +261,7 @@ class DFlashDraftModel(nn.Module):
         self.norm = Qwen3RMSNorm(h, eps=contract.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(self.config)
         if draft_vocab is not None:
-            vocab = torch.as_tensor(draft_vocab).cpu()
+            vocab = torch.as_tensor(draft_vocab, device="cpu")  # explicit: also under a meta default device (`plan`)
             check_draft_vocab(vocab, vocab_size=contract.vocab_size, source="draft vocabulary")
             self.register_buffer("d2t", to_offsets(vocab.long()))
         if feature_scale is not None:  # drafter.feature_scale (model/feature_scale.py): folded into fc on save

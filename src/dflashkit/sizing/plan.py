@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, TypeGuard
 
+from dflashkit import family
 from dflashkit.decode.evaluation import hybrid_keys
 from dflashkit.errors import UsageError
 from dflashkit.family.recipe import config_recipe
@@ -157,10 +158,12 @@ def _block_sizes(cfg: Any) -> list[int]:
 
 def eval_prompt_s(cfg: Any, rates: Rates, max_new: int, *, hybrid_grid: bool = True) -> float:
     """Seconds to decode one eval prompt: the baseline and every proposer at every block size (the drafter, the
-    adaptive length, prompt lookup), and with eval.hybrid (`hybrid_grid`: eval has the prompts it needs) the suffix
-    proposer and each hybrid gate and graft at the largest (`decode.evaluation.hybrid_keys`), with prefills."""
+    adaptive length, the confidence truncation where the drafter's family has a confidence, prompt lookup), and with
+    eval.hybrid (`hybrid_grid`: eval has the prompts it needs) the suffix proposer and each hybrid gate and graft at
+    the largest (`decode.evaluation.hybrid_keys`), with prefills."""
     e = cfg.eval
-    passes = 1 + int(bool(e.adaptive_length)) + int(bool(e.prompt_lookup))
+    truncated = bool(e.confidence_truncation) and family.get(cfg.drafter.type).decoding.confidence is not None
+    passes = 1 + int(bool(e.adaptive_length)) + int(truncated) + int(bool(e.prompt_lookup))
     hybrid = len(hybrid_keys(cfg, max(_block_sizes(cfg)))) if e.hybrid and hybrid_grid and _block_sizes(cfg) else 0
     per_token = (rates.t(1) + sum(passes * rates.t(b) / EVAL_TAU for b in _block_sizes(cfg))
                  + (hybrid * rates.t(max(_block_sizes(cfg))) / EVAL_TAU if hybrid else 0.0))

@@ -44,6 +44,25 @@ def _lookups(d: dict[str, Any]) -> str:
     return f" (of which {n / 1e6:.1f}M looked up, not multiplied)" if n else ""
 
 
+def _n(n: float) -> str:
+    """A parameter count: 1.79B, 154.1M, 7.2K, 12."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.{2 if unit == 'B' else 1}f}{unit}"
+    return str(int(n))
+
+
+def _parts(d: dict[str, Any]) -> str:
+    """The drafter's parameters part by part (`inspect.budget.drafter_parts`) and its weights at the export dtype."""
+    p, layer = d["parts"], d["parts"]["layer"]
+    fam = "".join(f", {name} {_n(n)}" for name, n in p["family"].items())
+    vocab = f"; draft vocab {d['draft_vocab_size']}" if d.get("draft_vocab_size") else ""
+    return (f"{d['num_draft_layers']} layers × {_n(sum(layer.values()))} (attention {_n(layer['attention'])}, "
+            f"MLP {_n(layer['mlp'])}, norms {_n(layer['norms'])}) = {_n(p['layers'])}, fc {_n(p['fc'])}, "
+            f"norms {_n(p['norms'])}{fam}; total {_n(d['params'])}{vocab}; weights {d['weights_gib']} GiB at "
+            f"{d['weights_dtype']}")
+
+
 def _table(r: dict[str, Any]) -> str:
     p = r["plan"]
     t = p["target"]
@@ -59,8 +78,10 @@ def _table(r: dict[str, Any]) -> str:
                         f"{p['drafter']['attention_params_per_layer'] / 1e6:.1f}M per layer)"
                         f"{_lookups(p['drafter'])}; weights+grads+Adam "
                         f"{p['drafter']['weights_grads_adam_gib']} GiB, "
-                        f"activations {p['drafter']['activations_gib']} GiB"),
-            ("logits", f"{p['logits']['per_sequence_gib']} GiB/sequence unchunked; chunk "
+                        f"activations {p['drafter']['activations_gib']} GiB, frozen embedding + head "
+                        f"{p['drafter']['frozen_embed_head_gib']} GiB"),
+            ("drafter parts", _parts(p["drafter"])),
+            ("logits", f"{p['logits']['vocab']} wide, {p['logits']['per_sequence_gib']} GiB/sequence unchunked; chunk "
                        f"{p['logits']['loss_chunk_blocks']} blocks = {p['logits']['chunk_gib']} GiB; max that "
                        f"fits {p['logits']['max_loss_chunk_blocks']}")]
     for m in p["modes"]:
