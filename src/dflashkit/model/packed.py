@@ -147,5 +147,8 @@ def use_grouped_attention(model: nn.Module) -> str:
     if GROUPED_SDPA not in AttentionInterface._global_mapping:
         AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
         ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    model.set_attn_implementation(GROUPED_SDPA)
+    try:
+        model.set_attn_implementation(GROUPED_SDPA)
+    except (ValueError, NotImplementedError, AttributeError) as e:  # a model that takes no registered attention
+        return f"sdpa (unchanged: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__})"
     return "grouped-KV sdpa"
