@@ -167,7 +167,7 @@ def test_cached_rollout_without_paths_in_the_shards_says_to_recapture(tmp_path, 
     capsys.readouterr()
     ov = overrides(rd, tiny_qwen3, train__labels="target", train__on_path="rollout", train__features="cached")
     outs = []
-    for dry in (["--dry-run"], []):  # the dry run refuses what the run refuses (`guards.preflight`)
+    for dry in (["--dry-run"], []):  # the dry run refuses what the run refuses (`train.loop.preflight`)
         rc = main(["train", "--json", *dry, *ov])
         out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert rc == 2 and "path_ids" in out["error"] and "dflashkit capture" in out["hint"], out

@@ -160,14 +160,15 @@ def plan_variants(cfg: RunConfig, rd: RunDir
     base = None
     if rd.contract_path.is_file():
         base = DrafterContract.load(rd.contract_path)
-        check_drafter_overrides(cfg, base, rd.contract_path)
+        check_drafter_overrides(cfg.drafter, given_keys(cfg), base, rd.contract_path)
     out: dict[str, tuple[list[str], RunConfig, DrafterContract | None]] = {}
     for name, over in variants_of(cfg.bench).items():
         try:
             vcfg = variant_config(cfg, name, over, root / name, steps)
             own = variant_contract(over, vcfg, base) if base is not None else None
             if base is not None:
-                check_drafter_overrides(vcfg, own or base, rd.contract_path if own is None else "its own contract")
+                check_drafter_overrides(vcfg.drafter, given_keys(vcfg), own or base,
+                                        rd.contract_path if own is None else "its own contract")
                 # the variant trains on this run's capture/ (linked): its feature layers must be in it
                 check_cached_features(rd, own or base, tokenized_shards(rd), resolve_recipe(vcfg.train, own or base))
         except ConfigError as e:

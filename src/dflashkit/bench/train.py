@@ -84,7 +84,8 @@ def bench_train(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     layer_ids = contract.target_layer_ids
     with torch.no_grad():
         feats = target.features(ids, layer_ids=layer_ids, attention_mask=att).float()
-    step = drafter_step(cfg, contract, target, ids, lm, lens, feats)
+    step = drafter_step(cfg.train, contract, target, ids, lm, lens, feats,
+                        draft_vocab_size=cfg.drafter.draft_vocab_size, seed=cfg.run.seed)
 
     def target_forward():
         with torch.no_grad():

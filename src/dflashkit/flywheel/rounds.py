@@ -50,9 +50,8 @@ from dflashkit.flywheel.pointer import pointer_path, read_promoted, write_promot
 from dflashkit.flywheel.traffic import read_window, run_fingerprint, split_newest, to_conversation
 from dflashkit.generate.conversations import regenerated_file, write_conversations
 from dflashkit.rundir import RunDir, atomic_dir, atomic_write_json, read_json
-from dflashkit.train import guards
 from dflashkit.train.checkpoint import drop_checkpoints, trained_drafter_dir
-from dflashkit.train.loop import _fit, setup
+from dflashkit.train.loop import _fit, preflight, setup
 from dflashkit.train.parallel import init_distributed
 
 log = logging.getLogger("dflashkit.learn")
@@ -246,7 +245,7 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
                              f"({tok['dropped']})", hint="serve more traffic, or lower tokenize.min_supervised")
         return train, held
 
-    inputs = guards.preflight(rcfg, rrd)
+    inputs = preflight(rcfg, rrd)
     dist = init_distributed(rcfg.train.parallel, rcfg.target.device)
     tr = setup(rcfg, rrd, dist, inputs, split=split)
     try:

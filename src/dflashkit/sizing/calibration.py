@@ -262,7 +262,9 @@ def _train_step(cfg: RunConfig, target: Any, contract: Any, seq: int) -> float:
     lm[:, seq // 4:] = 1
     lens = torch.full((bs,), seq, device=dev)
     feats = torch.randn(bs, seq, len(contract.target_layer_ids) * contract.hidden_size, generator=gen).to(dev)
-    return fastest(drafter_step(cfg, contract, target, ids, lm, lens, feats), dev, 2)
+    step = drafter_step(cfg.train, contract, target, ids, lm, lens, feats,
+                        draft_vocab_size=cfg.drafter.draft_vocab_size, seed=cfg.run.seed)
+    return fastest(step, dev, 2)
 
 
 def calibrate(cfg: RunConfig, rd: RunDir, *, save: bool = True) -> dict[str, Any]:

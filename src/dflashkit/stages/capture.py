@@ -52,7 +52,9 @@ def check(cfg: RunConfig, rd: RunDir) -> tuple[Any, Any, Any]:
     contract. Returns (contract, tokenized data, plan)."""
     contract = DrafterContract.load(rd.contract_path)
     data = load_tokenized(rd)
-    _, heldout = split_samples(cfg, data)  # train's split: the held-out samples' greedy paths are captured
+    t = cfg.train
+    _, heldout = split_samples(data, heldout_samples=t.heldout_samples, heldout_sources=t.heldout_sources,
+                               seed=cfg.run.seed)  # train's split: the held-out samples' greedy paths are captured
     plan = plan_capture(cfg, contract, data, rd.capture_dir, heldout=heldout)
     plan.refuse_if_too_big(cfg.capture.max_disk_fraction, rd.capture_dir)
     if plan.todo and plan.engine == "vllm":

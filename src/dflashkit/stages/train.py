@@ -34,7 +34,7 @@ from dflashkit.stage_table import stage_hash
 from dflashkit.train import checkpoint as ckpt, guards
 from dflashkit.train.checkpoint import latest_checkpoint
 from dflashkit.train.forecast import read_curve_forecast
-from dflashkit.train.loop import fit
+from dflashkit.train.loop import fit, preflight
 from dflashkit.train.parallel import leave_distributed, relaunch_under_torchrun
 
 
@@ -46,7 +46,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
         return {"relaunched_nproc": ctx.nproc_per_node, **manifest.get("result", {})}
     if ctx.dry_run:
         check_engine(cfg, rd)
-        checked = guards.preflight(cfg, rd)  # what `fit` checks first
+        checked = preflight(cfg, rd)  # what `fit` checks first
         return {"dry_run": True, "contract": str(rd.contract_path), "contract_exists": rd.contract_path.is_file(),
                 "tokenized_shards": len(checked.shards), "features": cfg.train.features,
                 "resume_from": _latest(rd)}
@@ -85,7 +85,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
 
 def check_engine(cfg: RunConfig, rd: RunDir) -> None:
     """train.features=engine: the checks `open_engine_feed` makes (`engines/feed.py` check_engine_feed), run
-    before `fit` and by `--dry-run` (which then makes `fit`'s own checks, `guards.preflight`)."""
+    before `fit` and by `--dry-run` (which then makes `fit`'s own checks, `train.loop.preflight`)."""
     if cfg.train.features != "engine":
         return
 
@@ -103,13 +103,14 @@ def restart_if_changed(cfg: RunConfig, rd: RunDir) -> list[str]:
     if latest is None:
         return []
     contract = read_json(rd.contract_path) if rd.contract_path.is_file() else None
-    changed = guards.resume_changes(ckpt.checkpoint_state(latest), cfg, rd) + ckpt.shape_changes(
+    state = ckpt.checkpoint_state(latest)
+    changed = guards.resume_changes(state, cfg.train, cfg.run.seed, rd) + ckpt.shape_changes(
         latest, contract, cfg.drafter.draft_vocab_size)
     if changed:
         logging.getLogger("dflashkit.train").warning(
             "train starts over: the checkpoints in %s belong to another run (%s)", rd.checkpoints_dir,
             "; ".join(changed))
-        guards.check_outputs_ours(rd, cfg)
+        guards.check_outputs_ours(rd, cfg.drafter.init)
         for step_dir in sorted(rd.checkpoints_dir.glob("step-*")):
             if step_dir.is_dir() and (step_dir / "state.json").is_file():
                 check_replaceable(step_dir, owner="train", marker="state.json")

@@ -1,17 +1,18 @@
 """Pre-flight checks of `train`: refuse, before a weight is touched, what would be silently ignored or lost.
 
-Usage:
-    inputs = preflight(cfg, rd)                    # every check below that train makes before any work;
-                                                   # TrainInputs: what `train.loop.setup` builds from
-    check_outputs_ours(rd, cfg)                    # train/final, train/best: ours, not imported
-    check_drafter_overrides(cfg, contract, rd.contract_path)   # drafter.* given vs contract.json
-    check_cached_features(rd, contract, shards, recipe)   # recipe: resolve_recipe(cfg.train, contract), once
-    state["objective"] = objective(cfg.train)           # recorded in every checkpoint
-    check_objective(checkpoint_dir, state, cfg.train)   # a resume under another loss/labels: exit 2
-    state["trajectory"] = trajectory(cfg, rd)           # the data and the other train.* a step depends on
-    check_trajectory(checkpoint_dir, state, cfg, rd)    # a resume on other data / lr / seed …: exit 2
-    resume_changes(state, cfg, rd)                      # why `dflashkit run` starts train over
+Usage (`train/loop.py` `preflight` makes these checks in order, once, and returns a `TrainInputs`;
+`t`: cfg.train, `seed`: cfg.run.seed):
+    check_outputs_ours(rd, cfg.drafter.init)            # train/final, train/best: ours, not imported
+    check_drafter_overrides(cfg.drafter, given_keys(cfg), contract, rd.contract_path)  # drafter.* vs contract.json
+    check_family_objective(t, contract)                 # the contract's family's terms go with train.*
+    check_cached_features(rd, contract, shards, recipe)   # recipe: resolve_recipe(t, contract), once
+    state["objective"] = objective(t)                   # recorded in every checkpoint
+    check_objective(checkpoint_dir, state, t)           # a resume under another loss/labels: exit 2
+    state["trajectory"] = trajectory(t, seed, rd)       # the data and the other train.* a step depends on
+    check_trajectory(checkpoint_dir, state, t, seed, rd)  # a resume on other data / lr / seed …: exit 2
+    resume_changes(state, t, seed, rd)                  # why `dflashkit run` starts train over
 
+Each check takes the settings it reads (a section, run.seed, the keys the user gave), never the whole config.
 The contract (`contract.json`, written by `probe` or `import`) decides the drafter's shape; a
 `drafter.*` value given in the config that differs from it is an error naming each key, never
 silently dropped. A `train/final/` written by `dflashkit import` carries `imported.json`; training
@@ -24,25 +25,20 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from dflashkit import family
-from dflashkit.config import DrafterSection, given_keys
-from dflashkit.data.capturing import rollout_reproduces_attention
-from dflashkit.data.shards import require_tokenized_shards
+from dflashkit.config import DrafterSection
 from dflashkit.errors import ConfigError, UsageError
 from dflashkit.family import objective_problems
 from dflashkit.family.contract import DrafterContract, sliding_fields
-from dflashkit.family.recipe import Recipe, resolve_recipe
+from dflashkit.family.recipe import Recipe
 from dflashkit.rundir import check_replaceable
-from dflashkit.train import checkpoint as ckpt
-from dflashkit.train.data import cached_store, first_of, load_tokenized
-from dflashkit.train.levers import split_samples
-from dflashkit.train.warm_start import WarmSource, check_fits, read_warm_start
+from dflashkit.train.data import cached_store
+from dflashkit.train.warm_start import WarmSource
 
 if TYPE_CHECKING:
-    from dflashkit.config import RunConfig, TrainSection
+    from dflashkit.config import TrainSection
     from dflashkit.family.contract import DrafterContract
     from dflashkit.rundir import RunDir
 
@@ -56,36 +52,36 @@ OBJECTIVE_KEYS = ("loss", "labels", "position_weighting", "ablate_features", "kl
                   *family.weight_keys())
 
 
-def _given(cfg: RunConfig, key: str, value: Any) -> bool:
-    """Whether the user gave `drafter.<key>`: named in the YAML/overrides, or (configs built in code)
-    a value other than the schema default (null is never given)."""
+def _given(given: frozenset[str] | None, key: str, value: Any) -> bool:
+    """Whether the user gave `drafter.<key>`: named in the YAML/overrides (`given`: `config.given_keys`), or
+    (configs built in code: `given` None) a value other than the schema default (null is never given)."""
     if value is None:
         return False
-    given = given_keys(cfg)
     if given is not None and f"drafter.{key}" in given:
         return True
     return value != getattr(DrafterSection(), key)
 
 
-def check_drafter_overrides(cfg: RunConfig, contract: DrafterContract, where: str | Path) -> None:
-    """Exit 2 naming every `drafter.*` value given in the config that the contract does not have."""
-    d = cfg.drafter
+def check_drafter_overrides(d: DrafterSection, given: frozenset[str] | None, contract: DrafterContract,
+                            where: str | Path) -> None:
+    """Exit 2 naming every `drafter.*` value (`d`) given in the config (`given`: `config.given_keys` of it)
+    that the contract does not have."""
     problems = []
     for key in _SHAPE_KEYS:
         mine, theirs = getattr(d, key), getattr(contract, key)
-        if _given(cfg, key, mine) and (float(mine) != float(theirs) if key == "rms_norm_eps" else mine != theirs):
+        if _given(given, key, mine) and (float(mine) != float(theirs) if key == "rms_norm_eps" else mine != theirs):
             problems.append(f"drafter.{key}: {mine!r} in the config, {theirs!r} in {where}")
-    if _given(cfg, "layer_types", d.layer_types) or _given(cfg, "sliding_window", d.sliding_window):
+    if _given(given, "layer_types", d.layer_types) or _given(given, "sliding_window", d.sliding_window):
         mine_sw, theirs_sw = sliding_fields(d.layer_types, d.sliding_window, contract.num_draft_layers), \
             {"layer_types": contract.layer_types, "sliding_window": contract.sliding_window}
         if mine_sw != theirs_sw:
             problems.append(f"drafter.layer_types / drafter.sliding_window: {mine_sw} in the config, {theirs_sw} in "
                             f"{where}")
-    if _given(cfg, "type", d.type) and d.type != contract.drafter_type:
+    if _given(given, "type", d.type) and d.type != contract.drafter_type:
         problems.append(f"drafter.type: {d.type!r} in the config, {contract.drafter_type!r} in {where}")
     for key in contract.family.knob_names:  # the contract's family's knobs (another family's mean nothing here)
         mine, theirs = getattr(d, key), getattr(contract.knobs, key)
-        if _given(cfg, key, mine) and mine != theirs:
+        if _given(given, key, mine) and mine != theirs:
             problems.append(f"drafter.{key}: {mine!r} in the config, {theirs!r} in {where}")
     n = d.num_target_features
     if n is not None and n != len(contract.target_layer_ids):
@@ -106,8 +102,8 @@ def imported_record(drafter_dir: Path) -> dict | None:
     return rec if isinstance(rec, dict) else {}
 
 
-def _init_dir(cfg: RunConfig) -> Path | None:
-    init = getattr(cfg.drafter, "init", None)
+def init_dir(init: str) -> Path | None:
+    """The drafter dir `drafter.init` (`init`) names, or None for random / target."""
     if not isinstance(init, str) or init in ("random", "target", ""):
         return None
     return Path(init).expanduser()
@@ -115,10 +111,11 @@ def _init_dir(cfg: RunConfig) -> Path | None:
 
 @dataclass(frozen=True)
 class TrainInputs:
-    """What `preflight` read and checked, and `train.loop.setup` builds from (nothing read or checked twice):
-    the contract, the run's recipe (`resolve_recipe`, resolved once), the warm start of a drafter.init dir
-    (None for random / target), the tokenized shards and the latest checkpoint of this run (None: from scratch)
-    with its state.json, already checked to belong to this run (objective, trajectory, contract)."""
+    """What `train.loop.preflight` read and checked, and `train.loop.setup` builds from (nothing read or
+    checked twice): the contract, the run's recipe (`resolve_recipe`, resolved once), the warm start of a
+    drafter.init dir (None for random / target), the tokenized shards and the latest checkpoint of this run
+    (None: from scratch) with its state.json, already checked to belong to this run (objective, trajectory,
+    contract)."""
     contract: DrafterContract
     recipe: Recipe
     warm: WarmSource | None
@@ -127,42 +124,11 @@ class TrainInputs:
     resume_state: dict | None = None
 
 
-def preflight(cfg: RunConfig, rd: RunDir) -> TrainInputs:
-    """Every refusal `train` makes before it loads the target or a weight: `fit` and `train --dry-run` both
-    call it, so a dry run refuses what the run would, with the same message. train/final and train/best are
-    ours; the contract exists and every drafter.* given agrees with it; a drafter.init dir fits it; the
-    tokenized shards exist and, with train.features=cached, the feature shards hold its layers (and next_ids
-    for train.labels=target); an online rollout's target attends as the rollout's mask does (read from its
-    config.json); the latest checkpoint, if any, is this run's (objective, trajectory, contract).
-    The engine of train.features=engine is the stage's to check (`engines/feed.py` check_engine_feed).
-    Returns what it read, for `train.loop.setup`."""
-    check_outputs_ours(rd, cfg)
-    contract = DrafterContract.load(rd.contract_path)
-    check_drafter_overrides(cfg, contract, rd.contract_path)
-    check_family_objective(cfg, contract)
-    warm = None
-    if _init_dir(cfg) is not None:  # a drafter dir: read and checked before any work
-        warm = read_warm_start(cfg.drafter.init)
-        check_fits(warm, contract)
-    recipe = resolve_recipe(cfg.train, contract)  # the one place the recipe's facts are derived
-    shards = require_tokenized_shards(rd)
-    check_cached_features(rd, contract, shards, recipe)
-    check_rollout_attention(cfg, rd, recipe)
-    found = ckpt.latest_run_checkpoint(rd)
-    state = None
-    if found is not None:
-        state = ckpt.checkpoint_state(found)
-        check_objective(found, state, cfg.train)
-        check_trajectory(found, state, cfg, rd)
-        ckpt.check_contract(found, state.get("contract"), contract)
-    return TrainInputs(contract, recipe, warm, tuple(shards), found, state)
-
-
-def check_family_objective(cfg: RunConfig, contract: DrafterContract) -> None:
+def check_family_objective(train: TrainSection, contract: DrafterContract) -> None:
     """Exit 2 when the contract's family's loss terms cannot go with `train.*` (`family.objective_problems`,
     which the config checks ask of `drafter.type`'s family when the config loads; here the contract decides
     the family, as it does when the config leaves drafter.type unset)."""
-    problems = objective_problems(cfg.train, contract.family)
+    problems = objective_problems(train, contract.family)
     if problems:
         raise ConfigError(problems)  # each problem says what to do
 
@@ -175,30 +141,17 @@ def check_cached_features(rd: RunDir, contract: DrafterContract, shards: list[Pa
         cached_store(rd.capture_dir, shards, contract.target_layer_ids, recipe)
 
 
-def check_rollout_attention(cfg: RunConfig, rd: RunDir, recipe: Recipe) -> None:
-    """train.on_path=rollout with train.features=online: training rolls the target's greedy path out over its
-    samples, which reproduces full attention only; a target whose attention over the longest training sample
-    differs (a sliding window it outgrows: `data.capturing.rollout_reproduces_attention`, read from the
-    target's config.json) is exit 2 naming train.on_path, before the target loads. Cached features carry
-    their paths (`capture` makes the same check); the held-out yardstick falls back by itself."""
-    if not recipe.rollout or not recipe.online or recipe.path_depth <= 1:
-        return
-    data = load_tokenized(rd)
-    train_idx = first_of(split_samples(cfg, data)[0], cfg.train.train_samples, seed=cfg.run.seed)
-    rollout_reproduces_attention(cfg, SimpleNamespace(input_ids=[data.input_ids[i] for i in train_idx]), recipe)
-
-
-def check_outputs_ours(rd: RunDir, cfg: RunConfig) -> None:
+def check_outputs_ours(rd: RunDir, init: str) -> None:
     """Before training: `train/final` and `train/best` are absent or train's own (else exit 2 naming them);
-    an imported `train/final` is only replaced when `drafter.init` starts from it."""
+    an imported `train/final` is only replaced when `drafter.init` (`init`) starts from it."""
     final = rd.final_dir
     rec = imported_record(final) if final.is_dir() else None
     if rec is not None:
-        init = _init_dir(cfg)
-        if init is None or not init.exists() or init.resolve() != final.resolve():
+        start = init_dir(init)
+        if start is None or not start.exists() or start.resolve() != final.resolve():
             src = rec.get("source", "a drafter dir")
             raise UsageError(f"{final} holds the drafter `dflashkit import` adopted from {src}; `train` would "
-                             f"start from {getattr(cfg.drafter, 'init', 'random')} weights and replace it",
+                             f"start from {init} weights and replace it",
                              hint=f"to fine-tune the imported drafter set `drafter.init: {final.resolve()}` (train "
                              f"then starts from it); to train a new drafter move {final} away first")
     check_replaceable(final, owner="train", marker="model.safetensors")
@@ -220,35 +173,35 @@ TRAJECTORY_KEYS = ("batch_size", "grad_accum", "lr", "optimizer", "muon_momentum
                    "on_path", "suffix_complement_weight", "suffix_complement_min_match")
 
 
-def trajectory(cfg: RunConfig, rd: RunDir) -> dict[str, Any]:
+def trajectory(train: TrainSection, seed: int, rd: RunDir) -> dict[str, Any]:
     """What, besides the objective, a checkpoint's steps depended on: the tokenized data (tokenize's
     fingerprint and its inputs' digests, so other prompts, a rescaled demo or a re-prepared source are
-    other data), run.seed and `TRAJECTORY_KEYS`."""
+    other data), run.seed (`seed`) and the `TRAJECTORY_KEYS` of `train`."""
     tok = rd.manifest("tokenize") or {}
     inputs = {k: v.get("digest") if isinstance(v, dict) else v for k, v in (tok.get("inputs") or {}).items()}
     data = {"tokenize": tok.get("config_hash"), "inputs": inputs} if tok else None
-    return {"data": data, "run.seed": cfg.run.seed,
-            **{f"train.{k}": _plain(getattr(cfg.train, k)) for k in TRAJECTORY_KEYS}}
+    return {"data": data, "run.seed": seed,
+            **{f"train.{k}": _plain(getattr(train, k)) for k in TRAJECTORY_KEYS}}
 
 
 def _plain(v: Any) -> Any:
     return list(v) if isinstance(v, tuple) else v
 
 
-def trajectory_changes(state: dict, cfg: RunConfig, rd: RunDir) -> list[str]:
+def trajectory_changes(state: dict, train: TrainSection, seed: int, rd: RunDir) -> list[str]:
     """`key: then → now` for each recorded trajectory value that differs now (none for old checkpoints)."""
     saved = state.get("trajectory")
     if not isinstance(saved, dict):
         return []  # checkpoints written before the trajectory was recorded
-    now = json.loads(json.dumps(trajectory(cfg, rd)))  # as state.json stores it
+    now = json.loads(json.dumps(trajectory(train, seed, rd)))  # as state.json stores it
     return [("the tokenized data (tokenize re-ran on other prompts or settings)" if k == "data" else
              f"{k}: {saved[k]!r} in the checkpoint, now {now.get(k)!r}")
             for k in saved if k in now and saved[k] != now[k]]
 
 
-def check_trajectory(path: Path, state: dict, cfg: RunConfig, rd: RunDir) -> None:
+def check_trajectory(path: Path, state: dict, train: TrainSection, seed: int, rd: RunDir) -> None:
     """A resume on other data, seed or optimisation settings than the checkpoint's: exit 2."""
-    changed = trajectory_changes(state, cfg, rd)
+    changed = trajectory_changes(state, train, seed, rd)
     if changed:
         ck = Path(path)
         raise UsageError(f"{ck / 'state.json'}: this run is not the one the checkpoint belongs to "
@@ -257,9 +210,9 @@ def check_trajectory(path: Path, state: dict, cfg: RunConfig, rd: RunDir) -> Non
                          "to train from scratch (`dflashkit run` starts train over by itself when they changed)")
 
 
-def resume_changes(state: dict, cfg: RunConfig, rd: RunDir) -> list[str]:
+def resume_changes(state: dict, train: TrainSection, seed: int, rd: RunDir) -> list[str]:
     """Why a checkpoint (its state.json) is not this run's: its objective and trajectory changes."""
-    return objective_changes(state, cfg.train) + trajectory_changes(state, cfg, rd)
+    return objective_changes(state, train) + trajectory_changes(state, train, seed, rd)
 
 
 def objective_changes(state: dict, train: TrainSection) -> list[str]:

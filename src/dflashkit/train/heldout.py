@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dflashkit.data.chat import source_modes
 from dflashkit.rundir import check_replaceable
 from dflashkit.train import checkpoint as ckpt
 from dflashkit.train.parallel import all_reduce_sum, barrier
@@ -47,11 +46,11 @@ def evaluate_heldout(tr: Trainer, step: int) -> dict | None:
         return None
     B = tr.contract.block_size
     src = tr.sources()
-    modes = source_modes(tr.cfg, src)
+    modes = dict(tr.modes)
     groups: dict[str, list[int]] = {}
     for j in tr.heldout:
         groups.setdefault(src[j], []).append(j)
-    bs = tr.cfg.train.batch_size
+    bs = tr.train.batch_size
     fam, how = tr.contract.family, tr.heldout_labels
     total, total_raw = StepStats.zeros(B, fam), StepStats.zeros(B, fam)
     per_mode: dict[str, list] = {}  # mode -> [stats, raw stats, sources]

@@ -3,7 +3,7 @@
 Usage:
     result = fit(cfg, rd)              # one process, or one rank under torchrun
 
-Flow (`guards.preflight` reads and checks the inputs once, `setup` builds one finished `Trainer` from them,
+Flow (`preflight` reads and checks the inputs once, `setup` builds one finished `Trainer` from them,
 `_Run` drives it): contract and the run's recipe (`family/recipe.py`, resolved once), warm start, resume
 point + tokenized data (+ cached features) → target (frozen; online
 features, embedding, head) → drafter (random or target init) → DDP/FSDP2 → AdamW + cosine → resume
@@ -31,14 +31,19 @@ import math
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from dflashkit.config import given_keys
+from dflashkit.data.capturing import rollout_reproduces_attention
+from dflashkit.data.chat import source_modes
+from dflashkit.data.shards import require_tokenized_shards
 from dflashkit.errors import UsageError
 from dflashkit.family import new_drafter
 from dflashkit.family.contract import REPROBE_HINT, DrafterContract
-from dflashkit.family.recipe import Recipe
+from dflashkit.family.recipe import Recipe, resolve_recipe
 from dflashkit.model.head import load_head_only_target
 from dflashkit.model.init import init_from_target
 from dflashkit.model.target import load_target
@@ -58,9 +63,9 @@ from dflashkit.train.stats import StepStats
 from dflashkit.train.stopping import StopOnSignal
 from dflashkit.train.suffix_complement import SuffixComplement
 from dflashkit.train.target_side import heldout_labels, target_side
-from dflashkit.train.trainer import Trainer, autocast_dtype
+from dflashkit.train.trainer import Trainer, autocast_dtype, sources_of
 from dflashkit.train.vocab import pick_draft_vocab
-from dflashkit.train.warm_start import WarmSource, keep_source_vocab, warm_start
+from dflashkit.train.warm_start import WarmSource, check_fits, keep_source_vocab, read_warm_start, warm_start
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -71,18 +76,69 @@ if TYPE_CHECKING:
 log = logging.getLogger("dflashkit.train")
 
 
+def preflight(cfg: RunConfig, rd: RunDir) -> TrainInputs:
+    """Every refusal `train` makes before it loads the target or a weight: `fit` and `train --dry-run` both
+    call it, so a dry run refuses what the run would, with the same message. train/final and train/best are
+    ours; the contract exists and every drafter.* given agrees with it; a drafter.init dir fits it; the
+    tokenized shards exist and, with train.features=cached, the feature shards hold its layers (and next_ids
+    for train.labels=target); an online rollout's target attends as the rollout's mask does (read from its
+    config.json); the latest checkpoint, if any, is this run's (objective, trajectory, contract).
+    The engine of train.features=engine is the stage's to check (`engines/feed.py` check_engine_feed).
+    Returns what it read, for `setup` (the checks are `train/guards.py`'s, each given the settings it reads)."""
+    guards.check_outputs_ours(rd, cfg.drafter.init)
+    contract = DrafterContract.load(rd.contract_path)
+    guards.check_drafter_overrides(cfg.drafter, given_keys(cfg), contract, rd.contract_path)
+    guards.check_family_objective(cfg.train, contract)
+    warm = None
+    if guards.init_dir(cfg.drafter.init) is not None:  # a drafter dir: read and checked before any work
+        warm = read_warm_start(cfg.drafter.init)
+        check_fits(warm, contract)
+    recipe = resolve_recipe(cfg.train, contract)  # the one place the recipe's facts are derived
+    shards = require_tokenized_shards(rd)
+    guards.check_cached_features(rd, contract, shards, recipe)
+    _check_rollout_attention(cfg, rd, recipe)
+    found = ckpt.latest_run_checkpoint(rd)
+    state = None
+    if found is not None:
+        state = ckpt.checkpoint_state(found)
+        guards.check_objective(found, state, cfg.train)
+        guards.check_trajectory(found, state, cfg.train, cfg.run.seed, rd)
+        ckpt.check_contract(found, state.get("contract"), contract)
+    return TrainInputs(contract, recipe, warm, tuple(shards), found, state)
+
+
+def _check_rollout_attention(cfg: RunConfig, rd: RunDir, recipe: Recipe) -> None:
+    """train.on_path=rollout with train.features=online: training rolls the target's greedy path out over its
+    samples, which reproduces full attention only; a target whose attention over the longest training sample
+    differs (a sliding window it outgrows: `data.capturing.rollout_reproduces_attention`, read from the
+    target's config.json) is exit 2 naming train.on_path, before the target loads. Cached features carry
+    their paths (`capture` makes the same check); the held-out yardstick falls back by itself."""
+    if not recipe.rollout or not recipe.online or recipe.path_depth <= 1:
+        return
+    data = load_tokenized(rd)
+    train_idx = first_of(_split_samples(cfg, data)[0], cfg.train.train_samples, seed=cfg.run.seed)
+    rollout_reproduces_attention(cfg, SimpleNamespace(input_ids=[data.input_ids[i] for i in train_idx]), recipe)
+
+
+def _split_samples(cfg: RunConfig, data: TokenData) -> tuple[list[int], list[int]]:
+    """`levers.split_samples` under train.heldout_samples, train.heldout_sources and run.seed."""
+    t = cfg.train
+    return split_samples(data, heldout_samples=t.heldout_samples, heldout_sources=t.heldout_sources,
+                         seed=cfg.run.seed)
+
+
 def setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, inputs: TrainInputs | None = None, *,
           open_feed: Callable[..., Any] | None = None, target: Target | None = None,
           suffix_proposer: Callable[[], Any] | None = None,
           split: Callable[[TokenData], tuple[list[int], list[int]]] | None = None) -> Trainer:
-    """Everything a step needs, as one finished `Trainer`, built from `inputs` (`guards.preflight`'s: the
+    """Everything a step needs, as one finished `Trainer`, built from `inputs` (`preflight`'s: the
     contract, recipe and warm start it read and checked; None: preflight runs here). train.features=engine: `open_feed` (the train stage
     passes `engines.feed.open_engine_feed`) opens the engine and its feed, which run until `Trainer.close`.
     `target`: a target already in memory instead of `cfg.target` (the GPU check's random
     Qwen3-8B-shaped target, whose weights exist nowhere on disk). `suffix_proposer` (train.suffix_complement; the
     train stage and `bench recipe` pass `decode.suffix.SuffixProposer`) makes the in-context suffix proposer.
     `split` (data → (training, held-out) indices) replaces train.heldout_* (`learn`: the newest traffic is held out)."""
-    inputs = inputs if inputs is not None else guards.preflight(cfg, rd)
+    inputs = inputs if inputs is not None else preflight(cfg, rd)
     complement = SuffixComplement.from_train(cfg.train, suffix_proposer)  # before any work
     opened: list[Any] = []
     try:
@@ -117,7 +173,8 @@ def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, inputs: TrainInputs, open
     train_idx, heldout = split(data) if split is not None else _split(cfg, data)
     vocab = keep_source_vocab(warm, cfg.drafter.draft_vocab_size) if warm is not None else None
     if vocab is None:
-        vocab = pick_draft_vocab(cfg, recipe, contract, target, data, train_idx)
+        vocab = pick_draft_vocab(cfg.drafter.draft_vocab_size, recipe, contract, target, data, train_idx,
+                                 batch_size=cfg.train.batch_size)
     drafter, warm_report = _new_drafter(cfg, dist, contract, target, data, train_idx, vocab, warm)
     attention = cfg.drafter.attention
     if attention == "flex" and dist.device.type != "cuda":
@@ -130,8 +187,11 @@ def _setup(cfg: RunConfig, rd: RunDir, dist: DistInfo, inputs: TrainInputs, open
                                 attention=attention, amp=amp)
     side = target_side(recipe, cfg.train, contract, target, parts, device=dist.device, amp=amp, store=data.features)
     how, paths = heldout_labels(recipe, cfg.train, data.features, target, data, heldout)
-    return Trainer(cfg, recipe, contract, dist, drafter, target, parts, data, plan, heldout, loss, side,
-                   vocab=vocab, warm_start=warm_report, feed=feed, heldout_labels=how, heldout_paths=paths)
+    t = cfg.train
+    return Trainer(t, cfg.run.seed, recipe, contract, dist, drafter, target, parts, data, plan, heldout, loss, side,
+                   vocab=vocab, warm_start=warm_report, feed=feed, heldout_labels=how, heldout_paths=paths,
+                   pack_length=(t.pack_length or cfg.tokenize.max_length) if t.pack else None,
+                   modes=source_modes(cfg, sources_of(data)))
 
 
 def _open_features(cfg: RunConfig, rd: RunDir, dist: DistInfo, recipe: Recipe, contract: DrafterContract,
@@ -172,7 +232,7 @@ def _load_target(cfg: RunConfig, rd: RunDir, dist: DistInfo, recipe: Recipe, con
 
 def _split(cfg: RunConfig, data: TokenData) -> tuple[list[int], list[int]]:
     """(training, held-out) sample indices: `levers.split_samples`, then `train.train_samples` of the rest."""
-    train_idx, heldout = split_samples(cfg, data)
+    train_idx, heldout = _split_samples(cfg, data)
     if cfg.train.train_samples is not None:
         kept = first_of(train_idx, cfg.train.train_samples, seed=cfg.run.seed)
         log.info("train.train_samples: training on %d of %d training samples", len(kept), len(train_idx))
@@ -186,7 +246,8 @@ def _new_drafter(cfg: RunConfig, dist: DistInfo, contract: DrafterContract, targ
     """The drafter on the device (seeded by run.seed; feature scale, target init or warm start, compiled layers),
     not yet wrapped for DDP/FSDP, and the warm start's report (None without one)."""
     torch.manual_seed(cfg.run.seed)
-    scale = feature_scale_of(cfg, contract, target, data, train_idx) if cfg.drafter.feature_scale == "rms" else None
+    scale = (feature_scale_of(contract, target, data, train_idx, batch_size=cfg.train.batch_size)
+             if cfg.drafter.feature_scale == "rms" else None)
     drafter = new_drafter(contract, draft_vocab=vocab, feature_scale=scale).to(dist.device)
     report = None
     if cfg.drafter.init == "target":
@@ -234,7 +295,7 @@ def train_step(tr: Trainer, step: int, opt, sched) -> dict:
     grad_norm = 0.0
     if denom > 0:
         params = [p for p in tr.drafter.parameters() if p.requires_grad]
-        norm = torch.nn.utils.clip_grad_norm_(params, tr.cfg.train.grad_clip if tr.cfg.train.grad_clip > 0 else
+        norm = torch.nn.utils.clip_grad_norm_(params, tr.train.grad_clip if tr.train.grad_clip > 0 else
                                               float("inf"))
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         opt.step()
@@ -256,7 +317,7 @@ def fit(cfg: RunConfig, rd: RunDir, *, dist: DistInfo | None = None, show_bar: b
     `cpu_budget_s` (`bench recipe` at equal CPU-minutes): stop once the optimizer steps have used this
     much process CPU time (or at the configured steps, whichever comes first); the lr schedule runs
     over the steps the budget affords (`optim.CpuBudget`)."""
-    inputs = guards.preflight(cfg, rd)  # every refusal before any work (`train --dry-run` makes the same ones)
+    inputs = preflight(cfg, rd)  # every refusal before any work (`train --dry-run` makes the same ones)
     dist = dist or init_distributed(cfg.train.parallel, cfg.target.device)
     tr = setup(cfg, rd, dist, inputs, open_feed=open_feed, suffix_proposer=suffix_proposer)
     try:
@@ -267,7 +328,7 @@ def fit(cfg: RunConfig, rd: RunDir, *, dist: DistInfo | None = None, show_bar: b
 
 def _fit(cfg: RunConfig, rd: RunDir, tr: Trainer, *, show_bar: bool, cpu_budget_s: float | None,
          inputs: TrainInputs | None = None) -> dict:
-    """`inputs`: `guards.preflight`'s, whose checked checkpoint the run resumes from (None: found and checked here)."""
+    """`inputs`: `preflight`'s, whose checked checkpoint the run resumes from (None: found and checked here)."""
     run = _Run(cfg, rd, tr, show_bar=show_bar, cpu_budget_s=cpu_budget_s, inputs=inputs)
     run.train()
     return run.summary()
@@ -307,7 +368,8 @@ class _Run:
         self.sched = build_scheduler(self.opt, total_steps=self.steps, warmup_ratio=cfg.train.warmup_ratio,
                                      min_lr_ratio=cfg.train.min_lr_ratio, budget=self.budget)
         rd.stage_dir("train")  # the sinks, checkpoints and train/final write into it
-        self.traj = guards.trajectory(cfg, rd)  # read once: what every checkpoint records and a resume must match
+        # read once: what every checkpoint records and a resume must match
+        self.traj = guards.trajectory(cfg.train, cfg.run.seed, rd)
         self.start, state = self._resume()
         self.sink = MetricSink(rd, total_steps=self.steps, start_step=self.start, train=cfg.train,
                                enabled=self.dist.is_main, show_bar=show_bar)
@@ -320,7 +382,7 @@ class _Run:
 
     def _resume(self) -> tuple[int, dict | None]:
         """(the step to start from, the checkpoint's state.json): the latest complete checkpoint, loaded after
-        another run's is refused by name (objective, trajectory; already by `guards.preflight` when `inputs`
+        another run's is refused by name (objective, trajectory; already by `preflight` when `inputs`
         are its), or (0, None)."""
         if self.inputs is not None:
             found, state = self.inputs.resume, self.inputs.resume_state
@@ -332,7 +394,7 @@ class _Run:
                 return 0, None
             state = ckpt.checkpoint_state(found)
             guards.check_objective(found, state, self.cfg.train)
-            guards.check_trajectory(found, state, self.cfg, self.rd)
+            guards.check_trajectory(found, state, self.cfg.train, self.cfg.run.seed, self.rd)
         start = ckpt.load_checkpoint(found, model=self.tr.drafter, optimizer=self.opt, scheduler=self.sched)
         self.tr.sync_draft_vocab()
         return start, state

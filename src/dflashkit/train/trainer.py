@@ -11,6 +11,8 @@ Usage:
 take a Trainer; it holds the run's one loss object (`DraftLoss.from_train`: `train.*` and the
 drafter family's terms), the frozen target parts it uses and the run's feature source (`target_side`).
 Every field is given when it is built; only `use_draft_vocab` / `sync_draft_vocab` change the head.
+It holds the settings a step reads (`train`: the run's train.*, `seed`: run.seed, the packing length, each
+data source's thinking mode), not the run's config: `setup` is where the config is read.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from dflashkit.train.parallel import DistInfo, TargetParts
 from dflashkit.train.target_side import TargetOut, scored
 
 if TYPE_CHECKING:
-    from dflashkit.config import RunConfig
+    from dflashkit.config import TrainSection
     from dflashkit.model.head import HeadOnlyTarget
     from dflashkit.model.target import Target
     from dflashkit.train.suffix_complement import SuffixComplement
@@ -64,6 +66,12 @@ def feature_noise(feats: torch.Tensor, b: Batch, *, scale: float, n_feat: int) -
     return out.view(bsz, s, d).to(feats.dtype)
 
 
+def sources_of(data: TokenData) -> list[str]:
+    """Each sample's data source (`TokenData.source`; "all" for samples without one)."""
+    src = getattr(data, "source", None) or [""] * len(data)
+    return [s or "all" for s in src]
+
+
 def autocast_dtype(train_dtype: str, device: torch.device) -> torch.dtype | None:
     """The drafter's autocast dtype (`train.dtype`, as `compute_dtype` resolves it; announced once), or None."""
     choice = announce(compute_dtype(train_dtype, device, key="train.dtype"))
@@ -74,7 +82,8 @@ def autocast_dtype(train_dtype: str, device: torch.device) -> torch.dtype | None
 class Trainer:
     """Everything one step needs (built by `setup`; `vocab` given here becomes the loss's head at once)."""
 
-    cfg: RunConfig
+    train: TrainSection                       # the run's train.* (anchors, feature noise, packing, batch size)
+    seed: int                                 # run.seed: each sample's seed in a batch
     recipe: Recipe                            # the run's resolved recipe (family/recipe.py)
     contract: DrafterContract
     dist: DistInfo
@@ -92,6 +101,9 @@ class Trainer:
     heldout_labels: str = "raw"               # the yardstick's labels (train/target_side.py heldout_scoring)
     heldout_paths: dict[int, torch.Tensor] | None = None  # held-out greedy paths computed at setup (online)
     complement: SuffixComplement | None = None  # train.suffix_complement (training micro-batches only)
+    pack_length: int | None = None            # train.pack: the packed rows' length (train.pack_length or
+                                              # tokenize.max_length); None: no packing
+    modes: dict[str, str] = field(default_factory=dict)  # each data source's thinking mode (data.chat.source_modes)
     head: torch.nn.Module = field(init=False)  # the loss's head: parts.lm_head, or its rows `vocab`
 
     def __post_init__(self):
@@ -132,7 +144,7 @@ class Trainer:
         tout = tout or self.target_outputs(b, a)
         if scoring is not None:
             tout = scored(tout, b, scoring)
-        t = self.cfg.train
+        t = self.train
         feats = tout.features
         if training and t.feature_noise > 0:
             feats = feature_noise(feats, b, scale=t.feature_noise, n_feat=len(self.contract.target_layer_ids))
@@ -147,9 +159,8 @@ class Trainer:
         return self.loss.weighting.label_gamma
 
     def sources(self) -> list[str]:
-        """Each sample's data source (`TokenData.source`; "all" for samples without one)."""
-        src = getattr(self.data, "source", None) or [""] * len(self.data)
-        return [s or "all" for s in src]
+        """Each sample's data source (`sources_of`)."""
+        return sources_of(self.data)
 
     def supervised_tokens(self, step: int) -> dict[str, int]:
         """Supervised (loss_mask) tokens of the step's GLOBAL batch, all ranks, by source."""
@@ -163,23 +174,23 @@ class Trainer:
     def batch(self, items, *, heldout: bool = False) -> Batch:
         """The micro-batch of `items`; `heldout`: also what the held-out scoring reads (next ids, paths)."""
         pad = self.target.tokenizer.pad_token_id if getattr(self.target, "tokenizer", None) else 0
-        t, r = self.cfg.train, self.recipe
+        r = self.recipe
         cached = r.from_store  # engine: the rows of these samples, staged from the engine
         store = self.data.features
         if self.feed is not None:
             self.feed.stage([i for i, _ in items])
         labels = r.target_labels or (heldout and self.heldout_labels == "on_path_positions")
         stored_paths = r.rollout or (heldout and self.heldout_labels == "target_path" and self.heldout_paths is None)
-        return collate(self.data, items, run_seed=self.cfg.run.seed, pad_id=pad or 0, with_features=cached,
+        return collate(self.data, items, run_seed=self.seed, pad_id=pad or 0, with_features=cached,
                        with_next_ids=cached and labels and store is not None and store.has("next_ids"),
                        with_last_hidden=cached and r.needs_target_logits and store is not None
                        and store.has("last_hidden"),
                        with_path_ids=cached and stored_paths and isinstance(store, FeatureStore),
                        paths=self.heldout_paths if heldout else None,
-                       pack=(t.pack_length or self.cfg.tokenize.max_length) if t.pack and not heldout else None,
+                       pack=self.pack_length if not heldout else None,
                        ).to(self.dist.device)
 
     def anchors(self, b: Batch) -> Anchors:
-        return sample_anchors(b.loss_mask, b.seq_lens, num_anchors=self.cfg.train.num_anchors,
+        return sample_anchors(b.loss_mask, b.seq_lens, num_anchors=self.train.num_anchors,
                               block_size=self.contract.block_size, seeds=b.seeds,
-                              coverage=self.cfg.train.anchor_coverage, docs=b.docs)
+                              coverage=self.train.anchor_coverage, docs=b.docs)

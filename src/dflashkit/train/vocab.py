@@ -1,7 +1,8 @@
 """Draft-vocab choice for training: which target tokens a reduced draft vocab keeps.
 
 Usage:
-    vocab = pick_draft_vocab(cfg, recipe, contract, target, data, train_idx)   # None: the full vocab
+    vocab = pick_draft_vocab(cfg.drafter.draft_vocab_size, recipe, contract, target, data, train_idx,
+                             batch_size=cfg.train.batch_size)                   # None: the full vocab
 
 `drafter.draft_vocab_size`: the most frequent supervised label tokens of the training samples (held-out
 ones excluded; with `train.labels=target` the target's own labels, from the shards or one prefill
@@ -11,7 +12,7 @@ pass) plus the eos ids; the same on every rank. The counting is `model/draft_voc
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,20 +24,19 @@ from dflashkit.family.recipe import Recipe
 from dflashkit.train.data import collate
 from dflashkit.train.objective import target_label_ids
 
-if TYPE_CHECKING:
-    from dflashkit.config import RunConfig
-
 log = logging.getLogger("dflashkit.train")
 
 
-def pick_draft_vocab(cfg: RunConfig, recipe: Recipe, contract: DrafterContract, target: Any, data: Any,
-                     train_idx: list[int]) -> torch.Tensor | None:
-    """The reduced draft vocab for `drafter.draft_vocab_size` (None: unset, 0, or the whole vocab).
+def pick_draft_vocab(draft_vocab_size: int | None, recipe: Recipe, contract: DrafterContract, target: Any, data: Any,
+                     train_idx: list[int], *, batch_size: int) -> torch.Tensor | None:
+    """The reduced draft vocab of `draft_vocab_size` tokens (drafter.draft_vocab_size; None: unset, 0, or the
+    whole vocab).
 
     The most frequent supervised tokens of the training samples (held-out ones excluded) plus the
     eos ids of the contract and the tokenizer; the same on every rank (a pure function of the data).
+    `batch_size` (train.batch_size): the batches of the target's labelling pass (train.labels=target, online).
     """
-    n, vocab_size = cfg.drafter.draft_vocab_size, target.vocab_size
+    n, vocab_size = draft_vocab_size, target.vocab_size
     if not n:
         return None
     if n > vocab_size:
@@ -52,7 +52,7 @@ def pick_draft_vocab(cfg: RunConfig, recipe: Recipe, contract: DrafterContract, 
         always.add(int(tok_eos))
     labels = [data.input_ids[i] for i in train_idx]
     if recipe.target_labels:  # the labels trained on are the target's own predictions: count those
-        labels = target_labels_of(cfg, contract, target, data, train_idx)
+        labels = target_labels_of(contract, target, data, train_idx, batch_size=batch_size)
     counts = label_token_counts(labels, [data.loss_mask[i] for i in train_idx], vocab_size)
     vocab = vocab_from_counts(counts, n, always=always)
     log.info("draft vocab: %d of %d target tokens, covering %.2f%% of the training label tokens", n, vocab_size,
@@ -60,9 +60,9 @@ def pick_draft_vocab(cfg: RunConfig, recipe: Recipe, contract: DrafterContract, 
     return vocab
 
 
-def target_labels_of(cfg: RunConfig, contract: DrafterContract, target, data, idx: list[int]) -> list:
+def target_labels_of(contract: DrafterContract, target, data, idx: list[int], *, batch_size: int) -> list:
     """`train.labels=target` labels of samples `idx` (np.int64 arrays): from the cached `next_ids`, or
-    (online) from one batched prefill pass of the target over those samples."""
+    (online) from one prefill pass of the target over those samples, in batches of `batch_size`."""
     out = []
     if data.features is not None and data.features.has("next_ids"):
         for i in idx:
@@ -71,7 +71,7 @@ def target_labels_of(cfg: RunConfig, contract: DrafterContract, target, data, id
         return out
     log.info("draft vocab: labelling %d training samples with the target (one prefill pass)", len(idx))
     pad = (getattr(getattr(target, "tokenizer", None), "pad_token_id", None) or 0)
-    bs = max(1, cfg.train.batch_size)
+    bs = max(1, batch_size)
     for k in range(0, len(idx), bs):
         items = [(i, 0) for i in idx[k:k + bs]]
         b = collate(data, items, run_seed=0, pad_id=pad).to(target.device)
