@@ -71,7 +71,7 @@ def drafter_step(cfg: RunConfig, contract: DrafterContract, target: Any, ids: to
     torch.manual_seed(cfg.run.seed)
     drafter = new_drafter(contract, draft_vocab=vocab).to(dev)
     fam = contract.family  # the CE loss at the reference decay, and the family's own terms
-    loss = DraftLoss(fam, contract.mask_token_id, (CE(), *fam.objective.loss_terms(cfg.train)),
+    loss = DraftLoss(fam, contract.mask_token_id, (CE(), *fam.terms(cfg.train.weights)),
                      Decay(gamma_for(cfg.train.gamma, contract.block_size)), chunk_blocks=cfg.train.loss_chunk_blocks)
     return DrafterStep(drafter, build_optimizer(drafter, cfg.train), loss,
                        Heads(target.model.get_input_embeddings(), head, vocab), head,
