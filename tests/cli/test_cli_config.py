@@ -101,8 +101,7 @@ def test_one_stage_table_keeps_commands_order_and_fingerprints():
 
     from dflashkit.cli import COMMANDS, READ_ONLY
     from dflashkit.config import section_hash
-    from dflashkit.rundir import STAGES
-    from dflashkit.stage_table import stage_hash
+    from dflashkit.stage_table import PIPELINE, stage_hash
     from dflashkit.stages.pipeline import ORDER
 
     assert list(COMMANDS) == ["probe", "doctor", "plan", "prepare", "generate", "serve", "record", "tokenize", "capture",
@@ -111,7 +110,7 @@ def test_one_stage_table_keeps_commands_order_and_fingerprints():
                               "report"]
     assert COMMANDS["eval"][0] == "evaluate" and COMMANDS["import"][0] == "import_" and COMMANDS["run"][0] == "pipeline"
     assert READ_ONLY == {"doctor", "plan", "serve", "record", "engines", "gpu-check"}
-    assert ORDER == STAGES == ("probe", "prepare", "generate", "tokenize", "capture", "train", "eval", "export",
+    assert ORDER == PIPELINE == ("probe", "prepare", "generate", "tokenize", "capture", "train", "eval", "export",
                                "report")
     before = {
         "probe": lambda c: [c.target, dataclasses.replace(c.drafter, draft_vocab_size=None)],
