@@ -107,11 +107,18 @@ def tiny_contract(block_size: int = 4, vocab: int = 50, hidden: int = 32) -> Dra
 
 
 def train_loss(contract: DrafterContract, *, gamma: float | None = None, **train):
-    """`DraftLoss.from_train` of a `TrainSection` with `train` set (e.g. loss="ce+kl", loss_chunk_blocks=2)."""
+    """`DraftLoss.from_train` of a `TrainSection` with `train` set (e.g. loss="ce+kl", loss_chunk_blocks=2; the
+    contract's family's weights by their flat keys, e.g. dspark_markov_loss_weight=0.5)."""
     from dflashkit.config import TrainSection
     from dflashkit.train.loss import DraftLoss
 
-    return DraftLoss.from_train(TrainSection(**train), contract, gamma=gamma)
+    from dflashkit import family
+
+    fam, others = contract.family, family.weight_keys()
+    weights = fam.weights(**{k: train.pop(k) for k in list(train) if k in fam.weight_names})
+    for k in [k for k in train if k in others]:  # another family's weight: only its default, as the loader takes it
+        assert family.foreign_setting(fam, "train", k, train.pop(k)) is None, k
+    return DraftLoss.from_train(TrainSection(**train, weights=weights), contract, gamma=gamma)
 
 
 def random_case(seed: int, b: int = 3, s: int = 13, block: int = 4, num_anchors: int = 5):

@@ -60,11 +60,13 @@ def _runtime_nodes(tree: ast.AST):
             stack.append(child)
 
 
-def imports_of(mod: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """Every dflashkit module `mod` imports, at any depth in the file (functions included)."""
+def imports_of(mod: str, path: Path, modules: dict[str, Path], *, types: bool = False) -> set[str]:
+    """Every dflashkit module `mod` imports, at any depth in the file (functions included; `types`: the
+    type-only imports under `if TYPE_CHECKING:` too)."""
     is_pkg = path.name == "__init__.py"
     out: set[str] = set()
-    for node in _runtime_nodes(ast.parse(path.read_text(), filename=str(path))):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in (ast.walk(tree) if types else _runtime_nodes(tree)):
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -85,9 +87,9 @@ def imports_of(mod: str, path: Path, modules: dict[str, Path]) -> set[str]:
 
 
 @functools.cache  # parsed once per test process; the checks only read the graph
-def import_graph() -> dict[str, set[str]]:
+def import_graph(types: bool = False) -> dict[str, set[str]]:
     modules = _modules()
-    return {m: imports_of(m, p, modules) for m, p in modules.items()}
+    return {m: imports_of(m, p, modules, types=types) for m, p in modules.items()}
 
 
 def _is_upper(mod: str) -> bool:
@@ -193,16 +195,17 @@ def test_library_rooms_point_one_way():
 # The library's rooms, lowest first: a module imports only its own room or rooms ranked at or below
 # its own (issue #20: model/target.py → inspect/ and assets.py → model/tiny ran up). Rooms of one
 # rank may import each other (the cycle test still holds), top-level modules are their own room.
-# The config is built from the drafter families' declarations (its drafter / train sections carry their knobs
-# and weights), so it ranks above them; the families rank above the networks they build.
+# The config holds the drafter families' settings (their knobs and weights dataclasses, mapped from flat keys by
+# the registry), so it ranks above them; the families rank above the networks they build.
 RANKS: dict[str, float] = {
-    "dflashkit": 0, "dflashkit.errors": 0, "dflashkit.http1": 0, "dflashkit.stage_table": 0,
+    "dflashkit": 0, "dflashkit.errors": 0, "dflashkit.http1": 0,
     "dflashkit.rundir": 0, "dflashkit.context": 0, "dflashkit.progress": 0, "dflashkit.redact": 0,
     "dflashkit.textfile": 0, "dflashkit.config_hash": 0,
     "dflashkit.assets": 1,
     "dflashkit.model": 2,
     "dflashkit.family": 2.5,
     "dflashkit.config": 2.7,
+    "dflashkit.stage_table": 2.8,  # its section readers read the config (the run dir does not read the table)
     "dflashkit.inspect": 3,
     "dflashkit.data": 4,
     "dflashkit.train": 5, "dflashkit.export": 5, "dflashkit.generate": 5,
@@ -285,3 +288,45 @@ def test_stages_are_glue_of_at_most_150_lines(tmp_path):
     (tmp_path / "long.py").write_text("x = 1\n" * (STAGE_MAX_LINES + 1))
     (tmp_path / "short.py").write_text("x = 1\n" * STAGE_MAX_LINES)
     assert long_stages(folder=tmp_path) == [("long.py", STAGE_MAX_LINES + 1)]
+
+
+def room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The package-level graph of `graph`: an edge between two rooms (`room_of`) when a module of one imports a
+    module of the other."""
+    out: dict[str, set[str]] = {}
+    for src, targets in graph.items():
+        out.setdefault(room_of(src), set()).update(room_of(t) for t in targets if room_of(t) != room_of(src))
+    return out
+
+
+# Type-only imports up the room ranks still to re-house, each named so that a new one fails.
+TYPE_ONLY_UPWARD: set[tuple[str, str]] = set()
+
+
+def test_no_room_cycle_even_through_type_only_imports():
+    """Issue #51: the rooms form no circle for the type checker either. A type named under `if TYPE_CHECKING:`
+    is still a dependency of the code that reads it: the config, the drafter families and the networks were a
+    13-file circle that way (hooks typed by config sections, the networks by the families' contract)."""
+    graph = import_graph(types=True)
+    bad = [e for e in rank_violations(graph) if e not in TYPE_ONLY_UPWARD]
+    assert not bad, "type-only imports up the room ranks (declare a Protocol in the lower room instead):\n" + \
+        "\n".join(f"  {a} → {b}" for a, b in bad)
+    rooms = room_graph({a: {b for b in targets if (a, b) not in TYPE_ONLY_UPWARD} for a, targets in graph.items()})
+    cycle = find_cycle(rooms)
+    assert cycle is None, "room cycle through type-only imports: " + " → ".join(cycle or [])
+    triangle = ("dflashkit.config", "dflashkit.family", "dflashkit.model")
+    room = room_graph(graph)  # the three rooms among themselves: no exception at all
+    assert find_cycle({r: room.get(r, set()) & set(triangle) for r in triangle}) is None
+    assert "dflashkit.family" not in room["dflashkit.model"] and "dflashkit.config" not in room["dflashkit.family"]
+    planted = {"dflashkit.config.schema": {"dflashkit.family.base"}, "dflashkit.family.base": {"dflashkit.model.x"},
+               "dflashkit.model.x": {"dflashkit.config.schema"}}
+    assert find_cycle(room_graph(planted)) == ["dflashkit.config", "dflashkit.family", "dflashkit.model",
+                                               "dflashkit.config"]
+
+
+def test_type_only_imports_are_read_when_asked(tmp_path):
+    p = tmp_path / "m.py"
+    p.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dflashkit.config import X\n")
+    modules = {"dflashkit.config": p, "dflashkit.model.m": p}
+    assert imports_of("dflashkit.model.m", p, modules) == set()
+    assert imports_of("dflashkit.model.m", p, modules, types=True) == {"dflashkit.config"}

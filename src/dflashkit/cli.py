@@ -207,6 +207,7 @@ def _crashed(command: str, e: Exception) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command (module docstring) and return its exit code; the last stdout line is its result as JSON."""
+    family.load_plugins()  # the plugin drafter families, before any config is read (one that fails: exit 2 there)
     parser = build_parser()
     ns = _parse(parser, argv)
     if isinstance(ns, int):

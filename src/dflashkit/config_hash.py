@@ -19,11 +19,15 @@ from typing import Any
 
 def _hashed(section: Any) -> Any:
     """The dict hashed for a dataclass section: fields marked hash_default=False left out at their default,
-    in its nested sections and lists of sections (`data.sources[]`) too."""
+    in its nested sections and lists of sections (`data.sources[]`) too; a field marked `flat` (a drafter family's
+knobs or weights, `config/schema.py`) adds its fields to the section's, as the flat keys they are written as."""
     data = dataclasses.asdict(section)
     for fl in dataclasses.fields(section):
         value = getattr(section, fl.name)
-        if dataclasses.is_dataclass(value):
+        if fl.metadata.get("flat"):  # a family's settings: its fields are the section's own keys
+            data.pop(fl.name)
+            data.update(_hashed(value))
+        elif dataclasses.is_dataclass(value):
             data[fl.name] = _hashed(value)
         elif isinstance(value, list) and value and all(dataclasses.is_dataclass(v) for v in value):
             data[fl.name] = [_hashed(v) for v in value]

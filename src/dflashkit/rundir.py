@@ -35,9 +35,6 @@ from typing import Any
 
 from dflashkit import __version__
 from dflashkit.errors import DiskFull, RunDirLocked, UsageError
-from dflashkit.stage_table import PIPELINE
-
-STAGES = PIPELINE  # the stage folders, in `dflashkit run` order (from the one stage table)
 
 
 def _fsync_dir(path: Path) -> None:

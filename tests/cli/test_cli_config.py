@@ -74,18 +74,17 @@ def test_overrides_may_follow_flags(tmp_path, capsys):
 def test_optional_keys_left_at_default_keep_old_fingerprints():
     """drafter.draft_vocab_size (added later) is not hashed while null, so existing run dirs stay up to date;
     set, it changes the train fingerprint but not probe's (the data stages do not re-run)."""
-    import dataclasses
 
-    from dflashkit.config import section_hash
+    from dflashkit.config import config_to_dict, section_hash
     from dflashkit.stage_table import stage_hash
 
     cfg = load_config(None)
+    flat = config_to_dict(cfg.drafter)  # the drafter.* keys as written: the family's knobs flat among them
     later = {"draft_vocab_size", "feature_scale", "type", "conv_kernel_size", "conv_group_size", "selector_rank",
              "selector_top_k", "input_embedding_scale", "output_multiplier",
              "final_logit_softcapping", "causal", "sliding_window", "layer_types", "attention_type",
-             *(f.name for f in dataclasses.fields(cfg.drafter)
-               if f.name.startswith(("lilicorr_", "mla_", "dspark_")))}  # keys added after run dirs existed
-    old = {k: v for k, v in dataclasses.asdict(cfg.drafter).items() if k not in later}
+             *(k for k in flat if k.startswith(("lilicorr_", "mla_", "dspark_")))}  # keys added after run dirs existed
+    old = {k: v for k, v in flat.items() if k not in later}
     assert section_hash(cfg.drafter) == section_hash(old)
     d2 = load_config(None, ["drafter.type=dflash2"])  # the contract carries the drafter type: probe re-runs
     assert stage_hash("probe", d2) != stage_hash("probe", cfg)
@@ -102,8 +101,7 @@ def test_one_stage_table_keeps_commands_order_and_fingerprints():
 
     from dflashkit.cli import COMMANDS, READ_ONLY
     from dflashkit.config import section_hash
-    from dflashkit.rundir import STAGES
-    from dflashkit.stage_table import stage_hash
+    from dflashkit.stage_table import PIPELINE, stage_hash
     from dflashkit.stages.pipeline import ORDER
 
     assert list(COMMANDS) == ["probe", "doctor", "plan", "prepare", "generate", "serve", "record", "tokenize", "capture",
@@ -112,7 +110,7 @@ def test_one_stage_table_keeps_commands_order_and_fingerprints():
                               "report"]
     assert COMMANDS["eval"][0] == "evaluate" and COMMANDS["import"][0] == "import_" and COMMANDS["run"][0] == "pipeline"
     assert READ_ONLY == {"doctor", "plan", "serve", "record", "engines", "gpu-check"}
-    assert ORDER == STAGES == ("probe", "prepare", "generate", "tokenize", "capture", "train", "eval", "export",
+    assert ORDER == PIPELINE == ("probe", "prepare", "generate", "tokenize", "capture", "train", "eval", "export",
                                "report")
     before = {
         "probe": lambda c: [c.target, dataclasses.replace(c.drafter, draft_vocab_size=None)],

@@ -19,8 +19,8 @@ import pytest
 
 from dflashkit import family
 from dflashkit.cli import main
-from dflashkit.config import DrafterSection, RunConfig, TargetSection, TrainSection, iter_fields
-from dflashkit.errors import UsageError
+from dflashkit.config import DrafterSection, RunConfig, TargetSection, config_from_dict, flat_settings, iter_fields
+from dflashkit.errors import ConfigError, UsageError
 from dflashkit.export.hf import save_drafter
 from dflashkit.family.contract import DrafterContract
 from dflashkit.model.target import load_target
@@ -115,27 +115,41 @@ def _other(value):
     return 1.5 if value is None else value + 1
 
 
+def _load_problems(data: dict) -> list[str]:
+    try:
+        cfg = config_from_dict(data, checks=family.checks)
+    except ConfigError as e:
+        return list(e.problems)
+    assert type(cfg.drafter.knobs) is family.get(cfg.drafter.type).knobs  # resolved by drafter.type at load
+    assert type(cfg.train.weights) is family.get(cfg.drafter.type).weights
+    return []
+
+
 def test_every_knob_set_for_a_family_that_does_not_read_it_is_a_problem():
+    knobs, weights = flat_settings("knobs", None), flat_settings("weights", None)  # every key at its default
     for fam in family.FAMILIES.values():
         assert family.checks(RunConfig(drafter=DrafterSection(type=fam.name))) == []  # the defaults: nothing
+        assert _load_problems({"drafter": {"type": fam.name, **knobs}, "train": weights}) == []  # a dump's keys
         for key in family.knob_keys():
-            d = DrafterSection(type=fam.name, **{key: _other(getattr(DrafterSection(), key))})
-            found = [p for p in family.config_problems(d) if p.startswith(f"drafter.{key}: ") and "not read" in p]
+            found = [p for p in _load_problems({"drafter": {"type": fam.name, key: _other(knobs[key])}})
+                     if p.startswith(f"drafter.{key}: ") and "not read" in p]
             assert bool(found) == (key not in fam.knob_names), (fam.name, key, found)
-        for key in {k for f in family.FAMILIES.values() for k in f.weight_names}:
-            cfg = RunConfig(drafter=DrafterSection(type=fam.name),
-                            train=TrainSection(**{key: getattr(TrainSection(), key) + 0.5}))
-            found = [p for p in family.checks(cfg) if p.startswith(f"train.{key}: ") and "not read" in p]
+        for key in weights:
+            found = [p for p in _load_problems({"drafter": {"type": fam.name}, "train": {key: weights[key] + 0.5}})
+                     if p.startswith(f"train.{key}: ") and "not read" in p]
             assert bool(found) == (key not in fam.weight_names), (fam.name, key, found)
 
 
 def test_a_lattice_width_the_config_gives_is_checked_against_the_heads_when_it_loads():
     """train (probe, through the contract) refuses heads that do not divide the lattice width; when the config
     gives that width the dry run refuses it too."""
-    bad = DrafterSection(type="lilicorr", lilicorr_hidden_size=36, lilicorr_num_heads=8)
+    from dflashkit.family.lilicorr import LiLiCorrKnobs
+
+    bad = DrafterSection(type="lilicorr", knobs=LiLiCorrKnobs(lilicorr_hidden_size=36, lilicorr_num_heads=8))
     assert any(p.startswith("drafter.lilicorr_num_heads: 8 must divide the lattice width 36")
                for p in family.config_problems(bad))
-    assert family.config_problems(DrafterSection(type="lilicorr", lilicorr_hidden_size=32, lilicorr_num_heads=8)) == []
+    good = DrafterSection(type="lilicorr", knobs=LiLiCorrKnobs(lilicorr_hidden_size=32, lilicorr_num_heads=8))
+    assert family.config_problems(good) == []
 
 
 def test_the_docs_name_every_family_that_reads_a_knob():

@@ -2,7 +2,7 @@
 
 A plugin calling `sys.exit` at import would end every command with its code and no word; a plugin whose knob or
 weight reuses a common key (`drafter.block_size`, `train.lr`) or another family's field would take that key
-over. The CLI cases run in subprocesses: plugins register when the registry is first imported.
+over. The CLI cases run in subprocesses: the CLI loads the plugins (`family.load_plugins`) before it reads a config.
 """
 
 from __future__ import annotations
@@ -110,6 +110,26 @@ def test_register_refuses_another_familys_field_and_keeps_shared_ones():
         assert family.register(fam(Shares)) is family.FAMILIES["plug"]
     finally:
         family.FAMILIES.pop("plug", None)
+
+
+def test_plugins_load_by_one_explicit_call_not_as_a_side_effect_of_an_import(tmp_path):
+    """Importing the registry (and the config) registers no plugin; `family.load_plugins()` does, and the
+    config loader then reads the plugin's flat keys into its own settings class."""
+    (tmp_path / "quiet_plugin.py").write_text(textwrap.dedent(PLUGIN.format(
+        knob="own_knob: int = knob(1, 'mine', ge=1)", weight="own_weight: float = knob(0.1, 'mine')")))
+    code = textwrap.dedent("""
+        from dflashkit import config, family
+        assert "bad" not in family.FAMILIES
+        family.load_plugins()
+        assert "bad" in family.FAMILIES and family.PLUGIN_ERROR is None
+        cfg = config.config_from_dict({"drafter": {"type": "bad", "own_knob": 3}, "train": {"own_weight": 0.5}})
+        print(type(cfg.drafter.knobs).__name__, cfg.drafter.knobs.own_knob, cfg.train.weights.own_weight)
+    """)
+    env = {**os.environ, "DFLASHKIT_FAMILIES": "quiet_plugin:BAD",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    got = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert got.returncode == 0 and got.stdout.split() == ["BadKnobs", "3", "0.5"], (got.stdout, got.stderr)
 
 
 def test_the_builtin_families_register_without_a_collision():

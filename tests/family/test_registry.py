@@ -11,7 +11,7 @@ import torch
 
 from dflashkit import family
 from dflashkit.cli import main
-from dflashkit.config import DrafterSection
+from dflashkit.config import DrafterSection, config_to_dict
 from dflashkit.errors import UsageError
 from dflashkit.family.contract import DrafterContract
 from dflashkit.train.stats import StepStats
@@ -19,7 +19,7 @@ from tests.helpers import tiny_contract, with_fields
 
 
 def test_each_familys_knobs_are_drafter_keys_with_the_schemas_defaults():
-    schema = {f.name: f.default for f in dataclasses.fields(DrafterSection)}
+    schema = config_to_dict(DrafterSection())  # the flat drafter.* keys, every family's knobs among them
     for fam in family.FAMILIES.values():
         defaults = fam.knobs()
         for name in fam.knob_names:
@@ -122,15 +122,16 @@ def test_family_keys_carry_the_familys_name_or_are_grandfathered():
 
 
 def test_the_schema_is_built_from_the_declarations():
-    from dflashkit.config import TrainSection
-    from dflashkit.train.guards import OBJECTIVE_KEYS
+    from dflashkit.config import TrainSection, iter_fields
+    from dflashkit.train.guards import objective_keys
 
-    for section, part in ((DrafterSection, "knobs"), (TrainSection, "weights")):
-        schema = {f.name: f for f in dataclasses.fields(section)}
+    schema = {key: (default, text) for key, _, default, text in iter_fields()}
+    for section, part in (("drafter", "knobs"), ("train", "weights")):
         for fam in family.FAMILIES.values():
             for f in dataclasses.fields(getattr(fam, part)):
-                assert schema[f.name].metadata["help"] == f.metadata["help"] and schema[f.name].default == f.default
-    assert set(family.weight_keys()) <= set(OBJECTIVE_KEYS)  # a resume under other weights is refused
+                assert schema[f"{section}.{f.name}"] == (f.default, f.metadata["help"]), (section, f.name)
+    assert set(family.weight_keys()) <= set(objective_keys())  # a resume under other weights is refused
+    assert type(DrafterSection().knobs) is family.DEFAULT.knobs and type(TrainSection().weights) is family.DEFAULT.weights
     assert "selector_loss_weight" not in family.DEFAULT.weight_names
 
 
@@ -144,8 +145,10 @@ def test_declared_ranges_are_checked_for_the_config_and_the_contract():
                                      "lilicorr_vector_eps: must be in (0, 0.5), got 0.5"]
     d2 = family.get("dflash2").knobs(output_multiplier=-1.0)
     assert range_problems(d2, prefix="drafter.") == ["drafter.output_multiplier: must be > 0 (or null), got -1.0"]
-    cfg = RunConfig()
-    cfg.train.lilicorr_margin = 0.0
+    from dflashkit.config import TrainSection
+    from dflashkit.family.lilicorr import LiLiCorrWeights
+
+    cfg = RunConfig(drafter=DrafterSection(type="lilicorr"), train=TrainSection(weights=LiLiCorrWeights(lilicorr_margin=0.0)))
     assert "train.lilicorr_margin: must be > 0, got 0.0" in config_problems(cfg)
     with pytest.raises(UsageError, match="selector_rank: must be >= 1, got 0"):
         with_fields(tiny_contract(), drafter_type="dflash2", conv_group_size=8, selector_rank=0).check()

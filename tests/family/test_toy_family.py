@@ -3,8 +3,9 @@
 "toy" is DFlash's network with one more tensor (`toy_gain`, [H], a gain on the drafter's outputs that starts at
 its knob `drafter.toy_scale`) and one more loss term (`train.toy_loss_weight` · the mean square of the drafter's
 outputs). The CLI runs in subprocesses that register it through DFLASHKIT_FAMILIES; nothing outside this file
-names it. Module-level imports stay below the registry (`dflashkit.family.base`, `knobs`, `dflash`, the DFlash
-network): the registry imports this module while the config schema waits for it.
+names it (the CLI's `family.load_plugins()` imports it). Module-level imports stay below the registry
+(`dflashkit.family.base`, `knobs`, `dflash`, the DFlash network). Its hooks receive its own settings: the
+loss terms get a `ToyWeights`, the network reads `contract.knobs`, a `ToyKnobs`.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from dflashkit.family import new_drafter, reads_target_law
 from dflashkit.config import TrainSection
+from dflashkit.family.lilicorr import LiLiCorrWeights
 from dflashkit.model.dflash2 import walk
 from dflashkit.train.loss import Heads, LossInputs
 from dflashkit.train.terms import chunk_bounds
@@ -200,6 +201,6 @@ def test_chunks_never_split_a_block():
 def test_the_penalty_makes_the_trainer_read_the_target():
     c = _model().contract
     assert reads_target_law(TrainSection(), c.family)                     # lilicorr_penalty_weight 0.25
-    assert not reads_target_law(TrainSection(lilicorr_penalty_weight=0.0), c.family)
+    assert not reads_target_law(TrainSection(weights=LiLiCorrWeights(lilicorr_penalty_weight=0.0)), c.family)
     assert not reads_target_law(TrainSection(), tiny_contract().family) and reads_target_law(
         TrainSection(loss="kl"), tiny_contract().family)

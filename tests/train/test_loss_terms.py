@@ -146,5 +146,5 @@ def test_the_recipes_build_their_terms_in_the_canonical_order():
     from dflashkit.train.loss import KL, canonical
 
     for fam in BUILTIN:
-        listed = (CE(), KL(0.5, 1.0), *fam.objective.loss_terms(TrainSection()))
+        listed = (CE(), KL(0.5, 1.0), *fam.terms(TrainSection().weights))
         assert canonical(listed) == listed, fam.name

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dflashkit import family
-from dflashkit.config import (BenchSection, DrafterSection, RunConfig, TrainSection, config_from_dict, config_to_dict,
+from dflashkit.config import (BenchSection, RunConfig, config_from_dict, config_to_dict, flat_settings,
                               given_keys, parse_override, recipe_variant_problems, set_given_keys)
 from dflashkit.data.shards import tokenized_shards
 from dflashkit.decode.diagnostics import BigramTable
@@ -66,11 +66,9 @@ def _family_variants() -> dict[str, list[str]]:
     drafter (full vocab when the family has no reduced vocab), the other families' knobs back at their
     defaults (a base config of one family may set knobs the variant's family does not read)."""
     def resets(f: family.Family) -> list[str]:
-        drafter = [f"drafter.{k}={json.dumps(getattr(DrafterSection(), k))}"
-                   for k in family.knob_keys() if k not in f.knob_names]
-        train_keys = dict.fromkeys(k for g in family.FAMILIES.values() for k in g.weight_names)
-        return drafter + [f"train.{k}={json.dumps(getattr(TrainSection(), k))}" for k in train_keys
-                          if k not in f.weight_names]
+        knobs, weights = flat_settings("knobs", None), flat_settings("weights", None)   # every key's default
+        drafter = [f"drafter.{k}={json.dumps(v)}" for k, v in knobs.items() if k not in f.knob_names]
+        return drafter + [f"train.{k}={json.dumps(v)}" for k, v in weights.items() if k not in f.weight_names]
 
     return {f.name: [f"drafter.type={f.name}", *([] if f.network.reduced_vocab else ["drafter.draft_vocab_size=null"]),
                      *resets(f)]
@@ -308,7 +306,7 @@ def bench_recipe(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any
         print(table(rows, bigram))
     return {"steps": steps, "cpu_minutes": cfg.bench.cpu_minutes, "cpu_count": os.cpu_count(),
             "variants": rows, "bigram_acc1": bigram,
-            "config": {k: v for k, v in dataclasses.asdict(cfg.train).items() if k != "parallel"}}
+            "config": {k: v for k, v in config_to_dict(cfg.train).items() if k != "parallel"}}
 
 
 def table(rows: list[dict[str, Any]], bigram: float | None) -> str:

@@ -78,7 +78,7 @@ def _measure(cfg: RunConfig, contract: DrafterContract, s: int, iters: int, out:
         drafter = new_drafter(contract).to(dev)
         opt = build_optimizer(drafter, cfg.train)
         fam = contract.family
-        loss = DraftLoss(fam, contract.mask_token_id, (CE(), *fam.objective.loss_terms(cfg.train)),
+        loss = DraftLoss(fam, contract.mask_token_id, (CE(), *fam.terms(cfg.train.weights)),
                          Decay(gamma_for(cfg.train.gamma, B)), chunk_blocks=cfg.train.loss_chunk_blocks)
         heads = Heads(target.model.get_input_embeddings(), target.lm_head)
         feats = torch.randn(1, s, len(contract.target_layer_ids) * contract.hidden_size, device=dev)

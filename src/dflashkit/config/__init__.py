@@ -19,6 +19,7 @@ from dflashkit.config.loader import (
     config_reference_markdown,
     config_to_dict,
     dump_config,
+    flat_settings,
     given_keys,
     iter_fields,
     load_config,
@@ -62,6 +63,7 @@ __all__ = [
     "GenerateSection", "ParallelSection", "RunConfig", "RunSection", "ServeSection", "ServerSection",
     "SourceSection", "TargetSection", "TokenizeSection", "TrainSection", "VARIANT_NAME", "chat_template_problem",
     "config_from_dict", "config_problems", "config_reference_markdown", "config_to_dict", "dump_config", "f",
+    "flat_settings",
     "given_keys", "iter_fields", "load_config", "parse_override", "recipe_variant_problems", "redact_text",
     "redact_url", "redacted_dict", "section_hash", "set_given_keys", "sub", "url_fields", "url_problem",
 ]

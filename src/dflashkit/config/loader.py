@@ -8,10 +8,18 @@ Usage:
 Rules: dataclass defaults < YAML < overrides. Unknown keys are errors with a "did you mean";
 all problems are reported at once, each naming its dotted key (the checks: `validate.problems`).
 The schema itself (sections, fields, defaults, help) is `schema.py`.
+
+A drafter family's knobs and weights are written as flat keys of their section (`drafter.selector_rank`,
+`train.dspark_markov_loss_weight`): the registry names them (`family.setting_fields`). They are built into
+the section's `flat` field as the settings class of `drafter.type`'s family; another family's key is
+refused naming it (`family.foreign_setting`) unless it holds its default, which a dump leaves there: the
+dump, `config_to_dict`, the section hash and docs/config.md list every registered family's keys, flat, in
+registry order, as the schema did when it was built from the registry.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import difflib
 import functools
@@ -126,22 +134,58 @@ def _fields(cls: type) -> tuple[dict[str, Any], list[str]]:
     return typing.get_type_hints(cls), [fl.name for fl in dataclasses.fields(cls)]
 
 
+# the family whose settings the config being built holds (`drafter.type`'s; None: not a family)
+_FAMILY: contextvars.ContextVar[family.Family | None] = contextvars.ContextVar("family", default=None)
+
+
+def _flat_field(cls: type) -> tuple[str, str] | None:
+    """(name, part) of the section's field holding a family's settings (`schema.settings_field`), if any."""
+    return next(((fl.name, fl.metadata["flat"]) for fl in dataclasses.fields(cls) if fl.metadata.get("flat")), None)
+
+
 def _build(cls: type, data: dict, prefix: str, problems: list[str]) -> Any:
     hints, names = _fields(cls)
+    flat = _flat_field(cls)
+    settings = family.setting_fields(flat[1]) if flat else {}
+    shown = [n for n in names if not flat or n != flat[0]] + list(settings)
+    fam, own = _FAMILY.get(), dict[str, Any]()
     kwargs = {}
     for key, value in data.items():
         dotted = f"{prefix}.{key}" if prefix else str(key)
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+        if flat and key in settings:
+            _setting(fam, flat[1], key, value, dotted, own, problems)
+            continue
+        if key not in names or (flat and key == flat[0]):
+            close = difflib.get_close_matches(str(key), shown, n=1, cutoff=0.6)
             problems.append(f"{dotted}: unknown key" + (f" (did you mean {prefix + '.' if prefix else ''}"
                                                         f"{close[0]}?)" if close else
-                                                        f"; valid keys: {', '.join(names)}"))
+                                                        f"; valid keys: {', '.join(shown)}"))
             continue
         kwargs[key] = _coerce(value, hints[key], dotted, problems)
     if problems:
         # Still build so later checks can run; invalid values are replaced by defaults.
         kwargs = {k: v for k, v in kwargs.items() if v is not None or _allows_none(hints[k])}
+    if flat:
+        cls_of = getattr(fam or family.DEFAULT, flat[1])
+        kwargs[flat[0]] = cls_of(**{k: v for k, v in own.items() if v is not None or _allows_none(_fields(cls_of)[0][k])})
     return cls(**kwargs)
+
+
+def _setting(fam: family.Family | None, part: str, key: str, value: Any, dotted: str, own: dict[str, Any],
+             problems: list[str]) -> None:
+    """A flat family key of a section: into `own` when `fam` (the run's family) reads it, else checked against its
+    declaring family's type and refused when set to other than its default (`family.foreign_setting`)."""
+    mine = fam is not None and any(fl.name == key for fl in dataclasses.fields(getattr(fam, part)))
+    declaring = getattr(fam, part) if fam is not None and mine else getattr(family.setting_fields(part)[key][0], part)
+    trial: list[str] = []
+    coerced = _coerce(value, _fields(declaring)[0][key], dotted, trial)
+    problems += trial
+    if mine:
+        own[key] = coerced
+    elif fam is not None and not trial:
+        foreign = family.foreign_setting(fam, dotted.rsplit(".", 1)[0], key, coerced)
+        if foreign:
+            problems.append(foreign)
 
 
 def _allows_none(tp: Any) -> bool:
@@ -183,7 +227,15 @@ def config_from_dict(data: dict, overrides: list[str] | None = None, *, source: 
     for ov in overrides or []:
         key, value = parse_override(ov)
         _set_dotted(data, key, value)
-    cfg = _build(RunConfig, data, "", problems)
+    for name in ("drafter", "train"):  # built even when absent: their settings are drafter.type's family's
+        data.setdefault(name, {})
+    drafter = data.get("drafter")
+    kind = drafter.get("type", family.DEFAULT.name) if isinstance(drafter, dict) else family.DEFAULT.name
+    token = _FAMILY.set(family.FAMILIES.get(kind) if isinstance(kind, str) else None)
+    try:
+        cfg = _build(RunConfig, data, "", problems)
+    finally:
+        _FAMILY.reset(token)
     if not problems:
         problems = validation_problems(cfg) + (checks(cfg) if checks is not None else [])
     if problems:  # a message may quote a bad value: a URL's secrets never reach it
@@ -298,23 +350,37 @@ def given_keys(cfg: RunConfig) -> frozenset[str] | None:
 
 
 def config_to_dict(cfg: Any) -> dict:
-    return dataclasses.asdict(cfg)
+    """The config (or a section) as plain data, as the YAML writes it: a family's settings as flat keys."""
+    return _plain(cfg, redact=False)
+
+
+def flat_settings(part: str, value: object) -> dict[str, Any]:
+    """Every registered family's `part` keys (`family.setting_fields`, in registry order) with the value `value`
+    (the run's family's settings) holds, or the key's default: the flat keys a section lists."""
+    return {key: json.loads(json.dumps(getattr(value, key) if hasattr(value, key) else fl.default))
+            for key, (_, fl) in family.setting_fields(part).items()}
 
 
 def redacted_dict(cfg: Any) -> Any:
     """`config_to_dict(cfg)` with every field marked `url=True` in the schema redacted (`dflashkit.redact`):
     what may be written to a file or shown (API keys live in env vars, never in the config)."""
+    return _plain(cfg, redact=True)
+
+
+def _plain(cfg: Any, *, redact: bool) -> Any:
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
         out = {}
         for fl in dataclasses.fields(cfg):
             value = getattr(cfg, fl.name)
-            if fl.metadata.get("url") and value:
+            if fl.metadata.get("flat"):
+                out.update(flat_settings(fl.metadata["flat"], value))
+            elif redact and fl.metadata.get("url") and value:
                 out[fl.name] = [redact_url(u) for u in value] if isinstance(value, list) else redact_url(value)
             else:
-                out[fl.name] = redacted_dict(value)
+                out[fl.name] = _plain(value, redact=redact)
         return out
     if isinstance(cfg, list):
-        return [redacted_dict(v) for v in cfg]
+        return [_plain(v, redact=redact) for v in cfg]
     return json.loads(json.dumps(cfg)) if isinstance(cfg, dict) else cfg
 
 
@@ -329,6 +395,11 @@ def iter_fields(cls: type = RunConfig, prefix: str = ""):
     for fl in dataclasses.fields(cls):
         key = f"{prefix}.{fl.name}" if prefix else fl.name
         tp = hints[fl.name]
+        if fl.metadata.get("flat"):  # a family's settings: the flat keys of every registered family
+            for name, (fam, sf) in family.setting_fields(fl.metadata["flat"]).items():
+                tname = _type_name(_fields(getattr(fam, fl.metadata["flat"]))[0][name])
+                yield f"{prefix}.{name}", tname, sf.default, sf.metadata.get("help", "")
+            continue
         if dataclasses.is_dataclass(tp):
             yield from iter_fields(typing.cast(type, tp), key)
             continue

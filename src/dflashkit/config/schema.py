@@ -7,9 +7,13 @@ Usage:
 
 Only the dataclasses live here; building them strictly from YAML and overrides, the cross-field
 validation, dumping, hashing and the docs/config.md rendering are `loader.py` and `validate.py`.
-`DrafterSection` and `TrainSection` are the common fields plus every registered drafter family's knobs
-and weights (`with_families`: declared once, with help and range, in `dflashkit/family/`), built when
-this module is imported, after the registry has loaded the plugin families.
+Every section is a static dataclass, so a misspelt `cfg.<section>.<key>` is a type error. A drafter
+family's own settings are its own frozen dataclasses (declared once, with help and range, in
+`dflashkit/family/`): `cfg.drafter.knobs` holds the knobs and `cfg.train.weights` the loss weights of
+`drafter.type`'s family, resolved when the config is built. Their field names stay flat keys
+(`drafter.dspark_markov_rank`, `train.selector_loss_weight`) in the YAML, the overrides, the dump, the
+section hash and docs/config.md: `loader.py` maps them (fields marked `flat`). Code reads them typed, as
+the family's class: `family.own_knobs(cfg.drafter.knobs)`, `knobs.settings(DSparkKnobs, cfg.drafter.knobs)`.
 Fields left `null` that can be derived (layer ids, mask id, draft dims) are filled by the `probe`
 contract, never here.
 """
@@ -19,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from dflashkit import family
 
@@ -49,12 +53,17 @@ def sub(cls: type, help: str) -> Any:  # noqa: A002
     return field(default_factory=cls, metadata={"help": help})
 
 
+def settings_field(part: str, help: str) -> Any:  # noqa: A002
+    """The field of a section holding a family's `part` ("knobs" or "weights"): the default family's by default.
+    `flat`: its fields are the section's own keys wherever the config is read or written (`config/loader.py`,
+    the section hash)."""
+    return field(default_factory=lambda: getattr(family.DEFAULT, part)(), metadata={"help": help, "flat": part})
+
+
 def url_fields(cfg: Any, prefix: str = "") -> list[tuple[str, str]]:
     """(dotted key, URL) of every value of every field marked `url=True` in `cfg` (a config or a section),
     list items as `key[i]`, sections and lists of sections walked: what `url_problem` checks and what
     every dump of the config redacts."""
-    import dataclasses
-
     out: list[tuple[str, str]] = []
     for fl in dataclasses.fields(cfg):
         key, value = f"{prefix}{fl.name}", getattr(cfg, fl.name)
@@ -107,8 +116,8 @@ class TargetSection:
 
 
 @dataclass(kw_only=True)
-class DrafterCommon:
-    """The drafter.* keys every family reads (`DrafterSection` adds the families' knobs)."""
+class DrafterSection:
+    """The drafter.* keys every family reads, and the knobs of `drafter.type`'s family (`knobs`)."""
 
     block_size: int = f(16, "Block size B (anchor + B-1 masked positions).")
     num_draft_layers: int = f(5, "Number of draft decoder layers.")
@@ -162,6 +171,8 @@ class DrafterCommon:
         "scores the same walk follows; checkpoints declare LiLiCorrDraftModel). dflash2 and lilicorr need the full "
         "target vocab (no draft_vocab_size). The keys below marked with a family's name are that family's knobs.",
         hash_default=False)
+    knobs: object = settings_field("knobs", "The knobs of drafter.type's family (its `knobs` dataclass); written "
+                                   "as flat drafter.* keys.")
 
 
 
@@ -346,8 +357,8 @@ class ParallelSection:
 
 
 @dataclass(kw_only=True)
-class TrainCommon:
-    """The train.* keys every family reads (`TrainSection` adds the families' weights)."""
+class TrainSection:
+    """The train.* keys every family reads, and the loss weights of `drafter.type`'s family (`weights`)."""
 
     features: Literal["online", "cached", "engine"] = f(
         "online", "Target features computed in the loop, read from `capture` shards, or engine = requested "
@@ -463,6 +474,8 @@ class TrainCommon:
     tensorboard: bool = f(False, "Write TensorBoard logs (needs the tensorboard extra).")
     wandb: bool = f(False, "Log to Weights & Biases (needs the wandb extra).")
     parallel: ParallelSection = sub(ParallelSection, "Distributed settings (torchrun).")
+    weights: object = settings_field("weights", "The loss weights of drafter.type's family (its `weights` "
+                                     "dataclass); written as flat train.* keys.")
 
 
 @dataclass(kw_only=True)
@@ -677,40 +690,6 @@ class LearnSection:
     replay_concurrency: int = f(4, "`dflashkit flywheel`: replayed requests in flight.", hash_default=False)
 
 
-def with_families(common: type, name: str, part: str) -> type:
-    """`common` plus every registered family's `part` ("knobs": its `drafter.*` keys; "weights": its `train.*`
-    keys) as fields, in registry order, each name once (DFlash2's knobs extend DFlash's: one `causal`); each
-    field keeps the default, help and range its family declares (`family.knobs.knob`)."""
-    import typing
-
-    family.reserve(part, common)  # a plugin family reusing a common key is dropped (and refused: exit 2)
-    seen = {fl.name for fl in dataclasses.fields(common)}
-    extra: list[tuple[str, Any, Any]] = []
-    for fam in family.FAMILIES.values():
-        cls = getattr(fam, part)
-        hints = typing.get_type_hints(cls)
-        for fl in dataclasses.fields(cls):
-            if fl.name not in seen:
-                seen.add(fl.name)
-                extra.append((fl.name, hints[fl.name], field(default=fl.default, metadata=fl.metadata)))
-    built = dataclasses.make_dataclass(name, extra, bases=(common,), kw_only=True)
-    built.__module__, built.__doc__ = __name__, f"{common.__doc__} ({name}: with the families' {part}.)"
-    return built
-
-
-if TYPE_CHECKING:  # the families' fields are added when the registry is known; type checkers read any attribute
-    class DrafterSection(DrafterCommon):
-        def __init__(self, **values: Any) -> None: ...
-        def __getattr__(self, name: str) -> Any: ...
-
-    class TrainSection(TrainCommon):
-        def __init__(self, **values: Any) -> None: ...
-        def __getattr__(self, name: str) -> Any: ...
-else:
-    DrafterSection = with_families(DrafterCommon, "DrafterSection", "knobs")
-    TrainSection = with_families(TrainCommon, "TrainSection", "weights")
-
-
 @dataclass(kw_only=True)
 class RunConfig:
     run: RunSection = sub(RunSection, "Run identity and directory.")
@@ -728,3 +707,7 @@ class RunConfig:
     record: RecordSection = sub(RecordSection, "Recording served traffic (`serve.record_dir`, `dflashkit record`).")
     bench: BenchSection = sub(BenchSection, "`dflashkit bench`.")
     learn: LearnSection = sub(LearnSection, "`dflashkit learn`: rounds of fine-tuning on recorded traffic.")
+
+
+family.reserve("knobs", DrafterSection)  # a family's knob or weight never takes over a common key
+family.reserve("weights", TrainSection)

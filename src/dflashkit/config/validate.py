@@ -7,8 +7,8 @@ Usage:
 all (exit 2), so a config with several mistakes is reported at once, before any stage runs. Pure
 config checks belong here (ranges, cross-field rules, the recipe, tokenize and data options,
 run.scale); a check that needs an artifact on disk (the probe contract, the tokenizer, a drafter
-dir) stays where the artifact is read. No family key is named here: the `train.*` weights of every
-registered family are checked by their declared ranges, and `drafter.type` and a family's knobs are the
+dir) stays where the artifact is read. No family key is named here: the `train.*` weights of the
+run's family (`cfg.train.weights`) are checked by their declared ranges, and `drafter.type` and a family's knobs are the
 family's to check (`dflashkit.family.config_problems`: the CLI runs it right after the config loads).
 """
 
@@ -19,7 +19,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dflashkit import family
 from dflashkit.config.schema import RunConfig, url_fields
 from dflashkit.family.contract import layer_type_problems
 from dflashkit.family.knobs import range_problems
@@ -111,8 +110,7 @@ def _train_problems(cfg: RunConfig) -> list[str]:
     """The `train.*` checks (the families' weights by their declared ranges)."""
     p: list[str] = []
     t = cfg.train
-    for weights in dict.fromkeys(fam.weights for fam in family.FAMILIES.values()):  # every family's, declared
-        p.extend(range_problems(t, weights, prefix="train."))
+    p.extend(range_problems(t.weights, prefix="train."))  # the family's weights, by their declared ranges
     for name in ("lr", "batch_size", "grad_accum", "num_anchors", "loss_chunk_blocks"):
         if getattr(t, name) <= 0:
             p.append(f"train.{name}: must be > 0, got {getattr(t, name)}")

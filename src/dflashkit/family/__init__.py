@@ -7,8 +7,10 @@ Usage:
     fam = family.by_architecture(cfg["architectures"])   # the family a drafter config.json declares
     family.names()                                    # ["dflash", "dflash2", "lilicorr", "dspark"]
     drafter = family.new_drafter(contract)            # a random drafter network of the contract's family
+    family.load_plugins()                             # the plugin families, once (the CLI's first act)
     family.config_problems(cfg.drafter)               # the drafter.* checks the families own
     family.objective_problems(cfg.train, fam)         # train.* the family's loss terms cannot go with
+    family.foreign_setting(fam, "drafter", "selector_rank", 8)   # another family's key set: the refusal
     cfg = load_config(path, overrides, checks=family.checks)   # all of them, listed with the config's own (the CLI)
     family.check_tensors(fam, set(state), set(want), weights=w, config=c)   # UsageError naming tensors
     family.reads_target_law(cfg.train, contract.family)   # does the loss read the target's logits?
@@ -18,8 +20,10 @@ Usage:
 A new head is `family/x.py` (its `Family`: `base.py`, `knobs.py`) + `model/x.py` + one entry in BUILTIN (+ its
 class in the shipped `export/dflash_modeling.py`); the config schema, its checks and docs/config.md come from
 the registry. Plugin families (entry-point group `dflashkit.families`, env DFLASHKIT_FAMILIES="module:ATTR,...")
-are registered when this registry is imported, before the config schema is built from it; their classes reach
-exports through `Formats.modeling_source`. A family module never imports dflashkit.config at run time. Nothing
+are registered by one explicit call, `load_plugins()`, which the CLI makes first (a test registers its own with
+`register`); their classes reach exports through `Formats.modeling_source`. The config loader asks the registry
+at load time, so a family registered later is still read. No family module imports dflashkit.config, not even
+for its types (`base.DrafterKeys` / `TrainKeys` declare what the checks read). Nothing
 outside this package and the family's own network tests a drafter's type (tests/family/test_seam.py).
 """
 
@@ -33,7 +37,7 @@ from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Callable
 
 from dflashkit.errors import UsageError
-from dflashkit.family.base import Family, draft_vocab_problem, refuse_draft_vocab
+from dflashkit.family.base import DrafterKeys, Family, RunKeys, TrainKeys, draft_vocab_problem, refuse_draft_vocab
 from dflashkit.family.dflash import DFLASH
 from dflashkit.family.dflash2 import DFLASH2
 from dflashkit.family.dspark import DSPARK
@@ -46,11 +50,10 @@ if TYPE_CHECKING:
 
     import torch
 
-    from dflashkit.config import DrafterSection, RunConfig, TrainSection
-
 __all__ = ["DEFAULT", "ENV", "ENTRY_POINTS", "FAMILIES", "Family", "by_architecture", "check_tensors", "checks",
-           "config_problems", "draft_vocab_problem", "extra_params", "get", "knob_keys", "names", "new_drafter",
-           "objective_problems", "reads_target_law", "refuse_draft_vocab", "register", "reserve", "weight_keys"]
+           "config_problems", "draft_vocab_problem", "extra_params", "foreign_setting", "get", "knob_keys",
+           "load_plugins", "names", "new_drafter", "objective_problems", "reads_target_law", "refuse_draft_vocab",
+           "register", "reserve", "setting_fields", "weight_keys"]
 
 BUILTIN = (DFLASH, DFLASH2, LILICORR, DSPARK)
 FAMILIES: dict[str, Family] = {}
@@ -104,10 +107,9 @@ def _collision(fam: Family) -> UsageError | None:
 
 
 def reserve(part: str, common: type) -> None:
-    """Record the common section's keys (`config/schema.py`, before it adds the families' `part` fields): a
-    family whose `part` reuses one is dropped from the registry and its UsageError kept as PLUGIN_ERROR (the
-    config checks raise it, exit 2), since plugins register when this package is imported, before the schema
-    exists; `register` refuses such a family from now on."""
+    """Record the common section's keys (`config/schema.py`, when it is imported): a family registered before
+    whose `part` reuses one is dropped from the registry and its UsageError kept as PLUGIN_ERROR (the config
+    checks raise it, exit 2); `register` refuses such a family from then on."""
     global PLUGIN_ERROR
     RESERVED[part] = tuple(f.name for f in dataclasses.fields(common))
     for fam in list(FAMILIES.values()):
@@ -137,7 +139,7 @@ def _load(spec: str, where: str) -> Any:
 
 def _plugins() -> UsageError | None:
     """Register the families of the entry-point group and of the environment variable, in that order; the first
-    that fails is returned (the registry is imported before the CLI can report it: `checks` raises it)."""
+    that fails is returned."""
     specs = [(ep.value, f"entry point {ep.name!r} of group {ENTRY_POINTS}") for ep in entry_points(group=ENTRY_POINTS)]
     specs += [(x.strip(), f"{ENV}={os.environ[ENV]}") for x in os.environ.get(ENV, "").split(",") if x.strip()]
     for spec, where in specs:
@@ -154,7 +156,16 @@ def _plugins() -> UsageError | None:
 
 for _fam in BUILTIN:
     register(_fam)
-PLUGIN_ERROR = _plugins()  # a plugin family that did not load: every config check raises it (exit 2)
+PLUGIN_ERROR: UsageError | None = None  # a plugin family that did not load: every config check raises it (exit 2)
+
+
+def load_plugins() -> None:
+    """Register the plugin families (entry-point group ENTRY_POINTS, then env ENV), once per process and
+    again after the environment changed; the first that does not load is kept as PLUGIN_ERROR, which the
+    config loader and `checks` raise (exit 2, naming the entry), so `--help` still answers. The CLI calls this
+    before it reads a config."""
+    global PLUGIN_ERROR
+    PLUGIN_ERROR = _plugins() or PLUGIN_ERROR
 
 
 def names() -> list[str]:
@@ -216,47 +227,50 @@ def weight_keys() -> tuple[str, ...]:
     return tuple(dict.fromkeys(k for f in FAMILIES.values() for k in f.weight_names))
 
 
-def config_problems(d: DrafterSection) -> list[str]:
-    """The `drafter.*` problems the families own: the family name, its knobs, another family's knobs it would
-    not read, a draft vocab it cannot take."""
+def config_problems(d: DrafterKeys) -> list[str]:
+    """The `drafter.*` problems the families own: the family name, its knobs (`d.knobs`), a draft vocab it
+    cannot take. Another family's knob set in the YAML is the loader's to refuse (`foreign_setting`)."""
     fam = FAMILIES.get(d.type)
     if fam is None:
         return [_unknown(d.type, "drafter.type")]
-    p = range_problems(d, fam.knobs, prefix="drafter.")
-    p += fam.config_problems(d) if not p else []
-    p += _unread(fam, "drafter", d, knob_keys(), lambda f: f.knob_names)
+    knobs = fam.own_knobs(d.knobs)
+    p = range_problems(knobs, prefix="drafter.")
+    p += fam.config_problems(d, knobs) if not p else []
     vocab = draft_vocab_problem(fam, d.draft_vocab_size, where="drafter.draft_vocab_size")
     return p + ([vocab] if vocab else [])
 
 
-def _defaults() -> dict[str, Any]:
-    """The default of every family's knob and weight (the schema's defaults of those keys)."""
-    return {f.name: f.default for fam in FAMILIES.values() for cls in (fam.knobs, fam.weights)
-            for f in dataclasses.fields(cls)}
-
-
-def _unread(fam: Family, section: str, values: object, keys: tuple[str, ...],
-            reads: Callable[[Family], tuple[str, ...]]) -> list[str]:
-    """A problem for each `<section>.<key>` of `keys` that the family `fam` does not read (`reads`) but the config
-    sets, naming the families that do. "Sets" is a value other than the schema's default: the loader records
-    which keys were written only after its checks have run."""
-    out, defaults = [], _defaults()
-    for key in keys:
-        value = getattr(values, key)
-        if key in reads(fam) or value == defaults[key]:
-            continue
-        owners = [f for f in FAMILIES.values() if key in reads(f)]
-        out.append(f"{section}.{key}: {value!r} is a knob of {' and '.join(f.title for f in owners)}, which "
-                   f"drafter.type={fam.name} does not read; set drafter.type={owners[0].name} or remove the key")
+def setting_fields(part: str) -> dict[str, tuple[Family, dataclasses.Field]]:
+    """Every registered family's `part` ("knobs": the `drafter.*` keys; "weights": the `train.*` ones) by key, in
+    registry order, each key once with the first family that declares it (DFlash2's `causal` is DFlash's): the
+    flat keys the YAML and the command line write, and the order the config dump lists them in."""
+    out: dict[str, tuple[Family, dataclasses.Field]] = {}
+    for fam in FAMILIES.values():
+        for fl in dataclasses.fields(getattr(fam, part)):
+            out.setdefault(fl.name, (fam, fl))
     return out
 
 
-def objective_problems(train: TrainSection, fam: Family) -> list[str]:
+def foreign_setting(fam: Family, section: str, key: str, value: Any) -> str | None:
+    """The problem of `<section>.<key>` (a knob or weight of other families, not of `fam`) set to `value`,
+    naming the families that read it; None when `value` is its default (a dump of another run lists every
+    family's keys at their defaults) or when `fam` reads the key."""
+    part = "knobs" if section == "drafter" else "weights"
+    reads: Callable[[Family], tuple[str, ...]] = (lambda f: f.knob_names) if part == "knobs" else (
+        lambda f: f.weight_names)
+    owners = [f for f in FAMILIES.values() if key in reads(f)]
+    if key in reads(fam) or not owners or value == setting_fields(part)[key][1].default:
+        return None
+    return (f"{section}.{key}: {value!r} is a knob of {' and '.join(f.title for f in owners)}, which "
+            f"drafter.type={fam.name} does not read; set drafter.type={owners[0].name} or remove the key")
+
+
+def objective_problems(train: TrainKeys, fam: Family) -> list[str]:
     """What in `train.*` the family's loss terms cannot go with, each naming its key: a term that reads the
     target's logits (LiLiCorr's penalty) under train.on_path=rollout, whose labels are the target's path while
     those logits follow the raw tokens (the same reason rollout refuses KL). The config checks (`checks`) and
     `train`'s own (`train/guards.py`, with the contract's family) both ask this."""
-    terms = [t.name for t in fam.objective.loss_terms(train) if t.needs_target]
+    terms = [t.name for t in fam.terms(train.weights) if t.needs_target]
     if train.on_path != "rollout" or not terms:
         return []
     return [f"train.on_path: rollout gives labels on the target's path, but with drafter.type={fam.name} the "
@@ -264,16 +278,16 @@ def objective_problems(train: TrainSection, fam: Family) -> list[str]:
             f"train.on_path=mask, or give the {fam.title} term that reads them weight 0 (docs/config.md)"]
 
 
-def reads_target_law(train: TrainSection, fam: Family) -> bool:
+def reads_target_law(train: TrainKeys, fam: Family) -> bool:
     """Whether this run's loss reads the target's next-token logits at the block rows: KL (`train.loss` kl |
     ce+kl), or a term of the family's that asks for them (LiLiCorr's penalty). The trainer then supplies
     them: online from the target, cached from the shards' `last_hidden` (capture.last_hidden auto keeps it)."""
-    return train.loss != "ce" or any(t.needs_target for t in fam.objective.loss_terms(train))
+    return train.loss != "ce" or any(t.needs_target for t in fam.terms(train.weights))
 
 
-def checks(cfg: RunConfig) -> list[str]:
-    """The family-owned checks of a whole run config (`config_problems`, another family's `train.*` knobs,
-    `objective_problems`): what the CLI hands the config loader (`load_config(checks=…)`), so `--dry-run` and
+def checks(cfg: RunKeys) -> list[str]:
+    """The family-owned checks of a whole run config (`config_problems`, `train.pack`, `objective_problems`):
+    what the CLI hands the config loader (`load_config(checks=…)`), so `--dry-run` and
     the first stage of `dflashkit run` refuse what `train` would. A plugin family that did not load is raised
     here (UsageError naming the entry point or DFLASHKIT_FAMILIES)."""
     if PLUGIN_ERROR is not None:
@@ -282,7 +296,6 @@ def checks(cfg: RunConfig) -> list[str]:
     p = config_problems(cfg.drafter)
     if fam is None:
         return p
-    p += _unread(fam, "train", cfg.train, weight_keys(), lambda f: f.weight_names)
     if cfg.train.pack and not fam.objective.packs:
         p.append(f"train.pack: the {fam.title} loss does not take packed rows (drafter.type={fam.name}); drop "
                  "train.pack")

@@ -6,7 +6,8 @@ Usage:
     fam.network.reduced_vocab, fam.decoding.vllm_runner   # capabilities: a draft vocab? which vLLM runner?
     tokens, law = fam.decoding.propose(drafter, h, logits, anchor, DraftSampling(), None, vocab_size)   # a step
     tokens, law = fam.decoding.propose(..., block=DraftBlock(embed=target.embed, context=feats[:, -1]))
-    terms = fam.objective.loss_terms(cfg.train)   # its own loss terms (train/loss.py composes them)
+    terms = fam.terms(cfg.train.weights)          # its own loss terms, from its weights (train/loss.py composes them)
+    knobs: DSparkKnobs = fam.own_knobs(cfg.drafter.knobs)   # its settings, typed as its own class
     fam.metric_names, fam.knob_names              # declared: by its objective and its knobs
 
 A `Family` is a frozen record of four records (`Network`, `Objective`, `Formats`, `Decoding`) and its
@@ -14,8 +15,10 @@ declared settings (`knobs`, `weights`: `family/knobs.py`), written by one module
 registry (`family/__init__.py`): the pattern of torchtitan's `TrainSpec`, composition rather than a class
 hierarchy. What a hook gets from a higher room is handed in (the decoder's sampling law in `DraftSampling` and
 what it knows of the block in `DraftBlock`; the loss's chunk of rows in `Rows`, its blocks in `Blocks`), so
-this room ranks above `model/` and below everything that asks it, the config included (it is built from the
-families' declarations: a family never imports dflashkit.config at run time).
+this room ranks above `model/` and below everything that asks it, the config included: the config holds a
+family's settings as the family's own frozen dataclasses (`cfg.drafter.knobs`, `cfg.train.weights`), and the
+hooks receive those, never a config section. What the registry's checks read of a section is declared here
+(`DrafterKeys`, `TrainKeys`), so no family module imports dflashkit.config, not even for its types.
 
 The contract (`family/contract.py`) asks this registry for its family; the families type a contract by
 importing it under TYPE_CHECKING only.
@@ -33,8 +36,52 @@ from dflashkit.family.knobs import NoKnobs, field_names, range_problems, type_pr
 if TYPE_CHECKING:
     import torch
 
-    from dflashkit.config import DrafterSection, TrainSection
     from dflashkit.family.contract import DrafterContract
+
+
+class DrafterKeys(Protocol):
+    """What the families' checks read of the `drafter.*` section (the config's `DrafterSection` is one)."""
+
+    @property
+    def type(self) -> str: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def hidden_size(self) -> int | None: ...
+
+    @property
+    def draft_vocab_size(self) -> int | None: ...
+
+    @property
+    def knobs(self) -> object: ...
+
+
+class TrainKeys(Protocol):
+    """What the families' checks read of the `train.*` section (the config's `TrainSection` is one)."""
+
+    @property
+    def loss(self) -> str: ...
+
+    @property
+    def on_path(self) -> str: ...
+
+    @property
+    def pack(self) -> bool: ...
+
+    @property
+    def weights(self) -> object: ...
+
+
+class RunKeys(Protocol):
+    """The two sections of a run config (`RunConfig`) the families' checks read."""
+
+    @property
+    def drafter(self) -> DrafterKeys: ...
+
+    @property
+    def train(self) -> TrainKeys: ...
 
 
 @dataclass(frozen=True)
@@ -199,12 +246,13 @@ class Network:
 class Objective:
     """What the family adds to the training loss and its statistics.
 
-    loss_terms(train): its own loss terms (`train/loss.py` composes them with CE / KL).
+    loss_terms(weights): its own loss terms (`train/loss.py` composes them with CE / KL), from its `weights`
+        (an instance of `Family.weights`: `Family.terms` hands them in).
     stats: its statistics (`StatField`), filled by its terms; metrics(stats): its metrics from a step's summed
         statistics, named `metric_names` (exactly those: the step's record checks, `train/stats.py`).
     packs: its loss takes packed rows (`train.pack`: per-document anchors, positions and masks)."""
 
-    loss_terms: Callable[[TrainSection], list[LossTerm]] = _nothing
+    loss_terms: Callable[[Any], list[LossTerm]] = _nothing
     stats: tuple[StatField, ...] = ()
     metrics: Callable[..., dict[str, Any]] = _empty
     metric_names: tuple[str, ...] = ()
@@ -274,9 +322,11 @@ class Family:
     network, objective, formats, decoding: its records (above).
     knobs: frozen dataclass of the contract fields (and `drafter.*` keys, same names) it adds, each a
         `knobs.knob` (default, help, range); weights: the same for the `train.*` keys only its loss terms read
-        (DFlash2's `selector_loss_weight`). The config schema is built from both (`config/schema.py`).
-    config_problems(d) / contract_problems(c): its cross-field checks of the `drafter.*` keys (each naming the
-        key) and of a contract; the types and ranges of its knobs are checked from their declarations.
+        (DFlash2's `selector_loss_weight`). The config holds an instance of each (`cfg.drafter.knobs`,
+        `cfg.train.weights`, resolved by `drafter.type` at load); their field names are the flat YAML keys.
+    config_problems(d, knobs) / contract_problems(c): its cross-field checks of the `drafter.*` keys (`knobs` its
+        own knobs; each problem naming the key) and of a contract; the types and ranges of its knobs are checked
+        from their declarations.
     """
 
     name: str
@@ -287,7 +337,7 @@ class Family:
     objective: Objective = Objective()
     knobs: type = NoKnobs
     weights: type = NoKnobs
-    config_problems: Callable[[DrafterSection], list[str]] = _nothing
+    config_problems: Callable[[DrafterKeys, Any], list[str]] = _nothing
     contract_problems: Callable[[DrafterContract], list[str]] = _nothing
 
     @property
@@ -314,12 +364,33 @@ class Family:
         """Its knobs from a mapping holding (some of) their names; the rest keep their defaults."""
         return self.knobs(**{k: values[k] for k in self.knob_names if k in values})
 
-    def contract_fields(self, d: DrafterSection) -> dict[str, Any]:
+    def own_knobs(self, value: object) -> Any:
+        """Its knobs from a section's (`cfg.drafter.knobs`): those themselves when they are its class, else its
+        defaults with the fields it shares with them (DFlash's `causal`: a run of another family)."""
+        return _own(self.knobs, value)
+
+    def own_weights(self, value: object) -> Any:
+        """Its weights from a section's (`cfg.train.weights`), as `own_knobs`."""
+        return _own(self.weights, value)
+
+    def terms(self, weights: object) -> list[LossTerm]:
+        """Its own loss terms under the `train.*` weights `weights` (`cfg.train.weights`; another family's
+        or none: its defaults)."""
+        return self.objective.loss_terms(self.own_weights(weights))
+
+    def contract_fields(self, d: DrafterKeys) -> dict[str, Any]:
         """The contract's family fields from `cfg.drafter` (probe, `bench recipe`'s own contracts)."""
-        return {"drafter_type": self.name, "knobs": self.make_knobs({k: getattr(d, k) for k in self.knob_names})}
+        return {"drafter_type": self.name, "knobs": self.own_knobs(d.knobs)}
 
     def owns_tensor(self, name: str) -> bool:
         return any(m in name for m in self.network.tensor_markers)
+
+
+def _own(cls: type, value: object) -> Any:
+    if type(value) is cls:
+        return value
+    names = field_names(cls)
+    return cls(**{k: getattr(value, k) for k in names if hasattr(value, k)})
 
 
 def knob_problems(c: DrafterContract) -> list[str]:

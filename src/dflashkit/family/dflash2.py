@@ -3,7 +3,7 @@
 Usage:
     from dflashkit.family.dflash2 import DFLASH2
     drafter = DFLASH2.network.build(contract, None, None)         # model/dflash2.py's DFlash2DraftModel
-    terms = DFLASH2.objective.loss_terms(cfg.train)          # [SelectorTerm(train.selector_loss_weight)]
+    terms = DFLASH2.terms(cfg.train.weights)                 # [SelectorTerm(train.selector_loss_weight)]
     tokens, law = DFLASH2.decoding.propose(drafter, h, logits, anchor, sampling, None, vocab_size)   # the walk
 
 Everything dflashkit knows about DFlash2 beside its network (`model/dflash2.py`, which mirrors vLLM
@@ -49,7 +49,6 @@ if TYPE_CHECKING:
     from dflashkit.family.contract import DrafterContract
     import torch
 
-    from dflashkit.config import TrainSection
 
 REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 OPTIONAL = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
@@ -176,8 +175,8 @@ class SelectorTerm:
         return walk_ok, {"unary_correct": s.ok.sum(dim=(0, 1)).float().cpu(), "unary_tau_sum": s.tau_sum(s.ok)}
 
 
-def loss_terms(train: TrainSection) -> list:
-    return [SelectorTerm(weight=train.selector_loss_weight)]
+def loss_terms(w: DFlash2Weights) -> list:
+    return [SelectorTerm(weight=w.selector_loss_weight)]
 
 
 def selector_rows(model: Any, unary: torch.Tensor, h: torch.Tensor, labels: torch.Tensor, prev: torch.Tensor):

@@ -3,7 +3,7 @@
 Usage:
     from dflashkit.family.dspark import DSPARK
     drafter = DSPARK.network.build(contract, None, None)   # model/dspark.py's Qwen3DSparkModel
-    terms = DSPARK.objective.loss_terms(cfg.train)         # [ConfidenceTerm, MarkovTerm]
+    terms = DSPARK.terms(cfg.train.weights)                # [ConfidenceTerm, MarkovTerm]
     tokens, law = DSPARK.decoding.propose(drafter, h, logits, anchor, sampling, vocab, vocab_size)   # the walk
 
 Everything dflashkit knows about DSpark beside its network (`model/dspark.py`, whose tensors are vLLM 0.32's
@@ -53,7 +53,6 @@ if TYPE_CHECKING:
     from dflashkit.family.contract import DrafterContract
     import torch
 
-    from dflashkit.config import TrainSection
 
 
 @dataclass(frozen=True)
@@ -219,10 +218,10 @@ class ConfidenceTerm:
         return None, {}
 
 
-def loss_terms(train: TrainSection) -> list:
+def loss_terms(w: DSparkWeights) -> list:
     """The two terms, in the loss's canonical order (by name)."""
-    return [ConfidenceTerm(weight=train.dspark_confidence_loss_weight),
-            MarkovTerm(weight=train.dspark_markov_loss_weight)]
+    return [ConfidenceTerm(weight=w.dspark_confidence_loss_weight),
+            MarkovTerm(weight=w.dspark_markov_loss_weight)]
 
 
 STATS = (StatField("base_tau_sum"), StatField("markov_loss", loss=True), StatField("confidence_loss", loss=True),

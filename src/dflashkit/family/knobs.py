@@ -6,14 +6,16 @@ Usage:
         toy_scale: float = knob(1.0, "toy: multiplies the block's hidden states.", gt=0)
 
     range_problems(ToyKnobs(toy_scale=0))                      # ["toy_scale: must be > 0, got 0"]
-    range_problems(cfg.drafter, ToyKnobs, prefix="drafter.")   # the same checks of a config section
+    range_problems(cfg.drafter.knobs, prefix="drafter.")       # the same checks of a run's knobs
+    settings(ToyKnobs, cfg.drafter.knobs).toy_scale            # typed: a misspelt name is a mypy error
 
 A field made by `knob` holds its default, its one-line help text (the schema's: docs/config.md shows it) and
 its range (`ge`, `gt`, `le`, `lt`); `hash_default=False` (the default) leaves it out of the section hash while
-it holds its default, so adding a knob never makes existing run dirs look out of date. The config schema
-(`config/schema.py`) appends every registered family's knob and weight fields to its drafter and train
-sections; the type and range checks of both the config and the contract come from this metadata, and only a
-family's cross-field rules (a group size that divides the hidden size) stay hand-written. No torch here.
+it holds its default, so adding a knob never makes existing run dirs look out of date. A run's config holds
+one instance of its family's knobs (`cfg.drafter.knobs`) and weights (`cfg.train.weights`); their field names
+are the flat `drafter.*` / `train.*` keys of the YAML and the command line (`config/loader.py` maps them).
+The type and range checks of both the config and the contract come from this metadata, and only a family's
+cross-field rules (a group size that divides the hidden size) stay hand-written. No torch here.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+S = TypeVar("S")
 
 
 def knob(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,  # noqa: A002
@@ -37,6 +41,14 @@ def knob(default: Any, help: str, *, ge: float | None = None, gt: float | None =
 @dataclass(frozen=True)
 class NoKnobs:
     """The knobs of a family that adds no contract field (and the weights of one that adds no `train.*` key)."""
+
+
+def settings(cls: type[S], value: object) -> S:
+    """`value` (a run's `cfg.drafter.knobs` or `cfg.train.weights`) as the settings class `cls`, for the type
+    checker; TypeError when the run holds another family's (its `drafter.type` is not `cls`'s family)."""
+    if not isinstance(value, cls):
+        raise TypeError(f"the run's settings are {type(value).__name__}, not {cls.__name__}")
+    return value
 
 
 def type_of(cls: type, name: str) -> Any:

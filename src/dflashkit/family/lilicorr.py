@@ -3,7 +3,7 @@
 Usage:
     from dflashkit.family.lilicorr import LILICORR
     drafter = LILICORR.network.build(contract, None, None)         # model/lilicorr.py's LiLiCorrDraftModel
-    terms = LILICORR.objective.loss_terms(cfg.train)         # [LatticeTerm(train.lilicorr_*)]
+    terms = LILICORR.terms(cfg.train.weights)                # [LatticeTerm(train.lilicorr_*)]
     tokens, law = LILICORR.decoding.propose(drafter, h, logits, anchor, sampling, None, V,
                                             block=DraftBlock(embed=target.embed, context=feats[:, -1]))   # the walk
 
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from dflashkit.family.contract import DrafterContract
     import torch
 
-    from dflashkit.config import DrafterSection, TrainSection
+    from dflashkit.family.base import DrafterKeys
 
 CONV = ("lilicorr_conv_kernel_size", "lilicorr_conv_group_size")   # → dflash_config conv_kernel_size, conv_group_size
 HEAD = ("lilicorr_candidate_topk", "lilicorr_hidden_size", "lilicorr_num_layers", "lilicorr_num_heads",
@@ -109,10 +109,10 @@ def _knob_problems(get: Any, key: str) -> list[str]:
     return p
 
 
-def config_problems(d: DrafterSection) -> list[str]:
+def config_problems(d: DrafterKeys, k: LiLiCorrKnobs) -> list[str]:
     """The knobs' rules beyond their ranges, and the heads against a lattice width the config gives."""
-    p = _knob_problems(lambda name: getattr(d, name), "drafter.")
-    width, heads = d.lilicorr_hidden_size or d.hidden_size, d.lilicorr_num_heads
+    p = _knob_problems(lambda name: getattr(k, name), "drafter.")
+    width, heads = k.lilicorr_hidden_size or d.hidden_size, k.lilicorr_num_heads
     if width and width > 0 and heads >= 1 and width % heads:
         p.append(f"drafter.lilicorr_num_heads: {heads} must divide the lattice width {width} "
                  "(drafter.lilicorr_hidden_size; 0 = the draft width, drafter.hidden_size)")
@@ -247,9 +247,9 @@ class LatticeTerm:
         return walk_ok, {"unary_correct": s.ok.sum(dim=(0, 1)).float().cpu(), "unary_tau_sum": s.tau_sum(s.ok)}
 
 
-def loss_terms(train: TrainSection) -> list:
-    return [LatticeTerm(ce=train.lilicorr_ce_weight, penalty=train.lilicorr_penalty_weight,
-                        margin_weight=train.lilicorr_margin_weight, margin=train.lilicorr_margin)]
+def loss_terms(w: LiLiCorrWeights) -> list:
+    return [LatticeTerm(ce=w.lilicorr_ce_weight, penalty=w.lilicorr_penalty_weight,
+                        margin_weight=w.lilicorr_margin_weight, margin=w.lilicorr_margin)]
 
 
 def lattice_rows(rows: Rows, *, margin: float, penalty: bool) -> LatticeRows:

@@ -18,18 +18,41 @@ imports neither dflashkit.config nor torch at run time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from dflashkit.family import get, reads_target_law
+from dflashkit.family.base import DrafterKeys, TrainKeys
 
 if TYPE_CHECKING:
-    from dflashkit.config import RunConfig, TrainSection
     from dflashkit.family.base import Family
     from dflashkit.family.contract import DrafterContract
 
 Labels = Literal["data", "target"]
 OnPath = Literal["off", "mask", "rollout"]
 Features = Literal["online", "cached", "engine"]
+
+
+class RecipeKeys(TrainKeys, Protocol):
+    """The `train.*` keys a recipe is resolved from (the config's `TrainSection` is one)."""
+
+    @property
+    def labels(self) -> Labels: ...
+
+    @property
+    def on_path(self) -> OnPath: ...
+
+    @property
+    def features(self) -> Features: ...
+
+
+class RecipeRun(Protocol):
+    """A run config as `config_recipe` reads it (`RunConfig` is one)."""
+
+    @property
+    def drafter(self) -> DrafterKeys: ...
+
+    @property
+    def train(self) -> RecipeKeys: ...
 
 
 @dataclass(frozen=True)
@@ -96,7 +119,7 @@ class Recipe:
         return self.store_serves(store) and (not self.rollout or store.has("path_ids"))
 
 
-def resolve_recipe(train: TrainSection, contract: DrafterContract | None = None, *, family: Family | None = None,
+def resolve_recipe(train: RecipeKeys, contract: DrafterContract | None = None, *, family: Family | None = None,
                    block_size: int | None = None) -> Recipe:
     """The recipe of `train.*` for the drafter of `contract` (its family decides whether the loss reads the
     target's law; its block size the greedy path's depth), or, with no contract yet, for `family` and
@@ -109,7 +132,7 @@ def resolve_recipe(train: TrainSection, contract: DrafterContract | None = None,
                   needs_target_logits=reads_target_law(train, family), block_size=int(block_size))
 
 
-def config_recipe(cfg: RunConfig) -> Recipe:
+def config_recipe(cfg: RecipeRun) -> Recipe:
     """The recipe a config asks for before any contract exists: `drafter.type`'s family and
     `drafter.block_size` (what probe writes into the contract unless the target's drafter overrides them)."""
     return resolve_recipe(cfg.train, family=get(cfg.drafter.type), block_size=cfg.drafter.block_size)

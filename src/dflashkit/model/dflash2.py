@@ -39,7 +39,7 @@ from dflashkit.errors import UsageError
 from dflashkit.model.drafter import DFlashDraftModel, draft_attention
 
 if TYPE_CHECKING:
-    from dflashkit.family.contract import DrafterContract
+    from dflashkit.model.spec import DraftSpec
 
 log = logging.getLogger("dflashkit.model")
 
@@ -203,7 +203,7 @@ def walk_path(selector: CandidateSelector, cand_ids: torch.Tensor, unary: torch.
 class DFlash2DraftModel(DFlashDraftModel):
     """DFlash2 drafter; `state_dict()` keys are vLLM's DFlash2 checkpoint names (module docstring)."""
 
-    def __init__(self, contract: DrafterContract, feature_scale: torch.Tensor | None = None):
+    def __init__(self, contract: DraftSpec, feature_scale: torch.Tensor | None = None):
         super().__init__(contract, feature_scale=feature_scale)
         k = contract.knobs
         self.top_k = k.selector_top_k

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,7 +38,7 @@ from dflashkit.model.draft_vocab import check_draft_vocab, from_offsets, to_offs
 from dflashkit.model.masks import inference_mask, window_mask
 
 if TYPE_CHECKING:
-    from dflashkit.family.contract import DrafterContract
+    from dflashkit.model.spec import DraftSpec
 
 
 
@@ -80,7 +80,7 @@ class DraftKVCache:
         self.values = [None if v is None else v[..., :length, :] for v in self.values]
 
 
-def hf_config(contract: DrafterContract) -> Qwen3Config:
+def hf_config(contract: DraftSpec) -> Qwen3Config:
     cfg = contract.to_hf_config(dtype="float32")
     for k in ("architectures", "auto_map", "dflash_config", "block_size", "num_target_layers", "dtype", "is_causal"):
         cfg.pop(k, None)
@@ -240,11 +240,13 @@ class DFlashDecoderLayer(nn.Module):
 class DFlashDraftModel(nn.Module):
     """DFlash drafter; `state_dict()` keys are exactly the z-lab checkpoint's."""
 
-    def __init__(self, contract: DrafterContract, draft_vocab: torch.Tensor | None = None,
+    def __init__(self, contract: DraftSpec, draft_vocab: torch.Tensor | None = None,
                  feature_scale: torch.Tensor | None = None):
         super().__init__()
         contract.check()
-        self.contract = contract
+        # the contract as given: a DrafterContract, which the rooms above read whole (`contract.family`, its
+        # formats); this room reads only what `DraftSpec` declares
+        self.contract: Any = contract
         self.config = hf_config(contract)
         self.block_size = contract.block_size
         self.mask_token_id = contract.mask_token_id

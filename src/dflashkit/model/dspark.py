@@ -30,7 +30,7 @@ from dflashkit.errors import UsageError
 from dflashkit.model.drafter import DFlashDraftModel
 
 if TYPE_CHECKING:
-    from dflashkit.family.contract import DrafterContract
+    from dflashkit.model.spec import DraftSpec
 
 
 class MarkovHead(nn.Module):
@@ -69,7 +69,7 @@ class Qwen3DSparkModel(DFlashDraftModel):
     """DSpark drafter: `forward` is DFlash's (the block's hidden states); `heads` / `draft` / `confidence` add
     the Markov bias and the confidence estimate. State-dict names are vLLM's `Qwen3DSparkModel`'s."""
 
-    def __init__(self, contract: DrafterContract, draft_vocab: torch.Tensor | None = None,
+    def __init__(self, contract: DraftSpec, draft_vocab: torch.Tensor | None = None,
                  feature_scale: torch.Tensor | None = None):
         super().__init__(contract, draft_vocab=draft_vocab, feature_scale=feature_scale)
         k = contract.knobs

@@ -37,7 +37,7 @@ from dflashkit.model.quantized import QuantInfo, check_checkpoint, dequantize_fp
 from dflashkit.model.target import announce, compute_dtype, load_tokenizer, resolve_device, text_config_dict
 
 if TYPE_CHECKING:
-    from dflashkit.config import TargetSection
+    from dflashkit.model.spec import TargetSpec
 
 log = logging.getLogger("dflashkit.target")
 
@@ -239,7 +239,7 @@ class HeadOnlyTarget:
                            "store or the engine")
 
 
-def load_head_only_target(section: TargetSection, *, device: str | None = None) -> HeadOnlyTarget:
+def load_head_only_target(section: TargetSpec, *, device: str | None = None) -> HeadOnlyTarget:
     """`load_target`'s light twin for a `TargetSection`: embedding + final norm + head, and the tokenizer."""
     model_dir, gguf = resolve_target_path(section.path, section.gguf_file)
     if gguf:

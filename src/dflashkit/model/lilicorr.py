@@ -38,7 +38,7 @@ from dflashkit.model.dflash2 import DFlash2DecoderLayer, walk
 from dflashkit.model.drafter import DFlashDraftModel
 
 if TYPE_CHECKING:
-    from dflashkit.family.contract import DrafterContract
+    from dflashkit.model.spec import DraftSpec
 
 log = logging.getLogger("dflashkit.model")
 
@@ -96,7 +96,7 @@ class LatticeLayer(nn.Module):
 class LiLiCorrHead(nn.Module):
     """`lilicorr`: the lattice scorer (module docstring); `forward` returns vLLM's [b, n, K, K] scores."""
 
-    def __init__(self, contract: DrafterContract):
+    def __init__(self, contract: DraftSpec):
         super().__init__()
         k = contract.knobs
         big = contract.hidden_size
@@ -212,7 +212,7 @@ class LiLiCorrHead(nn.Module):
 class LiLiCorrDraftModel(DFlashDraftModel):
     """LiLiCorr drafter; `state_dict()` keys are vLLM's LiLiCorr checkpoint names (module docstring)."""
 
-    def __init__(self, contract: DrafterContract, feature_scale: torch.Tensor | None = None):
+    def __init__(self, contract: DraftSpec, feature_scale: torch.Tensor | None = None):
         super().__init__(contract, feature_scale=feature_scale)
         self.top_k = contract.knobs.lilicorr_candidate_topk
         self.lilicorr = LiLiCorrHead(contract)

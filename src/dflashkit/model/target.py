@@ -37,7 +37,7 @@ from dflashkit.model.quantized import check_checkpoint, local_load_kwargs
 from dflashkit.textfile import read_utf8
 
 if TYPE_CHECKING:
-    from dflashkit.config import TargetSection
+    from dflashkit.model.spec import TargetSpec
 
 log = logging.getLogger("dflashkit.target")
 
@@ -417,7 +417,7 @@ def _shape_mismatch(model_dir: Path, config: Any, trust_remote_code: bool) -> st
     return "a tensor's shape in the safetensors is not what config.json's model needs (transformers' report above)"
 
 
-def load_target(section: TargetSection, *, device: str | None = None, dtype: str | None = None,
+def load_target(section: TargetSpec, *, device: str | None = None, dtype: str | None = None,
                 with_tokenizer: bool = True, announce_dtype: bool = True) -> Target:
     """Load the target described by a `TargetSection` (frozen, eval mode).
 

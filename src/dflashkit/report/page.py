@@ -20,7 +20,8 @@ from typing import Any
 
 from dflashkit.decode.evaluation import flag_phrase, paired_text, verdict_of
 from dflashkit.report.summary import run_budget
-from dflashkit.rundir import RunDir, STAGES, read_json_or_none
+from dflashkit.rundir import RunDir, read_json_or_none
+from dflashkit.stage_table import PIPELINE
 from dflashkit.sizing.plan import plan_lines
 from dflashkit.train.forecast import forecast_from_curve
 from dflashkit.train.logging import read_curve
@@ -168,7 +169,7 @@ def render_html(rd: RunDir, name: str, figures: list[str], results: dict | None,
         out.append("<h2>Drafter contract</h2>" + _table(["key", "value"], [[k, contract.get(k)] for k in keys]))
     prov = []
     versions: dict[str, Any] = {}
-    for stage in (*STAGES, "verify-engine", "import", "bench"):
+    for stage in (*PIPELINE, "verify-engine", "import", "bench"):
         m = rd.manifest(stage)
         if m:
             versions = m.get("versions") or versions

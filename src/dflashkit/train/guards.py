@@ -22,13 +22,14 @@ would replace it with a drafter trained from other weights, so `train` refuses u
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflashkit import family
-from dflashkit.config import DrafterSection
+from dflashkit.config import DrafterSection, config_to_dict
 from dflashkit.errors import ConfigError, UsageError
 from dflashkit.family import objective_problems
 from dflashkit.family.contract import DrafterContract, sliding_fields
@@ -43,23 +44,29 @@ if TYPE_CHECKING:
     from dflashkit.rundir import RunDir
 
 IMPORTED = "imported.json"  # written by `dflashkit import` into the drafter dir it creates
+_COMMON = frozenset(f.name for f in dataclasses.fields(DrafterSection))  # the drafter.* keys every family shares
 
 # drafter.* key -> (contract field, how the contract's value reads for that key)
 _SHAPE_KEYS = ("block_size", "num_draft_layers", "target_layer_ids", "mask_token_id", "hidden_size",
                "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps")
-# the train.* keys of the loss a checkpoint records: the shared ones, then every family's weights (its `weights`)
-OBJECTIVE_KEYS = ("loss", "labels", "position_weighting", "ablate_features", "kl_temperature", "suffix_complement",
-                  *family.weight_keys())
+# the train.* keys of the loss a checkpoint records: the shared ones, then every family's weights (`objective_keys`)
+OBJECTIVE_KEYS = ("loss", "labels", "position_weighting", "ablate_features", "kl_temperature", "suffix_complement")
 
 
-def _given(given: frozenset[str] | None, key: str, value: Any) -> bool:
+def objective_keys() -> tuple[str, ...]:
+    """`OBJECTIVE_KEYS` and every registered family's `train.*` weights (plugins included)."""
+    return (*OBJECTIVE_KEYS, *family.weight_keys())
+
+
+def _given(given: frozenset[str] | None, key: str, value: Any, default: Any = None) -> bool:
     """Whether the user gave `drafter.<key>`: named in the YAML/overrides (`given`: `config.given_keys`), or
-    (configs built in code: `given` None) a value other than the schema default (null is never given)."""
+    (configs built in code: `given` None) a value other than the schema default (`default` for a family's knob;
+    null is never given)."""
     if value is None:
         return False
     if given is not None and f"drafter.{key}" in given:
         return True
-    return value != getattr(DrafterSection(), key)
+    return value != (default if key not in _COMMON else getattr(DrafterSection(), key))
 
 
 def check_drafter_overrides(d: DrafterSection, given: frozenset[str] | None, contract: DrafterContract,
@@ -79,9 +86,11 @@ def check_drafter_overrides(d: DrafterSection, given: frozenset[str] | None, con
                             f"{where}")
     if _given(given, "type", d.type) and d.type != contract.drafter_type:
         problems.append(f"drafter.type: {d.type!r} in the config, {contract.drafter_type!r} in {where}")
-    for key in contract.family.knob_names:  # the contract's family's knobs (another family's mean nothing here)
-        mine, theirs = getattr(d, key), getattr(contract.knobs, key)
-        if _given(given, key, mine) and mine != theirs:
+    fam = contract.family
+    knobs, defaults = fam.own_knobs(d.knobs), fam.knobs()
+    for key in fam.knob_names:  # the contract's family's knobs (another family's mean nothing here)
+        mine, theirs = getattr(knobs, key), getattr(contract.knobs, key)
+        if _given(given, key, mine, getattr(defaults, key)) and mine != theirs:
             problems.append(f"drafter.{key}: {mine!r} in the config, {theirs!r} in {where}")
     n = d.num_target_features
     if n is not None and n != len(contract.target_layer_ids):
@@ -160,7 +169,8 @@ def check_outputs_ours(rd: RunDir, init: str) -> None:
 
 def objective(train: TrainSection) -> dict[str, Any]:
     """The keys of `train.*` that define what a checkpoint was trained to do."""
-    return {k: getattr(train, k) for k in OBJECTIVE_KEYS}
+    flat = config_to_dict(train)   # a family's weights as the flat keys they are written as
+    return {k: flat[k] for k in objective_keys()}
 
 
 # train.* keys besides the objective that change what a step computes (so a checkpoint trained under other
@@ -221,7 +231,7 @@ def objective_changes(state: dict, train: TrainSection) -> list[str]:
     if not isinstance(saved, dict):
         return []  # checkpoints written before the objective was recorded
     now = objective(train)
-    return [f"train.{k}: {saved[k]!r} in the checkpoint, now {now[k]!r}" for k in OBJECTIVE_KEYS
+    return [f"train.{k}: {saved[k]!r} in the checkpoint, now {now[k]!r}" for k in objective_keys()
             if k in saved and saved[k] != now[k]]
 
 

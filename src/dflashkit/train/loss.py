@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dflashkit.config import TrainSection
 from dflashkit.family.base import Blocks, Family, LossTerm, Rows, Scored
 from dflashkit.train.blocks import Heads, LossBlocks, LossInputs, build_blocks, in_head_dtype
 from dflashkit.train.objective import Anchors
@@ -118,7 +117,7 @@ class DraftLoss:
         fam = contract.family
         weighting: Decay | DPace = (DPace(train.dpace_alpha) if train.position_weighting == "dpace" else
                                     Decay(None if train.position_weighting == "uniform" else gamma))
-        return cls(fam, contract.mask_token_id, (*terms, *fam.objective.loss_terms(train)), weighting,
+        return cls(fam, contract.mask_token_id, (*terms, *fam.terms(train.weights)), weighting,
                    chunk_blocks=train.loss_chunk_blocks, attention=attention, amp=amp,
                    context=not train.ablate_features)
 
@@ -128,7 +127,7 @@ class DraftLoss:
         positions plus the family's terms at their defaults (they may score what the decoder drafts:
         DFlash2's walk)."""
         fam = contract.family
-        return cls(fam, contract.mask_token_id, (CE(), *fam.objective.loss_terms(TrainSection())), Decay(None), context=context)
+        return cls(fam, contract.mask_token_id, (CE(), *fam.terms(None)), Decay(None), context=context)
 
     def __call__(self, drafter, heads: Heads, x: LossInputs, a: Anchors, *, denom: float | None = None) -> LossOutput:
         """Drafter forward over all sampled blocks + the chunked weighted loss.

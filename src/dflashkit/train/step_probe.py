@@ -74,7 +74,7 @@ def drafter_step(train: TrainSection, contract: DrafterContract, target: Any, id
     torch.manual_seed(seed)
     drafter = new_drafter(contract, draft_vocab=vocab).to(dev)
     fam = contract.family  # the CE loss at the reference decay, and the family's own terms
-    loss = DraftLoss(fam, contract.mask_token_id, (CE(), *fam.objective.loss_terms(train)),
+    loss = DraftLoss(fam, contract.mask_token_id, (CE(), *fam.terms(train.weights)),
                      Decay(gamma_for(train.gamma, contract.block_size)), chunk_blocks=train.loss_chunk_blocks)
     return DrafterStep(drafter, build_optimizer(drafter, train), loss,
                        Heads(target.model.get_input_embeddings(), head, vocab), head,

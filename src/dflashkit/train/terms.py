@@ -1,7 +1,7 @@
 """The loss's own terms (CE, KL), its position weightings (Decay, D-PACE) and the chunked evaluation of rows.
 
 Usage:
-    terms = (CE(), KL(0.5, temperature=2.0), *family.objective.loss_terms(train))   # `DraftLoss` sums them in this order
+    terms = (CE(), KL(0.5, temperature=2.0), *family.terms(train.weights))   # `DraftLoss` sums them in this order
     parts = chunked(compute, prepare, blk.rows, step=64 * B, block_size=B, checkpointed=True)
     part, stats = term.total([p[i] for p in parts], row_w)               # Σ w · row loss (before the denominator)
 
