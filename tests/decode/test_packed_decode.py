@@ -166,10 +166,11 @@ def test_capture_logs_its_share_of_the_matmul_ceiling(tiny_qwen3, caplog):
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_grouped_attention_verifies_like_transformers_sdpa_without_copying_the_cache(tiny_targets, arch, monkeypatch):
-    """A verify step over 2–5 tokens against a cache, through `grouped_sdpa` (K/V heads grouped, the mask given to
-    SDPA) == transformers' SDPA (which repeats the cached K/V per query head), on a GQA target; a target whose heads
-    are not grouped is left as loaded. The grouped path is the one that ran: no `repeat_kv` copy on masked steps."""
+    """A verify step over 1–5 tokens against a cache, through `grouped_sdpa` (K/V heads grouped, the mask given to
+    SDPA) == transformers' SDPA, on a GQA target; a target whose heads are not grouped is left as loaded. The
+    grouped function is the one that ran on every masked step, and it never repeated the cached K/V."""
     import transformers.integrations.sdpa_attention as hf_sdpa
+    from transformers import AttentionInterface
 
     from dflashkit.model import packed as packed_mod
 
@@ -180,9 +181,16 @@ def test_grouped_attention_verifies_like_transformers_sdpa_without_copying_the_c
     if not gqa:
         assert grouped.model.config._attn_implementation == "sdpa"
         return
-    copies = []
+    assert grouped.model.config._attn_implementation == packed_mod.GROUPED_SDPA
+    masked, copies = [], []
+    registered = AttentionInterface._global_mapping[packed_mod.GROUPED_SDPA]
+
+    def counted(module, query, key, value, attention_mask, *args, **kwargs):
+        masked.append(attention_mask is not None)
+        return registered(module, query, key, value, attention_mask, *args, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, packed_mod.GROUPED_SDPA, counted)
     real_repeat = hf_sdpa.repeat_kv
-    monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda h, n: copies.append(n) or real_repeat(h, n))
     kw = cache_kwarg(plain.model)
     with torch.inference_mode():
         caches = [decode_cache(t.config, capacity=64) for t in (plain, grouped)]
@@ -191,8 +199,11 @@ def test_grouped_attention_verifies_like_transformers_sdpa_without_copying_the_c
         for n in (2, 3, 5, 1):
             step = torch.tensor([[40 + i for i in range(n)]])
             ref = plain.model(input_ids=step, **{kw: caches[0]}, use_cache=True).logits
-            before = len(copies)
+            masked.clear()
+            monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda h, r: copies.append(r) or real_repeat(h, r))
             out = grouped.model(input_ids=step, **{kw: caches[1]}, use_cache=True).logits
-            assert len(copies) == before, f"the grouped path repeated K/V at n={n}"
+            monkeypatch.setattr(hf_sdpa, "repeat_kv", real_repeat)
+            assert len(masked) == plain.config.num_hidden_layers, (n, masked)  # every layer went through it
+            assert all(masked) == (n > 1) or n == 1, (n, masked)
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    assert copies, "transformers' own SDPA path repeats K/V on a masked step (what this test guards against)"
+    assert not copies, f"the grouped path repeated the cached K/V ({len(copies)} times)"

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 import queue
 import time
 from typing import Any, Literal
@@ -37,6 +36,7 @@ from transformers import DynamicCache
 from dflashkit.decode.api import GenerationResult, default_stop_ids
 from dflashkit.decode.sampling import sample, sampling_probs
 from dflashkit.model.hybrid import layer_types, recurrent_summary
+from dflashkit.model.packed import use_grouped_attention
 from dflashkit.model.target import cache_kwarg
 from dflashkit.serving.engine import Request, _EngineBase, _TextTracker
 from dflashkit.serving.kvcache import SlotCache
@@ -64,11 +64,9 @@ class BatchEngine(_EngineBase):
 
         self.per_row = recurrent_summary(layer_types(target.config)) is not None  # a cache per row (module doc)
         if target.device.type == "cpu":
-            # With a padding mask, transformers' SDPA path copies K/V once per query-head group
-            # (repeat_kv) every step, a copy several times the cache's size; torch's CPU kernel takes
-            # the grouped heads directly (enable_gqa) with the same result. transformers reads this
-            # switch at every call; it changes no output.
-            os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+            # With a padding mask, transformers' SDPA path copies K/V once per query-head group (repeat_kv) every
+            # step; the grouped-KV attention hands torch's kernel the grouped heads (`model/packed.py`), same result
+            use_grouped_attention(target.model)
         self._reset()
 
     def _reset(self) -> None:
