@@ -112,42 +112,42 @@ def test_fsdp_resume_from_checkpoint_equals_uninterrupted(tmp_path, tiny_qwen3):
     assert torch.allclose(torch.tensor(before), torch.tensor(_losses(rd)), atol=1e-6)
 
 
+def _harness_train(tmp_path, target, harness_env: dict[str, str], mode: str, tgt: str, timeout: int):
+    """`dflashkit train` (2 steps) under real torchrun through `tests.harness.slow_teardown` with `harness_env`
+    → (the completed process, the run dir)."""
+    rd = make_run(tmp_path / "r", target)
+    root = str(Path(__file__).resolve().parents[2])  # the repo root: tests.harness, whatever the cwd
+    env = {**ENV, **harness_env, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "tests.harness.slow_teardown", "train", "--json",
+           *overrides(rd, target, train__max_steps=2, train__parallel__mode=mode, train__parallel__target=tgt)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout), rd
+
+
+def _assert_both_ranks_reported(r, rd) -> None:
+    results = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert len(results) == 2 and all(x["ok"] and x["world_size"] == 2 for x in results), (r.stdout, r.stderr[-3000:])
+    assert (rd / "train" / "final" / "model.safetensors").is_file() and (rd / "train" / "manifest.json").is_file()
+
+
 @pytest.mark.parametrize("slow_rank", [1, 0])
 def test_ranks_finish_cleanly_when_one_is_slow_to_leave(tmp_path, tiny_qwen3, slow_rank):
     """A rank that reaches teardown seconds after its peer (its peer has left and exited) still exits
     0, and no rank aborts in teardown ("terminate called ...", SIGABRT) — the fresh-clone failure."""
-    rd = make_run(tmp_path / "r", tiny_qwen3)
-    root = str(Path(__file__).resolve().parents[2])  # the repo root: tests.harness, whatever the cwd
-    env = {**ENV, "DFLASHKIT_TEST_SLOW_TEARDOWN": f"{slow_rank}:3",
-           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "tests.harness.slow_teardown", "train", "--json",
-           *overrides(rd, tiny_qwen3, train__max_steps=2, train__parallel__mode="fsdp",
-                      train__parallel__target="shard")]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    r, rd = _harness_train(tmp_path, tiny_qwen3, {"DFLASHKIT_TEST_SLOW_TEARDOWN": f"{slow_rank}:3"}, "fsdp", "shard",
+                           timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "terminate called" not in r.stderr and "SIGABRT" not in r.stderr, r.stderr[-3000:]
-    results = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
-    assert len(results) == 2 and all(x["ok"] and x["world_size"] == 2 for x in results), (r.stdout, r.stderr[-3000:])
-    assert (rd / "train" / "final" / "model.safetensors").is_file() and (rd / "train" / "manifest.json").is_file()
+    _assert_both_ranks_reported(r, rd)
 
 
 def test_a_rank_whose_group_teardown_stalls_still_reports_and_exits(tmp_path, tiny_qwen3):
     """`destroy_process_group` that never returns on rank 1 (gloo's rare stall after a finished run, which
     once hung CI for 300 s): the rank gives up after `TEARDOWN_S`, says so with the stalled stack, and both
     ranks report their result and exit 0; the run's outputs are complete."""
-    rd = make_run(tmp_path / "r", tiny_qwen3)
-    root = str(Path(__file__).resolve().parents[2])
-    env = {**ENV, "DFLASHKIT_TEST_STALLED_DESTROY": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "tests.harness.slow_teardown", "train", "--json",
-           *overrides(rd, tiny_qwen3, train__max_steps=2, train__parallel__mode="ddp",
-                      train__parallel__target="replicate")]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    r, rd = _harness_train(tmp_path, tiny_qwen3, {"DFLASHKIT_TEST_STALLED_DESTROY": "1"}, "ddp", "replicate",
+                           timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "rank 1: leaving the process group did not finish in 3 s" in r.stderr, r.stderr[-3000:]
     assert "destroy_forever" in r.stderr, r.stderr[-3000:]  # the stalled thread's stack names the call
-    results = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
-    assert len(results) == 2 and all(x["ok"] and x["world_size"] == 2 for x in results), (r.stdout, r.stderr[-3000:])
-    assert (rd / "train" / "final" / "model.safetensors").is_file() and (rd / "train" / "manifest.json").is_file()
+    _assert_both_ranks_reported(r, rd)
