@@ -34,6 +34,11 @@ def test_two_flywheel_rounds_promote_and_swap(tmp_path, tiny_qwen3, capsys):
     assert rows[0]["decision"] == "promote" and rows[0]["served_by"].startswith("serve.drafter:")
     assert rows[1]["served_by"].startswith("r001-")  # swapped in between the rounds
     assert rows[1]["serving_vs_static"]["samples"] == rows[1]["comparison"]["samples"] == 2
+    # every record is chat (no tools, no source recorded): the per-source comparison is the pooled one
+    for key in ("serving_vs_static", "comparison"):
+        assert set(rows[1][key]["by_source"]) == {"chat"}
+        assert {k: v for k, v in rows[1][key]["by_source"]["chat"].items()} == {
+            k: v for k, v in rows[1][key].items() if k != "by_source"}
     r2 = json.loads((run_dir / "learn" / "rounds" / "002" / "round.json").read_text())
     assert r2["samples"]["records"] == 6  # only round 2's traffic: round 1's was behind the cursor
     # the server recorded each reply's token ids, and the round trained on them (they spell the rendered replies)

@@ -119,3 +119,19 @@ def test_a_budget_without_calibration_still_bounds_the_round(run_dir, tiny_qwen3
     r1 = json.loads((run_dir / "learn" / "rounds" / "001" / "round.json").read_text())
     assert r1["steps"] == 400 and "CPU-time budget" in r1["steps_rule"]
     assert 1 <= r1["train"]["steps"] < 400, r1["train"]  # 0.072 CPU-s at most (0.002 min × 0.6 × threads)
+
+
+def test_per_source_gain_scores_each_source_on_its_own_samples():
+    from dflashkit.flywheel.rounds import by_source, paired_gain
+    # agent samples: the new drafter better on every one; chat samples: identical scores
+    new = [(2.0, 5), (2.5, 4), (1.2, 6), (1.4, 3), (3.0, 2)]
+    old = [(1.5, 5), (2.0, 4), (1.2, 6), (1.4, 3), (2.0, 2)]
+    src = ["agent", "agent", "chat", "chat", "agent"]
+    per = by_source(new, old, src)
+    assert set(per) == {"agent", "chat"}
+    assert per["agent"]["samples"] == 3 and per["chat"]["samples"] == 2
+    assert per["agent"]["interval90"][0] > 0 and per["agent"]["better_samples"] == 3
+    assert per["chat"]["gain"] == 0 and per["chat"]["interval90"] == [0, 0]
+    # the pooled gain over both sources lies between the two sources' gains
+    pooled = paired_gain(new, old)["gain"]
+    assert per["chat"]["gain"] < pooled < per["agent"]["gain"]

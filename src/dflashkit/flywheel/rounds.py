@@ -19,7 +19,9 @@ z-lab layout) with a speculation profile measured by real speculative decoding o
 serve` watching the pointer swaps it in, and the vLLM restart line is logged and kept in round.json (vLLM 0.32's
 draft-weight transfer API needs a weight-transfer engine we do not drive: a restart is the honest route). Once a
 round's drafter serves, later rounds also score the static drafter (the one before any promotion) on their slice:
-`serving_vs_static` is the flywheel's curve, τ on traffic the serving drafter never trained on.
+`serving_vs_static` is the flywheel's curve, τ on traffic the serving drafter never trained on. Both comparisons
+are also made per source (`by_source`: a record's own `source`, else `agent` when it offers tools, else `chat`),
+each with its own paired interval over that source's samples.
 Features come from the target online (a round has no capture pass: train.features=cached
 becomes online). The round's training length: `--budget` minutes × `learn.train_fraction` over the saved calibration's step
 time (`sizing/calibration.py`), capped by `learn.max_steps`; without a calibration, `learn.max_steps`.
@@ -140,6 +142,12 @@ def paired_gain(new: list[tuple[float, int]], old: list[tuple[float, int]], *, r
 
 
 @torch.no_grad()
+def by_source(new: list[tuple[float, int]], old: list[tuple[float, int]], sources: list[str]) -> dict[str, Any]:
+    """`paired_gain` over each source's samples alone (`sources[i]` is sample i's)."""
+    return {s: paired_gain([new[i] for i, x in enumerate(sources) if x == s],
+                           [old[i] for i, x in enumerate(sources) if x == s]) for s in sorted(set(sources))}
+
+
 def sample_scores(tr: Any) -> list[tuple[float, int]]:
     """(simulated τ, blocks) of each held-out sample of `tr`, in `tr.heldout` order, for `tr.drafter`."""
     tr.drafter.eval()
@@ -227,6 +235,7 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
     shutil.copyfile(rd.contract_path, rrd.contract_path)
     convs = [to_conversation(r) for r in train_recs + held_recs]
     held_ids = {str(r["id"]) for r in held_recs}
+    held_source = {c["id"]: c["source"] for c in convs if c["id"] in held_ids}
     write_conversations(rrd.generate_dir, convs)
     steps, how = plan_steps(cfg, budget_minutes, calibration)
     rcfg = dataclasses.replace(
@@ -263,8 +272,12 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
             tr.drafter = load_drafter(static_drafter(cfg, rd)[0], dtype=torch.float32).to(dist.device)
             static_scores = sample_scores(tr)
         tr.drafter = trained
-        cmp = paired_gain(new_scores, old_scores)
-        vs_static = paired_gain(old_scores, static_scores) if static_scores is not None else None
+        sources = [held_source[_base_id(tr.data.ids[j], held_ids) or ""] for j in tr.heldout]
+        cmp = {**paired_gain(new_scores, old_scores), "by_source": by_source(new_scores, old_scores, sources)}
+        vs_static = None
+        if static_scores is not None:
+            vs_static = {**paired_gain(old_scores, static_scores),
+                         "by_source": by_source(old_scores, static_scores, sources)}
         lo = (cmp["interval90"] or [None])[0]
         promote = lo is not None and lo > cfg.learn.min_gain
         reason = ("no held-out sample to score" if lo is None else
@@ -296,7 +309,8 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
               "ids": {"train": trained_ids, "heldout": heldout_ids}, "tokenize": tok,
               "steps": steps, "steps_rule": how, "budget_minutes": budget_minutes,
               "serving": {"dir": str(serving), "id": serving_id},
-              "scores": {"new": new_scores, "serving": old_scores, "static": static_scores}, "comparison": cmp,
+              "scores": {"new": new_scores, "serving": old_scores, "static": static_scores,
+                         "sources": sources}, "comparison": cmp,
               "serving_vs_static": vs_static,
               "decision": "promote" if promote else "keep", "reason": reason,
               "train": {k: summary.get(k) for k in ("steps", "train", "heldout", "warm_start")},
@@ -320,5 +334,8 @@ def rounds_table(rd: RunDir) -> list[dict[str, Any]]:
         rows.append({"round": r["round"], "records": r["samples"]["records"], **r["comparison"],
                      "decision": r["decision"], "serving": r["serving"]["id"],
                      "tau_static": vs.get("tau_serving", r["comparison"]["tau_serving"]),
-                     "serving_vs_static": vs.get("gain", 0.0), "serving_vs_static_interval90": vs.get("interval90")})
+                     "serving_vs_static": vs.get("gain", 0.0), "serving_vs_static_interval90": vs.get("interval90"),
+                     "serving_vs_static_by_source": {k: {"gain": v["gain"], "interval90": v["interval90"],
+                                                         "samples": v["samples"]}
+                                                     for k, v in (vs.get("by_source") or {}).items()}})
     return rows

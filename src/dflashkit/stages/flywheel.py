@@ -100,6 +100,9 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
                   f"{vs.get('tau_new', (row.get('comparison') or {}).get('tau_serving'))!s:>7} vs "
                   f"{vs.get('tau_serving', (row.get('comparison') or {}).get('tau_serving'))!s:>7} "
                   f"({vs.get('gain', 0.0)}, {vs.get('interval90')})   {row.get('decision', row.get('learn'))}")
+            for src, g in (vs.get("by_source") or {}).items():
+                print(f"{'':>5}  {'':<20} {'':>7}   {src}: {g['tau_new']} vs {g['tau_serving']} ({g['gain']}, {g['interval90']}, "
+                      f"{g['samples']} samples)")
     failed = sum(row["live"]["failed"] for row in rows)
     result = {"rounds": rows, "history": table, "records": records}
     if failed:
