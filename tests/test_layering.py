@@ -1,13 +1,14 @@
 """The library sits strictly below the stages and the CLI, and no two dflashkit modules import each other in a
-circle (issue #12). Imports are read with `ast` (function-level ones included, type-only ones under `if TYPE_CHECKING:` not),
-so nothing is imported here.
+circle (issue #12), not even for the type checker (issue #51). Imports are read with `ast` (function-level ones
+included; type-only ones under `if TYPE_CHECKING:` where a check says so), so nothing is imported here.
 
 Rooms and the rule (docs/architecture.md "Import map"):
     cli.py, __main__.py           may import anything
     stages/*                      may import the library, never cli.py; only the stages that compose
                                   others (pipeline: `run`, bench: `bench`) import another stage
     everything else (library)     never imports dflashkit.stages or dflashkit.cli
-and the module-level graph (an edge A → B when A imports B anywhere in its file) has no cycle.
+and the module-level graph (an edge A → B when A imports B anywhere in its file, type-only imports included)
+has no cycle.
 """
 
 from __future__ import annotations
@@ -26,15 +27,15 @@ ALLOWED_UPWARD: set[tuple[str, str]] = set()
 ALLOWED_CYCLE_EDGES: set[tuple[str, str]] = set()
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(SRC).with_suffix("").parts)
+def _module_name(path: Path, src: Path = SRC) -> str:
+    parts = list(path.relative_to(src).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+def _modules(pkg: Path = PKG) -> dict[str, Path]:
+    return {_module_name(p, pkg.parent): p for p in sorted(pkg.rglob("*.py"))}
 
 
 def _resolve(name: str, modules: dict[str, Path]) -> str | None:
@@ -86,10 +87,15 @@ def imports_of(mod: str, path: Path, modules: dict[str, Path], *, types: bool = 
     return out
 
 
+def module_graph(pkg: Path, types: bool = False) -> dict[str, set[str]]:
+    """Module → the modules of the package at `pkg` it imports (`imports_of`)."""
+    modules = _modules(pkg)
+    return {m: imports_of(m, p, modules, types=types) for m, p in modules.items()}
+
+
 @functools.cache  # parsed once per test process; the checks only read the graph
 def import_graph(types: bool = False) -> dict[str, set[str]]:
-    modules = _modules()
-    return {m: imports_of(m, p, modules, types=types) for m, p in modules.items()}
+    return module_graph(PKG, types)
 
 
 def _is_upper(mod: str) -> bool:
@@ -322,6 +328,32 @@ def test_no_room_cycle_even_through_type_only_imports():
                "dflashkit.model.x": {"dflashkit.config.schema"}}
     assert find_cycle(room_graph(planted)) == ["dflashkit.config", "dflashkit.family", "dflashkit.model",
                                                "dflashkit.config"]
+
+
+def test_no_module_cycle_even_through_type_only_imports():
+    """Issue #51: no circle among the modules either, counting every import the type checker follows (module
+    level, inside functions, under `if TYPE_CHECKING:`). The families' hooks once named the contract's class
+    while the contract asked the registry, which imports the families: a family names what it reads of a
+    contract as a Protocol (`family/base.py` ContractSpec) instead."""
+    cycle = find_cycle(import_graph(types=True))
+    assert cycle is None, ("module import cycle, type-only imports included (declare a Protocol in the lower "
+                           "module, or hand the value in):\n  " + " → ".join(cycle or []))
+
+
+def test_module_cycle_check_reads_a_package_as_python_does(tmp_path):
+    """The check above can fail: a circle closed by a type-only import, through a function-level import and a
+    `from . import x` of a submodule, is found in a package written here (and only with the type-only imports)."""
+    pkg = tmp_path / "dflashkit"
+    (pkg / "fam").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "fam" / "__init__.py").write_text("from . import one\n")
+    (pkg / "fam" / "one.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                                        "    from dflashkit.fam.contract import C\n")
+    (pkg / "fam" / "contract.py").write_text("class C:\n    def family(self):\n"
+                                             "        from dflashkit import fam\n        return fam\n")
+    assert find_cycle(module_graph(pkg, types=True)) == ["dflashkit.fam", "dflashkit.fam.one",
+                                                         "dflashkit.fam.contract", "dflashkit.fam"]
+    assert find_cycle(module_graph(pkg)) is None
 
 
 def test_type_only_imports_are_read_when_asked(tmp_path):

@@ -34,7 +34,7 @@ import difflib
 import importlib
 import os
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 from dflashkit.errors import UsageError
 from dflashkit.family.base import DrafterKeys, Family, RunKeys, TrainKeys, draft_vocab_problem, refuse_draft_vocab
@@ -45,10 +45,11 @@ from dflashkit.family.knobs import range_problems
 from dflashkit.family.lilicorr import LILICORR
 
 if TYPE_CHECKING:
-    from dflashkit.family.contract import DrafterContract
     from pathlib import Path
 
     import torch
+
+    from dflashkit.family.base import ContractSpec
 
 __all__ = ["DEFAULT", "ENV", "ENTRY_POINTS", "FAMILIES", "Family", "by_architecture", "check_tensors", "checks",
            "config_problems", "draft_vocab_problem", "extra_params", "foreign_setting", "get", "knob_keys",
@@ -186,19 +187,19 @@ def get(name: str, *, key: str = "drafter.type") -> Family:
     return fam
 
 
-def new_drafter(contract: DrafterContract, draft_vocab: torch.Tensor | None = None,
+def new_drafter(contract: ContractSpec, draft_vocab: torch.Tensor | None = None,
                 feature_scale: torch.Tensor | None = None):
     """A new random drafter of the contract's family (checks the contract; a family without a reduced
     vocab refuses `draft_vocab`)."""
     return contract.family.network.build(contract, draft_vocab, feature_scale)
 
 
-def extra_params(contract: DrafterContract) -> int:
+def extra_params(contract: ContractSpec) -> int:
     """The parameters of the contract's drafter beyond a DFlash drafter's of the same contract, counted on
     networks built on the meta device (no memory, no init)."""
     import torch
 
-    def count(c: DrafterContract) -> int:
+    def count(c: ContractSpec) -> int:
         with torch.device("meta"):
             return sum(p.numel() for p in c.family.network.build(c, None, None).parameters())
 
@@ -206,7 +207,9 @@ def extra_params(contract: DrafterContract) -> int:
         return 0
     kept = {f.name: getattr(contract.knobs, f.name) for f in dataclasses.fields(DEFAULT.knobs)
             if hasattr(contract.knobs, f.name)}  # DFlash's knobs as the family sets them: the same attention (MLA)
-    base = dataclasses.replace(contract, drafter_type=DEFAULT.name, knobs=DEFAULT.knobs(**kept), causal_layers=None)
+    # the same contract as DFlash's: a DrafterContract is a dataclass, which its Protocol cannot say
+    base: ContractSpec = dataclasses.replace(cast(Any, contract), drafter_type=DEFAULT.name,
+                                             knobs=DEFAULT.knobs(**kept), causal_layers=None)
     return count(contract) - count(base)
 
 

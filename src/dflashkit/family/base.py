@@ -20,8 +20,10 @@ family's settings as the family's own frozen dataclasses (`cfg.drafter.knobs`, `
 hooks receive those, never a config section. What the registry's checks read of a section is declared here
 (`DrafterKeys`, `TrainKeys`), so no family module imports dflashkit.config, not even for its types.
 
-The contract (`family/contract.py`) asks this registry for its family; the families type a contract by
-importing it under TYPE_CHECKING only.
+The contract (`family/contract.py`) asks the registry for its family, and through it its checks and formats,
+so a family names what its hooks read of a contract here, as a Protocol (`ContractSpec`), instead of
+importing the contract's class, even for its type: no module of this package imports another in a circle,
+type-only imports included (tests/test_layering.py).
 """
 
 from __future__ import annotations
@@ -32,11 +34,10 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 from dflashkit.errors import DflashkitError, UsageError
 from dflashkit.family.knobs import NoKnobs, field_names, range_problems, type_problems
+from dflashkit.model.spec import DraftSpec
 
 if TYPE_CHECKING:
     import torch
-
-    from dflashkit.family.contract import DrafterContract
 
 
 class DrafterKeys(Protocol):
@@ -72,6 +73,14 @@ class TrainKeys(Protocol):
 
     @property
     def weights(self) -> object: ...
+
+
+class ContractSpec(DraftSpec, Protocol):
+    """What the families' hooks read of a drafter contract (`family/contract.py`'s `DrafterContract` is one):
+    the fields a network reads (`DraftSpec`) and the contract's family."""
+
+    @property
+    def family(self) -> Family: ...
 
 
 class RunKeys(Protocol):
@@ -239,7 +248,7 @@ class Network:
     tensor_markers: tuple[str, ...] = ()
     reduced_vocab: bool = True
     scores: Callable[[Any, torch.Tensor], torch.Tensor] = _same
-    lookup_params: Callable[[DrafterContract], int] = _zero
+    lookup_params: Callable[[ContractSpec], int] = _zero
 
 
 @dataclass(frozen=True)
@@ -277,14 +286,14 @@ class Formats:
         whose class is not in `export/dflash_modeling.py`: a plugin); "" for the built-in ones."""
 
     architecture: str
-    dflash_config: Callable[[DrafterContract], dict[str, Any]] = _empty
-    hf_keys: Callable[[DrafterContract], dict[str, Any]] = _empty
+    dflash_config: Callable[[ContractSpec], dict[str, Any]] = _empty
+    hf_keys: Callable[[ContractSpec], dict[str, Any]] = _empty
     read_knobs: Callable[[dict, dict, str], dict[str, Any]] = _empty
     speculators: bool = True
     speculators_keys: tuple[str, ...] = ()
     speculators_top_keys: tuple[str, ...] = ()
     reload_check: Callable[[Any, Any, Any], dict[str, Any]] = _empty
-    card_lines: Callable[[DrafterContract], list[str]] = _nothing
+    card_lines: Callable[[ContractSpec], list[str]] = _nothing
     modeling_source: str = ""
 
 
@@ -310,7 +319,7 @@ class Decoding:
     vllm_runner: str = "any"
     vllm_method: str = "dflash"
     reference_loop: bool = False
-    fast_path: Callable[[DrafterContract], bool] = _never
+    fast_path: Callable[[ContractSpec], bool] = _never
     confidence: Callable[..., list[float]] | None = None
 
 
@@ -338,7 +347,7 @@ class Family:
     knobs: type = NoKnobs
     weights: type = NoKnobs
     config_problems: Callable[[DrafterKeys, Any], list[str]] = _nothing
-    contract_problems: Callable[[DrafterContract], list[str]] = _nothing
+    contract_problems: Callable[[ContractSpec], list[str]] = _nothing
 
     @property
     def architecture(self) -> str:
@@ -393,7 +402,7 @@ def _own(cls: type, value: object) -> Any:
     return cls(**{k: getattr(value, k) for k in names if hasattr(value, k)})
 
 
-def knob_problems(c: DrafterContract) -> list[str]:
+def knob_problems(c: ContractSpec) -> list[str]:
     """The types, then (when those are right) the declared ranges of a contract's knobs: the part of every
     family's contract check that comes from the knobs' declarations."""
     return type_problems(c.knobs) or range_problems(c.knobs)

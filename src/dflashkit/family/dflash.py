@@ -36,7 +36,7 @@ from dflashkit.family.base import (Decoding, DraftBlock, DraftSampling, Family, 
 from dflashkit.family.knobs import knob
 
 if TYPE_CHECKING:
-    from dflashkit.family.contract import DrafterContract
+    from dflashkit.family.base import ContractSpec
     import torch
 
 log = logging.getLogger("dflashkit.contract")
@@ -74,14 +74,14 @@ MLA_KEYS = {"mla_q_lora_rank": "q_lora_rank", "mla_kv_lora_rank": "kv_lora_rank"
             "mla_v_head_dim": "v_head_dim"}  # knob → the DeepSeek / Kimi config.json key (top level)
 
 
-def attention_fields(c: DrafterContract) -> dict[str, Any]:
+def attention_fields(c: ContractSpec) -> dict[str, Any]:
     """What of a contract shapes its attention tensors: `attention_type`, and an MLA drafter's ranks (a warm start
     or an import must match them all)."""
     kind = getattr(c.knobs, "attention_type", "gqa")
     return {"attention_type": kind, **({name: getattr(c.knobs, name) for name in MLA_KEYS} if kind == "mla" else {})}
 
 
-def mla_problems(c: DrafterContract) -> list[str]:
+def mla_problems(c: ContractSpec) -> list[str]:
     """What makes an MLA drafter's knobs unusable (nothing for a GQA one): an odd rope width."""
     k = c.knobs
     if getattr(k, "attention_type", "gqa") != "mla":
@@ -90,7 +90,7 @@ def mla_problems(c: DrafterContract) -> list[str]:
         if k.mla_qk_rope_head_dim % 2 else []
 
 
-def dflash_config(c: DrafterContract) -> dict[str, Any]:
+def dflash_config(c: ContractSpec) -> dict[str, Any]:
     """`dflash_config.causal: true` for a causal drafter (nothing for a bidirectional one: vLLM's default);
     `attention: mla` for an MLA drafter (nothing for GQA)."""
     out: dict[str, Any] = {"causal": True} if c.knobs.causal else {}
@@ -99,7 +99,7 @@ def dflash_config(c: DrafterContract) -> dict[str, Any]:
     return out
 
 
-def hf_keys(c: DrafterContract) -> dict[str, Any]:
+def hf_keys(c: ContractSpec) -> dict[str, Any]:
     """The top-level `is_causal: true` of a causal drafter: the key vLLM reads first and SGLang reads alone; an
     MLA drafter's ranks under the DeepSeek-V3 / Kimi names (`q_lora_rank` null without q-LoRA, as DeepSeek-V2-Lite
     writes it)."""
@@ -165,13 +165,13 @@ def read_knobs(cfg: dict[str, Any], dc: dict[str, Any], source: str) -> dict[str
     return {"causal": read_causal(cfg, dc, source), **read_attention(cfg, dc, source)}
 
 
-def fast_path(c: DrafterContract) -> bool:
+def fast_path(c: ContractSpec) -> bool:
     """A GQA drafter's layers are the plain DFlash layers `decode/fast_draft.py` computes; an MLA one decodes
     through the module."""
     return getattr(c.knobs, "attention_type", "gqa") == "gqa"
 
 
-def build(contract: DrafterContract, draft_vocab: torch.Tensor | None = None, feature_scale: torch.Tensor | None = None):
+def build(contract: ContractSpec, draft_vocab: torch.Tensor | None = None, feature_scale: torch.Tensor | None = None):
     """A new random DFlash drafter (`model.drafter.DFlashDraftModel`)."""
     from dflashkit.model.drafter import DFlashDraftModel
 
@@ -205,7 +205,7 @@ def propose(drafter: Any, h: torch.Tensor, logits: torch.Tensor, anchor: int, sa
     return vocab[tokens].tolist(), full
 
 
-def card_lines(c: DrafterContract) -> list[str]:
+def card_lines(c: ContractSpec) -> list[str]:
     out = []
     if c.knobs.causal:
         out += ["Causal in-block attention (JetSpec): block offset i attends to the context and offsets j <= i. "

@@ -46,7 +46,7 @@ from dflashkit.family.dflash import read_knobs as dflash_knobs
 from dflashkit.family.knobs import knob
 
 if TYPE_CHECKING:
-    from dflashkit.family.contract import DrafterContract
+    from dflashkit.family.base import ContractSpec
     import torch
 
 
@@ -86,7 +86,7 @@ class DFlash2Weights:
 
 
 # -- config, contract, config.json ------------------------------------------------------------------------------
-def contract_problems(c: DrafterContract) -> list[str]:
+def contract_problems(c: ContractSpec) -> list[str]:
     """What makes the knobs (in their declared ranges) unusable for this contract's target."""
     k: DFlash2Knobs = c.knobs
     p = []
@@ -97,7 +97,7 @@ def contract_problems(c: DrafterContract) -> list[str]:
     return p
 
 
-def dflash_config(c: DrafterContract) -> dict[str, Any]:
+def dflash_config(c: ContractSpec) -> dict[str, Any]:
     """The `dflash_config` keys vLLM's `qwen3_dflash2.py` reads; the optional ones only when set."""
     k: DFlash2Knobs = c.knobs
     out: dict[str, Any] = {name: getattr(k, name) for name in REQUIRED}
@@ -121,7 +121,7 @@ def read_knobs(cfg: dict[str, Any], dc: dict[str, Any], source: str) -> dict[str
 
 
 # -- the network ------------------------------------------------------------------------------------------------
-def build(contract: DrafterContract, draft_vocab: torch.Tensor | None = None, feature_scale: torch.Tensor | None = None):
+def build(contract: ContractSpec, draft_vocab: torch.Tensor | None = None, feature_scale: torch.Tensor | None = None):
     """A new random DFlash2 drafter (`model.dflash2.DFlash2DraftModel`); a draft vocab is refused."""
     from dflashkit.model.dflash2 import DFlash2DraftModel
 
@@ -265,7 +265,7 @@ def propose(drafter: Any, h: torch.Tensor, logits: torch.Tensor, anchor: int, sa
 
 
 # -- plan, export -----------------------------------------------------------------------------------------------
-def lookup_params(c: DrafterContract) -> int:
+def lookup_params(c: ContractSpec) -> int:
     """The selector's codebooks (predecessor + successor, V × r each): 2·V·r, looked up, not multiplied
     (2·r·(K+1) FLOPs per drafted position, whatever V is)."""
     return 2 * c.vocab_size * c.knobs.selector_rank
@@ -281,7 +281,7 @@ def reload_check(source: Any, reloaded: Any, head: torch.Tensor | None) -> dict[
                              extra=lambda g: torch.randint(0, source.contract.vocab_size, (3,), generator=g))
 
 
-def card_lines(c: DrafterContract) -> list[str]:
+def card_lines(c: ContractSpec) -> list[str]:
     return dflash_card_lines(c) + ["DFlash2: vLLM runs the candidate selector on its V2 model runner only (GPU, Triton); its V1 "
             "runner (the CPU build) refuses the checkpoint. `dflash.py`'s DFlash2DraftModel computes the "
             "block's hidden states and holds the selector; `dflashkit eval` / `serve --drafter` draft "

@@ -50,7 +50,7 @@ from dflashkit.family.dflash import read_knobs as dflash_knobs
 from dflashkit.family.knobs import knob
 
 if TYPE_CHECKING:
-    from dflashkit.family.contract import DrafterContract
+    from dflashkit.family.base import ContractSpec
     import torch
 
 
@@ -80,7 +80,7 @@ class DSparkWeights:
 
 
 # -- config.json ------------------------------------------------------------------------------------------------
-def hf_keys(c: DrafterContract) -> dict[str, Any]:
+def hf_keys(c: ContractSpec) -> dict[str, Any]:
     """The top-level keys vLLM's `Qwen3DSparkModel` and DSpark speculator read, beside DFlash's."""
     k: DSparkKnobs = c.knobs
     return {**dflash_hf_keys(c), "markov_rank": int(k.dspark_markov_rank), "markov_head_type": "vanilla",
@@ -118,7 +118,7 @@ def read_knobs(cfg: dict[str, Any], dc: dict[str, Any], source: str) -> dict[str
 
 
 # -- the network ------------------------------------------------------------------------------------------------
-def build(contract: DrafterContract, draft_vocab: torch.Tensor | None = None, feature_scale: torch.Tensor | None = None):
+def build(contract: ContractSpec, draft_vocab: torch.Tensor | None = None, feature_scale: torch.Tensor | None = None):
     """A new random DSpark drafter (`model.dspark.Qwen3DSparkModel`)."""
     from dflashkit.model.dspark import Qwen3DSparkModel
 
@@ -132,7 +132,7 @@ def from_dflash(model: Any, state: dict) -> dict:
     return init_from_dflash(model, state)
 
 
-def lookup_params(c: DrafterContract) -> int:
+def lookup_params(c: ContractSpec) -> int:
     """markov_w1 (V × r): looked up, not multiplied."""
     return c.vocab_size * c.knobs.dspark_markov_rank
 
@@ -300,7 +300,7 @@ def reload_check(source: Any, reloaded: Any, head: torch.Tensor | None) -> dict[
                              extra=lambda g: torch.randint(0, source.contract.vocab_size, (3,), generator=g))
 
 
-def card_lines(c: DrafterContract) -> list[str]:
+def card_lines(c: ContractSpec) -> list[str]:
     k: DSparkKnobs = c.knobs
     return dflash_card_lines(c) + [
         f"DSpark: a Markov head of rank {k.dspark_markov_rank} adds a bias from the previous token to each block "

@@ -37,7 +37,7 @@ from dflashkit.family.dflash import read_knobs as dflash_knobs
 from dflashkit.family.knobs import knob
 
 if TYPE_CHECKING:
-    from dflashkit.family.contract import DrafterContract
+    from dflashkit.family.base import ContractSpec
     import torch
 
     from dflashkit.family.base import DrafterKeys
@@ -119,7 +119,7 @@ def config_problems(d: DrafterKeys, k: LiLiCorrKnobs) -> list[str]:
     return p
 
 
-def contract_problems(c: DrafterContract) -> list[str]:
+def contract_problems(c: ContractSpec) -> list[str]:
     """The knobs' rules beyond their ranges, and what makes them unusable for this contract's target."""
     k: LiLiCorrKnobs = c.knobs
     p = _knob_problems(lambda name: getattr(k, name), "")
@@ -135,7 +135,7 @@ def contract_problems(c: DrafterContract) -> list[str]:
     return p
 
 
-def dflash_config(c: DrafterContract) -> dict[str, Any]:
+def dflash_config(c: ContractSpec) -> dict[str, Any]:
     """The `dflash_config` keys vLLM's `lilicorr.py` reads (the convolution's only when it is on)."""
     k: LiLiCorrKnobs = c.knobs
     out: dict[str, Any] = {"lilicorr_enabled": True}
@@ -170,7 +170,7 @@ def read_knobs(cfg: dict[str, Any], dc: dict[str, Any], source: str) -> dict[str
 
 
 # -- the network ------------------------------------------------------------------------------------------------
-def build(contract: DrafterContract, draft_vocab: torch.Tensor | None = None, feature_scale: torch.Tensor | None = None):
+def build(contract: ContractSpec, draft_vocab: torch.Tensor | None = None, feature_scale: torch.Tensor | None = None):
     """A new random LiLiCorr drafter (`model.lilicorr.LiLiCorrDraftModel`); a draft vocab is refused."""
     from dflashkit.model.lilicorr import LiLiCorrDraftModel
 
@@ -412,14 +412,14 @@ def reload_check(source: Any, reloaded: Any, head: torch.Tensor | None) -> dict[
         extra=lambda g: torch.randn(c.vocab_size, c.hidden_size, generator=g))
 
 
-def card_lines(c: DrafterContract) -> list[str]:
+def card_lines(c: ContractSpec) -> list[str]:
     return dflash_card_lines(c) + ["LiLiCorr: vLLM runs the lattice head's walk on its V2 model runner only (GPU, Triton); its V1 "
             "runner (the CPU build) cannot run it. `dflash.py`'s LiLiCorrDraftModel computes the block's hidden "
             "states and the lattice scores; `dflashkit eval` / `serve --drafter` draft through the walk. Which "
             "SGLang release runs the LiLiCorr head (the line above is DFlash's) was not checked by dflashkit.", ""]
 
 
-def fast_path(c: DrafterContract) -> bool:
+def fast_path(c: ContractSpec) -> bool:
     """A backbone without convolutions is DFlash's (GQA: the lean forward's; the lattice head reads its outputs)."""
     k = c.knobs
     return dflash_fast_path(c) and not (k.lilicorr_conv_kernel_size and k.lilicorr_conv_group_size)
