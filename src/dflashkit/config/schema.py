@@ -139,7 +139,8 @@ class DrafterSection:
                   "speculators format: train/final, an export, an imported or published drafter) whose target "
                   "hidden size, vocab, target_layer_ids, mask id and draft architecture match this run's (each "
                   "mismatch named, exit 2); its block size may differ; a reduced vocab's d2t is kept when "
-                  "draft_vocab_size equals it, else rebuilt.")
+                  "draft_vocab_size equals it, else rebuilt (refused, exit 2, where its weights have a row per "
+                  "draft-vocab entry: DSpark's Markov head).")
     init_layer_ids: list[int] | None = f(None, "Target layers to copy when init=target; null = the last "
                                          "num_draft_layers layers.")
     attention: Literal["sdpa", "flex"] = f("sdpa", "sdpa (dense mask; CPU and GPU) or flex (GPU).")
