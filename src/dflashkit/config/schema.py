@@ -576,6 +576,16 @@ class ServeSection:
     cpu_threads: int | None = f(None, "torch CPU threads for the server process; null = torch's default.")
     adaptive_length: bool = f(False, "With a drafter: pick each step's draft length from the drafter's confidence "
                               "and the measured verify cost (lossless; eval.adaptive_length reports what it buys).")
+    confidence_truncation: bool = f(
+        False, "With serve.proposer=drafter and a drafter whose family estimates each draft's acceptance "
+        "(Decoding.confidence: DSpark's confidence head): each step verifies only the leading drafts whose product of "
+        "confidences is >= serve.confidence_threshold (decode/draft_length.py ConfidenceCut, the rule of eval's "
+        "`confident` rows; lossless). A drafter without such a head is served at fixed B, with a warning. Not with "
+        "serve.adaptive_length (one draft-length rule). eval.confidence_truncation reports what it buys.",
+        hash_default=False)
+    confidence_threshold: float = f(
+        0.5, "serve.confidence_truncation: the threshold on the product of the leading drafts' confidences "
+        "(0 verifies every draft: fixed B; in [0, 1]).", hash_default=False)
     proposer: Literal["drafter", "lookup", "suffix", "hybrid"] | None = f(
         None, "What drafts for the speculative decoder: drafter (serve.drafter), lookup (prompt lookup), suffix (the "
               "suffix proposer with the tenant pool), hybrid (suffix where its match clears serve.hybrid_min_match, "

@@ -52,7 +52,7 @@ from dflashkit.decode.metrics import (compare, compare_flags, paired_phrase, pai
 from dflashkit.decode.ngram import PromptLookupProposer
 from dflashkit.decode.runner import (draft_dtype_for, load_prompts, params_for, prompt_sources, refuse_unrendered_tools,
                                      render_eval_prompts, resolve_drafter_dir, run_interleaved)
-from dflashkit.decode.spec_decode import SpecDecoder
+from dflashkit.decode.spec_decode import SpecDecoder, estimates_acceptance
 from dflashkit.decode.suffix import SuffixProposer
 from dflashkit.errors import DflashkitError
 from dflashkit.export.hf import load_drafter, read_contract
@@ -343,7 +343,7 @@ def unreliable_entries(res: dict[str, Any]) -> list[tuple[str, list[str]]]:
 def confident(cfg: Any, drafter: Any) -> bool:
     """Whether eval decodes the confidence-truncated rows: eval.confidence_truncation and a drafter whose family
     estimates each draft's acceptance (`Decoding.confidence`)."""
-    return bool(cfg.eval.confidence_truncation) and drafter.contract.family.decoding.confidence is not None
+    return bool(cfg.eval.confidence_truncation) and estimates_acceptance(drafter)
 
 
 def decode_all(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_sizes: list[int], *,
