@@ -522,8 +522,8 @@ class EvalSection:
                               "fixed B, which stays the figure that predicts an engine.", hash_default=False)
     confidence_truncation: bool = f(
         True, "With a drafter whose family estimates each draft's acceptance (Decoding.confidence: DSpark's "
-        "confidence head), also decode every block size with verification truncated by that confidence (the "
-        "engines' rule: the leading drafts whose product of confidences is >= eval.confidence_threshold; "
+        "confidence head), also decode every block size with verification truncated by that confidence (a "
+        "static threshold: the leading drafts whose product of confidences is >= eval.confidence_threshold; "
         "decode/draft_length.py ConfidenceCut; lossless), reported as `confident` beside fixed B and the adaptive "
         "length, with paired speed ratios per source (`draft_length` in results.json).", hash_default=False)
     confidence_threshold: float = f(

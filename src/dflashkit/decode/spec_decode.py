@@ -124,7 +124,7 @@ class SpecDecoder:
             and its draft cost its own measured time.
         confidence_cut: instead of `adaptive`, verify the leading drafts while the product of their confidences
             (the family's `Decoding.confidence`: DSpark's confidence head; else the head's softmax) stays ≥ this
-            threshold (`decode/draft_length.ConfidenceCut`, the engines' truncation; no t(n) is measured). Lossless
+            threshold (`decode/draft_length.ConfidenceCut`, a static threshold; no t(n) is measured). Lossless
             as `adaptive` is.
     """
 
