@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from dflashkit.decode.api import default_stop_ids
 from dflashkit.decode.hybrid import HybridGate, HybridProposer
 from dflashkit.decode.ngram import PromptLookupProposer
-from dflashkit.decode.spec_decode import SpecDecoder
+from dflashkit.decode.spec_decode import SpecDecoder, estimates_acceptance
 from dflashkit.decode.suffix import SuffixPool, SuffixProposer
 from dflashkit.errors import UsageError
 from dflashkit.export.hf import load_drafter
@@ -55,7 +55,8 @@ def check_serve_proposer(cfg: RunConfig) -> None:
 
     Raises:
         UsageError: drafter / hybrid without serve.drafter, a drafter dir that is not a directory, a negative
-            pool cap or gate.
+            pool cap or gate, serve.confidence_truncation without serve.proposer=drafter or beside
+            serve.adaptive_length.
     """
     s, proposer = cfg.serve, serve_proposer(cfg)
     if proposer in ("drafter", "hybrid") and not s.drafter:
@@ -79,6 +80,14 @@ def check_serve_proposer(cfg: RunConfig) -> None:
         from dflashkit.serving.record import RecordPolicy
 
         RecordPolicy.from_config(cfg).check()
+    if s.confidence_truncation and proposer != "drafter":
+        raise UsageError(f"serve.confidence_truncation reads the drafter's confidence, and serve.proposer is "
+                         f"{proposer or 'none (no serve.drafter)'}",
+                         hint="serve with --drafter DIR and serve.proposer=drafter (the suffix branch has no "
+                              "confidence), or set serve.confidence_truncation=false")
+    if s.confidence_truncation and s.adaptive_length:
+        raise UsageError("serve.confidence_truncation and serve.adaptive_length are two draft-length rules: set one",
+                         hint="eval measures both (eval.confidence_truncation, eval.adaptive_length) against fixed B")
     if s.hybrid_min_match < 0:
         raise UsageError(f"serve.hybrid_min_match must be >= 0, got {s.hybrid_min_match}",
                          hint="it counts matched tokens; 0 = the suffix branch drafts whenever it matches")
@@ -97,7 +106,7 @@ def _speculative_decoder(target: Target, s: ServeSection, proposer: str) -> Spec
 
         spec = TappedSpecDecoder
     if proposer == "drafter":
-        return spec(target, drafter, adaptive=s.adaptive_length)
+        return spec(target, drafter, adaptive=s.adaptive_length, confidence_cut=_confidence_cut(s, drafter))
     pool = SuffixPool(max_tokens=s.suffix_pool_tokens, share_tenants=s.suffix_share_tenants) \
         if s.suffix_pool_tokens > 0 else None
     if proposer == "hybrid":
@@ -106,6 +115,22 @@ def _speculative_decoder(target: Target, s: ServeSection, proposer: str) -> Spec
         return spec(target, drafter, hybrid=hybrid, adaptive=s.adaptive_length)
     chosen = PromptLookupProposer() if proposer == "lookup" else SuffixProposer(pool=pool)
     return SpecDecoder(target, None, block_size=DEFAULT_BLOCK, proposer=chosen)
+
+
+def _confidence_cut(s: ServeSection, drafter) -> float | None:
+    """serve.confidence_threshold when serve.confidence_truncation is on and the drafter's family estimates each
+    draft's acceptance (`estimates_acceptance`, as eval decides its `confident` rows); else None (fixed B). A
+    drafter without such an estimate is served at fixed B with a warning: truncating by its head's softmax is
+    not the rule eval measured (a hot swap may bring in a drafter of another family)."""
+    if not s.confidence_truncation or drafter is None:
+        return None
+    if estimates_acceptance(drafter):
+        log.info("serve.confidence_truncation: each step verifies the leading drafts while the product of their "
+                 "confidences is >= %g", s.confidence_threshold)
+        return s.confidence_threshold
+    log.warning("serve.confidence_truncation: drafter family %s has no confidence estimate (Decoding.confidence); "
+                "serving it at fixed block size %d", drafter.contract.family.name, drafter.block_size)
+    return None
 
 
 def build_app(cfg: RunConfig, model_path: str | None = None) -> App:

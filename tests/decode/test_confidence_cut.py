@@ -152,6 +152,14 @@ def test_dflashkit_eval_reports_the_three_rows_per_source_on_a_dspark_drafter(tm
         assert {"adaptive_vs_fixed", "confident_vs_fixed", "confident_vs_adaptive"} <= set(g)
     for src in ("a", "b"):
         assert set(res["by_source"][src]["confident"]) == {"4"}
+    profile = rd / "eval" / "speculation_profile.json"
+    shipped = json.loads(profile.read_text())["draft_length"]  # the rule that pays, per source, beside the rates
+    assert shipped["block_size"] == 4 and shipped["confidence_threshold"] == 0.5
+    assert set(shipped["by_source"]) == {"a", "b"}
+    for g in (shipped, *shipped["by_source"].values()):
+        assert set(g["versus_fixed"]) == {"adaptive", "confident"} and g["policy"] in ("fixed", "adaptive", "confident")
+    assert shipped["versus_fixed"]["confident"]["ratio"] == row["confident_vs_fixed"]["ratio"]
     assert main([*args, "eval.confidence_truncation=false"]) == 0
     res = json.loads((rd / "eval" / "results.json").read_text())
     assert "confident" not in res and set(res["draft_length"]["4"]["policies"]) == {"fixed", "adaptive"}
+    assert set(json.loads(profile.read_text())["draft_length"]["versus_fixed"]) == {"adaptive"}

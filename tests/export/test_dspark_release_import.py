@@ -1,6 +1,7 @@
 """A released-style DSpark checkpoint (vLLM speculators format, `speculators_model_type: dspark`) is read as a
-DSpark drafter keeping its vocabulary, taps and block size, warm-starts `drafter.init`, and refuses (exit 2,
-naming both sides) a run whose contract it does not fit.
+DSpark drafter keeping its vocabulary, taps and block size, warm-starts `drafter.init` (and `dflashkit train`
+fine-tunes from it), and refuses (exit 2, naming both sides) a run whose contract or draft vocabulary it does not
+fit (its Markov head has a row per draft-vocab entry).
 
 The fixture has the SHAPE of novita's Kimi-K2.6 DSpark scaled down: 3 GQA draft layers, a hidden size the
 target's (7168 → 32), block size 8, taps `aux_hidden_state_layer_ids` [1, 29, 57] of a 61-layer target, and a
@@ -23,7 +24,7 @@ from dflashkit.export.speculators import load_any_drafter
 from dflashkit.family import new_drafter
 from dflashkit.family.contract import DrafterContract
 from dflashkit.model.draft_vocab import t2d_mask, to_offsets
-from dflashkit.train.warm_start import check_fits, read_warm_start, warm_start
+from dflashkit.train.warm_start import check_draft_vocab_fits, check_fits, read_warm_start, warm_start
 from tests.helpers import train_loss, with_fields
 
 H, LAYERS, BLOCK, V, R = 32, 3, 8, 320, 6   # V: the tiny targets' vocab (model/tiny.py)
@@ -205,3 +206,67 @@ def test_a_run_with_another_block_size_warm_starts_from_it(tmp_path):
     report = warm_start(drafter, src, run)
     assert report["block_size"] == {"source": BLOCK, "run": 16}
     assert torch.equal(drafter.markov_head.markov_w2.weight, src.state["markov_head.markov_w2.weight"])
+
+
+@pytest.mark.parametrize("size", [None, 64, 320])
+def test_a_run_with_another_draft_vocab_is_refused_naming_both(tmp_path, size):
+    """The Markov head's markov_w2 has a row per draft-vocab entry: a run over another V' (or the full vocab) cannot
+    take it; before any work, exit 2, naming both vocabularies and the tensor. Its own V' passes."""
+    src = read_warm_start(_k26(tmp_path))
+    with pytest.raises(UsageError) as e:
+        check_draft_vocab_fits(src, src.contract, size)
+    msg = str(e.value)
+    assert e.value.exit_code == 2 and "draft vocabulary (24 tokens)" in msg, msg
+    assert ("(64 tokens)" if size == 64 else "the full vocab") in msg, msg
+    assert f"markov_head.markov_w2.weight: the drafter's [24, {R}] != this run's [{size or V}, {R}]" in msg, msg
+    assert "drafter.draft_vocab_size=24" in e.value.hint
+    check_draft_vocab_fits(src, src.contract, 24)
+    full = read_warm_start(_k26(tmp_path))
+    full.vocab = None  # a full-vocab source into a reduced-vocab run: refused the same way
+    full.state["markov_head.markov_w2.weight"] = torch.zeros(V, R)
+    with pytest.raises(UsageError, match=r"\(the full vocab\) != this run's \(64 tokens\)"):
+        check_draft_vocab_fits(full, src.contract, 64)
+    check_draft_vocab_fits(full, src.contract, None)
+
+
+def test_drafter_init_with_another_draft_vocab_exits_2_before_training(tmp_path, capsys):
+    """`dflashkit train drafter.init=<the release>` over the full vocab: exit 2 naming both, nothing trained."""
+    from dflashkit.cli import main
+    from dflashkit.model.tiny import make_tiny_target
+    from tests.helpers import overrides
+
+    target = make_tiny_target(tmp_path / "target", "qwen3", num_layers=58, hidden=H)
+    src = read_warm_start(_k26(tmp_path))
+    rd = tmp_path / "run"  # the contract is all the check reads (it runs before the tokenized data is opened)
+    rd.mkdir()
+    (rd / "contract.json").write_text(json.dumps(with_fields(src.contract, num_target_layers=58).to_dict()))
+    argv = ["train", *overrides(rd, target, train__max_steps=1), f"drafter.init={tmp_path / 'k26'}",
+            "drafter.type=dspark"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "draft vocabulary (24 tokens)" in err and "the full vocab" in err and "markov_w2" in err, err[-2000:]
+    assert not (rd / "train" / "final").exists()
+
+
+def test_dflashkit_train_fine_tunes_it_keeping_its_vocab(tmp_path):
+    """`dflashkit train drafter.init=<the release> drafter.draft_vocab_size=24`: the run starts from its weights and
+    its d2t (not a vocab chosen from this run's data) and two steps move the Markov head."""
+    from safetensors.torch import load_file
+
+    from dflashkit.cli import main
+    from dflashkit.model.tiny import make_tiny_target
+    from tests.helpers import make_run, overrides
+
+    target = make_tiny_target(tmp_path / "target", "qwen3", num_layers=58, hidden=H)
+    tensors = write_k26_like_dspark(tmp_path / "k26")
+    src = read_warm_start(tmp_path / "k26")
+    rd = make_run(tmp_path / "run", target, contract=with_fields(src.contract, num_target_layers=58))
+    argv = ["train", *overrides(rd, target, train__max_steps=2), f"drafter.init={tmp_path / 'k26'}",
+            "drafter.type=dspark", "drafter.draft_vocab_size=24"]
+    assert main(argv) == 0
+    final = load_file(rd / "train" / "final" / "model.safetensors")
+    assert torch.equal(final["d2t"].long(), tensors["d2t"].long())
+    w2 = final["markov_head.markov_w2.weight"]
+    assert w2.shape == tensors["markov_head.markov_w2.weight"].shape
+    assert not torch.equal(w2, tensors["markov_head.markov_w2.weight"])
+    assert torch.allclose(w2, tensors["markov_head.markov_w2.weight"], atol=0.1)  # two small steps from it

@@ -10,8 +10,8 @@ import random
 import pytest
 
 from dflashkit.errors import UsageError
-from dflashkit.export.profile import (Measurement, accept_rates, build_profile, method_for, prompts_digest,
-                                      read_profile, validate, write_profile)
+from dflashkit.export.profile import (Measurement, accept_rates, build_profile, draft_length_block, method_for,
+                                      prompts_digest, read_profile, validate, write_profile)
 from dflashkit.family import FAMILIES
 from tests.helpers import tiny_contract, with_fields
 
@@ -210,3 +210,37 @@ def test_the_engine_comparison_on_synthetic_engine_numbers():
 def test_the_method_is_the_drafter_family(name):
     c = with_fields(tiny_contract(), drafter_type=name)
     assert c.family.name == name and method_for(c) == name
+
+
+def _versus(ratio: float, lo: float, hi: float) -> dict:
+    return {"ratio": ratio, "interval90": [lo, hi], "faster": lo > 1, "prompts": 2}
+
+
+def test_the_draft_length_block_names_the_rule_that_pays_per_source(tmp_path):
+    """A policy is chosen over fixed B only where its paired interval lies above 1 (the faster one where two do);
+    the block travels through the writer and the reader, and a policy the block does not know is refused."""
+    row = {"decoders": {"fixed": "4", "adaptive": "adaptive-4", "confident": "confident-4"},
+           "adaptive_vs_fixed": _versus(1.02, 0.98, 1.06), "confident_vs_fixed": _versus(0.87, 0.84, 0.89),
+           "by_source": {"agentic": {"adaptive_vs_fixed": _versus(1.10, 1.04, 1.16),
+                                     "confident_vs_fixed": _versus(1.20, 1.08, 1.31)},
+                         "code": {"adaptive_vs_fixed": _versus(1.05, 1.01, 1.09),
+                                  "confident_vs_fixed": _versus(1.30, 0.95, 1.60)},
+                         "chat": {"adaptive_vs_fixed": _versus(0.99, 0.97, 1.01),
+                                  "confident_vs_fixed": _versus(0.80, 0.70, 0.90)}}}
+    block = draft_length_block({"4": row}, 4, 0.5)
+    assert block is not None and block["block_size"] == 4 and block["confidence_threshold"] == 0.5
+    assert block["policy"] == "fixed"  # neither interval lies above 1 overall
+    assert {s: g["policy"] for s, g in block["by_source"].items()} == \
+        {"agentic": "confident", "code": "adaptive", "chat": "fixed"}  # code: the truncation's interval holds 1
+    assert block["by_source"]["agentic"]["versus_fixed"]["confident"] == {"ratio": 1.20, "interval90": [1.08, 1.31]}
+    assert draft_length_block({"4": row}, 8, 0.5) is None  # nothing measured at the profile's block size
+    no_cut = {"decoders": {"fixed": "4", "adaptive": "adaptive-4"}, "adaptive_vs_fixed": row["adaptive_vs_fixed"],
+              "by_source": {}}
+    assert draft_length_block({"4": no_cut}, 4, 0.5)["confidence_threshold"] is None
+    p = build_profile([_uncut([[4, 3, 4, 1]], 4)], headline=4, method="dspark", draft_checkpoint={},
+                      target_model={}, block_size=4, max_supported_k=3, conditions={}, draft_length=block)
+    write_profile(tmp_path / "speculation_profile.json", p)
+    assert read_profile(tmp_path / "speculation_profile.json")["draft_length"] == json.loads(json.dumps(block))
+    p["draft_length"]["policy"] = "sometimes"
+    with pytest.raises(UsageError, match="`draft_length`"):
+        validate(p, "x")

@@ -1,7 +1,8 @@
 """MLA draft attention (`drafter.attention_type: mla`): the layer ≡ transformers' DeepseekV3Attention on the same
 weights, the training and decoding views agree (alone and mixed with sliding-window layers), it trains, decodes
-lossless, exports to both formats and reloads to the same logits, a Kimi K3-style MLA DFlash2 config (scaled down)
-imports and warm-starts, mismatches are refused naming both sides, and `plan` counts its parameters."""
+lossless, exports to both formats and reloads to the same logits, Kimi K3-style MLA releases (scaled down: a K3.1
+DFlash2 in the z-lab format, a K3 Block5 DSpark in the speculators format) import, warm-start and fine-tune,
+mismatches are refused naming both sides, and `plan` counts its parameters."""
 
 from __future__ import annotations
 
@@ -290,6 +291,46 @@ def test_a_k3_style_mla_dflash2_imports_warm_starts_and_fine_tunes(tmp_path, tin
         check_fits(src, with_fields(src.contract, mla_kv_lora_rank=32))
     check_fits(src, src.contract)
     check_fits(src, with_fields(src.contract, head_dim=64, num_key_value_heads=1))  # unused by MLA layers
+
+
+def test_a_k3_block5_style_mla_dspark_imports_warm_starts_and_fine_tunes(tmp_path, tiny_qwen3, target):
+    """Inferact's Kimi-K3 DSpark Block5 shape scaled down: 3 full-causal MLA layers, block 5, the Markov and
+    confidence heads, shipped in vLLM's speculators format. `import` adopts it (MLA ranks, causality, heads);
+    `drafter.init` warm-starts to the same logits and `dflashkit train` fine-tunes from it; a GQA run is refused
+    naming both attentions."""
+    from dflashkit.export.speculators import write_speculators
+    from dflashkit.train.warm_start import check_fits, read_warm_start, warm_start
+
+    src = random_drafter(target, block_size=5, layers=3, seed=4, drafter_type="dspark", dspark_markov_rank=6,
+                         causal=True, **MLA)
+    released = tmp_path / "k3-block5"
+    head = target.lm_head.weight.detach()
+    write_speculators(src, released, verifier="moonshotai/Kimi-K3-scaled", verifier_architectures=["X"],
+                      dtype="float32", embed=target.model.get_input_embeddings().weight.detach(), head=head)
+    rd = tmp_path / "imp"
+    assert main(["import", str(released), f"target.path={tiny_qwen3}", "--run-dir", str(rd), "--json"]) == 0
+    contract = json.loads((rd / "contract.json").read_text())
+    assert {k: contract[k] for k in MLA} == MLA and contract["drafter_type"] == "dspark"
+    assert contract["block_size"] == 5 and contract["dspark_markov_rank"] == 6
+    back = load_drafter(rd / "train" / "final", dtype=torch.float32)
+    assert back.layer_causal == [True] * 3 and back.layer_windows == [None] * 3
+    assert isinstance(back.layers[0].self_attn, MLAAttention) and back.confidence_head is not None
+    warm = read_warm_start(released)
+    fresh = new_drafter(warm.contract)
+    warm_start(fresh, warm, warm.contract)
+    want = _logits(src, head)
+    torch.testing.assert_close(_logits(fresh, head), want, rtol=0, atol=0)
+    torch.testing.assert_close(_logits(back, head), want, rtol=0, atol=0)
+    for name, v in src.state_dict().items():
+        if "_head." in name:
+            assert torch.equal(fresh.state_dict()[name], v), name
+    run = make_run(tmp_path / "ft", tiny_qwen3, contract=warm.contract)
+    assert main(["train", *overrides(run, tiny_qwen3, train__max_steps=2), f"drafter.init={released}",
+                 "drafter.type=dspark"]) == 0
+    with pytest.raises(UsageError) as e:
+        check_fits(warm, with_fields(warm.contract, attention_type="gqa"))
+    msg = str(e.value)
+    assert "the drafter's {'attention_type': 'mla'" in msg and "this run's {'attention_type': 'gqa'}" in msg
 
 
 def test_import_refuses_an_mla_drafter_into_a_gqa_run_naming_both(tmp_path, tiny_qwen3, target, capsys):

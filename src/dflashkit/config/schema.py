@@ -139,7 +139,8 @@ class DrafterSection:
                   "speculators format: train/final, an export, an imported or published drafter) whose target "
                   "hidden size, vocab, target_layer_ids, mask id and draft architecture match this run's (each "
                   "mismatch named, exit 2); its block size may differ; a reduced vocab's d2t is kept when "
-                  "draft_vocab_size equals it, else rebuilt.")
+                  "draft_vocab_size equals it, else rebuilt (refused, exit 2, where its weights have a row per "
+                  "draft-vocab entry: DSpark's Markov head).")
     init_layer_ids: list[int] | None = f(None, "Target layers to copy when init=target; null = the last "
                                          "num_draft_layers layers.")
     attention: Literal["sdpa", "flex"] = f("sdpa", "sdpa (dense mask; CPU and GPU) or flex (GPU).")
@@ -521,8 +522,8 @@ class EvalSection:
                               "fixed B, which stays the figure that predicts an engine.", hash_default=False)
     confidence_truncation: bool = f(
         True, "With a drafter whose family estimates each draft's acceptance (Decoding.confidence: DSpark's "
-        "confidence head), also decode every block size with verification truncated by that confidence (the "
-        "engines' rule: the leading drafts whose product of confidences is >= eval.confidence_threshold; "
+        "confidence head), also decode every block size with verification truncated by that confidence (a "
+        "static threshold: the leading drafts whose product of confidences is >= eval.confidence_threshold; "
         "decode/draft_length.py ConfidenceCut; lossless), reported as `confident` beside fixed B and the adaptive "
         "length, with paired speed ratios per source (`draft_length` in results.json).", hash_default=False)
     confidence_threshold: float = f(
@@ -575,6 +576,16 @@ class ServeSection:
     cpu_threads: int | None = f(None, "torch CPU threads for the server process; null = torch's default.")
     adaptive_length: bool = f(False, "With a drafter: pick each step's draft length from the drafter's confidence "
                               "and the measured verify cost (lossless; eval.adaptive_length reports what it buys).")
+    confidence_truncation: bool = f(
+        False, "With serve.proposer=drafter and a drafter whose family estimates each draft's acceptance "
+        "(Decoding.confidence: DSpark's confidence head): each step verifies only the leading drafts whose product of "
+        "confidences is >= serve.confidence_threshold (decode/draft_length.py ConfidenceCut, the rule of eval's "
+        "`confident` rows; lossless). A drafter without such a head is served at fixed B, with a warning. Not with "
+        "serve.adaptive_length (one draft-length rule). eval.confidence_truncation reports what it buys.",
+        hash_default=False)
+    confidence_threshold: float = f(
+        0.5, "serve.confidence_truncation: the threshold on the product of the leading drafts' confidences "
+        "(0 verifies every draft: fixed B; in [0, 1]).", hash_default=False)
     proposer: Literal["drafter", "lookup", "suffix", "hybrid"] | None = f(
         None, "What drafts for the speculative decoder: drafter (serve.drafter), lookup (prompt lookup), suffix (the "
               "suffix proposer with the tenant pool), hybrid (suffix where its match clears serve.hybrid_min_match, "

@@ -204,6 +204,8 @@ def _eval_serve_bench_problems(cfg: RunConfig) -> list[str]:
         p.append(f"eval.top_p: must be in (0, 1], got {cfg.eval.top_p}")
     if not 0 <= cfg.eval.confidence_threshold <= 1:
         p.append(f"eval.confidence_threshold: must be in [0, 1], got {cfg.eval.confidence_threshold}")
+    if not 0 <= cfg.serve.confidence_threshold <= 1:
+        p.append(f"serve.confidence_threshold: must be in [0, 1], got {cfg.serve.confidence_threshold}")
     _at_least(p, "eval", cfg.eval, 1, "prompt_lookup_ngram")
     if cfg.eval.tie_tolerance is not None and cfg.eval.tie_tolerance < 0:
         p.append(f"eval.tie_tolerance: must be >= 0 (or null), got {cfg.eval.tie_tolerance}")

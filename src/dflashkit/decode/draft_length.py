@@ -19,10 +19,13 @@ the block's length changes, and with it the cost of the step.
 `fixed` lengths (every step k = B − 1) are what an engine runs; this policy is dflashkit's decoder's own
 option (`eval.adaptive_length`, `serve.adaptive_length`, `bench decode`), reported beside fixed B.
 
-`ConfidenceCut(max_drafts, threshold)` is the engines' rule (verification truncated by the drafter's confidence,
-as DSpark's confidence head is served): verify the leading drafts while the product of their confidences, the
-estimated chance that all of them are accepted, stays ≥ `threshold`; no cost table, no calibration
-(`eval.confidence_truncation`). Both are lossless for the same reason.
+`ConfidenceCut(max_drafts, threshold)` truncates verification by the drafter's confidence at a static threshold:
+verify the leading drafts while the product of their confidences, the estimated chance that all of them are
+accepted, stays ≥ `threshold`; no cost table, no calibration (`eval.confidence_truncation`,
+`serve.confidence_truncation`). vLLM 0.32's DSpark adaptive verification (`enable_adaptive_verification`) is
+cost-aware instead: it admits the batch's draft slots by survival product (the running product of the previous
+step's confidences) up to the budget that maximises expected accepted tokens per profiled step cost — this
+module's `DraftLength` rule on the raw confidences, batch-wide. Both are lossless for the same reason.
 """
 
 from __future__ import annotations

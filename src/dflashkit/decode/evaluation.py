@@ -52,12 +52,12 @@ from dflashkit.decode.metrics import (compare, compare_flags, paired_phrase, pai
 from dflashkit.decode.ngram import PromptLookupProposer
 from dflashkit.decode.runner import (draft_dtype_for, load_prompts, params_for, prompt_sources, refuse_unrendered_tools,
                                      render_eval_prompts, resolve_drafter_dir, run_interleaved)
-from dflashkit.decode.spec_decode import SpecDecoder
+from dflashkit.decode.spec_decode import SpecDecoder, estimates_acceptance
 from dflashkit.decode.suffix import SuffixProposer
 from dflashkit.errors import DflashkitError
 from dflashkit.export.hf import load_drafter, read_contract
-from dflashkit.export.profile import (Measurement, build_profile, checkpoint_id, dflashkit_source, method_for,
-                                      prompts_digest, proposers_block, weights_digest)
+from dflashkit.export.profile import (Measurement, build_profile, checkpoint_id, dflashkit_source, draft_length_block,
+                                      method_for, prompts_digest, proposers_block, weights_digest)
 from dflashkit.inspect.target import resolve_target_path
 from dflashkit.model.packed import prepare_for_decode
 from dflashkit.model.target import compute_dtype, resolve_device, text_config_dict
@@ -343,7 +343,7 @@ def unreliable_entries(res: dict[str, Any]) -> list[tuple[str, list[str]]]:
 def confident(cfg: Any, drafter: Any) -> bool:
     """Whether eval decodes the confidence-truncated rows: eval.confidence_truncation and a drafter whose family
     estimates each draft's acceptance (`Decoding.confidence`)."""
-    return bool(cfg.eval.confidence_truncation) and drafter.contract.family.decoding.confidence is not None
+    return bool(cfg.eval.confidence_truncation) and estimates_acceptance(drafter)
 
 
 def decode_all(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_sizes: list[int], *,
@@ -828,7 +828,8 @@ def eval_profile(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list
     `accept_length_by_k` per block size up to the drafter's own B, the vectors of B (else eval's first
     below it). Block sizes past B describe no drafter that can be served (K ≤ B − 1) and are left out; None when
     every block size is past B. With the hybrid measured, `proposers` says per source which proposer pays and at
-    which gate."""
+    which gate; with an adaptive or a confident row, `draft_length` which draft-length rule pays
+    (`draft_length_block`)."""
     from dflashkit.model.target import cpu_facts
 
     e, c = cfg.eval, inputs.contract
@@ -856,13 +857,15 @@ def eval_profile(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list
         "device_name": cpu_facts().get("cpu") if device.type == "cpu" else torch.cuda.get_device_name(device),
         "threads": res["threads"], "dflashkit": dflashkit_source()}
     archs = getattr(target.config, "architectures", None) or [type(target.model).__name__]
+    headline = c.block_size if c.block_size in block_sizes else block_sizes[0]
     profile = build_profile(
-        ms, headline=c.block_size if c.block_size in block_sizes else block_sizes[0], method=method_for(c),
+        ms, headline=headline, method=method_for(c),
         draft_checkpoint={"name": cfg.run.name, "kind": src["kind"], **({"step": src["step"]} if "step" in src else {}),
                           "weights_sha256": weights_digest(inputs.drafter_dir)},
         target_model={"id": checkpoint_id(cfg.target.path), "architecture": archs[0]},
         block_size=c.block_size, max_supported_k=c.block_size - 1, conditions=conditions,
-        proposers=proposers_block(res["summary"]["hybrid"]) if res["summary"].get("hybrid") else None)
+        proposers=proposers_block(res["summary"]["hybrid"]) if res["summary"].get("hybrid") else None,
+        draft_length=draft_length_block(res.get("draft_length") or {}, headline, e.confidence_threshold))
     if not profile["measured"]:
         log.warning("speculation profile: no verify step at B=%d was a full uncut block, so it holds no rates "
                     "(raise eval.max_new_tokens)", profile["num_speculative_tokens"] + 1)

@@ -53,6 +53,14 @@ from dflashkit.model.roofline import fastest_each
 from dflashkit.model.target import Target, cache_kwarg, fast_bf16
 
 
+def estimates_acceptance(drafter: DFlashDraftModel) -> bool:
+    """Whether the drafter's family estimates each draft's chance of acceptance (`Decoding.confidence`: DSpark's
+    confidence head, or its Markov-biased softmax without one): what confidence truncation reads (eval's
+    `confident` rows, serve.confidence_truncation). Without one, `confidence_cut` would read the head's softmax,
+    a rule eval does not measure."""
+    return drafter.contract.family.decoding.confidence is not None
+
+
 class Proposer(Protocol):
     def propose(self, sequence: list[int], num_tokens: int) -> list[int]:
         """Given prompt + committed tokens (ending with x_start), propose up to `num_tokens` next ones."""
@@ -116,7 +124,7 @@ class SpecDecoder:
             and its draft cost its own measured time.
         confidence_cut: instead of `adaptive`, verify the leading drafts while the product of their confidences
             (the family's `Decoding.confidence`: DSpark's confidence head; else the head's softmax) stays ≥ this
-            threshold (`decode/draft_length.ConfidenceCut`, the engines' truncation; no t(n) is measured). Lossless
+            threshold (`decode/draft_length.ConfidenceCut`, a static threshold; no t(n) is measured). Lossless
             as `adaptive` is.
     """
 

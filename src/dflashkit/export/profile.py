@@ -14,8 +14,10 @@ This module owns the file: writer, reader, path (`profile_path`, `RunDir.eval_pr
 own reading and compatible field by field; our additions are `measured_at`, `per_category`,
 `measurement_conditions.steps`, the `engines` section (docs/architecture.md) and `proposers`: for each data
 source (and thinking mode), which proposer pays (the drafter alone, the suffix proposer alone, or their hybrid)
-and at which gate, as eval measured it (`decode/evaluation.py`'s hybrid row). The ModelOpt fields always describe
-the drafter alone.
+and at which gate, as eval measured it (`decode/evaluation.py`'s hybrid row), and `draft_length`: for each data
+source, which draft-length rule pays (fixed B, the adaptive length, or verification truncated by the drafter's
+confidence at a threshold: `serve.confidence_truncation`), from eval's `draft_length` rows. The ModelOpt fields
+always describe the drafter alone at fixed B.
 
 Definitions (len = tokens one verify step commits, bonus included; K = B − 1):
 `marginal_accept_rates[i]` = P(len ≥ i + 2); `conditional_accept_rates[i]` = P(len ≥ i + 2) /
@@ -179,9 +181,11 @@ def _summary(requests: list[list[int]], k: int) -> dict[str, Any]:
 
 def build_profile(measurements: list[Measurement], *, headline: int, method: str, draft_checkpoint: dict[str, Any],
                   target_model: dict[str, Any], block_size: int, max_supported_k: int,
-                  conditions: dict[str, Any], proposers: dict[str, Any] | None = None) -> dict[str, Any]:
+                  conditions: dict[str, Any], proposers: dict[str, Any] | None = None,
+                  draft_length: dict[str, Any] | None = None) -> dict[str, Any]:
     """The profile of `measurements` (one per block size); its vectors are those of block size `headline`.
-    `proposers` (`proposers_block`): which proposer pays per source, kept as given."""
+    `proposers` (`proposers_block`): which proposer pays per source; `draft_length` (`draft_length_block`): which
+    draft-length rule pays per source; each kept as given."""
     by_b = {m.block_size: m for m in measurements}
     m = by_b[headline]
     k = headline - 1
@@ -210,6 +214,7 @@ def build_profile(measurements: list[Measurement], *, headline: int, method: str
             "rule": STEP_RULE}},
         "validation": self_checks(s["mean_accept_length"], s["marginal_accept_rates"]) if measured else None,
         **({"proposers": proposers} if proposers is not None else {}),
+        **({"draft_length": draft_length} if draft_length is not None else {}),
     }
 
 
@@ -227,6 +232,33 @@ def proposers_block(hybrid: dict[str, Any]) -> dict[str, Any]:
             "versus_drafter": (hybrid.get("versus_drafter") or {}).get("ratio"),
             "versus_prompt_lookup": (hybrid.get("versus_prompt_lookup") or {}).get("ratio"),
             "unreliable": bool(hybrid.get("unreliable"))}
+
+
+DRAFT_LENGTH_POLICIES = ("fixed", "adaptive", "confident")
+
+
+def draft_length_block(rows: dict[str, Any], block_size: int, threshold: float | None) -> dict[str, Any] | None:
+    """`draft_length`: from eval's `draft_length.<B>` rows (`decode/evaluation.length_policies`) at the profile's
+    block size, the rule each data source is best served with: `confident` (verification truncated by the drafter's
+    confidence at `confidence_threshold`: `serve.confidence_truncation`) or `adaptive` (`serve.adaptive_length`)
+    where eval measured it clearly faster than fixed B (its paired 90 % interval above 1, neither entry flagged;
+    the faster of the two when both are), else `fixed`; with each policy's paired speed ratio over fixed B. The
+    ModelOpt rates stay those of fixed B. None when eval measured no policy beside fixed B at that block size."""
+    row = rows.get(str(block_size))
+    if not row:
+        return None
+
+    def pick(g: dict[str, Any]) -> dict[str, Any]:
+        over = {n: g[f"{n}_vs_fixed"] for n in DRAFT_LENGTH_POLICIES[1:] if f"{n}_vs_fixed" in g}
+        faster = [(r["ratio"], n) for n, r in over.items() if r.get("faster")]
+        return {"policy": max(faster)[1] if faster else "fixed",
+                "versus_fixed": {n: {"ratio": r.get("ratio"), "interval90": r.get("interval90")}
+                                 for n, r in over.items()}}
+
+    return {"rule": "per source, the draft-length policy whose paired speed over fixed B has its 90 % interval above 1 "
+                    "(the faster one where two do), else fixed", "block_size": block_size,
+            "confidence_threshold": threshold if "confident" in row.get("decoders", {}) else None, **pick(row),
+            "by_source": {src: pick(g) for src, g in (row.get("by_source") or {}).items()}}
 
 
 def _per_category(m: Measurement, k: int) -> dict[str, Any] | None:
@@ -305,6 +337,10 @@ def validate(p: Any, source: str) -> None:
     props = p.get("proposers")
     if props is not None and (not isinstance(props, dict) or not isinstance(props.get("by_source", {}), dict)):
         raise ck.fail("proposers", "must be an object whose `by_source` maps a source to its proposer")
+    dl = p.get("draft_length")
+    if dl is not None and (not isinstance(dl, dict) or dl.get("policy") not in DRAFT_LENGTH_POLICIES
+                           or not isinstance(dl.get("by_source", {}), dict)):
+        raise ck.fail("draft_length", f"must be an object whose `policy` is one of {list(DRAFT_LENGTH_POLICIES)}")
     engines = p.get("engines", [])
     if not isinstance(engines, list) or not all(isinstance(e, dict) and isinstance(e.get("engine"), str)
                                                 for e in engines):

@@ -65,7 +65,8 @@ from dflashkit.train.suffix_complement import SuffixComplement
 from dflashkit.train.target_side import heldout_labels, target_side
 from dflashkit.train.trainer import Trainer, autocast_dtype, sources_of
 from dflashkit.train.vocab import pick_draft_vocab
-from dflashkit.train.warm_start import WarmSource, check_fits, keep_source_vocab, read_warm_start, warm_start
+from dflashkit.train.warm_start import (WarmSource, check_draft_vocab_fits, check_fits, keep_source_vocab,
+                                        read_warm_start, warm_start)
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -93,6 +94,7 @@ def preflight(cfg: RunConfig, rd: RunDir) -> TrainInputs:
     if guards.init_dir(cfg.drafter.init) is not None:  # a drafter dir: read and checked before any work
         warm = read_warm_start(cfg.drafter.init)
         check_fits(warm, contract)
+        check_draft_vocab_fits(warm, contract, cfg.drafter.draft_vocab_size)
     recipe = resolve_recipe(cfg.train, contract)  # the one place the recipe's facts are derived
     shards = require_tokenized_shards(rd)
     guards.check_cached_features(rd, contract, shards, recipe)

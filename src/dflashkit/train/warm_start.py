@@ -4,6 +4,7 @@ Usage:
     src = read_warm_start("runs/old/export")                  # z-lab, speculators or dflashkit dir
     problems = contract_mismatch(src.contract, contract)      # [] when the weights fit this run
     check_fits(src, contract)                                 # UsageError (exit 2) naming each mismatch
+    check_draft_vocab_fits(src, contract, 64)                 # ... or a V' its weights cannot change to
     report = warm_start(drafter, src, contract)               # copies every tensor (checks again)
 
 The drafter family must be the run's, or one the run's family documents a conversion from
@@ -21,7 +22,9 @@ weights do not depend on it (the block only sets how many masked positions follo
 
 A reduced draft vocabulary (`d2t`): kept when `drafter.draft_vocab_size` equals the source's V'
 (the trainer then skips choosing one from the data), else rebuilt from this run's data (or the
-full vocab) — the vocab is a buffer over the target head's rows, not a learned weight.
+full vocab) — the vocab is a buffer over the target head's rows, not a learned weight. A family with
+weights of a row per draft-vocab entry (DSpark's `markov_head.markov_w2` [V', r]) cannot change V':
+`check_draft_vocab_fits` refuses that before any work, exit 2, naming both vocabularies.
 """
 
 from __future__ import annotations
@@ -94,6 +97,44 @@ def keep_source_vocab(src: WarmSource, draft_vocab_size: int | None) -> torch.Te
     return None
 
 
+def run_draft_vocab(run: DrafterContract, draft_vocab_size: int | None) -> int | None:
+    """The size of the reduced draft vocab this run builds (`drafter.draft_vocab_size` below the target vocab, for a
+    family that drafts over one), else None (the full vocab)."""
+    n = int(draft_vocab_size or 0)
+    return n if 0 < n < run.vocab_size and run.family.network.reduced_vocab else None
+
+
+def check_draft_vocab_fits(src: WarmSource, run: DrafterContract, draft_vocab_size: int | None) -> None:
+    """UsageError (exit 2) when this run's draft vocabulary would change the shape of a tensor the source holds:
+    a weight with a row per draft-vocab entry (DSpark's `markov_head.markov_w2` [V', r]) cannot be carried to
+    another V'. Both sizes and each such tensor are named. A source whose weights do not depend on V' (DFlash: the
+    vocab is a buffer over the target head's rows) passes, its vocab rebuilt. The shapes are those of a drafter of
+    the run's contract built on the meta device, so no family is named here."""
+    if keep_source_vocab(src, draft_vocab_size) is not None:
+        return
+    from dflashkit.family import new_drafter
+
+    n = run_draft_vocab(run, draft_vocab_size)
+    with torch.device("meta"):
+        net = new_drafter(run, None if n is None else torch.arange(n, device="cpu"))
+    wrong = _shapes_differ(src.state, net.state_dict())
+    if not wrong:
+        return
+    theirs = "the full vocab" if src.vocab is None else f"{int(src.vocab.numel())} tokens"
+    size = draft_vocab_size or "null"
+    mine = f"{n} tokens" if n is not None else f"the full vocab (drafter.draft_vocab_size {size})"
+    keep = int(src.vocab.numel()) if src.vocab is not None else "null"
+    raise UsageError(f"drafter.init {src.path}: the drafter's draft vocabulary ({theirs}) != this run's ({mine}), "
+                     f"and its weights have a row per draft-vocab entry: " + "; ".join(wrong),
+                     hint=f"set drafter.draft_vocab_size={keep} to keep the drafter's vocabulary")
+
+
+def _shapes_differ(source: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> list[str]:
+    """`name: the drafter's [shape] != this run's [shape]` for each tensor of both with another shape."""
+    return [f"{k}: the drafter's {list(v.shape)} != this run's {list(own[k].shape)}" for k, v in source.items()
+            if k in own and tuple(own[k].shape) != tuple(v.shape)]
+
+
 def family_mismatch(src: DrafterContract, run: DrafterContract) -> str | None:
     """Why a drafter of `src`'s family cannot start this run's (None: the same family, or a conversion the
     run's family allows)."""
@@ -134,6 +175,11 @@ def warm_start(drafter: torch.nn.Module, src: WarmSource, run: DrafterContract) 
     if missing:
         raise UsageError(f"drafter.init {src.path}: no tensors {missing[:5]} for this drafter",
                          hint="the dir is not a DFlash drafter of this architecture")
+    wrong = _shapes_differ(src.state, own)
+    if wrong:  # `check_draft_vocab_fits` refuses these before any work; a caller that skipped it gets exit 2 here
+        raise UsageError(f"drafter.init {src.path}: tensors of another shape than this run's drafter: "
+                         + "; ".join(wrong), hint="set drafter.draft_vocab_size to the drafter's V' (its d2t), or "
+                                                  "warm-start from a drafter of this run's shape")
     for k, v in src.state.items():
         if k in own:
             own[k].copy_(v.to(own[k].dtype))
