@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -123,24 +124,45 @@ def test_records_are_a_prepare_source(tmp_path):
     assert plain == [{"role": "user", "content": "def f():"}, {"role": "assistant", "content": " return 1"}]
 
 
-def test_serve_records_features_that_equal_captures(tiny_qwen3, tmp_path):
+def _usage_of(text: str, stream: bool) -> dict:
+    """The `usage` of a reply: the body's, or a stream's last event before `[DONE]`."""
+    if not stream:
+        return json.loads(text)["usage"]
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+    return json.loads(events[-1])["usage"]
+
+
+@pytest.mark.parametrize("proposer", ["drafter", "hybrid"])
+def test_serve_records_features_that_equal_captures(tiny_qwen3, tmp_path, proposer):
+    """The recorded features equal capture's. With the hybrid, the same request comes back (after a first one,
+    streamed and not): the suffix branch drafts it from the tenant pool, so verify steps accept whole blocks and
+    their committed rows come from inside one verify forward, rejected rows dropped (a random drafter alone
+    almost never gets a draft accepted)."""
     target = load_target(TargetSection(path=str(tiny_qwen3)))
     drafter = random_drafter(target, block_size=4)
     save_drafter(drafter, tmp_path / "drafter", dtype="float32")
     rdir = tmp_path / "rec"
     cfg = {"target": {"path": str(tiny_qwen3)}, "capture": {"dtype": "float32"},
-           "serve": {"drafter": str(tmp_path / "drafter"), "record_dir": str(rdir), "record_features": True}}
-    answers = []
+           "serve": {"drafter": str(tmp_path / "drafter"), "record_dir": str(rdir), "record_features": True,
+                     "proposer": proposer}}
+    contents = ["Tell me about tokens, take 0", "Tell me about tokens, take 1"]
+    if proposer == "hybrid":
+        contents = [contents[0]] * 3
+    answers, accepted = [], []
     with serving(cfg) as (app, url):
-        for i, stream in enumerate((False, True)):
-            body = {"messages": [{"role": "user", "content": f"Tell me about tokens, take {i}"}], "max_tokens": 12,
+        for i, content in enumerate(contents):
+            stream = i % 2 == 1
+            body = {"messages": [{"role": "user", "content": content}], "max_tokens": 12,
                     "chat_template_kwargs": {"enable_thinking": False}, "stream": stream}
             r = httpx.post(url + "/chat/completions", json=body, timeout=120)
             assert r.status_code == 200
             answers.append(r.text if stream else r.json()["choices"][0]["token_ids"])
+            accepted.append(_usage_of(r.text, stream)["acceptance_lengths"])
     app.recording.recorder.close()
+    if proposer == "hybrid":  # the repeats: several drafted tokens accepted per step
+        assert max(max(a) for a in accepted[1:]) >= 3, accepted
     recs = list(read_recorded(rdir))
-    assert len(recs) == 2 and recs[0]["completion_token_ids"] == answers[0]
+    assert len(recs) == len(contents) and recs[0]["completion_token_ids"] == answers[0]
     assert recs[0]["target"] == {"fingerprint": target_fingerprint(tiny_qwen3), "how": "files"}
     assert recs[1]["thinking"] is False and recs[1]["messages"][-1]["role"] == "assistant"
     layer_ids = list(drafter.target_layer_ids)
