@@ -204,11 +204,12 @@ def start_cli(args: list[str], port: int, log: Path) -> subprocess.Popen:
     raise AssertionError(f"{args[0]} did not answer in time: {log.read_text()[-2000:]}")
 
 
-def flood(url: str, clients: int, *, stop: threading.Event, acked: list[str], stream_every: int = 2,
-          max_tokens: int = 6, tag: str = "") -> list[threading.Thread]:
+def flood(url: str, clients: int, *, stop: threading.Event, acked: list[str], midway: set[str] | None = None,
+          stream_every: int = 2, max_tokens: int = 6, tag: str = "") -> list[threading.Thread]:
     """`clients` threads sending chat requests (each with a nonce unique among floods of distinct `tag`s) until
     `stop`; the nonces of the requests acknowledged (a whole body, or a stream through `data: [DONE]`) go into
-    `acked`."""
+    `acked`; `midway` holds the nonces of the streams now open that have had bytes of their answer, not all."""
+    midway = set() if midway is None else midway
 
     def client(k: int) -> None:
         n = 0
@@ -219,8 +220,13 @@ def flood(url: str, clients: int, *, stop: threading.Event, acked: list[str], st
                     "stream": n % stream_every == 0}
             try:
                 if body["stream"]:
+                    parts: list[bytes] = []
                     with httpx.stream("POST", url + "/chat/completions", json=body, timeout=30) as r:
-                        text = b"".join(r.iter_raw())
+                        for part in r.iter_raw():
+                            if r.status_code == 200:
+                                midway.add(nonce)
+                            parts.append(part)
+                    text = b"".join(parts)
                     if r.status_code == 200 and text.rstrip().endswith(b"data: [DONE]"):
                         acked.append(nonce)
                 else:
@@ -231,11 +237,28 @@ def flood(url: str, clients: int, *, stop: threading.Event, acked: list[str], st
                 if stop.is_set():
                     return
                 time.sleep(0.05)
+            finally:
+                midway.discard(nonce)
 
     threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(clients)]
     for t in threads:
         t.start()
     return threads
+
+
+def freeze_mid_stream(child: subprocess.Popen, midway: set[str], acked: list[str], deadline: float) -> set[str]:
+    """Stop (SIGSTOP) `child`'s process group at a moment when a stream is half answered; returns the nonces of
+    the streams it left half answered (the clients have read all it sent: 0.3 s of it stopped)."""
+    while time.time() < deadline:
+        if midway:
+            os.killpg(child.pid, signal.SIGSTOP)
+            time.sleep(0.3)
+            cut = set(midway) - set(acked)
+            if cut:
+                return cut
+            os.killpg(child.pid, signal.SIGCONT)  # they all ended before the stop: another moment
+        time.sleep(0.01)
+    return set()
 
 
 def assert_exactly_once(root: Path, acked: list[str]) -> None:
@@ -253,25 +276,31 @@ def assert_exactly_once(root: Path, acked: list[str]) -> None:
 
 
 def kill_under_load(args: list[str], port: int, root: Path, log: Path, *, min_acked: int = 4) -> None:
-    """Run ARGS (a recording server on `port`), flood it with 4 clients, kill -9 it mid-traffic, restart it,
-    flood again briefly, stop it: every acknowledged request recorded exactly once."""
+    """Run ARGS (a recording server on `port`), flood it with 4 clients, kill -9 it mid-stream (stopped first at a
+    moment a stream is half answered, so that moment is certain), restart it, flood again briefly, stop it: every
+    acknowledged request recorded exactly once, and a request was in flight at the kill."""
     acked: list[str] = []
+    midway: set[str] = set()
+    cut: set[str] = set()
     url = f"http://127.0.0.1:{port}/v1"
     for round_ in range(2):
         child = start_cli(args, port, log)
         stop = threading.Event()
-        threads = flood(url, 4, stop=stop, acked=acked, tag=str(round_))
+        threads = flood(url, 4, stop=stop, acked=acked, midway=midway, tag=str(round_))
         deadline = time.time() + 120
         want = len(acked) + min_acked
         while len(acked) < want and time.time() < deadline:
             time.sleep(0.05)
-        if len(acked) < want:  # no child or client outlives a failed test
+        if round_ == 0 and len(acked) >= want:
+            cut = freeze_mid_stream(child, midway, acked, deadline)
+        if len(acked) < want or (round_ == 0 and not cut):  # no child or client outlives a failed test
             stop.set()
             os.killpg(child.pid, signal.SIGKILL)
             child.wait(10)
-            raise AssertionError(f"{len(acked)} of {want} requests answered: {log.read_text()[-2000:]}")
+            raise AssertionError(f"{len(acked)} of {want} requests answered, {len(cut)} frozen mid-stream: "
+                                 f"{log.read_text()[-2000:]}")
         if round_ == 0:
-            os.killpg(child.pid, signal.SIGKILL)  # mid-stream: 4 clients have requests in flight
+            os.killpg(child.pid, signal.SIGKILL)  # mid-stream: the streams in `cut` are half answered
             child.wait(10)
             stop.set()
         else:
@@ -282,6 +311,7 @@ def kill_under_load(args: list[str], port: int, root: Path, log: Path, *, min_ac
             assert child.wait(60) == 0, log.read_text()[-2000:]
         for t in threads:
             t.join(60)
+    assert cut and not cut & set(acked)  # in flight at the kill: started, answered in part, never acknowledged
     assert_exactly_once(root, acked)
 
 
