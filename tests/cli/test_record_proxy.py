@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -54,23 +55,29 @@ def test_proxy_streams_through_and_records_each_kind(tmp_path):
     assert stream["time"] <= whole["time"] <= comp["time"]
 
 
-def test_keys_in_a_header_an_env_var_or_the_url_are_never_written(tmp_path, monkeypatch):
+@pytest.mark.parametrize("upstream_auth", ["url", "env"])
+def test_keys_in_a_header_an_env_var_or_the_url_are_never_written(tmp_path, monkeypatch, upstream_auth):
+    """Each credential really goes upstream (the stub quotes the Authorization it got back into its reply, which
+    the client sees), and no written file holds it, plain or base64. The proxy sends the URL's `user:password@` as
+    Basic before record.api_key_env, so the env-var key is exercised by an upstream URL without credentials."""
     header_key, env_key, url_pw = "sk-header-7Hq2LxP9vZ", "sk-envvar-3Rt8MnB4wQ", "urlpass-K5jD2sW9"
+    basic = base64.b64encode(f"alice:{url_pw}".encode()).decode()
     monkeypatch.setenv("REC_TEST_KEY", env_key)
     port, root, log = _free_port(), tmp_path / "rec", tmp_path / "proxy.log"
     with stub_upstream(chunks=3, echo_auth=True) as up:
-        with_creds = up.replace("http://", f"http://alice:{url_pw}@")
-        child = start_cli(["record", "--upstream", with_creds, "--port", str(port), f"record.dir={root}",
-                           "record.api_key_env=REC_TEST_KEY"], port, log)
+        upstream = up.replace("http://", f"http://alice:{url_pw}@") if upstream_auth == "url" else up
+        child = start_cli(["record", "--upstream", upstream, "--port", str(port), f"record.dir={root}",
+                           "record.api_key_env=REC_TEST_KEY", "--log-level", "debug"], port, log)
         url = f"http://127.0.0.1:{port}/v1"
         try:
             msg = {"role": "user", "content": f"my key is {header_key}, and the url http://bob:{url_pw}@h/v1"}
             r = httpx.post(url + "/chat/completions", json={"messages": [msg]},
                            headers={"Authorization": f"Bearer {header_key}"}, timeout=30)
-            assert header_key in r.text  # the upstream got it and quoted it back to the client
+            assert f"auth=Bearer {header_key} " in r.text  # the client's key went upstream, and came back quoted
             r = httpx.post(url + "/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                             "stream": True}, timeout=30)
-            assert "auth=Basic " in r.text  # no client key: the URL's credentials went upstream
+            sent = f"Basic {basic}" if upstream_auth == "url" else f"Bearer {env_key}"
+            assert f"auth={sent} " in r.text  # no client key: the proxy's own credential went upstream
         finally:
             _stop(child, log)
     assert len(list(read_recorded(root))) == 2
@@ -78,7 +85,7 @@ def test_keys_in_a_header_an_env_var_or_the_url_are_never_written(tmp_path, monk
     assert any(p.suffix == ".jsonl" for p in written) and log in written
     for p in written:
         data = p.read_bytes()
-        for secret in (header_key, env_key, url_pw):
+        for secret in (header_key, env_key, url_pw, f"alice:{url_pw}", basic):
             assert secret.encode() not in data, (p, secret)
 
 

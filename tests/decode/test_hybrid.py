@@ -10,13 +10,13 @@ from dflashkit.config import TargetSection
 from dflashkit.decode.api import SamplingParams
 from dflashkit.decode.hybrid import NEVER, HybridGate, HybridProposer, label
 from dflashkit.decode.spec_decode import SpecDecoder
-from dflashkit.decode.suffix import SuffixProposer
+from dflashkit.decode.suffix import SuffixPool, SuffixProposer
 from dflashkit.errors import UsageError
 from dflashkit.model.drafter import DraftKVCache
 from dflashkit.model.target import Target, load_target
 from dflashkit.testing import random_drafter
 from dflashkit.testing.proposers import CopyTargetProposer
-from tests.harness.hybrid import make_tiny_hybrid_target
+from tests.harness.hybrid import HYBRID_ARCHS, make_tiny_hybrid_target
 
 # repeated text: the suffix branch has long matches from the first step on
 PROMPT = [1, 60, 61, 62, 63, 64, 10, 65, 66, 67, 68, 2, 10, 60, 61, 62, 63, 64, 10, 65, 66, 67]
@@ -24,17 +24,34 @@ N = 30
 ORIGINS = {"drafter", "suffix", "both"}
 
 
+class _Targets(dict):
+    """Tiny targets by arch, each loaded on first use (most tests here need two of them)."""
+
+    def __init__(self, tiny_targets, base):
+        super().__init__()
+        self.tiny_targets, self.base = tiny_targets, base
+
+    def __missing__(self, arch: str) -> Target:
+        path = self.tiny_targets[arch] if arch in self.tiny_targets else make_tiny_hybrid_target(self.base / arch, arch)
+        target = self[arch] = load_target(TargetSection(path=str(path), device="cpu", dtype="float32"))
+        return target
+
+
 @pytest.fixture(scope="module")
 def targets(tiny_targets, tmp_path_factory):
-    out = {arch: load_target(TargetSection(path=str(d), device="cpu", dtype="float32"))
-           for arch, d in tiny_targets.items() if arch in ("qwen3", "llama")}
-    hybrid_dir = make_tiny_hybrid_target(tmp_path_factory.mktemp("hybrid") / "qwen3_next", "qwen3_next")
-    out["qwen3_next"] = load_target(TargetSection(path=str(hybrid_dir), device="cpu", dtype="float32"))
-    return out
+    """qwen3, llama, deepseek_v3 (MLA + MoE), and the tiny hybrids of `tests.harness.hybrid` (HYBRID_ARCHS)."""
+    return _Targets(tiny_targets, tmp_path_factory.mktemp("hybrid"))
 
 
 def _greedy(target: Target, prompt: list[int], n: int) -> list[int]:
     return SpecDecoder(target, None, 1).generate(prompt, SamplingParams(max_new_tokens=n)).token_ids
+
+
+def _hf_greedy(target: Target, prompt: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = target.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                    max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
 
 
 def _check_shape(r, b: int) -> None:
@@ -55,19 +72,27 @@ def _hybrid(min_match: int = 2, **gate) -> HybridProposer:
     return HybridProposer(SuffixProposer(), HybridGate(min_match=min_match, **gate))
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "deepseek_v3", *HYBRID_ARCHS])
 def test_hybrid_greedy_equals_target_greedy(targets, arch):
     target = targets[arch]
     ref = _greedy(target, PROMPT, N)
+    assert ref == _hf_greedy(target, PROMPT, N)  # the reference is transformers' own greedy output
     params = SamplingParams(max_new_tokens=N)
     for b in (2, 4, 8):
         for lean in (True, False):
-            dec = SpecDecoder(target, random_drafter(target, block_size=b), b, hybrid=_hybrid(), lean=lean)
-            r = dec.generate(PROMPT, params)
-            assert r.token_ids == ref, f"B={b} lean={lean}"
-            assert sum(r.acceptance_lengths) == N - 1
-            _check_shape(r, b)
-            assert {"suffix", "drafter"} <= set(r.branch), (b, r.branch)  # both branches drafted
+            hybrid = HybridProposer(SuffixProposer(pool=SuffixPool()), HybridGate(min_match=2))
+            dec = SpecDecoder(target, random_drafter(target, block_size=b), b, hybrid=hybrid, lean=lean)
+            branches: set[str] = set()
+            # The same request twice: a target whose greedy output never repeats itself nor the prompt (bamba's,
+            # nemotron_h's here) gives the suffix branch nothing to match the first time; the second time the pool
+            # holds the first, and the suffix branch drafts whatever the target writes.
+            for run in ("first", "again"):
+                r = dec.generate(PROMPT, params)
+                assert r.token_ids == ref, f"B={b} lean={lean} {run}"
+                assert sum(r.acceptance_lengths) == N - 1
+                _check_shape(r, b)
+                branches |= set(r.branch)
+            assert {"suffix", "drafter"} <= branches, (b, r.branch)  # both branches drafted
 
 
 

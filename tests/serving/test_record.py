@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -123,24 +124,45 @@ def test_records_are_a_prepare_source(tmp_path):
     assert plain == [{"role": "user", "content": "def f():"}, {"role": "assistant", "content": " return 1"}]
 
 
-def test_serve_records_features_that_equal_captures(tiny_qwen3, tmp_path):
+def _usage_of(text: str, stream: bool) -> dict:
+    """The `usage` of a reply: the body's, or a stream's last event before `[DONE]`."""
+    if not stream:
+        return json.loads(text)["usage"]
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+    return json.loads(events[-1])["usage"]
+
+
+@pytest.mark.parametrize("proposer", ["drafter", "hybrid"])
+def test_serve_records_features_that_equal_captures(tiny_qwen3, tmp_path, proposer):
+    """The recorded features equal capture's. With the hybrid, the same request comes back (after a first one,
+    streamed and not): the suffix branch drafts it from the tenant pool, so verify steps accept whole blocks and
+    their committed rows come from inside one verify forward, rejected rows dropped (a random drafter alone
+    almost never gets a draft accepted)."""
     target = load_target(TargetSection(path=str(tiny_qwen3)))
     drafter = random_drafter(target, block_size=4)
     save_drafter(drafter, tmp_path / "drafter", dtype="float32")
     rdir = tmp_path / "rec"
     cfg = {"target": {"path": str(tiny_qwen3)}, "capture": {"dtype": "float32"},
-           "serve": {"drafter": str(tmp_path / "drafter"), "record_dir": str(rdir), "record_features": True}}
-    answers = []
+           "serve": {"drafter": str(tmp_path / "drafter"), "record_dir": str(rdir), "record_features": True,
+                     "proposer": proposer}}
+    contents = ["Tell me about tokens, take 0", "Tell me about tokens, take 1"]
+    if proposer == "hybrid":
+        contents = [contents[0]] * 3
+    answers, accepted = [], []
     with serving(cfg) as (app, url):
-        for i, stream in enumerate((False, True)):
-            body = {"messages": [{"role": "user", "content": f"Tell me about tokens, take {i}"}], "max_tokens": 12,
+        for i, content in enumerate(contents):
+            stream = i % 2 == 1
+            body = {"messages": [{"role": "user", "content": content}], "max_tokens": 12,
                     "chat_template_kwargs": {"enable_thinking": False}, "stream": stream}
             r = httpx.post(url + "/chat/completions", json=body, timeout=120)
             assert r.status_code == 200
             answers.append(r.text if stream else r.json()["choices"][0]["token_ids"])
+            accepted.append(_usage_of(r.text, stream)["acceptance_lengths"])
     app.recording.recorder.close()
+    if proposer == "hybrid":  # the repeats: several drafted tokens accepted per step
+        assert max(max(a) for a in accepted[1:]) >= 3, accepted
     recs = list(read_recorded(rdir))
-    assert len(recs) == 2 and recs[0]["completion_token_ids"] == answers[0]
+    assert len(recs) == len(contents) and recs[0]["completion_token_ids"] == answers[0]
     assert recs[0]["target"] == {"fingerprint": target_fingerprint(tiny_qwen3), "how": "files"}
     assert recs[1]["thinking"] is False and recs[1]["messages"][-1]["role"] == "assistant"
     layer_ids = list(drafter.target_layer_ids)
@@ -182,11 +204,12 @@ def start_cli(args: list[str], port: int, log: Path) -> subprocess.Popen:
     raise AssertionError(f"{args[0]} did not answer in time: {log.read_text()[-2000:]}")
 
 
-def flood(url: str, clients: int, *, stop: threading.Event, acked: list[str], stream_every: int = 2,
-          max_tokens: int = 6, tag: str = "") -> list[threading.Thread]:
+def flood(url: str, clients: int, *, stop: threading.Event, acked: list[str], midway: set[str] | None = None,
+          stream_every: int = 2, max_tokens: int = 6, tag: str = "") -> list[threading.Thread]:
     """`clients` threads sending chat requests (each with a nonce unique among floods of distinct `tag`s) until
     `stop`; the nonces of the requests acknowledged (a whole body, or a stream through `data: [DONE]`) go into
-    `acked`."""
+    `acked`; `midway` holds the nonces of the streams now open that have had bytes of their answer, not all."""
+    midway = set() if midway is None else midway
 
     def client(k: int) -> None:
         n = 0
@@ -197,8 +220,13 @@ def flood(url: str, clients: int, *, stop: threading.Event, acked: list[str], st
                     "stream": n % stream_every == 0}
             try:
                 if body["stream"]:
+                    parts: list[bytes] = []
                     with httpx.stream("POST", url + "/chat/completions", json=body, timeout=30) as r:
-                        text = b"".join(r.iter_raw())
+                        for part in r.iter_raw():
+                            if r.status_code == 200:
+                                midway.add(nonce)
+                            parts.append(part)
+                    text = b"".join(parts)
                     if r.status_code == 200 and text.rstrip().endswith(b"data: [DONE]"):
                         acked.append(nonce)
                 else:
@@ -209,11 +237,28 @@ def flood(url: str, clients: int, *, stop: threading.Event, acked: list[str], st
                 if stop.is_set():
                     return
                 time.sleep(0.05)
+            finally:
+                midway.discard(nonce)
 
     threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(clients)]
     for t in threads:
         t.start()
     return threads
+
+
+def freeze_mid_stream(child: subprocess.Popen, midway: set[str], acked: list[str], deadline: float) -> set[str]:
+    """Stop (SIGSTOP) `child`'s process group at a moment when a stream is half answered; returns the nonces of
+    the streams it left half answered (the clients have read all it sent: 0.3 s of it stopped)."""
+    while time.time() < deadline:
+        if midway:
+            os.killpg(child.pid, signal.SIGSTOP)
+            time.sleep(0.3)
+            cut = set(midway) - set(acked)
+            if cut:
+                return cut
+            os.killpg(child.pid, signal.SIGCONT)  # they all ended before the stop: another moment
+        time.sleep(0.01)
+    return set()
 
 
 def assert_exactly_once(root: Path, acked: list[str]) -> None:
@@ -231,25 +276,31 @@ def assert_exactly_once(root: Path, acked: list[str]) -> None:
 
 
 def kill_under_load(args: list[str], port: int, root: Path, log: Path, *, min_acked: int = 4) -> None:
-    """Run ARGS (a recording server on `port`), flood it with 4 clients, kill -9 it mid-traffic, restart it,
-    flood again briefly, stop it: every acknowledged request recorded exactly once."""
+    """Run ARGS (a recording server on `port`), flood it with 4 clients, kill -9 it mid-stream (stopped first at a
+    moment a stream is half answered, so that moment is certain), restart it, flood again briefly, stop it: every
+    acknowledged request recorded exactly once, and a request was in flight at the kill."""
     acked: list[str] = []
+    midway: set[str] = set()
+    cut: set[str] = set()
     url = f"http://127.0.0.1:{port}/v1"
     for round_ in range(2):
         child = start_cli(args, port, log)
         stop = threading.Event()
-        threads = flood(url, 4, stop=stop, acked=acked, tag=str(round_))
+        threads = flood(url, 4, stop=stop, acked=acked, midway=midway, tag=str(round_))
         deadline = time.time() + 120
         want = len(acked) + min_acked
         while len(acked) < want and time.time() < deadline:
             time.sleep(0.05)
-        if len(acked) < want:  # no child or client outlives a failed test
+        if round_ == 0 and len(acked) >= want:
+            cut = freeze_mid_stream(child, midway, acked, deadline)
+        if len(acked) < want or (round_ == 0 and not cut):  # no child or client outlives a failed test
             stop.set()
             os.killpg(child.pid, signal.SIGKILL)
             child.wait(10)
-            raise AssertionError(f"{len(acked)} of {want} requests answered: {log.read_text()[-2000:]}")
+            raise AssertionError(f"{len(acked)} of {want} requests answered, {len(cut)} frozen mid-stream: "
+                                 f"{log.read_text()[-2000:]}")
         if round_ == 0:
-            os.killpg(child.pid, signal.SIGKILL)  # mid-stream: 4 clients have requests in flight
+            os.killpg(child.pid, signal.SIGKILL)  # mid-stream: the streams in `cut` are half answered
             child.wait(10)
             stop.set()
         else:
@@ -260,6 +311,7 @@ def kill_under_load(args: list[str], port: int, root: Path, log: Path, *, min_ac
             assert child.wait(60) == 0, log.read_text()[-2000:]
         for t in threads:
             t.join(60)
+    assert cut and not cut & set(acked)  # in flight at the kill: started, answered in part, never acknowledged
     assert_exactly_once(root, acked)
 
 
