@@ -106,6 +106,20 @@ def test_two_rounds_hold_out_the_newest_and_follow_the_rule(run_dir, tiny_qwen3,
     assert all(before[k] == v for k, v in _digest(rec).items() if k == "records-00000001.jsonl")
     rc, out, _ = _learn(run_dir, tiny_qwen3, rec, capsys)
     assert rc == 2 and "no new record" in out["error"]
+    # round 3: round 2 kept the serving drafter, so its traffic (held-out slice included) trains round 3's
+    # candidate beside round 3's own; only round 3's newest are held out
+    _write(rec / "records-00000002.jsonl", _records(tiny_qwen3, run_dir, 5, 15))
+    rc, out, err = _learn(run_dir, tiny_qwen3, rec, capsys, "learn.min_gain=100")
+    assert rc == 0, err[-3000:]
+    r3 = json.loads((run_dir / "learn" / "rounds" / "003" / "round.json").read_text())
+    assert r3["ids"]["heldout"] == ["req0018", "req0019"] and r3["window"]["earlier_records"] == 5
+    assert r3["ids"]["train"] == [f"req{i:04d}" for i in (10, 11, 12, 13, 14, 15, 16, 17)]
+    # learn.window=round: only the records new since round 3
+    _write(rec / "records-00000002.jsonl", _records(tiny_qwen3, run_dir, 5, 20))
+    rc, out, err = _learn(run_dir, tiny_qwen3, rec, capsys, "learn.min_gain=100", "learn.window=round")
+    assert rc == 0, err[-3000:]
+    r4 = json.loads((run_dir / "learn" / "rounds" / "004" / "round.json").read_text())
+    assert r4["ids"]["train"] == ["req0020", "req0021", "req0022"] and r4["window"]["earlier_records"] == 0
 
 
 def test_a_budget_without_calibration_still_bounds_the_round(run_dir, tiny_qwen3, tmp_path, capsys):

@@ -682,6 +682,12 @@ class LearnSection:
     heldout_min: int = f(2, "At least this many held-out records a round (one record always trains).",
                          hash_default=False)
     heldout_max: int = f(64, "At most this many held-out records a round.", hash_default=False)
+    window: Literal["since_promotion", "round"] = f(
+        "since_promotion", "What a round trains on: `since_promotion` = every record since the serving drafter "
+        "was promoted (a round that keeps the serving drafter leaves its traffic to the next one, so evidence "
+        "accumulates until a candidate is shown better), held-out records of earlier rounds included; `round` = "
+        "only the records new since the last round. The held-out slice is always the newest of the new records.",
+        hash_default=False)
     max_steps: int = f(50, "A round's optimizer steps at most (all of them without --budget or a saved "
                        "calibration).", hash_default=False)
     train_fraction: float = f(0.6, "With --budget: the share of the round's minutes given to training steps (the "

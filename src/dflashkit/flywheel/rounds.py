@@ -3,13 +3,17 @@
 Usage:
     res = learn_round(cfg, rd, record_dir, budget_minutes=10, calibration=saved_calibration(cfg, rd))
 
-Layout (`<run_dir>/learn/`): cursor.json (complete lines consumed per segment; written last, atomically, so a
-round that fails leaves it where it was and the next round reads the same records again), promoted.json (the
+Layout (`<run_dir>/learn/`): cursor.json (complete lines consumed per segment, and `since_promotion`, the same
+after the round that promoted the serving drafter; written last, atomically, so a round that fails leaves it where
+it was and the next round reads the same records again), promoted.json (the
 pointer `serve` watches, `flywheel/pointer.py`), rounds/NNN/ (a run dir of its own: contract.json,
 conversations.jsonl, tokenize/, train/, export/ when promoted, and round.json: cursor range, sample ids, steps,
 both drafters' scores, the paired interval, the decision and the paths).
 
-The held-out slice is the newest traffic by time (`traffic.split_newest`); its samples never train (the
+A round trains on the records since the serving drafter's promotion (`learn.window: since_promotion`: a kept
+round's traffic, its held-out slice included, trains the next round's candidate, so evidence accumulates until one
+is shown better) or on its new records only (`round`). The held-out slice is the newest of the new records by time
+(`traffic.split_newest`); its samples never train (the
 trainer's split is handed in: `train.loop.setup(split=...)`). Both drafters are scored on it the way the
 held-out curve scores (teacher-forced simulated τ on the target's own tokens, `Trainer.micro_loss` with the
 run's held-out labels), one sample at a time, and compared by a paired bootstrap over the samples of the
@@ -64,8 +68,16 @@ class EmptyWindow(UsageError):
 
 
 def read_cursor(rd: RunDir) -> dict[str, int]:
+    """Where the next round's new records start (complete lines consumed per segment)."""
     p = rd.learn_dir / "cursor.json"
     return dict(read_json(p).get("segments", {})) if p.is_file() else {}
+
+
+def read_base(rd: RunDir) -> dict[str, int]:
+    """Where the serving drafter's unlearned traffic starts: the cursor after the round that promoted it (the
+    start of the record dir before any promotion)."""
+    p = rd.learn_dir / "cursor.json"
+    return dict(read_json(p).get("since_promotion", {})) if p.is_file() else {}
 
 
 def serving_drafter(cfg: Any, rd: RunDir) -> tuple[Path, str]:
@@ -217,14 +229,21 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
     t0 = time.time()
     if not rd.contract_path.is_file():
         raise MissingArtifactError("the drafter contract", rd.contract_path, run="dflashkit probe -c run.yaml")
-    cursor = read_cursor(rd)
-    win = read_window(record_dir, cursor, expected=run_fingerprint(cfg), on_corrupt=cfg.learn.on_corrupt)
+    cursor, base = read_cursor(rd), read_base(rd)
+    fingerprint = run_fingerprint(cfg)
+    win = read_window(record_dir, cursor, expected=fingerprint, on_corrupt=cfg.learn.on_corrupt)
     if not win.records:
         raise EmptyWindow(f"--records {record_dir}: no new record since the last round"
                           + (f" ({len(win.corrupt)} corrupt lines skipped)" if win.corrupt else ""),
                           hint="serve traffic with recording on (serve.record_dir) and run `dflashkit learn` again")
     train_recs, held_recs = split_newest(win.records, fraction=cfg.learn.heldout_fraction,
                                          minimum=cfg.learn.heldout_min, maximum=cfg.learn.heldout_max)
+    earlier: list[dict[str, Any]] = []
+    if cfg.learn.window == "since_promotion" and base != cursor:  # kept rounds' traffic, oldest first
+        new_ids = {str(r["id"]) for r in win.records}
+        earlier = [r for r in read_window(record_dir, base, expected=fingerprint, on_corrupt="skip").records
+                   if str(r["id"]) not in new_ids]
+        train_recs = earlier + train_recs
     serving, serving_id = serving_drafter(cfg, rd)
     n = _round_no(rd)
     rdir = rd.learn_dir / "rounds" / f"{n:03d}"
@@ -303,6 +322,7 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
     drop_checkpoints(rrd)  # resumable state of a finished round: train/final stays
     record = {"round": n, "records_dir": str(record_dir), "cursor_before": cursor, "cursor_after": win.cursor,
               "lines": win.span, "corrupt": win.corrupt,
+              "window": {"rule": cfg.learn.window, "since": base, "earlier_records": len(earlier)},
               "samples": {"records": len(win.records), "train_records": len(train_recs),
                           "heldout_records": len(held_recs), "trained": len(trained_ids),
                           "heldout": len(heldout_ids)},
@@ -318,6 +338,7 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
               "wall_s": round(time.time() - t0, 2)}
     atomic_write_json(rdir / "round.json", record)
     atomic_write_json(rd.learn_dir / "cursor.json", {"records_dir": str(record_dir), "segments": win.cursor,
+                                                      "since_promotion": win.cursor if promote else base,
                                                       "round": n})
     log.info("round %d: %d records (%d held out), τ new %s vs serving %s, gain %s, 90%% %s → %s", n,
              len(win.records), len(held_recs), cmp["tau_new"], cmp["tau_serving"], cmp["gain"], cmp["interval90"],
