@@ -177,6 +177,35 @@ def test_serve_records_features_that_equal_captures(tiny_qwen3, tmp_path, propos
         torch.testing.assert_close(feats, row[1][: len(ids) - 1].float(), atol=1e-4, rtol=1e-4)
 
 
+def test_a_client_key_sent_to_serve_is_never_recorded_or_logged(tiny_qwen3, tmp_path, caplog):
+    """A client's credentials (Authorization, x-api-key, a key in the query string) reach `dflashkit serve` with
+    recording on and debug logging: no record, features file or log line carries them."""
+    target = load_target(TargetSection(path=str(tiny_qwen3)))
+    save_drafter(random_drafter(target, block_size=4), tmp_path / "drafter", dtype="float32")
+    rdir = tmp_path / "rec"
+    cfg = {"target": {"path": str(tiny_qwen3)}, "run": {"log_level": "debug"},
+           "serve": {"drafter": str(tmp_path / "drafter"), "record_dir": str(rdir), "record_features": True}}
+    key, other = "sk-client-7f3a9c1e5b2d4f60", "xk-client-0b1c2d3e4f5a6b7c"
+    body = {"messages": [{"role": "user", "content": "Tell me about tokens"}], "max_tokens": 6,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    caplog.set_level("DEBUG")
+    with serving(cfg) as (app, url):
+        for stream in (False, True):
+            r = httpx.post(url + f"/chat/completions?api_key={other}", json={**body, "stream": stream}, timeout=120,
+                           headers={"Authorization": f"Bearer {key}", "x-api-key": other})
+            assert r.status_code == 200
+    app.recording.recorder.close()
+    recs = list(read_recorded(rdir))
+    assert len(recs) == 2  # both requests were recorded, so the files below are what recording wrote
+    files = _files(rdir)
+    assert files
+    for secret in (key, other):
+        for f in files:
+            assert secret.encode() not in f.read_bytes(), f
+        ours = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith("dflashkit"))
+        assert "POST /v1/chat/completions" in ours and secret not in ours  # the access log ran, key hidden
+
+
 # -- kill -9 of `serve` under 4 concurrent clients -----------------------------------------------------------------
 
 

@@ -36,7 +36,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from dflashkit.errors import UsageError
-from dflashkit.redact import redact_url, remember_header, remember_secret
+from dflashkit.redact import redact_text, redact_url, remember_header, remember_secret
 from dflashkit.serving.record import Assembler, Recorder, add_reply, reply_of, request_record
 
 log = logging.getLogger("dflashkit.record")
@@ -116,8 +116,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
     server_version = "dflashkit-record"
     proxy: RecordingProxy
 
-    def log_message(self, fmt: str, *args) -> None:  # the request line only: never headers
-        log.debug("%s " + fmt, self.address_string(), *args)
+    def log_message(self, fmt: str, *args) -> None:  # the request line only (never headers), a key in it hidden
+        log.debug("%s %s", self.address_string(), redact_text(fmt % args))
 
     def do_GET(self) -> None:  # noqa: N802
         self._relay("GET", b"")

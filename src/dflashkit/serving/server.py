@@ -47,6 +47,7 @@ from typing import Any, Iterator
 
 from dflashkit.data.records import tools_problem
 from dflashkit.decode.api import SamplingParams
+from dflashkit.redact import redact_text
 from dflashkit.serving.engine import RequestCancelled
 from dflashkit.serving.tools import parse_tool_calls, renders_tools
 
@@ -186,8 +187,8 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "dflashkit"
     app: App  # set on the subclass made by make_server
 
-    def log_message(self, fmt: str, *args) -> None:  # route access logs to logging (debug)
-        log.debug("%s " + fmt, self.address_string(), *args)
+    def log_message(self, fmt: str, *args) -> None:  # access logs to logging (debug); a key in the query hidden
+        log.debug("%s %s", self.address_string(), redact_text(fmt % args))
 
     def _send_json(self, status: int, obj: Any) -> None:
         body = json.dumps(obj, ensure_ascii=False).encode()
