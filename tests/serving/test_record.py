@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -188,12 +189,18 @@ def test_a_client_key_sent_to_serve_is_never_recorded_or_logged(tiny_qwen3, tmp_
     key, other = "sk-client-7f3a9c1e5b2d4f60", "xk-client-0b1c2d3e4f5a6b7c"
     body = {"messages": [{"role": "user", "content": "Tell me about tokens"}], "max_tokens": 6,
             "chat_template_kwargs": {"enable_thinking": False}}
-    caplog.set_level("DEBUG")
-    with serving(cfg) as (app, url):
-        for stream in (False, True):
-            r = httpx.post(url + f"/chat/completions?api_key={other}", json={**body, "stream": stream}, timeout=120,
-                           headers={"Authorization": f"Bearer {key}", "x-api-key": other})
-            assert r.status_code == 200
+    for name in (None, "dflashkit", "dflashkit.serve"):  # an earlier CLI run in this process may have set levels
+        caplog.set_level("DEBUG", logger=name)
+    ours_logger = logging.getLogger("dflashkit")  # the CLI stops it propagating: hear it directly
+    ours_logger.addHandler(caplog.handler)
+    try:
+        with serving(cfg) as (app, url):
+            for stream in (False, True):
+                r = httpx.post(url + f"/chat/completions?api_key={other}", json={**body, "stream": stream},
+                               timeout=120, headers={"Authorization": f"Bearer {key}", "x-api-key": other})
+                assert r.status_code == 200
+    finally:
+        ours_logger.removeHandler(caplog.handler)
     app.recording.recorder.close()
     recs = list(read_recorded(rdir))
     assert len(recs) == 2  # both requests were recorded, so the files below are what recording wrote
