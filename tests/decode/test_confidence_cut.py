@@ -64,10 +64,8 @@ def dspark(target, block_size: int = 4):
     return d
 
 
-def test_truncated_decoding_is_the_targets_greedy_and_reads_the_confidence_head(target, monkeypatch):
-    drafter = dspark(target)
-    params = SamplingParams(max_new_tokens=31)
-    base = SpecDecoder(target, None, block_size=1).generate(PROMPT, params).token_ids
+def record_cuts(monkeypatch) -> list[tuple[list[float], int]]:
+    """Every `ConfidenceCut.choose` call from now on, as (the confidences it read, the drafts it kept)."""
     seen: list[tuple[list[float], int]] = []
     real = ConfidenceCut.choose
 
@@ -77,6 +75,14 @@ def test_truncated_decoding_is_the_targets_greedy_and_reads_the_confidence_head(
         return k
 
     monkeypatch.setattr(ConfidenceCut, "choose", choose)
+    return seen
+
+
+def test_truncated_decoding_is_the_targets_greedy_and_reads_the_confidence_head(target, monkeypatch):
+    drafter = dspark(target)
+    params = SamplingParams(max_new_tokens=31)
+    base = SpecDecoder(target, None, block_size=1).generate(PROMPT, params).token_ids
+    seen = record_cuts(monkeypatch)
     dec = SpecDecoder(target, drafter, block_size=4, confidence_cut=0.5)
     r = dec.generate(PROMPT, params)
     assert r.token_ids == base

@@ -19,7 +19,7 @@ from dflashkit.export.hf import save_drafter
 from dflashkit.model.target import load_target
 from dflashkit.serve_app import build_app
 from dflashkit.testing import random_drafter
-from tests.decode.test_confidence_cut import dspark
+from tests.decode.test_confidence_cut import dspark, record_cuts
 from tests.harness.servers import serving
 
 MSGS = [{"role": "user", "content": "Count from one to twenty, please"}]
@@ -44,15 +44,7 @@ def test_a_dspark_drafter_served_with_truncation_gives_the_targets_greedy_output
                                                                                   monkeypatch):
     save_drafter(dspark(target), tmp_path / "dspark", dtype="float32")
     ref = _reference(target, 24)
-    seen: list[tuple[list[float], int]] = []
-    real = ConfidenceCut.choose
-
-    def choose(self, conf):
-        k = real(self, conf)
-        seen.append((list(conf), k))
-        return k
-
-    monkeypatch.setattr(ConfidenceCut, "choose", choose)
+    seen = record_cuts(monkeypatch)
     cfg = {"target": {"path": str(tiny_qwen3)},
            "serve": {"drafter": str(tmp_path / "dspark"), "confidence_truncation": True, "confidence_threshold": 0.5}}
     with serving(cfg) as (app, url):
