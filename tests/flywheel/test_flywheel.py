@@ -25,7 +25,7 @@ def test_two_flywheel_rounds_promote_and_swap(tmp_path, tiny_qwen3, capsys):
     rc = main(["flywheel", "--json", *overrides(run_dir, tiny_qwen3), "learn.rounds=2", "learn.round_requests=6",
                "learn.replay_max_tokens=6", "learn.replay_concurrency=2", "learn.max_steps=2", "learn.min_gain=-4",
                f"learn.traffic=[\"{traffic}\"]", "learn.profile_prompts=1", "learn.profile_max_new_tokens=4",
-               "serve.promoted_poll_s=0.05", "tokenize.min_supervised=1"])
+               "serve.promoted_poll_s=0.05", "tokenize.min_supervised=1", "learn.compare_regenerate=true"])
     out = capsys.readouterr()
     assert rc == 0, out.err[-3000:]
     rows = json.loads((run_dir / "learn" / "flywheel.json").read_text())["rounds"]
@@ -44,3 +44,10 @@ def test_two_flywheel_rounds_promote_and_swap(tmp_path, tiny_qwen3, capsys):
     # the server recorded each reply's token ids, and the round trained on them (they spell the rendered replies)
     assert r2["tokenize"]["recorded_ids"]["used"] == r2["tokenize"]["conversations"] == 6, r2["tokenize"]
     assert r2["tokenize"]["recorded_ids"]["disagree_text_used"] == 0
+    # the regenerate arm answered the training prompts again without the drafter: the served replies (lossless
+    # speculative decoding, greedy) come back token for token; without --budget it trains the candidate's steps
+    for row in rows:
+        arm = row["regenerate_arm"]
+        assert arm["basis"] == "steps" and arm["steps"] == 2 and "scores" not in arm, arm
+        assert arm["prompts"]["regenerated"] == arm["prompts"]["available"] == arm["replies"]["compared"] == 4
+        assert arm["replies"]["equal"] == 4 and arm["candidate_vs_regenerate"]["samples"] == 2

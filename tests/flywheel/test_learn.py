@@ -86,6 +86,10 @@ def test_two_rounds_hold_out_the_newest_and_follow_the_rule(run_dir, tiny_qwen3,
     assert rc == 0, err[-3000:]
     r1 = json.loads((run_dir / "learn" / "rounds" / "001" / "round.json").read_text())
     assert r1["ids"]["heldout"] == ["req0008", "req0009"]  # the newest two (fraction 0.2 of 10)
+    assert set(r1) == {"round", "records_dir", "cursor_before", "cursor_after", "lines", "corrupt", "window", "samples",
+                       "ids", "tokenize", "steps", "steps_rule", "budget_minutes", "serving", "scores", "comparison",
+                       "serving_vs_static", "decision", "reason", "train", "export", "profile", "promoted",
+                       "vllm_restart", "wall_s"}  # learn.compare_regenerate is off by default: no regenerate arm
     assert not set(r1["ids"]["train"]) & set(r1["ids"]["heldout"]) and len(r1["ids"]["train"]) == 8
     assert r1["corrupt"] and "records-00000002.jsonl:5" in r1["corrupt"][0]
     lo = r1["comparison"]["interval90"][0]

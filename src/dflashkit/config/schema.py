@@ -697,6 +697,11 @@ class LearnSection:
     on_corrupt: Literal["skip", "fail"] = f("skip", "A corrupt record line: skip it (named file:line in the log "
                                             "and counted in round.json) or refuse the round (exit 2).",
                                             hash_default=False)
+    compare_regenerate: bool = f(False, "Each round also trains a regenerate arm (never promoted): the window's "
+                                 "training prompts answered again by the target offline, greedily, within half the "
+                                 "round's CPU budget, then the serving drafter fine-tuned on those answers for the "
+                                 "rest, and scored against the round's candidate on its held-out slice "
+                                 "(round.json `regenerate_arm`; docs/flywheel.md).", hash_default=False)
     profile_prompts: int = f(4, "Held-out prompts decoded for the promoted drafter's speculation profile.",
                              hash_default=False)
     profile_max_new_tokens: int = f(32, "Tokens a profile prompt decodes.", hash_default=False)

@@ -25,7 +25,9 @@ draft-weight transfer API needs a weight-transfer engine we do not drive: a rest
 round's drafter serves, later rounds also score the static drafter (the one before any promotion) on their slice:
 `serving_vs_static` is the flywheel's curve, τ on traffic the serving drafter never trained on. Both comparisons
 are also made per source (`by_source`: a record's own `source`, else `agent` when it offers tools, else `chat`),
-each with its own paired interval over that source's samples.
+each with its own paired interval over that source's samples. With `learn.compare_regenerate` a round also trains
+the regenerate arm (`flywheel/regenerate.py`: the window's training prompts answered again offline at equal CPU) and
+records the candidate against it (round.json `regenerate_arm`); the arm never decides anything.
 Features come from the target online (a round has no capture pass: train.features=cached
 becomes online). The round's training length: `--budget` minutes × `learn.train_fraction` over the saved calibration's step
 time (`sizing/calibration.py`), capped by `learn.max_steps`; without a calibration, `learn.max_steps`.
@@ -53,6 +55,7 @@ from dflashkit.errors import MissingArtifactError, UsageError
 from dflashkit.export.hf import load_drafter, save_drafter, write_modeling_file
 from dflashkit.export.profile import Measurement, build_profile, method_for, profile_path, weights_digest, write_profile
 from dflashkit.flywheel.pointer import pointer_path, read_promoted, write_promoted
+from dflashkit.flywheel.regenerate import run_arm
 from dflashkit.flywheel.traffic import read_window, run_fingerprint, split_newest, to_conversation
 from dflashkit.generate.conversations import regenerated_file, write_conversations
 from dflashkit.rundir import RunDir, atomic_dir, atomic_write_json, read_json
@@ -217,6 +220,39 @@ def _profile(cfg: Any, target: Any, drafter: torch.nn.Module, export_dir: Path, 
     return {"path": str(profile_path(export_dir)), "mean_accept_length": profile["mean_accept_length"]}
 
 
+def _regenerate_arm(rcfg: Any, rdir: Path, tr: Any, train_recs: list[dict[str, Any]], *, budget_s: float | None,
+                    summary: dict[str, Any], new_scores: list[tuple[float, int]], sources: list[str]) -> dict:
+    """round.json's `regenerate_arm` (`flywheel/regenerate.py`): the arm trained on the window's training prompts
+    regenerated offline, scored on the round's slice by the candidate's trainer `tr` (the same samples and labels),
+    and the candidate compared with it (gain = candidate − arm). A failure is logged with its traceback and
+    recorded; the round goes on."""
+    trained = tr.drafter
+    try:
+        arm = run_arm(rcfg, rdir / "regenerate", rdir / "contract.json", tr.target, train_recs, budget_s=budget_s,
+                      candidate_steps=int(summary["steps"]), tokenize=_tokenize)
+        tr.drafter = arm.drafter
+        arm_scores = sample_scores(tr)
+    except Exception as e:  # noqa: BLE001 - the arm is a measurement beside the round, never its outcome
+        log.exception("the regenerate arm failed; the round goes on without it")
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        tr.drafter = trained
+    gain = _as_arm(paired_gain(new_scores, arm_scores))
+    per = {s: _as_arm(g) for s, g in by_source(new_scores, arm_scores, sources).items()}
+    log.info("regenerate arm: %d of %d prompts regenerated (%d of %d replies as recorded), %s steps, τ %s; "
+             "candidate − arm %s, 90%% %s", arm.record["prompts"]["regenerated"], arm.record["prompts"]["available"],
+             arm.record["replies"]["equal"], arm.record["replies"]["compared"], arm.record["steps"],
+             gain["tau_regenerate"], gain["gain"], gain["interval90"])
+    return {**arm.record, "candidate_train_cpu_s": summary.get("cpu_s"), "tau": gain["tau_regenerate"],
+            "scores": arm_scores, "candidate_vs_regenerate": {**gain, "by_source": per}}
+
+
+def _as_arm(gain: dict[str, Any]) -> dict[str, Any]:
+    """`paired_gain`'s record of candidate (new) vs regenerate arm (old), its τ keys named for them."""
+    names = {"tau_new": "tau_candidate", "tau_serving": "tau_regenerate"}
+    return {names.get(k, k): v for k, v in gain.items()}
+
+
 def _round_no(rd: RunDir) -> int:
     root = rd.learn_dir / "rounds"
     done = [int(p.parent.name) for p in root.glob("*/round.json") if p.parent.name.isdigit()]
@@ -297,6 +333,10 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
         if static_scores is not None:
             vs_static = {**paired_gain(old_scores, static_scores),
                          "by_source": by_source(old_scores, static_scores, sources)}
+        arm = None
+        if cfg.learn.compare_regenerate:
+            arm = _regenerate_arm(rcfg, rdir, tr, train_recs, budget_s=cpu_budget_s(cfg, budget_minutes),
+                                  summary=summary, new_scores=new_scores, sources=sources)
         lo = (cmp["interval90"] or [None])[0]
         promote = lo is not None and lo > cfg.learn.min_gain
         reason = ("no held-out sample to score" if lo is None else
@@ -332,6 +372,7 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
               "scores": {"new": new_scores, "serving": old_scores, "static": static_scores,
                          "sources": sources}, "comparison": cmp,
               "serving_vs_static": vs_static,
+              **({"regenerate_arm": arm} if arm is not None else {}),
               "decision": "promote" if promote else "keep", "reason": reason,
               "train": {k: summary.get(k) for k in ("steps", "train", "heldout", "warm_start")},
               "export": export, "profile": profile, "promoted": pointer, "vllm_restart": restart,

@@ -5,7 +5,9 @@ Inputs:  a trained run (contract.json, the drafter to start from: learn.drafter,
 Outputs: `<run_dir>/learn/records/` (what `serve` recorded), every round of `dflashkit learn`
          (`learn/rounds/NNN/`), `learn/flywheel.json`: per round, τ on that round's traffic as the server
          measured it while serving (the drafter then serving), and the held-out scores of the serving and static
-         drafters on the round's newest traffic, with paired intervals.
+         drafters on the round's newest traffic, with paired intervals; with learn.compare_regenerate, the
+         round's candidate against the regenerate arm (the same prompts regenerated offline at equal CPU,
+         `flywheel/regenerate.py`), printed under the round.
 Example: dflashkit flywheel -c configs/flywheel-smollm2.yaml --budget 60      (docs/flywheel.md)
 
 One process serves the target on 127.0.0.1 (`serve_app.build_app`, recording on, watching the promotion
@@ -28,6 +30,7 @@ from dflashkit.context import StageContext
 from dflashkit.errors import MissingArtifactError, PartialFailure, UsageError
 from dflashkit.flywheel.pointer import pointer_path, read_promoted
 from dflashkit.flywheel.replay import interleaved, live_tau, read_conversations, replay
+from dflashkit.flywheel.regenerate import arm_line, arm_row
 from dflashkit.flywheel.rounds import EmptyWindow, learn_round, rounds_table, static_drafter
 from dflashkit.rundir import RunDir, atomic_write_json
 from dflashkit.serve_app import build_app
@@ -79,6 +82,8 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
                     rec = learn_round(cfg, rd, records, budget_minutes=budget, calibration=cal)
                     row.update(decision=rec["decision"], comparison=rec["comparison"],
                                serving_vs_static=rec["serving_vs_static"])
+                    if "regenerate_arm" in rec:
+                        row["regenerate_arm"] = arm_row(rec["regenerate_arm"])
                 except EmptyWindow as e:
                     row["learn"] = e.message
                 rows.append(row)
@@ -103,6 +108,8 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
             for src, g in (vs.get("by_source") or {}).items():
                 print(f"{'':>5}  {'':<20} {'':>7}   {src}: {g['tau_new']} vs {g['tau_serving']} ({g['gain']}, {g['interval90']}, "
                       f"{g['samples']} samples)")
+            if row.get("regenerate_arm"):
+                print(f"{'':>5}  {'':<20} {'':>7}   {arm_line(row['regenerate_arm'])}")
     failed = sum(row["live"]["failed"] for row in rows)
     result = {"rounds": rows, "history": table, "records": records}
     if failed:
