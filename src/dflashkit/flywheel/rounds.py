@@ -70,17 +70,18 @@ class EmptyWindow(UsageError):
     """No new record since the last round's cursor (exit 2; a loop waits for the next round instead)."""
 
 
+def read_cursors(rd: RunDir) -> tuple[dict[str, int], dict[str, int]]:
+    """(where the next round's new records start: complete lines consumed per segment, where the serving drafter's
+    unlearned traffic starts: the cursor after the round that promoted it, the start of the record dir before any
+    promotion), from one read of cursor.json."""
+    p = rd.learn_dir / "cursor.json"
+    saved = read_json(p) if p.is_file() else {}
+    return dict(saved.get("segments", {})), dict(saved.get("since_promotion", {}))
+
+
 def read_cursor(rd: RunDir) -> dict[str, int]:
-    """Where the next round's new records start (complete lines consumed per segment)."""
-    p = rd.learn_dir / "cursor.json"
-    return dict(read_json(p).get("segments", {})) if p.is_file() else {}
-
-
-def read_base(rd: RunDir) -> dict[str, int]:
-    """Where the serving drafter's unlearned traffic starts: the cursor after the round that promoted it (the
-    start of the record dir before any promotion)."""
-    p = rd.learn_dir / "cursor.json"
-    return dict(read_json(p).get("since_promotion", {})) if p.is_file() else {}
+    """Where the next round's new records start (`read_cursors`)."""
+    return read_cursors(rd)[0]
 
 
 def serving_drafter(cfg: Any, rd: RunDir) -> tuple[Path, str]:
@@ -265,21 +266,17 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
     t0 = time.time()
     if not rd.contract_path.is_file():
         raise MissingArtifactError("the drafter contract", rd.contract_path, run="dflashkit probe -c run.yaml")
-    cursor, base = read_cursor(rd), read_base(rd)
-    fingerprint = run_fingerprint(cfg)
-    win = read_window(record_dir, cursor, expected=fingerprint, on_corrupt=cfg.learn.on_corrupt)
+    cursor, base = read_cursors(rd)
+    since = base if cfg.learn.window == "since_promotion" and base != cursor else None  # + kept rounds' traffic
+    win = read_window(record_dir, cursor, expected=run_fingerprint(cfg), on_corrupt=cfg.learn.on_corrupt, since=since)
     if not win.records:
         raise EmptyWindow(f"--records {record_dir}: no new record since the last round"
                           + (f" ({len(win.corrupt)} corrupt lines skipped)" if win.corrupt else ""),
                           hint="serve traffic with recording on (serve.record_dir) and run `dflashkit learn` again")
     train_recs, held_recs = split_newest(win.records, fraction=cfg.learn.heldout_fraction,
                                          minimum=cfg.learn.heldout_min, maximum=cfg.learn.heldout_max)
-    earlier: list[dict[str, Any]] = []
-    if cfg.learn.window == "since_promotion" and base != cursor:  # kept rounds' traffic, oldest first
-        new_ids = {str(r["id"]) for r in win.records}
-        earlier = [r for r in read_window(record_dir, base, expected=fingerprint, on_corrupt="skip").records
-                   if str(r["id"]) not in new_ids]
-        train_recs = earlier + train_recs
+    earlier = win.earlier  # kept rounds' traffic, oldest first (empty unless `since`)
+    train_recs = earlier + train_recs
     serving, serving_id = serving_drafter(cfg, rd)
     n = _round_no(rd)
     rdir = rd.learn_dir / "rounds" / f"{n:03d}"

@@ -50,6 +50,7 @@ class Window:
     corrupt: list[str] = field(default_factory=list)   # "file:line: why"
     span: dict[str, list[int]] = field(default_factory=dict)  # segment -> [first line, last line] read (1-based)
     skipped: int = 0   # /v1/completions records (no conversation to train on)
+    earlier: list[dict[str, Any]] = field(default_factory=list)  # `since` → cursor (oldest first), not in `records`
 
 
 def record_error(obj: Any) -> str | None:
@@ -107,9 +108,14 @@ def to_conversation(rec: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_window(record_dir: str | Path, cursor: dict[str, int], *, expected: str | None,
-                on_corrupt: str = "skip") -> Window:
-    """The records after `cursor` (see the module docstring), oldest first by `time` (then file, line)."""
+                on_corrupt: str = "skip", since: dict[str, int] | None = None) -> Window:
+    """The records after `cursor` (see the module docstring), oldest first by `time` (then file, line).
+
+    `since` (a cursor at or before `cursor`: where the serving drafter's unlearned traffic starts) also reads, in
+    the same pass, the records between it and `cursor` into `Window.earlier` (oldest first; their corrupt lines are
+    skipped quietly, the rounds that read them reported them); everything else describes the new records only."""
     found: list[tuple[Any, str, int, dict[str, Any]]] = []
+    before: list[tuple[Any, str, int, dict[str, Any]]] = []
     new_cursor: dict[str, int] = {}
     corrupt: list[str] = []
     span: dict[str, list[int]] = {}
@@ -122,8 +128,8 @@ def read_window(record_dir: str | Path, cursor: dict[str, int], *, expected: str
             raise UsageError(f"{path}: {len(lines)} complete lines, but earlier rounds consumed {done}: the segment "
                              "was rewritten", hint="records are append-only; restore the segment, or start a new "
                              "learn cursor (remove <run_dir>/learn/cursor.json) to read everything again")
-        for n in range(done, len(lines)):
-            where = f"{path}:{n + 1}"
+        for n in range(done if since is None else min(done, int(since.get(name, 0))), len(lines)):
+            where, new = f"{path}:{n + 1}", n >= done
             raw = lines[n].strip()
             if not raw:
                 continue
@@ -136,6 +142,8 @@ def read_window(record_dir: str | Path, cursor: dict[str, int], *, expected: str
                 completions = isinstance(obj, dict) and (obj.get("endpoint") == "completions"
                                                          or ("messages" not in obj and "prompt" in obj))
                 why = None if completions else record_error(obj)
+            if why is not None and not new:
+                continue
             if why is not None:
                 if on_corrupt == "fail":
                     raise UsageError(f"{where}: corrupt record: {why}",
@@ -145,18 +153,27 @@ def read_window(record_dir: str | Path, cursor: dict[str, int], *, expected: str
                 continue
             assert isinstance(obj, dict)
             if obj.get("endpoint") == "completions" or "messages" not in obj and "prompt" in obj:
-                skipped += 1
+                skipped += new
                 continue
             if expected is not None and obj["target"]["fingerprint"] != expected:
                 raise UsageError(f"{where}: traffic from another target or tokenizer (fingerprint "
                                  f"{obj['target']['fingerprint'][:16]}…; this run's target is {expected[:16]}…)",
                                  hint="learn only from traffic its own target served: point --records at that "
                                       "target's record dir, or set target.* to the target that served it")
+            if not new:
+                before.append((obj.get("time") or 0, name, n, obj))
+                continue
             found.append((obj.get("time") or 0, name, n, obj))
             span.setdefault(name, [n + 1, n + 1])[1] = n + 1
         new_cursor[name] = len(lines)
-    found.sort(key=lambda t: (float(t[0]) if isinstance(t[0], (int, float)) else 0.0, t[1], t[2]))
-    return Window(records=[t[3] for t in found], cursor=new_cursor, corrupt=corrupt, span=span, skipped=skipped)
+    records = [t[3] for t in sorted(found, key=_by_time)]
+    ids = {str(r["id"]) for r in records}
+    return Window(records=records, cursor=new_cursor, corrupt=corrupt, span=span, skipped=skipped,
+                  earlier=[t[3] for t in sorted(before, key=_by_time) if str(t[3]["id"]) not in ids])
+
+
+def _by_time(t: tuple[Any, str, int, dict[str, Any]]) -> tuple[float, str, int]:
+    return float(t[0]) if isinstance(t[0], (int, float)) else 0.0, t[1], t[2]
 
 
 def split_newest(records: list[dict[str, Any]], *, fraction: float, minimum: int,
