@@ -62,9 +62,9 @@ def test_the_regenerate_arm_trains_on_regenerated_training_prompts_within_the_bu
     rows = _greedy_records(tiny_qwen3, run_dir, 16)
     _write(rec / "records-00000001.jsonl", rows[:12])
     # 0.5 min × 60 × 0.5 × 1 thread = 15 CPU-s (ticks): the candidate trains 15 one-tick steps
-    rc, _, err = _learn(run_dir, tiny_qwen3, rec, capsys, "learn.compare_regenerate=true", "learn.min_gain=100",
-                        "run.budget_minutes=0.5", "learn.train_fraction=0.5", "learn.max_steps=40",
-                        "tokenize.min_supervised=1")
+    rc, out, err = _learn(run_dir, tiny_qwen3, rec, capsys, "learn.compare_regenerate=true", "learn.min_gain=100",
+                          "run.budget_minutes=0.5", "learn.train_fraction=0.5", "learn.max_steps=40",
+                          "tokenize.min_supervised=1")
     assert rc == 0, err[-3000:]
     r1 = json.loads((run_dir / "learn" / "rounds" / "001" / "round.json").read_text())
     arm = r1["regenerate_arm"]
@@ -89,6 +89,8 @@ def test_the_regenerate_arm_trains_on_regenerated_training_prompts_within_the_bu
     assert 1 <= arm["tau"] == c["tau_regenerate"] <= 4 and c["tau_candidate"] == r1["comparison"]["tau_new"]
     assert set(c["by_source"]) == {"chat"} and c["by_source"]["chat"]["gain"] == c["gain"]
     assert r1["decision"] == "keep" and not (run_dir / "learn" / "promoted.json").exists()
+    row = out["rounds"][0]["regenerate_arm"]  # `dflashkit learn`'s result: the arm without per-sample data
+    assert row["candidate_vs_regenerate"] == c and not {"scores", "ids"} & set(row)
 
     # a failing arm is recorded; the round is kept and the cursor moves on
     def broken(*a, **k):

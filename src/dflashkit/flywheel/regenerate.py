@@ -2,9 +2,10 @@
 buy without recording.
 
 Usage (`rounds.learn_round` does this after scoring its candidate; it scores the arm's drafter on its own slice):
-    arm = run_arm(rcfg, rdir / "regenerate", target, train_records, budget_s=cpu_budget_s(cfg, minutes),
-                  candidate_steps=summary["steps"], tokenize=tokenize_round)
+    arm = run_arm(rcfg, rdir / "regenerate", rdir / "contract.json", target, train_records,
+                  budget_s=cpu_budget_s(cfg, minutes), candidate_steps=summary["steps"], tokenize=_tokenize)
     arm.drafter, arm.record          # the trained drafter; round.json's `regenerate_arm` (scores added by the round)
+    print(arm_line(arm_row(record))) # a round's line in `dflashkit flywheel` / `learn` (its row: no per-sample data)
 
 A team that does not record can still regenerate: answer the prompts it saw again with the target, offline, and
 fine-tune on those answers. The arm does that with the round's own window: the training records' prompts (the
@@ -19,7 +20,8 @@ training budget is). With a budget (`rounds.cpu_budget_s`) prompts are regenerat
 regeneration has used half of it; the arm then trains the serving drafter (warm start, the round's recipe) on the
 regenerated replies only, for the rest (budget − regeneration CPU). Training stops at the first step that reaches
 its share, as the candidate's does, so regeneration + training CPU = the candidate's training budget up to one
-step. Without a budget every prompt is regenerated and the arm trains the candidate's number of steps: the
+step (`train_cpu_s` is what the budget charged, the optimizer steps, as the candidate's `cpu_s`). Without a budget
+every prompt is regenerated and the arm trains the candidate's number of steps: the
 comparison is then at equal steps, not equal CPU (`basis: "steps"`). The held-out slice never reaches the arm.
 
 A served reply is the target's greedy output, so a regenerated reply should equal the recorded one token for token:

@@ -27,6 +27,7 @@ from typing import Any
 from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
 from dflashkit.errors import MissingArtifactError, UsageError
+from dflashkit.flywheel.regenerate import arm_line, arm_row
 from dflashkit.flywheel.rounds import EmptyWindow, learn_round, rounds_table
 from dflashkit.flywheel.traffic import read_window, run_fingerprint
 from dflashkit.flywheel.rounds import read_cursor, serving_drafter
@@ -59,6 +60,8 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         try:
             rec = learn_round(cfg, rd, records, budget_minutes=budget, calibration=cal, show_bar=not ctx.json)
             done.append({k: rec[k] for k in ("round", "decision", "reason", "comparison", "export", "promoted")})
+            if "regenerate_arm" in rec:
+                done[-1]["regenerate_arm"] = arm_row(rec["regenerate_arm"])
         except EmptyWindow as e:
             if lc.every_minutes is None and not done:
                 raise
@@ -74,4 +77,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         for r in table:
             print(f"round {r['round']:>3}  {r['records']:>5} records  τ new {r['tau_new']}  serving {r['tau_serving']}  "
                   f"gain {r['gain']} (90% {r['interval90']})  {r['decision']}")
+        for d in done:
+            if d.get("regenerate_arm"):
+                print(f"round {d['round']:>3}  {arm_line(d['regenerate_arm'])}")
     return {"rounds": done, "empty_windows": waited, "history": table}
