@@ -5,8 +5,9 @@ Inputs:  the record dir (`--records DIR`, learn.records: JSONL segments written 
          learn.drafter, else train/best or train/final), the target.
 Outputs: `<run_dir>/learn/rounds/NNN/` per round (round.json: cursor range, sample ids, steps, both drafters'
          held-out scores, the paired interval, the decision; tokenize/, train/, export/ + its
-         speculation_profile.json when promoted), `learn/cursor.json`, `learn/promoted.json` (the pointer
-         `dflashkit serve` watches).
+         speculation_profile.json when promoted; with learn.compare_regenerate, `regenerate_arm` and regenerate/:
+         the same prompts regenerated offline at equal CPU, `flywheel/regenerate.py`), `learn/cursor.json`,
+         `learn/promoted.json` (the pointer `dflashkit serve` watches).
 Example: dflashkit learn -c run.yaml --records runs/x/records --budget 10
          dflashkit learn -c run.yaml --records runs/x/records --rounds 5 --every 30
 
