@@ -74,7 +74,7 @@ def test_every_outcome_is_recorded_and_the_rest_still_run(tmp_path, fake_checks)
     assert "raise ValueError" in checks["boom"]["traceback"]
     assert "time box of 3 s" in checks["hang"]["reason"] and checks["hang"]["duration_s"] < 13
     grandchild = int((tmp_path / "scratch" / "hang" / "grandchild.pid").read_text())
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while _alive(grandchild) and time.monotonic() < deadline:  # the whole process group was killed
         time.sleep(0.1)
     assert not _alive(grandchild)
