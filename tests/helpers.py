@@ -297,3 +297,18 @@ def record_proposals(monkeypatch: Any) -> list[tuple[torch.Tensor, torch.Tensor,
 
     monkeypatch.setattr(SpecDecoder, "_propose", spy)
     return calls
+
+
+def pinned_cost(dec: Any, cost: dict[int, float]) -> Any:
+    """Give `dec` (a SpecDecoder with a draft-length policy) the cost table `cost` and a clock that advances one
+    second per reading, and return it. Its draft lengths then follow the drafter's confidences alone: the
+    measured t(n) (`SpecDecoder._calibrate`) and the times a step reads (`observe_cost`, `observe_draft`) would
+    make them follow this machine's speed and load (a loaded machine can cut every step to no drafts). Every
+    interval the decoder times is one reading apart, so a draft costs 1 and the table keeps its ratios."""
+    import itertools
+
+    assert dec.policy is not None, "pinned_cost needs a decoder with adaptive=True"
+    ticks = itertools.count()
+    dec._now = lambda: float(next(ticks))
+    dec.policy.calibrate(cost)
+    return dec

@@ -81,9 +81,22 @@ def test_recipe_causal_variants_train_causal_drafters_from_their_own_contract(tm
     assert len({round(r["heldout_loss"], 6) for r in rows.values()}) == 3  # three different objectives / masks
 
 
-def test_equal_cpu_minutes_stop_each_variant_on_its_budget_and_a_grid_varies_one_key(tmp_path, tiny_qwen3, capsys):
+def test_equal_cpu_minutes_stop_each_variant_on_its_budget_and_a_grid_varies_one_key(tmp_path, tiny_qwen3, capsys,
+                                                                                    monkeypatch):
+    import itertools
+    import time
+    from types import SimpleNamespace
+
+    from dflashkit.train import loop
+
+    # the loop reads the process's CPU time before and after each optimizer step: here every step costs 0.5 s,
+    # so the budget, not this machine's speed, decides where a variant stops (a fast machine's real steps could
+    # reach the 1000-step cap before 3 CPU-s, a loaded one's spend them in a few steps)
+    ticks = itertools.count()
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=time.perf_counter,
+                                                      process_time=lambda: 0.5 * next(ticks)))
     rd = make_run(tmp_path / "r", tiny_qwen3)
-    budget = 0.05  # CPU-minutes: 3 s of optimizer steps per variant, far fewer than the 1000-step cap
+    budget = 0.05  # CPU-minutes: 3 s of optimizer steps per variant, 6 steps of 0.5 s, not the 1000-step cap
     rc = main(["bench", "recipe", "--json", *overrides(rd, tiny_qwen3), "bench.recipe_steps=1000",
                f"bench.cpu_minutes={budget}", "bench.recipe_grid={drafter.num_draft_layers: [1, 2]}",
                "drafter.num_target_features=2"])  # the contract's 2 features whatever the layer count
@@ -92,8 +105,8 @@ def test_equal_cpu_minutes_stop_each_variant_on_its_budget_and_a_grid_varies_one
     rows = out["variants"]
     assert [r["variant"] for r in rows] == ["drafter.num_draft_layers=1", "drafter.num_draft_layers=2"]
     for r in rows:
-        # stopped by the budget: at least the budget spent, at most one step beyond it, before the cap
-        assert budget <= r["cpu_minutes"] and r["steps"] < 1000, r
+        # stopped by the budget: the step that spent it is the last one, long before the cap
+        assert r["cpu_minutes"] == budget and r["steps"] == 6, r
         assert r["supervised_tokens"] > 0 and len(r["heldout_acc"]) >= 1 and r["load_before"] is not None
     cfgs = [json.loads((rd / "bench" / "recipe" / r["variant"] / "train" / "final" / "config.json").read_text())
             for r in rows]

@@ -532,6 +532,7 @@ class _Server:
 
             def do_POST(self):
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                outer.posted.set()
                 if outer.hang:
                     outer.stop.wait(60)
                 self._send(status, {"error": {"message": "context length exceeded"}})
@@ -539,7 +540,7 @@ class _Server:
             def log_message(self, *a):
                 pass
 
-        self.hang, self.stop = hang, threading.Event()
+        self.hang, self.stop, self.posted = hang, threading.Event(), threading.Event()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
@@ -585,10 +586,12 @@ def test_sigterm_of_generate_prints_the_json_line(tmp_path):
                                  "generate.neutral_sampling=false"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, "PYTHONPATH": src})
-        deadline = time.monotonic() + 60
-        while not (run / "generate" / "shards").exists() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.1)
-        time.sleep(0.5)  # the request is in flight (the server holds it)
+        # the request is in flight (the server holds it): not a fixed moment, which a loaded machine's slow
+        # start could reach before generate has begun
+        deadline = time.monotonic() + 120
+        while not srv.posted.wait(0.1) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+        assert srv.posted.is_set(), "generate sent no request"
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err

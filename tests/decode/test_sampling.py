@@ -15,6 +15,7 @@ from dflashkit.decode.sampling import sampling_probs, verify_greedy, verify_samp
 from dflashkit.decode.spec_decode import SpecDecoder
 from dflashkit.model.drafter import DFlashDraftModel
 from dflashkit.family.contract import DrafterContract
+from tests.helpers import pinned_cost
 
 V = 8  # tiny vocab so the exact law of 3-token continuations (512 cells) can be enumerated
 
@@ -266,8 +267,15 @@ def test_adaptive_length_with_sampled_drafts_matches_the_target_law(small):
     peak probabilities, never from what was drawn (a length that follows the draw keeps likely draws more often
     than the rule assumes, and the output law drifts from the target's)."""
     target, drafter, prompt, law = small
-    dec = SpecDecoder(target, drafter, block_size=4, draft_sampling="sample", adaptive=True)
+    # t(n) pinned (tests/helpers.py): the lengths follow the confidences, not this machine's timings (a loaded
+    # machine's t(n) could cut every step to no drafts and leave the law test nothing to check)
+    dec = pinned_cost(SpecDecoder(target, drafter, block_size=4, draft_sampling="sample", adaptive=True),
+                      {1: 1.0, 4: 2.0})
+    assert dec.policy is not None
+    chosen, choose = [], dec.policy.choose
+    dec.policy.choose = lambda conf: chosen.append(choose(conf)) or chosen[-1]  # type: ignore[method-assign]
     z = _chi2_z(_samples(dec, prompt, N_SAMPLES, 1.0), law)
+    assert set(chosen) == {0, 1, 2}, sorted(set(chosen))  # 3 new tokens: at most 2 drafts after the first
     assert abs(z) < 4.0, f"chi-square z = {z:.2f} (|z| < 4 expected for the target's law)"
 
 

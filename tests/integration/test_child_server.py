@@ -79,7 +79,7 @@ def test_killed_parent_leaves_no_server_and_no_temp_dir(tmp_path, tiny_qwen3, si
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(child), f"orphaned server {child} still runs after the parent got {sig.name}"
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while list(tmp.glob("dflashkit-serve-*")) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not list(tmp.glob("dflashkit-serve-*")), "temp dir leaked"

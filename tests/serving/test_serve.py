@@ -75,11 +75,16 @@ def test_batched_greedy_equals_single(served):
     assert batches < len(PROMPTS), "requests were not batched"
     for s, b in zip(single, batched):
         assert s["token_ids"] == b["token_ids"] and s["message"] == b["message"]
-    # staggered arrivals join the running batch between decode steps (continuous batching)
+    # staggered arrivals join the running batch between decode steps (continuous batching): request i is sent
+    # once the engine has run i decode steps of this phase, while the earlier ones (12 + 3j tokens) still
+    # decode, whatever this machine's step time (arrivals 30 ms apart found the batch empty on a fast machine,
+    # where a request's 12 tokens take less)
     before = dict(app.engine.metrics)
 
     def late(ip):
-        time.sleep(0.03 * ip[0])
+        deadline = time.monotonic() + 60
+        while app.engine.metrics["decode_steps"] < before["decode_steps"] + ip[0] and time.monotonic() < deadline:
+            time.sleep(0.001)
         return chat(url, ip[1], max_tokens=12 + 3 * ip[0])["choices"][0]
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
