@@ -18,6 +18,8 @@ One step of `SpecDecoder` with a hybrid (the committed sequence ends with the an
    least `graft_conf` stay (always its first), and where the suffix proposer matches at least
    `graft_min_match` tokens of the sequence extended by that prefix, its continuation replaces the
    drafter's next tokens; the drafter's own tokens fill what the continuation leaves of the block.
+4. With `online_gate`, step 3 runs only while the drafter's steps commit tokens faster than plain target steps
+   (`decode/online_gate.py`); where it is switched off the step verifies only the next token (branch "plain").
 
 Verification is the decoder's, unchanged, so the output is the target's (greedy: its greedy output;
 sampled: its law). Suffix tokens are point masses, as prompt lookup's: a grafted block verified against a
