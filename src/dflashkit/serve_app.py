@@ -106,11 +106,12 @@ def _speculative_decoder(target: Target, s: ServeSection, proposer: str) -> Spec
 
         spec = TappedSpecDecoder
     if proposer == "drafter":
-        return spec(target, drafter, adaptive=s.adaptive_length, confidence_cut=_confidence_cut(s, drafter))
+        return spec(target, drafter, adaptive=s.adaptive_length, confidence_cut=_confidence_cut(s, drafter),
+                    online_gate=s.online_gate)
     pool = SuffixPool(max_tokens=s.suffix_pool_tokens, share_tenants=s.suffix_share_tenants) \
         if s.suffix_pool_tokens > 0 else None
     if proposer == "hybrid":
-        gate = HybridGate(min_match=s.hybrid_min_match, drafter_block=s.hybrid_drafter_block)
+        gate = HybridGate(min_match=s.hybrid_min_match, drafter_block=s.hybrid_drafter_block, online_gate=s.online_gate)
         hybrid = HybridProposer(SuffixProposer(pool=pool), gate=gate)
         return spec(target, drafter, hybrid=hybrid, adaptive=s.adaptive_length)
     chosen = PromptLookupProposer() if proposer == "lookup" else SuffixProposer(pool=pool)

@@ -545,6 +545,11 @@ class EvalSection:
                                          "every gate (key hybrid-B@G/D): D < B drafts D - 1 tokens with the drafter "
                                          "beside suffix drafts up to B - 1; 0 = the grid's block size B.",
                                          hash_default=False)
+    hybrid_online_gate: Literal["off", "on", "both"] = f(
+        "off", "The hybrid grid's online drafter gate (decode/online_gate.py: per request, the drafter is switched "
+        "off while its steps commit tokens slower than plain target steps, and re-probed after a back-off; "
+        "lossless): off, on (every grid point with it, key hybrid-B@G+online), or both (each grid point without "
+        "and with it, all candidates of the hybrid row).", hash_default=False)
     diagnostics: bool = f(True, "Bigram baseline (fit on the tokenized training answers) and the "
                           "target-context ablations (teacher-forced τ with no target context and with another "
                           "prompt's: decode/diagnostics.py).",
@@ -606,6 +611,10 @@ class ServeSection:
                               hash_default=False)
     hybrid_drafter_block: int = f(0, "hybrid: the drafter branch's block size (0 = the server's): the D of the "
                                   "gate eval chose (hybrid-B@G/D).", hash_default=False)
+    online_gate: bool = f(False, "drafter / hybrid: per request, switch the drafter off while its steps commit tokens "
+                          "slower than plain target steps, re-probing it after a back-off (decode/online_gate.py; "
+                          "lossless; eval measures it as hybrid-B@G+online with eval.hybrid_online_gate).",
+                          hash_default=False)
     record_dir: str | None = f(None, "Record every served request into this dir (`serving.record`: one JSONL record per "
                                "request, rotation and redaction by the record.* keys); null = no recording.",
                                hash_default=False)

@@ -49,10 +49,12 @@ class GenerationResult:
     # at the row that emitted it, best first (the lossless check's tie test, `decode/lossless.py`)
     top_logits: list[list[tuple[int, float]]] = field(default_factory=list)
     # hybrid decoders (`decode/hybrid.py`) only, else empty: per verify step the branch that drafted it ("suffix",
-    # "drafter", "graft", or "none" when nothing was verified), and per verified draft token its origin
+    # "drafter", "graft", "plain" where the online drafter gate had the drafter off and the suffix gate did not
+    # open, or "none" when nothing else was verified), and per verified draft token its origin
     # ("drafter", "suffix", or "both" where the other branch proposed the same token there)
     branch: list[str] = field(default_factory=list)
     draft_origin: list[list[str]] = field(default_factory=list)
+    drafter_off: int = 0                      # steps the online drafter gate (`decode/online_gate.py`) made plain
 
 
 def default_stop_ids(target: Any) -> tuple[int, ...]:

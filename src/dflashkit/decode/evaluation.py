@@ -20,7 +20,9 @@ Decoder keys (`decode_all`) and their results.json groups: "1" the baseline; "4"
 (`speculative`); "adaptive-4" (`adaptive`); "confident-4" the drafter with verification truncated by its confidence
 (`confident`, with a drafter whose family has `Decoding.confidence`: DSpark); "lookup-4" (`prompt_lookup`); "suffix-4" the suffix proposer alone
 (`suffix`); "hybrid-4@2" the hybrid at B=4 whose suffix branch drafts when its match is ≥ 2 tokens and "graft-4@4"
-the same at gate 4 with grafting (`hybrid`, keyed "4@2", "4@4+graft").
+the same at gate 4 with grafting (`hybrid`, keyed "4@2", "4@4+graft"); a trailing "+online" ("hybrid-4@2+online",
+keyed "4@2+online") runs the same grid point with the online drafter gate (`decode/online_gate.py`,
+eval.hybrid_online_gate).
 
 The `hybrid` row (`hybrid_composite`, `summary.hybrid`) is measured, not chosen after the fact: each prompt is
 scored with the decoder (drafter alone, suffix alone, or a hybrid grid point, at any block size) that had the
@@ -381,15 +383,27 @@ def decode_all(cfg: Any, target: Any, drafter: Any, ids: list[list[int]], block_
                            desc=f"eval ({str(target.dtype).removeprefix('torch.')})")
 
 
+ONLINE = "+online"  # the tail of a hybrid decoder key whose drafter runs under the online gate
+
+
 def hybrid_gate(key: str) -> HybridGate | None:
     """The gate of a hybrid decoder key ("hybrid-4@2": suffix branch at matches of ≥ 2 tokens; "graft-4@4": the
-    same, grafting; "hybrid-4@2/2": the drafter branch at block size 2 beside suffix drafts up to 4), None for any
-    other key."""
+    same, grafting; "hybrid-4@2/2": the drafter branch at block size 2 beside suffix drafts up to 4;
+    "hybrid-4@2+online": with the online drafter gate), None for any other key."""
     prefix, _, rest = key.rpartition("-")
     if prefix not in ("hybrid", "graft"):
         return None
-    gate, _, block = rest.partition("@")[2].partition("/")
-    return HybridGate(min_match=int(gate), graft=prefix == "graft", drafter_block=int(block or 0))
+    online = rest.endswith(ONLINE)
+    gate, _, block = rest.removesuffix(ONLINE).partition("@")[2].partition("/")
+    return HybridGate(min_match=int(gate), graft=prefix == "graft", drafter_block=int(block or 0),
+                      online_gate=online)
+
+
+def gate_dict(gate: HybridGate) -> dict[str, Any]:
+    """A hybrid gate as results.json (and the speculation profile) records it."""
+    return {"min_match": gate.min_match, "graft": gate.graft,
+            **({"drafter_block": gate.drafter_block} if gate.drafter_block else {}),
+            **({"online_gate": True} if gate.online_gate else {})}
 
 
 def hybrid_block_size(block_sizes: list[int]) -> int:
@@ -400,15 +414,19 @@ def hybrid_block_size(block_sizes: list[int]) -> int:
 
 def hybrid_keys(cfg: Any, bs: int) -> list[str]:
     """The decoder keys of the suffix proposer and the hybrid grid at block size `bs` (eval.hybrid_gates, and the
-    graft at the largest gate with eval.hybrid_graft; no gate: never the suffix branch alone)."""
+    graft at the largest gate with eval.hybrid_graft; no gate: never the suffix branch alone), each grid point
+    without the online drafter gate, with it ("+online"), or both, by eval.hybrid_online_gate."""
     e = cfg.eval
     gates = list(dict.fromkeys(e.hybrid_gates))
+    online = getattr(e, "hybrid_online_gate", "off")
+    tails = {"off": [""], "on": [ONLINE], "both": ["", ONLINE]}[online]
     keys = [f"suffix-{bs}"]
     for d in hybrid_drafter_blocks(cfg, bs):
         tail = f"/{d}" if d else ""
-        keys += [f"hybrid-{bs}@{g}{tail}" for g in gates]
+        grid = [f"hybrid-{bs}@{g}{tail}" for g in gates]
         if e.hybrid_graft:
-            keys.append(f"graft-{bs}@{max(gates) if gates else NEVER}{tail}")
+            grid.append(f"graft-{bs}@{max(gates) if gates else NEVER}{tail}")
+        keys += [k + t for t in tails for k in grid]
     return keys
 
 
@@ -451,7 +469,7 @@ def entries(runs: dict[str, Any], base_t: dict) -> dict[str, dict]:
             out[key]["drafts_per_step"] = round(sum(r.verified_drafts for r in results) / max(1, steps), 4)
         gate = hybrid_gate(key)
         if gate is not None:
-            out[key]["gate"] = {"min_match": gate.min_match, "graft": gate.graft}
+            out[key]["gate"] = gate_dict(gate)
             out[key]["branches"] = branch_shares(results)
     return out
 
@@ -524,8 +542,7 @@ def gate_record(key: str, runs: dict[str, list[GenerationResult]], idx: list[int
     """What a choice of decoder means: its proposer, block size and gate, and its tokens/s over `idx`."""
     gate = hybrid_gate(key)
     return {"decoder": key, "proposer": proposer_of(key), "block_size": block_of(key),
-            "gate": {"min_match": gate.min_match, "graft": gate.graft,
-                     **({"drafter_block": gate.drafter_block} if gate.drafter_block else {})} if gate else None,
+            "gate": gate_dict(gate) if gate else None,
             "tokens_per_s": round(pooled_tokens_per_s(runs[key], idx), 3)}
 
 

@@ -4,7 +4,7 @@ Usage:
     hybrid = HybridProposer(SuffixProposer(pool=pool), HybridGate(min_match=4, graft=True))
     spec = SpecDecoder(target, drafter, block_size=8, hybrid=hybrid)
     r = spec.generate(prompt_ids, SamplingParams(max_new_tokens=128, tenant="team-a"))
-    r.branch          # per step: "suffix" | "drafter" | "graft" | "none"
+    r.branch          # per step: "suffix" | "drafter" | "graft" | "plain" | "none"
     r.draft_origin    # per step, per verified draft: "suffix" | "drafter" | "both"
 
 One step of `SpecDecoder` with a hybrid (the committed sequence ends with the anchor x_start):
@@ -18,6 +18,8 @@ One step of `SpecDecoder` with a hybrid (the committed sequence ends with the an
    least `graft_conf` stay (always its first), and where the suffix proposer matches at least
    `graft_min_match` tokens of the sequence extended by that prefix, its continuation replaces the
    drafter's next tokens; the drafter's own tokens fill what the continuation leaves of the block.
+4. With `online_gate`, step 3 runs only while the drafter's steps commit tokens faster than plain target steps
+   (`decode/online_gate.py`); where it is switched off the step verifies only the next token (branch "plain").
 
 Verification is the decoder's, unchanged, so the output is the target's (greedy: its greedy output;
 sampled: its law). Suffix tokens are point masses, as prompt lookup's: a grafted block verified against a
@@ -37,8 +39,9 @@ if TYPE_CHECKING:
     from dflashkit.decode.suffix import SuffixDraft, SuffixProposer
 
 Origin = Literal["drafter", "suffix", "both"]
-Branch = Literal["suffix", "drafter", "graft", "none"]
-BRANCHES: tuple[str, ...] = ("suffix", "drafter", "graft", "none")
+# "plain": the online gate (`online_gate`) had the drafter off and the suffix gate did not open: nothing verified
+Branch = Literal["suffix", "drafter", "graft", "plain", "none"]
+BRANCHES: tuple[str, ...] = ("suffix", "drafter", "graft", "plain", "none")
 NEVER = 1 << 30  # a `min_match` no match reaches: the suffix branch never drafts a block alone
 
 
@@ -59,6 +62,9 @@ class HybridGate:
             with its length (float32 drafting on a CPU without native bf16) and the drafter's deep positions are
             rarely accepted, a short drafter block beside long suffix drafts is the cheaper mix; a graft may
             continue a short drafter block up to the decoder's block size.
+        online_gate: the decoder measures, per request, whether the drafter's steps commit tokens faster than
+            plain target steps, and switches the drafter off where they do not (`decode/online_gate.py`; its knobs
+            are `OnlineGate`'s defaults). Off by default: unmeasured, and it can cost a request its probes.
     """
 
     min_match: int = 4
@@ -67,6 +73,7 @@ class HybridGate:
     graft_min_match: int = 2
     graft_conf: float = 0.5
     drafter_block: int = 0
+    online_gate: bool = False
 
     def __post_init__(self) -> None:
         problems = []

@@ -41,6 +41,7 @@ from transformers import DynamicCache
 from dflashkit.decode.api import GenerationResult, SamplingParams
 from dflashkit.decode.draft_length import ConfidenceCut, DraftLength
 from dflashkit.decode.hybrid import HybridProposer, label
+from dflashkit.decode.online_gate import DrafterSwitch, OnlineGate
 from dflashkit.decode.rollback import arm, recurrent_layers, rollback
 from dflashkit.decode.sampling import sample, sampling_probs, verify_greedy, verify_sampled
 from dflashkit.decode.fast_draft import DraftState, FastDraft
@@ -126,13 +127,19 @@ class SpecDecoder:
             (the family's `Decoding.confidence`: DSpark's confidence head; else the head's softmax) stays ≥ this
             threshold (`decode/draft_length.ConfidenceCut`, a static threshold; no t(n) is measured). Lossless
             as `adaptive` is.
+        online_gate: per request, switch the drafter off while its steps commit tokens slower than plain target
+            steps, and re-probe it after a back-off (`decode/online_gate.py`; True = `OnlineGate()`'s knobs; a
+            hybrid whose `HybridGate.online_gate` is set gets it too). `GenerationResult.drafter_off` counts the
+            steps it kept the drafter from running; a hybrid labels them "plain". Lossless: only which proposal
+            is verified changes.
     """
 
     def __init__(self, target: Target, drafter: DFlashDraftModel | None = None, block_size: int | None = None,
                  *, proposer: Proposer | None = None, draft_sampling: Literal["greedy", "sample"] = "greedy",
                  max_context: int | None = None, draft_dtype: torch.dtype | None = None,
                  record_top: int = 0, adaptive: bool = False, lean: bool = True,
-                 hybrid: HybridProposer | None = None, confidence_cut: float | None = None):
+                 hybrid: HybridProposer | None = None, confidence_cut: float | None = None,
+                 online_gate: bool | OnlineGate = False):
         self.target, self.drafter, self.proposer, self.hybrid = target, drafter, proposer, hybrid
         if hybrid is not None and (drafter is None or proposer is not None):
             raise UsageError("a hybrid proposer needs a drafter beside it, and no other proposer",
@@ -186,6 +193,11 @@ class SpecDecoder:
             self.policy = DraftLength(max_drafts=block_size - 1)
         elif confidence_cut is not None and self.layer_ids is not None:
             self.policy = ConfidenceCut(max_drafts=block_size - 1, threshold=float(confidence_cut))
+        if online_gate is True or (online_gate is False and hybrid is not None and hybrid.gate.online_gate):
+            online_gate = OnlineGate()
+        # the online drafter gate's knobs (None: the drafter runs whenever it drafts); its state is per request
+        self.online: OnlineGate | None = online_gate if isinstance(online_gate, OnlineGate) and self.layer_ids else None
+        self._switch: DrafterSwitch | None = None
         # the hybrid's per-branch draft-length policies ("drafter" is `policy`; the others share its cost table)
         self.policies: dict[str, DraftLength] = {}
         if self.policy is not None and hybrid is not None:
@@ -254,6 +266,8 @@ class SpecDecoder:
         """This step's draft of up to k tokens after seq[start] (`t0`: when the step began, for the draft cost)."""
         if self.hybrid is not None:
             return self._hybrid_draft(seq, start, k, ctx, dcache, positions, params, gen, t0)
+        if self._switch is not None and not self._switch.runs():
+            return _Draft(branch="plain", fed=False)
         tokens, law, conf = self._draft(seq, start, k, ctx, dcache, positions, params, gen)
         d = _Draft(tokens, law, conf, policy=self.policy)
         if self.policy is not None and conf is not None:  # verify only what is likely accepted
@@ -281,6 +295,8 @@ class SpecDecoder:
                 d.policy.observe_draft(self._now() - t0)
                 d.cut(d.policy.choose(d.conf or []))
             return d._named()
+        if self._switch is not None and not self._switch.runs():  # the drafter is off: a plain step
+            return _Draft(branch="plain", fed=False)
         tokens, law, conf = self._draft(seq, start, hyb.drafter_drafts(k), ctx, dcache, positions, params, gen,
                                         confidence=hyb.gate.graft)
         d = _Draft(tokens, law, conf, "drafter", self.policies.get("drafter"), label(tokens, sd.tokens, "drafter"))
@@ -389,6 +405,7 @@ class SpecDecoder:
         dcache: DraftKVCache | DraftState = (self._fast.new_state(max_len + self.block_size) if self._fast is not None
                                              else DraftKVCache())
 
+        self._switch = DrafterSwitch(self.online) if self.online is not None else None
         t0 = self._now()
         at = 0 if recurrent_layers(cache) else None  # explicit positions for hybrid targets (`_forward`)
         feats, logits = self._forward(torch.tensor([prompt_ids], device=dev), cache, last_only=True, start=at)
@@ -404,8 +421,8 @@ class SpecDecoder:
         while start + 1 < max_len and not stopped:
             ts = self._now()
             size = min(self.block_size, max_len - start)
-            d = _Draft()
-            if size > 1:
+            d, asked = _Draft(), size > 1
+            if asked:
                 d = self._next_draft(seq, start, size - 1, feats, dcache, positions, params, gen, ts)
                 size = 1 + len(d.tokens)  # a proposer may return fewer than asked
             drafts, dprobs, conf = d.tokens, d.law, d.conf
@@ -445,6 +462,10 @@ class SpecDecoder:
             res.draft_s.append(tv - ts)
             res.verify_s.append(te - tv)
             res.step_s.append(self._now() - ts)
+            if d.branch == "plain":
+                res.drafter_off += 1
+            if self._switch is not None and asked:
+                self._switch.observe(d.fed, len(drafts), produced, res.step_s[-1])
         res.decode_s = self._now() - t_first
         res.token_ids = seq[n_prompt:]
         res.finish_reason = "stop" if stopped else "length"

@@ -271,7 +271,8 @@ def _gate(g: dict | None) -> str:
     if not g:
         return "-"
     return (f"match ≥ {g['min_match']}" + (", graft" if g.get("graft") else "")
-            + (f", drafter block {g['drafter_block']}" if g.get("drafter_block") else ""))
+            + (f", drafter block {g['drafter_block']}" if g.get("drafter_block") else "")
+            + (", online drafter gate" if g.get("online_gate") else ""))
 
 
 def engine_section_html(res: dict) -> str:

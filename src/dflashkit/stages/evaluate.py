@@ -57,7 +57,8 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     if ctx.dry_run:
         return {"dry_run": True, "drafter": str(drafter_dir), "prompts": len(inputs.prompts),
                 "block_sizes": block_sizes, "dtype": e.dtype, "prompt_lookup": e.prompt_lookup,
-                "hybrid": {"gates": e.hybrid_gates, "graft": e.hybrid_graft} if e.hybrid else None}
+                "hybrid": {"gates": e.hybrid_gates, "graft": e.hybrid_graft,
+                           "online_gate": e.hybrid_online_gate} if e.hybrid else None}
     target, ids = load_checked_target(cfg, inputs, target_cfg)
     choice = None
     if e.dtype == "auto":
