@@ -312,3 +312,17 @@ def pinned_cost(dec: Any, cost: dict[int, float]) -> Any:
     dec._now = lambda: float(next(ticks))
     dec.policy.calibrate(cost)
     return dec
+
+
+def results_of(dec: Any) -> list[Any]:
+    """Wrap `dec.generate` so that every GenerationResult it returns is also appended to the returned list (for
+    tests whose sampling helpers call `generate` themselves and only hand back the tokens)."""
+    seen: list[Any] = []
+    real = dec.generate
+
+    def generate(prompt_ids: Any, params: Any) -> Any:
+        seen.append(real(prompt_ids, params))
+        return seen[-1]
+
+    dec.generate = generate
+    return seen

@@ -17,7 +17,7 @@ from dflashkit.model.target import Target, load_target
 from dflashkit.testing import random_drafter
 from dflashkit.testing.proposers import CopyTargetProposer
 from tests.harness.hybrid import HYBRID_ARCHS, make_tiny_hybrid_target
-from tests.helpers import pinned_cost
+from tests.helpers import pinned_cost, results_of
 
 # repeated text: the suffix branch has long matches from the first step on
 PROMPT = [1, 60, 61, 62, 63, 64, 10, 65, 66, 67, 68, 2, 10, 60, 61, 62, 63, 64, 10, 65, 66, 67]
@@ -53,15 +53,6 @@ def _hf_greedy(target: Target, prompt: list[int], n: int) -> list[int]:
         out = target.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                     max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
-
-
-def _flat_cost(dec: SpecDecoder) -> SpecDecoder:
-    """Give the decoder's draft-length policies a cost table in which a target step costs the same at every n.
-    The policy then verifies every draft it rates above zero, so which branch drafts no longer depends on
-    this machine's measured t(n) (a loaded machine can make t(4) look dear enough that no step drafts)."""
-    assert dec.policy is not None
-    dec.policy.calibrate({1: 1.0})
-    return dec
 
 
 def _check_shape(r, b: int) -> None:
@@ -221,8 +212,9 @@ def test_graft_labels_disagreements_by_branch():
 def test_adaptive_hybrid_is_lossless_and_keeps_a_policy_per_branch(targets, arch):
     target = targets[arch]
     ref = _greedy(target, PROMPT, N)
-    dec = _flat_cost(SpecDecoder(target, random_drafter(target, block_size=4), 4, hybrid=_hybrid(graft=True),
-                                 adaptive=True))
+    # a flat cost table: every draft rated above zero is verified, whatever this machine's t(n)
+    dec = pinned_cost(SpecDecoder(target, random_drafter(target, block_size=4), 4, hybrid=_hybrid(graft=True),
+                                  adaptive=True), {1: 1.0})
     r = dec.generate(PROMPT, SamplingParams(max_new_tokens=N))
     assert r.token_ids == ref
     _check_shape(r, 4)
@@ -235,7 +227,8 @@ def test_adaptive_hybrid_is_lossless_and_keeps_a_policy_per_branch(targets, arch
 def test_the_suffix_policy_weighs_the_suffix_scores(targets):
     """With `adaptive`, a suffix step's length is chosen by the suffix branch's policy from the draft's scores."""
     target = targets["qwen3"]
-    dec = _flat_cost(SpecDecoder(target, random_drafter(target, block_size=4), 4, hybrid=_hybrid(), adaptive=True))
+    dec = pinned_cost(SpecDecoder(target, random_drafter(target, block_size=4), 4, hybrid=_hybrid(), adaptive=True),
+                      {1: 1.0})
     assert dec.hybrid is not None
     drafts, seen = [], []
     suffix_draft, choose = dec.hybrid.suffix_draft, dec.policies["suffix"].choose
@@ -359,15 +352,9 @@ def test_hybrid_sampling_matches_the_target_law(gate, adaptive):
                       adaptive=adaptive)
     if adaptive:  # lengths from the confidences, not this machine's t(n): a slow t(4) could leave no block to graft
         pinned_cost(dec, {1: 1.0, 4: 2.0})
-    branches: set[str] = set()
-    orig = dec.generate
-
-    def generate(p, params):
-        r = orig(p, params)
-        branches.update(r.branch)
-        return r
-    dec.generate = generate  # type: ignore[method-assign]
+    results = results_of(dec)
     z = _chi2_z(_samples(dec, prompt, 500, 1.0), law)
+    branches = {b for r in results for b in r.branch}
     print(f"chi2 z={z:.3f} branches={branches}")
     assert ("suffix" if gate["min_match"] == 1 else "graft") in branches
     assert abs(z) < 4.0, f"chi-square z = {z:.2f} (|z| < 4 expected for the target's law)"

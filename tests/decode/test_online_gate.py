@@ -15,6 +15,7 @@ from dflashkit.decode.suffix import SuffixProposer
 from dflashkit.errors import UsageError
 from dflashkit.testing import random_drafter
 from tests.decode.test_hybrid import PROMPT, _greedy, _Targets, _teacher_forced
+from tests.helpers import results_of
 
 N = 30
 RULE = OnlineGate(min_steps=3, backoff=2, max_backoff=8, probe_steps=1)
@@ -153,15 +154,9 @@ def test_gated_sampling_matches_the_target_law():
     dec = Clocked(target, drafter, block_size=2, draft_sampling="sample",
                   online_gate=OnlineGate(min_steps=1, backoff=1, probe_steps=1))
     dec.draft_s = 10.0
-    off = []
-    orig = dec.generate
-
-    def generate(p, params):
-        r = orig(p, params)
-        off.append(r.drafter_off)
-        return r
-    dec.generate = generate  # type: ignore[method-assign]
+    results = results_of(dec)
     z = _chi2_z(_samples(dec, prompt, 400, 2.0), law)
+    off = [r.drafter_off for r in results]
     print(f"chi2 z={z:.3f} plain steps in {sum(off)} of {len(off)} requests")
     assert 0 < sum(off) < len(off)  # some requests took a plain step
     assert abs(z) < 4.0, f"chi-square z = {z:.2f} (|z| < 4 expected for the target's law)"

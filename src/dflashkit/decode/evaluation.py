@@ -418,8 +418,7 @@ def hybrid_keys(cfg: Any, bs: int) -> list[str]:
     without the online drafter gate, with it ("+online"), or both, by eval.hybrid_online_gate."""
     e = cfg.eval
     gates = list(dict.fromkeys(e.hybrid_gates))
-    online = getattr(e, "hybrid_online_gate", "off")
-    tails = {"off": [""], "on": [ONLINE], "both": ["", ONLINE]}[online]
+    tails = {"off": [""], "on": [ONLINE], "both": ["", ONLINE]}[e.hybrid_online_gate]
     keys = [f"suffix-{bs}"]
     for d in hybrid_drafter_blocks(cfg, bs):
         tail = f"/{d}" if d else ""
