@@ -70,21 +70,27 @@ def test_one_rank_equals_two_ranks_ddp(tmp_path, tiny_qwen3):
 def test_sharded_target_features_equal_unsharded(tmp_path, tiny_qwen3):
     script = tmp_path / "shard_check.py"
     script.write_text(textwrap.dedent(f"""
+        import traceback
         import torch
         from dflashkit.config import load_config
         from dflashkit.model.target import load_target
-        from dflashkit.train.parallel import init_distributed, shard_target
+        from dflashkit.train.parallel import exit_rank, init_distributed, shard_target
         cfg = load_config(None, ["target.path={tiny_qwen3}"])
         dist = init_distributed(cfg.train.parallel)
-        ref = load_target(cfg.target)
-        tgt = load_target(cfg.target)
-        parts = shard_target(tgt, dist)
-        ids = torch.randint(0, 259, (2, 17), generator=torch.Generator().manual_seed(dist.rank))
-        want = ref.features(ids, layer_ids=[1, 3])
-        got, _ = tgt.features(ids, layer_ids=[1, 3], need_logits=True)
-        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
-        assert torch.equal(parts.embed.weight, ref.model.get_input_embeddings().weight)
-        print("OK", dist.rank)
+        try:
+            ref = load_target(cfg.target)
+            tgt = load_target(cfg.target)
+            parts = shard_target(tgt, dist)
+            ids = torch.randint(0, 259, (2, 17), generator=torch.Generator().manual_seed(dist.rank))
+            want = ref.features(ids, layer_ids=[1, 3])
+            got, _ = tgt.features(ids, layer_ids=[1, 3], need_logits=True)
+            assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+            assert torch.equal(parts.embed.weight, ref.model.get_input_embeddings().weight)
+            print("OK", dist.rank)
+        except BaseException:
+            traceback.print_exc()
+            exit_rank(1)
+        exit_rank(0)  # how every dflashkit rank ends: interpreter finalization can abort on gloo's threads
     """))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                         str(script)], env=ENV, capture_output=True, text=True, timeout=300)

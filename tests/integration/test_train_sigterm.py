@@ -90,8 +90,8 @@ import sys
 sys.path.insert(0, {root!r})  # the repo root: tests.harness
 from tests.harness.sigterm import sigterm_after_step
 sigterm_after_step({step}, rank=0, to_parent={to_parent})
-from dflashkit.cli import main
-raise SystemExit(main(sys.argv[1:]))
+from dflashkit.__main__ import run_as_main
+run_as_main()  # as `python -m dflashkit`: a rank ends through exit_rank, never interpreter finalization
 """
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
 
