@@ -33,13 +33,21 @@ def test_two_flywheel_rounds_promote_and_swap(tmp_path, tiny_qwen3, capsys):
     assert all(r["live"]["requests"] == 6 and r["live"]["failed"] == 0 and r["live"]["tau"] >= 1 for r in rows)
     assert rows[0]["decision"] == "promote" and rows[0]["served_by"].startswith("serve.drafter:")
     assert rows[1]["served_by"].startswith("r001-")  # swapped in between the rounds
-    assert rows[1]["serving_vs_static"]["samples"] == rows[1]["comparison"]["samples"] == 2
+    # the promotion rule scores the held-out slice (2 of 6); the curve all of round 2's traffic
+    assert rows[1]["comparison"]["samples"] == 2 and rows[1]["serving_vs_static"]["samples"] == 6
     # every record is chat (no tools, no source recorded): the per-source comparison is the pooled one
     for key in ("serving_vs_static", "comparison"):
         assert set(rows[1][key]["by_source"]) == {"chat"}
         assert {k: v for k, v in rows[1][key]["by_source"]["chat"].items()} == {
-            k: v for k, v in rows[1][key].items() if k != "by_source"}
+            k: v for k, v in rows[1][key].items() if k not in ("by_source", "slice")}
+    r1 = json.loads((run_dir / "learn" / "rounds" / "001" / "round.json").read_text())
     r2 = json.loads((run_dir / "learn" / "rounds" / "002" / "round.json").read_text())
+    curve = r2["serving_vs_static"]["scores"]
+    # the curve's samples are round 2's own traffic, held-out slice first, none of which round 1's drafter (serving
+    # round 2) trained on; the held-out ones score as the promotion rule scored them
+    assert sorted(curve["ids"]) == sorted(r2["ids"]["heldout"] + r2["ids"]["train"])
+    assert curve["ids"][:2] == r2["ids"]["heldout"] and not set(curve["ids"]) & set(r1["ids"]["train"])
+    assert curve["serving"][:2] == r2["scores"]["serving"]
     assert r2["samples"]["records"] == 6  # only round 2's traffic: round 1's was behind the cursor
     # the server recorded each reply's token ids, and the round trained on them (they spell the rendered replies)
     assert r2["tokenize"]["recorded_ids"]["used"] == r2["tokenize"]["conversations"] == 6, r2["tokenize"]

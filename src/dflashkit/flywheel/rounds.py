@@ -22,8 +22,9 @@ pooled τ gain (new − serving). The rule: promote only when the 5th percentile
 z-lab layout) with a speculation profile measured by real speculative decoding of the slice's prompts; `dflashkit
 serve` watching the pointer swaps it in, and the vLLM restart line is logged and kept in round.json (vLLM 0.32's
 draft-weight transfer API needs a weight-transfer engine we do not drive: a restart is the honest route). Once a
-round's drafter serves, later rounds also score the static drafter (the one before any promotion) on their slice:
-`serving_vs_static` is the flywheel's curve, τ on traffic the serving drafter never trained on. Both comparisons
+round's drafter serves, later rounds also score it and the static drafter (the one before any promotion) on every
+sample of the round's new traffic, its held-out slice and the rest: `serving_vs_static` is the flywheel's curve, τ on
+traffic neither drafter trained on, over 1 / `learn.heldout_fraction` times the promotion rule's samples. Both comparisons
 are also made per source (`by_source`: a record's own `source`, else `agent` when it offers tools, else `chat`),
 each with its own paired interval over that source's samples. With `learn.compare_regenerate` a round also trains
 the regenerate arm (`flywheel/regenerate.py`: the window's training prompts answered again offline at equal CPU) and
@@ -62,6 +63,7 @@ from dflashkit.rundir import RunDir, atomic_dir, atomic_write_json, read_json
 from dflashkit.train.checkpoint import drop_checkpoints, trained_drafter_dir
 from dflashkit.train.loop import _fit, preflight, setup
 from dflashkit.train.parallel import init_distributed
+from dflashkit.train.target_side import heldout_paths
 
 log = logging.getLogger("dflashkit.learn")
 
@@ -164,16 +166,27 @@ def by_source(new: list[tuple[float, int]], old: list[tuple[float, int]], source
                            [old[i] for i, x in enumerate(sources) if x == s]) for s in sorted(set(sources))}
 
 
-def sample_scores(tr: Any) -> list[tuple[float, int]]:
-    """(simulated τ, blocks) of each held-out sample of `tr`, in `tr.heldout` order, for `tr.drafter`."""
+def sample_scores(tr: Any, samples: list[int] | None = None) -> list[tuple[float, int]]:
+    """(simulated τ, blocks) of each of `samples` (default `tr.heldout`), in that order, for `tr.drafter`, scored
+    as the held-out samples are (a sample outside `tr.heldout` needs its path: `add_scoring_paths`)."""
     tr.drafter.eval()
     out = []
-    for j in tr.heldout:
+    for j in tr.heldout if samples is None else samples:
         b = tr.batch([(j, -1)], heldout=True)
         a = tr.anchors(b)
         o = tr.micro_loss(b, a, None, tr.target_outputs(b, a), scoring=tr.heldout_labels)
         out.append((o.tau_sum / o.blocks if o.blocks else 1.0, int(o.blocks)))
     return out
+
+
+def add_scoring_paths(tr: Any, samples: list[int]) -> None:
+    """Make `samples` (training samples of `tr`) scoreable by `sample_scores`: where the held-out labels are greedy
+    paths computed at setup (online features), compute theirs too."""
+    extra = [j for j in samples if tr.heldout_paths is not None and j not in tr.heldout_paths]
+    if extra and tr.heldout_labels == "target_path":
+        pad = tr.target.tokenizer.pad_token_id if getattr(tr.target, "tokenizer", None) else 0
+        tr.heldout_paths.update(heldout_paths(tr.train, tr.target, tr.data, extra, tr.recipe.path_depth,
+                                              pad_id=pad or 0))
 
 
 def _tokenize(cfg: Any, rrd: RunDir, conv_path: Path) -> dict[str, Any]:
@@ -287,7 +300,8 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
     shutil.copyfile(rd.contract_path, rrd.contract_path)
     convs = [to_conversation(r) for r in train_recs + held_recs]
     held_ids = {str(r["id"]) for r in held_recs}
-    held_source = {c["id"]: c["source"] for c in convs if c["id"] in held_ids}
+    new_ids = {str(r["id"]) for r in win.records}  # this round's traffic: no drafter that serves or served trained on it
+    source_of = {c["id"]: c["source"] for c in convs}
     write_conversations(rrd.generate_dir, convs)
     steps, how = plan_steps(cfg, budget_minutes, calibration)
     rcfg = dataclasses.replace(
@@ -316,20 +330,30 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
                        inputs=inputs)
         new_scores = sample_scores(tr)
         trained = tr.drafter
+        # the curve's slice: every sample of this round's traffic (its held-out slice first), unseen by the serving
+        # and the static drafter alike, so it is 1 / learn.heldout_fraction times the promotion rule's slice
+        fresh = list(tr.heldout) + [i for i in tr.plan.train_idx if _base_id(tr.data.ids[i], new_ids) is not None]
         old = load_drafter(serving, dtype=torch.float32).to(dist.device)
         tr.drafter = old
-        old_scores = sample_scores(tr)
         static_scores = None
         if serving_id != "initial":  # the flywheel's baseline: the drafter that never learned from traffic
+            add_scoring_paths(tr, fresh)
+            fresh_scores = sample_scores(tr, fresh)
+            old_scores = fresh_scores[:len(tr.heldout)]
             tr.drafter = load_drafter(static_drafter(cfg, rd)[0], dtype=torch.float32).to(dist.device)
-            static_scores = sample_scores(tr)
+            static_scores = sample_scores(tr, fresh)
+        else:
+            old_scores = sample_scores(tr)
         tr.drafter = trained
-        sources = [held_source[_base_id(tr.data.ids[j], held_ids) or ""] for j in tr.heldout]
+        sources = [source_of[_base_id(tr.data.ids[j], new_ids) or ""] for j in tr.heldout]
         cmp = {**paired_gain(new_scores, old_scores), "by_source": by_source(new_scores, old_scores, sources)}
         vs_static = None
         if static_scores is not None:
-            vs_static = {**paired_gain(old_scores, static_scores),
-                         "by_source": by_source(old_scores, static_scores, sources)}
+            fresh_sources = [source_of[_base_id(tr.data.ids[j], new_ids) or ""] for j in fresh]
+            vs_static = {**paired_gain(fresh_scores, static_scores), "slice": "round_traffic",
+                         "by_source": by_source(fresh_scores, static_scores, fresh_sources),
+                         "scores": {"ids": [tr.data.ids[j] for j in fresh], "serving": fresh_scores,
+                                    "static": static_scores, "sources": fresh_sources}}
         arm = None
         if cfg.learn.compare_regenerate:
             arm = _regenerate_arm(rcfg, rdir, tr, train_recs, budget_s=cpu_budget_s(cfg, budget_minutes),
@@ -366,8 +390,7 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
               "ids": {"train": trained_ids, "heldout": heldout_ids}, "tokenize": tok,
               "steps": steps, "steps_rule": how, "budget_minutes": budget_minutes,
               "serving": {"dir": str(serving), "id": serving_id},
-              "scores": {"new": new_scores, "serving": old_scores, "static": static_scores,
-                         "sources": sources}, "comparison": cmp,
+              "scores": {"new": new_scores, "serving": old_scores, "sources": sources}, "comparison": cmp,
               "serving_vs_static": vs_static,
               **({"regenerate_arm": arm} if arm is not None else {}),
               "decision": "promote" if promote else "keep", "reason": reason,

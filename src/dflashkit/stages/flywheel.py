@@ -4,8 +4,9 @@ Inputs:  a trained run (contract.json, the drafter to start from: learn.drafter,
          learn.traffic (prepared JSONL files replayed as traffic, interleaved), the target.
 Outputs: `<run_dir>/learn/records/` (what `serve` recorded), every round of `dflashkit learn`
          (`learn/rounds/NNN/`), `learn/flywheel.json`: per round, τ on that round's traffic as the server
-         measured it while serving (the drafter then serving), and the held-out scores of the serving and static
-         drafters on the round's newest traffic, with paired intervals; with learn.compare_regenerate, the
+         measured it while serving (the drafter then serving), the candidate against the serving drafter on the
+         round's newest traffic (the held-out slice, the promotion rule), and the serving drafter against the
+         static one on all of the round's traffic (which neither trained on), with paired intervals; with learn.compare_regenerate, the
          round's candidate against the regenerate arm (the same prompts regenerated offline at equal CPU,
          `flywheel/regenerate.py`), printed under the round.
 Example: dflashkit flywheel -c configs/flywheel-smollm2.yaml --budget 60      (docs/flywheel.md)
@@ -80,8 +81,9 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
                          live["tau"], live["by_source"])
                 try:
                     rec = learn_round(cfg, rd, records, budget_minutes=budget, calibration=cal)
+                    vs = rec["serving_vs_static"]
                     row.update(decision=rec["decision"], comparison=rec["comparison"],
-                               serving_vs_static=rec["serving_vs_static"])
+                               serving_vs_static=vs and {k: v for k, v in vs.items() if k != "scores"})
                     if "regenerate_arm" in rec:
                         row["regenerate_arm"] = arm_row(rec["regenerate_arm"])
                 except EmptyWindow as e:
@@ -98,7 +100,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
             app.recording.recorder.close()
     table = rounds_table(rd)
     if not ctx.json:
-        print("round  served by            live τ   held-out τ serving vs static (gain, 90%)   decision")
+        print("round  served by            live τ   τ on the round's traffic: serving vs static (gain, 90%)   decision")
         for row in rows:
             vs = row.get("serving_vs_static") or {}
             print(f"{row['round']:>5}  {str(row['served_by'])[:20]:<20} {row['live']['tau']!s:>7}   "
