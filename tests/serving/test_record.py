@@ -284,11 +284,15 @@ def flood(url: str, clients: int, *, stop: threading.Event, acked: list[str], mi
 
 def freeze_mid_stream(child: subprocess.Popen, midway: set[str], acked: list[str], deadline: float) -> set[str]:
     """Stop (SIGSTOP) `child`'s process group at a moment when a stream is half answered; returns the nonces of
-    the streams it left half answered (the clients have read all it sent: 0.3 s of it stopped)."""
+    the streams it left half answered (once the clients have read all it sent: no new acknowledgement for 0.5 s,
+    at most 10 s)."""
     while time.time() < deadline:
         if midway:
             os.killpg(child.pid, signal.SIGSTOP)
-            time.sleep(0.3)
+            settle, seen = time.time() + 10, -1
+            while seen != len(acked) and time.time() < settle:
+                seen = len(acked)
+                time.sleep(0.5)
             cut = set(midway) - set(acked)
             if cut:
                 return cut
@@ -347,7 +351,9 @@ def kill_under_load(args: list[str], port: int, root: Path, log: Path, *, min_ac
             assert child.wait(60) == 0, log.read_text()[-2000:]
         for t in threads:
             t.join(60)
-    assert cut and not cut & set(acked)  # in flight at the kill: started, answered in part, never acknowledged
+    # in flight at the kill: started, answered in part, never acknowledged (a stream whose last bytes a slow client
+    # read only after the stop is acknowledged, and assert_exactly_once holds it to its record)
+    assert cut - set(acked)
     assert_exactly_once(root, acked)
 
 
