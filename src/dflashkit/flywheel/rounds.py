@@ -182,8 +182,10 @@ def sample_scores(tr: Any, samples: list[int] | None = None) -> list[tuple[float
 def add_scoring_paths(tr: Any, samples: list[int]) -> None:
     """Make `samples` (training samples of `tr`) scoreable by `sample_scores`: where the held-out labels are greedy
     paths computed at setup (online features), compute theirs too."""
-    extra = [j for j in samples if tr.heldout_paths is not None and j not in tr.heldout_paths]
-    if extra and tr.heldout_labels == "target_path":
+    if tr.heldout_paths is None or tr.heldout_labels != "target_path":
+        return  # the paths come from the feature shards, or the labels are not paths
+    extra = [j for j in samples if j not in tr.heldout_paths]
+    if extra:
         pad = tr.target.tokenizer.pad_token_id if getattr(tr.target, "tokenizer", None) else 0
         tr.heldout_paths.update(heldout_paths(tr.train, tr.target, tr.data, extra, tr.recipe.path_depth,
                                               pad_id=pad or 0))
@@ -330,13 +332,12 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
                        inputs=inputs)
         new_scores = sample_scores(tr)
         trained = tr.drafter
-        # the curve's slice: every sample of this round's traffic (its held-out slice first), unseen by the serving
-        # and the static drafter alike, so it is 1 / learn.heldout_fraction times the promotion rule's slice
-        fresh = list(tr.heldout) + [i for i in tr.plan.train_idx if _base_id(tr.data.ids[i], new_ids) is not None]
-        old = load_drafter(serving, dtype=torch.float32).to(dist.device)
-        tr.drafter = old
+        tr.drafter = load_drafter(serving, dtype=torch.float32).to(dist.device)
         static_scores = None
         if serving_id != "initial":  # the flywheel's baseline: the drafter that never learned from traffic
+            # the curve's slice: every sample of this round's traffic (its held-out slice first), unseen by the
+            # serving and the static drafter alike: 1 / learn.heldout_fraction times the promotion rule's slice
+            fresh = list(tr.heldout) + [i for i in tr.plan.train_idx if _base_id(tr.data.ids[i], new_ids) is not None]
             add_scoring_paths(tr, fresh)
             fresh_scores = sample_scores(tr, fresh)
             old_scores = fresh_scores[:len(tr.heldout)]
@@ -345,11 +346,15 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
         else:
             old_scores = sample_scores(tr)
         tr.drafter = trained
-        sources = [source_of[_base_id(tr.data.ids[j], new_ids) or ""] for j in tr.heldout]
+
+        def source(j: int) -> str:
+            return source_of[_base_id(tr.data.ids[j], new_ids) or ""]
+
+        sources = [source(j) for j in tr.heldout]
         cmp = {**paired_gain(new_scores, old_scores), "by_source": by_source(new_scores, old_scores, sources)}
         vs_static = None
         if static_scores is not None:
-            fresh_sources = [source_of[_base_id(tr.data.ids[j], new_ids) or ""] for j in fresh]
+            fresh_sources = [source(j) for j in fresh]
             vs_static = {**paired_gain(fresh_scores, static_scores), "slice": "round_traffic",
                          "by_source": by_source(fresh_scores, static_scores, fresh_sources),
                          "scores": {"ids": [tr.data.ids[j] for j in fresh], "serving": fresh_scores,
