@@ -110,20 +110,35 @@ def test_two_rounds_hold_out_the_newest_and_follow_the_rule(run_dir, tiny_qwen3,
     assert all(before[k] == v for k, v in _digest(rec).items() if k == "records-00000001.jsonl")
     rc, out, _ = _learn(run_dir, tiny_qwen3, rec, capsys)
     assert rc == 2 and "no new record" in out["error"]
-    # round 3: round 2 kept the serving drafter, so its traffic (held-out slice included) trains round 3's
-    # candidate beside round 3's own; only round 3's newest are held out
+    # round 3: round 2 kept the serving drafter, so its training records train round 3's candidate beside round 3's
+    # own, and its held-out slice stays held out: the rule scores it again beside round 3's newest
     _write(rec / "records-00000002.jsonl", _records(tiny_qwen3, run_dir, 5, 15))
     rc, out, err = _learn(run_dir, tiny_qwen3, rec, capsys, "learn.min_gain=100")
     assert rc == 0, err[-3000:]
     r3 = json.loads((run_dir / "learn" / "rounds" / "003" / "round.json").read_text())
-    assert r3["ids"]["heldout"] == ["req0018", "req0019"] and r3["window"]["earlier_records"] == 5
-    assert r3["ids"]["train"] == [f"req{i:04d}" for i in (10, 11, 12, 13, 14, 15, 16, 17)]
-    # learn.window=round: only the records new since round 3
+    assert r3["ids"]["heldout"] == ["req0013", "req0014", "req0018", "req0019"]
+    assert r3["window"]["earlier_records"] == 3 and r3["window"]["earlier_heldout_records"] == 2
+    assert r3["ids"]["train"] == [f"req{i:04d}" for i in (10, 11, 12, 15, 16, 17)]
+    assert r3["comparison"]["samples"] == len(r3["scores"]["serving"]) == 4
+    # the curve stays on round 3's own traffic (its new held-out pair first); those two score as the rule scored them
+    curve = r3["serving_vs_static"]["scores"]
+    assert curve["ids"][:2] == ["req0018", "req0019"]
+    assert sorted(curve["ids"]) == [f"req{i:04d}" for i in range(15, 20)]
+    assert curve["serving"][:2] == r3["scores"]["serving"][2:]
+    # learn.heldout_pool=round: round 3's kept traffic, its held-out slices included, trains round 4's candidate
     _write(rec / "records-00000002.jsonl", _records(tiny_qwen3, run_dir, 5, 20))
-    rc, out, err = _learn(run_dir, tiny_qwen3, rec, capsys, "learn.min_gain=100", "learn.window=round")
+    rc, out, err = _learn(run_dir, tiny_qwen3, rec, capsys, "learn.min_gain=100", "learn.heldout_pool=round")
     assert rc == 0, err[-3000:]
     r4 = json.loads((run_dir / "learn" / "rounds" / "004" / "round.json").read_text())
-    assert r4["ids"]["train"] == ["req0020", "req0021", "req0022"] and r4["window"]["earlier_records"] == 0
+    assert r4["ids"]["heldout"] == ["req0023", "req0024"] and r4["window"]["earlier_records"] == 10
+    assert r4["ids"]["train"] == [f"req{i:04d}" for i in range(10, 23)]
+    # learn.window=round: only the records new since round 4 train; the pooled held-out slices are scored again
+    _write(rec / "records-00000002.jsonl", _records(tiny_qwen3, run_dir, 5, 25))
+    rc, out, err = _learn(run_dir, tiny_qwen3, rec, capsys, "learn.min_gain=100", "learn.window=round")
+    assert rc == 0, err[-3000:]
+    r5 = json.loads((run_dir / "learn" / "rounds" / "005" / "round.json").read_text())
+    assert r5["ids"]["train"] == ["req0025", "req0026", "req0027"] and r5["window"]["earlier_records"] == 0
+    assert r5["ids"]["heldout"] == [f"req{i:04d}" for i in (13, 14, 18, 19, 23, 24, 28, 29)]
 
 
 def test_a_budget_without_calibration_still_bounds_the_round(run_dir, tiny_qwen3, tmp_path, capsys):

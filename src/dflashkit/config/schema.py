@@ -694,9 +694,15 @@ class LearnSection:
     window: Literal["since_promotion", "round"] = f(
         "since_promotion", "What a round trains on: `since_promotion` = every record since the serving drafter "
         "was promoted (a round that keeps the serving drafter leaves its traffic to the next one, so evidence "
-        "accumulates until a candidate is shown better), held-out records of earlier rounds included; `round` = "
-        "only the records new since the last round. The held-out slice is always the newest of the new records.",
+        "accumulates until a candidate is shown better), earlier held-out slices included unless learn.heldout_pool "
+        "pools them; `round` = only the records new since the last round. The held-out slice is always the newest "
+        "of the new records.",
         hash_default=False)
+    heldout_pool: Literal["since_promotion", "round"] = f(
+        "since_promotion", "What the promotion rule scores: `since_promotion` = this round's held-out slice and every "
+        "held-out slice since the serving drafter was promoted (those records stay held out, never trained on, so "
+        "the rule's evidence accumulates until a candidate is shown better); `round` = this round's slice only (a "
+        "kept round's slice then trains later candidates under learn.window=since_promotion).", hash_default=False)
     max_steps: int = f(50, "A round's optimizer steps at most (all of them without --budget or a saved "
                        "calibration).", hash_default=False)
     train_fraction: float = f(0.6, "With --budget: the share of the round's minutes given to training steps (the "

@@ -11,10 +11,12 @@ conversations.jsonl, tokenize/, train/, export/ when promoted, and round.json: c
 both drafters' scores, the paired interval, the decision and the paths).
 
 A round trains on the records since the serving drafter's promotion (`learn.window: since_promotion`: a kept
-round's traffic, its held-out slice included, trains the next round's candidate, so evidence accumulates until one
-is shown better) or on its new records only (`round`). The held-out slice is the newest of the new records by time
-(`traffic.split_newest`); its samples never train (the
-trainer's split is handed in: `train.loop.setup(split=...)`). Both drafters are scored on it the way the
+round's traffic trains the next round's candidate, so training evidence accumulates until one is shown better) or
+on its new records only (`round`). The held-out slice is the newest of the new records by time
+(`traffic.split_newest`), and with `learn.heldout_pool: since_promotion` also every earlier held-out slice since the
+serving drafter's promotion (cursor.json `heldout_since_promotion`): those records stay held out, so the rule's
+evidence accumulates too (`round`: a kept round's slice trains the next candidate instead). Held-out samples never
+train (the trainer's split is handed in: `train.loop.setup(split=...)`). Both drafters are scored on it the way the
 held-out curve scores (teacher-forced simulated τ on the target's own tokens, `Trainer.micro_loss` with the
 run's held-out labels), one sample at a time, and compared by a paired bootstrap over the samples of the
 pooled τ gain (new − serving). The rule: promote only when the 5th percentile of that gain exceeds
@@ -79,6 +81,12 @@ def read_cursors(rd: RunDir) -> tuple[dict[str, int], dict[str, int]]:
     p = rd.learn_dir / "cursor.json"
     saved = read_json(p) if p.is_file() else {}
     return dict(saved.get("segments", {})), dict(saved.get("since_promotion", {}))
+
+
+def pooled_heldout(rd: RunDir) -> set[str]:
+    """The ids of the records held out by the rounds since the serving drafter's promotion (cursor.json)."""
+    p = rd.learn_dir / "cursor.json"
+    return set(read_json(p).get("heldout_since_promotion", [])) if p.is_file() else set()
 
 
 def read_cursor(rd: RunDir) -> dict[str, int]:
@@ -282,16 +290,21 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
     if not rd.contract_path.is_file():
         raise MissingArtifactError("the drafter contract", rd.contract_path, run="dflashkit probe -c run.yaml")
     cursor, base = read_cursors(rd)
-    since = base if cfg.learn.window == "since_promotion" and base != cursor else None  # + kept rounds' traffic
+    pool = pooled_heldout(rd) if cfg.learn.heldout_pool == "since_promotion" else set()
+    reads_earlier = cfg.learn.window == "since_promotion" or bool(pool)
+    since = base if reads_earlier and base != cursor else None  # + kept rounds' traffic
     win = read_window(record_dir, cursor, expected=run_fingerprint(cfg), on_corrupt=cfg.learn.on_corrupt, since=since)
     if not win.records:
         raise EmptyWindow(f"--records {record_dir}: no new record since the last round"
                           + (f" ({len(win.corrupt)} corrupt lines skipped)" if win.corrupt else ""),
                           hint="serve traffic with recording on (serve.record_dir) and run `dflashkit learn` again")
-    train_recs, held_recs = split_newest(win.records, fraction=cfg.learn.heldout_fraction,
-                                         minimum=cfg.learn.heldout_min, maximum=cfg.learn.heldout_max)
-    earlier = win.earlier  # kept rounds' traffic, oldest first (empty unless `since`)
+    train_recs, new_held = split_newest(win.records, fraction=cfg.learn.heldout_fraction,
+                                        minimum=cfg.learn.heldout_min, maximum=cfg.learn.heldout_max)
+    # kept rounds' traffic, oldest first (empty unless `since`): their held-out slices stay held out when pooled
+    earlier_held = [r for r in win.earlier if str(r["id"]) in pool]
+    earlier = [r for r in win.earlier if str(r["id"]) not in pool] if cfg.learn.window == "since_promotion" else []
     train_recs = earlier + train_recs
+    held_recs = earlier_held + new_held
     serving, serving_id = serving_drafter(cfg, rd)
     n = _round_no(rd)
     rdir = rd.learn_dir / "rounds" / f"{n:03d}"
@@ -303,6 +316,7 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
     convs = [to_conversation(r) for r in train_recs + held_recs]
     held_ids = {str(r["id"]) for r in held_recs}
     new_ids = {str(r["id"]) for r in win.records}  # this round's traffic: no drafter that serves or served trained on it
+    all_ids = set(held_ids) | {str(r["id"]) for r in train_recs}
     source_of = {c["id"]: c["source"] for c in convs}
     write_conversations(rrd.generate_dir, convs)
     steps, how = plan_steps(cfg, budget_minutes, calibration)
@@ -336,11 +350,16 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
         static_scores = None
         if serving_id != "initial":  # the flywheel's baseline: the drafter that never learned from traffic
             # the curve's slice: every sample of this round's traffic (its held-out slice first), unseen by the
-            # serving and the static drafter alike: 1 / learn.heldout_fraction times the promotion rule's slice
-            fresh = list(tr.heldout) + [i for i in tr.plan.train_idx if _base_id(tr.data.ids[i], new_ids) is not None]
-            add_scoring_paths(tr, fresh)
-            fresh_scores = sample_scores(tr, fresh)
-            old_scores = fresh_scores[:len(tr.heldout)]
+            # serving and the static drafter alike: 1 / learn.heldout_fraction times the round's held-out slice
+            is_new = [_base_id(tr.data.ids[j], new_ids) is not None for j in tr.heldout]
+            extra = [i for i in tr.plan.train_idx if _base_id(tr.data.ids[i], new_ids) is not None]
+            add_scoring_paths(tr, extra)
+            scored = list(tr.heldout) + extra
+            serving_scores = sample_scores(tr, scored)
+            old_scores = serving_scores[:len(tr.heldout)]
+            keep = [k for k, new in enumerate(is_new) if new] + list(range(len(tr.heldout), len(scored)))
+            fresh = [scored[k] for k in keep]
+            fresh_scores = [serving_scores[k] for k in keep]
             tr.drafter = load_drafter(static_drafter(cfg, rd)[0], dtype=torch.float32).to(dist.device)
             static_scores = sample_scores(tr, fresh)
         else:
@@ -348,7 +367,7 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
         tr.drafter = trained
 
         def source(j: int) -> str:
-            return source_of[_base_id(tr.data.ids[j], new_ids) or ""]
+            return source_of[_base_id(tr.data.ids[j], all_ids) or ""]
 
         sources = [source(j) for j in tr.heldout]
         cmp = {**paired_gain(new_scores, old_scores), "by_source": by_source(new_scores, old_scores, sources)}
@@ -376,7 +395,7 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
                 save_drafter(model, tmp, dtype="float32")
                 write_modeling_file(tmp, model.contract.family)
             export = str(export_dir)
-            profile = _profile(rcfg, tr.target, model, export_dir, held_recs)
+            profile = _profile(rcfg, tr.target, model, export_dir, new_held)
             drafter_id = f"r{n:03d}-{weights_digest(export_dir)[:8]}"
             pointer = write_promoted(rd.root, drafter_dir=export_dir, round_no=n, drafter_id=drafter_id)
             restart = (f"vllm serve {cfg.target.path} --speculative-config '{{\"method\":\"dflash\",\"model\":"
@@ -388,7 +407,8 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
     drop_checkpoints(rrd)  # resumable state of a finished round: train/final stays
     record = {"round": n, "records_dir": str(record_dir), "cursor_before": cursor, "cursor_after": win.cursor,
               "lines": win.span, "corrupt": win.corrupt,
-              "window": {"rule": cfg.learn.window, "since": base, "earlier_records": len(earlier)},
+              "window": {"rule": cfg.learn.window, "since": base, "earlier_records": len(earlier),
+                         "heldout_pool": cfg.learn.heldout_pool, "earlier_heldout_records": len(earlier_held)},
               "samples": {"records": len(win.records), "train_records": len(train_recs),
                           "heldout_records": len(held_recs), "trained": len(trained_ids),
                           "heldout": len(heldout_ids)},
@@ -403,9 +423,10 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
               "export": export, "profile": profile, "promoted": pointer, "vllm_restart": restart,
               "wall_s": round(time.time() - t0, 2)}
     atomic_write_json(rdir / "round.json", record)
+    pooled = [] if promote else sorted(pooled_heldout(rd) | {str(r["id"]) for r in new_held})
     atomic_write_json(rd.learn_dir / "cursor.json", {"records_dir": str(record_dir), "segments": win.cursor,
                                                       "since_promotion": win.cursor if promote else base,
-                                                      "round": n})
+                                                      "heldout_since_promotion": pooled, "round": n})
     log.info("round %d: %d records (%d held out), τ new %s vs serving %s, gain %s, 90%% %s → %s", n,
              len(win.records), len(held_recs), cmp["tau_new"], cmp["tau_serving"], cmp["gain"], cmp["interval90"],
              record["decision"])
