@@ -18,14 +18,15 @@ def test_two_flywheel_rounds_promote_and_swap(tmp_path, tiny_qwen3, capsys):
     assert main(["train", "--json", *overrides(run_dir, tiny_qwen3, train__max_steps=2)]) == 0
     traffic = tmp_path / "traffic.jsonl"
     traffic.write_text("".join(json.dumps({"id": f"c{i}", "source": "chat", "messages": [
-        {"role": "user", "content": f"{TEXTS[i % len(TEXTS)][0]} ({i})"}]}) + "\n" for i in range(12)))
+        {"role": "user", "content": f"{TEXTS[i % len(TEXTS)][0]} ({i})"}]}) + "\n" for i in range(18)))
     capsys.readouterr()
     # min_gain -4 is below any paired τ gain (τ in [1, 4]): the rule promotes whenever a held-out sample is scored;
     # min_supervised 1 keeps the tiny target's short, lossy-decoded answers (else the held-out slice may be empty)
-    rc = main(["flywheel", "--json", *overrides(run_dir, tiny_qwen3), "learn.rounds=2", "learn.round_requests=6",
-               "learn.replay_max_tokens=6", "learn.replay_concurrency=2", "learn.max_steps=2", "learn.min_gain=-4",
-               f"learn.traffic=[\"{traffic}\"]", "learn.profile_prompts=1", "learn.profile_max_new_tokens=4",
-               "serve.promoted_poll_s=0.05", "tokenize.min_supervised=1", "learn.compare_regenerate=true"])
+    common = [*overrides(run_dir, tiny_qwen3), "learn.round_requests=6", "learn.replay_max_tokens=6",
+              "learn.replay_concurrency=2", "learn.max_steps=2", "learn.min_gain=-4", f"learn.traffic=[\"{traffic}\"]",
+              "learn.profile_prompts=1", "learn.profile_max_new_tokens=4", "serve.promoted_poll_s=0.05",
+              "tokenize.min_supervised=1"]
+    rc = main(["flywheel", "--json", *common, "learn.rounds=2", "learn.compare_regenerate=true"])
     out = capsys.readouterr()
     assert rc == 0, out.err[-3000:]
     rows = json.loads((run_dir / "learn" / "flywheel.json").read_text())["rounds"]
@@ -59,3 +60,23 @@ def test_two_flywheel_rounds_promote_and_swap(tmp_path, tiny_qwen3, capsys):
         assert arm["basis"] == "steps" and arm["steps"] == 2 and "scores" not in arm, arm
         assert arm["prompts"]["regenerated"] == arm["prompts"]["available"] == arm["replies"]["compared"] == 4
         assert arm["replies"]["equal"] == 4 and arm["candidate_vs_regenerate"]["samples"] == 2
+    # learn.rounds is the total: a larger one goes on after round 2, served by round 2's promoted drafter, replaying
+    # the traffic not yet replayed; the same one again does nothing
+    rc = main(["flywheel", "--json", *common, "learn.rounds=3"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-3000:]
+    rows3 = json.loads((run_dir / "learn" / "flywheel.json").read_text())["rounds"]
+    assert rows3[:2] == rows and rows3[2]["round"] == 3 and rows3[2]["served_by"].startswith("r002-")
+    r3 = json.loads((run_dir / "learn" / "rounds" / "003" / "round.json").read_text())
+    assert r3["samples"]["records"] == 6 and r3["serving"]["id"] == rows3[2]["served_by"]
+    convs = [json.loads(line) for line in (run_dir / "learn" / "rounds" / "003" / "generate" /
+                                           "conversations.jsonl").read_text().splitlines()]
+    assert sorted(c["messages"][0]["content"].rsplit("(", 1)[1] for c in convs) == [f"{i})" for i in range(12, 18)]
+    assert main(["flywheel", "--json", *common, "learn.rounds=3"]) == 0
+    assert json.loads((run_dir / "learn" / "flywheel.json").read_text())["rounds"] == rows3
+    # records no round learned from (a flywheel stopped between its replay and its round) are refused, named
+    segs = sorted((run_dir / "learn" / "records").glob("records-*.jsonl"))
+    (segs[-1].parent / "records-99999999.jsonl").write_text(segs[-1].read_text().splitlines(keepends=True)[0])
+    capsys.readouterr()
+    assert main(["flywheel", "--json", *common, "learn.rounds=4"]) == 2
+    assert "no round learned from" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]

@@ -695,8 +695,8 @@ class LearnSection:
         "since_promotion", "What a round trains on: `since_promotion` = every record since the serving drafter "
         "was promoted (a round that keeps the serving drafter leaves its traffic to the next one, so evidence "
         "accumulates until a candidate is shown better), earlier held-out slices included unless learn.heldout_pool "
-        "pools them; `round` = only the records new since the last round. The held-out slice is always the newest "
-        "of the new records.",
+        "pools them; `round` = only the records new since the last round. A round's own held-out slice is always the "
+        "newest of its new records.",
         hash_default=False)
     heldout_pool: Literal["since_promotion", "round"] = f(
         "since_promotion", "What the promotion rule scores: `since_promotion` = this round's held-out slice and every "

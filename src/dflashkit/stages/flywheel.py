@@ -16,6 +16,11 @@ pointer), replays learn.round_requests conversations with learn.replay_concurren
 what was recorded (`flywheel.rounds.learn_round`, its budget `--budget` / learn.rounds minutes), waits until the
 server reports the promoted drafter, and goes on with the next requests. A replayed request that fails fails the
 command (exit 4) after the rounds, with the count.
+
+learn.rounds is the total: run again, the command goes on after the rounds already learned (`learn/rounds/`),
+serving the drafter they promoted and replaying the traffic they did not, so a stopped flywheel resumes with the
+same command and a longer one needs only a larger learn.rounds. Records that no round learned from (a flywheel
+stopped between its replay and its round) are refused (exit 2): `dflashkit learn` learns from them first.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ from dflashkit.errors import MissingArtifactError, PartialFailure, UsageError
 from dflashkit.flywheel.pointer import pointer_path, read_promoted
 from dflashkit.flywheel.replay import interleaved, live_tau, read_conversations, replay
 from dflashkit.flywheel.regenerate import arm_line, arm_row
-from dflashkit.flywheel.rounds import EmptyWindow, learn_round, rounds_table, static_drafter
-from dflashkit.rundir import RunDir, atomic_write_json
+from dflashkit.flywheel.rounds import EmptyWindow, learn_round, read_cursor, rounds_table, static_drafter
+from dflashkit.flywheel.traffic import read_window
+from dflashkit.rundir import RunDir, atomic_write_json, read_json_or_none
 from dflashkit.serve_app import build_app
 from dflashkit.serving.server import serve_in_thread
 from dflashkit.sizing.calibration import saved_calibration
@@ -61,13 +67,26 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     scfg = dataclasses.replace(cfg, serve=dataclasses.replace(
         cfg.serve, drafter=str(static), proposer="drafter", record_dir=records, promoted=str(rd.root), port=0,
         host="127.0.0.1"))
-    budget = cfg.run.budget_minutes / lc.rounds if cfg.run.budget_minutes else None
+    start = len(rounds_table(rd))
+    if start and read_window(records, read_cursor(rd), expected=None).records:
+        raise UsageError(f"{records}: records past the learn cursor that no round learned from (a flywheel "
+                         "stopped between its replay and its round)", hint=f"dflashkit learn -c <this config> "
+                         f"--records {records}, then run the flywheel again")
+    earlier = read_json_or_none(rd.flywheel_results, log) or {}
+    rows: list[dict[str, Any]] = list(earlier.get("rounds", []))[:start]
+    prior = len(rows)
+    if start >= lc.rounds:
+        log.info("%d rounds already ran (learn.rounds=%d): nothing to do; a larger learn.rounds goes on", start,
+                 lc.rounds)
+    elif start:
+        log.info("resuming after round %d: %d more rounds", start, lc.rounds - start)
+    budget = cfg.run.budget_minutes / lc.rounds if cfg.run.budget_minutes else None  # a round's share of all rounds
     cal = saved_calibration(cfg, rd) if budget is not None else None
-    rows: list[dict[str, Any]] = []
     app = build_app(scfg)
     try:
         with serve_in_thread(app) as url:
-            for r in range(lc.rounds):
+            _await_promoted(app, rd)
+            for r in range(start, lc.rounds):
                 chunk = convs[r * lc.round_requests:(r + 1) * lc.round_requests]
                 if not chunk:
                     log.info("the traffic is used up after %d rounds", r)
@@ -90,10 +109,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
                     row["learn"] = e.message
                 rows.append(row)
                 atomic_write_json(rd.flywheel_results, {"rounds": rows})
-                promoted = read_promoted(pointer_path(rd.root))
-                deadline = time.time() + 120
-                while promoted is not None and app.drafter_id != promoted["id"] and time.time() < deadline:
-                    time.sleep(0.2)  # the server's watcher swaps it in between requests
+                _await_promoted(app, rd)
     finally:
         app.engine.stop()
         if app.recording is not None:
@@ -112,8 +128,16 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
                       f"{g['samples']} samples)")
             if row.get("regenerate_arm"):
                 print(f"{'':>5}  {'':<20} {'':>7}   {arm_line(row['regenerate_arm'])}")
-    failed = sum(row["live"]["failed"] for row in rows)
+    failed = sum(row["live"]["failed"] for row in rows[prior:])  # this run's requests
     result = {"rounds": rows, "history": table, "records": records}
     if failed:
         raise PartialFailure(f"{failed} replayed requests failed", result=result)
     return result
+
+
+def _await_promoted(app: Any, rd: RunDir, timeout_s: float = 120.0) -> None:
+    """Wait until the server serves the last promoted drafter (its watcher swaps it in between requests)."""
+    promoted = read_promoted(pointer_path(rd.root))
+    deadline = time.time() + timeout_s
+    while promoted is not None and app.drafter_id != promoted["id"] and time.time() < deadline:
+        time.sleep(0.2)
