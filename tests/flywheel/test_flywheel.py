@@ -13,7 +13,7 @@ from tests.helpers import TEXTS, make_run, overrides
 pytestmark = pytest.mark.serial  # a server, its 2 replay clients and a training round in one process
 
 
-def test_two_flywheel_rounds_promote_and_swap(tmp_path, tiny_qwen3, capsys):
+def test_two_flywheel_rounds_promote_and_swap(tmp_path, tiny_qwen3, capsys, monkeypatch):
     run_dir = make_run(tmp_path / "run", tiny_qwen3)
     assert main(["train", "--json", *overrides(run_dir, tiny_qwen3, train__max_steps=2)]) == 0
     traffic = tmp_path / "traffic.jsonl"
@@ -72,7 +72,9 @@ def test_two_flywheel_rounds_promote_and_swap(tmp_path, tiny_qwen3, capsys):
     convs = [json.loads(line) for line in (run_dir / "learn" / "rounds" / "003" / "generate" /
                                            "conversations.jsonl").read_text().splitlines()]
     assert sorted(c["messages"][0]["content"].rsplit("(", 1)[1] for c in convs) == [f"{i})" for i in range(12, 18)]
-    assert main(["flywheel", "--json", *common, "learn.rounds=3"]) == 0
+    monkeypatch.setattr("dflashkit.stages.flywheel.build_app", lambda *a, **k: pytest.fail("a server started"))
+    assert main(["flywheel", "--json", *common, "learn.rounds=3"]) == 0  # nothing to do: no server either
+    monkeypatch.undo()
     assert json.loads((run_dir / "learn" / "flywheel.json").read_text())["rounds"] == rows3
     # records no round learned from (a flywheel stopped between its replay and its round) are refused, named
     segs = sorted((run_dir / "learn" / "records").glob("records-*.jsonl"))

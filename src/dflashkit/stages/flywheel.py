@@ -75,11 +75,47 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     earlier = read_json_or_none(rd.flywheel_results, log) or {}
     rows: list[dict[str, Any]] = list(earlier.get("rounds", []))[:start]
     prior = len(rows)
-    if start >= lc.rounds:
+    if start >= lc.rounds:  # the server is not even started
         log.info("%d rounds already ran (learn.rounds=%d): nothing to do; a larger learn.rounds goes on", start,
                  lc.rounds)
-    elif start:
-        log.info("resuming after round %d: %d more rounds", start, lc.rounds - start)
+    else:
+        if start:
+            log.info("resuming after round %d: %d more rounds", start, lc.rounds - start)
+        _serve_rounds(cfg, rd, scfg, convs, records, rows, start)
+    table = rounds_table(rd)
+    if not ctx.json:
+        print("round  served by            live τ   τ on the round's traffic: serving vs static (gain, 90%)   decision")
+        for row in rows:
+            vs = row.get("serving_vs_static") or {}
+            print(f"{row['round']:>5}  {str(row['served_by'])[:20]:<20} {row['live']['tau']!s:>7}   "
+                  f"{vs.get('tau_new', (row.get('comparison') or {}).get('tau_serving'))!s:>7} vs "
+                  f"{vs.get('tau_serving', (row.get('comparison') or {}).get('tau_serving'))!s:>7} "
+                  f"({vs.get('gain', 0.0)}, {vs.get('interval90')})   {row.get('decision', row.get('learn'))}")
+            for src, g in (vs.get("by_source") or {}).items():
+                print(f"{'':>5}  {'':<20} {'':>7}   {src}: {g['tau_new']} vs {g['tau_serving']} ({g['gain']}, {g['interval90']}, "
+                      f"{g['samples']} samples)")
+            if row.get("regenerate_arm"):
+                print(f"{'':>5}  {'':<20} {'':>7}   {arm_line(row['regenerate_arm'])}")
+    failed = sum(row["live"]["failed"] for row in rows[prior:])  # this run's requests
+    result = {"rounds": rows, "history": table, "records": records}
+    if failed:
+        raise PartialFailure(f"{failed} replayed requests failed", result=result)
+    return result
+
+
+def _await_promoted(app: Any, rd: RunDir, timeout_s: float = 120.0) -> None:
+    """Wait until the server serves the last promoted drafter (its watcher swaps it in between requests)."""
+    promoted = read_promoted(pointer_path(rd.root))
+    deadline = time.time() + timeout_s
+    while promoted is not None and app.drafter_id != promoted["id"] and time.time() < deadline:
+        time.sleep(0.2)
+
+
+def _serve_rounds(cfg: RunConfig, rd: RunDir, scfg: RunConfig, convs: list[dict[str, Any]], records: str,
+                  rows: list[dict[str, Any]], start: int) -> None:
+    """Rounds start+1 … learn.rounds: serve (recording), replay a round's traffic, learn, await the swap; each
+    round's row is appended to `rows` and written to learn/flywheel.json as it ends."""
+    lc = cfg.learn
     budget = cfg.run.budget_minutes / lc.rounds if cfg.run.budget_minutes else None  # a round's share of all rounds
     cal = saved_calibration(cfg, rd) if budget is not None else None
     app = build_app(scfg)
@@ -114,30 +150,3 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
         app.engine.stop()
         if app.recording is not None:
             app.recording.recorder.close()
-    table = rounds_table(rd)
-    if not ctx.json:
-        print("round  served by            live τ   τ on the round's traffic: serving vs static (gain, 90%)   decision")
-        for row in rows:
-            vs = row.get("serving_vs_static") or {}
-            print(f"{row['round']:>5}  {str(row['served_by'])[:20]:<20} {row['live']['tau']!s:>7}   "
-                  f"{vs.get('tau_new', (row.get('comparison') or {}).get('tau_serving'))!s:>7} vs "
-                  f"{vs.get('tau_serving', (row.get('comparison') or {}).get('tau_serving'))!s:>7} "
-                  f"({vs.get('gain', 0.0)}, {vs.get('interval90')})   {row.get('decision', row.get('learn'))}")
-            for src, g in (vs.get("by_source") or {}).items():
-                print(f"{'':>5}  {'':<20} {'':>7}   {src}: {g['tau_new']} vs {g['tau_serving']} ({g['gain']}, {g['interval90']}, "
-                      f"{g['samples']} samples)")
-            if row.get("regenerate_arm"):
-                print(f"{'':>5}  {'':<20} {'':>7}   {arm_line(row['regenerate_arm'])}")
-    failed = sum(row["live"]["failed"] for row in rows[prior:])  # this run's requests
-    result = {"rounds": rows, "history": table, "records": records}
-    if failed:
-        raise PartialFailure(f"{failed} replayed requests failed", result=result)
-    return result
-
-
-def _await_promoted(app: Any, rd: RunDir, timeout_s: float = 120.0) -> None:
-    """Wait until the server serves the last promoted drafter (its watcher swaps it in between requests)."""
-    promoted = read_promoted(pointer_path(rd.root))
-    deadline = time.time() + timeout_s
-    while promoted is not None and app.drafter_id != promoted["id"] and time.time() < deadline:
-        time.sleep(0.2)
