@@ -61,7 +61,7 @@ from dflashkit.flywheel.pointer import pointer_path, read_promoted, write_promot
 from dflashkit.flywheel.regenerate import run_arm
 from dflashkit.flywheel.traffic import read_window, run_fingerprint, split_newest, to_conversation
 from dflashkit.generate.conversations import regenerated_file, write_conversations
-from dflashkit.rundir import RunDir, atomic_dir, atomic_write_json, read_json
+from dflashkit.rundir import RunDir, atomic_dir, atomic_write_json, read_json, read_json_or_none
 from dflashkit.train.checkpoint import drop_checkpoints, trained_drafter_dir
 from dflashkit.train.loop import _fit, preflight, setup
 from dflashkit.train.parallel import init_distributed
@@ -431,6 +431,19 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
              len(win.records), len(held_recs), cmp["tau_new"], cmp["tau_serving"], cmp["gain"], cmp["interval90"],
              record["decision"])
     return record
+
+
+def resume_point(rd: RunDir, records: str | Path) -> tuple[int, list[dict[str, Any]]]:
+    """(the rounds already learned, the flywheel's rows for them: `learn/flywheel.json`): where a flywheel run goes
+    on. Records past the learn cursor that no round learned from (a flywheel stopped between its replay and its
+    round) are refused (exit 2): replaying on top of them would learn from both."""
+    start = len(rounds_table(rd))
+    if start and read_window(records, read_cursor(rd), expected=None).records:
+        raise UsageError(f"{records}: records past the learn cursor that no round learned from (a flywheel "
+                         "stopped between its replay and its round)", hint=f"dflashkit learn -c <this config> "
+                         f"--records {records}, then run the flywheel again")
+    earlier = read_json_or_none(rd.flywheel_results, log) or {}
+    return start, list(earlier.get("rounds", []))[:start]
 
 
 def rounds_table(rd: RunDir) -> list[dict[str, Any]]:

@@ -37,9 +37,8 @@ from dflashkit.errors import MissingArtifactError, PartialFailure, UsageError
 from dflashkit.flywheel.pointer import pointer_path, read_promoted
 from dflashkit.flywheel.replay import interleaved, live_tau, read_conversations, replay
 from dflashkit.flywheel.regenerate import arm_line, arm_row
-from dflashkit.flywheel.rounds import EmptyWindow, learn_round, read_cursor, rounds_table, static_drafter
-from dflashkit.flywheel.traffic import read_window
-from dflashkit.rundir import RunDir, atomic_write_json, read_json_or_none
+from dflashkit.flywheel.rounds import EmptyWindow, learn_round, resume_point, rounds_table, static_drafter
+from dflashkit.rundir import RunDir, atomic_write_json
 from dflashkit.serve_app import build_app
 from dflashkit.serving.server import serve_in_thread
 from dflashkit.sizing.calibration import saved_calibration
@@ -67,13 +66,7 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]:
     scfg = dataclasses.replace(cfg, serve=dataclasses.replace(
         cfg.serve, drafter=str(static), proposer="drafter", record_dir=records, promoted=str(rd.root), port=0,
         host="127.0.0.1"))
-    start = len(rounds_table(rd))
-    if start and read_window(records, read_cursor(rd), expected=None).records:
-        raise UsageError(f"{records}: records past the learn cursor that no round learned from (a flywheel "
-                         "stopped between its replay and its round)", hint=f"dflashkit learn -c <this config> "
-                         f"--records {records}, then run the flywheel again")
-    earlier = read_json_or_none(rd.flywheel_results, log) or {}
-    rows: list[dict[str, Any]] = list(earlier.get("rounds", []))[:start]
+    start, rows = resume_point(rd, records)
     prior = len(rows)
     if start >= lc.rounds:  # the server is not even started
         log.info("%d rounds already ran (learn.rounds=%d): nothing to do; a larger learn.rounds goes on", start,
