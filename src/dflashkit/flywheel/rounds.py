@@ -74,19 +74,14 @@ class EmptyWindow(UsageError):
     """No new record since the last round's cursor (exit 2; a loop waits for the next round instead)."""
 
 
-def read_cursors(rd: RunDir) -> tuple[dict[str, int], dict[str, int]]:
+def read_cursors(rd: RunDir) -> tuple[dict[str, int], dict[str, int], set[str]]:
     """(where the next round's new records start: complete lines consumed per segment, where the serving drafter's
     unlearned traffic starts: the cursor after the round that promoted it, the start of the record dir before any
-    promotion), from one read of cursor.json."""
+    promotion, the ids of the records held out by the rounds since that promotion), from one read of cursor.json."""
     p = rd.learn_dir / "cursor.json"
     saved = read_json(p) if p.is_file() else {}
-    return dict(saved.get("segments", {})), dict(saved.get("since_promotion", {}))
-
-
-def pooled_heldout(rd: RunDir) -> set[str]:
-    """The ids of the records held out by the rounds since the serving drafter's promotion (cursor.json)."""
-    p = rd.learn_dir / "cursor.json"
-    return set(read_json(p).get("heldout_since_promotion", [])) if p.is_file() else set()
+    return (dict(saved.get("segments", {})), dict(saved.get("since_promotion", {})),
+            set(saved.get("heldout_since_promotion", [])))
 
 
 def read_cursor(rd: RunDir) -> dict[str, int]:
@@ -289,8 +284,8 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
     t0 = time.time()
     if not rd.contract_path.is_file():
         raise MissingArtifactError("the drafter contract", rd.contract_path, run="dflashkit probe -c run.yaml")
-    cursor, base = read_cursors(rd)
-    pool = pooled_heldout(rd) if cfg.learn.heldout_pool == "since_promotion" else set()
+    cursor, base, held_since = read_cursors(rd)
+    pool = held_since if cfg.learn.heldout_pool == "since_promotion" else set()
     reads_earlier = cfg.learn.window == "since_promotion" or bool(pool)
     since = base if reads_earlier and base != cursor else None  # + kept rounds' traffic
     win = read_window(record_dir, cursor, expected=run_fingerprint(cfg), on_corrupt=cfg.learn.on_corrupt, since=since)
@@ -423,7 +418,7 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
               "export": export, "profile": profile, "promoted": pointer, "vllm_restart": restart,
               "wall_s": round(time.time() - t0, 2)}
     atomic_write_json(rdir / "round.json", record)
-    pooled = [] if promote else sorted(pooled_heldout(rd) | {str(r["id"]) for r in new_held})
+    pooled = [] if promote else sorted(held_since | {str(r["id"]) for r in new_held})
     atomic_write_json(rd.learn_dir / "cursor.json", {"records_dir": str(record_dir), "segments": win.cursor,
                                                       "since_promotion": win.cursor if promote else base,
                                                       "heldout_since_promotion": pooled, "round": n})
@@ -437,7 +432,7 @@ def resume_point(rd: RunDir, records: str | Path) -> tuple[int, list[dict[str, A
     """(the rounds already learned, the flywheel's rows for them: `learn/flywheel.json`): where a flywheel run goes
     on. Records past the learn cursor that no round learned from (a flywheel stopped between its replay and its
     round) are refused (exit 2): replaying on top of them would learn from both."""
-    start = len(rounds_table(rd))
+    start = _round_no(rd) - 1
     if start and read_window(records, read_cursor(rd), expected=None).records:
         raise UsageError(f"{records}: records past the learn cursor that no round learned from (a flywheel "
                          "stopped between its replay and its round)", hint=f"dflashkit learn -c <this config> "
