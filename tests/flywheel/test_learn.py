@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -87,7 +88,7 @@ def test_two_rounds_hold_out_the_newest_and_follow_the_rule(run_dir, tiny_qwen3,
     r1 = json.loads((run_dir / "learn" / "rounds" / "001" / "round.json").read_text())
     assert r1["ids"]["heldout"] == ["req0008", "req0009"]  # the newest two (fraction 0.2 of 10)
     assert set(r1) == {"round", "records_dir", "cursor_before", "cursor_after", "lines", "corrupt", "window", "samples",
-                       "ids", "tokenize", "steps", "steps_rule", "budget_minutes", "serving", "scores", "comparison",
+                       "ids", "tokenize", "steps", "steps_rule", "budget_minutes", "serving", "warm_start", "scores", "comparison",
                        "serving_vs_static", "decision", "reason", "train", "export", "profile", "promoted",
                        "vllm_restart", "wall_s"}  # learn.compare_regenerate is off by default: no regenerate arm
     assert not set(r1["ids"]["train"]) & set(r1["ids"]["heldout"]) and len(r1["ids"]["train"]) == 8
@@ -141,6 +142,60 @@ def test_two_rounds_hold_out_the_newest_and_follow_the_rule(run_dir, tiny_qwen3,
     assert r5["ids"]["heldout"] == [f"req{i:04d}" for i in (13, 14, 18, 19, 23, 24, 28, 29)]
 
 
+def test_window_all_trains_on_every_learned_record_from_the_static_drafter_for_capped_epochs(
+        run_dir, tiny_qwen3, tmp_path, capsys):
+    """learn.window=all: after a promotion the next candidate still trains on the traffic before it (less the pooled
+    held-out slices); learn.warm_start=static: every candidate starts from the static drafter; learn.max_epochs caps
+    a round's steps at that many passes over its training samples (train.batch_size 2)."""
+    assert main(["train", "--json", *overrides(run_dir, tiny_qwen3, train__max_steps=2)]) == 0
+    capsys.readouterr()
+    rec = tmp_path / "rec"
+    _write(rec / "records-00000001.jsonl", _records(tiny_qwen3, run_dir, 10))
+    knobs = ["learn.window=all", "learn.warm_start=static", "learn.max_epochs=1.5", "learn.max_steps=50"]
+    rc, out, err = _learn(run_dir, tiny_qwen3, rec, capsys, "learn.min_gain=-4", *knobs)  # promotes
+    assert rc == 0, err[-3000:]
+    r1 = json.loads((run_dir / "learn" / "rounds" / "001" / "round.json").read_text())
+    static = str(run_dir / "train" / "best") if (run_dir / "train" / "best").is_dir() else str(run_dir / "train" / "final")
+    assert r1["decision"] == "promote" and r1["warm_start"] == static
+    assert r1["steps"] == r1["train"]["steps"] == 6 and "learn.max_epochs=1.5 × 8 samples" in r1["steps_rule"]
+    _write(rec / "records-00000001.jsonl", _records(tiny_qwen3, run_dir, 5, 10))
+    rc, out, err = _learn(run_dir, tiny_qwen3, rec, capsys, "learn.min_gain=100", *knobs)  # keeps
+    assert rc == 0, err[-3000:]
+    r2 = json.loads((run_dir / "learn" / "rounds" / "002" / "round.json").read_text())
+    assert r2["serving"]["id"] != "initial" and r2["warm_start"] == static
+    # round 1's held-out pair was emptied from the pool by its promotion: it trains now, with everything else learned
+    assert r2["ids"]["train"] == [f"req{i:04d}" for i in range(13)] and r2["window"]["earlier_records"] == 10
+    assert r2["ids"]["heldout"] == ["req0013", "req0014"]
+    assert r2["steps"] == 10  # ceil(1.5 × 13 / 2)
+    # learn.warm_start=serving: the candidate starts from round 1's promoted drafter
+    _write(rec / "records-00000001.jsonl", _records(tiny_qwen3, run_dir, 5, 15))
+    rc, out, err = _learn(run_dir, tiny_qwen3, rec, capsys, "learn.min_gain=100", "learn.window=all")
+    assert rc == 0, err[-3000:]
+    r3 = json.loads((run_dir / "learn" / "rounds" / "003" / "round.json").read_text())
+    assert r3["warm_start"] == r3["serving"]["dir"] == r2["serving"]["dir"]
+    assert r3["ids"]["heldout"] == ["req0013", "req0014", "req0018", "req0019"]  # round 2 kept: its slice pooled
+    assert r3["ids"]["train"] == [f"req{i:04d}" for i in (*range(13), 15, 16, 17)]
+
+
+def test_every_block_of_a_sample_is_scored_unless_capped(run_dir, tiny_qwen3, tmp_path, capsys):
+    """learn.score_anchors: null scores every block a held-out sample has (more than train.num_anchors=8 draws);
+    an int caps them."""
+    assert main(["train", "--json", *overrides(run_dir, tiny_qwen3, train__max_steps=2)]) == 0
+    capsys.readouterr()
+    rec = tmp_path / "rec"
+    _write(rec / "records-00000001.jsonl", _records(tiny_qwen3, run_dir, 10))
+    blocks = {}
+    for cap in ("null", "3"):
+        shutil.rmtree(run_dir / "learn", ignore_errors=True)
+        rc, out, err = _learn(run_dir, tiny_qwen3, rec, capsys, f"learn.score_anchors={cap}")
+        assert rc == 0, err[-3000:]
+        r1 = json.loads((run_dir / "learn" / "rounds" / "001" / "round.json").read_text())
+        blocks[cap] = [n for _, n in r1["scores"]["serving"]]
+        assert [n for _, n in r1["scores"]["new"]] == blocks[cap]  # the same blocks for both drafters
+    assert all(n <= 3 for n in blocks["3"]) and all(a >= b for a, b in zip(blocks["null"], blocks["3"]))
+    assert max(blocks["null"]) > 8  # beyond what training draws a sample
+
+
 def test_a_budget_without_calibration_still_bounds_the_round(run_dir, tiny_qwen3, tmp_path, capsys):
     """No saved calibration: the round plans learn.max_steps, and the budget's CPU time stops it early."""
     assert main(["train", "--json", *overrides(run_dir, tiny_qwen3, train__max_steps=2)]) == 0
@@ -168,3 +223,20 @@ def test_per_source_gain_scores_each_source_on_its_own_samples():
     # the pooled gain over both sources lies between the two sources' gains
     pooled = paired_gain(new, old)["gain"]
     assert per["chat"]["gain"] < pooled < per["agent"]["gain"]
+
+
+def test_the_rule_keeps_out_a_candidate_worse_on_one_source():
+    from dflashkit.flywheel.rounds import by_source, decide, paired_gain
+    # better on every agent sample by far, worse on every chat sample: pooled above 0, chat wholly below
+    new = [(3.0, 5), (3.2, 5), (2.9, 5), (1.1, 5), (1.2, 5), (1.0, 5)]
+    old = [(1.5, 5), (1.6, 5), (1.4, 5), (1.3, 5), (1.4, 5), (1.2, 5)]
+    src = ["agent"] * 3 + ["chat"] * 3
+    cmp = {**paired_gain(new, old), "by_source": by_source(new, old, src)}
+    assert cmp["interval90"][0] > 0 and cmp["by_source"]["chat"]["interval90"][1] < 0
+    promote, why = decide(cmp, min_gain=0.0, source_guard=True)
+    assert not promote and "worse on chat" in why and "agent" not in why.split("worse on")[1]
+    assert decide(cmp, min_gain=0.0, source_guard=False)[0]
+    # the chat samples level instead: promoted with the guard on
+    level = {**paired_gain(new[:3] + old[3:], old), "by_source": by_source(new[:3] + old[3:], old, src)}
+    assert decide(level, min_gain=0.0, source_guard=True) == (True, decide(level, min_gain=0.0, source_guard=False)[1])
+    assert decide({"interval90": None}, min_gain=0.0, source_guard=True) == (False, "no held-out sample to score")

@@ -105,3 +105,22 @@ def test_the_regenerate_arm_trains_on_regenerated_training_prompts_within_the_bu
     assert r2["regenerate_arm"] == {"error": "RuntimeError: planted"} and "planted" in err
     cursor = json.loads((run_dir / "learn" / "cursor.json").read_text())
     assert cursor["round"] == 2 and cursor["segments"] == {"records-00000001.jsonl": 16}
+
+
+def test_an_epoch_capped_candidate_gives_the_arm_only_the_cpu_it_used(tmp_path, tiny_qwen3, capsys, ticking_cpu):
+    """learn.max_epochs stops the candidate before the budget: equal CPU is then what it used, not the budget."""
+    run_dir = make_run(tmp_path / "run", tiny_qwen3)
+    assert main(["train", "--json", *overrides(run_dir, tiny_qwen3, train__max_steps=2)]) == 0
+    capsys.readouterr()
+    rec = tmp_path / "rec"
+    _write(rec / "records-00000001.jsonl", _greedy_records(tiny_qwen3, run_dir, 12))
+    # 10 training samples, batch 2, 1 pass: 5 one-tick steps of the 15 CPU-s budget
+    rc, out, err = _learn(run_dir, tiny_qwen3, rec, capsys, "learn.compare_regenerate=true", "learn.min_gain=100",
+                          "run.budget_minutes=0.5", "learn.train_fraction=0.5", "learn.max_steps=40",
+                          "learn.max_epochs=1", "tokenize.min_supervised=1")
+    assert rc == 0, err[-3000:]
+    r1 = json.loads((run_dir / "learn" / "rounds" / "001" / "round.json").read_text())
+    arm = r1["regenerate_arm"]
+    assert "error" not in arm and r1["train"]["steps"] == r1["steps"] == 5, (arm, r1["train"])
+    assert arm["budget_cpu_s"] == arm["candidate_train_cpu_s"] < 0.5 * 60 * 0.5
+    assert arm["total_cpu_s"] <= arm["budget_cpu_s"]

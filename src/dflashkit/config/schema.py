@@ -691,24 +691,41 @@ class LearnSection:
     heldout_min: int = f(2, "At least this many held-out records a round (one record always trains).",
                          hash_default=False)
     heldout_max: int = f(64, "At most this many held-out records a round.", hash_default=False)
-    window: Literal["since_promotion", "round"] = f(
+    window: Literal["since_promotion", "round", "all"] = f(
         "since_promotion", "What a round trains on: `since_promotion` = every record since the serving drafter "
         "was promoted (a round that keeps the serving drafter leaves its traffic to the next one, so evidence "
         "accumulates until a candidate is shown better), earlier held-out slices included unless learn.heldout_pool "
-        "pools them; `round` = only the records new since the last round. A round's own held-out slice is always the "
-        "newest of its new records.",
+        "pools them; `all` = every record learned so far, before and after promotions (the training set grows "
+        "round by round), less the pooled held-out slices; `round` = only the records new since the last round. A "
+        "round's own held-out slice is always the newest of its new records.",
         hash_default=False)
+    warm_start: Literal["serving", "static"] = f(
+        "serving", "What a round's candidate is fine-tuned from: `serving` = the drafter now serving (learning "
+        "compounds round on round); `static` = the drafter before any promotion (learn.drafter), so each candidate "
+        "is the static drafter plus the window's traffic, with no fine-tune stacked on another (pair with "
+        "learn.window=all).", hash_default=False)
+    max_epochs: float | None = f(
+        None, "A round's passes over its training samples at most: its steps are min(the budget's or "
+        "learn.max_steps, ceil(max_epochs × training samples / batch)); null = no cap. A small window trained for a "
+        "whole budget repeats each sample tens of times and overfits it.", hash_default=False)
     heldout_pool: Literal["since_promotion", "round"] = f(
         "since_promotion", "What the promotion rule scores: `since_promotion` = this round's held-out slice and every "
         "held-out slice since the serving drafter was promoted (those records stay held out, never trained on, so "
         "the rule's evidence accumulates until a candidate is shown better); `round` = this round's slice only (a "
         "kept round's slice then trains later candidates under learn.window=since_promotion).", hash_default=False)
+    score_anchors: int | None = f(
+        None, "Blocks scored a sample when both comparisons (the promotion rule's and the curve's) score a drafter: "
+        "null = every block the sample has; an int draws at most that many, as training does (train.num_anchors).",
+        hash_default=False)
     max_steps: int = f(50, "A round's optimizer steps at most (all of them without --budget or a saved "
                        "calibration).", hash_default=False)
     train_fraction: float = f(0.6, "With --budget: the share of the round's minutes given to training steps (the "
                               "saved calibration's step time sets the count).", hash_default=False)
     min_gain: float = f(0.0, "Promote only when the 5th percentile of the paired held-out τ gain (new − serving) "
                         "exceeds this.", hash_default=False)
+    source_guard: bool = f(True, "Keep out a candidate whose paired held-out interval on any one source (the "
+                           "record's `source`, else agent / chat) lies wholly below 0, however it scores pooled.",
+                           hash_default=False)
     on_corrupt: Literal["skip", "fail"] = f("skip", "A corrupt record line: skip it (named file:line in the log "
                                             "and counted in round.json) or refuse the round (exit 2).",
                                             hash_default=False)

@@ -11,16 +11,19 @@ conversations.jsonl, tokenize/, train/, export/ when promoted, and round.json: c
 both drafters' scores, the paired interval, the decision and the paths).
 
 A round trains on the records since the serving drafter's promotion (`learn.window: since_promotion`: a kept
-round's traffic trains the next round's candidate, so training evidence accumulates until one is shown better) or
-on its new records only (`round`). The held-out slice is the newest of the new records by time
+round's traffic trains the next round's candidate, so training evidence accumulates until one is shown better), on
+every record learned so far (`all`: the training set grows across promotions too) or on its new records only
+(`round`), starting from the serving drafter (`learn.warm_start: serving`) or the static one (`static`), for at
+most `learn.max_epochs` passes over them. The held-out slice is the newest of the new records by time
 (`traffic.split_newest`), and with `learn.heldout_pool: since_promotion` also every earlier held-out slice since the
 serving drafter's promotion (cursor.json `heldout_since_promotion`): those records stay held out, so the rule's
 evidence accumulates too (`round`: a kept round's slice trains the next candidate instead). Held-out samples never
 train (the trainer's split is handed in: `train.loop.setup(split=...)`). Both drafters are scored on it the way the
 held-out curve scores (teacher-forced simulated τ on the target's own tokens, `Trainer.micro_loss` with the
-run's held-out labels), one sample at a time, and compared by a paired bootstrap over the samples of the
-pooled τ gain (new − serving). The rule: promote only when the 5th percentile of that gain exceeds
-`learn.min_gain` (default 0); otherwise keep the serving drafter. The promoted drafter is exported (float32,
+run's held-out labels) from every block of each sample (`learn.score_anchors`), one sample at a time, and compared
+by a paired bootstrap over the samples of the pooled τ gain (new − serving). The rule (`decide`): promote only when
+the 5th percentile of that gain exceeds `learn.min_gain` (default 0) and, with `learn.source_guard`, no source's
+interval lies wholly below 0; otherwise keep the serving drafter. The promoted drafter is exported (float32,
 z-lab layout) with a speculation profile measured by real speculative decoding of the slice's prompts; `dflashkit
 serve` watching the pointer swaps it in, and the vLLM restart line is logged and kept in round.json (vLLM 0.32's
 draft-weight transfer API needs a weight-transfer engine we do not drive: a restart is the honest route). Once a
@@ -41,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import shutil
 import tempfile
 import time
@@ -64,6 +68,7 @@ from dflashkit.generate.conversations import regenerated_file, write_conversatio
 from dflashkit.rundir import RunDir, atomic_dir, atomic_write_json, read_json, read_json_or_none
 from dflashkit.train.checkpoint import drop_checkpoints, trained_drafter_dir
 from dflashkit.train.loop import _fit, preflight, setup
+from dflashkit.train.objective import sample_anchors
 from dflashkit.train.parallel import init_distributed
 from dflashkit.train.target_side import heldout_paths
 
@@ -124,6 +129,16 @@ def plan_steps(cfg: Any, budget_minutes: float | None, calibration: dict[str, An
     return steps, f"{budget_minutes} min × {cfg.learn.train_fraction} / {float(step_s):.3g} s a step (cap {cap})"
 
 
+def cap_epochs(cfg: Any, steps: int, how: str, train_samples: int, global_batch: int) -> tuple[int, str]:
+    """(`steps` capped at learn.max_epochs passes over the round's `train_samples`, how they were chosen)."""
+    if cfg.learn.max_epochs is None:
+        return steps, how
+    cap = max(1, math.ceil(float(cfg.learn.max_epochs) * train_samples / max(1, global_batch)))
+    if cap >= steps:
+        return steps, how
+    return cap, f"learn.max_epochs={cfg.learn.max_epochs} × {train_samples} samples / batch {global_batch} ({how})"
+
+
 def cpu_budget_s(cfg: Any, budget_minutes: float | None) -> float | None:
     """The CPU seconds a round's training may use: --budget minutes × learn.train_fraction on every thread torch
     uses (the hard stop behind `plan_steps`, whose step time may come from another feature mode)."""
@@ -169,14 +184,18 @@ def by_source(new: list[tuple[float, int]], old: list[tuple[float, int]], source
                            [old[i] for i, x in enumerate(sources) if x == s]) for s in sorted(set(sources))}
 
 
-def sample_scores(tr: Any, samples: list[int] | None = None) -> list[tuple[float, int]]:
+def sample_scores(tr: Any, samples: list[int] | None = None, *, anchors: int | None = None) -> list[tuple[float, int]]:
     """(simulated τ, blocks) of each of `samples` (default `tr.heldout`), in that order, for `tr.drafter`, scored
-    as the held-out samples are (a sample outside `tr.heldout` needs its path: `add_scoring_paths`)."""
+    as the held-out samples are (a sample outside `tr.heldout` needs its path: `add_scoring_paths`), from at most
+    `anchors` blocks a sample (None: every block a sample has, so no draw of anchors adds noise to a comparison;
+    the anchors are the same for every drafter scored)."""
     tr.drafter.eval()
     out = []
     for j in tr.heldout if samples is None else samples:
         b = tr.batch([(j, -1)], heldout=True)
-        a = tr.anchors(b)
+        cap = int(b.loss_mask.sum()) if anchors is None else anchors
+        a = sample_anchors(b.loss_mask, b.seq_lens, num_anchors=max(1, cap), block_size=tr.contract.block_size,
+                           seeds=b.seeds, docs=b.docs)
         o = tr.micro_loss(b, a, None, tr.target_outputs(b, a), scoring=tr.heldout_labels)
         out.append((o.tau_sum / o.blocks if o.blocks else 1.0, int(o.blocks)))
     return out
@@ -239,6 +258,23 @@ def _profile(cfg: Any, target: Any, drafter: torch.nn.Module, export_dir: Path, 
     return {"path": str(profile_path(export_dir)), "mean_accept_length": profile["mean_accept_length"]}
 
 
+def decide(cmp: dict[str, Any], *, min_gain: float, source_guard: bool) -> tuple[bool, str]:
+    """(promote?, why) from the rule's comparison (`paired_gain` + `by_source`): promote when the pooled gain's
+    interval lies above `min_gain` and, with `source_guard`, no source's interval lies wholly below 0 (a candidate
+    better on the pool but worse on one kind of traffic is kept out)."""
+    lo = (cmp["interval90"] or [None])[0]
+    if lo is None:
+        return False, "no held-out sample to score"
+    worse = sorted(s for s, g in (cmp.get("by_source") or {}).items()
+                   if g.get("interval90") and g["interval90"][1] < 0) if source_guard else []
+    promote = lo > min_gain and not worse
+    why = f"the paired interval's lower end {lo:+.4f} {'>' if lo > min_gain else '<='} learn.min_gain {min_gain}"
+    if worse:
+        why += "; worse on " + ", ".join(f"{s} (90% upper end {cmp['by_source'][s]['interval90'][1]:+.4f} < 0)"
+                                         for s in worse) + " (learn.source_guard)"
+    return promote, why
+
+
 def _regenerate_arm(rcfg: Any, rdir: Path, tr: Any, train_recs: list[dict[str, Any]], *, budget_s: float | None,
                     summary: dict[str, Any], new_scores: list[tuple[float, int]], sources: list[str]) -> dict:
     """round.json's `regenerate_arm` (`flywheel/regenerate.py`): the arm trained on the window's training prompts
@@ -250,7 +286,7 @@ def _regenerate_arm(rcfg: Any, rdir: Path, tr: Any, train_recs: list[dict[str, A
         arm = run_arm(rcfg, rdir / "regenerate", rdir / "contract.json", tr.target, train_recs, budget_s=budget_s,
                       candidate_steps=int(summary["steps"]), tokenize=_tokenize)
         tr.drafter = arm.drafter
-        arm_scores = sample_scores(tr)
+        arm_scores = sample_scores(tr, anchors=rcfg.learn.score_anchors)
     except Exception as e:  # noqa: BLE001 - the arm is a measurement beside the round, never its outcome
         log.exception("the regenerate arm failed; the round goes on without it")
         return {"error": f"{type(e).__name__}: {e}"}
@@ -286,8 +322,10 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
         raise MissingArtifactError("the drafter contract", rd.contract_path, run="dflashkit probe -c run.yaml")
     cursor, base, held_since = read_cursors(rd)
     pool = held_since if cfg.learn.heldout_pool == "since_promotion" else set()
-    reads_earlier = cfg.learn.window == "since_promotion" or bool(pool)
-    since = base if reads_earlier and base != cursor else None  # + kept rounds' traffic
+    whole = cfg.learn.window == "all"
+    start = {} if whole else base  # where the earlier traffic read beside the new starts
+    reads_earlier = cfg.learn.window != "round" or bool(pool)
+    since = start if reads_earlier and start != cursor else None  # + earlier rounds' traffic
     win = read_window(record_dir, cursor, expected=run_fingerprint(cfg), on_corrupt=cfg.learn.on_corrupt, since=since)
     if not win.records:
         raise EmptyWindow(f"--records {record_dir}: no new record since the last round"
@@ -295,12 +333,13 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
                           hint="serve traffic with recording on (serve.record_dir) and run `dflashkit learn` again")
     train_recs, new_held = split_newest(win.records, fraction=cfg.learn.heldout_fraction,
                                         minimum=cfg.learn.heldout_min, maximum=cfg.learn.heldout_max)
-    # kept rounds' traffic, oldest first (empty unless `since`): their held-out slices stay held out when pooled
+    # earlier rounds' traffic, oldest first (empty unless `since`): their held-out slices stay held out when pooled
     earlier_held = [r for r in win.earlier if str(r["id"]) in pool]
-    earlier = [r for r in win.earlier if str(r["id"]) not in pool] if cfg.learn.window == "since_promotion" else []
+    earlier = [r for r in win.earlier if str(r["id"]) not in pool] if cfg.learn.window != "round" else []
     train_recs = earlier + train_recs
     held_recs = earlier_held + new_held
     serving, serving_id = serving_drafter(cfg, rd)
+    base_drafter = serving if cfg.learn.warm_start == "serving" else static_drafter(cfg, rd)[0]
     n = _round_no(rd)
     rdir = rd.learn_dir / "rounds" / f"{n:03d}"
     if rdir.exists():  # a round that failed before its round.json: its work is redone
@@ -317,7 +356,7 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
     steps, how = plan_steps(cfg, budget_minutes, calibration)
     rcfg = dataclasses.replace(
         cfg, run=dataclasses.replace(cfg.run, run_dir=str(rdir)),
-        drafter=dataclasses.replace(cfg.drafter, init=str(serving)),
+        drafter=dataclasses.replace(cfg.drafter, init=str(base_drafter)),
         train=dataclasses.replace(cfg.train, max_steps=steps, keep_best=False, eval_every=0, save_every=0,
                                   train_samples=None, heldout_sources=[],
                                   features="online" if cfg.train.features == "cached" else cfg.train.features))
@@ -335,11 +374,13 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
     dist = init_distributed(rcfg.train.parallel, rcfg.target.device)
     tr = setup(rcfg, rrd, dist, inputs, split=split)
     try:
+        steps, how = cap_epochs(cfg, steps, how, len(tr.plan.train_idx), tr.plan.global_batch)
+        rcfg = dataclasses.replace(rcfg, train=dataclasses.replace(rcfg.train, max_steps=steps))
         trained_ids = [tr.data.ids[i] for i in tr.plan.train_idx]
         heldout_ids = [tr.data.ids[j] for j in tr.heldout]
         summary = _fit(rcfg, rrd, tr, show_bar=show_bar, cpu_budget_s=cpu_budget_s(cfg, budget_minutes),
                        inputs=inputs)
-        new_scores = sample_scores(tr)
+        new_scores = sample_scores(tr, anchors=cfg.learn.score_anchors)
         trained = tr.drafter
         tr.drafter = load_drafter(serving, dtype=torch.float32).to(dist.device)
         static_scores = None
@@ -350,15 +391,15 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
             extra = [i for i in tr.plan.train_idx if _base_id(tr.data.ids[i], new_ids) is not None]
             add_scoring_paths(tr, extra)
             scored = list(tr.heldout) + extra
-            serving_scores = sample_scores(tr, scored)
+            serving_scores = sample_scores(tr, scored, anchors=cfg.learn.score_anchors)
             old_scores = serving_scores[:len(tr.heldout)]
             keep = [k for k, new in enumerate(is_new) if new] + list(range(len(tr.heldout), len(scored)))
             fresh = [scored[k] for k in keep]
             fresh_scores = [serving_scores[k] for k in keep]
             tr.drafter = load_drafter(static_drafter(cfg, rd)[0], dtype=torch.float32).to(dist.device)
-            static_scores = sample_scores(tr, fresh)
+            static_scores = sample_scores(tr, fresh, anchors=cfg.learn.score_anchors)
         else:
-            old_scores = sample_scores(tr)
+            old_scores = sample_scores(tr, anchors=cfg.learn.score_anchors)
         tr.drafter = trained
 
         def source(j: int) -> str:
@@ -375,13 +416,11 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
                                     "static": static_scores, "sources": fresh_sources}}
         arm = None
         if cfg.learn.compare_regenerate:
-            arm = _regenerate_arm(rcfg, rdir, tr, train_recs, budget_s=cpu_budget_s(cfg, budget_minutes),
+            budget_s = cpu_budget_s(cfg, budget_minutes)  # equal CPU: what the candidate used (learn.max_epochs)
+            budget_s = min(budget_s, float(summary.get("cpu_s") or budget_s)) if budget_s is not None else None
+            arm = _regenerate_arm(rcfg, rdir, tr, train_recs, budget_s=budget_s,
                                   summary=summary, new_scores=new_scores, sources=sources)
-        lo = (cmp["interval90"] or [None])[0]
-        promote = lo is not None and lo > cfg.learn.min_gain
-        reason = ("no held-out sample to score" if lo is None else
-                  f"the paired interval's lower end {lo:+.4f} {'>' if promote else '<='} learn.min_gain "
-                  f"{cfg.learn.min_gain}")
+        promote, reason = decide(cmp, min_gain=cfg.learn.min_gain, source_guard=cfg.learn.source_guard)
         export = profile = pointer = restart = None
         if promote:
             export_dir = rdir / "export"
@@ -402,14 +441,14 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
     drop_checkpoints(rrd)  # resumable state of a finished round: train/final stays
     record = {"round": n, "records_dir": str(record_dir), "cursor_before": cursor, "cursor_after": win.cursor,
               "lines": win.span, "corrupt": win.corrupt,
-              "window": {"rule": cfg.learn.window, "since": base, "earlier_records": len(earlier),
+              "window": {"rule": cfg.learn.window, "since": start, "earlier_records": len(earlier),
                          "heldout_pool": cfg.learn.heldout_pool, "earlier_heldout_records": len(earlier_held)},
               "samples": {"records": len(win.records), "train_records": len(train_recs),
                           "heldout_records": len(held_recs), "trained": len(trained_ids),
                           "heldout": len(heldout_ids)},
               "ids": {"train": trained_ids, "heldout": heldout_ids}, "tokenize": tok,
               "steps": steps, "steps_rule": how, "budget_minutes": budget_minutes,
-              "serving": {"dir": str(serving), "id": serving_id},
+              "serving": {"dir": str(serving), "id": serving_id}, "warm_start": str(base_drafter),
               "scores": {"new": new_scores, "serving": old_scores, "sources": sources}, "comparison": cmp,
               "serving_vs_static": vs_static,
               **({"regenerate_arm": arm} if arm is not None else {}),
