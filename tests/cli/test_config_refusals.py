@@ -256,3 +256,11 @@ def test_online_rollout_over_a_sliding_window_target_is_refused_before_it_loads(
         _refused(["train", *dry, *overrides(rd, target), "train.labels=target", "train.on_path=rollout"], capsys,
                  "train.on_path=rollout: the target has sliding_attention layers (window 4 <", "train.on_path=mask")
     assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("key,needle", [("learn.max_epochs=0", "learn.max_epochs: must be > 0"),
+                                        ("learn.score_anchors=0", "learn.score_anchors: must be >= 1")])
+def test_a_learn_cap_that_would_train_or_score_one_step_is_refused(tmp_path, capsys, key, needle):
+    _refused(["learn", "--dry-run", f"run.run_dir={tmp_path / 'run'}", "--records", str(tmp_path / "rec"), key],
+             capsys, needle)
+    assert not (tmp_path / "run").exists()

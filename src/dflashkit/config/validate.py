@@ -63,7 +63,17 @@ def problems(cfg: RunConfig) -> list[str]:
     """Cross-field checks; each message names its dotted key."""
     return (_drafter_problems(cfg) + _train_problems(cfg) + _capture_generate_problems(cfg)
             + _run_server_problems(cfg) + _eval_serve_bench_problems(cfg) + _tokenize_target_data_problems(cfg)
-            + _stage_option_problems(cfg) + _range_problems(cfg))
+            + _stage_option_problems(cfg) + _range_problems(cfg) + _learn_problems(cfg))
+
+
+def _learn_problems(cfg: RunConfig) -> list[str]:
+    """`learn.*`: caps that would silently train or score a single step or block."""
+    lc, p = cfg.learn, []
+    if lc.max_epochs is not None and lc.max_epochs <= 0:
+        p.append(f"learn.max_epochs: must be > 0 (null = no cap), got {lc.max_epochs}")
+    if lc.score_anchors is not None and lc.score_anchors < 1:
+        p.append(f"learn.score_anchors: must be >= 1 (null = every block of a sample), got {lc.score_anchors}")
+    return p
 
 
 def _drafter_problems(cfg: RunConfig) -> list[str]:
