@@ -44,7 +44,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import shutil
 import tempfile
 import time
@@ -67,7 +66,7 @@ from dflashkit.flywheel.traffic import read_window, run_fingerprint, split_newes
 from dflashkit.generate.conversations import regenerated_file, write_conversations
 from dflashkit.rundir import RunDir, atomic_dir, atomic_write_json, read_json, read_json_or_none
 from dflashkit.train.checkpoint import drop_checkpoints, trained_drafter_dir
-from dflashkit.train.loop import _fit, preflight, setup
+from dflashkit.train.loop import _fit, epoch_steps, preflight, setup
 from dflashkit.train.objective import sample_anchors
 from dflashkit.train.parallel import init_distributed
 from dflashkit.train.target_side import heldout_paths
@@ -129,14 +128,16 @@ def plan_steps(cfg: Any, budget_minutes: float | None, calibration: dict[str, An
     return steps, f"{budget_minutes} min × {cfg.learn.train_fraction} / {float(step_s):.3g} s a step (cap {cap})"
 
 
-def cap_epochs(cfg: Any, steps: int, how: str, train_samples: int, global_batch: int) -> tuple[int, str]:
-    """(`steps` capped at learn.max_epochs passes over the round's `train_samples`, how they were chosen)."""
+def cap_epochs(cfg: Any, steps: int, how: str, plan: Any) -> tuple[int, str]:
+    """(`steps` capped at learn.max_epochs passes over the round's training samples (`plan`, the trainer's
+    BatchPlan), how they were chosen)."""
     if cfg.learn.max_epochs is None:
         return steps, how
-    cap = max(1, math.ceil(float(cfg.learn.max_epochs) * train_samples / max(1, global_batch)))
+    cap = epoch_steps(float(cfg.learn.max_epochs), plan)
     if cap >= steps:
         return steps, how
-    return cap, f"learn.max_epochs={cfg.learn.max_epochs} × {train_samples} samples / batch {global_batch} ({how})"
+    return cap, (f"learn.max_epochs={cfg.learn.max_epochs} × {len(plan.train_idx)} samples / batch "
+                 f"{plan.global_batch} ({how})")
 
 
 def cpu_budget_s(cfg: Any, budget_minutes: float | None) -> float | None:
@@ -374,7 +375,7 @@ def learn_round(cfg: Any, rd: RunDir, record_dir: str | Path, *, budget_minutes:
     dist = init_distributed(rcfg.train.parallel, rcfg.target.device)
     tr = setup(rcfg, rrd, dist, inputs, split=split)
     try:
-        steps, how = cap_epochs(cfg, steps, how, len(tr.plan.train_idx), tr.plan.global_batch)
+        steps, how = cap_epochs(cfg, steps, how, tr.plan)
         rcfg = dataclasses.replace(rcfg, train=dataclasses.replace(rcfg.train, max_steps=steps))
         trained_ids = [tr.data.ids[i] for i in tr.plan.train_idx]
         heldout_ids = [tr.data.ids[j] for j in tr.heldout]

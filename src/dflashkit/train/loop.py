@@ -272,7 +272,12 @@ def head_only(cfg: RunConfig, recipe: Recipe, store: FeatureStore | None) -> boo
 def total_steps(cfg: RunConfig, plan: BatchPlan) -> int:
     if cfg.train.max_steps:
         return int(cfg.train.max_steps)
-    return max(1, math.ceil(cfg.train.epochs * len(plan.train_idx) / plan.global_batch))
+    return epoch_steps(cfg.train.epochs, plan)
+
+
+def epoch_steps(epochs: float, plan: BatchPlan) -> int:
+    """Optimizer steps of `epochs` passes over the plan's training samples (at least 1)."""
+    return max(1, math.ceil(epochs * len(plan.train_idx) / plan.global_batch))
 
 
 def train_step(tr: Trainer, step: int, opt, sched) -> dict:
