@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def tiny_targets(tmp_path_factory):
     """Directories of tiny random targets: qwen3, llama (tied embeddings), deepseek_v3 (MLA+MoE)."""
-    from dflashkit.model.tiny import make_tiny_target
+    from dflashkit.target.tiny import make_tiny_target
 
     base = tmp_path_factory.mktemp("tiny_targets")
     return {arch: make_tiny_target(base / arch, arch) for arch in ("qwen3", "llama", "deepseek_v3")}

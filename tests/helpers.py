@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from dflashkit.family.contract import DrafterContract, build_target_layer_ids
-from dflashkit.model.target import text_config_dict
+from dflashkit.target.load import text_config_dict
 from dflashkit.train.objective import sample_anchors
 
 TEXTS = [

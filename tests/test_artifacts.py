@@ -78,7 +78,7 @@ LIBRARY_USERS = {
                     "dflashkit.export.speculators",  # export/ (vLLM speculators)
                     "dflashkit.engines.capture",        # capture/engine-spool/<row>.safetensors (writer + reader)
                     "dflashkit.engines.hidden_states",  # vLLM's extract_hidden_states files (connector + reader)
-                    "dflashkit.model.head",             # reads the target's own weights by name (not a run-dir file)
+                    "dflashkit.target.head",             # reads the target's own weights by name (not a run-dir file)
                     "dflashkit.serving.record"},        # recorded traffic's features (writer + reader)
 }
 FEATURE_META_KEYS = {"source_digest"}  # the key that says which tokenized shard a feature shard was made from

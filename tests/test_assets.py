@@ -11,7 +11,7 @@ import pytest
 
 from dflashkit import assets
 from dflashkit.errors import UsageError
-from dflashkit.model.tiny import make_tiny_target
+from dflashkit.target.tiny import make_tiny_target
 
 
 def test_fetch_and_refetch_leave_one_complete_dir(tmp_path, monkeypatch):

@@ -88,7 +88,7 @@ def is_fetched(name: str) -> bool:
 def asset_path(name: str, *, fetch: bool = True, build: Callable[..., Any] | None = None) -> Path:
     """Path of a cached asset, fetching it first if needed (and allowed).
 
-    A tiny target (kind "tiny", built in code) needs `build` (`model.tiny.make_tiny_target`, passed
+    A tiny target (kind "tiny", built in code) needs `build` (`target.tiny.make_tiny_target`, passed
     by the target-path resolver): assets sit below model/ and do not import it."""
     if name not in ASSETS:
         raise UsageError(f"unknown asset {name!r}", hint=f"known assets: {', '.join(ASSETS)}")
@@ -156,7 +156,7 @@ def _fetch(name: str, build: Callable[..., Any] | None = None) -> None:
     if a.kind == "tiny":
         if build is None:
             raise UsageError(f"asset {name!r} is a tiny target built in code",
-                             hint=f"use target.path={name} (or dflashkit.model.tiny.make_tiny_target)")
+                             hint=f"use target.path={name} (or dflashkit.target.tiny.make_tiny_target)")
         with atomic_dir(base, owner=name, marker=".complete") as out:
             build(out, a.package, wrapper=a.member or None)
             (out / ".complete").write_text(name + "\n")

@@ -273,7 +273,7 @@ class RunDir:
     # artifact's writer and reader.
     @property
     def probe_json(self) -> Path:
-        """`probe/probe.json` (owner: stages/probe.py; read by inspect/estimate.py)."""
+        """`probe/probe.json` (owner: stages/probe.py; read by sizing/estimate.py)."""
         return self.root / "probe" / "probe.json"
 
     @property

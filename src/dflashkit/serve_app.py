@@ -37,7 +37,7 @@ from dflashkit.serving.server import App
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
     from dflashkit.config.schema import ServeSection
-    from dflashkit.model.target import Target
+    from dflashkit.target.load import Target
     from dflashkit.serving.record import ServeRecording
 
 log = logging.getLogger("dflashkit.serve")
@@ -140,7 +140,7 @@ def build_app(cfg: RunConfig, model_path: str | None = None) -> App:
     Raises:
         UsageError: bad model path, or a drafter that does not fit the target.
     """
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
 
     check_serve_proposer(cfg)
     section = dataclasses.replace(cfg.target, path=model_path) if model_path else cfg.target

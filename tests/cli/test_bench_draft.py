@@ -17,7 +17,7 @@ from dflashkit.errors import UsageError
 from dflashkit.family import new_drafter
 from dflashkit.family.contract import DrafterContract
 from dflashkit.model.drafter import DFlashDraftModel
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from tests.helpers import run_dir_with_drafter, with_fields
 
 CONTRACT = DrafterContract(block_size=4, num_draft_layers=2, target_layer_ids=[0, 2, 3], mask_token_id=3,

@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from dflashkit.cli import main
 from dflashkit.config import load_config
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.rundir import RunDir
 from dflashkit.train.data import load_tokenized
 from tests.helpers import make_run, overrides

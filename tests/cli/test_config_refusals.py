@@ -23,7 +23,7 @@ from dflashkit.config import DrafterSection, RunConfig, TargetSection, config_fr
 from dflashkit.errors import ConfigError, UsageError
 from dflashkit.export.hf import save_drafter
 from dflashkit.family.contract import DrafterContract
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.testing import random_drafter
 from tests.helpers import make_run, overrides, tiny_contract, with_fields
 
@@ -251,7 +251,7 @@ def test_online_rollout_over_a_sliding_window_target_is_refused_before_it_loads(
     def loaded(*_a, **_k):
         raise AssertionError("the target was loaded before the refusal")
 
-    monkeypatch.setattr("dflashkit.model.target.load_target", loaded)
+    monkeypatch.setattr("dflashkit.target.load.load_target", loaded)
     for dry in (["--dry-run"], []):
         _refused(["train", *dry, *overrides(rd, target), "train.labels=target", "train.on_path=rollout"], capsys,
                  "train.on_path=rollout: the target has sliding_attention layers (window 4 <", "train.on_path=mask")

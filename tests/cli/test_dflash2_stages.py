@@ -13,7 +13,7 @@ import torch
 
 from dflashkit.cli import main
 from dflashkit.config import TargetSection
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from tests.harness.servers import serving
 from tests.helpers import run_dir_with_drafter
 

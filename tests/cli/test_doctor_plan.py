@@ -69,7 +69,7 @@ def test_doctor_packages_tools_and_endpoints(models_server, tmp_path, capsys, mo
 
 
 def test_drafter_params_formula_is_exact(tiny_qwen3):
-    from dflashkit.inspect.budget import drafter_params
+    from dflashkit.sizing.budget import drafter_params
     from dflashkit.inspect.config_facts import read_model_facts
     from dflashkit.inspect.contract import derive_contract
     from dflashkit.inspect.tokenizer_facts import read_tokenizer_facts
@@ -82,7 +82,7 @@ def test_drafter_params_formula_is_exact(tiny_qwen3):
 
 
 def test_dflash2_params_formula_is_exact_and_plan_shows_the_looked_up_params(tiny_qwen3, tmp_path, capsys):
-    from dflashkit.inspect.budget import drafter_params, lookup_params
+    from dflashkit.sizing.budget import drafter_params, lookup_params
     from dflashkit.inspect.config_facts import read_model_facts
     from dflashkit.inspect.contract import derive_contract
     from dflashkit.inspect.tokenizer_facts import read_tokenizer_facts

@@ -14,7 +14,7 @@ from dflashkit.cli import main
 from dflashkit.data.drift import answer_line, compare_prompt, prompt_line
 from dflashkit.testing.faults import FaultServer, Faults
 from dflashkit.generate.preflight import NEUTRAL_SAMPLING
-from dflashkit.model.tiny import CHATML_TEMPLATE
+from dflashkit.target.tiny import CHATML_TEMPLATE
 from tests.harness.servers import penalty_serving, serving
 
 SYSTEM = "You are a helpful AI assistant named Tiny."
@@ -204,7 +204,7 @@ def test_label_agreement_matches_one_at_a_time_oracle(tiny_qwen3):
 
     from dflashkit.config import TargetSection
     from dflashkit.data.agreement import label_agreement
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
 
     target = load_target(TargetSection(path=str(tiny_qwen3)), with_tokenizer=False)
     rng = np.random.default_rng(0)

@@ -12,7 +12,7 @@ from dflashkit.cli import main
 from dflashkit.config import TargetSection
 from dflashkit.errors import UsageError
 from dflashkit.export.hf import load_drafter, load_shipped_model, save_drafter
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 
 from dflashkit.testing import random_drafter
 from tests.helpers import run_dir_with_drafter as _run_dir

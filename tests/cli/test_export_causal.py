@@ -13,7 +13,7 @@ import torch
 from dflashkit.cli import main
 from dflashkit.config import TargetSection
 from dflashkit.export.hf import load_drafter, load_shipped_model, save_drafter
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.testing import random_drafter
 
 DFLASH2 = {"drafter_type": "dflash2", "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 3}

@@ -15,7 +15,7 @@ from dflashkit.config import TargetSection
 from dflashkit.errors import UsageError
 from dflashkit.export.hf import load_drafter, save_drafter
 from dflashkit.model.dflash2 import DFlash2DraftModel
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from tests.helpers import dflash2_drafter
 
 

@@ -15,7 +15,7 @@ from dflashkit.errors import UsageError
 from dflashkit.export.hf import load_drafter, save_drafter
 from dflashkit.export.speculators import drafter_format, export_speculators, load_speculators
 from dflashkit.model.drafter import DFlashDraftModel
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.testing import random_drafter
 
 VOCAB = [1, 10, 32, 97, 101, 115, 258, 300]  # a reduced draft vocabulary (sorted target ids)

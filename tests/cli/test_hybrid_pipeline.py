@@ -9,7 +9,7 @@ import torch
 
 from dflashkit.cli import main
 from dflashkit.config import TargetSection
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from tests.cli.test_generate_serve import CONVS, write_prepared
 from tests.harness.hybrid import make_tiny_hybrid_target
 

@@ -15,7 +15,7 @@ from dflashkit.cli import main
 from dflashkit.config import TargetSection
 from dflashkit.export.hf import load_drafter, save_drafter
 from dflashkit.model.lilicorr import LiLiCorrDraftModel
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.testing import random_drafter
 from tests.helpers import make_run, overrides, run_dir_with_drafter
 

@@ -155,7 +155,7 @@ def test_held_out_curve_eval_and_report_break_tau_down_per_source_and_mode(tmp_p
     from dflashkit.config import load_config
     from dflashkit.decode.runner import load_prompts, render_eval_prompts
     from dflashkit.export.profile import prompts_digest
-    from dflashkit.model.target import load_tokenizer
+    from dflashkit.target.load import load_tokenizer
     from dflashkit.rundir import RunDir
 
     cfg = load_config(cfg_path, [])

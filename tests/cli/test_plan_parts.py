@@ -1,4 +1,4 @@
-"""`plan`'s drafter parameters part by part (inspect/budget.drafter_parts) equal the networks our code builds, for
+"""`plan`'s drafter parameters part by part (sizing/budget.drafter_parts) equal the networks our code builds, for
 DFlash, DSpark (with a reduced draft vocabulary), MLA draft layers and DSpark with MLA; and at Kimi K2.6's shape
 (the config.json fixture, no weights) plan prints them with the memory a reduced vocabulary changes."""
 
@@ -29,7 +29,7 @@ def numel(model: torch.nn.Module, *prefixes: str) -> int:
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_part_is_the_built_networks_count(tiny_qwen3, case, draft_vocab):
     from dflashkit.family import extra_params, new_drafter
-    from dflashkit.inspect.budget import drafter_parts, drafter_params
+    from dflashkit.sizing.budget import drafter_parts, drafter_params
     from dflashkit.inspect.config_facts import read_model_facts
     from dflashkit.inspect.contract import derive_contract
     from dflashkit.inspect.tokenizer_facts import read_tokenizer_facts

@@ -120,7 +120,7 @@ def test_smollm2_real_dir(smollm2_dir, tmp_path, capsys):
 
 
 def test_tiny_targets_and_kimi_wrapper(tiny_targets, tmp_path, capsys):
-    from dflashkit.model.tiny import make_tiny_target
+    from dflashkit.target.tiny import make_tiny_target
 
     assert main(["probe", str(tiny_targets["qwen3"]), "--run-dir", str(tmp_path / "q"), "--json"]) == 0
     c = last_json(capsys)["contract"]

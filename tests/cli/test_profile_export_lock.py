@@ -17,7 +17,7 @@ import pytest
 from dflashkit.cli import main
 from dflashkit.config import TargetSection
 from dflashkit.export.profile import Measurement, build_profile, weights_digest, write_profile
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from tests.helpers import run_dir_with_drafter
 
 PROFILE = "speculation_profile.json"

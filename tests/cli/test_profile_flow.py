@@ -15,7 +15,7 @@ from dflashkit.cli import main
 from dflashkit.config import TargetSection
 from dflashkit.export.hf import save_drafter
 from dflashkit.export.profile import Measurement, build_profile, read_profile, weights_digest, write_profile
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.testing import random_drafter
 from tests.helpers import run_dir_with_drafter
 

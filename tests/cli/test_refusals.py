@@ -191,7 +191,7 @@ def _port_in_use() -> int:
 def _drafter(tmp_path: Path, target_dir: Path) -> Path:
     from dflashkit.config import TargetSection
     from dflashkit.export.hf import save_drafter
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
     from dflashkit.testing import random_drafter
 
     target = load_target(TargetSection(path=str(target_dir), device="cpu", dtype="float32"))
@@ -209,7 +209,7 @@ def _world(tmp_path: Path, tiny_qwen3: Path, **contract) -> Path:
 
 
 def _other_target(tmp_path: Path) -> Path:
-    from dflashkit.model.tiny import make_tiny_target
+    from dflashkit.target.tiny import make_tiny_target
 
     return make_tiny_target(tmp_path / "narrow", "qwen3", hidden=48)
 

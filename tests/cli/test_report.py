@@ -11,7 +11,7 @@ import torch
 
 from dflashkit.cli import main
 from dflashkit.config import TargetSection
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 
 from tests.helpers import run_dir_with_drafter as _run_dir
 

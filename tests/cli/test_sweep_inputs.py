@@ -223,7 +223,7 @@ def _snapshot(*roots: Path) -> dict[str, str | None]:
 def drafter_dir(tmp_path_factory, tiny_qwen3):
     from dflashkit.config import TargetSection
     from dflashkit.export.hf import save_drafter
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
     from dflashkit.testing import random_drafter
 
     target = load_target(TargetSection(path=str(tiny_qwen3), device="cpu", dtype="float32"))

@@ -48,7 +48,7 @@ def test_bench_train_reports_consistent_numbers(tmp_path, tiny_qwen3, capsys, mo
 def test_target_autocast_setting():
     import torch
 
-    from dflashkit.model.target import cpu_facts, target_autocast
+    from dflashkit.target.load import cpu_facts, target_autocast
 
     cpu = torch.device("cpu")
     assert target_autocast("float32", cpu, torch.float32) is None
@@ -65,7 +65,7 @@ def test_bf16_is_chosen_on_every_cpu_with_bf16_matmuls_and_only_there(monkeypatc
     the drafter's dtype in decoding and Muon's Newton-Schulz alike; emulated bf16 (neither) stays float32."""
     import torch
 
-    import dflashkit.model.target as target_mod
+    import dflashkit.target.load as target_mod
     from dflashkit.decode.spec_decode import fast_draft_dtype
     from dflashkit.train.optim import Fp32Muon, build_optimizer
 

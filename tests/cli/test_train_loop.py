@@ -222,7 +222,7 @@ def test_missing_upstream_artifacts(tmp_path, tiny_qwen3, capsys):
 
 def test_tied_target_head_is_the_embedding(tiny_targets):
     from dflashkit.config import load_config
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
 
     t = load_target(load_config(None, [f"target.path={tiny_targets['llama']}"]).target)
     assert t.lm_head.weight.data_ptr() == t.model.get_input_embeddings().weight.data_ptr()

@@ -11,7 +11,7 @@ import pytest
 
 from dflashkit.cli import main
 from dflashkit.config import TargetSection, load_config
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.rundir import RunDir
 
 TOOLS = [{"type": "function", "function": {
@@ -74,7 +74,7 @@ def test_eval_renders_the_tools_and_decodes_an_agent_prompt_losslessly(tmp_path,
                                                                        qwen3_template):
     from dflashkit.decode.runner import load_prompts, render_eval_prompts
     from dflashkit.export.profile import prompts_digest
-    from dflashkit.model.target import load_tokenizer
+    from dflashkit.target.load import load_tokenizer
     from tests.helpers import run_dir_with_drafter
 
     rd = run_dir_with_drafter(tmp_path, target, block_size=4, prompts=1)
@@ -104,7 +104,7 @@ def test_eval_renders_the_tools_and_decodes_an_agent_prompt_losslessly(tmp_path,
 def test_eval_refuses_agent_prompts_the_template_cannot_render(tmp_path, capsys, target, tiny_qwen3, monkeypatch):
     """The tiny target's ChatML template renders role and content only: exit 2 naming the held-out file and
     line, before the target loads, nothing written."""
-    import dflashkit.model.target as target_mod
+    import dflashkit.target.load as target_mod
     from tests.helpers import run_dir_with_drafter
 
     rd = run_dir_with_drafter(tmp_path, target, block_size=4, prompts=1)

@@ -10,7 +10,7 @@ import torch
 from dflashkit.config import load_config
 from dflashkit.decode.api import SamplingParams
 from dflashkit.decode.spec_decode import SpecDecoder
-from dflashkit.model.target import cache_kwarg, load_target
+from dflashkit.target.load import cache_kwarg, load_target
 from dflashkit.testing import CopyTargetProposer, random_drafter
 
 

@@ -10,7 +10,7 @@ import torch
 from dflashkit.config import TargetSection
 from dflashkit.decode.api import SamplingParams
 from dflashkit.decode.spec_decode import SpecDecoder
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.testing import random_drafter
 
 PROMPTS = ([1, 60, 61, 62, 63, 64, 10, 65, 66, 67, 68, 2, 10], [1, 5, 9, 14, 3, 77, 120, 4], [1, 200, 201, 2, 7])

@@ -16,7 +16,7 @@ from dflashkit.decode.metrics import summarize_timing
 from dflashkit.decode.runner import EvalPrompt
 from dflashkit.decode.spec_decode import SpecDecoder
 from dflashkit.errors import UsageError
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.testing import random_drafter
 
 CONF_STD = 0.1  # the confidence head's weights: estimates spread over (0, 1) on the tiny target's hidden states

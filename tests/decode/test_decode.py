@@ -11,7 +11,7 @@ from dflashkit.decode.metrics import compare, summarize_acceptance, summarize_ti
 from dflashkit.decode.spec_decode import SpecDecoder
 from dflashkit.testing.proposers import CopyTargetProposer
 from dflashkit.errors import UsageError
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.testing import random_drafter
 from tests.harness.proposers import AdversarialProposer
 

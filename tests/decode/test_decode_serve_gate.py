@@ -10,7 +10,7 @@ from dflashkit.config import TargetSection
 from dflashkit.decode.api import SamplingParams
 from dflashkit.decode.spec_decode import SpecDecoder
 from dflashkit.export.hf import load_drafter, save_drafter
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 
 from dflashkit.testing import random_drafter
 

@@ -9,7 +9,7 @@ from dflashkit.config import TargetSection
 from dflashkit.decode.api import SamplingParams
 from dflashkit.decode.spec_decode import SpecDecoder
 from dflashkit.model.dflash2 import DFlash2DraftModel
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.testing import random_drafter
 from tests.helpers import record_proposals
 

@@ -15,7 +15,7 @@ from dflashkit.decode.lossless import Divergence, TieRule, first_divergence, los
 from dflashkit.decode.metrics import summarize_acceptance
 from dflashkit.decode.ngram import PromptLookupProposer
 from dflashkit.decode.spec_decode import SpecDecoder
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.testing import random_drafter
 
 PROMPT = [1, 60, 61, 62, 63, 64, 10, 65, 66, 67, 68, 2, 10]

@@ -305,7 +305,7 @@ def test_the_speculation_profile_says_which_proposer_pays_per_source(tmp_path):
 def test_the_hybrid_grid_runs_at_the_largest_block_size_and_needs_two_prompts(tiny_qwen3, monkeypatch):
     import dflashkit.decode.evaluation as ev
     from dflashkit.config import TargetSection
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
     from dflashkit.testing import random_drafter
 
     target = load_target(TargetSection(path=str(tiny_qwen3), device="cpu", dtype="float32"))

@@ -158,7 +158,7 @@ def test_the_decoder_drafts_through_the_lean_forward_what_it_drafts_through_the_
     from dflashkit.config import load_config
     from dflashkit.decode.api import SamplingParams
     from dflashkit.decode.spec_decode import SpecDecoder
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
     from dflashkit.testing import random_drafter
 
     target = load_target(load_config(None, [f"target.path={tiny_qwen3}", "target.device=cpu",

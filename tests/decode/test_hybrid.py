@@ -13,7 +13,7 @@ from dflashkit.decode.spec_decode import SpecDecoder
 from dflashkit.decode.suffix import SuffixPool, SuffixProposer
 from dflashkit.errors import UsageError
 from dflashkit.model.drafter import DraftKVCache
-from dflashkit.model.target import Target, load_target
+from dflashkit.target.load import Target, load_target
 from dflashkit.testing import random_drafter
 from dflashkit.testing.proposers import CopyTargetProposer
 from tests.harness.hybrid import HYBRID_ARCHS, make_tiny_hybrid_target

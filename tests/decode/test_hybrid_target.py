@@ -17,8 +17,8 @@ from dflashkit.config import TargetSection
 from dflashkit.decode.api import SamplingParams
 from dflashkit.decode.rollback import arm, recording, recurrent_layers, rollback
 from dflashkit.decode.spec_decode import SpecDecoder
-from dflashkit.model.hybrid import layer_types, recurrent_summary
-from dflashkit.model.target import Target, cache_kwarg, load_target
+from dflashkit.target.hybrid import layer_types, recurrent_summary
+from dflashkit.target.load import Target, cache_kwarg, load_target
 from dflashkit.testing import random_drafter
 from dflashkit.testing.proposers import CopyTargetProposer
 from tests.harness.hybrid import HYBRID_ARCHS, hybrid_config, make_tiny_hybrid_target
@@ -174,7 +174,7 @@ def test_rollback_without_arm_is_refused_on_a_hybrid(hybrids):
 
 
 def test_step_times_on_a_hybrid(hybrids):
-    from dflashkit.decode.step_cost import step_times
+    from dflashkit.sizing.step_cost import step_times
 
     t = step_times(hybrids["nemotron_h"], [1, 3], context=16, reps=1)
     assert sorted(t) == [1, 3] and all(v > 0 for v in t.values())
@@ -247,10 +247,10 @@ def test_the_law_test_detects_a_rollback_that_keeps_the_rejected_state(monkeypat
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "bamba", "nemotron_h"])
 def test_head_parts_read_by_name_give_the_hybrids_last_hidden_state(hybrids, arch):
-    """Engine-fed and cached training read the embedding, final norm and head by name (`model/head.py`): the
+    """Engine-fed and cached training read the embedding, final norm and head by name (`target/head.py`): the
     final norm's names (Bamba's final_layernorm, Nemotron-H's backbone.norm_f) and its (1 + w) form (Qwen3-Next,
     Qwen3.5) must give the full target's last hidden state and greedy tokens."""
-    from dflashkit.model.head import load_head_parts
+    from dflashkit.target.head import load_head_parts
 
     target = hybrids[arch]
     parts = load_head_parts(target.model_dir)

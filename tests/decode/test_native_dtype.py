@@ -1,6 +1,6 @@
 """Native dtypes only (issue #42): bf16 where the device computes it natively, float32 where it is emulated.
 
-The CPU's flags are what `model.target.cpu_facts` reads from /proc/cpuinfo; every test here replaces them
+The CPU's flags are what `target.load.cpu_facts` reads from /proc/cpuinfo; every test here replaces them
 (an AVX2-only CPU, one with AVX512-BF16, one with AMX), so the results do not depend on the machine.
 """
 
@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import dflashkit.model.target as target_mod
+import dflashkit.target.load as target_mod
 from dflashkit.cli import main
 from dflashkit.config import TargetSection
 from dflashkit.config.loader import load_config
 from dflashkit.decode.evaluation import verify_dtype, verify_target_config
-from dflashkit.model.target import announce, compute_dtype, load_target
+from dflashkit.target.load import announce, compute_dtype, load_target
 from tests.helpers import run_dir_with_drafter
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -12,7 +12,7 @@ import torch
 
 from dflashkit.config import TargetSection
 from dflashkit.decode.diagnostics import simulated_acceptance
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.testing import random_drafter
 from dflashkit.train.loss import DraftLoss, Heads, LossInputs
 from dflashkit.train.objective import Anchors, block_input_ids

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from dflashkit.config import TargetSection
 from dflashkit.decode.api import SamplingParams
 from dflashkit.decode.spec_decode import SpecDecoder
-from dflashkit.decode.step_cost import roofline, step_times
-from dflashkit.model.roofline import weight_bytes
-from dflashkit.model.kv_cache import GrowingLayer, decode_cache
-from dflashkit.model.packed import PackedLinear, pack_linears, packable, prepare_for_decode
-from dflashkit.model.target import cache_kwarg, load_target
+from dflashkit.sizing.step_cost import roofline, step_times
+from dflashkit.sizing.roofline import weight_bytes
+from dflashkit.target.kv_cache import GrowingLayer, decode_cache
+from dflashkit.target.packed import PackedLinear, pack_linears, packable, prepare_for_decode
+from dflashkit.target.load import cache_kwarg, load_target
 from dflashkit.testing import random_drafter
 from dflashkit.testing.proposers import CopyTargetProposer
 
@@ -74,7 +74,7 @@ def test_a_packed_target_decodes_as_the_unpacked_one(tiny_targets, arch):
 def test_packing_is_refused_off_the_cpu_and_for_emulated_or_other_dtypes(tiny_qwen3, monkeypatch):
     assert not packable(torch.device("cuda"), torch.float32)[0]
     assert not packable(torch.device("cpu"), torch.float16)[0]
-    monkeypatch.setattr("dflashkit.model.target.native_half", lambda name, dev: (False, "bf16 is emulated here"))
+    monkeypatch.setattr("dflashkit.target.load.native_half", lambda name, dev: (False, "bf16 is emulated here"))
     ok, why = packable(torch.device("cpu"), torch.bfloat16)
     assert not ok and "emulated" in why
     t = _load(tiny_qwen3)
@@ -126,7 +126,7 @@ def test_the_roofline_record(tiny_qwen3):
 def test_an_isa_cap_that_imitates_an_older_cpu_hides_its_bf16(monkeypatch, env):
     """`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` imitates an AVX2-only CPU: `native` must then pick
     float32 even on a CPU whose flags list avx512_bf16 (its bf16 kernels are out of reach)."""
-    from dflashkit.model import target as tm
+    from dflashkit.target import load as tm
 
     monkeypatch.setattr(tm.Path, "read_text", lambda self, *a, **k: "model name : X\nflags : avx2 avx512_bf16\n")
     for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):
@@ -146,14 +146,14 @@ def test_capture_logs_its_share_of_the_matmul_ceiling(tiny_qwen3, caplog):
     import logging
     from types import SimpleNamespace
 
-    from dflashkit.data.capturing import log_capture_roofline
-    from dflashkit.model.roofline import forward_flops_per_token, matmul_throughput
+    from dflashkit.sizing.roofline import log_capture_roofline
+    from dflashkit.sizing.roofline import forward_flops_per_token, matmul_throughput
 
     t = _load(tiny_qwen3)
     layers = t.decoder_layers
     plan = SimpleNamespace(keep_last=False, layer_ids=[0], autocast=None)
     with caplog.at_level(logging.INFO, logger="dflashkit"):
-        r = log_capture_roofline(t, plan, tokens=1000, seconds=2.0)
+        r = log_capture_roofline(t, tokens=1000, seconds=2.0, plan=plan)
     assert r is not None and r["tokens_per_s"] == 500
     one = forward_flops_per_token(layers, 1)
     assert one == 2 * sum(p.numel() for p in layers[0].parameters())
@@ -172,7 +172,7 @@ def test_grouped_attention_verifies_like_transformers_sdpa_without_copying_the_c
     import transformers.integrations.sdpa_attention as hf_sdpa
     from transformers import AttentionInterface
 
-    from dflashkit.model import packed as packed_mod
+    from dflashkit.target import packed as packed_mod
 
     plain, grouped = _load(tiny_targets[arch]), _load(tiny_targets[arch])
     gqa = plain.config.num_key_value_heads < plain.config.num_attention_heads

@@ -13,7 +13,7 @@ from dflashkit.decode.api import SamplingParams
 from dflashkit.decode.metrics import summarize_acceptance
 from dflashkit.decode.spec_decode import SpecDecoder
 from dflashkit.export.profile import Measurement, build_profile, validate
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.testing.proposers import CopyTargetProposer
 
 PROMPTS = [[1, 60, 61, 62, 63, 64, 10, 65, 66, 67, 68, 2, 10], [1, 70, 71, 72, 2, 10], [1, 5, 6, 7, 8, 9, 10]]

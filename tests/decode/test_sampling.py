@@ -60,7 +60,7 @@ def _tiny_small_vocab_target():
     target = SimpleNamespace(model=model, config=model.config, device=torch.device("cpu"), dtype=torch.float32,
                              num_layers=2, hidden_size=32, vocab_size=V, lm_head=model.lm_head,
                              embed=model.get_input_embeddings())
-    from dflashkit.model.target import Target
+    from dflashkit.target.load import Target
 
     target.features = lambda ids, **kw: Target.features(target, ids, **kw)
     target._taps = lambda *a, **kw: Target._taps(target, *a, **kw)

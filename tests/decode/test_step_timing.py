@@ -9,11 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflashkit.decode import spec_decode, step_cost
+from dflashkit import timing
+from dflashkit.decode import spec_decode
 from dflashkit.decode.draft_length import DraftLength
 from dflashkit.decode.metrics import compare_flags, timing_flags
-from dflashkit.model import roofline
-from dflashkit.model.roofline import fastest_each
+from dflashkit.sizing import step_cost
+from dflashkit.timing import fastest_each
 
 
 class Machine:
@@ -64,7 +65,7 @@ def test_step_times_does_not_time_the_first_size_cold(monkeypatch):
     """The decode-step line once read t(1) 291 ms against t(2) 34 ms: n = 1 was timed while the machine was slow.
     Five slow calls outlast one size's warm-up and repetitions, not every size's in turns."""
     m = Machine(slow=5)
-    monkeypatch.setattr(roofline, "time", SimpleNamespace(perf_counter=m.clock))
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=m.clock))
     monkeypatch.setattr(step_cost, "decode_cache", lambda config, capacity: object())
     monkeypatch.setattr(step_cost, "arm", lambda cache, n: None)
     monkeypatch.setattr(step_cost, "rollback", lambda cache, n: None)

@@ -22,7 +22,7 @@ from tests.helpers import engine_queue_bound, make_run, overrides
 
 
 def _aux(rd, target):
-    from dflashkit.model.target import text_config_dict
+    from dflashkit.target.load import text_config_dict
 
     n = text_config_dict(target)["num_hidden_layers"]
     return [i + 1 for i in json.loads((rd / "contract.json").read_text())["target_layer_ids"]] + [n]

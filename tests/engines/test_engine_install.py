@@ -137,7 +137,7 @@ def test_a_failed_install_keeps_what_was_there(tmp_path, monkeypatch, fake_pip):
 
 def _not_installed_world(tmp_path, tiny_qwen3):
     from dflashkit.config import TargetSection
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
     from tests.helpers import make_run, run_dir_with_drafter
 
     rd = make_run(tmp_path / "run", tiny_qwen3)

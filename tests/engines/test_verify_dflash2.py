@@ -14,7 +14,7 @@ from dflashkit.engines import vllm
 from dflashkit.engines.verify import v2_runner
 from dflashkit.errors import ServerError
 from dflashkit.export.hf import save_drafter
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.testing import random_drafter
 from tests.helpers import dflash2_drafter
 

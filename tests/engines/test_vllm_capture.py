@@ -209,7 +209,7 @@ def test_tiny_kimi_architecture_through_vllm_cpu(tmp_path):
 
     from dflashkit.engines import hidden_states as hs_io
     from dflashkit.engines import vllm
-    from dflashkit.model.tiny import make_byte_tokenizer, tiny_config
+    from dflashkit.target.tiny import make_byte_tokenizer, tiny_config
 
     target = tmp_path / "deepseek-v3-mla"
     from transformers import DeepseekV3Config
@@ -231,7 +231,7 @@ def test_tiny_kimi_architecture_through_vllm_cpu(tmp_path):
     assert "Using CPU_MLA backend" in (tmp_path / "engine.log").read_text()
     with torch.no_grad():
         out = model(torch.tensor([ids]), output_hidden_states=True)
-    from dflashkit.model.head import load_head_parts
+    from dflashkit.target.head import load_head_parts
 
     refs = [out.hidden_states[2][0], out.hidden_states[4][0]]
     for j, ref in enumerate(refs):

@@ -120,7 +120,7 @@ def test_verify_engine_reports_a_dflash2_export_on_vllm_cpu_as_a_failure(tmp_pat
     from dflashkit.cli import main
     from dflashkit.config import TargetSection
     from dflashkit.engines import vllm
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
     from tests.helpers import dflash2_drafter
 
     vllm.install()

@@ -110,7 +110,7 @@ def test_verify_engine_reports_a_dspark_export_on_vllm_cpu_as_a_failure(tmp_path
     from dflashkit.cli import main
     from dflashkit.config import TargetSection
     from dflashkit.engines import vllm
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
     from dflashkit.testing import random_drafter
 
     vllm.install()

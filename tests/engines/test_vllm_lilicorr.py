@@ -119,7 +119,7 @@ def test_verify_engine_reports_a_lilicorr_export_on_vllm_cpu_as_a_failure(tmp_pa
     from dflashkit.cli import main
     from dflashkit.config import TargetSection
     from dflashkit.engines import vllm
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
     from dflashkit.testing import random_drafter
 
     vllm.install()

@@ -16,7 +16,7 @@ import pytest
 from dflashkit.config import TargetSection
 from dflashkit.export.hf import save_drafter
 from dflashkit.export.speculators import write_speculators
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.testing import random_drafter
 
 pytestmark = pytest.mark.engine

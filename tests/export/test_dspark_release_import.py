@@ -27,7 +27,7 @@ from dflashkit.model.draft_vocab import t2d_mask, to_offsets
 from dflashkit.train.warm_start import check_draft_vocab_fits, check_fits, read_warm_start, warm_start
 from tests.helpers import train_loss, with_fields
 
-H, LAYERS, BLOCK, V, R = 32, 3, 8, 320, 6   # V: the tiny targets' vocab (model/tiny.py)
+H, LAYERS, BLOCK, V, R = 32, 3, 8, 320, 6   # V: the tiny targets' vocab (target/tiny.py)
 AUX = [1, 29, 57]                     # K2.6's taps: hidden_states indices (target_layer_ids + 1)
 VOCAB = torch.tensor(sorted({0, 1, 2, 5, 8, 13, 21, 34, 40, 41, 47, 50, 55, 60, 63, 66, 70, 72, 77, 80, 84, 89, 91, 95}))
 MASK = 300
@@ -185,7 +185,7 @@ def _k26(tmp_path: Path) -> Path:
 def test_dflashkit_import_adopts_it_keeping_its_vocab_taps_and_block(tmp_path):
     from dflashkit.cli import main
     from dflashkit.export.hf import load_drafter
-    from dflashkit.model.tiny import make_tiny_target
+    from dflashkit.target.tiny import make_tiny_target
 
     target = make_tiny_target(tmp_path / "target", "qwen3", num_layers=58, hidden=H)  # taps up to layer 56
     rd = tmp_path / "run"
@@ -232,7 +232,7 @@ def test_a_run_with_another_draft_vocab_is_refused_naming_both(tmp_path, size):
 def test_drafter_init_with_another_draft_vocab_exits_2_before_training(tmp_path, capsys):
     """`dflashkit train drafter.init=<the release>` over the full vocab: exit 2 naming both, nothing trained."""
     from dflashkit.cli import main
-    from dflashkit.model.tiny import make_tiny_target
+    from dflashkit.target.tiny import make_tiny_target
     from tests.helpers import overrides
 
     target = make_tiny_target(tmp_path / "target", "qwen3", num_layers=58, hidden=H)
@@ -254,7 +254,7 @@ def test_dflashkit_train_fine_tunes_it_keeping_its_vocab(tmp_path):
     from safetensors.torch import load_file
 
     from dflashkit.cli import main
-    from dflashkit.model.tiny import make_tiny_target
+    from dflashkit.target.tiny import make_tiny_target
     from tests.helpers import make_run, overrides
 
     target = make_tiny_target(tmp_path / "target", "qwen3", num_layers=58, hidden=H)

@@ -16,7 +16,7 @@ from dflashkit.family.base import DraftSampling
 from dflashkit.family.contract import DrafterContract
 from dflashkit.family.dflash import propose as dflash_propose
 from dflashkit.model.dspark import Qwen3DSparkModel, init_from_dflash
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.testing import random_drafter
 from dflashkit.train.loss import Heads, LossInputs
 from tests.decode.test_sampling import N_SAMPLES, _chi2_z, _samples, small  # noqa: F401 - `small` is a fixture

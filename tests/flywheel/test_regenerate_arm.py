@@ -16,7 +16,7 @@ from dflashkit.config import load_config
 from dflashkit.decode.api import SamplingParams, default_stop_ids
 from dflashkit.decode.spec_decode import SpecDecoder
 from dflashkit.flywheel.traffic import run_fingerprint
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from tests.flywheel.test_learn import _learn, _write
 from tests.helpers import TEXTS, make_run, overrides
 

@@ -19,7 +19,7 @@ from dflashkit.gpucheck.train_checks import bf16_steps, cpu_equals_gpu, flex_vs_
 def ctx(tmp_path, tiny_qwen3):
     shared = tmp_path / "shared"
     shared.mkdir()
-    os.symlink(tiny_qwen3, shared / "tiny-target")  # the same model/tiny.py target the check would build
+    os.symlink(tiny_qwen3, shared / "tiny-target")  # the same target/tiny.py target the check would build
     return CheckContext(device="cpu", work_dir=tmp_path / "work", deadline=time.monotonic() + 600, shared_dir=shared)
 
 

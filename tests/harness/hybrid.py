@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dflashkit.model.tiny import TINY_VOCAB, make_byte_tokenizer
+from dflashkit.target.tiny import TINY_VOCAB, make_byte_tokenizer
 
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "bamba", "nemotron_h", "falcon_h1")
 
@@ -58,7 +58,7 @@ def hybrid_config(arch: str = "qwen3_next", *, vocab: int = TINY_VOCAB, hidden: 
 
 
 def make_tiny_hybrid_target(out_dir: str | Path, arch: str = "qwen3_next", *, seed: int = 0) -> Path:
-    """Save a tiny random hybrid target (safetensors) + the byte tokenizer of `model.tiny` into `out_dir`."""
+    """Save a tiny random hybrid target (safetensors) + the byte tokenizer of `target.tiny` into `out_dir`."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -47,7 +47,7 @@ def penalty_serving(target_path: str | Path, default_penalty: float = 1.5):
     import torch
 
     from dflashkit.config import TargetSection
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
     from dflashkit.decode.api import GenerationResult, default_stop_ids
     from dflashkit.serving.engine import _EngineBase
     from dflashkit.serving.server import App, serve_in_thread

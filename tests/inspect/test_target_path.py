@@ -37,7 +37,7 @@ def test_bad_paths_exit_2(tmp_path, name, expect):
 
 def test_load_target_accepts_config_json(tiny_qwen3):
     """load_target and probe share the resolver: a config.json path loads the model beside it."""
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
 
     target = load_target(TargetSection(path=str(Path(tiny_qwen3) / "config.json")), with_tokenizer=False)
     assert target.model_dir == Path(tiny_qwen3) and target.num_layers > 0

@@ -73,7 +73,7 @@ def test_sharded_target_features_equal_unsharded(tmp_path, tiny_qwen3):
         import traceback
         import torch
         from dflashkit.config import load_config
-        from dflashkit.model.target import load_target
+        from dflashkit.target.load import load_target
         from dflashkit.train.parallel import exit_rank, init_distributed, shard_target
         cfg = load_config(None, ["target.path={tiny_qwen3}"])
         dist = init_distributed(cfg.train.parallel)

@@ -13,7 +13,7 @@ from dflashkit.config import TargetSection
 from dflashkit.decode.api import SamplingParams
 from dflashkit.decode.spec_decode import SpecDecoder
 from dflashkit.export.hf import load_drafter, save_drafter
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 
 ref = pytest.importorskip("dflash.model", reason="test-only dependency: pip install --no-deps dflash==0.1.0")
 from dflashkit.testing import random_drafter

@@ -14,7 +14,7 @@ from dflashkit.cli import main
 from dflashkit.config import load_config
 from dflashkit.model.drafter import DFlashDraftModel
 from dflashkit.family.contract import DrafterContract
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.train.data import load_tokenized
 from dflashkit.rundir import RunDir
 from tests.helpers import TEXTS, make_run, overrides

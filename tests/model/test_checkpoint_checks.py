@@ -18,9 +18,9 @@ from safetensors.torch import load_file, save_file
 
 from dflashkit.cli import main
 from dflashkit.errors import ConfigError, UsageError
-from dflashkit.model.head import load_head_parts
-from dflashkit.model.quantized import check_checkpoint
-from dflashkit.model.tiny import make_tiny_target
+from dflashkit.target.head import load_head_parts
+from dflashkit.target.quantized import check_checkpoint
+from dflashkit.target.tiny import make_tiny_target
 from tests.model.test_quantized_targets import BLOCK, _make_fp8
 
 K_PROJ = "model.layers.0.self_attn.k_proj.weight"  # [32, 64] in the tiny qwen3
@@ -70,7 +70,7 @@ def _edit_header(f: Path, fn, tail: bytes = b"") -> None:
 def _refused_everywhere(d: Path, monkeypatch, *needles: str, error=UsageError) -> str:
     """load_target and the head reader both refuse `d` with exit 2 before transformers reads a weight; the
     message names every needle. Returns the message."""
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
 
     def no_load(*a, **k):
         raise AssertionError("weights were read before the refusal")
@@ -198,7 +198,7 @@ def test_trailing_bytes_after_the_last_tensor_are_refused(plain, tmp_path, monke
 def test_a_shape_that_is_not_the_configs_is_refused(plain, tmp_path):
     """The bytes fit the header, but [64, 32] is not config.json's k_proj [32, 64]: was transformers'
     RuntimeError (exit 1); now exit 2 naming the tensor and both shapes."""
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
 
     d = _copy(plain, tmp_path / "t")
     _edit_header(d / "model.safetensors", lambda h: h[K_PROJ].update(shape=[64, 32]))

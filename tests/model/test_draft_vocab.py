@@ -176,7 +176,7 @@ def test_restricted_head_requires_matching_rows():
 
 @pytest.fixture(scope="module")
 def target(tiny_qwen3):
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
 
     return load_target(TargetSection(path=str(tiny_qwen3), device="cpu", dtype="float32"))
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflashkit.model.head import load_head_parts
-from dflashkit.model.target import load_target
+from dflashkit.target.head import load_head_parts
+from dflashkit.target.load import load_target
 
 
 def _shard(src, dst, *, prefix: str = "", per_file: int = 6):

@@ -22,7 +22,7 @@ from dflashkit.export.hf import load_drafter, load_shipped_model, save_drafter
 from dflashkit.family import new_drafter
 from dflashkit.model.drafter import DFlashDraftModel, DraftKVCache, MLAAttention, hf_config
 from dflashkit.model.masks import dense_block_mask, layer_masks
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.testing import random_drafter
 from dflashkit.train.objective import Anchors, block_position_ids
 from tests.helpers import make_run, overrides, random_case, tiny_contract, with_fields
@@ -372,7 +372,7 @@ def test_plan_counts_the_parameters_of_an_mla_drafter(tmp_path, capsys, extra):
     """`plan` on Kimi K2.6's config (MLA drafter, K3-shaped; and the recipe's GQA one): the printed parameter count
     is the meta-device count of the drafter the contract builds."""
     from dflashkit.config import load_config
-    from dflashkit.inspect.estimate import contract_and_facts
+    from dflashkit.sizing.estimate import contract_and_facts
     from dflashkit.rundir import RunDir
 
     k = str(FIXTURES / "kimi-k2.6")

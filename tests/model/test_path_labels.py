@@ -9,7 +9,7 @@ import torch
 from dflashkit.config import TargetSection
 from dflashkit.model.path_labels import (greedy_path_ids, label_need, on_path_weights, path_cache,
                                          path_label_ids)
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.train.objective import target_label_ids
 
 NEAR_TIE = 1e-4  # a top-2 logit margin under this may flip with the summation order (cache vs none)
@@ -233,7 +233,7 @@ def test_label_need_marks_the_kept_anchors_and_the_levels_inside_the_sequence():
 
 def test_the_rollout_keeps_its_cache_under_the_older_name(planted):
     """transformers before 5.2x names the forward's cache `past_key_values` and swallows an unknown `cache`:
-    the prefill and the rollout hand theirs by the installed name (`model.target.cache_kwarg`), same paths."""
+    the prefill and the rollout hand theirs by the installed name (`target.load.cache_kwarg`), same paths."""
     target, seqs, _, _ = planted
     ids, att, lens = _batch(seqs)
     want = greedy_path_ids(target, ids, lens, D, attention_mask=att)

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflashkit.errors import UsageError
-from dflashkit.model.head import load_head_parts
-from dflashkit.model.tiny import make_tiny_target
+from dflashkit.target.head import load_head_parts
+from dflashkit.target.tiny import make_tiny_target
 
 BLOCK = 32   # the tiny target's hidden size is 64: two FP8 blocks per side (DeepSeek ships 128)
 GROUP = 32   # INT4 group size (Kimi K2.x ships 32)
@@ -40,7 +40,7 @@ def _fp8_quantize(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def _fp8_dequant(q: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
-    """The reference, written independently of model.quantized: every block times its own scale."""
+    """The reference, written independently of target.quantized: every block times its own scale."""
     out = q.float().clone()
     for i in range(scale.shape[0]):
         for j in range(scale.shape[1]):
@@ -96,7 +96,7 @@ def fp8_target(tmp_path_factory):
 
 
 def test_fp8_local_load_runs_the_dequantized_weights(fp8_target):
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
 
     d, orig, deq = fp8_target
     target = load_target(_section(d), with_tokenizer=False)
@@ -129,7 +129,7 @@ def test_fp8_partial_blocks_are_refused_before_loading_and_the_head_still_reads(
     """A weight that is not a whole number of blocks (DeepSeek-V3's kv_a_proj_with_mqa [576, 7168] in
     128-blocks; here 64 columns in 48-blocks): transformers' dequantize divides it evenly over the scale
     grid (wrong scales), so the local load refuses it; the head reader dequantizes it correctly."""
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
 
     d = tmp_path / "fp8-partial"
     _, deq = _make_fp8(d, quantize_head=True, block=48)
@@ -158,9 +158,9 @@ def test_fp8_head_reader_unquantized_head(fp8_target):
 def test_plan_local_memory_matches_a_measured_load(which, request):
     """`plan`'s figure for the online modes (replicate, and shard: the same bytes over the GPUs) is what the
     local load really holds: the dequantized weights, not the bits."""
-    from dflashkit.inspect.budget import target_weight_bytes
+    from dflashkit.sizing.budget import target_weight_bytes
     from dflashkit.inspect.config_facts import read_model_facts
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
 
     d, _, _ = request.getfixturevalue(which)
     facts = read_model_facts(d).to_dict()
@@ -176,7 +176,7 @@ def test_plan_local_memory_matches_a_measured_load(which, request):
                                        ({"quant_method": "fp8", "fmt": "e4m3"}, "FP8 e4m3 per-tensor")],
                          ids=["awq", "fp8-per-tensor"])
 def test_unknown_quantization_is_refused_before_loading(qc, named, tmp_path, monkeypatch):
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
 
     d = make_tiny_target(tmp_path / "q", "qwen3", num_layers=4)
     cfg = json.loads((d / "config.json").read_text())
@@ -255,7 +255,7 @@ def test_int4_checkpoint_is_what_kimi_ships(int4_target):
 
 
 def test_int4_local_load_runs_the_dequantized_weights(int4_target):
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
 
     d, _, fake = int4_target
     target = load_target(_section(d), with_tokenizer=False)
@@ -269,7 +269,7 @@ def test_int4_local_load_runs_the_dequantized_weights(int4_target):
 def test_int4_without_compressed_tensors_is_refused_before_loading(int4_target, monkeypatch):
     import builtins
 
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
 
     d, _, _ = int4_target
     real_import = builtins.__import__
@@ -359,7 +359,7 @@ def test_int4_kimi_shaped_moe_target(tmp_path):
     pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed")
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
 
     d = tmp_path / "kimi-int4"
     orig, fake = _make_int4(d, ignore=["lm_head"], arch="deepseek_v3", group=16)

@@ -21,7 +21,7 @@ from dflashkit.decode.spec_decode import SpecDecoder
 from dflashkit.export.hf import load_drafter, load_shipped_model, save_drafter
 from dflashkit.model.drafter import DFlashDraftModel, DraftKVCache
 from dflashkit.model.masks import dense_block_mask, layer_masks, mask_mod_for
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.testing import random_drafter
 from dflashkit.train.objective import Anchors, block_position_ids
 from tests.helpers import make_contract, make_run, overrides, random_case, tiny_contract, with_fields

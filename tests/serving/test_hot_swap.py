@@ -16,7 +16,7 @@ from dflashkit.decode.api import SamplingParams, default_stop_ids
 from dflashkit.decode.spec_decode import SpecDecoder
 from dflashkit.export.hf import save_drafter
 from dflashkit.flywheel.pointer import write_promoted
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.testing import random_drafter
 from tests.harness.servers import serving
 

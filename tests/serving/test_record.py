@@ -21,7 +21,7 @@ from dflashkit.config import SourceSection, TargetSection
 from dflashkit.data.features import local_batches
 from dflashkit.data.sources import SourceReport, iter_source, to_record
 from dflashkit.export.hf import save_drafter
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.redact import remember_secret
 from dflashkit.serving.record import (RecordPolicy, Recorder, RecordReport, dir_bytes, read_features, read_recorded,
                                       target_fingerprint)

@@ -20,7 +20,7 @@ from dflashkit.serving.kvcache import SlotCache
 
 def _target(path):
     from dflashkit.config import config_from_dict
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
 
     return load_target(config_from_dict({"target": {"path": str(path)}}).target)
 

@@ -16,7 +16,7 @@ from dflashkit.cli import main
 from dflashkit.config import TargetSection, config_from_dict
 from dflashkit.decode.draft_length import ConfidenceCut
 from dflashkit.export.hf import save_drafter
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.serve_app import build_app
 from dflashkit.testing import random_drafter
 from tests.decode.test_confidence_cut import dspark, record_cuts

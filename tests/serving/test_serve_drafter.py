@@ -7,7 +7,7 @@ import torch
 
 from dflashkit.config import TargetSection
 from dflashkit.export.hf import save_drafter
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.testing import random_drafter
 from tests.harness.servers import serving
 

@@ -12,7 +12,7 @@ from dflashkit.cli import main
 from dflashkit.config import TargetSection, config_from_dict
 from dflashkit.errors import UsageError
 from dflashkit.export.hf import save_drafter
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.serve_app import build_app, check_serve_proposer
 from dflashkit.testing import random_drafter
 from tests.harness.servers import serving

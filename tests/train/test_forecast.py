@@ -1,4 +1,4 @@
-"""The data-budget forecast (`train/forecast.py`) on synthetic learning curves with a known law."""
+"""The data-budget forecast (`sizing/forecast.py`) on synthetic learning curves with a known law."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from dflashkit.train.forecast import MIN_POINTS, fit_power_law, forecast, forecast_from_curve
+from dflashkit.sizing.forecast import MIN_POINTS, fit_power_law, forecast, forecast_from_curve
 
 
 def law(n, tau_inf=3.0, a=40.0, b=0.3):

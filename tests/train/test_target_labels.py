@@ -8,7 +8,7 @@ import torch
 
 from dflashkit.cli import main
 from dflashkit.config import TargetSection
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.train.objective import Anchors, labels_and_weights, target_label_ids
 
 from tests.helpers import make_run, overrides

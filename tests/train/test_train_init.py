@@ -7,7 +7,7 @@ import torch
 from dflashkit.config import load_config
 from dflashkit.model.drafter import DFlashDraftModel
 from dflashkit.model.init import init_from_target
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from tests.helpers import make_contract
 
 

@@ -11,7 +11,7 @@ decoder, and the reference loop from PyPI `dflash==0.1.0` (its `DFlashDraftModel
 same dir). Reports end-to-end tokens/s of each call, ours/reference ratio (goal ≥ 1.2), identical
 tokens, τ, our t(1), t(B), and the bound τ·t(1)/t(B) next to the measured speedup (`unreliable`: why that speedup
 cannot be true, `decode.metrics.timing_flags`; [] when nothing is found); `decode_step` puts t(1)
-and t(B) against the memory floor (`decode/step_cost.py`) for the packed target every decoder runs
+and t(B) against the memory floor (`sizing/step_cost.py`) for the packed target every decoder runs
 (`eval.packed_weights`) and `decode_step_unpacked` for the same weights as transformers loads them.
 With `eval.hybrid` the suffix proposer alone (`suffix`) and the hybrid at each gate of `eval.hybrid_gates`
 (`hybrid`, keyed "B@gate", the graft "B@gate+graft") run in the same turns, each with its τ, speedup and share
@@ -35,10 +35,10 @@ from dflashkit.decode.evaluation import (decode_inputs, entries, flag_phrase, gr
 from dflashkit.decode.metrics import compare, compare_flags, summarize_acceptance, summarize_timing
 from dflashkit.decode.runner import draft_dtype_for, first_difference, params_for, run_interleaved
 from dflashkit.decode.spec_decode import SpecDecoder
-from dflashkit.decode.step_cost import decode_step_report, roofline, step_times
+from dflashkit.sizing.step_cost import decode_step_report, roofline, step_times
 from dflashkit.errors import UsageError
 from dflashkit.export.hf import load_drafter
-from dflashkit.model.target import announce, load_target
+from dflashkit.target.load import announce, load_target
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig

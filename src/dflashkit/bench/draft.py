@@ -31,7 +31,7 @@ from dflashkit.decode.spec_decode import SpecDecoder
 from dflashkit.errors import UsageError
 from dflashkit.export.hf import load_drafter, read_contract
 from dflashkit.model.drafter import DraftKVCache
-from dflashkit.model.roofline import fastest
+from dflashkit.timing import fastest
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -105,7 +105,7 @@ def time_draft_step(drafter: Any, head_w: torch.Tensor, head_b: torch.Tensor | N
 def bench_draft(cfg: RunConfig, rd: RunDir, ctx: StageContext, *, context: int = 256, new: int = 2,
                 reps: int = 20) -> dict[str, Any]:
     """`dflashkit bench draft`: the run's drafter on the target's head and mask embedding (module docstring)."""
-    from dflashkit.model.target import cpu_facts, load_target
+    from dflashkit.target.load import cpu_facts, load_target
 
     drafter_dir = resolve_drafter_dir(cfg, rd, ctx.positionals[1:])
     contract = read_contract(drafter_dir)

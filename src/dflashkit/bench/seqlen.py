@@ -65,7 +65,7 @@ def _maxrss_mb() -> float:
 def _measure(cfg: RunConfig, contract: DrafterContract, s: int, iters: int, out: Any) -> None:
     """One S in this (child) process; puts a row dict (or {"error": ...}) on `out`."""
     try:
-        from dflashkit.model.target import load_target
+        from dflashkit.target.load import load_target
 
         target = load_target(cfg.target)
         dev = target.device
@@ -128,7 +128,7 @@ def _lengths(ctx: StageContext) -> tuple[list[int], int]:
 
 def bench_seqlen(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     """Measure each S in a child process (see the module docstring); returns the table's rows."""
-    from dflashkit.model.target import cpu_facts
+    from dflashkit.target.load import cpu_facts
 
     lengths, iters = _lengths(ctx)
     contract = run_contract(cfg, rd)

@@ -134,7 +134,7 @@ def bench_serve(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict[str, Any]
             rows = [asyncio.run(_sweep_one(url, model, prompts, c, b.requests, b.warmup, b.max_tokens))
                     for c in b.concurrency]
             endpoints.append({"url": shown, "model": model, "sweep": rows})
-    from dflashkit.model.target import cpu_facts
+    from dflashkit.target.load import cpu_facts
 
     result: dict[str, Any] = {"endpoints": endpoints, "max_tokens": b.max_tokens, "prompts": len(prompts),
                               **cpu_facts()}  # this machine's CPU (where a local server runs)

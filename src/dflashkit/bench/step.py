@@ -9,7 +9,7 @@ first n is not timed cold), each number the fastest of a few: t(n) for each n af
 transformers' layers and DynamicCache ("as loaded"), then
 with the decoder's own path (weights pre-packed for oneDNN where `eval.packed_weights` allows, the in-place
 KV cache) — each against this machine's memory floor (weights' bytes over the measured read bandwidth:
-`decode/step_cost.py`, `model/roofline.py`). The CPU, its bf16 flags, threads and any ISA cap are printed.
+`sizing/step_cost.py`, `sizing/roofline.py`). The CPU, its bf16 flags, threads and any ISA cap are printed.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import torch
 from transformers import DynamicCache
 
 from dflashkit.decode.evaluation import verify_dtype, verify_target_config
-from dflashkit.decode.step_cost import roofline, step_times
-from dflashkit.model.packed import prepare_for_decode
-from dflashkit.model.roofline import fastest_each
-from dflashkit.model.target import cache_kwarg
+from dflashkit.sizing.step_cost import roofline, step_times
+from dflashkit.target.packed import prepare_for_decode
+from dflashkit.timing import fastest_each
+from dflashkit.target.load import cache_kwarg
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -50,7 +50,7 @@ def _times_as_loaded(target: Any, ns: tuple[int, ...], context: int, reps: int) 
 
 
 def bench_step(cfg: RunConfig, rd: RunDir, ctx: StageContext, *, context: int = 300, reps: int = 5) -> dict[str, Any]:
-    from dflashkit.model.target import announce, cpu_facts, load_target
+    from dflashkit.target.load import announce, cpu_facts, load_target
 
     verify = announce(verify_dtype(cfg))
     target = load_target(verify_target_config(cfg, verify), announce_dtype=False, with_tokenizer=False)

@@ -97,7 +97,7 @@ def contexts_from(positionals: list[str]) -> tuple[int, ...]:
 
 
 def bench_suffix(cfg: RunConfig, rd: RunDir, ctx: StageContext, *, steps: int = 200) -> dict[str, Any]:
-    from dflashkit.model.target import cpu_facts
+    from dflashkit.target.load import cpu_facts
 
     contexts = contexts_from(list(ctx.positionals[1:]))
     cpu = cpu_facts()

@@ -33,7 +33,7 @@ import torch
 from dflashkit.family.contract import REPROBE_HINT
 from dflashkit.inspect.contract import run_contract
 from dflashkit.train.data import collate, load_tokenized, tokenized_shards
-from dflashkit.train.step_probe import drafter_step
+from dflashkit.sizing.step_probe import drafter_step
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -72,7 +72,7 @@ def _timed(fn, iters: int, device: torch.device) -> float:
 
 def bench_train(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     """Measure one training step (see the module docstring); returns the numbers."""
-    from dflashkit.model.target import cpu_facts, load_target, target_autocast
+    from dflashkit.target.load import cpu_facts, load_target, target_autocast
 
     iters = int(ctx.positionals[1]) if len(ctx.positionals) > 1 else 5
     target = load_target(cfg.target)

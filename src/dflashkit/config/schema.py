@@ -446,7 +446,7 @@ class TrainSection:
                              "RMS of each token's feature vector per target layer (0 = off).")
     forecast_tau: float = f(2.0, "The data-budget forecast's target: `train`, `report`, the run summary and `plan` "
                             "say how many supervised tokens (samples, hours) the learning curve train/curve.json "
-                            "predicts for this held-out τ (train/forecast.py).", hash_default=False)
+                            "predicts for this held-out τ (sizing/forecast.py).", hash_default=False)
     keep_best: bool = f(True, "Keep the drafter with the best held-out simulated τ in train/best/ (eval and "
                         "export then use it by default).")
     loss_chunk_blocks: int = f(64, "Blocks per loss chunk (bounds the [blocks·B, vocab] logits).")
@@ -509,7 +509,7 @@ class EvalSection:
         hash_default=False)
     packed_weights: Literal["auto", "off"] = f(
         "auto", "auto = on a CPU (float32, or bfloat16 where native), the target's linear layers multiply weights "
-        "pre-packed once for oneDNN, so a verify step over B tokens costs about one token's (model/packed.py); "
+        "pre-packed once for oneDNN, so a verify step over B tokens costs about one token's (target/packed.py); "
         "the baseline uses the same layers. off = transformers' layers as loaded.", hash_default=False)
     tie_tolerance: float | None = f(
         None, "Lossless check: a greedy divergence from the baseline is a numerical tie when the baseline's "

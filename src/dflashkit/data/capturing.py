@@ -22,7 +22,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -32,11 +32,10 @@ from dflashkit.data.features import (ST_DTYPES, PathCost, PathSpec, local_batche
 from dflashkit.errors import UsageError
 from dflashkit.family.contract import REPROBE_HINT
 from dflashkit.family.recipe import Recipe, resolve_recipe
-from dflashkit.model.files import resolve_target_path
-from dflashkit.model.hybrid import dir_layer_types, recurrent_summary, refuse_recurrent
+from dflashkit.target.files import resolve_target_path
+from dflashkit.target.hybrid import dir_layer_types, recurrent_summary, refuse_recurrent
 from dflashkit.model.path_labels import check_full_attention
-from dflashkit.model.roofline import forward_flops_per_token, matmul_throughput
-from dflashkit.model.target import resolve_device, resolve_dtype, target_autocast, text_config_dict
+from dflashkit.target.load import resolve_device, resolve_dtype, target_autocast, text_config_dict
 from dflashkit.progress import Progress
 from dflashkit.rundir import file_digest
 
@@ -189,31 +188,12 @@ def _path_spec(plan: CapturePlan, data: Any, si: int, rows: Any) -> PathSpec:
     return PathSpec(depth=plan.path_depth if rows else 0, rows=rows, loss_masks=masks, cost=plan.path_cost)
 
 
-def log_capture_roofline(target: Any, plan: CapturePlan, tokens: int, seconds: float) -> dict[str, Any] | None:
-    """Log capture's rate against this machine's matrix-product throughput in the forward's dtype → the
-    numbers (None for a mixture of experts, whose FLOPs per token the layer parameters do not give)."""
-    layers = target.decoder_layers
-    depth = len(layers) if plan.keep_last else max(plan.layer_ids) + 1
-    flops = forward_flops_per_token(layers, depth)
-    rate = tokens / max(seconds, 1e-9)
-    if flops is None:
-        log.info("capture: %d tokens in %.0f s = %.0f tok/s", tokens, seconds, rate)
-        return None
-    dtype = plan.autocast or target.dtype
-    peak = matmul_throughput(dtype, target.device.type,
-                             k=target.hidden_size, n=int(getattr(target.config, "intermediate_size", 0) or
-                                                         4 * target.hidden_size))
-    share = flops * rate / peak
-    log.info("capture: %d tokens in %.0f s = %.0f tok/s; its matrix products run at %.1f GFLOP/s = %.0f%% of this "
-             "machine's %s matmul throughput (%.1f GFLOP/s)", tokens, seconds, rate, flops * rate / 1e9,
-             100 * share, str(dtype).removeprefix("torch."), peak / 1e9)
-    return {"tokens_per_s": rate, "gflops": flops * rate / 1e9, "peak_gflops": peak / 1e9, "share": share}
-
-
-def capture_local(cfg: Any, contract: Any, data: Any, plan: CapturePlan, *, where: str) -> Iterator[tuple[Path, int, int]]:
+def capture_local(cfg: Any, contract: Any, data: Any, plan: CapturePlan, *, where: str,
+                  on_rate: Callable[[Any, int, float], object] | None = None) -> Iterator[tuple[Path, int, int]]:
     """Load the target here (checked against the contract), write every planned shard; yields
-    (shard path, samples, tokens) as each one is in place."""
-    from dflashkit.model.target import load_target
+    (shard path, samples, tokens) as each one is in place. `on_rate(target, tokens, seconds)` is told the
+    capture's rate once every new shard is written (the capture stage logs it against the roofline)."""
+    from dflashkit.target.load import load_target
 
     target = load_target(cfg.target)
     contract.check(target, where=where, hint=REPROBE_HINT)
@@ -236,8 +216,8 @@ def capture_local(cfg: Any, contract: Any, data: Any, plan: CapturePlan, *, wher
                         hidden=plan.hidden, last_hidden=plan.keep_last, path_depth=paths.depth)
         captured += n
         yield dest, len(rows), n
-    if captured:
-        log_capture_roofline(target, plan, captured, time.perf_counter() - t0)
+    if captured and on_rate is not None:
+        on_rate(target, captured, time.perf_counter() - t0)
     for si, _shard, dest, missing in plan.patch:  # features kept: the target runs over the missing paths' samples
         rows = shard_rows(data, si)
         masks = _path_spec(plan, data, si, missing).loss_masks or []

@@ -46,7 +46,7 @@ from dflashkit.data.mixing import source_names
 from dflashkit.data.records import Conversation
 from dflashkit.errors import ConfigError, UsageError
 from dflashkit.inspect.target import resolve_target_path
-from dflashkit.model.target import load_tokenizer
+from dflashkit.target.load import load_tokenizer
 from dflashkit.textfile import read_utf8
 
 if TYPE_CHECKING:

@@ -61,8 +61,8 @@ from dflashkit.export.hf import load_drafter, read_contract
 from dflashkit.export.profile import (Measurement, build_profile, checkpoint_id, dflashkit_source, draft_length_block,
                                       method_for, prompts_digest, proposers_block, weights_digest)
 from dflashkit.inspect.target import resolve_target_path
-from dflashkit.model.packed import prepare_for_decode
-from dflashkit.model.target import compute_dtype, resolve_device, text_config_dict
+from dflashkit.target.packed import prepare_for_decode
+from dflashkit.target.load import compute_dtype, resolve_device, text_config_dict
 from dflashkit.rundir import atomic_write_json, read_json_or_none
 from dflashkit.train.checkpoint import read_best
 from dflashkit.train.data import load_tokenized, tokenized_shards
@@ -125,7 +125,7 @@ def load_checked_target(cfg: Any, inputs: DecodeInputs, target_cfg: Any) -> tupl
     (exit 2 before anything is decoded); the target and the prompts' ids, each rendered as tokenize renders
     its source (`decode.runner.render_eval_prompts`: tools, per-source template variables). `target_cfg` is
     `verify_target_config`'s: the caller announces its dtype (`verify_dtype`)."""
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
 
     check_target_fits(inputs, target_cfg)
     check_prompts_render(cfg, inputs)
@@ -140,7 +140,7 @@ def load_checked_target(cfg: Any, inputs: DecodeInputs, target_cfg: Any) -> tupl
 
 
 def verify_dtype(cfg: Any) -> Any:
-    """The verify dtype and why (a `model.target.DtypeChoice`, not yet announced): `eval.dtype` target/auto
+    """The verify dtype and why (a `target.load.DtypeChoice`, not yet announced): `eval.dtype` target/auto
     → `target.dtype`'s choice (auto then measures both dtypes: `choose_dtype` below), native → bfloat16 where
     the device computes it natively, else float32; float32 / bfloat16 as set (warned where emulated)."""
     dev = resolve_device(cfg.target.device)
@@ -694,7 +694,7 @@ def best_entry(group: dict[str, dict]) -> dict | None:
 
 def choose_dtype(cfg: Any, drafter_dir: Any, ids: list[list[int]], block_sizes: list[int]) -> tuple[Any, dict]:
     """eval.dtype=auto: decode the first prompts in float32 and bfloat16; keep the better honest speedup."""
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
 
     calib, targets = {}, {}
     for name in ("float32", "bfloat16"):
@@ -846,7 +846,7 @@ def eval_profile(cfg: Any, rd: Any, inputs: DecodeInputs, target: Any, ids: list
     every block size is past B. With the hybrid measured, `proposers` says per source which proposer pays and at
     which gate; with an adaptive or a confident row, `draft_length` which draft-length rule pays
     (`draft_length_block`)."""
-    from dflashkit.model.target import cpu_facts
+    from dflashkit.target.load import cpu_facts
 
     e, c = cfg.eval, inputs.contract
     past = [b for b in block_sizes if b > c.block_size]

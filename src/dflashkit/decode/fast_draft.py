@@ -10,7 +10,7 @@ One propose step of a decode (batch size 1): the target features committed since
 context keys/values in the state's preallocated per-layer buffers, then the block `[anchor, MASK × (B−1)]`
 runs through the draft layers and the target head's rows. Against the module forward it saves per-step
 recomputation and allocation: RoPE tables computed once, context K/V written in place, q/k/v and gate/up as
-one matmul over concatenated weights, bf16 weights prepacked for oneDNN (`model/packed.py`, used only where
+one matmul over concatenated weights, bf16 weights prepacked for oneDNN (`target/packed.py`, used only where
 bit-identical to F.linear), fused RMSNorm. The arithmetic is the module's (tests/decode/test_fast_draft.py
 compares logits and proposals step by step); `dflashkit bench draft` times one step of each. Causal in-block
 attention, sliding-window layers (the module's rule p − W < k, at O(W) cost per step) and per-layer causality
@@ -27,7 +27,7 @@ from torch import nn
 
 from dflashkit.model.drafter import block_attention
 from dflashkit.model.masks import window_mask
-from dflashkit.model.packed import PackedLinear
+from dflashkit.target.packed import PackedLinear
 
 # RoPE types whose frequencies depend on the sequence length (HF `dynamic_rope_update`): no fixed table.
 DYNAMIC_ROPE = ("dynamic", "longrope")
@@ -55,7 +55,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
 
 
 class _PackedLinear:
-    """`F.linear(x, w, b)`, through `model.packed.PackedLinear` where that gives the same result bit for bit.
+    """`F.linear(x, w, b)`, through `target.packed.PackedLinear` where that gives the same result bit for bit.
 
     CPU bf16 only (`torch.ops.mkldnn`; where it is missing, or differs from F.linear for any row count up to
     `rows` on random inputs, every call takes F.linear). Inputs with more than `rows` rows take F.linear."""

@@ -266,7 +266,7 @@ def run_interleaved(decoders: dict[str, Decoder], prompts: list[list[int]], para
 def draft_dtype_for(cfg: RunConfig, target: Any) -> Any:
     """`eval.draft_dtype` → a torch dtype (None = the target's), announced once per process (an explicit 16-bit
     one with a warning where the CPU only emulates it)."""
-    from dflashkit.model.target import DtypeChoice, announce, compute_dtype, native_half
+    from dflashkit.target.load import DtypeChoice, announce, compute_dtype, native_half
 
     choice = cfg.eval.draft_dtype
     if choice == "auto":

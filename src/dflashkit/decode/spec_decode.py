@@ -49,9 +49,9 @@ from dflashkit.errors import UsageError
 from dflashkit.family.base import DraftBlock, DraftSampling
 from dflashkit.model.draft_vocab import restricted_head
 from dflashkit.model.drafter import DFlashDraftModel, DraftKVCache
-from dflashkit.model.kv_cache import decode_cache
-from dflashkit.model.roofline import fastest_each
-from dflashkit.model.target import Target, cache_kwarg, fast_bf16
+from dflashkit.target.kv_cache import decode_cache
+from dflashkit.timing import fastest_each
+from dflashkit.target.load import Target, cache_kwarg, fast_bf16
 
 
 def estimates_acceptance(drafter: DFlashDraftModel) -> bool:
@@ -336,7 +336,7 @@ class SpecDecoder:
     def _calibrate(self, prompt_ids: list[int], reps: int = 3) -> None:
         """t(n) for n = 1 … B: target steps over n tokens after a short context (a throwaway cache; once per
         decoder, before any timed work), every n warmed up once and then timed in turns, the fastest of `reps`
-        each (`model.roofline.fastest_each`: the first n is not timed cold)."""
+        each (`timing.fastest_each`: the first n is not timed cold)."""
         assert self.policy is not None
         dev = self.target.device
         ctx = prompt_ids[: min(len(prompt_ids), 64)]

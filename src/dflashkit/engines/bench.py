@@ -84,7 +84,7 @@ def bench_engine_serve(cfg: RunConfig, rd: RunDir, ctx: StageContext, prompts: l
     """Serve each of `bench.engine_methods` in turn and sweep each with `sweep_one` (bench/serve.py's
     one-concurrency sweep, passed in by its caller); the result of `bench serve`."""
     from dflashkit.engines.launch import start_vllm_for_target
-    from dflashkit.model.target import cpu_facts
+    from dflashkit.target.load import cpu_facts
 
     methods: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="dflashkit-bench-") as tmp:

@@ -11,7 +11,7 @@ Usage:
 Each tokenized sample is one `/v1/completions` request with its token ids and `max_tokens: 1`;
 the engine's file (`engines/hidden_states.py`) is checked (the ids it computed are the ids sent,
 the layer count is the aux count), turned into our row — the contract layers concatenated in
-contract order, the target's greedy next token from the final norm + LM head (`model/head.py`)
+contract order, the target's greedy next token from the final norm + LM head (`target/head.py`)
 applied to the last layer's pre-norm output, optionally that final-norm output — and written to
 `<spool>/<row>.safetensors` through a temp file + rename; the engine's file is then deleted.
 
@@ -42,8 +42,8 @@ from dflashkit.errors import EXIT_MISSING, DflashkitError, UsageError
 from dflashkit.family.contract import REPROBE_HINT
 from dflashkit.http1 import HttpError, excerpt, request_sync
 from dflashkit.inspect.target import resolve_target_path
-from dflashkit.model.head import load_head_parts
-from dflashkit.model.target import text_config_dict
+from dflashkit.target.head import load_head_parts
+from dflashkit.target.load import text_config_dict
 from dflashkit.redact import redact_url
 from dflashkit.rundir import atomic_path
 
@@ -81,7 +81,7 @@ class EngineSource:
     model: str
     layer_ids: list[int]
     num_layers: int
-    head: Any                      # model.head.HeadParts
+    head: Any                      # target.head.HeadParts
     dtype: str                     # stored dtype (capture.dtype)
     last_hidden: bool
     timeout_s: float = 600.0

@@ -14,7 +14,7 @@ vLLM serves the target with the speculative method
 response's `kv_transfer_params.hidden_states_path` names the file, and `<file>.lock` is held
 (flock) until the write ends. Aux id k is HF `hidden_states[k]` (the output of k decoder layers),
 so our contract's layer id i is aux id i + 1; aux id `num_hidden_layers` is the last layer's output
-*before* the final norm (`model/head.py` applies the norm).
+*before* the final norm (`target/head.py` applies the norm).
 
 The stock `ExampleHiddenStatesConnector` copies through pinned memory on a CUDA stream, which kills
 vLLM's CPU engine (`pin_memory=True requires a CUDA or other accelerator backend`). dflashkit ships

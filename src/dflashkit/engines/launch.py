@@ -23,8 +23,8 @@ import torch
 from dflashkit.engines import vllm
 from dflashkit.errors import UsageError
 from dflashkit.inspect.target import resolve_target_path
-from dflashkit.model.hybrid import refuse_recurrent
-from dflashkit.model.target import announce, compute_dtype, text_config_dict
+from dflashkit.target.hybrid import refuse_recurrent
+from dflashkit.target.load import announce, compute_dtype, text_config_dict
 from dflashkit.serving.local import start_local_server
 
 if TYPE_CHECKING:

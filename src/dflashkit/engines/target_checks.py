@@ -7,7 +7,7 @@ Usage:
 alone comes before generate's requests, tokenize, the budget's calibration or capture, not after them. The
 checks are the stages' own functions, asked of the target's config.json and safetensors headers (no weight is
 read): the greedy-path rollout's (`data.capturing`), vLLM's CPU build's (`engines.launch`) and the local load's
-(`model.quantized`).
+(`target.quantized`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 from dflashkit.data.capturing import rollout_reproduces_attention
 from dflashkit.engines.launch import check_engine_architecture
 from dflashkit.family.recipe import config_recipe
-from dflashkit.model.files import resolve_target_path
-from dflashkit.model.quantized import check_local_target
+from dflashkit.target.files import resolve_target_path
+from dflashkit.target.quantized import check_local_target
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -35,7 +35,7 @@ def check_target(cfg: RunConfig, stages: list[str]) -> None:
     - vLLM's CPU build on such a target (server.engine=vllm for generate, capture.engine=vllm, train.features=
       engine, without capture.server_url: `engines.launch.check_engine_architecture`);
     - a target the local paths cannot load (an unsupported quantization, tensors its config cannot describe:
-      `model.quantized.check_local_target`) where a stage loads it here: generate's own `dflashkit serve`, local
+      `target.quantized.check_local_target`) where a stage loads it here: generate's own `dflashkit serve`, local
       capture, online training, eval.
     No target.path (a stage that needs one says so), a target not on disk yet (an asset that probe fetches), a
     GGUF file or a dir without config.json are left to the stages."""

@@ -233,7 +233,7 @@ def _load_fp32(cfg: RunConfig, drafter_dir: Path) -> tuple[RunConfig, Any, Any, 
     """(cfg with a float32 target, that target, the drafter in float32 checked against it, its format)."""
     import torch
 
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
 
     fp32 = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, dtype="float32"))
     target = load_target(fp32.target)

@@ -74,7 +74,7 @@ def target_head(cfg: Any):
 
 def loaded_target_head(cfg: Any, hidden_size: int):
     """The target head through the full loader (GGUF targets too); a reduced-vocab export needs its rows."""
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
 
     if not cfg.target.path:
         raise UsageError("this drafter has a reduced draft vocabulary: its export holds lm_head.weight = the "

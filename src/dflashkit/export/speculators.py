@@ -42,7 +42,7 @@ from dflashkit.export.hf import (DTYPES, WEIGHTS, build_drafter, load_drafter, o
 from dflashkit.model.draft_vocab import t2d_mask
 from dflashkit.model.drafter import DFlashDraftModel
 from dflashkit.family.contract import DrafterContract
-from dflashkit.model.target import resolve_target_path
+from dflashkit.target.load import resolve_target_path
 from dflashkit.rundir import atomic_dir, atomic_path, atomic_write_json, write_manifest
 
 log = logging.getLogger("dflashkit.export")
@@ -331,7 +331,7 @@ def check_speculators(source: DFlashDraftModel, export_dir: Path, head: torch.Te
 
 def target_tensors(target: Any) -> tuple[torch.Tensor, torch.Tensor, str, list[str]]:
     """(embedding [V, H], head [V, H], verifier name, architectures) of a `TargetSection`, in float32."""
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
 
     if not target.path:
         raise UsageError("the speculators format holds the target's embedding and head and names the target "

@@ -93,7 +93,7 @@ def decoder_equals_baseline(ctx: CheckContext) -> dict[str, Any]:
 
 
 def _tiny(ctx: CheckContext, n: int, new: int) -> list[dict[str, Any]]:
-    from dflashkit.model.target import load_target
+    from dflashkit.target.load import load_target
 
     tiny = load_config(None, [f"target.path={tiny_target_dir(ctx.shared)}", f"target.device={ctx.device}",
                               "target.dtype=float32"]).target

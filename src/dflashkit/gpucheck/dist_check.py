@@ -38,7 +38,7 @@ from dflashkit.export.hf import load_drafter
 from dflashkit.gpucheck.compare import RANKS, close_losses, close_weights
 from dflashkit.gpucheck.fixtures import check_overrides, contract_for, tiny_target_dir, train_config, write_run
 from dflashkit.gpucheck.runner import CheckContext, child_env, guarded, part, verdict
-from dflashkit.model.target import text_config_dict
+from dflashkit.target.load import text_config_dict
 from dflashkit.rundir import RunDir
 from dflashkit.train.logging import read_metrics
 from dflashkit.train.loop import fit

@@ -6,7 +6,7 @@ Usage:
     rd = write_run(work / "run", contract, samples=32, seq_len=2048)         # contract.json + random token shards
     cfg = train_config(rd, device="cuda", **{"train.max_steps": 4})          # the check's RunConfig
     argv = check_overrides(rd, device="cuda", target_path=tiny)             # the same as dotted overrides
-    tiny = tiny_target_dir(work)                                              # model/tiny.py's target on disk
+    tiny = tiny_target_dir(work)                                              # target/tiny.py's target on disk
 
 No weights of a real 8B model exist on a lent GPU machine (no hub, no internet), and writing 16 GB of
 random safetensors would take longer than the check: the 8B-shaped target is built in memory
@@ -30,8 +30,8 @@ from dflashkit.data.shards import shard_name, write_parquet_shard
 from dflashkit.family.contract import DrafterContract
 from dflashkit.inspect.config_facts import facts_from_config
 from dflashkit.inspect.contract import derive_contract
-from dflashkit.model.target import Target
-from dflashkit.model.tiny import make_tiny_target
+from dflashkit.target.load import Target
+from dflashkit.target.tiny import make_tiny_target
 from dflashkit.rundir import RunDir, atomic_write_json
 
 # Qwen3-8B's config.json (the fields a model needs; the weights are random)
@@ -76,7 +76,7 @@ def random_target(shape: dict[str, Any], *, device: str, dtype: torch.dtype, see
 
 
 def tiny_target_dir(work: Path) -> Path:
-    """model/tiny.py's qwen3 target (6 layers, hidden 64, byte tokenizer) saved under `work` (once)."""
+    """target/tiny.py's qwen3 target (6 layers, hidden 64, byte tokenizer) saved under `work` (once)."""
     out = Path(work) / "tiny-target"
     if not (out / "model.safetensors").is_file():
         make_tiny_target(out, arch="qwen3")

@@ -36,7 +36,7 @@ from dflashkit.gpucheck.compare import (CPU_GPU, CPU_GPU_LR, FLEX_BF16, FLEX_FP3
 from dflashkit.gpucheck.fixtures import (MEDIUM, QWEN3_8B, SMALL, contract_for, random_target, tiny_target_dir,
                                          torch_device, train_config, write_run)
 from dflashkit.gpucheck.runner import CheckContext, guarded, part, verdict
-from dflashkit.model.target import text_config_dict
+from dflashkit.target.load import text_config_dict
 from dflashkit.rundir import RunDir
 from dflashkit.train.logging import read_metrics
 from dflashkit.train.loop import fit, setup, train_step

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from dflashkit.errors import UsageError
-from dflashkit.model.quantized import LOCAL_METHODS, PASS_THROUGH, quant_info
+from dflashkit.target.quantized import LOCAL_METHODS, PASS_THROUGH, quant_info
 
 WRAPPER_KEYS = ("text_config", "language_config", "llm_config", "thinker_config", "language_model_config",
                 "lm_config", "decoder")

@@ -3,12 +3,12 @@
 Usage:
     rows = target_paths(facts.to_dict())      # [{"path": "local: …", "verdict": "yes …"}, …]
 
-Two properties of a target decide it: its quantization (`facts["quantization"]`, `model/quantized.py`:
+Two properties of a target decide it: its quantization (`facts["quantization"]`, `target/quantized.py`:
 FP8 block-wise and compressed-tensors INT4 load dequantized on the local paths, MXFP4 as transformers
 loads it, anything else is refused there) and recurrent layers (`facts["layer_types"]`: Gated DeltaNet /
 Mamba layers, docs/hybrid-targets.md: lossless rollback in the local decoder, `train.on_path=rollout`
 refused, vLLM's CPU build refused). A checkpoint whose tensors cannot be what its config says
-(`facts["checkpoint"]`, `model/quantized.check_checkpoint`) is refused on the local paths first. The
+(`facts["checkpoint"]`, `target/quantized.check_checkpoint`) is refused on the local paths first. The
 verdicts are what the stages do; each refusal is exit 2 before any work, naming the target and what to
 use instead.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-RECURRENT = ("linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba")  # model/target.py's kinds
+RECURRENT = ("linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba")  # target/load.py's kinds
 
 LOCAL = "local: capture.engine=local, train online (replicate / shard), eval, serve"
 ENGINE = "engine: capture.engine=vllm, train.features=engine, verify-engine"
@@ -37,7 +37,7 @@ def _recurrent(facts: dict[str, Any]) -> str | None:
 def _partial_fp8(facts: dict[str, Any]) -> str | None:
     """An FP8 block-wise target's weight known from the config not to be whole blocks: MLA's
     kv_a_proj_with_mqa has kv_lora_rank + qk_rope_head_dim rows (576 in DeepSeek-V3, 4.5 blocks of 128).
-    The load itself checks every weight (`model/quantized.py`); this is the config-only view."""
+    The load itself checks every weight (`target/quantized.py`); this is the config-only view."""
     q, mla = facts.get("quantization") or {}, facts.get("mla") or {}
     block = q.get("block")
     if q.get("method") != "fp8" or not block or not mla.get("kv_lora_rank"):

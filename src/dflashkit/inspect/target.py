@@ -18,8 +18,8 @@ from dflashkit.errors import ConfigError, UsageError
 from dflashkit.inspect.config_facts import read_model_facts
 from dflashkit.inspect.gguf_facts import read_gguf_facts
 from dflashkit.inspect.tokenizer_facts import read_tokenizer_facts, tokenizer_facts_from_gguf
-from dflashkit.model.files import resolve_target_path  # noqa: F401  (re-exported: the one resolver lives in model/)
-from dflashkit.model.quantized import check_checkpoint
+from dflashkit.target.files import resolve_target_path  # noqa: F401  (re-exported: the one resolver lives in model/)
+from dflashkit.target.quantized import check_checkpoint
 
 if TYPE_CHECKING:
     from dflashkit.inspect.config_facts import ModelFacts

@@ -33,7 +33,7 @@ import torch
 from transformers import DynamicCache
 
 from dflashkit.errors import UsageError
-from dflashkit.model.target import cache_kwarg
+from dflashkit.target.load import cache_kwarg
 
 
 @dataclass
@@ -52,7 +52,7 @@ def path_depth(block_size: int) -> int:
 
 
 def with_cache(target: Any, cache: Any) -> dict[str, Any]:
-    """The forward keywords that fill `cache` (its name by transformers version: `model.target.cache_kwarg`)."""
+    """The forward keywords that fill `cache` (its name by transformers version: `target.load.cache_kwarg`)."""
     return {cache_kwarg(target.model): cache, "use_cache": True}
 
 
@@ -139,7 +139,7 @@ def greedy_path_ids(target: Any, input_ids: torch.Tensor, seq_lens: torch.Tensor
     """The target's greedy continuation of depth D after every raw prefix (see the module doc).
 
     Args:
-        target: a `model.target.Target` (its HF model is called with a KV cache, position ids and a 4-D mask).
+        target: a `target.load.Target` (its HF model is called with a KV cache, position ids and a 4-D mask).
         input_ids: [b, S] right-padded raw tokens; seq_lens: [b].
         depth: D.
         next_ids, cache: the prefill's argmax [b, S] and its KV cache (`path_cache`, filled by the forward

@@ -1,16 +1,15 @@
-"""What this package reads of the rooms above it: `DraftSpec` (a contract) and `TargetSpec` (`target.*`).
+"""What a drafter network reads of the rooms above it: `DraftSpec` (a contract).
 
 Usage:
     def __init__(self, contract: DraftSpec, ...)      # a network's constructor (model/drafter.py and the heads)
     DFlashDraftModel(contract)                         # a DrafterContract is one: nothing to convert
-    load_target(cfg.target)                            # a TargetSection is a TargetSpec
 
 The drafter families (`dflashkit.family`) own the contract: its checks, its family lookup, its formats. They
 rank above this package, which builds the networks they ask for, so a network names what it reads of the
 contract here, as a Protocol, instead of importing the contract's class, even for its type: model/ stays a
 leaf for the type checker as it is at run time (tests/test_layering.py reads type-only imports too). The
-knobs are the family's own frozen dataclass; each network reads its own family's fields from them. The
-target loaders read the `target.*` keys through `TargetSpec` for the same reason (the config ranks above).
+knobs are the family's own frozen dataclass; each network reads its own family's fields from them.
+The target loaders read the `target.*` keys the same way (`target/spec.py`).
 """
 
 from __future__ import annotations
@@ -54,28 +53,3 @@ class DraftSpec(Protocol):
     def check(self) -> None: ...
 
     def to_hf_config(self, *, dtype: str = "bfloat16") -> dict[str, Any]: ...
-
-
-class TargetSpec(Protocol):
-    """The `target.*` keys the target loaders read (the config's `TargetSection` is one)."""
-
-    @property
-    def path(self) -> str: ...
-
-    @property
-    def gguf_file(self) -> str | None: ...
-
-    @property
-    def dtype(self) -> str: ...
-
-    @property
-    def device(self) -> str: ...
-
-    @property
-    def trust_remote_code(self) -> bool: ...
-
-    @property
-    def tokenizer(self) -> str | None: ...
-
-    @property
-    def chat_template(self) -> str | None: ...

@@ -23,7 +23,7 @@ from dflashkit.report.summary import run_budget
 from dflashkit.rundir import RunDir, read_json_or_none
 from dflashkit.stage_table import PIPELINE
 from dflashkit.sizing.plan import plan_lines
-from dflashkit.train.forecast import forecast_from_curve
+from dflashkit.sizing.forecast import forecast_from_curve
 from dflashkit.train.logging import read_curve
 
 log = logging.getLogger("dflashkit.report")
@@ -86,7 +86,7 @@ def curve_section(curve: dict | None, best: dict | None, target_tau: float = 2.0
 
     fc = forecast_from_curve(curve or {}, target_tau)
     text += (f"<p><b>Data-budget forecast</b> (τ∞ − a·n<sup>−b</sup> fitted to the held-out curve; "
-             f"train/forecast.py): {html.escape(fc.text())}</p>")
+             f"sizing/forecast.py): {html.escape(fc.text())}</p>")
     if best:
         text += (f"<p>Kept drafter (train/best, used by eval and export): step {best.get('step')}, held-out τ "
                  f"{_fmt(best.get('tau'), 3)}.</p>")

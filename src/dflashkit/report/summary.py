@@ -15,7 +15,7 @@ from dflashkit.decode.evaluation import flag_phrase, paired_text, read_eval_resu
 from dflashkit.rundir import RunDir
 from dflashkit.sizing.plan import plan_lines
 from dflashkit.train.checkpoint import trained_drafter_dir
-from dflashkit.train.forecast import read_curve_forecast
+from dflashkit.sizing.forecast import read_curve_forecast
 
 
 def run_summary(rd: RunDir, target_tau: float = 2.0) -> dict[str, Any]:

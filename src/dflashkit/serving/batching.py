@@ -15,7 +15,7 @@ padding never shifts RoPE and a request's greedy output does not depend on its b
 Greedy rows are picked with one batched argmax; the prefill computes logits for the last position only.
 
 A target with linear-attention / state-space layers (Qwen3-Next, Qwen3.5, Bamba, Nemotron-H, Falcon-H1:
-`model.hybrid`) keeps a recurrent state per row that left padding would disturb (a convolution's bias, a
+`target.hybrid`) keeps a recurrent state per row that left padding would disturb (a convolution's bias, a
 state fed padding), and the slot cache holds keys and values only. Its rows keep a cache each
 (`DynamicCache(config=…)`, `_RowCaches`): a request is prefilled alone, and a decode step runs one forward
 per row, so each row computes exactly what one-sequence decoding computes; admission, picking, stops and
@@ -35,9 +35,9 @@ from transformers import DynamicCache
 
 from dflashkit.decode.api import GenerationResult, default_stop_ids
 from dflashkit.decode.sampling import sample, sampling_probs
-from dflashkit.model.hybrid import layer_types, recurrent_summary
-from dflashkit.model.packed import use_grouped_attention
-from dflashkit.model.target import cache_kwarg
+from dflashkit.target.hybrid import layer_types, recurrent_summary
+from dflashkit.target.packed import use_grouped_attention
+from dflashkit.target.load import cache_kwarg
 from dflashkit.serving.engine import Request, _EngineBase, _TextTracker
 from dflashkit.serving.kvcache import SlotCache
 
@@ -65,7 +65,7 @@ class BatchEngine(_EngineBase):
         self.per_row = recurrent_summary(layer_types(target.config)) is not None  # a cache per row (module doc)
         if target.device.type == "cpu":
             # With a padding mask, transformers' SDPA path copies K/V once per query-head group (repeat_kv) every
-            # step; the grouped-KV attention hands torch's kernel the grouped heads (`model/packed.py`), same result
+            # step; the grouped-KV attention hands torch's kernel the grouped heads (`target/packed.py`), same result
             use_grouped_attention(target.model)
         self._reset()
 

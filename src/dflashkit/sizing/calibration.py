@@ -11,7 +11,7 @@ What it measures, each in the dtype its stage will use:
     next ids) over a few random rows of the prior's sample length, under `train.target_dtype`'s autocast;
   * train_step_s — one drafter step (forward, chunked loss, backward, optimizer) on a batch of the configured
     shape (train.batch_size × that length, train.num_anchors anchors), random features given;
-  * decode_s — t(n) for n = 1 and eval's block sizes (`decode.step_cost.step_times`: every n warmed up, then
+  * decode_s — t(n) for n = 1 and eval's block sizes (`sizing.step_cost.step_times`: every n warmed up, then
     timed in turns) in eval's verify dtype; a t(n) below a smaller n's cannot be a step's cost (a step over more
     tokens streams the same weights and does more work): it is logged as an unreliable measurement
     (`decode.metrics.timing_flags`) and raised to that smaller n's, so eval is never under-planned;
@@ -50,8 +50,8 @@ from dflashkit.config import section_hash
 from dflashkit.decode.metrics import timing_flags
 from dflashkit.errors import UsageError
 from dflashkit.inspect.contract import run_contract
-from dflashkit.model.packed import prepare_for_decode
-from dflashkit.model.roofline import fastest
+from dflashkit.target.packed import prepare_for_decode
+from dflashkit.timing import fastest
 from dflashkit.rundir import atomic_write_json
 from dflashkit.sizing.plan import Rates, tokens_per_sample
 
@@ -68,7 +68,7 @@ ENV_KEYS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 
 def machine(device: str = "auto") -> dict[str, Any]:
     """What a calibration is valid for: the GPU(s), else the CPU model, its flags (hashed) and torch's threads."""
-    from dflashkit.model.target import resolve_device  # lazy: loads transformers; `plan` reads calibrations without
+    from dflashkit.target.load import resolve_device  # lazy: loads transformers; `plan` reads calibrations without
 
     dev = resolve_device(device)
     if dev.type == "cuda":
@@ -235,7 +235,7 @@ def monotone_steps(times: dict[int, float]) -> dict[int, float]:
 def _capture_rate(cfg: RunConfig, target: Any, contract: Any, seq: int) -> tuple[float, str]:
     from dflashkit.data.capturing import capture_layer_ids  # lazy (this and below): measuring loads transformers
     from dflashkit.data.features import local_batches
-    from dflashkit.model.target import target_autocast
+    from dflashkit.target.load import target_autocast
 
     dev = target.device
     amp = target_autocast(cfg.train.target_dtype, dev, target.dtype)
@@ -253,7 +253,7 @@ def _capture_rate(cfg: RunConfig, target: Any, contract: Any, seq: int) -> tuple
 
 
 def _train_step(cfg: RunConfig, target: Any, contract: Any, seq: int) -> float:
-    from dflashkit.train.step_probe import drafter_step  # lazy: measuring loads transformers, `plan` does not
+    from dflashkit.sizing.step_probe import drafter_step  # lazy: measuring loads transformers, `plan` does not
 
     dev, bs = target.device, cfg.train.batch_size
     gen = torch.Generator().manual_seed(0)
@@ -270,8 +270,8 @@ def _train_step(cfg: RunConfig, target: Any, contract: Any, seq: int) -> float:
 def calibrate(cfg: RunConfig, rd: RunDir, *, save: bool = True) -> dict[str, Any]:
     """Measure this machine for `cfg` (the module docstring) and save it (`save_calibration`); the dict saved."""
     from dflashkit.decode.evaluation import block_sizes_for, verify_dtype, verify_target_config  # lazy: transformers
-    from dflashkit.decode.step_cost import step_times
-    from dflashkit.model.target import load_target
+    from dflashkit.sizing.step_cost import step_times
+    from dflashkit.target.load import load_target
 
     t0 = time.perf_counter()
     m = machine(cfg.target.device)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import shlex
 import time
+from functools import partial
 from typing import Any
 
 from dflashkit.config import RunConfig, redact_url, section_hash
@@ -36,8 +37,9 @@ from dflashkit.data.features import shard_metadata_for, write_shard
 from dflashkit.engines.capture import (capture_shards, check_engine, drop_finished_spools, engine_facts, engine_source,
                                        engine_storage, serve_command_for)
 from dflashkit.family.contract import REPROBE_HINT, DrafterContract
-from dflashkit.model.quantized import check_local_target
+from dflashkit.target.quantized import check_local_target
 from dflashkit.rundir import RunDir, read_json, remove_stale_temps, write_manifest
+from dflashkit.sizing.roofline import log_capture_roofline
 from dflashkit.stage_table import stage_hash
 from dflashkit.train.data import load_tokenized
 from dflashkit.train.levers import split_samples
@@ -107,7 +109,8 @@ def run(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
                 log.info("captured %s through vLLM: %d tokens", dest.name, n)
                 result["written"] += 1
     elif todo or plan.patch:
-        for dest, samples, n in capture_local(cfg, contract, data, plan, where=str(rd.contract_path)):
+        for dest, samples, n in capture_local(cfg, contract, data, plan, where=str(rd.contract_path),
+                                                  on_rate=partial(log_capture_roofline, plan=plan)):
             log.info("captured %s: %d samples, %d tokens", dest.name, samples, n)
             result["written"] += 1
         if plan.path_cost.tokens:

@@ -12,7 +12,7 @@ Outputs: `eval/results.json` (+ manifest): the baseline (block_size 1, same loop
          decoder fastest on the other prompts of its data source, with paired intervals against the drafter's
          and prompt lookup's best; every entry whose timing cannot be true carries `unreliable` (then no
          "faster" verdict is drawn from it); the verify dtype and
-         why (`dtype`, `dtype_reason`: `eval.dtype`, see model/target.py `compute_dtype`); the lossless
+         why (`dtype`, `dtype_reason`: `eval.dtype`, see target/load.py `compute_dtype`); the lossless
          verdict (`lossless`); `diagnostics` (bigram baseline, no-feature ablation); `summary` = the
          best block size by measured speedup. `eval/speculation_profile.json` (export/profile.py):
          the drafter's acceptance rates in ModelOpt's schema, which `export` ships beside the weights.
@@ -35,9 +35,9 @@ from dflashkit.context import StageContext
 from dflashkit.decode.evaluation import (block_sizes_for, check_prompts_render, check_target_fits, choose_dtype, decode_inputs, evaluate,
                                          load_checked_target, mismatch_error, results_table, verify_dtype,
                                          verify_target_config, write_eval_results)
-from dflashkit.decode.step_cost import decode_step_report
+from dflashkit.sizing.step_cost import decode_step_report
 from dflashkit.export.profile import headline, write_profile
-from dflashkit.model.target import announce
+from dflashkit.target.load import announce
 from dflashkit.rundir import RunDir, write_manifest
 from dflashkit.stage_table import stage_hash
 

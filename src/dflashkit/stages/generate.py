@@ -40,7 +40,7 @@ from dflashkit.errors import PartialFailure, PermanentFailure
 from dflashkit.generate.openai_client import permanent_reason
 from dflashkit.generate.conversations import plan_turns
 from dflashkit.generate.regenerate import check_generate, generate_conversations
-from dflashkit.model.quantized import check_local_target
+from dflashkit.target.quantized import check_local_target
 from dflashkit.rundir import RunDir, file_digest, write_manifest
 from dflashkit.stage_table import stage_hash
 

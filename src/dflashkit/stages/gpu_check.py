@@ -1,6 +1,6 @@
 """`dflashkit gpu-check`: the CUDA paths no CPU test reaches, checked in under 8 minutes on one GPU.
 
-Inputs:  nothing: the targets are built in place (the tiny target of `model/tiny.py`, random targets of
+Inputs:  nothing: the targets are built in place (the tiny target of `target/tiny.py`, random targets of
          Qwen3-8B's and a medium shape in memory); no weights, no network. Positionals: OUT_DIR (default
          `<run.run_dir>/gpu-check`), then the checks to run (default all: flex, bf16-8b, cpu-gpu, decode,
          distributed).

@@ -41,7 +41,7 @@ log = logging.getLogger("dflashkit.import")
 
 def target_facts(cfg: Any) -> dict[str, Any]:
     """num layers, hidden size, vocab, context of the target, from its config (no weights loaded)."""
-    from dflashkit.model.target import load_target, text_config_dict
+    from dflashkit.target.load import load_target, text_config_dict
 
     if not cfg.target.path:
         raise UsageError("`dflashkit import` needs the target to check the drafter against",

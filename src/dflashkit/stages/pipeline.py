@@ -32,7 +32,7 @@ from dflashkit.data.records import prepared_lines
 from dflashkit.engines.target_checks import check_target
 from dflashkit.errors import UsageError
 from dflashkit.family.recipe import config_recipe
-from dflashkit.inspect.estimate import estimate
+from dflashkit.sizing.estimate import estimate
 from dflashkit.report.summary import run_summary, summary_lines
 from dflashkit.rundir import RunDir, atomic_write_json, atomic_write_text, read_json
 from dflashkit.sizing.calibration import saved_calibration

@@ -12,8 +12,8 @@ Inputs:  the drafter contract + target facts (`contract.json`, `probe/probe.json
          number > 0: `sizing.calibration.find_calibration`) is not used: a warning and the table's
          "calibration" row (the JSON's `calibration_ignored`) say "ignored <file>: <why>", exit 0.
          A positional `CURVE.json` (a `train/curve.json`) adds the data-budget forecast for
-         `train.forecast_tau` (`train/forecast.py`), with hours at this plan's training speed.
-Outputs: nothing on disk; a table and the JSON (`inspect/estimate.py` gathers the inputs, `inspect/budget.py`
+         `train.forecast_tau` (`sizing/forecast.py`), with hours at this plan's training speed.
+Outputs: nothing on disk; a table and the JSON (`sizing/estimate.py` gathers the inputs, `sizing/budget.py`
          holds every formula).
 
 Example:
@@ -30,11 +30,11 @@ from dflashkit.config import RunConfig
 from dflashkit.context import StageContext
 from dflashkit.data.records import prepared_lines
 from dflashkit.errors import UsageError
-from dflashkit.inspect.estimate import estimate
+from dflashkit.sizing.estimate import estimate
 from dflashkit.inspect.paths import paths_text
 from dflashkit.rundir import RunDir
 from dflashkit.sizing.calibration import find_calibration
-from dflashkit.train.forecast import curve_file_forecast
+from dflashkit.sizing.forecast import curve_file_forecast
 
 log = logging.getLogger("dflashkit.plan")
 
@@ -53,7 +53,7 @@ def _n(n: float) -> str:
 
 
 def _parts(d: dict[str, Any]) -> str:
-    """The drafter's parameters part by part (`inspect.budget.drafter_parts`) and its weights at the export dtype."""
+    """The drafter's parameters part by part (`sizing.budget.drafter_parts`) and its weights at the export dtype."""
     p, layer = d["parts"], d["parts"]["layer"]
     fam = "".join(f", {name} {_n(n)}" for name, n in p["family"].items())
     vocab = f"; draft vocab {d['draft_vocab_size']}" if d.get("draft_vocab_size") else ""

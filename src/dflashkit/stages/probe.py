@@ -86,7 +86,7 @@ def _remote_code(model_dir: Any, gguf_file: str | None) -> str | None:
     if gguf_file or not (model_dir / "config.json").is_file():
         return None
     try:
-        from dflashkit.model.target import remote_code_reason
+        from dflashkit.target.load import remote_code_reason
     except ImportError:  # transformers missing: probe still works without it
         return None
     return remote_code_reason(model_dir)

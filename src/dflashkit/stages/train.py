@@ -33,7 +33,7 @@ from dflashkit.rundir import RunDir, check_replaceable, read_json, write_manifes
 from dflashkit.stage_table import stage_hash
 from dflashkit.train import checkpoint as ckpt, guards
 from dflashkit.train.checkpoint import latest_checkpoint
-from dflashkit.train.forecast import read_curve_forecast
+from dflashkit.sizing.forecast import read_curve_forecast
 from dflashkit.train.loop import fit, preflight
 from dflashkit.train.parallel import leave_distributed, relaunch_under_torchrun
 

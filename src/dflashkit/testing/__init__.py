@@ -9,7 +9,7 @@ Usage:
     drafters.py    random_drafter: stays installed because `dflashkit gpu-check` drafts with it
     proposers.py   CopyTargetProposer: stays installed because `dflashkit gpu-check` verifies with it
 The tests use these too; gear only the tests use lives in the repository's tests/harness/. Tiny targets are
-built by `dflashkit.model.tiny` (`python -m dflashkit.model.tiny DIR [ARCH]`). Importing this package is
+built by `dflashkit.target.tiny` (`python -m dflashkit.target.tiny DIR [ARCH]`). Importing this package is
 cheap: torch and transformers load inside the functions; the server is imported from `dflashkit.testing.faults`
 (not re-exported, so `python -m dflashkit.testing.faults` runs a module not yet imported).
 """

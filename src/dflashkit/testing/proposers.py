@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from dflashkit.model.target import Target
+    from dflashkit.target.load import Target
 
 
 class CopyTargetProposer:
@@ -22,7 +22,7 @@ class CopyTargetProposer:
         import torch
         from transformers import DynamicCache
 
-        from dflashkit.model.target import cache_kwarg
+        from dflashkit.target.load import cache_kwarg
 
         kw = cache_kwarg(self.target.model)
         cache, ids, out = DynamicCache(config=self.target.config), list(sequence), []

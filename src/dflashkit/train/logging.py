@@ -10,7 +10,7 @@ Usage:
 
 This module owns both files (`RunDir.train_metrics`, `RunDir.train_curve`): `MetricSink` and
 `LearningCurve` are their writers, `read_metrics` and `read_curve` their readers (report, the run
-summary, `train/forecast.py`'s `read_curve_forecast`). TensorBoard and W&B are imported only when
+summary, `sizing/forecast.py`'s `read_curve_forecast`). TensorBoard and W&B are imported only when
 asked for (`train.tensorboard`, `train.wandb`).
 
 metrics.jsonl gets one JSON object per logged step or eval. `train/curve.json` has one point per

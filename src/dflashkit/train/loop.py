@@ -44,9 +44,9 @@ from dflashkit.errors import UsageError
 from dflashkit.family import new_drafter
 from dflashkit.family.contract import REPROBE_HINT, DrafterContract
 from dflashkit.family.recipe import Recipe, resolve_recipe
-from dflashkit.model.head import load_head_only_target
+from dflashkit.target.head import load_head_only_target
 from dflashkit.model.init import init_from_target
-from dflashkit.model.target import load_target
+from dflashkit.target.load import load_target
 from dflashkit.train import checkpoint as ckpt
 from dflashkit.train import guards
 from dflashkit.train.guards import TrainInputs
@@ -70,8 +70,8 @@ from dflashkit.train.warm_start import (WarmSource, check_draft_vocab_fits, chec
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
-    from dflashkit.model.head import HeadOnlyTarget
-    from dflashkit.model.target import Target
+    from dflashkit.target.head import HeadOnlyTarget
+    from dflashkit.target.load import Target
     from dflashkit.rundir import RunDir
 
 log = logging.getLogger("dflashkit.train")
@@ -263,7 +263,7 @@ def _new_drafter(cfg: RunConfig, dist: DistInfo, contract: DrafterContract, targ
 
 
 def head_only(cfg: RunConfig, recipe: Recipe, store: FeatureStore | None) -> bool:
-    """Whether training needs only the target's embedding and head (model/head.py), not its layers: the
+    """Whether training needs only the target's embedding and head (target/head.py), not its layers: the
     features, and the labels / KL target the recipe asks for, all come from the feature rows
     (`Recipe.store_serves`), and the drafter is not initialised from the target's layers (`drafter.init: target`)."""
     return cfg.drafter.init != "target" and recipe.store_serves(store)

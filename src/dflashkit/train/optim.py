@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from dflashkit.model.target import fast_bf16
+from dflashkit.target.load import fast_bf16
 
 
 def build_optimizer(model: torch.nn.Module, train) -> torch.optim.Optimizer:
@@ -56,7 +56,7 @@ def newton_schulz_fp32(g: torch.Tensor, coefficients: tuple[float, float, float]
 class Fp32Muon(torch.optim.Muon):
     """torch.optim.Muon (same hyper-parameters, state and checkpoints) with the Newton-Schulz iteration in
     float32: the update where bfloat16 products are slow (CPUs without AMX-BF16 or AVX512-BF16:
-    `model.target.fast_bf16`). Elsewhere torch's own runs."""
+    `target.load.fast_bf16`). Elsewhere torch's own runs."""
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]

@@ -34,7 +34,7 @@ import torch
 from dflashkit.family.recipe import Recipe
 from dflashkit.model.path_labels import (attention_limit, greedy_path_ids, label_need, path_cache,
                                         with_cache)
-from dflashkit.model.target import Target, target_autocast
+from dflashkit.target.load import Target, target_autocast
 from dflashkit.train.data import Batch, FeatureStore, collate, repacked, unpacked
 from dflashkit.train.objective import Anchors, target_label_ids
 

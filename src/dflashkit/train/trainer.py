@@ -26,7 +26,7 @@ import torch
 from dflashkit.family.contract import DrafterContract
 from dflashkit.family.recipe import Recipe
 from dflashkit.model.draft_vocab import restricted_head
-from dflashkit.model.target import announce, compute_dtype
+from dflashkit.target.load import announce, compute_dtype
 from dflashkit.train.data import Batch, BatchPlan, FeatureStore, TokenData, collate
 from dflashkit.train.loss import DraftLoss, Heads, LossInputs, LossOutput
 from dflashkit.train.objective import Anchors, sample_anchors
@@ -35,8 +35,8 @@ from dflashkit.train.target_side import TargetOut, scored
 
 if TYPE_CHECKING:
     from dflashkit.config import TrainSection
-    from dflashkit.model.head import HeadOnlyTarget
-    from dflashkit.model.target import Target
+    from dflashkit.target.head import HeadOnlyTarget
+    from dflashkit.target.load import Target
     from dflashkit.train.suffix_complement import SuffixComplement
 
 log = logging.getLogger("dflashkit.train")

@@ -32,12 +32,12 @@ from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoT
 
 from dflashkit.assets import cache_dir, convert_gguf
 from dflashkit.errors import UsageError
-from dflashkit.model.files import config_json, resolve_target_path, tensor_entries
-from dflashkit.model.quantized import check_checkpoint, local_load_kwargs
+from dflashkit.target.files import config_json, resolve_target_path, tensor_entries
+from dflashkit.target.quantized import check_checkpoint, local_load_kwargs
 from dflashkit.textfile import read_utf8
 
 if TYPE_CHECKING:
-    from dflashkit.model.spec import TargetSpec
+    from dflashkit.target.spec import TargetSpec
 
 log = logging.getLogger("dflashkit.target")
 
@@ -312,7 +312,7 @@ class Target:
     @property
     def layer_types(self) -> list[str]:
         """Each decoder layer's kind as transformers names it: full_attention, sliding_attention, linear_attention
-        (Gated DeltaNet, Mamba), hybrid (attention and Mamba in one layer), mlp, … (`model.hybrid`)."""
+        (Gated DeltaNet, Mamba), hybrid (attention and Mamba in one layer), mlp, … (`target.hybrid`)."""
         return layer_types(self.config)
 
     @property
@@ -393,7 +393,7 @@ def load_tokenizer(model_dir: Path, *, gguf_file: str | None = None, trust_remot
 def _quantized_load_kwargs(model_dir: Path) -> dict[str, Any]:
     """`from_pretrained` keywords that load a quantized checkpoint dequantized into the target's dtype (FP8
     block-wise, compressed-tensors INT4), {} for an unquantized one; exit 2 naming the quantization and the
-    engine command for one the local paths cannot load (`model.quantized`)."""
+    engine command for one the local paths cannot load (`target.quantized`)."""
     q = check_checkpoint(model_dir)  # a corrupt file or tensors its config cannot describe: exit 2 naming them
     if q is not None:
         log.info("target %s: %s weights, loaded dequantized (the engine paths serve them as they are)",

@@ -144,7 +144,7 @@ def lookup_params(c: Any) -> int:
 
 def target_bytes_per_param(facts: dict[str, Any], *, local: bool = False) -> float:
     """Bytes per target parameter: the quantization bits as an engine serves them, or (`local`: the local
-    paths, which load FP8 / compressed-tensors checkpoints dequantized, `model.quantized`) the dtype's."""
+    paths, which load FP8 / compressed-tensors checkpoints dequantized, `target.quantized`) the dtype's."""
     q = facts.get("quantization") or {}
     if q.get("bits") and not (local and q.get("local_load") in ("dequantized", "transformers")):
         return float(q["bits"]) / 8

@@ -8,9 +8,9 @@ Usage:
     raw = config_json(model_dir)                          # config.json as written; UsageError at file:line:col
 
 `resolve_target_path` is shared by probe, plan, load_target, serve, export, import and chat
-templates (`inspect.target` re-exports it); it lives in model/ so `model/target.py` imports no
+templates (`inspect.target` re-exports it); it lives in target/ so `target/load.py` imports no
 room above it. `check_safetensors` reads the header and sizes, without reading the tensors (whether
-the tensors are what config.json says is `model.quantized.check_checkpoint`, which reads these headers):
+the tensors are what config.json says is `target.quantized.check_checkpoint`, which reads these headers):
 
 A truncated download or a corrupt file otherwise fails deep inside transformers/safetensors with a
 message that names no file; this names it and says what to do (exit 2).
@@ -27,7 +27,7 @@ from typing import Any
 
 from dflashkit.assets import ASSETS, asset_path
 from dflashkit.errors import UsageError
-from dflashkit.model.tiny import make_tiny_target
+from dflashkit.target.tiny import make_tiny_target
 
 
 def config_json(model_dir: Path) -> dict[str, Any]:

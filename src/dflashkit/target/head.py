@@ -17,7 +17,7 @@ files' headers), with the prefixes wrapped checkpoints use (`language_model.` as
 targets (or ones without an `lm_head.weight`) use the embedding as the head. Quantized checkpoints
 usually leave these tensors unquantized; when one is not, it is dequantized on read (an FP8
 `weight` with its `weight_scale_inv`, or compressed-tensors' `weight_packed` / `weight_scale` /
-`weight_shape`: `model.quantized`), never cast raw.
+`weight_shape`: `target.quantized`), never cast raw.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ import torch
 from torch import nn
 
 from dflashkit.errors import UsageError
-from dflashkit.model.files import resolve_target_path
-from dflashkit.model.quantized import QuantInfo, check_checkpoint, dequantize_fp8_blocks, unpack_int4
-from dflashkit.model.target import announce, compute_dtype, load_tokenizer, resolve_device, text_config_dict
+from dflashkit.target.files import resolve_target_path
+from dflashkit.target.quantized import QuantInfo, check_checkpoint, dequantize_fp8_blocks, unpack_int4
+from dflashkit.target.load import announce, compute_dtype, load_tokenizer, resolve_device, text_config_dict
 
 if TYPE_CHECKING:
-    from dflashkit.model.spec import TargetSpec
+    from dflashkit.target.spec import TargetSpec
 
 log = logging.getLogger("dflashkit.target")
 
@@ -199,7 +199,7 @@ def load_head_parts(model_dir: str | Path, *, dtype: torch.dtype = torch.float32
 class HeadOnlyTarget:
     """What training needs of the target when the features come from elsewhere (no decoder layers).
 
-    Quacks like `model.target.Target` for the contract check, the draft vocab, padding and the
+    Quacks like `target.load.Target` for the contract check, the draft vocab, padding and the
     loss's embedding and head; `features` is never called (the loop reads every target output from
     the feature store or the engine)."""
 

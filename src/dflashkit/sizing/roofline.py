@@ -7,78 +7,23 @@ Usage:
     nbytes = weight_bytes(model)                       # what one decode step streams
     flops = forward_flops_per_token(model, layers=12)  # 2 x the parameters of the first 12 layers
     share = achieved / peak                            # 1.0 = at the ceiling
-    t = fastest(fn, device, reps=5)                    # the fastest of 5 calls after a warm-up, synchronised
-    ts = fastest_each({1: step1, 4: step4}, device, reps=5)   # several sizes timed interleaved: {1: …, 4: …}
+    log_capture_roofline(target, tokens, seconds, plan=plan)  # a local capture's rate against the matmul ceiling
 
-Each measurement is the fastest of a few repetitions after a warm-up, cached per process. Sizes compared with
-each other (t(1) against t(B)) are timed by `fastest_each`: every one warmed up, then in turns, so a cold start,
-a clock ramp or another job's burst falls on all of them alike instead of on the first one timed.
+Each measurement is the fastest of a few repetitions after a warm-up (`dflashkit.timing`), cached per process.
 """
 
 from __future__ import annotations
 
-import time
+import logging
 from functools import lru_cache
-from typing import Callable, Hashable, Mapping, TypeVar
+from typing import Any
 
 import torch
 
-from dflashkit.model.packed import PackedLinear
+from dflashkit.target.packed import PackedLinear
+from dflashkit.timing import fastest
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def fastest(fn: Callable[[], object], device: torch.device, reps: int, *, warmup: int = 1,
-            after: Callable[[], object] | None = None) -> float:
-    """Seconds of the fastest of `reps` calls of `fn` after `warmup` untimed ones, synchronised on CUDA; `after`
-    (untimed) runs after every call (e.g. a cache rollback)."""
-    best = float("inf")
-    for i in range(warmup + reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        if i >= warmup:
-            best = min(best, time.perf_counter() - t0)
-        if after is not None:
-            after()
-    return best
-
-
-K = TypeVar("K", bound=Hashable)
-
-
-def fastest_each(fns: Mapping[K, Callable[[], object]], device: torch.device, reps: int, *, warmup: int = 1,
-                 after: Mapping[K, Callable[[], object]] | None = None,
-                 clock: Callable[[], float] | None = None) -> dict[K, float]:
-    """Seconds of the fastest of `reps` calls of each fn in `fns`, timed interleaved: `warmup` untimed rounds over
-    every fn first, then `reps` rounds that call every fn once each, the order rotated by one per round (so no fn
-    is always first after another). `after[k]` (untimed) runs after every call of `fns[k]`; `clock` (default:
-    perf_counter after a CUDA synchronise on `device`) reads the time before and after each call."""
-    keys = list(fns)
-    if not keys:
-        return {}
-
-    def now() -> float:
-        _sync(device)
-        return time.perf_counter()
-
-    tick = clock or now
-    best = {k: float("inf") for k in keys}
-    for r in range(warmup + max(1, reps)):
-        shift = r % len(keys)
-        for k in keys[shift:] + keys[:shift]:
-            t0 = tick()
-            fns[k]()
-            dt = tick() - t0
-            if r >= warmup:
-                best[k] = min(best[k], dt)
-            if after is not None and k in after:
-                after[k]()
-    return best
+capture_log = logging.getLogger("dflashkit.capture")
 
 
 @lru_cache(maxsize=4)
@@ -103,7 +48,7 @@ def matmul_throughput(dtype: torch.dtype = torch.float32, device: str = "cpu", m
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step streams: every parameter once (a tied embedding/head counted once; a packed layer's
-    blocked weight instead of the unpacked one it may keep, `model.packed`)."""
+    blocked weight instead of the unpacked one it may keep, `target.packed`)."""
     seen: set[int] = set()
     total = 0
     for mod in model.modules():
@@ -125,3 +70,25 @@ def forward_flops_per_token(layers: torch.nn.ModuleList, depth: int) -> int | No
     if any("expert" in name for layer in run for name, _ in layer.named_modules()):
         return None
     return 2 * sum(p.numel() for layer in run for p in layer.parameters())
+
+
+def log_capture_roofline(target: Any, tokens: int, seconds: float, *, plan: Any) -> dict[str, Any] | None:
+    """Log a local capture's rate against this machine's matrix-product throughput in the forward's dtype → the
+    numbers (None for a mixture of experts, whose FLOPs per token the layer parameters do not give). `plan`: the
+    capture's `data.capturing.CapturePlan` (its layer ids, whether it keeps the last layer, its autocast)."""
+    layers = target.decoder_layers
+    depth = len(layers) if plan.keep_last else max(plan.layer_ids) + 1
+    flops = forward_flops_per_token(layers, depth)
+    rate = tokens / max(seconds, 1e-9)
+    if flops is None:
+        capture_log.info("capture: %d tokens in %.0f s = %.0f tok/s", tokens, seconds, rate)
+        return None
+    dtype = plan.autocast or target.dtype
+    peak = matmul_throughput(dtype, target.device.type,
+                             k=target.hidden_size, n=int(getattr(target.config, "intermediate_size", 0) or
+                                                         4 * target.hidden_size))
+    share = flops * rate / peak
+    capture_log.info("capture: %d tokens in %.0f s = %.0f tok/s; its matrix products run at %.1f GFLOP/s = %.0f%% of this "
+             "machine's %s matmul throughput (%.1f GFLOP/s)", tokens, seconds, rate, flops * rate / 1e9,
+             100 * share, str(dtype).removeprefix("torch."), peak / 1e9)
+    return {"tokens_per_s": rate, "gflops": flops * rate / 1e9, "peak_gflops": peak / 1e9, "share": share}

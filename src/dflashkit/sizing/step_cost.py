@@ -9,7 +9,7 @@ A decode step of batch size 1 streams every weight once, whatever n (a few token
 weights' bytes over the memory bandwidth, and a step over n ≤ B tokens costs about the same as one token when
 the matrix products run at that floor. `step_times` measures the target's forward over n tokens after a short
 context (a throwaway KV cache, rolled back after each timed forward; every n warmed up, then timed in turns, the
-fastest of `reps`: `model/roofline.py` `fastest_each`); `roofline` gives
+fastest of `reps`: `timing.py` `fastest_each`); `roofline` gives
 the measured one-token step as a share of that floor (1.0 = at the floor) and t(n)/t(1). The bandwidth is a
 large read-only pass (`memory_bandwidth`), read once per process.
 """
@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 
-from dflashkit.model.kv_cache import decode_cache
-from dflashkit.model.roofline import fastest_each, memory_bandwidth, weight_bytes
+from dflashkit.target.kv_cache import decode_cache
+from dflashkit.sizing.roofline import memory_bandwidth, weight_bytes
+from dflashkit.timing import fastest_each
 from dflashkit.decode.metrics import timing_flags
 from dflashkit.decode.rollback import arm, rollback
-from dflashkit.model.target import Target, cache_kwarg
+from dflashkit.target.load import Target, cache_kwarg
 
 
 @torch.inference_mode()

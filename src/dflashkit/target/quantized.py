@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import ConfigError, UsageError
-from dflashkit.model.files import (FLOAT_DTYPES, LOW_FLOAT_DTYPES, check_safetensors, config_json,
+from dflashkit.target.files import (FLOAT_DTYPES, LOW_FLOAT_DTYPES, check_safetensors, config_json,
                                    resolve_target_path, tensor_entries, tensor_shapes)
 
 if TYPE_CHECKING:

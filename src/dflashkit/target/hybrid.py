@@ -14,7 +14,7 @@ hybrid_sliding (attention and Mamba side by side in one layer, Falcon-H1) keep a
 that a rollback has to restore (decode/rollback.py); mlp / moe layers keep nothing. The HF config object knows
 each architecture's types (Bamba derives them from `attn_layer_indices`, Nemotron-H from `layers_block_type`),
 so they are read from it, not from config.json's keys. `layer_types` and `RECURRENT_LAYER_TYPES` live in
-`model.target` (the target's facts) and are re-exported here.
+`target.load` (the target's facts) and are re-exported here.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import logging
 from pathlib import Path
 
 from dflashkit.errors import UsageError
-from dflashkit.model.target import RECURRENT_LAYER_TYPES, _hf_config, layer_types, text_config_dict
+from dflashkit.target.load import RECURRENT_LAYER_TYPES, _hf_config, layer_types, text_config_dict
 
 __all__ = ["RECURRENT_LAYER_TYPES", "architecture_of", "dir_layer_types", "layer_types", "recurrent_summary",
            "refuse_recurrent"]

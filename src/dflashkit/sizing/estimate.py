@@ -8,7 +8,7 @@ Usage:
 The data size comes from `tokenize/stats.json`, else `prepare/train.jsonl` lines (or
 `data.num_prompts`, else 10,000) × `data.mean_tokens`; the contract and target facts from the run
 dir's `contract.json` + `probe/probe.json`, else a probe of MODEL / `target.path` (nothing is
-written). Every formula is in `inspect/budget.py`; its times come from this machine's saved calibration
+written). Every formula is in `sizing/budget.py`; its times come from this machine's saved calibration
 when there is one (`calibration_for`), else from an assumed throughput.
 """
 
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from dflashkit.errors import MissingArtifactError, UsageError
 from dflashkit.family.contract import DrafterContract
-from dflashkit.inspect.budget import plan_budget
+from dflashkit.sizing.budget import plan_budget
 from dflashkit.inspect.contract import derive_contract
 from dflashkit.inspect.target import inspect_target
 

@@ -48,7 +48,7 @@ def packable(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
     if dtype == torch.float32:
         return True, "float32 on the CPU: oneDNN packed weights"
     if dtype == torch.bfloat16:
-        from dflashkit.model.target import native_half
+        from dflashkit.target.load import native_half
 
         native, why = native_half("bfloat16", device)
         return (True, "bfloat16 on the CPU: oneDNN packed weights") if native else (False, why)

@@ -3,7 +3,7 @@
 Usage:
     make_tiny_target("/tmp/t", arch="qwen3")                  # Qwen3ForCausalLM + byte tokenizer
     make_tiny_target("/tmp/k", arch="deepseek_v3", wrapper="kimi_k25")   # MLA + MoE, nested config
-    python -m dflashkit.model.tiny /tmp/t qwen3
+    python -m dflashkit.target.tiny /tmp/t qwen3
 
 The tokenizer is byte-level (256 byte tokens + ChatML specials) with a real ChatML chat template,
 so chat rendering, loss masks, serving and decoding all run on real HF objects. The model's
