@@ -363,3 +363,19 @@ def test_type_only_imports_are_read_when_asked(tmp_path):
     modules = {"dflashkit.config": p, "dflashkit.model.m": p}
     assert imports_of("dflashkit.model.m", p, modules) == set()
     assert imports_of("dflashkit.model.m", p, modules, types=True) == {"dflashkit.config"}
+
+
+# Measurement in one room (issue #51): the step timer is read by `sizing/` (calibration, the roofline, step
+# costs), the benchmarks that call it, and the decoder's own t(n) for the adaptive draft length — nothing else.
+TIMER_READERS = ("dflashkit.sizing", "dflashkit.bench", "dflashkit.decode.spec_decode")
+
+
+def timer_outsiders(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(m for m, targets in graph.items() if "dflashkit.timing" in targets
+                  and not any(_in(m, r) for r in TIMER_READERS))
+
+
+def test_measurement_lives_in_sizing():
+    assert timer_outsiders(import_graph()) == []
+    assert any(_in(m, "dflashkit.sizing") for m, t in import_graph().items() if "dflashkit.timing" in t)
+    assert timer_outsiders({"dflashkit.train.x": {"dflashkit.timing"}}) == ["dflashkit.train.x"]

@@ -4,6 +4,7 @@ for the adaptive draft length, calibration, the step costs and benchmarks).
 Usage:
     t = fastest(fn, device, reps=5)                           # the fastest of 5 calls after a warm-up
     ts = fastest_each({1: step1, 4: step4}, device, reps=5)   # several sizes timed interleaved: {1: …, 4: …}
+    m = median_time(fn, device, iters=5)                      # the median of 5 calls (the caller warms up)
 
 Sizes compared with each other (t(1) against t(B)) are timed by `fastest_each`: every one warmed up, then in
 turns, so a cold start, a clock ramp or another job's burst falls on all of them alike instead of on the first
@@ -12,6 +13,7 @@ one timed. It sits below every room because the decoder, not only the measuring 
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable, Hashable, Mapping, TypeVar
 
@@ -71,3 +73,15 @@ def fastest_each(fns: Mapping[K, Callable[[], object]], device: torch.device, re
             if after is not None and k in after:
                 after[k]()
     return best
+
+
+def median_time(fn: Callable[[], object], device: torch.device, iters: int) -> float:
+    """Seconds of the median of `iters` calls of `fn` (no warm-up: the caller warms up), synchronised on CUDA."""
+    out = []
+    for _ in range(iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)

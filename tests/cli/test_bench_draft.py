@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from dflashkit.bench.draft import time_draft_step
+from dflashkit.sizing.draft_cost import time_draft_step
 from dflashkit.cli import main
 from dflashkit.config import TargetSection
 from dflashkit.errors import UsageError

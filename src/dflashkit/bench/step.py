@@ -15,17 +15,13 @@ KV cache) — each against this machine's memory floor (weights' bytes over the 
 from __future__ import annotations
 
 import logging
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import DynamicCache
 
 from dflashkit.decode.evaluation import verify_dtype, verify_target_config
-from dflashkit.sizing.step_cost import roofline, step_times
+from dflashkit.sizing.step_cost import roofline, step_times, step_times_as_loaded
 from dflashkit.target.packed import prepare_for_decode
-from dflashkit.timing import fastest_each
-from dflashkit.target.load import cache_kwarg
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -36,25 +32,12 @@ log = logging.getLogger("dflashkit.bench")
 NS = (1, 2, 4, 8)
 
 
-@torch.inference_mode()
-def _times_as_loaded(target: Any, ns: tuple[int, ...], context: int, reps: int) -> dict[int, float]:
-    """t(n) through transformers' DynamicCache (append by concatenation, crop by slicing), the sizes timed in turns
-    after a warm-up of each (`fastest_each`)."""
-    kw = cache_kwarg(target.model)
-    vocab = max(int(target.vocab_size), 1)
-    cache = DynamicCache(config=target.config)
-    target.model(input_ids=torch.arange(context)[None] % vocab, **{kw: cache}, use_cache=True, logits_to_keep=1)
-    steps = {n: partial(target.model, input_ids=(torch.arange(n)[None] + context) % vocab, **{kw: cache},
-                        use_cache=True) for n in ns}
-    return fastest_each(steps, target.device, reps, after={n: partial(cache.crop, -n) for n in ns})
-
-
 def bench_step(cfg: RunConfig, rd: RunDir, ctx: StageContext, *, context: int = 300, reps: int = 5) -> dict[str, Any]:
     from dflashkit.target.load import announce, cpu_facts, load_target
 
     verify = announce(verify_dtype(cfg))
     target = load_target(verify_target_config(cfg, verify), announce_dtype=False, with_tokenizer=False)
-    loaded = roofline(target, _times_as_loaded(target, NS, context, reps))
+    loaded = roofline(target, step_times_as_loaded(target, NS, context, reps))
     packed_info = prepare_for_decode(target, cfg.eval.packed_weights)
     ours = roofline(target, step_times(target, list(NS), context=context, reps=reps))
     rows = [("as loaded", loaded), ("decoder" + (" (packed)" if packed_info["packed"] else ""), ours)]

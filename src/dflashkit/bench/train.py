@@ -24,8 +24,6 @@ label tokens, as training would from the whole data), so its saving on the vocab
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,6 +32,7 @@ from dflashkit.family.contract import REPROBE_HINT
 from dflashkit.inspect.contract import run_contract
 from dflashkit.train.data import collate, load_tokenized, tokenized_shards
 from dflashkit.sizing.step_probe import drafter_step
+from dflashkit.timing import median_time
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -55,19 +54,6 @@ def _batch(cfg: RunConfig, rd: RunDir, target: Any) -> tuple[torch.Tensor, torch
     lm = torch.zeros(bs, s, dtype=torch.long)
     lm[:, s // 4:] = 1
     return ids, lm, torch.full((bs,), s)
-
-
-def _timed(fn, iters: int, device: torch.device) -> float:
-    out = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
 
 
 def bench_train(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
@@ -99,10 +85,10 @@ def bench_train(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
 
     amp = step.amp
     for fn in (target_forward, features, step):
-        _timed(fn, 2, dev)  # warm-up
-    t_target = _timed(target_forward, iters, dev)
-    t_feat = _timed(features, iters, dev)
-    t_draft = _timed(step, iters, dev)
+        median_time(fn, dev, 2)  # warm-up
+    t_target = median_time(target_forward, dev, iters)
+    t_feat = median_time(features, dev, iters)
+    t_draft = median_time(step, dev, iters)
     tokens, blocks = int(lens.sum()), int(step.anchors.keep.sum())
     t_step = t_feat + t_draft
     result = {
@@ -122,14 +108,14 @@ def bench_train(cfg: RunConfig, rd: RunDir, ctx: StageContext) -> dict:
     }
     if target.dtype == torch.float32:  # the other choice of train.target_dtype, timed for comparison
         other = torch.bfloat16 if tamp is None else None
-        _timed(lambda: features(other), 1, dev)
-        t_other = _timed(lambda: features(other), iters, dev)
+        median_time(lambda: features(other), dev, 1)
+        t_other = median_time(lambda: features(other), dev, iters)
         fp32, bf16 = (t_feat, t_other) if tamp is None else (t_other, t_feat)
         result.update({"features_float32_s": round(fp32, 5), "features_bf16_autocast_s": round(bf16, 5),
                        "context_tokens_per_s_bf16_target": round(tokens / (bf16 + t_draft), 1)})
     if dev.type == "cpu" and amp is None:
-        _timed(lambda: step.run(torch.bfloat16), 1, dev)
-        result["drafter_step_bf16_autocast_s"] = round(_timed(lambda: step.run(torch.bfloat16), iters, dev), 5)
+        median_time(lambda: step.run(torch.bfloat16), dev, 1)
+        result["drafter_step_bf16_autocast_s"] = round(median_time(lambda: step.run(torch.bfloat16), dev, iters), 5)
     if not ctx.json:
         for k, v in result.items():
             print(f"{k:>30}  {v}")

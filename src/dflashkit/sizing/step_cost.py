@@ -2,6 +2,7 @@
 
 Usage:
     t = step_times(target, [1, 4])            # {1: 0.041, 4: 0.043}: seconds per target forward of n tokens
+    t0 = step_times_as_loaded(target, (1, 2, 4), context=300, reps=5)   # the same through DynamicCache
     r = roofline(target, t)                    # {"weight_bytes": …, "bandwidth_gb_s": …, "t1_roofline_s": …,
                                                #  "t1_share": 0.83, "t_ratio": {4: 1.05}}
 
@@ -11,7 +12,9 @@ the matrix products run at that floor. `step_times` measures the target's forwar
 context (a throwaway KV cache, rolled back after each timed forward; every n warmed up, then timed in turns, the
 fastest of `reps`: `timing.py` `fastest_each`); `roofline` gives
 the measured one-token step as a share of that floor (1.0 = at the floor) and t(n)/t(1). The bandwidth is a
-large read-only pass (`memory_bandwidth`), read once per process.
+large read-only pass (`memory_bandwidth`), read once per process. `step_times_as_loaded` times the same steps
+through transformers' own layers and DynamicCache (append by concatenation, crop by slicing): `bench step` sets
+the two side by side.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from dflashkit.target.kv_cache import decode_cache
 from dflashkit.sizing.roofline import memory_bandwidth, weight_bytes
@@ -78,3 +82,16 @@ def decode_step_report(target: Target, block_sizes: list[int]) -> dict[str, Any]
         log.warning("decode step: unreliable measurement (%s): the machine was busy while it was timed",
                     "; ".join(flags))
     return r
+
+
+@torch.inference_mode()
+def step_times_as_loaded(target: Any, ns: tuple[int, ...], context: int, reps: int) -> dict[int, float]:
+    """t(n) through transformers' DynamicCache (append by concatenation, crop by slicing), the sizes timed in turns
+    after a warm-up of each (`fastest_each`)."""
+    kw = cache_kwarg(target.model)
+    vocab = max(int(target.vocab_size), 1)
+    cache = DynamicCache(config=target.config)
+    target.model(input_ids=torch.arange(context)[None] % vocab, **{kw: cache}, use_cache=True, logits_to_keep=1)
+    steps = {n: partial(target.model, input_ids=(torch.arange(n)[None] + context) % vocab, **{kw: cache},
+                        use_cache=True) for n in ns}
+    return fastest_each(steps, target.device, reps, after={n: partial(cache.crop, -n) for n in ns})

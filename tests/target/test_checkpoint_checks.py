@@ -3,7 +3,7 @@ naming the file and the tensor or key), on every path that loads it (load_target
 capture --dry-run), and `probe` says why the local paths refuse it instead of "yes": FP8 weights whose
 quantization_config is gone, a header that calls float32 bytes I32, a header inconsistent with its data,
 FP8 scales that are not the config's block grid, a malformed quantization_config. An honest FP8 target
-still passes (tests/model/test_quantized_targets.py loads it)."""
+still passes (tests/target/test_quantized_targets.py loads it)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from dflashkit.errors import ConfigError, UsageError
 from dflashkit.target.head import load_head_parts
 from dflashkit.target.quantized import check_checkpoint
 from dflashkit.target.tiny import make_tiny_target
-from tests.model.test_quantized_targets import BLOCK, _make_fp8
+from tests.target.test_quantized_targets import BLOCK, _make_fp8
 
 K_PROJ = "model.layers.0.self_attn.k_proj.weight"  # [32, 64] in the tiny qwen3
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
