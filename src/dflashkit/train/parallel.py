@@ -20,7 +20,7 @@ of the frozen weights; the embedding and LM head the drafter reuses stay replica
 
 A rank finishes with `leave_distributed` (barrier unless `ok=False`, destroy the group, collect
 garbage) and then `exit_rank(rc)`: flush, then `os._exit(rc)` without interpreter finalization,
-which would abort on the gloo threads torch keeps alive (docs/architecture.md, "Reliability rules").
+which would abort on the gloo threads torch keeps alive (docs/reliability.md).
 Leaving is bounded: a barrier or `destroy_process_group` that has not returned after `TEARDOWN_S`
 seconds (gloo has been seen to stall there once every few hundred runs, after every rank's work was
 done and saved) is abandoned with a warning and the Python stacks of every thread, and the rank goes
