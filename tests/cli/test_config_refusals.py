@@ -264,3 +264,48 @@ def test_a_learn_cap_that_would_train_or_score_one_step_is_refused(tmp_path, cap
     _refused(["learn", "--dry-run", f"run.run_dir={tmp_path / 'run'}", "--records", str(tmp_path / "rec"), key],
              capsys, needle)
     assert not (tmp_path / "run").exists()
+
+
+def _declared_ranges(cls: type = RunConfig, prefix: str = ""):
+    """(dotted key, the field, its declared range) of every schema field with one, sections walked (a family's
+    flat settings are the family's: tests/family)."""
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    for fl in dataclasses.fields(cls):
+        key, tp = f"{prefix}{fl.name}", hints[fl.name]
+        if fl.metadata.get("flat"):
+            continue
+        if dataclasses.is_dataclass(tp):
+            yield from _declared_ranges(tp, key + ".")
+        elif fl.metadata.get("range"):
+            yield key, fl, fl.metadata["range"]
+
+
+def _outside(r: dict, integer: bool) -> list[float]:
+    """One value just outside each side of the range `r`."""
+    step = 1 if integer else 0.5
+    out = [r["ge"] - step] if "ge" in r else [r["gt"]] if "gt" in r else []
+    return out + ([r["le"] + step] if "le" in r else [r["lt"]] if "lt" in r else [])
+
+
+def test_every_declared_range_is_refused_naming_the_key():
+    """Each schema field's declared range (`schema.f(..., ge=, gt=, le=, lt=)`) is enforced by the one walk of
+    config/validate.py: a value just outside either side is refused naming the key (a list's item by its
+    index), and the default lies inside it."""
+    cases = list(_declared_ranges())
+    assert len(cases) > 60 and {"train.lr", "serve.port", "eval.block_sizes", "learn.max_epochs"} <= {
+        k for k, _, _ in cases}
+    config_from_dict({})  # every default is inside its range
+    for key, fl, r in cases:
+        integer = "int" in str(fl.type) and "float" not in str(fl.type)
+        listed = str(fl.type).startswith("list")
+        for bad in _outside(r, integer):
+            value = int(bad) if integer else bad
+            text = f"[{value}]" if listed else str(value)
+            with pytest.raises(ConfigError) as e:
+                config_from_dict({}, [f"{key}={text}"])
+            needle = f"{key}[0]: must be " if listed else f"{key}: must be "
+            assert needle in str(e.value), (key, value, str(e.value))
+    with pytest.raises(ConfigError, match=r"data\.sources\[1\]\.weight: must be > 0, got 0"):
+        config_from_dict({"data": {"sources": [{"path": "a", "weight": 1}, {"path": "b", "weight": 0}]}})

@@ -134,7 +134,7 @@ def test_a_nul_byte_in_a_path_names_the_key(key, where, tmp_path, capsys):
     ("train.forecast_tau=nan", "train.forecast_tau: must be a finite number, got nan"),
     ("train.lr=.inf", "train.lr: must be a finite number, got inf"),
     ("train.betas=[0.9, .nan]", "train.betas[1]: must be a finite number"),
-    ("train.betas=[0.9, 1.0]", "train.betas: each must be in [0, 1)"),
+    ("train.betas=[0.9, 1.0]", "train.betas[1]: must be in [0, 1), got 1.0"),
     ("train.grad_clip=-1", "train.grad_clip: must be >= 0"),
     ("train.min_lr_ratio=2", "train.min_lr_ratio: must be in [0, 1]"),
     ("data.sources=[{path: x, weight: .nan}]", "data.sources[0].weight: must be a finite number"),

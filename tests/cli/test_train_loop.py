@@ -280,7 +280,7 @@ def test_reduced_draft_vocab_trains_saves_and_resumes_with_its_vocab(tmp_path, t
 
 
 def test_bad_draft_vocab_size_is_a_usage_error(tmp_path, tiny_qwen3, capsys):
-    for value, msg in (("-3", "drafter.draft_vocab_size: must be > 0"),
+    for value, msg in (("-3", "drafter.draft_vocab_size: must be >= 0 (null or 0 = the full target vocab), got -3"),
                        ("321", "drafter.draft_vocab_size 321 exceeds the target vocab of 320")):
         rc, _ = _train(tmp_path, tiny_qwen3, extra=[f"drafter.draft_vocab_size={value}"])
         err = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

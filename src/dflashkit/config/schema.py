@@ -26,17 +26,29 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from dflashkit import family
+from dflashkit.family.knobs import declared_range
 
 
-def f(default: Any, help: str, *, hash_default: bool = True, url: bool = False) -> Any:  # noqa: A002
-    """A field with a default and a one-line help text (docs/config.md is built from these).
+def f(default: Any, help: str, *, hash_default: bool = True, url: bool = False,  # noqa: A002
+      ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
+      note: str | None = None) -> Any:
+    """A field with a default, a one-line help text (docs/config.md is built from these) and its range.
 
     `hash_default=False`: `section_hash` leaves the field out while it holds its default, so adding
     an optional key does not make existing run dirs look out of date to `dflashkit run`.
     `url=True`: the field holds a server URL (or a list of them): it is checked by `url_problem` and
     redacted (`dflashkit.redact`) wherever the config is dumped (`url_fields` below finds every one).
+    `ge` / `gt` / `le` / `lt`: the range a number (or each number of a list) must lie in, as a family's knobs
+    declare theirs (`family.knobs.knob`); one check reads both (`family.knobs.range_problems`), so
+    config/validate.py keeps only the rules between fields. `note` follows "must be …" in the refusal (what a
+    special value means); a field whose default is None may be null.
     """
     meta: dict[str, object] = {"help": help}
+    bounds = declared_range(ge=ge, gt=gt, le=le, lt=lt)
+    if bounds:
+        meta["range"] = bounds
+    if note is not None:
+        meta["note"] = note
     if not hash_default:
         meta["hash_default"] = False
     if url:
@@ -93,11 +105,11 @@ class RunSection:
     seed: int = f(0, "Global seed (sampling, anchors, data order, init).")
     log_level: Literal["debug", "info", "warning", "error"] = f("info", "Logging level (stderr).")
     scale: float = f(1.0, "Multiplies data.num_prompts, train.max_steps and eval.num_prompts (a fixed-size "
-                     "run; not with run.budget_minutes).")
+                     "run; not with run.budget_minutes).", gt=0)
     budget_minutes: float | None = f(
         None, "`dflashkit run` sized to this many minutes of this machine (CLI: `run --budget M`): it calibrates "
         "first, then chooses data.num_prompts, train.max_steps, train.eval_every/save_every, eval.num_prompts and "
-        "eval.max_new_tokens (keys you set are kept); null = no budget. docs/budget.md.", hash_default=False)
+        "eval.max_new_tokens (keys you set are kept); null = no budget. docs/budget.md.", hash_default=False, gt=0, note=" minutes (or null: no budget)")
 
 
 @dataclass(kw_only=True)
@@ -119,21 +131,21 @@ class TargetSection:
 class DrafterSection:
     """The drafter.* keys every family reads, and the knobs of `drafter.type`'s family (`knobs`)."""
 
-    block_size: int = f(16, "Block size B (anchor + B-1 masked positions).")
-    num_draft_layers: int = f(5, "Number of draft decoder layers.")
+    block_size: int = f(16, "Block size B (anchor + B-1 masked positions).", ge=2, note=" (an anchor plus at least one drafted position)")
+    num_draft_layers: int = f(5, "Number of draft decoder layers.", ge=1)
     num_target_features: int | None = f(
-        None, "How many target layers feed the drafter; null = num_draft_layers.")
+        None, "How many target layers feed the drafter; null = num_draft_layers.", ge=1)
     target_layer_ids: list[int] | None = f(
         None, "0-based target decoder layers whose outputs feed the drafter (HF hidden_states[id+1]); "
-        "null = the reference formula.")
+        "null = the reference formula.", ge=0, note=" (layer ids are 0-based)")
     mask_token_id: int | None = f(None, "Mask token id inside the target embedding; null = choose an "
-                                  "unused/reserved row (never resizes).")
+                                  "unused/reserved row (never resizes).", ge=0)
     hidden_size: int | None = f(None, "Must equal the target hidden size; null = the target's.")
     num_attention_heads: int | None = f(None, "null = the target's (MLA targets: derived).")
     num_key_value_heads: int | None = f(None, "null = the target's.")
     head_dim: int | None = f(None, "null = the target's.")
     intermediate_size: int | None = f(None, "null = the target's (dense MLP size).")
-    rms_norm_eps: float | None = f(None, "null = the target's.")
+    rms_norm_eps: float | None = f(None, "null = the target's.", gt=0)
     init: str = f("random", "random | target | a drafter dir. random: random draft layers; target: copied from "
                   "target layers (when the shapes allow); a dir: warm start from a drafter you have (z-lab or "
                   "speculators format: train/final, an export, an imported or published drafter) whose target "
@@ -162,7 +174,7 @@ class DrafterSection:
         None, "Reduced draft vocabulary V': the drafter predicts only the V' most frequent supervised "
         "tokens of the training data (+ eos), projecting onto those rows of the target head; the "
         "checkpoint gains `d2t` (+ `lm_head.weight` rows and `t2d` on export, for vLLM). null or 0 = "
-        "the full target vocab. Must be <= the target vocab.", hash_default=False)
+        "the full target vocab. Must be <= the target vocab.", hash_default=False, ge=0, note=" (null or 0 = the full target vocab)")
     type: str = f(
         "dflash", "Drafter family, one of the registry's (dflashkit/family/, docs/architecture.md \"Drafter "
         "families\"): dflash (each block position predicted on its own), dflash2 (DFlash plus a grouped dynamic "
@@ -184,7 +196,7 @@ class SourceSection:
     format: Literal["auto", "sharegpt", "messages", "alpaca", "prompt", "humaneval"] = f(
         "auto", "Record format; auto detects per record. Agent records (tools, tool calls and results) are read "
         "in the sharegpt and messages formats.")
-    weight: float = f(1.0, "Relative weight when mixing sources.")
+    weight: float = f(1.0, "Relative weight when mixing sources.", gt=0)
     max_records: int | None = f(None, "Read at most this many records from this source.")
     name: str | None = f(None, "Name in reports; default = file stem.")
     answers: Literal["regenerate", "original"] = f(
@@ -212,10 +224,10 @@ class SourceSection:
 @dataclass(kw_only=True)
 class DataSection:
     sources: list[SourceSection] = f([], "Prompt sources (see SourceSection keys).")
-    num_prompts: int | None = f(None, "Total prompts after mixing; null = all.")
-    heldout: int = f(32, "Prompts held out for eval (taken before training data).")
-    max_prompt_chars: int = f(16000, "Drop conversations whose user text is longer.")
-    max_turns: int = f(8, "Keep at most this many user turns per conversation.")
+    num_prompts: int | None = f(None, "Total prompts after mixing; null = all.", gt=0)
+    heldout: int = f(32, "Prompts held out for eval (taken before training data).", ge=0)
+    max_prompt_chars: int = f(16000, "Drop conversations whose user text is longer.", ge=1)
+    max_turns: int = f(8, "Keep at most this many user turns per conversation.", ge=1)
     dedupe: bool = f(True, "Drop conversations with the same content hash.")
     on_malformed: Literal["skip", "fail"] = f("skip", "Malformed input line: skip and count, or fail.")
     mean_tokens: int = f(1024, "`plan` only: assumed mean tokens per conversation (prompt + answer) when "
@@ -229,9 +241,9 @@ class ServerSection:
                         "shown; a query string is refused (the API key goes in server.api_key_env).", url=True)
     model: str | None = f(None, "Model name sent to the server; null = the first of /v1/models.")
     api_key_env: str = f("OPENAI_API_KEY", "Environment variable holding the API key (never logged).")
-    timeout_s: float = f(600.0, "Per-request timeout.")
+    timeout_s: float = f(600.0, "Per-request timeout.", gt=0)
     startup_timeout_s: float = f(300.0, "When `urls` is empty: seconds to wait for the local "
-                                 "`dflashkit serve` to answer /health.")
+                                 "`dflashkit serve` to answer /health.", gt=0)
     engine: Literal["dflashkit", "vllm"] = f(
         "dflashkit", "When `urls` is empty: the server `generate` and `bench serve` start for target.path: "
         "`dflashkit serve`, or vLLM (the CPU build, installed once into the cache by "
@@ -252,12 +264,12 @@ class ServerSection:
 
 @dataclass(kw_only=True)
 class GenerateSection:
-    concurrency: int = f(32, "Requests in flight.")
-    max_retries: int = f(5, "Retries on 429/5xx/timeouts/connection errors.")
-    backoff_s: float = f(0.5, "Initial backoff (exponential, with jitter).")
-    temperature: float = f(0.0, "Sampling temperature (0 = greedy; match how you will serve).")
-    top_p: float = f(1.0, "Nucleus sampling.")
-    max_tokens: int = f(1024, "Max new tokens per assistant turn.")
+    concurrency: int = f(32, "Requests in flight.", ge=1)
+    max_retries: int = f(5, "Retries on 429/5xx/timeouts/connection errors.", ge=0)
+    backoff_s: float = f(0.5, "Initial backoff (exponential, with jitter).", ge=0)
+    temperature: float = f(0.0, "Sampling temperature (0 = greedy; match how you will serve).", ge=0)
+    top_p: float = f(1.0, "Nucleus sampling.", gt=0, le=1)
+    max_tokens: int = f(1024, "Max new tokens per assistant turn.", ge=1)
     seed: int | None = f(None, "Per-request seed (null = run.seed).")
     stop: list[str] = f([], "Extra stop strings.")
     chat_template_kwargs: dict[str, Any] = f({}, "Passed to the server's chat template, e.g. "
@@ -266,7 +278,7 @@ class GenerateSection:
                                            "answer, or drop it.")
     on_length: Literal["keep", "drop", "flag"] = f("keep", "Turns cut by max_tokens: keep, drop the "
                                                    "conversation, or keep and flag.")
-    shard_size: int = f(1000, "Records per output shard.")
+    shard_size: int = f(1000, "Records per output shard.", ge=1)
     request_token_ids: bool = f(True, "Send `return_token_ids: true` (vLLM, `dflashkit serve`) and keep "
                                 "the returned ids in meta.token_ids; turn off for strict APIs.")
     extra_body: dict[str, Any] = f({}, "Extra JSON fields merged into every request body.")
@@ -292,17 +304,17 @@ class GenerateSection:
 
 @dataclass(kw_only=True)
 class TokenizeSection:
-    max_length: int = f(2048, "Truncate rendered conversations to this many tokens.")
+    max_length: int = f(2048, "Truncate rendered conversations to this many tokens.", ge=8)
     min_supervised: int | None = f(None, "Drop samples with fewer supervised tokens; null = 2·block_size.")
     system_prompt: Literal["keep", "drop"] = f("keep", "Keep or drop system turns from the source.")
     thinking: Literal["keep", "mask", "strip"] = f(
         "keep", "Think blocks in answers: train on them, exclude them from the loss, or remove them.")
     chat_template_kwargs: dict[str, Any] = f({}, "Passed to apply_chat_template (e.g. enable_thinking).")
-    shard_size: int = f(2000, "Samples per Parquet shard.")
+    shard_size: int = f(2000, "Samples per Parquet shard.", ge=1)
     source: Literal["generate", "prepare"] = f(
         "generate", "Conversations to tokenize: the target's regenerated answers "
         "(generate/conversations.jsonl) or the dataset's own answers (prepare/train.jsonl).")
-    batch_size: int = f(256, "Conversations rendered and tokenized per batch.")
+    batch_size: int = f(256, "Conversations rendered and tokenized per batch.", ge=1)
     rewritten_turns: Literal["split", "drop"] = f(
         "split", "Answers the template renders differently once later turns follow (Qwen3 drops earlier "
         "<think> blocks): give each its own sample (exact, more tokens) or leave them unsupervised.")
@@ -311,22 +323,22 @@ class TokenizeSection:
     agreement_samples: int = f(
         16, "Teacher-forced check after tokenizing: this many samples per source are run through the target "
         "(target.path; loaded in tokenize) and the share of supervised labels that are the target's own "
-        "argmax is reported per source (~1.0 for greedy regeneration). 0 = off.", hash_default=False)
+        "argmax is reported per source (~1.0 for greedy regeneration). 0 = off.", hash_default=False, ge=0)
     min_agreement: float = f(
         0.9, "Fail (exit 2, shards left unchanged) when a source regenerated greedily has a teacher-forced "
         "agreement below this. Sources not regenerated by the target, or generated at temperature > 0, "
-        "are reported only.", hash_default=False)
+        "are reported only.", hash_default=False, ge=0, le=1)
     max_prompt_mismatch: float = f(
         0.01, "Fail (exit 2) when more than this share of the regenerated turns were answered to a prompt "
         "that differs from the local rendering (generate's usage.prompt_tokens / prompt ids vs the target's "
-        "chat template here). 1 = report only.", hash_default=False)
+        "chat template here). 1 = report only.", hash_default=False, ge=0, le=1)
 
 
 @dataclass(kw_only=True)
 class CaptureSection:
     dtype: Literal["bfloat16", "float16", "float32"] = f("bfloat16", "Stored feature dtype.")
-    batch_size: int = f(4, "Sequences per target forward.")
-    max_disk_fraction: float = f(0.9, "Refuse if the features need more than this share of free disk.")
+    batch_size: int = f(4, "Sequences per target forward.", ge=1)
+    max_disk_fraction: float = f(0.9, "Refuse if the features need more than this share of free disk.", gt=0, le=1)
     last_hidden: Literal["auto", "true", "false"] = f(
         "auto", "Also store the target's final-norm hidden state per token (H values), from which cached "
         "training recomputes the target's distribution for KL; auto = when train.loss is kl or ce+kl.",
@@ -341,12 +353,12 @@ class CaptureSection:
         None, "capture.engine=vllm: base URL (…/v1) of a vLLM you already run with the flags "
         "`dflashkit capture --dry-run` prints; its hidden-states files must be readable here. null = start one.",
         hash_default=False, url=True)
-    concurrency: int = f(4, "capture.engine=vllm: requests in flight.", hash_default=False)
+    concurrency: int = f(4, "capture.engine=vllm: requests in flight.", hash_default=False, ge=1)
     extra_layer_ids: list[int] = f(
         [], "Target layers captured beside the contract's target_layer_ids (same numbering), so a drafter with "
         "other feature layers (drafter.target_layer_ids=…, e.g. `bench recipe` variants) trains on cached "
         "features without a second capture: the reader takes any subset of the captured layers. Each extra "
-        "layer costs hidden_size × dtype bytes per token on disk; the target forward costs the same.")
+        "layer costs hidden_size × dtype bytes per token on disk; the target forward costs the same.", ge=0, note=" (layer ids are 0-based)")
 
 
 @dataclass(kw_only=True)
@@ -367,41 +379,41 @@ class TrainSection:
         "through a bounded on-disk queue (train.engine_prefetch micro-batches; no cache; docs/engines.md).")
     engine_prefetch: int = f(2, "train.features=engine: micro-batches requested ahead of training; the queue "
                              "(train/engine-queue/) never holds more than this many micro-batches of feature rows.",
-                             hash_default=False)
+                             hash_default=False, ge=1)
     epochs: float = f(1.0, "Passes over the training data (ignored if max_steps is set).")
-    max_steps: int | None = f(None, "Optimizer steps; overrides epochs.")
-    batch_size: int = f(4, "Sequences per micro-batch (per rank).")
-    grad_accum: int = f(1, "Micro-batches per optimizer step.")
-    lr: float = f(6e-4, "Peak learning rate (AdamW).")
+    max_steps: int | None = f(None, "Optimizer steps; overrides epochs.", gt=0)
+    batch_size: int = f(4, "Sequences per micro-batch (per rank).", gt=0)
+    grad_accum: int = f(1, "Micro-batches per optimizer step.", gt=0)
+    lr: float = f(6e-4, "Peak learning rate (AdamW).", gt=0)
     optimizer: Literal["adamw", "muon"] = f(
         "adamw", "adamw; or muon: torch.optim.Muon (Newton-Schulz orthogonalised momentum, its update matched to "
         "AdamW's RMS so train.lr carries over) for every 2-D weight, AdamW for the rest (norms). Muon under "
         "train.parallel.mode=fsdp is not supported.", hash_default=False)
-    muon_momentum: float = f(0.95, "Muon momentum (train.optimizer=muon).", hash_default=False)
-    min_lr_ratio: float = f(0.0, "Final lr as a fraction of lr (cosine).")
-    warmup_ratio: float = f(0.04, "Linear warmup as a fraction of steps.")
-    weight_decay: float = f(0.0, "AdamW weight decay.")
-    betas: list[float] = f([0.9, 0.95], "AdamW betas.")
-    grad_clip: float = f(1.0, "Max grad norm (0 = off).")
-    num_anchors: int = f(512, "Max anchors (blocks) per sequence.")
+    muon_momentum: float = f(0.95, "Muon momentum (train.optimizer=muon).", hash_default=False, ge=0, lt=1, note=" (the share of the last update kept)")
+    min_lr_ratio: float = f(0.0, "Final lr as a fraction of lr (cosine).", ge=0, le=1)
+    warmup_ratio: float = f(0.04, "Linear warmup as a fraction of steps.", ge=0, lt=1)
+    weight_decay: float = f(0.0, "AdamW weight decay.", ge=0)
+    betas: list[float] = f([0.9, 0.95], "AdamW betas.", ge=0, lt=1)
+    grad_clip: float = f(1.0, "Max grad norm (0 = off).", ge=0)
+    num_anchors: int = f(512, "Max anchors (blocks) per sequence.", gt=0)
     anchor_coverage: float | None = f(
         None, "Anchors per document in proportion to its length: each sample draws ceil(x · its anchor candidates) "
         "(capped by num_anchors); null = num_anchors per sample whatever its length. Per document, also in "
-        "packed rows (train.pack; speculators #1071's per-document coverage).", hash_default=False)
+        "packed rows (train.pack; speculators #1071's per-document coverage).", hash_default=False, gt=0, le=1)
     pack: bool = f(
         False, "Document-aware sequence packing: a micro-batch's samples are concatenated into rows of up to "
         "train.pack_length tokens; a document never attends across its boundary (the drafter's mask and "
         "positions are per document, anchors and their labels stay inside it; cached features are each "
         "sample's own, an online target runs per document). train.features cached or online, drafter.type=dflash. docs/recipe.md \"Long samples and packing\".", hash_default=False)
     pack_length: int | None = f(
-        None, "train.pack: tokens per packed row; null = tokenize.max_length.", hash_default=False)
+        None, "train.pack: tokens per packed row; null = tokenize.max_length.", hash_default=False, ge=2, note=" tokens (or null = tokenize.max_length)")
     gamma: float | None = f(None, "Loss decay over block positions; null = 7 for B=16, 5 for B=10, 4 for "
-                            "B=8, else B/2.")
+                            "B=8, else B/2.", gt=0)
     loss: Literal["ce", "kl", "ce+kl"] = f("ce", "Hard CE on the data, KL to target logits, or both.")
-    kl_weight: float = f(1.0, "Weight of the KL term in ce+kl.")
+    kl_weight: float = f(1.0, "Weight of the KL term in ce+kl.", ge=0)
     kl_temperature: float = f(
         1.0, "Temperature T of the KL term (loss kl, ce+kl): forward KL(softmax(target/T) || softmax(draft/T)), "
-        "scaled by T^2 (as NeMo Automodel distils JetSpec drafters; T = 1 is the plain KL).", hash_default=False)
+        "scaled by T^2 (as NeMo Automodel distils JetSpec drafters; T = 1 is the plain KL).", hash_default=False, gt=0)
     ablate_features: bool = f(False, "The no-features ablation (does the drafter use the target at all? see "
                               "`dflashkit bench recipe`): the blocks attend to themselves only, with no target "
                               "context, in training and held-out scoring (zeroed features would not do: their "
@@ -427,7 +439,7 @@ class TrainSection:
         "decay", "Loss weight per block position: the fixed decay exp(-(k-1)/gamma); uniform = 1 at every position "
         "1 … B-1 (train.gamma unused; JetSpec's KL recipe); or D-PACE (weights from the drafter's own confidence, "
         "arXiv 2605.18810). Under uniform and dpace the loss is divided by the supervised-position count.")
-    dpace_alpha: float = f(0.5, "D-PACE confidence smoothing: q~ = (1-alpha)·q + alpha, in (0, 1].")
+    dpace_alpha: float = f(0.5, "D-PACE confidence smoothing: q~ = (1-alpha)·q + alpha, in (0, 1].", gt=0, le=1)
     suffix_complement: Literal["off", "drop", "downweight"] = f(
         "off", "Train the drafter to complement the suffix proposer (the hybrid, `decode/suffix.py`): the block "
         "positions the suffix proposer already gets right in context (its proposal from the sample's own tokens up "
@@ -437,19 +449,19 @@ class TrainSection:
         "supervised positions. docs/recipe.md \"Training to complement the suffix proposer\".", hash_default=False)
     suffix_complement_weight: float = f(
         0.25, "train.suffix_complement=downweight: the weight a position the suffix proposer already gets right "
-        "keeps (a factor on its usual weight), in [0, 1).", hash_default=False)
+        "keeps (a factor on its usual weight), in [0, 1).", hash_default=False, ge=0, lt=1, note=" (1 would change nothing: set train.suffix_complement=off)")
     suffix_complement_min_match: int = f(
         4, "train.suffix_complement: the shortest in-context match whose proposal counts (the hybrid's default "
         "gate, so positions the hybrid would still draft with the drafter keep their weight; 1 = any match).",
-        hash_default=False)
+        hash_default=False, ge=1)
     feature_noise: float = f(0.0, "Uniform noise on the target features in training only, U(-x, x) times the "
-                             "RMS of each token's feature vector per target layer (0 = off).")
+                             "RMS of each token's feature vector per target layer (0 = off).", ge=0)
     forecast_tau: float = f(2.0, "The data-budget forecast's target: `train`, `report`, the run summary and `plan` "
                             "say how many supervised tokens (samples, hours) the learning curve train/curve.json "
-                            "predicts for this held-out τ (sizing/forecast.py).", hash_default=False)
+                            "predicts for this held-out τ (sizing/forecast.py).", hash_default=False, gt=1, note=" (τ counts the bonus token: τ 1 is decoding without a drafter)")
     keep_best: bool = f(True, "Keep the drafter with the best held-out simulated τ in train/best/ (eval and "
                         "export then use it by default).")
-    loss_chunk_blocks: int = f(64, "Blocks per loss chunk (bounds the [blocks·B, vocab] logits).")
+    loss_chunk_blocks: int = f(64, "Blocks per loss chunk (bounds the [blocks·B, vocab] logits).", gt=0)
     dtype: Literal["auto", "native", "float32", "bfloat16"] = f(
         "auto", "The drafter's autocast dtype; auto = bf16 on CUDA; native = bf16 where the device computes it "
         "natively (CUDA; CPUs with AVX512-BF16 or AMX-BF16), else float32.")
@@ -460,13 +472,13 @@ class TrainSection:
         "`dflashkit bench train` times both.")
     eval_every: int = f(50, "Held-out simulated-τ evaluation every N steps (0 = only at the end).")
     save_every: int = f(100, "Checkpoint every N steps (and at the end).")
-    keep_checkpoints: int = f(3, "Keep the newest N step checkpoints (older ones are deleted; 0 = keep all).")
+    keep_checkpoints: int = f(3, "Keep the newest N step checkpoints (older ones are deleted; 0 = keep all).", ge=0)
     log_every: int = f(10, "Log metrics every N steps.")
     heldout_samples: int = f(16, "Tokenized samples kept for held-out simulated τ.")
     train_samples: int | None = f(
         None, "Train on this many of the training samples only (a seeded choice; the smaller set is always a "
         "subset of the larger one, and the held-out samples do not change): data-vs-epochs and data-budget "
-        "studies on one captured run dir (`bench recipe`). null = all of them.")
+        "studies on one captured run dir (`bench recipe`). null = all of them.", gt=0, note=" (null = all)")
     heldout_sources: list[str] = f([], "Data sources (data.sources[].name) never trained on: up to heldout_samples "
                                    "samples of each join the held-out set, so held-out τ is also measured on a "
                                    "source of another kind (curve.json and `bench recipe` report it per source).",
@@ -482,14 +494,14 @@ class TrainSection:
 @dataclass(kw_only=True)
 class EvalSection:
     prompts: str | None = f(None, "Prompt file (JSONL, any `prepare` format); null = prepare's held-out split.")
-    num_prompts: int = f(16, "Prompts to decode.")
-    max_new_tokens: int = f(128, "Tokens per prompt.")
-    block_sizes: list[int] = f([], "Inference block sizes to measure; empty = drafter.block_size.")
-    temperature: float = f(0.0, "0 = greedy (output must equal the baseline token for token).")
-    top_p: float = f(1.0, "Nucleus sampling.")
-    top_k: int = f(0, "Top-k sampling (0 = off).")
+    num_prompts: int = f(16, "Prompts to decode.", ge=1)
+    max_new_tokens: int = f(128, "Tokens per prompt.", ge=1)
+    block_sizes: list[int] = f([], "Inference block sizes to measure; empty = drafter.block_size.", ge=1)
+    temperature: float = f(0.0, "0 = greedy (output must equal the baseline token for token).", ge=0)
+    top_p: float = f(1.0, "Nucleus sampling.", gt=0, le=1)
+    top_k: int = f(0, "Top-k sampling (0 = off).", ge=0, note=" (0 = off)")
     max_context: int | None = f(None, "Refuse prompts longer than this; null = the target's context.")
-    warmup: int = f(1, "Prompts decoded first and not timed.")
+    warmup: int = f(1, "Prompts decoded first and not timed.", ge=0)
     drafter: str | None = f(None, "Drafter dir (config.json + model.safetensors); null = <run_dir>/train/best (the "
                             "best held-out τ, train.keep_best), else <run_dir>/train/final, else <run_dir>/export. "
                             "A positional DIR overrides it.")
@@ -515,7 +527,7 @@ class EvalSection:
         None, "Lossless check: a greedy divergence from the baseline is a numerical tie when the baseline's "
         "top-1 logit exceeds its logit of the speculative token by at most this many logits there; null = "
         "a share of the baseline's largest |logit| there by verify dtype (bfloat16 4%, float16 0.5%, "
-        "float32 0.01%; see decode/lossless.py).", hash_default=False)
+        "float32 0.01%; see decode/lossless.py).", hash_default=False, ge=0)
     adaptive_length: bool = f(True, "Also decode every block size with the adaptive draft length: each step "
                               "verifies only the drafts the drafter's own confidence and the measured cost t(n) of a "
                               "target step over n tokens say pay (decode/draft_length.py; lossless). Reported beside "
@@ -528,17 +540,17 @@ class EvalSection:
         "length, with paired speed ratios per source (`draft_length` in results.json).", hash_default=False)
     confidence_threshold: float = f(
         0.5, "eval.confidence_truncation: the threshold on the product of the leading drafts' confidences "
-        "(0 verifies every draft: fixed B; in [0, 1]).", hash_default=False)
+        "(0 verifies every draft: fixed B; in [0, 1]).", hash_default=False, ge=0, le=1)
     prompt_lookup: bool = f(True, "Also decode every block size with the training-free prompt-lookup "
                             "(n-gram) proposer: the floor a drafter must beat.", hash_default=False)
     prompt_lookup_ngram: int = f(3, "Prompt lookup: longest n-gram matched (falls back to shorter, down "
-                                 "to 1).", hash_default=False)
+                                 "to 1).", hash_default=False, ge=1)
     hybrid: bool = f(True, "Also decode the largest block size with the suffix proposer alone (decode/suffix.py) "
                      "and the hybrid of it and the drafter (decode/hybrid.py) at each gate of eval.hybrid_gates "
                      "(from 2 prompts on); the `hybrid` row decodes each prompt with the decoder fastest on the other "
                      "prompts of its data source (lossless).", hash_default=False)
     hybrid_gates: list[int] = f([2, 4], "Hybrid gates measured: the suffix draft replaces the drafter's block when "
-                                "its match is at least this many tokens long.", hash_default=False)
+                                "its match is at least this many tokens long.", hash_default=False, ge=0, note=" (a match length in tokens; 0 = any match)")
     hybrid_graft: bool = f(True, "Also measure the graft (the drafter's confident prefix continued by the suffix "
                            "match) at the largest gate.", hash_default=False)
     hybrid_drafter_blocks: list[int] = f([0], "The drafter branch's block sizes in the hybrid grid, each measured at "
@@ -566,18 +578,18 @@ class ExportSection:
         "import` reads both. CLI: `dflashkit export --format speculators`.", hash_default=False)
     dtype: Literal["bfloat16", "float16", "float32"] = f("bfloat16", "Stored weight dtype.")
     check_atol: float = f(5e-2, "Reload check: max |logits difference| between the export and the source "
-                          "drafter, relative to the largest |logit| (bf16 rounding gives ~1e-2).")
+                          "drafter, relative to the largest |logit| (bf16 rounding gives ~1e-2).", gt=0)
 
 
 @dataclass(kw_only=True)
 class ServeSection:
     host: str = f("127.0.0.1", "Bind address.")
-    port: int = f(8000, "Port (0 = any free port).")
-    max_batch: int = f(8, "Requests decoded together.")
+    port: int = f(8000, "Port (0 = any free port).", ge=0, le=65535, note=" (0 = any free port)")
+    max_batch: int = f(8, "Requests decoded together.", ge=1)
     drafter: str | None = f(None, "Exported drafter dir: decode with DFlash speculation.")
     model_name: str | None = f(None, "Name reported by /v1/models; null = the dir name.")
-    batch_wait_ms: float = f(5.0, "How long the batcher waits for more requests before decoding.")
-    max_new_tokens: int = f(4096, "Upper bound on a request's max_tokens.")
+    batch_wait_ms: float = f(5.0, "How long the batcher waits for more requests before decoding.", ge=0)
+    max_new_tokens: int = f(4096, "Upper bound on a request's max_tokens.", ge=1)
     cpu_threads: int | None = f(None, "torch CPU threads for the server process; null = torch's default.")
     adaptive_length: bool = f(False, "With a drafter: pick each step's draft length from the drafter's confidence "
                               "and the measured verify cost (lossless; eval.adaptive_length reports what it buys).")
@@ -590,7 +602,7 @@ class ServeSection:
         hash_default=False)
     confidence_threshold: float = f(
         0.5, "serve.confidence_truncation: the threshold on the product of the leading drafts' confidences "
-        "(0 verifies every draft: fixed B; in [0, 1]).", hash_default=False)
+        "(0 verifies every draft: fixed B; in [0, 1]).", hash_default=False, ge=0, le=1)
     proposer: Literal["drafter", "lookup", "suffix", "hybrid"] | None = f(
         None, "What drafts for the speculative decoder: drafter (serve.drafter), lookup (prompt lookup), suffix (the "
               "suffix proposer with the tenant pool), hybrid (suffix where its match clears serve.hybrid_min_match, "
@@ -652,24 +664,24 @@ class RecordSection:
 @dataclass(kw_only=True)
 class BenchSection:
     urls: list[str] = f([], "Endpoints to compare (e.g. without and with speculation).", url=True)
-    concurrency: list[int] = f([1, 2, 4, 8], "Concurrency sweep.")
-    requests: int = f(32, "Requests per concurrency level.")
-    max_tokens: int = f(128, "Tokens per request.")
+    concurrency: list[int] = f([1, 2, 4, 8], "Concurrency sweep.", ge=1)
+    requests: int = f(32, "Requests per concurrency level.", ge=1)
+    max_tokens: int = f(128, "Tokens per request.", ge=1)
     warmup: int = f(2, "Requests sent first and not timed.")
     engine_methods: list[str] = f(["dflashkit", "ar", "ngram", "dflash"], "`bench serve` with server.engine=vllm "
                                   "and no bench.urls: served in turn and swept — dflashkit (`dflashkit serve`), ar "
                                   "(vLLM), ngram (vLLM prompt lookup, k=7), dflash (vLLM + the exported drafter).",
                                   hash_default=False)
-    generate_requests: int = f(4000, "`bench generate`: requests sent to the zero-latency server.")
-    generate_concurrency: int = f(64, "`bench generate`: requests in flight.")
-    recipe_steps: int = f(200, "`bench recipe`: training steps per variant (the cap when bench.cpu_minutes is set).")
+    generate_requests: int = f(4000, "`bench generate`: requests sent to the zero-latency server.", ge=1)
+    generate_concurrency: int = f(64, "`bench generate`: requests in flight.", ge=1)
+    recipe_steps: int = f(200, "`bench recipe`: training steps per variant (the cap when bench.cpu_minutes is set).", ge=1)
     recipe_variants: dict[str, Any] = f({}, "`bench recipe`: variant name → list of dotted overrides; "
                                         "empty (and no recipe_grid) = base, labels=data, no-features.")
     recipe_grid: dict[str, Any] = f({}, "`bench recipe`: dotted key → list of values; one variant `key=value` per "
                                     "value (one lever at a time), added to recipe_variants.", hash_default=False)
     cpu_minutes: float | None = f(None, "`bench recipe`: per-variant budget of process CPU-minutes for the optimizer "
                                   "steps (all threads; evaluation not charged): variants compare at equal CPU cost, "
-                                  "not equal steps. null = bench.recipe_steps steps each.", hash_default=False)
+                                  "not equal steps. null = bench.recipe_steps steps each.", hash_default=False, gt=0)
     recipe_eval_every: int = f(0, "`bench recipe`: a held-out evaluation every N steps of each variant (not charged "
                                "to bench.cpu_minutes), so every row carries its learning curve (`curve`: step, "
                                "supervised tokens, optimizer seconds, held-out τ, position-1); 0 = at the end only.",
@@ -707,7 +719,7 @@ class LearnSection:
     max_epochs: float | None = f(
         None, "A round's passes over its training samples at most: its steps are min(the budget's or "
         "learn.max_steps, ceil(max_epochs × training samples / batch)); null = no cap. A small window trained for a "
-        "whole budget repeats each sample tens of times and overfits it.", hash_default=False)
+        "whole budget repeats each sample tens of times and overfits it.", hash_default=False, gt=0, note=" (null = no cap)")
     heldout_pool: Literal["since_promotion", "round"] = f(
         "since_promotion", "What the promotion rule scores: `since_promotion` = this round's held-out slice and every "
         "held-out slice since the serving drafter was promoted (those records stay held out, never trained on, so "
@@ -716,7 +728,7 @@ class LearnSection:
     score_anchors: int | None = f(
         None, "Blocks scored a sample when both comparisons (the promotion rule's and the curve's) score a drafter: "
         "null = every block the sample has; an int draws at most that many, as training does (train.num_anchors).",
-        hash_default=False)
+        hash_default=False, ge=1, note=" (null = every block of a sample)")
     max_steps: int = f(50, "A round's optimizer steps at most (all of them without --budget or a saved "
                        "calibration).", hash_default=False)
     train_fraction: float = f(0.6, "With --budget: the share of the round's minutes given to training steps (the "

@@ -4,12 +4,15 @@ Usage:
     problems(cfg)                      # [] or ["train.lr: must be > 0, got 0", ...]
 
 `loader.config_from_dict` runs it on every config it builds and raises one ConfigError listing them
-all (exit 2), so a config with several mistakes is reported at once, before any stage runs. Pure
-config checks belong here (ranges, cross-field rules, the recipe, tokenize and data options,
-run.scale); a check that needs an artifact on disk (the probe contract, the tokenizer, a drafter
-dir) stays where the artifact is read. No family key is named here: the `train.*` weights of the
-run's family (`cfg.train.weights`) are checked by their declared ranges, and `drafter.type` and a family's knobs are the
-family's to check (`dflashkit.family.config_problems`: the CLI runs it right after the config loads).
+all (exit 2), so a config with several mistakes is reported at once, before any stage runs. A field's range
+is declared where the field is (`schema.f(..., ge=, gt=, le=, lt=)`, as a family declares its knobs' and
+weights'), and one walk checks them all (`declared_range_problems`, after every number is known to be
+finite); what is written here are the rules no single field's range says: between fields (train.on_path
+against the labels and features, a block longer than the context), the shape of a list (sorted, no
+duplicates), names (parsers, recipe variants, URLs) and files (a chat template). A check that needs an
+artifact on disk (the probe contract, the tokenizer, a drafter dir) stays where the artifact is read. No
+family key is named here: `drafter.type` and a family's knobs are the family's to check
+(`dflashkit.family.config_problems`: the CLI runs it right after the config loads).
 """
 
 from __future__ import annotations
@@ -23,14 +26,6 @@ from dflashkit.config.schema import RunConfig, url_fields
 from dflashkit.family.contract import layer_type_problems
 from dflashkit.family.knobs import range_problems
 from dflashkit.redact import redact_url
-
-
-def _at_least(problems: list[str], prefix: str, section: Any, low: int, *names: str) -> None:
-    """One problem `<prefix>.<name>: must be >= low, got v` per field `name` of `section` below `low`."""
-    for name in names:
-        value = getattr(section, name)
-        if value < low:
-            problems.append(f"{prefix}.{name}: must be >= {low}, got {value}")
 
 
 def _on_path_problems(cfg: RunConfig) -> list[str]:
@@ -63,39 +58,20 @@ def problems(cfg: RunConfig) -> list[str]:
     """Cross-field checks; each message names its dotted key."""
     return (_drafter_problems(cfg) + _train_problems(cfg) + _capture_generate_problems(cfg)
             + _run_server_problems(cfg) + _eval_serve_bench_problems(cfg) + _tokenize_target_data_problems(cfg)
-            + _stage_option_problems(cfg) + _range_problems(cfg) + _learn_problems(cfg))
-
-
-def _learn_problems(cfg: RunConfig) -> list[str]:
-    """`learn.*`: caps that would silently train or score a single step or block."""
-    lc, p = cfg.learn, []
-    if lc.max_epochs is not None and lc.max_epochs <= 0:
-        p.append(f"learn.max_epochs: must be > 0 (null = no cap), got {lc.max_epochs}")
-    if lc.score_anchors is not None and lc.score_anchors < 1:
-        p.append(f"learn.score_anchors: must be >= 1 (null = every block of a sample), got {lc.score_anchors}")
-    return p
+            + _stage_option_problems(cfg) + _range_problems(cfg))
 
 
 def _drafter_problems(cfg: RunConfig) -> list[str]:
     """The `drafter.*` checks the families do not own."""
     p: list[str] = []
     d = cfg.drafter
-    if d.block_size < 2:
-        p.append(f"drafter.block_size: must be >= 2 (an anchor plus at least one drafted position), "
-                 f"got {d.block_size}")
-    elif d.block_size > cfg.tokenize.max_length:
+    if 2 <= d.block_size and d.block_size > cfg.tokenize.max_length:
         p.append(f"drafter.block_size: {d.block_size} is longer than the training context "
                  f"tokenize.max_length={cfg.tokenize.max_length}")
-    if d.num_draft_layers < 1:
-        p.append(f"drafter.num_draft_layers: must be >= 1, got {d.num_draft_layers}")
-    if d.num_target_features is not None and d.num_target_features < 1:
-        p.append(f"drafter.num_target_features: must be >= 1, got {d.num_target_features}")
     ids = d.target_layer_ids
     if ids is not None and len(ids) == 0:
         p.append("drafter.target_layer_ids: must not be empty (use null for the default)")
     elif ids is not None:
-        if any(i < 0 for i in ids):
-            p.append(f"drafter.target_layer_ids: layer ids are 0-based and >= 0, got {ids}")
         if len(set(ids)) != len(ids):
             p.append(f"drafter.target_layer_ids: duplicated ids in {ids}")
         elif list(ids) != sorted(ids):
@@ -108,32 +84,15 @@ def _drafter_problems(cfg: RunConfig) -> list[str]:
                                  window_key="drafter.sliding_window"))
     if d.init in ("", "none", "null"):
         p.append(f"drafter.init: {d.init!r} is not random, target or a drafter dir")
-    if d.mask_token_id is not None and d.mask_token_id < 0:
-        p.append(f"drafter.mask_token_id: must be >= 0, got {d.mask_token_id}")
-    if d.draft_vocab_size is not None and d.draft_vocab_size < 0:
-        p.append(f"drafter.draft_vocab_size: must be > 0 (null or 0 = the full target vocab), got "
-                 f"{d.draft_vocab_size}")
     return p
 
 
 def _train_problems(cfg: RunConfig) -> list[str]:
-    """The `train.*` checks (the families' weights by their declared ranges)."""
+    """The `train.*` rules between fields (every field's range is declared in the schema)."""
     p: list[str] = []
     t = cfg.train
-    p.extend(range_problems(t.weights, prefix="train."))  # the family's weights, by their declared ranges
-    for name in ("lr", "batch_size", "grad_accum", "num_anchors", "loss_chunk_blocks"):
-        if getattr(t, name) <= 0:
-            p.append(f"train.{name}: must be > 0, got {getattr(t, name)}")
-    if not 0 <= t.warmup_ratio < 1:
-        p.append(f"train.warmup_ratio: must be in [0, 1), got {t.warmup_ratio}")
-    if t.max_steps is not None and t.max_steps <= 0:
-        p.append(f"train.max_steps: must be > 0, got {t.max_steps}")
-    if t.train_samples is not None and t.train_samples <= 0:
-        p.append(f"train.train_samples: must be > 0 (null = all), got {t.train_samples}")
     if len(t.betas) != 2:
         p.append(f"train.betas: expected two numbers, got {t.betas}")
-    _at_least(p, "train", t, 0, "keep_checkpoints")
-    _at_least(p, "train", t, 1, "engine_prefetch")
     p.extend(_on_path_problems(cfg))
     return p
 
@@ -145,39 +104,20 @@ def _capture_generate_problems(cfg: RunConfig) -> list[str]:
     if t.features == "engine" and cfg.capture.engine != "vllm":
         p.append("train.features: engine needs capture.engine=vllm (train starts vLLM for target.path) or "
                  "capture.server_url (a vLLM you run; set capture.engine=vllm too)")
-    if not 0 < cfg.capture.max_disk_fraction <= 1:
-        p.append(f"capture.max_disk_fraction: must be in (0, 1], got {cfg.capture.max_disk_fraction}")
-    _at_least(p, "capture", cfg.capture, 1, "batch_size", "concurrency")
     extra = cfg.capture.extra_layer_ids
-    if any(not isinstance(i, int) or i < 0 for i in extra):
-        p.append(f"capture.extra_layer_ids: layer ids are 0-based and >= 0, got {extra}")
-    elif len(set(extra)) != len(extra):
+    if len(set(extra)) != len(extra):
         p.append(f"capture.extra_layer_ids: duplicated ids in {extra}")
     if cfg.capture.server_url:
         if cfg.capture.engine != "vllm":
             p.append("capture.server_url: set, but capture.engine is local (set capture.engine=vllm)")
-    g = cfg.generate
-    _at_least(p, "generate", g, 1, "concurrency")
-    _at_least(p, "generate", g, 0, "temperature")
-    if not 0 < g.top_p <= 1:
-        p.append(f"generate.top_p: must be in (0, 1], got {g.top_p}")
-    _at_least(p, "generate", g, 1, "max_tokens", "shard_size")
-    _at_least(p, "generate", g, 0, "max_retries", "backoff_s")
     return p
 
 
 def _run_server_problems(cfg: RunConfig) -> list[str]:
     """The `run.*`, `server.*` and URL checks."""
     p: list[str] = []
-    if not cfg.run.scale > 0:
-        p.append(f"run.scale: must be > 0, got {cfg.run.scale}")
-    if cfg.run.budget_minutes is not None and not 0 < cfg.run.budget_minutes < float("inf"):
-        p.append(f"run.budget_minutes: must be a number of minutes > 0 (or null: no budget), got {cfg.run.budget_minutes}")
-    elif cfg.run.budget_minutes is not None and cfg.run.scale != 1.0:  # the budget sizes the run; scale multiplies sizes
+    if cfg.run.budget_minutes is not None and cfg.run.budget_minutes > 0 and cfg.run.scale != 1.0:  # the budget sizes the run; scale multiplies sizes
         p.append(f"run.scale={cfg.run.scale:g} with run.budget_minutes={cfg.run.budget_minutes:g}: choose one")
-    for name in ("timeout_s", "startup_timeout_s"):
-        if not getattr(cfg.server, name) > 0:
-            p.append(f"server.{name}: must be > 0, got {getattr(cfg.server, name)}")
     for key, url in url_fields(cfg):  # every field marked url=True in the schema, by one rule
         problem = url_problem(url, key_env=API_KEY_ENVS.get(key.split("[")[0]))
         if problem:
@@ -188,43 +128,11 @@ def _run_server_problems(cfg: RunConfig) -> list[str]:
 def _eval_serve_bench_problems(cfg: RunConfig) -> list[str]:
     """The `eval.*`, `serve.*` and `bench.*` checks."""
     p: list[str] = []
-    if cfg.eval.top_k < 0:
-        p.append(f"eval.top_k: must be >= 0 (0 = off), got {cfg.eval.top_k}")
-    _at_least(p, "eval", cfg.eval, 1, "num_prompts", "max_new_tokens")
-    _at_least(p, "eval", cfg.eval, 0, "warmup")
-    sv = cfg.serve
-    if not 0 <= sv.port <= 65535:
-        p.append(f"serve.port: must be in 0..65535 (0 = any free port), got {sv.port}")
-    _at_least(p, "serve", sv, 1, "max_batch", "max_new_tokens")
-    _at_least(p, "serve", sv, 0, "batch_wait_ms")
     b = cfg.bench
-    _at_least(p, "bench", b, 1, "requests", "max_tokens", "generate_requests", "generate_concurrency")
-    if b.cpu_minutes is not None and not b.cpu_minutes > 0:
-        p.append(f"bench.cpu_minutes: must be > 0 (or null), got {b.cpu_minutes}")
-    _at_least(p, "bench", b, 1, "recipe_steps")
     for i, m in enumerate(b.engine_methods):
         if m not in ("dflashkit", "ar", "ngram", "dflash"):
             p.append(f"bench.engine_methods[{i}]: {m!r} is not one of dflashkit, ar, ngram, dflash")
-    for i, c in enumerate(b.concurrency):
-        if c < 1:
-            p.append(f"bench.concurrency[{i}]: must be >= 1, got {c}")
     p += recipe_variant_problems(b.recipe_variants)
-    _at_least(p, "eval", cfg.eval, 0, "temperature")
-    if not 0 < cfg.eval.top_p <= 1:
-        p.append(f"eval.top_p: must be in (0, 1], got {cfg.eval.top_p}")
-    if not 0 <= cfg.eval.confidence_threshold <= 1:
-        p.append(f"eval.confidence_threshold: must be in [0, 1], got {cfg.eval.confidence_threshold}")
-    if not 0 <= cfg.serve.confidence_threshold <= 1:
-        p.append(f"serve.confidence_threshold: must be in [0, 1], got {cfg.serve.confidence_threshold}")
-    _at_least(p, "eval", cfg.eval, 1, "prompt_lookup_ngram")
-    if cfg.eval.tie_tolerance is not None and cfg.eval.tie_tolerance < 0:
-        p.append(f"eval.tie_tolerance: must be >= 0 (or null), got {cfg.eval.tie_tolerance}")
-    for i, size in enumerate(cfg.eval.block_sizes):
-        if size < 1:
-            p.append(f"eval.block_sizes[{i}]: must be >= 1, got {size}")
-    for i, gate in enumerate(cfg.eval.hybrid_gates):
-        if gate < 0:
-            p.append(f"eval.hybrid_gates[{i}]: must be >= 0 (a match length in tokens; 0 = any match), got {gate}")
     for i, block in enumerate(cfg.eval.hybrid_drafter_blocks):
         if block != 0 and block < 2:
             p.append(f"eval.hybrid_drafter_blocks[{i}]: must be 0 (the grid's block size) or >= 2, got {block}")
@@ -234,11 +142,6 @@ def _eval_serve_bench_problems(cfg: RunConfig) -> list[str]:
 def _tokenize_target_data_problems(cfg: RunConfig) -> list[str]:
     """The `tokenize.*`, `target.*` and `data.*` checks."""
     p: list[str] = []
-    _at_least(p, "tokenize", cfg.tokenize, 0, "agreement_samples")
-    for name in ("min_agreement", "max_prompt_mismatch"):
-        if not 0 <= getattr(cfg.tokenize, name) <= 1:
-            p.append(f"tokenize.{name}: must be in [0, 1], got {getattr(cfg.tokenize, name)}")
-    _at_least(p, "tokenize", cfg.tokenize, 8, "max_length")
     if cfg.target.chat_template:
         problem = chat_template_problem(cfg.target.chat_template)
         if problem:
@@ -246,8 +149,6 @@ def _tokenize_target_data_problems(cfg: RunConfig) -> list[str]:
     for i, s in enumerate(cfg.data.sources):
         if not s.path:
             p.append(f"data.sources[{i}].path: required")
-        if s.weight <= 0:
-            p.append(f"data.sources[{i}].weight: must be > 0, got {s.weight}")
     return p
 
 
@@ -309,25 +210,26 @@ def _range_problems(cfg: RunConfig) -> list[str]:
             p += template_kwargs_problems(key, v)
     if p:
         return p
-    t = cfg.train
-    if not 0 <= t.muon_momentum < 1:
-        p.append(f"train.muon_momentum: must be in [0, 1) (the share of the last update kept), got {t.muon_momentum}")
-    if not t.forecast_tau > 1:
-        p.append(f"train.forecast_tau: must be > 1 (τ counts the bonus token: τ 1 is decoding without a drafter), "
-                 f"got {t.forecast_tau}")
-    if not 0 <= t.min_lr_ratio <= 1:
-        p.append(f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
-    if len(t.betas) == 2 and not all(0 <= b < 1 for b in t.betas):
-        p.append(f"train.betas: each must be in [0, 1), got {t.betas}")
-    for name in ("weight_decay", "grad_clip", "kl_weight"):
-        if getattr(t, name) < 0:
-            p.append(f"train.{name}: must be >= 0, got {getattr(t, name)}")
-    if t.gamma is not None and not t.gamma > 0:
-        p.append(f"train.gamma: must be > 0 (or null), got {t.gamma}")
-    if cfg.drafter.rms_norm_eps is not None and not cfg.drafter.rms_norm_eps > 0:
-        p.append(f"drafter.rms_norm_eps: must be > 0 (or null), got {cfg.drafter.rms_norm_eps}")
-    if not cfg.export.check_atol > 0:
-        p.append(f"export.check_atol: must be > 0, got {cfg.export.check_atol}")
+    return declared_range_problems(cfg)
+
+
+def declared_range_problems(section: Any, prefix: str = "") -> list[str]:
+    """Every field outside the range the schema declares for it (`schema.f`'s `ge`/`gt`/`le`/`lt`), sections,
+    lists of sections (`data.sources[i].`) and the family's `train.*` weights walked; the family's `drafter.*`
+    knobs are its own to check (`family.config_problems`)."""
+    import dataclasses
+
+    p = range_problems(section, prefix=prefix)
+    for fl in dataclasses.fields(section):
+        value = getattr(section, fl.name)
+        if fl.metadata.get("flat") == "knobs":
+            continue
+        if dataclasses.is_dataclass(value):
+            p += declared_range_problems(value, prefix if fl.metadata.get("flat") else f"{prefix}{fl.name}.")
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                if dataclasses.is_dataclass(v):
+                    p += declared_range_problems(v, f"{prefix}{fl.name}[{i}].")
     return p
 
 
@@ -340,32 +242,11 @@ def _stage_option_problems(cfg: RunConfig) -> list[str]:
         if name is not None and not re.fullmatch(r"[A-Za-z0-9_]+", name):
             p.append(f"server.{key}: {name!r} is not a parser name (letters, digits and _, e.g. hermes, kimi_k2)")
     t = cfg.train
-    if not 0 < t.dpace_alpha <= 1:
-        p.append(f"train.dpace_alpha {t.dpace_alpha} is outside (0, 1]")
-    if not t.kl_temperature > 0:
-        p.append(f"train.kl_temperature {t.kl_temperature} must be > 0")
-    if t.anchor_coverage is not None and not 0 < t.anchor_coverage <= 1:
-        p.append(f"train.anchor_coverage {t.anchor_coverage} is outside (0, 1]")
-    if t.pack_length is not None and t.pack_length < 2:
-        p.append(f"train.pack_length {t.pack_length} must be >= 2 tokens (or null = tokenize.max_length)")
     if t.pack and t.features == "engine":
         p.append("train.pack supports train.features=cached or online (got engine): run `dflashkit capture` and "
                  "set train.features=cached, or drop train.pack")
     if t.optimizer == "muon" and t.parallel.mode == "fsdp":
         p.append("train.optimizer=muon does not support train.parallel.mode=fsdp (use ddp or none)")
-    if not t.feature_noise >= 0:
-        p.append(f"train.feature_noise {t.feature_noise} is negative")
-    if not 0 <= t.suffix_complement_weight < 1:
-        p.append(f"train.suffix_complement_weight {t.suffix_complement_weight} is outside [0, 1) "
-                 "(1 would change nothing: set train.suffix_complement=off)")
-    if t.suffix_complement_min_match < 1:
-        p.append(f"train.suffix_complement_min_match {t.suffix_complement_min_match} must be >= 1")
-    _at_least(p, "tokenize", cfg.tokenize, 1, "shard_size", "batch_size")
-    d = cfg.data
-    if d.num_prompts is not None and d.num_prompts <= 0:
-        p.append(f"data.num_prompts: must be > 0 or null, got {d.num_prompts}")
-    _at_least(p, "data", d, 0, "heldout")
-    _at_least(p, "data", d, 1, "max_turns", "max_prompt_chars")
     return p
 
 

@@ -31,11 +31,16 @@ S = TypeVar("S")
 def knob(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,  # noqa: A002
          le: float | None = None, lt: float | None = None, hash_default: bool = False) -> Any:
     """A knob or weight field: its default, help text and range (None: unbounded on that side)."""
-    meta: dict[str, Any] = {"help": help, "range": {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt))
-                                                     if v is not None}}
+    meta: dict[str, Any] = {"help": help, "range": declared_range(ge=ge, gt=gt, le=le, lt=lt)}
     if not hash_default:
         meta["hash_default"] = False
     return field(default=default, metadata=meta)
+
+
+def declared_range(*, ge: float | None = None, gt: float | None = None, le: float | None = None,
+                   lt: float | None = None) -> dict[str, float]:
+    """The bounds given (None: unbounded on that side), as a field's `range` metadata."""
+    return {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
 
 
 @dataclass(frozen=True)
@@ -73,15 +78,22 @@ def in_range(value: Any, r: dict[str, float]) -> bool:
 
 def range_problems(values: Any, cls: type | None = None, *, prefix: str = "") -> list[str]:
     """`<prefix><name>: must be …, got v` for each field of the dataclass `cls` (default: `values`' own class)
-    whose value in `values` is outside the range its `knob` declares (a None where the field may be None is
-    fine). Values of the wrong type are `type_problems`' to report: check those first."""
+    whose value in `values` is outside the range its `knob` (or the config schema's `f`) declares, and
+    `<prefix><name>[i]: …` for each number of a list field outside it (a None where the field may be None is
+    fine; the field's `note` follows the range). Values of the wrong type are `type_problems`' to report:
+    check those first."""
     out = []
     for f in dataclasses.fields(cls or values):
         r, v = f.metadata.get("range"), getattr(values, f.name)
-        if not r or v is None or isinstance(v, bool) or not isinstance(v, (int, float)) or in_range(v, r):
+        if not r:
             continue
-        null = " (or null)" if f.default is None else ""
-        out.append(f"{prefix}{f.name}: must be {_range_text(r)}{null}, got {v}")
+        note = f.metadata.get("note", " (or null)" if f.default is None else "")
+        items = enumerate(v) if isinstance(v, (list, tuple)) else [(None, v)]  # a list: each of its numbers
+        for i, x in items:
+            if x is None or isinstance(x, bool) or not isinstance(x, (int, float)) or in_range(x, r):
+                continue
+            key = f"{prefix}{f.name}" if i is None else f"{prefix}{f.name}[{i}]"
+            out.append(f"{key}: must be {_range_text(r)}{note}, got {x}")
     return out
 
 
