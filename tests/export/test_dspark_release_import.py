@@ -270,3 +270,28 @@ def test_dflashkit_train_fine_tunes_it_keeping_its_vocab(tmp_path):
     assert w2.shape == tensors["markov_head.markov_w2.weight"].shape
     assert not torch.equal(w2, tensors["markov_head.markov_w2.weight"])
     assert torch.allclose(w2, tensors["markov_head.markov_w2.weight"], atol=0.1)  # two small steps from it
+
+
+@pytest.mark.parametrize(("field", "value"), [("target_layer_ids", [0, 29, 56]), ("hidden_size", 48),
+                                              ("num_draft_layers", 2), ("vocab_size", 384)])
+def test_dflashkit_train_from_it_into_a_run_it_does_not_fit_exits_2_naming_both(tmp_path, capsys, field, value):
+    """`dflashkit train drafter.init=<the release>` where the run's contract differs in taps, hidden size, layer
+    count or target vocab: exit 2 before any step, stderr naming the field with the release's value and the run's,
+    nothing trained."""
+    from dflashkit.cli import main
+    from dflashkit.target.tiny import make_tiny_target
+    from tests.helpers import overrides
+
+    target = make_tiny_target(tmp_path / "target", "qwen3", num_layers=58, hidden=H)
+    src = read_warm_start(_k26(tmp_path))
+    rd = tmp_path / "run"
+    rd.mkdir()
+    run = with_fields(src.contract, num_target_layers=58, **{field: value})
+    (rd / "contract.json").write_text(json.dumps(run.to_dict()))
+    argv = ["train", *overrides(rd, target, train__max_steps=1), f"drafter.init={tmp_path / 'k26'}",
+            "drafter.type=dspark", "drafter.draft_vocab_size=24"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "does not fit this run's drafter contract" in err and field in err, err[-2000:]
+    assert str(getattr(src.contract, field)) in err and str(value) in err, err[-2000:]
+    assert "Traceback" not in err and not (rd / "train").exists()

@@ -207,6 +207,30 @@ def test_the_law_test_detects_a_draft_law_without_the_markov_bias(small, monkeyp
     assert z > 4.0, f"the wrong draft law went undetected (z = {z:.2f})"
 
 
+def test_confidence_truncated_sampling_keeps_the_target_law(small, monkeypatch):  # noqa: F811
+    """Verification cut short by the confidence head (`confidence_cut`, serve.confidence_truncation) while drafts
+    are sampled: fewer drafts are verified on some blocks and the output law is still the target's (χ²)."""
+    from dflashkit.decode.draft_length import ConfidenceCut
+
+    target, drafter, prompt, law = small
+    d = dspark_like(drafter)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # estimates spread over (0, 1), so the cut lands at different lengths
+        d.confidence_head.proj.weight.copy_(torch.randn(d.confidence_head.proj.weight.shape, generator=g) * 0.1)
+    kept: list[int] = []
+    real = ConfidenceCut.choose
+
+    def choose(self, conf):
+        kept.append(real(self, conf))
+        return kept[-1]
+
+    monkeypatch.setattr(ConfidenceCut, "choose", choose)
+    dec = SpecDecoder(target, d, block_size=4, draft_sampling="sample", confidence_cut=0.5)
+    z = _chi2_z(_samples(dec, prompt, N_SAMPLES, 1.0), law)
+    assert kept and min(kept) < 3 and max(kept) > min(kept), f"the cut never changed a block's length: {set(kept)}"
+    assert abs(z) < 4.0, f"chi-square z = {z:.2f} (|z| < 4 expected for the target's law)"
+
+
 def test_the_sampled_law_is_the_drawn_rows():
     """The law propose returns at T > 0 is, row by row, the law of the draw after the previous draw."""
     from dflashkit.decode.sampling import sample, sampling_probs

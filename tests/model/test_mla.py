@@ -341,6 +341,42 @@ def test_import_refuses_an_mla_drafter_into_a_gqa_run_naming_both(tmp_path, tiny
     assert "attention_type: 'mla' in" in err and "'gqa' in" in err and str(rd / "contract.json") in err
 
 
+def _k3_block5(tmp_path: Path, target) -> Path:
+    """Inferact's K3 DSpark Block5 shape scaled down (3 full-causal MLA layers, block 5) in the speculators format."""
+    from dflashkit.export.speculators import write_speculators
+
+    src = random_drafter(target, block_size=5, layers=3, seed=4, drafter_type="dspark", dspark_markov_rank=6,
+                         causal=True, **MLA)
+    out = tmp_path / "k3-block5"
+    write_speculators(src, out, verifier="moonshotai/Kimi-K3-scaled", verifier_architectures=["X"], dtype="float32",
+                      embed=target.model.get_input_embeddings().weight.detach(), head=target.lm_head.weight.detach())
+    return out
+
+
+@pytest.mark.parametrize("kind", ["k3.1-dflash2", "k3-block5-dspark"])
+@pytest.mark.parametrize(("field", "value"), [("target_layer_ids", [0]), ("hidden_size", 48), ("num_draft_layers", 1),
+                                              ("vocab_size", 384), ("mla_kv_lora_rank", 32),
+                                              ("mla_qk_rope_head_dim", 8)])
+def test_dflashkit_train_from_an_mla_release_into_a_run_it_does_not_fit_exits_2_naming_both(
+        tmp_path, tiny_qwen3, target, capsys, kind, field, value):
+    """`dflashkit train drafter.init=<an MLA release>` (the K3.1-style DFlash2 in the z-lab format, the K3
+    Block5-style DSpark in the speculators format) where the run differs in taps, hidden size, layer count, target
+    vocab or an MLA rank: exit 2 before any step, stderr naming the field with both values, nothing trained."""
+    from dflashkit.train.warm_start import read_warm_start
+
+    released = _k3_style(tmp_path, target) if kind == "k3.1-dflash2" else _k3_block5(tmp_path, target)
+    src = read_warm_start(released)
+    run = with_fields(src.contract, **{field: value})
+    rd = make_run(tmp_path / "run", tiny_qwen3, contract=run)
+    argv = ["train", *overrides(rd, tiny_qwen3, train__max_steps=1), f"drafter.init={released}",
+            f"drafter.type={src.contract.drafter_type}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "does not fit this run's drafter contract" in err and field in err, err[-2000:]
+    assert str(getattr(src.contract, field, None) or getattr(src.contract.knobs, field)) in err and str(value) in err
+    assert "Traceback" not in err and not (rd / "train" / "final").exists()
+
+
 def read_contract(d: Path):
     from dflashkit.train.warm_start import read_warm_start
 
