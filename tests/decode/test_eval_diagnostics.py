@@ -380,5 +380,9 @@ def test_paired_speed_matches_a_loop_oracle_and_tells_noise_from_a_difference():
     # a noisy 1.0 (each prompt ±20% either way) is not told apart
     noisy = _results([(r.decode_s * (1.2 if i % 2 else 1 / 1.2), len(r.token_ids)) for i, r in enumerate(a)])
     assert paired_speed(noisy, a)["clear"] is None
+    # one prompt, however much faster: its interval has no width, nothing is told apart
+    one = paired_speed(fast[:1], a[:1])
+    assert one["ratio"] == pytest.approx(2.0) and one["interval90"][0] == one["interval90"][1] and one["clear"] is None
+    assert paired_speed(fast[:2], a[:2])["clear"] == "a"
     with pytest.raises(ValueError, match="same prompts"):
         paired_speed(a, a[:3])

@@ -135,8 +135,9 @@ def paired_speed(a: list[GenerationResult], b: list[GenerationResult], *, reps: 
     Returns `ratio` (B's decode seconds per token / A's, summed over the prompts as `compare` sums them),
     `interval90` (5th and 95th percentiles of that ratio over `reps` resamplings of the prompts with
     replacement, the same indices for both decoders), `faster_prompts` (prompts on which A's time per
-    token was lower) and `prompts`; `clear` is "a" or "b" when the whole interval lies on one side of 1,
-    else None (not told apart)."""
+    token was lower) and `prompts`; `clear` is "a" or "b" when the whole interval lies on one side of 1 over
+    two prompts or more, else None (not told apart: one prompt resamples to itself, so its interval has no width
+    and says nothing of the next prompt)."""
     import numpy as np
 
     if len(a) != len(b):
@@ -162,7 +163,7 @@ def paired_speed(a: list[GenerationResult], b: list[GenerationResult], *, reps: 
     per_b = np.where(nb > 0, tb / np.maximum(nb, 1), np.inf)
     return {"ratio": round(point, 4), "interval90": [round(lo, 4), round(hi, 4)],
             "faster_prompts": int((per_a < per_b).sum()), "prompts": n,
-            "clear": "a" if lo > 1 else "b" if hi < 1 else None}
+            "clear": None if n < 2 else "a" if lo > 1 else "b" if hi < 1 else None}
 
 
 def paired_phrase(p: dict) -> str:

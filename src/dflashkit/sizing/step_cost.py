@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from dflashkit.target.kv_cache import decode_cache
-from dflashkit.sizing.roofline import memory_bandwidth, weight_bytes
-from dflashkit.timing import fastest_each
 from dflashkit.decode.metrics import timing_flags
 from dflashkit.decode.rollback import arm, rollback
+from dflashkit.sizing.roofline import memory_bandwidth, weight_bytes
+from dflashkit.target.kv_cache import decode_cache
 from dflashkit.target.load import Target, cache_kwarg
+from dflashkit.timing import fastest_each
 
 
 @torch.inference_mode()
