@@ -2,6 +2,7 @@
 for the adaptive draft length, calibration, the step costs and benchmarks).
 
 Usage:
+    s = seconds(fn, device)                                   # one call, synchronised
     t = fastest(fn, device, reps=5)                           # the fastest of 5 calls after a warm-up
     ts = fastest_each({1: step1, 4: step4}, device, reps=5)   # several sizes timed interleaved: {1: …, 4: …}
     m = median_time(fn, device, iters=5)                      # the median of 5 calls (the caller warms up)
@@ -25,18 +26,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one call of `fn`, synchronised on CUDA before and after."""
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
 def fastest(fn: Callable[[], object], device: torch.device, reps: int, *, warmup: int = 1,
             after: Callable[[], object] | None = None) -> float:
     """Seconds of the fastest of `reps` calls of `fn` after `warmup` untimed ones, synchronised on CUDA; `after`
     (untimed) runs after every call (e.g. a cache rollback)."""
     best = float("inf")
     for i in range(warmup + reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
+        dt = seconds(fn, device)
         if i >= warmup:
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, dt)
         if after is not None:
             after()
     return best
@@ -77,11 +84,4 @@ def fastest_each(fns: Mapping[K, Callable[[], object]], device: torch.device, re
 
 def median_time(fn: Callable[[], object], device: torch.device, iters: int) -> float:
     """Seconds of the median of `iters` calls of `fn` (no warm-up: the caller warms up), synchronised on CUDA."""
-    out = []
-    for _ in range(iters):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+    return statistics.median(seconds(fn, device) for _ in range(iters))

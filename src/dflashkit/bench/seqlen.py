@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import resource
-import statistics
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,6 +32,7 @@ from dflashkit.inspect.contract import run_contract
 from dflashkit.train.loss import CE, Decay, DraftLoss, Heads, LossInputs
 from dflashkit.train.objective import gamma_for, sample_anchors
 from dflashkit.train.optim import build_optimizer
+from dflashkit.timing import median_time, seconds
 
 if TYPE_CHECKING:
     from dflashkit.config import RunConfig
@@ -84,22 +83,16 @@ def _measure(cfg: RunConfig, contract: DrafterContract, s: int, iters: int, out:
         feats = torch.randn(1, s, len(contract.target_layer_ids) * contract.hidden_size, device=dev)
         x = LossInputs(feats, ids, lm, lens)
 
-        def step() -> float:
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
+        def step() -> None:
             loss(drafter, heads, x, a).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            return time.perf_counter() - t0
 
         setup_mb = _maxrss_mb()
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        step()  # warm-up
-        t = statistics.median(step() for _ in range(iters))
+        seconds(step, dev)  # warm-up
+        t = median_time(step, dev, iters)
         peak_mb = _maxrss_mb()
         n = int(a.keep.sum())
         row = {"seq_len": s, "documents": len(docs[0]), "anchors": n, "queries": n * B, "step_s": round(t, 4),
