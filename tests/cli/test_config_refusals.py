@@ -309,3 +309,12 @@ def test_every_declared_range_is_refused_naming_the_key():
             assert needle in str(e.value), (key, value, str(e.value))
     with pytest.raises(ConfigError, match=r"data\.sources\[1\]\.weight: must be > 0, got 0"):
         config_from_dict({"data": {"sources": [{"path": "a", "weight": 1}, {"path": "b", "weight": 0}]}})
+
+
+def test_a_family_weight_that_is_not_finite_is_named_by_the_key_users_write():
+    """A family's `train.*` weight lives in `cfg.train.weights`, but the refusal names the flat key of the YAML and
+    the command line, as its range refusal does."""
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({}, ["drafter.type=dspark", "train.dspark_markov_loss_weight=.nan"])
+    assert "train.dspark_markov_loss_weight: must be a finite number, got nan" in str(e.value), str(e.value)
+    assert "train.weights." not in str(e.value)

@@ -17,10 +17,10 @@ family key is named here: `drafter.type` and a family's knobs are the family's t
 
 from __future__ import annotations
 
+import dataclasses
 import re
-
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from dflashkit.config.schema import RunConfig, url_fields
 from dflashkit.family.contract import layer_type_problems
@@ -152,20 +152,32 @@ def _tokenize_target_data_problems(cfg: RunConfig) -> list[str]:
     return p
 
 
-def _values(cfg: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    """(dotted key, value) of every leaf of a config, list items as `key[i]` (sections and lists walked)."""
-    import dataclasses
-
-    out: list[tuple[str, Any]] = []
-    for fl in dataclasses.fields(cfg):
-        key, value = f"{prefix}{fl.name}", getattr(cfg, fl.name)
+def _sections(section: Any, prefix: str = "", flat: str | None = None) -> Iterator[tuple[Any, str, str | None]]:
+    """(section, its key prefix, the family settings part it holds or None) of `section` and of every section
+    under it: nested sections, the sections of a list (`data.sources[i].`), and a family's knobs / weights under
+    their section's own prefix (their fields are the flat `drafter.*` / `train.*` keys users write)."""
+    yield section, prefix, flat
+    for fl in dataclasses.fields(section):
+        value = getattr(section, fl.name)
         if dataclasses.is_dataclass(value):
-            out += _values(value, key + ".")
+            part = fl.metadata.get("flat")
+            yield from _sections(value, prefix if part else f"{prefix}{fl.name}.", part)
         elif isinstance(value, list):
             for i, v in enumerate(value):
-                out += _values(v, f"{key}[{i}].") if dataclasses.is_dataclass(v) else [(f"{key}[{i}]", v)]
-        else:
-            out.append((key, value))
+                if dataclasses.is_dataclass(v):
+                    yield from _sections(v, f"{prefix}{fl.name}[{i}].")
+
+
+def _values(cfg: Any) -> list[tuple[str, Any]]:
+    """(dotted key, value) of every leaf of a config, list items as `key[i]` (`_sections` walked)."""
+    out: list[tuple[str, Any]] = []
+    for section, prefix, _ in _sections(cfg):
+        for fl in dataclasses.fields(section):
+            key, value = f"{prefix}{fl.name}", getattr(section, fl.name)
+            if isinstance(value, list):
+                out += [(f"{key}[{i}]", v) for i, v in enumerate(value) if not dataclasses.is_dataclass(v)]
+            elif not dataclasses.is_dataclass(value):
+                out.append((key, value))
     return out
 
 
@@ -213,24 +225,12 @@ def _range_problems(cfg: RunConfig) -> list[str]:
     return declared_range_problems(cfg)
 
 
-def declared_range_problems(section: Any, prefix: str = "") -> list[str]:
-    """Every field outside the range the schema declares for it (`schema.f`'s `ge`/`gt`/`le`/`lt`), sections,
-    lists of sections (`data.sources[i].`) and the family's `train.*` weights walked; the family's `drafter.*`
-    knobs are its own to check (`family.config_problems`)."""
-    import dataclasses
-
-    p = range_problems(section, prefix=prefix)
-    for fl in dataclasses.fields(section):
-        value = getattr(section, fl.name)
-        if fl.metadata.get("flat") == "knobs":
-            continue
-        if dataclasses.is_dataclass(value):
-            p += declared_range_problems(value, prefix if fl.metadata.get("flat") else f"{prefix}{fl.name}.")
-        elif isinstance(value, list):
-            for i, v in enumerate(value):
-                if dataclasses.is_dataclass(v):
-                    p += declared_range_problems(v, f"{prefix}{fl.name}[{i}].")
-    return p
+def declared_range_problems(cfg: Any) -> list[str]:
+    """Every field outside the range the schema declares for it (`schema.f`'s `ge`/`gt`/`le`/`lt`), in every
+    section `_sections` walks, the family's `train.*` weights included; the family's `drafter.*` knobs are its own
+    to check (`family.config_problems`)."""
+    return [problem for section, prefix, part in _sections(cfg) if part != "knobs"
+            for problem in range_problems(section, prefix=prefix)]
 
 
 def _stage_option_problems(cfg: RunConfig) -> list[str]:
