@@ -24,7 +24,7 @@ from dflashkit.export.speculators import load_any_drafter
 from dflashkit.family import new_drafter
 from dflashkit.family.contract import DrafterContract
 from dflashkit.model.draft_vocab import t2d_mask, to_offsets
-from dflashkit.train.warm_start import check_draft_vocab_fits, check_fits, read_warm_start, warm_start
+from dflashkit.train.warm_start import WarmSource, check_draft_vocab_fits, check_fits, read_warm_start, warm_start
 from tests.helpers import train_loss, with_fields
 
 H, LAYERS, BLOCK, V, R = 32, 3, 8, 320, 6   # V: the tiny targets' vocab (target/tiny.py)
@@ -229,20 +229,29 @@ def test_a_run_with_another_draft_vocab_is_refused_naming_both(tmp_path, size):
     check_draft_vocab_fits(full, src.contract, None)
 
 
-def test_drafter_init_with_another_draft_vocab_exits_2_before_training(tmp_path, capsys):
-    """`dflashkit train drafter.init=<the release>` over the full vocab: exit 2 naming both, nothing trained."""
+def _train_from_release(tmp_path: Path, *extra: str, **run_changes) -> tuple[int, Path, WarmSource]:
+    """`dflashkit train drafter.init=<the K2.6-style release> drafter.type=dspark` (+ `extra`) into a run whose
+    contract is the release's with `run_changes` → (exit code, the run dir, the release). The run dir holds only
+    the contract: it is all the warm-start checks read (they run before the tokenized data is opened)."""
     from dflashkit.cli import main
     from dflashkit.target.tiny import make_tiny_target
     from tests.helpers import overrides
 
     target = make_tiny_target(tmp_path / "target", "qwen3", num_layers=58, hidden=H)
     src = read_warm_start(_k26(tmp_path))
-    rd = tmp_path / "run"  # the contract is all the check reads (it runs before the tokenized data is opened)
+    rd = tmp_path / "run"
     rd.mkdir()
-    (rd / "contract.json").write_text(json.dumps(with_fields(src.contract, num_target_layers=58).to_dict()))
+    run = with_fields(src.contract, num_target_layers=58, **run_changes)
+    (rd / "contract.json").write_text(json.dumps(run.to_dict()))
     argv = ["train", *overrides(rd, target, train__max_steps=1), f"drafter.init={tmp_path / 'k26'}",
-            "drafter.type=dspark"]
-    assert main(argv) == 2
+            "drafter.type=dspark", *extra]
+    return main(argv), rd, src
+
+
+def test_drafter_init_with_another_draft_vocab_exits_2_before_training(tmp_path, capsys):
+    """`dflashkit train drafter.init=<the release>` over the full vocab: exit 2 naming both, nothing trained."""
+    rc, rd, _ = _train_from_release(tmp_path)
+    assert rc == 2
     err = capsys.readouterr().err
     assert "draft vocabulary (24 tokens)" in err and "the full vocab" in err and "markov_w2" in err, err[-2000:]
     assert not (rd / "train" / "final").exists()
@@ -278,19 +287,8 @@ def test_dflashkit_train_from_it_into_a_run_it_does_not_fit_exits_2_naming_both(
     """`dflashkit train drafter.init=<the release>` where the run's contract differs in taps, hidden size, layer
     count or target vocab: exit 2 before any step, stderr naming the field with the release's value and the run's,
     nothing trained."""
-    from dflashkit.cli import main
-    from dflashkit.target.tiny import make_tiny_target
-    from tests.helpers import overrides
-
-    target = make_tiny_target(tmp_path / "target", "qwen3", num_layers=58, hidden=H)
-    src = read_warm_start(_k26(tmp_path))
-    rd = tmp_path / "run"
-    rd.mkdir()
-    run = with_fields(src.contract, num_target_layers=58, **{field: value})
-    (rd / "contract.json").write_text(json.dumps(run.to_dict()))
-    argv = ["train", *overrides(rd, target, train__max_steps=1), f"drafter.init={tmp_path / 'k26'}",
-            "drafter.type=dspark", "drafter.draft_vocab_size=24"]
-    assert main(argv) == 2
+    rc, rd, src = _train_from_release(tmp_path, "drafter.draft_vocab_size=24", **{field: value})
+    assert rc == 2
     err = capsys.readouterr().err
     assert "does not fit this run's drafter contract" in err and field in err, err[-2000:]
     assert str(getattr(src.contract, field)) in err and str(value) in err, err[-2000:]

@@ -293,20 +293,28 @@ def test_a_k3_style_mla_dflash2_imports_warm_starts_and_fine_tunes(tmp_path, tin
     check_fits(src, with_fields(src.contract, head_dim=64, num_key_value_heads=1))  # unused by MLA layers
 
 
+def _k3_block5(tmp_path: Path, target) -> tuple[DFlashDraftModel, Path]:
+    """Inferact's K3 DSpark Block5 shape scaled down (3 full-causal MLA layers, block 5, the Markov and confidence
+    heads) in the speculators format: (the random drafter written, its dir)."""
+    from dflashkit.export.speculators import write_speculators
+
+    src = random_drafter(target, block_size=5, layers=3, seed=4, drafter_type="dspark", dspark_markov_rank=6,
+                         causal=True, **MLA)
+    out = tmp_path / "k3-block5"
+    write_speculators(src, out, verifier="moonshotai/Kimi-K3-scaled", verifier_architectures=["X"], dtype="float32",
+                      embed=target.model.get_input_embeddings().weight.detach(), head=target.lm_head.weight.detach())
+    return src, out
+
+
 def test_a_k3_block5_style_mla_dspark_imports_warm_starts_and_fine_tunes(tmp_path, tiny_qwen3, target):
     """Inferact's Kimi-K3 DSpark Block5 shape scaled down: 3 full-causal MLA layers, block 5, the Markov and
     confidence heads, shipped in vLLM's speculators format. `import` adopts it (MLA ranks, causality, heads);
     `drafter.init` warm-starts to the same logits and `dflashkit train` fine-tunes from it; a GQA run is refused
     naming both attentions."""
-    from dflashkit.export.speculators import write_speculators
     from dflashkit.train.warm_start import check_fits, read_warm_start, warm_start
 
-    src = random_drafter(target, block_size=5, layers=3, seed=4, drafter_type="dspark", dspark_markov_rank=6,
-                         causal=True, **MLA)
-    released = tmp_path / "k3-block5"
+    src, released = _k3_block5(tmp_path, target)
     head = target.lm_head.weight.detach()
-    write_speculators(src, released, verifier="moonshotai/Kimi-K3-scaled", verifier_architectures=["X"],
-                      dtype="float32", embed=target.model.get_input_embeddings().weight.detach(), head=head)
     rd = tmp_path / "imp"
     assert main(["import", str(released), f"target.path={tiny_qwen3}", "--run-dir", str(rd), "--json"]) == 0
     contract = json.loads((rd / "contract.json").read_text())
@@ -341,16 +349,6 @@ def test_import_refuses_an_mla_drafter_into_a_gqa_run_naming_both(tmp_path, tiny
     assert "attention_type: 'mla' in" in err and "'gqa' in" in err and str(rd / "contract.json") in err
 
 
-def _k3_block5(tmp_path: Path, target) -> Path:
-    """Inferact's K3 DSpark Block5 shape scaled down (3 full-causal MLA layers, block 5) in the speculators format."""
-    from dflashkit.export.speculators import write_speculators
-
-    src = random_drafter(target, block_size=5, layers=3, seed=4, drafter_type="dspark", dspark_markov_rank=6,
-                         causal=True, **MLA)
-    out = tmp_path / "k3-block5"
-    write_speculators(src, out, verifier="moonshotai/Kimi-K3-scaled", verifier_architectures=["X"], dtype="float32",
-                      embed=target.model.get_input_embeddings().weight.detach(), head=target.lm_head.weight.detach())
-    return out
 
 
 @pytest.mark.parametrize("kind", ["k3.1-dflash2", "k3-block5-dspark"])
@@ -364,7 +362,7 @@ def test_dflashkit_train_from_an_mla_release_into_a_run_it_does_not_fit_exits_2_
     vocab or an MLA rank: exit 2 before any step, stderr naming the field with both values, nothing trained."""
     from dflashkit.train.warm_start import read_warm_start
 
-    released = _k3_style(tmp_path, target) if kind == "k3.1-dflash2" else _k3_block5(tmp_path, target)
+    released = _k3_style(tmp_path, target) if kind == "k3.1-dflash2" else _k3_block5(tmp_path, target)[1]
     src = read_warm_start(released)
     run = with_fields(src.contract, **{field: value})
     rd = make_run(tmp_path / "run", tiny_qwen3, contract=run)
